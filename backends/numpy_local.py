@@ -1,0 +1,135 @@
+"""NumPy devices in one process: every local device is a set of NumPy buffers.
+
+Collectives are done in memory across the local devices of each team.  Streams and events
+are trivial here (steps run in issue order, which is a valid schedule of any plan), but the
+plan and the executor are the same ones the GPU backend runs.
+"""
+from __future__ import annotations
+
+import os
+
+import numpy as np
+
+from shardfuse.trace import np_dtype
+
+POISON = os.environ.get("SHARDFUSE_POISON") == "1"  # fill new buffers with NaN (tests)
+
+
+class NumpyLocalBackend:
+    name = "numpy"
+
+    def __init__(self, mesh):
+        self.mesh = mesh
+        self.local_devices = mesh.local_devices
+        self.local_index = {d: j for j, d in enumerate(self.local_devices)}
+
+    # ---- buffers ----------------------------------------------------------------------
+    def empty(self, shape, dtype):
+        dt = np_dtype(dtype)
+        if POISON:
+            return [np.full(shape, np.nan, dt) for _ in self.local_devices]
+        return [np.empty(shape, dt) for _ in self.local_devices]
+
+    def host(self, x):
+        return np.asarray(x)
+
+    def to_device(self, pieces):
+        return [np.array(p, copy=True) for p in pieces]
+
+    def to_host(self, bufs):
+        return [np.array(b, copy=True) for b in bufs]
+
+    def ascontiguous(self, x):
+        return np.ascontiguousarray(x)
+
+    def view(self, bufs, ref, j):
+        base = bufs[ref.slot][j]
+        flat = base.reshape(-1)
+        item = flat.itemsize
+        return np.lib.stride_tricks.as_strided(flat[ref.offsets[j]:], ref.shape, [s * item for s in ref.strides])
+
+    def _views(self, bufs, ref):
+        return [self.view(bufs, ref, j) for j in range(len(self.local_devices))]
+
+    # ---- compute ----------------------------------------------------------------------
+    def bind_matmul(self, a, b, out, stream):
+        def step(bufs):
+            for x, y, o in zip(self._views(bufs, a), self._views(bufs, b), self._views(bufs, out)):
+                np.matmul(x, y, out=o)
+        return step
+
+    def bind_elementwise(self, op, a, b, out, stream):
+        fn = {"add": np.add, "mul": np.multiply}[op]
+
+        def step(bufs):
+            for x, y, o in zip(self._views(bufs, a), self._views(bufs, b), self._views(bufs, out)):
+                fn(x, y, out=o)
+        return step
+
+    def bind_sum(self, a, axis, out, stream):
+        def step(bufs):
+            for x, o in zip(self._views(bufs, a), self._views(bufs, out)):
+                np.sum(x, axis=axis, out=o)
+        return step
+
+    def bind_copy(self, src, dst, stream):
+        def step(bufs):
+            for x, o in zip(self._views(bufs, src), self._views(bufs, dst)):
+                o[...] = x
+        return step
+
+    # ---- streams: steps run in issue order, so ordering needs no work --------------------
+    def new_event(self):
+        return None
+
+    def bind_record(self, event, stream):
+        return None
+
+    def bind_wait_event(self, event, stream):
+        return None
+
+    def bind_join(self, waiter, waitee):
+        return None
+
+    def synchronize(self):
+        pass
+
+    def capture(self, exe):
+        raise NotImplementedError("graph mode needs the cupy backend")
+
+    # ---- collectives: (start, wait); in memory, across the local devices of each team ------
+    def _local_teams(self, team):
+        return [[self.local_index[d] for d in t] for t in self.mesh.teams(team)]
+
+    def bind_allgather(self, send, recv, team, stream):
+        teams = self._local_teams(team)
+
+        def start(bufs):
+            s, r = self._views(bufs, send), self._views(bufs, recv)
+            for t in teams:
+                for j in t:
+                    for rank, q in enumerate(t):
+                        r[j][rank] = s[q]
+        return start, None
+
+    def bind_allreduce(self, send, recv, team, stream):
+        teams = self._local_teams(team)
+
+        def start(bufs):
+            s, r = self._views(bufs, send), self._views(bufs, recv)
+            for t in teams:
+                total = sum(s[q].astype(np.float64) for q in t)
+                for j in t:
+                    r[j][...] = total
+        return start, None
+
+    def bind_reduce_scatter(self, send, recv, team, stream):
+        teams = self._local_teams(team)
+
+        def start(bufs):
+            s, r = self._views(bufs, send), self._views(bufs, recv)  # send: [D, *recv]
+            for t in teams:
+                total = sum(s[q].astype(np.float64) for q in t)
+                for rank, j in enumerate(t):
+                    r[j][...] = total[rank]
+        return start, None

@@ -1,0 +1,17 @@
+"""shardfuse: sharding annotations compiled into stream-scheduled host programs.
+
+    import shardfuse as sf
+    mesh = sf.DeviceMesh(4)
+    @sf.jit(mesh=mesh, streams=4)
+    def ag_matmul(a, b):
+        a = sf.shard(a, axis=1, over="DIDx")
+        return sf.stream(a @ b, axis=0)
+    print(ag_matmul.lower(sf.TensorSpec((8, 4, 16, 32)), sf.TensorSpec((32, 24))))
+"""
+from shardfuse.array import Array, from_local
+from shardfuse.jit import Plan, jit
+from shardfuse.layout import Layout
+from shardfuse.mesh import DeviceMesh
+from shardfuse.trace import TensorSpec, replicate, shard, stream
+
+__all__ = ["Array", "DeviceMesh", "Layout", "Plan", "TensorSpec", "from_local", "jit", "replicate", "shard", "stream"]

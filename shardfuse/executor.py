@@ -1,0 +1,283 @@
+"""The one executor: binds a plan to a backend once, then runs it as a flat list of steps.
+
+Binding resolves everything that does not change between calls: loops are unrolled, every
+view (chunk slice, pool slot, shard slice, reshape) becomes a `Ref` (slot, per-device element
+offsets, shape, strides), the stream of every step is fixed, persistent buffers and events
+are created.  A call then only places its inputs, allocates its outputs and runs the steps.
+Backends see Refs and streams, never the IR.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+import numpy as np
+
+from shardfuse.array import Array, local_pieces
+from shardfuse.layout import Layout
+
+MAIN = "main"  # the stream the caller issues on
+
+
+@dataclass(frozen=True)
+class Ref:
+    """A strided view of a slot's buffer on each local device, in elements."""
+
+    slot: int
+    offsets: tuple  # one per local device
+    shape: tuple
+    strides: tuple
+    dtype: str
+
+    @property
+    def size(self):
+        return int(np.prod(self.shape))
+
+    def is_contiguous(self) -> bool:
+        """C-contiguous, ignoring axes of extent 1 (their strides never matter)."""
+        expect = 1
+        for n, s in reversed(list(zip(self.shape, self.strides))):
+            if n != 1 and s != expect:
+                return False
+            expect *= n
+        return True
+
+
+def contiguous_strides(shape):
+    out, acc = [], 1
+    for n in reversed(shape):
+        out.append(acc)
+        acc *= n
+    return tuple(reversed(out))
+
+
+def reshape_strides(shape, strides, new_shape):
+    """Strides of a no-copy reshape, or None when the view would need a copy."""
+    dims = [(n, s) for n, s in zip(shape, strides) if n != 1]
+    out, k = [], 0
+    for n in new_shape:
+        if n == 1:
+            out.append(0)
+            continue
+        if k >= len(dims):
+            return None
+        # take old dims until their product reaches n; they must be nested contiguously
+        prod, group = 1, []
+        while prod < n and k < len(dims):
+            group.append(dims[k])
+            prod *= dims[k][0]
+            k += 1
+        if prod == n:
+            for (a, sa), (b, sb) in zip(group, group[1:]):
+                if sa != b * sb:
+                    return None
+            out.append(group[-1][1])
+        else:  # split one old dim into several new ones
+            if len(group) != 1 or prod % n:
+                return None
+            (m, s) = group[0]
+            rest = m // n
+            out.append(s * rest)
+            dims.insert(k, (rest, s))
+    return tuple(out) if k == len(dims) else None
+
+
+def rank_major(ref: Ref, axis: int, d: int) -> Ref:
+    """The view [D, ...] of a gathered / to-be-scattered axis: rank r's block first."""
+    n, s = ref.shape[axis], ref.strides[axis]
+    lk = n // d
+    shape = (d,) + ref.shape[:axis] + (lk,) + ref.shape[axis + 1:]
+    strides = (lk * s,) + ref.strides[:axis] + (s,) + ref.strides[axis + 1:]
+    return replace(ref, shape=shape, strides=strides)
+
+
+class Executable:
+    def __init__(self, prog, backend, graph: bool = False):
+        self.prog, self.backend, self.mesh = prog, backend, prog.mesh
+        self.ndev = len(backend.local_devices)
+        self.refs: dict = {}
+        self.slot_templates: list = []  # per slot: None (input / per call) or persistent buffers
+        self.per_call: list = []  # (slot, shape, dtype)
+        self.steps: list = []
+        self.pending: dict = {}  # comm handle -> wait step(s)
+        self._physical_order = self._gather_destinations(prog)
+        for v in prog.inputs:
+            lay = v.type.layout
+            shape = lay.local_shape(v.type.shape, self.mesh)
+            self.refs[v] = self._new_slot(shape, v.type.dtype, None)
+        self._bind(prog.instrs, {}, MAIN)
+        self.steps = [s for s in self.steps if s is not None]
+        self.graph = backend.capture(self) if graph else None
+
+    # ---- slots ------------------------------------------------------------------------
+    def _new_slot(self, shape, dtype, buffers, order=None) -> Ref:
+        slot = len(self.slot_templates)
+        self.slot_templates.append(buffers)
+        order = order or tuple(range(len(shape)))
+        phys = contiguous_strides(tuple(shape[o] for o in order))
+        strides = [0] * len(shape)
+        for j, o in enumerate(order):
+            strides[o] = phys[j]
+        return Ref(slot, (0,) * self.ndev, tuple(shape), tuple(strides), dtype)
+
+    def _allocate(self, shape, dtype, per_call: bool, order=None) -> Ref:
+        phys_shape = tuple(shape[o] for o in order) if order else tuple(shape)
+        if per_call:
+            ref = self._new_slot(shape, dtype, None, order)
+            self.per_call.append((ref.slot, phys_shape, dtype))
+            return ref
+        return self._new_slot(shape, dtype, self.backend.empty(phys_shape, dtype), order)
+
+    def _scratch(self, shape, dtype) -> Ref:
+        return self._allocate(shape, dtype, per_call=False)
+
+    @staticmethod
+    def _gather_destinations(prog):
+        """Buffers that an Allgather fills along an inner axis whose local extent is 1 are stored
+        rank-major (that axis first), so NCCL writes them in place with no copy."""
+        order = {}
+        from shardfuse.ir import walk
+
+        for i in walk(prog.instrs):
+            if i.op == "allgather" and i.attrs["axis"] > 0:
+                k = i.attrs["axis"]
+                lay = i.ins[0].type.layout
+                if lay.local_shape(i.ins[0].type.shape, prog.mesh)[k] == 1:
+                    nd = i.into.type.ndim
+                    order[i.into] = (k,) + tuple(j for j in range(nd) if j != k)
+        return order
+
+    def _local_shape(self, v):
+        return v.type.layout.local_shape(v.type.shape, self.mesh)
+
+    # ---- binding ----------------------------------------------------------------------
+    def _bind(self, instrs, env, stream):
+        be = self.backend
+        for i in instrs:
+            op, a = i.op, i.attrs
+            if op == "for":
+                for it in range(a["extent"]):
+                    stream = self._bind(i.body, {**env, a["var"]: it}, stream)
+            elif op == "allocate":
+                v = i.outs[0]
+                shape = self._local_shape(v)
+                if a.get("pool"):
+                    ref = self._allocate((a["pool"],) + shape, v.type.dtype, False)
+                else:
+                    ref = self._allocate(shape, v.type.dtype, a.get("per_call", False), self._physical_order.get(v))
+                self.refs[v] = ref
+            elif op in ("slice", "select", "view", "shard_slice"):
+                self.refs[i.outs[0]] = self._view(i, env)
+            elif op == "get_stream":
+                pass
+            elif op == "set_stream":
+                stream = MAIN if a["stream"] == MAIN else a["index"].eval(env)
+            elif op == "record_event":
+                self.refs[i.outs[0]] = be.new_event()
+                self.steps.append(be.bind_record(self.refs[i.outs[0]], stream))
+            elif op == "wait_event":
+                self.steps.append(be.bind_wait_event(self.refs[i.ins[0]], stream))
+            elif op == "synchronize":
+                self.steps.append(be.bind_join(stream, a["index"].eval(env)))
+            elif op in ("allgather", "allreduce", "reduce_scatter"):
+                self._bind_collective(i, stream)
+            elif op == "wait":
+                self.steps.extend(self.pending.pop(i.ins[0]))
+            elif op == "matmul":
+                x, y = (self.refs[v] for v in i.ins)
+                self.steps.append(be.bind_matmul(x, y, self.refs[i.into], stream))
+            elif op in ("add", "mul"):
+                x, y = (self.refs[v] for v in i.ins)
+                self.steps.append(be.bind_elementwise(op, x, y, self.refs[i.into], stream))
+            elif op == "sum":
+                self.steps.append(be.bind_sum(self.refs[i.ins[0]], a["axis"], self.refs[i.into], stream))
+            elif op == "copy":
+                self.steps.append(be.bind_copy(self.refs[i.ins[0]], self.refs[i.into], stream))
+            else:
+                raise NotImplementedError(f"executor: no binding for {op!r}")
+        return stream
+
+    def _view(self, i, env) -> Ref:
+        op, a = i.op, i.attrs
+        src = self.refs[i.ins[0]]
+        if op == "select":
+            k = a["index"].eval(env)
+            return Ref(src.slot, tuple(o + k * src.strides[0] for o in src.offsets), src.shape[1:],
+                       src.strides[1:], src.dtype)
+        out_shape = self._local_shape(i.outs[0])
+        if op == "slice":
+            ax = a["axis"]
+            step = a["index"].eval(env) * out_shape[ax] * src.strides[ax]
+            return replace(src, offsets=tuple(o + step for o in src.offsets), shape=out_shape)
+        if op == "shard_slice":
+            ax, m = a["axis"], a["team"]
+            mi = self.mesh.axis_index(m)
+            offs = tuple(o + self.mesh.coords(d)[mi] * out_shape[ax] * src.strides[ax]
+                         for o, d in zip(src.offsets, self.backend.local_devices))
+            return replace(src, offsets=offs, shape=out_shape)
+        strides = reshape_strides(src.shape, src.strides, out_shape)
+        if strides is None:
+            raise NotImplementedError(f"View {i.outs[0].name}: {src.shape} -> {out_shape} needs a copy")
+        return replace(src, shape=out_shape, strides=strides)
+
+    def _contiguous(self, ref: Ref, stream, before: bool):
+        """ref itself if contiguous, else (scratch, copy step) to stage it."""
+        if ref.is_contiguous():
+            return ref, None
+        tmp = self._scratch(ref.shape, ref.dtype)
+        step = self.backend.bind_copy(ref, tmp, stream) if before else self.backend.bind_copy(tmp, ref, stream)
+        return tmp, step
+
+    def _bind_collective(self, i, stream):
+        be, a = self.backend, i.attrs
+        team = a["team"]
+        d = self.mesh.axis_size(team)
+        send, recv = self.refs[i.ins[0]], self.refs[i.into]
+        pre, post = [], []
+        if i.op == "allgather":
+            recv = rank_major(recv, a["axis"], d)
+        if i.op == "reduce_scatter":
+            send = rank_major(send, a["axis"], d)
+        send, s1 = self._contiguous(send, stream, before=True)
+        recv, s2 = self._contiguous(recv, stream, before=False)
+        pre.append(s1)
+        post.append(s2)
+        start, wait = getattr(be, f"bind_{i.op}")(send, recv, team, stream)
+        self.steps.extend(pre + [start])
+        self.pending[i.outs[0]] = [wait] + post
+
+    # ---- running ----------------------------------------------------------------------
+    def _place_input(self, arg, v):
+        lay = v.type.layout
+        if isinstance(arg, Array):
+            if arg.sharding.placement() != lay.placement():
+                raise ValueError(f"{v.name}: plan expects layout {lay.placements(self.mesh)}, "
+                                 f"got {arg.sharding.placements(self.mesh)}")
+            return [self.backend.ascontiguous(s) for s in arg.shards]
+        if tuple(arg.shape) != v.type.shape:
+            raise ValueError(f"{v.name}: expected shape {v.type.shape}, got {tuple(arg.shape)}")
+        return self.backend.to_device(local_pieces(self.backend.host(arg), lay, self.mesh))
+
+    def __call__(self, *args):
+        prog = self.prog
+        if len(args) != len(prog.inputs):
+            raise TypeError(f"{prog.name} takes {len(prog.inputs)} arguments, got {len(args)}")
+        bufs = list(self.slot_templates)
+        for k, (arg, v) in enumerate(zip(args, prog.inputs)):
+            bufs[k] = self._place_input(arg, v)
+        for slot, shape, dtype in self.per_call:
+            bufs[slot] = self.backend.empty(shape, dtype)
+        if self.graph is not None:
+            self.graph(bufs)
+        else:
+            for step in self.steps:
+                step(bufs)
+        return self._outputs(bufs)
+
+    def _outputs(self, bufs):
+        outs = []
+        for v in self.prog.outputs:
+            ref = self.refs[v]
+            shards = [self.backend.view(bufs, ref, j) for j in range(self.ndev)]
+            lay = v.type.layout
+            outs.append(Array(self.mesh, v.type.shape, v.type.dtype, Layout(lay.placement().axes, lay.partial), shards))
+        return outs[0] if len(outs) == 1 else tuple(outs)

@@ -1,0 +1,206 @@
+"""The one IR, used from tracing to the final host program.
+
+Every stage is a `Program`: a list of `Instr` over `Value`s.  Traced programs hold
+array-level ops (set, matmul, add, mul, sum, view); the passes rewrite them step by step
+into host-level ops (Allocate, Slice, Allgather, Wait, For, SetCurrentStream, ...), and
+that last program is the plan the executor runs.  Values are immutable; passes build new
+instructions instead of editing old ones.
+"""
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass, field, replace
+
+from shardfuse.layout import Layout, format_type
+
+DTYPES = ("float16", "bfloat16", "float32", "float64")
+
+
+@dataclass(frozen=True)
+class TensorType:
+    shape: tuple
+    dtype: str
+    layout: Layout | None = None  # None: not known yet (filled in by propagation)
+
+    @property
+    def ndim(self):
+        return len(self.shape)
+
+    def with_layout(self, layout):
+        return replace(self, layout=layout)
+
+    def __str__(self):
+        return format_type(self.shape, self.dtype, self.layout)
+
+
+@dataclass(frozen=True, eq=False)
+class Value:
+    """A named value: a tensor (type is a TensorType) or a handle ('Comm')."""
+
+    name: str
+    type: object
+
+    def __repr__(self):
+        return self.name
+
+
+@dataclass(frozen=True)
+class Idx:
+    """A loop index expression: `i`, or `i % mod` (a slot in a per-stream pool)."""
+
+    var: str
+    mod: int | None = None
+
+    def eval(self, env: dict) -> int:
+        v = env[self.var]
+        return v % self.mod if self.mod else v
+
+    def __str__(self):
+        return f"{self.var} % {self.mod}" if self.mod else self.var
+
+
+@dataclass(frozen=True, eq=False)
+class Instr:
+    op: str
+    outs: tuple = ()
+    ins: tuple = ()
+    attrs: dict = field(default_factory=dict)
+    into: Value | None = None  # destination buffer of a host-level compute or collective
+    body: tuple = ()  # for `for`
+
+    def values(self):
+        return self.ins + ((self.into,) if self.into is not None else ())
+
+
+@dataclass(frozen=True)
+class Program:
+    name: str
+    mesh: object
+    inputs: tuple
+    outputs: tuple
+    instrs: tuple
+    streams: int = 4
+    history: tuple = ()  # the passes that produced this program, in order
+
+    def with_instrs(self, instrs, by: str, **changes) -> "Program":
+        return replace(self, instrs=tuple(instrs), history=self.history + (by,), **changes)
+
+    def walk(self):
+        """Every instruction, loop bodies included, in program order."""
+        yield from walk(self.instrs)
+
+    def __str__(self):
+        return format_program(self)
+
+
+def walk(instrs):
+    for ins in instrs:
+        yield ins
+        yield from walk(ins.body)
+
+
+class Namer:
+    """Fresh, readable value names: a, a_1, a_2 ..."""
+
+    def __init__(self, taken=()):
+        self.taken = set(taken)
+
+    def __call__(self, base: str) -> str:
+        name = base
+        for k in itertools.count(1):
+            if name not in self.taken:
+                break
+            name = f"{base}_{k}"
+        self.taken.add(name)
+        return name
+
+    @staticmethod
+    def for_program(prog: Program) -> "Namer":
+        names = {v.name for v in prog.inputs}
+        for ins in prog.walk():
+            names.update(v.name for v in ins.outs)
+        return Namer(names)
+
+
+def substitute(instrs, mapping: dict):
+    """Instructions with values replaced by mapping[value] (old -> new), recursively."""
+    def sub(v):
+        return mapping.get(v, v)
+
+    out = []
+    for ins in instrs:
+        out.append(replace(
+            ins,
+            outs=tuple(sub(v) for v in ins.outs),
+            ins=tuple(sub(v) for v in ins.ins),
+            into=sub(ins.into) if ins.into is not None else None,
+            body=tuple(substitute(ins.body, mapping)),
+        ))
+    return out
+
+
+# ---- printing: one instruction per line; a line that defines a value shows its type ----
+
+def _typed(v: Value) -> str:
+    return f"{v.name}: {v.type}"
+
+
+def _attrs(a: dict, skip=()) -> str:
+    return ", ".join(f"{k}={v}" for k, v in a.items() if k not in skip)
+
+
+def _fmt(ins: Instr) -> str:
+    a, op = ins.attrs, ins.op
+    ins_s = ", ".join(v.name for v in ins.ins)
+    if op == "for":
+        return f"For {a['var']} in range({a['extent']}):"
+    if op == "allocate":
+        where = "per call" if a.get("per_call") else ("one per stream" if a.get("pool") else "once")
+        v = ins.outs[0]
+        pool = f"{a['pool']} x " if a.get("pool") else ""
+        return f"{v.name} = Allocate {pool}{v.type}  ({where})"
+    if op == "get_stream":
+        return f"{ins.outs[0].name} = GetCurrentStream"
+    if op == "set_stream":
+        return f"SetCurrentStream {a['stream']}"
+    if op == "synchronize":
+        return f"Synchronize {a['stream']}"
+    if op == "wait":
+        return f"Wait {ins_s}"
+    if op == "record_event":
+        return f"{ins.outs[0].name} = RecordEvent {a['stream']}"
+    if op == "wait_event":
+        return f"WaitEvent {ins_s}"
+    if op in ("slice", "shard_slice", "view", "select"):
+        name = {"slice": "Slice", "shard_slice": "ShardSlice", "view": "View", "select": "Select"}[op]
+        extra = _attrs(a, skip=("shape",))
+        return f"{_typed(ins.outs[0])} = {name} {ins_s}" + (f", {extra}" if extra else "")
+    if ins.into is not None:  # host-level compute and communication write into a buffer
+        name = {"matmul": "Matmul", "add": "Add", "mul": "Mul", "sum": "Sum", "copy": "Copy",
+                "allgather": "Allgather", "allreduce": "Allreduce", "reduce_scatter": "ReduceScatter"}[op]
+        rhs = " @ ".join(v.name for v in ins.ins) if op == "matmul" else ins_s
+        extra = f", {_attrs(a)}" if a else ""
+        lhs = f"{ins.outs[0].name} = " if ins.outs else ""
+        return f"{lhs}{name} {ins.into.name} <- {rhs}{extra}"
+    # array-level (traced) ops
+    outs = ", ".join(_typed(v) for v in ins.outs)
+    extra = f", {_attrs(a)}" if a else ""
+    return f"{outs} = {op}({ins_s}{extra})"
+
+
+def format_instrs(instrs, indent: int = 1) -> list:
+    lines = []
+    for ins in instrs:
+        lines.append("  " * indent + _fmt(ins))
+        lines.extend(format_instrs(ins.body, indent + 1))
+    return lines
+
+
+def format_program(prog: Program) -> str:
+    ins = ", ".join(_typed(v) for v in prog.inputs)
+    outs = ", ".join(_typed(v) for v in prog.outputs)
+    mesh = " x ".join(f"{n}={s}" for n, s in zip(prog.mesh.axis_names, prog.mesh.shape))
+    head = [f"plan {prog.name}({ins}) -> ({outs})", f"  # mesh {mesh}, streams={prog.streams}"]
+    body = format_instrs(prog.instrs)
+    tail = ["  return " + ", ".join(v.name for v in prog.outputs)]
+    return "\n".join(head + body + tail)

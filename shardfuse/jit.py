@@ -1,0 +1,100 @@
+"""sf.jit: trace a function once per input specs, compile it to a plan, run the plan."""
+from __future__ import annotations
+
+import functools
+import inspect
+import os
+
+from shardfuse.ir import Program, TensorType, Value
+from shardfuse.passes import compile_program
+from shardfuse.trace import Builder, TensorSpec, Traced
+
+
+class Plan:
+    """A compiled host program, bound lazily to the mesh's backend."""
+
+    def __init__(self, program: Program, graph: bool = False):
+        self.program = program
+        self.graph = graph
+        self._exe = None
+
+    def __str__(self):
+        return str(self.program)
+
+    __repr__ = __str__
+
+    def collectives(self) -> dict:
+        """How many collectives of each kind one call issues (loops counted per chunk)."""
+        counts: dict = {}
+
+        def visit(instrs, times):
+            for i in instrs:
+                if i.op in ("allgather", "allreduce", "reduce_scatter"):
+                    counts[i.op] = counts.get(i.op, 0) + times
+                visit(i.body, times * i.attrs.get("extent", 1) if i.op == "for" else times)
+
+        visit(self.program.instrs, 1)
+        return counts
+
+    @property
+    def executable(self):
+        if self._exe is None:
+            from shardfuse.executor import Executable
+
+            self._exe = Executable(self.program, self.program.mesh.backend, graph=self.graph)
+        return self._exe
+
+    def __call__(self, *args):
+        return self.executable(*args)
+
+
+def trace(fn, mesh, specs, streams=4, name=None) -> Program:
+    builder = Builder(mesh)
+    params = list(inspect.signature(fn).parameters)
+    if len(params) != len(specs):
+        raise TypeError(f"{fn.__name__} takes {len(params)} arguments, got {len(specs)}")
+    inputs = []
+    for pname, spec in zip(params, specs):
+        v = Value(builder.namer(pname), TensorType(spec.shape, spec.dtype, spec.layout))
+        inputs.append(v)
+    result = fn(*(Traced(builder, v) for v in inputs))
+    results = result if isinstance(result, tuple) else (result,)
+    for r in results:
+        if not isinstance(r, Traced):
+            raise TypeError(f"{fn.__name__} must return traced values, got {type(r).__name__}")
+    return Program(name or fn.__name__, mesh, tuple(inputs), tuple(r.value for r in results),
+                   tuple(builder.instrs), streams, ("trace",))
+
+
+class Jitted:
+    def __init__(self, fn, mesh, streams=4, graph=False):
+        if mesh is None:
+            raise ValueError("sf.jit needs a mesh: sf.jit(mesh=sf.DeviceMesh(n))")
+        if not isinstance(streams, int) or streams < 1:
+            raise ValueError(f"streams must be a positive int, got {streams!r}")
+        self.fn, self.mesh, self.streams, self.graph = fn, mesh, streams, graph
+        self._plans: dict = {}
+        functools.update_wrapper(self, fn)
+
+    def lower(self, *specs) -> Plan:
+        specs = tuple(s if isinstance(s, TensorSpec) else TensorSpec(*s) for s in specs)
+        plan = self._plans.get(specs)
+        if plan is None:
+            prog = compile_program(trace(self.fn, self.mesh, specs, self.streams))
+            plan = self._plans[specs] = Plan(prog, self.graph)
+            if os.environ.get("SHARDFUSE_DUMP") == "plan":
+                print(plan, flush=True)
+        return plan
+
+    def __call__(self, *args):
+        from shardfuse.array import spec_of
+
+        specs = tuple(spec_of(a, self.mesh) for a in args)
+        return self.lower(*specs)(*args)
+
+
+def jit(fn=None, *, mesh=None, streams: int = 4, graph: bool = False):
+    """Compile `fn` for `mesh`: ``@sf.jit(mesh=mesh, streams=4)``."""
+    if fn is None:
+        return lambda f: Jitted(f, mesh, streams, graph)
+    return Jitted(fn, mesh, streams, graph)

@@ -1,0 +1,78 @@
+"""Layouts: how each axis of a global array is placed on the mesh and scheduled in time.
+
+A Layout gives, per tensor axis, one of: None (replicated, serial), a mesh axis name
+(sharded over that mesh axis, e.g. "DIDx") or STREAM (produced chunk by chunk).  `partial`
+names mesh axes over which the local values are partial sums still to be reduced.
+Placements in DTensor's words (Shard(i) / Replicate() / Partial()) are derived from it.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from shardfuse.mesh import STREAM
+
+
+@dataclass(frozen=True)
+class Layout:
+    axes: tuple  # per tensor axis: None | mesh axis name | STREAM
+    partial: tuple = ()  # mesh axes with a pending sum
+    chunks: int | None = None  # stream chunks when the STREAM axis is to be split (sf.stream(chunks=))
+
+    @staticmethod
+    def replicated(ndim: int) -> "Layout":
+        return Layout((None,) * ndim)
+
+    @property
+    def ndim(self):
+        return len(self.axes)
+
+    def sharded_axes(self) -> dict:
+        """{tensor axis: mesh axis name} for sharded axes."""
+        return {i: a for i, a in enumerate(self.axes) if a not in (None, STREAM)}
+
+    def mesh_axis_of(self, name: str):
+        """Tensor axis sharded over mesh axis `name`, or None."""
+        for i, a in enumerate(self.axes):
+            if a == name:
+                return i
+        return None
+
+    def stream_axis(self):
+        return self.axes.index(STREAM) if STREAM in self.axes else None
+
+    def with_axis(self, i: int, what) -> "Layout":
+        axes = list(self.axes)
+        axes[i] = what
+        return Layout(tuple(axes), self.partial, self.chunks)
+
+    def placement(self) -> "Layout":
+        """The layout without its schedule (STREAM axes serial): where data lives."""
+        return Layout(tuple(None if a == STREAM else a for a in self.axes), self.partial)
+
+    def local_shape(self, shape, mesh) -> tuple:
+        out = []
+        for n, a in zip(shape, self.axes):
+            out.append(n if a in (None, STREAM) else n // mesh.axis_size(a))
+        return tuple(out)
+
+    def placements(self, mesh) -> tuple:
+        """DTensor-style placement per mesh axis: 'S(i)', 'R' or 'P'."""
+        out = []
+        for name in mesh.axis_names:
+            i = self.mesh_axis_of(name)
+            out.append(f"S({i})" if i is not None else ("P" if name in self.partial else "R"))
+        return tuple(out)
+
+
+def format_type(shape, dtype, layout) -> str:
+    """`f32[8, 4:DIDx, 16, 32]`: extents, with the parallel type of non-serial axes."""
+    short = {"float32": "f32", "float64": "f64", "float16": "f16", "bfloat16": "bf16"}.get(dtype, dtype)
+    if layout is None:
+        return f"{short}[{', '.join(map(str, shape))}] ?"
+    dims = [str(n) if a is None else f"{n}:{a}" for n, a in zip(shape, layout.axes)]
+    text = f"{short}[{', '.join(dims)}]"
+    if layout.chunks:
+        text += f" chunks={layout.chunks}"
+    if layout.partial:
+        text += f" partial({', '.join(layout.partial)})"
+    return text

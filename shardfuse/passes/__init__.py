@@ -1,0 +1,32 @@
+"""The compiler: passes from program to program, run in this order."""
+from shardfuse.passes.allocate import allocate_buffers
+from shardfuse.passes.annotations import fold_annotations
+from shardfuse.passes.lower import lower_to_host
+from shardfuse.passes.pipeline import form_stream_loops, mark_stream_intermediates
+from shardfuse.passes.propagate import propagate_sharding
+from shardfuse.passes.reshard import insert_resharding
+from shardfuse.passes.split_stream import split_stream_axes
+from shardfuse.passes.streams import assign_streams
+from shardfuse.passes.verify import verify
+
+PIPELINE = (
+    fold_annotations,
+    propagate_sharding,
+    split_stream_axes,
+    insert_resharding,
+    mark_stream_intermediates,
+    form_stream_loops,
+    lower_to_host,
+    allocate_buffers,
+    assign_streams,
+    verify,
+)
+
+
+def compile_program(prog, stop_after: str | None = None):
+    """Run the pipeline (or its prefix up to `stop_after`, for looking at one stage)."""
+    for p in PIPELINE:
+        prog = p(prog)
+        if p.__name__ == stop_after:
+            break
+    return prog

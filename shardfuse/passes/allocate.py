@@ -1,0 +1,61 @@
+"""allocate_buffers: decide where every buffer lives and how long.
+
+- A buffer a program output lives in is allocated per call (the caller keeps it).
+- Every other buffer is allocated once per compiled plan and reused across calls.
+- Inside a stream loop, a chunk that leaves the loop is a slice of a whole buffer allocated
+  before the loop; a chunk used only inside it (the gathered chunk of A) comes from a pool
+  of one buffer per stream, `Select pool, i % n`: chunks on the same stream run in order,
+  so they may share a buffer, and no two streams ever do.
+"""
+from __future__ import annotations
+
+from dataclasses import replace
+
+from shardfuse.ir import Idx, Instr, Namer, Value, walk
+
+VIEW_OPS = ("slice", "view", "shard_slice", "select")
+
+
+def output_roots(prog):
+    """The buffers program outputs are views of."""
+    base = {}
+    for i in walk(prog.instrs):
+        if i.op in VIEW_OPS:
+            base[i.outs[0]] = base.get(i.ins[0], i.ins[0])
+        if i.op == "for":
+            for oc, (full, _) in i.attrs["results"].items():
+                base[oc] = full
+    return {base.get(v, v) for v in prog.outputs}
+
+
+def allocate_buffers(prog):
+    namer = Namer.for_program(prog)
+    roots = output_roots(prog)
+    out = []
+    for i in prog.instrs:
+        if i.op == "allocate":
+            out.append(replace(i, attrs={"per_call": i.outs[0] in roots}))
+        elif i.op == "for":
+            out.extend(_hoist(i, min(prog.streams, i.attrs["extent"]), roots, namer))
+        else:
+            out.append(i)
+    return prog.with_instrs(out, "allocate_buffers")
+
+
+def _hoist(loop, nstreams, roots, namer):
+    pre, body = [], []
+    results = loop.attrs["results"]
+    for b in loop.body:
+        if b.op != "allocate":
+            body.append(b)
+            continue
+        oc = b.outs[0]
+        if oc in results:
+            full, ax = results[oc]
+            pre.append(Instr("allocate", (full,), attrs={"per_call": full in roots}))
+            body.append(Instr("slice", (oc,), (full,), {"axis": ax, "index": Idx("i")}))
+        else:
+            pool = Value(namer(oc.name.removesuffix("_i") + "_pool"), oc.type)
+            pre.append(Instr("allocate", (pool,), attrs={"pool": nstreams}))
+            body.append(Instr("select", (oc,), (pool,), {"index": Idx("i", nstreams)}))
+    return pre + [replace(loop, body=tuple(body))]

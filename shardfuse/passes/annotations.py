@@ -1,0 +1,69 @@
+"""fold_annotations: turn annotation `set`s into the layouts of the values they annotate.
+
+- An input whose spec has no layout takes its first annotation's placement (nvFuser's
+  inputs carry their DID layout); an input with no annotation is replicated.
+- An annotation on the output of an op (used only there) becomes that output's layout,
+  so `sf.stream(a @ b, axis=0)` makes the matmul itself stream-parallel.
+- An annotation that changes nothing is dropped.
+What stays is a `set` that really moves data: a resharding for the later passes.
+"""
+from __future__ import annotations
+
+from collections import Counter
+
+from shardfuse.ir import Value, substitute
+from shardfuse.layout import Layout
+
+
+def _is_annotation(ins):
+    return ins.op == "set" and ins.attrs.get("annotation")
+
+
+def _drop_dead(instrs, outputs):
+    """All array-level ops are pure: drop those whose results nobody uses (e.g. an annotation
+    that a later one on the same value replaced)."""
+    live, out = set(outputs), []
+    for i in reversed(instrs):
+        if any(o in live for o in i.outs):
+            out.append(i)
+            live.update(i.ins)
+    return out[::-1]
+
+
+def fold_annotations(prog):
+    mapping = {}
+    for v in prog.inputs:
+        if v.type.layout is None:
+            first = next((i for i in prog.instrs if _is_annotation(i) and i.ins[0] is v), None)
+            lay = first.outs[0].type.layout.placement() if first else Layout.replicated(v.type.ndim)
+            mapping[v] = Value(v.name, v.type.with_layout(lay))
+    inputs = tuple(mapping.get(v, v) for v in prog.inputs)
+    instrs = substitute(_drop_dead(prog.instrs, prog.outputs), mapping)
+
+    uses = Counter(v for i in instrs for v in i.ins)
+    uses.update(prog.outputs)
+    producer = {o: i for i in instrs for o in i.outs}
+    folded = {}  # producing instr -> annotation set folded into it
+    for i in instrs:
+        if _is_annotation(i):
+            p = producer.get(i.ins[0])
+            if p is not None and not _is_annotation(p) and p.outs[0].type.layout is None and uses[i.ins[0]] == 1:
+                folded[p] = i
+
+    out, alias = [], {}
+    skip = set(folded.values())
+    for i in instrs:
+        if i in skip:
+            continue
+        if i in folded:  # the op's own value, with the annotated layout
+            ann = folded[i].outs[0]
+            o = Value(i.outs[0].name, ann.type)
+            alias[ann] = o
+            i = type(i)(i.op, (o,), i.ins, i.attrs)
+        i = substitute([i], alias)[0]
+        if _is_annotation(i) and i.ins[0].type.layout == i.outs[0].type.layout:
+            alias[i.outs[0]] = i.ins[0]
+            continue
+        out.append(i)
+    outputs = tuple(alias.get(mapping.get(v, v), mapping.get(v, v)) for v in prog.outputs)
+    return prog.with_instrs(out, "fold_annotations", inputs=inputs, outputs=outputs)

@@ -1,0 +1,102 @@
+"""Stream pipelining: the pass that makes communication of one chunk overlap another's GEMM.
+
+mark_stream_intermediates: a value made only to feed a stream-parallel op (the gathered A
+  of the seed case) becomes stream-parallel itself on the axis that maps to the stream axis,
+  so it is produced chunk by chunk instead of whole.
+form_stream_loops: each run of consecutive stream-parallel instructions becomes one `for`
+  loop over the chunks; inputs from outside are sliced per chunk, results are written into
+  chunks of whole buffers (`results` maps chunk values to them).
+"""
+from __future__ import annotations
+
+from collections import defaultdict
+
+from shardfuse.ir import Idx, Instr, Namer, TensorType, Value, substitute
+from shardfuse.layout import Layout
+from shardfuse.mesh import STREAM
+from shardfuse.rules import rule
+
+
+def _stream_axis(v):
+    lay = v.type.layout
+    return lay.stream_axis() if lay is not None else None
+
+
+def mark_stream_intermediates(prog):
+    consumers = defaultdict(list)
+    for i in prog.instrs:
+        for v in i.ins:
+            consumers[v].append(i)
+    outputs = set(prog.outputs)
+    retyped = {}
+    for i in reversed(prog.instrs):
+        if i.op == "view" or len(i.outs) != 1:
+            continue
+        o = i.outs[0]
+        users = consumers[o]
+        if o in outputs or _stream_axis(o) is not None or len(users) != 1:
+            continue
+        (c,) = users
+        co = retyped.get(c.outs[0], c.outs[0])
+        k = _stream_axis(co)
+        if k is None:
+            continue
+        j = rule(c.op, "axis_map")(c, k)[c.ins.index(o)]
+        if j is None or o.type.layout.axes[j] is not None:
+            continue
+        retyped[o] = Value(o.name, o.type.with_layout(o.type.layout.with_axis(j, STREAM)))
+    instrs = substitute(prog.instrs, retyped)
+    return prog.with_instrs(instrs, "mark_stream_intermediates",
+                            outputs=tuple(retyped.get(v, v) for v in prog.outputs))
+
+
+def _chunk_type(v, axis):
+    t = v.type
+    shape = t.shape[:axis] + (1,) + t.shape[axis + 1:]
+    return TensorType(shape, t.dtype, t.layout.placement())
+
+
+def form_stream_loops(prog):
+    namer = Namer.for_program(prog)
+    instrs, out = list(prog.instrs), []
+    k = 0
+    while k < len(instrs):
+        i = instrs[k]
+        s = i.outs[0].type.shape[_stream_axis(i.outs[0])] if i.outs and _stream_axis(i.outs[0]) is not None else None
+        if s is None:
+            out.append(i)
+            k += 1
+            continue
+        group = [i]
+        k += 1
+        while k < len(instrs) and instrs[k].outs and _stream_axis(instrs[k].outs[0]) is not None \
+                and instrs[k].outs[0].type.shape[_stream_axis(instrs[k].outs[0])] == s:
+            group.append(instrs[k])
+            k += 1
+        later = {v for j in instrs[k:] for v in j.ins} | set(prog.outputs)
+        out.append(_make_loop(group, s, later, namer))
+    return prog.with_instrs(out, "form_stream_loops")
+
+
+def _make_loop(group, extent, used_later, namer):
+    chunk, body, results = {}, [], {}
+    for i in group:
+        o = i.outs[0]
+        ko = _stream_axis(o)
+        amap = rule(i.op, "axis_map")(i, ko)
+        ins = []
+        for v, a in zip(i.ins, amap):
+            if v in chunk:
+                ins.append(chunk[v])
+            elif a is None:
+                ins.append(v)
+            else:
+                vc = Value(namer(v.name + "_i"), _chunk_type(v, a))
+                body.append(Instr("slice", (vc,), (v,), {"axis": a, "index": Idx("i")}))
+                ins.append(vc)
+        oc = Value(namer(o.name + "_i"), _chunk_type(o, ko))
+        body.append(Instr(i.op, (oc,), tuple(ins), i.attrs))
+        chunk[o] = oc
+        if o in used_later:
+            results[oc] = (o, ko)
+    return Instr("for", attrs={"var": "i", "extent": extent, "results": results}, body=tuple(body))

@@ -1,0 +1,61 @@
+"""split_stream_axes: make `sf.stream(x, axis, chunks=S)` a real axis of extent S.
+
+The natural layout `x[M, K]` sharded on rows, `sf.stream(x @ w, axis=0, chunks=S)` becomes
+the seed's form: x viewed as [D, S, m, K] (D the sharded factor), the product computed as
+[D, S:Stream, m, N], and viewed back to [M, N].  Views are free: no data moves.
+"""
+from __future__ import annotations
+
+from shardfuse.ir import Instr, Namer, TensorType, Value, substitute
+from shardfuse.layout import Layout
+from shardfuse.mesh import STREAM
+from shardfuse.rules import rule
+
+
+def _split(shape, axes, ax, factors, new_axes):
+    return (shape[:ax] + factors + shape[ax + 1:], axes[:ax] + new_axes + axes[ax + 1:])
+
+
+def split_stream_axes(prog):
+    namer = Namer.for_program(prog)
+    out, alias = [], {}
+    for i in substitute(prog.instrs, {}):
+        i = substitute([i], alias)[0]
+        o = i.outs[0] if i.outs else None
+        lay = o.type.layout if o is not None else None
+        if lay is None or not lay.chunks:
+            out.append(i)
+            continue
+        k, s = lay.stream_axis(), lay.chunks
+        amap = rule(i.op, "axis_map")(i, k)
+        if i.op == "matmul" and amap[0] is None:
+            raise ValueError("sf.stream(..., chunks=) on the N axis of a matmul is not supported: stream a row or batch axis")
+        sharded = {v.type.layout.axes[a] for v, a in zip(i.ins, amap) if a is not None} - {None, STREAM}
+        if len(sharded) > 1:
+            raise ValueError(f"inputs of {o.name} shard its stream axis over different mesh axes {sorted(sharded)}")
+        mesh_axis = sharded.pop() if sharded else None
+        d = prog.mesh.axis_size(mesh_axis) if mesh_axis else 1
+        extent = o.type.shape[k]
+        if extent % (d * s):
+            raise ValueError(f"stream chunks={s} on axis {k} of {o.name}{o.type.shape}: the extent {extent} must divide "
+                             f"into {d} device(s) x {s} chunks")
+        m = extent // (d * s)
+        fac = (d, s, m) if mesh_axis else (s, m)
+        new_ins = []
+        for v, a in zip(i.ins, amap):
+            if a is None:
+                new_ins.append(v)
+                continue
+            vl = v.type.layout
+            shp, axs = _split(v.type.shape, vl.axes, a, fac, (mesh_axis, None, None) if mesh_axis else (None, None))
+            vv = Value(namer(v.name + "_split"), TensorType(shp, v.type.dtype, Layout(axs, vl.partial)))
+            out.append(Instr("view", (vv,), (v,), {"shape": shp}))
+            new_ins.append(vv)
+        shp, axs = _split(o.type.shape, lay.axes, k, fac, (None, STREAM, None) if mesh_axis else (STREAM, None))
+        o_split = Value(namer(o.name + "_split"), TensorType(shp, o.type.dtype, Layout(axs, lay.partial)))
+        out.append(Instr(i.op, (o_split,), tuple(new_ins), i.attrs))
+        o_back = Value(o.name, o.type.with_layout(Layout(lay.placement().axes, lay.partial)))
+        out.append(Instr("view", (o_back,), (o_split,), {"shape": o.type.shape}))
+        alias[o] = o_back
+    outputs = tuple(alias.get(v, v) for v in prog.outputs)
+    return prog.with_instrs(out, "split_stream_axes", outputs=outputs)

@@ -1,0 +1,32 @@
+"""assign_streams: put each chunk of a stream loop on a worker stream (nvFuser's stream pass).
+
+Per chunk i: switch to Stream(i % n), wait (on the device) for what the main stream had
+issued before the loop, run the chunk, switch back, and make the main stream wait on the
+worker (event-based: the host never blocks).  Workers wait on an event recorded once before
+the loop, not on the main stream as it is mid-loop: that stream has already joined earlier
+chunks, and waiting on it would serialise the pipeline.
+"""
+from __future__ import annotations
+
+from dataclasses import replace
+
+from shardfuse.ir import Idx, Instr, Namer, Value
+
+
+def assign_streams(prog):
+    if not any(i.op == "for" for i in prog.instrs):
+        return prog.with_instrs(prog.instrs, "assign_streams")
+    namer = Namer.for_program(prog)
+    out = [Instr("get_stream", (Value("main", "Stream"),))]
+    for i in prog.instrs:
+        if i.op != "for":
+            out.append(i)
+            continue
+        n = min(prog.streams, i.attrs["extent"])
+        worker = {"stream": f"Stream(i % {n})", "index": Idx("i", n)}
+        entry = Value(namer("entry"), "Event")
+        out.append(Instr("record_event", (entry,), attrs={"stream": "main"}))
+        body = ([Instr("set_stream", attrs=worker), Instr("wait_event", ins=(entry,))] + list(i.body)
+                + [Instr("set_stream", attrs={"stream": "main"}), Instr("synchronize", attrs=worker)])
+        out.append(replace(i, body=tuple(body)))
+    return prog.with_instrs(out, "assign_streams")

@@ -1,0 +1,54 @@
+"""verify: check a host program before anything runs it.
+
+Every value is defined before use and in scope; every instruction is host-level; every
+collective is waited for, in the loop body that started it; every loop body returns to
+the main stream; compute shapes agree with their destinations.
+"""
+from __future__ import annotations
+
+HOST_OPS = {"allocate", "slice", "select", "view", "shard_slice", "allgather", "allreduce", "reduce_scatter",
+            "wait", "matmul", "add", "mul", "sum", "copy", "for", "get_stream", "set_stream", "synchronize",
+            "record_event", "wait_event"}
+
+
+class PlanError(AssertionError):
+    pass
+
+
+def _check(cond, msg):
+    if not cond:
+        raise PlanError(msg)
+
+
+def verify(prog):
+    _check_block(prog.instrs, set(prog.inputs), prog, top=True)
+    return prog.with_instrs(prog.instrs, "verify")
+
+
+def _check_block(instrs, defined, prog, top):
+    pending = set()
+    defined = set(defined)
+    for i in instrs:
+        _check(i.op in HOST_OPS, f"{i.op!r} is not a host-level instruction: lowering left it behind")
+        for v in i.values():
+            _check(v in defined, f"{v.name} is used by {i.op} before it is defined (or outside its loop)")
+        if i.op == "wait":
+            _check(i.ins[0] in pending, f"Wait {i.ins[0].name} has no collective to wait for")
+            pending.discard(i.ins[0])
+        if i.op in ("allgather", "allreduce", "reduce_scatter"):
+            pending.add(i.outs[0])
+        if i.op == "matmul":
+            a, b = (v.type.shape for v in i.ins)
+            want = a[:-1] + (b[-1],)
+            _check(i.into.type.shape == want, f"Matmul {i.into.name}{i.into.type.shape} <- {a} @ {b}: expected {want}")
+        if i.op == "for":
+            body = i.body
+            _check(body and body[0].op == "set_stream", "a stream loop must start by picking its stream")
+            last_set = [b for b in body if b.op == "set_stream"][-1]
+            _check(last_set.attrs["stream"] == "main", "a stream loop body must return to the main stream")
+            _check_block(body, defined, prog, top=False)
+        defined.update(i.outs)
+    _check(not pending, f"collectives never waited for: {sorted(v.name for v in pending)}")
+    if top:
+        for v in prog.outputs:
+            _check(v in defined, f"output {v.name} is never defined")

@@ -1,0 +1,176 @@
+"""The front end: TensorSpec, traced values, and the annotations sf.shard / sf.stream.
+
+Inside an `sf.jit` function the arguments are `Traced` values; every operation appends
+one array-level instruction to the program being built.  Shape, dtype, axis and mesh
+errors are raised here, at trace time, so nothing runs before they are found.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from shardfuse.ir import DTYPES, Instr, Namer, TensorType, Value
+from shardfuse.layout import Layout
+from shardfuse.mesh import STREAM
+
+
+def normalize_dtype(dtype) -> str:
+    name = dtype if isinstance(dtype, str) else np.dtype(dtype).name
+    if name not in DTYPES:
+        raise TypeError(f"unsupported dtype {name!r}: expected one of {DTYPES}")
+    return name
+
+
+def np_dtype(name: str):
+    """The NumPy dtype for a dtype name; bfloat16 comes from ml_dtypes."""
+    if name == "bfloat16":
+        import ml_dtypes
+
+        return np.dtype(ml_dtypes.bfloat16)
+    return np.dtype(name)
+
+
+def normalize_axis(axis: int, ndim: int, shape) -> int:
+    if not isinstance(axis, (int, np.integer)) or not -ndim <= axis < ndim:
+        raise ValueError(f"axis {axis!r} out of range for a {ndim}-D value of shape {tuple(shape)}")
+    return int(axis) % ndim
+
+
+@dataclass(frozen=True)
+class TensorSpec:
+    """Shape and dtype of a global array; `layout` None means "as the function annotates it"."""
+
+    shape: tuple
+    dtype: str = "float32"
+    layout: Layout | None = None
+
+    def __post_init__(self):
+        object.__setattr__(self, "shape", tuple(int(s) for s in self.shape))
+        object.__setattr__(self, "dtype", normalize_dtype(self.dtype))
+
+
+class Builder:
+    """Collects the instructions of one traced function."""
+
+    def __init__(self, mesh):
+        self.mesh = mesh
+        self.instrs: list = []
+        self.namer = Namer()
+        self.producer: dict = {}  # value -> the instruction that made it
+
+    def emit(self, op, ins, out_type, base, **attrs) -> "Traced":
+        out = Value(self.namer(base), out_type)
+        ins_ = Instr(op, (out,), tuple(t.value for t in ins), attrs)
+        self.instrs.append(ins_)
+        self.producer[out] = ins_
+        return Traced(self, out)
+
+
+class Traced:
+    """A value inside a traced function (global shape, like a JAX tracer)."""
+
+    def __init__(self, builder: Builder, value: Value):
+        self.builder, self.value = builder, value
+
+    shape = property(lambda self: self.value.type.shape)
+    dtype = property(lambda self: self.value.type.dtype)
+    ndim = property(lambda self: len(self.value.type.shape))
+
+    def __repr__(self):
+        return f"Traced({self.value.name}: {self.value.type})"
+
+    def _other(self, other, what):
+        if not isinstance(other, Traced) or other.builder is not self.builder:
+            raise TypeError(f"{what}: both operands must be values of the traced function, got {type(other).__name__}")
+        if other.dtype != self.dtype:
+            raise TypeError(f"{what}: dtypes do not match: {self.dtype} and {other.dtype}")
+        return other
+
+    def __matmul__(self, other):
+        b = self._other(other, "matmul")
+        sa, sb = self.shape, b.shape
+        if len(sa) < 2 or len(sb) < 2:
+            raise ValueError(f"matmul needs operands of at least 2 axes, got shapes {sa} and {sb}")
+        if sa[-1] != sb[-2]:
+            raise ValueError(f"matmul contraction sizes differ: a{sa} has K={sa[-1]} on its last axis, "
+                             f"b{sb} has K={sb[-2]} on its second-to-last axis")
+        if len(sb) > 2 and sb[:-2] != sa[:-2]:
+            raise ValueError(f"matmul batch axes differ: a{sa} and b{sb}")
+        out = TensorType(sa[:-1] + (sb[-1],), self.dtype)
+        return self.builder.emit("matmul", (self, b), out, "c")
+
+    def _elementwise(self, other, op):
+        b = self._other(other, op)
+        if b.shape != self.shape:
+            raise ValueError(f"{op}: shapes differ: {self.shape} and {b.shape}")
+        return self.builder.emit(op, (self, b), TensorType(self.shape, self.dtype), op[0])
+
+    def __add__(self, other):
+        return self._elementwise(other, "add")
+
+    def __mul__(self, other):
+        return self._elementwise(other, "mul")
+
+    def sum(self, axis: int):
+        ax = normalize_axis(axis, self.ndim, self.shape)
+        out = TensorType(self.shape[:ax] + self.shape[ax + 1:], self.dtype)
+        return self.builder.emit("sum", (self,), out, "s", axis=ax)
+
+
+def _annotate(x: Traced, axis: int, what, chunks=None) -> Traced:
+    """A `set` whose output has the annotated layout; annotations on one value compose."""
+    mesh, shape = x.builder.mesh, x.shape
+    ax = normalize_axis(axis, x.ndim, shape)
+    prev = x.builder.producer.get(x.value)
+    base = x
+    layout = Layout.replicated(x.ndim)
+    if prev is not None and prev.attrs.get("annotation"):
+        layout = prev.outs[0].type.layout
+        base = Traced(x.builder, prev.ins[0])
+    if layout.axes[ax] is not None:
+        raise ValueError(f"axis {ax} of {x.value.name}{shape} is already annotated as {layout.axes[ax]}")
+    if what == STREAM:
+        if STREAM in layout.axes:
+            raise ValueError(f"{x.value.name} already has a stream axis ({layout.stream_axis()})")
+        if chunks is not None and (chunks < 1 or shape[ax] % chunks):
+            raise ValueError(f"stream chunks={chunks} does not divide axis {ax} of extent {shape[ax]}")
+        layout = Layout(layout.with_axis(ax, STREAM).axes, chunks=chunks)
+    else:
+        n = mesh.axis_size(what)  # raises for unknown mesh axis names
+        if layout.mesh_axis_of(what) is not None:
+            raise ValueError(f"mesh axis {what} already shards axis {layout.mesh_axis_of(what)} of {x.value.name}")
+        if shape[ax] % n:
+            raise ValueError(f"cannot shard axis {ax} of extent {shape[ax]} over {what}: "
+                             f"the mesh axis has {n} devices, which does not divide {shape[ax]}")
+        layout = Layout(layout.with_axis(ax, what).axes, chunks=layout.chunks)
+    out = TensorType(shape, x.dtype, layout)
+    return x.builder.emit("set", (base,), out, base.value.name, annotation=True)
+
+
+def shard(x, axis: int, over: str = "DIDx", mesh=None):
+    """Place `axis` of x across the devices of mesh axis `over`.
+
+    In a traced function this annotates a value; on a concrete global array it returns an
+    `sf.Array` holding this process' pieces (give `mesh`).
+    """
+    if isinstance(x, Traced):
+        return _annotate(x, axis, over)
+    from shardfuse.array import Array
+
+    return Array.from_global(x, mesh, axis, over)
+
+
+def replicate(x: Traced):
+    """Annotate x as replicated on every device (DTensor's Replicate()): forces the gathers."""
+    if not isinstance(x, Traced):
+        raise TypeError("sf.replicate annotates values inside an sf.jit function")
+    out = TensorType(x.shape, x.dtype, Layout.replicated(x.ndim))
+    return x.builder.emit("set", (x,), out, x.value.name, annotation=True)
+
+
+def stream(x: Traced, axis: int, chunks: int | None = None):
+    """Ask for x to be produced chunk by chunk along `axis` (chunks=None: one chunk per index)."""
+    if not isinstance(x, Traced):
+        raise TypeError("sf.stream annotates values inside an sf.jit function")
+    return _annotate(x, axis, STREAM, chunks)
