@@ -1,0 +1,162 @@
+"""Test bodies shared by every tier: one process (virtual NumPy devices) and mpiexec ranks.
+
+Each case builds a jitted function on `mesh`, runs it on fresh random inputs and compares
+the gathered result with a float64 NumPy reference.  Output buffers are poisoned with NaN
+(SHARDFUSE_POISON=1, set in conftest and by the MPI runner), so an unwritten element fails.
+"""
+from __future__ import annotations
+
+import os
+
+import numpy as np
+
+import shardfuse as sf
+from shardfuse.layout import Layout
+
+os.environ.setdefault("SHARDFUSE_POISON", "1")
+
+TOL = {"float64": 1e-12, "float32": 1e-5}
+
+
+def fresh_rng(mesh):
+    """A fresh seed per call, the same on every process (inputs are global arrays)."""
+    seed = int.from_bytes(os.urandom(4), "little")
+    if mesh.nprocs > 1:
+        from mpi4py import MPI
+
+        seed = MPI.COMM_WORLD.bcast(seed)
+    return np.random.default_rng(seed)
+
+
+def assert_close(got, ref, dtype):
+    got = np.asarray(got, dtype=np.float64)
+    assert got.shape == ref.shape, (got.shape, ref.shape)
+    assert np.all(np.isfinite(got)), "unwritten (poisoned) elements in the result"
+    err = np.linalg.norm(got - ref) / np.linalg.norm(ref)
+    assert err <= TOL[dtype], f"relative error {err:.3e} > {TOL[dtype]:.0e}"
+
+
+def randn(rng, shape, dtype):
+    return rng.standard_normal(shape).astype(dtype)
+
+
+def seed_case(mesh, chunks, streams, dtype, b_sharded=False, m=4, k=8, n=8):
+    """nvFuser's seed: a[S, D, m, K] sharded on axis 1, c = stream(a @ b, axis=0)."""
+    d = mesh.size
+    rng = fresh_rng(mesh)
+
+    @sf.jit(mesh=mesh, streams=streams)
+    def ag_matmul(a, b):
+        a = sf.shard(a, axis=1, over="DIDx")
+        if b_sharded:
+            b = sf.shard(b, axis=1, over="DIDx")
+            return sf.stream(sf.shard(a @ b, axis=3, over="DIDx"), axis=0)
+        return sf.stream(a @ b, axis=0)
+
+    a = randn(rng, (chunks, d, m, k), dtype)
+    b = randn(rng, (k, n * d), dtype)
+    c = ag_matmul(sf.shard(a, axis=1, over="DIDx", mesh=mesh), b)
+    assert c.sharding.placements(mesh) == (("S(3)",) if b_sharded else ("R",))
+    assert_close(c.gather(), a.astype(np.float64) @ b.astype(np.float64), dtype)
+    plan = ag_matmul.lower(sf.TensorSpec(a.shape, dtype), sf.TensorSpec(b.shape, dtype))
+    assert plan.collectives() == {"allgather": chunks}
+    return plan
+
+
+def natural_case(mesh, chunks, streams, dtype, b_sharded=False, m=2, k=8, n=8):
+    """The natural layout: x[M, K] sharded on rows, stream(x @ w, axis=0, chunks=S)."""
+    d = mesh.size
+    rng = fresh_rng(mesh)
+
+    @sf.jit(mesh=mesh, streams=streams)
+    def linear(x, w):
+        x = sf.shard(x, axis=0, over="DIDx")
+        if b_sharded:
+            w = sf.shard(w, axis=1, over="DIDx")
+            return sf.stream(sf.shard(x @ w, axis=1, over="DIDx"), axis=0, chunks=chunks)
+        return sf.stream(x @ w, axis=0, chunks=chunks)
+
+    x = randn(rng, (d * chunks * m, k), dtype)
+    w = randn(rng, (k, n * d), dtype)
+    c = linear(x, w)  # plain arrays: replicated globals, sliced locally at entry
+    assert_close(c.gather(), x.astype(np.float64) @ w.astype(np.float64), dtype)
+    assert linear.lower(sf.TensorSpec(x.shape, dtype), sf.TensorSpec(w.shape, dtype)).collectives() == \
+        {"allgather": chunks}
+
+
+def unpipelined_case(mesh, dtype, chunks=4, m=3, k=8, n=5):
+    d = mesh.size
+    rng = fresh_rng(mesh)
+
+    @sf.jit(mesh=mesh)
+    def ag_then_matmul(a, b):
+        return sf.replicate(sf.shard(a, axis=1, over="DIDx") @ b)
+
+    a, b = randn(rng, (chunks, d, m, k), dtype), randn(rng, (k, n), dtype)
+    assert_close(ag_then_matmul(a, b).gather(), a.astype(np.float64) @ b, dtype)
+    assert ag_then_matmul.lower(sf.TensorSpec(a.shape, dtype), sf.TensorSpec(b.shape, dtype)).collectives() == \
+        {"allgather": 1}
+
+
+def allgather_case(mesh, axis, dtype="float64"):
+    d = mesh.size
+    rng = fresh_rng(mesh)
+    f = sf.jit(lambda x: sf.replicate(sf.shard(x, axis=axis)), mesh=mesh)
+    x = randn(rng, (3 * d, 2 * d, 5), dtype)
+    out = f(sf.shard(x, axis=axis, mesh=mesh))
+    assert out.sharding.placements(mesh) == ("R",)
+    assert_close(out.gather(), x.astype(np.float64), dtype)
+
+
+def allreduce_case(mesh, dtype="float64"):
+    d = mesh.size
+    rng = fresh_rng(mesh)
+    f = sf.jit(lambda x: sf.shard(x, axis=1).sum(1), mesh=mesh)
+    x = randn(rng, (6, 3 * d), dtype)
+    assert_close(f(x).gather(), x.astype(np.float64).sum(1), dtype)
+    assert f.lower(sf.TensorSpec(x.shape, dtype)).collectives() == {"allreduce": 1}
+
+
+def reduce_scatter_case(mesh, dtype="float64"):
+    """Row-parallel linear: x column-sharded, w row-sharded, output sharded on rows."""
+    d = mesh.size
+    rng = fresh_rng(mesh)
+
+    @sf.jit(mesh=mesh)
+    def row_parallel(x, w):
+        return sf.shard(sf.shard(x, axis=1) @ sf.shard(w, axis=0), axis=0)
+
+    x, w = randn(rng, (2 * d, 3 * d), dtype), randn(rng, (3 * d, 4), dtype)
+    out = row_parallel(x, w)
+    assert out.sharding.placements(mesh) == ("S(0)",)
+    assert_close(out.gather(), x.astype(np.float64) @ w, dtype)
+    assert row_parallel.lower(sf.TensorSpec(x.shape, dtype), sf.TensorSpec(w.shape, dtype)).collectives() == \
+        {"reduce_scatter": 1}
+
+
+def slice_case(mesh, dtype="float64"):
+    """Replicated -> sharded is a local slice: no communication."""
+    d = mesh.size
+    rng = fresh_rng(mesh)
+    f = sf.jit(lambda x, w: sf.shard(x @ w, axis=0), mesh=mesh)
+    x, w = randn(rng, (2 * d, 3), dtype), randn(rng, (3, 4), dtype)
+    spec = sf.TensorSpec(x.shape, dtype, Layout.replicated(2))
+    plan = f.lower(spec, sf.TensorSpec(w.shape, dtype, Layout.replicated(2)))
+    assert plan.collectives() == {}
+    assert any(i.op == "shard_slice" for i in plan.program.walk())
+    out = plan(x, w)
+    assert out.sharding.placements(mesh) == ("S(0)",)
+    assert_close(out.gather(), x.astype(np.float64) @ w, dtype)
+
+
+def from_local_case(mesh, dtype="float64"):
+    """SPMD input: each process passes its own shard."""
+    rng = fresh_rng(mesh)
+    d = mesh.size
+    x = randn(rng, (d * 2, 3), dtype)
+    per = x.shape[0] // mesh.nprocs
+    piece = x[mesh.rank * per:(mesh.rank + 1) * per]
+    arr = sf.from_local(piece, axis=0, mesh=mesh)
+    assert arr.shape == x.shape
+    f = sf.jit(lambda x: sf.replicate(sf.shard(x, axis=0)), mesh=mesh)
+    assert_close(f(arr).gather(), x.astype(np.float64), dtype)
