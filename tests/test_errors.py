@@ -1,0 +1,92 @@
+"""Bad input gets a clear error at lower or call time, before any communication."""
+import numpy as np
+import pytest
+
+import shardfuse as sf
+
+T = sf.TensorSpec
+
+
+@pytest.fixture
+def mesh():
+    return sf.DeviceMesh(4, backend="numpy")
+
+
+def seed(a, b):
+    return sf.stream(sf.shard(a, axis=1) @ b, axis=0)
+
+
+def test_contraction_sizes_differ(mesh):
+    with pytest.raises(ValueError, match=r"contraction sizes differ: a\(8, 4, 16, 32\) has K=32.*b\(33, 24\) has K=33"):
+        sf.jit(seed, mesh=mesh).lower(T((8, 4, 16, 32)), T((33, 24)))
+
+
+def test_axis_out_of_range(mesh):
+    f = sf.jit(lambda a: sf.shard(a, axis=4), mesh=mesh)
+    with pytest.raises(ValueError, match=r"axis 4 out of range for a 2-D value of shape \(8, 8\)"):
+        f.lower(T((8, 8)))
+
+
+def test_extent_not_divisible_by_mesh(mesh):
+    f = sf.jit(lambda a: sf.shard(a, axis=0), mesh=mesh)
+    with pytest.raises(ValueError, match="cannot shard axis 0 of extent 6 over DIDx: the mesh axis has 4 devices"):
+        f.lower(T((6, 8)))
+
+
+def test_extent_not_divisible_by_chunks(mesh):
+    f = sf.jit(lambda x, w: sf.stream(sf.shard(x, axis=0) @ w, axis=0, chunks=3), mesh=mesh)
+    with pytest.raises(ValueError, match="stream chunks=3 does not divide axis 0 of extent 32"):
+        f.lower(T((32, 8)), T((8, 8)))
+
+
+def test_chunks_times_devices_must_divide(mesh):
+    f = sf.jit(lambda x, w: sf.stream(sf.shard(x, axis=0) @ w, axis=0, chunks=8), mesh=mesh)
+    with pytest.raises(ValueError, match=r"the extent 16 must divide into 4 device\(s\) x 8 chunks"):
+        f.lower(T((16, 8)), T((8, 8)))
+
+
+def test_unknown_mesh_axis(mesh):
+    f = sf.jit(lambda a: sf.shard(a, axis=0, over="DIDy"), mesh=mesh)
+    with pytest.raises(ValueError, match=r"unknown mesh axis 'DIDy': this mesh has axes \('DIDx',\)"):
+        f.lower(T((8, 8)))
+
+
+def test_dtypes_do_not_match(mesh):
+    with pytest.raises(TypeError, match="dtypes do not match: float32 and float64"):
+        sf.jit(seed, mesh=mesh).lower(T((8, 4, 16, 32), "float32"), T((32, 24), "float64"))
+
+
+def test_unsupported_dtype():
+    with pytest.raises(TypeError, match="unsupported dtype 'int32'"):
+        T((2, 2), "int32")
+
+
+def test_array_on_another_mesh(mesh):
+    other = sf.DeviceMesh(2, backend="numpy")
+    a = sf.shard(np.random.default_rng().standard_normal((8, 2, 4, 4)), axis=1, mesh=other)
+    with pytest.raises(ValueError, match=r"sf.Array on DeviceMesh\(DIDx=2, backend=numpy\), but the function "
+                                         r"is compiled for DeviceMesh\(DIDx=4, backend=numpy\)"):
+        sf.jit(seed, mesh=mesh)(a, np.ones((4, 4)))
+
+
+def test_call_with_wrong_arity(mesh):
+    with pytest.raises(TypeError, match="takes 2 arguments, got 1"):
+        sf.jit(seed, mesh=mesh).lower(T((8, 4, 16, 32)))
+
+
+def test_bad_mesh_and_streams():
+    with pytest.raises(ValueError, match="DeviceMesh shape must be positive ints"):
+        sf.DeviceMesh(0)
+    with pytest.raises(ValueError, match="streams must be a positive int, got 0"):
+        sf.jit(seed, mesh=sf.DeviceMesh(2, backend="numpy"), streams=0)
+
+
+def test_double_annotation(mesh):
+    f = sf.jit(lambda a: sf.shard(sf.shard(a, axis=0), axis=1), mesh=mesh)
+    with pytest.raises(ValueError, match="mesh axis DIDx already shards axis 0"):
+        f.lower(T((8, 8)))
+
+
+def test_stream_outside_jit():
+    with pytest.raises(TypeError, match="inside an sf.jit function"):
+        sf.stream(np.ones(4), axis=0)
