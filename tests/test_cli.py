@@ -1,0 +1,32 @@
+"""The console entry points a new user runs first."""
+import subprocess
+import sys
+
+from shardfuse.cli import main
+
+
+def run(*args):
+    return subprocess.run([sys.executable, "-m", "shardfuse", *args], capture_output=True, text=True, timeout=120)
+
+
+def test_demo_runs_checks_and_times():
+    r = run("demo", "--backend", "numpy", "--devices", "4", "--chunks", "4", "--m", "8", "--k", "16",
+            "--n", "16", "--repeat", "2")
+    assert r.returncode == 0, r.stderr
+    out = r.stdout
+    assert "For i in range(4):" in out and "Allgather" in out
+    assert "-> OK" in out
+    assert "collectives per call: pipelined {'allgather': 4}, unpipelined {'allgather': 1}" in out
+    assert "pipelined" in out and "unpipelined" in out and " ms" in out
+
+
+def test_demo_help_lists_options():
+    r = run("demo", "--help")
+    assert r.returncode == 0
+    for opt in ("--chunks", "--streams", "--dtype", "--devices", "--m", "--k", "--n"):
+        assert opt in r.stdout
+
+
+def test_unknown_command(capsys):
+    assert main(["frobnicate"]) == 2
+    assert "unknown command 'frobnicate'" in capsys.readouterr().err
