@@ -1,0 +1,216 @@
+"""NumPy devices spread over MPI processes (``mpiexec -n P``): each process owns L >= 1 of them.
+
+Only the collectives differ from the in-memory reference (NumpyLocalBackend): each one first
+combines the contributions of this process' local devices in memory, then posts ONE
+non-blocking MPI collective across the processes of the team (Iallgather / Iallreduce /
+Ireduce_scatter_block) in its start step; its wait step does ``request.Wait()`` and copies
+the result into the local devices' views where needed.
+
+Teams: a collective over mesh axis ``m`` runs within each group of devices that differ only
+in ``m`` (mesh.teams(m)).  On a 1-D mesh that is every device: COMM_WORLD.  On a mesh with
+more axes, one sub-communicator per mesh axis is split off COMM_WORLD when the backend is
+created (collective, in axis order on every rank), provided every process' local devices
+lie in one team of that axis; a collective over an axis where they do not raises
+NotImplementedError on every rank, when the plan is bound (before anything is sent).
+
+Within a team, a process' local devices hold consecutive team positions, and the processes
+of a team are ranked by their first position, so team rank k holds positions [k*L, (k+1)*L):
+the rank-major buffers [D, ...] the executor hands over are exactly [P_team, L, ...].
+
+Buffers: gathers move raw bits (bfloat16 / float16 as uint16 views); reductions run in the
+array's dtype (float32 for bfloat16 / float16, which MPI cannot sum).
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from shardfuse.backends.numpy_local import NumpyLocalBackend
+from shardfuse.trace import np_dtype
+
+# Sub-communicators are split once per (mesh geometry, process count) and reused by every
+# mesh of that geometry: splitting is collective, and never freeing them avoids a
+# collective MPI_Comm_free at garbage-collection time (which need not be the same on all ranks).
+_TEAM_COMMS: dict = {}
+
+_HALF = ("bfloat16", "float16")
+
+
+def _buf(a: np.ndarray) -> np.ndarray:
+    """`a` as an MPI buffer: it must be one contiguous block (the executor stages others)."""
+    if not a.flags.c_contiguous:
+        raise AssertionError(f"MPI buffer of shape {a.shape}, strides {a.strides} is not contiguous")
+    return a
+
+
+def _wire(a: np.ndarray) -> np.ndarray:
+    """A buffer MPI can move bit for bit (for gathers)."""
+    a = _buf(a)
+    if a.dtype.name in _HALF:
+        return a.view(np.uint16)
+    return a
+
+
+def _reduce_dtype(dtype: str):
+    return np.dtype(np.float32) if dtype in _HALF else np_dtype(dtype)
+
+
+def _team_layout(mesh, name, nprocs):
+    """For mesh axis `name`: per process p, (team index, first team position), or the reason
+    it is not supported (some process' local devices span several teams)."""
+    per = mesh.size // nprocs
+    where = {}
+    for t, team in enumerate(mesh.teams(name)):
+        for pos, d in enumerate(team):
+            where[d] = (t, pos)
+    out = []
+    for p in range(nprocs):
+        devs = range(p * per, (p + 1) * per)
+        teams = {where[d][0] for d in devs}
+        if len(teams) != 1:
+            return None, (f"process {p} owns devices {tuple(devs)}, which lie in {len(teams)} different "
+                          f"teams of mesh axis {name!r}")
+        first = where[devs[0]][1]
+        if [where[d][1] for d in devs] != list(range(first, first + per)):  # cannot happen, but check
+            return None, f"process {p}'s devices {tuple(devs)} are not consecutive in their team of {name!r}"
+        out.append((teams.pop(), first))
+    return out, None
+
+
+class NumpyMPIBackend(NumpyLocalBackend):
+    name = "numpy-mpi"
+
+    def __init__(self, mesh):
+        super().__init__(mesh)
+        from mpi4py import MPI
+
+        self.MPI = MPI
+        world = MPI.COMM_WORLD
+        self.nprocs, self.rank = world.Get_size(), world.Get_rank()
+        if mesh.nprocs != self.nprocs:
+            raise ValueError(f"{mesh} was made for {mesh.nprocs} processes, but COMM_WORLD has {self.nprocs}")
+        self.L = len(self.local_devices)
+        self.comms: dict = {}  # mesh axis name -> team communicator
+        self.unsupported: dict = {}  # mesh axis name -> reason
+        for name in mesh.axis_names:  # the same order on every rank: the splits pair up
+            layout, why = _team_layout(mesh, name, self.nprocs)
+            if layout is None:
+                self.unsupported[name] = why
+                continue
+            if len(mesh.shape) == 1:
+                self.comms[name] = world
+                continue
+            key = (mesh.shape, mesh.axis_index(name), self.nprocs)
+            if key not in _TEAM_COMMS:
+                color, first = layout[self.rank]
+                _TEAM_COMMS[key] = world.Split(color, first)
+            self.comms[name] = _TEAM_COMMS[key]
+
+    def _comm(self, team, what):
+        if team in self.unsupported:
+            raise NotImplementedError(
+                f"{what} over mesh axis {team!r} of {self.mesh} under {self.nprocs} MPI processes: "
+                f"{self.unsupported[team]}; the MPI backend needs each process' {self.L} local devices to lie "
+                f"in one team of {team!r} (one device per process, mpiexec -n {self.mesh.size}, always does)")
+        return self.comms[team]
+
+    def _slot_alias(self, a, b):
+        return a.slot == b.slot
+
+    # ---- collectives ------------------------------------------------------------------
+    def bind_allgather(self, send, recv, team, stream):
+        """send: [*S] per local device; recv: rank-major [D, *S] per local device (both contiguous)."""
+        comm = self._comm(team, "allgather")
+        L = self.L
+        first = comm.Get_rank() * L  # this process' first position in the team
+        assert recv.shape[0] == comm.Get_size() * L, (recv.shape, comm.Get_size(), L)
+        direct = L == 1 and not self._slot_alias(send, recv)
+        state = {}
+
+        def start(bufs):
+            s, r = self._views(bufs, send), self._views(bufs, recv)
+            r0 = r[0]
+            if direct:
+                state["req"] = comm.Iallgather(_wire(s[0]), _wire(r0))
+            else:
+                for j in range(L):
+                    r0[first + j] = s[j]
+                state["req"] = comm.Iallgather(self.MPI.IN_PLACE, _wire(r0))
+            state["r"] = r
+
+        def wait(bufs):
+            state.pop("req").Wait()
+            r = state.pop("r")
+            for j in range(1, L):
+                r[j][...] = r[0]
+        return start, wait
+
+    def bind_allreduce(self, send, recv, team, stream):
+        """send, recv: [*S] per local device (contiguous); recv = sum over the team."""
+        comm = self._comm(team, "allreduce")
+        L, red = self.L, _reduce_dtype(send.dtype)
+        native = red == np_dtype(send.dtype)
+        direct_send = L == 1 and native and not self._slot_alias(send, recv)
+        sbuf = None if direct_send else np.empty(send.shape, red)
+        rbuf = None if native else np.empty(recv.shape, red)
+        state = {}
+
+        def start(bufs):
+            s, r = self._views(bufs, send), self._views(bufs, recv)
+            if direct_send:
+                src = s[0]
+            else:
+                acc = s[0].astype(np.float64) if L > 1 else s[0]
+                for x in s[1:]:
+                    acc = acc + x
+                sbuf[...] = acc
+                src = sbuf
+            dst = r[0] if native else rbuf
+            state["req"] = comm.Iallreduce(_buf(src), _buf(dst), self.MPI.SUM)
+            state["r"] = r
+
+        def wait(bufs):
+            state.pop("req").Wait()
+            r = state.pop("r")
+            if not native:
+                r[0][...] = rbuf
+            for j in range(1, L):
+                r[j][...] = r[0]
+        return start, wait
+
+    def bind_reduce_scatter(self, send, recv, team, stream):
+        """send: rank-major [D, *R] per local device (contiguous); recv: [*R] per local device,
+        device at team position q gets the team's sum of block q."""
+        comm = self._comm(team, "reduce_scatter")
+        L, red = self.L, _reduce_dtype(send.dtype)
+        native = red == np_dtype(send.dtype)
+        assert send.shape[0] == comm.Get_size() * L, (send.shape, comm.Get_size(), L)
+        direct_send = L == 1 and native and not self._slot_alias(send, recv)
+        direct_recv = L == 1 and native
+        sbuf = None if direct_send else np.empty(send.shape, red)
+        rbuf = None if direct_recv else np.empty((L,) + tuple(recv.shape), red)
+        count = L * int(np.prod(recv.shape, dtype=np.int64))
+        state = {}
+
+        def start(bufs):
+            s, r = self._views(bufs, send), self._views(bufs, recv)
+            if direct_send:
+                src = s[0]
+            else:
+                acc = s[0].astype(np.float64) if L > 1 else s[0]
+                for x in s[1:]:
+                    acc = acc + x
+                sbuf[...] = acc
+                src = sbuf
+            dst = r[0] if direct_recv else rbuf
+            state["req"] = comm.Ireduce_scatter_block(_buf(src), _buf(dst), self.MPI.SUM) if count else None
+            state["r"] = r
+
+        def wait(bufs):
+            req = state.pop("req")
+            if req is not None:
+                req.Wait()
+            r = state.pop("r")
+            if not direct_recv:
+                for j in range(L):
+                    r[j][...] = rbuf[j]
+        return start, wait
