@@ -31,14 +31,15 @@ def _drop_dead(instrs, outputs):
 
 
 def fold_annotations(prog):
+    live = _drop_dead(prog.instrs, prog.outputs)
     mapping = {}
     for v in prog.inputs:
         if v.type.layout is None:
-            first = next((i for i in prog.instrs if _is_annotation(i) and i.ins[0] is v), None)
+            first = next((i for i in live if _is_annotation(i) and i.ins[0] is v), None)
             lay = first.outs[0].type.layout.placement() if first else Layout.replicated(v.type.ndim)
             mapping[v] = Value(v.name, v.type.with_layout(lay))
     inputs = tuple(mapping.get(v, v) for v in prog.inputs)
-    instrs = substitute(_drop_dead(prog.instrs, prog.outputs), mapping)
+    instrs = substitute(live, mapping)
 
     uses = Counter(v for i in instrs for v in i.ins)
     uses.update(prog.outputs)
