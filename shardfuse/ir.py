@@ -149,6 +149,16 @@ def _attrs(a: dict, skip=()) -> str:
     return ", ".join(f"{k}={v}" for k, v in a.items() if k not in skip)
 
 
+_STREAM_FORMATS = {
+    "get_stream": "{out} = GetCurrentStream",
+    "set_stream": "SetCurrentStream {stream}",
+    "synchronize": "Synchronize {stream}",
+    "record_event": "{out} = RecordEvent {stream}",
+    "wait_event": "WaitEvent {ins}",
+    "wait": "Wait {ins}",
+}
+
+
 def _fmt(ins: Instr) -> str:
     a, op = ins.attrs, ins.op
     ins_s = ", ".join(v.name for v in ins.ins)
@@ -159,18 +169,9 @@ def _fmt(ins: Instr) -> str:
         v = ins.outs[0]
         pool = f"{a['pool']} x " if a.get("pool") else ""
         return f"{v.name} = Allocate {pool}{v.type}  ({where})"
-    if op == "get_stream":
-        return f"{ins.outs[0].name} = GetCurrentStream"
-    if op == "set_stream":
-        return f"SetCurrentStream {a['stream']}"
-    if op == "synchronize":
-        return f"Synchronize {a['stream']}"
-    if op == "wait":
-        return f"Wait {ins_s}"
-    if op == "record_event":
-        return f"{ins.outs[0].name} = RecordEvent {a['stream']}"
-    if op == "wait_event":
-        return f"WaitEvent {ins_s}"
+    if op in _STREAM_FORMATS:
+        out = ins.outs[0].name if ins.outs else ""
+        return _STREAM_FORMATS[op].format(out=out, ins=ins_s, stream=a.get("stream"))
     if op in ("slice", "shard_slice", "view", "select"):
         name = {"slice": "Slice", "shard_slice": "ShardSlice", "view": "View", "select": "Select"}[op]
         extra = _attrs(a, skip=("shape",))

@@ -12,20 +12,20 @@ def mesh(d):
     return sf.DeviceMesh(d, backend="numpy")
 
 
-@pytest.mark.parametrize("dtype", ["float32", "float64"])
-@pytest.mark.parametrize("streams", [1, 2, 4])
-@pytest.mark.parametrize("chunks", [1, 2, 4, 8])
-@pytest.mark.parametrize("d", DEVICES)
-@pytest.mark.parametrize("b_sharded", [False, True], ids=["b_replicated", "b_column_sharded"])
+def full_matrix(test):
+    """D in {1, 2, 3, 4} x chunks {1, 2, 4, 8} x streams {1, 2, 4} x dtypes x B replicated / column-sharded."""
+    for name, values in [("dtype", ["float32", "float64"]), ("streams", [1, 2, 4]), ("chunks", [1, 2, 4, 8]),
+                         ("d", DEVICES)]:
+        test = pytest.mark.parametrize(name, values)(test)
+    return pytest.mark.parametrize("b_sharded", [False, True], ids=["b_replicated", "b_column_sharded"])(test)
+
+
+@full_matrix
 def test_seed_layout(d, chunks, streams, dtype, b_sharded):
     seed_case(mesh(d), chunks, streams, dtype, b_sharded)
 
 
-@pytest.mark.parametrize("dtype", ["float32", "float64"])
-@pytest.mark.parametrize("streams", [1, 2, 4])
-@pytest.mark.parametrize("chunks", [1, 2, 4, 8])
-@pytest.mark.parametrize("d", DEVICES)
-@pytest.mark.parametrize("b_sharded", [False, True], ids=["b_replicated", "b_column_sharded"])
+@full_matrix
 def test_natural_layout(d, chunks, streams, dtype, b_sharded):
     natural_case(mesh(d), chunks, streams, dtype, b_sharded)
 
