@@ -1,0 +1,58 @@
+"""Runs inside every rank of `mpiexec -n P python -m mpi4py -m pytest tests/mpi/` (launched by
+tests/test_mpi.py; the outer run never collects this folder, see tests/conftest.py).
+
+A test that fails on one rank would leave the other ranks waiting in its collectives, or
+pair them with the next test's.  So a failure (or a collection error) on any rank prints its
+report, tagged with the rank, and calls MPI.COMM_WORLD.Abort(1): the whole job ends at once
+with a non-zero exit status.  At the end each rank writes its counts to
+$SHARDFUSE_MPI_REPORT/rank<r>.json (when set), which the outer test checks.
+"""
+from __future__ import annotations
+
+import json
+import os
+import sys
+
+import pytest
+
+os.environ.setdefault("SHARDFUSE_POISON", "1")
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # tests/: cases.py
+
+from mpi4py import MPI  # noqa: E402
+
+COMM = MPI.COMM_WORLD
+RANK, SIZE = COMM.Get_rank(), COMM.Get_size()
+_counts = {"passed": 0, "failed": 0, "skipped": 0}
+
+
+def _abort(what, report):
+    text = getattr(report, "longreprtext", "") or str(report.longrepr)
+    sys.stderr.write(f"\n[rank {RANK}/{SIZE}] {what} FAILED: {report.nodeid}\n{text}\n"
+                     f"[rank {RANK}/{SIZE}] aborting the MPI job\n")
+    sys.stderr.flush()
+    sys.stdout.flush()
+    COMM.Abort(1)
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item, call):
+    outcome = yield
+    rep = outcome.get_result()
+    if rep.failed:
+        _abort(f"test ({rep.when})", rep)
+    if rep.when == "call" and rep.passed:
+        _counts["passed"] += 1
+    elif rep.skipped:
+        _counts["skipped"] += 1
+
+
+def pytest_collectreport(report):
+    if report.failed:
+        _abort("collection", report)
+
+
+def pytest_sessionfinish(session, exitstatus):
+    out = os.environ.get("SHARDFUSE_MPI_REPORT")
+    if out:
+        with open(os.path.join(out, f"rank{RANK}.json"), "w") as f:
+            json.dump({"rank": RANK, "size": SIZE, "exitstatus": int(exitstatus), **_counts}, f)

@@ -1,0 +1,243 @@
+"""The shared case bodies (tests/cases.py), run inside `mpiexec -n P` ranks on the MPI backend.
+
+Meshes: sf.DeviceMesh(4) (under -n 2 each process owns 2 devices, under -n 4 one) and
+sf.DeviceMesh(P) (one device per process); 2-D meshes for the team sub-communicators.
+Every rank runs every test in the same order, so the collectives pair up.
+"""
+from __future__ import annotations
+
+import time
+
+import numpy as np
+import pytest
+from mpi4py import MPI
+
+import cases
+import shardfuse as sf
+from shardfuse.executor import Ref, contiguous_strides
+
+COMM = MPI.COMM_WORLD
+RANK, NPROCS = COMM.Get_rank(), COMM.Get_size()
+SIZES = sorted({4, NPROCS})
+DTYPES = ("float32", "float64")
+
+
+def _mesh(size):
+    mesh = sf.DeviceMesh(size)
+    assert mesh.nprocs == NPROCS and len(mesh.local_devices) == size // NPROCS
+    assert type(mesh.backend).__name__ == "NumpyMPIBackend"
+    return mesh
+
+
+@pytest.fixture(params=SIZES, ids=lambda s: f"D{s}")
+def mesh(request):
+    return _mesh(request.param)
+
+
+def test_world():
+    assert NPROCS > 1, "run under mpiexec -n P with P > 1"
+    assert COMM.allgather(RANK) == list(range(NPROCS))
+
+
+# ---- the shared bodies -------------------------------------------------------------------
+@pytest.mark.parametrize("b_sharded", [False, True], ids=["bR", "bS"])
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("streams", [1, 2, 4])
+@pytest.mark.parametrize("chunks", [1, 2, 4, 8])
+def test_seed(mesh, chunks, streams, dtype, b_sharded):
+    cases.seed_case(mesh, chunks, streams, dtype, b_sharded)
+
+
+@pytest.mark.parametrize("b_sharded", [False, True], ids=["bR", "bS"])
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("chunks,streams", [(1, 1), (2, 2), (4, 4), (4, 1)])
+def test_natural(mesh, chunks, streams, dtype, b_sharded):
+    cases.natural_case(mesh, chunks, streams, dtype, b_sharded)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_unpipelined(mesh, dtype):
+    cases.unpipelined_case(mesh, dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("axis", [0, 1])
+def test_allgather(mesh, axis, dtype):
+    cases.allgather_case(mesh, axis, dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_allreduce(mesh, dtype):
+    cases.allreduce_case(mesh, dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_reduce_scatter(mesh, dtype):
+    cases.reduce_scatter_case(mesh, dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_slice(mesh, dtype):
+    cases.slice_case(mesh, dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_from_local(mesh, dtype):
+    cases.from_local_case(mesh, dtype)
+
+
+def test_repeated_calls_reuse_the_binding(mesh):
+    """One plan called several times (persistent staging buffers, fresh requests each call)."""
+    for _ in range(3):
+        cases.seed_case(mesh, 4, 2, "float32")
+        cases.reduce_scatter_case(mesh)
+        cases.allreduce_case(mesh)
+
+
+# ---- half precision: gathers as uint16 bits, reductions in float32 ---------------------------
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+def test_half_precision(mesh, dtype):
+    from shardfuse.trace import np_dtype
+
+    dt, d = np_dtype(dtype), mesh.size
+    rng = cases.fresh_rng(mesh)
+    x = rng.standard_normal((2 * d, 3)).astype(dt)
+    f = sf.jit(lambda x: sf.replicate(sf.shard(x, axis=0)), mesh=mesh)
+    got = f(sf.shard(x, axis=0, mesh=mesh)).gather()
+    assert got.dtype == dt and np.array_equal(got.view(np.uint16), x.view(np.uint16))  # bit-exact
+    g = sf.jit(lambda x: sf.shard(x, axis=1).sum(1), mesh=mesh)
+    y = rng.standard_normal((4, 2 * d)).astype(dt)
+    ref = y.astype(np.float64).sum(1)
+    err = np.abs(np.asarray(g(y).gather(), np.float64) - ref).max()
+    assert err <= 0.05 * np.abs(y.astype(np.float64)).sum(1).max(), err
+
+
+# ---- 2-D meshes: per-axis team communicators ------------------------------------------------
+MESHES_2D = [(2, 2), (2, 4), (4, 2), (1, 4), (4, 1)]
+
+
+def _supported(mesh, over):
+    """Whether every process' local devices lie in one team of `over` (what the backend needs)."""
+    L = len(mesh.local_devices)
+    per_team = {}
+    for t, team in enumerate(mesh.teams(over)):
+        for d in team:
+            per_team[d] = t
+    return all(len({per_team[d] for d in range(p * L, (p + 1) * L)}) == 1 for p in range(NPROCS))
+
+
+@pytest.mark.parametrize("shape", MESHES_2D, ids=lambda s: "x".join(map(str, s)))
+@pytest.mark.parametrize("over", ["DIDy", "DIDx"])
+def test_2d_mesh_collectives(shape, over):
+    if np.prod(shape) % NPROCS:
+        pytest.skip(f"a mesh of {shape} cannot be split over {NPROCS} processes")
+    mesh = sf.DeviceMesh(shape)
+    ok = _supported(mesh, over)
+    rng = cases.fresh_rng(mesh)
+    n = mesh.axis_size(over)
+    x = rng.standard_normal((2 * n, 3 * n, 2))
+    w = rng.standard_normal((3 * n, 4))
+
+    gather = sf.jit(lambda x: sf.replicate(sf.shard(x, axis=1, over=over)), mesh=mesh)
+    reduce = sf.jit(lambda x: sf.shard(x, axis=1, over=over).sum(1), mesh=mesh)
+
+    @sf.jit(mesh=mesh)
+    def row_parallel(x, w):
+        return sf.shard(sf.shard(x, axis=1, over=over) @ sf.shard(w, axis=0, over=over), axis=0, over=over)
+
+    x2 = x[..., 0]
+    runs = [
+        (lambda: gather(sf.shard(x, axis=1, over=over, mesh=mesh)), x),
+        (lambda: reduce(x2), x2.sum(1)),
+        (lambda: row_parallel(x2, w), x2 @ w),
+    ]
+    for run, ref in runs:
+        if ok:
+            cases.assert_close(run().gather(), ref, "float64")
+        else:
+            with pytest.raises(NotImplementedError, match="lie in .* different teams"):
+                run()
+    assert all(COMM.allgather(True))  # every rank got here: nothing was left half-sent
+
+
+def test_2d_mesh_both_axes():
+    """Gathers over both mesh axes in one program (two team communicators)."""
+    shape = (2, NPROCS // 2) if NPROCS >= 4 else (NPROCS, 1)
+    mesh = sf.DeviceMesh(shape)
+    rng = cases.fresh_rng(mesh)
+    x = rng.standard_normal((4 * shape[0], 4 * shape[1]))
+    f = sf.jit(lambda x: sf.replicate(sf.shard(sf.shard(x, axis=0, over="DIDy"), axis=1, over="DIDx")), mesh=mesh)
+    assert f.lower(sf.TensorSpec(x.shape, "float64")).collectives() == {"allgather": 2}
+    cases.assert_close(f(x).gather(), x, "float64")
+
+
+# ---- start really is non-blocking -------------------------------------------------------------
+def _token_ring(start, wait, bufs):
+    """Rank r > 0 starts only after rank r-1 has returned from its start (a token): if start
+    blocked until every rank joined the collective, rank 0 would never send the token."""
+    if RANK > 0:
+        req = COMM.irecv(source=RANK - 1, tag=77)
+        deadline = time.monotonic() + 10
+        while True:
+            done, _ = req.test()
+            if done:
+                break
+            assert time.monotonic() < deadline, "start() blocked: no token from the previous rank in 10 s"
+            time.sleep(0.001)
+    start(bufs)
+    if RANK + 1 < NPROCS:
+        COMM.send(True, dest=RANK + 1, tag=77)
+    wait(bufs)
+
+
+def _ref(slot, shape, dtype, L):
+    return Ref(slot, (0,) * L, tuple(shape), contiguous_strides(tuple(shape)), dtype)
+
+
+@pytest.mark.parametrize("op", ["allgather", "allreduce", "reduce_scatter"])
+def test_start_is_nonblocking(mesh, op):
+    be, L, D = mesh.backend, len(mesh.local_devices), mesh.size
+    s = (3, 2)
+    rows = {"allgather": ((s, (D,) + s)), "allreduce": (s, s), "reduce_scatter": ((D,) + s, s)}
+    sshape, rshape = rows[op]
+    send, recv = _ref(0, sshape, "float64", L), _ref(1, rshape, "float64", L)
+    start, wait = getattr(be, f"bind_{op}")(send, recv, "DIDx", "main")
+    assert wait is not None, "the MPI backend must split start and wait"
+    sends = [np.full(sshape, float(d + 1)) for d in mesh.local_devices]
+    recvs = [np.full(rshape, np.nan) for _ in mesh.local_devices]
+    _token_ring(start, wait, [sends, recvs])
+    total = D * (D + 1) / 2
+    for j, d in enumerate(mesh.local_devices):
+        if op == "allgather":
+            expect = np.arange(1, D + 1, dtype=float)[:, None, None] * np.ones(s)
+        elif op == "allreduce":
+            expect = np.full(s, total)
+        else:
+            expect = np.full(s, total)  # every block of every device is the same sum here
+        np.testing.assert_array_equal(recvs[j], expect)
+
+
+# ---- bad input is raised before communication, on every rank --------------------------------
+def test_shape_error_at_lower_is_raised_on_every_rank(mesh):
+    d = mesh.size
+
+    @sf.jit(mesh=mesh, streams=2)
+    def ag_matmul(a, b):
+        return sf.stream(sf.shard(a, axis=1, over="DIDx") @ b, axis=0)
+
+    with pytest.raises(ValueError, match="contraction sizes differ"):
+        ag_matmul.lower(sf.TensorSpec((2, d, 4, 8)), sf.TensorSpec((9, 8)))
+    with pytest.raises(ValueError, match="cannot shard axis"):
+        ag_matmul.lower(sf.TensorSpec((2, d + 1, 4, 8)), sf.TensorSpec((8, 8)))
+    assert COMM.allgather("raised") == ["raised"] * NPROCS  # every rank raised, none is stuck
+    cases.seed_case(mesh, 2, 2, "float32")  # and the next collectives still pair up
+
+
+def test_wrong_argument_shape_at_call_is_raised_on_every_rank(mesh):
+    d = mesh.size
+    f = sf.jit(lambda x: sf.replicate(sf.shard(x, axis=0)), mesh=mesh)
+    plan = f.lower(sf.TensorSpec((2 * d, 3), "float64"))
+    with pytest.raises(ValueError, match="expected shape"):
+        plan(np.zeros((2 * d, 4)))
+    assert COMM.allgather("raised") == ["raised"] * NPROCS
+    cases.allgather_case(mesh, 0)

@@ -1,0 +1,144 @@
+"""The MPI tier, from the one normal test command (`python -m pytest`).
+
+Each test launches `mpiexec -n P` as a subprocess with a timeout (its whole process group
+is killed if it runs over), so a hang fails the test instead of the run:
+
+* tests/mpi/ (the shared case bodies on the MPI backend) under -n 2 and -n 4, checking the
+  job passed and ran > 0 tests on every rank;
+* a job where rank 1 fails before a collective that rank 0 has entered must end fast, with a
+  non-zero status and rank 1's message (tests/mpi/fail_one_rank.py, and the pytest Abort hook);
+* `mpiexec -n 2 python -m shardfuse demo --repeat 1` prints OK.
+
+mpiexec is looked for next to sys.executable first (the `mpich` wheel puts it in the venv),
+then on PATH.  Skipped, with the reason, only when there is no mpiexec or no mpi4py.
+"""
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+MPI_TESTS = ROOT / "tests" / "mpi"
+
+
+def _find_mpiexec():
+    here = Path(sys.executable).parent / "mpiexec"
+    if here.is_file() and os.access(here, os.X_OK):
+        return str(here)
+    return shutil.which("mpiexec")
+
+
+MPIEXEC = _find_mpiexec()
+HAVE_MPI4PY = importlib.util.find_spec("mpi4py") is not None
+
+if MPIEXEC is None or not HAVE_MPI4PY:
+    pytest.skip("MPI tier skipped: " + ("no mpiexec next to sys.executable or on PATH" if MPIEXEC is None
+                                        else "mpi4py is not installed") + " (pip install -e '.[mpi,test]')",
+                allow_module_level=True)
+if any(k in os.environ for k in ("PMI_RANK", "PMI_SIZE", "OMPI_COMM_WORLD_SIZE", "PMIX_RANK")):
+    pytest.skip("MPI tier skipped: this pytest itself runs under mpiexec (no nested launches)",
+                allow_module_level=True)
+
+
+def _launcher_flags():
+    """Open MPI wants --oversubscribe for 4 ranks on 2 cores, and --allow-run-as-root as root."""
+    try:
+        version = subprocess.run([MPIEXEC, "--version"], capture_output=True, text=True, timeout=20,
+                                 stdin=subprocess.DEVNULL).stdout
+    except (OSError, subprocess.TimeoutExpired):
+        return []
+    if "Open MPI" not in version and "OpenRTE" not in version:
+        return []
+    flags = ["--oversubscribe"]
+    if hasattr(os, "geteuid") and os.geteuid() == 0:
+        flags.append("--allow-run-as-root")
+    return flags
+
+
+FLAGS = _launcher_flags()
+
+
+def mpirun(n, args, timeout, env=None):
+    """Run `mpiexec -n n python ARGS` from the repo root: (returncode or None on timeout,
+    combined output, seconds)."""
+    cmd = [MPIEXEC, "-n", str(n), *FLAGS, sys.executable, *args]
+    full_env = {**os.environ, "SHARDFUSE_POISON": "1", "PYTHONUNBUFFERED": "1", **(env or {})}
+    t0 = time.monotonic()
+    proc = subprocess.Popen(cmd, cwd=ROOT, env=full_env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True, errors="replace", start_new_session=True)
+    try:
+        out, _ = proc.communicate(timeout=timeout)
+        rc = proc.returncode
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)  # mpiexec and every rank it started
+        out, _ = proc.communicate()
+        rc = None
+    return rc, out, time.monotonic() - t0
+
+
+def _tail(out, n=6000):
+    return out if len(out) <= n else "...\n" + out[-n:]
+
+
+# ---- the shared case bodies on the MPI backend --------------------------------------------
+@pytest.mark.parametrize("nprocs", [2, 4])
+def test_mpi_cases(nprocs, tmp_path):
+    # BLAS threads of P ranks on 2 cores only fight each other (and the test matrices are tiny).
+    env = {"SHARDFUSE_MPI_REPORT": str(tmp_path),
+           "OPENBLAS_NUM_THREADS": os.environ.get("OPENBLAS_NUM_THREADS", "1"),
+           "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
+    rc, out, secs = mpirun(nprocs, ["-m", "mpi4py", "-m", "pytest", str(MPI_TESTS), "-q", "-p", "no:cacheprovider"],
+                           timeout=240, env=env)
+    assert rc is not None, f"mpiexec -n {nprocs} pytest tests/mpi/ hung (killed after {secs:.0f} s):\n{_tail(out)}"
+    assert rc == 0, f"mpiexec -n {nprocs} pytest tests/mpi/ failed (exit {rc}):\n{_tail(out)}"
+    # pytest's own summary line(s): "N passed[, M skipped] in Xs", one per rank (may interleave)
+    passed = [int(m) for m in re.findall(r"(\d+) passed", out)]
+    assert passed and max(passed) > 0, f"no tests ran under mpiexec -n {nprocs}:\n{_tail(out)}"
+    assert not re.search(r"\d+ (failed|error)", out), _tail(out)
+    # and every rank's own count (written by tests/mpi/conftest.py)
+    reports = [json.loads(p.read_text()) for p in sorted(tmp_path.glob("rank*.json"))]
+    assert sorted(r["rank"] for r in reports) == list(range(nprocs)), f"missing rank reports:\n{_tail(out)}"
+    counts = {r["passed"] for r in reports}
+    assert len(counts) == 1 and counts.pop() > 0, reports
+    assert all(r["failed"] == 0 and r["exitstatus"] == 0 and r["size"] == nprocs for r in reports), reports
+
+
+# ---- a rank that fails before a collective ends the job, fast --------------------------------
+FAST = 20  # seconds: a failure must end the job well before any hang detector would
+
+
+def test_one_rank_failing_before_a_collective_ends_the_job():
+    rc, out, secs = mpirun(2, ["-m", "mpi4py", str(MPI_TESTS / "fail_one_rank.py")], timeout=60)
+    assert rc is not None, f"the job hung after rank 1 failed (killed after {secs:.0f} s):\n{_tail(out)}"
+    assert rc != 0, f"the job exited 0 although rank 1 failed:\n{_tail(out)}"
+    assert secs < FAST, f"the job took {secs:.1f} s to end after rank 1 failed:\n{_tail(out)}"
+    assert "rank 1 fails on purpose before the collective" in out, _tail(out)
+    assert "rank 0: bound, entering the allgather" in out, _tail(out)
+    assert "UNEXPECTED" not in out, _tail(out)
+
+
+def test_pytest_abort_hook_ends_the_job_when_one_rank_fails():
+    rc, out, secs = mpirun(2, ["-m", "mpi4py", "-m", "pytest", str(MPI_TESTS / "hook_failure_check.py"),
+                               "-q", "-p", "no:cacheprovider"], timeout=60)
+    assert rc is not None, f"the job hung after a test failed on rank 1 (killed after {secs:.0f} s):\n{_tail(out)}"
+    assert rc != 0 and secs < FAST, (rc, secs, _tail(out))
+    assert "[rank 1/2] test (call) FAILED" in out and "injected failure on rank 1" in out, _tail(out)
+
+
+# ---- the demo, one device per process -----------------------------------------------------
+def test_demo_under_mpiexec():
+    rc, out, secs = mpirun(2, ["-m", "shardfuse", "demo", "--repeat", "1"], timeout=120)
+    assert rc == 0, f"mpiexec -n 2 python -m shardfuse demo failed (exit {rc}, {secs:.0f} s):\n{_tail(out)}"
+    assert "2 process(es)" in out, _tail(out)
+    assert re.search(r"relative error \S+ \(tolerance \S+\) -> OK", out), _tail(out)
+    assert "FAILED" not in out, _tail(out)
