@@ -17,6 +17,7 @@ class Layout:
     axes: tuple  # per tensor axis: None | mesh axis name | STREAM
     partial: tuple = ()  # mesh axes with a pending sum
     chunks: int | None = None  # stream chunks when the STREAM axis is to be split (sf.stream(chunks=))
+    stream_over: str | None = None  # mesh axis that also shards the STREAM axis (until it is split)
 
     @staticmethod
     def replicated(ndim: int) -> "Layout":
@@ -43,23 +44,23 @@ class Layout:
     def with_axis(self, i: int, what) -> "Layout":
         axes = list(self.axes)
         axes[i] = what
-        return Layout(tuple(axes), self.partial, self.chunks)
+        return Layout(tuple(axes), self.partial, self.chunks, self.stream_over)
 
     def placement(self) -> "Layout":
         """The layout without its schedule (STREAM axes serial): where data lives."""
-        return Layout(tuple(None if a == STREAM else a for a in self.axes), self.partial)
+        return Layout(tuple(self.stream_over if a == STREAM else a for a in self.axes), self.partial)
 
     def local_shape(self, shape, mesh) -> tuple:
         out = []
-        for n, a in zip(shape, self.axes):
-            out.append(n if a in (None, STREAM) else n // mesh.axis_size(a))
+        for n, a in zip(shape, self.placement().axes):
+            out.append(n if a is None else n // mesh.axis_size(a))
         return tuple(out)
 
     def placements(self, mesh) -> tuple:
         """DTensor-style placement per mesh axis: 'S(i)', 'R' or 'P'."""
         out = []
         for name in mesh.axis_names:
-            i = self.mesh_axis_of(name)
+            i = self.placement().mesh_axis_of(name)
             out.append(f"S({i})" if i is not None else ("P" if name in self.partial else "R"))
         return tuple(out)
 
@@ -70,6 +71,9 @@ def format_type(shape, dtype, layout) -> str:
     if layout is None:
         return f"{short}[{', '.join(map(str, shape))}] ?"
     dims = [str(n) if a is None else f"{n}:{a}" for n, a in zip(shape, layout.axes)]
+    if layout.stream_over:
+        k = layout.stream_axis()
+        dims[k] = f"{shape[k]}:{layout.stream_over}+{STREAM}"
     text = f"{short}[{', '.join(dims)}]"
     if layout.chunks:
         text += f" chunks={layout.chunks}"

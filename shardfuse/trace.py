@@ -128,22 +128,31 @@ def _annotate(x: Traced, axis: int, what, chunks=None) -> Traced:
     if prev is not None and prev.attrs.get("annotation"):
         layout = prev.outs[0].type.layout
         base = Traced(x.builder, prev.ins[0])
-    if layout.axes[ax] is not None:
-        raise ValueError(f"axis {ax} of {x.value.name}{shape} is already annotated as {layout.axes[ax]}")
+    cur = layout.axes[ax]
+    name = x.value.name
     if what == STREAM:
         if STREAM in layout.axes:
-            raise ValueError(f"{x.value.name} already has a stream axis ({layout.stream_axis()})")
+            raise ValueError(f"{name} already has a stream axis ({layout.stream_axis()})")
         if chunks is not None and (chunks < 1 or shape[ax] % chunks):
             raise ValueError(f"stream chunks={chunks} does not divide axis {ax} of extent {shape[ax]}")
-        layout = Layout(layout.with_axis(ax, STREAM).axes, chunks=chunks)
+        if cur is not None and chunks is None:
+            raise ValueError(f"axis {ax} of {name}{shape} is sharded over {cur}: streaming it too needs chunks=")
+        layout = Layout(layout.with_axis(ax, STREAM).axes, chunks=chunks, stream_over=cur)
     else:
         n = mesh.axis_size(what)  # raises for unknown mesh axis names
-        if layout.mesh_axis_of(what) is not None:
-            raise ValueError(f"mesh axis {what} already shards axis {layout.mesh_axis_of(what)} of {x.value.name}")
+        if layout.placement().mesh_axis_of(what) is not None:
+            raise ValueError(f"mesh axis {what} already shards axis {layout.placement().mesh_axis_of(what)} of {name}")
+        if cur == STREAM and (layout.chunks is None or layout.stream_over):
+            raise ValueError(f"axis {ax} of {name}{shape} is streamed without chunks=: it cannot be sharded too")
+        if cur not in (None, STREAM):
+            raise ValueError(f"axis {ax} of {name}{shape} is already sharded over {cur}")
         if shape[ax] % n:
             raise ValueError(f"cannot shard axis {ax} of extent {shape[ax]} over {what}: "
                              f"the mesh axis has {n} devices, which does not divide {shape[ax]}")
-        layout = Layout(layout.with_axis(ax, what).axes, chunks=layout.chunks)
+        if cur == STREAM:
+            layout = Layout(layout.axes, chunks=layout.chunks, stream_over=what)
+        else:
+            layout = Layout(layout.with_axis(ax, what).axes, chunks=layout.chunks, stream_over=layout.stream_over)
     out = TensorType(shape, x.dtype, layout)
     return x.builder.emit("set", (base,), out, base.value.name, annotation=True)
 

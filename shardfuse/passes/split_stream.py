@@ -31,6 +31,8 @@ def split_stream_axes(prog):
         if i.op == "matmul" and amap[0] is None:
             raise ValueError("sf.stream(..., chunks=) on the N axis of a matmul is not supported: stream a row or batch axis")
         sharded = {v.type.layout.axes[a] for v, a in zip(i.ins, amap) if a is not None} - {None, STREAM}
+        if lay.stream_over:
+            sharded.add(lay.stream_over)
         if len(sharded) > 1:
             raise ValueError(f"inputs of {o.name} shard its stream axis over different mesh axes {sorted(sharded)}")
         mesh_axis = sharded.pop() if sharded else None
@@ -47,11 +49,13 @@ def split_stream_axes(prog):
                 new_ins.append(v)
                 continue
             vl = v.type.layout
-            shp, axs = _split(v.type.shape, vl.axes, a, fac, (mesh_axis, None, None) if mesh_axis else (None, None))
+            d_axis = vl.axes[a] if vl.axes[a] == mesh_axis else None  # only an input sharded there keeps it
+            shp, axs = _split(v.type.shape, vl.axes, a, fac, (d_axis, None, None) if mesh_axis else (None, None))
             vv = Value(namer(v.name + "_split"), TensorType(shp, v.type.dtype, Layout(axs, vl.partial)))
             out.append(Instr("view", (vv,), (v,), {"shape": shp}))
             new_ins.append(vv)
-        shp, axs = _split(o.type.shape, lay.axes, k, fac, (None, STREAM, None) if mesh_axis else (STREAM, None))
+        split_axes = ((lay.stream_over, STREAM, None) if mesh_axis else (STREAM, None))
+        shp, axs = _split(o.type.shape, lay.axes, k, fac, split_axes)
         o_split = Value(namer(o.name + "_split"), TensorType(shp, o.type.dtype, Layout(axs, lay.partial)))
         out.append(Instr(i.op, (o_split,), tuple(new_ins), i.attrs))
         o_back = Value(o.name, o.type.with_layout(Layout(lay.placement().axes, lay.partial)))
