@@ -7,6 +7,7 @@ is killed if it runs over), so a hang fails the test instead of the run:
   job passed and ran > 0 tests on every rank;
 * a job where rank 1 fails before a collective that rank 0 has entered must end fast, with a
   non-zero status and rank 1's message (tests/mpi/fail_one_rank.py, and the pytest Abort hook);
+  so must a job where rank 0 waits alone in a collective (the per-test hang guard);
 * `mpiexec -n 2 python -m shardfuse demo --repeat 1` prints OK.
 
 mpiexec is looked for next to sys.executable first (the `mpich` wheel puts it in the venv),
@@ -133,6 +134,14 @@ def test_pytest_abort_hook_ends_the_job_when_one_rank_fails():
     assert rc is not None, f"the job hung after a test failed on rank 1 (killed after {secs:.0f} s):\n{_tail(out)}"
     assert rc != 0 and secs < FAST, (rc, secs, _tail(out))
     assert "[rank 1/2] test (call) FAILED" in out and "injected failure on rank 1" in out, _tail(out)
+
+
+def test_hang_guard_ends_a_job_stuck_in_a_collective():
+    rc, out, secs = mpirun(2, ["-m", "mpi4py", "-m", "pytest", str(MPI_TESTS / "hang_check.py"),
+                               "-q", "-p", "no:cacheprovider"], timeout=60, env={"SHARDFUSE_MPI_TEST_TIMEOUT": "3"})
+    assert rc is not None, f"the hang guard did not fire (killed after {secs:.0f} s):\n{_tail(out)}"
+    assert rc != 0 and secs < FAST, (rc, secs, _tail(out))
+    assert "Timeout (0:00:03)!" in out and "test_rank_0_waits_alone" in out, _tail(out)
 
 
 # ---- the demo, one device per process -----------------------------------------------------

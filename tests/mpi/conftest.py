@@ -6,9 +6,14 @@ pair them with the next test's.  So a failure (or a collection error) on any ran
 report, tagged with the rank, and calls MPI.COMM_WORLD.Abort(1): the whole job ends at once
 with a non-zero exit status.  At the end each rank writes its counts to
 $SHARDFUSE_MPI_REPORT/rank<r>.json (when set), which the outer test checks.
+
+A test that hangs (a collective nobody else joined) dumps every thread's stack after
+$SHARDFUSE_MPI_TEST_TIMEOUT seconds (default 60) and exits that rank, which ends the job:
+the outer test then shows where each rank was stuck instead of only timing out.
 """
 from __future__ import annotations
 
+import faulthandler
 import json
 import os
 import sys
@@ -23,14 +28,25 @@ from mpi4py import MPI  # noqa: E402
 COMM = MPI.COMM_WORLD
 RANK, SIZE = COMM.Get_rank(), COMM.Get_size()
 _counts = {"passed": 0, "failed": 0, "skipped": 0}
+TEST_TIMEOUT = float(os.environ.get("SHARDFUSE_MPI_TEST_TIMEOUT", "60"))
+_stderr_fd = None  # a copy of the real stderr, taken while pytest's capture is suspended
+
+
+def pytest_configure(config):
+    global _stderr_fd
+    _stderr_fd = os.dup(2)
 
 
 def _abort(what, report):
     text = getattr(report, "longreprtext", "") or str(report.longrepr)
-    sys.stderr.write(f"\n[rank {RANK}/{SIZE}] {what} FAILED: {report.nodeid}\n{text}\n"
-                     f"[rank {RANK}/{SIZE}] aborting the MPI job\n")
-    sys.stderr.flush()
+    msg = (f"\n[rank {RANK}/{SIZE}] {what} FAILED: {report.nodeid}\n{text}\n"
+           f"[rank {RANK}/{SIZE}] aborting the MPI job\n")
     sys.stdout.flush()
+    if _stderr_fd is not None:  # the real stderr, whatever pytest is capturing now
+        os.write(_stderr_fd, msg.encode("utf-8", "replace"))
+    else:
+        sys.stderr.write(msg)
+        sys.stderr.flush()
     COMM.Abort(1)
 
 
@@ -44,6 +60,16 @@ def pytest_runtest_makereport(item, call):
         _counts["passed"] += 1
     elif rep.skipped:
         _counts["skipped"] += 1
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_protocol(item, nextitem):
+    if TEST_TIMEOUT > 0:
+        faulthandler.dump_traceback_later(TEST_TIMEOUT, exit=True, file=_stderr_fd)
+    try:
+        yield
+    finally:
+        faulthandler.cancel_dump_traceback_later()
 
 
 def pytest_collectreport(report):
