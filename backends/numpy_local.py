@@ -15,6 +15,33 @@ from shardfuse.trace import np_dtype
 POISON = os.environ.get("SHARDFUSE_POISON") == "1"  # fill new buffers with NaN (tests)
 
 
+def _gelu(xp, x, _, out):
+    """GELU, tanh form: 0.5 x (1 + tanh(sqrt(2/pi) (x + 0.044715 x^3)))."""
+    inner = x * x
+    inner *= 0.044715 * x
+    inner += x
+    inner *= 0.7978845608028654
+    xp.tanh(inner, out=inner)
+    inner += 1.0
+    inner *= 0.5
+    xp.multiply(x, inner, out=out)
+
+
+# Elementwise ops for any array module xp (NumPy here; CuPy has the same ufuncs).
+ELEMENTWISE = {
+    "add": lambda xp, x, y, o: xp.add(x, y, out=o),
+    "sub": lambda xp, x, y, o: xp.subtract(x, y, out=o),
+    "mul": lambda xp, x, y, o: xp.multiply(x, y, out=o),
+    "div": lambda xp, x, y, o: xp.divide(x, y, out=o),
+    "scale": lambda xp, x, s, o: xp.multiply(x, x.dtype.type(s), out=o),
+    "neg": lambda xp, x, _, o: xp.negative(x, out=o),
+    "exp": lambda xp, x, _, o: xp.exp(x, out=o),
+    "tanh": lambda xp, x, _, o: xp.tanh(x, out=o),
+    "relu": lambda xp, x, _, o: xp.maximum(x, x.dtype.type(0), out=o),
+    "gelu": _gelu,
+}
+
+
 class NumpyLocalBackend:
     name = "numpy"
 
@@ -58,12 +85,15 @@ class NumpyLocalBackend:
                 np.matmul(x, y, out=o)
         return step
 
-    def bind_elementwise(self, op, a, b, out, stream):
-        fn = {"add": np.add, "mul": np.multiply}[op]
+    def bind_elementwise(self, op, a, b, out, stream, scalar=None):
+        fn = ELEMENTWISE[op]
 
         def step(bufs):
-            for x, y, o in zip(self._views(bufs, a), self._views(bufs, b), self._views(bufs, out)):
-                fn(x, y, out=o)
+            outs = self._views(bufs, out)
+            xs = self._views(bufs, a)
+            ys = self._views(bufs, b) if b is not None else [scalar] * len(outs)
+            for x, y, o in zip(xs, ys, outs):
+                fn(np, x, y, o)
         return step
 
     def bind_sum(self, a, axis, out, stream):

@@ -16,6 +16,7 @@ from shardfuse.array import Array, local_pieces
 from shardfuse.layout import Layout
 
 MAIN = "main"  # the stream the caller issues on
+ELEMENTWISE_OPS = ("add", "sub", "mul", "div", "neg", "scale", "exp", "tanh", "relu", "gelu")
 
 
 @dataclass(frozen=True)
@@ -165,7 +166,7 @@ class Executable:
                 else:
                     ref = self._allocate(shape, v.type.dtype, a.get("per_call", False), self._physical_order.get(v))
                 self.refs[v] = ref
-            elif op in ("slice", "select", "view", "shard_slice"):
+            elif op in ("slice", "select", "view", "shard_slice", "transpose"):
                 self.refs[i.outs[0]] = self._view(i, env)
             elif op == "get_stream":
                 pass
@@ -185,9 +186,10 @@ class Executable:
             elif op == "matmul":
                 x, y = (self.refs[v] for v in i.ins)
                 self.steps.append(be.bind_matmul(x, y, self.refs[i.into], stream))
-            elif op in ("add", "mul"):
-                x, y = (self.refs[v] for v in i.ins)
-                self.steps.append(be.bind_elementwise(op, x, y, self.refs[i.into], stream))
+            elif op in ELEMENTWISE_OPS:
+                x, y = (self.refs[v] for v in i.ins) if len(i.ins) == 2 else (self.refs[i.ins[0]], None)
+                scalar = {"scalar": a["value"]} if "value" in a else {}
+                self.steps.append(be.bind_elementwise(op, x, y, self.refs[i.into], stream, **scalar))
             elif op == "sum":
                 self.steps.append(be.bind_sum(self.refs[i.ins[0]], a["axis"], self.refs[i.into], stream))
             elif op == "copy":
@@ -203,6 +205,9 @@ class Executable:
             k = a["index"].eval(env)
             return Ref(src.slot, tuple(o + k * src.strides[0] for o in src.offsets), src.shape[1:],
                        src.strides[1:], src.dtype)
+        if op == "transpose":
+            perm = a["perm"]
+            return replace(src, shape=tuple(src.shape[p] for p in perm), strides=tuple(src.strides[p] for p in perm))
         out_shape = self._local_shape(i.outs[0])
         if op == "slice":
             ax = a["axis"]

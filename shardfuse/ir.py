@@ -172,13 +172,14 @@ def _fmt(ins: Instr) -> str:
     if op in _STREAM_FORMATS:
         out = ins.outs[0].name if ins.outs else ""
         return _STREAM_FORMATS[op].format(out=out, ins=ins_s, stream=a.get("stream"))
-    if op in ("slice", "shard_slice", "view", "select"):
-        name = {"slice": "Slice", "shard_slice": "ShardSlice", "view": "View", "select": "Select"}[op]
+    if op in ("slice", "shard_slice", "view", "select", "transpose"):
+        name = {"slice": "Slice", "shard_slice": "ShardSlice", "view": "View", "select": "Select",
+                "transpose": "Transpose"}[op]
         extra = _attrs(a, skip=("shape",))
         return f"{_typed(ins.outs[0])} = {name} {ins_s}" + (f", {extra}" if extra else "")
     if ins.into is not None:  # host-level compute and communication write into a buffer
-        name = {"matmul": "Matmul", "add": "Add", "mul": "Mul", "sum": "Sum", "copy": "Copy",
-                "allgather": "Allgather", "allreduce": "Allreduce", "reduce_scatter": "ReduceScatter"}[op]
+        name = {"matmul": "Matmul", "sum": "Sum", "copy": "Copy",
+                "allgather": "Allgather", "allreduce": "Allreduce", "reduce_scatter": "ReduceScatter"}.get(op, op.capitalize())
         rhs = " @ ".join(v.name for v in ins.ins) if op == "matmul" else ins_s
         extra = f", {_attrs(a)}" if a else ""
         lhs = f"{ins.outs[0].name} = " if ins.outs else ""

@@ -3,113 +3,186 @@
 Each rule answers three questions about an array-level instruction:
   infer(ins, in_layouts)            -> the output layout when nothing is annotated (propagation)
   require(ins, out_layout, in_lay)  -> (layouts the inputs must have, layout the op produces)
-                                       (produced differs from out_layout only by pending sums,
-                                       which a `set` after the op resolves)
   axis_map(ins, out_axis)           -> for each input, the axis that maps to out_axis, or None
+
+Contractions (matmul) are driven by an einsum description ("...mk,kn->...mn"), elementwise ops
+by NumPy broadcasting.  A contraction over a sharded axis is computed locally and produces
+pending sums (Partial); ops that are linear in an input let its pending sums flow through, so
+the reduction happens once, on the smallest tensor, where a consumer needs it.  A produced
+layout that differs from the wanted one is resolved by a `set` after the op.
 """
 from __future__ import annotations
 
 from shardfuse.layout import Layout
 from shardfuse.mesh import STREAM
 
+LINEAR_UNARY = {"neg", "scale", "transpose"}
+NONLINEAR_UNARY = {"exp", "tanh", "relu", "gelu"}
+BINARY = {"add", "sub", "mul", "div"}
+
 
 def _placed(a):
     return None if a == STREAM else a
 
 
-# ---- matmul: a[..., M, K] @ b[K, N] or b[..., K, N] ---------------------------------------
+def _axes(lay):
+    """Where each axis of an input lives (a stream axis that is also sharded counts as sharded)."""
+    return lay.placement().axes
 
-def _mm_dims(ins):
+
+def _union(*parts):
+    return tuple(sorted(set().union(*map(set, parts))))
+
+
+# ---- contractions from einsum subscripts ---------------------------------------------------
+
+def einsum_labels(ins):
+    """(labels of each input, labels of the output) for a matmul a[..., m, k] @ b([...,] k, n)."""
     a, b = ins.ins
-    na, nb = a.type.ndim, b.type.ndim
-    return na, nb, na  # output ndim equals a's
+    batch = tuple(f"b{j}" for j in range(a.type.ndim - 2))
+    la = batch + ("m", "k")
+    lb = (batch if b.type.ndim == a.type.ndim else ()) + ("k", "n")
+    return (la, lb), batch + ("m", "n")
 
 
-def matmul_axis_map(ins, j):
-    na, nb, no = _mm_dims(ins)
-    if j < no - 2:
-        return (j, j if nb == na else None)
-    if j == no - 2:
-        return (na - 2, None)
-    return (None, nb - 1)
+def _linear_partials(op, lays):
+    """Pending sums that may flow through this op, per input (the rest must be reduced first)."""
+    parts = [tuple(l.partial) for l in lays]
+    if op in LINEAR_UNARY or op == "sum" or op == "reshape":
+        return parts
+    if op in ("add", "sub"):  # P + P stays P only when every operand pends the same sums
+        return parts if len(set(parts)) == 1 else [()] * len(parts)
+    if op in ("mul", "matmul"):  # linear in one operand while the others are whole
+        carried = [p for p in parts if p]
+        return parts if len(carried) == 1 else [()] * len(parts)
+    if op == "div":
+        return [parts[0]] + [()] * (len(parts) - 1) if not any(parts[1:]) else [()] * len(parts)
+    return [()] * len(parts)
 
 
-def matmul_infer(ins, lays):
-    la, lb = lays
-    na, nb, no = _mm_dims(ins)
-    axes = [_placed(la.axes[j]) for j in range(no - 1)] + [_placed(lb.axes[nb - 1])]
-    if nb == na:  # batched b: a replicated batch axis takes b's sharding
-        for j in range(no - 2):
-            axes[j] = axes[j] or _placed(lb.axes[j])
-    # One mesh axis can shard only one output axis: keep the weight's (b's) choice, as nvFuser does.
-    n_axis = axes[-1]
-    if n_axis is not None:
-        axes = [None if (a == n_axis and j != no - 1) else a for j, a in enumerate(axes)]
-    k = _placed(la.axes[na - 1]) or _placed(lb.axes[nb - 2])
-    partial = (k,) if k is not None and k not in axes else ()
-    return Layout(tuple(axes), partial)
+def contraction_infer(ins, lays, labels=None):
+    in_labels, out_labels = labels or einsum_labels(ins)
+    axes = {}
+    used = set()
+    # The weight (last operand) decides first: on a tie its sharding wins, as in nvFuser.
+    for labs, lay in reversed(list(zip(in_labels, lays))):
+        for lab, a in zip(labs, _axes(lay)):
+            a = _placed(a)
+            if lab in out_labels and a is not None and lab not in axes and a not in used:
+                axes[lab] = a
+                used.add(a)
+    contracted = {_placed(a) for labs, lay in zip(in_labels, lays) for lab, a in zip(labs, _axes(lay))
+                  if lab not in out_labels} - {None}
+    carried = _linear_partials(ins.op, lays)
+    return Layout(tuple(axes.get(lab) for lab in out_labels), _union(contracted - used, *carried))
 
 
-def _keep_contraction_local(k, out):
-    """Placement a contracting op produces when its contraction axis is sharded over k:
-    local partial sums (resolved by a `set` after the op), never a reshard of the inputs'
-    other axes.  Returns (output axes without k, produced layout)."""
-    axes = [None if a == k else a for a in out.axes] if k is not None else list(out.axes)
-    partial = tuple(sorted(set(out.partial) | ({k} if k else set())))
-    return [_placed(a) for a in axes], Layout(tuple(axes), partial, out.chunks)
+def _contraction_axis(in_labels, out_labels, lays):
+    for labs, lay in zip(in_labels, lays):
+        for lab, a in zip(labs, _axes(lay)):
+            if lab not in out_labels and _placed(a) is not None:
+                return lab, _placed(a)
+    return None, None
 
 
-def matmul_require(ins, out, lays):
-    la, lb = lays
-    na, nb, no = _mm_dims(ins)
-    k = _placed(la.axes[na - 1]) or _placed(lb.axes[nb - 2])
-    placed, produced = _keep_contraction_local(k, out)
-    a_axes = placed[:no - 1] + [k]
-    b_axes = (placed[:no - 2] if nb == na else []) + [k, placed[-1]]
-    return (Layout(tuple(a_axes)), Layout(tuple(b_axes))), produced
+def contraction_require(ins, out, lays, labels=None):
+    in_labels, out_labels = labels or einsum_labels(ins)
+    klab, k = _contraction_axis(in_labels, out_labels, lays)
+    # Keep the contraction local (then reduce after) rather than reshard the inputs' other axes.
+    out_axes = [None if a == k else a for a in out.axes] if k is not None else list(out.axes)
+    placed = dict(zip(out_labels, (_placed(a) for a in out_axes)))
+    if klab is not None:
+        placed[klab] = k
+    carried = _linear_partials(ins.op, lays)
+    req = tuple(Layout(tuple(placed.get(lab) for lab in labs), carried[j]) for j, labs in enumerate(in_labels))
+    produced = Layout(tuple(out_axes), _union(out.partial, (k,) if k else (), *carried), out.chunks, out.stream_over)
+    return req, produced
 
 
-# ---- elementwise: same shapes ------------------------------------------------------------
+def contraction_axis_map(ins, j, labels=None):
+    in_labels, out_labels = labels or einsum_labels(ins)
+    lab = out_labels[j]
+    return tuple(labs.index(lab) if lab in labs else None for labs in in_labels)
+
+
+# ---- sum over one axis: a contraction too ("ij->i") ------------------------------------------
+
+def _sum_labels(ins):
+    n, ax = ins.ins[0].type.ndim, ins.attrs["axis"]
+    labs = tuple(f"a{j}" for j in range(n))
+    return (labs,), labs[:ax] + labs[ax + 1:]
+
+
+# ---- elementwise with broadcasting -------------------------------------------------------
 
 def elementwise_axis_map(ins, j):
-    return (j, j)
+    out = ins.outs[0].type
+    res = []
+    for v in ins.ins:
+        a = j - (out.ndim - v.type.ndim)
+        res.append(a if a >= 0 and v.type.shape[a] == out.shape[j] else None)
+    return tuple(res)
 
 
 def elementwise_infer(ins, lays):
-    la, lb = lays
-    axes = []
-    for x, y in zip(la.axes, lb.axes):
-        x, y = _placed(x), _placed(y)
-        axes.append(x if x is not None else (y if y not in axes else None))
-    return Layout(tuple(axes))
+    out = ins.outs[0].type
+    axes, used = [], set()
+    for j in range(out.ndim):
+        pick = None
+        for v, lay, a in zip(ins.ins, lays, elementwise_axis_map(ins, j)):
+            m = _axes(lay)[a] if a is not None else None
+            if m is not None and m not in used:
+                pick = m
+                break
+        axes.append(pick)
+        used.add(pick)
+    return Layout(tuple(axes), _union(*_linear_partials(ins.op, lays)))
 
 
 def elementwise_require(ins, out, lays):
-    req = Layout(out.placement().axes)
-    return (req, req), Layout(out.axes, (), out.chunks)
+    """Inputs in the output's layout -- except that an axis every operand already shards the
+    same way stays sharded: the op runs where the data is and one gather of the result follows,
+    instead of one gather per operand."""
+    carried = _linear_partials(ins.op, lays)
+    axes = list(out.axes)
+    for j, a in enumerate(axes):
+        if a is not None:
+            continue
+        owners = {_axes(lay)[src] for lay, src in zip(lays, elementwise_axis_map(ins, j)) if src is not None}
+        if len(owners) == 1 and None not in owners:
+            m = owners.pop()
+            if m not in axes:
+                axes[j] = m
+    req = []
+    for n, (v, lay) in enumerate(zip(ins.ins, lays)):
+        in_axes = [None] * v.type.ndim
+        for j, a in enumerate(axes):
+            src = elementwise_axis_map(ins, j)[n]
+            if src is not None:
+                in_axes[src] = _placed(a)
+        req.append(Layout(tuple(in_axes), carried[n]))
+    produced = Layout(tuple(axes), _union(out.partial, *carried), out.chunks, out.stream_over)
+    return tuple(req), produced
 
 
-# ---- sum over one axis -------------------------------------------------------------------
+# ---- transpose: a permuted view ------------------------------------------------------------
 
-def sum_axis_map(ins, j):
-    ax = ins.attrs["axis"]
-    return (j if j < ax else j + 1,)
+def transpose_axis_map(ins, j):
+    return (ins.attrs["perm"][j],)
 
 
-def sum_infer(ins, lays):
+def transpose_infer(ins, lays):
     (la,) = lays
-    ax = ins.attrs["axis"]
-    axes = [_placed(a) for i, a in enumerate(la.axes) if i != ax]
-    k = _placed(la.axes[ax])
-    return Layout(tuple(axes), tuple(sorted(set(la.partial) | ({k} if k else set()))))
+    return Layout(tuple(_axes(la)[p] for p in ins.attrs["perm"]), la.partial)
 
 
-def sum_require(ins, out, lays):
-    (la,) = lays
-    ax = ins.attrs["axis"]
-    k = _placed(la.axes[ax])
-    placed, produced = _keep_contraction_local(k, out)
-    return (Layout(tuple(placed[:ax] + [k] + placed[ax:])),), produced
+def transpose_require(ins, out, lays):
+    perm = ins.attrs["perm"]
+    axes = [None] * len(perm)
+    for j, p in enumerate(perm):
+        axes[p] = _placed(out.axes[j])
+    return (Layout(tuple(axes), lays[0].partial),), Layout(out.axes, _union(out.partial, lays[0].partial),
+                                                          out.chunks, out.stream_over)
 
 
 # ---- set and view: layouts are given, nothing is required of the input ---------------------
@@ -126,13 +199,22 @@ def _as_is(ins, out, lays):
     return tuple(lays), out
 
 
+def _no_stream_map(ins, j):
+    return (None,) * len(ins.ins)
+
+
+CONTRACTION = dict(infer=contraction_infer, require=contraction_require, axis_map=contraction_axis_map)
+ELEMENTWISE = dict(infer=elementwise_infer, require=elementwise_require, axis_map=elementwise_axis_map)
+
 RULES = {
-    "matmul": dict(infer=matmul_infer, require=matmul_require, axis_map=matmul_axis_map),
-    "add": dict(infer=elementwise_infer, require=elementwise_require, axis_map=elementwise_axis_map),
-    "mul": dict(infer=elementwise_infer, require=elementwise_require, axis_map=elementwise_axis_map),
-    "sum": dict(infer=sum_infer, require=sum_require, axis_map=sum_axis_map),
+    "matmul": CONTRACTION,
+    "sum": dict(infer=lambda i, l: contraction_infer(i, l, _sum_labels(i)),
+                require=lambda i, o, l: contraction_require(i, o, l, _sum_labels(i)),
+                axis_map=lambda i, j: contraction_axis_map(i, j, _sum_labels(i))),
+    "transpose": dict(infer=transpose_infer, require=transpose_require, axis_map=transpose_axis_map),
     "set": dict(infer=_given, require=_as_is, axis_map=identity_axis_map),
-    "view": dict(infer=_given, require=_as_is, axis_map=None),
+    "view": dict(infer=_given, require=_as_is, axis_map=_no_stream_map),
+    **{op: ELEMENTWISE for op in BINARY | LINEAR_UNARY - {"transpose"} | NONLINEAR_UNARY},
 }
 
 

@@ -101,21 +101,84 @@ class Traced:
         return self.builder.emit("matmul", (self, b), out, "c")
 
     def _elementwise(self, other, op):
+        if isinstance(other, (int, float)) and op in ("mul", "div"):
+            value = float(other) if op == "mul" else 1.0 / float(other)
+            return self._unary("scale", value=value)
         b = self._other(other, op)
-        if b.shape != self.shape:
-            raise ValueError(f"{op}: shapes differ: {self.shape} and {b.shape}")
-        return self.builder.emit(op, (self, b), TensorType(self.shape, self.dtype), op[0])
+        try:
+            shape = tuple(np.broadcast_shapes(self.shape, b.shape))
+        except ValueError:
+            raise ValueError(f"{op}: shapes {self.shape} and {b.shape} do not broadcast") from None
+        return self.builder.emit(op, (self, b), TensorType(shape, self.dtype), op[0])
+
+    def _unary(self, op, **attrs):
+        return self.builder.emit(op, (self,), TensorType(self.shape, self.dtype), op[0], **attrs)
 
     def __add__(self, other):
         return self._elementwise(other, "add")
 
+    def __sub__(self, other):
+        return self._elementwise(other, "sub")
+
     def __mul__(self, other):
         return self._elementwise(other, "mul")
+
+    def __truediv__(self, other):
+        return self._elementwise(other, "div")
+
+    def __rmul__(self, other):
+        return self._elementwise(other, "mul")
+
+    def __neg__(self):
+        return self._unary("neg")
 
     def sum(self, axis: int):
         ax = normalize_axis(axis, self.ndim, self.shape)
         out = TensorType(self.shape[:ax] + self.shape[ax + 1:], self.dtype)
         return self.builder.emit("sum", (self,), out, "s", axis=ax)
+
+    def mean(self, axis: int):
+        ax = normalize_axis(axis, self.ndim, self.shape)
+        return self.sum(ax) * (1.0 / self.shape[ax])
+
+    def transpose(self, *perm):
+        perm = tuple(perm[0]) if len(perm) == 1 and isinstance(perm[0], (tuple, list)) else perm
+        perm = perm or tuple(reversed(range(self.ndim)))
+        if sorted(perm) != list(range(self.ndim)):
+            raise ValueError(f"transpose: {perm} is not a permutation of the {self.ndim} axes of {self.shape}")
+        out = TensorType(tuple(self.shape[p] for p in perm), self.dtype)
+        return self.builder.emit("transpose", (self,), out, self.value.name + "_t", perm=tuple(perm))
+
+    T = property(lambda self: self.transpose())
+
+
+def _traced(x, what):
+    if not isinstance(x, Traced):
+        raise TypeError(f"sf.{what} takes values inside an sf.jit function, got {type(x).__name__}")
+    return x
+
+
+def exp(x):
+    return _traced(x, "exp")._unary("exp")
+
+
+def tanh(x):
+    return _traced(x, "tanh")._unary("tanh")
+
+
+def relu(x):
+    return _traced(x, "relu")._unary("relu")
+
+
+def gelu(x):
+    """GELU, tanh form (as in GPT-2 and Megatron)."""
+    return _traced(x, "gelu")._unary("gelu")
+
+
+def linear(x, w, b=None):
+    """x @ w (+ b): a dense layer."""
+    y = _traced(x, "linear") @ w
+    return y if b is None else y + b
 
 
 def _annotate(x: Traced, axis: int, what, chunks=None) -> Traced:

@@ -13,7 +13,7 @@ from dataclasses import replace
 
 from shardfuse.ir import Idx, Instr, Namer, Value, walk
 
-VIEW_OPS = ("slice", "view", "shard_slice", "select")
+VIEW_OPS = ("slice", "view", "shard_slice", "select", "transpose")
 
 
 def output_roots(prog):

@@ -24,7 +24,7 @@ def _lower(instrs, namer, mesh):
     for i in instrs:
         if i.op == "for":
             out.append(replace(i, body=tuple(_lower(i.body, namer, mesh))))
-        elif i.op in ("slice", "view"):
+        elif i.op in ("slice", "view", "transpose"):
             out.append(i)
         elif i.op == "set":
             out.extend(_lower_set(i.ins[0], i.outs[0], namer, mesh))

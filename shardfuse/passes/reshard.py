@@ -45,7 +45,7 @@ def insert_resharding(prog):
         if produced == o.type.layout:
             out.append(Instr(i.op, i.outs, ins, i.attrs))
         else:
-            tmp = Value(namer(o.name + "_partial"), o.type.with_layout(produced))
+            tmp = Value(namer(o.name + ("_partial" if produced.partial else "_local")), o.type.with_layout(produced))
             out.append(Instr(i.op, (tmp,), ins, i.attrs))
             out.append(Instr("set", (o,), (tmp,)))
 

@@ -7,7 +7,8 @@ the main stream; compute shapes agree with their destinations.
 from __future__ import annotations
 
 HOST_OPS = {"allocate", "slice", "select", "view", "shard_slice", "allgather", "allreduce", "reduce_scatter",
-            "wait", "matmul", "add", "mul", "sum", "copy", "for", "get_stream", "set_stream", "synchronize",
+            "wait", "matmul", "add", "sub", "mul", "div", "neg", "scale", "exp", "tanh", "relu", "gelu", "sum",
+            "copy", "transpose", "for", "get_stream", "set_stream", "synchronize",
             "record_event", "wait_event"}
 
 
