@@ -277,3 +277,55 @@ def test_pipelined_replicas(mesh):
         return sf.stream(sf.shard(a, axis=1, over="DIDx") @ b, axis=0)
 
     _all_replicas(ag_matmul(sf.shard(a, axis=1, over="DIDx", mesh=mesh), b), a @ b)
+
+
+# ---- beyond the seed (as in tests/test_general.py), across processes ---------------------------
+@pytest.mark.parametrize("streams", [1, 3])
+def test_pipelined_gemm_reduce_scatter(mesh, streams):
+    """Each chunk's partial sums are reduce-scattered (Ireduce_scatter_block) while the next GEMM runs."""
+    d = mesh.size
+
+    @sf.jit(mesh=mesh, streams=streams)
+    def gemm_rs(x, w):
+        x = sf.shard(x, axis=2)
+        w = sf.shard(w, axis=0)
+        return sf.stream(sf.shard(x @ w, axis=1), axis=0)
+
+    rng = cases.fresh_rng(mesh)
+    x, w = rng.standard_normal((4, 2 * d, 3 * d)), rng.standard_normal((3 * d, 5))
+    plan = gemm_rs.lower(sf.TensorSpec(x.shape, "float64"), sf.TensorSpec(w.shape, "float64"))
+    assert plan.collectives() == {"reduce_scatter": 4}
+    out = gemm_rs(x, w)
+    assert out.sharding.placements(mesh) == ("S(1)",)
+    cases.assert_close(out.gather(), x @ w, "float64")
+
+
+def test_2d_mesh_pipelined_allgather_over_one_axis():
+    mesh = sf.DeviceMesh((2, 2))  # DIDx teams are mesh rows: under -n 2 each process owns one
+
+    @sf.jit(mesh=mesh)
+    def f(a, b):
+        a = sf.shard(sf.shard(a, axis=1, over="DIDx"), axis=2, over="DIDy")
+        return sf.stream(sf.shard(a @ b, axis=2, over="DIDy"), axis=0)
+
+    rng = cases.fresh_rng(mesh)
+    a, b = rng.standard_normal((4, 2, 4, 8)), rng.standard_normal((8, 3))
+    assert f.lower(sf.TensorSpec(a.shape, "float64"), sf.TensorSpec(b.shape, "float64")).collectives() == \
+        {"allgather": 4}
+    out = f(a, b)
+    assert out.sharding.placements(mesh) == ("S(2)", "R")
+    cases.assert_close(out.gather(), a @ b, "float64")
+
+
+def test_named_mesh_axes():
+    mesh = sf.DeviceMesh((2, 2), ("dp", "tp"))
+    f = sf.jit(lambda x, w: sf.replicate(sf.shard(x, axis=0, over="dp") @ sf.shard(w, axis=1, over="tp")),
+               mesh=mesh)
+    rng = cases.fresh_rng(mesh)
+    x, w = rng.standard_normal((4, 3)), rng.standard_normal((3, 6))
+    if _supported(mesh, "dp"):
+        cases.assert_close(f(x, w).gather(), x @ w, "float64")
+    else:  # -n 2: process 0 owns devices 0, 1, which are in two different dp teams
+        with pytest.raises(NotImplementedError, match="mesh axis 'dp'"):
+            f(x, w)
+    assert all(COMM.allgather(True))
