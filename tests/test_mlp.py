@@ -1,0 +1,57 @@
+"""The tensor-parallel MLP block: results, and exactly the collectives each mode should insert."""
+import numpy as np
+import pytest
+
+import shardfuse as sf
+from cases import assert_close, fresh_rng
+from shardfuse.mlp import mlp_block, mlp_inputs, mlp_reference
+
+
+def specs(args):
+    return [sf.TensorSpec(a.shape, a.dtype.name) for a in args]
+
+
+@pytest.mark.parametrize("chunks", [1, 2, 4])
+@pytest.mark.parametrize("mode", ["tp", "sp"])
+@pytest.mark.parametrize("d", [1, 2, 4])
+def test_mlp_1d(d, mode, chunks):
+    mesh = sf.DeviceMesh(d, backend="numpy")
+    f = mlp_block(mesh, mode, chunks=chunks, streams=2)
+    args = mlp_inputs(fresh_rng(mesh), tokens=4 * d * chunks, hidden=2 * d)
+    plan = f.lower(*specs(args))
+    if mode == "sp":  # one gather chain in, one reduce-scatter chain out, nothing else
+        assert plan.collectives() == {"allgather": chunks, "reduce_scatter": chunks}
+    else:  # the pending sum of the row-parallel GEMM, all-reduced chunk by chunk
+        assert plan.collectives() == {"allreduce": chunks}
+    assert sum(i.op == "for" for i in plan.program.instrs) == (2 if mode == "sp" else 1)
+    out = f(*args)
+    assert out.sharding.placements(mesh) == (("S(0)",) if mode == "sp" else ("R",))
+    assert_close(out.gather(), mlp_reference(*args), "float64")
+
+
+@pytest.mark.parametrize("mode", ["tp", "sp"])
+def test_mlp_2d_data_and_tensor_parallel(mode):
+    mesh = sf.DeviceMesh((2, 2), ("dp", "tp"), backend="numpy")
+    f = mlp_block(mesh, mode, chunks=2, dp="dp")
+    args = mlp_inputs(fresh_rng(mesh), tokens=8, hidden=4, batch=2)
+    plan = f.lower(*specs(args))
+    text = str(plan)
+    assert "team=dp" not in text  # data parallelism needs no communication in the forward block
+    expected = {"allgather": 2, "reduce_scatter": 2} if mode == "sp" else {"allreduce": 2}
+    assert plan.collectives() == expected
+    out = f(*args)
+    assert out.sharding.placements(mesh) == (("S(0)", "S(1)") if mode == "sp" else ("S(0)", "R"))
+    assert_close(out.gather(), mlp_reference(*args), "float64")
+
+
+def test_mlp_sp_pipelines_both_ends():
+    mesh = sf.DeviceMesh(4, backend="numpy")
+    plan = mlp_block(mesh, "sp", chunks=2).lower(*specs(mlp_inputs(np.random.default_rng(), 16, 8)))
+    loops = [i for i in plan.program.instrs if i.op == "for"]
+    ops = [[b.op for b in loop.body if b.op in ("allgather", "matmul", "reduce_scatter")] for loop in loops]
+    assert ops == [["allgather", "matmul"], ["matmul", "reduce_scatter"]]
+
+
+def test_mlp_bad_mode():
+    with pytest.raises(ValueError, match="mode must be 'tp' or 'sp', got 'pp'"):
+        mlp_block(sf.DeviceMesh(2, backend="numpy"), "pp")
