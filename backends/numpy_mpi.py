@@ -90,12 +90,14 @@ class NumpyMPIBackend(NumpyLocalBackend):
             raise ValueError(f"{mesh} was made for {mesh.nprocs} processes, but COMM_WORLD has {self.nprocs}")
         self.L = len(self.local_devices)
         self.comms: dict = {}  # mesh axis name -> team communicator
+        self.first: dict = {}  # mesh axis name -> team position of this process' first local device
         self.unsupported: dict = {}  # mesh axis name -> reason
         for name in mesh.axis_names:  # the same order on every rank: the splits pair up
             layout, why = _team_layout(mesh, name, self.nprocs)
             if layout is None:
                 self.unsupported[name] = why
                 continue
+            self.first[name] = layout[self.rank][1]
             if len(mesh.shape) == 1:
                 self.comms[name] = world
                 continue
@@ -111,7 +113,10 @@ class NumpyMPIBackend(NumpyLocalBackend):
                 f"{what} over mesh axis {team!r} of {self.mesh} under {self.nprocs} MPI processes: "
                 f"{self.unsupported[team]}; the MPI backend needs each process' {self.L} local devices to lie "
                 f"in one team of {team!r} (one device per process, mpiexec -n {self.mesh.size}, always does)")
-        return self.comms[team]
+        comm = self.comms[team]
+        # team rank k holds positions [k*L, (k+1)*L): the Split key orders ranks by first position
+        assert comm.Get_rank() * self.L == self.first[team], (team, comm.Get_rank(), self.L, self.first[team])
+        return comm
 
     def _slot_alias(self, a, b):
         return a.slot == b.slot
@@ -121,7 +126,7 @@ class NumpyMPIBackend(NumpyLocalBackend):
         """send: [*S] per local device; recv: rank-major [D, *S] per local device (both contiguous)."""
         comm = self._comm(team, "allgather")
         L = self.L
-        first = comm.Get_rank() * L  # this process' first position in the team
+        first = self.first[team]  # this process' first position in the team
         assert recv.shape[0] == comm.Get_size() * L, (recv.shape, comm.Get_size(), L)
         direct = L == 1 and not self._slot_alias(send, recv)
         state = {}
