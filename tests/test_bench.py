@@ -1,0 +1,48 @@
+"""`shardfuse bench` on the NumPy backend (tiny sizes): it runs, checks its results, --json parses."""
+import json
+import subprocess
+import sys
+
+from shardfuse.bench import main, table
+
+
+def run(*args):
+    return subprocess.run([sys.executable, "-m", "shardfuse", "bench", *args], capture_output=True, text=True,
+                          timeout=120)
+
+
+TINY = ["--backend", "numpy", "--m", "32", "--k", "16", "--n", "8", "--chunks", "1,2,4", "--streams", "1,2",
+        "--repeat", "2", "--warmup", "1", "--growth-calls", "3"]
+
+
+def test_bench_json_parses():
+    r = run(*TINY, "--devices", "2", "--dtype", "float32,float64", "--json")
+    assert r.returncode == 0, r.stderr
+    out = json.loads(r.stdout)
+    assert out["env"]["backend"] == "numpy"
+    rows = out["rows"]
+    names = [row["name"] for row in rows]
+    for want in ("allgather alone", "gemm alone (plan)", "unpipelined", "pipelined (eager)"):
+        assert want in names
+    pipe = [row for row in rows if row["name"] == "pipelined (eager)"]
+    assert {(row["S"], row["streams"], row["dtype"]) for row in pipe} == \
+        {(s, t, d) for s in (1, 2, 4) for t in (1, 2) for d in ("float32", "float64")}
+    for row in rows:
+        assert row["ms"] > 0 and row["host_us"] > 0
+        assert row["tflops"] > 0
+    assert all(row["overlap_eff"] > 0 for row in pipe)
+
+
+def test_bench_table_checks_results_on_one_device():
+    r = run(*TINY, "--devices", "1", "--dtype", "bfloat16")
+    assert r.returncode == 0, r.stderr
+    assert "pipelined (eager)" in r.stdout and "TFLOP/s" in r.stdout
+    assert "rel err" in r.stdout
+
+
+def test_bench_main_in_process(capsys):
+    assert main(TINY + ["--devices", "1", "--dtype", "float32", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert table(out["rows"]).count("pipelined (eager)") == 6
+    errs = [row["rel_err"] for row in out["rows"] if row["rel_err"] is not None]
+    assert errs and max(errs) < 1e-4
