@@ -329,3 +329,36 @@ def test_named_mesh_axes():
         with pytest.raises(NotImplementedError, match="mesh axis 'dp'"):
             f(x, w)
     assert all(COMM.allgather(True))
+
+
+# ---- the tensor-parallel MLP block (shardfuse/mlp.py), across processes ----------------------
+def _specs(args):
+    return [sf.TensorSpec(a.shape, a.dtype.name) for a in args]
+
+
+@pytest.mark.parametrize("chunks", [1, 2])
+@pytest.mark.parametrize("mode", ["tp", "sp"])
+def test_mlp_1d(mesh, mode, chunks):
+    from shardfuse.mlp import mlp_block, mlp_inputs, mlp_reference
+
+    d = mesh.size
+    f = mlp_block(mesh, mode, chunks=chunks, streams=2)
+    args = mlp_inputs(cases.fresh_rng(mesh), tokens=4 * d * chunks, hidden=2 * d)
+    expected = {"allgather": chunks, "reduce_scatter": chunks} if mode == "sp" else {"allreduce": chunks}
+    assert f.lower(*_specs(args)).collectives() == expected
+    out = f(*args)
+    assert out.sharding.placements(mesh) == (("S(0)",) if mode == "sp" else ("R",))
+    cases.assert_close(out.gather(), mlp_reference(*args), "float64")
+
+
+@pytest.mark.parametrize("mode", ["tp", "sp"])
+def test_mlp_2d_data_and_tensor_parallel(mode):
+    """dp x tp: tp teams are mesh rows (under -n 2 one process each), dp needs no communication."""
+    from shardfuse.mlp import mlp_block, mlp_inputs, mlp_reference
+
+    mesh = sf.DeviceMesh((2, 2), ("dp", "tp"))
+    f = mlp_block(mesh, mode, chunks=2, dp="dp")
+    args = mlp_inputs(cases.fresh_rng(mesh), tokens=8, hidden=4, batch=2)
+    out = f(*args)
+    assert out.sharding.placements(mesh) == (("S(0)", "S(1)") if mode == "sp" else ("S(0)", "R"))
+    cases.assert_close(out.gather(), mlp_reference(*args), "float64")
