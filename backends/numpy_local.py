@@ -153,6 +153,17 @@ class NumpyLocalBackend:
                     r[j][...] = total
         return start, None
 
+    def bind_alltoall(self, send, recv, team, stream):
+        teams = self._local_teams(team)
+
+        def start(bufs):
+            s, r = self._views(bufs, send), self._views(bufs, recv)  # both [D, ...]: block per peer
+            for t in teams:
+                for rank, j in enumerate(t):
+                    for peer, q in enumerate(t):
+                        r[j][peer] = s[q][rank]
+        return start, None
+
     def bind_reduce_scatter(self, send, recv, team, stream):
         teams = self._local_teams(team)
 

@@ -179,7 +179,7 @@ def _fmt(ins: Instr) -> str:
         return f"{_typed(ins.outs[0])} = {name} {ins_s}" + (f", {extra}" if extra else "")
     if ins.into is not None:  # host-level compute and communication write into a buffer
         name = {"matmul": "Matmul", "sum": "Sum", "copy": "Copy",
-                "allgather": "Allgather", "allreduce": "Allreduce", "reduce_scatter": "ReduceScatter"}.get(op, op.capitalize())
+                "allgather": "Allgather", "allreduce": "Allreduce", "reduce_scatter": "ReduceScatter", "alltoall": "AllToAll"}.get(op, op.capitalize())
         rhs = " @ ".join(v.name for v in ins.ins) if op == "matmul" else ins_s
         extra = f", {_attrs(a)}" if a else ""
         lhs = f"{ins.outs[0].name} = " if ins.outs else ""

@@ -7,6 +7,7 @@ import os
 
 from shardfuse.ir import Program, TensorType, Value
 from shardfuse.passes import compile_program
+from shardfuse.passes.verify import COLLECTIVES
 from shardfuse.trace import Builder, TensorSpec, Traced
 
 
@@ -29,7 +30,7 @@ class Plan:
 
         def visit(instrs, times):
             for i in instrs:
-                if i.op in ("allgather", "allreduce", "reduce_scatter"):
+                if i.op in COLLECTIVES:
                     counts[i.op] = counts.get(i.op, 0) + times
                 visit(i.body, times * i.attrs.get("extent", 1) if i.op == "for" else times)
 

@@ -160,3 +160,28 @@ def from_local_case(mesh, dtype="float64"):
     assert arr.shape == x.shape
     f = sf.jit(lambda x: sf.replicate(sf.shard(x, axis=0)), mesh=mesh)
     assert_close(f(arr).gather(), x.astype(np.float64), dtype)
+
+
+# ---- the resharding table, one entry per row: (source, target, what the plan must insert) ----
+RESHARD_TABLE = {
+    "S(0)->R": ({"allgather": 1}, lambda x: sf.replicate(sf.shard(x, axis=0) * 2.0), lambda x: 2 * x),
+    "S(1)->R": ({"allgather": 1}, lambda x: sf.replicate(sf.shard(x, axis=1) * 2.0), lambda x: 2 * x),
+    "R->S(0)": ({}, lambda x: sf.shard(x * 2.0, axis=0), lambda x: 2 * x),
+    "S(0)->S(1)": ({"alltoall": 1}, lambda x: sf.shard(sf.shard(x, axis=0) * 2.0, axis=1), lambda x: 2 * x),
+    "S(1)->S(2)": ({"alltoall": 1}, lambda x: sf.shard(sf.shard(x, axis=1) * 2.0, axis=2), lambda x: 2 * x),
+    "P->R": ({"allreduce": 1}, lambda x: sf.replicate(sf.shard(x, axis=1).sum(1)), lambda x: x.sum(1)),
+    "P->S(0)": ({"reduce_scatter": 1}, lambda x: sf.shard(sf.shard(x, axis=1).sum(1), axis=0), lambda x: x.sum(1)),
+    "P->S(1)": ({"reduce_scatter": 1}, lambda x: sf.shard(sf.shard(x, axis=0).sum(0), axis=1), lambda x: x.sum(0)),
+}
+
+
+def reshard_case(mesh, entry, dtype="float64"):
+    expected, fn, ref = RESHARD_TABLE[entry]
+    d = mesh.size
+    rng = fresh_rng(mesh)
+    x = randn(rng, (2 * d, 3 * d, 2 * d), dtype)
+    f = sf.jit(fn, mesh=mesh)
+    spec = sf.TensorSpec(x.shape, dtype, Layout.replicated(3) if entry.startswith("R->") else None)
+    plan = f.lower(spec)
+    assert plan.collectives() == expected, str(plan)
+    assert_close(plan(x).gather(), ref(x.astype(np.float64)), dtype)

@@ -3,6 +3,7 @@
 Each `set` (a resharding) is compared mesh axis by mesh axis with DTensor's case table:
   S(k) -> R    Allgather along k          R -> S(k)   ShardSlice (a local view, no communication)
   P    -> R    Allreduce                  P -> S(k)   ReduceScatter along k
+  S(i) -> S(j) AllToAll
 and becomes those steps, each collective followed by its Wait.  Compute ops become
 `Allocate` + `<Op> out <- inputs`.
 """
@@ -35,7 +36,7 @@ def _lower(instrs, namer, mesh):
 
 
 def reshard_steps(src: Layout, dst: Layout, mesh):
-    """[(kind, mesh axis, tensor axis)] that take placement src to dst."""
+    """[(kind, mesh axis, tensor axis, target axis)] that take placement src to dst."""
     steps = []
     for m in mesh.axis_names:
         s_ax, d_ax = src.mesh_axis_of(m), dst.mesh_axis_of(m)
@@ -43,18 +44,19 @@ def reshard_steps(src: Layout, dst: Layout, mesh):
         if (s_ax, s_p) == (d_ax, d_p):
             continue
         if s_ax is not None and d_ax is None and not d_p:
-            steps.append(("allgather", m, s_ax))
+            steps.append(("allgather", m, s_ax, None))
         elif s_ax is None and not s_p and d_ax is not None:
-            steps.append(("shard_slice", m, d_ax))
+            steps.append(("shard_slice", m, d_ax, None))
         elif s_p and d_ax is None and not d_p:
-            steps.append(("allreduce", m, None))
+            steps.append(("allreduce", m, None, None))
         elif s_p and d_ax is not None:
-            steps.append(("reduce_scatter", m, d_ax))
-        else:
-            raise NotImplementedError(f"resharding {src.placements(mesh)} -> {dst.placements(mesh)} over {m} "
-                                      "(AllToAll or a new pending sum) is not supported yet")
+            steps.append(("reduce_scatter", m, d_ax, None))
+        elif s_ax is not None and d_ax is not None and not s_p and not d_p:
+            steps.append(("alltoall", m, s_ax, d_ax))
+        else:  # a pending sum cannot be created by resharding, only by a contraction
+            raise ValueError(f"cannot reshard {src.placements(mesh)} -> {dst.placements(mesh)} over {m}")
     # Slices first (less data to move), reductions before gathers (reduce the smaller tensor).
-    order = {"shard_slice": 0, "reduce_scatter": 1, "allreduce": 2, "allgather": 3}
+    order = {"shard_slice": 0, "reduce_scatter": 1, "allreduce": 2, "alltoall": 3, "allgather": 4}
     return sorted(steps, key=lambda s: order[s[0]])
 
 
@@ -64,9 +66,11 @@ def _lower_set(x, y, namer, mesh):
         return [Instr("allocate", (y,)), Instr("copy", (), (x,), into=y)]
     out, cur = [], x
     lay = x.type.layout
-    for n, (kind, m, ax) in enumerate(steps):
+    for n, (kind, m, ax, to_ax) in enumerate(steps):
         if kind == "allgather":
             lay = lay.with_axis(ax, None)
+        elif kind == "alltoall":
+            lay = lay.with_axis(ax, None).with_axis(to_ax, m)
         elif kind == "shard_slice":
             lay = lay.with_axis(ax, m)
         else:
@@ -78,8 +82,11 @@ def _lower_set(x, y, namer, mesh):
         if kind == "shard_slice":
             out.append(Instr("shard_slice", (nxt,), (cur,), {"axis": ax, "team": m}))
         else:
-            h = Value(namer({"allgather": "ag", "allreduce": "ar", "reduce_scatter": "rs"}[kind]), "Comm")
+            h = Value(namer({"allgather": "ag", "allreduce": "ar", "reduce_scatter": "rs", "alltoall": "a2a"}[kind]),
+                      "Comm")
             attrs = {"team": m} if ax is None else {"team": m, "axis": ax}
+            if to_ax is not None:
+                attrs["to_axis"] = to_ax
             out += [Instr("allocate", (nxt,)), Instr(kind, (h,), (cur,), attrs, into=nxt), Instr("wait", (), (h,))]
         cur = nxt
     return out

@@ -6,7 +6,8 @@ the main stream; compute shapes agree with their destinations.
 """
 from __future__ import annotations
 
-HOST_OPS = {"allocate", "slice", "select", "view", "shard_slice", "allgather", "allreduce", "reduce_scatter",
+COLLECTIVES = {"allgather", "allreduce", "reduce_scatter", "alltoall"}
+HOST_OPS = COLLECTIVES | {"allocate", "slice", "select", "view", "shard_slice",
             "wait", "matmul", "add", "sub", "mul", "div", "neg", "scale", "exp", "tanh", "relu", "gelu", "sum",
             "copy", "transpose", "for", "get_stream", "set_stream", "synchronize",
             "record_event", "wait_event"}
@@ -36,7 +37,7 @@ def _check_block(instrs, defined, prog, top):
         if i.op == "wait":
             _check(i.ins[0] in pending, f"Wait {i.ins[0].name} has no collective to wait for")
             pending.discard(i.ins[0])
-        if i.op in ("allgather", "allreduce", "reduce_scatter"):
+        if i.op in COLLECTIVES:
             pending.add(i.outs[0])
         if i.op == "matmul":
             a, b = (v.type.shape for v in i.ins)
