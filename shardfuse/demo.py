@@ -54,6 +54,43 @@ def relative_error(got, ref):
     return float(np.linalg.norm(got.astype(np.float64) - ref) / np.linalg.norm(ref))
 
 
+def _seeded_rng(args, mesh):
+    """Every process draws the same global inputs (same seed), as a replicated program would."""
+    seed = args.seed if args.seed is not None else int(time.time_ns() % 2**31)
+    if mesh.nprocs > 1:
+        from mpi4py import MPI
+
+        seed = MPI.COMM_WORLD.bcast(seed)
+    return np.random.default_rng(seed)
+
+
+def mlp_demo(args):
+    from shardfuse.mlp import mlp_block, mlp_inputs, mlp_reference
+
+    d = args.devices or default_devices(args.backend)
+    mesh = sf.DeviceMesh(d, backend=args.backend)
+    lead = mesh.rank == 0
+    tokens = args.chunks * d * args.m
+    inputs = [a.astype(np_dtype(args.dtype)) for a in mlp_inputs(_seeded_rng(args, mesh), tokens, args.hidden)]
+    specs = [sf.TensorSpec(a.shape, args.dtype) for a in inputs]
+    pipelined = mlp_block(mesh, args.mlp, chunks=args.chunks, streams=args.streams)
+    flat = mlp_block(mesh, args.mlp, chunks=1, streams=args.streams)
+    plan = pipelined.lower(*specs)
+    if lead:
+        print(f"{mesh}, MLP block ({args.mlp}), x[{tokens}, {args.hidden}], {args.dtype}\n")
+        print(plan, "\n")
+    err = relative_error(pipelined(*inputs).gather(), mlp_reference(*inputs))
+    ok = err <= TOLERANCE[args.dtype]
+    t_pipe = median_ms(lambda: pipelined(*inputs), mesh, args.repeat)
+    t_flat = median_ms(lambda: flat(*inputs), mesh, args.repeat)
+    if lead:
+        print(f"check against the single-device block: relative error {err:.2e} -> {'OK' if ok else 'FAILED'}")
+        print(f"collectives per call: chunks={args.chunks} {plan.collectives()}, "
+              f"chunks=1 {flat.lower(*specs).collectives()}")
+        print(f"time (median of {args.repeat}): pipelined {t_pipe:.3f} ms, one chunk {t_flat:.3f} ms")
+    return 0 if ok else 1
+
+
 def main(argv=None):
     p = argparse.ArgumentParser(prog="shardfuse demo", description=__doc__)
     p.add_argument("--devices", type=int, default=None, help="mesh size (default: all GPUs, else 4 CPU devices; "
@@ -67,7 +104,12 @@ def main(argv=None):
     p.add_argument("--dtype", default="float32", choices=sorted(TOLERANCE))
     p.add_argument("--repeat", type=int, default=5)
     p.add_argument("--seed", type=int, default=None, help="random seed (default: fresh)")
+    p.add_argument("--mlp", choices=["tp", "sp"], default=None,
+                   help="run the tensor-parallel MLP block instead (tp: x replicated; sp: sequence parallel)")
+    p.add_argument("--hidden", type=int, default=64, help="MLP hidden size h (the block is h -> 4h -> h)")
     args = p.parse_args(argv)
+    if args.mlp:
+        return mlp_demo(args)
 
     d = args.devices or default_devices(args.backend)
     mesh = sf.DeviceMesh(d, backend=args.backend)
@@ -79,13 +121,7 @@ def main(argv=None):
         print(f"{mesh}, {mesh.nprocs} process(es), a{shape_a} @ b{shape_b} {args.dtype}\n")
         print(plan, "\n")
 
-    # Every process draws the same global inputs (same seed), as a replicated program would.
-    seed = args.seed if args.seed is not None else int(time.time_ns() % 2**31)
-    if mesh.nprocs > 1:
-        from mpi4py import MPI
-
-        seed = MPI.COMM_WORLD.bcast(seed)
-    rng = np.random.default_rng(seed)
+    rng = _seeded_rng(args, mesh)
     dt = np_dtype(args.dtype)
     a = rng.standard_normal(shape_a).astype(dt)
     b = rng.standard_normal(shape_b).astype(dt)

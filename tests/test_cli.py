@@ -30,3 +30,11 @@ def test_demo_help_lists_options():
 def test_unknown_command(capsys):
     assert main(["frobnicate"]) == 2
     assert "unknown command 'frobnicate'" in capsys.readouterr().err
+
+
+def test_demo_mlp_sequence_parallel():
+    r = run("demo", "--mlp", "sp", "--backend", "numpy", "--devices", "2", "--chunks", "2", "--m", "4",
+            "--hidden", "8", "--repeat", "1")
+    assert r.returncode == 0, r.stderr
+    assert "MLP block (sp)" in r.stdout and "-> OK" in r.stdout
+    assert "chunks=2 {'allgather': 2, 'reduce_scatter': 2}" in r.stdout
