@@ -8,7 +8,8 @@ is killed if it runs over), so a hang fails the test instead of the run:
 * a job where rank 1 fails before a collective that rank 0 has entered must end fast, with a
   non-zero status and rank 1's message (tests/mpi/fail_one_rank.py, and the pytest Abort hook);
   so must a job where rank 0 waits alone in a collective (the per-test hang guard);
-* `mpiexec -n 2 python -m shardfuse demo --repeat 1` prints OK.
+* `mpiexec -n 2 python -m shardfuse demo --repeat 1` and `mpiexec -n 4 shardfuse demo --repeat 1`
+  print OK, with one device per process.
 
 mpiexec is looked for next to sys.executable first (the `mpich` wheel puts it in the venv),
 then on PATH.  Skipped, with the reason, only when there is no mpiexec or no mpi4py.
@@ -69,10 +70,10 @@ def _launcher_flags():
 FLAGS = _launcher_flags()
 
 
-def mpirun(n, args, timeout, env=None):
-    """Run `mpiexec -n n python ARGS` from the repo root: (returncode or None on timeout,
-    combined output, seconds)."""
-    cmd = [MPIEXEC, "-n", str(n), *FLAGS, sys.executable, *args]
+def mpirun(n, args, timeout, env=None, program=None):
+    """Run `mpiexec -n n python ARGS` (or `mpiexec -n n PROGRAM ARGS`) from the repo root:
+    (returncode or None on timeout, combined output, seconds)."""
+    cmd = [MPIEXEC, "-n", str(n), *FLAGS, program or sys.executable, *args]
     full_env = {**os.environ, "SHARDFUSE_POISON": "1", "PYTHONUNBUFFERED": "1", **(env or {})}
     t0 = time.monotonic()
     proc = subprocess.Popen(cmd, cwd=ROOT, env=full_env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
@@ -145,9 +146,21 @@ def test_hang_guard_ends_a_job_stuck_in_a_collective():
 
 
 # ---- the demo, one device per process -----------------------------------------------------
-def test_demo_under_mpiexec():
-    rc, out, secs = mpirun(2, ["-m", "shardfuse", "demo", "--repeat", "1"], timeout=120)
-    assert rc == 0, f"mpiexec -n 2 python -m shardfuse demo failed (exit {rc}, {secs:.0f} s):\n{_tail(out)}"
-    assert "2 process(es)" in out, _tail(out)
+def _check_demo(what, n, rc, out, secs):
+    assert rc == 0, f"{what} failed (exit {rc}, {secs:.0f} s):\n{_tail(out)}"
+    assert f"{n} process(es)" in out and f"DIDx={n}," in out, _tail(out)  # one device per process
     assert re.search(r"relative error \S+ \(tolerance \S+\) -> OK", out), _tail(out)
     assert "FAILED" not in out, _tail(out)
+
+
+def test_demo_under_mpiexec():
+    rc, out, secs = mpirun(2, ["-m", "shardfuse", "demo", "--repeat", "1"], timeout=120)
+    _check_demo("mpiexec -n 2 python -m shardfuse demo --repeat 1", 2, rc, out, secs)
+
+
+def test_demo_console_script_under_mpiexec_4():
+    script = Path(sys.executable).parent / "shardfuse"
+    if not script.is_file():
+        pytest.skip(f"no shardfuse console script next to {sys.executable} (pip install -e .)")
+    rc, out, secs = mpirun(4, ["demo", "--repeat", "1"], timeout=120, program=str(script))
+    _check_demo("mpiexec -n 4 shardfuse demo --repeat 1", 4, rc, out, secs)
