@@ -72,6 +72,14 @@ def pytest_runtest_protocol(item, nextitem):
         faulthandler.cancel_dump_traceback_later()
 
 
+def pytest_collection_modifyitems(config, items):
+    if SIZE == 1:  # run directly, not under mpiexec: these tests need P > 1 processes
+        skip = pytest.mark.skip(reason="tests/mpi/ runs under mpiexec -n P (P > 1); "
+                                       "python -m pytest tests/test_mpi.py launches it")
+        for item in items:
+            item.add_marker(skip)
+
+
 def pytest_collectreport(report):
     if report.failed:
         _abort("collection", report)
