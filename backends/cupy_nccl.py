@@ -208,13 +208,25 @@ class GraphPlan:
             for step in exe.steps:  # warm-up: compiles kernels, sets up NCCL and cuBLAS
                 step(self.static)
             be.synchronize()
+            # Anything CuPy allocates while capturing (temporaries of elementwise steps) comes from
+            # blocks this plan keeps for its lifetime: the replayed graph keeps using them, so the
+            # pool must never hand them to anyone else.
+            self._held = []
+            pool = cupy.get_default_memory_pool()
+
+            def keep(size):
+                mem = pool.malloc(size)
+                self._held.append(mem)
+                return mem
+
             mode = getattr(runtime, "streamCaptureModeThreadLocal", None)
-            main.begin_capture() if mode is None else main.begin_capture(mode)
-            try:
-                for step in exe.steps:
-                    step(self.static)
-            finally:
-                self.graph = main.end_capture()
+            with cupy.cuda.using_allocator(keep):
+                main.begin_capture() if mode is None else main.begin_capture(mode)
+                try:
+                    for step in exe.steps:
+                        step(self.static)
+                finally:
+                    self.graph = main.end_capture()
             self.graph.upload(main)
             be.synchronize()
         self._main = main
@@ -505,43 +517,72 @@ class CupyNcclBackend:
                         _check(st, f"cublasGemmStridedBatchedEx (m={m} n={n} k={k} batch={cnt} {dt})")
         return step
 
-    def _kernel(self, op, dtype):
-        key = (op, dtype)
-        kern = self._kernels.get(key)
+    def _kernel(self, op):
+        kern = self._kernels.get(op)
         if kern is None:
             if op == "sum":
                 kern = cupy.ReductionKernel("uint16 x", "uint16 y", "bf2f(x)", "a + b", "y = f2bf(a)", "0",
                                             "sf_bf16_sum", reduce_type="float", preamble=_BF16_PREAMBLE)
+            elif op == "to_f32":
+                kern = cupy.ElementwiseKernel("uint16 x", "float32 y", "y = bf2f(x)", "sf_bf16_to_f32",
+                                              preamble=_BF16_PREAMBLE)
             else:
-                expr = {"add": "+", "mul": "*"}[op]
-                kern = cupy.ElementwiseKernel("uint16 x, uint16 y", "uint16 z", f"z = f2bf(bf2f(x) {expr} bf2f(y))",
-                                              f"sf_bf16_{op}", preamble=_BF16_PREAMBLE)
-            self._kernels[key] = kern
+                kern = cupy.ElementwiseKernel("float32 y", "uint16 x", "x = f2bf(y)", "sf_f32_to_bf16",
+                                              preamble=_BF16_PREAMBLE)
+            self._kernels[op] = kern
         return kern
 
     def _per_device(self, refs, stream, body):
-        """A step that builds CuPy views of refs on each device and runs body(*views) on stream."""
+        """A step that builds CuPy views of refs on each device and runs body(j, *views) on stream."""
         streams = [self._stream(j, stream) for j in range(len(self.ordinals))]
         ords = self.ordinals
+        view = self.view
 
         def step(bufs):
             for j, s in enumerate(streams):
                 with cupy.cuda.Device(ords[j]), s:
-                    body(*[self.view(bufs, r, j) for r in refs])
+                    body(j, *[view(bufs, r, j) for r in refs])
         return step
 
-    def bind_elementwise(self, op, a, b, out, stream):
-        if out.dtype == "bfloat16":
-            kern = self._kernel(op, "bfloat16")
-            return self._per_device((a, b, out), stream, lambda x, y, o: kern(x, y, o))
-        fn = {"add": cupy.add, "mul": cupy.multiply}[op]
-        return self._per_device((a, b, out), stream, lambda x, y, o: fn(x, y, out=o))
+    def _f32_scratch(self, ref):
+        out = []
+        for o in self.ordinals:
+            with cupy.cuda.Device(o):
+                out.append(cupy.empty(ref.shape, np.float32))
+        return out
+
+    def bind_elementwise(self, op, a, b, out, stream, scalar=None):
+        from shardfuse.backends.numpy_local import ELEMENTWISE
+
+        fn = ELEMENTWISE[op]
+        refs = (a, out) if b is None else (a, b, out)
+        if out.dtype != "bfloat16":
+            if b is None:
+                return self._per_device(refs, stream, lambda j, x, o: fn(cupy, x, scalar, o))
+            return self._per_device(refs, stream, lambda j, x, y, o: fn(cupy, x, y, o))
+        # bfloat16: in float32 scratch made now (no allocation when the step runs), rounded back
+        to32, to16 = self._kernel("to_f32"), self._kernel("to_bf16")
+        ta, to = self._f32_scratch(a), self._f32_scratch(out)
+        if b is None:
+            def body(j, x, o):
+                to32(x, ta[j])
+                fn(cupy, ta[j], scalar, to[j])
+                to16(to[j], o)
+        else:
+            tb = self._f32_scratch(b)
+
+            def body(j, x, y, o):
+                to32(x, ta[j])
+                to32(y, tb[j])
+                fn(cupy, ta[j], tb[j], to[j])
+                to16(to[j], o)
+        return self._per_device(refs, stream, body)
 
     def bind_sum(self, a, axis, out, stream):
         if out.dtype == "bfloat16":
-            kern = self._kernel("sum", "bfloat16")
-            return self._per_device((a, out), stream, lambda x, o: kern(x, o, axis=axis))
-        return self._per_device((a, out), stream, lambda x, o: cupy.sum(x, axis=axis, out=o))
+            kern = self._kernel("sum")
+            return self._per_device((a, out), stream, lambda j, x, o: kern(x, o, axis=axis))
+        return self._per_device((a, out), stream, lambda j, x, o: cupy.sum(x, axis=axis, out=o))
 
     def bind_copy(self, src, dst, stream):
         if src.shape != dst.shape:
@@ -569,7 +610,7 @@ class CupyNcclBackend:
                                           sp_ * item, width, h, _D2D, sp)
             return step
 
-        def body(x, o):
+        def body(j, x, o):
             o[...] = x
         return self._per_device((src, dst), stream, body)
 
@@ -715,6 +756,23 @@ class CupyNcclBackend:
         count, t = send.size, _NCCL_T[send.dtype]
         return self._collective("allreduce", send, recv, team, stream,
                                 lambda c, s, r, st: c.allReduce(s, r, count, t, 0, st))
+
+    def bind_alltoall(self, send, recv, team, stream):
+        """send, recv: [D, ...] contiguous; block p of send goes to rank p, rank p's block lands at p.
+        Grouped NCCL send/recv pairs (CuPy wraps no ncclAlltoAll)."""
+        d = self.mesh.axis_size(team)
+        count, t = send.size // d, _NCCL_T[send.dtype]
+        step = count * _ITEM[send.dtype]
+
+        def call(c, s, r, st):
+            nccl.groupStart()
+            try:
+                for peer in range(d):
+                    c.send(s + peer * step, count, t, peer, st)
+                    c.recv(r + peer * step, count, t, peer, st)
+            finally:
+                nccl.groupEnd()
+        return self._collective("alltoall", send, recv, team, stream, call)
 
     def bind_reduce_scatter(self, send, recv, team, stream):
         count, t = recv.size, _NCCL_T[recv.dtype]

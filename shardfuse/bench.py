@@ -94,20 +94,6 @@ class CudaClock:
         return self.cupy.get_default_memory_pool().total_bytes(), total - free
 
 
-def measure(clock, fn, warmup, repeat, before=None, mpi=None):
-    """Median GPU ms and median host issue us of fn() over `repeat` runs after `warmup`."""
-    for r in range(warmup):
-        clock.time(fn, (lambda r=r: before(r)) if before else None)
-    gpu, host = [], []
-    for r in range(repeat):
-        if mpi is not None:
-            mpi.Barrier()
-        g, h = clock.time(fn, (lambda r=r: before(r)) if before else None)
-        gpu.append(g)
-        host.append(h)
-    return float(np.median(gpu)), float(np.median(host)), float(np.min(gpu)), float(np.max(gpu))
-
-
 # ---- inputs --------------------------------------------------------------------------------
 class Inputs:
     """Input sets of local pieces, rotated over runs: A local rows [M/D, K], B [K, N]."""
@@ -207,6 +193,28 @@ def _rel_err(inputs, got_shards, ref):
 
 
 # ---- the benchmark -----------------------------------------------------------------------------
+class Variant:
+    """One thing to time: fn() runs it; before(r) prepares run r (outside the timed region)."""
+
+    def __init__(self, name, fn, before=None, s=None, streams=None, check=None, kind="plan", flops=True):
+        self.name, self.fn, self.before, self.s, self.streams = name, fn, before, s, streams
+        self.check, self.kind, self.flops = check, kind, flops
+        self.gpu, self.host = [], []
+
+
+def run_interleaved(clock, variants, warmup, repeat, mpi=None):
+    """Round robin: every repetition runs each variant once, so slow drifts (clocks, power,
+    temperature) hit all of them alike; medians per variant."""
+    for rep in range(warmup + repeat):
+        for v in variants:
+            if mpi is not None:
+                mpi.Barrier()
+            g, h = clock.time(v.fn, (lambda v=v, rep=rep: v.before(rep)) if v.before else None)
+            if rep >= warmup:
+                v.gpu.append(g)
+                v.host.append(h)
+
+
 def bench_dtype(args, mesh, dtype, log):
     be = mesh.backend
     gpu = be.name == "cupy"
@@ -220,48 +228,29 @@ def bench_dtype(args, mesh, dtype, log):
     flops = 2.0 * M * N * K
     inputs = Inputs(mesh, M, K, N, dtype, args.sets, args.seed)
     ref = _reference(inputs, 0)
-    rows, mem = [], []
-    W, R = args.warmup, args.repeat
-
-    def row(name, ms, host_us, s=None, streams=None, err=None, extra=None, spread=None):
-        r = {"name": name, "dtype": dtype, "S": s, "streams": streams, "ms": ms,
-             "tflops": flops / (ms * 1e-3) / 1e12 if ms else None, "host_us": host_us,
-             "host_frac": (host_us * 1e-3 / ms) if ms else None, "rel_err": err}
-        if spread:
-            r["ms_min"], r["ms_max"] = spread
-        if extra:
-            r.update(extra)
-        rows.append(r)
-        log(f"  {name:<28} S={str(s):>3} streams={str(streams):>2}  {ms:9.3f} ms  {r['tflops'] or 0:8.1f} TFLOP/s  "
-            f"host {host_us:8.1f} us" + (f"  err {err:.2e}" if err is not None else ""))
-        return r
-
-    def mem_check(name, call, exe, per_call_bytes, input_bytes, gathered_bytes, graph=False):
-        """Pool growth over many calls and the plan's footprint against its bound."""
-        if not gpu:
-            for r in range(args.growth_calls):
-                call(r)
-            return
-        be.synchronize()
-        pool0, dev0 = clock.memory()
-        for r in range(args.growth_calls):
-            call(r)
-        be.synchronize()
-        pool1, dev1 = clock.memory()
-        ws = be.workspace_bytes
-        bound = input_bytes + per_call_bytes + gathered_bytes + ws
-        rec = {"name": name, "dtype": dtype, "graph": graph, "plan_persistent_bytes": _plan_bytes(exe),
-               "per_call_bytes": per_call_bytes, "input_bytes": input_bytes, "gathered_a_bytes": gathered_bytes,
-               "cublas_workspace_bytes": ws, "bound_bytes": bound,
-               "growth_calls": args.growth_calls, "pool_growth_bytes": pool1 - pool0, "device_growth_bytes": dev1 - dev0}
-        mem.append(rec)
-        return rec
-
-    a_bytes = _nbytes((M // D, K), dtype)
-    b_bytes = _nbytes((K, N), dtype)
-    c_bytes = _nbytes((M, N), dtype)
-    ga_bytes = _nbytes((M, K), dtype)
+    variants, keep = [], []
+    a_bytes, b_bytes = _nbytes((M // D, K), dtype), _nbytes((K, N), dtype)
+    c_bytes, ga_bytes = _nbytes((M, N), dtype), _nbytes((M, K), dtype)
     in_bytes = a_bytes + b_bytes
+
+    def plan_variant(name, exe, chunks, s=None, streams=None, a_fn=None):
+        """A plan called on input set r; check() runs it on set 0 and returns the result's shards."""
+        st = {"r": 0}
+        a_fn = a_fn or (lambda r: inputs.a_array(r, chunks))
+
+        def fn():
+            st["c"] = exe(a_fn(st["r"]), inputs.b_array(st["r"]))
+
+        def before(r):
+            st["r"] = r
+
+        def check():
+            st["r"] = 0
+            fn()
+            return st["c"].shards
+        v = Variant(name, fn, before, s, streams, check)
+        v.exe, v.state = exe, st
+        return v
 
     # the Allgather alone
     @sf.jit(mesh=mesh)
@@ -269,215 +258,241 @@ def bench_dtype(args, mesh, dtype, log):
         return sf.replicate(sf.shard(a, axis=1, over=mesh.axis_names[-1]))
 
     ag_exe = allgather.lower(inputs.a_array(0, 1).spec).executable
-    t_ag, h_ag, *sp = measure(clock, lambda: ag_exe(inputs.a_array(0, 1)), W, R, mpi=mpi)
-    row("allgather alone", t_ag, h_ag, spread=sp)
-    del ag_exe
+    v_ag = Variant("allgather alone", lambda: ag_exe(inputs.a_array(0, 1)), kind="allgather", flops=False)
+    variants.append(v_ag)
 
-    # the GEMM alone (plan-issued, gathered shape) -- single device: A's local piece is the gathered A
+    # the GEMM alone (plan-issued, gathered shape); single device: A's local piece is the gathered A
     @sf.jit(mesh=mesh)
     def gemm(a, b):
         return a @ b
 
-    t_gemm = None
     if D == 1:
         g_exe = gemm.lower(inputs.a_full(0).spec, inputs.b_array(0).spec).executable
-        state = {}
-
-        def g_call():
-            state["c"] = g_exe(inputs.a_full(state["r"]), inputs.b_array(state["r"]))
-
-        t_gemm, h, *sp = measure(clock, g_call, W, R, before=lambda r: state.update(r=r), mpi=mpi)
-        state["r"] = 0
-        g_call()
-        row("gemm alone (plan)", t_gemm, h, err=_rel_err(inputs, state["c"].shards, ref), spread=sp)
-        state.clear()
-        del g_exe
-    else:  # local GEMM of the gathered shape on replicated inputs
+        v_gemm = plan_variant("gemm alone (plan)", g_exe, 1, a_fn=inputs.a_full)
+    else:  # a local GEMM of the gathered shape on replicated inputs
         rng = np.random.default_rng(args.seed)
         ga = rng.standard_normal((M, K)).astype(np_dtype(dtype))
         arr = sf.Array(mesh, (M, K), dtype, Layout.replicated(2), be.to_device([ga] * len(mesh.local_devices)))
         g_exe = gemm.lower(arr.spec, inputs.b_array(0).spec).executable
-        t_gemm, h, *sp = measure(clock, lambda: g_exe(arr, inputs.b_array(0)), W, R, mpi=mpi)
-        row("gemm alone (plan)", t_gemm, h, spread=sp)
-        del g_exe, arr
+        v_gemm = plan_variant("gemm alone (plan)", g_exe, 1, a_fn=lambda r: arr)
+        v_gemm.check = None
+    v_gemm.kind = "gemm"
+    variants.append(v_gemm)
 
     # unpipelined: Allgather, then one GEMM
-    state = {}
     _, unpipelined = seed_functions(mesh, max(args.streams))
     u_exe = unpipelined.lower(inputs.a_array(0, 1).spec, inputs.b_array(0).spec).executable
+    variants.append(plan_variant("unpipelined", u_exe, 1, s=1))
 
-    def u_call():
-        state["c"] = u_exe(inputs.a_array(state["r"], 1), inputs.b_array(state["r"]))
-
-    t_u, h_u, *sp = measure(clock, u_call, W, R, before=lambda r: state.update(r=r), mpi=mpi)
-    state["r"] = 0
-    u_call()
-    row("unpipelined", t_u, h_u, s=1, err=_rel_err(inputs, state["c"].shards, ref), spread=sp)
-    state.clear()
-    del u_exe
-
-    # bare library calls (cupy only): one cupy.matmul, and S chunk GEMMs
-    bare = {}
+    # bare library calls (cupy, one device): one cupy.matmul, and the S chunk GEMMs
+    why = None
     if gpu and D == 1:
         import cupy
 
         from shardfuse.executor import Ref
 
-        a0, b0 = inputs.sets[0][0][0], inputs.sets[0][1][0]
-        c0 = cupy.empty((M, N), a0.dtype)
+        c0 = cupy.empty((M, N), inputs.sets[0][0][0].dtype)
+        keep.append(c0)
         main = be.stream(0)
         sets = inputs.sets
-
-        def cupy_ok():
+        if dtype == "bfloat16":
+            why = "CuPy has no bfloat16 matmul here (bfloat16 is stored as uint16)"
+        else:
             try:
                 with main:
-                    cupy.matmul(a0[:8], b0, out=c0[:8])
-                return None
-            except Exception as e:  # bfloat16: CuPy has no such dtype (stored as uint16)
-                return f"{type(e).__name__}: {e}"
-
-        why = cupy_ok() if dtype != "bfloat16" else "CuPy has no bfloat16 matmul (stored as uint16)"
+                    cupy.matmul(sets[0][0][0][:8], sets[0][1][0], out=c0[:8])
+            except Exception as e:
+                why = f"{type(e).__name__}: {e}"
         for s in sorted(set(args.chunks)):
             rows_s = M // s
+            st = {"r": 0}
             if why is None:
-                def chunks_cupy(s=s, rows_s=rows_s):
-                    a, b = sets[state["r"] % len(sets)][0][0], sets[state["r"] % len(sets)][1][0]
+                def chunks_cupy(s=s, rows_s=rows_s, st=st):
+                    a, b = sets[st["r"] % len(sets)][0][0], sets[st["r"] % len(sets)][1][0]
                     with main:
                         for i in range(s):
                             cupy.matmul(a[i * rows_s:(i + 1) * rows_s], b, out=c0[i * rows_s:(i + 1) * rows_s])
-                t, h, *sp = measure(clock, chunks_cupy, W, R, before=lambda r: state.update(r=r))
-                bare[("cupy", s)] = t
-                row("bare cupy.matmul chunks" if s > 1 else "bare cupy.matmul (one)", t, h, s=s, spread=sp)
-            # the backend's own cuBLAS call, no plan: S GEMMs on main
-            steps = []
+                variants.append(Variant("bare cupy.matmul chunks" if s > 1 else "bare cupy.matmul (one)",
+                                        chunks_cupy, lambda r, st=st: st.update(r=r), s=s, kind="bare_cupy"))
+            steps = []  # the backend's own cuBLAS call, no plan: S GEMMs on main
             for i in range(s):
                 ra = Ref(0, (i * rows_s * K,), (rows_s, K), (K, 1), dtype)
                 rb = Ref(1, (0,), (K, N), (N, 1), dtype)
                 rc = Ref(2, (i * rows_s * N,), (rows_s, N), (N, 1), dtype)
                 steps.append(be.bind_matmul(ra, rb, rc, "main"))
 
-            def chunks_cublas(steps=steps):
-                a, b = sets[state["r"] % len(sets)]
+            def chunks_cublas(steps=steps, st=st):
+                a, b = sets[st["r"] % len(sets)]
                 bufs = [a, b, [c0]]
-                for st in steps:
-                    st(bufs)
-            t, h, *sp = measure(clock, chunks_cublas, W, R, before=lambda r: state.update(r=r))
-            bare[("cublas", s)] = t
-            row("bare cuBLAS chunks" if s > 1 else "bare cuBLAS (one)", t, h, s=s, spread=sp)
-        if why is not None:
-            log(f"  (bare cupy.matmul skipped: {why})")
-        del c0
+                for step in steps:
+                    step(bufs)
+            variants.append(Variant("bare cuBLAS chunks" if s > 1 else "bare cuBLAS (one)", chunks_cublas,
+                                    lambda r, st=st: st.update(r=r), s=s, kind="bare_cublas"))
 
-    # pipelined, for every S and stream count; eager then graph
-    base = (t_gemm or 0)
+    # pipelined, for every S and stream count; eager, and graph replay
+    graphs = []
     for nstreams in args.streams:
         pipelined, _ = seed_functions(mesh, nstreams)
         for s in args.chunks:
             if M % (s * D):
                 log(f"  skip S={s}: M={M} not divisible by S*D={s * D}")
                 continue
-            if gpu:
-                be.synchronize()
-                import cupy
-
-                cupy.get_default_memory_pool().free_all_blocks()
             exe = pipelined.lower(inputs.a_array(0, s).spec, inputs.b_array(0).spec).executable
-
-            def p_call(s=s, exe=exe):
-                state["c"] = exe(inputs.a_array(state["r"], s), inputs.b_array(state["r"]))
-
-            t, h, *sp = measure(clock, p_call, W, R, before=lambda r: state.update(r=r), mpi=mpi)
-            state["r"] = 0
-            p_call()
-            err = _rel_err(inputs, state["c"].shards, ref)
-            extra = {"overlap_eff": max(t_ag, base) / t}
-            for key in ("cupy", "cublas"):
-                if (key, s) in bare:
-                    extra[f"vs_bare_{key}_chunks"] = t / bare[(key, s)]
-                if (key, 1) in bare:
-                    extra[f"vs_bare_{key}_one"] = t / bare[(key, 1)]
-            row("pipelined (eager)", t, h, s=s, streams=nstreams, err=err, extra=extra, spread=sp)
-            state.clear()
-            m = mem_check("pipelined (eager)", lambda r: p_call() if state.update(r=r) is None else None, exe,
-                          c_bytes // 1, in_bytes, ga_bytes)
-            if m:
-                m.update(S=s, streams=nstreams)
-            state.clear()
-            del exe
+            v = plan_variant("pipelined (eager)", exe, s, s=s, streams=nstreams)
+            v.kind = "pipelined"
+            variants.append(v)
             if args.graph and gpu and len(mesh.local_devices) == 1:
                 gjit = sf.jit(mesh=mesh, streams=nstreams, graph=True)(pipelined.fn)
                 gexe = gjit.lower(inputs.a_array(0, s).spec, inputs.b_array(0).spec).executable
                 static = gexe.graph.inputs  # the plan's own input buffers: fill them, call on them
-                a_st = Array(mesh, inputs.a_array(0, s).shape, dtype, inputs.a_array(0, s).sharding,
-                             [static[0][0]])
+                a_st = Array(mesh, inputs.a_array(0, s).shape, dtype, inputs.a_array(0, s).sharding, [static[0][0]])
                 b_st = Array(mesh, (K, N), dtype, Layout.replicated(2), [static[1][0]])
+                st = {}
 
-                def fill(r):
+                def fill(r, static=static):
                     a, b = inputs.sets[r % len(inputs.sets)]
                     with be.stream(0):
                         static[0][0][...] = a[0].reshape(static[0][0].shape)
                         static[1][0][...] = b[0]
 
-                def g_call(gexe=gexe):
-                    state["c"] = gexe(a_st, b_st)
+                def g_call(gexe=gexe, a_st=a_st, b_st=b_st, st=st):
+                    st["c"] = gexe(a_st, b_st)
 
-                t, h, *sp = measure(clock, g_call, W, R, before=fill, mpi=mpi)
-                fill(0)
-                g_call()
-                err = _rel_err(inputs, state["c"].shards, ref)
-                extra = {"overlap_eff": max(t_ag, base) / t}
-                for key in ("cupy", "cublas"):
-                    if (key, s) in bare:
-                        extra[f"vs_bare_{key}_chunks"] = t / bare[(key, s)]
-                row("pipelined (graph)", t, h, s=s, streams=nstreams, err=err, extra=extra, spread=sp)
-                # graph replay with inputs that are not the plan's buffers: copied in by the call
-                t2, h2, *sp2 = measure(clock, lambda: gexe(inputs.a_array(state.get("r", 0), s),
-                                                           inputs.b_array(state.get("r", 0))),
-                                       W, R, before=lambda r: state.update(r=r), mpi=mpi)
-                row("pipelined (graph, copy-in)", t2, h2, s=s, streams=nstreams, spread=sp2)
-                m = mem_check("pipelined (graph)", lambda r: gexe(a_st, b_st), gexe, c_bytes, in_bytes, ga_bytes,
-                              graph=True)
-                if m:
-                    m.update(S=s, streams=nstreams, graph_static_bytes=2 * in_bytes + c_bytes)
-                state.clear()
-                del gexe, gjit, a_st, b_st, static
-    # footprint: device memory one plan adds from a clean pool, against the bound
-    if gpu and D == 1:
-        foot = footprint(args, mesh, dtype, inputs, clock, max(args.chunks), max(args.streams))
-        mem.append(foot)
+                def g_check(fill=fill, g_call=g_call, st=st):
+                    fill(0)
+                    g_call()
+                    return st["c"].shards
+                vg = Variant("pipelined (graph)", g_call, fill, s, nstreams, g_check, kind="pipelined_graph")
+                vg.exe, vg.state = gexe, st
+                variants.append(vg)
+                vc = plan_variant("pipelined (graph, copy-in)", gexe, s, s=s, streams=nstreams)
+                vc.kind, vc.check = "pipelined_graph_copy", None
+                variants.append(vc)
+                graphs.append(vg)
+
+    log(f"  timing {len(variants)} variants, interleaved: {args.warmup} warm-up + {args.repeat} rounds")
+    run_interleaved(clock, variants, args.warmup, args.repeat, mpi)
+
+    # results
+    med = {id(v): float(np.median(v.gpu)) for v in variants}
+    t_ag, t_gemm = med[id(v_ag)], med[id(v_gemm)]
+    bare = {(v.kind, v.s): med[id(v)] for v in variants if v.kind.startswith("bare")}
+    rows = []
+    for v in variants:
+        ms, host = med[id(v)], float(np.median(v.host))
+        err = _rel_err(inputs, v.check(), ref) if v.check else None
+        r = {"name": v.name, "dtype": dtype, "S": v.s, "streams": v.streams, "ms": ms,
+             "ms_min": float(np.min(v.gpu)), "ms_max": float(np.max(v.gpu)),
+             "tflops": flops / (ms * 1e-3) / 1e12 if v.flops else None, "host_us": host, "host_frac": host * 1e-3 / ms,
+             "rel_err": err}
+        if v.kind == "allgather":
+            r["gb_s"] = (ga_bytes + a_bytes) / (ms * 1e-3) / 1e9  # bytes written + read
+        if v.kind.startswith("pipelined"):
+            r["overlap_eff"] = max(t_ag, t_gemm) / ms
+            for key in ("bare_cupy", "bare_cublas"):
+                if (key, v.s) in bare:
+                    r[f"vs_{key}_chunks"] = ms / bare[(key, v.s)]
+                if (key, 1) in bare:
+                    r[f"vs_{key}_one"] = ms / bare[(key, 1)]
+        if v.kind == "plan" and v.name == "unpipelined":
+            for key in ("bare_cupy", "bare_cublas"):
+                if (key, 1) in bare:
+                    r[f"vs_{key}_one"] = ms / bare[(key, 1)]
+        rows.append(r)
+        log(f"  {v.name:<28} S={str(v.s):>3} streams={str(v.streams):>4} {ms:9.3f} ms  host {host:8.1f} us"
+            + (f"  err {err:.2e}" if err is not None else ""))
+    if why:
+        log(f"  (bare cupy.matmul skipped: {why})")
+
+    # memory: growth over many calls (every pipelined plan), and each plan's footprint
+    mem = []
+    for v in variants:
+        if v.kind in ("pipelined", "pipelined_graph", "plan") and v.check is not None:
+            rec = growth(args, be, clock, v)
+            if rec:
+                rec.update(name=v.name, dtype=dtype, S=v.s, streams=v.streams)
+                mem.append(rec)
+    for v in variants:
+        v.state = None
+        v.exe = None
+    variants.clear()
+    if gpu:
+        be.synchronize()
+        for s in args.chunks:
+            if M % (s * D) == 0:
+                mem.append(footprint(args, mesh, dtype, inputs, s, max(args.streams)))
     return rows, mem
 
 
-def footprint(args, mesh, dtype, inputs, clock, s, nstreams):
-    """Device bytes a fresh pipelined plan adds (pool + library allocations), over 3 calls."""
+def growth(args, be, clock, v):
+    """Pool and device memory growth over args.growth_calls calls (fresh inputs each call)."""
+    for r in range(min(3, args.growth_calls)):
+        v.before and v.before(r)
+        v.fn()
+    be.synchronize()
+    m0 = clock.memory()
+    for r in range(args.growth_calls):
+        if v.kind == "pipelined_graph":
+            v.fn()  # the plan's own inputs (refilling them each call would time the fill)
+        else:
+            v.before(r)
+            v.fn()
+    be.synchronize()
+    m1 = clock.memory()
+    if m0 is None:
+        return None
+    return {"growth_calls": args.growth_calls, "pool_growth_bytes": m1[0] - m0[0], "device_growth_bytes": m1[1] - m0[1]}
+
+
+def footprint(args, mesh, dtype, inputs, s, nstreams):
+    """Peak device bytes of a fresh pipelined plan over 3 calls (the caller drops each output
+    before the next call), against inputs + outputs + one gathered A + its cuBLAS workspaces.
+    Live bytes come from a CuPy memory hook (pool mallocs minus frees); library allocations
+    outside CuPy's pool show in the device delta."""
     import cupy
 
     be = mesh.backend
+
+    class Live(cupy.cuda.MemoryHook):
+        name = "shardfuse_live"
+
+        def __init__(self):
+            self.live = self.peak = 0
+
+        def malloc_postprocess(self, **kw):
+            self.live += kw["mem_size"]
+            self.peak = max(self.peak, self.live)
+
+        def free_postprocess(self, **kw):
+            self.live -= kw["mem_size"]
+
     pipelined, _ = seed_functions(mesh, nstreams)
-    pool = cupy.get_default_memory_pool()
     be.synchronize()
-    pool.free_all_blocks()
-    p0, d0 = clock.memory()
-    exe = pipelined.lower(inputs.a_array(0, s).spec, inputs.b_array(0).spec).executable
-    c = None
-    for r in range(3):
-        c = exe(inputs.a_array(r, s), inputs.b_array(r))
-    be.synchronize()
-    p1, d1 = clock.memory()
+    ws0, h0 = be.workspace_bytes, len(be._handles)
+    free0, total = cupy.cuda.runtime.memGetInfo()
+    hook = Live()
+    with hook:
+        exe = pipelined.lower(inputs.a_array(0, s).spec, inputs.b_array(0).spec).executable
+        for r in range(3):
+            c = exe(inputs.a_array(r, s), inputs.b_array(r))
+            be.synchronize()
+            del c
+    free1, _ = cupy.cuda.runtime.memGetInfo()
     M, K, N = args.m, args.k, args.n
-    in_b = _nbytes((M, K), dtype) + _nbytes((K, N), dtype)
+    D = mesh.size
+    in_b = _nbytes((M // D, K), dtype) + _nbytes((K, N), dtype)
     out_b = _nbytes((M, N), dtype)
     ga = _nbytes((M, K), dtype)
-    ws_one = be.workspace_bytes and (be.workspace_bytes // max(1, len(be._handles)))
-    ws = ws_one * (1 + nstreams)
-    rec = {"name": "footprint", "dtype": dtype, "S": s, "streams": nstreams,
-           "plan_added_pool_bytes": p1 - p0, "plan_added_device_bytes": d1 - d0,
-           "plan_persistent_bytes": _plan_bytes(exe), "inputs_bytes": in_b, "outputs_bytes": out_b,
-           "gathered_a_bytes": ga, "cublas_workspace_bytes_per_handle": ws_one,
-           "bound_bytes": in_b + out_b + ga + ws,
-           "peak_bytes": in_b + (d1 - d0)}
+    per_handle = be.workspace_bytes // max(1, len(be._handles))
+    ws_used = per_handle * min(1 + nstreams, 1 + s)  # main + the worker streams this plan uses
+    rec = {"name": "footprint (eager)", "dtype": dtype, "S": s, "streams": nstreams,
+           "plan_peak_live_bytes": hook.peak, "plan_persistent_bytes": _plan_bytes(exe),
+           "new_workspace_bytes": be.workspace_bytes - ws0, "device_delta_bytes": free0 - free1,
+           "inputs_bytes": in_b, "outputs_bytes": out_b, "gathered_a_bytes": ga,
+           "cublas_workspace_bytes": ws_used, "bound_bytes": in_b + out_b + ga + ws_used}
+    rec["peak_bytes"] = in_b + hook.peak + ws_used
     rec["within_bound"] = rec["peak_bytes"] <= rec["bound_bytes"]
-    del c, exe
+    del exe, h0
     return rec
 
 
@@ -508,16 +523,33 @@ def environment(mesh):
 
 
 def table(rows):
-    head = f"{'plan':<28} {'dtype':<9} {'S':>3} {'str':>3} {'ms':>9} {'TFLOP/s':>8} {'host us':>9} " \
-           f"{'host%':>6} {'overlap':>7} {'vs bare':>7} {'rel err':>8}"
+    def f(x, fmt):
+        return fmt % x if x is not None else ""
+
+    head = (f"{'plan':<27} {'dtype':<8} {'S':>3} {'str':>3} {'ms':>8} {'TFLOP/s':>7} {'host us':>8} {'host%':>6} "
+            f"{'overlap':>7} {'/cupy S':>7} {'/cuBLAS S':>9} {'/cupy 1':>7} {'rel err':>8}")
     out = [head, "-" * len(head)]
     for r in rows:
-        vs = r.get("vs_bare_cupy_chunks") or r.get("vs_bare_cublas_chunks")
-        out.append(f"{r['name']:<28} {r['dtype']:<9} {str(r['S'] or ''):>3} {str(r['streams'] or ''):>3} "
-                   f"{r['ms']:9.3f} {r['tflops'] or 0:8.1f} {r['host_us']:9.1f} {100 * (r['host_frac'] or 0):5.1f}% "
-                   f"{(('%.3f' % r['overlap_eff']) if r.get('overlap_eff') else ''):>7} "
-                   f"{(('%.3f' % vs) if vs else ''):>7} "
-                   f"{(('%.1e' % r['rel_err']) if r.get('rel_err') is not None else ''):>8}")
+        out.append(f"{r['name']:<27} {r['dtype']:<8} {f(r['S'], '%d'):>3} {f(r['streams'], '%d'):>3} "
+                   f"{r['ms']:8.3f} {f(r['tflops'], '%.0f'):>7} {r['host_us']:8.1f} {100 * r['host_frac']:5.1f}% "
+                   f"{f(r.get('overlap_eff'), '%.3f'):>7} {f(r.get('vs_bare_cupy_chunks'), '%.3f'):>7} "
+                   f"{f(r.get('vs_bare_cublas_chunks'), '%.3f'):>9} {f(r.get('vs_bare_cupy_one'), '%.3f'):>7} "
+                   f"{f(r.get('rel_err'), '%.1e'):>8}")
+    return "\n".join(out)
+
+
+def memory_table(mem):
+    out = []
+    for m in mem:
+        if "pool_growth_bytes" in m:
+            out.append(f"growth  {m['name']:<27} {m['dtype']:<8} S={m['S']} over {m['growth_calls']} calls: "
+                       f"pool {m['pool_growth_bytes']} B, device {m['device_growth_bytes']} B")
+        else:
+            mib = 1 << 20
+            out.append(f"peak    {m['name']:<27} {m['dtype']:<8} S={m['S']}: {m['peak_bytes'] / mib:.0f} MiB "
+                       f"(inputs {m['inputs_bytes'] / mib:.0f} + plan live peak {m['plan_peak_live_bytes'] / mib:.0f}"
+                       f" + cuBLAS workspaces {m['cublas_workspace_bytes'] / mib:.0f}) vs bound "
+                       f"{m['bound_bytes'] / mib:.0f} MiB -> {'within' if m['within_bound'] else 'OVER'}")
     return "\n".join(out)
 
 
@@ -568,8 +600,7 @@ def main(argv=None):
     else:
         print()
         print(table(rows))
-        for m in mem:
-            print(m)
+        print(memory_table(mem))
     bad = [r for r in rows if r.get("rel_err") is not None and not r["rel_err"] <= TOLERANCE[r["dtype"]]]
     if bad:
         print(f"shardfuse bench: {len(bad)} result(s) over tolerance", file=sys.stderr)

@@ -29,7 +29,7 @@ def test_bench_json_parses():
         {(s, t, d) for s in (1, 2, 4) for t in (1, 2) for d in ("float32", "float64")}
     for row in rows:
         assert row["ms"] > 0 and row["host_us"] > 0
-        assert row["tflops"] > 0
+        assert row["tflops"] is None if row["name"] == "allgather alone" else row["tflops"] > 0
     assert all(row["overlap_eff"] > 0 for row in pipe)
 
 
