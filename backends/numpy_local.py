@@ -153,6 +153,17 @@ class NumpyLocalBackend:
                     r[j][...] = total
         return start, None
 
+    def bind_sendrecv(self, send, recv, team, shift, stream):
+        teams = self._local_teams(team)
+
+        def start(bufs):  # rank r sends to r + shift, receives from r - shift
+            s, r = self._views(bufs, send), self._views(bufs, recv)
+            for t in teams:
+                blocks = [s[q].copy() for q in t]
+                for rank, j in enumerate(t):
+                    r[j][...] = blocks[(rank - shift) % len(t)]
+        return start, None
+
     def bind_alltoall(self, send, recv, team, stream):
         teams = self._local_teams(team)
 

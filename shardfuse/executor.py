@@ -92,6 +92,16 @@ def rank_major(ref: Ref, axis: int, d: int) -> Ref:
     return replace(ref, shape=shape, strides=strides)
 
 
+def _index(idx, env) -> int:
+    return idx if isinstance(idx, int) else idx.eval(env)
+
+
+def _holds(when, env) -> bool:
+    """A guard `(var, op, value)`, decided when the loop is unrolled."""
+    var, op, value = when
+    return {"<": env[var] < value, ">": env[var] > value}[op]
+
+
 class Executable:
     def __init__(self, prog, backend, graph: bool = False):
         self.prog, self.backend, self.mesh = prog, backend, prog.mesh
@@ -157,6 +167,8 @@ class Executable:
         be = self.backend
         for i in instrs:
             op, a = i.op, i.attrs
+            if "when" in a and not _holds(a["when"], env):
+                continue
             if op == "for":
                 for it in range(a["extent"]):
                     stream = self._bind(i.body, {**env, a["var"]: it}, stream)
@@ -173,14 +185,20 @@ class Executable:
             elif op == "get_stream":
                 pass
             elif op == "set_stream":
-                stream = MAIN if a["stream"] == MAIN else a["index"].eval(env)
-            elif op == "record_event":
-                self.refs[i.outs[0]] = be.new_event()
-                self.steps.append(be.bind_record(self.refs[i.outs[0]], stream))
+                stream = MAIN if a["stream"] == MAIN else _index(a["index"], env)
+            elif op == "record_event":  # events recorded in a loop are one per step: (event, step)
+                key = (i.outs[0], _index(a["index"], env)) if "index" in a else i.outs[0]
+                self.refs[key] = be.new_event()
+                self.steps.append(be.bind_record(self.refs[key], stream))
             elif op == "wait_event":
-                self.steps.append(be.bind_wait_event(self.refs[i.ins[0]], stream))
+                key = (i.ins[0], _index(a["index"], env)) if "index" in a else i.ins[0]
+                self.steps.append(be.bind_wait_event(self.refs[key], stream))
             elif op == "synchronize":
-                self.steps.append(be.bind_join(stream, a["index"].eval(env)))
+                self.steps.append(be.bind_join(stream, _index(a["index"], env)))
+            elif op == "sendrecv":
+                start, wait = be.bind_sendrecv(self.refs[i.ins[0]], self.refs[i.into], a["team"], a["shift"], stream)
+                self.steps.append(start)
+                self.pending[i.outs[0]] = [wait]
             elif op in COLLECTIVES:
                 self._bind_collective(i, stream)
             elif op == "wait":
@@ -204,7 +222,7 @@ class Executable:
         op, a = i.op, i.attrs
         src = self.refs[i.ins[0]]
         if op == "select":
-            k = a["index"].eval(env)
+            k = _index(a["index"], env)
             return Ref(src.slot, tuple(o + k * src.strides[0] for o in src.offsets), src.shape[1:],
                        src.strides[1:], src.dtype)
         if op == "transpose":
@@ -212,9 +230,13 @@ class Executable:
             return replace(src, shape=tuple(src.shape[p] for p in perm), strides=tuple(src.strides[p] for p in perm))
         out_shape = self._local_shape(i.outs[0])
         if op == "slice":
-            ax = a["axis"]
-            step = a["index"].eval(env) * out_shape[ax] * src.strides[ax]
-            return replace(src, offsets=tuple(o + step for o in src.offsets), shape=out_shape)
+            ax, idx = a["axis"], a["index"]
+            ranks = [0] * self.ndev
+            if idx.ring:  # each device takes its own block: (rank - i) % D
+                mi = self.mesh.axis_index(idx.ring)
+                ranks = [self.mesh.coords(d)[mi] for d in self.backend.local_devices]
+            offs = tuple(o + idx.eval(env, r) * out_shape[ax] * src.strides[ax] for o, r in zip(src.offsets, ranks))
+            return replace(src, offsets=offs, shape=out_shape)
         if op == "shard_slice":
             ax, m = a["axis"], a["team"]
             mi = self.mesh.axis_index(m)

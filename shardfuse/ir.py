@@ -14,6 +14,10 @@ from dataclasses import dataclass, field, replace
 from shardfuse.layout import Layout, format_type
 
 DTYPES = ("float16", "bfloat16", "float32", "float64")
+# Instructions that only exist after lowering (a pass that builds them directly, like the ring,
+# hands them to the later passes, which leave them alone).
+HOST_ONLY = {"allocate", "select", "sendrecv", "wait", "record_event", "wait_event", "set_stream", "synchronize",
+             "get_stream", "for"}
 
 
 @dataclass(frozen=True)
@@ -46,17 +50,25 @@ class Value:
 
 @dataclass(frozen=True)
 class Idx:
-    """A loop index expression: `i`, or `i % mod` (a slot in a per-stream pool)."""
+    """A loop index expression: `i`, `i % mod` (a slot in a per-stream pool), `(i + 1) % 2`,
+    or, with `ring` (a mesh axis), `(rank - i) % mod`: the block a device holds at ring step i."""
 
     var: str
     mod: int | None = None
+    offset: int = 0
+    ring: str | None = None
 
-    def eval(self, env: dict) -> int:
-        v = env[self.var]
+    def eval(self, env: dict, rank: int = 0) -> int:
+        v = (rank - env[self.var] if self.ring else env[self.var]) + self.offset
         return v % self.mod if self.mod else v
 
     def __str__(self):
-        return f"{self.var} % {self.mod}" if self.mod else self.var
+        v = f"rank({self.ring}) - {self.var}" if self.ring else self.var
+        if self.offset:
+            v += f" {'+' if self.offset > 0 else '-'} {abs(self.offset)}"
+        if self.mod:
+            return f"({v}) % {self.mod}" if (self.offset or self.ring) else f"{v} % {self.mod}"
+        return v
 
 
 @dataclass(frozen=True, eq=False)
@@ -165,23 +177,27 @@ def _fmt(ins: Instr) -> str:
     if op == "for":
         return f"For {a['var']} in range({a['extent']}):"
     if op == "allocate":
-        where = "per call" if a.get("per_call") else ("one per stream" if a.get("pool") else "once")
+        where = "per call" if a.get("per_call") else (
+            "double buffer" if a.get("ring") else "one per stream" if a.get("pool") else "once")
         v = ins.outs[0]
         pool = f"{a['pool']} x " if a.get("pool") else ""
         return f"{v.name} = Allocate {pool}{v.type}  ({where})"
     if op in _STREAM_FORMATS:
         out = ins.outs[0].name if ins.outs else ""
+        if op in ("record_event", "wait_event") and "index" in a:  # one event per loop step
+            out, ins_s = f"{out}[{a['index']}]", f"{ins_s}[{a['index']}]"
         return _STREAM_FORMATS[op].format(out=out, ins=ins_s, stream=a.get("stream"))
     if op in ("slice", "shard_slice", "view", "select", "transpose"):
         name = {"slice": "Slice", "shard_slice": "ShardSlice", "view": "View", "select": "Select",
                 "transpose": "Transpose"}[op]
-        extra = _attrs(a, skip=("shape",))
+        extra = _attrs(a, skip=("shape", "when"))
         return f"{_typed(ins.outs[0])} = {name} {ins_s}" + (f", {extra}" if extra else "")
     if ins.into is not None:  # host-level compute and communication write into a buffer
         name = {"matmul": "Matmul", "sum": "Sum", "copy": "Copy",
-                "allgather": "Allgather", "allreduce": "Allreduce", "reduce_scatter": "ReduceScatter", "alltoall": "AllToAll"}.get(op, op.capitalize())
+                "allgather": "Allgather", "allreduce": "Allreduce", "reduce_scatter": "ReduceScatter", "alltoall": "AllToAll",
+                "sendrecv": "SendRecv"}.get(op, op.capitalize())
         rhs = " @ ".join(v.name for v in ins.ins) if op == "matmul" else ins_s
-        extra = f", {_attrs(a)}" if a else ""
+        extra = f", {_attrs(a, skip=('when',))}" if set(a) - {"when"} else ""
         lhs = f"{ins.outs[0].name} = " if ins.outs else ""
         return f"{lhs}{name} {ins.into.name} <- {rhs}{extra}"
     # array-level (traced) ops
@@ -193,7 +209,9 @@ def _fmt(ins: Instr) -> str:
 def format_instrs(instrs, indent: int = 1) -> list:
     lines = []
     for ins in instrs:
-        lines.append("  " * indent + _fmt(ins))
+        when = ins.attrs.get("when")
+        guard = f"[{' '.join(map(str, when))}] " if when else ""
+        lines.append("  " * indent + guard + _fmt(ins))
         lines.extend(format_instrs(ins.body, indent + 1))
     return lines
 

@@ -25,16 +25,22 @@ class Plan:
     __repr__ = __str__
 
     def collectives(self) -> dict:
-        """How many collectives of each kind one call issues (loops counted per chunk)."""
+        """How many collectives of each kind one call issues (loops unrolled, guards applied)."""
+        from shardfuse.executor import _holds
+
         counts: dict = {}
 
-        def visit(instrs, times):
+        def visit(instrs, env):
             for i in instrs:
+                if "when" in i.attrs and not _holds(i.attrs["when"], env):
+                    continue
                 if i.op in COLLECTIVES:
-                    counts[i.op] = counts.get(i.op, 0) + times
-                visit(i.body, times * i.attrs.get("extent", 1) if i.op == "for" else times)
+                    counts[i.op] = counts.get(i.op, 0) + 1
+                if i.op == "for":
+                    for it in range(i.attrs["extent"]):
+                        visit(i.body, {**env, i.attrs["var"]: it})
 
-        visit(self.program.instrs, 1)
+        visit(self.program.instrs, {})
         return counts
 
     @property

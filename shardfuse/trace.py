@@ -181,16 +181,20 @@ def linear(x, w, b=None):
     return y if b is None else y + b
 
 
-def _annotate(x: Traced, axis: int, what, chunks=None) -> Traced:
+def _annotate(x: Traced, axis: int, what, chunks=None, algorithm=None) -> Traced:
     """A `set` whose output has the annotated layout; annotations on one value compose."""
     mesh, shape = x.builder.mesh, x.shape
     ax = normalize_axis(axis, x.ndim, shape)
     prev = x.builder.producer.get(x.value)
     base = x
     layout = Layout.replicated(x.ndim)
+    attrs = {"annotation": True}
     if prev is not None and prev.attrs.get("annotation"):
         layout = prev.outs[0].type.layout
         base = Traced(x.builder, prev.ins[0])
+        attrs = dict(prev.attrs)
+    if algorithm is not None:
+        attrs["algorithm"] = algorithm
     cur = layout.axes[ax]
     name = x.value.name
     if what == STREAM:
@@ -217,7 +221,7 @@ def _annotate(x: Traced, axis: int, what, chunks=None) -> Traced:
         else:
             layout = Layout(layout.with_axis(ax, what).axes, chunks=layout.chunks, stream_over=layout.stream_over)
     out = TensorType(shape, x.dtype, layout)
-    return x.builder.emit("set", (base,), out, base.value.name, annotation=True)
+    return x.builder.emit("set", (base,), out, base.value.name, **attrs)
 
 
 def shard(x, axis: int, over: str = "DIDx", mesh=None):
@@ -241,8 +245,21 @@ def replicate(x: Traced):
     return x.builder.emit("set", (x,), out, x.value.name, annotation=True)
 
 
-def stream(x: Traced, axis: int, chunks: int | None = None):
-    """Ask for x to be produced chunk by chunk along `axis` (chunks=None: one chunk per index)."""
+ALGORITHMS = ("collective", "ring")
+
+
+def stream(x: Traced, axis: int, chunks: int | None = None, algorithm: str = "collective"):
+    """Ask for x to be produced chunk by chunk along `axis` (chunks=None: one chunk per index).
+
+    algorithm="collective": each chunk's input is all-gathered on a worker stream while other
+    chunks multiply.  algorithm="ring": the chunks are the devices' own shards (chunks = D),
+    passed around a ring with Send/Recv; each step multiplies the shard that has arrived while
+    the next one is in flight.
+    """
     if not isinstance(x, Traced):
         raise TypeError("sf.stream annotates values inside an sf.jit function")
-    return _annotate(x, axis, STREAM, chunks)
+    if algorithm not in ALGORITHMS:
+        raise ValueError(f"algorithm must be one of {ALGORITHMS}, got {algorithm!r}")
+    if algorithm == "ring" and chunks is not None:
+        raise ValueError("algorithm='ring' takes no chunks=: the chunks are the D shards of the ring")
+    return _annotate(x, axis, STREAM, chunks, algorithm if algorithm == "ring" else None)

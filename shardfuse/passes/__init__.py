@@ -5,6 +5,7 @@ from shardfuse.passes.lower import lower_to_host
 from shardfuse.passes.pipeline import form_stream_loops, mark_stream_intermediates
 from shardfuse.passes.propagate import propagate_sharding
 from shardfuse.passes.reshard import insert_resharding
+from shardfuse.passes.ring import lower_ring
 from shardfuse.passes.split_stream import split_stream_axes
 from shardfuse.passes.streams import assign_streams
 from shardfuse.passes.verify import verify
@@ -15,6 +16,7 @@ PIPELINE = (
     split_stream_axes,
     insert_resharding,
     mark_stream_intermediates,
+    lower_ring,
     form_stream_loops,
     lower_to_host,
     allocate_buffers,

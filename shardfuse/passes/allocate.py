@@ -34,7 +34,7 @@ def allocate_buffers(prog):
     out = []
     for i in prog.instrs:
         if i.op == "allocate":
-            out.append(replace(i, attrs={"per_call": i.outs[0] in roots}))
+            out.append(replace(i, attrs={**i.attrs, "per_call": i.outs[0] in roots}))
         elif i.op == "for":
             out.extend(_hoist(i, min(prog.streams, i.attrs["extent"]), roots, namer))
         else:

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from shardfuse.ir import Instr, Namer, Value
+from shardfuse.ir import HOST_ONLY, Instr, Namer, Value
 from shardfuse.layout import Layout
 
 
@@ -25,7 +25,7 @@ def _lower(instrs, namer, mesh):
     for i in instrs:
         if i.op == "for":
             out.append(replace(i, body=tuple(_lower(i.body, namer, mesh))))
-        elif i.op in ("slice", "view", "transpose"):
+        elif i.op in ("slice", "view", "transpose") or i.op in HOST_ONLY or i.into is not None:
             out.append(i)
         elif i.op == "set":
             out.extend(_lower_set(i.ins[0], i.outs[0], namer, mesh))

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from collections import defaultdict
 
-from shardfuse.ir import Idx, Instr, Namer, TensorType, Value, substitute
+from shardfuse.ir import HOST_ONLY, Idx, Instr, Namer, TensorType, Value, substitute
 from shardfuse.layout import Layout
 from shardfuse.mesh import STREAM
 from shardfuse.rules import rule
@@ -56,21 +56,27 @@ def _chunk_type(v, axis):
     return TensorType(shape, t.dtype, t.layout.placement())
 
 
+def _stream_extent(i):
+    """Number of chunks of an array-level instruction whose output is stream-parallel, else None."""
+    if i.op in HOST_ONLY or i.into is not None or not i.outs or _stream_axis(i.outs[0]) is None:
+        return None
+    return i.outs[0].type.shape[_stream_axis(i.outs[0])]
+
+
 def form_stream_loops(prog):
     namer = Namer.for_program(prog)
     instrs, out = list(prog.instrs), []
     k = 0
     while k < len(instrs):
         i = instrs[k]
-        s = i.outs[0].type.shape[_stream_axis(i.outs[0])] if i.outs and _stream_axis(i.outs[0]) is not None else None
+        s = _stream_extent(i)
         if s is None:
             out.append(i)
             k += 1
             continue
         group = [i]
         k += 1
-        while k < len(instrs) and instrs[k].outs and _stream_axis(instrs[k].outs[0]) is not None \
-                and instrs[k].outs[0].type.shape[_stream_axis(instrs[k].outs[0])] == s:
+        while k < len(instrs) and _stream_extent(instrs[k]) == s:
             group.append(instrs[k])
             k += 1
         later = {v for j in instrs[k:] for v in j.ins} | set(prog.outputs)

@@ -23,7 +23,8 @@ def split_stream_axes(prog):
         i = substitute([i], alias)[0]
         o = i.outs[0] if i.outs else None
         lay = o.type.layout if o is not None else None
-        if lay is None or not lay.chunks:
+        ring = i.attrs.get("algorithm") == "ring"
+        if lay is None or not (lay.chunks or ring):
             out.append(i)
             continue
         k, s = lay.stream_axis(), lay.chunks
@@ -38,11 +39,19 @@ def split_stream_axes(prog):
         mesh_axis = sharded.pop() if sharded else None
         d = prog.mesh.axis_size(mesh_axis) if mesh_axis else 1
         extent = o.type.shape[k]
-        if extent % (d * s):
+        if ring:  # the ring's chunks are the shards: [D:Stream, m]
+            if mesh_axis is None:
+                raise ValueError(f"algorithm='ring' streams {o.name} along axis {k}, but no input shards that axis")
+            if extent == d:
+                out.append(i)
+                continue
+            s, fac = d, (d, extent // d)
+        elif extent % (d * s):
             raise ValueError(f"stream chunks={s} on axis {k} of {o.name}{o.type.shape}: the extent {extent} must divide "
                              f"into {d} device(s) x {s} chunks")
-        m = extent // (d * s)
-        fac = (d, s, m) if mesh_axis else (s, m)
+        else:
+            m = extent // (d * s)
+            fac = (d, s, m) if mesh_axis else (s, m)
         new_ins = []
         for v, a in zip(i.ins, amap):
             if a is None:
@@ -50,11 +59,12 @@ def split_stream_axes(prog):
                 continue
             vl = v.type.layout
             d_axis = vl.axes[a] if vl.axes[a] == mesh_axis else None  # only an input sharded there keeps it
-            shp, axs = _split(v.type.shape, vl.axes, a, fac, (d_axis, None, None) if mesh_axis else (None, None))
+            shp, axs = _split(v.type.shape, vl.axes, a, fac, ((d_axis,) + (None,) * (len(fac) - 1)) if mesh_axis
+                              else (None, None))
             vv = Value(namer(v.name + "_split"), TensorType(shp, v.type.dtype, Layout(axs, vl.partial)))
             out.append(Instr("view", (vv,), (v,), {"shape": shp}))
             new_ins.append(vv)
-        split_axes = ((lay.stream_over, STREAM, None) if mesh_axis else (STREAM, None))
+        split_axes = (STREAM, None) if ring else ((lay.stream_over, STREAM, None) if mesh_axis else (STREAM, None))
         shp, axs = _split(o.type.shape, lay.axes, k, fac, split_axes)
         o_split = Value(namer(o.name + "_split"), TensorType(shp, o.type.dtype, Layout(axs, lay.partial)))
         out.append(Instr(i.op, (o_split,), tuple(new_ins), i.attrs))

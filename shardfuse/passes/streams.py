@@ -19,7 +19,7 @@ def assign_streams(prog):
     namer = Namer.for_program(prog)
     out = [Instr("get_stream", (Value("main", "Stream"),))]
     for i in prog.instrs:
-        if i.op != "for":
+        if i.op != "for" or i.attrs.get("scheduled"):  # a loop that a pass scheduled itself (the ring)
             out.append(i)
             continue
         n = min(prog.streams, i.attrs["extent"])

@@ -6,7 +6,7 @@ the main stream; compute shapes agree with their destinations.
 """
 from __future__ import annotations
 
-COLLECTIVES = {"allgather", "allreduce", "reduce_scatter", "alltoall"}
+COLLECTIVES = {"allgather", "allreduce", "reduce_scatter", "alltoall", "sendrecv"}
 HOST_OPS = COLLECTIVES | {"allocate", "slice", "select", "view", "shard_slice",
             "wait", "matmul", "add", "sub", "mul", "div", "neg", "scale", "exp", "tanh", "relu", "gelu", "sum",
             "copy", "transpose", "for", "get_stream", "set_stream", "synchronize",
@@ -48,7 +48,8 @@ def _check_block(instrs, defined, prog, top):
             _check(body and body[0].op == "set_stream", "a stream loop must start by picking its stream")
             last_set = [b for b in body if b.op == "set_stream"][-1]
             _check(last_set.attrs["stream"] == "main", "a stream loop body must return to the main stream")
-            _check_block(body, defined, prog, top=False)
+            carried = {e for b in body if b.op == "record_event" and "index" in b.attrs for e in b.outs}
+            _check_block(body, defined | carried, prog, top=False)  # events of step i - 1 are in scope
         defined.update(i.outs)
     _check(not pending, f"collectives never waited for: {sorted(v.name for v in pending)}")
     if top:
