@@ -74,7 +74,10 @@ def mpirun(n, args, timeout, env=None, program=None):
     """Run `mpiexec -n n python ARGS` (or `mpiexec -n n PROGRAM ARGS`) from the repo root:
     (returncode or None on timeout, combined output, seconds)."""
     cmd = [MPIEXEC, "-n", str(n), *FLAGS, program or sys.executable, *args]
-    full_env = {**os.environ, "SHARDFUSE_POISON": "1", "PYTHONUNBUFFERED": "1", **(env or {})}
+    # The MPI tier is the NumPy-over-MPI backend: hide GPUs, or the mesh would pick CuPy+NCCL
+    # (which also refuses several ranks on one GPU).
+    full_env = {**os.environ, "SHARDFUSE_POISON": "1", "PYTHONUNBUFFERED": "1", "CUDA_VISIBLE_DEVICES": "",
+                **(env or {})}
     t0 = time.monotonic()
     proc = subprocess.Popen(cmd, cwd=ROOT, env=full_env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True, errors="replace", start_new_session=True)
