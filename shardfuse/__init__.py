@@ -12,7 +12,8 @@ from shardfuse.array import Array, from_local
 from shardfuse.jit import Plan, jit
 from shardfuse.layout import Layout
 from shardfuse.mesh import DeviceMesh
+from shardfuse.placements import Partial, Replicate, Shard
 from shardfuse.trace import TensorSpec, exp, gelu, linear, relu, replicate, shard, stream, tanh
 
-__all__ = ["Array", "DeviceMesh", "Layout", "Plan", "TensorSpec", "from_local", "jit", "replicate", "shard", "stream",
+__all__ = ["Array", "DeviceMesh", "Layout", "Partial", "Replicate", "Shard", "Plan", "TensorSpec", "from_local", "jit", "replicate", "shard", "stream",
            "exp", "gelu", "linear", "relu", "tanh"]

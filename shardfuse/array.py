@@ -46,6 +46,13 @@ class Array:
     ndim = property(lambda self: len(self.shape))
 
     @property
+    def placements(self) -> tuple:
+        """Per mesh axis: Shard(dim), Replicate() or Partial(), as in DTensor."""
+        from shardfuse.placements import placements_of
+
+        return placements_of(self.sharding, self.mesh)
+
+    @property
     def spec(self) -> TensorSpec:
         return TensorSpec(self.shape, self.dtype.name, self.sharding)
 

@@ -57,12 +57,10 @@ class Layout:
         return tuple(out)
 
     def placements(self, mesh) -> tuple:
-        """DTensor-style placement per mesh axis: 'S(i)', 'R' or 'P'."""
-        out = []
-        for name in mesh.axis_names:
-            i = self.placement().mesh_axis_of(name)
-            out.append(f"S({i})" if i is not None else ("P" if name in self.partial else "R"))
-        return tuple(out)
+        """DTensor-style placement per mesh axis, compact: 'S(i)', 'R' or 'P'."""
+        from shardfuse.placements import placements_of
+
+        return tuple(str(p) for p in placements_of(self, mesh))
 
 
 def format_type(shape, dtype, layout) -> str:

@@ -72,3 +72,16 @@ def test_random_shapes_meshes_annotations(d, chunks, streams, m, k, n, b_sharded
     mesh = sf.DeviceMesh(d, backend="numpy")
     case = natural_case if natural else seed_case
     case(mesh, chunks, streams, dtype, b_sharded, m=m, k=k, n=n)
+
+
+def test_placements_in_dtensor_words():
+    mesh = sf.DeviceMesh((2, 2), ("dp", "tp"), backend="numpy")
+    x = sf.shard(np.random.default_rng().standard_normal((4, 6)), axis=1, over="tp", mesh=mesh)
+    assert x.placements == (sf.Replicate(), sf.Shard(1))
+    assert [str(p) for p in x.placements] == ["R", "S(1)"] and repr(sf.Shard(1)) == "Shard(dim=1)"
+    f = sf.jit(lambda a: sf.shard(a, axis=1, over="tp").sum(1), mesh=mesh)
+    plan = f.lower(sf.TensorSpec((4, 6), "float64"))
+    partial = [i.into for i in plan.program.walk() if i.op == "sum"][0]
+    from shardfuse.placements import placements_of
+
+    assert placements_of(partial.type.layout, mesh) == (sf.Replicate(), sf.Partial())
