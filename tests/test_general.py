@@ -85,3 +85,25 @@ def test_placements_in_dtensor_words():
     from shardfuse.placements import placements_of
 
     assert placements_of(partial.type.layout, mesh) == (sf.Replicate(), sf.Partial())
+
+
+def test_backward_propagation_splits_work_instead_of_slicing_after():
+    """h is needed column-sharded by the row-parallel GEMM: it is computed sharded from a local
+    slice of x, rather than computed whole and sliced afterwards."""
+    mesh = sf.DeviceMesh(4, backend="numpy")
+
+    @sf.jit(mesh=mesh)
+    def f(x, w):
+        h = sf.gelu(x * 2.0)
+        return h @ sf.shard(w, axis=0)
+
+    rng = np.random.default_rng()
+    x, w = rng.standard_normal((8, 12)), rng.standard_normal((12, 3))
+    plan = f.lower(sf.TensorSpec(x.shape, "float64"), sf.TensorSpec(w.shape, "float64"))
+    lines = str(plan).splitlines()
+    assert lines[2] == "  x_sliced: f64[8, 12:DIDx] = ShardSlice x, axis=1, team=DIDx"
+    assert "  g = Allocate f64[8, 12:DIDx]  (once)" in lines
+    assert plan.collectives() == {"allreduce": 1}
+    h = 2 * x
+    ref = (0.5 * h * (1 + np.tanh(np.sqrt(2 / np.pi) * (h + 0.044715 * h ** 3)))) @ w
+    assert_close(f(x, w).gather(), ref, "float64")

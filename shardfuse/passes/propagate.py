@@ -1,17 +1,25 @@
-"""propagate_sharding: give every unannotated value a layout, forward through the rule table.
+"""propagate_sharding: give every unannotated value a layout.
 
-Annotated values keep exactly their annotation; the rest take the layout that needs no
-communication (see shardfuse.rules for each op's choice).
+Forward: each op's rule infers the layout that needs no communication from its inputs
+(shardfuse.rules; for matmul the weight's sharding wins ties, as in nvFuser).
+Backward: an unannotated intermediate that every consumer needs *more* sharded (the rest
+being equal) is produced that way from the start, provided its producer can do so with
+local slices only: the work is split instead of done whole and sliced afterwards.
+Annotated values keep exactly their annotation.  Both sweeps go in program order, so the
+result is deterministic.
 """
 from __future__ import annotations
 
-from shardfuse.ir import Instr, Value
+from collections import defaultdict
+
+from shardfuse.ir import Instr, Value, substitute
+from shardfuse.mesh import STREAM
 from shardfuse.rules import rule
 
 
 def propagate_sharding(prog):
     env = {v: v for v in prog.inputs}
-    out = []
+    out, inferred = [], set()
     for i in prog.instrs:
         ins = tuple(env[v] for v in i.ins)
         outs = []
@@ -19,9 +27,63 @@ def propagate_sharding(prog):
             if o.type.layout is None:
                 lay = rule(i.op, "infer")(Instr(i.op, i.outs, ins, i.attrs), [v.type.layout for v in ins])
                 o2 = Value(o.name, o.type.with_layout(lay))
+                inferred.add(o2)
             else:
                 o2 = o
             env[o] = o2
             outs.append(o2)
         out.append(Instr(i.op, tuple(outs), ins, i.attrs))
-    return prog.with_instrs(out, "propagate_sharding", outputs=tuple(env[v] for v in prog.outputs))
+    outputs = tuple(env[v] for v in prog.outputs)
+    out, outputs = _backward(out, outputs, inferred)
+    return prog.with_instrs(out, "propagate_sharding", outputs=outputs)
+
+
+def _refines(want, have) -> bool:
+    """want only adds shardings to have (R -> S on some axes: a local slice, no communication)."""
+    if want.partial != have.partial or len(want.axes) != len(have.axes):
+        return False
+    return all(h is None or h == w for w, h in zip(want.axes, have.axes)) and want.axes != have.axes
+
+
+def _required(instr, n):
+    lays = [v.type.layout for v in instr.ins]
+    return rule(instr.op, "require")(instr, instr.outs[0].type.layout, lays)[0][n]
+
+
+def _backward(instrs, outputs, inferred):
+    while True:
+        consumers = defaultdict(list)
+        for i in instrs:
+            for n, v in enumerate(i.ins):
+                consumers[v].append((i, n))
+        change = _one_refinement(instrs, outputs, inferred, consumers)
+        if change is None:
+            return instrs, outputs
+        old, new = change
+        inferred.add(new)
+        instrs = substitute(instrs, {old: new})
+        outputs = tuple(new if v is old else v for v in outputs)
+
+
+def _one_refinement(instrs, outputs, inferred, consumers):
+    for p in reversed(instrs):
+        for o in p.outs:
+            lay = o.type.layout
+            if o not in inferred or o in outputs or lay.partial or STREAM in lay.axes or not consumers[o]:
+                continue
+            if any(c.op in ("set", "view") for c, _ in consumers[o]):
+                continue  # a reshard or a view states no requirement of its own
+            wants = {_required(c, n) for c, n in consumers[o]}
+            if len(wants) != 1:
+                continue
+            want = wants.pop()
+            if not _refines(want, lay):
+                continue
+            # the producer must make `want` from its inputs with local slices at most
+            trial = Instr(p.op, (Value(o.name, o.type.with_layout(want)),), p.ins, p.attrs)
+            req, produced = rule(p.op, "require")(trial, want, [v.type.layout for v in p.ins])
+            if produced != want:
+                continue
+            if all(r == v.type.layout.placement() or _refines(r, v.type.layout.placement()) for r, v in zip(req, p.ins)):
+                return o, Value(o.name, o.type.with_layout(want))
+    return None
