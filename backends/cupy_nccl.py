@@ -48,6 +48,7 @@ from shardfuse.trace import np_dtype
 POISON = os.environ.get("SHARDFUSE_POISON") == "1"  # fill new buffers with NaN (tests)
 TF32 = os.environ.get("SHARDFUSE_TF32", os.environ.get("CUPY_TF32", "0")) == "1"
 WORKSPACE = int(os.environ.get("SHARDFUSE_CUBLAS_WORKSPACE", str(32 << 20)))  # bytes per handle
+GEMM_API = os.environ.get("SHARDFUSE_GEMM", "lt")  # "lt": cublasLtMatmul with a bind-time algorithm; "ex": cublasGemmEx
 
 # storage dtype on the GPU, cudaDataType, NCCL type, NaN bit pattern (for poisoning)
 _STORE = {"float16": np.float16, "bfloat16": np.uint16, "float32": np.float32, "float64": np.float64}
@@ -56,6 +57,7 @@ _NCCL_T = {"float16": 6, "bfloat16": 9, "float32": 7, "float64": 8}
 _ITEM = {"float16": 2, "bfloat16": 2, "float32": 4, "float64": 8}
 _OP_N, _OP_T = 0, 1
 _COMPUTE_32F, _COMPUTE_32F_TF32, _COMPUTE_64F = 68, 77, 70
+_COMPUTE_SCALE = {68: 0, 77: 0, 70: 1}  # compute type -> scale (alpha/beta) cudaDataType
 _GEMM_DEFAULT = -1
 _D2D = 3
 
@@ -104,6 +106,89 @@ class _Cublas:
         self.gemm_batched.argtypes = [P, I, I, I, I, I, P, P, I, I, LL, P, I, I, LL, P, P, I, I, LL, I, I, I]
         for f in (self.create, self.set_stream, self.set_workspace, self.gemm, self.gemm_batched):
             f.restype = I
+
+
+class _CublasLt:
+    """cuBLASLt through ctypes: descriptors and the algorithm are chosen at bind time, so a GEMM
+    step at run time is one cublasLtMatmul call (less host work than cublasGemmEx)."""
+
+    TRANSA, TRANSB = 3, 4  # cublasLtMatmulDescAttributes_t
+    BATCH_COUNT, BATCH_STRIDE = 5, 6  # cublasLtMatrixLayoutAttribute_t
+    PREF_MAX_WORKSPACE = 1  # cublasLtMatmulPreferenceAttributes_t
+
+    def __init__(self):
+        _find_cublas()
+        lib = None
+        for name in ("libcublasLt.so.13", "libcublasLt.so.12", "libcublasLt.so"):
+            try:
+                lib = ctypes.CDLL(name)
+                break
+            except OSError:
+                pass
+        if lib is None:
+            raise RuntimeError("cupy_nccl: cannot load libcublasLt")
+        P, I, U64, I64, SZ = ctypes.c_void_p, ctypes.c_int, ctypes.c_uint64, ctypes.c_int64, ctypes.c_size_t
+        PP = ctypes.POINTER(P)
+        sig = {
+            "cublasLtCreate": [PP],
+            "cublasLtMatmulDescCreate": [PP, I, I],
+            "cublasLtMatmulDescSetAttribute": [P, I, P, SZ],
+            "cublasLtMatrixLayoutCreate": [PP, I, U64, U64, I64],
+            "cublasLtMatrixLayoutSetAttribute": [P, I, P, SZ],
+            "cublasLtMatmulPreferenceCreate": [PP],
+            "cublasLtMatmulPreferenceSetAttribute": [P, I, P, SZ],
+            "cublasLtMatmulAlgoGetHeuristic": [P, P, P, P, P, P, P, I, P, ctypes.POINTER(I)],
+            "cublasLtMatmul": [P, P, P, P, P, P, P, P, P, P, P, P, P, P, SZ, P],
+        }
+        for name, args in sig.items():
+            f = getattr(lib, name)
+            f.argtypes, f.restype = args, I
+            setattr(self, name[len("cublasLt"):], f)
+        self.handles = {}
+
+    def handle(self, ordinal):
+        h = self.handles.get(ordinal)
+        if h is None:
+            hp = ctypes.c_void_p()
+            with cupy.cuda.Device(ordinal):
+                _check(self.Create(ctypes.byref(hp)), "cublasLtCreate")
+            h = self.handles[ordinal] = hp.value
+        return h
+
+    def plan(self, ordinal, comp, scale, ctype, opa, opb, m, n, k, lda, ldb, ldc, workspace):
+        """(desc, layouts, algo buffer) for D = op(A) op(B), or None when no algorithm fits."""
+        keep = []
+
+        def out(f, *args):
+            p = ctypes.c_void_p()
+            _check(f(ctypes.byref(p), *args), f"cublasLt {f.__name__}")
+            keep.append(p)
+            return p.value
+
+        def i32(v):
+            x = ctypes.c_int32(v)
+            keep.append(x)
+            return ctypes.cast(ctypes.byref(x), ctypes.c_void_p), 4
+
+        desc = out(self.MatmulDescCreate, comp, scale)
+        _check(self.MatmulDescSetAttribute(desc, self.TRANSA, *i32(opa)), "cublasLt set transa")
+        _check(self.MatmulDescSetAttribute(desc, self.TRANSB, *i32(opb)), "cublasLt set transb")
+        la = out(self.MatrixLayoutCreate, ctype, *((m, k) if opa == _OP_N else (k, m)), lda)
+        lb = out(self.MatrixLayoutCreate, ctype, *((k, n) if opb == _OP_N else (n, k)), ldb)
+        lc = out(self.MatrixLayoutCreate, ctype, m, n, ldc)
+        pref = out(self.MatmulPreferenceCreate)
+        ws = ctypes.c_uint64(workspace)
+        keep.append(ws)
+        _check(self.MatmulPreferenceSetAttribute(pref, self.PREF_MAX_WORKSPACE, ctypes.cast(ctypes.byref(ws),
+                                                 ctypes.c_void_p), 8), "cublasLt set workspace")
+        result = ctypes.create_string_buffer(96)  # cublasLtMatmulHeuristicResult_t; algo is its first 64 bytes
+        count = ctypes.c_int(0)
+        st = self.MatmulAlgoGetHeuristic(self.handle(ordinal), desc, la, lb, lc, lc, pref, 1, result,
+                                         ctypes.byref(count))
+        if st != 0 or count.value < 1:
+            return None
+        keep.append(result)
+        return desc, la, lb, lc, ctypes.addressof(result), keep
 
 
 def _check(status, what):
@@ -267,6 +352,9 @@ class CupyNcclBackend:
                 self.main.append(cupy.cuda.Stream(non_blocking=True))
         self.workers = [[] for _ in self.ordinals]  # per device: pool of worker streams
         self._handles = {}  # (j, stream key) -> cuBLAS handle
+        self._ws_ptr = {}  # (j, stream key) -> that handle's workspace (cuBLASLt calls use it too)
+        self._lt = None
+        self.gemm_api = GEMM_API
         self._workspaces = []
         self._comms = {}  # team name -> list of communicators, one per local device
         self._cublas = None
@@ -303,6 +391,7 @@ class CupyNcclBackend:
                 self._workspaces.append(ws)
                 self.workspace_bytes += WORKSPACE
                 _check(cb.set_workspace(hp, ctypes.c_void_p(ws.data.ptr), WORKSPACE), "cublasSetWorkspace")
+            self._ws_ptr[key] = ws.data.ptr
             h = self._handles[key] = hp.value
         return h
 
@@ -475,6 +564,25 @@ class CupyNcclBackend:
             def ptrs(bufs, j):
                 return bufs[s1][j].data.ptr + o1[j], bufs[s2][j].data.ptr + o2[j], bufs[so][j].data.ptr + oo[j]
 
+        if inner is None and self.gemm_api == "lt" and not multi and len(outer) == 1 and None not in (s1, s2, so):
+            if self._lt is None:
+                self._lt = _CublasLt()
+            lt = self._lt
+            plan = lt.plan(ords[0], comp, _COMPUTE_SCALE[comp], ctype, opa, opb, m, n, k, lda, ldb, ldc, WORKSPACE)
+            if plan is not None:
+                desc, la, lb, lc, algo, lt_keep = plan
+                lh, ws, sp = lt.handle(ords[0]), self._ws_ptr[(0, stream)], self._stream(0, stream).ptr
+                mm = lt.Matmul
+                d1, d2, d3 = outer[0]
+                o1_, o2_, oo_ = o1[0] + d1, o2[0] + d2, oo[0] + d3
+
+                def step(bufs, _keep=(keep, lt_keep)):
+                    pc = bufs[so][0].data.ptr + oo_
+                    st = mm(lh, desc, alpha, bufs[s1][0].data.ptr + o1_, la, bufs[s2][0].data.ptr + o2_, lb,
+                            beta, pc, lc, pc, lc, algo, ws, WORKSPACE, sp)
+                    if st:
+                        _check(st, f"cublasLtMatmul (m={m} n={n} k={k} {dt})")
+                return step
         if inner is None:
             fn = cb.gemm
             if not multi and len(outer) == 1 and s1 is not None and s2 is not None and so is not None:
