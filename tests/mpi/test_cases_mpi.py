@@ -362,3 +362,23 @@ def test_mlp_2d_data_and_tensor_parallel(mode):
     out = f(*args)
     assert out.sharding.placements(mesh) == (("S(0)", "S(1)") if mode == "sp" else ("S(0)", "R"))
     cases.assert_close(out.gather(), mlp_reference(*args), "float64")
+
+
+# ---- the resharding table and the ring, across processes -----------------------------------
+@pytest.mark.parametrize("entry", sorted(cases.RESHARD_TABLE))
+def test_reshard_table(mesh, entry):
+    cases.reshard_case(mesh, entry)
+
+
+@pytest.mark.parametrize("layout", ["seed", "natural"])
+def test_ring(mesh, layout):
+    d = mesh.size
+    rng = cases.fresh_rng(mesh)
+    if layout == "seed":
+        f = sf.jit(lambda a, b: sf.stream(sf.shard(a, axis=1) @ b, axis=1, algorithm="ring"), mesh=mesh)
+        a = rng.standard_normal((3, d, 4, 8))
+    else:
+        f = sf.jit(lambda a, b: sf.stream(sf.shard(a, axis=0) @ b, axis=0, algorithm="ring"), mesh=mesh)
+        a = rng.standard_normal((4 * d, 8))
+    b = rng.standard_normal((8, 5))
+    cases.assert_close(f(a, b).gather(), a @ b, "float64")
