@@ -158,7 +158,7 @@ def _typed(v: Value) -> str:
 
 
 def _attrs(a: dict, skip=()) -> str:
-    return ", ".join(f"{k}={v}" for k, v in a.items() if k not in skip)
+    return ", ".join(f"{k}={v}" for k, v in a.items() if k not in skip and not callable(v))
 
 
 _STREAM_FORMATS = {

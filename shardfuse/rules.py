@@ -185,6 +185,71 @@ def transpose_require(ins, out, lays):
                                                           out.chunks, out.stream_over)
 
 
+# ---- reshape: a view, allowed where it does not cross a sharded axis boundary --------------
+
+def reshape_groups(old, new):
+    """Pairs (old axes, new axes) of runs whose extents multiply to the same number."""
+    groups, i, j = [], 0, 0
+    while i < len(old) or j < len(new):
+        gi, gj = [i] if i < len(old) else [], [j] if j < len(new) else []
+        po = old[i] if i < len(old) else 1
+        pn = new[j] if j < len(new) else 1
+        i, j = i + bool(gi), j + bool(gj)
+        while po != pn:
+            if po < pn:
+                gi.append(i)
+                po *= old[i]
+                i += 1
+            else:
+                gj.append(j)
+                pn *= new[j]
+                j += 1
+        while i < len(old) and old[i] == 1 and (j >= len(new) or new[j] != 1):  # stray unit axes
+            gi.append(i)
+            i += 1
+        groups.append((gi, gj))
+    return groups
+
+
+def _map_reshape(src_shape, src_axes, dst_shape, mesh_size, forward):
+    out = [None] * len(dst_shape)
+    pairs = reshape_groups(src_shape, dst_shape) if forward else \
+        [(b, a) for a, b in reshape_groups(dst_shape, src_shape)]
+    for gs, gd in pairs:
+        sharded = [(k, src_axes[k]) for k in gs if src_axes[k] is not None]
+        if not sharded:
+            continue
+        k, m = sharded[0]
+        lead = next((k2 for k2 in gs if src_shape[k2] != 1), k)
+        dst_lead = next((d for d in gd if dst_shape[d] != 1), gd[0] if gd else None)
+        if len(sharded) > 1 or k != lead or dst_lead is None or dst_shape[dst_lead] % mesh_size(m):
+            raise ValueError(f"reshape {tuple(src_shape)} -> {tuple(dst_shape)} crosses the boundary of axis {k}, "
+                             f"sharded over {m}: only the outermost axis of a merged or split group may be sharded")
+        out[dst_lead] = m
+    return out
+
+
+def reshape_infer(ins, lays):
+    (la,) = lays
+    src, dst = ins.ins[0].type.shape, ins.outs[0].type.shape
+    mesh_size = ins.attrs["mesh_size"]
+    return Layout(tuple(_map_reshape(src, _axes(la), dst, mesh_size, True)), la.partial)
+
+
+def reshape_require(ins, out, lays):
+    src, dst = ins.ins[0].type.shape, ins.outs[0].type.shape
+    axes = _map_reshape(dst, [_placed(a) for a in out.axes], src, ins.attrs["mesh_size"], False)
+    return (Layout(tuple(axes), lays[0].partial),), Layout(out.axes, _union(out.partial, lays[0].partial),
+                                                          out.chunks, out.stream_over)
+
+
+def reshape_axis_map(ins, j):
+    for gs, gd in reshape_groups(ins.ins[0].type.shape, ins.outs[0].type.shape):
+        if gd == [j] and len(gs) == 1:
+            return (gs[0],)
+    return (None,)
+
+
 # ---- set and view: layouts are given, nothing is required of the input ---------------------
 
 def identity_axis_map(ins, j):
@@ -214,6 +279,7 @@ RULES = {
     "transpose": dict(infer=transpose_infer, require=transpose_require, axis_map=transpose_axis_map),
     "set": dict(infer=_given, require=_as_is, axis_map=identity_axis_map),
     "view": dict(infer=_given, require=_as_is, axis_map=_no_stream_map),
+    "reshape": dict(infer=reshape_infer, require=reshape_require, axis_map=reshape_axis_map),
     **{op: ELEMENTWISE for op in BINARY | LINEAR_UNARY - {"transpose"} | NONLINEAR_UNARY},
 }
 

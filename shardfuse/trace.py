@@ -151,6 +151,18 @@ class Traced:
 
     T = property(lambda self: self.transpose())
 
+    def reshape(self, *shape):
+        shape = tuple(shape[0]) if len(shape) == 1 and isinstance(shape[0], (tuple, list)) else shape
+        size = int(np.prod(self.shape))
+        if shape.count(-1) == 1:
+            known = int(np.prod([s for s in shape if s != -1]))
+            shape = tuple(size // known if s == -1 else s for s in shape)
+        if int(np.prod(shape)) != size or any(s < 1 for s in shape):
+            raise ValueError(f"cannot reshape {self.shape} ({size} elements) to {shape}")
+        out = TensorType(tuple(int(s) for s in shape), self.dtype)
+        return self.builder.emit("reshape", (self,), out, self.value.name + "_r", shape=out.shape,
+                                 mesh_size=self.builder.mesh.axis_size)
+
 
 def _traced(x, what):
     if not isinstance(x, Traced):

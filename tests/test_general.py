@@ -107,3 +107,44 @@ def test_backward_propagation_splits_work_instead_of_slicing_after():
     h = 2 * x
     ref = (0.5 * h * (1 + np.tanh(np.sqrt(2 / np.pi) * (h + 0.044715 * h ** 3)))) @ w
     assert_close(f(x, w).gather(), ref, "float64")
+
+
+@pytest.mark.parametrize("d", [1, 2])
+def test_reshape_keeps_outermost_sharding(d):
+    mesh = sf.DeviceMesh(d, backend="numpy")
+    rng = np.random.default_rng()
+    x = rng.standard_normal((4, 6, 8))
+    merge = sf.jit(lambda x: (sf.shard(x, axis=0) * 2.0).reshape(24, 8), mesh=mesh)
+    out = merge(x)
+    assert out.placements == (sf.Shard(0),) and merge.lower(sf.TensorSpec(x.shape, "float64")).collectives() == {}
+    assert_close(out.gather(), 2 * x.reshape(24, 8), "float64")
+    split = sf.jit(lambda x: sf.shard(x, axis=1).reshape(4, 2, 3, -1), mesh=mesh)
+    out = split(x)
+    assert out.placements == (sf.Shard(1),)
+    assert_close(out.gather(), x.reshape(4, 2, 3, 8), "float64")
+
+
+def test_reshape_across_a_sharded_boundary_is_refused():
+    mesh = sf.DeviceMesh(2, backend="numpy")
+    f = sf.jit(lambda x: sf.shard(x, axis=1).reshape(24, 8), mesh=mesh)
+    with pytest.raises(ValueError, match=r"reshape \(4, 6, 8\) -> \(24, 8\) crosses the boundary of axis 1"):
+        f.lower(sf.TensorSpec((4, 6, 8), "float64"))
+    with pytest.raises(ValueError, match=r"cannot reshape \(4, 6\) \(24 elements\) to \(5, 5\)"):
+        sf.jit(lambda x: x.reshape(5, 5), mesh=mesh).lower(sf.TensorSpec((4, 6)))
+
+
+def test_ops_table_against_numpy():
+    mesh = sf.DeviceMesh(4, backend="numpy")
+
+    @sf.jit(mesh=mesh)
+    def f(x, y, b):
+        x = sf.shard(x, axis=1)
+        z = sf.relu(-x) - sf.exp(x) / 2.0 + sf.tanh(x) * y + b
+        return sf.replicate(z.T.T), (x * 3.0).mean(1), sf.linear(x, y.T, None).sum(0)
+
+    rng = np.random.default_rng()
+    x, y, b = rng.standard_normal((8, 12)), rng.standard_normal((8, 12)), rng.standard_normal(12)
+    z, m, s = f(x, y, b)
+    assert_close(z.gather(), np.maximum(-x, 0) - np.exp(x) / 2 + np.tanh(x) * y + b, "float64")
+    assert_close(m.gather(), (3 * x).mean(1), "float64")
+    assert_close(s.gather(), (x @ y.T).sum(0), "float64")

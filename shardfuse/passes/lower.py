@@ -27,6 +27,8 @@ def _lower(instrs, namer, mesh):
             out.append(replace(i, body=tuple(_lower(i.body, namer, mesh))))
         elif i.op in ("slice", "view", "transpose") or i.op in HOST_ONLY or i.into is not None:
             out.append(i)
+        elif i.op == "reshape":  # a view of the local piece (the rule kept shards whole)
+            out.append(Instr("view", i.outs, i.ins, {"shape": i.attrs["shape"]}))
         elif i.op == "set":
             out.extend(_lower_set(i.ins[0], i.outs[0], namer, mesh))
         else:
