@@ -30,6 +30,12 @@ def _axes(lay):
     return lay.placement().axes
 
 
+def _unshard(axes, mesh_axes):
+    """A mesh axis that holds pending sums cannot also shard an axis: such an output is made
+    unsharded there (its `set` reduce-scatters the sums instead)."""
+    return [None if a in mesh_axes else a for a in axes]
+
+
 def _union(*parts):
     return tuple(sorted(set().union(*map(set, parts))))
 
@@ -74,7 +80,8 @@ def contraction_infer(ins, lays, labels=None):
     contracted = {_placed(a) for labs, lay in zip(in_labels, lays) for lab, a in zip(labs, _axes(lay))
                   if lab not in out_labels} - {None}
     carried = _linear_partials(ins.op, lays)
-    return Layout(tuple(axes.get(lab) for lab in out_labels), _union(contracted - used, *carried))
+    partial = _union(contracted - used, *carried)
+    return Layout(tuple(_unshard([axes.get(lab) for lab in out_labels], set(partial))), partial)
 
 
 def _contraction_axis(in_labels, out_labels, lays):
@@ -89,11 +96,11 @@ def contraction_require(ins, out, lays, labels=None):
     in_labels, out_labels = labels or einsum_labels(ins)
     klab, k = _contraction_axis(in_labels, out_labels, lays)
     # Keep the contraction local (then reduce after) rather than reshard the inputs' other axes.
-    out_axes = [None if a == k else a for a in out.axes] if k is not None else list(out.axes)
+    carried = _linear_partials(ins.op, lays)
+    out_axes = _unshard(out.axes, set(_union(*carried)) | ({k} if k else set()))
     placed = dict(zip(out_labels, (_placed(a) for a in out_axes)))
     if klab is not None:
         placed[klab] = k
-    carried = _linear_partials(ins.op, lays)
     req = tuple(Layout(tuple(placed.get(lab) for lab in labs), carried[j]) for j, labs in enumerate(in_labels))
     produced = Layout(tuple(out_axes), _union(out.partial, (k,) if k else (), *carried), out.chunks, out.stream_over)
     return req, produced
@@ -136,7 +143,8 @@ def elementwise_infer(ins, lays):
                 break
         axes.append(pick)
         used.add(pick)
-    return Layout(tuple(axes), _union(*_linear_partials(ins.op, lays)))
+    partial = _union(*_linear_partials(ins.op, lays))
+    return Layout(tuple(_unshard(axes, set(partial))), partial)
 
 
 def elementwise_require(ins, out, lays):
@@ -144,7 +152,7 @@ def elementwise_require(ins, out, lays):
     same way stays sharded: the op runs where the data is and one gather of the result follows,
     instead of one gather per operand."""
     carried = _linear_partials(ins.op, lays)
-    axes = list(out.axes)
+    axes = _unshard(out.axes, set(_union(*carried)))
     for j, a in enumerate(axes):
         if a is not None:
             continue
@@ -178,10 +186,11 @@ def transpose_infer(ins, lays):
 
 def transpose_require(ins, out, lays):
     perm = ins.attrs["perm"]
+    out_axes = _unshard(out.axes, set(lays[0].partial))
     axes = [None] * len(perm)
     for j, p in enumerate(perm):
-        axes[p] = _placed(out.axes[j])
-    return (Layout(tuple(axes), lays[0].partial),), Layout(out.axes, _union(out.partial, lays[0].partial),
+        axes[p] = _placed(out_axes[j])
+    return (Layout(tuple(axes), lays[0].partial),), Layout(tuple(out_axes), _union(out.partial, lays[0].partial),
                                                           out.chunks, out.stream_over)
 
 
@@ -238,8 +247,9 @@ def reshape_infer(ins, lays):
 
 def reshape_require(ins, out, lays):
     src, dst = ins.ins[0].type.shape, ins.outs[0].type.shape
-    axes = _map_reshape(dst, [_placed(a) for a in out.axes], src, ins.attrs["mesh_size"], False)
-    return (Layout(tuple(axes), lays[0].partial),), Layout(out.axes, _union(out.partial, lays[0].partial),
+    out_axes = _unshard(out.axes, set(lays[0].partial))
+    axes = _map_reshape(dst, [_placed(a) for a in out_axes], src, ins.attrs["mesh_size"], False)
+    return (Layout(tuple(axes), lays[0].partial),), Layout(tuple(out_axes), _union(out.partial, lays[0].partial),
                                                           out.chunks, out.stream_over)
 
 

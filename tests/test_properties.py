@@ -7,6 +7,8 @@ import shardfuse as sf
 from cases import assert_close
 
 EPILOGUES = {
+    "mul_self": (lambda c: c * c, lambda c: c * c),
+    "add_t": (lambda c: c + c.T.T, lambda c: 2 * c),
     "none": (lambda c: c, lambda c: c),
     "relu": (sf.relu, lambda c: np.maximum(c, 0)),
     "scale": (lambda c: c * 0.5, lambda c: 0.5 * c),
@@ -25,7 +27,7 @@ def annotate(v, how):
     return v
 
 
-@settings(max_examples=60, deadline=None)
+@settings(max_examples=150, deadline=None)
 @given(d=st.integers(1, 4), mult=st.tuples(st.integers(1, 3), st.integers(1, 3), st.integers(1, 3)),
        x_how=st.sampled_from([("none", None), ("shard", 0), ("shard", 1)]),
        w_how=st.sampled_from([("none", None), ("shard", 0), ("shard", 1)]),
