@@ -153,6 +153,15 @@ class NumpyLocalBackend:
                     r[j][...] = total
         return start, None
 
+    def bind_transfers(self, pairs, stream):
+        """Point-to-point copies (src device, send ref, dst device, recv ref), all local here."""
+        idx = self.local_index
+
+        def start(bufs):
+            for s, sref, d, rref in pairs:
+                self.view(bufs, rref, idx[d])[...] = self.view(bufs, sref, idx[s])
+        return start, None
+
     def bind_sendrecv(self, send, recv, team, shift, stream):
         teams = self._local_teams(team)
 

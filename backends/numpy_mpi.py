@@ -286,3 +286,27 @@ class NumpyMPIBackend(NumpyLocalBackend):
         def wait(bufs):
             self.MPI.Request.Waitall(state.pop("reqs"))
         return start, wait
+
+    def bind_transfers(self, pairs, stream):
+        """Point-to-point moves between meshes: (src device, send, dst device, recv), each a
+        contiguous view.  Pairs within this process are copied; the rest are Isend/Irecv on
+        COMM_WORLD, tagged by their place in the list (every rank binds the same list)."""
+        world, L, me = self.MPI.COMM_WORLD, self.L, self.rank
+        idx = self.local_index
+        state = {}
+
+        def start(bufs):
+            reqs = []
+            for tag, (s, sref, d, rref) in enumerate(pairs):
+                here_s, here_d = s // L == me, d // L == me
+                if here_s and here_d:
+                    self.view(bufs, rref, idx[d])[...] = self.view(bufs, sref, idx[s])
+                elif here_s:
+                    reqs.append(world.Isend(_wire(self.view(bufs, sref, idx[s])), dest=d // L, tag=tag))
+                elif here_d:
+                    reqs.append(world.Irecv(_wire(self.view(bufs, rref, idx[d])), source=s // L, tag=tag))
+            state["reqs"] = reqs
+
+        def wait(bufs):
+            self.MPI.Request.Waitall(state.pop("reqs"))
+        return start, wait

@@ -13,7 +13,7 @@ from shardfuse.jit import Plan, jit
 from shardfuse.layout import Layout
 from shardfuse.mesh import DeviceMesh
 from shardfuse.placements import Partial, Replicate, Shard
-from shardfuse.trace import TensorSpec, exp, gelu, linear, relu, replicate, shard, stream, tanh
+from shardfuse.trace import TensorSpec, exp, gelu, linear, relu, replicate, shard, stream, tanh, to_mesh
 
-__all__ = ["Array", "DeviceMesh", "Layout", "Partial", "Replicate", "Shard", "Plan", "TensorSpec", "from_local", "jit", "replicate", "shard", "stream",
+__all__ = ["Array", "DeviceMesh", "Layout", "Partial", "Replicate", "Shard", "Plan", "TensorSpec", "from_local", "jit", "replicate", "shard", "stream", "to_mesh",
            "exp", "gelu", "linear", "relu", "tanh"]

@@ -12,7 +12,10 @@ from shardfuse.trace import TensorSpec, normalize_axis, normalize_dtype, np_dtyp
 
 
 def device_index(shape, layout: Layout, mesh, device: int):
-    """The index (tuple of slices) of `device`'s piece of a global array."""
+    """The index (tuple of slices) of `device`'s piece of a global array (None: it holds none)."""
+    mesh = layout.mesh or mesh
+    if device not in mesh.devices:
+        return None
     coords = mesh.coords(device)
     idx = []
     for n, a in zip(shape, layout.axes):
@@ -27,7 +30,13 @@ def device_index(shape, layout: Layout, mesh, device: int):
 
 def local_pieces(x: np.ndarray, layout: Layout, mesh):
     """This process' pieces of a global array (one per local device), contiguous."""
-    return [np.ascontiguousarray(x[device_index(x.shape, layout, mesh, d)]) for d in mesh.local_devices]
+    out = []
+    for d in mesh.local_devices:
+        idx = device_index(x.shape, layout, mesh, d)
+        # a device outside the value's sub-mesh holds a placeholder of the local shape, never read
+        out.append(np.ascontiguousarray(x[idx]) if idx is not None else
+                   np.full(layout.local_shape(x.shape, mesh), np.nan, x.dtype))
+    return out
 
 
 def _check_layout(shape, layout: Layout, mesh):
@@ -78,11 +87,14 @@ class Array:
             from mpi4py import MPI
 
             pieces = [p for part in MPI.COMM_WORLD.allgather(pieces) for p in part]
-        lay, mesh = self.sharding, self.mesh
+        lay = self.sharding
+        mesh = lay.mesh or self.mesh
         out = np.zeros(self.shape, self.dtype)
         replicas = [mesh.axis_index(m) for m in mesh.axis_names
                     if lay.mesh_axis_of(m) is None and m not in lay.partial]
         for d, piece in pieces:
+            if d not in mesh.devices:
+                continue  # outside the value's sub-mesh
             if any(mesh.coords(d)[r] for r in replicas):
                 continue  # a replica: device 0 of that mesh axis holds the same data
             out[device_index(self.shape, lay, mesh, d)] += piece

@@ -92,6 +92,11 @@ def rank_major(ref: Ref, axis: int, d: int) -> Ref:
     return replace(ref, shape=shape, strides=strides)
 
 
+def _block(ref: Ref, k: int) -> Ref:
+    """Block k of a rank-major [D, ...] view."""
+    return Ref(ref.slot, tuple(o + k * ref.strides[0] for o in ref.offsets), ref.shape[1:], ref.strides[1:], ref.dtype)
+
+
 def _index(idx, env) -> int:
     return idx if isinstance(idx, int) else idx.eval(env)
 
@@ -199,6 +204,8 @@ class Executable:
                 start, wait = be.bind_sendrecv(self.refs[i.ins[0]], self.refs[i.into], a["team"], a["shift"], stream)
                 self.steps.append(start)
                 self.pending[i.outs[0]] = [wait]
+            elif op == "transfer":
+                self._bind_transfer(i, stream)
             elif op in COLLECTIVES:
                 self._bind_collective(i, stream)
             elif op == "wait":
@@ -231,22 +238,24 @@ class Executable:
         out_shape = self._local_shape(i.outs[0])
         if op == "slice":
             ax, idx = a["axis"], a["index"]
-            ranks = [0] * self.ndev
-            if idx.ring:  # each device takes its own block: (rank - i) % D
-                mi = self.mesh.axis_index(idx.ring)
-                ranks = [self.mesh.coords(d)[mi] for d in self.backend.local_devices]
+            ranks = self._ranks(i.outs[0], idx.ring) if idx.ring else [0] * self.ndev  # ring: (rank - i) % D
             offs = tuple(o + idx.eval(env, r) * out_shape[ax] * src.strides[ax] for o, r in zip(src.offsets, ranks))
             return replace(src, offsets=offs, shape=out_shape)
         if op == "shard_slice":
-            ax, m = a["axis"], a["team"]
-            mi = self.mesh.axis_index(m)
-            offs = tuple(o + self.mesh.coords(d)[mi] * out_shape[ax] * src.strides[ax]
-                         for o, d in zip(src.offsets, self.backend.local_devices))
+            ax = a["axis"]
+            offs = tuple(o + r * out_shape[ax] * src.strides[ax]
+                         for o, r in zip(src.offsets, self._ranks(i.outs[0], a["team"])))
             return replace(src, offsets=offs, shape=out_shape)
         strides = reshape_strides(src.shape, src.strides, out_shape)
         if strides is None:
             raise NotImplementedError(f"View {i.outs[0].name}: {src.shape} -> {out_shape} needs a copy")
         return replace(src, shape=out_shape, strides=strides)
+
+    def _ranks(self, v, team):
+        """Each local device's position along mesh axis `team` of the mesh v lives on (0 outside it)."""
+        mesh = v.type.layout.mesh or self.mesh
+        mi = mesh.axis_index(team)
+        return [mesh.coords(d)[mi] if d in mesh.devices else 0 for d in self.backend.local_devices]
 
     def _contiguous(self, ref: Ref, stream, before: bool):
         """ref itself if contiguous, else (scratch, copy step) to stage it."""
@@ -256,8 +265,32 @@ class Executable:
         step = self.backend.bind_copy(ref, tmp, stream) if before else self.backend.bind_copy(tmp, ref, stream)
         return tmp, step
 
+    def _bind_transfer(self, i, stream):
+        """A move between meshes as point-to-point copies: (src device, send, dst device, recv)."""
+        a, kind = i.attrs, i.attrs["kind"]
+        frm, to = a["from"], a["to"]
+        send, recv = self.refs[i.ins[0]], self.refs[i.into]
+        pre = post = None
+        if kind == "Scatter":  # block q of the root's whole value goes to destination q
+            send, pre = self._contiguous(rank_major(send, a["axis"], len(to)), stream, before=True)
+            pairs = [(frm[0], _block(send, q), d, recv) for q, d in enumerate(to)]
+        elif kind == "Gather":  # source p's piece lands in block p of the root's whole value
+            recv, post = self._contiguous(rank_major(recv, a["axis"], len(frm)), stream, before=False)
+            pairs = [(s, send, to[0], _block(recv, p)) for p, s in enumerate(frm)]
+        elif kind == "Broadcast":
+            pairs = [(frm[0], send, d, recv) for d in to]
+        else:  # SendRecv: device p to device p
+            pairs = list(zip(frm, [send] * len(frm), to, [recv] * len(to)))
+        start, wait = self.backend.bind_transfers(pairs, stream)
+        self.steps.extend([pre, start])
+        self.pending[i.outs[0]] = [wait, post]
+
     def _bind_collective(self, i, stream):
         be, a = self.backend, i.attrs
+        for v in (i.ins[0], i.into):
+            if v.type.layout.mesh is not None:
+                raise NotImplementedError(f"{i.op} of {v.name} inside the sub-mesh {v.type.layout.mesh}: collectives "
+                                          "within a sub-mesh are not supported yet (moves between meshes are)")
         team = a["team"]
         d = self.mesh.axis_size(team)
         send, recv = self.refs[i.ins[0]], self.refs[i.into]
@@ -315,5 +348,5 @@ class Executable:
             ref = self.refs[v]
             shards = [self.backend.view(bufs, ref, j) for j in range(self.ndev)]
             lay = v.type.layout
-            outs.append(Array(self.mesh, v.type.shape, v.type.dtype, Layout(lay.placement().axes, lay.partial), shards))
+            outs.append(Array(self.mesh, v.type.shape, v.type.dtype, lay.placement(), shards))
         return outs[0] if len(outs) == 1 else tuple(outs)

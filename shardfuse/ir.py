@@ -197,6 +197,8 @@ def _fmt(ins: Instr) -> str:
                 "allgather": "Allgather", "allreduce": "Allreduce", "reduce_scatter": "ReduceScatter", "alltoall": "AllToAll",
                 "sendrecv": "SendRecv"}.get(op, op.capitalize())
         rhs = " @ ".join(v.name for v in ins.ins) if op == "matmul" else ins_s
+        if op == "transfer":  # a move between meshes, in nvFuser's words
+            name, a = a["kind"], {k: v for k, v in a.items() if k != "kind"}
         extra = f", {_attrs(a, skip=('when',))}" if set(a) - {"when"} else ""
         lhs = f"{ins.outs[0].name} = " if ins.outs else ""
         return f"{lhs}{name} {ins.into.name} <- {rhs}{extra}"

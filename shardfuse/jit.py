@@ -35,7 +35,8 @@ class Plan:
                 if "when" in i.attrs and not _holds(i.attrs["when"], env):
                     continue
                 if i.op in COLLECTIVES:
-                    counts[i.op] = counts.get(i.op, 0) + 1
+                    key = i.attrs["kind"].lower() if i.op == "transfer" else i.op
+                    counts[key] = counts.get(key, 0) + 1
                 if i.op == "for":
                     for it in range(i.attrs["extent"]):
                         visit(i.body, {**env, i.attrs["var"]: it})

@@ -7,7 +7,7 @@ Placements in DTensor's words (Shard(i) / Replicate() / Partial()) are derived f
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from shardfuse.mesh import STREAM
 
@@ -18,6 +18,7 @@ class Layout:
     partial: tuple = ()  # mesh axes with a pending sum
     chunks: int | None = None  # stream chunks when the STREAM axis is to be split (sf.stream(chunks=))
     stream_over: str | None = None  # mesh axis that also shards the STREAM axis (until it is split)
+    mesh: object = None  # the sub-mesh the value lives on (None: the program's whole mesh)
 
     @staticmethod
     def replicated(ndim: int) -> "Layout":
@@ -44,14 +45,19 @@ class Layout:
     def with_axis(self, i: int, what) -> "Layout":
         axes = list(self.axes)
         axes[i] = what
-        return Layout(tuple(axes), self.partial, self.chunks, self.stream_over)
+        return replace(self, axes=tuple(axes))
 
     def placement(self) -> "Layout":
         """The layout without its schedule (STREAM axes serial): where data lives."""
-        return Layout(tuple(self.stream_over if a == STREAM else a for a in self.axes), self.partial)
+        return Layout(tuple(self.stream_over if a == STREAM else a for a in self.axes), self.partial, mesh=self.mesh)
+
+    def on(self, mesh) -> "Layout":
+        """The same layout on `mesh` (None: the program's whole mesh)."""
+        return replace(self, mesh=mesh)
 
     def local_shape(self, shape, mesh) -> tuple:
         out = []
+        mesh = self.mesh or mesh
         for n, a in zip(shape, self.placement().axes):
             out.append(n if a is None else n // mesh.axis_size(a))
         return tuple(out)
@@ -60,7 +66,7 @@ class Layout:
         """DTensor-style placement per mesh axis, compact: 'S(i)', 'R' or 'P'."""
         from shardfuse.placements import placements_of
 
-        return tuple(str(p) for p in placements_of(self, mesh))
+        return tuple(str(p) for p in placements_of(self, self.mesh or mesh))
 
 
 def format_type(shape, dtype, layout) -> str:
@@ -73,6 +79,8 @@ def format_type(shape, dtype, layout) -> str:
         k = layout.stream_axis()
         dims[k] = f"{shape[k]}:{layout.stream_over}+{STREAM}"
     text = f"{short}[{', '.join(dims)}]"
+    if layout.mesh is not None:
+        text += f" @devices{layout.mesh.devices}"
     if layout.chunks:
         text += f" chunks={layout.chunks}"
     if layout.partial:

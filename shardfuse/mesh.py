@@ -73,6 +73,28 @@ class DeviceMesh:
         if backend is None:
             backend = "cupy" if _gpu_count() > 0 else "numpy"
         self.backend_name = backend
+        self.devices = tuple(range(self.size))  # global device ids, in mesh order
+        self.root = self  # the mesh a program runs on; a sub-mesh points at it
+
+    def submesh(self, devices, axis_names=None) -> "DeviceMesh":
+        """A 1-D mesh over some of this mesh's devices, e.g. a pipeline stage: ``mesh.submesh([2, 3])``.
+
+        Values placed on it live on those devices only; moving a value between sub-meshes
+        lowers to SendRecv, Broadcast, Scatter or Gather.
+        """
+        devices = tuple(int(d) for d in devices)
+        if not devices or len(set(devices)) != len(devices) or not set(devices) <= set(self.devices):
+            raise ValueError(f"a sub-mesh needs distinct devices of {self} (ids {self.devices}), got {devices}")
+        sub = object.__new__(DeviceMesh)
+        sub.__dict__.update({k: v for k, v in self.__dict__.items() if k != "backend"})
+        sub.shape, sub.size, sub.devices, sub.root = (len(devices),), len(devices), devices, self.root
+        sub.axis_names = (axis_names,) if isinstance(axis_names, str) else tuple(axis_names or self.axis_names[-1:])
+        sub.local_devices = tuple(d for d in devices if d in self.local_devices)
+        return sub
+
+    @property
+    def is_root(self) -> bool:
+        return self.root is self
 
     # -- geometry -----------------------------------------------------------------------
     def axis_index(self, name: str) -> int:
@@ -85,6 +107,7 @@ class DeviceMesh:
 
     def coords(self, device: int) -> tuple[int, ...]:
         """Mesh coordinates of a global device id (row-major, last axis fastest)."""
+        device = self.devices.index(device)
         out = []
         for s in reversed(self.shape):
             out.append(device % s)
@@ -95,14 +118,14 @@ class DeviceMesh:
         """Groups of devices that differ only in mesh axis `name`, each in that axis' order."""
         ax = self.axis_index(name)
         groups: dict[tuple, list[int]] = {}
-        for d in range(self.size):
+        for d in self.devices:
             c = self.coords(d)
             groups.setdefault(c[:ax] + c[ax + 1:], []).append(d)
         return [tuple(g) for g in groups.values()]
 
     # -- identity and runtime -----------------------------------------------------------
     def _key(self):
-        return (self.shape, self.axis_names, self.backend_name)
+        return (self.shape, self.axis_names, self.backend_name, self.devices)
 
     def __eq__(self, other):
         return isinstance(other, DeviceMesh) and self._key() == other._key()
@@ -112,11 +135,14 @@ class DeviceMesh:
 
     def __repr__(self):
         dims = ", ".join(f"{n}={s}" for n, s in zip(self.axis_names, self.shape))
-        return f"DeviceMesh({dims}, backend={self.backend_name})"
+        where = "" if self.is_root else f", devices={self.devices}"
+        return f"DeviceMesh({dims}{where}, backend={self.backend_name})"
 
     @cached_property
     def backend(self):
         """The backend instance for this process' devices (created once per mesh)."""
+        if not self.is_root:
+            return self.root.backend
         from shardfuse.backends import make_backend
 
         return make_backend(self)

@@ -95,6 +95,8 @@ def _contraction_axis(in_labels, out_labels, lays):
 def contraction_require(ins, out, lays, labels=None):
     in_labels, out_labels = labels or einsum_labels(ins)
     klab, k = _contraction_axis(in_labels, out_labels, lays)
+    if any(lay.mesh != out.mesh for lay in lays):  # inputs move to the output's mesh whole
+        klab, k = None, None
     # Keep the contraction local (then reduce after) rather than reshard the inputs' other axes.
     carried = _linear_partials(ins.op, lays)
     out_axes = _unshard(out.axes, set(_union(*carried)) | ({k} if k else set()))
@@ -156,7 +158,8 @@ def elementwise_require(ins, out, lays):
     for j, a in enumerate(axes):
         if a is not None:
             continue
-        owners = {_axes(lay)[src] for lay, src in zip(lays, elementwise_axis_map(ins, j)) if src is not None}
+        owners = {_axes(lay)[src] if lay.mesh == out.mesh else None
+                  for lay, src in zip(lays, elementwise_axis_map(ins, j)) if src is not None}
         if len(owners) == 1 and None not in owners:
             m = owners.pop()
             if m not in axes:

@@ -193,9 +193,18 @@ def linear(x, w, b=None):
     return y if b is None else y + b
 
 
-def _annotate(x: Traced, axis: int, what, chunks=None, algorithm=None) -> Traced:
+def _sub_mesh(builder, mesh):
+    """None for the program's own mesh; a checked sub-mesh of it otherwise."""
+    if mesh is None or mesh == builder.mesh:
+        return None
+    if mesh.root != builder.mesh:
+        raise ValueError(f"{mesh} is not the program's mesh {builder.mesh} nor a sub-mesh of it")
+    return mesh
+
+
+def _annotate(x: Traced, axis: int, what, chunks=None, algorithm=None, on=None) -> Traced:
     """A `set` whose output has the annotated layout; annotations on one value compose."""
-    mesh, shape = x.builder.mesh, x.shape
+    shape = x.shape
     ax = normalize_axis(axis, x.ndim, shape)
     prev = x.builder.producer.get(x.value)
     base = x
@@ -207,6 +216,12 @@ def _annotate(x: Traced, axis: int, what, chunks=None, algorithm=None) -> Traced
         attrs = dict(prev.attrs)
     if algorithm is not None:
         attrs["algorithm"] = algorithm
+    sub = _sub_mesh(x.builder, on)
+    if sub is not None:
+        if layout.mesh is not None and layout.mesh != sub:
+            raise ValueError(f"annotations on {x.value.name} name two meshes: {layout.mesh} and {sub}")
+        layout = layout.on(sub)
+    mesh = layout.mesh or x.builder.mesh
     cur = layout.axes[ax]
     name = x.value.name
     if what == STREAM:
@@ -216,7 +231,7 @@ def _annotate(x: Traced, axis: int, what, chunks=None, algorithm=None) -> Traced
             raise ValueError(f"stream chunks={chunks} does not divide axis {ax} of extent {shape[ax]}")
         if cur is not None and chunks is None:
             raise ValueError(f"axis {ax} of {name}{shape} is sharded over {cur}: streaming it too needs chunks=")
-        layout = Layout(layout.with_axis(ax, STREAM).axes, chunks=chunks, stream_over=cur)
+        layout = Layout(layout.with_axis(ax, STREAM).axes, chunks=chunks, stream_over=cur, mesh=layout.mesh)
     else:
         n = mesh.axis_size(what)  # raises for unknown mesh axis names
         if layout.placement().mesh_axis_of(what) is not None:
@@ -229,9 +244,10 @@ def _annotate(x: Traced, axis: int, what, chunks=None, algorithm=None) -> Traced
             raise ValueError(f"cannot shard axis {ax} of extent {shape[ax]} over {what}: "
                              f"the mesh axis has {n} devices, which does not divide {shape[ax]}")
         if cur == STREAM:
-            layout = Layout(layout.axes, chunks=layout.chunks, stream_over=what)
+            layout = Layout(layout.axes, chunks=layout.chunks, stream_over=what, mesh=layout.mesh)
         else:
-            layout = Layout(layout.with_axis(ax, what).axes, chunks=layout.chunks, stream_over=layout.stream_over)
+            layout = Layout(layout.with_axis(ax, what).axes, chunks=layout.chunks, stream_over=layout.stream_over,
+                            mesh=layout.mesh)
     out = TensorType(shape, x.dtype, layout)
     return x.builder.emit("set", (base,), out, base.value.name, **attrs)
 
@@ -242,19 +258,39 @@ def shard(x, axis: int, over: str = "DIDx", mesh=None):
     In a traced function this annotates a value; on a concrete global array it returns an
     `sf.Array` holding this process' pieces (give `mesh`).
     """
-    if isinstance(x, Traced):
-        return _annotate(x, axis, over)
+    if isinstance(x, Traced):  # mesh=: a sub-mesh (pipeline stage) the value moves to
+        return _annotate(x, axis, over, on=mesh)
     from shardfuse.array import Array
 
     return Array.from_global(x, mesh, axis, over)
 
 
-def replicate(x: Traced):
-    """Annotate x as replicated on every device (DTensor's Replicate()): forces the gathers."""
+def replicate(x: Traced, mesh=None):
+    """Annotate x as replicated on every device (DTensor's Replicate()): forces the gathers.
+    With mesh= (a sub-mesh of the program's), replicated on that sub-mesh's devices."""
     if not isinstance(x, Traced):
         raise TypeError("sf.replicate annotates values inside an sf.jit function")
-    out = TensorType(x.shape, x.dtype, Layout.replicated(x.ndim))
+    out = TensorType(x.shape, x.dtype, Layout.replicated(x.ndim).on(_sub_mesh(x.builder, mesh)))
     return x.builder.emit("set", (x,), out, x.value.name, annotation=True)
+
+
+def to_mesh(x: Traced, mesh, axis: int | None = None, over: str | None = None):
+    """Move x to another mesh (a pipeline stage, `mesh.submesh(...)`), replicated there or
+    sharded on `axis`.  Unlike an annotation, this always makes a new value on the new mesh, so
+    the op that produced x still runs where its operands are."""
+    if not isinstance(x, Traced):
+        raise TypeError("sf.to_mesh moves values inside an sf.jit function")
+    sub = _sub_mesh(x.builder, mesh)
+    layout = Layout.replicated(x.ndim).on(sub)
+    if axis is not None:
+        ax = normalize_axis(axis, x.ndim, x.shape)
+        over = over or (sub or x.builder.mesh).axis_names[-1]
+        n = (sub or x.builder.mesh).axis_size(over)
+        if x.shape[ax] % n:
+            raise ValueError(f"cannot shard axis {ax} of extent {x.shape[ax]} over {over}: "
+                             f"the mesh axis has {n} devices, which does not divide {x.shape[ax]}")
+        layout = layout.with_axis(ax, over)
+    return x.builder.emit("set", (x,), TensorType(x.shape, x.dtype, layout), x.value.name + "_moved")
 
 
 ALGORITHMS = ("collective", "ring")

@@ -185,3 +185,59 @@ def reshard_case(mesh, entry, dtype="float64"):
     plan = f.lower(spec)
     assert plan.collectives() == expected, str(plan)
     assert_close(plan(x).gather(), ref(x.astype(np.float64)), dtype)
+
+
+# ---- moves between meshes (pipeline stages), one row per lowering -------------------------
+def _put(v, how, mesh):
+    kind, devices = how
+    sub = mesh.submesh(devices) if devices is not None else mesh
+    return sf.replicate(v, mesh=sub) if kind == "R" else sf.shard(v, axis=int(kind[2]), mesh=sub)
+
+
+def _move(v, how, mesh):
+    kind, devices = how
+    return sf.to_mesh(v, mesh.submesh(devices), axis=None if kind == "R" else int(kind[2]))
+
+
+MOVES = {  # (source placement, devices), (target placement, devices), what the plan must insert
+    "R(0,1)->R(2,3)": (("R", (0, 1)), ("R", (2, 3)), {"sendrecv": 1}),
+    "R(0)->R(2,3)": (("R", (0,)), ("R", (2, 3)), {"broadcast": 1}),
+    "R(0,1)->S0(2,3)": (("R", (0, 1)), ("S(0)", (2, 3)), {"scatter": 1}),
+    "S0(0,1)->S0(2,3)": (("S(0)", (0, 1)), ("S(0)", (2, 3)), {"sendrecv": 1}),
+    "S0(0,1)->R(2,3)": (("S(0)", (0, 1)), ("R", (2, 3)), {"gather": 1, "broadcast": 1}),
+    "S0(0,1)->R(3)": (("S(0)", (0, 1)), ("R", (3,)), {"gather": 1}),
+    "S0(0,1)->S1(2,3)": (("S(0)", (0, 1)), ("S(1)", (2, 3)), {"gather": 1, "scatter": 1}),
+    "S0(all)->S0(2,3)": (("S(0)", None), ("S(0)", (2, 3)), {"gather": 1, "scatter": 1}),
+}
+
+
+def move_case(mesh, entry, dtype="float64"):
+    """mesh has 4 devices; x is placed on one mesh, scaled there, and moved to another."""
+    src, dst, expected = MOVES[entry]
+    rng = fresh_rng(mesh)
+    x = randn(rng, (8, 6), dtype)
+    f = sf.jit(lambda x: _move(_put(x, src, mesh) * 2.0, dst, mesh), mesh=mesh)
+    plan = f.lower(sf.TensorSpec(x.shape, dtype))
+    assert plan.collectives() == expected, str(plan)
+    out = f(x)
+    assert out.sharding.mesh.devices == dst[1]
+    assert_close(out.gather(), 2 * x.astype(np.float64), dtype)
+
+
+def pipeline_case(mesh, dtype="float64"):
+    """Two pipeline stages: stage 0 computes on rows sharded over its devices, stage 1 takes
+    them over with SendRecv and finishes the layer."""
+    s0, s1 = mesh.submesh([0, 1]), mesh.submesh([2, 3])
+    rng = fresh_rng(mesh)
+    x, w0, w1 = randn(rng, (8, 6), dtype), randn(rng, (6, 6), dtype), randn(rng, (6, 5), dtype)
+
+    @sf.jit(mesh=mesh)
+    def two_stages(x, w0, w1):
+        h = sf.shard(x, axis=0, mesh=s0) @ sf.replicate(w0, mesh=s0)
+        return sf.relu(sf.to_mesh(h, s1, axis=0)) @ sf.replicate(w1, mesh=s1)
+
+    plan = two_stages.lower(*(sf.TensorSpec(a.shape, dtype) for a in (x, w0, w1)))
+    assert plan.collectives() == {"sendrecv": 1}
+    out = two_stages(x, w0, w1)
+    x64 = x.astype(np.float64)
+    assert_close(out.gather(), np.maximum(x64 @ w0, 0) @ w1, dtype)

@@ -4,6 +4,10 @@ Each `set` (a resharding) is compared mesh axis by mesh axis with DTensor's case
   S(k) -> R    Allgather along k          R -> S(k)   ShardSlice (a local view, no communication)
   P    -> R    Allreduce                  P -> S(k)   ReduceScatter along k
   S(i) -> S(j) AllToAll
+A `set` between two meshes (pipeline stages: `mesh.submesh(...)`) moves data point to point,
+with nvFuser's names: SendRecv (same placement, same size: device p to device p), Broadcast
+(replicated, from the source's first device), Scatter (replicated -> sharded), Gather (sharded ->
+the destination's first device, then Broadcast or Scatter within the destination).
 and becomes those steps, each collective followed by its Wait.  Compute ops become
 `Allocate` + `<Op> out <- inputs`.
 """
@@ -63,6 +67,8 @@ def reshard_steps(src: Layout, dst: Layout, mesh):
 
 
 def _lower_set(x, y, namer, mesh):
+    if x.type.layout.mesh != y.type.layout.mesh:
+        return _lower_move(x, y, namer, mesh)
     steps = reshard_steps(x.type.layout.placement(), y.type.layout.placement(), mesh)
     if not steps:  # only the schedule changes: a copy keeps y a buffer of its own
         return [Instr("allocate", (y,)), Instr("copy", (), (x,), into=y)]
@@ -76,7 +82,7 @@ def _lower_set(x, y, namer, mesh):
         elif kind == "shard_slice":
             lay = lay.with_axis(ax, m)
         else:
-            lay = Layout(lay.axes, tuple(p for p in lay.partial if p != m), lay.chunks)
+            lay = replace(lay, partial=tuple(p for p in lay.partial if p != m))
             if kind == "reduce_scatter":
                 lay = lay.with_axis(ax, m)
         last = n == len(steps) - 1
@@ -91,4 +97,53 @@ def _lower_set(x, y, namer, mesh):
                 attrs["to_axis"] = to_ax
             out += [Instr("allocate", (nxt,)), Instr(kind, (h,), (cur,), attrs, into=nxt), Instr("wait", (), (h,))]
         cur = nxt
+    return out
+
+
+def _sharded_axis(lay):
+    axes = list(lay.placement().sharded_axes())
+    if len(axes) > 1:
+        raise NotImplementedError(f"moving a value sharded on several axes ({lay.placements(lay.mesh)}) between "
+                                  "meshes is not supported yet")
+    return axes[0] if axes else None
+
+
+def _lower_move(x, y, namer, mesh):
+    """x on one mesh -> y on another: Allreduce pending sums at the source, then point-to-point."""
+    out, cur = [], x
+    src, dst = x.type.layout.placement(), y.type.layout.placement()
+    if src.partial:  # reduce where the sums are, then move the smaller, whole value
+        whole = Value(namer(f"{x.name}_reduced"), x.type.with_layout(replace(src, partial=())))
+        out += _lower_set(cur, whole, namer, mesh)
+        cur, src = whole, whole.type.layout
+    a_mesh, b_mesh = src.mesh or mesh, dst.mesh or mesh
+    s_ax, d_ax = _sharded_axis(src), _sharded_axis(dst)
+
+    def move(kind, frm, to, target, axis=None):
+        h = Value(namer(kind.lower()), "Comm")
+        attrs = {"kind": kind, "from": frm, "to": to}
+        if axis is not None:
+            attrs["axis"] = axis
+        out.extend([Instr("allocate", (target,)), Instr("transfer", (h,), (cur,), attrs, into=target),
+                    Instr("wait", (), (h,))])
+        return target
+
+    A, B = a_mesh.devices, b_mesh.devices
+    if s_ax == d_ax and (s_ax is None or len(A) == len(B)):
+        kind = "SendRecv" if len(A) == len(B) else "Broadcast"
+        move(kind, A if kind == "SendRecv" else A[:1], B, y, s_ax)
+        return out
+    if s_ax is None:  # replicated -> sharded
+        move("Scatter", A[:1], B, y, d_ax)
+        return out
+    # sharded -> anything else: gather onto the destination's first device, then spread
+    root = mesh.root.submesh(B[:1])
+    gathered = y if (d_ax is None and len(B) == 1) else \
+        Value(namer(f"{x.name}_gathered"), y.type.with_layout(Layout((None,) * y.type.ndim, mesh=root)))
+    cur = move("Gather", A, B[:1], gathered, s_ax)
+    if gathered is not y:
+        if d_ax is None:
+            move("Broadcast", B[:1], B, y)
+        else:
+            move("Scatter", B[:1], B, y, d_ax)
     return out

@@ -26,7 +26,7 @@ def propagate_sharding(prog):
         for o in i.outs:
             if o.type.layout is None:
                 lay = rule(i.op, "infer")(Instr(i.op, i.outs, ins, i.attrs), [v.type.layout for v in ins])
-                o2 = Value(o.name, o.type.with_layout(lay))
+                o2 = Value(o.name, o.type.with_layout(lay.on(_common_mesh(i, ins))))
                 inferred.add(o2)
             else:
                 o2 = o
@@ -36,6 +36,17 @@ def propagate_sharding(prog):
     outputs = tuple(env[v] for v in prog.outputs)
     out, outputs = _backward(out, outputs, inferred)
     return prog.with_instrs(out, "propagate_sharding", outputs=outputs)
+
+
+def _common_mesh(i, ins):
+    """An unannotated result lives where its operands live; operands on different sub-meshes
+    need an explicit move (sf.shard / sf.replicate with mesh=)."""
+    meshes = {v.type.layout.mesh for v in ins}
+    if len(meshes) > 1:
+        names = ", ".join(f"{v.name} on {v.type.layout.mesh or 'the whole mesh'}" for v in ins)
+        raise ValueError(f"{i.op}: operands live on different meshes ({names}); move one with "
+                         f"sf.replicate(x, mesh=...) or sf.shard(x, ..., mesh=...)")
+    return meshes.pop() if meshes else None
 
 
 def _refines(want, have) -> bool:
@@ -79,6 +90,7 @@ def _one_refinement(instrs, outputs, inferred, consumers):
             want = wants.pop()
             if not _refines(want, lay):
                 continue
+            want = want.on(lay.mesh)
             # the producer must make `want` from its inputs with local slices at most
             trial = Instr(p.op, (Value(o.name, o.type.with_layout(want)),), p.ins, p.attrs)
             req, produced = rule(p.op, "require")(trial, want, [v.type.layout for v in p.ins])

@@ -41,6 +41,8 @@ def insert_resharding(prog):
             continue
         o = i.outs[0]
         req, produced = rule(i.op, "require")(i, o.type.layout, [v.type.layout for v in i.ins])
+        where = o.type.layout.mesh  # an op runs on the mesh its output lives on (rules speak of axes only)
+        req, produced = [r.on(where) for r in req], produced.on(where)
         ins = tuple(reshard(v, r) for v, r in zip(i.ins, req))
         if produced == o.type.layout:
             out.append(Instr(i.op, i.outs, ins, i.attrs))
@@ -53,5 +55,5 @@ def insert_resharding(prog):
     for v in prog.outputs:
         v = alias.get(v, v)
         lay = v.type.layout
-        outputs.append(reshard(v, Layout(lay.placement().axes)) if lay.partial else v)
+        outputs.append(reshard(v, Layout(lay.placement().axes, mesh=lay.mesh)) if lay.partial else v)
     return prog.with_instrs(out, "insert_resharding", outputs=tuple(outputs))

@@ -51,7 +51,7 @@ def _ring_block(mm, gather, prog, namer):
                          f"got {c.type.shape[k]}")
     comm, compute = 0, 1 % prog.streams
     block_shape = a.type.shape[:ka] + (a.type.shape[ka] // d,) + a.type.shape[ka + 1:]
-    block_type = TensorType(block_shape, a.type.dtype, Layout(a.type.layout.placement().with_axis(ka, None).axes))
+    block_type = TensorType(block_shape, a.type.dtype, a.type.layout.placement().with_axis(ka, None))
     pool = Value(namer(a.name + "_ring"), block_type)
     first, cur, nxt = (Value(namer(a.name + s), block_type) for s in ("_ring_0", "_i", "_next"))
     chunk_type = TensorType(c.type.shape[:k] + (1,) + c.type.shape[k + 1:], c.type.dtype, c.type.layout.placement())

@@ -61,14 +61,14 @@ def split_stream_axes(prog):
             d_axis = vl.axes[a] if vl.axes[a] == mesh_axis else None  # only an input sharded there keeps it
             shp, axs = _split(v.type.shape, vl.axes, a, fac, ((d_axis,) + (None,) * (len(fac) - 1)) if mesh_axis
                               else (None, None))
-            vv = Value(namer(v.name + "_split"), TensorType(shp, v.type.dtype, Layout(axs, vl.partial)))
+            vv = Value(namer(v.name + "_split"), TensorType(shp, v.type.dtype, Layout(axs, vl.partial, mesh=vl.mesh)))
             out.append(Instr("view", (vv,), (v,), {"shape": shp}))
             new_ins.append(vv)
         split_axes = (STREAM, None) if ring else ((lay.stream_over, STREAM, None) if mesh_axis else (STREAM, None))
         shp, axs = _split(o.type.shape, lay.axes, k, fac, split_axes)
-        o_split = Value(namer(o.name + "_split"), TensorType(shp, o.type.dtype, Layout(axs, lay.partial)))
+        o_split = Value(namer(o.name + "_split"), TensorType(shp, o.type.dtype, Layout(axs, lay.partial, mesh=lay.mesh)))
         out.append(Instr(i.op, (o_split,), tuple(new_ins), i.attrs))
-        o_back = Value(o.name, o.type.with_layout(Layout(lay.placement().axes, lay.partial)))
+        o_back = Value(o.name, o.type.with_layout(lay.placement()))
         out.append(Instr("view", (o_back,), (o_split,), {"shape": o.type.shape}))
         alias[o] = o_back
     outputs = tuple(alias.get(v, v) for v in prog.outputs)

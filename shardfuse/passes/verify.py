@@ -6,7 +6,7 @@ the main stream; compute shapes agree with their destinations.
 """
 from __future__ import annotations
 
-COLLECTIVES = {"allgather", "allreduce", "reduce_scatter", "alltoall", "sendrecv"}
+COLLECTIVES = {"allgather", "allreduce", "reduce_scatter", "alltoall", "sendrecv", "transfer"}
 HOST_OPS = COLLECTIVES | {"allocate", "slice", "select", "view", "shard_slice",
             "wait", "matmul", "add", "sub", "mul", "div", "neg", "scale", "exp", "tanh", "relu", "gelu", "sum",
             "copy", "transpose", "for", "get_stream", "set_stream", "synchronize",

@@ -382,3 +382,13 @@ def test_ring(mesh, layout):
         a = rng.standard_normal((4 * d, 8))
     b = rng.standard_normal((8, 5))
     cases.assert_close(f(a, b).gather(), a @ b, "float64")
+
+
+# ---- moves between meshes (pipeline stages) ------------------------------------------------
+@pytest.mark.parametrize("entry", sorted(cases.MOVES))
+def test_move_between_meshes(entry):
+    cases.move_case(_mesh(4), entry)
+
+
+def test_two_stage_pipeline():
+    cases.pipeline_case(_mesh(4))
