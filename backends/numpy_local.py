@@ -128,8 +128,11 @@ class NumpyLocalBackend:
         raise NotImplementedError("graph mode needs the cupy backend")
 
     # ---- collectives: (start, wait); in memory, across the local devices of each team ------
+    submesh_teams = True  # collectives may run within a sub-mesh: team = (sub-mesh, axis name)
+
     def _local_teams(self, team):
-        return [[self.local_index[d] for d in t] for t in self.mesh.teams(team)]
+        mesh, name = team if isinstance(team, tuple) else (self.mesh, team)
+        return [[self.local_index[d] for d in t] for t in mesh.teams(name)]
 
     def bind_allgather(self, send, recv, team, stream):
         teams = self._local_teams(team)

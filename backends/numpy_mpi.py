@@ -122,6 +122,9 @@ class NumpyMPIBackend(NumpyLocalBackend):
             self.comms[name] = _TEAM_COMMS[key]
 
     def _comm(self, team, what):
+        """The team's communicator, or None where this process holds no device of the team."""
+        if isinstance(team, tuple):
+            return self._submesh_comm(team, what)
         if team in self.unsupported:
             raise NotImplementedError(
                 f"{what} over mesh axis {team!r} of {self.mesh} under {self.nprocs} MPI processes: "
@@ -132,6 +135,26 @@ class NumpyMPIBackend(NumpyLocalBackend):
         assert comm.Get_rank() * self.L == self.first[team], (team, comm.Get_rank(), self.L, self.first[team])
         return comm
 
+    submesh_teams = True  # with one device per process (see _submesh_comm)
+
+    def _submesh_comm(self, team, what):
+        """A team of a sub-mesh (a pipeline stage): split off COMM_WORLD the first time a plan
+        binds it -- every rank binds the same plan in the same order, so the splits pair up."""
+        mesh, name = team
+        if self.L != 1:
+            raise NotImplementedError(f"{what} within the sub-mesh {mesh} under MPI needs one device per process "
+                                      f"(this process owns {self.L}); run mpiexec -n {self.mesh.size}")
+        if team not in self.comms:
+            me = self.local_devices[0]
+            mine = [t for t in mesh.teams(name) if me in t]
+            color = mesh.teams(name).index(mine[0]) if mine else self.MPI.UNDEFINED
+            key = mine[0].index(me) if mine else 0
+            comm = self.MPI.COMM_WORLD.Split(color, key)
+            self.comms[team] = None if comm == self.MPI.COMM_NULL else comm
+            self.first[team] = key
+            _TEAM_COMMS[("sub", mesh.devices, name, len(_TEAM_COMMS))] = comm  # kept alive, never freed
+        return self.comms[team]
+
     def _slot_alias(self, a, b):
         return a.slot == b.slot
 
@@ -139,6 +162,8 @@ class NumpyMPIBackend(NumpyLocalBackend):
     def bind_allgather(self, send, recv, team, stream):
         """send: [*S] per local device; recv: rank-major [D, *S] per local device (both contiguous)."""
         comm = self._comm(team, "allgather")
+        if comm is None:  # no device of this team here
+            return None, None
         L = self.L
         first = self.first[team]  # this process' first position in the team
         assert recv.shape[0] == comm.Get_size() * L, (recv.shape, comm.Get_size(), L)
@@ -166,6 +191,8 @@ class NumpyMPIBackend(NumpyLocalBackend):
     def bind_allreduce(self, send, recv, team, stream):
         """send, recv: [*S] per local device (contiguous); recv = sum over the team."""
         comm = self._comm(team, "allreduce")
+        if comm is None:  # no device of this team here
+            return None, None
         L, red = self.L, _reduce_dtype(send.dtype)
         native = red == np_dtype(send.dtype)
         direct_send = L == 1 and native and not self._slot_alias(send, recv)
@@ -200,6 +227,8 @@ class NumpyMPIBackend(NumpyLocalBackend):
         """send: rank-major [D, *R] per local device (contiguous); recv: [*R] per local device,
         device at team position q gets the team's sum of block q."""
         comm = self._comm(team, "reduce_scatter")
+        if comm is None:  # no device of this team here
+            return None, None
         L, red = self.L, _reduce_dtype(send.dtype)
         native = red == np_dtype(send.dtype)
         assert send.shape[0] == comm.Get_size() * L, (send.shape, comm.Get_size(), L)
@@ -238,6 +267,8 @@ class NumpyMPIBackend(NumpyLocalBackend):
         """send, recv: rank-major [D, *B] per local device; block q of the device at position p
         goes to block p of the device at position q."""
         comm = self._comm(team, "alltoall")
+        if comm is None:  # no device of this team here
+            return None, None
         L, P = self.L, comm.Get_size()
         block = tuple(send.shape[1:])
         dt = np_dtype(send.dtype)
@@ -264,6 +295,8 @@ class NumpyMPIBackend(NumpyLocalBackend):
         """Ring shift within the team: the device at position q sends to q + shift and receives
         from q - shift; peers on this process are copied in memory, others by Isend/Irecv."""
         comm = self._comm(team, "sendrecv")
+        if comm is None:  # no device of this team here
+            return None, None
         L, first = self.L, self.first[team]
         d = comm.Get_size() * L
         me = comm.Get_rank()

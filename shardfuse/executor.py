@@ -201,7 +201,8 @@ class Executable:
             elif op == "synchronize":
                 self.steps.append(be.bind_join(stream, _index(a["index"], env)))
             elif op == "sendrecv":
-                start, wait = be.bind_sendrecv(self.refs[i.ins[0]], self.refs[i.into], a["team"], a["shift"], stream)
+                start, wait = be.bind_sendrecv(self.refs[i.ins[0]], self.refs[i.into], self._team(i, a["team"]),
+                                               a["shift"], stream)
                 self.steps.append(start)
                 self.pending[i.outs[0]] = [wait]
             elif op == "transfer":
@@ -285,14 +286,21 @@ class Executable:
         self.steps.extend([pre, start])
         self.pending[i.outs[0]] = [wait, post]
 
+    def _team(self, i, name):
+        """What a backend's collective runs over: a mesh axis name of the program's mesh, or
+        (sub-mesh, axis name) for a value that lives on a sub-mesh (backends that can)."""
+        mesh = i.ins[0].type.layout.mesh
+        if mesh is None:
+            return name
+        if not getattr(self.backend, "submesh_teams", False):
+            raise NotImplementedError(f"{i.op} of {i.ins[0].name} inside the sub-mesh {mesh}: the {self.backend.name} "
+                                      "backend does not run collectives within a sub-mesh yet (moves between meshes work)")
+        return (mesh, name)
+
     def _bind_collective(self, i, stream):
         be, a = self.backend, i.attrs
-        for v in (i.ins[0], i.into):
-            if v.type.layout.mesh is not None:
-                raise NotImplementedError(f"{i.op} of {v.name} inside the sub-mesh {v.type.layout.mesh}: collectives "
-                                          "within a sub-mesh are not supported yet (moves between meshes are)")
-        team = a["team"]
-        d = self.mesh.axis_size(team)
+        team = self._team(i, a["team"])
+        d = (i.ins[0].type.layout.mesh or self.mesh).axis_size(a["team"])
         send, recv = self.refs[i.ins[0]], self.refs[i.into]
         pre, post = [], []
         if i.op == "allgather":

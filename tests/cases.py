@@ -241,3 +241,21 @@ def pipeline_case(mesh, dtype="float64"):
     out = two_stages(x, w0, w1)
     x64 = x.astype(np.float64)
     assert_close(out.gather(), np.maximum(x64 @ w0, 0) @ w1, dtype)
+
+
+def stage_collectives_case(mesh, dtype="float64"):
+    """Tensor parallelism inside a pipeline stage: collectives over the stage's own devices."""
+    s1 = mesh.submesh(mesh.devices[len(mesh.devices) // 2:])
+    rng = fresh_rng(mesh)
+    x, w = randn(rng, (4 * s1.size, 6), dtype), randn(rng, (6, 2 * s1.size), dtype)
+
+    @sf.jit(mesh=mesh)
+    def stage(x, w):
+        h = sf.shard(x, axis=0, mesh=s1) @ sf.shard(w, axis=1, mesh=s1)  # gathers x within the stage
+        return sf.replicate(h.sum(1), mesh=s1)                           # all-reduces within the stage
+
+    plan = stage.lower(sf.TensorSpec(x.shape, dtype), sf.TensorSpec(w.shape, dtype))
+    assert plan.collectives() == {"allgather": 1, "allreduce": 1}, str(plan)
+    out = stage(x, w)
+    assert out.sharding.mesh == s1
+    assert_close(out.gather(), (x.astype(np.float64) @ w).sum(1), dtype)

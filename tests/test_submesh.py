@@ -46,13 +46,6 @@ def test_bad_submeshes(mesh):
         f.lower(sf.TensorSpec((4, 4)))
 
 
-def test_collectives_inside_a_submesh_are_refused_clearly(mesh):
-    s1 = mesh.submesh([2, 3])
-    f = sf.jit(lambda x: sf.replicate(sf.shard(x, axis=0, mesh=s1) * 2.0, mesh=s1), mesh=mesh)
-    with pytest.raises(NotImplementedError, match="collectives within a sub-mesh are not supported yet"):
-        f(__import__("numpy").ones((4, 4)))
-
-
 def test_to_mesh_keeps_the_producer_on_its_mesh(mesh):
     s0, s1 = mesh.submesh([0, 1]), mesh.submesh([2, 3])
     f = sf.jit(lambda x: sf.to_mesh(sf.shard(x, axis=0, mesh=s0) * 2.0, s1, axis=0), mesh=mesh)
@@ -65,3 +58,9 @@ def test_to_mesh_keeps_the_producer_on_its_mesh(mesh):
         "  Wait sendrecv",
         "  return s_moved",
     ]
+
+
+def test_collectives_inside_a_stage(mesh):
+    from cases import stage_collectives_case
+
+    stage_collectives_case(mesh)

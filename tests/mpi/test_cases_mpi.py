@@ -392,3 +392,12 @@ def test_move_between_meshes(entry):
 
 def test_two_stage_pipeline():
     cases.pipeline_case(_mesh(4))
+
+
+def test_collectives_inside_a_stage():
+    mesh = _mesh(4)
+    if len(mesh.local_devices) == 1:
+        cases.stage_collectives_case(mesh)
+    else:  # several devices per process: refused on every rank, before anything is sent
+        with pytest.raises(NotImplementedError, match="needs one device per process"):
+            cases.stage_collectives_case(mesh)
