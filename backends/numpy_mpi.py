@@ -50,6 +50,15 @@ def _wire(a: np.ndarray) -> np.ndarray:
     return a
 
 
+def _local_sum(pieces, out):
+    """The sum of this process' local devices' contributions, into the send buffer."""
+    acc = pieces[0].astype(np.float64) if len(pieces) > 1 else pieces[0]
+    for x in pieces[1:]:
+        acc = acc + x
+    out[...] = acc
+    return out
+
+
 def _reduce_dtype(dtype: str):
     return np.dtype(np.float32) if dtype in _HALF else np_dtype(dtype)
 
@@ -202,14 +211,7 @@ class NumpyMPIBackend(NumpyLocalBackend):
 
         def start(bufs):
             s, r = self._views(bufs, send), self._views(bufs, recv)
-            if direct_send:
-                src = s[0]
-            else:
-                acc = s[0].astype(np.float64) if L > 1 else s[0]
-                for x in s[1:]:
-                    acc = acc + x
-                sbuf[...] = acc
-                src = sbuf
+            src = s[0] if direct_send else _local_sum(s, sbuf)
             dst = r[0] if native else rbuf
             state["req"] = comm.Iallreduce(_buf(src), _buf(dst), self.MPI.SUM)
             state["r"] = r
@@ -241,14 +243,7 @@ class NumpyMPIBackend(NumpyLocalBackend):
 
         def start(bufs):
             s, r = self._views(bufs, send), self._views(bufs, recv)
-            if direct_send:
-                src = s[0]
-            else:
-                acc = s[0].astype(np.float64) if L > 1 else s[0]
-                for x in s[1:]:
-                    acc = acc + x
-                sbuf[...] = acc
-                src = sbuf
+            src = s[0] if direct_send else _local_sum(s, sbuf)
             dst = r[0] if direct_recv else rbuf
             state["req"] = comm.Ireduce_scatter_block(_buf(src), _buf(dst), self.MPI.SUM) if count else None
             state["r"] = r
