@@ -124,6 +124,7 @@ class Executable:
         self._bind(prog.instrs, {}, MAIN)
         self.steps = [s for s in self.steps if s is not None]
         self._graph_outputs = None
+        self._accepted, self._out_layouts = set(), {}  # hot-path caches of layout checks
         self.graph = backend.capture(self) if graph else None
 
     # ---- slots ------------------------------------------------------------------------
@@ -321,9 +322,11 @@ class Executable:
     def _place_input(self, arg, v):
         lay = v.type.layout
         if isinstance(arg, Array):
-            if arg.sharding.placement() != lay.placement():
+            # hot path: a layout once accepted for this input is not checked again
+            if (v, arg.sharding) not in self._accepted and arg.sharding.placement() != lay.placement():
                 raise ValueError(f"{v.name}: plan expects layout {lay.placements(self.mesh)}, "
                                  f"got {arg.sharding.placements(self.mesh)}")
+            self._accepted.add((v, arg.sharding))
             return [self.backend.ascontiguous(s) for s in arg.shards]
         if tuple(arg.shape) != v.type.shape:
             raise ValueError(f"{v.name}: expected shape {v.type.shape}, got {tuple(arg.shape)}")
@@ -355,6 +358,8 @@ class Executable:
         for v in self.prog.outputs:
             ref = self.refs[v]
             shards = [self.backend.view(bufs, ref, j) for j in range(self.ndev)]
-            lay = v.type.layout
-            outs.append(Array(self.mesh, v.type.shape, v.type.dtype, lay.placement(), shards))
+            lay = self._out_layouts.get(v)
+            if lay is None:
+                lay = self._out_layouts[v] = v.type.layout.placement()
+            outs.append(Array(self.mesh, v.type.shape, v.type.dtype, lay, shards))
         return outs[0] if len(outs) == 1 else tuple(outs)

@@ -292,3 +292,26 @@ def test_bench_runs_on_the_gpu():
     for m in out["memory"]:
         if "pool_growth_bytes" in m:
             assert m["pool_growth_bytes"] == 0, m
+
+
+def test_nccl_error_aborts_and_names_the_step(mesh):
+    """A failing NCCL call (here: on a communicator already aborted) aborts the team's
+    communicators and raises an error that names the failed step; the next plan gets new ones."""
+    be = mesh.backend
+    d, team = mesh.size, mesh.axis_names[-1]
+    nd = len(be.local_devices)
+    send = Ref(0, (0,) * nd, (4, 8), (8, 1), "float32")
+    recv = Ref(1, (0,) * nd, (d, 4, 8), (32, 8, 1), "float32")
+    start, wait = be.bind_allgather(send, recv, team, 0)
+    assert wait is None  # issued on the step's own stream: the stream order is the wait
+    bufs = [be.empty((4, 8), "float32"), be.empty((d, 4, 8), "float32")]
+    start(bufs)  # works
+    be.synchronize()
+    for c in be._comms[team]:
+        c.abort()
+    with pytest.raises(RuntimeError, match="NCCL allgather on team"):
+        start(bufs)
+    assert team not in be._comms
+    a = randn(rng(), (2, d, 4, 8), "float32")
+    b = randn(rng(), (8, 8), "float32")
+    check(seed_fns(mesh, 2)(sf.shard(a, axis=1, over="DIDx", mesh=mesh), b).gather(), f64(a) @ f64(b), "float32")
