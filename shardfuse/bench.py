@@ -11,7 +11,9 @@ after a warm-up, as the median of many runs:
   cuBLAS call without any plan), and one bare cupy.matmul.
 
 GPU time comes from CUDA events on the plan's main stream (which fences every call); host
-issue time is the wall time of the call without synchronising.  Overlap efficiency is
+issue time is the wall time of the call without synchronising, twice: in the timed rounds (one
+call on an idle GPU after other variants ran, so host caches are cold) and "steady" (calls
+issued back to back, --steady-calls of them, the median).  Overlap efficiency is
 max(T_allgather, T_gemm) / T_pipelined.  Memory: per plan, device memory it added (the pool
 after its first calls, plus anything cuBLAS or NCCL took) against inputs + outputs + one
 gathered A + cuBLAS workspaces, and pool growth over --growth-calls calls.
@@ -373,6 +375,20 @@ def bench_dtype(args, mesh, dtype, log):
     log(f"  timing {len(variants)} variants, interleaved: {args.warmup} warm-up + {args.repeat} rounds")
     run_interleaved(clock, variants, args.warmup, args.repeat, mpi)
 
+    # steady-state host issue time: calls back to back, no synchronisation between them
+    steady = {}
+    for v in variants:
+        be.synchronize()
+        hs = []
+        for r in range(args.steady_calls):
+            if v.before:
+                v.before(r)
+            t0 = time.perf_counter()
+            v.fn()
+            hs.append((time.perf_counter() - t0) * 1e6)
+        be.synchronize()
+        steady[id(v)] = float(np.median(hs)) if hs else None
+
     # results
     med = {id(v): float(np.median(v.gpu)) for v in variants}
     t_ag, t_gemm = med[id(v_ag)], med[id(v_gemm)]
@@ -384,7 +400,9 @@ def bench_dtype(args, mesh, dtype, log):
         r = {"name": v.name, "dtype": dtype, "S": v.s, "streams": v.streams, "ms": ms,
              "ms_min": float(np.min(v.gpu)), "ms_max": float(np.max(v.gpu)),
              "tflops": flops / (ms * 1e-3) / 1e12 if v.flops else None, "host_us": host, "host_frac": host * 1e-3 / ms,
-             "rel_err": err}
+             "host_us_steady": steady[id(v)], "rel_err": err}
+        if steady[id(v)] is not None:
+            r["host_frac_steady"] = steady[id(v)] * 1e-3 / ms
         if v.kind == "allgather":
             r["gb_s"] = (ga_bytes + a_bytes) / (ms * 1e-3) / 1e9  # bytes written + read
         if v.kind.startswith("pipelined"):
@@ -526,12 +544,13 @@ def table(rows):
     def f(x, fmt):
         return fmt % x if x is not None else ""
 
-    head = (f"{'plan':<27} {'dtype':<8} {'S':>3} {'str':>3} {'ms':>8} {'TFLOP/s':>7} {'host us':>8} {'host%':>6} "
+    head = (f"{'plan':<27} {'dtype':<8} {'S':>3} {'str':>3} {'ms':>8} {'TFLOP/s':>7} {'host us':>8} {'host%':>6} {'steady':>7} {'st%':>5} "
             f"{'overlap':>7} {'/cupy S':>7} {'/cuBLAS S':>9} {'/cupy 1':>7} {'rel err':>8}")
     out = [head, "-" * len(head)]
     for r in rows:
         out.append(f"{r['name']:<27} {r['dtype']:<8} {f(r['S'], '%d'):>3} {f(r['streams'], '%d'):>3} "
                    f"{r['ms']:8.3f} {f(r['tflops'], '%.0f'):>7} {r['host_us']:8.1f} {100 * r['host_frac']:5.1f}% "
+                   f"{f(r.get('host_us_steady'), '%.1f'):>7} {f(100 * r['host_frac_steady'] if r.get('host_frac_steady') else None, '%.1f'):>5} "
                    f"{f(r.get('overlap_eff'), '%.3f'):>7} {f(r.get('vs_bare_cupy_chunks'), '%.3f'):>7} "
                    f"{f(r.get('vs_bare_cublas_chunks'), '%.3f'):>9} {f(r.get('vs_bare_cupy_one'), '%.3f'):>7} "
                    f"{f(r.get('rel_err'), '%.1e'):>8}")
@@ -568,6 +587,8 @@ def main(argv=None):
     p.add_argument("--repeat", type=int, default=30)
     p.add_argument("--sets", type=int, default=3, help="input sets rotated over runs")
     p.add_argument("--growth-calls", type=int, default=1000, help="calls for the memory-growth check")
+    p.add_argument("--steady-calls", type=int, default=20,
+                   help="calls issued back to back (no synchronisation) for the steady-state host issue time")
     p.add_argument("--graph", action="store_true", help="also time graph replay (cupy backend)")
     p.add_argument("--seed", type=int, default=None)
     p.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
