@@ -15,10 +15,12 @@ Same protocol as numpy_local.NumpyLocalBackend.  What is GPU-specific:
   ordered after that call's final join on main: a buffer still read by a worker stream is
   never reused early.  bfloat16 is stored as uint16 (CuPy has no bfloat16 arithmetic);
   `to_host` returns ml_dtypes.bfloat16.
-* GEMMs call cuBLAS (cublasGemmEx / cublasGemmStridedBatchedEx) through ctypes on one
-  handle per (device, stream), each with its own workspace, so they can be captured in
-  CUDA graphs; batch dims that nest into the rows are folded into one GEMM, one more is a
-  strided batch, and further outer ones are looped at bind time.  Everything but the
+* GEMMs call cuBLAS through ctypes (CuPy's own wrappers refuse graph capture): a plain GEMM
+  is one cublasLtMatmul with descriptors and algorithm chosen at bind time (SHARDFUSE_GEMM=ex:
+  cublasGemmEx); batched ones are cublasGemmStridedBatchedEx.  One handle and one workspace per
+  (device, stream), so GEMMs on concurrent streams never share a workspace.  Batch dims that
+  nest into the rows are folded into one GEMM, one more is a strided batch, further outer
+  ones are looped at bind time; views cuBLAS cannot read are staged through scratch.  Everything but the
   per-call base pointers is resolved at bind time.  float32 runs without TF32 unless
   SHARDFUSE_TF32=1 (or CUPY_TF32=1).
 * Collectives are NCCL, one communicator per team of each mesh axis, issued on the step's
