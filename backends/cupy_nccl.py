@@ -897,6 +897,26 @@ class CupyNcclBackend:
                 nccl.groupEnd()
         return self._collective("alltoall", send, recv, team, stream, call)
 
+    def bind_sendrecv(self, send, recv, team, shift, stream):
+        """Ring shift within the team: send to rank + shift, receive from rank - shift (grouped
+        NCCL send/recv, the ring variant's step)."""
+        d = self.mesh.axis_size(team)
+        count, t = send.size, _NCCL_T[send.dtype]
+
+        def call(c, s, r, st):
+            me = c.rank_id()
+            nccl.groupStart()
+            try:
+                c.send(s, count, t, (me + shift) % d, st)
+                c.recv(r, count, t, (me - shift) % d, st)
+            finally:
+                nccl.groupEnd()
+        return self._collective("sendrecv", send, recv, team, stream, call)
+
+    def bind_transfers(self, pairs, stream):
+        raise NotImplementedError("moving values between sub-meshes (SendRecv / Broadcast / Scatter / Gather) "
+                                  "is not implemented on the cupy backend yet; the NumPy backends run it")
+
     def bind_reduce_scatter(self, send, recv, team, stream):
         count, t = recv.size, _NCCL_T[recv.dtype]
         return self._collective("reduce_scatter", send, recv, team, stream,

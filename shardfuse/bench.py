@@ -442,6 +442,86 @@ def bench_dtype(args, mesh, dtype, log):
     return rows, mem
 
 
+def bench_gemm_rs(args, mesh, dtype, log):
+    """The row-parallel linear: x [M, K] column-sharded, w [K, N] row-sharded, the output
+    reduce-scattered on rows.  Times the pipelined GEMM+ReduceScatter for each S (each chunk's
+    partial sums reduce-scattered on its stream while the next chunk multiplies), the
+    unpipelined plan (one GEMM, then one ReduceScatter), the local GEMM alone and the
+    ReduceScatter alone (of a partial [M, N]: a plan that sums an axis of extent 1 over the team
+    first, a copy, then reduce-scatters)."""
+    be = mesh.backend
+    clock = CudaClock(be) if be.name == "cupy" else HostClock(be)
+    M, K, N, D = args.m, args.k, args.n, mesh.size
+    tp = mesh.axis_names[-1]
+    rng = np.random.default_rng(args.seed + 7)
+    dt = np_dtype(dtype)
+    sets = []
+    for _ in range(2):  # two input sets, rotated; fresh random values, never zeros
+        x = rng.standard_normal((M, K), dtype=np.float32).astype(dt)
+        w = rng.standard_normal((K, N), dtype=np.float32).astype(dt)
+        sets.append((sf.shard(x, axis=1, over=tp, mesh=mesh), sf.shard(w, axis=0, over=tp, mesh=mesh), x, w))
+
+    def row_parallel(chunks):
+        def f(x, w):
+            y = sf.shard(x, axis=1, over=tp) @ sf.shard(w, axis=0, over=tp)
+            y = sf.shard(y, axis=0, over=tp)
+            return sf.stream(y, axis=0, chunks=chunks) if chunks else y
+        f.__name__ = f"gemm_rs_S{chunks}" if chunks else "gemm_then_rs"
+        return sf.jit(f, mesh=mesh, streams=max(args.streams))
+
+    def variant(name, exe, args_of, s=None, kind="plan", flops=True):
+        st = {"r": 0}
+        v = Variant(name, lambda: st.__setitem__("c", exe(*args_of(st["r"] % len(sets)))),
+                    lambda r: st.__setitem__("r", r), s, max(args.streams) if s else None, kind=kind, flops=flops)
+        v.state = st
+        return v
+
+    variants = []
+    local = sf.jit(lambda x, w: x @ w, mesh=mesh)  # the local GEMM: [M, K/D] @ [K/D, N] on every device
+    xl = [sf.Array(mesh, (M, K // D), dtype, Layout.replicated(2), s[0].shards) for s in sets]
+    wl = [sf.Array(mesh, (K // D, N), dtype, Layout.replicated(2), s[1].shards) for s in sets]
+    g_exe = local.lower(xl[0].spec, wl[0].spec).executable
+    variants.append(variant("gemm alone (local)", g_exe, lambda r: (xl[r], wl[r]), kind="gemm"))
+    partial = sf.jit(lambda c: sf.shard(sf.shard(c, axis=1, over=tp).sum(1), axis=0, over=tp), mesh=mesh)
+    cl = [sf.Array(mesh, (M, D, N), dtype, Layout((None, tp, None)),
+                   be.to_device([rng.standard_normal((M, 1, N), dtype=np.float32).astype(dt)
+                                 for _ in mesh.local_devices])) for _ in sets]
+    rs_exe = partial.lower(cl[0].spec).executable
+    variants.append(variant("reduce-scatter alone", rs_exe, lambda r: (cl[r],), kind="rs", flops=False))
+    plans = {None: row_parallel(None)}
+    plans.update({s: row_parallel(s) for s in args.chunks if M % (s * D) == 0})
+    for s, f in plans.items():
+        exe = f.lower(sets[0][0].spec, sets[0][1].spec).executable
+        variants.append(variant("gemm then reduce-scatter" if s is None else "gemm+rs pipelined", exe,
+                                lambda r: sets[r][:2], s=s or 1, kind="plan" if s is None else "pipelined"))
+    run_interleaved(clock, variants, args.warmup, args.repeat)
+    med = {id(v): float(np.median(v.gpu)) for v in variants}
+    t_gemm, t_rs = med[id(variants[0])], med[id(variants[1])]
+    t_flat = med[id(variants[2])]
+    rows = []
+    for v in variants:
+        ms = med[id(v)]
+        r = {"name": v.name, "dtype": dtype, "S": v.s, "streams": v.streams, "ms": ms,
+             "ms_min": float(np.min(v.gpu)), "ms_max": float(np.max(v.gpu)), "host_us": float(np.median(v.host)),
+             "host_frac": float(np.median(v.host)) * 1e-3 / ms,
+             "tflops": 2.0 * M * N * K / D / (ms * 1e-3) / 1e12 if v.flops else None, "rel_err": None}
+        if v.kind in ("plan", "pipelined"):  # check the first rows of the result against float64
+            v.state["r"] = 0
+            v.fn()
+            x, w = sets[0][2], sets[0][3]
+            rows_ = min(M, 256)
+            got = np.asarray(v.state["c"].gather()[:rows_], np.float64)
+            ref = x[:rows_].astype(np.float64) @ w.astype(np.float64)
+            r["rel_err"] = float(np.linalg.norm(got - ref) / np.linalg.norm(ref))
+            r["overlap_eff"] = max(t_gemm, t_rs) / ms
+            r["speedup_vs_unpipelined"] = t_flat / ms
+        rows.append(r)
+        log(f"  {v.name:<28} S={str(v.s):>3} {ms:9.3f} ms  host {r['host_us']:8.1f} us"
+            + (f"  err {r['rel_err']:.2e}  overlap {r['overlap_eff']:.3f}  x{r['speedup_vs_unpipelined']:.3f} vs "
+               "unpipelined" if r["rel_err"] is not None else ""))
+    return rows
+
+
 def growth(args, be, clock, v):
     """Pool and device memory growth over args.growth_calls calls (fresh inputs each call)."""
     for r in range(min(3, args.growth_calls)):
@@ -592,6 +672,8 @@ def main(argv=None):
     p.add_argument("--graph", action="store_true", help="also time graph replay (cupy backend)")
     p.add_argument("--seed", type=int, default=None)
     p.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
+    p.add_argument("--pattern", choices=["ag", "rs", "both"], default="ag",
+                   help="ag: AllGather+GEMM (the seed); rs: GEMM+ReduceScatter (the row-parallel linear)")
     args = p.parse_args(argv)
     if args.seed is None:
         args.seed = int(time.time_ns() % 2**31)
@@ -610,10 +692,14 @@ def main(argv=None):
     log(f"  {env}")
     rows, mem = [], []
     for dtype in args.dtype.split(","):
-        log(f"-- {dtype}")
-        r, m = bench_dtype(args, mesh, dtype, log)
-        rows += r
-        mem += m
+        if args.pattern in ("ag", "both"):
+            log(f"-- {dtype}: AllGather+GEMM")
+            r, m = bench_dtype(args, mesh, dtype, log)
+            rows += r
+            mem += m
+        if args.pattern in ("rs", "both"):
+            log(f"-- {dtype}: GEMM+ReduceScatter")
+            rows += bench_gemm_rs(args, mesh, dtype, log)
     if not lead:
         return 0
     if args.json:

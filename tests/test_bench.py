@@ -46,3 +46,15 @@ def test_bench_main_in_process(capsys):
     assert table(out["rows"]).count("pipelined (eager)") == 6
     errs = [row["rel_err"] for row in out["rows"] if row["rel_err"] is not None]
     assert errs and max(errs) < 1e-4
+
+
+def test_bench_gemm_reduce_scatter_json():
+    r = run(*TINY, "--devices", "4", "--dtype", "float64", "--pattern", "rs", "--json")
+    assert r.returncode == 0, r.stderr
+    rows = json.loads(r.stdout)["rows"]
+    names = [row["name"] for row in rows]
+    assert names[:3] == ["gemm alone (local)", "reduce-scatter alone", "gemm then reduce-scatter"]
+    pipe = [row for row in rows if row["name"] == "gemm+rs pipelined"]
+    assert [row["S"] for row in pipe] == [1, 2, 4]
+    for row in pipe + [rows[2]]:
+        assert row["rel_err"] < 1e-12 and row["ms"] > 0 and row["overlap_eff"] > 0

@@ -315,3 +315,64 @@ def test_nccl_error_aborts_and_names_the_step(mesh):
     a = randn(rng(), (2, d, 4, 8), "float32")
     b = randn(rng(), (8, 8), "float32")
     check(seed_fns(mesh, 2)(sf.shard(a, axis=1, over="DIDx", mesh=mesh), b).gather(), f64(a) @ f64(b), "float32")
+
+
+# ---- the general compiler's lowerings on the GPU (issue 4), at whatever D this machine has ----------
+@pytest.mark.parametrize("dtype", ["float32", "float64"])
+def test_cases_reshard_table(mesh, dtype):
+    c = _cases()
+    for entry in sorted(c.RESHARD_TABLE):
+        c.reshard_case(mesh, entry, dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("chunks", [1, 2, 4])
+def test_pipelined_gemm_reduce_scatter(mesh, chunks, dtype):
+    d = mesh.size
+    f = sf.jit(lambda x, w: sf.stream(sf.shard(sf.shard(x, axis=1) @ sf.shard(w, axis=0), axis=0), axis=0,
+                                      chunks=chunks), mesh=mesh, streams=2)
+    r = rng()
+    x, w = randn(r, (16 * d * chunks, 32 * d), dtype), randn(r, (32 * d, 48), dtype)
+    plan = f.lower(sf.TensorSpec(x.shape, dtype), sf.TensorSpec(w.shape, dtype))
+    assert plan.collectives() == {"reduce_scatter": chunks}
+    check(f(x, w).gather(), f64(x) @ f64(w), dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("mode", ["tp", "sp"])
+def test_mlp_block(mesh, mode, dtype):
+    from shardfuse.mlp import mlp_block, mlp_inputs, mlp_reference
+
+    d = mesh.size
+    f = mlp_block(mesh, mode, chunks=2)
+    args = [a.astype(np_dtype(dtype)) for a in mlp_inputs(rng(), tokens=32 * d, hidden=16 * d)]
+    out = f(*args)
+    tol = {"float64": 1e-12, "float32": 1e-5, "float16": 5e-3, "bfloat16": 3e-2}[dtype]
+    ref = mlp_reference(*[f64(a) for a in args])
+    got = f64(out.gather())
+    assert np.all(np.isfinite(got))
+    assert np.linalg.norm(got - ref) / np.linalg.norm(ref) <= tol
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_ring_variant(mesh, dtype):
+    d = mesh.size
+    f = sf.jit(lambda x, w: sf.stream(sf.shard(x, axis=0) @ w, axis=0, algorithm="ring"), mesh=mesh)
+    r = rng()
+    x, w = randn(r, (32 * d, 64), dtype), randn(r, (64, 48), dtype)
+    check(f(x, w).gather(), f64(x) @ f64(w), dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_general_elementwise_ops(mesh, dtype):
+    f = sf.jit(lambda x, b: sf.replicate(sf.gelu(sf.shard(x, axis=1) * 0.5 + b) - sf.relu(-x) / 2.0 + sf.tanh(x)),
+               mesh=mesh)
+    r = rng()
+    d = mesh.size
+    x, b = randn(r, (8, 16 * d), dtype), randn(r, (16 * d,), dtype)
+    got = f64(f(x, b).gather())
+    xx, bb = f64(x), f64(b)
+    h = 0.5 * xx + bb
+    ref = 0.5 * h * (1 + np.tanh(np.sqrt(2 / np.pi) * (h + 0.044715 * h ** 3))) - np.maximum(-xx, 0) / 2 + np.tanh(xx)
+    tol = {"float64": 1e-12, "float32": 1e-5, "float16": 5e-3, "bfloat16": 3e-2}[dtype]
+    assert np.all(np.isfinite(got)) and np.linalg.norm(got - ref) / np.linalg.norm(ref) <= tol
