@@ -16,7 +16,8 @@ Same protocol as numpy_local.NumpyLocalBackend.  What is GPU-specific:
   never reused early.  bfloat16 is stored as uint16 (CuPy has no bfloat16 arithmetic);
   `to_host` returns ml_dtypes.bfloat16.
 * GEMMs call cuBLAS through ctypes (CuPy's own wrappers refuse graph capture): a plain GEMM
-  is one cublasLtMatmul with descriptors and algorithm chosen at bind time (SHARDFUSE_GEMM=ex:
+  is one cublasLtMatmul with descriptors and algorithm chosen at bind time (the fastest of up to
+  SHARDFUSE_GEMM_TUNE heuristic candidates, timed on scratch operands; SHARDFUSE_GEMM=ex:
   cublasGemmEx); batched ones are cublasGemmStridedBatchedEx.  One handle and one workspace per
   (device, stream), so GEMMs on concurrent streams never share a workspace.  Batch dims that
   nest into the rows are folded into one GEMM, one more is a strided batch, further outer
