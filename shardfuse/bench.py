@@ -232,8 +232,7 @@ def bench_dtype(args, mesh, dtype, log):
     ref = _reference(inputs, 0)
     variants, keep = [], []
     a_bytes, b_bytes = _nbytes((M // D, K), dtype), _nbytes((K, N), dtype)
-    c_bytes, ga_bytes = _nbytes((M, N), dtype), _nbytes((M, K), dtype)
-    in_bytes = a_bytes + b_bytes
+    ga_bytes = _nbytes((M, K), dtype)
 
     def plan_variant(name, exe, chunks, s=None, streams=None, a_fn=None):
         """A plan called on input set r; check() runs it on set 0 and returns the result's shards."""

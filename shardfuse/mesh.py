@@ -11,7 +11,6 @@ import os
 from functools import cached_property
 
 # The field's words for per-axis parallel types (nvFuser's ParallelType).
-SERIAL = "Serial"
 STREAM = "Stream"
 DEFAULT_AXIS_NAMES = {1: ("DIDx",), 2: ("DIDy", "DIDx"), 3: ("DIDz", "DIDy", "DIDx")}
 

@@ -38,7 +38,7 @@ def lower_ring(prog):
 
 
 def _ring_block(mm, gather, prog, namer):
-    c, (a_g, b) = mm.outs[0], mm.ins
+    c, b = mm.outs[0], mm.ins[1]
     a = gather.ins[0]
     k = c.type.layout.stream_axis()
     ka = rule("matmul", "axis_map")(mm, k)[0]
