@@ -156,12 +156,14 @@ class NumpyMPIBackend(NumpyLocalBackend):
         if team not in self.comms:
             me = self.local_devices[0]
             mine = [t for t in mesh.teams(name) if me in t]
-            color = mesh.teams(name).index(mine[0]) if mine else self.MPI.UNDEFINED
-            key = mine[0].index(me) if mine else 0
-            comm = self.MPI.COMM_WORLD.Split(color, key)
+            pos = mine[0].index(me) if mine else 0
+            cache = ("sub", mesh.devices, mesh.shape, name, self.nprocs)  # reused, like the whole-mesh splits
+            if cache not in _TEAM_COMMS:
+                color = mesh.teams(name).index(mine[0]) if mine else self.MPI.UNDEFINED
+                _TEAM_COMMS[cache] = self.MPI.COMM_WORLD.Split(color, pos)
+            comm = _TEAM_COMMS[cache]
             self.comms[team] = None if comm == self.MPI.COMM_NULL else comm
-            self.first[team] = key
-            _TEAM_COMMS[("sub", mesh.devices, name, len(_TEAM_COMMS))] = comm  # kept alive, never freed
+            self.first[team] = pos
         return self.comms[team]
 
     def _slot_alias(self, a, b):

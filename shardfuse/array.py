@@ -8,7 +8,7 @@ from __future__ import annotations
 import numpy as np
 
 from shardfuse.layout import Layout
-from shardfuse.trace import TensorSpec, normalize_axis, normalize_dtype, np_dtype
+from shardfuse.trace import TensorSpec, check_divides, normalize_axis, normalize_dtype, np_dtype
 
 
 def device_index(shape, layout: Layout, mesh, device: int):
@@ -41,10 +41,7 @@ def local_pieces(x: np.ndarray, layout: Layout, mesh):
 
 def _check_layout(shape, layout: Layout, mesh):
     for ax, name in layout.sharded_axes().items():
-        n = mesh.axis_size(name)
-        if shape[ax] % n:
-            raise ValueError(f"cannot shard axis {ax} of extent {shape[ax]} over {name}: "
-                             f"{n} devices do not divide it")
+        check_divides(shape, ax, name, mesh)
 
 
 class Array:

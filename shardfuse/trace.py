@@ -31,6 +31,14 @@ def np_dtype(name: str):
     return np.dtype(name)
 
 
+def check_divides(shape, ax: int, over: str, mesh) -> None:
+    """The one check that a mesh axis can shard tensor axis `ax` evenly."""
+    n = mesh.axis_size(over)  # raises for unknown mesh axis names
+    if shape[ax] % n:
+        raise ValueError(f"cannot shard axis {ax} of extent {shape[ax]} over {over}: "
+                         f"the mesh axis has {n} devices, which does not divide {shape[ax]}")
+
+
 def normalize_axis(axis: int, ndim: int, shape) -> int:
     if not isinstance(axis, (int, np.integer)) or not -ndim <= axis < ndim:
         raise ValueError(f"axis {axis!r} out of range for a {ndim}-D value of shape {tuple(shape)}")
@@ -233,16 +241,14 @@ def _annotate(x: Traced, axis: int, what, chunks=None, algorithm=None, on=None) 
             raise ValueError(f"axis {ax} of {name}{shape} is sharded over {cur}: streaming it too needs chunks=")
         layout = Layout(layout.with_axis(ax, STREAM).axes, chunks=chunks, stream_over=cur, mesh=layout.mesh)
     else:
-        n = mesh.axis_size(what)  # raises for unknown mesh axis names
+        mesh.axis_index(what)  # an unknown mesh axis name fails first
         if layout.placement().mesh_axis_of(what) is not None:
             raise ValueError(f"mesh axis {what} already shards axis {layout.placement().mesh_axis_of(what)} of {name}")
         if cur == STREAM and (layout.chunks is None or layout.stream_over):
             raise ValueError(f"axis {ax} of {name}{shape} is streamed without chunks=: it cannot be sharded too")
         if cur not in (None, STREAM):
             raise ValueError(f"axis {ax} of {name}{shape} is already sharded over {cur}")
-        if shape[ax] % n:
-            raise ValueError(f"cannot shard axis {ax} of extent {shape[ax]} over {what}: "
-                             f"the mesh axis has {n} devices, which does not divide {shape[ax]}")
+        check_divides(shape, ax, what, mesh)
         if cur == STREAM:
             layout = Layout(layout.axes, chunks=layout.chunks, stream_over=what, mesh=layout.mesh)
         else:
@@ -285,10 +291,7 @@ def to_mesh(x: Traced, mesh, axis: int | None = None, over: str | None = None):
     if axis is not None:
         ax = normalize_axis(axis, x.ndim, x.shape)
         over = over or (sub or x.builder.mesh).axis_names[-1]
-        n = (sub or x.builder.mesh).axis_size(over)
-        if x.shape[ax] % n:
-            raise ValueError(f"cannot shard axis {ax} of extent {x.shape[ax]} over {over}: "
-                             f"the mesh axis has {n} devices, which does not divide {x.shape[ax]}")
+        check_divides(x.shape, ax, over, sub or x.builder.mesh)
         layout = layout.with_axis(ax, over)
     return x.builder.emit("set", (x,), TensorType(x.shape, x.dtype, layout), x.value.name + "_moved")
 

@@ -19,7 +19,7 @@ def _split(shape, axes, ax, factors, new_axes):
 def split_stream_axes(prog):
     namer = Namer.for_program(prog)
     out, alias = [], {}
-    for i in substitute(prog.instrs, {}):
+    for i in prog.instrs:
         i = substitute([i], alias)[0]
         o = i.outs[0] if i.outs else None
         lay = o.type.layout if o is not None else None
