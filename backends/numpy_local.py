@@ -69,6 +69,24 @@ class NumpyLocalBackend:
     def ascontiguous(self, x):
         return np.ascontiguousarray(x)
 
+    # ---- the caller's arrays and streams ------------------------------------------------
+    def adopt(self, x):
+        """A whole call argument as a host array (device arrays are copied: these devices live
+        in host memory).  NumPy arrays are not copied."""
+        from shardfuse.interop import to_numpy
+
+        return to_numpy(x)
+
+    def piece(self, x, j):
+        """x as local device j's contiguous buffer: x itself when it already is one (no copy)."""
+        return np.ascontiguousarray(x)
+
+    def fence_in(self, stream_ptr):
+        """Steps run on the host in issue order: nothing to wait for."""
+
+    def fence_out(self, stream_ptr):
+        """Every call has finished when it returns: nothing to order."""
+
     def view(self, bufs, ref, j):
         base = bufs[ref.slot][j]
         flat = base.reshape(-1)

@@ -28,14 +28,19 @@ def device_index(shape, layout: Layout, mesh, device: int):
     return tuple(idx)
 
 
-def local_pieces(x: np.ndarray, layout: Layout, mesh):
-    """This process' pieces of a global array (one per local device), contiguous."""
+def local_pieces(x, dtype: str, layout: Layout, mesh):
+    """This process' pieces of a global array x (one per local device), each contiguous on its
+    device.  x is any array the backend can adopt: device arrays stay on the device (a piece is
+    a zero-copy view where the layout allows, a device-side copy otherwise)."""
+    be = mesh.backend
+    x = be.adopt(x)
     out = []
-    for d in mesh.local_devices:
+    for j, d in enumerate(mesh.local_devices):
         idx = device_index(x.shape, layout, mesh, d)
-        # a device outside the value's sub-mesh holds a placeholder of the local shape, never read
-        out.append(np.ascontiguousarray(x[idx]) if idx is not None else
-                   np.full(layout.local_shape(x.shape, mesh), np.nan, x.dtype))
+        if idx is None:  # a device outside the value's sub-mesh holds a placeholder, never read
+            out.append(be.empty(layout.local_shape(x.shape, mesh), dtype)[j])
+        else:
+            out.append(be.piece(x[idx], j))
     return out
 
 
@@ -66,16 +71,22 @@ class Array:
         return f"sf.Array(shape={self.shape}, dtype={self.dtype.name}, sharding={self.sharding.placements(self.mesh)})"
 
     @classmethod
-    def from_global(cls, x, mesh, axis: int, over: str = "DIDx"):
+    def from_global(cls, x, mesh, axis: int | None, over: str = "DIDx", what: str = "sf.shard"):
+        """x placed on mesh: sharded on `axis` over mesh axis `over`, or replicated (axis None)."""
+        from shardfuse.interop import array_info, check_device_array, check_placeable
+
         if mesh is None:
-            raise ValueError("sf.shard on a concrete array needs mesh=")
-        x = np.asarray(x)
-        normalize_dtype(x.dtype)
-        ax = normalize_axis(axis, x.ndim, x.shape)
-        mesh.axis_index(over)
-        layout = Layout.replicated(x.ndim).with_axis(ax, over)
-        _check_layout(x.shape, layout, mesh)
-        return cls(mesh, x.shape, x.dtype, layout, mesh.backend.to_device(local_pieces(x, layout, mesh)))
+            raise ValueError(f"{what} on a concrete array needs mesh=")
+        info = array_info(x)
+        check_device_array(info, what)
+        check_placeable(info, mesh.backend, what)
+        layout = Layout.replicated(len(info.shape))
+        if axis is not None:
+            ax = normalize_axis(axis, len(info.shape), info.shape)
+            mesh.axis_index(over)
+            layout = layout.with_axis(ax, over)
+            _check_layout(info.shape, layout, mesh)
+        return cls(mesh, info.shape, info.dtype, layout, local_pieces(x, info.dtype, layout, mesh))
 
     def gather(self) -> np.ndarray:
         """The global value, on every process (a host copy)."""
@@ -101,31 +112,142 @@ class Array:
         out = self.gather()
         return out if dtype is None else out.astype(dtype)
 
+    # ---- device-side access: the pieces as the backend holds them (no host copy) -------------
+    @property
+    def addressable_shards(self) -> list:
+        """This process' pieces, as in JAX: (device, index, data) each, data a backend-native
+        array (cupy.ndarray on the cupy backend, bfloat16 as its uint16 bits; numpy.ndarray on NumPy)."""
+        out = []
+        for d, data in zip(self.mesh.local_devices, self.shards):
+            idx = device_index(self.shape, self.sharding, self.mesh, d)
+            if idx is not None:
+                out.append(AddressableShard(d, idx, data))
+        return out
+
+    def to_local(self):
+        """This process' one piece (DTensor's to_local), a backend-native array, no copy."""
+        shards = self.addressable_shards
+        if len(shards) != 1:
+            raise ValueError(f"to_local(): this process holds {len(shards)} pieces of {self!r} "
+                             f"(devices {[s.device for s in shards]}); use addressable_shards")
+        return shards[0].data
+
+    def _whole_piece(self, what):
+        """The local piece when it is the whole value (replicated, or a mesh of one device)."""
+        shards = self.addressable_shards
+        if len(shards) == 1 and tuple(shards[0].data.shape) == self.shape and not self.sharding.partial:
+            return shards[0].data
+        raise ValueError(f"{what}: {self!r} is not held whole by this process (it holds {len(shards)} "
+                         "piece(s) of it); export .to_local() for the piece, or .full_array() for the whole value")
+
+    def __dlpack__(self, *, stream=None, **kwargs):
+        """DLPack export of the whole value (see _whole_piece).  The consumer's stream (DLPack's
+        `stream`: None, 1 legacy default, 2 per-thread default, or a pointer) waits for the plan."""
+        piece = self._whole_piece("__dlpack__")
+        if stream is not None:
+            self.mesh.backend.fence_out({1: 0}.get(stream, stream))
+        if self.dtype.name == "bfloat16" and self.mesh.backend.name == "cupy":
+            try:
+                import torch
+            except ImportError:
+                raise TypeError("__dlpack__ of a bfloat16 sf.Array on the cupy backend needs torch (CuPy has "
+                                "no bfloat16); use to_local() for the uint16 bits") from None
+            return torch.from_dlpack(piece).view(torch.bfloat16).__dlpack__(**kwargs)
+        return piece.__dlpack__(**kwargs)
+
+    def __dlpack_device__(self):
+        return self._whole_piece("__dlpack_device__").__dlpack_device__()
+
+    @property
+    def __cuda_array_interface__(self):
+        if self.mesh.backend.name != "cupy":
+            raise AttributeError("__cuda_array_interface__: this sf.Array lives in host memory (NumPy backend)")
+        if self.dtype.name == "bfloat16":
+            raise AttributeError("__cuda_array_interface__ has no bfloat16 type; use __dlpack__ (torch) or to_local()")
+        piece = self._whole_piece("__cuda_array_interface__")
+        from shardfuse.interop import stream_ptr
+
+        self.mesh.backend.fence_out(stream_ptr())  # the consumer reads on the current stream
+        return piece.__cuda_array_interface__
+
+    def full_array(self) -> "Array":
+        """The whole value replicated on every device of the mesh, gathered device-side (the
+        plan's collectives: NCCL, device copies or MPI), like DTensor's full_tensor()."""
+        if not self.sharding.sharded_axes() and not self.sharding.partial and self.sharding.mesh is None:
+            return self
+        return _replicator(self.mesh)(self)
+
+
+class AddressableShard(tuple):
+    """One piece this process holds, as JAX's Shard: (device, index, data)."""
+
+    __slots__ = ()
+
+    def __new__(cls, device, index, data):
+        return super().__new__(cls, (device, index, data))
+
+    device = property(lambda self: self[0])
+    index = property(lambda self: self[1])
+    data = property(lambda self: self[2])
+
+    def __repr__(self):
+        return f"AddressableShard(device={self.device}, index={self.index}, shape={tuple(self.data.shape)})"
+
+
+_REPLICATORS: dict = {}
+
+
+def _replicator(mesh):
+    """One jitted identity per mesh whose output is replicated: a full gather as a plan."""
+    fn = _REPLICATORS.get(mesh)
+    if fn is None:
+        from shardfuse.jit import jit
+        from shardfuse.trace import replicate
+
+        def full_array(x):
+            return replicate(x)
+
+        fn = _REPLICATORS[mesh] = jit(full_array, mesh=mesh)
+    return fn
+
 
 def from_local(local_piece, axis: int, over: str = "DIDx", mesh=None):
-    """SPMD construction: each process passes its own piece (covering its local devices)."""
+    """SPMD construction: each process passes its own piece (covering its local devices).  A
+    device array stays on the device: each local device's part is a zero-copy view where it can be."""
+    from shardfuse.interop import array_info, check_device_array, check_placeable
+
     if mesh is None:
         raise ValueError("sf.from_local needs mesh=")
-    x = np.asarray(local_piece)
-    normalize_dtype(x.dtype)
-    ax = normalize_axis(axis, x.ndim, x.shape)
+    info = array_info(local_piece)
+    check_device_array(info, "sf.from_local")
+    check_placeable(info, mesh.backend, "sf.from_local")
+    ax = normalize_axis(axis, len(info.shape), info.shape)
     if len(mesh.shape) != 1:
         raise NotImplementedError("sf.from_local supports 1-D meshes for now")
     mesh.axis_index(over)
     if mesh.nprocs > 1:
         from mpi4py import MPI
 
-        seen = MPI.COMM_WORLD.allgather((x.shape, x.dtype.name))
+        seen = MPI.COMM_WORLD.allgather((info.shape, info.dtype))
         if len(set(seen)) != 1:
             raise ValueError(f"sf.from_local: processes passed pieces of different shapes/dtypes: {seen}")
     L = len(mesh.local_devices)
-    if x.shape[ax] % L:
-        raise ValueError(f"local piece axis {ax} of extent {x.shape[ax]} cannot be split over {L} local devices")
-    shape = list(x.shape)
+    if info.shape[ax] % L:
+        raise ValueError(f"local piece axis {ax} of extent {info.shape[ax]} cannot be split over {L} local devices")
+    shape = list(info.shape)
     shape[ax] *= mesh.nprocs
-    layout = Layout.replicated(x.ndim).with_axis(ax, over)
-    parts = [np.ascontiguousarray(p) for p in np.split(x, L, axis=ax)]
-    return Array(mesh, shape, x.dtype, layout, mesh.backend.to_device(parts))
+    layout = Layout.replicated(len(shape)).with_axis(ax, over)
+    be = mesh.backend
+    x = be.adopt(local_piece)
+    n = info.shape[ax] // L
+    parts = [be.piece(x[(slice(None),) * ax + (slice(j * n, (j + 1) * n),)], j) for j in range(L)]
+    return Array(mesh, shape, info.dtype, layout, parts)
+
+
+def replicated(x, mesh) -> Array:
+    """sf.replicate(x, mesh=) on a concrete array: every device of mesh holds the whole of x
+    (place a weight once, then pass it to every call)."""
+    return Array.from_global(x, mesh, None, what="sf.replicate")
 
 
 def spec_of(arg, mesh) -> TensorSpec:
@@ -134,6 +256,7 @@ def spec_of(arg, mesh) -> TensorSpec:
         if arg.mesh != mesh:
             raise ValueError(f"argument is an sf.Array on {arg.mesh}, but the function is compiled for {mesh}")
         return arg.spec
-    if not hasattr(arg, "shape") or not hasattr(arg, "dtype"):
-        arg = np.asarray(arg)
-    return TensorSpec(tuple(arg.shape), normalize_dtype(arg.dtype))
+    from shardfuse.interop import array_info
+
+    info = array_info(arg)
+    return TensorSpec(info.shape, info.dtype)

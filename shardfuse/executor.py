@@ -17,6 +17,7 @@ from shardfuse.layout import Layout
 
 MAIN = "main"  # the stream the caller issues on
 COLLECTIVES = ("allgather", "allreduce", "reduce_scatter", "alltoall")
+VIEW_OPS = ("slice", "select", "view", "shard_slice", "transpose")
 ELEMENTWISE_OPS = ("add", "sub", "mul", "div", "neg", "scale", "exp", "tanh", "relu", "gelu")
 
 
@@ -117,6 +118,7 @@ class Executable:
         self.steps: list = []
         self.pending: dict = {}  # comm handle -> wait step(s)
         self._physical_order = self._gather_destinations(prog)
+        self._foldable = self._one_device_destinations(prog)
         for v in prog.inputs:
             lay = v.type.layout
             shape = lay.local_shape(v.type.shape, self.mesh)
@@ -165,6 +167,39 @@ class Executable:
                     order[i.into] = (k,) + tuple(j for j in range(nd) if j != k)
         return order
 
+    @staticmethod
+    def _one_device_destinations(prog):
+        """Destinations of collectives over one-device teams that may become views of their
+        sources: every read of their buffer goes through such a destination (or a view of one).
+        A buffer also read another way (e.g. a whole output whose chunks were all-reduced) keeps
+        its collectives, since a view of the source would leave the buffer itself unwritten."""
+        from shardfuse.ir import walk
+
+        parent = {}
+        candidates = set()
+        reads = list(prog.outputs)
+        for i in walk(prog.instrs):
+            if i.op in VIEW_OPS:
+                parent[i.outs[0]] = i.ins[0]
+                continue
+            reads.extend(i.ins)
+            if i.op in COLLECTIVES and (i.ins[0].type.layout.mesh or prog.mesh).axis_size(i.attrs["team"]) == 1:
+                candidates.add(i.into)
+
+        def chain(v):
+            out = [v]
+            while out[-1] in parent:
+                out.append(parent[out[-1]])
+            return out
+
+        root = {c: chain(c)[-1] for c in candidates}
+        blocked = set()
+        for v in reads:
+            vs = chain(v)
+            if vs[-1] in root.values() and not candidates.intersection(vs):
+                blocked.add(vs[-1])
+        return {c for c in candidates if root[c] not in blocked}
+
     def _local_shape(self, v):
         return v.type.layout.local_shape(v.type.shape, self.mesh)
 
@@ -186,7 +221,7 @@ class Executable:
                 else:
                     ref = self._allocate(shape, v.type.dtype, a.get("per_call", False), self._physical_order.get(v))
                 self.refs[v] = ref
-            elif op in ("slice", "select", "view", "shard_slice", "transpose"):
+            elif op in VIEW_OPS:
                 self.refs[i.outs[0]] = self._view(i, env)
             elif op == "get_stream":
                 pass
@@ -300,9 +335,11 @@ class Executable:
 
     def _bind_collective(self, i, stream):
         be, a = self.backend, i.attrs
-        team = self._team(i, a["team"])
         d = (i.ins[0].type.layout.mesh or self.mesh).axis_size(a["team"])
         send, recv = self.refs[i.ins[0]], self.refs[i.into]
+        if d == 1 and self._fold_one_device(i, send, recv):
+            return
+        team = self._team(i, a["team"])
         pre, post = [], []
         if i.op == "allgather":
             recv = rank_major(recv, a["axis"], d)
@@ -318,40 +355,83 @@ class Executable:
         self.steps.extend(pre + [start])
         self.pending[i.outs[0]] = [wait] + post
 
-    # ---- running ----------------------------------------------------------------------
-    def _place_input(self, arg, v):
-        lay = v.type.layout
-        if isinstance(arg, Array):
-            # hot path: a layout once accepted for this input is not checked again
-            if (v, arg.sharding) not in self._accepted and arg.sharding.placement() != lay.placement():
-                raise ValueError(f"{v.name}: plan expects layout {lay.placements(self.mesh)}, "
-                                 f"got {arg.sharding.placements(self.mesh)}")
-            self._accepted.add((v, arg.sharding))
-            return [self.backend.ascontiguous(s) for s in arg.shards]
-        if tuple(arg.shape) != v.type.shape:
-            raise ValueError(f"{v.name}: expected shape {v.type.shape}, got {tuple(arg.shape)}")
-        return self.backend.to_device(local_pieces(self.backend.host(arg), lay, self.mesh))
+    def _fold_one_device(self, i, send: Ref, recv: Ref) -> bool:
+        """A collective over a team of one device is the identity: its destination becomes a view
+        of its source, and nothing is issued.  Not when the destination is a per-call buffer (a
+        plan output, which must not alias an input)."""
+        per_call = {slot for slot, _, _ in self.per_call}
+        if i.into not in self._foldable or recv.slot in per_call or send.shape != recv.shape:
+            return False
+        self.refs[i.into] = send
+        self.pending[i.outs[0]] = []
+        return True
 
-    def __call__(self, *args):
+    # ---- running ----------------------------------------------------------------------
+    def _check_args(self, args):
+        """Every argument against the plan's inputs, before any work is queued."""
+        from shardfuse.interop import array_info, check_device_array, check_placeable
+
         prog = self.prog
         if len(args) != len(prog.inputs):
             raise TypeError(f"{prog.name} takes {len(prog.inputs)} arguments, got {len(args)}")
+        for arg, v in zip(args, prog.inputs):
+            lay = v.type.layout
+            if isinstance(arg, Array):
+                # hot path: a (layout, shape, dtype) once accepted for this input is not checked again
+                key = (v, arg.sharding, arg.shape, arg.dtype)
+                if key in self._accepted:
+                    continue
+                if arg.shape != v.type.shape or arg.dtype.name != v.type.dtype:
+                    raise ValueError(f"{v.name}: expected shape {v.type.shape} and dtype {v.type.dtype}, got an "
+                                     f"sf.Array of shape {arg.shape} and dtype {arg.dtype.name}")
+                if arg.sharding.placement() != lay.placement():
+                    raise ValueError(f"{v.name}: plan expects layout {lay.placements(self.mesh)}, "
+                                     f"got {arg.sharding.placements(self.mesh)}")
+                self._accepted.add(key)
+                continue
+            info = array_info(arg)
+            if info.shape != v.type.shape or info.dtype != v.type.dtype:
+                raise ValueError(f"{v.name}: expected shape {v.type.shape} and dtype {v.type.dtype}, got a "
+                                 f"{info.describe()}")
+            check_device_array(info, v.name)
+            check_placeable(info, self.backend, v.name)
+
+    def _place_input(self, arg, v):
+        if isinstance(arg, Array):
+            return [self.backend.ascontiguous(s) for s in arg.shards]
+        return local_pieces(arg, v.type.dtype, v.type.layout, self.mesh)
+
+    def __call__(self, *args, stream=None):
+        """Run the plan.  On the cupy backend the plan's main stream first waits (device-side) for
+        the caller's stream (stream=, or CuPy's current stream), and that stream then waits for
+        the plan's outputs: the caller's work before and after the call is ordered with it."""
+        self._check_args(args)
+        be = self.backend
+        caller = None
+        if be.name == "cupy":
+            from shardfuse.interop import stream_ptr
+
+            caller = stream_ptr(stream)
+            be.fence_in(caller)
         bufs = list(self.slot_templates)
-        for k, (arg, v) in enumerate(zip(args, prog.inputs)):
+        for k, (arg, v) in enumerate(zip(args, self.prog.inputs)):
             bufs[k] = self._place_input(arg, v)
         if self.graph is not None:
-            # Graph mode: the captured plan reads and writes plan-owned buffers.  The replay copies
-            # the inputs in (unless they are those buffers) and the outputs are the plan's own
-            # buffers, so the next call overwrites them.
+            # Graph mode: the captured plan writes plan-owned output buffers (the next call
+            # overwrites them); the backend keeps one graph per set of input buffers it has seen.
             static = self.graph(bufs)
             if self._graph_outputs is None:
                 self._graph_outputs = self._outputs(static)
-            return self._graph_outputs
-        for slot, shape, dtype in self.per_call:
-            bufs[slot] = self.backend.empty(shape, dtype)
-        for step in self.steps:
-            step(bufs)
-        return self._outputs(bufs)
+            outs = self._graph_outputs
+        else:
+            for slot, shape, dtype in self.per_call:
+                bufs[slot] = be.empty(shape, dtype)
+            for step in self.steps:
+                step(bufs)
+            outs = self._outputs(bufs)
+        if caller is not None:
+            be.fence_out(caller)
+        return outs
 
     def _outputs(self, bufs):
         outs = []

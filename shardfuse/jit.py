@@ -52,8 +52,8 @@ class Plan:
             self._exe = Executable(self.program, self.program.mesh.backend, graph=self.graph)
         return self._exe
 
-    def __call__(self, *args):
-        return self.executable(*args)
+    def __call__(self, *args, stream=None):
+        return self.executable(*args, stream=stream)
 
 
 def trace(fn, mesh, specs, streams=4, name=None) -> Program:
@@ -94,11 +94,14 @@ class Jitted:
                 print(plan, flush=True)
         return plan
 
-    def __call__(self, *args):
+    def __call__(self, *args, stream=None):
+        """Run on the mesh.  stream=: the CUDA stream the caller issues on (CuPy or torch stream,
+        `__cuda_stream__` object); default CuPy's current stream.  The call waits for it
+        device-side and it waits for the outputs."""
         from shardfuse.array import spec_of
 
         specs = tuple(spec_of(a, self.mesh) for a in args)
-        return self.lower(*specs)(*args)
+        return self.lower(*specs)(*args, stream=stream)
 
 
 def jit(fn=None, *, mesh=None, streams: int = 4, graph: bool = False):

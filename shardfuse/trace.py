@@ -271,11 +271,16 @@ def shard(x, axis: int, over: str = "DIDx", mesh=None):
     return Array.from_global(x, mesh, axis, over)
 
 
-def replicate(x: Traced, mesh=None):
+def replicate(x, mesh=None):
     """Annotate x as replicated on every device (DTensor's Replicate()): forces the gathers.
-    With mesh= (a sub-mesh of the program's), replicated on that sub-mesh's devices."""
+    With mesh= (a sub-mesh of the program's), replicated on that sub-mesh's devices.
+
+    On a concrete array (NumPy, CuPy, torch, JAX) with mesh=, returns an `sf.Array` that every
+    device of mesh holds whole: place a weight once and pass it to every call."""
     if not isinstance(x, Traced):
-        raise TypeError("sf.replicate annotates values inside an sf.jit function")
+        from shardfuse.array import replicated
+
+        return replicated(x, mesh)
     out = TensorType(x.shape, x.dtype, Layout.replicated(x.ndim).on(_sub_mesh(x.builder, mesh)))
     return x.builder.emit("set", (x,), out, x.value.name, annotation=True)
 

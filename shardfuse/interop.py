@@ -1,0 +1,197 @@
+"""Other libraries' arrays and streams: NumPy, CuPy, PyTorch, JAX, and anything that speaks
+DLPack or the CUDA array interface.
+
+Arrays come in through `array_info` (what a call or `sf.shard` checks before any work is
+queued: shape, dtype, which GPU, contiguity) and `to_cupy` / `to_numpy` (the backends' views
+of them).  Device arrays are never copied through the host: `to_cupy` is a zero-copy view, and
+DLPack hands the producer's stream over (CuPy's `from_dlpack` passes its current stream, so the
+producer makes that stream wait for its pending writes).
+
+Streams come in through `stream_ptr`: a CuPy stream, a torch stream, an object with the
+`__cuda_stream__` protocol, or a raw pointer.  None means CuPy's current stream (the legacy
+default stream unless the caller set another), which is also PyTorch's default.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from shardfuse.trace import normalize_dtype, np_dtype
+
+_DL_CPU, _DL_CUDA, _DL_CUDA_HOST, _DL_CUDA_MANAGED = 1, 2, 3, 13
+
+
+@dataclass(frozen=True)
+class ArrayInfo:
+    shape: tuple
+    dtype: str  # canonical name: float16, bfloat16, float32, float64
+    device: int | None  # CUDA ordinal, None for host memory
+    contiguous: bool
+    kind: str  # numpy, cupy, torch, jax, cuda_array_interface, dlpack
+
+    def describe(self) -> str:
+        where = "host" if self.device is None else f"GPU {self.device}"
+        return f"{self.kind} array {self.dtype}{list(self.shape)} on {where}"
+
+
+def _module(x) -> str:
+    return type(x).__module__.split(".")[0]
+
+
+def _is_torch(x) -> bool:
+    return _module(x) == "torch"
+
+
+def _is_jax(x) -> bool:
+    return _module(x) in ("jax", "jaxlib")
+
+
+def _torch_dtype(t) -> str:
+    return str(t.dtype).removeprefix("torch.")
+
+
+def array_info(x) -> ArrayInfo:
+    """Shape, dtype, device and contiguity of a call argument, without touching its data.
+    Raises ValueError / TypeError naming what was expected for anything shardfuse cannot take."""
+    kind = _module(x)
+    if isinstance(x, np.ndarray):
+        return ArrayInfo(x.shape, normalize_dtype(x.dtype), None, x.flags.c_contiguous, "numpy")
+    if kind == "cupy":
+        return ArrayInfo(tuple(x.shape), normalize_dtype(x.dtype), x.device.id, x.flags.c_contiguous, "cupy")
+    if kind == "torch":
+        dev = x.device.index if x.device.type == "cuda" else None
+        if x.device.type not in ("cuda", "cpu"):
+            raise ValueError(f"a torch tensor on {x.device}: shardfuse takes CPU or CUDA tensors")
+        return ArrayInfo(tuple(x.shape), normalize_dtype(_torch_dtype(x)), dev, x.is_contiguous(), "torch")
+    if kind in ("jax", "jaxlib"):
+        devices = list(x.devices())
+        if len(devices) != 1:
+            raise ValueError(f"a JAX array on {len(devices)} devices: pass one placed on a single device "
+                             "(shardfuse places it on the mesh itself)")
+        d = devices[0]
+        dev = None if d.platform == "cpu" else int(getattr(d, "local_hardware_id", None) or d.id)
+        return ArrayInfo(tuple(x.shape), normalize_dtype(x.dtype.name), dev, True, "jax")
+    if hasattr(x, "__cuda_array_interface__"):
+        cai = x.__cuda_array_interface__
+        shape = tuple(cai["shape"])
+        dtype = normalize_dtype(np.dtype(cai["typestr"]))
+        strides = cai.get("strides")
+        contiguous = strides is None or tuple(strides) == _c_strides(shape, np.dtype(cai["typestr"]).itemsize)
+        return ArrayInfo(shape, dtype, _pointer_device(cai["data"][0]), contiguous, "cuda_array_interface")
+    if hasattr(x, "__dlpack__") and hasattr(x, "__dlpack_device__"):
+        dev_type, dev_id = x.__dlpack_device__()
+        if dev_type in (_DL_CPU, _DL_CUDA_HOST):
+            return array_info(np.from_dlpack(x))
+        if dev_type in (_DL_CUDA, _DL_CUDA_MANAGED):
+            import cupy
+
+            info = array_info(cupy.from_dlpack(x))
+            return ArrayInfo(info.shape, info.dtype, int(dev_id), info.contiguous, "dlpack")
+        raise ValueError(f"a DLPack array on device type {dev_type}: shardfuse takes host or CUDA memory")
+    if isinstance(x, (list, tuple, int, float)) or hasattr(x, "__array__"):
+        return array_info(np.asarray(x))
+    raise TypeError(f"expected an array (NumPy, CuPy, torch, JAX, DLPack or CUDA array interface), "
+                    f"got {type(x).__name__}")
+
+
+def _c_strides(shape, item):
+    out, acc = [], item
+    for n in reversed(shape):
+        out.append(acc)
+        acc *= n
+    return tuple(reversed(out))
+
+
+def _pointer_device(ptr: int) -> int:
+    import cupy
+
+    return cupy.cuda.runtime.pointerGetAttributes(ptr).device
+
+
+def check_device_array(info: ArrayInfo, what: str):
+    """Device arrays are taken as they are (zero copy), so they must be C-contiguous: copying
+    them behind the caller's back would hide a cost the caller can avoid."""
+    if info.device is not None and not info.contiguous:
+        fix = {"torch": "x.contiguous()", "cupy": "cupy.ascontiguousarray(x)"}.get(info.kind, "a contiguous copy")
+        raise ValueError(f"{what}: a non-contiguous {info.describe()}; shardfuse takes device arrays as they "
+                         f"are (C-contiguous, zero copy): pass {fix}")
+
+
+def check_placeable(info: ArrayInfo, backend, what: str):
+    """A device array must sit on a GPU of this process' devices (no silent cross-GPU copies)."""
+    ordinals = getattr(backend, "ordinals", None)
+    if info.device is not None and ordinals is not None and info.device not in ordinals:
+        raise ValueError(f"{what}: a {info.describe()}, but this process' devices are on GPUs "
+                         f"{sorted(set(ordinals))}")
+
+
+def to_cupy(x):
+    """A zero-copy CuPy view of a device array (bfloat16 as its uint16 bit pattern, since CuPy
+    has no bfloat16).  DLPack makes CuPy's current stream wait for the producer's."""
+    import cupy
+
+    if isinstance(x, cupy.ndarray):
+        return x
+    if _is_torch(x):
+        if _torch_dtype(x) == "bfloat16":
+            import torch
+
+            return cupy.from_dlpack(x.view(torch.int16)).view(np.uint16)
+        return cupy.from_dlpack(x)
+    if _is_jax(x):
+        if x.dtype.name == "bfloat16":
+            # CuPy cannot import a bfloat16 DLPack tensor; the bitcast is a device-side copy in JAX
+            import jax
+
+            x = jax.lax.bitcast_convert_type(x, np.uint16)
+        return cupy.from_dlpack(x)
+    if hasattr(x, "__cuda_array_interface__"):
+        return cupy.asarray(x)
+    return cupy.from_dlpack(x)
+
+
+def to_numpy(x) -> np.ndarray:
+    """A host NumPy array of x (a copy for device arrays; bfloat16 as ml_dtypes.bfloat16)."""
+    if isinstance(x, np.ndarray):
+        return x
+    kind = _module(x)
+    if kind == "cupy":
+        import cupy
+
+        return cupy.asnumpy(x)
+    if kind == "torch":
+        t = x.detach()
+        if _torch_dtype(t) == "bfloat16":
+            import torch
+
+            return t.view(torch.int16).cpu().numpy().view(np_dtype("bfloat16"))
+        return t.cpu().numpy()
+    if hasattr(x, "__cuda_array_interface__") or (hasattr(x, "__dlpack_device__")
+                                                   and x.__dlpack_device__()[0] in (_DL_CUDA, _DL_CUDA_MANAGED)):
+        import cupy
+
+        return cupy.asnumpy(to_cupy(x))
+    if hasattr(x, "__dlpack__") and not hasattr(x, "__array__"):
+        return np.from_dlpack(x)
+    return np.asarray(x)
+
+
+def stream_ptr(stream=None) -> int:
+    """The raw CUDA stream pointer of a CuPy stream, a torch stream, a `__cuda_stream__` object or
+    an int; None: CuPy's current stream."""
+    if stream is None:
+        import cupy
+
+        return cupy.cuda.get_current_stream().ptr
+    if isinstance(stream, int):
+        return stream
+    proto = getattr(stream, "__cuda_stream__", None)
+    if proto is not None:
+        got = proto() if callable(proto) else proto
+        return int(got[1] if isinstance(got, tuple) else got)
+    for attr in ("ptr", "cuda_stream"):  # CuPy, torch
+        if hasattr(stream, attr):
+            return int(getattr(stream, attr))
+    raise TypeError(f"stream= expects a CuPy stream, a torch stream, an object with __cuda_stream__ or a "
+                    f"pointer, got {type(stream).__name__}")
