@@ -1,0 +1,242 @@
+"""The GPU path as users call it: CuPy, torch and JAX arrays in and out with no host copies, and
+calls ordered with the caller's stream.  Against float64 NumPy on fresh random inputs; buffers
+are poisoned (SHARDFUSE_POISON=1), so an unwritten element fails.
+
+Skipped, with the reason, where CuPy is missing or sees no GPU (and the torch / JAX tests where
+those libraries are missing or see no GPU).
+"""
+import os
+
+import numpy as np
+import pytest
+
+os.environ.setdefault("SHARDFUSE_POISON", "1")
+os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")  # JAX must not take the GPU's memory
+
+cupy = pytest.importorskip("cupy", reason="CuPy is not installed")
+
+
+def _gpus():
+    try:
+        return cupy.cuda.runtime.getDeviceCount()
+    except Exception:
+        return 0
+
+
+pytestmark = pytest.mark.skipif(_gpus() == 0, reason="CuPy sees no GPU")
+
+import shardfuse as sf  # noqa: E402
+from shardfuse.trace import np_dtype  # noqa: E402
+
+TOL = {"float64": 1e-12, "float32": 1e-5, "float16": 2e-3, "bfloat16": 1e-2}
+
+
+def _torch():
+    torch = pytest.importorskip("torch", reason="torch is not installed")
+    if not torch.cuda.is_available():
+        pytest.skip("torch sees no GPU")
+    return torch
+
+
+def _jax():
+    jax = pytest.importorskip("jax", reason="JAX is not installed")
+    try:
+        gpus = jax.devices("gpu")
+    except RuntimeError:
+        gpus = []
+    if not gpus:
+        pytest.skip("JAX sees no GPU")
+    return jax
+
+
+@pytest.fixture(scope="module", params=[1, 2, 4])
+def mesh(request):
+    return sf.DeviceMesh(request.param, backend="cupy")
+
+
+def rng():
+    return np.random.default_rng(int.from_bytes(os.urandom(4), "little"))
+
+
+def check(got, ref, dtype):
+    got = np.asarray(got, dtype=np.float64)
+    assert got.shape == ref.shape, (got.shape, ref.shape)
+    assert np.all(np.isfinite(got)), "unwritten (poisoned) elements in the result"
+    err = np.linalg.norm(got - ref) / np.linalg.norm(ref)
+    assert err <= TOL[dtype], f"relative error {err:.3e} > {TOL[dtype]:.0e} ({dtype})"
+
+
+def seed(mesh, streams=2, chunks=2, graph=False):
+    @sf.jit(mesh=mesh, streams=streams, graph=graph)
+    def ag_matmul(a, b):
+        return sf.stream(sf.shard(a, axis=0) @ b, axis=0, chunks=chunks)
+
+    return ag_matmul
+
+
+@pytest.mark.parametrize("dtype", ["float16", "float32", "float64"])
+def test_cupy_arrays_in_device_arrays_out(mesh, dtype):
+    d = mesh.size
+    r = rng()
+    a = r.standard_normal((16 * d, 64)).astype(dtype)
+    b = r.standard_normal((64, 32)).astype(dtype)
+    a_dev, b_dev = cupy.asarray(a), cupy.asarray(b)
+    w = sf.replicate(b_dev, mesh=mesh)
+    f = seed(mesh)
+    ref = a.astype(np.float64) @ b.astype(np.float64)
+    for a_in in (a_dev, sf.shard(a_dev, axis=0, mesh=mesh)):
+        for b_in in (b_dev, w):
+            out = f(a_in, b_in)
+            assert all(isinstance(s.data, cupy.ndarray) for s in out.addressable_shards)
+            check(out.gather(), ref, dtype)
+            full = out.full_array()
+            assert full.placements == (sf.Replicate(),)
+            for s in full.addressable_shards:
+                check(cupy.asnumpy(s.data), ref, dtype)
+
+
+def test_pieces_are_zero_copy_views_where_the_layout_allows(mesh):
+    d = mesh.size
+    x = cupy.asarray(rng().standard_normal((8 * d, 16)).astype(np.float32))
+    rows = sf.shard(x, axis=0, mesh=mesh)
+    base = x.data.ptr
+    for s in rows.addressable_shards:  # a row block of a C-contiguous array is contiguous: a view
+        assert s.data.data.ptr == base + s.index[0].start * 16 * 4
+    w = sf.replicate(x, mesh=mesh)
+    assert all(s.data.data.ptr == base for s in w.addressable_shards)
+    cols = sf.shard(x, axis=1, mesh=mesh)  # column blocks: copied on the device, never via the host
+    for s in cols.addressable_shards:
+        assert isinstance(s.data, cupy.ndarray) and s.data.flags.c_contiguous
+        assert bool(cupy.all(s.data == x[s.index]))
+
+
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16", "float32"])
+def test_torch_tensors_in_and_out(mesh, dtype):
+    torch = _torch()
+    d = mesh.size
+    tdt = getattr(torch, dtype)
+    g = torch.Generator(device="cuda").manual_seed(int(rng().integers(1 << 30)))
+    a = torch.randn((16 * d, 64), device="cuda", dtype=tdt, generator=g)
+    b = torch.randn((64, 32), device="cuda", dtype=tdt, generator=g)
+
+    @sf.jit(mesh=mesh, streams=2)
+    def ag_then_matmul(a, b):
+        return sf.replicate(sf.stream(sf.shard(a, axis=0) @ b, axis=0, chunks=2))
+
+    out = ag_then_matmul(a, sf.replicate(b, mesh=mesh))
+    ref = a.double().cpu().numpy() @ b.double().cpu().numpy()
+    if d == 1:  # the whole value is this process' one piece: it exports straight to torch
+        t = torch.from_dlpack(out)
+        assert t.dtype == tdt and t.device.type == "cuda"
+        check(t.double().cpu().numpy(), ref, dtype)
+    else:
+        with pytest.raises(ValueError, match="not held whole"):
+            torch.from_dlpack(out)
+    check(out.gather().astype(np.float64), ref, dtype)
+    sh = sf.shard(a, axis=0, mesh=mesh)  # torch in, pieces are views of the tensor's memory
+    assert sh.addressable_shards[0].data.data.ptr == a.data_ptr()
+
+
+def test_jax_arrays_in(mesh):
+    jax = _jax()
+    import jax.numpy as jnp
+
+    d = mesh.size
+    r = rng()
+    a, b = r.standard_normal((16 * d, 64)).astype(np.float32), r.standard_normal((64, 32)).astype(np.float32)
+    gpu = jax.devices("gpu")[0]
+    ja, jb = jax.device_put(jnp.asarray(a), gpu), jax.device_put(jnp.asarray(b), gpu)
+    check(seed(mesh)(ja, jb).gather(), a.astype(np.float64) @ b, "float32")
+    jbf = jax.device_put(jnp.asarray(b, dtype=jnp.bfloat16), gpu)  # bfloat16 through a device bitcast
+    out = seed(mesh)(jax.device_put(jnp.asarray(a, dtype=jnp.bfloat16), gpu), jbf)
+    check(out.gather().astype(np.float64), a.astype(np.float64) @ b, "bfloat16")
+
+
+_SPIN_FILL = r"""
+extern "C" __global__ void spin_fill(float* x, float v, long long n, long long cycles) {
+    long long t0 = clock64();
+    while (clock64() - t0 < cycles) { }
+    for (long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x; i < n; i += (long long)blockDim.x * gridDim.x)
+        x[i] = v;
+}
+"""
+
+
+def _spin_fill(x, value, stream, ms=50):
+    """Write `value` into x on `stream`, after ~ms of spinning: a late producer."""
+    kern = cupy.RawKernel(_SPIN_FILL, "spin_fill")
+    rate = cupy.cuda.Device().attributes["ClockRate"]  # kHz
+    with stream:
+        kern((64,), (256,), (x, np.float32(value), np.int64(x.size), np.int64(rate * ms)))
+
+
+@pytest.mark.parametrize("graph", [False, True])
+def test_call_is_ordered_with_the_callers_stream(mesh, graph):
+    """The input is written late on the caller's non-blocking stream, and the output is read on
+    it right after the call: without the fences the plan reads unwritten input (poisoned NaN) and
+    the caller reads the output before the plan wrote it."""
+    d = mesh.size
+    f = seed(mesh, graph=graph)
+    b = rng().standard_normal((64, 32)).astype(np.float32)
+    w = sf.replicate(cupy.asarray(b), mesh=mesh)
+    caller = cupy.cuda.Stream(non_blocking=True)
+    for value in (1.5, -0.75, 2.25):
+        with caller:
+            a = cupy.full((16 * d, 64), np.nan, np.float32)
+        _spin_fill(a, value, caller)
+        with caller:  # CuPy's current stream is the caller's: the default for stream=
+            out = f(a, w)
+            got = [s.data.copy() for s in out.addressable_shards]  # read on the caller's stream
+        caller.synchronize()
+        ref = value * b.sum(axis=0, dtype=np.float64)
+        for piece in got:
+            piece = cupy.asnumpy(piece).astype(np.float64)
+            assert np.all(np.isfinite(piece)), "the plan or the caller read unwritten data"
+            np.testing.assert_allclose(piece, np.broadcast_to(ref, piece.shape), rtol=1e-5)
+
+
+def test_explicit_torch_stream(mesh):
+    torch = _torch()
+    d = mesh.size
+    f = seed(mesh)
+    b = torch.randn((64, 32), device="cuda")
+    w = sf.replicate(b, mesh=mesh)
+    s = torch.cuda.Stream()
+    a = torch.full((16 * d, 64), float("nan"), device="cuda")
+    s.wait_stream(torch.cuda.current_stream())  # a is allocated and poisoned on the default stream
+    with torch.cuda.stream(s):
+        torch.cuda._sleep(50_000_000)  # a late producer on the torch stream
+        a.fill_(0.5)
+    out = f(cupy.from_dlpack(a), w, stream=s)  # passed as CuPy: only stream= orders it
+    with torch.cuda.stream(s):
+        got = [torch.from_dlpack(p.data).clone() for p in out.addressable_shards]
+    s.synchronize()
+    ref = 0.5 * b.double().sum(dim=0).cpu().numpy()
+    for piece in got:
+        piece = piece.double().cpu().numpy()
+        assert np.all(np.isfinite(piece))
+        np.testing.assert_allclose(piece, np.broadcast_to(ref, piece.shape), rtol=1e-5)
+
+
+def test_bad_device_inputs_fail_before_any_work():
+    torch = _torch()
+    mesh = sf.DeviceMesh(1, backend="cupy")
+    f = seed(mesh)
+    a = torch.randn((32, 64), device="cuda")
+    b = torch.randn((64, 16), device="cuda")
+    with pytest.raises(ValueError, match=r"non-contiguous torch array .*x.contiguous\(\)"):
+        f(a, b.t().contiguous().t())
+    with pytest.raises(ValueError, match=r"non-contiguous"):
+        sf.shard(a.t(), axis=0, mesh=mesh)
+    plan = f.lower(sf.TensorSpec((32, 64), "float32"), sf.TensorSpec((64, 16), "float32"))
+    with pytest.raises(ValueError, match=r"expected shape \(64, 16\) and dtype float32, got a torch array float16"):
+        plan(a, b.half())
+    with pytest.raises(TypeError, match="unsupported dtype 'int32'"):
+        sf.shard(torch.ones((4, 4), dtype=torch.int32, device="cuda"), axis=0, mesh=mesh)
+    from shardfuse.interop import array_info, check_placeable
+
+    class OtherGPUs:  # a backend whose devices are on GPU 1 only
+        ordinals = [1]
+
+    with pytest.raises(ValueError, match=r"on GPU 0, but this process' devices are on GPUs \[1\]"):
+        check_placeable(array_info(a), OtherGPUs(), "a")
