@@ -11,7 +11,10 @@ Timed (CUDA events, warm-up, median), all on those very tensors:
 * torch: `torch.distributed._symmetric_memory.fused_all_gather_matmul` (copy-engine based),
   reported as unavailable with the reason where this PyTorch or machine cannot run it;
 * shardfuse: the unpipelined plan and the pipelined plan for each S (the seed layout
-  [S, D, M/(S*D), K]), reading PyTorch's memory through DLPack (no copy).
+  [S, D, M/(S*D), K], and the natural layout x [M, K] sharded on rows), called as a user calls
+  them: the torch tensors go in through the public API (`sf.from_local` for this rank's rows on
+  every call, `sf.replicate` for B once; zero copy) and each result comes out through
+  `torch.from_dlpack`, on torch's current stream.
 
 Every result is compared with the torch baseline's product.  Prints a table on rank 0 (`--json`
 for machines).  Keep the machine's NVLink multicast settings (NCCL_NVLS_ENABLE=0 and friends).
@@ -140,62 +143,43 @@ def main(argv=None):
 
     import shardfuse as sf
     from shardfuse.demo import seed_functions
-    from shardfuse.layout import Layout
 
+    # shardfuse as a user calls it, on these very tensors (public API only, no copies): this
+    # rank's rows A go in through sf.from_local on every call, the weight B is placed once, and
+    # the result comes out through torch.from_dlpack.  Calls are ordered with torch's stream.
     mesh = sf.DeviceMesh(D, backend="cupy")
-    be = mesh.backend
-    # PyTorch's memory, seen by CuPy (bfloat16 travels as its bits: the backend stores uint16)
-    bits = torch.uint16 if args.dtype == "bfloat16" else tdt
-    a_cp, b_cp = cupy.from_dlpack(a.view(bits)), cupy.from_dlpack(b.view(bits))
     ax = mesh.axis_names[-1]
+    stream = torch.cuda.current_stream()
     pipelined, unpipelined = seed_functions(mesh, args.streams)  # the seed layout [S, D, M/(S*D), K]
-    b_arr = sf.Array(mesh, (K, N), args.dtype, Layout.replicated(2), [b_cp])
+    b_arr = sf.replicate(b, mesh=mesh)
 
-    def a_arr(s):
-        return sf.Array(mesh, (s, D, M // (s * D), K), args.dtype, Layout.replicated(4).with_axis(1, ax),
-                        [a_cp.reshape(s, 1, M // (s * D), K)])
+    def seed_call(f, s):
+        """f on A as this rank's piece [S, 1, M/(S*D), K] of the seed layout (a view of a)."""
+        return lambda: torch.from_dlpack(f(sf.from_local(a.view(s, 1, M // (s * D), K), axis=1, over=ax, mesh=mesh),
+                                           b_arr, stream=stream))
 
-    def cupy_events():
-        s, e = cupy.cuda.Event(), cupy.cuda.Event()
-        st = be.stream(0)
-
-        def stop():
-            e.record(st)
-            e.synchronize()
-        return (lambda: s.record(st)), stop, lambda: cupy.cuda.get_elapsed_time(s, e)
-
-    def as_torch(arr, s):
-        """The result in torch's row order (rank-major), for the comparison.  The seed layout's
-        rows are (chunk, device, row); torch's gathered rows are (device, chunk, row)."""
-        x = arr.shards[0]
+    def as_torch_order(c, s):
+        """A result in torch's row order (rank-major).  The seed layout's rows are (chunk,
+        device, row); torch's gathered rows are (device, chunk, row)."""
         if s is not None:
-            x = x.reshape(s, D, M // (s * D), N).transpose(1, 0, 2, 3)
-        t = torch.from_dlpack(cupy.ascontiguousarray(x).reshape(M, N))
-        return t.view(tdt) if args.dtype == "bfloat16" else t
+            c = c.reshape(s, D, M // (s * D), N).transpose(0, 1)
+        return c.reshape(M, N)
 
     def natural(s):  # the natural layout: x [M, K] sharded on rows, S chunks
-        return sf.jit(lambda x, w: sf.stream(sf.shard(x, axis=0, over=ax) @ w, axis=0, chunks=s), mesh=mesh,
-                      streams=args.streams)
+        f = sf.jit(lambda x, w: sf.stream(sf.shard(x, axis=0, over=ax) @ w, axis=0, chunks=s), mesh=mesh,
+                   streams=args.streams)
+        return lambda: torch.from_dlpack(f(sf.from_local(a, axis=0, over=ax, mesh=mesh), b_arr, stream=stream))
 
-    x_arr = sf.Array(mesh, (M, K), args.dtype, Layout.replicated(2).with_axis(0, ax), [a_cp])
     chunk_counts = [s for s in map(int, args.chunks.split(",")) if M % (s * D) == 0]
-    cases = [("shardfuse seed unpipelined", lambda: unpipelined(a_arr(1), b_arr), 1)]
-    for s in chunk_counts:
-        A = a_arr(s)
-        cases.append((f"shardfuse seed pipelined S={s}", lambda A=A: pipelined(A, b_arr), s))
+    cases = [("shardfuse seed unpipelined", seed_call(unpipelined, 1), 1, 1)]
+    cases += [(f"shardfuse seed pipelined S={s}", seed_call(pipelined, s), s, s) for s in chunk_counts]
+    cases += [(f"shardfuse natural pipelined S={s}", natural(s), s, None) for s in chunk_counts]
     torch.cuda.synchronize()
-    for name, call, s in cases:
-        ms = timed(call, be.synchronize, args.warmup, args.repeat, cupy_events)
+    for name, call, s, order in cases:
+        ms = timed(call, torch.cuda.synchronize, args.warmup, args.repeat, torch_events)
         out = call()
-        be.synchronize()
-        rows.append({"name": name, "S": s, "ms": ms, "rel_err_vs_torch": rel(as_torch(out, s))})
-    for s in chunk_counts:
-        call = lambda f=natural(s): f(x_arr, b_arr)  # noqa: E731
-        ms = timed(call, be.synchronize, args.warmup, args.repeat, cupy_events)
-        out = call()
-        be.synchronize()
-        rows.append({"name": f"shardfuse natural pipelined S={s}", "S": s, "ms": ms,
-                     "rel_err_vs_torch": rel(as_torch(out, None))})
+        torch.cuda.synchronize()
+        rows.append({"name": name, "S": s, "ms": ms, "rel_err_vs_torch": rel(as_torch_order(out, order))})
 
     flops = 2.0 * M * N * K
     for r in rows:

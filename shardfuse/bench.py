@@ -1,22 +1,33 @@
 """`shardfuse bench`: time AllGather+GEMM plans against their parts and against bare library calls.
 
+Inputs are placed only through the public API (`sf.shard`, `sf.replicate`, plain arguments).
 For each dtype it times, on fresh random inputs (several input sets, rotated; never zeros),
 after a warm-up, as the median of many runs:
 
 * unpipelined: demo.seed_functions' ag_then_matmul (one Allgather, then one GEMM);
 * pipelined: ag_matmul for every chunk count S and stream count (eager, and with --graph
-  also as one CUDA graph replay);
+  also as one CUDA graph replay), called on sf.Arrays placed once: the plan alone;
+* user path: the same jitted function called as a user calls it, beside each pipelined row:
+  the user's own arrays (torch CUDA tensors when torch imports, else CuPy arrays; NumPy on
+  the numpy backend) passed through `sf.shard` (A) and as a plain argument (B) on every call,
+  the result taken out as a device array (torch.from_dlpack, or to_local()); "/plan" is its
+  time over the plan alone's;
 * the GEMM alone (one plan-issued GEMM of the gathered shape) and the Allgather alone;
 * on the cupy backend: the same S chunk GEMMs issued bare (cupy.matmul, and the backend's
   cuBLAS call without any plan), and one bare cupy.matmul.
 
-GPU time comes from CUDA events on the plan's main stream (which fences every call); host
-issue time is the wall time of the call without synchronising, twice: in the timed rounds (one
-call on an idle GPU after other variants ran, so host caches are cold) and "steady" (calls
-issued back to back, --steady-calls of them, the median).  Overlap efficiency is
-max(T_allgather, T_gemm) / T_pipelined.  Memory: per plan, device memory it added (the pool
-after its first calls, plus anything cuBLAS or NCCL took) against inputs + outputs + one
-gathered A + cuBLAS workspaces, and pool growth over --growth-calls calls.
+A is the seed's global [S, D, M/(S*D), K], a view of one global [M, K] (so every S multiplies
+the same numbers); every result is checked against a float64 product.
+
+GPU time comes from CUDA events on the caller's stream (a non-blocking CuPy stream made
+current for the whole run, and torch's current stream too): every call waits for it and makes
+it wait for the outputs, so the events fence the call.  Host issue time is the wall time of the
+call without synchronising, twice: in the timed rounds (one call on an idle GPU after other
+variants ran, so host caches are cold) and "steady" (calls issued back to back,
+--steady-calls of them, the median).  Overlap efficiency is max(T_allgather, T_gemm) /
+T_pipelined.  Memory: per plan, device memory it added (the pool after its first calls, plus
+anything cuBLAS or NCCL took) against inputs + outputs + one gathered A + cuBLAS workspaces,
+and pool growth over --growth-calls calls.
 
 On the numpy backend it runs too (slowly, small sizes): host clocks stand in for events.
 """
@@ -32,9 +43,7 @@ import time
 import numpy as np
 
 import shardfuse as sf
-from shardfuse.array import Array
 from shardfuse.demo import default_devices, seed_functions
-from shardfuse.layout import Layout
 from shardfuse.trace import np_dtype
 
 TOLERANCE = {"float64": 1e-10, "float32": 1e-4, "float16": 1e-2, "bfloat16": 2e-2}
@@ -51,7 +60,7 @@ class HostClock:
     def __init__(self, backend):
         self.backend = backend
 
-    def time(self, fn, before=None):
+    def time(self, fn, before=None, stream=None):
         if before is not None:
             before()
         t0 = time.perf_counter()
@@ -66,26 +75,30 @@ class HostClock:
 
 
 class CudaClock:
-    """CUDA events on the backend's main stream (device 0), around each call."""
+    """CUDA events around each call on the caller's stream (CuPy's current stream), or on the
+    stream a bare baseline issues on."""
 
     def __init__(self, backend):
         import cupy
 
         self.cupy, self.backend = cupy, backend
-        self.stream = backend.stream(0)
         self.e0 = cupy.cuda.Event()
         self.e1 = cupy.cuda.Event()
 
-    def time(self, fn, before=None):
+    def time(self, fn, before=None, stream=None):
         cp = self.cupy
+        caller = cp.cuda.get_current_stream()
+        stream = stream or caller
         if before is not None:
             before()
-        self.backend.synchronize()
-        self.e0.record(self.stream)
+        self.backend.synchronize()  # an idle GPU: the plans' streams, the caller's, the variant's
+        caller.synchronize()
+        stream.synchronize()
+        self.e0.record(stream)
         t0 = time.perf_counter()
         fn()
         t1 = time.perf_counter()
-        self.e1.record(self.stream)
+        self.e1.record(stream)
         self.e1.synchronize()
         self.backend.synchronize()
         return cp.cuda.get_elapsed_time(self.e0, self.e1), (t1 - t0) * 1e6
@@ -97,52 +110,118 @@ class CudaClock:
 
 
 # ---- inputs --------------------------------------------------------------------------------
+def _xp(x):
+    if type(x).__module__.split(".")[0] == "cupy":
+        import cupy
+
+        return cupy
+    return np
+
+
+def _f64(x):
+    """x as float64, NumPy or CuPy; bfloat16 (ml_dtypes, or its 16-bit pattern as CuPy holds it)
+    through its bits, since CuPy has no bfloat16 arithmetic."""
+    if x.dtype.itemsize == 2 and x.dtype.kind != "f":
+        bits = x.view(np.uint16)
+        return (bits.astype(np.uint32) << 16).view(np.float32).astype(np.float64)
+    return x.astype(np.float64)
+
+
 class Inputs:
-    """Input sets of local pieces, rotated over runs: A local rows [M/D, K], B [K, N]."""
+    """Input sets, rotated over runs: global A [M, K] and B [K, N], the same on every process.
 
-    def __init__(self, mesh, m, k, n, dtype, sets, seed):
-        self.mesh, self.be = mesh, mesh.backend
-        self.dtype = dtype
-        self.gpu = self.be.name == "cupy"
-        d = mesh.size
-        self.m, self.k, self.n, self.d = m, k, n, d
-        L = len(mesh.local_devices)
-        self.sets = []
-        rng = np.random.default_rng(seed + 1000 * mesh.rank)
-        for s in range(sets):
-            a = [self._rand(rng, (m // d, k)) for _ in range(L)]
-            b = [self._rand(rng, (k, n), shared=seed + s) for _ in range(L)]  # replicated: same on all
-            self.sets.append((a, b))
+    `raw` holds them as the backend keeps values (NumPy; or CuPy, made on the device on the
+    caller's stream, bfloat16 as its uint16 bits); `user` holds the same memory as a user would
+    hand it over: NumPy arrays, torch CUDA tensors when torch imports, else CuPy arrays (bfloat16
+    as an ml_dtypes.bfloat16 view).  Their sf.Arrays are placed from `user` through the public
+    API on first use and reused (the plan alone)."""
 
-    def _rand(self, rng, shape, shared=None):
-        if shared is not None:
-            rng = np.random.default_rng(shared)
+    def __init__(self, mesh, m, k, n, dtype, sets, seed, torch=None):
+        self.mesh, self.dtype, self.torch = mesh, dtype, torch
+        self.gpu = mesh.backend.name == "cupy"
+        self.m, self.k, self.n, self.d = m, k, n, mesh.size
+        self.over = mesh.axis_names[-1]
+        rng = np.random.default_rng(seed)  # global arrays: the same seed on every process
+        self.raw = [(self._rand(rng, (m, k)), self._rand(rng, (k, n))) for _ in range(sets)]
+        self.user = [(self._user(a), self._user(b)) for a, b in self.raw]
+        self._placed = {}
+
+    def _rand(self, rng, shape):
         if not self.gpu:
             return rng.standard_normal(shape).astype(np_dtype(self.dtype))
         import cupy
 
-        # values from the host generator when small, else on the device (on the plan's main stream)
-        with self.be.stream(0):
-            cupy.random.seed(int(rng.integers(2**31)))
-            r = cupy.random.standard_normal(shape, dtype=np.float32)
-            if self.dtype == "bfloat16":
-                return (r.view(np.uint32) >> 16).astype(np.uint16)
-            return r.astype(np_dtype(self.dtype))
+        cupy.random.seed(int(rng.integers(2**31)))
+        r = cupy.random.standard_normal(shape, dtype=np.float32)
+        if self.dtype == "bfloat16":
+            return (r.view(np.uint32) >> 16).astype(np.uint16)
+        return r.astype(self.dtype)
+
+    def _user(self, x):
+        if not self.gpu:
+            return x
+        bf16 = self.dtype == "bfloat16"
+        if self.torch is None:
+            return x.view(np_dtype("bfloat16")) if bf16 else x
+        t = self.torch
+        return t.from_dlpack(x.view(np.int16)).view(t.bfloat16) if bf16 else t.from_dlpack(x)
+
+    def a_seed(self, r, chunks):
+        """Set r's A as the user's [S, D, M/(S*D), K] (the seed's global shape; a view, rows in
+        A's order)."""
+        a = self.user[r % len(self.user)][0]
+        return a.reshape(chunks, self.d, self.m // (chunks * self.d), self.k)
+
+    def b(self, r):
+        return self.user[r % len(self.user)][1]
+
+    def _place(self, key, make):
+        if key not in self._placed:
+            self._placed[key] = make()
+        return self._placed[key]
 
     def a_array(self, r, chunks):
-        """Set r's A as the seed's global [S, D, M/(S*D), K], sharded on axis 1."""
-        m, k, d = self.m, self.k, self.d
-        shards = [x.reshape(chunks, 1, m // (chunks * d), k) for x in self.sets[r % len(self.sets)][0]]
-        lay = Layout.replicated(4).with_axis(1, self.mesh.axis_names[-1])
-        return Array(self.mesh, (chunks, d, m // (chunks * d), k), self.dtype, lay, shards)
+        """Set r's seed A, sharded on axis 1 (placed on the first use, then reused)."""
+        r %= len(self.user)
+        return self._place(("a", r, chunks), lambda: sf.shard(self.a_seed(r, chunks), axis=1, over=self.over,
+                                                              mesh=self.mesh))
 
     def b_array(self, r):
-        return Array(self.mesh, (self.k, self.n), self.dtype, Layout.replicated(2), self.sets[r % len(self.sets)][1])
+        r %= len(self.user)
+        return self._place(("b", r), lambda: sf.replicate(self.b(r), mesh=self.mesh))
 
     def a_full(self, r):
-        """Set r's gathered A [M, K] (single device: the local piece itself)."""
-        return Array(self.mesh, (self.m, self.k), self.dtype, Layout.replicated(2), self.sets[r % len(self.sets)][0]) \
-            if self.d == 1 else None
+        """Set r's whole A [M, K], replicated (the GEMM alone's operand)."""
+        r %= len(self.user)
+        return self._place(("A", r), lambda: sf.replicate(self.user[r][0], mesh=self.mesh))
+
+    def reference(self):
+        """float64 C = A @ B of set 0, [M, N] (on the GPU on the cupy backend)."""
+        a, b = self.raw[0]
+        return _xp(a).matmul(_f64(a), _f64(b))
+
+    def out(self, c):
+        """A replicated result taken out as a user takes it, as a device array and without a copy:
+        torch.from_dlpack where this process holds it whole in one piece (else its first local
+        piece: each is all of it), or to_local() / that piece as the backend's own array."""
+        whole = len(c.addressable_shards) == 1
+        if self.torch is None:
+            return c.to_local() if whole else _whole(c)
+        t = self.torch
+        if whole:
+            return t.from_dlpack(c)
+        piece = _whole(c)
+        if piece.dtype == np.uint16:  # bfloat16 bits (CuPy has no bfloat16)
+            return t.from_dlpack(piece.view(np.int16)).view(t.bfloat16)
+        return t.from_dlpack(piece)
+
+    def as_raw(self, x):
+        """A user-side result as NumPy or CuPy, for the check."""
+        if self.torch is None:
+            return x
+        import cupy
+
+        return cupy.from_dlpack(x.view(self.torch.int16) if x.dtype == self.torch.bfloat16 else x)
 
 
 def _nbytes(shape, dtype):
@@ -158,49 +237,30 @@ def _plan_bytes(exe):
     return total
 
 
-def _reference(inputs, r):
-    """float64 C = A_gathered @ B on the host, or None when the global A is not local."""
-    if inputs.d != 1:
+def _whole(c):
+    """A replicated result's value as this process holds it (any local piece is all of it)."""
+    return c.addressable_shards[0].data
+
+
+def _rel_err(got, ref):
+    """Relative Frobenius error of a result (any shape holding M*N values in A's row order)."""
+    if got is None or ref is None:
         return None
-    a, b = inputs.sets[r % len(inputs.sets)]
-    if inputs.gpu:
-        import cupy
-
-        with inputs.be.stream(0):
-            af, bf = _f64(a[0], inputs.dtype), _f64(b[0], inputs.dtype)
-            return cupy.matmul(af, bf)
-    return a[0].astype(np.float64) @ b[0].astype(np.float64)
-
-
-def _f64(x, dtype):
-    import cupy
-
-    if dtype == "bfloat16":
-        return (x.astype(np.uint32) << 16).view(np.float32).astype(np.float64)
-    return x.astype(np.float64)
-
-
-def _rel_err(inputs, got_shards, ref):
-    if ref is None:
-        return None
-    g = got_shards[0]
-    if inputs.gpu:
-        import cupy
-
-        with inputs.be.stream(0):
-            g = _f64(cupy.ascontiguousarray(g).reshape(ref.shape), inputs.dtype)
-            return float(cupy.linalg.norm(g - ref) / cupy.linalg.norm(ref))
-    g = np.asarray(g, dtype=np.float64).reshape(ref.shape)
-    return float(np.linalg.norm(g - ref) / np.linalg.norm(ref))
+    xp = _xp(ref)
+    g = _f64(xp.asarray(got)).reshape(ref.shape)
+    return float(xp.linalg.norm(g - ref) / xp.linalg.norm(ref))
 
 
 # ---- the benchmark -----------------------------------------------------------------------------
 class Variant:
-    """One thing to time: fn() runs it; before(r) prepares run r (outside the timed region)."""
+    """One thing to time: fn() runs it; before(r) prepares run r (outside the timed region);
+    check() runs it on input set 0 and returns the result (A's row order), or is None."""
 
     def __init__(self, name, fn, before=None, s=None, streams=None, check=None, kind="plan", flops=True):
         self.name, self.fn, self.before, self.s, self.streams = name, fn, before, s, streams
         self.check, self.kind, self.flops = check, kind, flops
+        self.stream = None  # the stream the clock's events go on (None: the caller's)
+        self.plan_alone = None  # user path: the variant timing the same plan alone
         self.gpu, self.host = [], []
 
 
@@ -211,13 +271,13 @@ def run_interleaved(clock, variants, warmup, repeat, mpi=None):
         for v in variants:
             if mpi is not None:
                 mpi.Barrier()
-            g, h = clock.time(v.fn, (lambda v=v, rep=rep: v.before(rep)) if v.before else None)
+            g, h = clock.time(v.fn, (lambda v=v, rep=rep: v.before(rep)) if v.before else None, v.stream)
             if rep >= warmup:
                 v.gpu.append(g)
                 v.host.append(h)
 
 
-def bench_dtype(args, mesh, dtype, log):
+def bench_dtype(args, mesh, dtype, log, torch_stream=None):
     be = mesh.backend
     gpu = be.name == "cupy"
     clock = CudaClock(be) if gpu else HostClock(be)
@@ -228,19 +288,22 @@ def bench_dtype(args, mesh, dtype, log):
         mpi = MPI.COMM_WORLD
     M, K, N, D = args.m, args.k, args.n, mesh.size
     flops = 2.0 * M * N * K
-    inputs = Inputs(mesh, M, K, N, dtype, args.sets, args.seed)
-    ref = _reference(inputs, 0)
-    variants, keep = [], []
-    a_bytes, b_bytes = _nbytes((M // D, K), dtype), _nbytes((K, N), dtype)
+    torch = None
+    if torch_stream is not None:
+        import torch
+    inputs = Inputs(mesh, M, K, N, dtype, args.sets, args.seed, torch)
+    ref = inputs.reference()
+    variants = []
+    a_bytes = _nbytes((M // D, K), dtype)
     ga_bytes = _nbytes((M, K), dtype)
 
-    def plan_variant(name, exe, chunks, s=None, streams=None, a_fn=None):
-        """A plan called on input set r; check() runs it on set 0 and returns the result's shards."""
+    def plan_variant(name, plan, chunks, s=None, streams=None, a_fn=None, kind="plan"):
+        """A plan called on input set r's sf.Arrays."""
         st = {"r": 0}
         a_fn = a_fn or (lambda r: inputs.a_array(r, chunks))
 
         def fn():
-            st["c"] = exe(a_fn(st["r"]), inputs.b_array(st["r"]))
+            st["c"] = plan(a_fn(st["r"]), inputs.b_array(st["r"]))
 
         def before(r):
             st["r"] = r
@@ -248,128 +311,80 @@ def bench_dtype(args, mesh, dtype, log):
         def check():
             st["r"] = 0
             fn()
-            return st["c"].shards
-        v = Variant(name, fn, before, s, streams, check)
-        v.exe, v.state = exe, st
+            return _whole(st["c"])
+        v = Variant(name, fn, before, s, streams, check, kind=kind)
+        v.exe, v.state = plan.executable, st
+        return v
+
+    def user_variant(name, f, alone):
+        """The jitted function f called as a user calls it, on the user's arrays of set r (with
+        torch: on torch's current stream, passed as stream=)."""
+        st = {"r": 0}
+        s = alone.s
+        kw = {} if torch_stream is None else {"stream": torch_stream}
+
+        def fn():
+            r = st["r"]
+            c = f(sf.shard(inputs.a_seed(r, s), axis=1, over=inputs.over, mesh=mesh), inputs.b(r), **kw)
+            st["c"] = inputs.out(c)
+
+        def before(r):
+            st["r"] = r
+
+        def check():
+            st["r"] = 0
+            fn()
+            return inputs.as_raw(st["c"])
+        v = Variant(name, fn, before, s, alone.streams, check, kind="user")
+        v.exe, v.state, v.plan_alone = alone.exe, st, alone
         return v
 
     # the Allgather alone
     @sf.jit(mesh=mesh)
     def allgather(a):
-        return sf.replicate(sf.shard(a, axis=1, over=mesh.axis_names[-1]))
+        return sf.replicate(sf.shard(a, axis=1, over=inputs.over))
 
-    ag_exe = allgather.lower(inputs.a_array(0, 1).spec).executable
-    v_ag = Variant("allgather alone", lambda: ag_exe(inputs.a_array(0, 1)), kind="allgather", flops=False)
+    ag_plan = allgather.lower(inputs.a_array(0, 1).spec)
+    v_ag = Variant("allgather alone", lambda: ag_plan(inputs.a_array(0, 1)), kind="allgather", flops=False)
     variants.append(v_ag)
 
-    # the GEMM alone (plan-issued, gathered shape); single device: A's local piece is the gathered A
+    # the GEMM alone (plan-issued): the whole A [M, K], replicated, times B on every device
     @sf.jit(mesh=mesh)
     def gemm(a, b):
         return a @ b
 
-    if D == 1:
-        g_exe = gemm.lower(inputs.a_full(0).spec, inputs.b_array(0).spec).executable
-        v_gemm = plan_variant("gemm alone (plan)", g_exe, 1, a_fn=inputs.a_full)
-    else:  # a local GEMM of the gathered shape on replicated inputs
-        rng = np.random.default_rng(args.seed)
-        ga = rng.standard_normal((M, K)).astype(np_dtype(dtype))
-        arr = sf.Array(mesh, (M, K), dtype, Layout.replicated(2), be.to_device([ga] * len(mesh.local_devices)))
-        g_exe = gemm.lower(arr.spec, inputs.b_array(0).spec).executable
-        v_gemm = plan_variant("gemm alone (plan)", g_exe, 1, a_fn=lambda r: arr)
-        v_gemm.check = None
-    v_gemm.kind = "gemm"
+    g_plan = gemm.lower(inputs.a_full(0).spec, inputs.b_array(0).spec)
+    v_gemm = plan_variant("gemm alone (plan)", g_plan, 1, a_fn=inputs.a_full, kind="gemm")
     variants.append(v_gemm)
 
     # unpipelined: Allgather, then one GEMM
     _, unpipelined = seed_functions(mesh, max(args.streams))
-    u_exe = unpipelined.lower(inputs.a_array(0, 1).spec, inputs.b_array(0).spec).executable
-    variants.append(plan_variant("unpipelined", u_exe, 1, s=1))
+    u_plan = unpipelined.lower(inputs.a_array(0, 1).spec, inputs.b_array(0).spec)
+    variants.append(plan_variant("unpipelined", u_plan, 1, s=1))
 
     # bare library calls (cupy, one device): one cupy.matmul, and the S chunk GEMMs
-    why = None
     if gpu and D == 1:
-        import cupy
+        variants += bare_variants(args, be, inputs, log)
 
-        from shardfuse.executor import Ref
-
-        c0 = cupy.empty((M, N), inputs.sets[0][0][0].dtype)
-        keep.append(c0)
-        main = be.stream(0)
-        sets = inputs.sets
-        # bfloat16 is stored as uint16: CuPy sees it through an ml_dtypes.bfloat16 view
-        as_cp = (lambda x: x.view(np_dtype("bfloat16"))) if dtype == "bfloat16" else (lambda x: x)
-        try:
-            with main:
-                cupy.matmul(as_cp(sets[0][0][0][:8]), as_cp(sets[0][1][0]), out=as_cp(c0[:8]))
-        except Exception as e:
-            why = f"{type(e).__name__}: {e}"
-        for s in sorted(set(args.chunks)):
-            rows_s = M // s
-            st = {"r": 0}
-            if why is None:
-                def chunks_cupy(s=s, rows_s=rows_s, st=st):
-                    a, b = as_cp(sets[st["r"] % len(sets)][0][0]), as_cp(sets[st["r"] % len(sets)][1][0])
-                    c = as_cp(c0)
-                    with main:
-                        for i in range(s):
-                            cupy.matmul(a[i * rows_s:(i + 1) * rows_s], b, out=c[i * rows_s:(i + 1) * rows_s])
-                variants.append(Variant("bare cupy.matmul chunks" if s > 1 else "bare cupy.matmul (one)",
-                                        chunks_cupy, lambda r, st=st: st.update(r=r), s=s, kind="bare_cupy"))
-            steps = []  # the backend's own cuBLAS call, no plan: S GEMMs on main
-            for i in range(s):
-                ra = Ref(0, (i * rows_s * K,), (rows_s, K), (K, 1), dtype)
-                rb = Ref(1, (0,), (K, N), (N, 1), dtype)
-                rc = Ref(2, (i * rows_s * N,), (rows_s, N), (N, 1), dtype)
-                steps.append(be.bind_matmul(ra, rb, rc, "main"))
-
-            def chunks_cublas(steps=steps, st=st):
-                a, b = sets[st["r"] % len(sets)]
-                bufs = [a, b, [c0]]
-                for step in steps:
-                    step(bufs)
-            variants.append(Variant("bare cuBLAS chunks" if s > 1 else "bare cuBLAS (one)", chunks_cublas,
-                                    lambda r, st=st: st.update(r=r), s=s, kind="bare_cublas"))
-
-    # pipelined, for every S and stream count; eager, and graph replay
-    graphs = []
+    # pipelined, for every S and stream count; eager, and graph replay; each with its user path
     for nstreams in args.streams:
         pipelined, _ = seed_functions(mesh, nstreams)
+        graphed = sf.jit(mesh=mesh, streams=nstreams, graph=True)(pipelined.fn) if args.graph and gpu else None
         for s in args.chunks:
             if M % (s * D):
                 log(f"  skip S={s}: M={M} not divisible by S*D={s * D}")
                 continue
-            exe = pipelined.lower(inputs.a_array(0, s).spec, inputs.b_array(0).spec).executable
-            v = plan_variant("pipelined (eager)", exe, s, s=s, streams=nstreams)
-            v.kind = "pipelined"
-            variants.append(v)
-            if args.graph and gpu and len(mesh.local_devices) == 1:
-                gjit = sf.jit(mesh=mesh, streams=nstreams, graph=True)(pipelined.fn)
-                gexe = gjit.lower(inputs.a_array(0, s).spec, inputs.b_array(0).spec).executable
-                static = gexe.graph.inputs  # the plan's own input buffers: fill them, call on them
-                a_st = Array(mesh, inputs.a_array(0, s).shape, dtype, inputs.a_array(0, s).sharding, [static[0][0]])
-                b_st = Array(mesh, (K, N), dtype, Layout.replicated(2), [static[1][0]])
-                st = {}
-
-                def fill(r, static=static):
-                    a, b = inputs.sets[r % len(inputs.sets)]
-                    with be.stream(0):
-                        static[0][0][...] = a[0].reshape(static[0][0].shape)
-                        static[1][0][...] = b[0]
-
-                def g_call(gexe=gexe, a_st=a_st, b_st=b_st, st=st):
-                    st["c"] = gexe(a_st, b_st)
-
-                def g_check(fill=fill, g_call=g_call, st=st):
-                    fill(0)
-                    g_call()
-                    return st["c"].shards
-                vg = Variant("pipelined (graph)", g_call, fill, s, nstreams, g_check, kind="pipelined_graph")
-                vg.exe, vg.state = gexe, st
-                variants.append(vg)
-                vc = plan_variant("pipelined (graph, copy-in)", gexe, s, s=s, streams=nstreams)
-                vc.kind, vc.check = "pipelined_graph_copy", None
-                variants.append(vc)
-                graphs.append(vg)
+            spec = (inputs.a_array(0, s).spec, inputs.b_array(0).spec)
+            v = plan_variant("pipelined (eager)", pipelined.lower(*spec), s, s=s, streams=nstreams, kind="pipelined")
+            variants += [v, user_variant("user path (eager)", pipelined, v)]
+            if graphed is not None:
+                try:  # binding captures the graph
+                    vg = plan_variant("pipelined (graph)", graphed.lower(*spec), s, s=s, streams=nstreams,
+                                      kind="pipelined_graph")
+                except NotImplementedError as e:
+                    log(f"  skip graph S={s}: {e}")
+                    continue
+                variants += [vg, user_variant("user path (graph)", graphed, vg)]
 
     log(f"  timing {len(variants)} variants, interleaved: {args.warmup} warm-up + {args.repeat} rounds")
     run_interleaved(clock, variants, args.warmup, args.repeat, mpi)
@@ -395,7 +410,7 @@ def bench_dtype(args, mesh, dtype, log):
     rows = []
     for v in variants:
         ms, host = med[id(v)], float(np.median(v.host))
-        err = _rel_err(inputs, v.check(), ref) if v.check else None
+        err = _rel_err(v.check(), ref) if v.check else None
         r = {"name": v.name, "dtype": dtype, "S": v.s, "streams": v.streams, "ms": ms,
              "ms_min": float(np.min(v.gpu)), "ms_max": float(np.max(v.gpu)),
              "tflops": flops / (ms * 1e-3) / 1e12 if v.flops else None, "host_us": host, "host_frac": host * 1e-3 / ms,
@@ -404,27 +419,28 @@ def bench_dtype(args, mesh, dtype, log):
             r["host_frac_steady"] = steady[id(v)] * 1e-3 / ms
         if v.kind == "allgather":
             r["gb_s"] = (ga_bytes + a_bytes) / (ms * 1e-3) / 1e9  # bytes written + read
-        if v.kind.startswith("pipelined"):
+        if v.kind.startswith("pipelined") or v.kind == "user":
             r["overlap_eff"] = max(t_ag, t_gemm) / ms
             for key in ("bare_cupy", "bare_cublas"):
                 if (key, v.s) in bare:
                     r[f"vs_{key}_chunks"] = ms / bare[(key, v.s)]
                 if (key, 1) in bare:
                     r[f"vs_{key}_one"] = ms / bare[(key, 1)]
+        if v.plan_alone is not None:
+            r["vs_plan_alone"] = ms / med[id(v.plan_alone)]
         if v.kind == "plan" and v.name == "unpipelined":
             for key in ("bare_cupy", "bare_cublas"):
                 if (key, 1) in bare:
                     r[f"vs_{key}_one"] = ms / bare[(key, 1)]
         rows.append(r)
         log(f"  {v.name:<28} S={str(v.s):>3} streams={str(v.streams):>4} {ms:9.3f} ms  host {host:8.1f} us"
-            + (f"  err {err:.2e}" if err is not None else ""))
-    if why:
-        log(f"  (bare cupy.matmul skipped: {why})")
+            + (f"  err {err:.2e}" if err is not None else "")
+            + (f"  x{r['vs_plan_alone']:.3f} vs plan alone" if "vs_plan_alone" in r else ""))
 
-    # memory: growth over many calls (every pipelined plan), and each plan's footprint
+    # memory: growth over many calls (every plan and user path), and each plan's footprint
     mem = []
     for v in variants:
-        if v.kind in ("pipelined", "pipelined_graph", "plan") and v.check is not None:
+        if v.kind in ("pipelined", "pipelined_graph", "plan", "user"):
             rec = growth(args, be, clock, v)
             if rec:
                 rec.update(name=v.name, dtype=dtype, S=v.s, streams=v.streams)
@@ -439,6 +455,56 @@ def bench_dtype(args, mesh, dtype, log):
             if M % (s * D) == 0:
                 mem.append(footprint(args, mesh, dtype, inputs, s, max(args.streams)))
     return rows, mem
+
+
+def bare_variants(args, be, inputs, log):
+    """One device, cupy backend: one cupy.matmul, and the S chunk GEMMs as cupy.matmul calls on
+    the caller's stream and as the backend's own cuBLAS call (bind_matmul, no plan around it: a
+    baseline, so it reaches into the backend) on the backend's main stream."""
+    import cupy
+
+    from shardfuse.executor import Ref
+
+    M, K, N, dtype = args.m, args.k, args.n, inputs.dtype
+    sets = inputs.raw
+    c0 = cupy.empty((M, N), sets[0][0].dtype)
+    # bfloat16 is held as uint16: CuPy's matmul reads it through an ml_dtypes.bfloat16 view
+    as_cp = (lambda x: x.view(np_dtype("bfloat16"))) if dtype == "bfloat16" else (lambda x: x)
+    out = []
+    try:
+        cupy.matmul(as_cp(sets[0][0][:8]), as_cp(sets[0][1]), out=as_cp(c0[:8]))
+        cupy_ok = True
+    except Exception as e:  # an old CuPy without bfloat16 matmul: say so, time the rest
+        log(f"  (bare cupy.matmul skipped: {type(e).__name__}: {e})")
+        cupy_ok = False
+    for s in sorted(set(args.chunks)):
+        rows_s = M // s
+        st = {"r": 0}
+        if cupy_ok:
+            def chunks_cupy(s=s, rows_s=rows_s, st=st):
+                a, b = (as_cp(x) for x in sets[st["r"] % len(sets)])
+                c = as_cp(c0)
+                for i in range(s):
+                    cupy.matmul(a[i * rows_s:(i + 1) * rows_s], b, out=c[i * rows_s:(i + 1) * rows_s])
+            out.append(Variant("bare cupy.matmul chunks" if s > 1 else "bare cupy.matmul (one)", chunks_cupy,
+                               lambda r, st=st: st.update(r=r), s=s, kind="bare_cupy"))
+        steps = []  # the backend's own cuBLAS call, no plan: S GEMMs on its main stream
+        for i in range(s):
+            ra = Ref(0, (i * rows_s * K,), (rows_s, K), (K, 1), dtype)
+            rb = Ref(1, (0,), (K, N), (N, 1), dtype)
+            rc = Ref(2, (i * rows_s * N,), (rows_s, N), (N, 1), dtype)
+            steps.append(be.bind_matmul(ra, rb, rc, "main"))
+
+        def chunks_cublas(steps=steps, st=st):
+            a, b = sets[st["r"] % len(sets)]
+            bufs = [[a], [b], [c0]]
+            for step in steps:
+                step(bufs)
+        v = Variant("bare cuBLAS chunks" if s > 1 else "bare cuBLAS (one)", chunks_cublas,
+                    lambda r, st=st: st.update(r=r), s=s, kind="bare_cublas")
+        v.stream = be.stream(0)
+        out.append(v)
+    return out
 
 
 def bench_gemm_rs(args, mesh, dtype, log):
@@ -468,30 +534,30 @@ def bench_gemm_rs(args, mesh, dtype, log):
         f.__name__ = f"gemm_rs_S{chunks}" if chunks else "gemm_then_rs"
         return sf.jit(f, mesh=mesh, streams=max(args.streams))
 
-    def variant(name, exe, args_of, s=None, kind="plan", flops=True):
+    def variant(name, plan, args_of, s=None, kind="plan", flops=True):
         st = {"r": 0}
-        v = Variant(name, lambda: st.__setitem__("c", exe(*args_of(st["r"] % len(sets)))),
+        v = Variant(name, lambda: st.__setitem__("c", plan(*args_of(st["r"] % len(sets)))),
                     lambda r: st.__setitem__("r", r), s, max(args.streams) if s else None, kind=kind, flops=flops)
         v.state = st
         return v
 
     variants = []
-    local = sf.jit(lambda x, w: x @ w, mesh=mesh)  # the local GEMM: [M, K/D] @ [K/D, N] on every device
-    xl = [sf.Array(mesh, (M, K // D), dtype, Layout.replicated(2), s[0].shards) for s in sets]
-    wl = [sf.Array(mesh, (K // D, N), dtype, Layout.replicated(2), s[1].shards) for s in sets]
-    g_exe = local.lower(xl[0].spec, wl[0].spec).executable
-    variants.append(variant("gemm alone (local)", g_exe, lambda r: (xl[r], wl[r]), kind="gemm"))
+    # the local GEMM, [M, K/D] @ [K/D, N] on every device: device 0's blocks, replicated
+    local = sf.jit(lambda x, w: x @ w, mesh=mesh)
+    xl = [sf.replicate(np.ascontiguousarray(s[2][:, :K // D]), mesh=mesh) for s in sets]
+    wl = [sf.replicate(s[3][:K // D], mesh=mesh) for s in sets]
+    g_plan = local.lower(xl[0].spec, wl[0].spec)
+    variants.append(variant("gemm alone (local)", g_plan, lambda r: (xl[r], wl[r]), kind="gemm"))
     partial = sf.jit(lambda c: sf.shard(sf.shard(c, axis=1, over=tp).sum(1), axis=0, over=tp), mesh=mesh)
-    cl = [sf.Array(mesh, (M, D, N), dtype, Layout((None, tp, None)),
-                   be.to_device([rng.standard_normal((M, 1, N), dtype=np.float32).astype(dt)
-                                 for _ in mesh.local_devices])) for _ in sets]
-    rs_exe = partial.lower(cl[0].spec).executable
-    variants.append(variant("reduce-scatter alone", rs_exe, lambda r: (cl[r],), kind="rs", flops=False))
+    cl = [sf.shard(rng.standard_normal((M, D, N), dtype=np.float32).astype(dt), axis=1, over=tp, mesh=mesh)
+          for _ in sets]
+    rs_plan = partial.lower(cl[0].spec)
+    variants.append(variant("reduce-scatter alone", rs_plan, lambda r: (cl[r],), kind="rs", flops=False))
     plans = {None: row_parallel(None)}
     plans.update({s: row_parallel(s) for s in args.chunks if M % (s * D) == 0})
     for s, f in plans.items():
-        exe = f.lower(sets[0][0].spec, sets[0][1].spec).executable
-        variants.append(variant("gemm then reduce-scatter" if s is None else "gemm+rs pipelined", exe,
+        plan = f.lower(sets[0][0].spec, sets[0][1].spec)
+        variants.append(variant("gemm then reduce-scatter" if s is None else "gemm+rs pipelined", plan,
                                 lambda r: sets[r][:2], s=s or 1, kind="plan" if s is None else "pipelined"))
     run_interleaved(clock, variants, args.warmup, args.repeat)
     med = {id(v): float(np.median(v.gpu)) for v in variants}
@@ -529,11 +595,8 @@ def growth(args, be, clock, v):
     be.synchronize()
     m0 = clock.memory()
     for r in range(args.growth_calls):
-        if v.kind == "pipelined_graph":
-            v.fn()  # the plan's own inputs (refilling them each call would time the fill)
-        else:
-            v.before(r)
-            v.fn()
+        v.before(r)
+        v.fn()
     be.synchronize()
     m1 = clock.memory()
     if m0 is None:
@@ -543,9 +606,10 @@ def growth(args, be, clock, v):
 
 def footprint(args, mesh, dtype, inputs, s, nstreams):
     """Peak device bytes of a fresh pipelined plan over 3 calls (the caller drops each output
-    before the next call), against inputs + outputs + one gathered A + its cuBLAS workspaces.
-    Live bytes come from a CuPy memory hook (pool mallocs minus frees); library allocations
-    outside CuPy's pool show in the device delta."""
+    before the next call), against inputs + outputs + one gathered A + its cuBLAS workspaces,
+    per local device (virtual devices on one GPU add up).  Live bytes come from a CuPy memory
+    hook (pool mallocs minus frees); library allocations outside CuPy's pool show in the device
+    delta."""
     import cupy
 
     be = mesh.backend
@@ -564,24 +628,25 @@ def footprint(args, mesh, dtype, inputs, s, nstreams):
             self.live -= kw["mem_size"]
 
     pipelined, _ = seed_functions(mesh, nstreams)
+    placed = [(inputs.a_array(r, s), inputs.b_array(r)) for r in range(3)]  # inputs exist before the hook
     be.synchronize()
     ws0, h0 = be.workspace_bytes, len(be._handles)
     free0, total = cupy.cuda.runtime.memGetInfo()
     hook = Live()
     with hook:
         exe = pipelined.lower(inputs.a_array(0, s).spec, inputs.b_array(0).spec).executable
-        for r in range(3):
-            c = exe(inputs.a_array(r, s), inputs.b_array(r))
+        for a, b in placed:
+            c = exe(a, b)
             be.synchronize()
             del c
     free1, _ = cupy.cuda.runtime.memGetInfo()
     M, K, N = args.m, args.k, args.n
-    D = mesh.size
-    in_b = _nbytes((M // D, K), dtype) + _nbytes((K, N), dtype)
-    out_b = _nbytes((M, N), dtype)
-    ga = _nbytes((M, K), dtype)
+    D, L = mesh.size, len(mesh.local_devices)
+    in_b = L * (_nbytes((M // D, K), dtype) + _nbytes((K, N), dtype))
+    out_b = L * _nbytes((M, N), dtype)
+    ga = L * _nbytes((M, K), dtype)
     per_handle = be.workspace_bytes // max(1, len(be._handles))
-    ws_used = per_handle * min(1 + nstreams, 1 + s)  # main + the worker streams this plan uses
+    ws_used = L * per_handle * min(1 + nstreams, 1 + s)  # main + the worker streams this plan uses
     rec = {"name": "footprint (eager)", "dtype": dtype, "S": s, "streams": nstreams,
            "plan_peak_live_bytes": hook.peak, "plan_persistent_bytes": _plan_bytes(exe),
            "new_workspace_bytes": be.workspace_bytes - ws0, "device_delta_bytes": free0 - free1,
@@ -593,6 +658,28 @@ def footprint(args, mesh, dtype, inputs, s, nstreams):
     return rec
 
 
+def caller_streams(mesh):
+    """The caller's stream for the whole run: on the cupy backend a non-blocking CuPy stream
+    (a context that makes it current) and, when torch imports, the same stream as torch's
+    current stream (returned: the user path passes it as stream=); elsewhere nothing."""
+    import contextlib
+
+    if mesh.backend.name != "cupy":
+        return contextlib.nullcontext(), None
+    import cupy
+
+    caller = cupy.cuda.Stream(non_blocking=True)
+    try:
+        import torch
+    except ImportError:
+        return caller, None
+    dev = torch.device("cuda", cupy.cuda.Device().id)
+    torch.cuda.set_device(dev)
+    ts = torch.cuda.ExternalStream(caller.ptr, device=dev)
+    torch.cuda.set_stream(ts)
+    return caller, ts
+
+
 def environment(mesh):
     env = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
            "python": platform.python_version(), "numpy": np.__version__, "backend": mesh.backend.name,
@@ -601,7 +688,7 @@ def environment(mesh):
         import cupy
 
         rt = cupy.cuda.runtime
-        props = rt.getDeviceProperties(mesh.backend.ordinals[0])
+        props = rt.getDeviceProperties(cupy.cuda.Device().id)
         env.update(gpu=props["name"].decode() if isinstance(props["name"], bytes) else props["name"],
                    cupy=cupy.__version__, cuda_runtime=rt.runtimeGetVersion(), driver=rt.driverGetVersion())
         try:
@@ -624,7 +711,7 @@ def table(rows):
         return fmt % x if x is not None else ""
 
     head = (f"{'plan':<27} {'dtype':<8} {'S':>3} {'str':>3} {'ms':>8} {'TFLOP/s':>7} {'host us':>8} {'host%':>6} {'steady':>7} {'st%':>5} "
-            f"{'overlap':>7} {'/cupy S':>7} {'/cuBLAS S':>9} {'/cupy 1':>7} {'rel err':>8}")
+            f"{'overlap':>7} {'/cupy S':>7} {'/cuBLAS S':>9} {'/cupy 1':>7} {'/plan':>6} {'rel err':>8}")
     out = [head, "-" * len(head)]
     for r in rows:
         out.append(f"{r['name']:<27} {r['dtype']:<8} {f(r['S'], '%d'):>3} {f(r['streams'], '%d'):>3} "
@@ -632,7 +719,7 @@ def table(rows):
                    f"{f(r.get('host_us_steady'), '%.1f'):>7} {f(100 * r['host_frac_steady'] if r.get('host_frac_steady') else None, '%.1f'):>5} "
                    f"{f(r.get('overlap_eff'), '%.3f'):>7} {f(r.get('vs_bare_cupy_chunks'), '%.3f'):>7} "
                    f"{f(r.get('vs_bare_cublas_chunks'), '%.3f'):>9} {f(r.get('vs_bare_cupy_one'), '%.3f'):>7} "
-                   f"{f(r.get('rel_err'), '%.1e'):>8}")
+                   f"{f(r.get('vs_plan_alone'), '%.3f'):>6} {f(r.get('rel_err'), '%.1e'):>8}")
     return "\n".join(out)
 
 
@@ -674,11 +761,15 @@ def main(argv=None):
     p.add_argument("--pattern", choices=["ag", "rs", "both"], default="ag",
                    help="ag: AllGather+GEMM (the seed); rs: GEMM+ReduceScatter (the row-parallel linear)")
     args = p.parse_args(argv)
-    if args.seed is None:
-        args.seed = int(time.time_ns() % 2**31)
 
     d = args.devices or default_devices(args.backend)
     mesh = sf.DeviceMesh(d, backend=args.backend)
+    if args.seed is None:
+        args.seed = int(time.time_ns() % 2**31)
+    if mesh.nprocs > 1:  # the inputs are global arrays: the same on every process
+        from mpi4py import MPI
+
+        args.seed = MPI.COMM_WORLD.bcast(args.seed)
     lead = mesh.rank == 0
     quiet = args.json or not lead
 
@@ -687,18 +778,21 @@ def main(argv=None):
             print(msg, flush=True)
 
     env = environment(mesh)
+    caller, torch_stream = caller_streams(mesh)
+    env["user_arrays"] = "numpy" if mesh.backend.name != "cupy" else "torch" if torch_stream is not None else "cupy"
     log(f"shardfuse bench: {mesh}, M={args.m} K={args.k} N={args.n}, S={args.chunks}, streams={args.streams}")
     log(f"  {env}")
     rows, mem = [], []
-    for dtype in args.dtype.split(","):
-        if args.pattern in ("ag", "both"):
-            log(f"-- {dtype}: AllGather+GEMM")
-            r, m = bench_dtype(args, mesh, dtype, log)
-            rows += r
-            mem += m
-        if args.pattern in ("rs", "both"):
-            log(f"-- {dtype}: GEMM+ReduceScatter")
-            rows += bench_gemm_rs(args, mesh, dtype, log)
+    with caller:
+        for dtype in args.dtype.split(","):
+            if args.pattern in ("ag", "both"):
+                log(f"-- {dtype}: AllGather+GEMM")
+                r, m = bench_dtype(args, mesh, dtype, log, torch_stream)
+                rows += r
+                mem += m
+            if args.pattern in ("rs", "both"):
+                log(f"-- {dtype}: GEMM+ReduceScatter")
+                rows += bench_gemm_rs(args, mesh, dtype, log)
     if not lead:
         return 0
     if args.json:
