@@ -606,8 +606,8 @@ def growth(args, be, clock, v):
 
 def footprint(args, mesh, dtype, inputs, s, nstreams):
     """Peak device bytes of a fresh pipelined plan over 3 calls (the caller drops each output
-    before the next call), against inputs + outputs + one gathered A + its cuBLAS workspaces,
-    per local device (virtual devices on one GPU add up).  Live bytes come from a CuPy memory
+    before the next call), against inputs + outputs + one gathered A per local device (virtual
+    devices on one GPU add up) + its cuBLAS workspaces (one per GPU and stream).  Live bytes come from a CuPy memory
     hook (pool mallocs minus frees); library allocations outside CuPy's pool show in the device
     delta."""
     import cupy
@@ -645,8 +645,9 @@ def footprint(args, mesh, dtype, inputs, s, nstreams):
     in_b = L * (_nbytes((M // D, K), dtype) + _nbytes((K, N), dtype))
     out_b = L * _nbytes((M, N), dtype)
     ga = L * _nbytes((M, K), dtype)
+    gpus = len({sh.data.device.id for sh in placed[0][0].addressable_shards})  # virtual devices share a GPU's
     per_handle = be.workspace_bytes // max(1, len(be._handles))
-    ws_used = L * per_handle * min(1 + nstreams, 1 + s)  # main + the worker streams this plan uses
+    ws_used = gpus * per_handle * min(1 + nstreams, 1 + s)  # per GPU: main + the worker streams this plan uses
     rec = {"name": "footprint (eager)", "dtype": dtype, "S": s, "streams": nstreams,
            "plan_peak_live_bytes": hook.peak, "plan_persistent_bytes": _plan_bytes(exe),
            "new_workspace_bytes": be.workspace_bytes - ws0, "device_delta_bytes": free0 - free1,
