@@ -141,6 +141,7 @@ class Inputs:
         self.gpu = mesh.backend.name == "cupy"
         self.m, self.k, self.n, self.d = m, k, n, mesh.size
         self.over = mesh.axis_names[-1]
+        self.one_piece = len(mesh.local_devices) == 1  # a replicated result is then this process' one piece
         rng = np.random.default_rng(seed)  # global arrays: the same seed on every process
         self.raw = [(self._rand(rng, (m, k)), self._rand(rng, (k, n))) for _ in range(sets)]
         self.user = [(self._user(a), self._user(b)) for a, b in self.raw]
@@ -204,11 +205,10 @@ class Inputs:
         """A replicated result taken out as a user takes it, as a device array and without a copy:
         torch.from_dlpack where this process holds it whole in one piece (else its first local
         piece: each is all of it), or to_local() / that piece as the backend's own array."""
-        whole = len(c.addressable_shards) == 1
         if self.torch is None:
-            return c.to_local() if whole else _whole(c)
+            return c.to_local() if self.one_piece else _whole(c)
         t = self.torch
-        if whole:
+        if self.one_piece:
             return t.from_dlpack(c)
         piece = _whole(c)
         if piece.dtype == np.uint16:  # bfloat16 bits (CuPy has no bfloat16)
