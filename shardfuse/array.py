@@ -125,17 +125,23 @@ class Array:
         return out
 
     def to_local(self):
-        """This process' one piece (DTensor's to_local), a backend-native array, no copy."""
+        """This process' one piece (DTensor's to_local), a backend-native array, no copy.  Where
+        the process holds several devices' pieces, only a value they all hold whole has one."""
         shards = self.addressable_shards
-        if len(shards) != 1:
-            raise ValueError(f"to_local(): this process holds {len(shards)} pieces of {self!r} "
-                             f"(devices {[s.device for s in shards]}); use addressable_shards")
-        return shards[0].data
+        if len(shards) == 1:
+            return shards[0].data
+        if shards and self._held_whole(shards):
+            return shards[0].data  # replicas: any one is the value
+        raise ValueError(f"to_local(): this process holds {len(shards)} different pieces of {self!r} "
+                         f"(devices {[s.device for s in shards]}); use addressable_shards")
+
+    def _held_whole(self, shards) -> bool:
+        return not self.sharding.partial and all(tuple(s.data.shape) == self.shape for s in shards)
 
     def _whole_piece(self, what):
-        """The local piece when it is the whole value (replicated, or a mesh of one device)."""
+        """A local piece that is the whole value (replicated, or a mesh of one device)."""
         shards = self.addressable_shards
-        if len(shards) == 1 and tuple(shards[0].data.shape) == self.shape and not self.sharding.partial:
+        if shards and self._held_whole(shards):
             return shards[0].data
         raise ValueError(f"{what}: {self!r} is not held whole by this process (it holds {len(shards)} "
                          "piece(s) of it); export .to_local() for the piece, or .full_array() for the whole value")

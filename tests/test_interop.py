@@ -63,8 +63,9 @@ def test_addressable_shards_and_to_local():
     assert [s.device for s in shards] == [0, 1, 2, 3]
     for s in shards:
         np.testing.assert_array_equal(s.data, x[s.index])
-    with pytest.raises(ValueError, match=r"holds 4 pieces .*addressable_shards"):
+    with pytest.raises(ValueError, match=r"holds 4 different pieces .*addressable_shards"):
         arr.to_local()
+    np.testing.assert_array_equal(arr.full_array().to_local(), x)  # replicas: any one is the value
     one = sf.DeviceMesh(1, backend="numpy")
     np.testing.assert_array_equal(sf.shard(x, axis=0, mesh=one).to_local(), x)
 
@@ -76,6 +77,7 @@ def test_dlpack_export_of_a_whole_value():
     f = sf.jit(lambda a, b: sf.replicate(sf.shard(a, axis=0) @ b), mesh=sf.DeviceMesh(1, backend="numpy"))
     out = f(a, b)
     np.testing.assert_allclose(np.from_dlpack(out), a @ b, rtol=1e-12)
+    np.testing.assert_array_equal(np.from_dlpack(sf.replicate(a, mesh=mesh)), a)  # two replicas held
     sharded = sf.shard(a, axis=0, mesh=mesh)
     with pytest.raises(ValueError, match=r"not held whole.*to_local\(\).*full_array\(\)"):
         sharded.__dlpack__()
