@@ -2,44 +2,55 @@
 
 Same protocol as numpy_local.NumpyLocalBackend.  What is GPU-specific:
 
-* Streams.  The executor's "main" stream is this backend's own non-blocking stream per
-  device (`backend.stream(j)`), and worker index i is the i-th stream of a pool of
+* Devices and GPUs.  In one process local device j runs on GPU j when there are enough GPUs,
+  else on GPU `j * ngpu // L` (L local devices: contiguous blocks of *virtual devices* sharing
+  a GPU, so every plan at D = 2, 4, 8 runs on one GPU).  Under mpiexec each local device needs
+  a GPU of its own (local rank from COMM_TYPE_SHARED picks them): NCCL refuses two ranks on
+  one GPU.
+* Streams.  The executor's "main" stream is this backend's own non-blocking stream per GPU
+  (`backend.main[j]` / `backend.stream(j)` for local device j; virtual devices of one GPU
+  share it), and worker index i is the i-th stream of that GPU's pool of
   `Stream(non_blocking=True)`; the legacy null stream is never used.  A plan starts by
   recording an event on main that the workers wait for and ends by main waiting for every
-  worker, so all of a call's work is fenced by main.  Inputs placed by `to_device` /
-  `ascontiguous` are written on main; `to_host` and `synchronize` wait for main.  If you
-  produce inputs with your own CuPy code on another stream, synchronize it (or issue on
-  `backend.stream(j)`) before the call.
+  worker, so all of a call's work is fenced by main.  The executor fences main against the
+  caller's stream at every call (`fence_in` before, `fence_out` after: device-side event
+  waits, no host sync).  Events are one per GPU: the virtual devices of a GPU issue each
+  step in turn on the same stream, so one record after the step covers all of them.
 * Buffers.  Every buffer is allocated from CuPy's pool while main is the current stream,
   so a block freed after a call (a dropped input or output) is only handed again to work
   ordered after that call's final join on main: a buffer still read by a worker stream is
   never reused early.  bfloat16 is stored as uint16 (CuPy has no bfloat16 arithmetic);
-  `to_host` returns ml_dtypes.bfloat16.
+  `to_host` returns ml_dtypes.bfloat16.  The caller's arrays come in through `adopt` and
+  `piece` (zero copy where they already are contiguous on the right GPU).
 * GEMMs call cuBLAS through ctypes (CuPy's own wrappers refuse graph capture): a plain GEMM
   is one cublasLtMatmul with descriptors and algorithm chosen at bind time (the fastest of up to
   SHARDFUSE_GEMM_TUNE heuristic candidates, timed on scratch operands; SHARDFUSE_GEMM=ex:
   cublasGemmEx); batched ones are cublasGemmStridedBatchedEx.  One handle and one workspace per
-  (device, stream), so GEMMs on concurrent streams never share a workspace.  Batch dims that
-  nest into the rows are folded into one GEMM, one more is a strided batch, further outer
-  ones are looped at bind time; views cuBLAS cannot read are staged through scratch.  Everything but the
-  per-call base pointers is resolved at bind time.  float32 runs without TF32 unless
-  SHARDFUSE_TF32=1 (or CUPY_TF32=1).
-* Collectives are NCCL, one communicator per team of each mesh axis, issued on the step's
-  stream (so their wait steps are None).  One process owning several GPUs uses
-  NcclCommunicator.initAll and groupStart/groupEnd; under mpiexec each process owns its
-  block of devices (local rank from COMM_TYPE_SHARED picks the GPUs) and the team's unique
-  id is shared over MPI.  On an NCCL error the team's communicators are aborted and the
-  error names the failed step.
-* Graph mode (`sf.jit(..., graph=True)`): `capture` runs the plan once eagerly on
-  plan-owned input and output buffers, then captures it into one CUDA graph on main; a
-  call copies its inputs into the plan's input buffers (skipped when they already are
-  those buffers: see `GraphPlan.inputs`) and replays the graph.  Graph-mode outputs are the
-  plan's own buffers: the next call overwrites them.  No allocation happens during replay.
+  (GPU, stream), so GEMMs on concurrent streams never share a workspace (virtual devices on one
+  stream run in turn, so they may).  Batch dims that nest into the rows are folded into one
+  GEMM, one more is a strided batch, further outer ones are looped at bind time; views cuBLAS
+  cannot read are staged through scratch.  Everything but the per-call base pointers is
+  resolved at bind time.  float32 runs without TF32 unless SHARDFUSE_TF32=1 (or CUPY_TF32=1).
+* Collectives, per team of the mesh axis (or of a sub-mesh's axis: `submesh_teams`).  A team
+  whose devices are all in this process and on one GPU runs as device copies and CuPy
+  reductions on the step's stream (allgather: D copies into the first member's buffer, then
+  D - 1 whole copies; reductions sum all D inputs in one kernel, in float32 for float16 /
+  bfloat16 and float64 for float64, rounded once; no scratch).  A team of distinct GPUs is
+  NCCL, one communicator per team (keyed by its devices, made by its members only): one
+  process owning several GPUs uses NcclCommunicator.initAll and groupStart/groupEnd; under
+  mpiexec the team's unique id is shared over MPI.  A team mixing both is refused at bind
+  time.  On an NCCL error the team's communicators are aborted and the error names the
+  failed step.  Collectives are issued on the step's stream, so their wait steps are None.
+* Moves between meshes (`bind_transfers`): copies on one GPU, cudaMemcpyPeerAsync between GPUs
+  of this process (ordered both ways by events); devices of another process are refused.
+* Graph mode (`sf.jit(..., graph=True)`): see GraphPlan.  Graphs read the caller's own input
+  buffers (no copy-in) and write the plan's own outputs: the next call overwrites them.
 """
 from __future__ import annotations
 
 import ctypes
 import os
+from collections import OrderedDict
 
 import numpy as np
 
@@ -318,62 +329,101 @@ def gemm_layout(a, b, out):
 
 
 class GraphPlan:
-    """A plan captured once as a CUDA graph; calling it copies inputs in and replays."""
+    """A plan captured as CUDA graphs, one per GPU of this process, and replayed.
+
+    No copy-in: a graph reads the call's own input buffers, so graphs are cached per tuple of
+    input pointers (every input on every local device).  The first call with a new tuple
+    captures one (host work of about a plan's eager issue, nothing runs twice); at most
+    MAX_GRAPHS are kept, the least recently used dropped.  Outputs, per-call buffers and
+    scratch are the plan's own and shared by every graph: the next call overwrites them.
+    The eager warm-up (kernel compilation, cuBLAS and NCCL set-up) runs once per plan, on the
+    plan's own input buffers (`inputs`) filled with random finite values.  Nothing is
+    allocated during replay.
+    """
+
+    MAX_GRAPHS = 8  # graphs kept per plan: one per set of input buffers a caller alternates between
 
     def __init__(self, backend, exe):
-        self.backend = backend
-        be = backend
-        if len(be.local_devices) != 1:
-            raise NotImplementedError("graph mode: one local device per process")
+        be = self.backend = backend
+        self.steps, self.n_inputs = exe.steps, len(exe.prog.inputs)
         self.static = list(exe.slot_templates)
-        self.inputs = []
+        self.inputs = []  # the plan's own input buffers: the warm-up's, and usable as inputs too
         for k, v in enumerate(exe.prog.inputs):
             ref = exe.refs[v]
             self.static[k] = be.empty(ref.shape, ref.dtype)
             self.inputs.append(self.static[k])
         for slot, shape, dtype in exe.per_call:
             self.static[slot] = be.empty(shape, dtype)
-        self.n_inputs = len(exe.prog.inputs)
-        self._ptrs = [s[0].data.ptr for s in self.inputs]
-        self._nbytes = [s[0].nbytes for s in self.inputs]
-        main = be.main[0]
-        with cupy.cuda.Device(be.ordinals[0]):
-            for s in self.inputs:  # random, finite inputs for the warm-up run
-                be._fill_random(s[0])
-            for step in exe.steps:  # warm-up: compiles kernels, sets up NCCL and cuBLAS
-                step(self.static)
-            be.synchronize()
-            # Anything CuPy allocates while capturing (temporaries of elementwise steps) comes from
-            # blocks this plan keeps for its lifetime: the replayed graph keeps using them, so the
-            # pool must never hand them to anyone else.
-            self._held = []
-            pool = cupy.get_default_memory_pool()
-
-            def keep(size):
-                mem = pool.malloc(size)
-                self._held.append(mem)
-                return mem
-
-            mode = getattr(runtime, "streamCaptureModeThreadLocal", None)
-            with cupy.cuda.using_allocator(keep):
-                main.begin_capture() if mode is None else main.begin_capture(mode)
-                try:
-                    for step in exe.steps:
-                        step(self.static)
-                finally:
-                    self.graph = main.end_capture()
-            self.graph.upload(main)
-            be.synchronize()
-        self._main = main
+        for bufs in self.inputs:
+            for x in bufs:
+                be._fill_random(x)
+        for step in self.steps:
+            step(self.static)
+        be.synchronize()
+        self._mains = [(o, be._main_of[o]) for o in be.gpus]
+        self.graphs = OrderedDict()  # input pointers -> (one graph per GPU, memory they hold)
+        self.captures = 0
 
     def __call__(self, bufs):
-        st = self.static
-        for k in range(self.n_inputs):
-            x = bufs[k][0]
-            if x.data.ptr != self._ptrs[k]:
-                runtime.memcpyAsync(self._ptrs[k], x.data.ptr, self._nbytes[k], _D2D, self._main.ptr)
-        self.graph.launch(self._main)
-        return st
+        n = self.n_inputs
+        key = tuple(x.data.ptr for k in range(n) for x in bufs[k])
+        entry = self.graphs.get(key)
+        if entry is None:
+            entry = self._capture(bufs, key)
+        else:
+            self.graphs.move_to_end(key)
+        for g, (_, m) in zip(entry[0], self._mains):
+            g.launch(m)
+        return self.static
+
+    def _capture(self, bufs, key):
+        be = self.backend
+        if len(self.graphs) >= self.MAX_GRAPHS:
+            # the dropped graph may still be running: its held memory goes back to the pool only
+            # after it has finished
+            be.synchronize()
+            self.graphs.popitem(last=False)
+        table = list(self.static)
+        table[:self.n_inputs] = bufs[:self.n_inputs]
+        # Anything CuPy allocates while capturing comes from blocks this graph keeps for its
+        # lifetime: the replayed graph keeps using them, so the pool must never hand them out.
+        held = []
+        pool = cupy.get_default_memory_pool()
+
+        def keep(size):
+            mem = pool.malloc(size)
+            held.append(mem)
+            return mem
+
+        # thread-local capture: each GPU's main stream records its own graph, all in this thread
+        mode = runtime.streamCaptureModeThreadLocal
+        started = []
+        with cupy.cuda.using_allocator(keep):
+            try:
+                for o, m in self._mains:
+                    with cupy.cuda.Device(o):
+                        m.begin_capture(mode)
+                    started.append((o, m))
+                for step in self.steps:
+                    step(table)
+            except BaseException:
+                for o, m in started:
+                    try:
+                        with cupy.cuda.Device(o):
+                            m.end_capture()
+                    except Exception:
+                        pass  # the capture is already invalid; the step's error is the one to see
+                raise
+            graphs = []
+            for o, m in self._mains:
+                with cupy.cuda.Device(o):
+                    graphs.append(m.end_capture())
+        for g, (o, m) in zip(graphs, self._mains):
+            with cupy.cuda.Device(o):
+                g.upload(m)
+        self.captures += 1
+        entry = self.graphs[key] = (graphs, held)
+        return entry
 
 
 class CupyNcclBackend:
@@ -384,59 +434,84 @@ class CupyNcclBackend:
         self.local_devices = mesh.local_devices
         self.local_index = {d: j for j, d in enumerate(self.local_devices)}
         L = len(self.local_devices)
-        local_rank = 0
+        ngpu = runtime.getDeviceCount()
+        if ngpu < 1:
+            raise RuntimeError("cupy_nccl: CuPy sees no GPU")
         if mesh.nprocs > 1:
             from mpi4py import MPI
 
             node = MPI.COMM_WORLD.Split_type(MPI.COMM_TYPE_SHARED)
             local_rank = node.Get_rank()
             node.Free()
-        self.ordinals = [local_rank * L + j for j in range(L)]
-        ngpu = runtime.getDeviceCount()
-        if self.ordinals[-1] >= ngpu:
-            raise RuntimeError(f"cupy_nccl: this process needs GPUs {self.ordinals}, but CuPy sees {ngpu}")
+            self.ordinals = [local_rank * L + j for j in range(L)]
+            if self.ordinals[-1] >= ngpu:
+                raise RuntimeError(f"cupy_nccl: under mpiexec every device needs a GPU of its own (NCCL refuses two "
+                                   f"ranks on one GPU): process {mesh.rank} (local rank {local_rank}) owns {L} "
+                                   f"device(s) and needs GPUs {self.ordinals}, but CuPy sees {ngpu}; run fewer "
+                                   "processes per node, or one process (its devices then share the GPUs)")
+        elif L <= ngpu:
+            self.ordinals = list(range(L))
+        else:  # virtual devices: contiguous blocks of local devices share a GPU
+            self.ordinals = [j * ngpu // L for j in range(L)]
+        self.gpus = sorted(set(self.ordinals))  # the distinct GPUs, each with its own streams and events
         cupy.cuda.Device(self.ordinals[0]).use()  # before anything else touches CUDA
-        self.main = []
-        for o in self.ordinals:
+        self._main_of, self._workers_of = {}, {}
+        self._fence = {}  # GPU -> (event the caller's stream records, event main records), made once
+        for o in self.gpus:
             with cupy.cuda.Device(o):
-                self.main.append(cupy.cuda.Stream(non_blocking=True))
-        self.workers = [[] for _ in self.ordinals]  # per device: pool of worker streams
-        self._handles = {}  # (j, stream key) -> cuBLAS handle
-        self._ws_ptr = {}  # (j, stream key) -> that handle's workspace (cuBLASLt calls use it too)
+                self._main_of[o] = cupy.cuda.Stream(non_blocking=True)
+                self._fence[o] = (cupy.cuda.Event(disable_timing=True), cupy.cuda.Event(disable_timing=True))
+            self._workers_of[o] = []
+        self.main = [self._main_of[o] for o in self.ordinals]  # per local device (repeats on a shared GPU)
+        # the fences' raw pointers, resolved once (they run twice per call)
+        self._main_ptrs = [self._main_of[o].ptr for o in self.gpus]
+        self._fence_in_ev = {o: self._fence[o][0].ptr for o in self.gpus}
+        self._fence_out = [(self._fence[o][1].ptr, self._main_of[o].ptr) for o in self.gpus]
+        self._one_gpu = len(self.gpus) == 1
+        self._ctx_gpu = None  # CUDA context -> GPU, to find the GPU of a caller's stream (several GPUs)
+        self._handles = {}  # (GPU, stream key) -> cuBLAS handle
+        self._ws_ptr = {}  # (GPU, stream key) -> that handle's workspace (cuBLASLt calls use it too)
         self._lt = None
         self.gemm_api = GEMM_API
         self._workspaces = []
-        self._comms = {}  # team name -> list of communicators, one per local device
+        self._comms = {}  # team (tuple of devices) -> {local device j: communicator}
+        # A team of one device is a copy; SHARDFUSE_COLLECTIVES=nccl makes it a one-rank NCCL
+        # communicator instead, so that a machine with one GPU still runs the NCCL path.
+        self.one_device_nccl = os.environ.get("SHARDFUSE_COLLECTIVES") == "nccl"
         self._cublas = None
         self._kernels = {}
         self._events = []
         self.workspace_bytes = 0
 
     # ---- streams ----------------------------------------------------------------------
-    def _stream(self, j, stream):
+    def _gpu_stream(self, o, stream):
         if stream == "main":
-            return self.main[j]
-        pool = self.workers[j]
+            return self._main_of[o]
+        pool = self._workers_of[o]
         while len(pool) <= stream:
-            with cupy.cuda.Device(self.ordinals[j]):
+            with cupy.cuda.Device(o):
                 pool.append(cupy.cuda.Stream(non_blocking=True))
         return pool[stream]
+
+    def _stream(self, j, stream):
+        return self._gpu_stream(self.ordinals[j], stream)
 
     def stream(self, j=0):
         """The main stream of local device j (the one plans issue on and fence with)."""
         return self.main[j]
 
     def _handle(self, j, stream):
-        key = (j, stream)
+        o = self.ordinals[j]
+        key = (o, stream)
         h = self._handles.get(key)
         if h is None:
             if self._cublas is None:
                 self._cublas = _Cublas()
             cb = self._cublas
-            with cupy.cuda.Device(self.ordinals[j]):
+            with cupy.cuda.Device(o):
                 hp = ctypes.c_void_p()
                 _check(cb.create(ctypes.byref(hp)), "cublasCreate")
-                _check(cb.set_stream(hp, ctypes.c_void_p(self._stream(j, stream).ptr)), "cublasSetStream")
+                _check(cb.set_stream(hp, ctypes.c_void_p(self._gpu_stream(o, stream).ptr)), "cublasSetStream")
                 ws = cupy.empty(WORKSPACE, np.uint8)
                 self._workspaces.append(ws)
                 self.workspace_bytes += WORKSPACE
@@ -495,10 +570,8 @@ class CupyNcclBackend:
         if isinstance(x, cupy.ndarray):
             if x.flags.c_contiguous:
                 return x
-            with cupy.cuda.Device(x.device.id):
-                j = self.ordinals.index(x.device.id)
-                with self.main[j]:
-                    return cupy.ascontiguousarray(x)
+            with cupy.cuda.Device(x.device.id), self._main_of[x.device.id]:
+                return cupy.ascontiguousarray(x)
         return self.to_device([x])[0]
 
     def view(self, bufs, ref, j):
@@ -509,13 +582,95 @@ class CupyNcclBackend:
 
     def _fill_random(self, x):
         """Finite random values into a buffer (graph warm-up), on main."""
-        j = self.ordinals.index(x.device.id)
-        with cupy.cuda.Device(x.device.id), self.main[j]:
+        with cupy.cuda.Device(x.device.id), self._main_of[x.device.id]:
             r = cupy.random.standard_normal(x.shape, dtype=np.float32)
             if x.dtype == np.uint16:  # bfloat16: the top half of the float32 bits
                 x[...] = (r.view(np.uint32) >> 16).astype(np.uint16)
             else:
                 x[...] = r.astype(x.dtype)
+
+    # ---- the caller's arrays and streams ------------------------------------------------
+    def adopt(self, x):
+        """A CuPy array holding the whole of the caller's array x (bfloat16 as uint16): a
+        zero-copy view of a device array (main of its GPU waits for the producer's stream, via
+        DLPack), or a copy of a host array on main of the first GPU."""
+        from shardfuse.interop import array_info, to_cupy, to_numpy
+
+        info = array_info(x)
+        if info.device is None:
+            h = np.ascontiguousarray(to_numpy(x))
+            if h.dtype == np_dtype("bfloat16"):
+                h = h.view(np.uint16)
+            o = self.gpus[0]
+            with cupy.cuda.Device(o), self._main_of[o]:
+                return cupy.asarray(h)
+        if info.device not in self._main_of:
+            raise ValueError(f"cupy_nccl: a {info.describe()} is on GPU {info.device}, this process' devices are "
+                             f"on GPUs {self.gpus}")
+        with cupy.cuda.Device(info.device), self._main_of[info.device]:
+            return to_cupy(x)
+
+    def piece(self, x, j):
+        """x (a CuPy array of this process, e.g. a slice of adopt's result) as a C-contiguous
+        buffer on local device j: x itself when it already is one there (zero copy), else a
+        device-side copy on main of j's GPU (a peer copy from another GPU)."""
+        o, src = self.ordinals[j], x.device.id
+        if src == o:
+            if x.flags.c_contiguous:
+                return x
+            with cupy.cuda.Device(o), self._main_of[o]:
+                return cupy.ascontiguousarray(x)
+        if src not in self._main_of:
+            raise ValueError(f"cupy_nccl: a piece on GPU {src}, this process' devices are on GPUs {self.gpus}")
+        src_main, dst_main = self._main_of[src], self._main_of[o]
+        with cupy.cuda.Device(src), src_main:
+            c = cupy.ascontiguousarray(x)
+        with cupy.cuda.Device(o), dst_main:
+            out = cupy.empty(x.shape, x.dtype)
+        ready, done = self._fence[src][1], self._fence[o][1]
+        runtime.eventRecord(ready.ptr, src_main.ptr)  # the copy reads what main of the source wrote
+        runtime.streamWaitEvent(dst_main.ptr, ready.ptr, 0)
+        runtime.memcpyPeerAsync(out.data.ptr, o, c.data.ptr, src, c.nbytes, dst_main.ptr)
+        # c may be a temporary that goes back to the source GPU's pool on return: main there
+        # must not reuse it before the copy has read it
+        runtime.eventRecord(done.ptr, dst_main.ptr)
+        runtime.streamWaitEvent(src_main.ptr, done.ptr, 0)
+        return out
+
+    def _gpu_of_stream(self, ptr):
+        if self._one_gpu:
+            return self.gpus[0]
+        if ptr in (0, 1, 2):  # the legacy or per-thread default stream: that of the current device
+            o = runtime.getDevice()
+        else:  # a stream belongs to its GPU's context
+            from cupy_backends.cuda.api import driver
+
+            if self._ctx_gpu is None:
+                self._ctx_gpu = {driver.streamGetCtx(self._main_of[g].ptr): g for g in self.gpus}
+            o = self._ctx_gpu.get(driver.streamGetCtx(ptr))
+        if o not in self._main_of:
+            raise ValueError(f"cupy_nccl: stream {ptr:#x} is on a GPU this process' devices do not use "
+                             f"(GPUs {self.gpus})")
+        return o
+
+    def fence_in(self, stream_ptr):
+        """Main of every GPU here waits, on the device, for the work queued so far on the caller's
+        stream (a raw pointer): one event record there, one wait per main; no host sync."""
+        o = self._gpu_of_stream(stream_ptr)
+        ev = self._fence_in_ev[o]
+        try:
+            runtime.eventRecord(ev, stream_ptr)
+        except runtime.CUDARuntimeError as e:
+            raise ValueError(f"cupy_nccl: cannot record an event of GPU {o} on the caller's stream "
+                             f"{stream_ptr:#x} (a stream of another GPU?): {e}") from e
+        for m in self._main_ptrs:
+            runtime.streamWaitEvent(m, ev, 0)
+
+    def fence_out(self, stream_ptr):
+        """The caller's stream waits, on the device, for everything queued so far on every main."""
+        for ev, m in self._fence_out:
+            runtime.eventRecord(ev, m)
+            runtime.streamWaitEvent(stream_ptr, ev, 0)
 
     # ---- pointer helpers --------------------------------------------------------------
     @staticmethod
@@ -598,7 +753,7 @@ class CupyNcclBackend:
         nd = len(self.ordinals)
         handles = [self._handle(j, stream) for j in range(nd)]
         ords = self.ordinals
-        multi = nd > 1
+        multi = not self._one_gpu  # devices on several GPUs: each call needs its device current
         keep = (one, zero)  # alpha/beta must outlive the step
 
         def source(ref):  # (slot, byte offsets) or (None, fixed pointers) of a staged operand
@@ -621,7 +776,7 @@ class CupyNcclBackend:
             if self._lt is None:
                 self._lt = _CublasLt()
             lt = self._lt
-            lh, ws, sp = lt.handle(ords[0]), self._ws_ptr[(0, stream)], self._stream(0, stream).ptr
+            lh, ws, sp = lt.handle(ords[0]), self._ws_ptr[(ords[0], stream)], self._stream(0, stream).ptr
             sizes = (lda * (k if opa == _OP_N else m), ldb * (n if opb == _OP_N else k), ldc * n)
 
             def tune(desc, la, lb, lc, algos):
@@ -634,18 +789,32 @@ class CupyNcclBackend:
                 desc, la, lb, lc, algo, lt_keep = plan
                 mm = lt.Matmul
                 d1, d2, d3 = outer[0]
-                o1_, o2_, oo_ = o1[0] + d1, o2[0] + d2, oo[0] + d3
+                if nd == 1:  # the hot path, kept short: one device, one GEMM
+                    o1_, o2_, oo_ = o1[0] + d1, o2[0] + d2, oo[0] + d3
+
+                    def step(bufs, _keep=(keep, lt_keep)):
+                        pc = bufs[so][0].data.ptr + oo_
+                        st = mm(lh, desc, alpha, bufs[s1][0].data.ptr + o1_, la, bufs[s2][0].data.ptr + o2_, lb,
+                                beta, pc, lc, pc, lc, algo, ws, WORKSPACE, sp)
+                        if st:
+                            _check(st, f"cublasLtMatmul (m={m} n={n} k={k} {dt})")
+                    return step
+                # virtual devices of one GPU: the same GEMM for each, in turn on the same stream
+                # (so they may share the workspace)
+                offs = [(o1[j] + d1, o2[j] + d2, oo[j] + d3) for j in range(nd)]
 
                 def step(bufs, _keep=(keep, lt_keep)):
-                    pc = bufs[so][0].data.ptr + oo_
-                    st = mm(lh, desc, alpha, bufs[s1][0].data.ptr + o1_, la, bufs[s2][0].data.ptr + o2_, lb,
-                            beta, pc, lc, pc, lc, algo, ws, WORKSPACE, sp)
-                    if st:
-                        _check(st, f"cublasLtMatmul (m={m} n={n} k={k} {dt})")
+                    A, B, C = bufs[s1], bufs[s2], bufs[so]
+                    for j, (x1, x2, x3) in enumerate(offs):
+                        pc = C[j].data.ptr + x3
+                        st = mm(lh, desc, alpha, A[j].data.ptr + x1, la, B[j].data.ptr + x2, lb,
+                                beta, pc, lc, pc, lc, algo, ws, WORKSPACE, sp)
+                        if st:
+                            _check(st, f"cublasLtMatmul (m={m} n={n} k={k} {dt}, device {j})")
                 return step
         if inner is None:
             fn = cb.gemm
-            if not multi and len(outer) == 1 and s1 is not None and s2 is not None and so is not None:
+            if nd == 1 and len(outer) == 1 and s1 is not None and s2 is not None and so is not None:
                 # the common case, kept short: one device, one GEMM
                 h0, (d1, d2, d3) = handles[0], outer[0]
                 o1_, o2_, oo_ = o1[0] + d1, o2[0] + d2, oo[0] + d3
@@ -752,47 +921,50 @@ class CupyNcclBackend:
             return self._per_device((a, out), stream, lambda j, x, o: kern(x, o, axis=axis))
         return self._per_device((a, out), stream, lambda j, x, o: cupy.sum(x, axis=axis, out=o))
 
+    @staticmethod
+    def _dma_copy(src, dst):
+        """copy(dst_ptr, src_ptr, stream_ptr) for Refs of one shape that a DMA copy can move: both
+        one block, or both rows of contiguous elements at fixed pitches (a 2-D copy); else None."""
+        item = _ITEM[src.dtype]
+        if src.is_contiguous() and dst.is_contiguous():
+            nbytes = src.size * item
+            return lambda d, s, st: runtime.memcpyAsync(d, s, nbytes, _D2D, st)
+        rows = _as_rows(src), _as_rows(dst)
+        if None not in rows and rows[0][:2] == rows[1][:2]:
+            (h, w, sp), (_, _, dp) = rows
+            return lambda d, s, st: runtime.memcpy2DAsync(d, dp * item, s, sp * item, w * item, h, _D2D, st)
+        return None
+
     def bind_copy(self, src, dst, stream):
         if src.shape != dst.shape:
             raise ValueError(f"copy {src.shape} -> {dst.shape}")
-        item = _ITEM[src.dtype]
+        copy = self._dma_copy(src, dst)
+        if copy is None:
+            def body(j, x, o):
+                o[...] = x
+            return self._per_device((src, dst), stream, body)
         streams = [self._stream(j, stream).ptr for j in range(len(self.ordinals))]
         so, do = self._offsets_bytes(src), self._offsets_bytes(dst)
         ss, ds = src.slot, dst.slot
-        if src.is_contiguous() and dst.is_contiguous():
-            nbytes = src.size * item
 
-            def step(bufs):
-                for j, sp in enumerate(streams):
-                    runtime.memcpyAsync(bufs[ds][j].data.ptr + do[j], bufs[ss][j].data.ptr + so[j], nbytes, _D2D, sp)
-            return step
-        # a 2-D pitched copy when both are rows of contiguous elements with fixed pitches
-        rows = _as_rows(src), _as_rows(dst)
-        if None not in rows and rows[0][0] == rows[1][0] and rows[0][1] == rows[1][1]:
-            (h, w, sp_), (_, _, dp_) = rows
-            width = w * item
-
-            def step(bufs):
-                for j, sp in enumerate(streams):
-                    runtime.memcpy2DAsync(bufs[ds][j].data.ptr + do[j], dp_ * item, bufs[ss][j].data.ptr + so[j],
-                                          sp_ * item, width, h, _D2D, sp)
-            return step
-
-        def body(j, x, o):
-            o[...] = x
-        return self._per_device((src, dst), stream, body)
+        def step(bufs):
+            S, D = bufs[ss], bufs[ds]
+            for j, sp in enumerate(streams):
+                copy(D[j].data.ptr + do[j], S[j].data.ptr + so[j], sp)
+        return step
 
     # ---- streams and events: device-side waits, never host blocks -------------------------
     def new_event(self):
+        """One event per GPU (not per device): a GPU's virtual devices share its streams."""
         evs = []
-        for o in self.ordinals:
+        for o in self.gpus:
             with cupy.cuda.Device(o):
                 evs.append(cupy.cuda.Event(disable_timing=True))
         self._events.append(evs)
         return evs
 
     def bind_record(self, event, stream):
-        pairs = [(e.ptr, self._stream(j, stream).ptr) for j, e in enumerate(event)]
+        pairs = [(e.ptr, self._gpu_stream(o, stream).ptr) for o, e in zip(self.gpus, event)]
 
         def step(bufs):
             for e, s in pairs:
@@ -800,7 +972,7 @@ class CupyNcclBackend:
         return step
 
     def bind_wait_event(self, event, stream):
-        pairs = [(self._stream(j, stream).ptr, e.ptr) for j, e in enumerate(event)]
+        pairs = [(self._gpu_stream(o, stream).ptr, e.ptr) for o, e in zip(self.gpus, event)]
         if len(pairs) == 1:
             (s0, e0), wait = pairs[0], runtime.streamWaitEvent
             return lambda bufs: wait(s0, e0, 0)
@@ -812,7 +984,8 @@ class CupyNcclBackend:
 
     def bind_join(self, waiter, waitee):
         ev = self.new_event()
-        trip = [(e.ptr, self._stream(j, waitee).ptr, self._stream(j, waiter).ptr) for j, e in enumerate(ev)]
+        trip = [(e.ptr, self._gpu_stream(o, waitee).ptr, self._gpu_stream(o, waiter).ptr)
+                for o, e in zip(self.gpus, ev)]
         if len(trip) == 1:
             (e0, src0, dst0), rec, wait = trip[0], runtime.eventRecord, runtime.streamWaitEvent
 
@@ -828,135 +1001,238 @@ class CupyNcclBackend:
         return step
 
     def synchronize(self):
-        for j, o in enumerate(self.ordinals):
+        for o in self.gpus:
             with cupy.cuda.Device(o):
-                self.main[j].synchronize()
-                for s in self.workers[j]:
+                self._main_of[o].synchronize()
+                for s in self._workers_of[o]:
                     s.synchronize()
 
     def capture(self, exe):
         return GraphPlan(self, exe)
 
-    # ---- NCCL ---------------------------------------------------------------------------
-    def _team_comms(self, team):
-        comms = self._comms.get(team)
-        if comms is not None:
-            return comms
-        groups = self.mesh.teams(team)
-        mine = [g for g in groups if any(d in self.local_index for d in g)]
-        comms = [None] * len(self.ordinals)
+    # ---- collectives: per team, device copies on one GPU or NCCL across GPUs ----------------
+    submesh_teams = True  # team may be (sub-mesh, axis name): devices outside the sub-mesh skip it
+
+    def _team_axis(self, team):
+        return team if isinstance(team, tuple) else (self.mesh, team)
+
+    def _team_size(self, team):
+        mesh, name = self._team_axis(team)
+        return mesh.axis_size(name)
+
+    def _describe(self, team):
+        mesh, name = self._team_axis(team)
+        return repr(name) if mesh is self.mesh else f"{name!r} of {mesh}"
+
+    def _team_kind(self, g, team):
+        """'copy' for a team all in this process and on one GPU, 'nccl' for one of distinct GPUs."""
+        if len(g) == 1:
+            return "nccl" if self.one_device_nccl else "copy"
+        if not all(d in self.local_index for d in g):
+            return "nccl"  # spans processes, whose devices all have GPUs of their own
+        gpus = [self.ordinals[self.local_index[d]] for d in g]
+        if len(set(gpus)) == 1:
+            return "copy"
+        if len(set(gpus)) == len(g):
+            return "nccl"
+        raise NotImplementedError(f"cupy_nccl: team {g} of mesh axis {self._describe(team)} has devices on GPUs "
+                                  f"{gpus}: some share a GPU and some do not, and a team runs either as copies on "
+                                  "one GPU or as NCCL across distinct GPUs; use a mesh (or device count) whose "
+                                  "teams are all on one GPU or all on different GPUs")
+
+    def _make_comms(self, groups):
+        """NCCL communicators of teams `groups` (the same list on every process): {j: comm} each."""
+        made = {}
         try:
             if self.mesh.nprocs == 1:
-                for g in mine:
+                for g in groups:
                     js = [self.local_index[d] for d in g]
-                    cs = nccl.NcclCommunicator.initAll([self.ordinals[j] for j in js])
-                    for j, c in zip(js, cs):
-                        comms[j] = c
+                    made[g] = dict(zip(js, nccl.NcclCommunicator.initAll([self.ordinals[j] for j in js])))
             else:
                 from mpi4py import MPI
 
-                world = MPI.COMM_WORLD
-                per = len(self.local_devices)
-                uids = {}
-                for gi, g in enumerate(groups):
-                    if g[0] in self.local_index:
-                        uids[gi] = nccl.get_unique_id()
+                uids = {g: nccl.get_unique_id() for g in groups if g[0] in self.local_index}
                 merged = {}
-                for part in world.allgather(uids):
+                for part in MPI.COMM_WORLD.allgather(uids):  # every process, members or not
                     merged.update(part)
                 nccl.groupStart()
                 try:
-                    for gi, g in enumerate(groups):
+                    for g in groups:
+                        made[g] = {}
                         for rank, d in enumerate(g):
                             if d in self.local_index:
                                 j = self.local_index[d]
                                 with cupy.cuda.Device(self.ordinals[j]):
-                                    comms[j] = nccl.NcclCommunicator(len(g), merged[gi], rank)
+                                    made[g][j] = nccl.NcclCommunicator(len(g), merged[g], rank)
                 finally:
                     nccl.groupEnd()
-                del per
         except Exception as e:
-            for c in comms:
-                if c is not None:
+            for cs in made.values():
+                for c in cs.values():
                     c.abort()
-            raise RuntimeError(f"cupy_nccl: creating the NCCL communicators of team {team!r} failed: {e}") from e
-        self._comms[team] = comms
-        return comms
+            raise RuntimeError(f"cupy_nccl: creating the NCCL communicators of teams {groups} failed: {e}") from e
+        self._comms.update(made)
 
-    def _collective(self, kind, send, recv, team, stream, call):
-        """One NCCL call per local device on `stream`; call(comm, sendptr, recvptr, streamptr)."""
-        comms = self._team_comms(team)
-        streams = [self._stream(j, stream).ptr for j in range(len(self.ordinals))]
+    def _collective(self, kind, send, recv, team, stream, call, copy):
+        """A collective over every team of `team` that has a device here.  Teams on one GPU:
+        copy(S, R, stream) with S, R the members' (buffer, byte offset) of send and recv in rank
+        order, issued with that GPU and stream current.  Teams of distinct GPUs: one NCCL call
+        per local member, call(comm, sendptr, recvptr, streamptr), grouped when there are several."""
+        if not (send.is_contiguous() and recv.is_contiguous()):
+            raise ValueError(f"cupy_nccl: {kind} needs contiguous send and recv buffers, got send {send.shape} "
+                             f"strides {send.strides}, recv {recv.shape} strides {recv.strides}")
+        mesh, name = self._team_axis(team)
+        groups = [tuple(g) for g in mesh.teams(name)]
+        kinds = {g: self._team_kind(g, team) for g in groups}
+        copies = [([self.local_index[d] for d in g], self.ordinals[self.local_index[g[0]]]) for g in groups
+                  if kinds[g] == "copy" and g[0] in self.local_index]
+        copies = [(t, o, self._gpu_stream(o, stream)) for t, o in copies]
+        nccl_groups = [g for g in groups if kinds[g] == "nccl"]
+        missing = [g for g in nccl_groups if g not in self._comms]
+        if missing:
+            self._make_comms(missing)
+        comms = [(j, c) for g in nccl_groups for j, c in self._comms[g].items()]
         so, ro = self._offsets_bytes(send), self._offsets_bytes(recv)
         ss, rs = send.slot, recv.slot
-        group = len(comms) > 1
+
+        def run_copies(bufs):
+            S, R = bufs[ss], bufs[rs]
+            for t, o, st in copies:
+                with cupy.cuda.Device(o), st:
+                    copy([(S[j], so[j]) for j in t], [(R[j], ro[j]) for j in t], st)
+
+        if not comms:
+            return (run_copies if copies else None), None
 
         def fail(e):
-            for c in comms:
-                try:
-                    c.abort()
-                except Exception:
-                    pass
-            self._comms.pop(team, None)
-            raise RuntimeError(f"cupy_nccl: NCCL {kind} on team {team!r} ({send.shape} -> {recv.shape}, "
+            for g in nccl_groups:
+                for c in self._comms.pop(g, {}).values():
+                    try:
+                        c.abort()
+                    except Exception:
+                        pass
+            raise RuntimeError(f"cupy_nccl: NCCL {kind} on team {self._describe(team)} ({send.shape} -> {recv.shape}, "
                                f"{send.dtype}) failed; communicators aborted: {e}") from e
 
-        if not group:
-            c0, st0 = comms[0], streams[0]
+        streams = [self._stream(j, stream).ptr for j, _ in comms]
+        if len(comms) == 1:
+            (j0, c0), st0 = comms[0], streams[0]
 
-            def start(bufs):
+            def run_nccl(bufs):
                 try:
-                    call(c0, bufs[ss][0].data.ptr + so[0], bufs[rs][0].data.ptr + ro[0], st0)
+                    call(c0, bufs[ss][j0].data.ptr + so[j0], bufs[rs][j0].data.ptr + ro[j0], st0)
                 except Exception as e:
                     fail(e)
-            return start, None
+        else:
+            def run_nccl(bufs):
+                S, R = bufs[ss], bufs[rs]
+                try:
+                    nccl.groupStart()
+                    try:
+                        for (j, c), st in zip(comms, streams):
+                            call(c, S[j].data.ptr + so[j], R[j].data.ptr + ro[j], st)
+                    finally:
+                        nccl.groupEnd()
+                except Exception as e:
+                    fail(e)
+        if not copies:
+            return run_nccl, None
 
         def start(bufs):
-            try:
-                nccl.groupStart()
-                try:
-                    for j, c in enumerate(comms):
-                        call(c, bufs[ss][j].data.ptr + so[j], bufs[rs][j].data.ptr + ro[j], streams[j])
-                finally:
-                    nccl.groupEnd()
-            except Exception as e:
-                fail(e)
+            run_copies(bufs)
+            run_nccl(bufs)
         return start, None
 
+    def _sum_kernel(self, dtype, n):
+        """y = x0 + ... + x{n-1} elementwise, summed in float32 (float64 for float64) and rounded
+        once, like NCCL's reductions; n inputs in one kernel, so no scratch buffer is needed."""
+        key = ("sum_of", dtype, n)
+        kern = self._kernels.get(key)
+        if kern is None:
+            t = {"bfloat16": "uint16"}.get(dtype, dtype)
+            load = {"bfloat16": "bf2f(x{})", "float16": "(float)x{}"}.get(dtype, "x{}")
+            acc = "double" if dtype == "float64" else "float"
+            body = f"{acc} s = {load.format(0)};" + "".join(f" s += {load.format(i)};" for i in range(1, n))
+            body += " y = f2bf(s);" if dtype == "bfloat16" else " y = s;"
+            kern = cupy.ElementwiseKernel(", ".join(f"{t} x{i}" for i in range(n)), f"{t} y", body,
+                                          f"sf_sum{n}_{dtype}", preamble=_BF16_PREAMBLE)
+            self._kernels[key] = kern
+        return kern
+
     def bind_allgather(self, send, recv, team, stream):
+        d = self._team_size(team)
         count, t = send.size, _NCCL_T[send.dtype]
-        if recv.size != count * self.mesh.axis_size(team):
-            raise ValueError(f"allgather sizes {send.shape} -> {recv.shape}")
+        if recv.size != count * d:
+            raise ValueError(f"allgather sizes {send.shape} -> {recv.shape} over a team of {d}")
+        nb = count * _ITEM[send.dtype]
+
+        def copy(S, R, st):  # every block into the first member's buffer, then that whole buffer to the rest
+            r0 = R[0][0].data.ptr + R[0][1]
+            for rank, (x, off) in enumerate(S):
+                runtime.memcpyAsync(r0 + rank * nb, x.data.ptr + off, nb, _D2D, st.ptr)
+            for x, off in R[1:]:
+                runtime.memcpyAsync(x.data.ptr + off, r0, d * nb, _D2D, st.ptr)
         return self._collective("allgather", send, recv, team, stream,
-                                lambda c, s, r, st: c.allGather(s, r, count, t, st))
+                                lambda c, s, r, st: c.allGather(s, r, count, t, st), copy)
 
     def bind_allreduce(self, send, recv, team, stream):
+        d = self._team_size(team)
         count, t = send.size, _NCCL_T[send.dtype]
+        kern, nb = self._sum_kernel(send.dtype, d), count * _ITEM[send.dtype]
+
+        def copy(S, R, st):  # the sum into the first member's buffer, then copied to the rest
+            (r0, o0) = R[0]
+            out = cupy.ndarray((count,), r0.dtype, r0.data + o0)
+            kern(*[cupy.ndarray((count,), x.dtype, x.data + off) for x, off in S], out)
+            for x, off in R[1:]:
+                runtime.memcpyAsync(x.data.ptr + off, out.data.ptr, nb, _D2D, st.ptr)
         return self._collective("allreduce", send, recv, team, stream,
-                                lambda c, s, r, st: c.allReduce(s, r, count, t, 0, st))
+                                lambda c, s, r, st: c.allReduce(s, r, count, t, 0, st), copy)
+
+    def bind_reduce_scatter(self, send, recv, team, stream):
+        """send: [D, *recv] contiguous; rank r gets the sum of every member's block r."""
+        d = self._team_size(team)
+        count, t = recv.size, _NCCL_T[recv.dtype]
+        if send.size != count * d:
+            raise ValueError(f"reduce_scatter sizes {send.shape} -> {recv.shape} over a team of {d}")
+        kern, nb = self._sum_kernel(recv.dtype, d), count * _ITEM[recv.dtype]
+
+        def copy(S, R, st):
+            for rank, (r, off) in enumerate(R):
+                kern(*[cupy.ndarray((count,), x.dtype, x.data + (xo + rank * nb)) for x, xo in S],
+                     cupy.ndarray((count,), r.dtype, r.data + off))
+        return self._collective("reduce_scatter", send, recv, team, stream,
+                                lambda c, s, r, st: c.reduceScatter(s, r, count, t, 0, st), copy)
 
     def bind_alltoall(self, send, recv, team, stream):
         """send, recv: [D, ...] contiguous; block p of send goes to rank p, rank p's block lands at p.
-        Grouped NCCL send/recv pairs (CuPy wraps no ncclAlltoAll)."""
-        d = self.mesh.axis_size(team)
+        NCCL: grouped send/recv pairs (CuPy wraps no ncclAlltoAll)."""
+        d = self._team_size(team)
         count, t = send.size // d, _NCCL_T[send.dtype]
-        step = count * _ITEM[send.dtype]
+        nb = count * _ITEM[send.dtype]
 
         def call(c, s, r, st):
             nccl.groupStart()
             try:
                 for peer in range(d):
-                    c.send(s + peer * step, count, t, peer, st)
-                    c.recv(r + peer * step, count, t, peer, st)
+                    c.send(s + peer * nb, count, t, peer, st)
+                    c.recv(r + peer * nb, count, t, peer, st)
             finally:
                 nccl.groupEnd()
-        return self._collective("alltoall", send, recv, team, stream, call)
+
+        def copy(S, R, st):
+            for rank, (r, off) in enumerate(R):
+                base = r.data.ptr + off
+                for peer, (x, xo) in enumerate(S):
+                    runtime.memcpyAsync(base + peer * nb, x.data.ptr + xo + rank * nb, nb, _D2D, st.ptr)
+        return self._collective("alltoall", send, recv, team, stream, call, copy)
 
     def bind_sendrecv(self, send, recv, team, shift, stream):
-        """Ring shift within the team: send to rank + shift, receive from rank - shift (grouped
-        NCCL send/recv, the ring variant's step)."""
-        d = self.mesh.axis_size(team)
+        """Ring shift within the team: send to rank + shift, receive from rank - shift (the ring
+        variant's step; NCCL: grouped send/recv)."""
+        d = self._team_size(team)
         count, t = send.size, _NCCL_T[send.dtype]
+        nb = count * _ITEM[send.dtype]
 
         def call(c, s, r, st):
             me = c.rank_id()
@@ -966,16 +1242,82 @@ class CupyNcclBackend:
                 c.recv(r, count, t, (me - shift) % d, st)
             finally:
                 nccl.groupEnd()
-        return self._collective("sendrecv", send, recv, team, stream, call)
 
+        def copy(S, R, st):  # send and recv never overlap (the ring double-buffers), so no staging
+            for rank, (r, off) in enumerate(R):
+                x, xo = S[(rank - shift) % d]
+                runtime.memcpyAsync(r.data.ptr + off, x.data.ptr + xo, nb, _D2D, st.ptr)
+        return self._collective("sendrecv", send, recv, team, stream, call, copy)
+
+    # ---- moves between meshes: point-to-point copies within this process ------------------
     def bind_transfers(self, pairs, stream):
-        raise NotImplementedError("moving values between sub-meshes (SendRecv / Broadcast / Scatter / Gather) "
-                                  "is not implemented on the cupy backend yet; the NumPy backends run it")
+        """Copies (src device, send Ref, dst device, recv Ref): on one GPU on its stream; between
+        GPUs a peer copy on the source GPU's stream, after the destination's stream (whose
+        earlier work may still read the buffer) and before it (which reads the result)."""
+        idx = self.local_index
+        same, views, cross = [], [], []
+        for s, sref, d, rref in pairs:
+            if s not in idx and d not in idx:
+                continue
+            if s not in idx or d not in idx:
+                other = s if s not in idx else d
+                raise NotImplementedError(f"cupy_nccl: moving a value from device {s} to device {d}: device {other} "
+                                          "belongs to another process, and the cupy backend moves values between "
+                                          "meshes only within one process (the NumPy backends also do it over MPI)")
+            if sref.shape != rref.shape or sref.dtype != rref.dtype:
+                raise ValueError(f"cupy_nccl: transfer {sref.dtype}{list(sref.shape)} -> "
+                                 f"{rref.dtype}{list(rref.shape)}")
+            js, jd = idx[s], idx[d]
+            os_, od = self.ordinals[js], self.ordinals[jd]
+            src = (sref.slot, sref.offsets[js] * _ITEM[sref.dtype])
+            dst = (rref.slot, rref.offsets[jd] * _ITEM[rref.dtype])
+            if os_ == od:
+                st = self._gpu_stream(os_, stream)
+                copy = self._dma_copy(sref, rref)
+                if copy is None:  # neither one block nor rows: an elementwise copy on that GPU
+                    views.append((js, sref, jd, rref, os_, st))
+                else:
+                    same.append((copy, js, src, jd, dst, st.ptr))
+            else:
+                if not (sref.is_contiguous() and rref.is_contiguous()):
+                    raise NotImplementedError(f"cupy_nccl: moving {sref.shape} from GPU {os_} to GPU {od} needs "
+                                              f"contiguous buffers, got strides {sref.strides} -> {rref.strides}")
+                cross.append((js, os_, src, jd, od, dst, sref.size * _ITEM[sref.dtype]))
+        if not same and not views and not cross:
+            return None, None
+        src_gpus = sorted({c[1] for c in cross})
+        dst_gpus = sorted({c[4] for c in cross})
+        gs = {o: self._gpu_stream(o, stream).ptr for o in set(src_gpus) | set(dst_gpus)}
+        events = {}
+        for o in gs:
+            with cupy.cuda.Device(o):
+                events[o] = cupy.cuda.Event(disable_timing=True)
+        self._events.append(list(events.values()))
+        ready = [(events[o].ptr, gs[o]) for o in dst_gpus]
+        done = [(events[o].ptr, gs[o]) for o in src_gpus]
 
-    def bind_reduce_scatter(self, send, recv, team, stream):
-        count, t = recv.size, _NCCL_T[recv.dtype]
-        return self._collective("reduce_scatter", send, recv, team, stream,
-                                lambda c, s, r, st: c.reduceScatter(s, r, count, t, 0, st))
+        def start(bufs):
+            for copy, js, (ss, so), jd, (ds, do), sp in same:
+                copy(bufs[ds][jd].data.ptr + do, bufs[ss][js].data.ptr + so, sp)
+            for js, sref, jd, rref, o, st in views:
+                with cupy.cuda.Device(o), st:
+                    self.view(bufs, rref, jd)[...] = self.view(bufs, sref, js)
+            if not cross:
+                return
+            for e, sp in ready:
+                runtime.eventRecord(e, sp)
+            for _, sp in done:
+                for e, _ in ready:
+                    runtime.streamWaitEvent(sp, e, 0)
+            for js, os_, (ss, so), jd, od, (ds, do), nbytes in cross:
+                runtime.memcpyPeerAsync(bufs[ds][jd].data.ptr + do, od, bufs[ss][js].data.ptr + so, os_, nbytes,
+                                        gs[os_])
+            for e, sp in done:
+                runtime.eventRecord(e, sp)
+            for _, sp in ready:
+                for e, _ in done:
+                    runtime.streamWaitEvent(sp, e, 0)
+        return start, None
 
 
 def _as_rows(ref):

@@ -1,7 +1,11 @@
 """The CuPy + NCCL + cuBLAS backend on the GPUs this process sees, against float64 NumPy.
 
-Skipped, with one line saying why, where CuPy is missing or sees no GPU.  Buffers are
-poisoned with NaN (SHARDFUSE_POISON=1, set in conftest), so an unwritten element fails.
+Every test that takes `mesh` runs at D = 1, 2, 4 and 8 local devices, on the GPUs there are:
+with fewer GPUs than devices, blocks of devices are virtual devices sharing a GPU (their
+collectives are device copies), so the whole file runs on one GPU.  The heaviest
+parametrizations run at fewer sizes (their `mesh` parameter says which).  Skipped, with one
+line saying why, where CuPy is missing or sees no GPU.  Buffers are poisoned with NaN
+(SHARDFUSE_POISON=1, set in conftest), so an unwritten element fails.
 """
 import os
 
@@ -24,7 +28,7 @@ NGPU = _gpus()
 pytestmark = pytest.mark.skipif(NGPU == 0, reason="CuPy sees no GPU")
 
 import shardfuse as sf  # noqa: E402
-from shardfuse.executor import Ref  # noqa: E402
+from shardfuse.executor import Ref, contiguous_strides  # noqa: E402
 from shardfuse.trace import np_dtype  # noqa: E402
 
 DTYPES = ["float16", "bfloat16", "float32", "float64"]
@@ -32,9 +36,18 @@ DTYPES = ["float16", "bfloat16", "float32", "float64"]
 TOL = {"float64": 1e-12, "float32": 1e-5, "float16": 2e-3, "bfloat16": 1e-2}
 
 
-@pytest.fixture(scope="module")
-def mesh():
-    return sf.DeviceMesh(NGPU, backend="cupy")
+SIZES = (1, 2, 4, 8)
+_MESHES: dict = {}
+
+
+@pytest.fixture(scope="module", params=SIZES, ids=lambda d: f"D{d}")
+def mesh(request):
+    """One mesh (and backend) per size, shared by every test of that size; tests override the
+    sizes with @pytest.mark.parametrize("mesh", [...], indirect=True)."""
+    d = request.param
+    if d not in _MESHES:
+        _MESHES[d] = sf.DeviceMesh(d, backend="cupy")
+    return _MESHES[d]
 
 
 def rng():
@@ -67,20 +80,36 @@ def seed_fns(mesh, streams, graph=False):
 
 
 def test_backend_is_cupy(mesh):
-    assert mesh.backend.name == "cupy"
-    assert all(not s.ptr == 0 for s in mesh.backend.main)  # never the legacy null stream
+    be, d = mesh.backend, mesh.size
+    assert be.name == "cupy"
+    assert all(not s.ptr == 0 for s in be.main)  # never the legacy null stream
+    # device j on GPU j when there are enough, else blocks of virtual devices per GPU
+    assert be.ordinals == (list(range(d)) if d <= NGPU else [j * NGPU // d for j in range(d)])
+    assert len(be.main) == d and all(be.stream(j) is be.main[j] for j in range(d))
+    assert len({id(s) for s in be.main}) == len(set(be.ordinals))  # one main stream per GPU
 
 
-@pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("streams", [1, 2, 4])
-@pytest.mark.parametrize("chunks", [1, 2, 4, 8])
-def test_seed_pipelined(mesh, chunks, streams, dtype):
+def _seed(mesh, chunks, streams, dtype):
     d = mesh.size
     r = rng()
     a, b = randn(r, (chunks, d, 16, 64), dtype), randn(r, (64, 48), dtype)
     f = seed_fns(mesh, streams)
     c = f(sf.shard(a, axis=1, over="DIDx", mesh=mesh), b)
     check(c.gather(), f64(a) @ f64(b), dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("chunks, streams", [(c, s) for c in (1, 2, 4, 8) for s in (1, 2, 4)])
+@pytest.mark.parametrize("mesh", [1], indirect=True)
+def test_seed_pipelined(mesh, chunks, streams, dtype):
+    _seed(mesh, chunks, streams, dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("chunks, streams", [(1, 1), (2, 4), (4, 2), (8, 4)])
+@pytest.mark.parametrize("mesh", [2, 4, 8], indirect=True)
+def test_seed_pipelined_more_devices(mesh, chunks, streams, dtype):
+    _seed(mesh, chunks, streams, dtype)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -121,29 +150,37 @@ def _dev_rand(be, shape, dtype, seed):
         return x, x.astype(np.float64)
 
 
+def _device_input(mesh, x, dtype, axis):
+    """A CuPy array (bfloat16 as its uint16 bits) placed on mesh through the public API, zero
+    copy: sharded on `axis` over DIDx, or replicated (axis None).  CuPy has no bfloat16, so a
+    bfloat16 array goes in as a torch bfloat16 view of the same memory."""
+    if dtype == "bfloat16":
+        torch = pytest.importorskip("torch", reason="bfloat16 device arrays go in through torch")
+        x = torch.from_dlpack(x.view(cupy.int16)).view(torch.bfloat16)
+    return sf.replicate(x, mesh=mesh) if axis is None else sf.shard(x, axis=axis, over="DIDx", mesh=mesh)
+
+
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+@pytest.mark.parametrize("mesh", [1], indirect=True)
 def test_no_early_reuse_of_buffers_read_by_other_streams(mesh, dtype):
     """Many calls in a row with no synchronisation, each on a fresh device input that is dropped
     right after the call while worker streams still read it (the GPU runs behind the host), so
     the pool could hand its memory to the next input early: every result must still be right."""
-    if mesh.size != 1:
-        pytest.skip("single-GPU check (inputs are device arrays of one GPU)")
     be = mesh.backend
     f = seed_fns(mesh, 4)
-    lay = sf.Layout.replicated(4).with_axis(1, "DIDx")
     b, b64 = _dev_rand(be, (2048, 4096), dtype, 1)
-    b_arr = sf.Array(mesh, b.shape, dtype, sf.Layout.replicated(2), [b])
+    b_arr = _device_input(mesh, b, dtype, None)
     seeds = [int(s) for s in rng().integers(1, 2**31, 24)]
     refs, outs = [], []
     for s in seeds:
         a, a64 = _dev_rand(be, (8, 1, 512, 2048), dtype, s)
         refs.append(a64)
-        outs.append(f(sf.Array(mesh, a.shape, dtype, lay, [a]), b_arr))
+        outs.append(f(_device_input(mesh, a, dtype, 1), b_arr))
         del a  # freed now; the plan's worker streams may still be reading it
     with be.stream(0):
         for a64, c in zip(refs, outs):
             ref = cupy.matmul(a64, b64)
-            got = c.shards[0]
+            got = c.to_local()
             got = (got.astype(np.uint32) << 16).view(np.float32) if dtype == "bfloat16" else got
             got = got.astype(np.float64)
             assert bool(cupy.all(cupy.isfinite(got)))
@@ -154,8 +191,6 @@ def test_no_early_reuse_of_buffers_read_by_other_streams(mesh, dtype):
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("chunks", [1, 4, 8])
 def test_graph_equals_eager(mesh, chunks, dtype):
-    if len(mesh.local_devices) != 1:
-        pytest.skip("graph mode needs one local device per process")
     d = mesh.size
     r = rng()
     eager, graph = seed_fns(mesh, 4), seed_fns(mesh, 4, graph=True)
@@ -168,24 +203,43 @@ def test_graph_equals_eager(mesh, chunks, dtype):
         assert cg.tobytes() == ce.tobytes()
 
 
-def test_graph_static_inputs_skip_the_copy(mesh):
-    if len(mesh.local_devices) != 1:
-        pytest.skip("graph mode needs one local device per process")
+@pytest.mark.parametrize("mesh", [1, 4], indirect=True)
+def test_graph_reads_the_callers_buffers(mesh):
+    """Two sets of input buffers, alternating: one graph each, captured on first use and replayed
+    after, reading the caller's buffers in place (nothing is copied in)."""
     d, dtype = mesh.size, "float16"
     r = rng()
     g = seed_fns(mesh, 2, graph=True)
-    a, b = randn(r, (4, d, 32, 64), dtype), randn(r, (64, 32), dtype)
-    plan = g.lower(sf.TensorSpec(a.shape, dtype), sf.TensorSpec(b.shape, dtype))
-    exe = plan.executable
-    static = exe.graph.inputs
-    be = mesh.backend
-    with be.stream(0):
-        static[0][0][...] = cupy.asarray(a[:, :1])
-        static[1][0][...] = cupy.asarray(b)
-    lay_a = sf.Layout.replicated(4).with_axis(1, "DIDx")
-    a_arr = sf.Array(mesh, a.shape, dtype, lay_a, [static[0][0]])
-    b_arr = sf.Array(mesh, b.shape, dtype, sf.Layout.replicated(2), [static[1][0]])
-    check(exe(a_arr, b_arr).gather(), f64(a) @ f64(b), dtype)
+    sets = []
+    for _ in range(2):
+        a, b = randn(r, (4, d, 32, 64), dtype), randn(r, (64, 32), dtype)
+        sets.append((sf.shard(a, axis=1, over="DIDx", mesh=mesh), sf.replicate(b, mesh=mesh), f64(a) @ f64(b)))
+    for _ in range(3):
+        for a_arr, b_arr, ref in sets:
+            check(g(a_arr, b_arr).gather(), ref, dtype)
+    gp = g.lower(sets[0][0].spec, sets[0][1].spec).executable.graph
+    assert gp.captures == 2 and len(gp.graphs) == 2
+
+
+@pytest.mark.parametrize("mesh", [1], indirect=True)
+def test_graph_cache_is_bounded(mesh):
+    """More input sets than the cache holds: the least recently used graph is dropped (and
+    captured again when its buffers come back); every result is right."""
+    d, dtype = mesh.size, "float32"
+    r = rng()
+    g = seed_fns(mesh, 2, graph=True)
+    b = sf.replicate(randn(r, (64, 32), dtype), mesh=mesh)
+    b64 = f64(b.gather())
+    sets = []
+    for _ in range(10):
+        a = randn(r, (2, d, 16, 64), dtype)
+        sets.append((sf.shard(a, axis=1, over="DIDx", mesh=mesh), f64(a) @ b64))
+    for a_arr, ref in sets:
+        check(g(a_arr, b).gather(), ref, dtype)
+    gp = g.lower(sets[0][0].spec, b.spec).executable.graph
+    assert len(gp.graphs) == gp.MAX_GRAPHS == 8 and gp.captures == 10
+    check(g(sets[0][0], b).gather(), sets[0][1], dtype)  # dropped earlier: captured again
+    assert gp.captures == 11 and len(gp.graphs) == 8
 
 
 # ---- the shared case bodies (float32 without TF32, float64), on the GPU mesh -------------------
@@ -254,6 +308,7 @@ GEMM_VIEWS = [
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("case", range(len(GEMM_VIEWS)))
+@pytest.mark.parametrize("mesh", [1, 4], indirect=True)
 def test_gemm_views(mesh, case, dtype):
     be = mesh.backend
     ash, ao, bsh, bo, osh, oo = GEMM_VIEWS[case]
@@ -294,27 +349,124 @@ def test_bench_runs_on_the_gpu():
             assert m["pool_growth_bytes"] == 0, m
 
 
-def test_nccl_error_aborts_and_names_the_step(mesh):
+def _nccl_mesh():
+    """A one-device mesh whose one-device teams use NCCL (a one-rank communicator, as with
+    SHARDFUSE_COLLECTIVES=nccl) instead of a copy: the NCCL path on a machine with one GPU."""
+    mesh = sf.DeviceMesh(1, backend="cupy")
+    mesh.backend.one_device_nccl = True
+    return mesh
+
+
+def test_nccl_error_aborts_and_names_the_step():
     """A failing NCCL call (here: on a communicator already aborted) aborts the team's
-    communicators and raises an error that names the failed step; the next plan gets new ones."""
-    be = mesh.backend
-    d, team = mesh.size, mesh.axis_names[-1]
-    nd = len(be.local_devices)
-    send = Ref(0, (0,) * nd, (4, 8), (8, 1), "float32")
-    recv = Ref(1, (0,) * nd, (d, 4, 8), (32, 8, 1), "float32")
-    start, wait = be.bind_allgather(send, recv, team, 0)
+    communicators and raises an error that names the failed step; the next binding gets new ones."""
+    be = _nccl_mesh().backend
+    send = Ref(0, (0,), (4, 8), (8, 1), "float32")
+    recv = Ref(1, (0,), (1, 4, 8), (32, 8, 1), "float32")
+    start, wait = be.bind_allgather(send, recv, "DIDx", 0)
     assert wait is None  # issued on the step's own stream: the stream order is the wait
-    bufs = [be.empty((4, 8), "float32"), be.empty((d, 4, 8), "float32")]
+    x = randn(rng(), (4, 8), "float32")
+    bufs = [be.to_device([x]), be.empty((1, 4, 8), "float32")]
     start(bufs)  # works
     be.synchronize()
-    for c in be._comms[team]:
+    assert list(be._comms) == [(0,)]  # keyed by the team's devices
+    for c in be._comms[(0,)].values():
         c.abort()
-    with pytest.raises(RuntimeError, match="NCCL allgather on team"):
+    with pytest.raises(RuntimeError, match="NCCL allgather on team 'DIDx'"):
         start(bufs)
-    assert team not in be._comms
-    a = randn(rng(), (2, d, 4, 8), "float32")
-    b = randn(rng(), (8, 8), "float32")
-    check(seed_fns(mesh, 2)(sf.shard(a, axis=1, over="DIDx", mesh=mesh), b).gather(), f64(a) @ f64(b), "float32")
+    assert not be._comms
+    start, _ = be.bind_allgather(send, recv, "DIDx", 0)
+    bufs[1] = be.empty((1, 4, 8), "float32")
+    start(bufs)
+    be.synchronize()
+    assert be.to_host(bufs[1])[0][0].tobytes() == x.tobytes()
+
+
+# ---- collectives called directly: copies on one GPU (D > 1) and NCCL (one-device teams) ------------
+# kind: (send shape, recv shape, what rank r of a team receives from the team's sends s)
+COLLECTIVES = {
+    "allgather": (lambda d: (3, 5), lambda d: (d, 3, 5), lambda s, r: np.stack(s)),
+    "allreduce": (lambda d: (3, 5), lambda d: (3, 5), lambda s, r: sum(s[1:], s[0])),
+    "reduce_scatter": (lambda d: (d, 3, 5), lambda d: (3, 5), lambda s, r: sum(s[1:], s[0])[r]),
+    "alltoall": (lambda d: (d, 3, 5), lambda d: (d, 3, 5), lambda s, r: np.stack([x[r] for x in s])),
+    "sendrecv": (lambda d: (3, 5), lambda d: (3, 5), lambda s, r: s[(r - 1) % len(s)]),  # shift 1
+}
+
+
+def _run_collective(mesh, kind, dtype, axis):
+    """Run one collective over mesh axis `axis` on random sends; compare every device's result
+    with numpy_local's semantics (copies bit for bit, sums against float64)."""
+    be = mesh.backend
+    nd, d = len(be.local_devices), mesh.axis_size(axis)
+    send_shape, recv_shape, want = COLLECTIVES[kind]
+    sshape, rshape = send_shape(d), recv_shape(d)
+    r = rng()
+    sends = [randn(r, sshape, dtype) for _ in range(nd)]
+    sref = Ref(0, (0,) * nd, sshape, contiguous_strides(sshape), dtype)
+    rref = Ref(1, (0,) * nd, rshape, contiguous_strides(rshape), dtype)
+    bufs = [be.to_device(sends), be.empty(rshape, dtype)]
+    bind = getattr(be, f"bind_{kind}")
+    start, wait = bind(sref, rref, axis, 1, 0) if kind == "sendrecv" else bind(sref, rref, axis, 0)
+    assert wait is None
+    start(bufs)  # on worker stream 0
+    be.synchronize()
+    got = be.to_host(bufs[1])
+    for team in mesh.teams(axis):
+        for rank, dev in enumerate(team):
+            if kind in ("allreduce", "reduce_scatter"):
+                check(got[dev], want([f64(sends[q]) for q in team], rank), dtype)
+            else:
+                assert got[dev].tobytes() == want([sends[q] for q in team], rank).tobytes(), (kind, team, rank)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("kind", sorted(COLLECTIVES))
+def test_collectives_direct(mesh, kind, dtype):
+    _run_collective(mesh, kind, dtype, "DIDx")
+
+
+@pytest.mark.parametrize("axis", ["DIDy", "DIDx"])
+@pytest.mark.parametrize("kind", sorted(COLLECTIVES))
+def test_collectives_on_a_2d_mesh(kind, axis):
+    """Several teams per collective (2 x 2 and 2 x 4 meshes), each run on its own."""
+    for shape in ((2, 2), (2, 4)):
+        _run_collective(sf.DeviceMesh(shape, backend="cupy"), kind, "float32", axis)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("kind", sorted(COLLECTIVES))
+def test_collectives_nccl_one_device_team(kind, dtype):
+    _run_collective(_nccl_mesh(), kind, dtype, "DIDx")
+
+
+def test_mixed_team_is_refused():
+    """A team of two devices on one GPU and one on another cannot run: refused at bind time."""
+    if NGPU < 2:
+        pytest.skip("needs two GPUs (a mesh of 3 devices on 2 GPUs puts two on one)")
+    mesh = sf.DeviceMesh(3, backend="cupy")
+    send = Ref(0, (0,) * 3, (4,), (1,), "float32")
+    recv = Ref(1, (0,) * 3, (3, 4), (4, 1), "float32")
+    with pytest.raises(NotImplementedError, match=r"team \(0, 1, 2\) of mesh axis 'DIDx' has devices on GPUs"):
+        mesh.backend.bind_allgather(send, recv, "DIDx", 0)
+
+
+# ---- the caller's arrays: adopt and piece -------------------------------------------------------
+@pytest.mark.parametrize("mesh", [1, 4], indirect=True)
+def test_adopt_and_piece(mesh):
+    be = mesh.backend
+    x = randn(rng(), (8, 6), "bfloat16")
+    g = be.adopt(x)  # a host array: copied to the first GPU, bfloat16 as its uint16 bits
+    assert isinstance(g, cupy.ndarray) and g.dtype == np.uint16 and g.device.id == be.gpus[0]
+    be.synchronize()
+    assert cupy.asnumpy(g).tobytes() == x.tobytes()
+    assert be.adopt(g) is g  # a CuPy array of this process: itself
+    for j, o in enumerate(be.ordinals):
+        p = be.piece(g, j)
+        assert (p is g) == (o == g.device.id) and p.device.id == o
+        cols = be.piece(g[:, 2:4], j)  # not contiguous: a device-side copy on device j's GPU
+        assert cols.flags.c_contiguous and cols.device.id == o
+        be.synchronize()
+        assert cupy.asnumpy(cols).tobytes() == np.ascontiguousarray(x[:, 2:4]).tobytes()
 
 
 # ---- the general compiler's lowerings on the GPU (issue 4), at whatever D this machine has ----------
@@ -376,3 +528,20 @@ def test_general_elementwise_ops(mesh, dtype):
     ref = 0.5 * h * (1 + np.tanh(np.sqrt(2 / np.pi) * (h + 0.044715 * h ** 3))) - np.maximum(-xx, 0) / 2 + np.tanh(xx)
     tol = {"float64": 1e-12, "float32": 1e-5, "float16": 5e-3, "bfloat16": 3e-2}[dtype]
     assert np.all(np.isfinite(got)) and np.linalg.norm(got - ref) / np.linalg.norm(ref) <= tol
+
+
+# ---- sub-meshes (pipeline stages): moves between them and collectives within one ------------------
+@pytest.mark.parametrize("entry", sorted(_cases().MOVES))
+@pytest.mark.parametrize("mesh", [4, 8], indirect=True)
+def test_moves_between_submeshes(mesh, entry):
+    _cases().move_case(mesh, entry)
+
+
+@pytest.mark.parametrize("mesh", [4, 8], indirect=True)
+def test_two_stage_pipeline(mesh):
+    _cases().pipeline_case(mesh)
+
+
+@pytest.mark.parametrize("mesh", [2, 4, 8], indirect=True)
+def test_collectives_inside_a_stage(mesh):
+    _cases().stage_collectives_case(mesh)
