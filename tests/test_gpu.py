@@ -459,7 +459,8 @@ def test_adopt_and_piece(mesh):
     assert isinstance(g, cupy.ndarray) and g.dtype == np.uint16 and g.device.id == be.gpus[0]
     be.synchronize()
     assert cupy.asnumpy(g).tobytes() == x.tobytes()
-    assert be.adopt(g) is g  # a CuPy array of this process: itself
+    y = cupy.arange(12, dtype=np.float32)
+    assert be.adopt(y) is y  # a CuPy array of this process: itself
     for j, o in enumerate(be.ordinals):
         p = be.piece(g, j)
         assert (p is g) == (o == g.device.id) and p.device.id == o
