@@ -125,14 +125,13 @@ def test_torch_tensors_in_and_out(mesh, dtype):
 
     out = ag_then_matmul(a, sf.replicate(b, mesh=mesh))
     ref = a.double().cpu().numpy() @ b.double().cpu().numpy()
-    if d == 1:  # the whole value is this process' one piece: it exports straight to torch
-        t = torch.from_dlpack(out)
-        assert t.dtype == tdt and t.device.type == "cuda"
-        check(t.double().cpu().numpy(), ref, dtype)
-    else:
-        with pytest.raises(ValueError, match="not held whole"):
-            torch.from_dlpack(out)
+    t = torch.from_dlpack(out)  # replicated: this process holds the whole value (a replica at D > 1)
+    assert t.dtype == tdt and t.device.type == "cuda"
+    check(t.double().cpu().numpy(), ref, dtype)
     check(out.gather().astype(np.float64), ref, dtype)
+    if d > 1:  # a sharded value is not exported whole
+        with pytest.raises(ValueError, match="not held whole"):
+            torch.from_dlpack(sf.shard(a, axis=0, mesh=mesh))
     sh = sf.shard(a, axis=0, mesh=mesh)  # torch in, pieces are views of the tensor's memory
     assert sh.addressable_shards[0].data.data.ptr == a.data_ptr()
 
@@ -192,7 +191,7 @@ def test_call_is_ordered_with_the_callers_stream(mesh, graph):
         for piece in got:
             piece = cupy.asnumpy(piece).astype(np.float64)
             assert np.all(np.isfinite(piece)), "the plan or the caller read unwritten data"
-            np.testing.assert_allclose(piece, np.broadcast_to(ref, piece.shape), rtol=1e-5)
+            np.testing.assert_allclose(piece, np.broadcast_to(ref, piece.shape), rtol=1e-5, atol=1e-4)
 
 
 def test_explicit_torch_stream(mesh):
@@ -215,7 +214,7 @@ def test_explicit_torch_stream(mesh):
     for piece in got:
         piece = piece.double().cpu().numpy()
         assert np.all(np.isfinite(piece))
-        np.testing.assert_allclose(piece, np.broadcast_to(ref, piece.shape), rtol=1e-5)
+        np.testing.assert_allclose(piece, np.broadcast_to(ref, piece.shape), rtol=1e-5, atol=1e-4)
 
 
 def test_bad_device_inputs_fail_before_any_work():
