@@ -590,13 +590,13 @@ class CupyNcclBackend:
                 x[...] = r.astype(x.dtype)
 
     # ---- the caller's arrays and streams ------------------------------------------------
-    def adopt(self, x):
+    def adopt(self, x, info=None):
         """A CuPy array holding the whole of the caller's array x (bfloat16 as uint16): a
         zero-copy view of a device array (main of its GPU waits for the producer's stream, via
         DLPack), or a copy of a host array on main of the first GPU."""
         from shardfuse.interop import array_info, to_cupy, to_numpy
 
-        info = array_info(x)
+        info = info or array_info(x)  # given by callers that checked x already
         if info.device is None:
             h = np.ascontiguousarray(to_numpy(x))
             if h.dtype == np_dtype("bfloat16"):

@@ -70,7 +70,7 @@ class NumpyLocalBackend:
         return np.ascontiguousarray(x)
 
     # ---- the caller's arrays and streams ------------------------------------------------
-    def adopt(self, x):
+    def adopt(self, x, info=None):
         """A whole call argument as a host array (device arrays are copied: these devices live
         in host memory).  NumPy arrays are not copied."""
         from shardfuse.interop import to_numpy

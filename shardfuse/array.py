@@ -28,12 +28,12 @@ def device_index(shape, layout: Layout, mesh, device: int):
     return tuple(idx)
 
 
-def local_pieces(x, dtype: str, layout: Layout, mesh):
+def local_pieces(x, dtype: str, layout: Layout, mesh, info=None):
     """This process' pieces of a global array x (one per local device), each contiguous on its
     device.  x is any array the backend can adopt: device arrays stay on the device (a piece is
     a zero-copy view where the layout allows, a device-side copy otherwise)."""
     be = mesh.backend
-    x = be.adopt(x)
+    x = be.adopt(x, info)
     out = []
     for j, d in enumerate(mesh.local_devices):
         idx = device_index(x.shape, layout, mesh, d)
@@ -51,7 +51,8 @@ def _check_layout(shape, layout: Layout, mesh):
 
 class Array:
     def __init__(self, mesh, shape, dtype, layout: Layout, shards: list):
-        self.mesh, self.shape, self.dtype = mesh, tuple(shape), np_dtype(normalize_dtype(dtype))
+        self.dtype_name = normalize_dtype(dtype)
+        self.mesh, self.shape, self.dtype = mesh, tuple(shape), np_dtype(self.dtype_name)
         self.sharding, self.shards = layout, shards
 
     ndim = property(lambda self: len(self.shape))
@@ -65,10 +66,10 @@ class Array:
 
     @property
     def spec(self) -> TensorSpec:
-        return TensorSpec(self.shape, self.dtype.name, self.sharding)
+        return TensorSpec(self.shape, self.dtype_name, self.sharding)
 
     def __repr__(self):
-        return f"sf.Array(shape={self.shape}, dtype={self.dtype.name}, sharding={self.sharding.placements(self.mesh)})"
+        return f"sf.Array(shape={self.shape}, dtype={self.dtype_name}, sharding={self.sharding.placements(self.mesh)})"
 
     @classmethod
     def from_global(cls, x, mesh, axis: int | None, over: str = "DIDx", what: str = "sf.shard"):
@@ -86,7 +87,7 @@ class Array:
             mesh.axis_index(over)
             layout = layout.with_axis(ax, over)
             _check_layout(info.shape, layout, mesh)
-        return cls(mesh, info.shape, info.dtype, layout, local_pieces(x, info.dtype, layout, mesh))
+        return cls(mesh, info.shape, info.dtype, layout, local_pieces(x, info.dtype, layout, mesh, info))
 
     def gather(self) -> np.ndarray:
         """The global value, on every process (a host copy)."""
@@ -152,7 +153,7 @@ class Array:
         piece = self._whole_piece("__dlpack__")
         if stream is not None:
             self.mesh.backend.fence_out({1: 0}.get(stream, stream))
-        if self.dtype.name == "bfloat16" and self.mesh.backend.name == "cupy":
+        if self.dtype_name == "bfloat16" and self.mesh.backend.name == "cupy":
             try:
                 import torch
             except ImportError:
@@ -168,7 +169,7 @@ class Array:
     def __cuda_array_interface__(self):
         if self.mesh.backend.name != "cupy":
             raise AttributeError("__cuda_array_interface__: this sf.Array lives in host memory (NumPy backend)")
-        if self.dtype.name == "bfloat16":
+        if self.dtype_name == "bfloat16":
             raise AttributeError("__cuda_array_interface__ has no bfloat16 type; use __dlpack__ (torch) or to_local()")
         piece = self._whole_piece("__cuda_array_interface__")
         from shardfuse.interop import stream_ptr
@@ -244,7 +245,7 @@ def from_local(local_piece, axis: int, over: str = "DIDx", mesh=None):
     shape[ax] *= mesh.nprocs
     layout = Layout.replicated(len(shape)).with_axis(ax, over)
     be = mesh.backend
-    x = be.adopt(local_piece)
+    x = be.adopt(local_piece, info)
     n = info.shape[ax] // L
     parts = [be.piece(x[(slice(None),) * ax + (slice(j * n, (j + 1) * n),)], j) for j in range(L)]
     return Array(mesh, shape, info.dtype, layout, parts)

@@ -367,45 +367,45 @@ class Executable:
         return True
 
     # ---- running ----------------------------------------------------------------------
-    def _check_args(self, args):
-        """Every argument against the plan's inputs, before any work is queued."""
+    def _check_args(self, args, infos=None):
+        """Every argument against the plan's inputs, before any work is queued.  Returns the
+        ArrayInfo of each plain argument (None for sf.Arrays); `infos` when the caller has them."""
         from shardfuse.interop import array_info, check_device_array, check_placeable
 
         prog = self.prog
         if len(args) != len(prog.inputs):
             raise TypeError(f"{prog.name} takes {len(prog.inputs)} arguments, got {len(args)}")
-        for arg, v in zip(args, prog.inputs):
+        out = []
+        for k, (arg, v) in enumerate(zip(args, prog.inputs)):
             lay = v.type.layout
             if isinstance(arg, Array):
+                out.append(None)
                 # hot path: a (layout, shape, dtype) once accepted for this input is not checked again
-                key = (v, arg.sharding, arg.shape, arg.dtype)
+                key = (v, arg.sharding, arg.shape, arg.dtype_name)
                 if key in self._accepted:
                     continue
-                if arg.shape != v.type.shape or arg.dtype.name != v.type.dtype:
+                if arg.shape != v.type.shape or arg.dtype_name != v.type.dtype:
                     raise ValueError(f"{v.name}: expected shape {v.type.shape} and dtype {v.type.dtype}, got an "
-                                     f"sf.Array of shape {arg.shape} and dtype {arg.dtype.name}")
+                                     f"sf.Array of shape {arg.shape} and dtype {arg.dtype_name}")
                 if arg.sharding.placement() != lay.placement():
                     raise ValueError(f"{v.name}: plan expects layout {lay.placements(self.mesh)}, "
                                      f"got {arg.sharding.placements(self.mesh)}")
                 self._accepted.add(key)
                 continue
-            info = array_info(arg)
+            info = infos[k] if infos is not None else array_info(arg)
             if info.shape != v.type.shape or info.dtype != v.type.dtype:
                 raise ValueError(f"{v.name}: expected shape {v.type.shape} and dtype {v.type.dtype}, got a "
                                  f"{info.describe()}")
             check_device_array(info, v.name)
             check_placeable(info, self.backend, v.name)
+            out.append(info)
+        return out
 
-    def _place_input(self, arg, v):
-        if isinstance(arg, Array):
-            return [self.backend.ascontiguous(s) for s in arg.shards]
-        return local_pieces(arg, v.type.dtype, v.type.layout, self.mesh)
-
-    def __call__(self, *args, stream=None):
+    def __call__(self, *args, stream=None, infos=None):
         """Run the plan.  On the cupy backend the plan's main stream first waits (device-side) for
         the caller's stream (stream=, or CuPy's current stream), and that stream then waits for
         the plan's outputs: the caller's work before and after the call is ordered with it."""
-        self._check_args(args)
+        infos = self._check_args(args, infos)
         be = self.backend
         caller = None
         if be.name == "cupy":
@@ -414,8 +414,11 @@ class Executable:
             caller = stream_ptr(stream)
             be.fence_in(caller)
         bufs = list(self.slot_templates)
-        for k, (arg, v) in enumerate(zip(args, self.prog.inputs)):
-            bufs[k] = self._place_input(arg, v)
+        for k, (arg, v, info) in enumerate(zip(args, self.prog.inputs, infos)):
+            if info is None:  # an sf.Array: its pieces are already placed
+                bufs[k] = [be.ascontiguous(s) for s in arg.shards]
+            else:
+                bufs[k] = local_pieces(arg, v.type.dtype, v.type.layout, self.mesh, info)
         if self.graph is not None:
             # Graph mode: the captured plan writes plan-owned output buffers (the next call
             # overwrites them); the backend keeps one graph per set of input buffers it has seen.

@@ -52,8 +52,8 @@ class Plan:
             self._exe = Executable(self.program, self.program.mesh.backend, graph=self.graph)
         return self._exe
 
-    def __call__(self, *args, stream=None):
-        return self.executable(*args, stream=stream)
+    def __call__(self, *args, stream=None, infos=None):
+        return self.executable(*args, stream=stream, infos=infos)
 
 
 def trace(fn, mesh, specs, streams=4, name=None) -> Program:
@@ -82,6 +82,7 @@ class Jitted:
             raise ValueError(f"streams must be a positive int, got {streams!r}")
         self.fn, self.mesh, self.streams, self.graph = fn, mesh, streams, graph
         self._plans: dict = {}
+        self._dispatch: dict = {}  # argument key -> plan (see __call__)
         functools.update_wrapper(self, fn)
 
     def lower(self, *specs) -> Plan:
@@ -98,10 +99,19 @@ class Jitted:
         """Run on the mesh.  stream=: the CUDA stream the caller issues on (CuPy or torch stream,
         `__cuda_stream__` object); default CuPy's current stream.  The call waits for it
         device-side and it waits for the outputs."""
-        from shardfuse.array import spec_of
+        from shardfuse.array import Array
+        from shardfuse.interop import array_info
 
-        specs = tuple(spec_of(a, self.mesh) for a in args)
-        return self.lower(*specs)(*args, stream=stream)
+        # hot path: the plan for these argument kinds, found by a cheap key (no TensorSpec built)
+        infos = tuple(None if isinstance(a, Array) else array_info(a) for a in args)
+        key = tuple((a.shape, a.dtype_name, a.sharding, a.mesh) if i is None else (i.shape, i.dtype)
+                    for a, i in zip(args, infos))
+        plan = self._dispatch.get(key)
+        if plan is None:
+            from shardfuse.array import spec_of
+
+            plan = self._dispatch[key] = self.lower(*(spec_of(a, self.mesh) for a in args))
+        return plan(*args, stream=stream, infos=infos)
 
 
 def jit(fn=None, *, mesh=None, streams: int = 4, graph: bool = False):

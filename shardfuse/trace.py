@@ -15,8 +15,15 @@ from shardfuse.layout import Layout
 from shardfuse.mesh import STREAM
 
 
+_DTYPE_NAMES: dict = {}  # dtype object -> name (np.dtype(...).name costs microseconds on every call)
+
+
 def normalize_dtype(dtype) -> str:
-    name = dtype if isinstance(dtype, str) else np.dtype(dtype).name
+    name = dtype if isinstance(dtype, str) else _DTYPE_NAMES.get(dtype)
+    if name is None:
+        name = np.dtype(dtype).name
+        if name in DTYPES:
+            _DTYPE_NAMES[dtype] = name
     if name not in DTYPES:
         raise TypeError(f"unsupported dtype {name!r}: expected one of {DTYPES}")
     return name
