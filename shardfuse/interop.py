@@ -134,11 +134,7 @@ def to_cupy(x):
     if isinstance(x, cupy.ndarray):
         return x
     if _is_torch(x):
-        if _torch_dtype(x) == "bfloat16":
-            import torch
-
-            return cupy.from_dlpack(x.view(torch.int16)).view(np.uint16)
-        return cupy.from_dlpack(x)
+        return _torch_view(x)
     if _is_jax(x):
         if x.dtype.name == "bfloat16":
             # CuPy cannot import a bfloat16 DLPack tensor; the bitcast is a device-side copy in JAX
@@ -149,6 +145,38 @@ def to_cupy(x):
     if hasattr(x, "__cuda_array_interface__"):
         return cupy.asarray(x)
     return cupy.from_dlpack(x)
+
+
+_STORE = {"float16": np.float16, "bfloat16": np.uint16, "float32": np.float32, "float64": np.float64}
+_READY: dict = {}  # GPU ordinal -> a reusable cupy Event (a wait takes the event's state when queued)
+
+
+def _torch_view(t):
+    """A CuPy view of a CUDA tensor's memory, built from its pointer, shape and strides (a few
+    microseconds, against tens for a DLPack round trip), holding the tensor alive.  As DLPack
+    would, it makes CuPy's current stream wait (device-side) for torch's current stream, where
+    torch code has queued the tensor's writes."""
+    import cupy
+    import torch
+
+    if t.numel() == 0:
+        return cupy.empty(tuple(t.shape), _STORE[_torch_dtype(t)])
+    dev = t.device.index
+    item = t.element_size()
+    span = (sum((n - 1) * s for n, s in zip(t.shape, t.stride())) + 1) * item
+    mem = cupy.cuda.UnownedMemory(t.data_ptr(), span, t, dev)
+    view = cupy.ndarray(tuple(t.shape), _STORE[_torch_dtype(t)], cupy.cuda.MemoryPointer(mem, 0),
+                        strides=tuple(s * item for s in t.stride()))
+    producer = torch.cuda.current_stream(dev).cuda_stream
+    consumer = cupy.cuda.get_current_stream().ptr
+    if producer != consumer:
+        ev = _READY.get(dev)
+        if ev is None:
+            with cupy.cuda.Device(dev):
+                ev = _READY[dev] = cupy.cuda.Event(disable_timing=True)
+        cupy.cuda.runtime.eventRecord(ev.ptr, producer)
+        cupy.cuda.runtime.streamWaitEvent(consumer, ev.ptr, 0)
+    return view
 
 
 def to_numpy(x) -> np.ndarray:

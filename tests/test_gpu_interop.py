@@ -217,6 +217,29 @@ def test_explicit_torch_stream(mesh):
         np.testing.assert_allclose(piece, np.broadcast_to(ref, piece.shape), rtol=1e-5, atol=1e-4)
 
 
+def test_torch_tensor_written_on_torchs_current_stream(mesh):
+    """A torch tensor written late on torch's current stream (a side stream), passed as it is with
+    no stream=: the call's fence is on CuPy's current stream, so only the adoption of the tensor
+    (which waits for torch's current stream, as DLPack does) orders the read after the write."""
+    torch = _torch()
+    d = mesh.size
+    f = seed(mesh)
+    b = torch.randn((64, 32), device="cuda")
+    w = sf.replicate(b, mesh=mesh)
+    s = torch.cuda.Stream()
+    a = torch.full((16 * d, 64), float("nan"), device="cuda")
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        torch.cuda._sleep(50_000_000)
+        a.fill_(0.25)
+        out = f(a, w)
+    got = [cupy.asnumpy(p.data).astype(np.float64) for p in out.addressable_shards]  # host copies wait
+    ref = 0.25 * b.double().sum(dim=0).cpu().numpy()
+    for piece in got:
+        assert np.all(np.isfinite(piece)), "the plan read the tensor before torch wrote it"
+        np.testing.assert_allclose(piece, np.broadcast_to(ref, piece.shape), rtol=1e-5, atol=1e-4)
+
+
 def test_bad_device_inputs_fail_before_any_work():
     torch = _torch()
     mesh = sf.DeviceMesh(1, backend="cupy")
