@@ -18,6 +18,16 @@ os.environ.setdefault("SHARDFUSE_POISON", "1")
 TOL = {"float64": 1e-12, "float32": 1e-5}
 
 
+def gpu_count() -> int:
+    """GPUs CuPy sees (0 without CuPy or a driver): what the GPU tests skip on."""
+    try:
+        import cupy
+
+        return cupy.cuda.runtime.getDeviceCount()
+    except Exception:
+        return 0
+
+
 def fresh_rng(mesh):
     """A fresh seed per call, the same on every process (inputs are global arrays)."""
     seed = int.from_bytes(os.urandom(4), "little")

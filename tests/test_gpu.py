@@ -17,14 +17,9 @@ os.environ.setdefault("SHARDFUSE_POISON", "1")
 cupy = pytest.importorskip("cupy", reason="CuPy is not installed")
 
 
-def _gpus():
-    try:
-        return cupy.cuda.runtime.getDeviceCount()
-    except Exception:
-        return 0
+from cases import gpu_count  # noqa: E402
 
-
-NGPU = _gpus()
+NGPU = gpu_count()
 pytestmark = pytest.mark.skipif(NGPU == 0, reason="CuPy sees no GPU")
 
 import shardfuse as sf  # noqa: E402

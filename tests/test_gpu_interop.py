@@ -16,17 +16,11 @@ os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")  # JAX must not 
 cupy = pytest.importorskip("cupy", reason="CuPy is not installed")
 
 
-def _gpus():
-    try:
-        return cupy.cuda.runtime.getDeviceCount()
-    except Exception:
-        return 0
-
-
-pytestmark = pytest.mark.skipif(_gpus() == 0, reason="CuPy sees no GPU")
-
 import shardfuse as sf  # noqa: E402
-from shardfuse.trace import np_dtype  # noqa: E402
+from cases import gpu_count  # noqa: E402
+
+pytestmark = pytest.mark.skipif(gpu_count() == 0, reason="CuPy sees no GPU")
+
 
 TOL = {"float64": 1e-12, "float32": 1e-5, "float16": 2e-3, "bfloat16": 1e-2}
 
@@ -170,6 +164,14 @@ def _spin_fill(x, value, stream, ms=50):
 
 
 @pytest.mark.parametrize("graph", [False, True])
+def _check_rowsums(pieces, value, b):
+    """Each piece of value * ones @ b: every row is value times b's column sums (float64)."""
+    ref = value * np.asarray(b, dtype=np.float64).sum(axis=0)
+    for piece in pieces:
+        assert np.all(np.isfinite(piece)), "the plan or the caller read unwritten data"
+        np.testing.assert_allclose(piece, np.broadcast_to(ref, piece.shape), rtol=1e-5, atol=1e-4)
+
+
 def test_call_is_ordered_with_the_callers_stream(mesh, graph):
     """The input is written late on the caller's non-blocking stream, and the output is read on
     it right after the call: without the fences the plan reads unwritten input (poisoned NaN) and
@@ -187,14 +189,16 @@ def test_call_is_ordered_with_the_callers_stream(mesh, graph):
             out = f(a, w)
             got = [s.data.copy() for s in out.addressable_shards]  # read on the caller's stream
         caller.synchronize()
-        ref = value * b.sum(axis=0, dtype=np.float64)
-        for piece in got:
-            piece = cupy.asnumpy(piece).astype(np.float64)
-            assert np.all(np.isfinite(piece)), "the plan or the caller read unwritten data"
-            np.testing.assert_allclose(piece, np.broadcast_to(ref, piece.shape), rtol=1e-5, atol=1e-4)
+        _check_rowsums([cupy.asnumpy(p).astype(np.float64) for p in got], value, b)
 
 
-def test_explicit_torch_stream(mesh):
+@pytest.mark.parametrize("how", ["stream=", "torch's current stream"])
+def test_late_producer_on_a_torch_stream(mesh, how):
+    """A tensor written late on a torch side stream.  "stream=": passed as a CuPy view with
+    stream=s, so only the call's fence orders the read.  "torch's current stream": passed as the
+    tensor itself inside `torch.cuda.stream(s)` with no stream=; the call fences CuPy's current
+    stream, so only the adoption of the tensor (which waits for torch's current stream, as
+    DLPack does) orders the read after the write."""
     torch = _torch()
     d = mesh.size
     f = seed(mesh)
@@ -206,38 +210,14 @@ def test_explicit_torch_stream(mesh):
     with torch.cuda.stream(s):
         torch.cuda._sleep(50_000_000)  # a late producer on the torch stream
         a.fill_(0.5)
-    out = f(cupy.from_dlpack(a), w, stream=s)  # passed as CuPy: only stream= orders it
-    with torch.cuda.stream(s):
-        got = [torch.from_dlpack(p.data).clone() for p in out.addressable_shards]
-    s.synchronize()
-    ref = 0.5 * b.double().sum(dim=0).cpu().numpy()
-    for piece in got:
-        piece = piece.double().cpu().numpy()
-        assert np.all(np.isfinite(piece))
-        np.testing.assert_allclose(piece, np.broadcast_to(ref, piece.shape), rtol=1e-5, atol=1e-4)
-
-
-def test_torch_tensor_written_on_torchs_current_stream(mesh):
-    """A torch tensor written late on torch's current stream (a side stream), passed as it is with
-    no stream=: the call's fence is on CuPy's current stream, so only the adoption of the tensor
-    (which waits for torch's current stream, as DLPack does) orders the read after the write."""
-    torch = _torch()
-    d = mesh.size
-    f = seed(mesh)
-    b = torch.randn((64, 32), device="cuda")
-    w = sf.replicate(b, mesh=mesh)
-    s = torch.cuda.Stream()
-    a = torch.full((16 * d, 64), float("nan"), device="cuda")
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        torch.cuda._sleep(50_000_000)
-        a.fill_(0.25)
-        out = f(a, w)
-    got = [cupy.asnumpy(p.data).astype(np.float64) for p in out.addressable_shards]  # host copies wait
-    ref = 0.25 * b.double().sum(dim=0).cpu().numpy()
-    for piece in got:
-        assert np.all(np.isfinite(piece)), "the plan read the tensor before torch wrote it"
-        np.testing.assert_allclose(piece, np.broadcast_to(ref, piece.shape), rtol=1e-5, atol=1e-4)
+        out = f(a, w) if how != "stream=" else None
+    if how == "stream=":
+        out = f(cupy.from_dlpack(a), w, stream=s)
+        with torch.cuda.stream(s):  # read on s right after the call: s waits for the outputs
+            got = [torch.from_dlpack(p.data).double().cpu().numpy() for p in out.addressable_shards]
+    else:
+        got = [cupy.asnumpy(p.data).astype(np.float64) for p in out.addressable_shards]
+    _check_rowsums(got, 0.5, b.double().cpu().numpy())
 
 
 def test_bad_device_inputs_fail_before_any_work():
