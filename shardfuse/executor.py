@@ -13,7 +13,6 @@ from dataclasses import dataclass, replace
 import numpy as np
 
 from shardfuse.array import Array, local_pieces
-from shardfuse.layout import Layout
 
 MAIN = "main"  # the stream the caller issues on
 COLLECTIVES = ("allgather", "allreduce", "reduce_scatter", "alltoall")
