@@ -24,7 +24,9 @@ current for the whole run, and torch's current stream too): every call waits for
 it wait for the outputs, so the events fence the call.  Host issue time is the wall time of the
 call without synchronising, twice: in the timed rounds (one call on an idle GPU after other
 variants ran, so host caches are cold) and "steady" (calls issued back to back,
---steady-calls of them, the median).  Overlap efficiency is max(T_allgather, T_gemm) /
+--steady-calls of them, the median); those back-to-back calls also give "b2b ms", the GPU
+time per call in a stream of calls (throughput: host work the GPU hides behind earlier calls
+does not count), and the user path's ratio to the plan alone there.  Overlap efficiency is max(T_allgather, T_gemm) /
 T_pipelined.  Memory: per plan, device memory it added (the pool after its first calls, plus
 anything cuBLAS or NCCL took) against inputs + outputs + one gathered A + cuBLAS workspaces,
 and pool growth over --growth-calls calls.
@@ -70,6 +72,15 @@ class HostClock:
         dt = (time.perf_counter() - t0) * 1e3
         return dt, (t1 - t0) * 1e6
 
+    def mark(self, stream=None):
+        self.backend.synchronize()
+        return time.perf_counter()
+
+    def since(self, mark, stream=None):
+        """Milliseconds from mark until everything issued since has finished."""
+        self.backend.synchronize()
+        return (time.perf_counter() - mark) * 1e3
+
     def memory(self):
         return None
 
@@ -102,6 +113,26 @@ class CudaClock:
         self.e1.synchronize()
         self.backend.synchronize()
         return cp.cuda.get_elapsed_time(self.e0, self.e1), (t1 - t0) * 1e6
+
+    def mark(self, stream=None):
+        """An event on the stream (default: the caller's), recorded once the GPU is idle."""
+        cp = self.cupy
+        stream = stream or cp.cuda.get_current_stream()
+        self.backend.synchronize()
+        stream.synchronize()
+        ev = cp.cuda.Event()
+        ev.record(stream)
+        return ev
+
+    def since(self, mark, stream=None):
+        """Milliseconds on the GPU from mark until the work issued on the stream since has finished."""
+        cp = self.cupy
+        stream = stream or cp.cuda.get_current_stream()
+        end = cp.cuda.Event()
+        end.record(stream)
+        end.synchronize()
+        self.backend.synchronize()
+        return cp.cuda.get_elapsed_time(mark, end)
 
     def memory(self):
         """(pool bytes held, device bytes in use)."""
@@ -389,19 +420,24 @@ def bench_dtype(args, mesh, dtype, log, torch_stream=None):
     log(f"  timing {len(variants)} variants, interleaved: {args.warmup} warm-up + {args.repeat} rounds")
     run_interleaved(clock, variants, args.warmup, args.repeat, mpi)
 
-    # steady-state host issue time: calls back to back, no synchronisation between them
-    steady = {}
+    # steady state: calls back to back, no synchronisation between them; the median host issue
+    # time, and the GPU time per call over all of them (throughput: host work that the GPU
+    # hides behind earlier calls does not count, unlike in the one-call-on-an-idle-GPU rounds)
+    steady, steady_ms = {}, {}
     for v in variants:
         be.synchronize()
         hs = []
+        t_start = clock.mark(v.stream)
         for r in range(args.steady_calls):
             if v.before:
                 v.before(r)
             t0 = time.perf_counter()
             v.fn()
             hs.append((time.perf_counter() - t0) * 1e6)
+        elapsed = clock.since(t_start, v.stream)
         be.synchronize()
         steady[id(v)] = float(np.median(hs)) if hs else None
+        steady_ms[id(v)] = elapsed / args.steady_calls if args.steady_calls else None
 
     # results
     med = {id(v): float(np.median(v.gpu)) for v in variants}
@@ -414,7 +450,7 @@ def bench_dtype(args, mesh, dtype, log, torch_stream=None):
         r = {"name": v.name, "dtype": dtype, "S": v.s, "streams": v.streams, "ms": ms,
              "ms_min": float(np.min(v.gpu)), "ms_max": float(np.max(v.gpu)),
              "tflops": flops / (ms * 1e-3) / 1e12 if v.flops else None, "host_us": host, "host_frac": host * 1e-3 / ms,
-             "host_us_steady": steady[id(v)], "rel_err": err}
+             "host_us_steady": steady[id(v)], "ms_steady": steady_ms[id(v)], "rel_err": err}
         if steady[id(v)] is not None:
             r["host_frac_steady"] = steady[id(v)] * 1e-3 / ms
         if v.kind == "allgather":
@@ -428,6 +464,8 @@ def bench_dtype(args, mesh, dtype, log, torch_stream=None):
                     r[f"vs_{key}_one"] = ms / bare[(key, 1)]
         if v.plan_alone is not None:
             r["vs_plan_alone"] = ms / med[id(v.plan_alone)]
+            if steady_ms[id(v)] and steady_ms[id(v.plan_alone)]:
+                r["vs_plan_alone_steady"] = steady_ms[id(v)] / steady_ms[id(v.plan_alone)]
         if v.kind == "plan" and v.name == "unpipelined":
             for key in ("bare_cupy", "bare_cublas"):
                 if (key, 1) in bare:
@@ -712,7 +750,8 @@ def table(rows):
         return fmt % x if x is not None else ""
 
     head = (f"{'plan':<27} {'dtype':<8} {'S':>3} {'str':>3} {'ms':>8} {'TFLOP/s':>7} {'host us':>8} {'host%':>6} {'steady':>7} {'st%':>5} "
-            f"{'overlap':>7} {'/cupy S':>7} {'/cuBLAS S':>9} {'/cupy 1':>7} {'/plan':>6} {'rel err':>8}")
+            f"{'overlap':>7} {'/cupy S':>7} {'/cuBLAS S':>9} {'/cupy 1':>7} {'/plan':>6} {'b2b ms':>7} {'/plan':>6} "
+            f"{'rel err':>8}")
     out = [head, "-" * len(head)]
     for r in rows:
         out.append(f"{r['name']:<27} {r['dtype']:<8} {f(r['S'], '%d'):>3} {f(r['streams'], '%d'):>3} "
@@ -720,7 +759,8 @@ def table(rows):
                    f"{f(r.get('host_us_steady'), '%.1f'):>7} {f(100 * r['host_frac_steady'] if r.get('host_frac_steady') else None, '%.1f'):>5} "
                    f"{f(r.get('overlap_eff'), '%.3f'):>7} {f(r.get('vs_bare_cupy_chunks'), '%.3f'):>7} "
                    f"{f(r.get('vs_bare_cublas_chunks'), '%.3f'):>9} {f(r.get('vs_bare_cupy_one'), '%.3f'):>7} "
-                   f"{f(r.get('vs_plan_alone'), '%.3f'):>6} {f(r.get('rel_err'), '%.1e'):>8}")
+                   f"{f(r.get('vs_plan_alone'), '%.3f'):>6} {f(r.get('ms_steady'), '%.3f'):>7} "
+                   f"{f(r.get('vs_plan_alone_steady'), '%.3f'):>6} {f(r.get('rel_err'), '%.1e'):>8}")
     return "\n".join(out)
 
 

@@ -38,7 +38,7 @@ def test_bench_json_parses():
     for row in rows:
         if row["name"] != "allgather alone":
             assert row["rel_err"] < (1e-5 if row["dtype"] == "float32" else 1e-12), row
-    assert all(row["vs_plan_alone"] > 0 for row in user)
+    assert all(row["vs_plan_alone"] > 0 and row["vs_plan_alone_steady"] > 0 and row["ms_steady"] > 0 for row in user)
     assert out["env"]["user_arrays"] == "numpy"
 
 
