@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from shardfuse.interop import array_info, check_input, stream_ptr
 from shardfuse.layout import Layout
 from shardfuse.trace import TensorSpec, check_divides, normalize_axis, normalize_dtype, np_dtype
 
@@ -74,13 +75,10 @@ class Array:
     @classmethod
     def from_global(cls, x, mesh, axis: int | None, over: str = "DIDx", what: str = "sf.shard"):
         """x placed on mesh: sharded on `axis` over mesh axis `over`, or replicated (axis None)."""
-        from shardfuse.interop import array_info, check_device_array, check_placeable
-
         if mesh is None:
             raise ValueError(f"{what} on a concrete array needs mesh=")
         info = array_info(x)
-        check_device_array(info, what)
-        check_placeable(info, mesh.backend, what)
+        check_input(info, mesh.backend, what)
         layout = Layout.replicated(len(info.shape))
         if axis is not None:
             ax = normalize_axis(axis, len(info.shape), info.shape)
@@ -129,10 +127,8 @@ class Array:
         """This process' one piece (DTensor's to_local), a backend-native array, no copy.  Where
         the process holds several devices' pieces, only a value they all hold whole has one."""
         shards = self.addressable_shards
-        if len(shards) == 1:
+        if len(shards) == 1 or (shards and self._held_whole(shards)):  # replicas: any one is the value
             return shards[0].data
-        if shards and self._held_whole(shards):
-            return shards[0].data  # replicas: any one is the value
         raise ValueError(f"to_local(): this process holds {len(shards)} different pieces of {self!r} "
                          f"(devices {[s.device for s in shards]}); use addressable_shards")
 
@@ -172,8 +168,6 @@ class Array:
         if self.dtype_name == "bfloat16":
             raise AttributeError("__cuda_array_interface__ has no bfloat16 type; use __dlpack__ (torch) or to_local()")
         piece = self._whole_piece("__cuda_array_interface__")
-        from shardfuse.interop import stream_ptr
-
         self.mesh.backend.fence_out(stream_ptr())  # the consumer reads on the current stream
         return piece.__cuda_array_interface__
 
@@ -221,13 +215,10 @@ def _replicator(mesh):
 def from_local(local_piece, axis: int, over: str = "DIDx", mesh=None):
     """SPMD construction: each process passes its own piece (covering its local devices).  A
     device array stays on the device: each local device's part is a zero-copy view where it can be."""
-    from shardfuse.interop import array_info, check_device_array, check_placeable
-
     if mesh is None:
         raise ValueError("sf.from_local needs mesh=")
     info = array_info(local_piece)
-    check_device_array(info, "sf.from_local")
-    check_placeable(info, mesh.backend, "sf.from_local")
+    check_input(info, mesh.backend, "sf.from_local")
     ax = normalize_axis(axis, len(info.shape), info.shape)
     if len(mesh.shape) != 1:
         raise NotImplementedError("sf.from_local supports 1-D meshes for now")
@@ -263,7 +254,5 @@ def spec_of(arg, mesh) -> TensorSpec:
         if arg.mesh != mesh:
             raise ValueError(f"argument is an sf.Array on {arg.mesh}, but the function is compiled for {mesh}")
         return arg.spec
-    from shardfuse.interop import array_info
-
     info = array_info(arg)
     return TensorSpec(info.shape, info.dtype)

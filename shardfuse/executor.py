@@ -13,6 +13,7 @@ from dataclasses import dataclass, replace
 import numpy as np
 
 from shardfuse.array import Array, local_pieces
+from shardfuse.interop import array_info, check_input, stream_ptr
 
 MAIN = "main"  # the stream the caller issues on
 COLLECTIVES = ("allgather", "allreduce", "reduce_scatter", "alltoall")
@@ -369,8 +370,6 @@ class Executable:
     def _check_args(self, args, infos=None):
         """Every argument against the plan's inputs, before any work is queued.  Returns the
         ArrayInfo of each plain argument (None for sf.Arrays); `infos` when the caller has them."""
-        from shardfuse.interop import array_info, check_device_array, check_placeable
-
         prog = self.prog
         if len(args) != len(prog.inputs):
             raise TypeError(f"{prog.name} takes {len(prog.inputs)} arguments, got {len(args)}")
@@ -395,8 +394,7 @@ class Executable:
             if info.shape != v.type.shape or info.dtype != v.type.dtype:
                 raise ValueError(f"{v.name}: expected shape {v.type.shape} and dtype {v.type.dtype}, got a "
                                  f"{info.describe()}")
-            check_device_array(info, v.name)
-            check_placeable(info, self.backend, v.name)
+            check_input(info, self.backend, v.name)
             out.append(info)
         return out
 
@@ -408,8 +406,6 @@ class Executable:
         be = self.backend
         caller = None
         if be.name == "cupy":
-            from shardfuse.interop import stream_ptr
-
             caller = stream_ptr(stream)
             be.fence_in(caller)
         bufs = list(self.slot_templates)

@@ -109,19 +109,18 @@ def _pointer_device(ptr: int) -> int:
     return cupy.cuda.runtime.pointerGetAttributes(ptr).device
 
 
-def check_device_array(info: ArrayInfo, what: str):
-    """Device arrays are taken as they are (zero copy), so they must be C-contiguous: copying
-    them behind the caller's back would hide a cost the caller can avoid."""
-    if info.device is not None and not info.contiguous:
+def check_input(info: ArrayInfo, backend, what: str):
+    """What a device array must be for the backend to take it as it is (zero copy, no silent
+    cross-GPU copies): C-contiguous, and on a GPU of this process' devices.  Copying it behind the
+    caller's back would hide a cost the caller can avoid."""
+    if info.device is None:
+        return
+    if not info.contiguous:
         fix = {"torch": "x.contiguous()", "cupy": "cupy.ascontiguousarray(x)"}.get(info.kind, "a contiguous copy")
         raise ValueError(f"{what}: a non-contiguous {info.describe()}; shardfuse takes device arrays as they "
                          f"are (C-contiguous, zero copy): pass {fix}")
-
-
-def check_placeable(info: ArrayInfo, backend, what: str):
-    """A device array must sit on a GPU of this process' devices (no silent cross-GPU copies)."""
     ordinals = getattr(backend, "ordinals", None)
-    if info.device is not None and ordinals is not None and info.device not in ordinals:
+    if ordinals is not None and info.device not in ordinals:
         raise ValueError(f"{what}: a {info.describe()}, but this process' devices are on GPUs "
                          f"{sorted(set(ordinals))}")
 

@@ -5,6 +5,8 @@ import functools
 import inspect
 import os
 
+from shardfuse.array import Array, spec_of
+from shardfuse.interop import array_info
 from shardfuse.ir import Program, TensorType, Value
 from shardfuse.passes import compile_program
 from shardfuse.passes.verify import COLLECTIVES
@@ -99,17 +101,12 @@ class Jitted:
         """Run on the mesh.  stream=: the CUDA stream the caller issues on (CuPy or torch stream,
         `__cuda_stream__` object); default CuPy's current stream.  The call waits for it
         device-side and it waits for the outputs."""
-        from shardfuse.array import Array
-        from shardfuse.interop import array_info
-
         # hot path: the plan for these argument kinds, found by a cheap key (no TensorSpec built)
         infos = tuple(None if isinstance(a, Array) else array_info(a) for a in args)
         key = tuple((a.shape, a.dtype_name, a.sharding, a.mesh) if i is None else (i.shape, i.dtype)
                     for a, i in zip(args, infos))
         plan = self._dispatch.get(key)
         if plan is None:
-            from shardfuse.array import spec_of
-
             plan = self._dispatch[key] = self.lower(*(spec_of(a, self.mesh) for a in args))
         return plan(*args, stream=stream, infos=infos)
 

@@ -235,10 +235,10 @@ def test_bad_device_inputs_fail_before_any_work():
         plan(a, b.half())
     with pytest.raises(TypeError, match="unsupported dtype 'int32'"):
         sf.shard(torch.ones((4, 4), dtype=torch.int32, device="cuda"), axis=0, mesh=mesh)
-    from shardfuse.interop import array_info, check_placeable
+    from shardfuse.interop import array_info, check_input
 
     class OtherGPUs:  # a backend whose devices are on GPU 1 only
         ordinals = [1]
 
     with pytest.raises(ValueError, match=r"on GPU 0, but this process' devices are on GPUs \[1\]"):
-        check_placeable(array_info(a), OtherGPUs(), "a")
+        check_input(array_info(a), OtherGPUs(), "a")
