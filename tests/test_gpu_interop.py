@@ -163,7 +163,6 @@ def _spin_fill(x, value, stream, ms=50):
         kern((64,), (256,), (x, np.float32(value), np.int64(x.size), np.int64(rate * ms)))
 
 
-@pytest.mark.parametrize("graph", [False, True])
 def _check_rowsums(pieces, value, b):
     """Each piece of value * ones @ b: every row is value times b's column sums (float64)."""
     ref = value * np.asarray(b, dtype=np.float64).sum(axis=0)
@@ -172,6 +171,7 @@ def _check_rowsums(pieces, value, b):
         np.testing.assert_allclose(piece, np.broadcast_to(ref, piece.shape), rtol=1e-5, atol=1e-4)
 
 
+@pytest.mark.parametrize("graph", [False, True])
 def test_call_is_ordered_with_the_callers_stream(mesh, graph):
     """The input is written late on the caller's non-blocking stream, and the output is read on
     it right after the call: without the fences the plan reads unwritten input (poisoned NaN) and
