@@ -57,6 +57,7 @@ import numpy as np
 import cupy
 from cupy.cuda import nccl, runtime
 
+from shardfuse.interop import _torch_view, array_info, to_cupy, to_numpy
 from shardfuse.trace import np_dtype
 
 POISON = os.environ.get("SHARDFUSE_POISON") == "1"  # fill new buffers with NaN (tests)
@@ -590,12 +591,11 @@ class CupyNcclBackend:
                 x[...] = r.astype(x.dtype)
 
     # ---- the caller's arrays and streams ------------------------------------------------
-    def adopt(self, x, info=None):
+    def adopt(self, x, info=None, fenced=None):
         """A CuPy array holding the whole of the caller's array x (bfloat16 as uint16): a
-        zero-copy view of a device array (main of its GPU waits for the producer's stream, via
-        DLPack), or a copy of a host array on main of the first GPU."""
-        from shardfuse.interop import array_info, to_cupy, to_numpy
-
+        zero-copy view of a device array (main of its GPU waits for the producer's stream, as
+        DLPack does, unless that is `fenced`: the caller's stream, which mains already wait
+        for), or a copy of a host array on main of the first GPU."""
         info = info or array_info(x)  # given by callers that checked x already
         if info.device is None:
             h = np.ascontiguousarray(to_numpy(x))
@@ -605,6 +605,10 @@ class CupyNcclBackend:
             with cupy.cuda.Device(o), self._main_of[o]:
                 return cupy.asarray(h)
         # callers have checked x with interop.check_input: it is on one of this process' GPUs
+        if info.kind == "cupy":  # already a view of itself: no device or stream context to enter
+            return x
+        if info.kind == "torch":
+            return _torch_view(x, self._main_of[info.device].ptr, fenced)
         with cupy.cuda.Device(info.device), self._main_of[info.device]:
             return to_cupy(x)
 

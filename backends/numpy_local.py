@@ -70,9 +70,9 @@ class NumpyLocalBackend:
         return np.ascontiguousarray(x)
 
     # ---- the caller's arrays and streams ------------------------------------------------
-    def adopt(self, x, info=None):
+    def adopt(self, x, info=None, fenced=None):
         """A whole call argument as a host array (device arrays are copied: these devices live
-        in host memory).  NumPy arrays are not copied."""
+        in host memory).  NumPy arrays are not copied.  (`fenced`: no streams here.)"""
         from shardfuse.interop import to_numpy
 
         return to_numpy(x)

@@ -5,6 +5,8 @@ Global-view semantics, as in JAX and DTensor: `.shape` is the global shape and `
 """
 from __future__ import annotations
 
+import functools
+
 import numpy as np
 
 from shardfuse.interop import array_info, check_input, stream_ptr
@@ -29,25 +31,46 @@ def device_index(shape, layout: Layout, mesh, device: int):
     return tuple(idx)
 
 
-def local_pieces(x, dtype: str, layout: Layout, mesh, info=None):
+@functools.lru_cache(maxsize=512)
+def piece_indices(shape: tuple, layout: Layout, mesh) -> tuple:
+    """Per local device: the index of its piece of a global array of this shape, () when the
+    piece is the whole array, None when the device holds none (outside the value's sub-mesh).
+    Cached: a call or sf.shard on the same shape and layout finds it in one lookup."""
+    out = []
+    for d in mesh.local_devices:
+        idx = device_index(shape, layout, mesh, d)
+        out.append(() if idx is not None and all(s == slice(None) for s in idx) else idx)
+    return tuple(out)
+
+
+def local_pieces(x, dtype: str, layout: Layout, mesh, info=None, fenced=None):
     """This process' pieces of a global array x (one per local device), each contiguous on its
     device.  x is any array the backend can adopt: device arrays stay on the device (a piece is
-    a zero-copy view where the layout allows, a device-side copy otherwise)."""
+    a zero-copy view where the layout allows, a device-side copy otherwise).  `fenced`: a
+    stream the backend's streams already wait for (see the backends' adopt)."""
     be = mesh.backend
-    x = be.adopt(x, info)
+    x = be.adopt(x, info, fenced)
     out = []
-    for j, d in enumerate(mesh.local_devices):
-        idx = device_index(x.shape, layout, mesh, d)
+    for j, idx in enumerate(piece_indices(tuple(x.shape), layout, mesh)):
         if idx is None:  # a device outside the value's sub-mesh holds a placeholder, never read
             out.append(be.empty(layout.local_shape(x.shape, mesh), dtype)[j])
         else:
-            out.append(be.piece(x[idx], j))
+            out.append(be.piece(x[idx] if idx else x, j))
     return out
 
 
-def _check_layout(shape, layout: Layout, mesh):
-    for ax, name in layout.sharded_axes().items():
-        check_divides(shape, ax, name, mesh)
+@functools.lru_cache(maxsize=512)
+def _global_layout(shape: tuple, mesh, axis: int | None, over: str) -> Layout:
+    """The layout of a global array of this shape sharded on `axis` over mesh axis `over`
+    (replicated for axis None), checked (errors are raised, not cached)."""
+    layout = Layout.replicated(len(shape))
+    if axis is not None:
+        ax = normalize_axis(axis, len(shape), shape)
+        mesh.axis_index(over)
+        layout = layout.with_axis(ax, over)
+        for a, name in layout.sharded_axes().items():
+            check_divides(shape, a, name, mesh)
+    return layout
 
 
 class Array:
@@ -79,12 +102,7 @@ class Array:
             raise ValueError(f"{what} on a concrete array needs mesh=")
         info = array_info(x)
         check_input(info, mesh.backend, what)
-        layout = Layout.replicated(len(info.shape))
-        if axis is not None:
-            ax = normalize_axis(axis, len(info.shape), info.shape)
-            mesh.axis_index(over)
-            layout = layout.with_axis(ax, over)
-            _check_layout(info.shape, layout, mesh)
+        layout = _global_layout(info.shape, mesh, axis, over)
         return cls(mesh, info.shape, info.dtype, layout, local_pieces(x, info.dtype, layout, mesh, info))
 
     def gather(self) -> np.ndarray:
@@ -137,6 +155,9 @@ class Array:
 
     def _whole_piece(self, what):
         """A local piece that is the whole value (replicated, or a mesh of one device)."""
+        lay = self.sharding
+        if len(self.shards) == 1 and lay.mesh is None and not lay.partial and self.shards[0].shape == self.shape:
+            return self.shards[0]  # the hot path (a result exported every call): one whole piece
         shards = self.addressable_shards
         if shards and self._held_whole(shards):
             return shards[0].data

@@ -23,10 +23,11 @@ GPU time comes from CUDA events on the caller's stream (a non-blocking CuPy stre
 current for the whole run, and torch's current stream too): every call waits for it and makes
 it wait for the outputs, so the events fence the call.  Host issue time is the wall time of the
 call without synchronising, twice: in the timed rounds (one call on an idle GPU after other
-variants ran, so host caches are cold) and "steady" (calls issued back to back,
---steady-calls of them, the median); those back-to-back calls also give "b2b ms", the GPU
-time per call in a stream of calls (throughput: host work the GPU hides behind earlier calls
-does not count), and the user path's ratio to the plan alone there.  Overlap efficiency is max(T_allgather, T_gemm) /
+variants ran, so host caches are cold) and "steady" (calls issued back to back, the median);
+those back-to-back calls (--steady-rounds runs of --steady-calls, round robin over the
+variants) also give "b2b ms", the median GPU time per call in a run of calls (throughput: host
+work the GPU hides behind earlier calls does not count), and the user path's ratio to the plan
+alone there.  Overlap efficiency is max(T_allgather, T_gemm) /
 T_pipelined.  Memory: per plan, device memory it added (the pool after its first calls, plus
 anything cuBLAS or NCCL took) against inputs + outputs + one gathered A + cuBLAS workspaces,
 and pool growth over --growth-calls calls.
@@ -421,23 +422,28 @@ def bench_dtype(args, mesh, dtype, log, torch_stream=None):
     run_interleaved(clock, variants, args.warmup, args.repeat, mpi)
 
     # steady state: calls back to back, no synchronisation between them; the median host issue
-    # time, and the GPU time per call over all of them (throughput: host work that the GPU
-    # hides behind earlier calls does not count, unlike in the one-call-on-an-idle-GPU rounds)
-    steady, steady_ms = {}, {}
-    for v in variants:
-        be.synchronize()
-        hs = []
-        t_start = clock.mark(v.stream)
-        for r in range(args.steady_calls):
-            if v.before:
-                v.before(r)
-            t0 = time.perf_counter()
-            v.fn()
-            hs.append((time.perf_counter() - t0) * 1e6)
-        elapsed = clock.since(t_start, v.stream)
-        be.synchronize()
-        steady[id(v)] = float(np.median(hs)) if hs else None
-        steady_ms[id(v)] = elapsed / args.steady_calls if args.steady_calls else None
+    # time, and the GPU time per call over each run of calls (throughput: host work that the GPU
+    # hides behind earlier calls does not count, unlike in the one-call-on-an-idle-GPU rounds).
+    # --steady-rounds runs of --steady-calls calls, the variants in round robin as above, so that
+    # clock and power drift under sustained load hit all variants alike; medians over the runs.
+    hosts = {id(v): [] for v in variants}
+    per_call = {id(v): [] for v in variants}
+    for _ in range(args.steady_rounds if args.steady_calls else 0):
+        for v in variants:
+            if mpi is not None:
+                mpi.Barrier()
+            be.synchronize()
+            t_start = clock.mark(v.stream)
+            for r in range(args.steady_calls):
+                if v.before:
+                    v.before(r)
+                t0 = time.perf_counter()
+                v.fn()
+                hosts[id(v)].append((time.perf_counter() - t0) * 1e6)
+            per_call[id(v)].append(clock.since(t_start, v.stream) / args.steady_calls)
+            be.synchronize()
+    steady = {k: float(np.median(h)) if h else None for k, h in hosts.items()}
+    steady_ms = {k: float(np.median(t)) if t else None for k, t in per_call.items()}
 
     # results
     med = {id(v): float(np.median(v.gpu)) for v in variants}
@@ -795,7 +801,10 @@ def main(argv=None):
     p.add_argument("--sets", type=int, default=3, help="input sets rotated over runs")
     p.add_argument("--growth-calls", type=int, default=1000, help="calls for the memory-growth check")
     p.add_argument("--steady-calls", type=int, default=20,
-                   help="calls issued back to back (no synchronisation) for the steady-state host issue time")
+                   help="calls issued back to back (no synchronisation) per run, for the steady-state host "
+                        "issue time and the back-to-back GPU time per call")
+    p.add_argument("--steady-rounds", type=int, default=5,
+                   help="runs of --steady-calls per variant, round robin over the variants (medians)")
     p.add_argument("--graph", action="store_true", help="also time graph replay (cupy backend)")
     p.add_argument("--seed", type=int, default=None)
     p.add_argument("--json", action="store_true", help="print one JSON object instead of the table")

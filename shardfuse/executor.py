@@ -413,7 +413,7 @@ class Executable:
             if info is None:  # an sf.Array: its pieces are already placed
                 bufs[k] = [be.ascontiguous(s) for s in arg.shards]
             else:
-                bufs[k] = local_pieces(arg, v.type.dtype, v.type.layout, self.mesh, info)
+                bufs[k] = local_pieces(arg, v.type.dtype, v.type.layout, self.mesh, info, fenced=caller)
         if self.graph is not None:
             # Graph mode: the captured plan writes plan-owned output buffers (the next call
             # overwrites them); the backend keeps one graph per set of input buffers it has seen.

@@ -150,13 +150,23 @@ _STORE = {"float16": np.float16, "bfloat16": np.uint16, "float32": np.float32, "
 _READY: dict = {}  # GPU ordinal -> a reusable cupy Event (a wait takes the event's state when queued)
 
 
-def _torch_view(t):
+def _torch_stream_ptr(dev: int) -> int:
+    """torch's current stream on GPU dev, as a raw pointer (torch's private accessor costs well
+    under a microsecond, torch.cuda.current_stream about ten)."""
+    import torch
+
+    raw = getattr(torch._C, "_cuda_getCurrentRawStream", None)
+    return raw(dev) if raw is not None else torch.cuda.current_stream(dev).cuda_stream
+
+
+def _torch_view(t, consumer: int | None = None, fenced: int | None = None):
     """A CuPy view of a CUDA tensor's memory, built from its pointer, shape and strides (a few
     microseconds, against tens for a DLPack round trip), holding the tensor alive.  As DLPack
-    would, it makes CuPy's current stream wait (device-side) for torch's current stream, where
-    torch code has queued the tensor's writes."""
+    would, it makes the consumer stream (a raw pointer; default CuPy's current stream) wait,
+    device-side, for torch's current stream, where torch code has queued the tensor's writes;
+    not when torch's current stream is `fenced` (a call's caller stream, which the call's main
+    streams already wait for)."""
     import cupy
-    import torch
 
     if t.numel() == 0:
         return cupy.empty(tuple(t.shape), _STORE[_torch_dtype(t)])
@@ -166,9 +176,10 @@ def _torch_view(t):
     mem = cupy.cuda.UnownedMemory(t.data_ptr(), span, t, dev)
     view = cupy.ndarray(tuple(t.shape), _STORE[_torch_dtype(t)], cupy.cuda.MemoryPointer(mem, 0),
                         strides=tuple(s * item for s in t.stride()))
-    producer = torch.cuda.current_stream(dev).cuda_stream
-    consumer = cupy.cuda.get_current_stream().ptr
-    if producer != consumer:
+    producer = _torch_stream_ptr(dev)
+    if consumer is None:
+        consumer = cupy.cuda.get_current_stream().ptr
+    if producer != consumer and producer != fenced:
         ev = _READY.get(dev)
         if ev is None:
             with cupy.cuda.Device(dev):

@@ -13,7 +13,7 @@ def run(*args):
 
 
 TINY = ["--backend", "numpy", "--m", "32", "--k", "16", "--n", "8", "--chunks", "1,2,4", "--streams", "1,2",
-        "--repeat", "2", "--warmup", "1", "--growth-calls", "3"]
+        "--repeat", "2", "--warmup", "1", "--growth-calls", "3", "--steady-rounds", "2"]
 
 
 def test_bench_json_parses():
