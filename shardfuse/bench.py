@@ -449,6 +449,7 @@ def bench_dtype(args, mesh, dtype, log, torch_stream=None):
     med = {id(v): float(np.median(v.gpu)) for v in variants}
     t_ag, t_gemm = med[id(v_ag)], med[id(v_gemm)]
     bare = {(v.kind, v.s): med[id(v)] for v in variants if v.kind.startswith("bare")}
+    bare_b2b = {(v.kind, v.s): steady_ms[id(v)] for v in variants if v.kind.startswith("bare")}
     rows = []
     for v in variants:
         ms, host = med[id(v)], float(np.median(v.host))
@@ -468,10 +469,17 @@ def bench_dtype(args, mesh, dtype, log, torch_stream=None):
                     r[f"vs_{key}_chunks"] = ms / bare[(key, v.s)]
                 if (key, 1) in bare:
                     r[f"vs_{key}_one"] = ms / bare[(key, 1)]
+                    if steady_ms[id(v)] and bare_b2b.get((key, 1)):
+                        r[f"vs_{key}_one_steady"] = steady_ms[id(v)] / bare_b2b[(key, 1)]
         if v.plan_alone is not None:
             r["vs_plan_alone"] = ms / med[id(v.plan_alone)]
             if steady_ms[id(v)] and steady_ms[id(v.plan_alone)]:
-                r["vs_plan_alone_steady"] = steady_ms[id(v)] / steady_ms[id(v.plan_alone)]
+                # paired by run: the plan alone's run is the one just before (drift cancels)
+                pairs = [u / p for u, p in zip(per_call[id(v)], per_call[id(v.plan_alone)])]
+                r["vs_plan_alone_steady"] = float(np.median(pairs))
+        graph = getattr(getattr(v, "exe", None), "graph", None)
+        if graph is not None and hasattr(graph, "captures"):
+            r["graph_captures"] = graph.captures  # the plan's (shared with its user path), all calls so far
         if v.kind == "plan" and v.name == "unpipelined":
             for key in ("bare_cupy", "bare_cublas"):
                 if (key, 1) in bare:
@@ -756,7 +764,8 @@ def table(rows):
         return fmt % x if x is not None else ""
 
     head = (f"{'plan':<27} {'dtype':<8} {'S':>3} {'str':>3} {'ms':>8} {'TFLOP/s':>7} {'host us':>8} {'host%':>6} {'steady':>7} {'st%':>5} "
-            f"{'overlap':>7} {'/cupy S':>7} {'/cuBLAS S':>9} {'/cupy 1':>7} {'/plan':>6} {'b2b ms':>7} {'/plan':>6} "
+            f"{'overlap':>7} {'/cupy S':>7} {'/cuBLAS S':>9} {'/cupy 1':>7} {'/cuBLAS 1':>9} {'/plan':>6} {'b2b ms':>7} "
+            f"{'/cuBLAS 1':>9} {'/plan':>6} "
             f"{'rel err':>8}")
     out = [head, "-" * len(head)]
     for r in rows:
@@ -765,7 +774,9 @@ def table(rows):
                    f"{f(r.get('host_us_steady'), '%.1f'):>7} {f(100 * r['host_frac_steady'] if r.get('host_frac_steady') else None, '%.1f'):>5} "
                    f"{f(r.get('overlap_eff'), '%.3f'):>7} {f(r.get('vs_bare_cupy_chunks'), '%.3f'):>7} "
                    f"{f(r.get('vs_bare_cublas_chunks'), '%.3f'):>9} {f(r.get('vs_bare_cupy_one'), '%.3f'):>7} "
+                   f"{f(r.get('vs_bare_cublas_one'), '%.3f'):>9} "
                    f"{f(r.get('vs_plan_alone'), '%.3f'):>6} {f(r.get('ms_steady'), '%.3f'):>7} "
+                   f"{f(r.get('vs_bare_cublas_one_steady'), '%.3f'):>9} "
                    f"{f(r.get('vs_plan_alone_steady'), '%.3f'):>6} {f(r.get('rel_err'), '%.1e'):>8}")
     return "\n".join(out)
 

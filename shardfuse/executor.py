@@ -123,8 +123,10 @@ class Executable:
             lay = v.type.layout
             shape = lay.local_shape(v.type.shape, self.mesh)
             self.refs[v] = self._new_slot(shape, v.type.dtype, None)
+        self._allocated: set = set()  # slots of the program's own persistent allocations
         self._bind(prog.instrs, {}, MAIN)
         self.steps = [s for s in self.steps if s is not None]
+        self._release_unused(prog)
         self._graph_outputs = None
         self._accepted, self._out_layouts = set(), {}  # hot-path caches of layout checks
         self.graph = backend.capture(self) if graph else None
@@ -200,6 +202,23 @@ class Executable:
                 blocked.add(vs[-1])
         return {c for c in candidates if root[c] not in blocked}
 
+    def _release_unused(self, prog):
+        """Persistent buffers that no step touches once binding is done go back: the
+        destinations of folded one-device collectives (a D = 1 plan then holds no gathered copy
+        of its input).  Only the program's own allocations; scratch made while binding is used."""
+        from shardfuse.ir import walk
+
+        used = {self.refs[v].slot for v in prog.outputs}
+        for i in walk(prog.instrs):
+            if i.op in VIEW_OPS or i.op == "allocate":
+                continue
+            for v in (*i.values(), *i.outs):
+                ref = self.refs.get(v)
+                if isinstance(ref, Ref):
+                    used.add(ref.slot)
+        for slot in self._allocated - used:
+            self.slot_templates[slot] = None
+
     def _local_shape(self, v):
         return v.type.layout.local_shape(v.type.shape, self.mesh)
 
@@ -220,6 +239,8 @@ class Executable:
                     ref = self._allocate((a["pool"],) + shape, v.type.dtype, False)
                 else:
                     ref = self._allocate(shape, v.type.dtype, a.get("per_call", False), self._physical_order.get(v))
+                if self.slot_templates[ref.slot] is not None:
+                    self._allocated.add(ref.slot)
                 self.refs[v] = ref
             elif op in VIEW_OPS:
                 self.refs[i.outs[0]] = self._view(i, env)

@@ -96,3 +96,18 @@ def test_plans_are_cached_and_buffers_reused():
     assert [id(t) for t in exe.slot_templates if t is not None] == persistent
     for c, ref in results:
         np.testing.assert_allclose(c.gather(), ref, rtol=1e-4, atol=1e-4)
+
+
+def test_one_device_plan_keeps_no_gathered_copy():
+    """At D = 1 the Allgather folds to a view of the input, so the gathered pool it would have
+    filled is released at bind time; at D = 2 the plan keeps it (and still computes the product)."""
+    import numpy as np
+
+    for d, persistent in ((1, 0), (2, 1)):
+        m = mesh(d)
+        f = sf.jit(lambda a, b: sf.stream(sf.shard(a, axis=1) @ b, axis=0), mesh=m)
+        exe = f.lower(sf.TensorSpec((4, d, 3, 5)), sf.TensorSpec((5, 7))).executable
+        assert sum(t is not None for t in exe.slot_templates) == persistent, d
+        rng = np.random.default_rng()
+        a, b = rng.standard_normal((4, d, 3, 5)).astype("float32"), rng.standard_normal((5, 7)).astype("float32")
+        np.testing.assert_allclose(f(a, b).gather(), a.astype(np.float64) @ b, rtol=1e-4, atol=1e-4)
