@@ -27,7 +27,8 @@ variants ran, so host caches are cold) and "steady" (calls issued back to back, 
 those back-to-back calls (--steady-rounds runs of --steady-calls, round robin over the
 variants) also give "b2b ms", the median GPU time per call in a run of calls (throughput: host
 work the GPU hides behind earlier calls does not count), and the user path's ratio to the plan
-alone there.  Overlap efficiency is max(T_allgather, T_gemm) /
+alone there, from the two called alternately back to back (an event between calls, so
+both see the same clocks and power).  Overlap efficiency is max(T_allgather, T_gemm) /
 T_pipelined.  Memory: per plan, device memory it added (the pool after its first calls, plus
 anything cuBLAS or NCCL took) against inputs + outputs + one gathered A + cuBLAS workspaces,
 and pool growth over --growth-calls calls.
@@ -82,6 +83,17 @@ class HostClock:
         self.backend.synchronize()
         return (time.perf_counter() - mark) * 1e3
 
+    def stamps(self, n):
+        return [None] * n
+
+    def stamp(self, stamps, k, stream=None):
+        """Stamp k once everything issued so far has finished (the host runs the steps)."""
+        self.backend.synchronize()
+        stamps[k] = time.perf_counter()
+
+    def between(self, a, b):
+        return (b - a) * 1e3
+
     def memory(self):
         return None
 
@@ -134,6 +146,18 @@ class CudaClock:
         end.synchronize()
         self.backend.synchronize()
         return cp.cuda.get_elapsed_time(mark, end)
+
+    def stamps(self, n):
+        """n events, made before a timed run (no allocation between its calls)."""
+        return [self.cupy.cuda.Event() for _ in range(n)]
+
+    def stamp(self, stamps, k, stream=None):
+        """Event k on the stream (default: the caller's), where the calls before it are fenced."""
+        stamps[k].record(stream or self.cupy.cuda.get_current_stream())
+
+    def between(self, a, b):
+        b.synchronize()
+        return self.cupy.cuda.get_elapsed_time(a, b)
 
     def memory(self):
         """(pool bytes held, device bytes in use)."""
@@ -445,6 +469,14 @@ def bench_dtype(args, mesh, dtype, log, torch_stream=None):
     steady = {k: float(np.median(h)) if h else None for k, h in hosts.items()}
     steady_ms = {k: float(np.median(t)) if t else None for k, t in per_call.items()}
 
+    # the user path against the plan alone, back to back and alternating (plan, user, plan, ...)
+    # with an event on the caller's stream between calls: each call's GPU time beside its
+    # pair's under the same clocks and power, so the ratio of medians is free of drift
+    alternating = {}
+    for v in variants:
+        if v.plan_alone is not None and args.steady_calls:
+            alternating[id(v)] = alternate(clock, be, v.plan_alone, v, args.steady_calls * args.steady_rounds, mpi)
+
     # results
     med = {id(v): float(np.median(v.gpu)) for v in variants}
     t_ag, t_gemm = med[id(v_ag)], med[id(v_gemm)]
@@ -473,10 +505,8 @@ def bench_dtype(args, mesh, dtype, log, torch_stream=None):
                         r[f"vs_{key}_one_steady"] = steady_ms[id(v)] / bare_b2b[(key, 1)]
         if v.plan_alone is not None:
             r["vs_plan_alone"] = ms / med[id(v.plan_alone)]
-            if steady_ms[id(v)] and steady_ms[id(v.plan_alone)]:
-                # paired by run: the plan alone's run is the one just before (drift cancels)
-                pairs = [u / p for u, p in zip(per_call[id(v)], per_call[id(v.plan_alone)])]
-                r["vs_plan_alone_steady"] = float(np.median(pairs))
+            if id(v) in alternating:
+                r["vs_plan_alone_steady"] = alternating[id(v)]
         graph = getattr(getattr(v, "exe", None), "graph", None)
         if graph is not None and hasattr(graph, "captures"):
             r["graph_captures"] = graph.captures  # the plan's (shared with its user path), all calls so far
@@ -507,6 +537,27 @@ def bench_dtype(args, mesh, dtype, log, torch_stream=None):
             if M % (s * D) == 0:
                 mem.append(footprint(args, mesh, dtype, inputs, s, max(args.streams)))
     return rows, mem
+
+
+def alternate(clock, be, first, second, pairs, mpi=None):
+    """second's median GPU time per call over first's, the two called alternately back to back
+    (no synchronisation) with a stamp on the caller's stream after each call.  Calls are fenced
+    with that stream, so the time between two stamps is the call between them; the host is
+    ahead of the GPU, so host work is hidden as in a user's loop."""
+    stamps = clock.stamps(2 * pairs + 1)
+    if mpi is not None:
+        mpi.Barrier()
+    be.synchronize()
+    clock.stamp(stamps, 0)
+    for r in range(pairs):
+        for j, v in enumerate((first, second)):
+            if v.before:
+                v.before(r)
+            v.fn()
+            clock.stamp(stamps, 2 * r + j + 1)
+    times = [clock.between(a, b) for a, b in zip(stamps, stamps[1:])]
+    be.synchronize()
+    return float(np.median(times[1::2]) / np.median(times[0::2]))
 
 
 def bare_variants(args, be, inputs, log):
