@@ -5,8 +5,6 @@ Global-view semantics, as in JAX and DTensor: `.shape` is the global shape and `
 """
 from __future__ import annotations
 
-import functools
-
 import numpy as np
 
 from shardfuse.interop import array_info, check_input, stream_ptr
@@ -31,16 +29,30 @@ def device_index(shape, layout: Layout, mesh, device: int):
     return tuple(idx)
 
 
-@functools.lru_cache(maxsize=512)
+def _memo(mesh, key, make):
+    """make(), remembered on the mesh for the hot path (sf.shard and calls on the same shapes
+    find it in one lookup).  Kept on the mesh, not in a global cache, so that no cache keeps a
+    mesh (and its GPU streams, handles and workspaces) alive; bounded for ever-changing shapes."""
+    memo = mesh.__dict__.setdefault("_placement_memo", {})
+    got = memo.get(key)
+    if got is None:
+        got = make()  # raises for bad input: nothing is remembered then
+        if len(memo) >= 1024:
+            memo.clear()
+        memo[key] = got
+    return got
+
+
 def piece_indices(shape: tuple, layout: Layout, mesh) -> tuple:
     """Per local device: the index of its piece of a global array of this shape, () when the
-    piece is the whole array, None when the device holds none (outside the value's sub-mesh).
-    Cached: a call or sf.shard on the same shape and layout finds it in one lookup."""
-    out = []
-    for d in mesh.local_devices:
-        idx = device_index(shape, layout, mesh, d)
-        out.append(() if idx is not None and all(s == slice(None) for s in idx) else idx)
-    return tuple(out)
+    piece is the whole array, None when the device holds none (outside the value's sub-mesh)."""
+    def make():
+        out = []
+        for d in mesh.local_devices:
+            idx = device_index(shape, layout, mesh, d)
+            out.append(() if idx is not None and all(s == slice(None) for s in idx) else idx)
+        return tuple(out)
+    return _memo(mesh, ("pieces", shape, layout), make)
 
 
 def local_pieces(x, dtype: str, layout: Layout, mesh, info=None, fenced=None):
@@ -59,18 +71,19 @@ def local_pieces(x, dtype: str, layout: Layout, mesh, info=None, fenced=None):
     return out
 
 
-@functools.lru_cache(maxsize=512)
 def _global_layout(shape: tuple, mesh, axis: int | None, over: str) -> Layout:
     """The layout of a global array of this shape sharded on `axis` over mesh axis `over`
-    (replicated for axis None), checked (errors are raised, not cached)."""
-    layout = Layout.replicated(len(shape))
-    if axis is not None:
-        ax = normalize_axis(axis, len(shape), shape)
-        mesh.axis_index(over)
-        layout = layout.with_axis(ax, over)
-        for a, name in layout.sharded_axes().items():
-            check_divides(shape, a, name, mesh)
-    return layout
+    (replicated for axis None), checked."""
+    def make():
+        layout = Layout.replicated(len(shape))
+        if axis is not None:
+            ax = normalize_axis(axis, len(shape), shape)
+            mesh.axis_index(over)
+            layout = layout.with_axis(ax, over)
+            for a, name in layout.sharded_axes().items():
+                check_divides(shape, a, name, mesh)
+        return layout
+    return _memo(mesh, ("layout", shape, axis, over), make)
 
 
 class Array:
