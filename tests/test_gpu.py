@@ -465,6 +465,22 @@ def test_adopt_and_piece(mesh):
         assert cupy.asnumpy(cols).tobytes() == np.ascontiguousarray(x[:, 2:4]).tobytes()
 
 
+@pytest.mark.parametrize("mesh", [1, 2], indirect=True)
+def test_piece_of_strided_blocks(mesh):
+    """Pieces made of equal contiguous blocks a pitch apart (one 2-D copy) and of anything else
+    (a copy kernel), against NumPy; the result buffers start poisoned, so a short copy fails."""
+    be = mesh.backend
+    x = rng().standard_normal((4, 3, 5, 6)).astype(np.float32)
+    g = cupy.asarray(x)
+    for idx in [(slice(None), 1), (slice(None), slice(1, 2)), (slice(1, 3), 0, slice(None), slice(2, 4)),
+                (slice(None, None, 2), 2), (1, slice(None), slice(None), slice(None, None, -1))]:
+        for j in range(len(be.ordinals)):
+            p = be.piece(g[idx], j)
+            be.synchronize()
+            assert p.flags.c_contiguous
+            np.testing.assert_array_equal(cupy.asnumpy(p), x[idx])
+
+
 # ---- the general compiler's lowerings on the GPU (issue 4), at whatever D this machine has ----------
 @pytest.mark.parametrize("dtype", ["float32", "float64"])
 def test_cases_reshard_table(mesh, dtype):
