@@ -28,7 +28,8 @@ those back-to-back calls (--steady-rounds runs of --steady-calls, round robin ov
 variants) also give "b2b ms", the median GPU time per call in a run of calls (throughput: host
 work the GPU hides behind earlier calls does not count), and the user path's ratio to the plan
 alone there, from the two called alternately back to back (an event between calls, so
-both see the same clocks and power).  Overlap efficiency is max(T_allgather, T_gemm) /
+both see the same clocks and power); likewise each pipelined row against one bare cuBLAS GEMM
+(fenced with the caller's stream as a plan call is).  Overlap efficiency is max(T_allgather, T_gemm) /
 T_pipelined.  Memory: per plan, device memory it added (the pool after its first calls, plus
 anything cuBLAS or NCCL took) against inputs + outputs + one gathered A + cuBLAS workspaces,
 and pool growth over --growth-calls calls.
@@ -315,6 +316,7 @@ class Variant:
     def __init__(self, name, fn, before=None, s=None, streams=None, check=None, kind="plan", flops=True):
         self.name, self.fn, self.before, self.s, self.streams = name, fn, before, s, streams
         self.check, self.kind, self.flops = check, kind, flops
+        self.fenced_fn = None  # a bare baseline fenced with the caller's stream, as plan calls are
         self.stream = None  # the stream the clock's events go on (None: the caller's)
         self.plan_alone = None  # user path: the variant timing the same plan alone
         self.gpu, self.host = [], []
@@ -472,16 +474,21 @@ def bench_dtype(args, mesh, dtype, log, torch_stream=None):
     # the user path against the plan alone, back to back and alternating (plan, user, plan, ...)
     # with an event on the caller's stream between calls: each call's GPU time beside its
     # pair's under the same clocks and power, so the ratio of medians is free of drift
-    alternating = {}
+    # (and each pipelined row against one bare cuBLAS GEMM, fenced with the caller's stream as
+    # the plans are)
+    alternating, against_bare = {}, {}
+    pairs = args.steady_calls * args.steady_rounds
+    bare_one = next((v for v in variants if v.kind == "bare_cublas" and v.s == 1), None)
     for v in variants:
-        if v.plan_alone is not None and args.steady_calls:
-            alternating[id(v)] = alternate(clock, be, v.plan_alone, v, args.steady_calls * args.steady_rounds, mpi)
+        if v.plan_alone is not None and pairs:
+            alternating[id(v)] = alternate(clock, be, v.plan_alone, v, pairs, mpi)
+        if bare_one is not None and v.kind.startswith("pipelined") and pairs:
+            against_bare[id(v)] = alternate(clock, be, bare_one, v, pairs, mpi)
 
     # results
     med = {id(v): float(np.median(v.gpu)) for v in variants}
     t_ag, t_gemm = med[id(v_ag)], med[id(v_gemm)]
     bare = {(v.kind, v.s): med[id(v)] for v in variants if v.kind.startswith("bare")}
-    bare_b2b = {(v.kind, v.s): steady_ms[id(v)] for v in variants if v.kind.startswith("bare")}
     rows = []
     for v in variants:
         ms, host = med[id(v)], float(np.median(v.host))
@@ -501,12 +508,12 @@ def bench_dtype(args, mesh, dtype, log, torch_stream=None):
                     r[f"vs_{key}_chunks"] = ms / bare[(key, v.s)]
                 if (key, 1) in bare:
                     r[f"vs_{key}_one"] = ms / bare[(key, 1)]
-                    if steady_ms[id(v)] and bare_b2b.get((key, 1)):
-                        r[f"vs_{key}_one_steady"] = steady_ms[id(v)] / bare_b2b[(key, 1)]
         if v.plan_alone is not None:
             r["vs_plan_alone"] = ms / med[id(v.plan_alone)]
             if id(v) in alternating:
                 r["vs_plan_alone_steady"] = alternating[id(v)]
+        if id(v) in against_bare:
+            r["vs_bare_cublas_one_steady"] = against_bare[id(v)]
         graph = getattr(getattr(v, "exe", None), "graph", None)
         if graph is not None and hasattr(graph, "captures"):
             r["graph_captures"] = graph.captures  # the plan's (shared with its user path), all calls so far
@@ -549,11 +556,12 @@ def alternate(clock, be, first, second, pairs, mpi=None):
         mpi.Barrier()
     be.synchronize()
     clock.stamp(stamps, 0)
+    calls = [v.fenced_fn or v.fn for v in (first, second)]
     for r in range(pairs):
         for j, v in enumerate((first, second)):
             if v.before:
                 v.before(r)
-            v.fn()
+            calls[j]()
             clock.stamp(stamps, 2 * r + j + 1)
     times = [clock.between(a, b) for a, b in zip(stamps, stamps[1:])]
     be.synchronize()
@@ -606,6 +614,14 @@ def bare_variants(args, be, inputs, log):
         v = Variant("bare cuBLAS chunks" if s > 1 else "bare cuBLAS (one)", chunks_cublas,
                     lambda r, st=st: st.update(r=r), s=s, kind="bare_cublas")
         v.stream = be.stream(0)
+
+        def fenced(run=chunks_cublas):
+            # as a plan call is: main waits for the caller's stream, which waits for main after
+            caller = cupy.cuda.get_current_stream().ptr
+            be.fence_in(caller)
+            run()
+            be.fence_out(caller)
+        v.fenced_fn = fenced
         out.append(v)
     return out
 
