@@ -427,6 +427,9 @@ class GraphPlan:
         return entry
 
 
+_MAX_PITCH = 2**31 - 1
+
+
 def _blocks(x):
     """(height, width, pitch) in bytes when x is `height` equal C-contiguous blocks of `width`
     bytes, `pitch` bytes apart, else None."""
@@ -435,7 +438,8 @@ def _blocks(x):
         width *= x.shape[k - 1]
         k -= 1
     outer = [(n, st) for n, st in zip(x.shape[:k], x.strides[:k]) if n != 1]
-    if len(outer) != 1 or outer[0][1] < width:
+    # memcpy2D takes pitches up to the device's memPitch (2^31 - 1 bytes on current GPUs)
+    if len(outer) != 1 or not width <= outer[0][1] < _MAX_PITCH:
         return None
     return outer[0][0], width, outer[0][1]
 
