@@ -55,15 +55,16 @@ def piece_indices(shape: tuple, layout: Layout, mesh) -> tuple:
     return _memo(mesh, ("pieces", shape, layout), make)
 
 
-def local_pieces(x, dtype: str, layout: Layout, mesh, info=None, fenced=None):
+def local_pieces(x, dtype: str, layout: Layout, mesh, info=None, fenced=None, indices=None):
     """This process' pieces of a global array x (one per local device), each contiguous on its
     device.  x is any array the backend can adopt: device arrays stay on the device (a piece is
     a zero-copy view where the layout allows, a device-side copy otherwise).  `fenced`: a
-    stream the backend's streams already wait for (see the backends' adopt)."""
+    stream the backend's streams already wait for (see the backends' adopt); `indices`: x's
+    piece_indices when the caller has them (a plan, from its input types)."""
     be = mesh.backend
     x = be.adopt(x, info, fenced)
     out = []
-    for j, idx in enumerate(piece_indices(tuple(x.shape), layout, mesh)):
+    for j, idx in enumerate(indices or piece_indices(tuple(x.shape), layout, mesh)):
         if idx is None:  # a device outside the value's sub-mesh holds a placeholder, never read
             out.append(be.empty(layout.local_shape(x.shape, mesh), dtype)[j])
         else:

@@ -75,15 +75,6 @@ class HostClock:
         dt = (time.perf_counter() - t0) * 1e3
         return dt, (t1 - t0) * 1e6
 
-    def mark(self, stream=None):
-        self.backend.synchronize()
-        return time.perf_counter()
-
-    def since(self, mark, stream=None):
-        """Milliseconds from mark until everything issued since has finished."""
-        self.backend.synchronize()
-        return (time.perf_counter() - mark) * 1e3
-
     def stamps(self, n):
         return [None] * n
 
@@ -127,26 +118,6 @@ class CudaClock:
         self.e1.synchronize()
         self.backend.synchronize()
         return cp.cuda.get_elapsed_time(self.e0, self.e1), (t1 - t0) * 1e6
-
-    def mark(self, stream=None):
-        """An event on the stream (default: the caller's), recorded once the GPU is idle."""
-        cp = self.cupy
-        stream = stream or cp.cuda.get_current_stream()
-        self.backend.synchronize()
-        stream.synchronize()
-        ev = cp.cuda.Event()
-        ev.record(stream)
-        return ev
-
-    def since(self, mark, stream=None):
-        """Milliseconds on the GPU from mark until the work issued on the stream since has finished."""
-        cp = self.cupy
-        stream = stream or cp.cuda.get_current_stream()
-        end = cp.cuda.Event()
-        end.record(stream)
-        end.synchronize()
-        self.backend.synchronize()
-        return cp.cuda.get_elapsed_time(mark, end)
 
     def stamps(self, n):
         """n events, made before a timed run (no allocation between its calls)."""
@@ -319,6 +290,7 @@ class Variant:
         self.fenced_fn = None  # a bare baseline fenced with the caller's stream, as plan calls are
         self.stream = None  # the stream the clock's events go on (None: the caller's)
         self.plan_alone = None  # user path: the variant timing the same plan alone
+        self.exe = self.state = None  # a plan's variant: its executable and call state
         self.gpu, self.host = [], []
 
 
@@ -454,19 +426,21 @@ def bench_dtype(args, mesh, dtype, log, torch_stream=None):
     # clock and power drift under sustained load hit all variants alike; medians over the runs.
     hosts = {id(v): [] for v in variants}
     per_call = {id(v): [] for v in variants}
+    ends = clock.stamps(2)
     for _ in range(args.steady_rounds if args.steady_calls else 0):
         for v in variants:
             if mpi is not None:
                 mpi.Barrier()
             be.synchronize()
-            t_start = clock.mark(v.stream)
+            clock.stamp(ends, 0, v.stream)
             for r in range(args.steady_calls):
                 if v.before:
                     v.before(r)
                 t0 = time.perf_counter()
                 v.fn()
                 hosts[id(v)].append((time.perf_counter() - t0) * 1e6)
-            per_call[id(v)].append(clock.since(t_start, v.stream) / args.steady_calls)
+            clock.stamp(ends, 1, v.stream)
+            per_call[id(v)].append(clock.between(*ends) / args.steady_calls)
             be.synchronize()
     steady = {k: float(np.median(h)) if h else None for k, h in hosts.items()}
     steady_ms = {k: float(np.median(t)) if t else None for k, t in per_call.items()}
@@ -514,8 +488,8 @@ def bench_dtype(args, mesh, dtype, log, torch_stream=None):
                 r["vs_plan_alone_steady"] = alternating[id(v)]
         if id(v) in against_bare:
             r["vs_bare_cublas_one_steady"] = against_bare[id(v)]
-        graph = getattr(getattr(v, "exe", None), "graph", None)
-        if graph is not None and hasattr(graph, "captures"):
+        graph = v.exe.graph if v.exe is not None else None
+        if graph is not None:
             r["graph_captures"] = graph.captures  # the plan's (shared with its user path), all calls so far
         if v.kind == "plan" and v.name == "unpipelined":
             for key in ("bare_cupy", "bare_cublas"):

@@ -12,7 +12,7 @@ from dataclasses import dataclass, replace
 
 import numpy as np
 
-from shardfuse.array import Array, local_pieces
+from shardfuse.array import Array, local_pieces, piece_indices
 from shardfuse.interop import array_info, check_input, stream_ptr
 
 MAIN = "main"  # the stream the caller issues on
@@ -123,10 +123,12 @@ class Executable:
             lay = v.type.layout
             shape = lay.local_shape(v.type.shape, self.mesh)
             self.refs[v] = self._new_slot(shape, v.type.dtype, None)
-        self._allocated: set = set()  # slots of the program's own persistent allocations
+        # where each local device's piece of a plain argument lies (its shape is checked per call)
+        self._input_pieces = [piece_indices(v.type.shape, v.type.layout, self.mesh) for v in prog.inputs]
+        self._deferred: dict = {}  # slot -> (physical shape, dtype): the program's own persistent buffers
         self._bind(prog.instrs, {}, MAIN)
         self.steps = [s for s in self.steps if s is not None]
-        self._release_unused(prog)
+        self._allocate_used(prog)
         self._graph_outputs = None
         self._accepted, self._out_layouts = set(), {}  # hot-path caches of layout checks
         self.graph = backend.capture(self) if graph else None
@@ -143,15 +145,19 @@ class Executable:
         return Ref(slot, (0,) * self.ndev, tuple(shape), tuple(strides), dtype)
 
     def _allocate(self, shape, dtype, per_call: bool, order=None) -> Ref:
+        """A slot for one of the program's buffers: made every call (per_call), or once, after
+        binding, if a step still uses it (see _allocate_used)."""
         phys_shape = tuple(shape[o] for o in order) if order else tuple(shape)
+        ref = self._new_slot(shape, dtype, None, order)
         if per_call:
-            ref = self._new_slot(shape, dtype, None, order)
             self.per_call.append((ref.slot, phys_shape, dtype))
-            return ref
-        return self._new_slot(shape, dtype, self.backend.empty(phys_shape, dtype), order)
+        else:
+            self._deferred[ref.slot] = (phys_shape, dtype)
+        return ref
 
     def _scratch(self, shape, dtype) -> Ref:
-        return self._allocate(shape, dtype, per_call=False)
+        """A persistent staging buffer that binding itself adds (steps use it): made now."""
+        return self._new_slot(shape, dtype, self.backend.empty(tuple(shape), dtype))
 
     @staticmethod
     def _gather_destinations(prog):
@@ -202,10 +208,10 @@ class Executable:
                 blocked.add(vs[-1])
         return {c for c in candidates if root[c] not in blocked}
 
-    def _release_unused(self, prog):
-        """Persistent buffers that no step touches once binding is done go back: the
-        destinations of folded one-device collectives (a D = 1 plan then holds no gathered copy
-        of its input).  Only the program's own allocations; scratch made while binding is used."""
+    def _allocate_used(self, prog):
+        """The program's own persistent buffers, made once binding is done and only where a step
+        still uses them: the destinations of folded one-device collectives are never made (a
+        D = 1 plan holds no gathered copy of its input).  Scratch made while binding is in use."""
         from shardfuse.ir import walk
 
         used = {self.refs[v].slot for v in prog.outputs}
@@ -216,8 +222,9 @@ class Executable:
                 ref = self.refs.get(v)
                 if isinstance(ref, Ref):
                     used.add(ref.slot)
-        for slot in self._allocated - used:
-            self.slot_templates[slot] = None
+        for slot, (shape, dtype) in self._deferred.items():
+            if slot in used:
+                self.slot_templates[slot] = self.backend.empty(shape, dtype)
 
     def _local_shape(self, v):
         return v.type.layout.local_shape(v.type.shape, self.mesh)
@@ -239,8 +246,6 @@ class Executable:
                     ref = self._allocate((a["pool"],) + shape, v.type.dtype, False)
                 else:
                     ref = self._allocate(shape, v.type.dtype, a.get("per_call", False), self._physical_order.get(v))
-                if self.slot_templates[ref.slot] is not None:
-                    self._allocated.add(ref.slot)
                 self.refs[v] = ref
             elif op in VIEW_OPS:
                 self.refs[i.outs[0]] = self._view(i, env)
@@ -434,7 +439,8 @@ class Executable:
             if info is None:  # an sf.Array: its pieces are already placed
                 bufs[k] = [be.ascontiguous(s) for s in arg.shards]
             else:
-                bufs[k] = local_pieces(arg, v.type.dtype, v.type.layout, self.mesh, info, fenced=caller)
+                bufs[k] = local_pieces(arg, v.type.dtype, v.type.layout, self.mesh, info, fenced=caller,
+                                       indices=self._input_pieces[k])
         if self.graph is not None:
             # Graph mode: the captured plan writes plan-owned output buffers (the next call
             # overwrites them); the backend keeps one graph per set of input buffers it has seen.

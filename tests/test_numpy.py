@@ -100,7 +100,7 @@ def test_plans_are_cached_and_buffers_reused():
 
 def test_one_device_plan_keeps_no_gathered_copy():
     """At D = 1 the Allgather folds to a view of the input, so the gathered pool it would have
-    filled is released at bind time; at D = 2 the plan keeps it (and still computes the product)."""
+    filled is never made; at D = 2 the plan has it (and still computes the product)."""
     import numpy as np
 
     for d, persistent in ((1, 0), (2, 1)):
