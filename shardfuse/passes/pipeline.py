@@ -44,6 +44,11 @@ def mark_stream_intermediates(prog):
         j = rule(c.op, "axis_map")(c, k)[c.ins.index(o)]
         if j is None or o.type.layout.axes[j] is not None:
             continue
+        # its own inputs must be whole along that axis: a chunk of a sharded axis cuts across
+        # shards (the value is then made whole, before the loop)
+        if any(a is not None and v.type.layout.placement().axes[a] is not None
+               for v, a in zip(i.ins, rule(i.op, "axis_map")(i, j))):
+            continue
         retyped[o] = Value(o.name, o.type.with_layout(o.type.layout.with_axis(j, STREAM)))
     instrs = substitute(prog.instrs, retyped)
     return prog.with_instrs(instrs, "mark_stream_intermediates",

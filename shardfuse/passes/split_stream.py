@@ -16,6 +16,11 @@ def _split(shape, axes, ax, factors, new_axes):
     return (shape[:ax] + factors + shape[ax + 1:], axes[:ax] + new_axes + axes[ax + 1:])
 
 
+def _sharded_inputs(i, amap):
+    """Inputs of i whose axis mapped to the stream axis is sharded (placement, not schedule)."""
+    return [v for v, a in zip(i.ins, amap) if a is not None and v.type.layout.placement().axes[a] is not None]
+
+
 def split_stream_axes(prog):
     namer = Namer.for_program(prog)
     out, alias = [], {}
@@ -24,11 +29,14 @@ def split_stream_axes(prog):
         o = i.outs[0] if i.outs else None
         lay = o.type.layout if o is not None else None
         ring = i.attrs.get("algorithm") == "ring"
-        if lay is None or not (lay.chunks or ring):
+        if lay is None or lay.stream_axis() is None:
             out.append(i)
             continue
         k, s = lay.stream_axis(), lay.chunks
         amap = rule(i.op, "axis_map")(i, k)
+        if not (s or ring) and not _sharded_inputs(i, amap):
+            out.append(i)  # one chunk per index of an axis no input shards: the loop slices it directly
+            continue
         if i.op == "matmul" and amap[0] is None:
             raise ValueError("sf.stream(..., chunks=) on the N axis of a matmul is not supported: stream a row or batch axis")
         sharded = {v.type.layout.axes[a] for v, a in zip(i.ins, amap) if a is not None} - {None, STREAM}
@@ -39,6 +47,10 @@ def split_stream_axes(prog):
         mesh_axis = sharded.pop() if sharded else None
         d = prog.mesh.axis_size(mesh_axis) if mesh_axis else 1
         extent = o.type.shape[k]
+        if s is None and not ring:
+            # chunks omitted on an axis an input shards: one chunk per index of each device's shard.
+            # Slicing single indices of the sharded axis itself would cut across shards.
+            s = extent // d
         if ring:  # the ring's chunks are the shards: [D:Stream, m]
             if mesh_axis is None:
                 raise ValueError(f"algorithm='ring' streams {o.name} along axis {k}, but no input shards that axis")

@@ -2,7 +2,8 @@
 
 Every value is defined before use and in scope; every instruction is host-level; every
 collective is waited for, in the loop body that started it; every loop body returns to
-the main stream; compute shapes agree with their destinations.
+the main stream; compute shapes agree with their destinations; every value's local shape
+follows from its layout (each sharded extent divides evenly) and no Slice cuts a sharded axis.
 """
 from __future__ import annotations
 
@@ -27,6 +28,18 @@ def verify(prog):
     return prog.with_instrs(prog.instrs, "verify")
 
 
+def _check_local_shape(v, prog):
+    """Each sharded extent is a whole number of shards, so local shapes follow from the layout."""
+    t = v.type
+    if not hasattr(t, "layout") or t.layout is None:
+        return
+    mesh = t.layout.mesh or prog.mesh
+    for ax, over in t.layout.placement().sharded_axes().items():
+        d = mesh.axis_size(over)
+        _check(t.shape[ax] % d == 0, f"{v.name}{t.shape}: axis {ax} of extent {t.shape[ax]} is sharded over "
+                                     f"{over} ({d} devices), which does not divide it")
+
+
 def _check_block(instrs, defined, prog, top):
     pending = set()
     defined = set(defined)
@@ -34,6 +47,13 @@ def _check_block(instrs, defined, prog, top):
         _check(i.op in HOST_OPS, f"{i.op!r} is not a host-level instruction: lowering left it behind")
         for v in i.values():
             _check(v in defined, f"{v.name} is used by {i.op} before it is defined (or outside its loop)")
+        for v in (*i.values(), *i.outs):
+            _check_local_shape(v, prog)
+        if i.op == "slice":
+            src = i.ins[0].type.layout.placement()
+            _check(src.axes[i.attrs["axis"]] is None,
+                   f"Slice {i.outs[0].name} <- {i.ins[0].name}: axis {i.attrs['axis']} is sharded over "
+                   f"{src.axes[i.attrs['axis']]}; a chunk of it would cut across shards (reshard first)")
         if i.op == "wait":
             _check(i.ins[0] in pending, f"Wait {i.ins[0].name} has no collective to wait for")
             pending.discard(i.ins[0])
