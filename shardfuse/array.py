@@ -8,8 +8,8 @@ from __future__ import annotations
 import numpy as np
 
 from shardfuse.interop import array_info, check_input, stream_ptr
-from shardfuse.layout import Layout
-from shardfuse.trace import TensorSpec, check_divides, normalize_axis, normalize_dtype, np_dtype
+from shardfuse.layout import Layout, mesh_axes, shard_count
+from shardfuse.trace import TensorSpec, check_divides, normalize_axis, normalize_dtype, normalize_over, np_dtype
 
 
 def device_index(shape, layout: Layout, mesh, device: int):
@@ -19,13 +19,12 @@ def device_index(shape, layout: Layout, mesh, device: int):
         return None
     coords = mesh.coords(device)
     idx = []
-    for n, a in zip(shape, layout.axes):
-        if a is None or a == "Stream":
-            idx.append(slice(None))
-        else:
-            size = n // mesh.axis_size(a)
-            c = coords[mesh.axis_index(a)]
-            idx.append(slice(c * size, (c + 1) * size))
+    for n, a in zip(shape, layout.placement().axes):
+        c = 0  # the piece's position along the mesh axes of `a`, the first outermost
+        for name in mesh_axes(a):
+            c = c * mesh.axis_size(name) + coords[mesh.axis_index(name)]
+        size = n // shard_count(a, mesh)
+        idx.append(slice(c * size, (c + 1) * size))
     return tuple(idx)
 
 
@@ -79,12 +78,11 @@ def _global_layout(shape: tuple, mesh, axis: int | None, over: str) -> Layout:
         layout = Layout.replicated(len(shape))
         if axis is not None:
             ax = normalize_axis(axis, len(shape), shape)
-            mesh.axis_index(over)
-            layout = layout.with_axis(ax, over)
+            layout = layout.with_axis(ax, normalize_over(over, mesh))
             for a, name in layout.sharded_axes().items():
                 check_divides(shape, a, name, mesh)
         return layout
-    return _memo(mesh, ("layout", shape, axis, over), make)
+    return _memo(mesh, ("layout", shape, axis, tuple(over) if isinstance(over, list) else over), make)
 
 
 class Array:

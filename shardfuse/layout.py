@@ -1,20 +1,41 @@
 """Layouts: how each axis of a global array is placed on the mesh and scheduled in time.
 
 A Layout gives, per tensor axis, one of: None (replicated, serial), a mesh axis name
-(sharded over that mesh axis, e.g. "DIDx") or STREAM (produced chunk by chunk).  `partial`
+(sharded over that mesh axis, e.g. "DIDx"), an ordered tuple of mesh axis names (sharded over
+all of them, the first the outermost, as JAX's `P(("dp", "tp"))`) or STREAM (produced chunk by
+chunk).  `partial`
 names mesh axes over which the local values are partial sums still to be reduced.
 Placements in DTensor's words (Shard(i) / Replicate() / Partial()) are derived from it.
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, replace
 
 from shardfuse.mesh import STREAM
 
 
+def mesh_axes(entry) -> tuple:
+    """The mesh axes one tensor axis is sharded over, outermost first (() for None / STREAM)."""
+    if entry is None or entry == STREAM:
+        return ()
+    return entry if isinstance(entry, tuple) else (entry,)
+
+
+def axis_entry(names):
+    """The canonical entry for sharding over `names`: None, one name, or a tuple of two or more."""
+    names = tuple(names)
+    return None if not names else names[0] if len(names) == 1 else names
+
+
+def shard_count(entry, mesh) -> int:
+    """How many pieces an axis with this entry is cut into on `mesh`."""
+    return math.prod(mesh.axis_size(n) for n in mesh_axes(entry))
+
+
 @dataclass(frozen=True)
 class Layout:
-    axes: tuple  # per tensor axis: None | mesh axis name | STREAM
+    axes: tuple  # per tensor axis: None | mesh axis name | tuple of mesh axis names | STREAM
     partial: tuple = ()  # mesh axes with a pending sum
     chunks: int | None = None  # stream chunks when the STREAM axis is to be split (sf.stream(chunks=))
     stream_over: str | None = None  # mesh axis that also shards the STREAM axis (until it is split)
@@ -33,11 +54,15 @@ class Layout:
         return {i: a for i, a in enumerate(self.axes) if a not in (None, STREAM)}
 
     def mesh_axis_of(self, name: str):
-        """Tensor axis sharded over mesh axis `name`, or None."""
+        """Tensor axis sharded over mesh axis `name` (alone or with others), or None."""
         for i, a in enumerate(self.axes):
-            if a == name:
+            if name in mesh_axes(a):
                 return i
         return None
+
+    def used_mesh_axes(self) -> set:
+        """Mesh axes that shard some tensor axis or hold a pending sum."""
+        return {n for a in self.placement().axes for n in mesh_axes(a)} | set(self.partial)
 
     def stream_axis(self):
         return self.axes.index(STREAM) if STREAM in self.axes else None
@@ -59,7 +84,7 @@ class Layout:
         out = []
         mesh = self.mesh or mesh
         for n, a in zip(shape, self.placement().axes):
-            out.append(n if a is None else n // mesh.axis_size(a))
+            out.append(n // shard_count(a, mesh))
         return tuple(out)
 
     def placements(self, mesh) -> tuple:
@@ -69,15 +94,19 @@ class Layout:
         return tuple(str(p) for p in placements_of(self, self.mesh or mesh))
 
 
+def _entry_text(entry) -> str:
+    return f"({','.join(entry)})" if isinstance(entry, tuple) else entry
+
+
 def format_type(shape, dtype, layout) -> str:
     """`f32[8, 4:DIDx, 16, 32]`: extents, with the parallel type of non-serial axes."""
     short = {"float32": "f32", "float64": "f64", "float16": "f16", "bfloat16": "bf16"}.get(dtype, dtype)
     if layout is None:
         return f"{short}[{', '.join(map(str, shape))}] ?"
-    dims = [str(n) if a is None else f"{n}:{a}" for n, a in zip(shape, layout.axes)]
+    dims = [str(n) if a is None else f"{n}:{_entry_text(a)}" for n, a in zip(shape, layout.axes)]
     if layout.stream_over:
         k = layout.stream_axis()
-        dims[k] = f"{shape[k]}:{layout.stream_over}+{STREAM}"
+        dims[k] = f"{shape[k]}:{_entry_text(layout.stream_over)}+{STREAM}"
     text = f"{short}[{', '.join(dims)}]"
     if layout.mesh is not None:
         text += f" @devices{layout.mesh.devices}"

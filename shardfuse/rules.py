@@ -13,7 +13,7 @@ layout that differs from the wanted one is resolved by a `set` after the op.
 """
 from __future__ import annotations
 
-from shardfuse.layout import Layout
+from shardfuse.layout import Layout, mesh_axes
 from shardfuse.mesh import STREAM
 
 LINEAR_UNARY = {"neg", "scale", "transpose"}
@@ -30,10 +30,15 @@ def _axes(lay):
     return lay.placement().axes
 
 
-def _unshard(axes, mesh_axes):
+def _unshard(axes, pending):
     """A mesh axis that holds pending sums cannot also shard an axis: such an output is made
     unsharded there (its `set` reduce-scatters the sums instead)."""
-    return [None if a in mesh_axes else a for a in axes]
+    return [None if set(mesh_axes(a)) & set(pending) else a for a in axes]
+
+
+def _names(entries) -> set:
+    """The mesh axes named by some axis entries (an entry may be a tuple of mesh axes)."""
+    return {n for a in entries for n in mesh_axes(a)}
 
 
 def _union(*parts):
@@ -74,11 +79,11 @@ def contraction_infer(ins, lays, labels=None):
     for labs, lay in reversed(list(zip(in_labels, lays))):
         for lab, a in zip(labs, _axes(lay)):
             a = _placed(a)
-            if lab in out_labels and a is not None and lab not in axes and a not in used:
+            if lab in out_labels and a is not None and lab not in axes and not _names([a]) & used:
                 axes[lab] = a
-                used.add(a)
-    contracted = {_placed(a) for labs, lay in zip(in_labels, lays) for lab, a in zip(labs, _axes(lay))
-                  if lab not in out_labels} - {None}
+                used |= _names([a])
+    contracted = _names(a for labs, lay in zip(in_labels, lays) for lab, a in zip(labs, _axes(lay))
+                        if lab not in out_labels)
     carried = _linear_partials(ins.op, lays)
     partial = _union(contracted - used, *carried)
     return Layout(tuple(_unshard([axes.get(lab) for lab in out_labels], set(partial))), partial)
@@ -99,12 +104,12 @@ def contraction_require(ins, out, lays, labels=None):
         klab, k = None, None
     # Keep the contraction local (then reduce after) rather than reshard the inputs' other axes.
     carried = _linear_partials(ins.op, lays)
-    out_axes = _unshard(out.axes, set(_union(*carried)) | ({k} if k else set()))
+    out_axes = _unshard(out.axes, set(_union(*carried)) | _names([k]))
     placed = dict(zip(out_labels, (_placed(a) for a in out_axes)))
     if klab is not None:
         placed[klab] = k
     req = tuple(Layout(tuple(placed.get(lab) for lab in labs), carried[j]) for j, labs in enumerate(in_labels))
-    produced = Layout(tuple(out_axes), _union(out.partial, (k,) if k else (), *carried), out.chunks, out.stream_over)
+    produced = Layout(tuple(out_axes), _union(out.partial, mesh_axes(k), *carried), out.chunks, out.stream_over)
     return req, produced
 
 
@@ -140,11 +145,11 @@ def elementwise_infer(ins, lays):
         pick = None
         for v, lay, a in zip(ins.ins, lays, elementwise_axis_map(ins, j)):
             m = _axes(lay)[a] if a is not None else None
-            if m is not None and m not in used:
+            if m is not None and not _names([m]) & used:
                 pick = m
                 break
         axes.append(pick)
-        used.add(pick)
+        used |= _names([pick])
     partial = _union(*_linear_partials(ins.op, lays))
     return Layout(tuple(_unshard(axes, set(partial))), partial)
 
@@ -162,7 +167,7 @@ def elementwise_require(ins, out, lays):
                   for lay, src in zip(lays, elementwise_axis_map(ins, j)) if src is not None}
         if len(owners) == 1 and None not in owners:
             m = owners.pop()
-            if m not in axes:
+            if not _names([m]) & _names(axes):
                 axes[j] = m
     req = []
     for n, (v, lay) in enumerate(zip(ins.ins, lays)):
@@ -234,11 +239,18 @@ def _map_reshape(src_shape, src_axes, dst_shape, mesh_size, forward):
         k, m = sharded[0]
         lead = next((k2 for k2 in gs if src_shape[k2] != 1), k)
         dst_lead = next((d for d in gd if dst_shape[d] != 1), gd[0] if gd else None)
-        if len(sharded) > 1 or k != lead or dst_lead is None or dst_shape[dst_lead] % mesh_size(m):
+        if len(sharded) > 1 or k != lead or dst_lead is None or dst_shape[dst_lead] % _count(m, mesh_size):
             raise ValueError(f"reshape {tuple(src_shape)} -> {tuple(dst_shape)} crosses the boundary of axis {k}, "
                              f"sharded over {m}: only the outermost axis of a merged or split group may be sharded")
         out[dst_lead] = m
     return out
+
+
+def _count(entry, mesh_size) -> int:
+    n = 1
+    for name in mesh_axes(entry):
+        n *= mesh_size(name)
+    return n
 
 
 def reshape_infer(ins, lays):

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from shardfuse.ir import DTYPES, Instr, Namer, TensorType, Value
-from shardfuse.layout import Layout
+from shardfuse.layout import Layout, axis_entry, mesh_axes, shard_count
 from shardfuse.mesh import STREAM
 
 
@@ -38,9 +38,21 @@ def np_dtype(name: str):
     return np.dtype(name)
 
 
-def check_divides(shape, ax: int, over: str, mesh) -> None:
-    """The one check that a mesh axis can shard tensor axis `ax` evenly."""
-    n = mesh.axis_size(over)  # raises for unknown mesh axis names
+def normalize_over(over, mesh):
+    """A mesh axis name, or an ordered tuple of them (one tensor axis sharded over several mesh
+    axes, the first outermost, as JAX's `P(("dp", "tp"))`): the Layout entry, checked."""
+    names = (over,) if isinstance(over, str) else tuple(over) if isinstance(over, (tuple, list)) else None
+    if not names or not all(isinstance(n, str) for n in names) or len(set(names)) != len(names):
+        raise ValueError(f"over= takes a mesh axis name or a tuple of distinct ones (mesh axes "
+                         f"{mesh.axis_names}), got {over!r}")
+    for n in names:
+        mesh.axis_index(n)  # an unknown mesh axis name fails here
+    return axis_entry(names)
+
+
+def check_divides(shape, ax: int, over, mesh) -> None:
+    """The one check that a mesh axis (or tuple of them) can shard tensor axis `ax` evenly."""
+    n = shard_count(normalize_over(over, mesh), mesh)  # raises for unknown mesh axis names
     if shape[ax] % n:
         raise ValueError(f"cannot shard axis {ax} of extent {shape[ax]} over {over}: "
                          f"the mesh axis has {n} devices, which does not divide {shape[ax]}")
@@ -248,13 +260,15 @@ def _annotate(x: Traced, axis: int, what, chunks=None, algorithm=None, on=None) 
             raise ValueError(f"axis {ax} of {name}{shape} is sharded over {cur}: streaming it too needs chunks=")
         layout = Layout(layout.with_axis(ax, STREAM).axes, chunks=chunks, stream_over=cur, mesh=layout.mesh)
     else:
-        mesh.axis_index(what)  # an unknown mesh axis name fails first
-        if layout.placement().mesh_axis_of(what) is not None:
-            raise ValueError(f"mesh axis {what} already shards axis {layout.placement().mesh_axis_of(what)} of {name}")
+        what = normalize_over(what, mesh)  # an unknown mesh axis name fails first
+        for n in mesh_axes(what):
+            if layout.placement().mesh_axis_of(n) is not None:
+                raise ValueError(f"mesh axis {n} already shards axis {layout.placement().mesh_axis_of(n)} of {name}")
         if cur == STREAM and (layout.chunks is None or layout.stream_over):
             raise ValueError(f"axis {ax} of {name}{shape} is streamed without chunks=: it cannot be sharded too")
         if cur not in (None, STREAM):
-            raise ValueError(f"axis {ax} of {name}{shape} is already sharded over {cur}")
+            raise ValueError(f"axis {ax} of {name}{shape} is already sharded over {cur}: to shard it over several "
+                             f"mesh axes, name them together (over=({cur!r}, {what!r}))")
         check_divides(shape, ax, what, mesh)
         if cur == STREAM:
             layout = Layout(layout.axes, chunks=layout.chunks, stream_over=what, mesh=layout.mesh)
@@ -265,8 +279,9 @@ def _annotate(x: Traced, axis: int, what, chunks=None, algorithm=None, on=None) 
     return x.builder.emit("set", (base,), out, base.value.name, **attrs)
 
 
-def shard(x, axis: int, over: str = "DIDx", mesh=None):
-    """Place `axis` of x across the devices of mesh axis `over`.
+def shard(x, axis: int, over="DIDx", mesh=None):
+    """Place `axis` of x across the devices of mesh axis `over`, or of several mesh axes
+    (``over=("dp", "tp")``: the first outermost, as JAX's ``P(("dp", "tp"))``).
 
     In a traced function this annotates a value; on a concrete global array it returns an
     `sf.Array` holding this process' pieces (give `mesh`).

@@ -57,3 +57,125 @@ def test_verify_refuses_a_slice_across_shards():
     prog = Program("bad", mesh, (x,), (x,), (loop,), 1, ("handmade",))
     with pytest.raises(PlanError, match="x_i.*extent 1 is sharded over DIDx"):
         verify(prog)
+
+
+# ---- one tensor axis sharded over several mesh axes; every 2-D / 3-D reshard ------------------
+
+def _place(x, spec):
+    """spec: per tensor axis, None or a mesh axis entry (a name or a tuple of names)."""
+    for ax, over in enumerate(spec):
+        if over is not None:
+            x = sf.shard(x, axis=ax, over=over)
+    return x if any(spec) else sf.replicate(x)
+
+
+def _placer(spec):
+    return lambda x: _place(x, spec)
+
+
+def _specs(mesh, ndim):
+    """Every placement of an ndim-D value on a 2-D mesh: each mesh axis on some tensor axis or
+    none, and for two mesh axes on one tensor axis both orders."""
+    y, x = mesh.axis_names
+    out = set()
+    for ay in [None, *range(ndim)]:
+        for ax in [None, *range(ndim)]:
+            spec = [None] * ndim
+            if ay is not None and ay == ax:
+                for order in ((y, x), (x, y)):
+                    spec[ay] = order
+                    out.add(tuple(spec))
+                continue
+            if ay is not None:
+                spec[ay] = y
+            if ax is not None:
+                spec[ax] = x
+            out.add(tuple(spec))
+    return sorted(out, key=str)
+
+
+@pytest.mark.parametrize("shape", [(2, 2), (2, 3)])
+def test_every_2d_reshard_runs_and_is_exact(shape):
+    mesh = sf.DeviceMesh(shape, backend="numpy")
+    X = np.random.default_rng().standard_normal((12, 12))
+    specs = _specs(mesh, 2)
+    placed = {s: sf.jit(_placer(s), mesh=mesh)(X) for s in specs}
+    for src in specs:
+        for dst in specs:
+            out = sf.jit(_placer(dst), mesh=mesh)(placed[src])
+            assert out.sharding.placement().axes == tuple(dst), (src, dst)
+            np.testing.assert_array_equal(out.gather(), X, err_msg=f"{src} -> {dst}")
+
+
+@pytest.mark.parametrize("src, dst, counts", [
+    ((None, "DIDx"), ("DIDy", None), {"allgather": 1}),           # [R, S(0)] -> [S(0), R]
+    (("DIDy", "DIDx"), ("DIDx", "DIDy"), {"allgather": 1, "alltoall": 1}),  # [S(0), S(1)] -> [S(1), S(0)]
+    ((("DIDy", "DIDx"), None), (None, ("DIDy", "DIDx")), {"allgather": 1, "alltoall": 1}),
+    ((("DIDy", "DIDx"), None), ("DIDy", "DIDx"), {"alltoall": 1}),
+    (("DIDx", None), (("DIDx", "DIDy"), None), {}),                 # a local slice only
+])
+def test_2d_reshard_collective_counts(src, dst, counts):
+    """Fewest collectives (DTensor's count or fewer) and the table's steps."""
+    mesh = sf.DeviceMesh((2, 2), backend="numpy")
+    X = np.random.default_rng().standard_normal((8, 8))
+    a = sf.jit(lambda x: _place(x, src), mesh=mesh)(X)
+    f = sf.jit(lambda x: _place(x, dst), mesh=mesh)
+    out = f(a)
+    assert next(iter(f._plans.values())).collectives() == counts
+    np.testing.assert_array_equal(out.gather(), X)
+
+
+def test_3d_mesh_reverse_placements():
+    """[S(0), S(1), S(2)] -> [S(2), S(1), S(0)] on a 2 x 2 x 2 mesh."""
+    mesh = sf.DeviceMesh((2, 2, 2), backend="numpy")
+    X = np.random.default_rng().standard_normal((4, 4, 4))
+    a = sf.jit(lambda x: _place(x, ("DIDz", "DIDy", "DIDx")), mesh=mesh)(X)
+    f = sf.jit(lambda x: _place(x, ("DIDx", "DIDy", "DIDz")), mesh=mesh)
+    out = f(a)
+    assert [str(p) for p in out.placements] == ["S(2)", "S(1)", "S(0)"]
+    assert sum(next(iter(f._plans.values())).collectives().values()) == 2
+    np.testing.assert_array_equal(out.gather(), X)
+
+
+@pytest.mark.parametrize("over, blocks", [(("dp", "tp"), [0, 1, 2, 3]), (("tp", "dp"), [0, 2, 1, 3])])
+def test_shard_over_a_tuple_of_mesh_axes(over, blocks):
+    """sf.shard(x, axis=0, over=("dp", "tp")): device (dp, tp) holds block dp * 2 + tp (the
+    first mesh axis outermost, as JAX's P(("dp", "tp"))); ("tp", "dp") the transposed order."""
+    mesh = sf.DeviceMesh((2, 2), ("dp", "tp"), backend="numpy")
+    X = np.random.default_rng().standard_normal((8, 3))
+    a = sf.shard(X, axis=0, over=over, mesh=mesh)
+    assert [str(p) for p in a.placements] == ["S(0)", "S(0)"]
+    for d, b in zip(mesh.devices, blocks):
+        np.testing.assert_array_equal(a.shards[d], X[2 * b:2 * b + 2])
+    np.testing.assert_array_equal(a.gather(), X)
+
+
+def test_contraction_over_a_tuple_sharded_axis_reduces_over_both():
+    mesh = sf.DeviceMesh((2, 2), ("dp", "tp"), backend="numpy")
+    rng = np.random.default_rng()
+    A, B = rng.standard_normal((6, 8)), rng.standard_normal((8, 5))
+    f = sf.jit(lambda a, b: sf.shard(a, axis=1, over=("dp", "tp")) @ sf.shard(b, axis=0, over=("dp", "tp")),
+               mesh=mesh)
+    plan = f.lower(sf.TensorSpec(A.shape, "float64"), sf.TensorSpec(B.shape, "float64"))
+    assert "a: f64[6, 8:(dp,tp)]" in str(plan)
+    assert plan.collectives() == {"allreduce": 2}
+    assert_close(f(A, B).gather(), A @ B, "float64")
+
+
+@pytest.mark.parametrize("over, match", [
+    (("DIDx", "DIDx"), "distinct"), ((), "distinct"), (("DIDx", "nope"), "unknown mesh axis 'nope'"),
+    (("DIDy", "DIDx", "DIDy"), "distinct"), (3, "mesh axis name"),
+])
+def test_bad_over_is_refused(over, match):
+    mesh = sf.DeviceMesh((2, 2), backend="numpy")
+    x = np.ones((8, 8))
+    with pytest.raises(ValueError, match=match):
+        sf.shard(x, axis=0, over=over, mesh=mesh)
+    with pytest.raises(ValueError, match=match):
+        sf.jit(lambda v: sf.shard(v, axis=0, over=over), mesh=mesh)(x)
+
+
+def test_a_tuple_needs_its_product_to_divide():
+    mesh = sf.DeviceMesh((2, 3), backend="numpy")
+    with pytest.raises(ValueError, match="6 devices, which does not divide 8"):
+        sf.shard(np.ones((8, 2)), axis=0, over=("DIDy", "DIDx"), mesh=mesh)

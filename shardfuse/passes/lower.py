@@ -1,9 +1,7 @@
 """lower_to_host: array-level instructions become host-level ones that write into buffers.
 
-Each `set` (a resharding) is compared mesh axis by mesh axis with DTensor's case table:
-  S(k) -> R    Allgather along k          R -> S(k)   ShardSlice (a local view, no communication)
-  P    -> R    Allreduce                  P -> S(k)   ReduceScatter along k
-  S(i) -> S(j) AllToAll
+Each `set` (a resharding) becomes the steps of DTensor's case table that `reshard_steps`
+(passes/reshard_plan.py) plans: Allgather, ShardSlice, Allreduce, ReduceScatter, AllToAll.
 A `set` between two meshes (pipeline stages: `mesh.submesh(...)`) moves data point to point,
 with nvFuser's names: SendRecv (same placement, same size: device p to device p), Broadcast
 (replicated, from the source's first device), Scatter (replicated -> sharded), Gather (sharded ->
@@ -17,6 +15,7 @@ from dataclasses import replace
 
 from shardfuse.ir import HOST_ONLY, Instr, Namer, Value
 from shardfuse.layout import Layout
+from shardfuse.passes.reshard_plan import reshard_steps
 
 
 def lower_to_host(prog):
@@ -41,50 +40,16 @@ def _lower(instrs, namer, mesh):
     return out
 
 
-def reshard_steps(src: Layout, dst: Layout, mesh):
-    """[(kind, mesh axis, tensor axis, target axis)] that take placement src to dst."""
-    steps = []
-    for m in mesh.axis_names:
-        s_ax, d_ax = src.mesh_axis_of(m), dst.mesh_axis_of(m)
-        s_p, d_p = m in src.partial, m in dst.partial
-        if (s_ax, s_p) == (d_ax, d_p):
-            continue
-        if s_ax is not None and d_ax is None and not d_p:
-            steps.append(("allgather", m, s_ax, None))
-        elif s_ax is None and not s_p and d_ax is not None:
-            steps.append(("shard_slice", m, d_ax, None))
-        elif s_p and d_ax is None and not d_p:
-            steps.append(("allreduce", m, None, None))
-        elif s_p and d_ax is not None:
-            steps.append(("reduce_scatter", m, d_ax, None))
-        elif s_ax is not None and d_ax is not None and not s_p and not d_p:
-            steps.append(("alltoall", m, s_ax, d_ax))
-        else:  # a pending sum cannot be created by resharding, only by a contraction
-            raise ValueError(f"cannot reshard {src.placements(mesh)} -> {dst.placements(mesh)} over {m}")
-    # Slices first (less data to move), reductions before gathers (reduce the smaller tensor).
-    order = {"shard_slice": 0, "reduce_scatter": 1, "allreduce": 2, "alltoall": 3, "allgather": 4}
-    return sorted(steps, key=lambda s: order[s[0]])
-
-
 def _lower_set(x, y, namer, mesh):
     if x.type.layout.mesh != y.type.layout.mesh:
         return _lower_move(x, y, namer, mesh)
-    steps = reshard_steps(x.type.layout.placement(), y.type.layout.placement(), mesh)
+    where = x.type.layout.mesh
+    steps = reshard_steps(x.type.layout.placement(), y.type.layout.placement(), where or mesh, x.type.shape)
     if not steps:  # only the schedule changes: a copy keeps y a buffer of its own
         return [Instr("allocate", (y,)), Instr("copy", (), (x,), into=y)]
     out, cur = [], x
-    lay = x.type.layout
-    for n, (kind, m, ax, to_ax) in enumerate(steps):
-        if kind == "allgather":
-            lay = lay.with_axis(ax, None)
-        elif kind == "alltoall":
-            lay = lay.with_axis(ax, None).with_axis(to_ax, m)
-        elif kind == "shard_slice":
-            lay = lay.with_axis(ax, m)
-        else:
-            lay = replace(lay, partial=tuple(p for p in lay.partial if p != m))
-            if kind == "reduce_scatter":
-                lay = lay.with_axis(ax, m)
+    for n, (kind, m, ax, to_ax, lay) in enumerate(steps):
+        lay = lay.on(where)
         last = n == len(steps) - 1
         nxt = y if last else Value(namer(f"{x.name}_{kind}"), x.type.with_layout(lay))
         if kind == "shard_slice":

@@ -7,7 +7,7 @@ the seed's form: x viewed as [D, S, m, K] (D the sharded factor), the product co
 from __future__ import annotations
 
 from shardfuse.ir import Instr, Namer, TensorType, Value, substitute
-from shardfuse.layout import Layout
+from shardfuse.layout import Layout, shard_count
 from shardfuse.mesh import STREAM
 from shardfuse.rules import rule
 
@@ -45,7 +45,7 @@ def split_stream_axes(prog):
         if len(sharded) > 1:
             raise ValueError(f"inputs of {o.name} shard its stream axis over different mesh axes {sorted(sharded)}")
         mesh_axis = sharded.pop() if sharded else None
-        d = prog.mesh.axis_size(mesh_axis) if mesh_axis else 1
+        d = shard_count(mesh_axis, prog.mesh)
         extent = o.type.shape[k]
         if s is None and not ring:
             # chunks omitted on an axis an input shards: one chunk per index of each device's shard.

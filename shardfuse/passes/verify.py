@@ -7,6 +7,8 @@ follows from its layout (each sharded extent divides evenly) and no Slice cuts a
 """
 from __future__ import annotations
 
+from shardfuse.layout import shard_count
+
 COLLECTIVES = {"allgather", "allreduce", "reduce_scatter", "alltoall", "sendrecv", "transfer"}
 HOST_OPS = COLLECTIVES | {"allocate", "slice", "select", "view", "shard_slice",
             "wait", "matmul", "add", "sub", "mul", "div", "neg", "scale", "exp", "tanh", "relu", "gelu", "sum",
@@ -35,7 +37,7 @@ def _check_local_shape(v, prog):
         return
     mesh = t.layout.mesh or prog.mesh
     for ax, over in t.layout.placement().sharded_axes().items():
-        d = mesh.axis_size(over)
+        d = shard_count(over, mesh)
         _check(t.shape[ax] % d == 0, f"{v.name}{t.shape}: axis {ax} of extent {t.shape[ax]} is sharded over "
                                      f"{over} ({d} devices), which does not divide it")
 
