@@ -8,6 +8,7 @@ Backends see Refs and streams, never the IR.
 """
 from __future__ import annotations
 
+import threading
 from dataclasses import dataclass, replace
 
 import numpy as np
@@ -131,6 +132,11 @@ class Executable:
         self._allocate_used(prog)
         self._graph_outputs = None
         self._accepted, self._out_layouts = set(), {}  # hot-path caches of layout checks
+        # One call at a time: the plan's persistent buffers (gather pools, scratch) and its
+        # graphs are shared by every call, so two threads issuing at once would write each
+        # other's chunks.  A lock rather than per-thread buffers: it costs no memory, and on GPUs
+        # it is held only while the host issues (the kernels run after it is released).
+        self._lock = threading.Lock()
         self.graph = backend.capture(self) if graph else None
 
     # ---- slots ------------------------------------------------------------------------
@@ -429,6 +435,10 @@ class Executable:
         the caller's stream (stream=, or CuPy's current stream), and that stream then waits for
         the plan's outputs: the caller's work before and after the call is ordered with it."""
         infos = self._check_args(args, infos)
+        with self._lock:
+            return self._run(args, infos, stream)
+
+    def _run(self, args, infos, stream):
         be = self.backend
         caller = None
         if be.name == "cupy":

@@ -1,6 +1,7 @@
 """allocate_buffers: decide where every buffer lives and how long.
 
-- A buffer a program output lives in is allocated per call (the caller keeps it).
+- A buffer a program output lives in is allocated per call (the caller keeps it); an output
+  that would be a view of an input is copied into one.
 - Every other buffer is allocated once per compiled plan and reused across calls.
 - Inside a stream loop, a chunk that leaves the loop is a slice of a whole buffer allocated
   before the loop; a chunk used only inside it (the gathered chunk of A) comes from a pool
@@ -16,8 +17,8 @@ from shardfuse.ir import Idx, Instr, Namer, Value, walk
 VIEW_OPS = ("slice", "view", "shard_slice", "select", "transpose")
 
 
-def output_roots(prog):
-    """The buffers program outputs are views of."""
+def _view_bases(prog) -> dict:
+    """value -> the buffer it is a view of (values that are no view are absent)."""
     base = {}
     for i in walk(prog.instrs):
         if i.op in VIEW_OPS:
@@ -25,7 +26,27 @@ def output_roots(prog):
         if i.op == "for":
             for oc, (full, _) in i.attrs["results"].items():
                 base[oc] = full
+    return base
+
+
+def output_roots(prog):
+    """The buffers program outputs are views of."""
+    base = _view_bases(prog)
     return {base.get(v, v) for v in prog.outputs}
+
+
+def _copy_aliased_outputs(prog, instrs, namer):
+    """An output that is an input or a view of one (identity, a local shard slice, `.T`) gets a
+    buffer of its own: a result must never change when the caller later writes its argument."""
+    base, inputs = _view_bases(prog), set(prog.inputs)
+    outputs, tail = [], []
+    for v in prog.outputs:
+        if base.get(v, v) in inputs:
+            c = Value(namer(v.name + "_copy"), v.type)
+            tail += [Instr("allocate", (c,), attrs={"per_call": True}), Instr("copy", (), (v,), into=c)]
+            v = c
+        outputs.append(v)
+    return instrs + tail, tuple(outputs)
 
 
 def allocate_buffers(prog):
@@ -39,7 +60,8 @@ def allocate_buffers(prog):
             out.extend(_hoist(i, min(prog.streams, i.attrs["extent"]), roots, namer))
         else:
             out.append(i)
-    return prog.with_instrs(out, "allocate_buffers")
+    out, outputs = _copy_aliased_outputs(prog, out, namer)
+    return prog.with_instrs(out, "allocate_buffers", outputs=outputs)
 
 
 def _hoist(loop, nstreams, roots, namer):
