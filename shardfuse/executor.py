@@ -55,34 +55,37 @@ def contiguous_strides(shape):
 
 
 def reshape_strides(shape, strides, new_shape):
-    """Strides of a no-copy reshape, or None when the view would need a copy."""
-    dims = [(n, s) for n, s in zip(shape, strides) if n != 1]
-    out, k = [], 0
-    for n in new_shape:
-        if n == 1:
-            out.append(0)
-            continue
-        if k >= len(dims):
-            return None
-        # take old dims until their product reaches n; they must be nested contiguously
-        prod, group = 1, []
-        while prod < n and k < len(dims):
-            group.append(dims[k])
-            prod *= dims[k][0]
-            k += 1
-        if prod == n:
-            for (a, sa), (b, sb) in zip(group, group[1:]):
-                if sa != b * sb:
-                    return None
-            out.append(group[-1][1])
-        else:  # split one old dim into several new ones
-            if len(group) != 1 or prod % n:
+    """Strides of a no-copy reshape, or None when the view would need a copy.  Runs of old and
+    new axes whose extents multiply to the same number pair up (NumPy's rule); each old run
+    must be nested contiguously, and its new axes take strides from its innermost one."""
+    if 0 in shape or 0 in new_shape:  # nothing to address: any strides do
+        return contiguous_strides(new_shape)
+    old = [(n, s) for n, s in zip(shape, strides) if n != 1]
+    new = [j for j, n in enumerate(new_shape) if n != 1]
+    out = [0] * len(new_shape)  # axes of extent 1: their strides never matter
+    i = j = 0
+    while i < len(old) and j < len(new):
+        run_old, run_new = [i], [j]
+        p_old, p_new = old[i][0], new_shape[new[j]]
+        i, j = i + 1, j + 1
+        while p_old != p_new:
+            if p_old < p_new and i < len(old):
+                p_old *= old[i][0]
+                run_old.append(i)
+                i += 1
+            elif p_new < p_old and j < len(new):
+                p_new *= new_shape[new[j]]
+                run_new.append(j)
+                j += 1
+            else:
                 return None
-            (m, s) = group[0]
-            rest = m // n
-            out.append(s * rest)
-            dims.insert(k, (rest, s))
-    return tuple(out) if k == len(dims) else None
+        if any(old[a][1] != old[b][0] * old[b][1] for a, b in zip(run_old, run_old[1:])):
+            return None
+        stride = old[run_old[-1]][1]
+        for k in reversed(run_new):
+            out[new[k]] = stride
+            stride *= new_shape[new[k]]
+    return tuple(out) if (i, j) == (len(old), len(new)) else None
 
 
 def rank_major(ref: Ref, axis: int, d: int) -> Ref:

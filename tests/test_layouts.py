@@ -179,3 +179,44 @@ def test_a_tuple_needs_its_product_to_divide():
     mesh = sf.DeviceMesh((2, 3), backend="numpy")
     with pytest.raises(ValueError, match="6 devices, which does not divide 8"):
         sf.shard(np.ones((8, 2)), axis=0, over=("DIDy", "DIDx"), mesh=mesh)
+
+
+# ---- smaller cases that used to crash or refuse -------------------------------------------------
+
+def test_stream_a_transposed_shard():
+    """sf.stream(sf.shard(x, 0).T, axis=1): a view streamed; each chunk is copied into the result."""
+    mesh, X = _mesh(), np.random.default_rng().standard_normal((8, 12))
+    out = sf.jit(lambda x: sf.stream(sf.shard(x, 0).T, axis=1), mesh=mesh)(X)
+    np.testing.assert_array_equal(out.gather(), X.T)
+
+
+@pytest.mark.parametrize("ax", [0, 1, 2])
+def test_stream_a_sum_and_a_transpose_with_chunks(ax):
+    mesh, X = _mesh(2), np.random.default_rng().standard_normal((4, 6, 8))
+    keep = [a for a in range(3) if a != ax]
+    f = sf.jit(lambda x: sf.stream(x.sum(ax), axis=1, chunks=2), mesh=mesh)
+    assert_close(f(X).gather(), X.sum(ax), "float64")
+    g = sf.jit(lambda x: sf.stream(x.transpose(ax, *keep), axis=0, chunks=2), mesh=mesh)
+    np.testing.assert_array_equal(g(X).gather(), X.transpose(ax, *keep))
+
+
+def test_reshape_that_regroups_axes_of_a_contiguous_value():
+    mesh, Y = _mesh(), np.random.default_rng().standard_normal((16, 32))
+    out = sf.jit(lambda y: (y * 2.0).reshape(32, 16), mesh=mesh)(Y)
+    assert_close(out.gather(), (Y * 2.0).reshape(32, 16), "float64")
+
+
+@pytest.mark.parametrize("fn, shape", [
+    (lambda a, b: sf.stream(a @ b, axis=0, chunks=2), (0, 4)),
+    (lambda a, b: sf.stream(a * 2.0, axis=1, chunks=2), (0, 8)),
+])
+def test_zero_size_extents_with_chunks(fn, shape):
+    mesh = _mesh()
+    out = sf.jit(fn, mesh=mesh)(np.ones((0, 8)), np.ones((8, 4)))
+    assert out.gather().shape == shape
+
+
+def test_too_many_stream_chunks_are_refused_before_binding():
+    f = sf.jit(lambda v: sf.stream(v * 2.0, axis=0), mesh=_mesh())
+    with pytest.raises(ValueError, match=r"streamed in 20000 chunks: at most 1024"):
+        f.lower(sf.TensorSpec((20000, 2), "float64"))

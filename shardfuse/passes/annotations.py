@@ -60,7 +60,7 @@ def fold_annotations(prog):
             ann = folded[i].outs[0]
             o = Value(i.outs[0].name, ann.type)
             alias[ann] = o
-            algo = {"algorithm": folded[i].attrs["algorithm"]} if "algorithm" in folded[i].attrs else {}
+            algo = {k: folded[i].attrs[k] for k in ("algorithm", "ring_chunks") if k in folded[i].attrs}
             i = type(i)(i.op, (o,), i.ins, {**i.attrs, **algo})
         i = substitute([i], alias)[0]
         if _is_annotation(i) and i.ins[0].type.layout == i.outs[0].type.layout:

@@ -68,6 +68,11 @@ def _stream_extent(i):
     return i.outs[0].type.shape[_stream_axis(i.outs[0])]
 
 
+# The executor unrolls every loop at bind time, one step per chunk and device: a stream axis of
+# 20000 indices with chunks omitted would issue 20000 steps per call for no gain in overlap.
+MAX_STREAM_CHUNKS = 1024
+
+
 def form_stream_loops(prog):
     namer = Namer.for_program(prog)
     instrs, out = list(prog.instrs), []
@@ -79,6 +84,10 @@ def form_stream_loops(prog):
             out.append(i)
             k += 1
             continue
+        if s > MAX_STREAM_CHUNKS:
+            o = i.outs[0]
+            raise ValueError(f"{o.name}{o.type.shape} is streamed in {s} chunks: at most {MAX_STREAM_CHUNKS} (each "
+                             f"chunk is a step of every call); give sf.stream(..., chunks=S) with fewer, larger chunks")
         group = [i]
         k += 1
         while k < len(instrs) and _stream_extent(instrs[k]) == s:
@@ -106,7 +115,12 @@ def _make_loop(group, extent, used_later, namer):
                 body.append(Instr("slice", (vc,), (v,), {"axis": a, "index": Idx("i")}))
                 ins.append(vc)
         oc = Value(namer(o.name + "_i"), _chunk_type(o, ko))
-        body.append(Instr(i.op, (oc,), tuple(ins), i.attrs))
+        if i.op == "transpose" and o in used_later:
+            # a view writes nothing: a chunk that leaves the loop is copied into its result
+            view = Value(namer(o.name + "_view_i"), oc.type)
+            body += [Instr(i.op, (view,), tuple(ins), i.attrs), Instr("set", (oc,), (view,))]
+        else:
+            body.append(Instr(i.op, (oc,), tuple(ins), i.attrs))
         chunk[o] = oc
         if o in used_later:
             results[oc] = (o, ko)

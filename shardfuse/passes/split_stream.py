@@ -21,6 +21,23 @@ def _sharded_inputs(i, amap):
     return [v for v, a in zip(i.ins, amap) if a is not None and v.type.layout.placement().axes[a] is not None]
 
 
+def _split_attrs(i, amap, k, n):
+    """The op's attributes once its stream axis k (input axis amap[0]) is split into n axes."""
+    if i.op == "transpose":  # output axis j reads input axis perm[j]; axes after the split shift by n - 1
+        a = amap[0]
+        perm = []
+        for j, p in enumerate(i.attrs["perm"]):
+            perm += [a + t for t in range(n)] if j == k else [p + (n - 1 if p > a else 0)]
+        return {**i.attrs, "perm": tuple(perm)}
+    if i.op == "sum":
+        ax = i.attrs["axis"]
+        return {**i.attrs, "axis": ax + (n - 1 if ax > amap[0] else 0)}
+    if i.op == "reshape":
+        raise ValueError(f"sf.stream(..., chunks=) of {i.outs[0].name}, the result of a reshape, is not supported: "
+                         "stream the value before the reshape, or its consumer")
+    return i.attrs
+
+
 def split_stream_axes(prog):
     namer = Namer.for_program(prog)
     out, alias = [], {}
@@ -54,6 +71,9 @@ def split_stream_axes(prog):
         if ring:  # the ring's chunks are the shards: [D:Stream, m]
             if mesh_axis is None:
                 raise ValueError(f"algorithm='ring' streams {o.name} along axis {k}, but no input shards that axis")
+            if i.attrs.get("ring_chunks", d) != d:
+                raise ValueError(f"algorithm='ring' streams {o.name} in one chunk per device of {mesh_axis}: chunks "
+                                 f"must be {d} (or omitted), got {i.attrs['ring_chunks']}")
             if extent == d:
                 out.append(i)
                 continue
@@ -79,7 +99,7 @@ def split_stream_axes(prog):
         split_axes = (STREAM, None) if ring else ((lay.stream_over, STREAM, None) if mesh_axis else (STREAM, None))
         shp, axs = _split(o.type.shape, lay.axes, k, fac, split_axes)
         o_split = Value(namer(o.name + "_split"), TensorType(shp, o.type.dtype, Layout(axs, lay.partial, mesh=lay.mesh)))
-        out.append(Instr(i.op, (o_split,), tuple(new_ins), i.attrs))
+        out.append(Instr(i.op, (o_split,), tuple(new_ins), _split_attrs(i, amap, k, len(fac))))
         o_back = Value(o.name, o.type.with_layout(lay.placement()))
         out.append(Instr("view", (o_back,), (o_split,), {"shape": o.type.shape}))
         alias[o] = o_back
