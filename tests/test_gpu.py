@@ -557,3 +557,62 @@ def test_two_stage_pipeline(mesh):
 @pytest.mark.parametrize("mesh", [2, 4, 8], indirect=True)
 def test_collectives_inside_a_stage(mesh):
     _cases().stage_collectives_case(mesh)
+
+
+# ---- layouts that must never be wrong (tests/test_layouts.py's cases on the GPU) -----------------
+@pytest.mark.parametrize("shape", [(2, 2), (2, 4)])
+def test_every_2d_reshard_on_gpus(shape):
+    """Every pair of placements of a 2-D value on a 2-D mesh (a tensor axis over one or both
+    mesh axes, in both orders), through NCCL or one-GPU device copies."""
+    from test_layouts import _placer, _specs
+
+    mesh = sf.DeviceMesh(shape, backend="cupy")
+    X = rng().standard_normal((16, 16))
+    specs = _specs(mesh, 2)
+    placed = {s: sf.jit(_placer(s), mesh=mesh)(X) for s in specs}
+    for src in specs:
+        for dst in specs:
+            out = sf.jit(_placer(dst), mesh=mesh)(placed[src])
+            np.testing.assert_array_equal(out.gather(), X, err_msg=f"{src} -> {dst}")
+
+
+@pytest.mark.parametrize("mesh", [4], indirect=True)
+def test_stream_axis_an_input_shards_without_chunks(mesh):
+    r = rng()
+    x, w = randn(r, (32, 16), "float32"), randn(r, (16, 8), "float32")
+    out = sf.jit(lambda x, w: sf.stream(sf.shard(x, axis=0) @ w, axis=0), mesh=mesh)(x, w)
+    check(out.gather(), f64(x) @ f64(w), "float32")
+
+
+@pytest.mark.parametrize("mesh", [1, 4], indirect=True)
+def test_results_do_not_alias_device_arguments(mesh):
+    X = cupy.asarray(rng().standard_normal((8, 8)))
+    want = cupy.asnumpy(X.T)
+    out = sf.jit(lambda x: x.T, mesh=mesh)(X)
+    X[...] = 7.0
+    np.testing.assert_array_equal(out.gather(), want)
+
+
+@pytest.mark.parametrize("mesh", [1, 4], indirect=True)
+def test_one_jitted_function_from_four_threads_on_gpus(mesh):
+    import threading
+
+    f = sf.jit(lambda a, b: sf.stream(sf.shard(a, axis=0) @ b, axis=0, chunks=2), mesh=mesh, streams=2)
+    wrong, errors = [0] * 4, []
+
+    def work(t):
+        r = np.random.default_rng(t)
+        try:
+            for _ in range(50):
+                a, b = r.standard_normal((16, 8)), r.standard_normal((8, 4))
+                if not np.allclose(f(a, b).gather(), a @ b, rtol=1e-10, atol=1e-10):
+                    wrong[t] += 1
+        except Exception as e:
+            errors.append(e)
+
+    threads = [threading.Thread(target=work, args=(t,)) for t in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors and wrong == [0, 0, 0, 0]
