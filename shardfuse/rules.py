@@ -82,8 +82,9 @@ def contraction_infer(ins, lays, labels=None):
             if lab in out_labels and a is not None and lab not in axes and not _names([a]) & used:
                 axes[lab] = a
                 used |= _names([a])
-    contracted = _names(a for labs, lay in zip(in_labels, lays) for lab, a in zip(labs, _axes(lay))
-                        if lab not in out_labels)
+    # the contraction runs sharded the way `require` picks (the first operand's sharding of it;
+    # an operand sharded otherwise is resharded to match), so only those mesh axes pend sums
+    contracted = _names([_contraction_axis(in_labels, out_labels, lays)[1]])
     carried = _linear_partials(ins.op, lays)
     partial = _union(contracted - used, *carried)
     return Layout(tuple(_unshard([axes.get(lab) for lab in out_labels], set(partial))), partial)

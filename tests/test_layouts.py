@@ -220,3 +220,15 @@ def test_too_many_stream_chunks_are_refused_before_binding():
     f = sf.jit(lambda v: sf.stream(v * 2.0, axis=0), mesh=_mesh())
     with pytest.raises(ValueError, match=r"streamed in 20000 chunks: at most 1024"):
         f.lower(sf.TensorSpec((20000, 2), "float64"))
+
+
+def test_contraction_sharded_differently_in_each_operand():
+    """a's K over DIDx, b's K over DIDy: b is resharded to DIDx and only DIDx pends a sum (the
+    DIDy Allreduce once doubled the result).  Found by tests/test_differential.py."""
+    mesh = sf.DeviceMesh((2, 2), backend="numpy")
+    rng = np.random.default_rng()
+    A, B = rng.standard_normal((4, 4)), rng.standard_normal((4, 4))
+    f = sf.jit(lambda a, b: a @ b, mesh=mesh, streams=1)
+    out = f(sf.shard(A, axis=1, over="DIDx", mesh=mesh), sf.shard(B, axis=0, over="DIDy", mesh=mesh))
+    assert_close(out.gather(), A @ B, "float64")
+    assert next(iter(f._plans.values())).collectives() == {"allgather": 1, "allreduce": 1}
