@@ -458,6 +458,11 @@ class CupyNcclBackend:
         if mesh.nprocs > 1:
             from mpi4py import MPI
 
+            from shardfuse import faults
+
+            # Split_type blocks with no deadline: first check every rank is here, for the same mesh
+            faults.agree(f"mesh {mesh!r} shape={mesh.shape} axes={mesh.axis_names} devices={mesh.devices}",
+                         f"the CuPy backend of {mesh!r}")
             node = MPI.COMM_WORLD.Split_type(MPI.COMM_TYPE_SHARED)
             local_rank = node.Get_rank()
             node.Free()
@@ -1080,9 +1085,12 @@ class CupyNcclBackend:
             else:
                 from mpi4py import MPI
 
+                from shardfuse import faults
+
                 uids = {g: nccl.get_unique_id() for g in groups if g[0] in self.local_index}
                 merged = {}
-                for part in MPI.COMM_WORLD.allgather(uids):  # every process, members or not
+                # every process, members or not; with SHARDFUSE_TIMEOUT (NCCL's own init has none)
+                for part in faults.allgather_object(MPI.COMM_WORLD, uids, f"sharing the NCCL ids of teams {groups}"):
                     merged.update(part)
                 nccl.groupStart()
                 try:

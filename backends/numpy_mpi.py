@@ -3,8 +3,10 @@
 Only the collectives differ from the in-memory reference (NumpyLocalBackend): each one first
 combines the contributions of this process' local devices in memory, then posts ONE
 non-blocking MPI collective across the processes of the team (Iallgather / Iallreduce /
-Ireduce_scatter_block) in its start step; its wait step does ``request.Wait()`` and copies
-the result into the local devices' views where needed.
+Ireduce_scatter_block) in its start step; its wait step polls the request until it completes
+(shardfuse.faults.wait: SHARDFUSE_TIMEOUT seconds at most, then the job is aborted with the
+step's name and the ranks that did not arrive) and copies the result into the local devices'
+views where needed.
 
 Teams: a collective over mesh axis ``m`` runs within each group of devices that differ only
 in ``m`` (mesh.teams(m)).  On a 1-D mesh that is every device: COMM_WORLD.  On a mesh with
@@ -24,6 +26,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from shardfuse import faults
 from shardfuse.backends.numpy_local import NumpyLocalBackend
 from shardfuse.trace import np_dtype
 
@@ -107,6 +110,10 @@ class NumpyMPIBackend(NumpyLocalBackend):
 
         self.MPI = MPI
         world = MPI.COMM_WORLD
+        # The splits below block with no deadline and pair with whatever the other ranks call:
+        # first make sure every rank is here, for the same mesh (else RankMismatchError on all).
+        faults.agree(f"mesh {mesh!r} shape={mesh.shape} axes={mesh.axis_names} devices={mesh.devices}",
+                     f"the MPI backend of {mesh!r}")
         self._blas_limit = _limit_blas_threads(world)
         self.nprocs, self.rank = world.Get_size(), world.Get_rank()
         if mesh.nprocs != self.nprocs:
@@ -160,6 +167,7 @@ class NumpyMPIBackend(NumpyLocalBackend):
             cache = ("sub", mesh.devices, mesh.shape, name, self.nprocs)  # reused, like the whole-mesh splits
             if cache not in _TEAM_COMMS:
                 color = mesh.teams(name).index(mine[0]) if mine else self.MPI.UNDEFINED
+                faults.barrier(self.MPI.COMM_WORLD, f"splitting the communicator of {what} within {mesh}")
                 _TEAM_COMMS[cache] = self.MPI.COMM_WORLD.Split(color, pos)
             comm = _TEAM_COMMS[cache]
             self.comms[team] = None if comm == self.MPI.COMM_NULL else comm
@@ -180,6 +188,7 @@ class NumpyMPIBackend(NumpyLocalBackend):
         assert recv.shape[0] == comm.Get_size() * L, (recv.shape, comm.Get_size(), L)
         direct = L == 1 and not self._slot_alias(send, recv)
         state = {}
+        what = faults.step_name("allgather", team, send)
 
         def start(bufs):
             s, r = self._views(bufs, send), self._views(bufs, recv)
@@ -193,7 +202,7 @@ class NumpyMPIBackend(NumpyLocalBackend):
             state["r"] = r
 
         def wait(bufs):
-            state.pop("req").Wait()
+            faults.wait(state.pop("req"), what, comm)
             r = state.pop("r")
             for j in range(1, L):
                 r[j][...] = r[0]
@@ -210,6 +219,7 @@ class NumpyMPIBackend(NumpyLocalBackend):
         sbuf = None if direct_send else np.empty(send.shape, red)
         rbuf = None if native else np.empty(recv.shape, red)
         state = {}
+        what = faults.step_name("allreduce", team, send)
 
         def start(bufs):
             s, r = self._views(bufs, send), self._views(bufs, recv)
@@ -219,7 +229,7 @@ class NumpyMPIBackend(NumpyLocalBackend):
             state["r"] = r
 
         def wait(bufs):
-            state.pop("req").Wait()
+            faults.wait(state.pop("req"), what, comm)
             r = state.pop("r")
             if not native:
                 r[0][...] = rbuf
@@ -242,6 +252,7 @@ class NumpyMPIBackend(NumpyLocalBackend):
         rbuf = None if direct_recv else np.empty((L,) + tuple(recv.shape), red)
         count = L * int(np.prod(recv.shape, dtype=np.int64))
         state = {}
+        what = faults.step_name("reduce_scatter", team, send)
 
         def start(bufs):
             s, r = self._views(bufs, send), self._views(bufs, recv)
@@ -253,7 +264,7 @@ class NumpyMPIBackend(NumpyLocalBackend):
         def wait(bufs):
             req = state.pop("req")
             if req is not None:
-                req.Wait()
+                faults.wait(req, what, comm)
             r = state.pop("r")
             if not direct_recv:
                 for j in range(L):
@@ -273,6 +284,7 @@ class NumpyMPIBackend(NumpyLocalBackend):
         sbuf = np.empty((P, L, L) + block, dt)
         rbuf = np.empty((P, L, L) + block, dt)
         state = {}
+        what = faults.step_name("alltoall", team, send)
 
         def start(bufs):
             s, r = self._views(bufs, send), self._views(bufs, recv)
@@ -282,7 +294,7 @@ class NumpyMPIBackend(NumpyLocalBackend):
             state["r"] = r
 
         def wait(bufs):
-            state.pop("req").Wait()
+            faults.wait(state.pop("req"), what, comm)
             r = state.pop("r")
             for k in range(L):
                 r[k].reshape((P, L) + block)[...] = rbuf[:, :, k]
@@ -298,6 +310,7 @@ class NumpyMPIBackend(NumpyLocalBackend):
         d = comm.Get_size() * L
         me = comm.Get_rank()
         state = {}
+        what = faults.step_name("sendrecv", team, send)
 
         def start(bufs):
             s, r = self._views(bufs, send), self._views(bufs, recv)
@@ -314,7 +327,7 @@ class NumpyMPIBackend(NumpyLocalBackend):
             state["reqs"] = reqs
 
         def wait(bufs):
-            self.MPI.Request.Waitall(state.pop("reqs"))
+            faults.wait(state.pop("reqs"), what, comm)
         return start, wait
 
     def bind_transfers(self, pairs, stream):
@@ -324,6 +337,9 @@ class NumpyMPIBackend(NumpyLocalBackend):
         world, L, me = self.MPI.COMM_WORLD, self.L, self.rank
         idx = self.local_index
         state = {}
+        peers = ({d // L for s, _, d, _ in pairs if s // L == me}  # the processes this one exchanges with
+                 | {s // L for s, _, d, _ in pairs if d // L == me})
+        what = faults.step_name("transfer", None, pairs[0][1] if pairs else None)
 
         def start(bufs):
             reqs = []
@@ -338,5 +354,5 @@ class NumpyMPIBackend(NumpyLocalBackend):
             state["reqs"] = reqs
 
         def wait(bufs):
-            self.MPI.Request.Waitall(state.pop("reqs"))
+            faults.wait(state.pop("reqs"), what, peers)
         return start, wait

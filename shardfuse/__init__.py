@@ -9,6 +9,7 @@
     print(ag_matmul.lower(sf.TensorSpec((8, 4, 16, 32)), sf.TensorSpec((32, 24))))
 """
 from shardfuse.array import Array, from_local
+from shardfuse.faults import CollectiveTimeoutError, RankLeftError, RankMismatchError
 from shardfuse.jit import Plan, jit
 from shardfuse.layout import Layout
 from shardfuse.mesh import DeviceMesh
@@ -16,4 +17,5 @@ from shardfuse.placements import Partial, Replicate, Shard
 from shardfuse.trace import TensorSpec, exp, gelu, linear, relu, replicate, shard, stream, tanh, to_mesh
 
 __all__ = ["Array", "DeviceMesh", "Layout", "Partial", "Replicate", "Shard", "Plan", "TensorSpec", "from_local", "jit", "replicate", "shard", "stream", "to_mesh",
-           "exp", "gelu", "linear", "relu", "tanh"]
+           "exp", "gelu", "linear", "relu", "tanh",
+           "CollectiveTimeoutError", "RankLeftError", "RankMismatchError"]

@@ -3,11 +3,15 @@
 Each test launches `mpiexec -n P` as a subprocess with a timeout (its whole process group
 is killed if it runs over), so a hang fails the test instead of the run:
 
-* tests/mpi/ (the shared case bodies on the MPI backend) under -n 2 and -n 4, checking the
-  job passed and ran > 0 tests on every rank;
+* tests/mpi/ (the shared case bodies on the MPI backend, and the in-rank fault tests marked
+  @pytest.mark.mpi) as plain `mpiexec -n P python -m pytest --with-mpi tests/mpi` (no
+  `-m mpi4py`: shardfuse's own hooks abort the job when a rank fails) under -n 2 and -n 4,
+  checking the job passed and ran > 0 tests on every rank;
 * a job where rank 1 fails before a collective that rank 0 has entered must end fast, with a
   non-zero status and rank 1's message (tests/mpi/fail_one_rank.py, and the pytest Abort hook);
-  so must a job where rank 0 waits alone in a collective (the per-test hang guard);
+  so must a job where rank 0 waits alone in a collective (the per-test hang guard).  These
+  keep `python -m mpi4py`, the old way, which must go on working beside shardfuse's hooks
+  (tests/test_mpi_faults.py launches plain scripts);
 * `mpiexec -n 2 python -m shardfuse demo --repeat 1` and `mpiexec -n 4 shardfuse demo --repeat 1`
   print OK, with one device per process.
 
@@ -102,7 +106,10 @@ def test_mpi_cases(nprocs, tmp_path):
     env = {"SHARDFUSE_MPI_REPORT": str(tmp_path),
            "OPENBLAS_NUM_THREADS": os.environ.get("OPENBLAS_NUM_THREADS", "1"),
            "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
-    rc, out, secs = mpirun(nprocs, ["-m", "mpi4py", "-m", "pytest", str(MPI_TESTS), "-q", "-p", "no:cacheprovider"],
+    # --with-mpi: pytest-mpi runs the @pytest.mark.mpi tests, and skips them without it.  It takes
+    # every test under a folder named `mpi` (a node keyword) for one, so each launch of tests/mpi/
+    # here passes --with-mpi.
+    rc, out, secs = mpirun(nprocs, ["-m", "pytest", "--with-mpi", str(MPI_TESTS), "-q", "-p", "no:cacheprovider"],
                            timeout=240, env=env)
     assert rc is not None, f"mpiexec -n {nprocs} pytest tests/mpi/ hung (killed after {secs:.0f} s):\n{_tail(out)}"
     assert rc == 0, f"mpiexec -n {nprocs} pytest tests/mpi/ failed (exit {rc}):\n{_tail(out)}"
@@ -133,7 +140,7 @@ def test_one_rank_failing_before_a_collective_ends_the_job():
 
 
 def test_pytest_abort_hook_ends_the_job_when_one_rank_fails():
-    rc, out, secs = mpirun(2, ["-m", "mpi4py", "-m", "pytest", str(MPI_TESTS / "hook_failure_check.py"),
+    rc, out, secs = mpirun(2, ["-m", "mpi4py", "-m", "pytest", "--with-mpi", str(MPI_TESTS / "hook_failure_check.py"),
                                "-q", "-p", "no:cacheprovider"], timeout=60)
     assert rc is not None, f"the job hung after a test failed on rank 1 (killed after {secs:.0f} s):\n{_tail(out)}"
     assert rc != 0 and secs < FAST, (rc, secs, _tail(out))
@@ -141,7 +148,7 @@ def test_pytest_abort_hook_ends_the_job_when_one_rank_fails():
 
 
 def test_hang_guard_ends_a_job_stuck_in_a_collective():
-    rc, out, secs = mpirun(2, ["-m", "mpi4py", "-m", "pytest", str(MPI_TESTS / "hang_check.py"),
+    rc, out, secs = mpirun(2, ["-m", "mpi4py", "-m", "pytest", "--with-mpi", str(MPI_TESTS / "hang_check.py"),
                                "-q", "-p", "no:cacheprovider"], timeout=60, env={"SHARDFUSE_MPI_TEST_TIMEOUT": "3"})
     assert rc is not None, f"the hang guard did not fire (killed after {secs:.0f} s):\n{_tail(out)}"
     assert rc != 0 and secs < FAST, (rc, secs, _tail(out))

@@ -1,0 +1,128 @@
+"""Runs inside the ranks of `mpiexec -n P python -m pytest --with-mpi tests/mpi/`, launched by
+tests/test_mpi.py::test_mpi_cases (P = 2 and 4).
+
+Marked @pytest.mark.mpi(min_size=2): without --with-mpi, pytest-mpi skips them.  That skip is
+fine only because the launcher test above always runs them, under real MPI ranks, from the one
+test command (`python -m pytest`); the outer run never collects this folder anyway
+(tests/conftest.py), and tests/mpi/conftest.py aborts the whole job when a test fails on any rank.
+
+Every rank runs every test in the same order, so the collectives (and the plan checks) pair up.
+"""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from mpi4py import MPI
+
+import cases
+import shardfuse as sf
+from shardfuse import faults
+
+COMM = MPI.COMM_WORLD
+RANK, NPROCS = COMM.Get_rank(), COMM.Get_size()
+BAD = 1  # the rank that does something else
+
+pytestmark = pytest.mark.mpi(min_size=2)
+
+
+def test_fault_handling_is_installed():
+    sf.DeviceMesh(NPROCS)  # shardfuse touched MPI: the hooks are in
+    assert faults.active()
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float64"])
+def test_seed_case_against_a_float64_product(dtype):
+    """nvFuser's seed layout a[S, D, m, K] on the NumPy-over-MPI backend, against NumPy float64."""
+    mesh = sf.DeviceMesh(4)
+    assert type(mesh.backend).__name__ == "NumpyMPIBackend"
+    rng = np.random.default_rng(7)  # the same inputs on every rank: they are global arrays
+    a, b = rng.standard_normal((8, 4, 16, 32)).astype(dtype), rng.standard_normal((32, 24)).astype(dtype)
+
+    @sf.jit(mesh=mesh, streams=4)
+    def ag_matmul(a, b):
+        return sf.stream(sf.shard(a, axis=1, over="DIDx") @ b, axis=0)
+
+    got = ag_matmul(sf.shard(a, axis=1, over="DIDx", mesh=mesh), b).gather()
+    ref = a.astype(np.float64) @ b.astype(np.float64)
+    tol = 1e-4 if dtype == "float32" else 1e-12
+    assert got.shape == ref.shape and np.abs(got - ref).max() <= tol * np.abs(ref).max()
+
+
+def test_gather_returns_the_global_value_on_every_rank():
+    mesh = sf.DeviceMesh(4)
+    x = np.arange(8.0 * 8).reshape(8, 8)
+    f = sf.jit(lambda x: sf.shard(x, axis=1) * 2.0, mesh=mesh)
+    out = f(sf.shard(x, axis=1, mesh=mesh))
+    got = out.gather()
+    np.testing.assert_array_equal(got, 2 * x)
+    assert all(np.array_equal(g, 2 * x) for g in COMM.allgather(got))
+
+
+# ---- the plan check: every rank raises the same RankMismatchError, before any collective ---------
+def _natural(mesh, chunks=2, algorithm="collective", dtype="float64", rows=8, scale=None):
+    def f(x, w):
+        y = sf.stream(sf.shard(x, axis=0) @ w, axis=0, chunks=None if algorithm == "ring" else chunks,
+                      algorithm=algorithm)
+        return y * scale if scale is not None else y
+    return sf.jit(f, mesh=mesh), np.ones((rows, 6), dtype), np.ones((6, 3), dtype)
+
+
+def _variant(kind):
+    """(jitted, x, w): the same on every rank but BAD, where `kind` differs."""
+    bad = RANK == BAD
+    mesh = sf.DeviceMesh((2, 2) if bad and kind == "mesh" else 4)
+    if kind == "shape":
+        return _natural(mesh, rows=16 if bad else 8)
+    if kind == "dtype":
+        return _natural(mesh, dtype="float32" if bad else "float64")
+    if kind == "chunks":
+        return _natural(mesh, chunks=1 if bad else 2)
+    if kind == "function":
+        return _natural(mesh, scale=3.0 if bad else None)
+    if kind == "algorithm":
+        return _natural(mesh, algorithm="ring" if bad else "collective", rows=16)
+    if kind == "mesh":
+        f = sf.jit(lambda x, w: sf.replicate(sf.shard(x, axis=0, over=mesh.axis_names[-1]) @ w), mesh=mesh)
+        return f, np.ones((8, 6)), np.ones((6, 3))
+    raise AssertionError(kind)
+
+
+@pytest.mark.parametrize("kind", ["shape", "dtype", "chunks", "function", "algorithm", "mesh"])
+def test_ranks_running_different_plans_all_raise_the_same_error(kind):
+    f, x, w = _variant(kind)
+    with pytest.raises(sf.RankMismatchError) as err:
+        f(x, w)
+    msg = str(err.value)
+    assert COMM.allgather(msg) == [msg] * NPROCS, "every rank must raise the very same message"
+    assert f"version B on rank(s) {BAD}" in msg and "first difference between rank 0 and rank 1" in msg, msg
+    assert "  rank 0: " in msg and f"  rank {BAD}: " in msg, msg
+    # nothing was left half-sent: the next plan, the same on every rank, runs
+    g, x, w = _natural(sf.DeviceMesh(4))
+    np.testing.assert_allclose(g(x, w).gather(), x @ w)
+
+
+def test_the_check_is_made_once_per_plan():
+    mesh = sf.DeviceMesh(4)
+    f, x, w = _natural(mesh)
+    plan = f.lower(sf.TensorSpec(x.shape, "float64"), sf.TensorSpec(w.shape, "float64"))
+    exe = plan.executable
+    for _ in range(3):
+        f(x, w)
+    assert plan.executable is exe  # bound (and checked) once
+
+
+def test_waits_are_named_after_the_plan_and_step():
+    mesh = sf.DeviceMesh(NPROCS)
+    with faults.binding("p"):
+        first = faults.step_name("allgather", "DIDx")
+        second = faults.step_name("allreduce", (mesh.submesh([0, 1]), "DIDx"))
+    assert first == "allgather #1 of plan 'p' over DIDx", first
+    assert second == "allreduce #2 of plan 'p' over DIDx of sub-mesh devices (0, 1)", second
+    assert faults.step_name("allgather", "DIDx") == "allgather over DIDx"
+
+
+def test_a_request_waited_with_the_deadline_completes():
+    req = COMM.Ibarrier()
+    faults.wait(req, "a test barrier", COMM)
+    got = faults.allgather_object(COMM, {"rank": RANK}, "a test allgather")
+    assert got == [{"rank": r} for r in range(NPROCS)]
