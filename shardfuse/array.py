@@ -9,7 +9,7 @@ import numpy as np
 
 from shardfuse.interop import array_info, check_input, stream_ptr
 from shardfuse.layout import Layout, mesh_axes, shard_count
-from shardfuse.trace import TensorSpec, check_divides, normalize_axis, normalize_dtype, normalize_over, np_dtype
+from shardfuse.trace import TensorSpec, check_axis, check_divides, normalize_axis, normalize_dtype, normalize_over, np_dtype
 
 
 def device_index(shape, layout: Layout, mesh, device: int):
@@ -86,6 +86,16 @@ def _global_layout(shape: tuple, mesh, axis: int | None, over: str) -> Layout:
 
 
 class Array:
+    """A global array on a mesh: this process' pieces (`shards`, one per local device) and the
+    layout that says where each lies.
+
+    Pickling keeps the mesh by its constructor arguments (shape, axis names, backend; a sub-mesh
+    by its devices) and this process' pieces as NumPy arrays: small, and unpickled onto the same
+    mesh in this process (an equal live mesh is reused) or a new one like it.  Under MPI the pickle
+    holds only the pickling process' pieces, so it unpickles only in the process of the same rank
+    and world size (a per-rank checkpoint); to send a value elsewhere pickle ``.gather()`` (the
+    global NumPy value; collective) or ``.to_local()`` (this process' piece) instead."""
+
     def __init__(self, mesh, shape, dtype, layout: Layout, shards: list):
         self.dtype_name = normalize_dtype(dtype)
         self.mesh, self.shape, self.dtype = mesh, tuple(shape), np_dtype(self.dtype_name)
@@ -112,13 +122,20 @@ class Array:
         """x placed on mesh: sharded on `axis` over mesh axis `over`, or replicated (axis None)."""
         if mesh is None:
             raise ValueError(f"{what} on a concrete array needs mesh=")
+        _check_mesh(mesh, what)
+        if axis is not None:
+            axis = check_axis(axis)  # before the memo, whose keys cannot tell True from 1
         info = array_info(x)
         check_input(info, mesh.backend, what)
         layout = _global_layout(info.shape, mesh, axis, over)
         return cls(mesh, info.shape, info.dtype, layout, local_pieces(x, info.dtype, layout, mesh, info))
 
     def gather(self) -> np.ndarray:
-        """The global value, on every process (a host copy)."""
+        """The global value, on every process (a host copy).
+
+        Collective: under mpiexec every process must call it (the pieces are all-gathered over
+        MPI), in the same order as its other collectives; a process that skips it leaves the
+        others waiting."""
         pieces = list(zip(self.mesh.local_devices, self.mesh.backend.to_host(self.shards)))
         if self.mesh.nprocs > 1:
             from mpi4py import MPI
@@ -136,6 +153,13 @@ class Array:
                 continue  # a replica: device 0 of that mesh axis holds the same data
             out[device_index(self.shape, lay, mesh, d)] += piece
         return out
+
+    def __reduce__(self):
+        """Pickled small: the mesh by its constructor arguments, this process' pieces as NumPy
+        (never the backend, its streams or communicators); see the class docstring."""
+        pieces = self.mesh.backend.to_host(self.shards)
+        return _rebuild_array, (self.mesh, self.shape, self.dtype_name, self.sharding, pieces,
+                                self.mesh.rank, self.mesh.nprocs)
 
     def __array__(self, dtype=None, copy=None):
         out = self.gather()
@@ -212,6 +236,22 @@ class Array:
         return _replicator(self.mesh)(self)
 
 
+def _check_mesh(mesh, what):
+    from shardfuse.mesh import DeviceMesh
+
+    if not isinstance(mesh, DeviceMesh):
+        raise TypeError(f"{what}: mesh= must be an sf.DeviceMesh, got {type(mesh).__name__}")
+
+
+def _rebuild_array(mesh, shape, dtype, layout, pieces, rank, nprocs):
+    """An unpickled sf.Array (see Array.__reduce__): its pieces placed on the mesh again."""
+    if (mesh.rank, mesh.nprocs) != (rank, nprocs):
+        raise ValueError(f"this sf.Array was pickled by MPI process {rank} of {nprocs} and holds that process' "
+                         f"pieces only; here is process {mesh.rank} of {mesh.nprocs}. Pickle .gather() (the global "
+                         "value) or .to_local() (a process' piece) to move a value between processes")
+    return Array(mesh, shape, dtype, layout, mesh.backend.to_device(pieces))
+
+
 class AddressableShard(tuple):
     """One piece this process holds, as JAX's Shard: (device, index, data)."""
 
@@ -250,6 +290,7 @@ def from_local(local_piece, axis: int, over: str = "DIDx", mesh=None):
     device array stays on the device: each local device's part is a zero-copy view where it can be."""
     if mesh is None:
         raise ValueError("sf.from_local needs mesh=")
+    _check_mesh(mesh, "sf.from_local")
     info = array_info(local_piece)
     check_input(info, mesh.backend, "sf.from_local")
     ax = normalize_axis(axis, len(info.shape), info.shape)

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from shardfuse.ir import DTYPES
 from shardfuse.trace import normalize_dtype, np_dtype
 
 _DL_CPU, _DL_CUDA, _DL_CUDA_HOST, _DL_CUDA_MANAGED = 1, 2, 3, 13
@@ -56,6 +57,8 @@ def array_info(x) -> ArrayInfo:
     Raises ValueError / TypeError naming what was expected for anything shardfuse cannot take."""
     kind = _module(x)
     if isinstance(x, np.ndarray):
+        if type(x) is not np.ndarray:
+            _check_subclass(x)
         return ArrayInfo(x.shape, normalize_dtype(x.dtype), None, x.flags.c_contiguous, "numpy")
     if kind == "cupy":
         return ArrayInfo(tuple(x.shape), normalize_dtype(x.dtype), x.device.id, x.flags.c_contiguous, "cupy")
@@ -89,10 +92,44 @@ def array_info(x) -> ArrayInfo:
             info = array_info(cupy.from_dlpack(x))
             return ArrayInfo(info.shape, info.dtype, int(dev_id), info.contiguous, "dlpack")
         raise ValueError(f"a DLPack array on device type {dev_type}: shardfuse takes host or CUDA memory")
-    if isinstance(x, (list, tuple, int, float)) or hasattr(x, "__array__"):
+    if isinstance(x, (list, tuple, int, float)):
+        return array_info(_from_python(x))
+    if hasattr(x, "__array__"):
         return array_info(np.asarray(x))
     raise TypeError(f"expected an array (NumPy, CuPy, torch, JAX, DLPack or CUDA array interface), "
                     f"got {type(x).__name__}")
+
+
+def _check_subclass(x):
+    """NumPy subclasses: np.matrix (and memmaps, ...) are taken as the plain ndarray they view
+    (to_numpy does so); a masked array is refused, since its mask would be dropped silently."""
+    if isinstance(x, np.ma.MaskedArray):
+        raise TypeError("a NumPy masked array: shardfuse takes plain arrays and would drop the mask; pass "
+                        "x.filled(value) (or np.asarray(x) to ignore the mask)")
+
+
+def _from_python(x) -> np.ndarray:
+    """A (nested) list, tuple or Python number as np.asarray makes it, checked: rectangular, and of
+    a float type (Python floats are float64; ints and bools are refused, not silently converted)."""
+    try:
+        a = np.asarray(x)
+    except ValueError as e:  # ragged nesting
+        raise ValueError(f"a {type(x).__name__} that is not a rectangular array of numbers: {e}") from None
+    if a.dtype.kind != "f":
+        raise TypeError(f"a {type(x).__name__} of {a.dtype} values (np.asarray gives {a.dtype}{list(a.shape)}): "
+                        f"expected floats, of a dtype in {DTYPES}; pass e.g. np.asarray(x, dtype=np.float32)")
+    return a
+
+
+def _native(x: np.ndarray) -> np.ndarray:
+    """x as a plain ndarray in this machine's byte order (big-endian input, '>f8', is converted:
+    the backends compute on it and MPI sends it in native order)."""
+    if type(x) is not np.ndarray:
+        _check_subclass(x)
+        x = np.asarray(x)  # np.matrix and other subclasses: the ndarray they view, no copy
+    if not x.dtype.isnative:
+        x = x.astype(x.dtype.newbyteorder("="))
+    return x
 
 
 def _c_strides(shape, item):
@@ -190,9 +227,12 @@ def _torch_view(t, consumer: int | None = None, fenced: int | None = None):
 
 
 def to_numpy(x) -> np.ndarray:
-    """A host NumPy array of x (a copy for device arrays; bfloat16 as ml_dtypes.bfloat16)."""
+    """A host NumPy array of x (a copy for device arrays; bfloat16 as ml_dtypes.bfloat16), a plain
+    ndarray in native byte order (host arrays that already are one are not copied)."""
     if isinstance(x, np.ndarray):
-        return x
+        return x if type(x) is np.ndarray and x.dtype.isnative else _native(x)
+    if isinstance(x, (list, tuple, int, float)):
+        return _from_python(x)
     kind = _module(x)
     if kind == "cupy":
         import cupy
@@ -211,8 +251,8 @@ def to_numpy(x) -> np.ndarray:
 
         return cupy.asnumpy(to_cupy(x))
     if hasattr(x, "__dlpack__") and not hasattr(x, "__array__"):
-        return np.from_dlpack(x)
-    return np.asarray(x)
+        return _native(np.from_dlpack(x))
+    return _native(np.asarray(x))
 
 
 def stream_ptr(stream=None) -> int:

@@ -4,12 +4,16 @@ from __future__ import annotations
 import functools
 import inspect
 import os
+from collections import OrderedDict
+
+import numpy as np
 
 from shardfuse.array import Array, spec_of
 from shardfuse.interop import array_info
 from shardfuse.ir import Program, TensorType, Value
 from shardfuse.passes import compile_program
 from shardfuse.passes.verify import COLLECTIVES
+from shardfuse.mesh import DeviceMesh, as_int
 from shardfuse.trace import Builder, TensorSpec, Traced
 
 
@@ -49,20 +53,57 @@ class Plan:
     @property
     def executable(self):
         if self._exe is None:
+            from shardfuse import faults
             from shardfuse.executor import Executable
 
-            self._exe = Executable(self.program, self.program.mesh.backend, graph=self.graph)
+            mesh = self.program.mesh
+            if mesh.nprocs > 1:
+                # Under mpiexec every rank must run this very plan, or its collectives pair with
+                # other ones (a hang, or garbage).  Checked once per plan and before binding,
+                # which already communicates (sub-communicators, NCCL ids): different shapes,
+                # dtypes, chunks, functions, algorithms or meshes all print different texts.
+                faults.agree(f"mesh {mesh!r} shape={mesh.shape} axes={mesh.axis_names} devices={mesh.devices} "
+                             f"processes={mesh.nprocs} graph={self.graph}\n{self.program}",
+                             f"plan {self.program.name!r}")
+            with faults.binding(self.program.name):
+                self._exe = Executable(self.program, mesh.backend, graph=self.graph)
         return self._exe
 
     def __call__(self, *args, stream=None, infos=None):
         return self.executable(*args, stream=stream, infos=infos)
 
 
+def _input_names(fn, n: int) -> list:
+    """Names of the traced inputs when fn is given n arguments.  The arguments fill fn's
+    positional parameters in order (then its *args); a parameter with a default value that is
+    not given keeps that Python value at trace time (it is no traced input)."""
+    P = inspect.Parameter
+    params = list(inspect.signature(fn).parameters.values())
+    pos = [p for p in params if p.kind in (P.POSITIONAL_ONLY, P.POSITIONAL_OR_KEYWORD)]
+    star = next((p for p in params if p.kind == P.VAR_POSITIONAL), None)
+    required = [p for p in pos if p.default is P.empty]
+    kw_required = [p.name for p in params if p.kind == P.KEYWORD_ONLY and p.default is P.empty]
+    name = getattr(fn, "__name__", type(fn).__name__)
+    if kw_required:
+        raise TypeError(f"{name}: keyword-only parameters without a default ({', '.join(kw_required)}) cannot be "
+                        "traced; give them a default, or make them positional")
+    if n < len(required) or (star is None and n > len(pos)):
+        if star is not None:
+            takes = f"at least {len(required)}"
+        elif len(required) == len(pos):
+            takes = f"{len(pos)}"
+        else:
+            takes = f"{len(required)} to {len(pos)}"
+        defaults = "" if len(required) == len(pos) else \
+            f" ({', '.join(p.name for p in pos[len(required):])} keep their defaults when not given)"
+        raise TypeError(f"{name} takes {takes} arguments, got {n}{defaults}")
+    names = [p.name for p in pos[:n]]
+    return names + [f"{star.name}{k}" for k in range(n - len(names))]
+
+
 def trace(fn, mesh, specs, streams=4, name=None) -> Program:
     builder = Builder(mesh)
-    params = list(inspect.signature(fn).parameters)
-    if len(params) != len(specs):
-        raise TypeError(f"{fn.__name__} takes {len(params)} arguments, got {len(specs)}")
+    params = _input_names(fn, len(specs))
     inputs = []
     for pname, spec in zip(params, specs):
         v = Value(builder.namer(pname), TensorType(spec.shape, spec.dtype, spec.layout))
@@ -76,43 +117,114 @@ def trace(fn, mesh, specs, streams=4, name=None) -> Program:
                    tuple(builder.instrs), streams, ("trace",))
 
 
+MAX_PLANS = 64  # compiled plans a jitted function keeps by default (the least recently used go)
+
+
 class Jitted:
-    def __init__(self, fn, mesh, streams=4, graph=False):
+    """A function compiled for a mesh: one plan per input specs, the `max_plans` most recently
+    used kept (a plan holds its buffers; an evicted one is compiled again when next needed)."""
+
+    def __init__(self, fn, mesh, streams=4, graph=False, max_plans=MAX_PLANS):
+        if not callable(fn):
+            raise TypeError(f"sf.jit compiles a function, got {type(fn).__name__}")
         if mesh is None:
             raise ValueError("sf.jit needs a mesh: sf.jit(mesh=sf.DeviceMesh(n))")
-        if not isinstance(streams, int) or streams < 1:
-            raise ValueError(f"streams must be a positive int, got {streams!r}")
-        self.fn, self.mesh, self.streams, self.graph = fn, mesh, streams, graph
-        self._plans: dict = {}
-        self._dispatch: dict = {}  # argument key -> plan (see __call__)
+        if not isinstance(mesh, DeviceMesh):
+            raise TypeError(f"sf.jit mesh= must be an sf.DeviceMesh, got {type(mesh).__name__}")
+        if isinstance(streams, (bool, np.bool_)) or not isinstance(streams, (int, np.integer)):
+            raise TypeError(f"streams must be a positive int (the size of the stream pool), got {streams!r} "
+                            f"({type(streams).__name__})")
+        if streams < 1:
+            raise ValueError(f"streams must be a positive int, got {streams}")
+        if not isinstance(graph, (bool, np.bool_)):
+            raise TypeError(f"graph must be True or False, got {graph!r} ({type(graph).__name__})")
+        if not mesh.is_root and mesh.nprocs > 1:
+            raise NotImplementedError(
+                f"sf.jit on the sub-mesh {mesh} under MPI ({mesh.nprocs} processes) is not supported: jit on its "
+                f"whole mesh {mesh.root} and place values on the sub-mesh inside the function "
+                "(sf.shard(x, axis, mesh=sub), sf.replicate(x, mesh=sub), sf.to_mesh)")
+        self.fn, self.mesh, self.streams, self.graph = fn, mesh, int(streams), bool(graph)
+        self.max_plans = as_int(max_plans, "sf.jit max_plans=", minimum=1)
+        self._plans: OrderedDict = OrderedDict()  # input specs -> plan, least recently used first
+        self._dispatch: dict = {}  # argument key -> (input specs, plan) (see __call__)
         functools.update_wrapper(self, fn)
 
     def lower(self, *specs) -> Plan:
-        specs = tuple(s if isinstance(s, TensorSpec) else TensorSpec(*s) for s in specs)
+        """The plan for these inputs: TensorSpecs, (shape, dtype[, sharding]) tuples, or the
+        arrays themselves (as JAX's .lower takes either)."""
+        specs = tuple(s if isinstance(s, TensorSpec) else TensorSpec(*s) if isinstance(s, tuple)
+                      else spec_of(s, self.mesh) for s in specs)
         plan = self._plans.get(specs)
-        if plan is None:
-            prog = compile_program(trace(self.fn, self.mesh, specs, self.streams))
-            plan = self._plans[specs] = Plan(prog, self.graph)
-            if os.environ.get("SHARDFUSE_DUMP") == "plan":
-                print(plan, flush=True)
+        if plan is not None:
+            self._plans.move_to_end(specs)
+            return plan
+        prog = compile_program(trace(self.fn, self.mesh, specs, self.streams))
+        plan = self._plans[specs] = Plan(prog, self.graph)
+        while len(self._plans) > self.max_plans:
+            _, old = self._plans.popitem(last=False)
+            for k in [k for k, (_, p) in self._dispatch.items() if p is old]:
+                del self._dispatch[k]
+        if os.environ.get("SHARDFUSE_DUMP") == "plan":
+            print(plan, flush=True)
         return plan
 
-    def __call__(self, *args, stream=None):
+    def __call__(self, *args, stream=None, **kwargs):
         """Run on the mesh.  stream=: the CUDA stream the caller issues on (CuPy or torch stream,
         `__cuda_stream__` object); default CuPy's current stream.  The call waits for it
-        device-side and it waits for the outputs."""
+        device-side and it waits for the outputs.
+
+        Called on traced values, inside another sf.jit function, the function is inlined: traced
+        into the caller's program (as JAX does); its streams= and graph= are the caller's then."""
         # hot path: the plan for these argument kinds, found by a cheap key (no TensorSpec built)
-        infos = tuple(None if isinstance(a, Array) else array_info(a) for a in args)
+        try:
+            infos = tuple(None if isinstance(a, Array) else array_info(a) for a in args)
+        except TypeError:
+            if any(isinstance(a, Traced) for a in args):
+                return self._inline(args, kwargs, stream)
+            raise
+        if kwargs:
+            raise TypeError(f"{self.__name__}() takes its arrays positionally; got keyword argument(s) "
+                            f"{', '.join(kwargs)} (a parameter with a default keeps it when not given)")
         key = tuple((a.shape, a.dtype_name, a.sharding, a.mesh) if i is None else (i.shape, i.dtype)
                     for a, i in zip(args, infos))
-        plan = self._dispatch.get(key)
-        if plan is None:
-            plan = self._dispatch[key] = self.lower(*(spec_of(a, self.mesh) for a in args))
-        return plan(*args, stream=stream, infos=infos)
+        hit = self._dispatch.get(key)
+        if hit is None:
+            specs = tuple(spec_of(a, self.mesh) for a in args)
+            plan = self.lower(*specs)
+            hit = self._dispatch[key] = (specs, plan)
+            if len(self._dispatch) > 4 * self.max_plans:  # cannot happen (a key names one specs): a backstop
+                self._dispatch.clear()
+        else:
+            self._plans.move_to_end(hit[0])
+        return hit[1](*args, stream=stream, infos=infos)
+
+    def _inline(self, args, kwargs, stream):
+        """fn traced into the program of its traced arguments (a jitted function called inside
+        another): the arguments go to fn as they are; Python values stay constants."""
+        builders = {a.builder for a in args if isinstance(a, Traced)}
+        name = self.__name__
+        if len(builders) != 1:
+            raise TypeError(f"{name}(): traced arguments of {len(builders)} different sf.jit functions")
+        builder = builders.pop()
+        if stream is not None:
+            raise TypeError(f"{name}(): stream= is for calls on arrays; inside a traced function the caller's "
+                            "plan decides the streams")
+        if builder.mesh != self.mesh:
+            raise ValueError(f"{name} is compiled for {self.mesh}, but is called inside a function traced for "
+                             f"{builder.mesh}: inlining needs the same mesh")
+        for k, a in enumerate(list(args) + list(kwargs.values())):
+            if isinstance(a, Traced):
+                continue
+            if isinstance(a, Array) or hasattr(a, "__array__") or hasattr(a, "__dlpack__") \
+                    or hasattr(a, "__cuda_array_interface__"):
+                raise TypeError(f"{name}() called inside a traced function on a {type(a).__name__}: arrays are not "
+                                "captured as constants; make it an input of the outer sf.jit function")
+        return self.fn(*args, **kwargs)
 
 
-def jit(fn=None, *, mesh=None, streams: int = 4, graph: bool = False):
-    """Compile `fn` for `mesh`: ``@sf.jit(mesh=mesh, streams=4)``."""
+def jit(fn=None, *, mesh=None, streams: int = 4, graph: bool = False, max_plans: int = MAX_PLANS):
+    """Compile `fn` for `mesh`: ``@sf.jit(mesh=mesh, streams=4)``.  `max_plans`: how many compiled
+    plans (one per input shapes, dtypes and layouts) it keeps, the least recently used dropped."""
     if fn is None:
-        return lambda f: Jitted(f, mesh, streams, graph)
-    return Jitted(fn, mesh, streams, graph)
+        return lambda f: Jitted(f, mesh, streams, graph, max_plans)
+    return Jitted(fn, mesh, streams, graph, max_plans)

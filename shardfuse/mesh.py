@@ -8,7 +8,10 @@ from __future__ import annotations
 
 import math
 import os
+import weakref
 from functools import cached_property
+
+import numpy as np
 
 # The field's words for per-axis parallel types (nvFuser's ParallelType).
 STREAM = "Stream"
@@ -17,18 +20,36 @@ DEFAULT_AXIS_NAMES = {1: ("DIDx",), 2: ("DIDy", "DIDx"), 3: ("DIDz", "DIDy", "DI
 _MPI_ENV = ("PMI_RANK", "PMI_SIZE", "OMPI_COMM_WORLD_SIZE", "PMIX_RANK", "MPI_LOCALRANKID")
 
 
+def as_int(value, what: str, minimum: int | None = None) -> int:
+    """`value` as a Python int: ints and NumPy integers, never bools (True is not 1 here), floats
+    or strings; TypeError / ValueError naming `what`, what was expected and what came."""
+    if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, np.integer)):
+        raise TypeError(f"{what} must be an int, got {value!r} ({type(value).__name__})")
+    value = int(value)
+    if minimum is not None and value < minimum:
+        raise ValueError(f"{what} must be an int >= {minimum}, got {value}")
+    return value
+
+
 def launched_by_mpi() -> bool:
     """True when this process was started by mpiexec (so mpi4py is worth importing)."""
     return any(k in os.environ for k in _MPI_ENV)
 
 
 def world():
-    """(comm, rank, size) of MPI.COMM_WORLD, or (None, 0, 1) when not under mpiexec."""
+    """(comm, rank, size) of MPI.COMM_WORLD, or (None, 0, 1) when not under mpiexec.
+
+    The first call with more than one process also installs shardfuse's fault handling
+    (shardfuse/faults.py): an uncaught exception or an early exit on one rank ends the
+    whole job instead of hanging it, without `python -m mpi4py`."""
     if not launched_by_mpi():
         return None, 0, 1
     from mpi4py import MPI
 
+    from shardfuse import faults
+
     comm = MPI.COMM_WORLD
+    faults.install(comm)
     return comm, comm.Get_rank(), comm.Get_size()
 
 
@@ -48,16 +69,12 @@ class DeviceMesh:
     """
 
     def __init__(self, shape, axis_names=None, backend=None):
-        shape = (shape,) if isinstance(shape, int) else tuple(shape)
-        if not shape or any(not isinstance(s, int) or s < 1 for s in shape):
-            raise ValueError(f"DeviceMesh shape must be positive ints, got {shape!r}")
+        shape = _mesh_shape(shape)
         if axis_names is None:
             if len(shape) not in DEFAULT_AXIS_NAMES:
                 raise ValueError(f"give axis_names for a {len(shape)}-D mesh")
             axis_names = DEFAULT_AXIS_NAMES[len(shape)]
-        axis_names = (axis_names,) if isinstance(axis_names, str) else tuple(axis_names)
-        if len(axis_names) != len(shape) or len(set(axis_names)) != len(axis_names):
-            raise ValueError(f"need {len(shape)} distinct axis names for mesh shape {shape}, got {axis_names!r}")
+        axis_names = _axis_names(axis_names, len(shape), f"mesh shape {shape}")
         if backend not in (None, "numpy", "cupy"):
             raise ValueError(f"backend must be 'numpy', 'cupy' or None, got {backend!r}")
         self.shape = shape
@@ -74,6 +91,7 @@ class DeviceMesh:
         self.backend_name = backend
         self.devices = tuple(range(self.size))  # global device ids, in mesh order
         self.root = self  # the mesh a program runs on; a sub-mesh points at it
+        _LIVE_MESHES[(self.shape, self.axis_names, self.backend_name, self.nprocs)] = self
 
     def submesh(self, devices, axis_names=None) -> "DeviceMesh":
         """A 1-D mesh over some of this mesh's devices, e.g. a pipeline stage: ``mesh.submesh([2, 3])``.
@@ -81,14 +99,19 @@ class DeviceMesh:
         Values placed on it live on those devices only; moving a value between sub-meshes
         lowers to SendRecv, Broadcast, Scatter or Gather.
         """
-        devices = tuple(int(d) for d in devices)
+        if isinstance(devices, (str, bytes)) or not hasattr(devices, "__iter__"):
+            raise TypeError(f"submesh() takes a sequence of device ids of {self} (ids {self.devices}), got {devices!r}")
+        devices = tuple(as_int(d, "a sub-mesh device id") for d in devices)
         if not devices or len(set(devices)) != len(devices) or not set(devices) <= set(self.devices):
             raise ValueError(f"a sub-mesh needs distinct devices of {self} (ids {self.devices}), got {devices}")
+        axis_names = _axis_names(self.axis_names[-1:] if axis_names is None else axis_names, 1, "a sub-mesh")
+        # Built field by field, never by copying this mesh's __dict__: each mesh owns its caches
+        # (the placement memo of array._memo, its backend), which hold per-device data of that mesh.
         sub = object.__new__(DeviceMesh)
-        sub.__dict__.update({k: v for k, v in self.__dict__.items() if k != "backend"})
-        sub.shape, sub.size, sub.devices, sub.root = (len(devices),), len(devices), devices, self.root
-        sub.axis_names = (axis_names,) if isinstance(axis_names, str) else tuple(axis_names or self.axis_names[-1:])
-        sub.local_devices = tuple(d for d in devices if d in self.local_devices)
+        sub.shape, sub.axis_names, sub.size = (len(devices),), axis_names, len(devices)
+        sub.nprocs, sub.rank, sub.backend_name = self.nprocs, self.rank, self.backend_name
+        sub.devices, sub.root = devices, self.root
+        sub.local_devices = tuple(d for d in devices if d in self.root.local_devices)
         return sub
 
     @property
@@ -139,9 +162,65 @@ class DeviceMesh:
 
     @cached_property
     def backend(self):
-        """The backend instance for this process' devices (created once per mesh)."""
-        if not self.is_root:
-            return self.root.backend
+        """The backend instance for this process' devices (created once per mesh).
+
+        A sub-mesh in one process has a backend of its own, made for its devices (shared by equal
+        sub-meshes of one root): the one that runs a program whose whole mesh is the sub-mesh
+        (``sf.jit(f, mesh=mesh.submesh([0, 1]))``) and holds the arrays placed on it
+        (``sf.shard(x, mesh=sub)``), one piece per device of the sub-mesh.  Under MPI a sub-mesh
+        uses its root's backend, for placing and gathering arrays only."""
         from shardfuse.backends import make_backend
 
-        return make_backend(self)
+        if self.is_root:
+            return make_backend(self)
+        if self.nprocs > 1:
+            return self.root.backend
+        made = self.root.__dict__.setdefault("_sub_backends", {})
+        be = made.get(self._key())
+        if be is None:
+            be = made[self._key()] = make_backend(self)
+        return be
+
+    # -- pickling: by constructor arguments, never the backend or caches ---------------------
+    def __reduce__(self):
+        root = self.root
+        sub = None if self.is_root else (self.devices, self.axis_names)
+        return _rebuild_mesh, (root.shape, root.axis_names, root.backend_name, sub)
+
+
+def _mesh_shape(shape) -> tuple:
+    what = "DeviceMesh shape must be positive ints (a device count, or a tuple of axis sizes)"
+    if isinstance(shape, (bool, np.bool_)) or not isinstance(shape, (int, np.integer, tuple, list)):
+        raise TypeError(f"{what}, got {shape!r} ({type(shape).__name__})")
+    shape = (shape,) if isinstance(shape, (int, np.integer)) else tuple(shape)
+    for s in shape:
+        if isinstance(s, (bool, np.bool_)) or not isinstance(s, (int, np.integer)):
+            raise TypeError(f"{what}, got {shape!r}: {s!r} is a {type(s).__name__}")
+    if not shape or any(s < 1 for s in shape):
+        raise ValueError(f"{what}, got {shape!r}")
+    return tuple(int(s) for s in shape)
+
+
+def _axis_names(names, ndim: int, what: str) -> tuple:
+    names = (names,) if isinstance(names, str) else names
+    if not isinstance(names, (tuple, list)) or not all(isinstance(n, str) and n for n in names):
+        raise TypeError(f"axis_names must be a name or a sequence of names (strings), got {names!r}")
+    names = tuple(names)
+    if len(names) != ndim or len(set(names)) != len(names):
+        raise ValueError(f"need {ndim} distinct axis names for {what}, got {names!r}")
+    return names
+
+
+# Live root meshes by constructor arguments (the latest made of each): unpickling finds the mesh
+# (and its backend) already there instead of making another; weak, so it keeps no mesh alive.
+_LIVE_MESHES: "weakref.WeakValueDictionary" = weakref.WeakValueDictionary()
+
+
+def _rebuild_mesh(shape, axis_names, backend_name, sub):
+    """A pickled mesh, rebuilt by its constructor arguments in this process (see __reduce__)."""
+    _, _, nprocs = world()
+    key = (shape, axis_names, backend_name, nprocs)
+    root = _LIVE_MESHES.get(key)
+    if root is None:
+        root = DeviceMesh(shape, axis_names, backend_name)
+    return root if sub is None else root.submesh(*sub)

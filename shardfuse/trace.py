@@ -12,7 +12,7 @@ import numpy as np
 
 from shardfuse.ir import DTYPES, Instr, Namer, TensorType, Value
 from shardfuse.layout import Layout, axis_entry, mesh_axes, shard_count
-from shardfuse.mesh import STREAM
+from shardfuse.mesh import STREAM, as_int
 
 
 _DTYPE_NAMES: dict = {}  # dtype object -> name (np.dtype(...).name costs microseconds on every call)
@@ -58,10 +58,24 @@ def check_divides(shape, ax: int, over, mesh) -> None:
                          f"the mesh axis has {n} devices, which does not divide {shape[ax]}")
 
 
+def check_axis(axis) -> int:
+    """An axis argument as a Python int: ints and NumPy integers, never bools (axis=True is not
+    axis 1), floats or strings."""
+    if isinstance(axis, int) and not isinstance(axis, bool):
+        return axis
+    return as_int(axis, "axis")
+
+
 def normalize_axis(axis: int, ndim: int, shape) -> int:
-    if not isinstance(axis, (int, np.integer)) or not -ndim <= axis < ndim:
+    axis = check_axis(axis)
+    if not -ndim <= axis < ndim:
         raise ValueError(f"axis {axis!r} out of range for a {ndim}-D value of shape {tuple(shape)}")
-    return int(axis) % ndim
+    return axis % ndim
+
+
+def check_chunks(chunks):
+    """sf.stream's chunks=: None or a positive int (NumPy integers too; never bools or floats)."""
+    return None if chunks is None else as_int(chunks, "sf.stream chunks=", minimum=1)
 
 
 @dataclass(frozen=True)
@@ -73,8 +87,22 @@ class TensorSpec:
     layout: Layout | None = None
 
     def __post_init__(self):
-        object.__setattr__(self, "shape", tuple(int(s) for s in self.shape))
+        shape = self.shape
+        if isinstance(shape, (int, np.integer)) and not isinstance(shape, (bool, np.bool_)):
+            shape = (shape,)
+        if isinstance(shape, (str, bytes)) or not hasattr(shape, "__iter__"):
+            raise TypeError(f"TensorSpec shape must be a tuple of ints, got {shape!r} ({type(shape).__name__})")
+        try:
+            shape = tuple(as_int(s, "a TensorSpec extent", minimum=0) for s in shape)
+        except (TypeError, ValueError) as e:
+            raise type(e)(f"TensorSpec shape {tuple(self.shape)!r}: {e}") from None
+        object.__setattr__(self, "shape", shape)
         object.__setattr__(self, "dtype", normalize_dtype(self.dtype))
+        if self.layout is not None and not isinstance(self.layout, Layout):
+            raise TypeError(f"TensorSpec layout must be a Layout or None, got {type(self.layout).__name__}")
+        if self.layout is not None and self.layout.ndim != len(shape):
+            raise ValueError(f"TensorSpec layout {self.layout} has {self.layout.ndim} axes, the shape {shape} "
+                             f"has {len(shape)}")
 
 
 class Builder:
@@ -170,7 +198,7 @@ class Traced:
 
     def transpose(self, *perm):
         perm = tuple(perm[0]) if len(perm) == 1 and isinstance(perm[0], (tuple, list)) else perm
-        perm = perm or tuple(reversed(range(self.ndim)))
+        perm = tuple(check_axis(p) for p in perm) or tuple(reversed(range(self.ndim)))
         if sorted(perm) != list(range(self.ndim)):
             raise ValueError(f"transpose: {perm} is not a permutation of the {self.ndim} axes of {self.shape}")
         out = TensorType(tuple(self.shape[p] for p in perm), self.dtype)
@@ -180,6 +208,7 @@ class Traced:
 
     def reshape(self, *shape):
         shape = tuple(shape[0]) if len(shape) == 1 and isinstance(shape[0], (tuple, list)) else shape
+        shape = tuple(as_int(s, f"reshape of {self.shape}: an extent") for s in shape)
         size = int(np.prod(self.shape))
         if shape.count(-1) == 1:
             known = int(np.prod([s for s in shape if s != -1]))
@@ -224,7 +253,13 @@ def _sub_mesh(builder, mesh):
     """None for the program's own mesh; a checked sub-mesh of it otherwise."""
     if mesh is None or mesh == builder.mesh:
         return None
-    if mesh.root != builder.mesh:
+    from shardfuse.mesh import DeviceMesh
+
+    if not isinstance(mesh, DeviceMesh):
+        raise TypeError(f"mesh= must be an sf.DeviceMesh (the program's mesh or a sub-mesh of it), "
+                        f"got {type(mesh).__name__}")
+    prog = builder.mesh  # a program whose whole mesh is a sub-mesh takes sub-meshes of its devices
+    if mesh.root != prog.root or not set(mesh.devices) <= set(prog.devices) or (mesh.is_root and not prog.is_root):
         raise ValueError(f"{mesh} is not the program's mesh {builder.mesh} nor a sub-mesh of it")
     return mesh
 
@@ -330,7 +365,7 @@ def stream(x: Traced, axis: int, chunks: int | None = None, algorithm: str = "co
     """Ask for x to be produced chunk by chunk along `axis` (chunks=None: one chunk per index).
 
     algorithm="collective": each chunk's input is all-gathered on a worker stream while other
-    chunks multiply.  algorithm="ring": the chunks are the devices' own shards (chunks = D),
+    chunks multiply.  algorithm="ring": the chunks are the devices' own shards (chunks = D, or omitted),
     passed around a ring with Send/Recv; each step multiplies the shard that has arrived while
     the next one is in flight.
     """
@@ -338,6 +373,10 @@ def stream(x: Traced, axis: int, chunks: int | None = None, algorithm: str = "co
         raise TypeError("sf.stream annotates values inside an sf.jit function")
     if algorithm not in ALGORITHMS:
         raise ValueError(f"algorithm must be one of {ALGORITHMS}, got {algorithm!r}")
-    if algorithm == "ring" and chunks is not None:
-        raise ValueError("algorithm='ring' takes no chunks=: the chunks are the D shards of the ring")
-    return _annotate(x, axis, STREAM, chunks, algorithm if algorithm == "ring" else None)
+    chunks = check_chunks(chunks)
+    if algorithm == "ring":  # its chunks are the D shards: chunks=D may be said, and is checked once D is known
+        x = _annotate(x, axis, STREAM, None, algorithm)
+        if chunks is not None:
+            x.builder.producer[x.value].attrs["ring_chunks"] = chunks
+        return x
+    return _annotate(x, axis, STREAM, chunks, None)

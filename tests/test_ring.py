@@ -70,10 +70,18 @@ def test_ring_needs_a_sharded_stream_axis():
         f.lower(sf.TensorSpec((8, 4)), sf.TensorSpec((4, 4)))
 
 
-def test_ring_takes_no_chunks():
+@pytest.mark.parametrize("chunks", [None, 4])
+def test_ring_chunks_are_the_devices(chunks):
+    mesh, rng = sf.DeviceMesh(4, backend="numpy"), np.random.default_rng()
+    f = sf.jit(lambda x, w: sf.stream(sf.shard(x, axis=0) @ w, axis=0, chunks=chunks, algorithm="ring"), mesh=mesh)
+    x, w = rng.standard_normal((16, 8)), rng.standard_normal((8, 4))
+    np.testing.assert_allclose(f(x, w).gather(), x @ w, rtol=1e-12, atol=1e-12)
+
+
+def test_ring_refuses_other_chunks():
     mesh = sf.DeviceMesh(2, backend="numpy")
-    f = sf.jit(lambda x, w: sf.stream(sf.shard(x, axis=0) @ w, axis=0, chunks=2, algorithm="ring"), mesh=mesh)
-    with pytest.raises(ValueError, match="takes no chunks="):
+    f = sf.jit(lambda x, w: sf.stream(sf.shard(x, axis=0) @ w, axis=0, chunks=4, algorithm="ring"), mesh=mesh)
+    with pytest.raises(ValueError, match=r"chunks must be 2 \(or omitted\), got 4"):
         f.lower(sf.TensorSpec((8, 4)), sf.TensorSpec((4, 4)))
 
 

@@ -1,4 +1,7 @@
 """Moving values between meshes (pipeline stages): SendRecv, Broadcast, Scatter, Gather."""
+import os
+
+import numpy as np
 import pytest
 
 import shardfuse as sf
@@ -64,3 +67,80 @@ def test_collectives_inside_a_stage(mesh):
     from cases import stage_collectives_case
 
     stage_collectives_case(mesh)
+
+
+# ---- issue 12: a sub-mesh owns its caches; a program whose whole mesh is a sub-mesh ----------
+def _rng():
+    return np.random.default_rng(int.from_bytes(os.urandom(4), "little"))
+
+
+@pytest.mark.parametrize("devices", [[1, 0], [0, 1], [2, 3], [3, 1, 0, 2]])
+def test_submesh_does_not_share_the_parents_placements(mesh, devices):
+    x, y = _rng().standard_normal((8, 4)), _rng().standard_normal((8, 4))
+    sf.shard(np.ones((4, 4)), axis=0, mesh=mesh)  # the parent has placed something: its memo exists
+    sub = mesh.submesh(devices)
+    assert sub.__dict__.get("_placement_memo") is None  # nothing of the parent's is carried over
+    # the sub-mesh places first, then the parent (the order that broke the parent) ...
+    np.testing.assert_array_equal(sf.shard(x, axis=0, mesh=sub).gather(), x)
+    np.testing.assert_array_equal(sf.shard(x, axis=0, mesh=mesh).gather(), x)
+    # ... and the other way round, on a new shape
+    np.testing.assert_array_equal(sf.shard(y[:4], axis=0, mesh=mesh).gather(), y[:4])
+    np.testing.assert_array_equal(sf.shard(y[:4], axis=0, mesh=sub).gather(), y[:4])
+    # a program on the parent still finds the parent's pieces (was: IndexError in numpy_local)
+    f = sf.jit(lambda a: sf.gelu(sf.shard(a, axis=0)).sum(0), mesh=mesh)
+    np.testing.assert_allclose(f(x).gather(), _gelu(x).sum(0), rtol=1e-12)
+    assert mesh.__dict__["_placement_memo"] is not sub.__dict__["_placement_memo"]
+
+
+def _gelu(x):
+    return 0.5 * x * (1 + np.tanh(0.7978845608028654 * (x + 0.044715 * x ** 3)))
+
+
+@pytest.mark.parametrize("devices", [[0, 1], [3, 1], [2], [2, 0, 1, 3]])
+def test_jit_on_a_submesh(mesh, devices):
+    sub = mesh.submesh(devices)
+    d = len(devices)
+    rng = _rng()
+    x, w = rng.standard_normal((4 * d, 6)), rng.standard_normal((6, 5))
+    f = sf.jit(lambda a, b: sf.stream(sf.shard(a, axis=0) @ b, axis=0, chunks=2), mesh=sub)
+    out = f(x, w)
+    assert out.mesh == sub and len(out.shards) == d
+    np.testing.assert_allclose(out.gather(), x @ w, rtol=1e-12)
+    # arrays placed on the sub-mesh are its inputs, and its outputs feed it again
+    a = sf.shard(x, axis=0, mesh=sub)
+    np.testing.assert_allclose(f(a, w).gather(), x @ w, rtol=1e-12)
+    g = sf.jit(lambda a, b: sf.replicate(sf.shard(a, axis=1) @ sf.shard(b, axis=0)), mesh=sub)
+    xk, wk = rng.standard_normal((3, 2 * d)), rng.standard_normal((2 * d, 4))
+    assert g.lower(sf.TensorSpec((3, 2 * d), "float64"), sf.TensorSpec((2 * d, 4), "float64")).collectives() == \
+        {"allreduce": 1}
+    np.testing.assert_allclose(g(xk, wk).gather(), xk @ wk, rtol=1e-12)
+    # an array on the parent (or another sub-mesh) is refused, naming both meshes
+    with pytest.raises(ValueError, match=r"sf.Array on DeviceMesh\(DIDx=4, backend=numpy\), but the function is "
+                                         r"compiled for DeviceMesh\(DIDx=\d"):
+        f(sf.shard(x, axis=0, mesh=mesh) if (4 * d) % 4 == 0 else sf.replicate(x, mesh=mesh), w)
+
+
+def test_stages_inside_a_submesh_program(mesh):
+    sub = mesh.submesh([3, 2, 1, 0])
+    s0, s1 = sub.submesh([3, 2]), sub.submesh([1, 0])
+    x = _rng().standard_normal((8, 6))
+    h = sf.jit(lambda a: sf.shard(sf.shard(a, axis=0, mesh=s0) * 2.0, axis=0, mesh=s1), mesh=sub)
+    assert "SendRecv a_moved <- a, from=(3, 2), to=(1, 0), axis=0" in str(h.lower(sf.TensorSpec((8, 6), "float64")))
+    np.testing.assert_allclose(h(x).gather(), 2 * x, rtol=1e-12)
+    # a sub-mesh program refuses meshes outside its devices
+    out = mesh.submesh([0, 1])
+    f = sf.jit(lambda a: sf.replicate(a, mesh=out) * 2.0, mesh=mesh.submesh([2, 3]))
+    with pytest.raises(ValueError, match="is not the program's mesh"):
+        f.lower(sf.TensorSpec((4, 4)))
+
+
+def test_submesh_arguments_are_checked(mesh):
+    with pytest.raises(TypeError, match=r"a sub-mesh device id must be an int, got True \(bool\)"):
+        mesh.submesh([True, 2])
+    with pytest.raises(TypeError, match=r"a sub-mesh device id must be an int, got 1.5 \(float\)"):
+        mesh.submesh([1.5])
+    with pytest.raises(TypeError, match="submesh.. takes a sequence of device ids"):
+        mesh.submesh(2)
+    assert mesh.submesh(np.arange(2)).devices == (0, 1)
+    with pytest.raises(ValueError, match="need 1 distinct axis names for a sub-mesh"):
+        mesh.submesh([0, 1], axis_names=("a", "b"))
