@@ -90,12 +90,21 @@ def form_stream_loops(prog):
                              f"chunk is a step of every call); give sf.stream(..., chunks=S) with fewer, larger chunks")
         group = [i]
         k += 1
-        while k < len(instrs) and _stream_extent(instrs[k]) == s:
+        while k < len(instrs) and _stream_extent(instrs[k]) == s and _chunks_line_up(group, instrs[k]):
             group.append(instrs[k])
             k += 1
         later = {v for j in instrs[k:] for v in j.ins} | set(prog.outputs)
         out.append(_make_loop(group, s, later, namer))
     return prog.with_instrs(out, "form_stream_loops")
+
+
+def _chunks_line_up(group, i):
+    """Whether i can take chunk i of each value the group makes: its rule maps its stream axis to
+    that value's stream axis (a re-stream along another axis of the same extent cannot: it waits
+    for the whole value, in a loop of its own)."""
+    made = {o: _stream_axis(o) for j in group for o in j.outs}
+    amap = rule(i.op, "axis_map")(i, _stream_axis(i.outs[0]))
+    return all(a == made[v] for v, a in zip(i.ins, amap) if v in made)
 
 
 def _make_loop(group, extent, used_later, namer):

@@ -60,7 +60,9 @@ def split_stream_axes(prog):
         if lay.stream_over:
             sharded.add(lay.stream_over)
         if len(sharded) > 1:
-            raise ValueError(f"inputs of {o.name} shard its stream axis over different mesh axes {sorted(sharded)}")
+            raise ValueError(f"the stream axis {k} of {o.name} is sharded over different mesh axes by it and its inputs "
+                             f"{sorted(sharded, key=str)}: "
+                             "stream it before or after the reshard, not on it")
         mesh_axis = sharded.pop() if sharded else None
         d = shard_count(mesh_axis, prog.mesh)
         extent = o.type.shape[k]

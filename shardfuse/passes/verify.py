@@ -2,7 +2,7 @@
 
 Every value is defined before use and in scope; every instruction is host-level; every
 collective is waited for, in the loop body that started it; every loop body returns to
-the main stream; compute shapes agree with their destinations; every value's local shape
+the main stream; compute shapes and copies agree with their destinations; every value's local shape
 follows from its layout (each sharded extent divides evenly) and no Slice cuts a sharded axis.
 """
 from __future__ import annotations
@@ -42,6 +42,11 @@ def _check_local_shape(v, prog):
                                      f"{over} ({d} devices), which does not divide it")
 
 
+def _local(v, prog):
+    lay = v.type.layout
+    return v.type.shape if lay is None else lay.local_shape(v.type.shape, lay.mesh or prog.mesh)
+
+
 def _check_block(instrs, defined, prog, top):
     pending = set()
     defined = set(defined)
@@ -65,6 +70,9 @@ def _check_block(instrs, defined, prog, top):
             a, b = (v.type.shape for v in i.ins)
             want = a[:-1] + (b[-1],)
             _check(i.into.type.shape == want, f"Matmul {i.into.name}{i.into.type.shape} <- {a} @ {b}: expected {want}")
+        if i.op == "copy":
+            src, dst = (_local(v, prog) for v in (i.ins[0], i.into))
+            _check(src == dst, f"Copy {i.into.name}{dst} <- {i.ins[0].name}{src}: the local shapes differ")
         if i.op == "for":
             body = i.body
             _check(body and body[0].op == "set_stream", "a stream loop must start by picking its stream")
