@@ -410,7 +410,7 @@ MPI_SCRIPT = textwrap.dedent('''
     rng = np.random.default_rng(comm.bcast(int.from_bytes(__import__("os").urandom(4), "little")))
 
     def same(got, ref, what, rtol=1e-12):
-        if got.shape != ref.shape or not np.allclose(got, ref, rtol=rtol, atol=0, equal_nan=True):
+        if got.shape != ref.shape or not np.allclose(got, ref, rtol=rtol, atol=rtol, equal_nan=True):
             raise AssertionError(f"rank {rank}: {what}: got {got!r}, expected {ref!r}")
 
     for D in (P, 2 * P):

@@ -1,6 +1,7 @@
 """The compiler: passes from program to program, run in this order."""
 from shardfuse.passes.allocate import allocate_buffers
 from shardfuse.passes.annotations import fold_annotations
+from shardfuse.passes.contiguity import stage_strided_views
 from shardfuse.passes.lower import lower_to_host
 from shardfuse.passes.pipeline import form_stream_loops, mark_stream_intermediates
 from shardfuse.passes.propagate import propagate_sharding
@@ -19,6 +20,7 @@ PIPELINE = (
     lower_ring,
     form_stream_loops,
     lower_to_host,
+    stage_strided_views,
     allocate_buffers,
     assign_streams,
     verify,

@@ -23,17 +23,24 @@ def lower_to_host(prog):
     return prog.with_instrs(_lower(prog.instrs, namer, prog.mesh), "lower_to_host")
 
 
-def _lower(instrs, namer, mesh):
+def _lower(instrs, namer, mesh, results=()):
     out = []
     for i in instrs:
         if i.op == "for":
-            out.append(replace(i, body=tuple(_lower(i.body, namer, mesh))))
+            out.append(replace(i, body=tuple(_lower(i.body, namer, mesh, i.attrs["results"]))))
         elif i.op in ("slice", "view", "transpose") or i.op in HOST_ONLY or i.into is not None:
             out.append(i)
         elif i.op == "reshape":  # a view of the local piece (the rule kept shards whole)
             out.append(Instr("view", i.outs, i.ins, {"shape": i.attrs["shape"]}))
         elif i.op == "set":
-            out.extend(_lower_set(i.ins[0], i.outs[0], namer, mesh))
+            y = i.outs[0]
+            steps = _lower_set(i.ins[0], y, namer, mesh)
+            if y in results and steps[-1].op == "shard_slice":
+                # a chunk that leaves its loop is written into its result; a ShardSlice only views
+                view = Value(namer(y.name + "_view"), y.type)
+                steps[-1] = replace(steps[-1], outs=(view,))
+                steps += [Instr("allocate", (y,)), Instr("copy", (), (view,), into=y)]
+            out.extend(steps)
         else:
             o = i.outs[0]
             out += [Instr("allocate", (o,)), Instr(i.op, (), i.ins, i.attrs, into=o)]

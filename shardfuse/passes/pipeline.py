@@ -65,7 +65,10 @@ def _stream_extent(i):
     """Number of chunks of an array-level instruction whose output is stream-parallel, else None."""
     if i.op in HOST_ONLY or i.into is not None or not i.outs or _stream_axis(i.outs[0]) is None:
         return None
-    return i.outs[0].type.shape[_stream_axis(i.outs[0])]
+    k = _stream_axis(i.outs[0])
+    if i.op == "reshape" and rule(i.op, "axis_map")(i, k) == (None,):
+        return None  # a view that merges axes into the stream axis has no per-chunk input: made whole
+    return i.outs[0].type.shape[k]
 
 
 # The executor unrolls every loop at bind time, one step per chunk and device: a stream axis of

@@ -29,6 +29,11 @@ def lower_ring(prog):
                 raise ValueError(f"algorithm='ring': {i.outs[0].name} needs its first operand gathered from shards")
             ring_sets.add(s)
             blocks[i] = _ring_block(i, s, prog, namer)
+        elif i.attrs.get("algorithm") == "ring":
+            o = i.outs[0]
+            raise ValueError(f"algorithm='ring' streams the result of a matmul along its row (or batch) axis, "
+                             f"where A's shards travel the ring; {o.name} = {i.op}(...) is no such result: stream "
+                             f"the matmul's output instead, sf.stream(a @ b, axis=0, algorithm='ring')")
     out = []
     for i in prog.instrs:
         if i in ring_sets:

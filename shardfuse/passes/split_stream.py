@@ -91,7 +91,7 @@ def split_stream_axes(prog):
             if a is None:
                 new_ins.append(v)
                 continue
-            vl = v.type.layout
+            vl = v.type.layout.placement()  # a view for this op's chunks: the input's own schedule is not its
             d_axis = vl.axes[a] if vl.axes[a] == mesh_axis else None  # only an input sharded there keeps it
             shp, axs = _split(v.type.shape, vl.axes, a, fac, ((d_axis,) + (None,) * (len(fac) - 1)) if mesh_axis
                               else (None, None))
