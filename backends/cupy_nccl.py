@@ -717,7 +717,7 @@ class CupyNcclBackend:
         lay = gemm_layout(a, b, out)
         pre, post = [], []
         if lay is None:  # stage operands cuBLAS cannot read in place through contiguous scratch
-            from shardfuse.executor import contiguous_strides
+            from shardfuse.backends.protocol import contiguous_strides
 
             def staged(ref):
                 buf = self.empty(ref.shape, ref.dtype)

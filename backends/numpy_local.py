@@ -57,9 +57,6 @@ class NumpyLocalBackend:
             return [np.full(shape, np.nan, dt) for _ in self.local_devices]
         return [np.empty(shape, dt) for _ in self.local_devices]
 
-    def host(self, x):
-        return np.asarray(x)
-
     def to_device(self, pieces):
         return [np.array(p, copy=True) for p in pieces]
 
@@ -138,6 +135,15 @@ class NumpyLocalBackend:
 
     def bind_join(self, waiter, waitee):
         return None
+
+    def describe(self) -> dict:
+        """What reports print about this backend."""
+        return {"backend": self.name, "devices": len(self.local_devices), "numpy": np.__version__,
+                "processes": self.mesh.nprocs}
+
+    def memory_stats(self) -> dict:
+        """Nothing is held beside the plans' buffers (no workspaces or library handles)."""
+        return {"workspace_bytes": 0, "handles": 0}
 
     def synchronize(self):
         pass

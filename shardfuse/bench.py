@@ -548,7 +548,7 @@ def bare_variants(args, be, inputs, log):
     baseline, so it reaches into the backend) on the backend's main stream."""
     import cupy
 
-    from shardfuse.executor import Ref
+    from shardfuse.backends.protocol import Ref
 
     M, K, N, dtype = args.m, args.k, args.n, inputs.dtype
     sets = inputs.raw

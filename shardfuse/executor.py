@@ -9,56 +9,17 @@ Backends see Refs and streams, never the IR.
 from __future__ import annotations
 
 import threading
-from dataclasses import dataclass, replace
+from dataclasses import replace
 
 import numpy as np
 
 from shardfuse.array import Array, local_pieces, piece_indices
 from shardfuse.interop import array_info, check_input, stream_ptr
-from shardfuse.strides import contiguous_strides, reshape_strides  # noqa: F401 (re-exported)
+from shardfuse.backends.protocol import MAIN, Ref, block, contiguous_strides, rank_major, reshape_strides
 
-MAIN = "main"  # the stream the caller issues on
 COLLECTIVES = ("allgather", "allreduce", "reduce_scatter", "alltoall")
 VIEW_OPS = ("slice", "select", "view", "shard_slice", "transpose")
 ELEMENTWISE_OPS = ("add", "sub", "mul", "div", "neg", "scale", "exp", "tanh", "relu", "gelu")
-
-
-@dataclass(frozen=True)
-class Ref:
-    """A strided view of a slot's buffer on each local device, in elements."""
-
-    slot: int
-    offsets: tuple  # one per local device
-    shape: tuple
-    strides: tuple
-    dtype: str
-
-    @property
-    def size(self):
-        return int(np.prod(self.shape))
-
-    def is_contiguous(self) -> bool:
-        """C-contiguous, ignoring axes of extent 1 (their strides never matter)."""
-        expect = 1
-        for n, s in reversed(list(zip(self.shape, self.strides))):
-            if n != 1 and s != expect:
-                return False
-            expect *= n
-        return True
-
-
-def rank_major(ref: Ref, axis: int, d: int) -> Ref:
-    """The view [D, ...] of a gathered / to-be-scattered axis: rank r's block first."""
-    n, s = ref.shape[axis], ref.strides[axis]
-    lk = n // d
-    shape = (d,) + ref.shape[:axis] + (lk,) + ref.shape[axis + 1:]
-    strides = (lk * s,) + ref.strides[:axis] + (s,) + ref.strides[axis + 1:]
-    return replace(ref, shape=shape, strides=strides)
-
-
-def _block(ref: Ref, k: int) -> Ref:
-    """Block k of a rank-major [D, ...] view."""
-    return Ref(ref.slot, tuple(o + k * ref.strides[0] for o in ref.offsets), ref.shape[1:], ref.strides[1:], ref.dtype)
 
 
 def _index(idx, env) -> int:
@@ -304,10 +265,10 @@ class Executable:
         pre = post = None
         if kind == "Scatter":  # block q of the root's whole value goes to destination q
             send, pre = self._contiguous(rank_major(send, a["axis"], len(to)), stream, before=True)
-            pairs = [(frm[0], _block(send, q), d, recv) for q, d in enumerate(to)]
+            pairs = [(frm[0], block(send, q), d, recv) for q, d in enumerate(to)]
         elif kind == "Gather":  # source p's piece lands in block p of the root's whole value
             recv, post = self._contiguous(rank_major(recv, a["axis"], len(frm)), stream, before=False)
-            pairs = [(s, send, to[0], _block(recv, p)) for p, s in enumerate(frm)]
+            pairs = [(s, send, to[0], block(recv, p)) for p, s in enumerate(frm)]
         elif kind == "Broadcast":
             pairs = [(frm[0], send, d, recv) for d in to]
         else:  # SendRecv: device p to device p
@@ -322,7 +283,7 @@ class Executable:
         mesh = i.ins[0].type.layout.mesh
         if mesh is None:
             return name
-        if not getattr(self.backend, "submesh_teams", False):
+        if not self.backend.submesh_teams:
             raise NotImplementedError(f"{i.op} of {i.ins[0].name} inside the sub-mesh {mesh}: the {self.backend.name} "
                                       "backend does not run collectives within a sub-mesh yet (moves between meshes work)")
         return (mesh, name)

@@ -23,7 +23,7 @@ NGPU = gpu_count()
 pytestmark = pytest.mark.skipif(NGPU == 0, reason="CuPy sees no GPU")
 
 import shardfuse as sf  # noqa: E402
-from shardfuse.executor import Ref, contiguous_strides  # noqa: E402
+from shardfuse.backends.protocol import Ref, contiguous_strides  # noqa: E402
 from shardfuse.trace import np_dtype  # noqa: E402
 
 DTYPES = ["float16", "bfloat16", "float32", "float64"]

@@ -14,7 +14,7 @@ from mpi4py import MPI
 
 import cases
 import shardfuse as sf
-from shardfuse.executor import Ref, contiguous_strides
+from shardfuse.backends.protocol import Ref, contiguous_strides
 
 COMM = MPI.COMM_WORLD
 RANK, NPROCS = COMM.Get_rank(), COMM.Get_size()

@@ -1,0 +1,111 @@
+"""The backend protocol: what the executor (and graphs, jit, array, bench) may ask of a backend.
+
+A backend runs steps on one kind of device for the devices of this process.  It never sees the
+IR: the executor hands it `Ref`s (strided views of numbered buffer slots), streams and teams,
+and gets back steps, callables of the per-call buffer table (`bufs[slot][device]`), bound once
+and called on every run.  Collectives are bound as a (start, wait) pair of steps.
+
+`numpy_local.NumpyLocalBackend` is the reference implementation; `tests/test_architecture.py`
+checks that every backend defines every member below with the same parameters, and that no
+module reads a backend attribute that is not listed here.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from typing import Callable, Protocol, Union, runtime_checkable
+
+from shardfuse.strides import contiguous_strides, reshape_strides  # noqa: F401 (part of the protocol)
+
+# ---- streams, teams, steps -------------------------------------------------------------------
+MAIN = "main"  # the stream the caller issues on (worker streams are ints 0 .. streams - 1)
+StreamId = Union[str, int]  # MAIN or a worker index
+# A collective runs over a mesh axis of the program's mesh (its name), or, for a value on a
+# sub-mesh, (sub-mesh, axis name) on backends whose `submesh_teams` is True.
+Team = Union[str, tuple]
+Step = Callable[[list], None]  # called with the per-call buffer table; returns nothing
+
+@dataclass(frozen=True)
+class Ref:
+    """A strided view of a slot's buffer on each local device, in elements."""
+
+    slot: int
+    offsets: tuple  # one per local device
+    shape: tuple
+    strides: tuple
+    dtype: str
+
+    @property
+    def size(self) -> int:
+        n = 1
+        for e in self.shape:
+            n *= e
+        return n
+
+    def is_contiguous(self) -> bool:
+        """C-contiguous, ignoring axes of extent 1 (their strides never matter)."""
+        expect = 1
+        for n, s in reversed(list(zip(self.shape, self.strides))):
+            if n != 1 and s != expect:
+                return False
+            expect *= n
+        return True
+
+def rank_major(ref: Ref, axis: int, d: int) -> Ref:
+    """The view [D, ...] of a gathered / to-be-scattered axis: rank r's block first."""
+    n, s = ref.shape[axis], ref.strides[axis]
+    lk = n // d
+    shape = (d,) + ref.shape[:axis] + (lk,) + ref.shape[axis + 1:]
+    strides = (lk * s,) + ref.strides[:axis] + (s,) + ref.strides[axis + 1:]
+    return replace(ref, shape=shape, strides=strides)
+
+def block(ref: Ref, k: int) -> Ref:
+    """Block k of a rank-major [D, ...] view."""
+    return Ref(ref.slot, tuple(o + k * ref.strides[0] for o in ref.offsets), ref.shape[1:], ref.strides[1:], ref.dtype)
+
+# ---- the protocol ----------------------------------------------------------------------------
+@runtime_checkable
+class Backend(Protocol):
+    name: str  # "numpy" or "cupy": what users and reports call it
+    local_devices: tuple  # this process' global device ids, in mesh order
+    submesh_teams: bool  # whether collectives may run within a sub-mesh (Team as a tuple)
+
+    # buffers and host data
+    def empty(self, shape, dtype): """One buffer per local device (poisoned with NaN when SHARDFUSE_POISON=1)."""
+    def to_device(self, pieces): """Host pieces (one per local device) as device buffers."""
+    def to_host(self, bufs): """Device buffers as host NumPy arrays (a copy, or the buffer itself on NumPy)."""
+    def ascontiguous(self, x): """x itself when C-contiguous, else a contiguous copy on its device."""
+    def adopt(self, x, info=None, fenced=None): """A caller's array (host or device) as this backend's buffer for one device."""
+    def piece(self, x, j): """Piece of a caller's array for local device j (a view where it can be)."""
+    def view(self, bufs, ref, j): """The array that `ref` names on local device j, as a strided view of bufs."""
+
+    # ordering with the caller
+    def fence_in(self, stream_ptr): """The plan's streams wait (device-side) for the caller's stream."""
+    def fence_out(self, stream_ptr): """The caller's stream waits (device-side) for the plan's work."""
+    def synchronize(self): """Block the host until every stream of this backend is idle."""
+
+    # compute steps
+    def bind_matmul(self, a, b, out, stream): """Step: out = a @ b (batched over leading axes)."""
+    def bind_elementwise(self, op, a, b, out, stream, scalar=None): """Step: out = op(a[, b]); op an ops.Op of ops.ELEMENTWISE."""
+    def bind_sum(self, a, axis, out, stream): """Step: out = a.sum(axis)."""
+    def bind_copy(self, src, dst, stream): """Step: dst[...] = src (any strides)."""
+
+    # streams and events
+    def new_event(self): """A fresh event handle (one per local device)."""
+    def bind_record(self, event, stream): """Step: record `event` on `stream`."""
+    def bind_wait_event(self, event, stream): """Step: `stream` waits (device-side) for `event`."""
+    def bind_join(self, waiter, waitee): """Step: stream `waiter` waits (device-side) for all work issued on `waitee`."""
+
+    # communication: (start, wait) step pairs over a team; send / recv contiguous
+    def bind_allgather(self, send, recv, team, stream): """recv [D, ...] rank-major gets every rank's send."""
+    def bind_allreduce(self, send, recv, team, stream): """recv = the sum of every rank's send."""
+    def bind_reduce_scatter(self, send, recv, team, stream): """recv = block r of the sum of the rank-major sends [D, ...]."""
+    def bind_alltoall(self, send, recv, team, stream): """Block q of rank r's send [D, ...] lands in block r of rank q's recv."""
+    def bind_sendrecv(self, send, recv, team, shift, stream): """Rank r sends to r + shift and receives from r - shift."""
+    def bind_transfers(self, pairs, stream): """Point-to-point copies (src device, send, dst device, recv) between meshes."""
+
+    # whole plans
+    def capture(self, exe): """A replayable graph of the bound Executable, or raise NotImplementedError."""
+
+    # reports (so no module reads a backend's private state)
+    def describe(self) -> dict: """Name, devices, library versions: for reports and bench tables."""
+    def memory_stats(self) -> dict: """Bytes held by this backend beside the plans' buffers (workspaces, pools, handles)."""

@@ -1,0 +1,71 @@
+"""The op vocabulary: every instruction of the IR names one `Op`, and every table that does
+something per op (the printer and rule table in the compiler, the executor's binders, the
+backends' elementwise kernels) is keyed by it.  At the bottom floor, beside dtypes and
+layouts, so that backends can name ops without importing the IR.
+
+A StrEnum: `Op.MATMUL == "matmul"` and it prints as `matmul`, so plans and error messages read
+as before; but no module other than this one spells an op as a string.
+"""
+from __future__ import annotations
+
+from enum import StrEnum
+
+
+class Op(StrEnum):
+    # array level: what tracing records, the passes rewrite
+    SET = "set"  # a (re)sharding or a stream annotation: the value with another layout
+    RESHAPE = "reshape"
+    MATMUL = "matmul"
+    ADD = "add"
+    SUB = "sub"
+    MUL = "mul"
+    DIV = "div"
+    NEG = "neg"
+    SCALE = "scale"  # x * a Python scalar
+    EXP = "exp"
+    TANH = "tanh"
+    RELU = "relu"
+    GELU = "gelu"
+    SUM = "sum"
+    TRANSPOSE = "transpose"  # also a host-level view
+    # host level: buffers and their views
+    ALLOCATE = "allocate"
+    SLICE = "slice"
+    SELECT = "select"
+    VIEW = "view"
+    SHARD_SLICE = "shard_slice"
+    COPY = "copy"
+    # host level: communication (each started, then waited for)
+    ALLGATHER = "allgather"
+    ALLREDUCE = "allreduce"
+    REDUCE_SCATTER = "reduce_scatter"
+    ALLTOALL = "alltoall"
+    SENDRECV = "sendrecv"
+    TRANSFER = "transfer"  # a move between meshes (SendRecv, Broadcast, Scatter, Gather)
+    WAIT = "wait"
+    # host level: control and streams
+    FOR = "for"
+    GET_STREAM = "get_stream"
+    SET_STREAM = "set_stream"
+    SYNCHRONIZE = "synchronize"
+    RECORD_EVENT = "record_event"
+    WAIT_EVENT = "wait_event"
+
+
+BINARY = frozenset({Op.ADD, Op.SUB, Op.MUL, Op.DIV})
+NONLINEAR_UNARY = frozenset({Op.EXP, Op.TANH, Op.RELU, Op.GELU})
+LINEAR_UNARY = frozenset({Op.NEG, Op.SCALE})  # commute with a pending sum
+ELEMENTWISE = BINARY | NONLINEAR_UNARY | LINEAR_UNARY
+# Collectives: started by one step and completed by its Wait; each has a `team` (mesh axis).
+COLLECTIVES = frozenset({Op.ALLGATHER, Op.ALLREDUCE, Op.REDUCE_SCATTER, Op.ALLTOALL, Op.SENDRECV})
+COMMUNICATION = COLLECTIVES | {Op.TRANSFER}
+# Views: a new Ref of an existing buffer, no step.
+VIEWS = frozenset({Op.SLICE, Op.SELECT, Op.VIEW, Op.SHARD_SLICE, Op.TRANSPOSE})
+STREAM_OPS = frozenset({Op.GET_STREAM, Op.SET_STREAM, Op.SYNCHRONIZE, Op.RECORD_EVENT, Op.WAIT_EVENT})
+# Made only by lowering (a pass that builds them directly, like the ring, hands them on as they are).
+HOST_ONLY = frozenset({Op.ALLOCATE, Op.SELECT, Op.SENDRECV, Op.WAIT, Op.FOR}) | STREAM_OPS
+# What a final plan may hold: the executor binds exactly these.
+HOST = (VIEWS | COMMUNICATION | ELEMENTWISE | STREAM_OPS
+        | {Op.ALLOCATE, Op.COPY, Op.WAIT, Op.MATMUL, Op.SUM, Op.FOR})
+# What tracing may record.
+ARRAY = ELEMENTWISE | {Op.SET, Op.RESHAPE, Op.MATMUL, Op.SUM, Op.TRANSPOSE}
