@@ -88,3 +88,22 @@ def test_a_streamed_reshard_between_mesh_axes_is_refused_clearly():
     f = sf.jit(lambda x: sf.shard(sf.stream(x, 0, chunks=1), 0, over=("DIDy", "DIDx")), mesh=mesh)
     with pytest.raises(ValueError, match="sharded over different mesh axes"):
         f.lower(sf.shard(x, axis=0, over="DIDy", mesh=mesh))
+
+
+def test_a_streamed_reshape_that_splits_an_axis_writes_each_chunk_into_its_result():
+    mesh = sf.DeviceMesh(4, backend="numpy")
+    x = rng().standard_normal((2, 4, 2))
+    check(lambda x: sf.replicate(sf.stream(x.reshape(2, 2, 2, 2), 0)), mesh, (x,), x.reshape(2, 2, 2, 2))
+
+
+@pytest.mark.parametrize("op", ["add", "mul"])
+def test_a_broadcast_operand_of_a_split_stream_axis_keeps_numpys_alignment(op):
+    # the (4, 2, 1) operand was aligned with the split axes of the (4, 2, 4, 2, 1) chunked result
+    mesh = sf.DeviceMesh(4, backend="numpy")
+    r = rng()
+    x0, x1, x2, x3 = r.standard_normal((2, 4, 4)), r.standard_normal((4, 8)), r.standard_normal(8), r.standard_normal((4, 2, 1))
+    fn = (lambda a, b: a + b) if op == "add" else (lambda a, b: a * b)
+    check(lambda x0, x1, x2, x3: sf.stream(fn(sf.linear(x0, x1, x2).transpose(1, 0, 2), x3), 2), mesh,
+          (x0, x1, sf.shard(x2, axis=0, mesh=mesh), x3), fn((x0 @ x1 + x2).transpose(1, 0, 2), x3))
+    y0, y1, y2 = r.standard_normal((2, 4, 4)), r.standard_normal((4, 4)), r.standard_normal((2, 4, 1))
+    check(lambda a, b, c: sf.stream(fn(a @ b, c), 2), mesh, (y0, sf.shard(y1, axis=1, mesh=mesh), y2), fn(y0 @ y1, y2))

@@ -14,6 +14,7 @@ from collections import defaultdict
 from shardfuse.ir import HOST_ONLY, Idx, Instr, Namer, TensorType, Value, substitute
 from shardfuse.layout import Layout
 from shardfuse.mesh import STREAM
+from shardfuse.ops import Op
 from shardfuse.rules import rule
 
 
@@ -127,7 +128,7 @@ def _make_loop(group, extent, used_later, namer):
                 body.append(Instr("slice", (vc,), (v,), {"axis": a, "index": Idx("i")}))
                 ins.append(vc)
         oc = Value(namer(o.name + "_i"), _chunk_type(o, ko))
-        if i.op == "transpose" and o in used_later:
+        if i.op in (Op.TRANSPOSE, Op.RESHAPE) and o in used_later:
             # a view writes nothing: a chunk that leaves the loop is copied into its result
             view = Value(namer(o.name + "_view_i"), oc.type)
             body += [Instr(i.op, (view,), tuple(ins), i.attrs), Instr("set", (oc,), (view,))]

@@ -7,6 +7,7 @@ the seed's form: x viewed as [D, S, m, K] (D the sharded factor), the product co
 from __future__ import annotations
 
 from shardfuse.ir import Instr, Namer, TensorType, Value, substitute
+from shardfuse.ops import ELEMENTWISE
 from shardfuse.layout import Layout, shard_count
 from shardfuse.mesh import STREAM
 from shardfuse.rules import rule
@@ -36,6 +37,19 @@ def _split_attrs(i, amap, k, n):
         raise ValueError(f"sf.stream(..., chunks=) of {i.outs[0].name}, the result of a reshape, is not supported: "
                          "stream the value before the reshape, or its consumer")
     return i.attrs
+
+
+def _broadcast_view(v, ndim, k, n, namer, out):
+    """A broadcast operand of an elementwise op whose axis k becomes n axes: NumPy aligns
+    operands from the right, so it is viewed at the output's rank first, with n unit axes at k
+    (else a (4, 2, 1) operand would meet the split axes of a (4, 2, 8) result, not its own)."""
+    lay = v.type.layout.placement()
+    pad = ndim - v.type.ndim
+    shape, axes = (1,) * pad + v.type.shape, (None,) * pad + lay.axes
+    shape, axes = _split(shape, axes, k, (1,) * n, (None,) * n)
+    vv = Value(namer(v.name + "_split"), TensorType(shape, v.type.dtype, Layout(axes, lay.partial, mesh=lay.mesh)))
+    out.append(Instr("view", (vv,), (v,), {"shape": shape}))
+    return vv
 
 
 def split_stream_axes(prog):
@@ -88,6 +102,8 @@ def split_stream_axes(prog):
             fac = (d, s, m) if mesh_axis else (s, m)
         new_ins = []
         for v, a in zip(i.ins, amap):
+            if a is None and i.op in ELEMENTWISE and isinstance(v.type, TensorType):
+                v = _broadcast_view(v, o.type.ndim, k, len(fac), namer, out)
             if a is None:
                 new_ins.append(v)
                 continue
