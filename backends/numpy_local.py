@@ -11,6 +11,7 @@ import os
 import numpy as np
 
 from shardfuse.trace import np_dtype
+from shardfuse.ops import Op
 
 POISON = os.environ.get("SHARDFUSE_POISON") == "1"  # fill new buffers with NaN (tests)
 
@@ -29,16 +30,16 @@ def _gelu(xp, x, _, out):
 
 # Elementwise ops for any array module xp (NumPy here; CuPy has the same ufuncs).
 ELEMENTWISE = {
-    "add": lambda xp, x, y, o: xp.add(x, y, out=o),
-    "sub": lambda xp, x, y, o: xp.subtract(x, y, out=o),
-    "mul": lambda xp, x, y, o: xp.multiply(x, y, out=o),
-    "div": lambda xp, x, y, o: xp.divide(x, y, out=o),
-    "scale": lambda xp, x, s, o: xp.multiply(x, x.dtype.type(s), out=o),
-    "neg": lambda xp, x, _, o: xp.negative(x, out=o),
-    "exp": lambda xp, x, _, o: xp.exp(x, out=o),
-    "tanh": lambda xp, x, _, o: xp.tanh(x, out=o),
-    "relu": lambda xp, x, _, o: xp.maximum(x, x.dtype.type(0), out=o),
-    "gelu": _gelu,
+    Op.ADD: lambda xp, x, y, o: xp.add(x, y, out=o),
+    Op.SUB: lambda xp, x, y, o: xp.subtract(x, y, out=o),
+    Op.MUL: lambda xp, x, y, o: xp.multiply(x, y, out=o),
+    Op.DIV: lambda xp, x, y, o: xp.divide(x, y, out=o),
+    Op.SCALE: lambda xp, x, s, o: xp.multiply(x, x.dtype.type(s), out=o),
+    Op.NEG: lambda xp, x, _, o: xp.negative(x, out=o),
+    Op.EXP: lambda xp, x, _, o: xp.exp(x, out=o),
+    Op.TANH: lambda xp, x, _, o: xp.tanh(x, out=o),
+    Op.RELU: lambda xp, x, _, o: xp.maximum(x, x.dtype.type(0), out=o),
+    Op.GELU: _gelu,
 }
 
 

@@ -29,6 +29,7 @@ import numpy as np
 from shardfuse import faults
 from shardfuse.backends.numpy_local import NumpyLocalBackend
 from shardfuse.trace import np_dtype
+from shardfuse.ops import Op
 
 # Sub-communicators are split once per (mesh geometry, process count) and reused by every
 # mesh of that geometry: splitting is collective, and never freeing them avoids a
@@ -164,7 +165,7 @@ class NumpyMPIBackend(NumpyLocalBackend):
             me = self.local_devices[0]
             mine = [t for t in mesh.teams(name) if me in t]
             pos = mine[0].index(me) if mine else 0
-            cache = ("sub", mesh.devices, mesh.shape, name, self.nprocs)  # reused, like the whole-mesh splits
+            cache = ("submesh", mesh.devices, mesh.shape, name, self.nprocs)  # reused, like the whole-mesh splits
             if cache not in _TEAM_COMMS:
                 color = mesh.teams(name).index(mine[0]) if mine else self.MPI.UNDEFINED
                 faults.barrier(self.MPI.COMM_WORLD, f"splitting the communicator of {what} within {mesh}")
@@ -180,7 +181,7 @@ class NumpyMPIBackend(NumpyLocalBackend):
     # ---- collectives ------------------------------------------------------------------
     def bind_allgather(self, send, recv, team, stream):
         """send: [*S] per local device; recv: rank-major [D, *S] per local device (both contiguous)."""
-        comm = self._comm(team, "allgather")
+        comm = self._comm(team, Op.ALLGATHER)
         if comm is None:  # no device of this team here
             return None, None
         L = self.L
@@ -188,7 +189,7 @@ class NumpyMPIBackend(NumpyLocalBackend):
         assert recv.shape[0] == comm.Get_size() * L, (recv.shape, comm.Get_size(), L)
         direct = L == 1 and not self._slot_alias(send, recv)
         state = {}
-        what = faults.step_name("allgather", team, send)
+        what = faults.step_name(Op.ALLGATHER, team, send)
 
         def start(bufs):
             s, r = self._views(bufs, send), self._views(bufs, recv)
@@ -210,7 +211,7 @@ class NumpyMPIBackend(NumpyLocalBackend):
 
     def bind_allreduce(self, send, recv, team, stream):
         """send, recv: [*S] per local device (contiguous); recv = sum over the team."""
-        comm = self._comm(team, "allreduce")
+        comm = self._comm(team, Op.ALLREDUCE)
         if comm is None:  # no device of this team here
             return None, None
         L, red = self.L, _reduce_dtype(send.dtype)
@@ -219,7 +220,7 @@ class NumpyMPIBackend(NumpyLocalBackend):
         sbuf = None if direct_send else np.empty(send.shape, red)
         rbuf = None if native else np.empty(recv.shape, red)
         state = {}
-        what = faults.step_name("allreduce", team, send)
+        what = faults.step_name(Op.ALLREDUCE, team, send)
 
         def start(bufs):
             s, r = self._views(bufs, send), self._views(bufs, recv)
@@ -240,7 +241,7 @@ class NumpyMPIBackend(NumpyLocalBackend):
     def bind_reduce_scatter(self, send, recv, team, stream):
         """send: rank-major [D, *R] per local device (contiguous); recv: [*R] per local device,
         device at team position q gets the team's sum of block q."""
-        comm = self._comm(team, "reduce_scatter")
+        comm = self._comm(team, Op.REDUCE_SCATTER)
         if comm is None:  # no device of this team here
             return None, None
         L, red = self.L, _reduce_dtype(send.dtype)
@@ -252,7 +253,7 @@ class NumpyMPIBackend(NumpyLocalBackend):
         rbuf = None if direct_recv else np.empty((L,) + tuple(recv.shape), red)
         count = L * int(np.prod(recv.shape, dtype=np.int64))
         state = {}
-        what = faults.step_name("reduce_scatter", team, send)
+        what = faults.step_name(Op.REDUCE_SCATTER, team, send)
 
         def start(bufs):
             s, r = self._views(bufs, send), self._views(bufs, recv)
@@ -274,7 +275,7 @@ class NumpyMPIBackend(NumpyLocalBackend):
     def bind_alltoall(self, send, recv, team, stream):
         """send, recv: rank-major [D, *B] per local device; block q of the device at position p
         goes to block p of the device at position q."""
-        comm = self._comm(team, "alltoall")
+        comm = self._comm(team, Op.ALLTOALL)
         if comm is None:  # no device of this team here
             return None, None
         L, P = self.L, comm.Get_size()
@@ -284,7 +285,7 @@ class NumpyMPIBackend(NumpyLocalBackend):
         sbuf = np.empty((P, L, L) + block, dt)
         rbuf = np.empty((P, L, L) + block, dt)
         state = {}
-        what = faults.step_name("alltoall", team, send)
+        what = faults.step_name(Op.ALLTOALL, team, send)
 
         def start(bufs):
             s, r = self._views(bufs, send), self._views(bufs, recv)
@@ -303,14 +304,14 @@ class NumpyMPIBackend(NumpyLocalBackend):
     def bind_sendrecv(self, send, recv, team, shift, stream):
         """Ring shift within the team: the device at position q sends to q + shift and receives
         from q - shift; peers on this process are copied in memory, others by Isend/Irecv."""
-        comm = self._comm(team, "sendrecv")
+        comm = self._comm(team, Op.SENDRECV)
         if comm is None:  # no device of this team here
             return None, None
         L, first = self.L, self.first[team]
         d = comm.Get_size() * L
         me = comm.Get_rank()
         state = {}
-        what = faults.step_name("sendrecv", team, send)
+        what = faults.step_name(Op.SENDRECV, team, send)
 
         def start(bufs):
             s, r = self._views(bufs, send), self._views(bufs, recv)
@@ -339,7 +340,7 @@ class NumpyMPIBackend(NumpyLocalBackend):
         state = {}
         peers = ({d // L for s, _, d, _ in pairs if s // L == me}  # the processes this one exchanges with
                  | {s // L for s, _, d, _ in pairs if d // L == me})
-        what = faults.step_name("transfer", None, pairs[0][1] if pairs else None)
+        what = faults.step_name(Op.TRANSFER, None, pairs[0][1] if pairs else None)
 
         def start(bufs):
             reqs = []

@@ -11,25 +11,17 @@ from __future__ import annotations
 import threading
 from dataclasses import replace
 
-import numpy as np
 
 from shardfuse.array import Array, local_pieces, piece_indices
 from shardfuse.interop import array_info, check_input, stream_ptr
-from shardfuse.backends.protocol import MAIN, Ref, block, contiguous_strides, rank_major, reshape_strides
-
-COLLECTIVES = ("allgather", "allreduce", "reduce_scatter", "alltoall")
-VIEW_OPS = ("slice", "select", "view", "shard_slice", "transpose")
-ELEMENTWISE_OPS = ("add", "sub", "mul", "div", "neg", "scale", "exp", "tanh", "relu", "gelu")
+from shardfuse.backends.protocol import MAIN, Ref, block, rank_major, reshape_strides
+from shardfuse.ir import unroll, walk
+from shardfuse.ops import ELEMENTWISE, HOST, Op, VIEWS
+from shardfuse.strides import ordered_strides
 
 
 def _index(idx, env) -> int:
     return idx if isinstance(idx, int) else idx.eval(env)
-
-
-def _holds(when, env) -> bool:
-    """A guard `(var, op, value)`, decided when the loop is unrolled."""
-    var, op, value = when
-    return {"<": env[var] < value, ">": env[var] > value}[op]
 
 
 class Executable:
@@ -41,8 +33,6 @@ class Executable:
         self.per_call: list = []  # (slot, shape, dtype)
         self.steps: list = []
         self.pending: dict = {}  # comm handle -> wait step(s)
-        self._physical_order = self._gather_destinations(prog)
-        self._foldable = self._one_device_destinations(prog)
         for v in prog.inputs:
             lay = v.type.layout
             shape = lay.local_shape(v.type.shape, self.mesh)
@@ -50,7 +40,7 @@ class Executable:
         # where each local device's piece of a plain argument lies (its shape is checked per call)
         self._input_pieces = [piece_indices(v.type.shape, v.type.layout, self.mesh) for v in prog.inputs]
         self._deferred: dict = {}  # slot -> (physical shape, dtype): the program's own persistent buffers
-        self._bind(prog.instrs, {}, MAIN)
+        self._bind(prog.instrs, MAIN)
         self.steps = [s for s in self.steps if s is not None]
         self._allocate_used(prog)
         self._graph_outputs = None
@@ -66,12 +56,7 @@ class Executable:
     def _new_slot(self, shape, dtype, buffers, order=None) -> Ref:
         slot = len(self.slot_templates)
         self.slot_templates.append(buffers)
-        order = order or tuple(range(len(shape)))
-        phys = contiguous_strides(tuple(shape[o] for o in order))
-        strides = [0] * len(shape)
-        for j, o in enumerate(order):
-            strides[o] = phys[j]
-        return Ref(slot, (0,) * self.ndev, tuple(shape), tuple(strides), dtype)
+        return Ref(slot, (0,) * self.ndev, tuple(shape), ordered_strides(tuple(shape), order), dtype)
 
     def _allocate(self, shape, dtype, per_call: bool, order=None) -> Ref:
         """A slot for one of the program's buffers: made every call (per_call), or once, after
@@ -88,64 +73,12 @@ class Executable:
         """A persistent staging buffer that binding itself adds (steps use it): made now."""
         return self._new_slot(shape, dtype, self.backend.empty(tuple(shape), dtype))
 
-    @staticmethod
-    def _gather_destinations(prog):
-        """Buffers that an Allgather fills along an inner axis whose local extent is 1 are stored
-        rank-major (that axis first), so NCCL writes them in place with no copy."""
-        order = {}
-        from shardfuse.ir import walk
-
-        for i in walk(prog.instrs):
-            if i.op == "allgather" and i.attrs["axis"] > 0:
-                k = i.attrs["axis"]
-                lay = i.ins[0].type.layout
-                if lay.local_shape(i.ins[0].type.shape, prog.mesh)[k] == 1:
-                    nd = i.into.type.ndim
-                    order[i.into] = (k,) + tuple(j for j in range(nd) if j != k)
-        return order
-
-    @staticmethod
-    def _one_device_destinations(prog):
-        """Destinations of collectives over one-device teams that may become views of their
-        sources: every read of their buffer goes through such a destination (or a view of one).
-        A buffer also read another way (e.g. a whole output whose chunks were all-reduced) keeps
-        its collectives, since a view of the source would leave the buffer itself unwritten."""
-        from shardfuse.ir import walk
-
-        parent = {}
-        candidates = set()
-        reads = list(prog.outputs)
-        for i in walk(prog.instrs):
-            if i.op in VIEW_OPS:
-                parent[i.outs[0]] = i.ins[0]
-                continue
-            reads.extend(i.ins)
-            if i.op in COLLECTIVES and (i.ins[0].type.layout.mesh or prog.mesh).axis_size(i.attrs["team"]) == 1:
-                candidates.add(i.into)
-
-        def chain(v):
-            out = [v]
-            while out[-1] in parent:
-                out.append(parent[out[-1]])
-            return out
-
-        root = {c: chain(c)[-1] for c in candidates}
-        blocked = set()
-        for v in reads:
-            vs = chain(v)
-            if vs[-1] in root.values() and not candidates.intersection(vs):
-                blocked.add(vs[-1])
-        return {c for c in candidates if root[c] not in blocked}
-
     def _allocate_used(self, prog):
         """The program's own persistent buffers, made once binding is done and only where a step
-        still uses them: the destinations of folded one-device collectives are never made (a
-        D = 1 plan holds no gathered copy of its input).  Scratch made while binding is in use."""
-        from shardfuse.ir import walk
-
+        still uses them.  Scratch made while binding is in use."""
         used = {self.refs[v].slot for v in prog.outputs}
         for i in walk(prog.instrs):
-            if i.op in VIEW_OPS or i.op == "allocate":
+            if i.op in VIEWS or i.op == Op.ALLOCATE:
                 continue
             for v in (*i.values(), *i.outs):
                 ref = self.refs.get(v)
@@ -159,81 +92,93 @@ class Executable:
         return v.type.layout.local_shape(v.type.shape, self.mesh)
 
     # ---- binding ----------------------------------------------------------------------
-    def _bind(self, instrs, env, stream):
-        be = self.backend
-        for i in instrs:
-            op, a = i.op, i.attrs
-            if "when" in a and not _holds(a["when"], env):
-                continue
-            if op == "for":
-                for it in range(a["extent"]):
-                    stream = self._bind(i.body, {**env, a["var"]: it}, stream)
-            elif op == "allocate":
-                v = i.outs[0]
-                shape = self._local_shape(v)
-                if a.get("pool"):
-                    ref = self._allocate((a["pool"],) + shape, v.type.dtype, False)
-                else:
-                    ref = self._allocate(shape, v.type.dtype, a.get("per_call", False), self._physical_order.get(v))
-                self.refs[v] = ref
-            elif op in VIEW_OPS:
-                self.refs[i.outs[0]] = self._view(i, env)
-            elif op == "get_stream":
-                pass
-            elif op == "set_stream":
-                stream = MAIN if a["stream"] == MAIN else _index(a["index"], env)
-            elif op == "record_event":  # events recorded in a loop are one per step: (event, step)
-                key = (i.outs[0], _index(a["index"], env)) if "index" in a else i.outs[0]
-                self.refs[key] = be.new_event()
-                self.steps.append(be.bind_record(self.refs[key], stream))
-            elif op == "wait_event":
-                key = (i.ins[0], _index(a["index"], env)) if "index" in a else i.ins[0]
-                self.steps.append(be.bind_wait_event(self.refs[key], stream))
-            elif op == "synchronize":
-                self.steps.append(be.bind_join(stream, _index(a["index"], env)))
-            elif op == "sendrecv":
-                start, wait = be.bind_sendrecv(self.refs[i.ins[0]], self.refs[i.into], self._team(i, a["team"]),
-                                               a["shift"], stream)
-                self.steps.append(start)
-                self.pending[i.outs[0]] = [wait]
-            elif op == "transfer":
-                self._bind_transfer(i, stream)
-            elif op in COLLECTIVES:
-                self._bind_collective(i, stream)
-            elif op == "wait":
-                self.steps.extend(self.pending.pop(i.ins[0]))
-            elif op == "matmul":
-                x, y = (self.refs[v] for v in i.ins)
-                self.steps.append(be.bind_matmul(x, y, self.refs[i.into], stream))
-            elif op in ELEMENTWISE_OPS:
-                x, y = (self.refs[v] for v in i.ins) if len(i.ins) == 2 else (self.refs[i.ins[0]], None)
-                scalar = {"scalar": a["value"]} if "value" in a else {}
-                self.steps.append(be.bind_elementwise(op, x, y, self.refs[i.into], stream, **scalar))
-            elif op == "sum":
-                self.steps.append(be.bind_sum(self.refs[i.ins[0]], a["axis"], self.refs[i.into], stream))
-            elif op == "copy":
-                self.steps.append(be.bind_copy(self.refs[i.ins[0]], self.refs[i.into], stream))
-            else:
-                raise NotImplementedError(f"executor: no binding for {op!r}")
+    def _bind(self, instrs, stream):
+        """Bind what one call issues (ir.unroll) in order: each instruction through its Op's
+        binder in BIND, which returns the stream the following instructions issue on."""
+        for i, env in unroll(instrs):
+            stream = BIND[i.op](self, i, env, stream)
+        return stream
+
+    def _bind_allocate(self, i, env, stream):
+        v, a = i.outs[0], i.attrs
+        shape = self._local_shape(v)
+        if a.get("pool"):
+            self.refs[v] = self._allocate((a["pool"],) + shape, v.type.dtype, False)
+        else:
+            self.refs[v] = self._allocate(shape, v.type.dtype, a.get("per_call", False), a.get("order"))
+        return stream
+
+    def _bind_view(self, i, env, stream):
+        self.refs[i.outs[0]] = self._view(i, env)
+        return stream
+
+    def _bind_set_stream(self, i, env, stream):
+        return MAIN if i.attrs["stream"] == MAIN else _index(i.attrs["index"], env)
+
+    def _event_key(self, v, i, env):  # events recorded in a loop are one per step: (event, step)
+        return (v, _index(i.attrs["index"], env)) if "index" in i.attrs else v
+
+    def _bind_record(self, i, env, stream):
+        key = self._event_key(i.outs[0], i, env)
+        self.refs[key] = self.backend.new_event()
+        self.steps.append(self.backend.bind_record(self.refs[key], stream))
+        return stream
+
+    def _bind_wait_event(self, i, env, stream):
+        self.steps.append(self.backend.bind_wait_event(self.refs[self._event_key(i.ins[0], i, env)], stream))
+        return stream
+
+    def _bind_synchronize(self, i, env, stream):
+        self.steps.append(self.backend.bind_join(stream, _index(i.attrs["index"], env)))
+        return stream
+
+    def _bind_sendrecv(self, i, env, stream):
+        start, wait = self.backend.bind_sendrecv(self.refs[i.ins[0]], self.refs[i.into],
+                                                 self._team(i, i.attrs["team"]), i.attrs["shift"], stream)
+        self.steps.append(start)
+        self.pending[i.outs[0]] = [wait]
+        return stream
+
+    def _bind_wait(self, i, env, stream):
+        self.steps.extend(self.pending.pop(i.ins[0]))
+        return stream
+
+    def _bind_matmul(self, i, env, stream):
+        x, y = (self.refs[v] for v in i.ins)
+        self.steps.append(self.backend.bind_matmul(x, y, self.refs[i.into], stream))
+        return stream
+
+    def _bind_elementwise(self, i, env, stream):
+        x, y = (self.refs[v] for v in i.ins) if len(i.ins) == 2 else (self.refs[i.ins[0]], None)
+        scalar = {"scalar": i.attrs["value"]} if "value" in i.attrs else {}
+        self.steps.append(self.backend.bind_elementwise(i.op, x, y, self.refs[i.into], stream, **scalar))
+        return stream
+
+    def _bind_sum(self, i, env, stream):
+        self.steps.append(self.backend.bind_sum(self.refs[i.ins[0]], i.attrs["axis"], self.refs[i.into], stream))
+        return stream
+
+    def _bind_copy(self, i, env, stream):
+        self.steps.append(self.backend.bind_copy(self.refs[i.ins[0]], self.refs[i.into], stream))
         return stream
 
     def _view(self, i, env) -> Ref:
         op, a = i.op, i.attrs
         src = self.refs[i.ins[0]]
-        if op == "select":
+        if op == Op.SELECT:
             k = _index(a["index"], env)
             return Ref(src.slot, tuple(o + k * src.strides[0] for o in src.offsets), src.shape[1:],
                        src.strides[1:], src.dtype)
-        if op == "transpose":
+        if op == Op.TRANSPOSE:
             perm = a["perm"]
             return replace(src, shape=tuple(src.shape[p] for p in perm), strides=tuple(src.strides[p] for p in perm))
         out_shape = self._local_shape(i.outs[0])
-        if op == "slice":
+        if op == Op.SLICE:
             ax, idx = a["axis"], a["index"]
             ranks = self._ranks(i.outs[0], idx.ring) if idx.ring else [0] * self.ndev  # ring: (rank - i) % D
             offs = tuple(o + idx.eval(env, r) * out_shape[ax] * src.strides[ax] for o, r in zip(src.offsets, ranks))
             return replace(src, offsets=offs, shape=out_shape)
-        if op == "shard_slice":
+        if op == Op.SHARD_SLICE:
             ax = a["axis"]
             offs = tuple(o + r * out_shape[ax] * src.strides[ax]
                          for o, r in zip(src.offsets, self._ranks(i.outs[0], a["team"])))
@@ -257,7 +202,7 @@ class Executable:
         step = self.backend.bind_copy(ref, tmp, stream) if before else self.backend.bind_copy(tmp, ref, stream)
         return tmp, step
 
-    def _bind_transfer(self, i, stream):
+    def _bind_transfer(self, i, env, stream):
         """A move between meshes as point-to-point copies: (src device, send, dst device, recv)."""
         a, kind = i.attrs, i.attrs["kind"]
         frm, to = a["from"], a["to"]
@@ -276,6 +221,7 @@ class Executable:
         start, wait = self.backend.bind_transfers(pairs, stream)
         self.steps.extend([pre, start])
         self.pending[i.outs[0]] = [wait, post]
+        return stream
 
     def _team(self, i, name):
         """What a backend's collective runs over: a mesh axis name of the program's mesh, or
@@ -288,38 +234,26 @@ class Executable:
                                       "backend does not run collectives within a sub-mesh yet (moves between meshes work)")
         return (mesh, name)
 
-    def _bind_collective(self, i, stream):
-        be, a = self.backend, i.attrs
+    def _bind_collective(self, i, env, stream):
+        a = i.attrs
         d = (i.ins[0].type.layout.mesh or self.mesh).axis_size(a["team"])
         send, recv = self.refs[i.ins[0]], self.refs[i.into]
-        if d == 1 and self._fold_one_device(i, send, recv):
-            return
         team = self._team(i, a["team"])
         pre, post = [], []
-        if i.op == "allgather":
+        if i.op == Op.ALLGATHER:
             recv = rank_major(recv, a["axis"], d)
-        if i.op == "reduce_scatter":
+        if i.op == Op.REDUCE_SCATTER:
             send = rank_major(send, a["axis"], d)
-        if i.op == "alltoall":  # block r of the target axis goes to rank r; rank r's block lands at r
+        if i.op == Op.ALLTOALL:  # block r of the target axis goes to rank r; rank r's block lands at r
             send, recv = rank_major(send, a["to_axis"], d), rank_major(recv, a["axis"], d)
         send, s1 = self._contiguous(send, stream, before=True)
         recv, s2 = self._contiguous(recv, stream, before=False)
         pre.append(s1)
         post.append(s2)
-        start, wait = getattr(be, f"bind_{i.op}")(send, recv, team, stream)
+        start, wait = COLLECTIVE_BINDERS[i.op](self.backend)(send, recv, team, stream)
         self.steps.extend(pre + [start])
         self.pending[i.outs[0]] = [wait] + post
-
-    def _fold_one_device(self, i, send: Ref, recv: Ref) -> bool:
-        """A collective over a team of one device is the identity: its destination becomes a view
-        of its source, and nothing is issued.  Not when the destination is a per-call buffer (a
-        plan output, which must not alias an input)."""
-        per_call = {slot for slot, _, _ in self.per_call}
-        if i.into not in self._foldable or recv.slot in per_call or send.shape != recv.shape:
-            return False
-        self.refs[i.into] = send
-        self.pending[i.outs[0]] = []
-        return True
+        return stream
 
     # ---- running ----------------------------------------------------------------------
     def _check_args(self, args, infos=None):
@@ -401,3 +335,36 @@ class Executable:
                 lay = self._out_layouts[v] = v.type.layout.placement()
             outs.append(Array(self.mesh, v.type.shape, v.type.dtype, lay, shards))
         return outs[0] if len(outs) == 1 else tuple(outs)
+
+
+def _no_step(self, i, env, stream):  # GetCurrentStream: the main stream is the caller's
+    return stream
+
+
+# Every host-level Op's binder (tests/test_architecture.py checks that the keys are ops.HOST).
+BIND = {
+    Op.ALLOCATE: Executable._bind_allocate,
+    **{op: Executable._bind_view for op in VIEWS},
+    Op.GET_STREAM: _no_step,
+    Op.SET_STREAM: Executable._bind_set_stream,
+    Op.RECORD_EVENT: Executable._bind_record,
+    Op.WAIT_EVENT: Executable._bind_wait_event,
+    Op.SYNCHRONIZE: Executable._bind_synchronize,
+    Op.SENDRECV: Executable._bind_sendrecv,
+    Op.TRANSFER: Executable._bind_transfer,
+    **{op: Executable._bind_collective for op in (Op.ALLGATHER, Op.ALLREDUCE, Op.REDUCE_SCATTER, Op.ALLTOALL)},
+    Op.WAIT: Executable._bind_wait,
+    Op.MATMUL: Executable._bind_matmul,
+    **{op: Executable._bind_elementwise for op in ELEMENTWISE},
+    Op.SUM: Executable._bind_sum,
+    Op.COPY: Executable._bind_copy,
+}
+assert set(BIND) == HOST - {Op.FOR}, set(BIND) ^ HOST  # loops are unrolled (ir.unroll)
+
+# The backend method each collective binds through (send, recv, team, stream).
+COLLECTIVE_BINDERS = {
+    Op.ALLGATHER: lambda be: be.bind_allgather,
+    Op.ALLREDUCE: lambda be: be.bind_allreduce,
+    Op.REDUCE_SCATTER: lambda be: be.bind_reduce_scatter,
+    Op.ALLTOALL: lambda be: be.bind_alltoall,
+}

@@ -12,14 +12,9 @@ import itertools
 from dataclasses import dataclass, field, replace
 
 from shardfuse.layout import Layout, format_type
+from shardfuse.ops import HOST_ONLY, Op  # noqa: F401 (HOST_ONLY: the passes take it from here)
 
 DTYPES = ("float16", "bfloat16", "float32", "float64")
-# Instructions that only exist after lowering (a pass that builds them directly, like the ring,
-# hands them to the later passes, which leave them alone).
-HOST_ONLY = {"allocate", "select", "sendrecv", "wait", "record_event", "wait_event", "set_stream", "synchronize",
-             "get_stream", "for"}
-
-
 @dataclass(frozen=True)
 class TensorType:
     shape: tuple
@@ -111,6 +106,27 @@ def walk(instrs):
         yield from walk(ins.body)
 
 
+def holds(when, env) -> bool:
+    """A guard `(var, "<" or ">", value)` on a loop step, decided when the loop is unrolled."""
+    var, op, value = when
+    return env[var] < value if op == "<" else env[var] > value
+
+
+def unroll(instrs, env=None):
+    """(instruction, loop variables) in the order one call issues them: loops unrolled, guarded
+    steps that do not hold left out.  The executor binds exactly this sequence; plan.collectives()
+    counts it."""
+    env = env or {}
+    for ins in instrs:
+        if "when" in ins.attrs and not holds(ins.attrs["when"], env):
+            continue
+        if ins.op == Op.FOR:
+            for it in range(ins.attrs["extent"]):
+                yield from unroll(ins.body, {**env, ins.attrs["var"]: it})
+        else:
+            yield ins, env
+
+
 class Namer:
     """Fresh, readable value names: a, a_1, a_2 ..."""
 
@@ -162,42 +178,44 @@ def _attrs(a: dict, skip=()) -> str:
 
 
 _STREAM_FORMATS = {
-    "get_stream": "{out} = GetCurrentStream",
-    "set_stream": "SetCurrentStream {stream}",
-    "synchronize": "Synchronize {stream}",
-    "record_event": "{out} = RecordEvent {stream}",
-    "wait_event": "WaitEvent {ins}",
-    "wait": "Wait {ins}",
+    Op.GET_STREAM: "{out} = GetCurrentStream",
+    Op.SET_STREAM: "SetCurrentStream {stream}",
+    Op.SYNCHRONIZE: "Synchronize {stream}",
+    Op.RECORD_EVENT: "{out} = RecordEvent {stream}",
+    Op.WAIT_EVENT: "WaitEvent {ins}",
+    Op.WAIT: "Wait {ins}",
 }
 
 
 def _fmt(ins: Instr) -> str:
     a, op = ins.attrs, ins.op
     ins_s = ", ".join(v.name for v in ins.ins)
-    if op == "for":
+    if op == Op.FOR:
         return f"For {a['var']} in range({a['extent']}):"
-    if op == "allocate":
+    if op == Op.ALLOCATE:
         where = "per call" if a.get("per_call") else (
             "double buffer" if a.get("ring") else "one per stream" if a.get("pool") else "once")
+        if a.get("order"):  # stored with the gathered axis first (see passes/fold.py)
+            where += ", rank-major"
         v = ins.outs[0]
         pool = f"{a['pool']} x " if a.get("pool") else ""
         return f"{v.name} = Allocate {pool}{v.type}  ({where})"
     if op in _STREAM_FORMATS:
         out = ins.outs[0].name if ins.outs else ""
-        if op in ("record_event", "wait_event") and "index" in a:  # one event per loop step
+        if op in (Op.RECORD_EVENT, Op.WAIT_EVENT) and "index" in a:  # one event per loop step
             out, ins_s = f"{out}[{a['index']}]", f"{ins_s}[{a['index']}]"
         return _STREAM_FORMATS[op].format(out=out, ins=ins_s, stream=a.get("stream"))
-    if op in ("slice", "shard_slice", "view", "select", "transpose"):
-        name = {"slice": "Slice", "shard_slice": "ShardSlice", "view": "View", "select": "Select",
-                "transpose": "Transpose"}[op]
+    if op in (Op.SLICE, Op.SHARD_SLICE, Op.VIEW, Op.SELECT, Op.TRANSPOSE):
+        name = {Op.SLICE: "Slice", Op.SHARD_SLICE: "ShardSlice", Op.VIEW: "View", Op.SELECT: "Select",
+                Op.TRANSPOSE: "Transpose"}[op]
         extra = _attrs(a, skip=("shape", "when"))
         return f"{_typed(ins.outs[0])} = {name} {ins_s}" + (f", {extra}" if extra else "")
     if ins.into is not None:  # host-level compute and communication write into a buffer
-        name = {"matmul": "Matmul", "sum": "Sum", "copy": "Copy",
-                "allgather": "Allgather", "allreduce": "Allreduce", "reduce_scatter": "ReduceScatter", "alltoall": "AllToAll",
-                "sendrecv": "SendRecv"}.get(op, op.capitalize())
-        rhs = " @ ".join(v.name for v in ins.ins) if op == "matmul" else ins_s
-        if op == "transfer":  # a move between meshes, in nvFuser's words
+        name = {Op.MATMUL: "Matmul", Op.SUM: "Sum", Op.COPY: "Copy",
+                Op.ALLGATHER: "Allgather", Op.ALLREDUCE: "Allreduce", Op.REDUCE_SCATTER: "ReduceScatter", Op.ALLTOALL: "AllToAll",
+                Op.SENDRECV: "SendRecv"}.get(op, op.capitalize())
+        rhs = " @ ".join(v.name for v in ins.ins) if op == Op.MATMUL else ins_s
+        if op == Op.TRANSFER:  # a move between meshes, in nvFuser's words
             name, a = a["kind"], {k: v for k, v in a.items() if k != "kind"}
         extra = f", {_attrs(a, skip=('when',))}" if set(a) - {"when"} else ""
         lhs = f"{ins.outs[0].name} = " if ins.outs else ""

@@ -10,11 +10,11 @@ import numpy as np
 
 from shardfuse.array import Array, spec_of
 from shardfuse.interop import array_info
-from shardfuse.ir import Program, TensorType, Value
+from shardfuse.ir import Program, TensorType, Value, unroll
 from shardfuse.passes import compile_program
-from shardfuse.passes.verify import COLLECTIVES
 from shardfuse.mesh import DeviceMesh, as_int
 from shardfuse.trace import Builder, TensorSpec, Traced
+from shardfuse.ops import COMMUNICATION, Op
 
 
 class Plan:
@@ -31,23 +31,13 @@ class Plan:
     __repr__ = __str__
 
     def collectives(self) -> dict:
-        """How many collectives of each kind one call issues (loops unrolled, guards applied)."""
-        from shardfuse.executor import _holds
-
+        """How many collectives of each kind one call issues: the plan's communication steps as
+        the executor binds them (ir.unroll: loops unrolled, guards applied)."""
         counts: dict = {}
-
-        def visit(instrs, env):
-            for i in instrs:
-                if "when" in i.attrs and not _holds(i.attrs["when"], env):
-                    continue
-                if i.op in COLLECTIVES:
-                    key = i.attrs["kind"].lower() if i.op == "transfer" else i.op
-                    counts[key] = counts.get(key, 0) + 1
-                if i.op == "for":
-                    for it in range(i.attrs["extent"]):
-                        visit(i.body, {**env, i.attrs["var"]: it})
-
-        visit(self.program.instrs, {})
+        for i, _ in unroll(self.program.instrs):
+            if i.op in COMMUNICATION:
+                key = i.attrs["kind"].lower() if i.op == Op.TRANSFER else str(i.op)
+                counts[key] = counts.get(key, 0) + 1
         return counts
 
     @property

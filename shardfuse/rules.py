@@ -15,10 +15,11 @@ from __future__ import annotations
 
 from shardfuse.layout import Layout, mesh_axes
 from shardfuse.mesh import STREAM
+from shardfuse.ops import Op
 
-LINEAR_UNARY = {"neg", "scale", "transpose"}
-NONLINEAR_UNARY = {"exp", "tanh", "relu", "gelu"}
-BINARY = {"add", "sub", "mul", "div"}
+LINEAR_UNARY = {Op.NEG, Op.SCALE, Op.TRANSPOSE}
+NONLINEAR_UNARY = {Op.EXP, Op.TANH, Op.RELU, Op.GELU}
+BINARY = {Op.ADD, Op.SUB, Op.MUL, Op.DIV}
 
 
 def _placed(a):
@@ -59,14 +60,14 @@ def einsum_labels(ins):
 def _linear_partials(op, lays):
     """Pending sums that may flow through this op, per input (the rest must be reduced first)."""
     parts = [tuple(l.partial) for l in lays]
-    if op in LINEAR_UNARY or op == "sum" or op == "reshape":
+    if op in LINEAR_UNARY or op == Op.SUM or op == Op.RESHAPE:
         return parts
-    if op in ("add", "sub"):  # P + P stays P only when every operand pends the same sums
+    if op in (Op.ADD, Op.SUB):  # P + P stays P only when every operand pends the same sums
         return parts if len(set(parts)) == 1 else [()] * len(parts)
-    if op in ("mul", "matmul"):  # linear in one operand while the others are whole
+    if op in (Op.MUL, Op.MATMUL):  # linear in one operand while the others are whole
         carried = [p for p in parts if p]
         return parts if len(carried) == 1 else [()] * len(parts)
-    if op == "div":
+    if op == Op.DIV:
         return [parts[0]] + [()] * (len(parts) - 1) if not any(parts[1:]) else [()] * len(parts)
     return [()] * len(parts)
 
@@ -298,15 +299,15 @@ CONTRACTION = dict(infer=contraction_infer, require=contraction_require, axis_ma
 ELEMENTWISE = dict(infer=elementwise_infer, require=elementwise_require, axis_map=elementwise_axis_map)
 
 RULES = {
-    "matmul": CONTRACTION,
-    "sum": dict(infer=lambda i, l: contraction_infer(i, l, _sum_labels(i)),
+    Op.MATMUL: CONTRACTION,
+    Op.SUM: dict(infer=lambda i, l: contraction_infer(i, l, _sum_labels(i)),
                 require=lambda i, o, l: contraction_require(i, o, l, _sum_labels(i)),
                 axis_map=lambda i, j: contraction_axis_map(i, j, _sum_labels(i))),
-    "transpose": dict(infer=transpose_infer, require=transpose_require, axis_map=transpose_axis_map),
-    "set": dict(infer=_given, require=_as_is, axis_map=identity_axis_map),
-    "view": dict(infer=_given, require=_as_is, axis_map=_no_stream_map),
-    "reshape": dict(infer=reshape_infer, require=reshape_require, axis_map=reshape_axis_map),
-    **{op: ELEMENTWISE for op in BINARY | LINEAR_UNARY - {"transpose"} | NONLINEAR_UNARY},
+    Op.TRANSPOSE: dict(infer=transpose_infer, require=transpose_require, axis_map=transpose_axis_map),
+    Op.SET: dict(infer=_given, require=_as_is, axis_map=identity_axis_map),
+    Op.VIEW: dict(infer=_given, require=_as_is, axis_map=_no_stream_map),
+    Op.RESHAPE: dict(infer=reshape_infer, require=reshape_require, axis_map=reshape_axis_map),
+    **{op: ELEMENTWISE for op in BINARY | LINEAR_UNARY - {Op.TRANSPOSE} | NONLINEAR_UNARY},
 }
 
 

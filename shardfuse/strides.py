@@ -43,3 +43,14 @@ def reshape_strides(shape, strides, new_shape):
             out[new[k]] = stride
             stride *= new_shape[new[k]]
     return tuple(out) if (i, j) == (len(old), len(new)) else None
+
+
+def ordered_strides(shape, order=None):
+    """Strides of a dense buffer of `shape` stored with its axes in `order`, outermost first
+    (C order when None; e.g. (1, 0, 2) keeps axis 1 outermost: a rank-major gather buffer)."""
+    order = order or tuple(range(len(shape)))
+    phys = contiguous_strides(tuple(shape[o] for o in order))
+    out = [0] * len(shape)
+    for j, o in enumerate(order):
+        out[o] = phys[j]
+    return tuple(out)

@@ -13,6 +13,7 @@ import numpy as np
 from shardfuse.ir import DTYPES, Instr, Namer, TensorType, Value
 from shardfuse.layout import Layout, axis_entry, mesh_axes, shard_count
 from shardfuse.mesh import STREAM, as_int
+from shardfuse.ops import Op
 
 
 _DTYPE_NAMES: dict = {}  # dtype object -> name (np.dtype(...).name costs microseconds on every call)
@@ -143,7 +144,7 @@ class Traced:
         return other
 
     def __matmul__(self, other):
-        b = self._other(other, "matmul")
+        b = self._other(other, Op.MATMUL)
         sa, sb = self.shape, b.shape
         if len(sa) < 2 or len(sb) < 2:
             raise ValueError(f"matmul needs operands of at least 2 axes, got shapes {sa} and {sb}")
@@ -153,12 +154,12 @@ class Traced:
         if len(sb) > 2 and sb[:-2] != sa[:-2]:
             raise ValueError(f"matmul batch axes differ: a{sa} and b{sb}")
         out = TensorType(sa[:-1] + (sb[-1],), self.dtype)
-        return self.builder.emit("matmul", (self, b), out, "c")
+        return self.builder.emit(Op.MATMUL, (self, b), out, "c")
 
     def _elementwise(self, other, op):
-        if isinstance(other, (int, float)) and op in ("mul", "div"):
-            value = float(other) if op == "mul" else 1.0 / float(other)
-            return self._unary("scale", value=value)
+        if isinstance(other, (int, float)) and op in (Op.MUL, Op.DIV):
+            value = float(other) if op == Op.MUL else 1.0 / float(other)
+            return self._unary(Op.SCALE, value=value)
         b = self._other(other, op)
         try:
             shape = tuple(np.broadcast_shapes(self.shape, b.shape))
@@ -170,27 +171,27 @@ class Traced:
         return self.builder.emit(op, (self,), TensorType(self.shape, self.dtype), op[0], **attrs)
 
     def __add__(self, other):
-        return self._elementwise(other, "add")
+        return self._elementwise(other, Op.ADD)
 
     def __sub__(self, other):
-        return self._elementwise(other, "sub")
+        return self._elementwise(other, Op.SUB)
 
     def __mul__(self, other):
-        return self._elementwise(other, "mul")
+        return self._elementwise(other, Op.MUL)
 
     def __truediv__(self, other):
-        return self._elementwise(other, "div")
+        return self._elementwise(other, Op.DIV)
 
     def __rmul__(self, other):
-        return self._elementwise(other, "mul")
+        return self._elementwise(other, Op.MUL)
 
     def __neg__(self):
-        return self._unary("neg")
+        return self._unary(Op.NEG)
 
     def sum(self, axis: int):
         ax = normalize_axis(axis, self.ndim, self.shape)
         out = TensorType(self.shape[:ax] + self.shape[ax + 1:], self.dtype)
-        return self.builder.emit("sum", (self,), out, "s", axis=ax)
+        return self.builder.emit(Op.SUM, (self,), out, "s", axis=ax)
 
     def mean(self, axis: int):
         ax = normalize_axis(axis, self.ndim, self.shape)
@@ -202,7 +203,7 @@ class Traced:
         if sorted(perm) != list(range(self.ndim)):
             raise ValueError(f"transpose: {perm} is not a permutation of the {self.ndim} axes of {self.shape}")
         out = TensorType(tuple(self.shape[p] for p in perm), self.dtype)
-        return self.builder.emit("transpose", (self,), out, self.value.name + "_t", perm=tuple(perm))
+        return self.builder.emit(Op.TRANSPOSE, (self,), out, self.value.name + "_t", perm=tuple(perm))
 
     T = property(lambda self: self.transpose())
 
@@ -216,7 +217,7 @@ class Traced:
         if int(np.prod(shape)) != size or any(s < 1 for s in shape):
             raise ValueError(f"cannot reshape {self.shape} ({size} elements) to {shape}")
         out = TensorType(tuple(int(s) for s in shape), self.dtype)
-        return self.builder.emit("reshape", (self,), out, self.value.name + "_r", shape=out.shape,
+        return self.builder.emit(Op.RESHAPE, (self,), out, self.value.name + "_r", shape=out.shape,
                                  mesh_size=self.builder.mesh.axis_size)
 
 
@@ -227,20 +228,20 @@ def _traced(x, what):
 
 
 def exp(x):
-    return _traced(x, "exp")._unary("exp")
+    return _traced(x, Op.EXP)._unary(Op.EXP)
 
 
 def tanh(x):
-    return _traced(x, "tanh")._unary("tanh")
+    return _traced(x, Op.TANH)._unary(Op.TANH)
 
 
 def relu(x):
-    return _traced(x, "relu")._unary("relu")
+    return _traced(x, Op.RELU)._unary(Op.RELU)
 
 
 def gelu(x):
     """GELU, tanh form (as in GPT-2 and Megatron)."""
-    return _traced(x, "gelu")._unary("gelu")
+    return _traced(x, Op.GELU)._unary(Op.GELU)
 
 
 def linear(x, w, b=None):
@@ -311,7 +312,7 @@ def _annotate(x: Traced, axis: int, what, chunks=None, algorithm=None, on=None) 
             layout = Layout(layout.with_axis(ax, what).axes, chunks=layout.chunks, stream_over=layout.stream_over,
                             mesh=layout.mesh)
     out = TensorType(shape, x.dtype, layout)
-    return x.builder.emit("set", (base,), out, base.value.name, **attrs)
+    return x.builder.emit(Op.SET, (base,), out, base.value.name, **attrs)
 
 
 def shard(x, axis: int, over="DIDx", mesh=None):
@@ -339,7 +340,7 @@ def replicate(x, mesh=None):
 
         return replicated(x, mesh)
     out = TensorType(x.shape, x.dtype, Layout.replicated(x.ndim).on(_sub_mesh(x.builder, mesh)))
-    return x.builder.emit("set", (x,), out, x.value.name, annotation=True)
+    return x.builder.emit(Op.SET, (x,), out, x.value.name, annotation=True)
 
 
 def to_mesh(x: Traced, mesh, axis: int | None = None, over: str | None = None):
@@ -355,7 +356,7 @@ def to_mesh(x: Traced, mesh, axis: int | None = None, over: str | None = None):
         over = over or (sub or x.builder.mesh).axis_names[-1]
         check_divides(x.shape, ax, over, sub or x.builder.mesh)
         layout = layout.with_axis(ax, over)
-    return x.builder.emit("set", (x,), TensorType(x.shape, x.dtype, layout), x.value.name + "_moved")
+    return x.builder.emit(Op.SET, (x,), TensorType(x.shape, x.dtype, layout), x.value.name + "_moved")
 
 
 ALGORITHMS = ("collective", "ring")

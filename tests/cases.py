@@ -52,6 +52,11 @@ def randn(rng, shape, dtype):
     return rng.standard_normal(shape).astype(dtype)
 
 
+# At D = 1 a collective whose destination is an intermediate folds into a view of its source
+# (passes/fold.py): the plan then issues none, and says so.
+ONE_DEVICE: dict = {}
+
+
 def seed_case(mesh, chunks, streams, dtype, b_sharded=False, m=4, k=8, n=8):
     """nvFuser's seed: a[S, D, m, K] sharded on axis 1, c = stream(a @ b, axis=0)."""
     d = mesh.size
@@ -71,7 +76,7 @@ def seed_case(mesh, chunks, streams, dtype, b_sharded=False, m=4, k=8, n=8):
     assert c.sharding.placements(mesh) == (("S(3)",) if b_sharded else ("R",))
     assert_close(c.gather(), a.astype(np.float64) @ b.astype(np.float64), dtype)
     plan = ag_matmul.lower(sf.TensorSpec(a.shape, dtype), sf.TensorSpec(b.shape, dtype))
-    assert plan.collectives() == {"allgather": chunks}
+    assert plan.collectives() == (ONE_DEVICE if d == 1 else {"allgather": chunks})
     return plan
 
 
@@ -93,7 +98,7 @@ def natural_case(mesh, chunks, streams, dtype, b_sharded=False, m=2, k=8, n=8):
     c = linear(x, w)  # plain arrays: replicated globals, sliced locally at entry
     assert_close(c.gather(), x.astype(np.float64) @ w.astype(np.float64), dtype)
     assert linear.lower(sf.TensorSpec(x.shape, dtype), sf.TensorSpec(w.shape, dtype)).collectives() == \
-        {"allgather": chunks}
+        (ONE_DEVICE if d == 1 else {"allgather": chunks})
 
 
 def unpipelined_case(mesh, dtype, chunks=4, m=3, k=8, n=5):
@@ -107,7 +112,7 @@ def unpipelined_case(mesh, dtype, chunks=4, m=3, k=8, n=5):
     a, b = randn(rng, (chunks, d, m, k), dtype), randn(rng, (k, n), dtype)
     assert_close(ag_then_matmul(a, b).gather(), a.astype(np.float64) @ b, dtype)
     assert ag_then_matmul.lower(sf.TensorSpec(a.shape, dtype), sf.TensorSpec(b.shape, dtype)).collectives() == \
-        {"allgather": 1}
+        (ONE_DEVICE if d == 1 else {"allgather": 1})
 
 
 def allgather_case(mesh, axis, dtype="float64"):
@@ -190,6 +195,8 @@ RESHARD_TABLE = {
 def reshard_case(mesh, entry, dtype="float64"):
     expected, fn, ref = RESHARD_TABLE[entry]
     d = mesh.size
+    if d == 1 and "alltoall" in expected:  # its destination feeds the * 2.0: folded (the others write outputs)
+        expected = ONE_DEVICE
     rng = fresh_rng(mesh)
     x = randn(rng, (2 * d, 3 * d, 2 * d), dtype)
     f = sf.jit(fn, mesh=mesh)

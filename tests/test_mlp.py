@@ -3,6 +3,7 @@ import numpy as np
 import pytest
 
 import shardfuse as sf
+from shardfuse.ops import Op
 from cases import assert_close, fresh_rng
 from shardfuse.mlp import mlp_block, mlp_inputs, mlp_reference
 
@@ -20,10 +21,11 @@ def test_mlp_1d(d, mode, chunks):
     args = mlp_inputs(fresh_rng(mesh), tokens=4 * d * chunks, hidden=2 * d)
     plan = f.lower(*specs(args))
     if mode == "sp":  # one gather chain in, one reduce-scatter chain out, nothing else
-        assert plan.collectives() == {"allgather": chunks, "reduce_scatter": chunks}
+        # (at D = 1 the gathers fold into views; the reduce-scatters write the output, so they stay)
+        assert plan.collectives() == ({} if d == 1 else {"allgather": chunks}) | {"reduce_scatter": chunks}
     else:  # the pending sum of the row-parallel GEMM, all-reduced chunk by chunk
         assert plan.collectives() == {"allreduce": chunks}
-    assert sum(i.op == "for" for i in plan.program.instrs) == (2 if mode == "sp" else 1)
+    assert sum(i.op == Op.FOR for i in plan.program.instrs) == (2 if mode == "sp" else 1)
     out = f(*args)
     assert out.sharding.placements(mesh) == (("S(0)",) if mode == "sp" else ("R",))
     assert_close(out.gather(), mlp_reference(*args), "float64")

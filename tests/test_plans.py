@@ -70,7 +70,7 @@ plan ag_matmul(a: f32[8, 4:DIDx, 16, 32], b: f32[32, 24]) -> (c: f32[8:Stream, 4
 UNPIPELINED = """\
 plan ag_then_matmul(a: f32[8, 4:DIDx, 16, 32], b: f32[32, 24]) -> (c: f32[8, 4, 16, 24])
   # mesh DIDx=4, streams=4
-  a_gathered = Allocate f32[8, 4, 16, 32]  (once)
+  a_gathered = Allocate f32[8, 4, 16, 32]  (once, rank-major)
   ag = Allgather a_gathered <- a, team=DIDx, axis=1
   Wait ag
   c = Allocate f32[8, 4, 16, 24]  (per call)

@@ -2,6 +2,7 @@
 from shardfuse.passes.allocate import allocate_buffers
 from shardfuse.passes.annotations import fold_annotations
 from shardfuse.passes.contiguity import stage_strided_views
+from shardfuse.passes.fold import fold_collectives
 from shardfuse.passes.lower import lower_to_host
 from shardfuse.passes.pipeline import form_stream_loops, mark_stream_intermediates
 from shardfuse.passes.propagate import propagate_sharding
@@ -20,8 +21,9 @@ PIPELINE = (
     lower_ring,
     form_stream_loops,
     lower_to_host,
-    stage_strided_views,
     allocate_buffers,
+    fold_collectives,
+    stage_strided_views,
     assign_streams,
     verify,
 )

@@ -13,17 +13,15 @@ from __future__ import annotations
 from dataclasses import replace
 
 from shardfuse.ir import Idx, Instr, Namer, Value, walk
+from shardfuse.ops import VIEWS, Op
 
-VIEW_OPS = ("slice", "view", "shard_slice", "select", "transpose")
-
-
-def _view_bases(prog) -> dict:
+def view_bases(prog) -> dict:
     """value -> the buffer it is a view of (values that are no view are absent)."""
     base = {}
     for i in walk(prog.instrs):
-        if i.op in VIEW_OPS:
+        if i.op in VIEWS:
             base[i.outs[0]] = base.get(i.ins[0], i.ins[0])
-        if i.op == "for":
+        if i.op == Op.FOR:
             for oc, (full, _) in i.attrs["results"].items():
                 base[oc] = full
     return base
@@ -31,22 +29,30 @@ def _view_bases(prog) -> dict:
 
 def output_roots(prog):
     """The buffers program outputs are views of."""
-    base = _view_bases(prog)
+    base = view_bases(prog)
     return {base.get(v, v) for v in prog.outputs}
 
 
 def _copy_aliased_outputs(prog, instrs, namer):
     """An output that is an input or a view of one (identity, a local shard slice, `.T`) gets a
     buffer of its own: a result must never change when the caller later writes its argument."""
-    base, inputs = _view_bases(prog), set(prog.inputs)
+    base, inputs = view_bases(prog), set(prog.inputs)
     outputs, tail = [], []
     for v in prog.outputs:
         if base.get(v, v) in inputs:
             c = Value(namer(v.name + "_copy"), v.type)
-            tail += [Instr("allocate", (c,), attrs={"per_call": True}), Instr("copy", (), (v,), into=c)]
+            tail += [Instr(Op.ALLOCATE, (c,), attrs={"per_call": True}), Instr(Op.COPY, (), (v,), into=c)]
             v = c
         outputs.append(v)
     return instrs + tail, tuple(outputs)
+
+
+def mark_per_call(prog) -> list:
+    """prog's instructions with each top-level buffer that a program output lives in made per
+    call, every other once (for a pass that changed which buffers the outputs are views of)."""
+    roots = output_roots(prog)
+    return [replace(i, attrs={**i.attrs, "per_call": i.outs[0] in roots}) if i.op == Op.ALLOCATE and not i.attrs.get("pool")
+            else i for i in prog.instrs]
 
 
 def allocate_buffers(prog):
@@ -54,9 +60,9 @@ def allocate_buffers(prog):
     roots = output_roots(prog)
     out = []
     for i in prog.instrs:
-        if i.op == "allocate":
+        if i.op == Op.ALLOCATE:
             out.append(replace(i, attrs={**i.attrs, "per_call": i.outs[0] in roots}))
-        elif i.op == "for":
+        elif i.op == Op.FOR:
             out.extend(_hoist(i, min(prog.streams, i.attrs["extent"]), roots, namer))
         else:
             out.append(i)
@@ -68,16 +74,16 @@ def _hoist(loop, nstreams, roots, namer):
     pre, body = [], []
     results = loop.attrs["results"]
     for b in loop.body:
-        if b.op != "allocate":
+        if b.op != Op.ALLOCATE:
             body.append(b)
             continue
         oc = b.outs[0]
         if oc in results:
             full, ax = results[oc]
-            pre.append(Instr("allocate", (full,), attrs={"per_call": full in roots}))
-            body.append(Instr("slice", (oc,), (full,), {"axis": ax, "index": Idx("i")}))
+            pre.append(Instr(Op.ALLOCATE, (full,), attrs={"per_call": full in roots}))
+            body.append(Instr(Op.SLICE, (oc,), (full,), {"axis": ax, "index": Idx("i")}))
         else:
             pool = Value(namer(oc.name.removesuffix("_i") + "_pool"), oc.type)
-            pre.append(Instr("allocate", (pool,), attrs={"pool": nstreams}))
-            body.append(Instr("select", (oc,), (pool,), {"index": Idx("i", nstreams)}))
+            pre.append(Instr(Op.ALLOCATE, (pool,), attrs={"pool": nstreams}))
+            body.append(Instr(Op.SELECT, (oc,), (pool,), {"index": Idx("i", nstreams)}))
     return pre + [replace(loop, body=tuple(body))]

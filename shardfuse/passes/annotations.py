@@ -13,10 +13,11 @@ from collections import Counter
 
 from shardfuse.ir import Value, substitute
 from shardfuse.layout import Layout
+from shardfuse.ops import Op
 
 
 def _is_annotation(ins):
-    return ins.op == "set" and ins.attrs.get("annotation")
+    return ins.op == Op.SET and ins.attrs.get("annotation")
 
 
 def _drop_dead(instrs, outputs):

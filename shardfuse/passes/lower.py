@@ -16,6 +16,7 @@ from dataclasses import replace
 from shardfuse.ir import HOST_ONLY, Instr, Namer, Value
 from shardfuse.layout import Layout
 from shardfuse.passes.reshard_plan import reshard_steps
+from shardfuse.ops import Op
 
 
 def lower_to_host(prog):
@@ -26,24 +27,24 @@ def lower_to_host(prog):
 def _lower(instrs, namer, mesh, results=()):
     out = []
     for i in instrs:
-        if i.op == "for":
+        if i.op == Op.FOR:
             out.append(replace(i, body=tuple(_lower(i.body, namer, mesh, i.attrs["results"]))))
-        elif i.op in ("slice", "view", "transpose") or i.op in HOST_ONLY or i.into is not None:
+        elif i.op in (Op.SLICE, Op.VIEW, Op.TRANSPOSE) or i.op in HOST_ONLY or i.into is not None:
             out.append(i)
-        elif i.op == "reshape":  # a view of the local piece (the rule kept shards whole)
-            out.append(Instr("view", i.outs, i.ins, {"shape": i.attrs["shape"]}))
-        elif i.op == "set":
+        elif i.op == Op.RESHAPE:  # a view of the local piece (the rule kept shards whole)
+            out.append(Instr(Op.VIEW, i.outs, i.ins, {"shape": i.attrs["shape"]}))
+        elif i.op == Op.SET:
             y = i.outs[0]
             steps = _lower_set(i.ins[0], y, namer, mesh)
-            if y in results and steps[-1].op == "shard_slice":
+            if y in results and steps[-1].op == Op.SHARD_SLICE:
                 # a chunk that leaves its loop is written into its result; a ShardSlice only views
                 view = Value(namer(y.name + "_view"), y.type)
                 steps[-1] = replace(steps[-1], outs=(view,))
-                steps += [Instr("allocate", (y,)), Instr("copy", (), (view,), into=y)]
+                steps += [Instr(Op.ALLOCATE, (y,)), Instr(Op.COPY, (), (view,), into=y)]
             out.extend(steps)
         else:
             o = i.outs[0]
-            out += [Instr("allocate", (o,)), Instr(i.op, (), i.ins, i.attrs, into=o)]
+            out += [Instr(Op.ALLOCATE, (o,)), Instr(i.op, (), i.ins, i.attrs, into=o)]
     return out
 
 
@@ -53,21 +54,21 @@ def _lower_set(x, y, namer, mesh):
     where = x.type.layout.mesh
     steps = reshard_steps(x.type.layout.placement(), y.type.layout.placement(), where or mesh, x.type.shape)
     if not steps:  # only the schedule changes: a copy keeps y a buffer of its own
-        return [Instr("allocate", (y,)), Instr("copy", (), (x,), into=y)]
+        return [Instr(Op.ALLOCATE, (y,)), Instr(Op.COPY, (), (x,), into=y)]
     out, cur = [], x
     for n, (kind, m, ax, to_ax, lay) in enumerate(steps):
         lay = lay.on(where)
         last = n == len(steps) - 1
         nxt = y if last else Value(namer(f"{x.name}_{kind}"), x.type.with_layout(lay))
-        if kind == "shard_slice":
-            out.append(Instr("shard_slice", (nxt,), (cur,), {"axis": ax, "team": m}))
+        if kind == Op.SHARD_SLICE:
+            out.append(Instr(Op.SHARD_SLICE, (nxt,), (cur,), {"axis": ax, "team": m}))
         else:
-            h = Value(namer({"allgather": "ag", "allreduce": "ar", "reduce_scatter": "rs", "alltoall": "a2a"}[kind]),
+            h = Value(namer({Op.ALLGATHER: "ag", Op.ALLREDUCE: "ar", Op.REDUCE_SCATTER: "rs", Op.ALLTOALL: "a2a"}[kind]),
                       "Comm")
             attrs = {"team": m} if ax is None else {"team": m, "axis": ax}
             if to_ax is not None:
                 attrs["to_axis"] = to_ax
-            out += [Instr("allocate", (nxt,)), Instr(kind, (h,), (cur,), attrs, into=nxt), Instr("wait", (), (h,))]
+            out += [Instr(Op.ALLOCATE, (nxt,)), Instr(kind, (h,), (cur,), attrs, into=nxt), Instr(Op.WAIT, (), (h,))]
         cur = nxt
     return out
 
@@ -96,8 +97,8 @@ def _lower_move(x, y, namer, mesh):
         attrs = {"kind": kind, "from": frm, "to": to}
         if axis is not None:
             attrs["axis"] = axis
-        out.extend([Instr("allocate", (target,)), Instr("transfer", (h,), (cur,), attrs, into=target),
-                    Instr("wait", (), (h,))])
+        out.extend([Instr(Op.ALLOCATE, (target,)), Instr(Op.TRANSFER, (h,), (cur,), attrs, into=target),
+                    Instr(Op.WAIT, (), (h,))])
         return target
 
     A, B = a_mesh.devices, b_mesh.devices

@@ -12,7 +12,7 @@ from __future__ import annotations
 from collections import defaultdict
 
 from shardfuse.ir import HOST_ONLY, Idx, Instr, Namer, TensorType, Value, substitute
-from shardfuse.layout import Layout
+
 from shardfuse.mesh import STREAM
 from shardfuse.ops import Op
 from shardfuse.rules import rule
@@ -31,7 +31,7 @@ def mark_stream_intermediates(prog):
     outputs = set(prog.outputs)
     retyped = {}
     for i in reversed(prog.instrs):
-        if i.op == "view" or len(i.outs) != 1:
+        if i.op == Op.VIEW or len(i.outs) != 1:
             continue
         o = i.outs[0]
         users = consumers[o]
@@ -67,7 +67,7 @@ def _stream_extent(i):
     if i.op in HOST_ONLY or i.into is not None or not i.outs or _stream_axis(i.outs[0]) is None:
         return None
     k = _stream_axis(i.outs[0])
-    if i.op == "reshape" and rule(i.op, "axis_map")(i, k) == (None,):
+    if i.op == Op.RESHAPE and rule(i.op, "axis_map")(i, k) == (None,):
         return None  # a view that merges axes into the stream axis has no per-chunk input: made whole
     return i.outs[0].type.shape[k]
 
@@ -125,16 +125,16 @@ def _make_loop(group, extent, used_later, namer):
                 ins.append(v)
             else:
                 vc = Value(namer(v.name + "_i"), _chunk_type(v, a))
-                body.append(Instr("slice", (vc,), (v,), {"axis": a, "index": Idx("i")}))
+                body.append(Instr(Op.SLICE, (vc,), (v,), {"axis": a, "index": Idx("i")}))
                 ins.append(vc)
         oc = Value(namer(o.name + "_i"), _chunk_type(o, ko))
         if i.op in (Op.TRANSPOSE, Op.RESHAPE) and o in used_later:
             # a view writes nothing: a chunk that leaves the loop is copied into its result
             view = Value(namer(o.name + "_view_i"), oc.type)
-            body += [Instr(i.op, (view,), tuple(ins), i.attrs), Instr("set", (oc,), (view,))]
+            body += [Instr(i.op, (view,), tuple(ins), i.attrs), Instr(Op.SET, (oc,), (view,))]
         else:
             body.append(Instr(i.op, (oc,), tuple(ins), i.attrs))
         chunk[o] = oc
         if o in used_later:
             results[oc] = (o, ko)
-    return Instr("for", attrs={"var": "i", "extent": extent, "results": results}, body=tuple(body))
+    return Instr(Op.FOR, attrs={"var": "i", "extent": extent, "results": results}, body=tuple(body))

@@ -15,6 +15,7 @@ from collections import defaultdict
 from shardfuse.ir import Instr, Value, substitute
 from shardfuse.mesh import STREAM
 from shardfuse.rules import rule
+from shardfuse.ops import Op
 
 
 def propagate_sharding(prog):
@@ -82,7 +83,7 @@ def _one_refinement(instrs, outputs, inferred, consumers):
             lay = o.type.layout
             if o not in inferred or o in outputs or lay.partial or STREAM in lay.axes or not consumers[o]:
                 continue
-            if any(c.op in ("set", "view") for c, _ in consumers[o]):
+            if any(c.op in (Op.SET, Op.VIEW) for c, _ in consumers[o]):
                 continue  # a reshard or a view states no requirement of its own
             wants = {_required(c, n) for c, n in consumers[o]}
             if len(wants) != 1:

@@ -10,6 +10,7 @@ from __future__ import annotations
 from shardfuse.ir import Instr, Namer, Value, substitute
 from shardfuse.layout import Layout
 from shardfuse.rules import rule
+from shardfuse.ops import Op
 
 
 def _tag(src: Layout, dst: Layout) -> str:
@@ -30,13 +31,13 @@ def insert_resharding(prog):
         key = (v, target)
         if key not in memo:
             nv = Value(namer(f"{v.name}_{_tag(v.type.layout, target)}"), v.type.with_layout(target))
-            out.append(Instr("set", (nv,), (v,)))
+            out.append(Instr(Op.SET, (nv,), (v,)))
             memo[key] = nv
         return memo[key]
 
     for i in prog.instrs:
         i = substitute([i], alias)[0]
-        if i.op in ("set", "view"):
+        if i.op in (Op.SET, Op.VIEW):
             out.append(i)
             continue
         o = i.outs[0]
@@ -49,7 +50,7 @@ def insert_resharding(prog):
         else:
             tmp = Value(namer(o.name + ("_partial" if produced.partial else "_local")), o.type.with_layout(produced))
             out.append(Instr(i.op, (tmp,), ins, i.attrs))
-            out.append(Instr("set", (o,), (tmp,)))
+            out.append(Instr(Op.SET, (o,), (tmp,)))
 
     outputs = []
     for v in prog.outputs:

@@ -18,8 +18,9 @@ import heapq
 import math
 
 from shardfuse.layout import Layout, axis_entry, mesh_axes, shard_count
+from shardfuse.ops import Op
 
-ORDER = {"shard_slice": 0, "reduce_scatter": 1, "allreduce": 2, "alltoall": 3, "allgather": 4}
+ORDER = {Op.SHARD_SLICE: 0, Op.REDUCE_SCATTER: 1, Op.ALLREDUCE: 2, Op.ALLTOALL: 3, Op.ALLGATHER: 4}
 
 
 def _with(axes, j, names):
@@ -43,30 +44,30 @@ def _moves(lay: Layout, shape, mesh, keep_partial):
             if m in keep_partial:
                 continue
             rest = tuple(p for p in lay.partial if p != m)
-            yield ("allreduce", m, None, None), Layout(axes, rest)
+            yield (Op.ALLREDUCE, m, None, None), Layout(axes, rest)
             for j in range(len(axes)):
                 if fits(j, m):
-                    yield ("reduce_scatter", m, j, None), Layout(add(axes, j, m), rest)
+                    yield (Op.REDUCE_SCATTER, m, j, None), Layout(add(axes, j, m), rest)
             continue
         src = lay.mesh_axis_of(m)
         if src is None:
             for j in range(len(axes)):
                 if fits(j, m):
-                    yield ("shard_slice", m, j, None), Layout(add(axes, j, m), lay.partial)
+                    yield (Op.SHARD_SLICE, m, j, None), Layout(add(axes, j, m), lay.partial)
         elif mesh_axes(axes[src])[-1] == m:  # only the innermost mesh axis of a tensor axis can leave it
             dropped = _with(axes, src, mesh_axes(axes[src])[:-1])
-            yield ("allgather", m, src, None), Layout(dropped, lay.partial)
+            yield (Op.ALLGATHER, m, src, None), Layout(dropped, lay.partial)
             for j in range(len(axes)):
                 if j != src and fits(j, m, dropped):
-                    yield ("alltoall", m, src, j), Layout(add(dropped, j, m), lay.partial)
+                    yield (Op.ALLTOALL, m, src, j), Layout(add(dropped, j, m), lay.partial)
 
 
 def _moved(kind, before: Layout, after: Layout, shape, mesh) -> int:
     """Elements a device sends or receives for one step (0 for a local slice)."""
-    if kind == "shard_slice" or shape is None:
+    if kind == Op.SHARD_SLICE or shape is None:
         return 0
     local = {lay: math.prod(lay.local_shape(shape, mesh)) for lay in (before, after)}
-    return local[after] if kind == "allgather" else local[before]
+    return local[after] if kind == Op.ALLGATHER else local[before]
 
 
 def reshard_steps(src: Layout, dst: Layout, mesh, shape=None):
@@ -89,7 +90,7 @@ def reshard_steps(src: Layout, dst: Layout, mesh, shape=None):
             continue
         for step, nxt in _moves(lay, shape, mesh, keep):
             kind = step[0]
-            c = (cost[0] + (kind != "shard_slice"), cost[1] + _moved(kind, lay, nxt, shape, mesh),
+            c = (cost[0] + (kind != Op.SHARD_SLICE), cost[1] + _moved(kind, lay, nxt, shape, mesh),
                  cost[2] + ((ORDER[kind], index[step[1]]),))
             if nxt not in best or c < best[nxt]:
                 best[nxt] = c

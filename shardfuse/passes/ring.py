@@ -11,9 +11,10 @@ overwrites the buffer GEMM i - 1 read, waits until that GEMM is `done[i - 1]`.
 from __future__ import annotations
 
 from shardfuse.ir import Idx, Instr, Namer, TensorType, Value
-from shardfuse.layout import Layout
+
 from shardfuse.mesh import STREAM
 from shardfuse.rules import rule
+from shardfuse.ops import Op
 
 
 def lower_ring(prog):
@@ -22,10 +23,10 @@ def lower_ring(prog):
     ring_sets = set()
     blocks = {}
     for i in prog.instrs:
-        if i.op == "matmul" and i.attrs.get("algorithm") == "ring":
+        if i.op == Op.MATMUL and i.attrs.get("algorithm") == "ring":
             gathered = i.ins[0]
             s = producer.get(gathered)
-            if s is None or s.op != "set":
+            if s is None or s.op != Op.SET:
                 raise ValueError(f"algorithm='ring': {i.outs[0].name} needs its first operand gathered from shards")
             ring_sets.add(s)
             blocks[i] = _ring_block(i, s, prog, namer)
@@ -46,7 +47,7 @@ def _ring_block(mm, gather, prog, namer):
     c, b = mm.outs[0], mm.ins[1]
     a = gather.ins[0]
     k = c.type.layout.stream_axis()
-    ka = rule("matmul", "axis_map")(mm, k)[0]
+    ka = rule(Op.MATMUL, "axis_map")(mm, k)[0]
     team = a.type.layout.axes[ka]
     if team is None or team == STREAM:
         raise ValueError(f"algorithm='ring' streams axis {k} of {c.name}, but {a.name} is not sharded on axis {ka}")
@@ -68,31 +69,31 @@ def _ring_block(mm, gather, prog, namer):
     later, not_last = ("i", ">", 0), ("i", "<", d - 1)
 
     def on(stream):
-        return Instr("set_stream", attrs={"stream": f"Stream({stream})", "index": stream})
+        return Instr(Op.SET_STREAM, attrs={"stream": f"Stream({stream})", "index": stream})
 
     body = (
-        on(comm), Instr("wait_event", ins=(entry,)),
-        Instr("wait_event", ins=(done,), attrs={"index": Idx("i", offset=-1), "when": later}),
-        Instr("select", (cur,), (pool,), {"index": Idx("i", 2)}),
-        Instr("select", (nxt,), (pool,), {"index": Idx("i", 2, offset=1)}),
-        Instr("sendrecv", (h,), (cur,), {"team": team, "shift": 1, "when": not_last}, into=nxt),
-        Instr("wait", ins=(h,), attrs={"when": not_last}),
-        Instr("record_event", (arrived,), attrs={"stream": f"Stream({comm})", "index": step}),
-        on(compute), Instr("wait_event", ins=(entry,)),
-        Instr("wait_event", ins=(arrived,), attrs={"index": Idx("i", offset=-1), "when": later}),
-        Instr("slice", (c_i,), (c,), {"axis": k, "index": Idx("i", d, ring=team)}),
-        Instr("matmul", (), (cur, b), into=c_i),
-        Instr("record_event", (done,), attrs={"stream": f"Stream({compute})", "index": step}),
-        Instr("set_stream", attrs={"stream": "main"}),
-        Instr("synchronize", attrs={"stream": f"Stream({comm})", "index": comm}),
-        Instr("synchronize", attrs={"stream": f"Stream({compute})", "index": compute}),
+        on(comm), Instr(Op.WAIT_EVENT, ins=(entry,)),
+        Instr(Op.WAIT_EVENT, ins=(done,), attrs={"index": Idx("i", offset=-1), "when": later}),
+        Instr(Op.SELECT, (cur,), (pool,), {"index": Idx("i", 2)}),
+        Instr(Op.SELECT, (nxt,), (pool,), {"index": Idx("i", 2, offset=1)}),
+        Instr(Op.SENDRECV, (h,), (cur,), {"team": team, "shift": 1, "when": not_last}, into=nxt),
+        Instr(Op.WAIT, ins=(h,), attrs={"when": not_last}),
+        Instr(Op.RECORD_EVENT, (arrived,), attrs={"stream": f"Stream({comm})", "index": step}),
+        on(compute), Instr(Op.WAIT_EVENT, ins=(entry,)),
+        Instr(Op.WAIT_EVENT, ins=(arrived,), attrs={"index": Idx("i", offset=-1), "when": later}),
+        Instr(Op.SLICE, (c_i,), (c,), {"axis": k, "index": Idx("i", d, ring=team)}),
+        Instr(Op.MATMUL, (), (cur, b), into=c_i),
+        Instr(Op.RECORD_EVENT, (done,), attrs={"stream": f"Stream({compute})", "index": step}),
+        Instr(Op.SET_STREAM, attrs={"stream": "main"}),
+        Instr(Op.SYNCHRONIZE, attrs={"stream": f"Stream({comm})", "index": comm}),
+        Instr(Op.SYNCHRONIZE, attrs={"stream": f"Stream({compute})", "index": compute}),
     )
-    loop = Instr("for", attrs={"var": "i", "extent": d, "results": {}, "scheduled": True}, body=body)
+    loop = Instr(Op.FOR, attrs={"var": "i", "extent": d, "results": {}, "scheduled": True}, body=body)
     return [
-        Instr("allocate", (pool,), attrs={"pool": 2, "ring": True}),
-        Instr("select", (first,), (pool,), {"index": 0}),
-        Instr("copy", (), (a,), into=first),
-        Instr("allocate", (c,)),
-        Instr("record_event", (entry,), attrs={"stream": "main"}),
+        Instr(Op.ALLOCATE, (pool,), attrs={"pool": 2, "ring": True}),
+        Instr(Op.SELECT, (first,), (pool,), {"index": 0}),
+        Instr(Op.COPY, (), (a,), into=first),
+        Instr(Op.ALLOCATE, (c,)),
+        Instr(Op.RECORD_EVENT, (entry,), attrs={"stream": "main"}),
         loop,
     ]

@@ -7,7 +7,7 @@ the seed's form: x viewed as [D, S, m, K] (D the sharded factor), the product co
 from __future__ import annotations
 
 from shardfuse.ir import Instr, Namer, TensorType, Value, substitute
-from shardfuse.ops import ELEMENTWISE
+from shardfuse.ops import ELEMENTWISE, Op
 from shardfuse.layout import Layout, shard_count
 from shardfuse.mesh import STREAM
 from shardfuse.rules import rule
@@ -24,16 +24,16 @@ def _sharded_inputs(i, amap):
 
 def _split_attrs(i, amap, k, n):
     """The op's attributes once its stream axis k (input axis amap[0]) is split into n axes."""
-    if i.op == "transpose":  # output axis j reads input axis perm[j]; axes after the split shift by n - 1
+    if i.op == Op.TRANSPOSE:  # output axis j reads input axis perm[j]; axes after the split shift by n - 1
         a = amap[0]
         perm = []
         for j, p in enumerate(i.attrs["perm"]):
             perm += [a + t for t in range(n)] if j == k else [p + (n - 1 if p > a else 0)]
         return {**i.attrs, "perm": tuple(perm)}
-    if i.op == "sum":
+    if i.op == Op.SUM:
         ax = i.attrs["axis"]
         return {**i.attrs, "axis": ax + (n - 1 if ax > amap[0] else 0)}
-    if i.op == "reshape":
+    if i.op == Op.RESHAPE:
         raise ValueError(f"sf.stream(..., chunks=) of {i.outs[0].name}, the result of a reshape, is not supported: "
                          "stream the value before the reshape, or its consumer")
     return i.attrs
@@ -48,7 +48,7 @@ def _broadcast_view(v, ndim, k, n, namer, out):
     shape, axes = (1,) * pad + v.type.shape, (None,) * pad + lay.axes
     shape, axes = _split(shape, axes, k, (1,) * n, (None,) * n)
     vv = Value(namer(v.name + "_split"), TensorType(shape, v.type.dtype, Layout(axes, lay.partial, mesh=lay.mesh)))
-    out.append(Instr("view", (vv,), (v,), {"shape": shape}))
+    out.append(Instr(Op.VIEW, (vv,), (v,), {"shape": shape}))
     return vv
 
 
@@ -68,7 +68,7 @@ def split_stream_axes(prog):
         if not (s or ring) and not _sharded_inputs(i, amap):
             out.append(i)  # one chunk per index of an axis no input shards: the loop slices it directly
             continue
-        if i.op == "matmul" and amap[0] is None:
+        if i.op == Op.MATMUL and amap[0] is None:
             raise ValueError("sf.stream(..., chunks=) on the N axis of a matmul is not supported: stream a row or batch axis")
         sharded = {v.type.layout.axes[a] for v, a in zip(i.ins, amap) if a is not None} - {None, STREAM}
         if lay.stream_over:
@@ -112,14 +112,14 @@ def split_stream_axes(prog):
             shp, axs = _split(v.type.shape, vl.axes, a, fac, ((d_axis,) + (None,) * (len(fac) - 1)) if mesh_axis
                               else (None, None))
             vv = Value(namer(v.name + "_split"), TensorType(shp, v.type.dtype, Layout(axs, vl.partial, mesh=vl.mesh)))
-            out.append(Instr("view", (vv,), (v,), {"shape": shp}))
+            out.append(Instr(Op.VIEW, (vv,), (v,), {"shape": shp}))
             new_ins.append(vv)
         split_axes = (STREAM, None) if ring else ((lay.stream_over, STREAM, None) if mesh_axis else (STREAM, None))
         shp, axs = _split(o.type.shape, lay.axes, k, fac, split_axes)
         o_split = Value(namer(o.name + "_split"), TensorType(shp, o.type.dtype, Layout(axs, lay.partial, mesh=lay.mesh)))
         out.append(Instr(i.op, (o_split,), tuple(new_ins), _split_attrs(i, amap, k, len(fac))))
         o_back = Value(o.name, o.type.with_layout(lay.placement()))
-        out.append(Instr("view", (o_back,), (o_split,), {"shape": o.type.shape}))
+        out.append(Instr(Op.VIEW, (o_back,), (o_split,), {"shape": o.type.shape}))
         alias[o] = o_back
     outputs = tuple(alias.get(v, v) for v in prog.outputs)
     return prog.with_instrs(out, "split_stream_axes", outputs=outputs)

@@ -11,22 +11,23 @@ from __future__ import annotations
 from dataclasses import replace
 
 from shardfuse.ir import Idx, Instr, Namer, Value
+from shardfuse.ops import Op
 
 
 def assign_streams(prog):
-    if not any(i.op == "for" for i in prog.instrs):
+    if not any(i.op == Op.FOR for i in prog.instrs):
         return prog.with_instrs(prog.instrs, "assign_streams")
     namer = Namer.for_program(prog)
-    out = [Instr("get_stream", (Value("main", "Stream"),))]
+    out = [Instr(Op.GET_STREAM, (Value("main", "Stream"),))]
     for i in prog.instrs:
-        if i.op != "for" or i.attrs.get("scheduled"):  # a loop that a pass scheduled itself (the ring)
+        if i.op != Op.FOR or i.attrs.get("scheduled"):  # a loop that a pass scheduled itself (the ring)
             out.append(i)
             continue
         n = min(prog.streams, i.attrs["extent"])
         worker = {"stream": f"Stream(i % {n})", "index": Idx("i", n)}
         entry = Value(namer("entry"), "Event")
-        out.append(Instr("record_event", (entry,), attrs={"stream": "main"}))
-        body = ([Instr("set_stream", attrs=worker), Instr("wait_event", ins=(entry,))] + list(i.body)
-                + [Instr("set_stream", attrs={"stream": "main"}), Instr("synchronize", attrs=worker)])
+        out.append(Instr(Op.RECORD_EVENT, (entry,), attrs={"stream": "main"}))
+        body = ([Instr(Op.SET_STREAM, attrs=worker), Instr(Op.WAIT_EVENT, ins=(entry,))] + list(i.body)
+                + [Instr(Op.SET_STREAM, attrs={"stream": "main"}), Instr(Op.SYNCHRONIZE, attrs=worker)])
         out.append(replace(i, body=tuple(body)))
     return prog.with_instrs(out, "assign_streams")

@@ -8,13 +8,7 @@ follows from its layout (each sharded extent divides evenly) and no Slice cuts a
 from __future__ import annotations
 
 from shardfuse.layout import shard_count
-
-COLLECTIVES = {"allgather", "allreduce", "reduce_scatter", "alltoall", "sendrecv", "transfer"}
-HOST_OPS = COLLECTIVES | {"allocate", "slice", "select", "view", "shard_slice",
-            "wait", "matmul", "add", "sub", "mul", "div", "neg", "scale", "exp", "tanh", "relu", "gelu", "sum",
-            "copy", "transpose", "for", "get_stream", "set_stream", "synchronize",
-            "record_event", "wait_event"}
-
+from shardfuse.ops import COMMUNICATION, HOST, Op
 
 class PlanError(AssertionError):
     pass
@@ -51,34 +45,34 @@ def _check_block(instrs, defined, prog, top):
     pending = set()
     defined = set(defined)
     for i in instrs:
-        _check(i.op in HOST_OPS, f"{i.op!r} is not a host-level instruction: lowering left it behind")
+        _check(i.op in HOST, f"{i.op!r} is not a host-level instruction: lowering left it behind")
         for v in i.values():
             _check(v in defined, f"{v.name} is used by {i.op} before it is defined (or outside its loop)")
         for v in (*i.values(), *i.outs):
             _check_local_shape(v, prog)
-        if i.op == "slice":
+        if i.op == Op.SLICE:
             src = i.ins[0].type.layout.placement()
             _check(src.axes[i.attrs["axis"]] is None,
                    f"Slice {i.outs[0].name} <- {i.ins[0].name}: axis {i.attrs['axis']} is sharded over "
                    f"{src.axes[i.attrs['axis']]}; a chunk of it would cut across shards (reshard first)")
-        if i.op == "wait":
+        if i.op == Op.WAIT:
             _check(i.ins[0] in pending, f"Wait {i.ins[0].name} has no collective to wait for")
             pending.discard(i.ins[0])
-        if i.op in COLLECTIVES:
+        if i.op in COMMUNICATION:
             pending.add(i.outs[0])
-        if i.op == "matmul":
+        if i.op == Op.MATMUL:
             a, b = (v.type.shape for v in i.ins)
             want = a[:-1] + (b[-1],)
             _check(i.into.type.shape == want, f"Matmul {i.into.name}{i.into.type.shape} <- {a} @ {b}: expected {want}")
-        if i.op == "copy":
+        if i.op == Op.COPY:
             src, dst = (_local(v, prog) for v in (i.ins[0], i.into))
             _check(src == dst, f"Copy {i.into.name}{dst} <- {i.ins[0].name}{src}: the local shapes differ")
-        if i.op == "for":
+        if i.op == Op.FOR:
             body = i.body
-            _check(body and body[0].op == "set_stream", "a stream loop must start by picking its stream")
-            last_set = [b for b in body if b.op == "set_stream"][-1]
+            _check(body and body[0].op == Op.SET_STREAM, "a stream loop must start by picking its stream")
+            last_set = [b for b in body if b.op == Op.SET_STREAM][-1]
             _check(last_set.attrs["stream"] == "main", "a stream loop body must return to the main stream")
-            carried = {e for b in body if b.op == "record_event" and "index" in b.attrs for e in b.outs}
+            carried = {e for b in body if b.op == Op.RECORD_EVENT and "index" in b.attrs for e in b.outs}
             _check_block(body, defined | carried, prog, top=False)  # events of step i - 1 are in scope
         defined.update(i.outs)
     _check(not pending, f"collectives never waited for: {sorted(v.name for v in pending)}")

@@ -167,7 +167,9 @@ def test_2d_mesh_both_axes():
     rng = cases.fresh_rng(mesh)
     x = rng.standard_normal((4 * shape[0], 4 * shape[1]))
     f = sf.jit(lambda x: sf.replicate(sf.shard(sf.shard(x, axis=0, over="DIDy"), axis=1, over="DIDx")), mesh=mesh)
-    assert f.lower(sf.TensorSpec(x.shape, "float64")).collectives() == {"allgather": 2}
+    # at -n 2 the DIDx axis has one device: its gather folds into a view (passes/fold.py)
+    want = {"allgather": 2} if shape[1] > 1 else {"allgather": 1}
+    assert f.lower(sf.TensorSpec(x.shape, "float64")).collectives() == want
     cases.assert_close(f(x).gather(), x, "float64")
 
 
