@@ -161,7 +161,8 @@ def elementwise_require(ins, out, lays):
     same way stays sharded: the op runs where the data is and one gather of the result follows,
     instead of one gather per operand."""
     carried = _linear_partials(ins.op, lays)
-    axes = _unshard(out.axes, set(_union(*carried)))
+    pending = set(_union(*carried))
+    axes = _unshard(out.axes, pending)
     for j, a in enumerate(axes):
         if a is not None:
             continue
@@ -169,7 +170,9 @@ def elementwise_require(ins, out, lays):
                   for lay, src in zip(lays, elementwise_axis_map(ins, j)) if src is not None}
         if len(owners) == 1 and None not in owners:
             m = owners.pop()
-            if not _names([m]) & _names(axes):
+            # never a mesh axis that also pends a sum: P(y) * S(y) is no layout (the partial
+            # operand's pieces are not pieces of the other's shards)
+            if not _names([m]) & (_names(axes) | pending):
                 axes[j] = m
     req = []
     for n, (v, lay) in enumerate(zip(ins.ins, lays)):

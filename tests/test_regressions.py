@@ -107,3 +107,33 @@ def test_a_broadcast_operand_of_a_split_stream_axis_keeps_numpys_alignment(op):
           (x0, x1, sf.shard(x2, axis=0, mesh=mesh), x3), fn((x0 @ x1 + x2).transpose(1, 0, 2), x3))
     y0, y1, y2 = r.standard_normal((2, 4, 4)), r.standard_normal((4, 4)), r.standard_normal((2, 4, 1))
     check(lambda a, b, c: sf.stream(fn(a @ b, c), 2), mesh, (y0, sf.shard(y1, axis=1, mesh=mesh), y2), fn(y0 @ y1, y2))
+
+
+def test_a_partial_operand_times_a_value_sharded_over_the_same_mesh_axis_gathers_the_other_first():
+    # P(DIDy) * S(0 over DIDy) claimed a layout both sharded and pending over DIDy: wrong numbers
+    mesh = sf.DeviceMesh((2, 2), backend="numpy")
+    x = rng().standard_normal((2, 4, 4))
+    f = lambda x: sf.replicate(sf.shard(x.sum(0), 0, over="DIDy").sum(0) * x)  # noqa: E731
+    check(f, mesh, (sf.shard(x, axis=0, over="DIDy", mesh=mesh),), x.sum(0).sum(0) * x)
+
+
+def test_a_streamed_input_used_only_inside_the_ring_loop_is_made():
+    mesh = sf.DeviceMesh(4, backend="numpy")
+    r = rng()
+    x0, x1, x2, x3 = r.standard_normal((2, 4, 4)), r.standard_normal((4, 4)), r.standard_normal((4, 2)), r.standard_normal((2, 2))
+
+    def f(x0, x1, x2, x3):
+        g = sf.gelu(sf.shard(x0 @ x1 @ x2, 1, over="DIDx"))
+        return sf.stream(g @ sf.stream(x3, 0), 1, algorithm="ring")
+    gelu = lambda x: 0.5 * x * (1 + np.tanh(np.sqrt(2 / np.pi) * (x + 0.044715 * x ** 3)))  # noqa: E731
+    check(f, mesh, (x0, x1, x2, x3), gelu(x0 @ x1 @ x2) @ x3)
+
+
+def test_ring_with_b_sharded_on_k_is_refused_at_compile_time():
+    mesh = sf.DeviceMesh(4, backend="numpy")
+    r = rng()
+    x0, x1, x2 = r.standard_normal((2, 4, 4)), r.standard_normal((4, 4)), r.standard_normal((4, 2))
+    f = sf.jit(lambda x0, x1, x2: sf.stream(sf.gelu(sf.shard(x0 @ x1, 1, over="DIDx")) @ sf.shard(x2, 0, over="DIDx"),
+                                            1, algorithm="ring"), mesh=mesh)
+    with pytest.raises(ValueError, match="whole along K"):
+        f.lower(x0, x1, x2)

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from collections import defaultdict
 
-from shardfuse.ir import HOST_ONLY, Idx, Instr, Namer, TensorType, Value, substitute
+from shardfuse.ir import HOST_ONLY, Idx, Instr, Namer, TensorType, Value, substitute, walk
 
 from shardfuse.mesh import STREAM
 from shardfuse.ops import Op
@@ -97,7 +97,7 @@ def form_stream_loops(prog):
         while k < len(instrs) and _stream_extent(instrs[k]) == s and _chunks_line_up(group, instrs[k]):
             group.append(instrs[k])
             k += 1
-        later = {v for j in instrs[k:] for v in j.ins} | set(prog.outputs)
+        later = {v for j in walk(instrs[k:]) for v in j.values()} | set(prog.outputs)  # loop bodies too (the ring)
         out.append(_make_loop(group, s, later, namer))
     return prog.with_instrs(out, "form_stream_loops")
 

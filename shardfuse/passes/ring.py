@@ -51,6 +51,14 @@ def _ring_block(mm, gather, prog, namer):
     team = a.type.layout.axes[ka]
     if team is None or team == STREAM:
         raise ValueError(f"algorithm='ring' streams axis {k} of {c.name}, but {a.name} is not sharded on axis {ka}")
+    gathered, b_lay = mm.ins[0].type.layout.placement(), b.type.layout.placement()
+    if gathered != a.type.layout.placement().with_axis(ka, None) or b_lay.axes[-2] is not None \
+            or b_lay.partial or c.type.layout.partial:
+        raise ValueError(
+            f"algorithm='ring' passes shards of A along the streamed axis {ka} and multiplies each by a B that is "
+            f"whole along K: here {a.name} is {a.type.layout.placements(prog.mesh)} and B {b.name} is "
+            f"{b_lay.placements(prog.mesh)}, so the matmul would contract a sharded K instead; replicate B "
+            f"(sf.replicate(b)) or shard it on N, or use the default algorithm")
     d = prog.mesh.axis_size(team)
     if c.type.shape[k] != d:
         raise ValueError(f"algorithm='ring': the stream axis of {c.name} must have one chunk per device ({d}), "

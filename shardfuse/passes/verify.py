@@ -7,7 +7,7 @@ follows from its layout (each sharded extent divides evenly) and no Slice cuts a
 """
 from __future__ import annotations
 
-from shardfuse.layout import shard_count
+from shardfuse.layout import mesh_axes, shard_count
 from shardfuse.ops import COMMUNICATION, HOST, Op
 
 class PlanError(AssertionError):
@@ -30,6 +30,8 @@ def _check_local_shape(v, prog):
     if not hasattr(t, "layout") or t.layout is None:
         return
     mesh = t.layout.mesh or prog.mesh
+    both = {n for a in t.layout.placement().axes for n in mesh_axes(a)} & set(t.layout.partial)
+    _check(not both, f"{v.name}: {t}: mesh axis {sorted(both)} both shards it and pends a sum")
     for ax, over in t.layout.placement().sharded_axes().items():
         d = shard_count(over, mesh)
         _check(t.shape[ax] % d == 0, f"{v.name}{t.shape}: axis {ax} of extent {t.shape[ax]} is sharded over "
@@ -64,6 +66,9 @@ def _check_block(instrs, defined, prog, top):
             a, b = (v.type.shape for v in i.ins)
             want = a[:-1] + (b[-1],)
             _check(i.into.type.shape == want, f"Matmul {i.into.name}{i.into.type.shape} <- {a} @ {b}: expected {want}")
+            la, lb = (_local(v, prog) for v in i.ins)
+            _check(la[-1] == lb[-2], f"Matmul {i.into.name} <- {i.ins[0].name} @ {i.ins[1].name}: local K differs "
+                                     f"({la} @ {lb}): one operand's K is sharded and the other's is not")
         if i.op == Op.COPY:
             src, dst = (_local(v, prog) for v in (i.ins[0], i.into))
             _check(src == dst, f"Copy {i.into.name}{dst} <- {i.ins[0].name}{src}: the local shapes differ")
