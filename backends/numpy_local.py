@@ -10,7 +10,7 @@ import os
 
 import numpy as np
 
-from shardfuse.trace import np_dtype
+from shardfuse.dtypes import np_dtype
 from shardfuse.ops import Op
 
 POISON = os.environ.get("SHARDFUSE_POISON") == "1"  # fill new buffers with NaN (tests)

@@ -28,7 +28,7 @@ import numpy as np
 
 from shardfuse import faults
 from shardfuse.backends.numpy_local import NumpyLocalBackend
-from shardfuse.trace import np_dtype
+from shardfuse.dtypes import np_dtype
 from shardfuse.ops import Op
 
 # Sub-communicators are split once per (mesh geometry, process count) and reused by every

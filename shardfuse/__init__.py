@@ -8,13 +8,15 @@
         return sf.stream(a @ b, axis=0)
     print(ag_matmul.lower(sf.TensorSpec((8, 4, 16, 32)), sf.TensorSpec((32, 24))))
 """
+from shardfuse.api import replicate, shard
 from shardfuse.array import Array, from_local
 from shardfuse.faults import CollectiveTimeoutError, RankLeftError, RankMismatchError
 from shardfuse.jit import Plan, jit
 from shardfuse.layout import Layout
 from shardfuse.mesh import DeviceMesh
 from shardfuse.placements import Partial, Replicate, Shard
-from shardfuse.trace import TensorSpec, exp, gelu, linear, relu, replicate, shard, stream, tanh, to_mesh
+from shardfuse.spec import TensorSpec
+from shardfuse.trace import exp, gelu, linear, relu, stream, tanh, to_mesh
 
 __all__ = ["Array", "DeviceMesh", "Layout", "Partial", "Replicate", "Shard", "Plan", "TensorSpec", "from_local", "jit", "replicate", "shard", "stream", "to_mesh",
            "exp", "gelu", "linear", "relu", "tanh",

@@ -8,84 +8,17 @@ from __future__ import annotations
 import numpy as np
 
 from shardfuse.interop import array_info, check_input, stream_ptr
-from shardfuse.layout import Layout, mesh_axes, shard_count
-from shardfuse.trace import TensorSpec, check_axis, check_divides, normalize_axis, normalize_dtype, normalize_over, np_dtype
+from shardfuse.layout import Layout
+from shardfuse.dtypes import normalize_dtype, np_dtype
+from shardfuse.executor import Executable
+from shardfuse.passes import compile_program
+from shardfuse.pieces import Placed, device_index, global_layout, local_pieces
+from shardfuse.spec import TensorSpec, check_axis, normalize_axis
+from shardfuse.trace import replicate, trace
+from shardfuse.runtime import backend_of
 
 
-def device_index(shape, layout: Layout, mesh, device: int):
-    """The index (tuple of slices) of `device`'s piece of a global array (None: it holds none)."""
-    mesh = layout.mesh or mesh
-    if device not in mesh.devices:
-        return None
-    coords = mesh.coords(device)
-    idx = []
-    for n, a in zip(shape, layout.placement().axes):
-        c = 0  # the piece's position along the mesh axes of `a`, the first outermost
-        for name in mesh_axes(a):
-            c = c * mesh.axis_size(name) + coords[mesh.axis_index(name)]
-        size = n // shard_count(a, mesh)
-        idx.append(slice(c * size, (c + 1) * size))
-    return tuple(idx)
-
-
-def _memo(mesh, key, make):
-    """make(), remembered on the mesh for the hot path (sf.shard and calls on the same shapes
-    find it in one lookup).  Kept on the mesh, not in a global cache, so that no cache keeps a
-    mesh (and its GPU streams, handles and workspaces) alive; bounded for ever-changing shapes."""
-    memo = mesh.__dict__.setdefault("_placement_memo", {})
-    got = memo.get(key)
-    if got is None:
-        got = make()  # raises for bad input: nothing is remembered then
-        if len(memo) >= 1024:
-            memo.clear()
-        memo[key] = got
-    return got
-
-
-def piece_indices(shape: tuple, layout: Layout, mesh) -> tuple:
-    """Per local device: the index of its piece of a global array of this shape, () when the
-    piece is the whole array, None when the device holds none (outside the value's sub-mesh)."""
-    def make():
-        out = []
-        for d in mesh.local_devices:
-            idx = device_index(shape, layout, mesh, d)
-            out.append(() if idx is not None and all(s == slice(None) for s in idx) else idx)
-        return tuple(out)
-    return _memo(mesh, ("pieces", shape, layout), make)
-
-
-def local_pieces(x, dtype: str, layout: Layout, mesh, info=None, fenced=None, indices=None):
-    """This process' pieces of a global array x (one per local device), each contiguous on its
-    device.  x is any array the backend can adopt: device arrays stay on the device (a piece is
-    a zero-copy view where the layout allows, a device-side copy otherwise).  `fenced`: a
-    stream the backend's streams already wait for (see the backends' adopt); `indices`: x's
-    piece_indices when the caller has them (a plan, from its input types)."""
-    be = mesh.backend
-    x = be.adopt(x, info, fenced)
-    out = []
-    for j, idx in enumerate(indices or piece_indices(tuple(x.shape), layout, mesh)):
-        if idx is None:  # a device outside the value's sub-mesh holds a placeholder, never read
-            out.append(be.empty(layout.local_shape(x.shape, mesh), dtype)[j])
-        else:
-            out.append(be.piece(x[idx] if idx else x, j))
-    return out
-
-
-def _global_layout(shape: tuple, mesh, axis: int | None, over: str) -> Layout:
-    """The layout of a global array of this shape sharded on `axis` over mesh axis `over`
-    (replicated for axis None), checked."""
-    def make():
-        layout = Layout.replicated(len(shape))
-        if axis is not None:
-            ax = normalize_axis(axis, len(shape), shape)
-            layout = layout.with_axis(ax, normalize_over(over, mesh))
-            for a, name in layout.sharded_axes().items():
-                check_divides(shape, a, name, mesh)
-        return layout
-    return _memo(mesh, ("layout", shape, axis, tuple(over) if isinstance(over, list) else over), make)
-
-
-class Array:
+class Array(Placed):
     """A global array on a mesh: this process' pieces (`shards`, one per local device) and the
     layout that says where each lies.
 
@@ -126,8 +59,8 @@ class Array:
         if axis is not None:
             axis = check_axis(axis)  # before the memo, whose keys cannot tell True from 1
         info = array_info(x)
-        check_input(info, mesh.backend, what)
-        layout = _global_layout(info.shape, mesh, axis, over)
+        check_input(info, backend_of(mesh), what)
+        layout = global_layout(info.shape, mesh, axis, over)
         return cls(mesh, info.shape, info.dtype, layout, local_pieces(x, info.dtype, layout, mesh, info))
 
     def gather(self) -> np.ndarray:
@@ -136,7 +69,7 @@ class Array:
         Collective: under mpiexec every process must call it (the pieces are all-gathered over
         MPI), in the same order as its other collectives; a process that skips it leaves the
         others waiting."""
-        pieces = list(zip(self.mesh.local_devices, self.mesh.backend.to_host(self.shards)))
+        pieces = list(zip(self.mesh.local_devices, backend_of(self.mesh).to_host(self.shards)))
         if self.mesh.nprocs > 1:
             from mpi4py import MPI
 
@@ -157,7 +90,7 @@ class Array:
     def __reduce__(self):
         """Pickled small: the mesh by its constructor arguments, this process' pieces as NumPy
         (never the backend, its streams or communicators); see the class docstring."""
-        pieces = self.mesh.backend.to_host(self.shards)
+        pieces = backend_of(self.mesh).to_host(self.shards)
         return _rebuild_array, (self.mesh, self.shape, self.dtype_name, self.sharding, pieces,
                                 self.mesh.rank, self.mesh.nprocs)
 
@@ -205,8 +138,8 @@ class Array:
         `stream`: None, 1 legacy default, 2 per-thread default, or a pointer) waits for the plan."""
         piece = self._whole_piece("__dlpack__")
         if stream is not None:
-            self.mesh.backend.fence_out({1: 0}.get(stream, stream))
-        if self.dtype_name == "bfloat16" and self.mesh.backend.name == "cupy":
+            backend_of(self.mesh).fence_out({1: 0}.get(stream, stream))
+        if self.dtype_name == "bfloat16" and backend_of(self.mesh).name == "cupy":
             try:
                 import torch
             except ImportError:
@@ -220,12 +153,12 @@ class Array:
 
     @property
     def __cuda_array_interface__(self):
-        if self.mesh.backend.name != "cupy":
+        if backend_of(self.mesh).name != "cupy":
             raise AttributeError("__cuda_array_interface__: this sf.Array lives in host memory (NumPy backend)")
         if self.dtype_name == "bfloat16":
             raise AttributeError("__cuda_array_interface__ has no bfloat16 type; use __dlpack__ (torch) or to_local()")
         piece = self._whole_piece("__cuda_array_interface__")
-        self.mesh.backend.fence_out(stream_ptr())  # the consumer reads on the current stream
+        backend_of(self.mesh).fence_out(stream_ptr())  # the consumer reads on the current stream
         return piece.__cuda_array_interface__
 
     def full_array(self) -> "Array":
@@ -233,7 +166,7 @@ class Array:
         plan's collectives: NCCL, device copies or MPI), like DTensor's full_tensor()."""
         if not self.sharding.sharded_axes() and not self.sharding.partial and self.sharding.mesh is None:
             return self
-        return _replicator(self.mesh)(self)
+        return _full(self)
 
 
 def _check_mesh(mesh, what):
@@ -249,7 +182,7 @@ def _rebuild_array(mesh, shape, dtype, layout, pieces, rank, nprocs):
         raise ValueError(f"this sf.Array was pickled by MPI process {rank} of {nprocs} and holds that process' "
                          f"pieces only; here is process {mesh.rank} of {mesh.nprocs}. Pickle .gather() (the global "
                          "value) or .to_local() (a process' piece) to move a value between processes")
-    return Array(mesh, shape, dtype, layout, mesh.backend.to_device(pieces))
+    return Array(mesh, shape, dtype, layout, backend_of(mesh).to_device(pieces))
 
 
 class AddressableShard(tuple):
@@ -268,21 +201,24 @@ class AddressableShard(tuple):
         return f"AddressableShard(device={self.device}, index={self.index}, shape={tuple(self.data.shape)})"
 
 
-_REPLICATORS: dict = {}
+_REPLICATORS: dict = {}  # (mesh, spec) -> the bound one-op plan that gathers it whole
 
 
-def _replicator(mesh):
-    """One jitted identity per mesh whose output is replicated: a full gather as a plan."""
-    fn = _REPLICATORS.get(mesh)
-    if fn is None:
-        from shardfuse.jit import jit
-        from shardfuse.trace import replicate
+def _full(x: Array) -> Array:
+    """x replicated on every device of its mesh: a one-op plan (its collectives as inside
+    sf.jit), compiled and bound once per mesh and spec."""
+    key = (x.mesh, x.spec)
+    exe = _REPLICATORS.get(key)
+    if exe is None:
+        def full_array(v):
+            return replicate(v)
 
-        def full_array(x):
-            return replicate(x)
-
-        fn = _REPLICATORS[mesh] = jit(full_array, mesh=mesh)
-    return fn
+        prog = compile_program(trace(full_array, x.mesh, (x.spec,), streams=1))
+        exe = _REPLICATORS[key] = Executable(prog)
+        if len(_REPLICATORS) > 256:  # bounded: shapes that keep changing
+            _REPLICATORS.pop(next(iter(_REPLICATORS)))
+    ((lay, shards),) = exe(x)
+    return Array(x.mesh, x.shape, x.dtype_name, lay, shards)
 
 
 def from_local(local_piece, axis: int, over: str = "DIDx", mesh=None):
@@ -292,7 +228,7 @@ def from_local(local_piece, axis: int, over: str = "DIDx", mesh=None):
         raise ValueError("sf.from_local needs mesh=")
     _check_mesh(mesh, "sf.from_local")
     info = array_info(local_piece)
-    check_input(info, mesh.backend, "sf.from_local")
+    check_input(info, backend_of(mesh), "sf.from_local")
     ax = normalize_axis(axis, len(info.shape), info.shape)
     if len(mesh.shape) != 1:
         raise NotImplementedError("sf.from_local supports 1-D meshes for now")
@@ -309,7 +245,7 @@ def from_local(local_piece, axis: int, over: str = "DIDx", mesh=None):
     shape = list(info.shape)
     shape[ax] *= mesh.nprocs
     layout = Layout.replicated(len(shape)).with_axis(ax, over)
-    be = mesh.backend
+    be = backend_of(mesh)
     x = be.adopt(local_piece, info)
     n = info.shape[ax] // L
     parts = [be.piece(x[(slice(None),) * ax + (slice(j * n, (j + 1) * n),)], j) for j in range(L)]

@@ -7,7 +7,8 @@ import time
 import numpy as np
 
 import shardfuse as sf
-from shardfuse.trace import np_dtype
+from shardfuse.dtypes import np_dtype
+from shardfuse.runtime import backend_of
 
 TOLERANCE = {"float64": 1e-10, "float32": 1e-4, "float16": 1e-2, "bfloat16": 2e-2}
 
@@ -40,12 +41,12 @@ def default_devices(backend):
 
 def median_ms(fn, mesh, repeat):
     fn()  # warm-up: binds the plan, allocates its buffers
-    mesh.backend.synchronize()
+    backend_of(mesh).synchronize()
     times = []
     for _ in range(repeat):
         t0 = time.perf_counter()
         fn()
-        mesh.backend.synchronize()
+        backend_of(mesh).synchronize()
         times.append((time.perf_counter() - t0) * 1e3)
     return float(np.median(times))
 

@@ -12,7 +12,9 @@ import threading
 from dataclasses import replace
 
 
-from shardfuse.array import Array, local_pieces, piece_indices
+from shardfuse import faults
+from shardfuse.runtime import backend_of
+from shardfuse.pieces import Placed, local_pieces, piece_indices
 from shardfuse.interop import array_info, check_input, stream_ptr
 from shardfuse.backends.protocol import MAIN, Ref, block, rank_major, reshape_strides
 from shardfuse.ir import unroll, walk
@@ -25,7 +27,21 @@ def _index(idx, env) -> int:
 
 
 class Executable:
-    def __init__(self, prog, backend, graph: bool = False):
+    def __init__(self, prog, backend=None, graph: bool = False):
+        """Bind prog to `backend` (default: its mesh's, made after the plan check, so ranks that
+        disagree fail on the plan, not inside the backend's own setup)."""
+        mesh = prog.mesh
+        if mesh.nprocs > 1:
+            # Under mpiexec every rank must run this very plan, or its collectives pair with
+            # other ones (a hang, or garbage).  Checked once per plan and before binding,
+            # which already communicates (sub-communicators, NCCL ids): different shapes,
+            # dtypes, chunks, functions, algorithms or meshes all print different texts.
+            faults.agree(f"mesh {mesh!r} shape={mesh.shape} axes={mesh.axis_names} devices={mesh.devices} "
+                         f"processes={mesh.nprocs} graph={graph}\n{prog}", f"plan {prog.name!r}")
+        with faults.binding(prog.name):
+            self._init(prog, backend_of(mesh) if backend is None else backend, graph)
+
+    def _init(self, prog, backend, graph):
         self.prog, self.backend, self.mesh = prog, backend, prog.mesh
         self.ndev = len(backend.local_devices)
         self.refs: dict = {}
@@ -265,7 +281,7 @@ class Executable:
         out = []
         for k, (arg, v) in enumerate(zip(args, prog.inputs)):
             lay = v.type.layout
-            if isinstance(arg, Array):
+            if isinstance(arg, Placed):
                 out.append(None)
                 # hot path: a (layout, shape, dtype) once accepted for this input is not checked again
                 key = (v, arg.sharding, arg.shape, arg.dtype_name)
@@ -333,8 +349,8 @@ class Executable:
             lay = self._out_layouts.get(v)
             if lay is None:
                 lay = self._out_layouts[v] = v.type.layout.placement()
-            outs.append(Array(self.mesh, v.type.shape, v.type.dtype, lay, shards))
-        return outs[0] if len(outs) == 1 else tuple(outs)
+            outs.append((lay, shards))
+        return outs
 
 
 def _no_step(self, i, env, stream):  # GetCurrentStream: the main stream is the caller's

@@ -17,8 +17,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from shardfuse.ir import DTYPES
-from shardfuse.trace import normalize_dtype, np_dtype
+from shardfuse.dtypes import DTYPES, normalize_dtype, np_dtype
 
 _DL_CPU, _DL_CUDA, _DL_CUDA_HOST, _DL_CUDA_MANAGED = 1, 2, 3, 13
 

@@ -12,9 +12,8 @@ import itertools
 from dataclasses import dataclass, field, replace
 
 from shardfuse.layout import Layout, format_type
-from shardfuse.ops import HOST_ONLY, Op  # noqa: F401 (HOST_ONLY: the passes take it from here)
+from shardfuse.ops import Op
 
-DTYPES = ("float16", "bfloat16", "float32", "float64")
 @dataclass(frozen=True)
 class TensorType:
     shape: tuple

@@ -2,18 +2,19 @@
 from __future__ import annotations
 
 import functools
-import inspect
 import os
 from collections import OrderedDict
 
 import numpy as np
 
 from shardfuse.array import Array, spec_of
+from shardfuse.executor import Executable
 from shardfuse.interop import array_info
-from shardfuse.ir import Program, TensorType, Value, unroll
+from shardfuse.ir import Program, unroll
 from shardfuse.passes import compile_program
 from shardfuse.mesh import DeviceMesh, as_int
-from shardfuse.trace import Builder, TensorSpec, Traced
+from shardfuse.spec import TensorSpec
+from shardfuse.trace import Traced, trace
 from shardfuse.ops import COMMUNICATION, Op
 
 
@@ -43,68 +44,16 @@ class Plan:
     @property
     def executable(self):
         if self._exe is None:
-            from shardfuse import faults
-            from shardfuse.executor import Executable
-
-            mesh = self.program.mesh
-            if mesh.nprocs > 1:
-                # Under mpiexec every rank must run this very plan, or its collectives pair with
-                # other ones (a hang, or garbage).  Checked once per plan and before binding,
-                # which already communicates (sub-communicators, NCCL ids): different shapes,
-                # dtypes, chunks, functions, algorithms or meshes all print different texts.
-                faults.agree(f"mesh {mesh!r} shape={mesh.shape} axes={mesh.axis_names} devices={mesh.devices} "
-                             f"processes={mesh.nprocs} graph={self.graph}\n{self.program}",
-                             f"plan {self.program.name!r}")
-            with faults.binding(self.program.name):
-                self._exe = Executable(self.program, mesh.backend, graph=self.graph)
+            self._exe = Executable(self.program, graph=self.graph)
         return self._exe
 
     def __call__(self, *args, stream=None, infos=None):
-        return self.executable(*args, stream=stream, infos=infos)
-
-
-def _input_names(fn, n: int) -> list:
-    """Names of the traced inputs when fn is given n arguments.  The arguments fill fn's
-    positional parameters in order (then its *args); a parameter with a default value that is
-    not given keeps that Python value at trace time (it is no traced input)."""
-    P = inspect.Parameter
-    params = list(inspect.signature(fn).parameters.values())
-    pos = [p for p in params if p.kind in (P.POSITIONAL_ONLY, P.POSITIONAL_OR_KEYWORD)]
-    star = next((p for p in params if p.kind == P.VAR_POSITIONAL), None)
-    required = [p for p in pos if p.default is P.empty]
-    kw_required = [p.name for p in params if p.kind == P.KEYWORD_ONLY and p.default is P.empty]
-    name = getattr(fn, "__name__", type(fn).__name__)
-    if kw_required:
-        raise TypeError(f"{name}: keyword-only parameters without a default ({', '.join(kw_required)}) cannot be "
-                        "traced; give them a default, or make them positional")
-    if n < len(required) or (star is None and n > len(pos)):
-        if star is not None:
-            takes = f"at least {len(required)}"
-        elif len(required) == len(pos):
-            takes = f"{len(pos)}"
-        else:
-            takes = f"{len(required)} to {len(pos)}"
-        defaults = "" if len(required) == len(pos) else \
-            f" ({', '.join(p.name for p in pos[len(required):])} keep their defaults when not given)"
-        raise TypeError(f"{name} takes {takes} arguments, got {n}{defaults}")
-    names = [p.name for p in pos[:n]]
-    return names + [f"{star.name}{k}" for k in range(n - len(names))]
-
-
-def trace(fn, mesh, specs, streams=4, name=None) -> Program:
-    builder = Builder(mesh)
-    params = _input_names(fn, len(specs))
-    inputs = []
-    for pname, spec in zip(params, specs):
-        v = Value(builder.namer(pname), TensorType(spec.shape, spec.dtype, spec.layout))
-        inputs.append(v)
-    result = fn(*(Traced(builder, v) for v in inputs))
-    results = result if isinstance(result, tuple) else (result,)
-    for r in results:
-        if not isinstance(r, Traced):
-            raise TypeError(f"{fn.__name__} must return traced values, got {type(r).__name__}")
-    return Program(name or fn.__name__, mesh, tuple(inputs), tuple(r.value for r in results),
-                   tuple(builder.instrs), streams, ("trace",))
+        """Run the plan: sf.Arrays in (or plain arrays), sf.Arrays out."""
+        outs = self.executable(*args, stream=stream, infos=infos)
+        prog = self.program
+        arrays = tuple(Array(prog.mesh, v.type.shape, v.type.dtype, lay, shards)
+                       for v, (lay, shards) in zip(prog.outputs, outs))
+        return arrays[0] if len(arrays) == 1 else arrays
 
 
 MAX_PLANS = 64  # compiled plans a jitted function keeps by default (the least recently used go)

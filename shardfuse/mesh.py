@@ -9,7 +9,6 @@ from __future__ import annotations
 import math
 import os
 import weakref
-from functools import cached_property
 
 import numpy as np
 
@@ -159,27 +158,6 @@ class DeviceMesh:
         dims = ", ".join(f"{n}={s}" for n, s in zip(self.axis_names, self.shape))
         where = "" if self.is_root else f", devices={self.devices}"
         return f"DeviceMesh({dims}{where}, backend={self.backend_name})"
-
-    @cached_property
-    def backend(self):
-        """The backend instance for this process' devices (created once per mesh).
-
-        A sub-mesh in one process has a backend of its own, made for its devices (shared by equal
-        sub-meshes of one root): the one that runs a program whose whole mesh is the sub-mesh
-        (``sf.jit(f, mesh=mesh.submesh([0, 1]))``) and holds the arrays placed on it
-        (``sf.shard(x, mesh=sub)``), one piece per device of the sub-mesh.  Under MPI a sub-mesh
-        uses its root's backend, for placing and gathering arrays only."""
-        from shardfuse.backends import make_backend
-
-        if self.is_root:
-            return make_backend(self)
-        if self.nprocs > 1:
-            return self.root.backend
-        made = self.root.__dict__.setdefault("_sub_backends", {})
-        be = made.get(self._key())
-        if be is None:
-            be = made[self._key()] = make_backend(self)
-        return be
 
     # -- pickling: by constructor arguments, never the backend or caches ---------------------
     def __reduce__(self):

@@ -1,4 +1,4 @@
-"""The front end: TensorSpec, traced values, and the annotations sf.shard / sf.stream.
+"""The front end: traced values, the annotations sf.shard / sf.stream on them, and trace().
 
 Inside an `sf.jit` function the arguments are `Traced` values; every operation appends
 one array-level instruction to the program being built.  Shape, dtype, axis and mesh
@@ -6,104 +6,15 @@ errors are raised here, at trace time, so nothing runs before they are found.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+import inspect
 
 import numpy as np
 
-from shardfuse.ir import DTYPES, Instr, Namer, TensorType, Value
-from shardfuse.layout import Layout, axis_entry, mesh_axes, shard_count
+from shardfuse.ir import Instr, Namer, Program, TensorType, Value
+from shardfuse.layout import Layout, mesh_axes
 from shardfuse.mesh import STREAM, as_int
 from shardfuse.ops import Op
-
-
-_DTYPE_NAMES: dict = {}  # dtype object -> name (np.dtype(...).name costs microseconds on every call)
-
-
-def normalize_dtype(dtype) -> str:
-    name = dtype if isinstance(dtype, str) else _DTYPE_NAMES.get(dtype)
-    if name is None:
-        name = np.dtype(dtype).name
-        if name in DTYPES:
-            _DTYPE_NAMES[dtype] = name
-    if name not in DTYPES:
-        raise TypeError(f"unsupported dtype {name!r}: expected one of {DTYPES}")
-    return name
-
-
-def np_dtype(name: str):
-    """The NumPy dtype for a dtype name; bfloat16 comes from ml_dtypes."""
-    if name == "bfloat16":
-        import ml_dtypes
-
-        return np.dtype(ml_dtypes.bfloat16)
-    return np.dtype(name)
-
-
-def normalize_over(over, mesh):
-    """A mesh axis name, or an ordered tuple of them (one tensor axis sharded over several mesh
-    axes, the first outermost, as JAX's `P(("dp", "tp"))`): the Layout entry, checked."""
-    names = (over,) if isinstance(over, str) else tuple(over) if isinstance(over, (tuple, list)) else None
-    if not names or not all(isinstance(n, str) for n in names) or len(set(names)) != len(names):
-        raise ValueError(f"over= takes a mesh axis name or a tuple of distinct ones (mesh axes "
-                         f"{mesh.axis_names}), got {over!r}")
-    for n in names:
-        mesh.axis_index(n)  # an unknown mesh axis name fails here
-    return axis_entry(names)
-
-
-def check_divides(shape, ax: int, over, mesh) -> None:
-    """The one check that a mesh axis (or tuple of them) can shard tensor axis `ax` evenly."""
-    n = shard_count(normalize_over(over, mesh), mesh)  # raises for unknown mesh axis names
-    if shape[ax] % n:
-        raise ValueError(f"cannot shard axis {ax} of extent {shape[ax]} over {over}: "
-                         f"the mesh axis has {n} devices, which does not divide {shape[ax]}")
-
-
-def check_axis(axis) -> int:
-    """An axis argument as a Python int: ints and NumPy integers, never bools (axis=True is not
-    axis 1), floats or strings."""
-    if isinstance(axis, int) and not isinstance(axis, bool):
-        return axis
-    return as_int(axis, "axis")
-
-
-def normalize_axis(axis: int, ndim: int, shape) -> int:
-    axis = check_axis(axis)
-    if not -ndim <= axis < ndim:
-        raise ValueError(f"axis {axis!r} out of range for a {ndim}-D value of shape {tuple(shape)}")
-    return axis % ndim
-
-
-def check_chunks(chunks):
-    """sf.stream's chunks=: None or a positive int (NumPy integers too; never bools or floats)."""
-    return None if chunks is None else as_int(chunks, "sf.stream chunks=", minimum=1)
-
-
-@dataclass(frozen=True)
-class TensorSpec:
-    """Shape and dtype of a global array; `layout` None means "as the function annotates it"."""
-
-    shape: tuple
-    dtype: str = "float32"
-    layout: Layout | None = None
-
-    def __post_init__(self):
-        shape = self.shape
-        if isinstance(shape, (int, np.integer)) and not isinstance(shape, (bool, np.bool_)):
-            shape = (shape,)
-        if isinstance(shape, (str, bytes)) or not hasattr(shape, "__iter__"):
-            raise TypeError(f"TensorSpec shape must be a tuple of ints, got {shape!r} ({type(shape).__name__})")
-        try:
-            shape = tuple(as_int(s, "a TensorSpec extent", minimum=0) for s in shape)
-        except (TypeError, ValueError) as e:
-            raise type(e)(f"TensorSpec shape {tuple(self.shape)!r}: {e}") from None
-        object.__setattr__(self, "shape", shape)
-        object.__setattr__(self, "dtype", normalize_dtype(self.dtype))
-        if self.layout is not None and not isinstance(self.layout, Layout):
-            raise TypeError(f"TensorSpec layout must be a Layout or None, got {type(self.layout).__name__}")
-        if self.layout is not None and self.layout.ndim != len(shape):
-            raise ValueError(f"TensorSpec layout {self.layout} has {self.layout.ndim} axes, the shape {shape} "
-                             f"has {len(shape)}")
+from shardfuse.spec import check_axis, check_chunks, check_divides, normalize_axis, normalize_over
 
 
 class Builder:
@@ -315,30 +226,18 @@ def _annotate(x: Traced, axis: int, what, chunks=None, algorithm=None, on=None) 
     return x.builder.emit(Op.SET, (base,), out, base.value.name, **attrs)
 
 
-def shard(x, axis: int, over="DIDx", mesh=None):
+def shard(x: "Traced", axis: int, over="DIDx", mesh=None):
     """Place `axis` of x across the devices of mesh axis `over`, or of several mesh axes
     (``over=("dp", "tp")``: the first outermost, as JAX's ``P(("dp", "tp"))``).
 
-    In a traced function this annotates a value; on a concrete global array it returns an
-    `sf.Array` holding this process' pieces (give `mesh`).
-    """
-    if isinstance(x, Traced):  # mesh=: a sub-mesh (pipeline stage) the value moves to
-        return _annotate(x, axis, over, on=mesh)
-    from shardfuse.array import Array
-
-    return Array.from_global(x, mesh, axis, over)
+    (sf.shard on a concrete array is shardfuse.api.shard.)"""
+    return _annotate(x, axis, over, on=mesh)  # mesh=: a sub-mesh (pipeline stage) the value moves to
 
 
 def replicate(x, mesh=None):
     """Annotate x as replicated on every device (DTensor's Replicate()): forces the gathers.
     With mesh= (a sub-mesh of the program's), replicated on that sub-mesh's devices.
-
-    On a concrete array (NumPy, CuPy, torch, JAX) with mesh=, returns an `sf.Array` that every
-    device of mesh holds whole: place a weight once and pass it to every call."""
-    if not isinstance(x, Traced):
-        from shardfuse.array import replicated
-
-        return replicated(x, mesh)
+    (sf.replicate on a concrete array is shardfuse.api.replicate.)"""
     out = TensorType(x.shape, x.dtype, Layout.replicated(x.ndim).on(_sub_mesh(x.builder, mesh)))
     return x.builder.emit(Op.SET, (x,), out, x.value.name, annotation=True)
 
@@ -381,3 +280,47 @@ def stream(x: Traced, axis: int, chunks: int | None = None, algorithm: str = "co
             x.builder.producer[x.value].attrs["ring_chunks"] = chunks
         return x
     return _annotate(x, axis, STREAM, chunks, None)
+
+
+def _input_names(fn, n: int) -> list:
+    """Names of the traced inputs when fn is given n arguments.  The arguments fill fn's
+    positional parameters in order (then its *args); a parameter with a default value that is
+    not given keeps that Python value at trace time (it is no traced input)."""
+    P = inspect.Parameter
+    params = list(inspect.signature(fn).parameters.values())
+    pos = [p for p in params if p.kind in (P.POSITIONAL_ONLY, P.POSITIONAL_OR_KEYWORD)]
+    star = next((p for p in params if p.kind == P.VAR_POSITIONAL), None)
+    required = [p for p in pos if p.default is P.empty]
+    kw_required = [p.name for p in params if p.kind == P.KEYWORD_ONLY and p.default is P.empty]
+    name = getattr(fn, "__name__", type(fn).__name__)
+    if kw_required:
+        raise TypeError(f"{name}: keyword-only parameters without a default ({', '.join(kw_required)}) cannot be "
+                        "traced; give them a default, or make them positional")
+    if n < len(required) or (star is None and n > len(pos)):
+        if star is not None:
+            takes = f"at least {len(required)}"
+        elif len(required) == len(pos):
+            takes = f"{len(pos)}"
+        else:
+            takes = f"{len(required)} to {len(pos)}"
+        defaults = "" if len(required) == len(pos) else \
+            f" ({', '.join(p.name for p in pos[len(required):])} keep their defaults when not given)"
+        raise TypeError(f"{name} takes {takes} arguments, got {n}{defaults}")
+    names = [p.name for p in pos[:n]]
+    return names + [f"{star.name}{k}" for k in range(n - len(names))]
+
+
+def trace(fn, mesh, specs, streams=4, name=None) -> Program:
+    builder = Builder(mesh)
+    params = _input_names(fn, len(specs))
+    inputs = []
+    for pname, spec in zip(params, specs):
+        v = Value(builder.namer(pname), TensorType(spec.shape, spec.dtype, spec.layout))
+        inputs.append(v)
+    result = fn(*(Traced(builder, v) for v in inputs))
+    results = result if isinstance(result, tuple) else (result,)
+    for r in results:
+        if not isinstance(r, Traced):
+            raise TypeError(f"{fn.__name__} must return traced values, got {type(r).__name__}")
+    return Program(name or fn.__name__, mesh, tuple(inputs), tuple(r.value for r in results),
+                   tuple(builder.instrs), streams, ("trace",))

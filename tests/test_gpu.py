@@ -24,7 +24,8 @@ pytestmark = pytest.mark.skipif(NGPU == 0, reason="CuPy sees no GPU")
 
 import shardfuse as sf  # noqa: E402
 from shardfuse.backends.protocol import Ref, contiguous_strides  # noqa: E402
-from shardfuse.trace import np_dtype  # noqa: E402
+from shardfuse.dtypes import np_dtype  # noqa: E402
+from shardfuse.runtime import backend_of  # noqa: E402
 
 DTYPES = ["float16", "bfloat16", "float32", "float64"]
 # relative error of a product against float64 on rounded inputs: output rounding dominates
@@ -75,7 +76,7 @@ def seed_fns(mesh, streams, graph=False):
 
 
 def test_backend_is_cupy(mesh):
-    be, d = mesh.backend, mesh.size
+    be, d = backend_of(mesh), mesh.size
     assert be.name == "cupy"
     assert all(not s.ptr == 0 for s in be.main)  # never the legacy null stream
     # device j on GPU j when there are enough, else blocks of virtual devices per GPU
@@ -161,7 +162,7 @@ def test_no_early_reuse_of_buffers_read_by_other_streams(mesh, dtype):
     """Many calls in a row with no synchronisation, each on a fresh device input that is dropped
     right after the call while worker streams still read it (the GPU runs behind the host), so
     the pool could hand its memory to the next input early: every result must still be right."""
-    be = mesh.backend
+    be = backend_of(mesh)
     f = seed_fns(mesh, 4)
     b, b64 = _dev_rand(be, (2048, 4096), dtype, 1)
     b_arr = _device_input(mesh, b, dtype, None)
@@ -305,7 +306,7 @@ GEMM_VIEWS = [
 @pytest.mark.parametrize("case", range(len(GEMM_VIEWS)))
 @pytest.mark.parametrize("mesh", [1, 4], indirect=True)
 def test_gemm_views(mesh, case, dtype):
-    be = mesh.backend
+    be = backend_of(mesh)
     ash, ao, bsh, bo, osh, oo = GEMM_VIEWS[case]
     r = rng()
     a, b = randn(r, ash, dtype), randn(r, bsh, dtype)
@@ -348,14 +349,14 @@ def _nccl_mesh():
     """A one-device mesh whose one-device teams use NCCL (a one-rank communicator, as with
     SHARDFUSE_COLLECTIVES=nccl) instead of a copy: the NCCL path on a machine with one GPU."""
     mesh = sf.DeviceMesh(1, backend="cupy")
-    mesh.backend.one_device_nccl = True
+    backend_of(mesh).one_device_nccl = True
     return mesh
 
 
 def test_nccl_error_aborts_and_names_the_step():
     """A failing NCCL call (here: on a communicator already aborted) aborts the team's
     communicators and raises an error that names the failed step; the next binding gets new ones."""
-    be = _nccl_mesh().backend
+    be = backend_of(_nccl_mesh())
     send = Ref(0, (0,), (4, 8), (8, 1), "float32")
     recv = Ref(1, (0,), (1, 4, 8), (32, 8, 1), "float32")
     start, wait = be.bind_allgather(send, recv, "DIDx", 0)
@@ -391,7 +392,7 @@ COLLECTIVES = {
 def _run_collective(mesh, kind, dtype, axis):
     """Run one collective over mesh axis `axis` on random sends; compare every device's result
     with numpy_local's semantics (copies bit for bit, sums against float64)."""
-    be = mesh.backend
+    be = backend_of(mesh)
     nd, d = len(be.local_devices), mesh.axis_size(axis)
     send_shape, recv_shape, want = COLLECTIVES[kind]
     sshape, rshape = send_shape(d), recv_shape(d)
@@ -442,13 +443,13 @@ def test_mixed_team_is_refused():
     send = Ref(0, (0,) * 3, (4,), (1,), "float32")
     recv = Ref(1, (0,) * 3, (3, 4), (4, 1), "float32")
     with pytest.raises(NotImplementedError, match=r"team \(0, 1, 2\) of mesh axis 'DIDx' has devices on GPUs"):
-        mesh.backend.bind_allgather(send, recv, "DIDx", 0)
+        backend_of(mesh).bind_allgather(send, recv, "DIDx", 0)
 
 
 # ---- the caller's arrays: adopt and piece -------------------------------------------------------
 @pytest.mark.parametrize("mesh", [1, 4], indirect=True)
 def test_adopt_and_piece(mesh):
-    be = mesh.backend
+    be = backend_of(mesh)
     x = randn(rng(), (8, 6), "bfloat16")
     g = be.adopt(x)  # a host array: copied to the first GPU, bfloat16 as its uint16 bits
     assert isinstance(g, cupy.ndarray) and g.dtype == np.uint16 and g.device.id == be.gpus[0]
@@ -469,7 +470,7 @@ def test_adopt_and_piece(mesh):
 def test_piece_of_strided_blocks(mesh):
     """Pieces made of equal contiguous blocks a pitch apart (one 2-D copy) and of anything else
     (a copy kernel), against NumPy; the result buffers start poisoned, so a short copy fails."""
-    be = mesh.backend
+    be = backend_of(mesh)
     x = rng().standard_normal((4, 3, 5, 6)).astype(np.float32)
     g = cupy.asarray(x)
     for idx in [(slice(None), 1), (slice(None), slice(1, 2)), (slice(1, 3), 0, slice(None), slice(2, 4)),

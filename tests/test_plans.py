@@ -155,7 +155,7 @@ def test_plan_history_names_every_pass(mesh):
 
 def test_stages_print(mesh):
     """Any prefix of the pipeline gives a printable program (here: after propagation)."""
-    from shardfuse.jit import trace
+    from shardfuse.trace import trace
 
     prog = trace(ag_matmul, mesh, [T((8, 4, 16, 32)), T((32, 24))])
     staged = compile_program(prog, stop_after="propagate_sharding")

@@ -13,10 +13,10 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from shardfuse.ir import HOST_ONLY, Instr, Namer, Value
+from shardfuse.ir import Instr, Namer, Value
 from shardfuse.layout import Layout
 from shardfuse.passes.reshard_plan import reshard_steps
-from shardfuse.ops import Op
+from shardfuse.ops import HOST_ONLY, Op
 
 
 def lower_to_host(prog):

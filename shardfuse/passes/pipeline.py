@@ -11,10 +11,10 @@ from __future__ import annotations
 
 from collections import defaultdict
 
-from shardfuse.ir import HOST_ONLY, Idx, Instr, Namer, TensorType, Value, substitute, walk
+from shardfuse.ir import Idx, Instr, Namer, TensorType, Value, substitute, walk
 
 from shardfuse.mesh import STREAM
-from shardfuse.ops import Op
+from shardfuse.ops import HOST_ONLY, Op
 from shardfuse.rules import rule
 
 

@@ -15,6 +15,7 @@ from mpi4py import MPI
 import cases
 import shardfuse as sf
 from shardfuse.backends.protocol import Ref, contiguous_strides
+from shardfuse.runtime import backend_of
 
 COMM = MPI.COMM_WORLD
 RANK, NPROCS = COMM.Get_rank(), COMM.Get_size()
@@ -25,7 +26,7 @@ DTYPES = ("float32", "float64")
 def _mesh(size):
     mesh = sf.DeviceMesh(size)
     assert mesh.nprocs == NPROCS and len(mesh.local_devices) == size // NPROCS
-    assert type(mesh.backend).__name__ == "NumpyMPIBackend"
+    assert type(backend_of(mesh)).__name__ == "NumpyMPIBackend"
     return mesh
 
 
@@ -97,7 +98,7 @@ def test_repeated_calls_reuse_the_binding(mesh):
 # ---- half precision: gathers as uint16 bits, reductions in float32 ---------------------------
 @pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
 def test_half_precision(mesh, dtype):
-    from shardfuse.trace import np_dtype
+    from shardfuse.dtypes import np_dtype
 
     dt, d = np_dtype(dtype), mesh.size
     rng = cases.fresh_rng(mesh)
@@ -198,7 +199,7 @@ def _ref(slot, shape, dtype, L):
 
 @pytest.mark.parametrize("op", ["allgather", "allreduce", "reduce_scatter"])
 def test_start_is_nonblocking(mesh, op):
-    be, L, D = mesh.backend, len(mesh.local_devices), mesh.size
+    be, L, D = backend_of(mesh), len(mesh.local_devices), mesh.size
     s = (3, 2)
     rows = {"allgather": ((s, (D,) + s)), "allreduce": (s, s), "reduce_scatter": ((D,) + s, s)}
     sshape, rshape = rows[op]

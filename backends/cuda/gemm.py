@@ -1,0 +1,373 @@
+"""GEMMs through cuBLAS (ctypes: CuPy's own wrappers refuse graph capture).
+
+A plain GEMM is one cublasLtMatmul with descriptors and algorithm chosen at bind time (the
+fastest of up to SHARDFUSE_GEMM_TUNE heuristic candidates, timed on scratch operands;
+SHARDFUSE_GEMM=ex: cublasGemmEx); batched ones are cublasGemmStridedBatchedEx.  One handle and
+one workspace per (GPU, stream), so GEMMs on concurrent streams never share a workspace (virtual
+devices on one stream run in turn, so they may).  Batch dims that nest into the rows are folded
+into one GEMM, one more is a strided batch, further outer ones are looped at bind time; views
+cuBLAS cannot read are staged through scratch.  Everything but the per-call base pointers is
+resolved at bind time.  float32 runs without TF32 unless SHARDFUSE_TF32=1 (or CUPY_TF32=1).
+"""
+from __future__ import annotations
+
+import ctypes
+import os
+from types import SimpleNamespace
+
+import numpy as np
+
+import cupy
+from cupy.cuda import runtime
+
+from shardfuse.backends.cuda.devices import offsets_bytes
+from shardfuse.backends.cuda.gemm_layout import gemm_layout
+from shardfuse.backends.cuda.libs import (COMPUTE_32F, COMPUTE_32F_TF32, COMPUTE_64F, COMPUTE_SCALE, CUDA_T,
+                                          GEMM_DEFAULT, ITEM, OP_N, Cublas, CublasLt, check)
+from shardfuse.backends.protocol import Ref, contiguous_strides
+
+TF32 = os.environ.get("SHARDFUSE_TF32", os.environ.get("CUPY_TF32", "0")) == "1"
+WORKSPACE = int(os.environ.get("SHARDFUSE_CUBLAS_WORKSPACE", str(32 << 20)))  # bytes per handle
+GEMM_API = os.environ.get("SHARDFUSE_GEMM", "lt")  # "lt": cublasLtMatmul with a bind-time algorithm; "ex": cublasGemmEx
+# cuBLASLt: time the heuristic's first candidates on scratch buffers at bind time and keep the
+# fastest (its first choice was seen 8% slower than PyTorch's GEMM for bf16 8192^3); 0: take the first
+GEMM_TUNE = int(os.environ.get("SHARDFUSE_GEMM_TUNE", "8"))
+
+_TUNED: dict = {}  # problem -> index of the fastest candidate (the heuristic's order is deterministic), per process
+
+
+# ---- handles and workspaces ------------------------------------------------------------------
+class Handles:
+    """cuBLAS handles, one per (GPU, stream) with a workspace of its own, and one cuBLASLt handle
+    per GPU (its calls use the workspace of the cuBLAS handle of their stream)."""
+
+    def __init__(self, dev):
+        self.dev = dev
+        self.api = GEMM_API
+        self.cublas = None  # the ctypes bindings, loaded at the first GEMM
+        self.lt = None
+        self.handles = {}  # (GPU, stream key) -> cuBLAS handle
+        self.ws_ptr = {}  # (GPU, stream key) -> that handle's workspace (cuBLASLt calls use it too)
+        self.workspaces = []
+        self.workspace_bytes = 0
+        self.lt_handles = {}  # GPU -> cuBLASLt handle
+
+    def lib(self):
+        if self.cublas is None:
+            self.cublas = Cublas()
+        return self.cublas
+
+    def handle(self, j, stream):
+        o = self.dev.ordinals[j]
+        key = (o, stream)
+        h = self.handles.get(key)
+        if h is None:
+            cb = self.lib()
+            with cupy.cuda.Device(o):
+                hp = ctypes.c_void_p()
+                check(cb.create(ctypes.byref(hp)), "cublasCreate")
+                check(cb.set_stream(hp, ctypes.c_void_p(self.dev.gpu_stream(o, stream).ptr)), "cublasSetStream")
+                ws = cupy.empty(WORKSPACE, np.uint8)
+                self.workspaces.append(ws)
+                self.workspace_bytes += WORKSPACE
+                check(cb.set_workspace(hp, ctypes.c_void_p(ws.data.ptr), WORKSPACE), "cublasSetWorkspace")
+            self.ws_ptr[key] = ws.data.ptr
+            h = self.handles[key] = hp.value
+        return h
+
+    def lt_lib(self):
+        if self.lt is None:
+            self.lt = CublasLt()
+        return self.lt
+
+    def lt_handle(self, ordinal):
+        h = self.lt_handles.get(ordinal)
+        if h is None:
+            hp = ctypes.c_void_p()
+            with cupy.cuda.Device(ordinal):
+                check(self.lt.Create(ctypes.byref(hp)), "cublasLtCreate")
+            h = self.lt_handles[ordinal] = hp.value
+        return h
+
+
+# ---- cuBLASLt: plan and tuning ---------------------------------------------------------------
+def lt_plan(lt, handle, ordinal, comp, scale, ctype, opa, opb, m, n, k, lda, ldb, ldc, workspace, tune=None,
+            count=GEMM_TUNE):
+    """(desc, layouts, algo buffer) for D = op(A) op(B), or None when no algorithm fits.
+    tune(desc, la, lb, lc, algos) -> index of the fastest, when given (`count` candidates)."""
+    keep = []
+
+    def out(f, *args):
+        p = ctypes.c_void_p()
+        check(f(ctypes.byref(p), *args), f"cublasLt {f.__name__}")
+        keep.append(p)
+        return p.value
+
+    def i32(v):
+        x = ctypes.c_int32(v)
+        keep.append(x)
+        return ctypes.cast(ctypes.byref(x), ctypes.c_void_p), 4
+
+    desc = out(lt.MatmulDescCreate, comp, scale)
+    check(lt.MatmulDescSetAttribute(desc, lt.TRANSA, *i32(opa)), "cublasLt set transa")
+    check(lt.MatmulDescSetAttribute(desc, lt.TRANSB, *i32(opb)), "cublasLt set transb")
+    la = out(lt.MatrixLayoutCreate, ctype, *((m, k) if opa == OP_N else (k, m)), lda)
+    lb = out(lt.MatrixLayoutCreate, ctype, *((k, n) if opb == OP_N else (n, k)), ldb)
+    lc = out(lt.MatrixLayoutCreate, ctype, m, n, ldc)
+    pref = out(lt.MatmulPreferenceCreate)
+    ws = ctypes.c_uint64(workspace)
+    keep.append(ws)
+    check(lt.MatmulPreferenceSetAttribute(pref, lt.PREF_MAX_WORKSPACE, ctypes.cast(ctypes.byref(ws),
+                                          ctypes.c_void_p), 8), "cublasLt set workspace")
+    want = max(1, count) if tune is not None else 1
+    result = ctypes.create_string_buffer(lt.HEURISTIC_BYTES * want)
+    got = ctypes.c_int(0)
+    st = lt.MatmulAlgoGetHeuristic(handle, desc, la, lb, lc, lc, pref, want, result, ctypes.byref(got))
+    if st != 0 or got.value < 1:
+        return None
+    keep.append(result)
+    base = ctypes.addressof(result)
+    algos = [base + i * lt.HEURISTIC_BYTES for i in range(got.value)
+             if ctypes.c_int.from_address(base + i * lt.HEURISTIC_BYTES + lt.HEURISTIC_STATE).value == 0]
+    best = 0
+    if tune is not None and len(algos) > 1:
+        key = (ordinal, comp, ctype, opa, opb, m, n, k, lda, ldb, ldc, workspace)
+        if key not in _TUNED:
+            _TUNED[key] = tune(desc, la, lb, lc, algos)
+        best = _TUNED[key]
+    return desc, la, lb, lc, algos[best], keep
+
+
+def fastest(run, algos, sizes, item, stream_ptr, reps=3):
+    """Index of the fastest cuBLASLt algorithm on scratch operands of the problem's sizes (raw
+    cudaMalloc, outside CuPy's pool, freed at once; filled with a non-zero constant pattern)."""
+    ptrs = [runtime.malloc(n * item) for n in sizes]
+    try:
+        for p, n in zip(ptrs, sizes):
+            runtime.memsetAsync(p, 0x3C, n * item, stream_ptr)  # 1.06 in float16, 0.011 in bfloat16/float32
+        start, stop = runtime.eventCreate(), runtime.eventCreate()
+        times = []
+        for algo in algos:
+            if run(algo, ptrs):
+                times.append(float("inf"))  # this candidate refuses the problem: never pick it
+                continue
+            ts = []
+            for _ in range(reps):
+                runtime.eventRecord(start, stream_ptr)
+                run(algo, ptrs)
+                runtime.eventRecord(stop, stream_ptr)
+                runtime.eventSynchronize(stop)
+                ts.append(runtime.eventElapsedTime(start, stop))
+            times.append(sorted(ts)[reps // 2])
+        runtime.eventDestroy(start)
+        runtime.eventDestroy(stop)
+        return times.index(min(times))
+    finally:
+        runtime.streamSynchronize(stream_ptr)
+        for p in ptrs:
+            runtime.free(p)
+
+
+# ---- GEMM steps ------------------------------------------------------------------------------
+def bind_matmul(dev, pool, a, b, out, stream, tune=GEMM_TUNE):
+    """Step: out = a @ b.  `tune`: how many cuBLASLt candidates to time (SHARDFUSE_GEMM_TUNE)."""
+    lay = gemm_layout(a, b, out)
+    pre, post = [], []
+    if lay is None:  # stage operands cuBLAS cannot read in place through contiguous scratch
+        def staged(ref):
+            buf = dev.empty(ref.shape, ref.dtype)
+            return Ref(-1, (0,) * len(dev.ordinals), ref.shape, contiguous_strides(ref.shape), ref.dtype), buf
+
+        x, y, o = a, b, out
+        if gemm_layout(a, b, out) is None:
+            x, xa = staged(a)
+            pre.append((a, xa))
+            y, yb = staged(b)
+            pre.append((b, yb))
+            if gemm_layout(x, y, out) is None:
+                o, ob = staged(out)
+                post.append((out, ob))
+        lay = gemm_layout(x, y, o)
+        if lay is None:
+            raise NotImplementedError(f"cupy_nccl: matmul {a.shape} @ {b.shape} -> {out.shape}: no cuBLAS layout")
+        gemm = bind_gemm(dev, pool, x, y, o, stream, lay, {id(x): pre and pre[0][1], id(y): pre and pre[1][1],
+                                                           id(o): post and post[0][1]}, tune)
+        copies_in = [_stage_copy(dev, src, buf, stream, True) for src, buf in pre]
+        copies_out = [_stage_copy(dev, dst, buf, stream, False) for dst, buf in post]
+
+        def step(bufs):
+            for c in copies_in:
+                c(bufs)
+            gemm(bufs)
+            for c in copies_out:
+                c(bufs)
+        return step
+    return bind_gemm(dev, pool, a, b, out, stream, lay, {}, tune)
+
+
+def _stage_copy(dev, ref, buf, stream, into):
+    streams = [dev.stream(j, stream) for j in range(len(dev.ordinals))]
+
+    def step(bufs):
+        for j, s in enumerate(streams):
+            with cupy.cuda.Device(dev.ordinals[j]), s:
+                v = dev.view(bufs, ref, j)
+                if into:
+                    buf[j][...] = v
+                else:
+                    v[...] = buf[j]
+    return step
+
+
+def bind_gemm(dev, pool, a, b, out, stream, lay, fixed, tune=GEMM_TUNE):
+    """The step of cuBLAS calls of layout `lay` (gemm_layout's); `fixed` maps id(ref) of a staged
+    operand to its scratch buffers (fixed pointers instead of a slot)."""
+    m, n, k, opa, lda, opb, ldb, ldc, swap, inner, outer = lay
+    dt = out.dtype
+    if not (a.dtype == b.dtype == dt):
+        raise TypeError(f"cupy_nccl: matmul dtypes {a.dtype} @ {b.dtype} -> {dt}")
+    if dt == "float64":
+        comp, one, zero = COMPUTE_64F, ctypes.c_double(1.0), ctypes.c_double(0.0)
+    else:
+        comp = COMPUTE_32F_TF32 if (dt == "float32" and TF32) else COMPUTE_32F
+        one, zero = ctypes.c_float(1.0), ctypes.c_float(0.0)
+    item = ITEM[dt]
+    first, second = (b, a) if swap else (a, b)
+    if swap:
+        outer = [(ob * item, oa * item, oc * item) for (oa, ob, oc) in outer]
+    else:
+        outer = [(oa * item, ob * item, oc * item) for (oa, ob, oc) in outer]
+    cb = pool.lib()
+    nd = len(dev.ordinals)
+    handles = [pool.handle(j, stream) for j in range(nd)]
+
+    def source(ref):  # (slot, byte offsets) or (None, fixed pointers) of a staged operand
+        buf = fixed.get(id(ref))
+        if buf:
+            return None, [x.data.ptr for x in buf]
+        return ref.slot, offsets_bytes(ref)
+
+    (s1, o1), (s2, o2), (so, oo) = source(first), source(second), source(out)
+    # everything a step needs, resolved now; alpha/beta (keep) must outlive the step
+    g = SimpleNamespace(dims=(m, n, k, opa, lda, opb, ldb, ldc), inner=inner, outer=outer, dt=dt, item=item,
+                        ctype=CUDA_T[dt], comp=comp, alpha=ctypes.addressof(one), beta=ctypes.addressof(zero),
+                        keep=(one, zero), src=(s1, o1, s2, o2, so, oo), ptrs=_pointers(s1, o1, s2, o2, so, oo),
+                        handles=handles, ords=dev.ordinals, multi=not dev.one_gpu, nd=nd)
+    if inner is None and pool.api == "lt" and not g.multi and len(outer) == 1 and None not in (s1, s2, so):
+        step = _lt_step(dev, pool, g, stream, tune)
+        if step is not None:
+            return step
+    if inner is None:
+        return _ex_step(g, cb.gemm)
+    return _batched_step(g, cb.gemm_batched)
+
+
+def _pointers(s1, o1, s2, o2, so, oo):
+    """ptrs(bufs, j): the three operands' pointers on device j."""
+    if s1 is None or s2 is None or so is None:
+        def ptrs(bufs, j):
+            return ((o1[j] if s1 is None else bufs[s1][j].data.ptr + o1[j]),
+                    (o2[j] if s2 is None else bufs[s2][j].data.ptr + o2[j]),
+                    (oo[j] if so is None else bufs[so][j].data.ptr + oo[j]))
+    else:
+        def ptrs(bufs, j):
+            return bufs[s1][j].data.ptr + o1[j], bufs[s2][j].data.ptr + o2[j], bufs[so][j].data.ptr + oo[j]
+    return ptrs
+
+
+def _lt_step(dev, pool, g, stream, tune_count):
+    """One cublasLtMatmul per device (all on one GPU), or None when cuBLASLt has no algorithm."""
+    lt = pool.lt_lib()
+    o0 = dev.ordinals[0]
+    lh, ws, sp = pool.lt_handle(o0), pool.ws_ptr[(o0, stream)], dev.stream(0, stream).ptr
+    m, n, k, opa, lda, opb, ldb, ldc = g.dims
+    alpha, beta, item, dt, keep = g.alpha, g.beta, g.item, g.dt, g.keep
+    s1, o1, s2, o2, so, oo = g.src
+    sizes = (lda * (k if opa == OP_N else m), ldb * (n if opb == OP_N else k), ldc * n)
+
+    def tune(desc, la, lb, lc, algos):
+        return fastest(lambda algo, p: lt.Matmul(lh, desc, alpha, p[0], la, p[1], lb, beta, p[2], lc, p[2], lc,
+                                                  algo, ws, WORKSPACE, sp), algos, sizes, item, sp)
+
+    plan = lt_plan(lt, lh, o0, g.comp, COMPUTE_SCALE[g.comp], g.ctype, opa, opb, m, n, k, lda, ldb, ldc, WORKSPACE,
+                   tune=tune if tune_count > 1 else None, count=tune_count)
+    if plan is None:
+        return None
+    desc, la, lb, lc, algo, lt_keep = plan
+    mm = lt.Matmul
+    d1, d2, d3 = g.outer[0]
+    if g.nd == 1:  # the hot path, kept short: one device, one GEMM
+        o1_, o2_, oo_ = o1[0] + d1, o2[0] + d2, oo[0] + d3
+
+        def step(bufs, _keep=(keep, lt_keep)):
+            pc = bufs[so][0].data.ptr + oo_
+            st = mm(lh, desc, alpha, bufs[s1][0].data.ptr + o1_, la, bufs[s2][0].data.ptr + o2_, lb,
+                    beta, pc, lc, pc, lc, algo, ws, WORKSPACE, sp)
+            if st:
+                check(st, f"cublasLtMatmul (m={m} n={n} k={k} {dt})")
+        return step
+    # virtual devices of one GPU: the same GEMM for each, in turn on the same stream
+    # (so they may share the workspace)
+    offs = [(o1[j] + d1, o2[j] + d2, oo[j] + d3) for j in range(g.nd)]
+
+    def step(bufs, _keep=(keep, lt_keep)):
+        A, B, C = bufs[s1], bufs[s2], bufs[so]
+        for j, (x1, x2, x3) in enumerate(offs):
+            pc = C[j].data.ptr + x3
+            st = mm(lh, desc, alpha, A[j].data.ptr + x1, la, B[j].data.ptr + x2, lb,
+                    beta, pc, lc, pc, lc, algo, ws, WORKSPACE, sp)
+            if st:
+                check(st, f"cublasLtMatmul (m={m} n={n} k={k} {dt}, device {j})")
+    return step
+
+
+def _ex_step(g, fn):
+    """cublasGemmEx: one call per device and outer batch offset."""
+    m, n, k, opa, lda, opb, ldb, ldc = g.dims
+    alpha, beta, ctype, comp, dt, keep = g.alpha, g.beta, g.ctype, g.comp, g.dt, g.keep
+    s1, o1, s2, o2, so, oo = g.src
+    handles, outer, ords, multi, ptrs = g.handles, g.outer, g.ords, g.multi, g.ptrs
+    if g.nd == 1 and len(outer) == 1 and s1 is not None and s2 is not None and so is not None:
+        # the common case, kept short: one device, one GEMM
+        h0, (d1, d2, d3) = handles[0], outer[0]
+        o1_, o2_, oo_ = o1[0] + d1, o2[0] + d2, oo[0] + d3
+
+        def step(bufs, _keep=keep):
+            st = fn(h0, opa, opb, m, n, k, alpha, bufs[s1][0].data.ptr + o1_, ctype, lda,
+                    bufs[s2][0].data.ptr + o2_, ctype, ldb, beta, bufs[so][0].data.ptr + oo_, ctype, ldc,
+                    comp, GEMM_DEFAULT)
+            if st:
+                check(st, f"cublasGemmEx (m={m} n={n} k={k} {dt})")
+        return step
+
+    def step(bufs, _keep=keep):
+        for j, h in enumerate(handles):
+            if multi:
+                runtime.setDevice(ords[j])
+            p1, p2, p3 = ptrs(bufs, j)
+            for d1, d2, d3 in outer:
+                st = fn(h, opa, opb, m, n, k, alpha, p1 + d1, ctype, lda, p2 + d2, ctype, ldb,
+                        beta, p3 + d3, ctype, ldc, comp, GEMM_DEFAULT)
+                if st:
+                    check(st, f"cublasGemmEx (m={m} n={n} k={k} {dt})")
+    return step
+
+
+def _batched_step(g, fn):
+    """cublasGemmStridedBatchedEx: the inner batch in one call, per device and outer offset."""
+    m, n, k, opa, lda, opb, ldb, ldc = g.dims
+    alpha, beta, ctype, comp, dt, keep = g.alpha, g.beta, g.ctype, g.comp, g.dt, g.keep
+    handles, outer, ords, multi, ptrs = g.handles, g.outer, g.ords, g.multi, g.ptrs
+    cnt, sa, sb, sc = g.inner
+
+    def step(bufs, _keep=keep):
+        for j, h in enumerate(handles):
+            if multi:
+                runtime.setDevice(ords[j])
+            p1, p2, p3 = ptrs(bufs, j)
+            for d1, d2, d3 in outer:
+                st = fn(h, opa, opb, m, n, k, alpha, p1 + d1, ctype, lda, sa, p2 + d2, ctype, ldb, sb,
+                        beta, p3 + d3, ctype, ldc, sc, cnt, comp, GEMM_DEFAULT)
+                if st:
+                    check(st, f"cublasGemmStridedBatchedEx (m={m} n={n} k={k} batch={cnt} {dt})")
+    return step

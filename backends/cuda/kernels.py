@@ -1,0 +1,94 @@
+"""CuPy kernels and the elementwise and sum steps.  bfloat16 is stored as uint16 (CuPy has no
+bfloat16 arithmetic): elementwise ops run in float32 scratch and round back once, sums reduce
+in float32, with the conversions of the preamble (round to nearest even, NaN kept quiet)."""
+from __future__ import annotations
+
+import cupy
+
+# fn(xp, x, y or scalar, out) keyed by Op, for any array module xp: the same ufunc calls on both backends
+from shardfuse.backends.numpy_local import ELEMENTWISE
+from shardfuse.ops import Op
+
+BF16_PREAMBLE = r"""
+__device__ inline float bf2f(unsigned short h) { return __uint_as_float(((unsigned int)h) << 16); }
+__device__ inline unsigned short f2bf(float f) {
+    unsigned int u = __float_as_uint(f);
+    if ((u & 0x7fffffffu) > 0x7f800000u) return (unsigned short)((u >> 16) | 0x40u);
+    u += 0x7fffu + ((u >> 16) & 1u);
+    return (unsigned short)(u >> 16);
+}
+"""
+
+
+class Kernels:
+    """The CuPy kernels of one backend, each compiled at its first use."""
+
+    def __init__(self):
+        self.cache = {}
+
+    def _get(self, key, make):
+        kern = self.cache.get(key)
+        if kern is None:
+            kern = self.cache[key] = make()
+        return kern
+
+    def bf16_sum(self):
+        return self._get(Op.SUM, lambda: cupy.ReductionKernel(
+            "uint16 x", "uint16 y", "bf2f(x)", "a + b", "y = f2bf(a)", "0", "sf_bf16_sum", reduce_type="float",
+            preamble=BF16_PREAMBLE))
+
+    def to_f32(self):
+        return self._get("to_f32", lambda: cupy.ElementwiseKernel(
+            "uint16 x", "float32 y", "y = bf2f(x)", "sf_bf16_to_f32", preamble=BF16_PREAMBLE))
+
+    def to_bf16(self):
+        return self._get("to_bf16", lambda: cupy.ElementwiseKernel(
+            "float32 y", "uint16 x", "x = f2bf(y)", "sf_f32_to_bf16", preamble=BF16_PREAMBLE))
+
+    def sum_of(self, dtype, n):
+        """y = x0 + ... + x{n-1} elementwise, summed in float32 (float64 for float64) and rounded
+        once, like NCCL's reductions; n inputs in one kernel, so no scratch buffer is needed."""
+        def make():
+            t = {"bfloat16": "uint16"}.get(dtype, dtype)
+            load = {"bfloat16": "bf2f(x{})", "float16": "(float)x{}"}.get(dtype, "x{}")
+            acc = "double" if dtype == "float64" else "float"
+            body = f"{acc} s = {load.format(0)};" + "".join(f" s += {load.format(i)};" for i in range(1, n))
+            body += " y = f2bf(s);" if dtype == "bfloat16" else " y = s;"
+            return cupy.ElementwiseKernel(", ".join(f"{t} x{i}" for i in range(n)), f"{t} y", body,
+                                          f"sf_sum{n}_{dtype}", preamble=BF16_PREAMBLE)
+        return self._get(("sum_of", dtype, n), make)
+
+
+def bind_elementwise(dev, kernels, op, a, b, out, stream, scalar=None):
+    """Step: out = op(a[, b]) (op an Op of ops.ELEMENTWISE); bfloat16 through float32 scratch."""
+    fn = ELEMENTWISE[op]
+    refs = (a, out) if b is None else (a, b, out)
+    if out.dtype != "bfloat16":
+        if b is None:
+            return dev.per_device(refs, stream, lambda j, x, o: fn(cupy, x, scalar, o))
+        return dev.per_device(refs, stream, lambda j, x, y, o: fn(cupy, x, y, o))
+    # bfloat16: in float32 scratch made now (no allocation when the step runs), rounded back
+    to32, to16 = kernels.to_f32(), kernels.to_bf16()
+    ta, to = dev.f32_scratch(a), dev.f32_scratch(out)
+    if b is None:
+        def body(j, x, o):
+            to32(x, ta[j])
+            fn(cupy, ta[j], scalar, to[j])
+            to16(to[j], o)
+    else:
+        tb = dev.f32_scratch(b)
+
+        def body(j, x, y, o):
+            to32(x, ta[j])
+            to32(y, tb[j])
+            fn(cupy, ta[j], tb[j], to[j])
+            to16(to[j], o)
+    return dev.per_device(refs, stream, body)
+
+
+def bind_sum(dev, kernels, a, axis, out, stream):
+    """Step: out = a.sum(axis); bfloat16 reduced in float32, rounded once."""
+    if out.dtype == "bfloat16":
+        kern = kernels.bf16_sum()
+        return dev.per_device((a, out), stream, lambda j, x, o: kern(x, o, axis=axis))
+    return dev.per_device((a, out), stream, lambda j, x, o: cupy.sum(x, axis=axis, out=o))

@@ -1,0 +1,99 @@
+"""cuBLAS and cuBLASLt through ctypes (CuPy's own wrappers refuse graph capture): loading, the
+signatures of the few entry points used, the status check, and the CUDA / cuBLAS / NCCL enums."""
+from __future__ import annotations
+
+import ctypes
+
+import numpy as np
+
+# storage dtype on the GPU, cudaDataType, NCCL type, bytes per element
+STORE = {"float16": np.float16, "bfloat16": np.uint16, "float32": np.float32, "float64": np.float64}
+CUDA_T = {"float16": 2, "bfloat16": 14, "float32": 0, "float64": 1}
+NCCL_T = {"float16": 6, "bfloat16": 9, "float32": 7, "float64": 8}
+ITEM = {"float16": 2, "bfloat16": 2, "float32": 4, "float64": 8}
+OP_N, OP_T = 0, 1
+COMPUTE_32F, COMPUTE_32F_TF32, COMPUTE_64F = 68, 77, 70
+COMPUTE_SCALE = {68: 0, 77: 0, 70: 1}  # compute type -> scale (alpha/beta) cudaDataType
+GEMM_DEFAULT = -1
+D2D = 3  # cudaMemcpyDeviceToDevice
+
+
+def check(status, what):
+    if status != 0:
+        raise RuntimeError(f"cupy_nccl: {what} failed with cuBLAS status {status}")
+
+
+def find_cublas():
+    """The libcublas CuPy loaded (dlopen by soname returns the loaded copy)."""
+    from cupy_backends.cuda.libs import cublas as _cb  # noqa: F401  (loads libcublas)
+
+    for name in ("libcublas.so.13", "libcublas.so.12", "libcublas.so"):
+        try:
+            return ctypes.CDLL(name)
+        except OSError:
+            pass
+    with open("/proc/self/maps") as f:
+        for line in f:
+            if "libcublas.so" in line and "Lt" not in line:
+                return ctypes.CDLL(line.split()[-1])
+    raise RuntimeError("cupy_nccl: cannot find the libcublas that CuPy uses")
+
+
+class Cublas:
+    """The few cuBLAS entry points, through ctypes (CuPy's wrappers refuse graph capture)."""
+
+    def __init__(self):
+        lib = find_cublas()
+        P, I, LL = ctypes.c_void_p, ctypes.c_int, ctypes.c_longlong
+        self.create = lib.cublasCreate_v2
+        self.create.argtypes = [ctypes.POINTER(P)]
+        self.set_stream = lib.cublasSetStream_v2
+        self.set_stream.argtypes = [P, P]
+        self.set_workspace = lib.cublasSetWorkspace_v2
+        self.set_workspace.argtypes = [P, P, ctypes.c_size_t]
+        self.gemm = lib.cublasGemmEx
+        self.gemm.argtypes = [P, I, I, I, I, I, P, P, I, I, P, I, I, P, P, I, I, I, I]
+        self.gemm_batched = lib.cublasGemmStridedBatchedEx
+        self.gemm_batched.argtypes = [P, I, I, I, I, I, P, P, I, I, LL, P, I, I, LL, P, P, I, I, LL, I, I, I]
+        for f in (self.create, self.set_stream, self.set_workspace, self.gemm, self.gemm_batched):
+            f.restype = I
+
+
+class CublasLt:
+    """cuBLASLt through ctypes: descriptors and the algorithm are chosen at bind time (gemm.lt_plan),
+    so a GEMM step at run time is one cublasLtMatmul call (less host work than cublasGemmEx)."""
+
+    TRANSA, TRANSB = 3, 4  # cublasLtMatmulDescAttributes_t
+    BATCH_COUNT, BATCH_STRIDE = 5, 6  # cublasLtMatrixLayoutAttribute_t
+    PREF_MAX_WORKSPACE = 1  # cublasLtMatmulPreferenceAttributes_t
+    HEURISTIC_BYTES = 96  # sizeof(cublasLtMatmulHeuristicResult_t): algo (64), workspaceSize, state, waves, reserved
+    HEURISTIC_STATE = 72  # offset of its state (0: success)
+
+    def __init__(self):
+        find_cublas()
+        lib = None
+        for name in ("libcublasLt.so.13", "libcublasLt.so.12", "libcublasLt.so"):
+            try:
+                lib = ctypes.CDLL(name)
+                break
+            except OSError:
+                pass
+        if lib is None:
+            raise RuntimeError("cupy_nccl: cannot load libcublasLt")
+        P, I, U64, I64, SZ = ctypes.c_void_p, ctypes.c_int, ctypes.c_uint64, ctypes.c_int64, ctypes.c_size_t
+        PP = ctypes.POINTER(P)
+        sig = {
+            "cublasLtCreate": [PP],
+            "cublasLtMatmulDescCreate": [PP, I, I],
+            "cublasLtMatmulDescSetAttribute": [P, I, P, SZ],
+            "cublasLtMatrixLayoutCreate": [PP, I, U64, U64, I64],
+            "cublasLtMatrixLayoutSetAttribute": [P, I, P, SZ],
+            "cublasLtMatmulPreferenceCreate": [PP],
+            "cublasLtMatmulPreferenceSetAttribute": [P, I, P, SZ],
+            "cublasLtMatmulAlgoGetHeuristic": [P, P, P, P, P, P, P, I, P, ctypes.POINTER(I)],
+            "cublasLtMatmul": [P, P, P, P, P, P, P, P, P, P, P, P, P, P, SZ, P],
+        }
+        for name, args in sig.items():
+            f = getattr(lib, name)
+            f.argtypes, f.restype = args, I
+            setattr(self, name[len("cublasLt"):], f)

@@ -1,0 +1,140 @@
+"""`shardfuse bench`: time AllGather+GEMM plans against their parts and against bare library calls.
+
+Inputs are placed only through the public API (`sf.shard`, `sf.replicate`, plain arguments).
+For each dtype it times, on fresh random inputs (several input sets, rotated; never zeros),
+after a warm-up, as the median of many runs:
+
+* unpipelined: demo.seed_functions' ag_then_matmul (one Allgather, then one GEMM);
+* pipelined: ag_matmul for every chunk count S and stream count (eager, and with --graph
+  also as one CUDA graph replay), called on sf.Arrays placed once: the plan alone;
+* user path: the same jitted function called as a user calls it, beside each pipelined row:
+  the user's own arrays (torch CUDA tensors when torch imports, else CuPy arrays; NumPy on
+  the numpy backend) passed through `sf.shard` (A) and as a plain argument (B) on every call,
+  the result taken out as a device array (torch.from_dlpack, or to_local()); "/plan" is its
+  time over the plan alone's;
+* the GEMM alone (one plan-issued GEMM of the gathered shape) and the Allgather alone;
+* on the cupy backend: the same S chunk GEMMs issued bare (cupy.matmul, and the backend's
+  cuBLAS call without any plan), and one bare cupy.matmul.
+
+A is the seed's global [S, D, M/(S*D), K], a view of one global [M, K] (so every S multiplies
+the same numbers); every result is checked against a float64 product.
+
+GPU time comes from CUDA events on the caller's stream (a non-blocking CuPy stream made
+current for the whole run, and torch's current stream too): every call waits for it and makes
+it wait for the outputs, so the events fence the call.  Host issue time is the wall time of the
+call without synchronising, twice: in the timed rounds (one call on an idle GPU after other
+variants ran, so host caches are cold) and "steady" (calls issued back to back, the median);
+those back-to-back calls (--steady-rounds runs of --steady-calls, round robin over the
+variants) also give "b2b ms", the median GPU time per call in a run of calls (throughput: host
+work the GPU hides behind earlier calls does not count), and the user path's ratio to the plan
+alone there, from the two called alternately back to back (an event between calls, so
+both see the same clocks and power); likewise each pipelined row against one bare cuBLAS GEMM
+(fenced with the caller's stream as a plan call is).  Overlap efficiency is max(T_allgather, T_gemm) /
+T_pipelined.  Memory: per plan, device memory it added (the pool after its first calls, plus
+anything cuBLAS or NCCL took) against inputs + outputs + one gathered A + cuBLAS workspaces,
+and pool growth over --growth-calls calls.
+
+On the numpy backend it runs too (slowly, small sizes): host clocks stand in for events.
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+
+import shardfuse as sf
+from shardfuse.bench import ag_gemm, gemm_rs, report
+from shardfuse.bench.clocks import caller_streams, device_streams, make_clock
+from shardfuse.bench.runner import Context
+from shardfuse.demo import default_devices
+from shardfuse.runtime import backend_of
+
+TOLERANCE = {"float64": 1e-10, "float32": 1e-4, "float16": 1e-2, "bfloat16": 2e-2}
+
+
+def _ints(s):
+    return [int(x) for x in s.split(",") if x]
+
+
+def parser():
+    p = argparse.ArgumentParser(prog="shardfuse bench", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--backend", choices=["numpy", "cupy"], default=None)
+    p.add_argument("--devices", type=int, default=None, help="D (default: all GPUs, else 4 CPU devices)")
+    p.add_argument("--m", type=int, default=8192)
+    p.add_argument("--k", type=int, default=8192)
+    p.add_argument("--n", type=int, default=8192)
+    p.add_argument("--dtype", default="float16", help="comma-separated: float16,bfloat16,float32,float64")
+    p.add_argument("--chunks", type=_ints, default=[1, 2, 4, 8, 16], help="S values, comma-separated")
+    p.add_argument("--streams", type=_ints, default=[4], help="stream counts, comma-separated")
+    p.add_argument("--warmup", type=int, default=5)
+    p.add_argument("--repeat", type=int, default=30)
+    p.add_argument("--sets", type=int, default=3, help="input sets rotated over runs")
+    p.add_argument("--growth-calls", type=int, default=1000, help="calls for the memory-growth check")
+    p.add_argument("--steady-calls", type=int, default=20,
+                   help="calls issued back to back (no synchronisation) per run, for the steady-state host "
+                        "issue time and the back-to-back GPU time per call")
+    p.add_argument("--steady-rounds", type=int, default=5,
+                   help="runs of --steady-calls per variant, round robin over the variants (medians)")
+    p.add_argument("--graph", action="store_true", help="also time graph replay (cupy backend)")
+    p.add_argument("--seed", type=int, default=None)
+    p.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
+    p.add_argument("--pattern", choices=["ag", "rs", "both"], default="ag",
+                   help="ag: AllGather+GEMM (the seed); rs: GEMM+ReduceScatter (the row-parallel linear)")
+    return p
+
+
+def over_tolerance(rows):
+    """The rows whose checked result is further from float64 than its dtype allows (or NaN)."""
+    return [r for r in rows if r.get("rel_err") is not None and not r["rel_err"] <= TOLERANCE[r["dtype"]]]
+
+
+def main(argv=None):
+    args = parser().parse_args(argv)
+    mesh = sf.DeviceMesh(args.devices or default_devices(args.backend), backend=args.backend)
+    mpi = None
+    if args.seed is None:
+        args.seed = int(time.time_ns() % 2**31)
+    if mesh.nprocs > 1:  # the inputs are global arrays: the same on every process
+        from mpi4py import MPI
+
+        mpi = MPI.COMM_WORLD
+        args.seed = mpi.bcast(args.seed)
+    lead = mesh.rank == 0
+    quiet = args.json or not lead
+
+    def log(msg):
+        if not quiet:
+            print(msg, flush=True)
+
+    cuda = device_streams(backend_of(mesh))
+    env = report.environment(mesh)
+    caller, torch_stream = caller_streams(cuda)
+    env["user_arrays"] = "numpy" if not cuda else "torch" if torch_stream is not None else "cupy"
+    log(f"shardfuse bench: {mesh}, M={args.m} K={args.k} N={args.n}, S={args.chunks}, streams={args.streams}")
+    log(f"  {env}")
+    ctx = Context(args, mesh, make_clock(backend_of(mesh), cuda), cuda, log, mpi, torch_stream)
+    rows, mem = [], []
+    with caller:
+        for dtype in args.dtype.split(","):
+            if args.pattern in ("ag", "both"):
+                log(f"-- {dtype}: AllGather+GEMM")
+                r, m = ag_gemm.suite(ctx, dtype)
+                rows += r
+                mem += m
+            if args.pattern in ("rs", "both"):
+                log(f"-- {dtype}: GEMM+ReduceScatter")
+                rows += gemm_rs.suite(ctx, dtype)
+    if not lead:
+        return 0
+    if args.json:
+        print(report.to_json(env, args, rows, mem))
+    else:
+        print()
+        print(report.table(rows))
+        print(report.memory_table(mem))
+    bad = over_tolerance(rows)
+    if bad:
+        print(f"shardfuse bench: {len(bad)} result(s) over tolerance", file=sys.stderr)
+        return 1
+    return 0

@@ -1,0 +1,90 @@
+"""Where the pieces of a global array lie: each local device's index into it, and the pieces
+themselves (adopted by the backend: device arrays stay on their device).  Below the executor and
+sf.Array, which both place arguments this way; `Placed` is what the executor takes as already
+placed (sf.Array is one)."""
+from __future__ import annotations
+
+from shardfuse.layout import Layout, mesh_axes, shard_count
+from shardfuse.runtime import backend_of
+from shardfuse.spec import check_divides, normalize_axis, normalize_over
+
+
+class Placed:
+    """A value already placed on a mesh: `mesh`, global `shape`, `dtype_name`, `sharding` (a
+    Layout) and `shards` (this process' pieces, one per local device).  sf.Array is the one
+    kind; the executor takes its pieces as they are."""
+
+    __slots__ = ()
+
+
+def device_index(shape, layout: Layout, mesh, device: int):
+    """The index (tuple of slices) of `device`'s piece of a global array (None: it holds none)."""
+    mesh = layout.mesh or mesh
+    if device not in mesh.devices:
+        return None
+    coords = mesh.coords(device)
+    idx = []
+    for n, a in zip(shape, layout.placement().axes):
+        c = 0  # the piece's position along the mesh axes of `a`, the first outermost
+        for name in mesh_axes(a):
+            c = c * mesh.axis_size(name) + coords[mesh.axis_index(name)]
+        size = n // shard_count(a, mesh)
+        idx.append(slice(c * size, (c + 1) * size))
+    return tuple(idx)
+
+
+def _memo(mesh, key, make):
+    """make(), remembered on the mesh for the hot path (sf.shard and calls on the same shapes
+    find it in one lookup).  Kept on the mesh, not in a global cache, so that no cache keeps a
+    mesh (and its GPU streams, handles and workspaces) alive; bounded for ever-changing shapes."""
+    memo = mesh.__dict__.setdefault("_placement_memo", {})
+    got = memo.get(key)
+    if got is None:
+        got = make()  # raises for bad input: nothing is remembered then
+        if len(memo) >= 1024:
+            memo.clear()
+        memo[key] = got
+    return got
+
+
+def piece_indices(shape: tuple, layout: Layout, mesh) -> tuple:
+    """Per local device: the index of its piece of a global array of this shape, () when the
+    piece is the whole array, None when the device holds none (outside the value's sub-mesh)."""
+    def make():
+        out = []
+        for d in mesh.local_devices:
+            idx = device_index(shape, layout, mesh, d)
+            out.append(() if idx is not None and all(s == slice(None) for s in idx) else idx)
+        return tuple(out)
+    return _memo(mesh, ("pieces", shape, layout), make)
+
+
+def local_pieces(x, dtype: str, layout: Layout, mesh, info=None, fenced=None, indices=None):
+    """This process' pieces of a global array x (one per local device), each contiguous on its
+    device.  x is any array the backend can adopt: device arrays stay on the device (a piece is
+    a zero-copy view where the layout allows, a device-side copy otherwise).  `fenced`: a
+    stream the backend's streams already wait for (see the backends' adopt); `indices`: x's
+    piece_indices when the caller has them (a plan, from its input types)."""
+    be = backend_of(mesh)
+    x = be.adopt(x, info, fenced)
+    out = []
+    for j, idx in enumerate(indices or piece_indices(tuple(x.shape), layout, mesh)):
+        if idx is None:  # a device outside the value's sub-mesh holds a placeholder, never read
+            out.append(be.empty(layout.local_shape(x.shape, mesh), dtype)[j])
+        else:
+            out.append(be.piece(x[idx] if idx else x, j))
+    return out
+
+
+def global_layout(shape: tuple, mesh, axis: int | None, over: str) -> Layout:
+    """The layout of a global array of this shape sharded on `axis` over mesh axis `over`
+    (replicated for axis None), checked."""
+    def make():
+        layout = Layout.replicated(len(shape))
+        if axis is not None:
+            ax = normalize_axis(axis, len(shape), shape)
+            layout = layout.with_axis(ax, normalize_over(over, mesh))
+            for a, name in layout.sharded_axes().items():
+                check_divides(shape, a, name, mesh)
+        return layout
+    return _memo(mesh, ("layout", shape, axis, tuple(over) if isinstance(over, list) else over), make)

@@ -1,0 +1,78 @@
+"""What a caller says about an array: TensorSpec (shape, dtype, layout) and the checks of the
+axis, chunk and mesh-axis arguments of the annotations, all raised before anything runs."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from shardfuse.dtypes import normalize_dtype
+from shardfuse.layout import Layout, axis_entry, shard_count
+from shardfuse.mesh import as_int
+
+
+def normalize_over(over, mesh):
+    """A mesh axis name, or an ordered tuple of them (one tensor axis sharded over several mesh
+    axes, the first outermost, as JAX's `P(("dp", "tp"))`): the Layout entry, checked."""
+    names = (over,) if isinstance(over, str) else tuple(over) if isinstance(over, (tuple, list)) else None
+    if not names or not all(isinstance(n, str) for n in names) or len(set(names)) != len(names):
+        raise ValueError(f"over= takes a mesh axis name or a tuple of distinct ones (mesh axes "
+                         f"{mesh.axis_names}), got {over!r}")
+    for n in names:
+        mesh.axis_index(n)  # an unknown mesh axis name fails here
+    return axis_entry(names)
+
+
+def check_divides(shape, ax: int, over, mesh) -> None:
+    """The one check that a mesh axis (or tuple of them) can shard tensor axis `ax` evenly."""
+    n = shard_count(normalize_over(over, mesh), mesh)  # raises for unknown mesh axis names
+    if shape[ax] % n:
+        raise ValueError(f"cannot shard axis {ax} of extent {shape[ax]} over {over}: "
+                         f"the mesh axis has {n} devices, which does not divide {shape[ax]}")
+
+
+def check_axis(axis) -> int:
+    """An axis argument as a Python int: ints and NumPy integers, never bools (axis=True is not
+    axis 1), floats or strings."""
+    if isinstance(axis, int) and not isinstance(axis, bool):
+        return axis
+    return as_int(axis, "axis")
+
+
+def normalize_axis(axis: int, ndim: int, shape) -> int:
+    axis = check_axis(axis)
+    if not -ndim <= axis < ndim:
+        raise ValueError(f"axis {axis!r} out of range for a {ndim}-D value of shape {tuple(shape)}")
+    return axis % ndim
+
+
+def check_chunks(chunks):
+    """sf.stream's chunks=: None or a positive int (NumPy integers too; never bools or floats)."""
+    return None if chunks is None else as_int(chunks, "sf.stream chunks=", minimum=1)
+
+
+@dataclass(frozen=True)
+class TensorSpec:
+    """Shape and dtype of a global array; `layout` None means "as the function annotates it"."""
+
+    shape: tuple
+    dtype: str = "float32"
+    layout: Layout | None = None
+
+    def __post_init__(self):
+        shape = self.shape
+        if isinstance(shape, (int, np.integer)) and not isinstance(shape, (bool, np.bool_)):
+            shape = (shape,)
+        if isinstance(shape, (str, bytes)) or not hasattr(shape, "__iter__"):
+            raise TypeError(f"TensorSpec shape must be a tuple of ints, got {shape!r} ({type(shape).__name__})")
+        try:
+            shape = tuple(as_int(s, "a TensorSpec extent", minimum=0) for s in shape)
+        except (TypeError, ValueError) as e:
+            raise type(e)(f"TensorSpec shape {tuple(self.shape)!r}: {e}") from None
+        object.__setattr__(self, "shape", shape)
+        object.__setattr__(self, "dtype", normalize_dtype(self.dtype))
+        if self.layout is not None and not isinstance(self.layout, Layout):
+            raise TypeError(f"TensorSpec layout must be a Layout or None, got {type(self.layout).__name__}")
+        if self.layout is not None and self.layout.ndim != len(shape):
+            raise ValueError(f"TensorSpec layout {self.layout} has {self.layout.ndim} axes, the shape {shape} "
+                             f"has {len(shape)}")
