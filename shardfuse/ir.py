@@ -173,7 +173,7 @@ def _typed(v: Value) -> str:
 
 
 def _attrs(a: dict, skip=()) -> str:
-    return ", ".join(f"{k}={v}" for k, v in a.items() if k not in skip and not callable(v))
+    return ", ".join(f"{k}={v}" for k, v in a.items() if k not in skip and k != "mesh_axes")
 
 
 _STREAM_FORMATS = {

@@ -251,6 +251,11 @@ def _map_reshape(src_shape, src_axes, dst_shape, mesh_size, forward):
     return out
 
 
+def _mesh_size(ins):
+    """Mesh axis name -> its size, from the reshape's plain-data attribute (program mesh)."""
+    return dict(ins.attrs["mesh_axes"]).__getitem__
+
+
 def _count(entry, mesh_size) -> int:
     n = 1
     for name in mesh_axes(entry):
@@ -261,14 +266,13 @@ def _count(entry, mesh_size) -> int:
 def reshape_infer(ins, lays):
     (la,) = lays
     src, dst = ins.ins[0].type.shape, ins.outs[0].type.shape
-    mesh_size = ins.attrs["mesh_size"]
-    return Layout(tuple(_map_reshape(src, _axes(la), dst, mesh_size, True)), la.partial)
+    return Layout(tuple(_map_reshape(src, _axes(la), dst, _mesh_size(ins), True)), la.partial)
 
 
 def reshape_require(ins, out, lays):
     src, dst = ins.ins[0].type.shape, ins.outs[0].type.shape
     out_axes = _unshard(out.axes, set(lays[0].partial))
-    axes = _map_reshape(dst, [_placed(a) for a in out_axes], src, ins.attrs["mesh_size"], False)
+    axes = _map_reshape(dst, [_placed(a) for a in out_axes], src, _mesh_size(ins), False)
     return (Layout(tuple(axes), lays[0].partial),), Layout(tuple(out_axes), _union(out.partial, lays[0].partial),
                                                           out.chunks, out.stream_over)
 

@@ -129,7 +129,7 @@ class Traced:
             raise ValueError(f"cannot reshape {self.shape} ({size} elements) to {shape}")
         out = TensorType(tuple(int(s) for s in shape), self.dtype)
         return self.builder.emit(Op.RESHAPE, (self,), out, self.value.name + "_r", shape=out.shape,
-                                 mesh_size=self.builder.mesh.axis_size)
+                                 mesh_axes=tuple(zip(self.builder.mesh.axis_names, self.builder.mesh.shape)))
 
 
 def _traced(x, what):
