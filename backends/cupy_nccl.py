@@ -32,7 +32,7 @@ import cupy
 
 from shardfuse.backends.cuda import collectives, copies, devices, gemm, kernels
 from shardfuse.backends.cuda.graphs import GraphPlan
-from shardfuse.interop import _torch_view, array_info, to_cupy, to_numpy
+from shardfuse.interop import torch_view, array_info, to_cupy, to_numpy
 from shardfuse.dtypes import np_dtype
 
 # how many cuBLASLt candidates a GEMM times at bind time; read at every bind, so it may be set
@@ -132,7 +132,7 @@ class CupyNcclBackend:
         if info.kind == "cupy":  # already a view of itself: no device or stream context to enter
             return x
         if info.kind == "torch":
-            return _torch_view(x, main_of[info.device].ptr, fenced)
+            return torch_view(x, main_of[info.device].ptr, fenced)
         with cupy.cuda.Device(info.device), main_of[info.device]:
             return to_cupy(x)
 

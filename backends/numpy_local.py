@@ -45,6 +45,7 @@ ELEMENTWISE = {
 
 class NumpyLocalBackend:
     name = "numpy"
+    ordinals = None  # host memory
 
     def __init__(self, mesh):
         self.mesh = mesh
@@ -145,6 +146,10 @@ class NumpyLocalBackend:
     def memory_stats(self) -> dict:
         """Nothing is held beside the plans' buffers (no workspaces or library handles)."""
         return {"workspace_bytes": 0, "handles": 0}
+
+    def stream(self, j=0):
+        """Steps run on the host, in issue order: there is no stream."""
+        return None
 
     def synchronize(self):
         pass

@@ -68,6 +68,7 @@ class Backend(Protocol):
     name: str  # "numpy" or "cupy": what users and reports call it
     local_devices: tuple  # this process' global device ids, in mesh order
     submesh_teams: bool  # whether collectives may run within a sub-mesh (Team as a tuple)
+    ordinals: tuple | None  # the GPU of each local device (None: the devices live in host memory)
 
     # buffers and host data
     def empty(self, shape, dtype): """One buffer per local device (poisoned with NaN when SHARDFUSE_POISON=1)."""
@@ -82,6 +83,7 @@ class Backend(Protocol):
     def fence_in(self, stream_ptr): """The plan's streams wait (device-side) for the caller's stream."""
     def fence_out(self, stream_ptr): """The caller's stream waits (device-side) for the plan's work."""
     def synchronize(self): """Block the host until every stream of this backend is idle."""
+    def stream(self, j=0): """Local device j's main stream (a CuPy Stream; None where steps run on the host)."""
 
     # compute steps
     def bind_matmul(self, a, b, out, stream): """Step: out = a @ b (batched over leading axes)."""

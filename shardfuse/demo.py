@@ -29,13 +29,13 @@ def seed_functions(mesh, streams):
 
 
 def default_devices(backend):
-    from shardfuse.mesh import world, _gpu_count
+    from shardfuse.mesh import world, gpu_count
 
     _, _, nprocs = world()
     if nprocs > 1:
         return nprocs
-    if backend in (None, "cupy") and _gpu_count() > 0:
-        return _gpu_count()
+    if backend in (None, "cupy") and gpu_count() > 0:
+        return gpu_count()
     return 4
 
 

@@ -31,7 +31,8 @@ import sys
 import threading
 import time
 import traceback
-from contextlib import contextmanager
+
+from shardfuse.fault_messages import binding, describe_mismatch, ranks_text, step_name  # noqa: F401 (binding, step_name: used as faults.*)
 
 TIMEOUT_ENV = "SHARDFUSE_TIMEOUT"
 DEFAULT_TIMEOUT = 600.0
@@ -88,40 +89,6 @@ def install(comm) -> None:
 
 def active() -> bool:
     return _job is not None
-
-
-# ---- names of steps -------------------------------------------------------------------------
-_binding = threading.local()
-
-
-@contextmanager
-def binding(plan_name: str):
-    """Collectives bound inside are named after the plan and their place in it (the backend
-    never sees the IR, so this is where the plan's name comes from)."""
-    _binding.plan, _binding.count = plan_name, 0
-    try:
-        yield
-    finally:
-        _binding.plan = None
-
-
-def step_name(kind: str, team, ref=None) -> str:
-    """e.g. "allgather #2 of plan 'f' over DIDx (f32[1, 4, 16, 32] per device)"."""
-    plan = getattr(_binding, "plan", None)
-    where = ""
-    if plan is not None:
-        _binding.count += 1
-        where = f" #{_binding.count} of plan {plan!r}"
-    if isinstance(team, tuple):  # (sub-mesh, axis name)
-        team = f"{team[1]} of sub-mesh devices {team[0].devices}"
-    what = f"{kind}{where}" + (f" over {team}" if team is not None else "")
-    if ref is not None:
-        what += f" ({_short_dtype(ref.dtype)}{list(ref.shape)} per device)"
-    return what
-
-
-def _short_dtype(name: str) -> str:
-    return {"float32": "f32", "float64": "f64", "float16": "f16", "bfloat16": "bf16"}.get(name, name)
 
 
 # ---- waits ----------------------------------------------------------------------------------
@@ -329,7 +296,7 @@ class _Job:
                     gone_since = gone_since or now
                     if now - gone_since > LEFT_GRACE:
                         self.fatal(RankLeftError(
-                            f"{self.tag} rank(s) {_ranks(gone)} left the job (script ended or sys.exit) while "
+                            f"{self.tag} rank(s) {ranks_text(gone)} left the job (script ended or sys.exit) while "
                             f"this rank waited for them in {what}: that can never complete"))
                 if now > deadline:
                     self.fatal(CollectiveTimeoutError(self._timeout_report(what, peers, limit)))
@@ -357,17 +324,17 @@ class _Job:
         mine = f"waiting in {what}"
         arrived = sorted(p for p in peers if self.answers.get(p) == mine)
         lines = [f"{self.tag} {what} did not complete within {limit:g} s ({TIMEOUT_ENV}); waiting for "
-                 f"rank(s) {_ranks(sorted(peers))}."]
+                 f"rank(s) {ranks_text(sorted(peers))}."]
         missing = [p for p in sorted(peers) if p not in arrived]
         if missing:
-            lines.append(f"  not arrived: rank(s) {_ranks(missing)}")
+            lines.append(f"  not arrived: rank(s) {ranks_text(missing)}")
         for p in missing:
             where = self.answers.get(p)
             lines.append(f"    rank {p}: " + (where if where is not None else
                                                "no answer (not inside a shardfuse wait: computing, sleeping, "
                                                "blocked in another MPI call, or gone)"))
         if arrived:
-            lines.append(f"  arrived (waiting in the same step): rank(s) {_ranks(arrived)}")
+            lines.append(f"  arrived (waiting in the same step): rank(s) {ranks_text(arrived)}")
         return "\n".join(lines)
 
     # -- the plan check -------------------------------------------------------------------
@@ -409,31 +376,7 @@ class _Job:
             if self.left >= others and not self.sends:
                 return
             if time.monotonic() > deadline:
-                self.abort(f"{self.tag} this rank has finished, but rank(s) {_ranks(sorted(others - self.left))} "
+                self.abort(f"{self.tag} this rank has finished, but rank(s) {ranks_text(sorted(others - self.left))} "
                            f"did not finish within {limit:g} s ({TIMEOUT_ENV}): aborting the MPI job\n")
             time.sleep(pause)
             pause = min(2 * pause, 5e-3)
-
-
-def _ranks(ranks) -> str:
-    return ", ".join(map(str, ranks))
-
-
-def describe_mismatch(texts: list, what: str) -> str:
-    """The same message on every rank: which ranks hold which text, and the first line where
-    each group's text differs from rank 0's."""
-    groups: dict = {}
-    for r, t in enumerate(texts):
-        groups.setdefault(t, []).append(r)
-    ref = texts[0].splitlines()
-    lines = [f"the ranks compiled different versions of {what} (found before its first collective): "
-             + "; ".join(f"version {chr(65 + i)} on rank(s) {_ranks(rs)}" for i, rs in enumerate(groups.values()))]
-    for t, rs in list(groups.items())[1:]:
-        other = t.splitlines()
-        k = next((i for i, (a, b) in enumerate(zip(ref, other)) if a != b), min(len(ref), len(other)))
-        lines.append(f"first difference between rank 0 and rank {rs[0]}, line {k + 1}:")
-        lines.append(f"  rank 0: {ref[k] if k < len(ref) else '(end of text)'}")
-        lines.append(f"  rank {rs[0]}: {other[k] if k < len(other) else '(end of text)'}")
-    lines.append("every rank must call the same function with the same shapes, dtypes, shardings, chunks, "
-                 "algorithms and mesh, in the same order")
-    return "\n".join(lines)

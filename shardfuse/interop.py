@@ -155,7 +155,7 @@ def check_input(info: ArrayInfo, backend, what: str):
         fix = {"torch": "x.contiguous()", "cupy": "cupy.ascontiguousarray(x)"}.get(info.kind, "a contiguous copy")
         raise ValueError(f"{what}: a non-contiguous {info.describe()}; shardfuse takes device arrays as they "
                          f"are (C-contiguous, zero copy): pass {fix}")
-    ordinals = getattr(backend, "ordinals", None)
+    ordinals = backend.ordinals
     if ordinals is not None and info.device not in ordinals:
         raise ValueError(f"{what}: a {info.describe()}, but this process' devices are on GPUs "
                          f"{sorted(set(ordinals))}")
@@ -169,7 +169,7 @@ def to_cupy(x):
     if isinstance(x, cupy.ndarray):
         return x
     if _is_torch(x):
-        return _torch_view(x)
+        return torch_view(x)
     if _is_jax(x):
         if x.dtype.name == "bfloat16":
             # CuPy cannot import a bfloat16 DLPack tensor; the bitcast is a device-side copy in JAX
@@ -195,7 +195,7 @@ def _torch_stream_ptr(dev: int) -> int:
     return raw(dev) if raw is not None else torch.cuda.current_stream(dev).cuda_stream
 
 
-def _torch_view(t, consumer: int | None = None, fenced: int | None = None):
+def torch_view(t, consumer: int | None = None, fenced: int | None = None):
     """A CuPy view of a CUDA tensor's memory, built from its pointer, shape and strides (a few
     microseconds, against tens for a DLPack round trip), holding the tensor alive.  As DLPack
     would, it makes the consumer stream (a raw pointer; default CuPy's current stream) wait,

@@ -88,6 +88,15 @@ class Jitted:
         self._dispatch: dict = {}  # argument key -> (input specs, plan) (see __call__)
         functools.update_wrapper(self, fn)
 
+    def cached_plans(self) -> dict:
+        """The compiled plans kept, by input specs, least recently used first (a copy)."""
+        return dict(self._plans)
+
+    def cache_info(self) -> dict:
+        """How many plans are kept and how many argument kinds map to them (both bounded by
+        max_plans), like functools' cache_info."""
+        return {"plans": len(self._plans), "dispatch": len(self._dispatch), "max_plans": self.max_plans}
+
     def lower(self, *specs) -> Plan:
         """The plan for these inputs: TensorSpecs, (shape, dtype[, sharding]) tuples, or the
         arrays themselves (as JAX's .lower takes either)."""

@@ -52,7 +52,7 @@ def world():
     return comm, comm.Get_rank(), comm.Get_size()
 
 
-def _gpu_count() -> int:
+def gpu_count() -> int:
     try:
         import cupy
 
@@ -86,7 +86,7 @@ class DeviceMesh:
         per = self.size // nprocs
         self.local_devices = tuple(range(rank * per, (rank + 1) * per))
         if backend is None:
-            backend = "cupy" if _gpu_count() > 0 else "numpy"
+            backend = "cupy" if gpu_count() > 0 else "numpy"
         self.backend_name = backend
         self.devices = tuple(range(self.size))  # global device ids, in mesh order
         self.root = self  # the mesh a program runs on; a sub-mesh points at it

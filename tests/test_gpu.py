@@ -565,15 +565,15 @@ def test_collectives_inside_a_stage(mesh):
 def test_every_2d_reshard_on_gpus(shape):
     """Every pair of placements of a 2-D value on a 2-D mesh (a tensor axis over one or both
     mesh axes, in both orders), through NCCL or one-GPU device copies."""
-    from test_layouts import _placer, _specs
+    from test_layouts import placer, layout_specs
 
     mesh = sf.DeviceMesh(shape, backend="cupy")
     X = rng().standard_normal((16, 16))
-    specs = _specs(mesh, 2)
-    placed = {s: sf.jit(_placer(s), mesh=mesh)(X) for s in specs}
+    specs = layout_specs(mesh, 2)
+    placed = {s: sf.jit(placer(s), mesh=mesh)(X) for s in specs}
     for src in specs:
         for dst in specs:
-            out = sf.jit(_placer(dst), mesh=mesh)(placed[src])
+            out = sf.jit(placer(dst), mesh=mesh)(placed[src])
             np.testing.assert_array_equal(out.gather(), X, err_msg=f"{src} -> {dst}")
 
 

@@ -306,7 +306,7 @@ def test_jitted_function_inlines_into_its_caller(mesh):
 
     plan = net.lower(T((8, 6), "float64"), T((6, 4), "float64"), T((4, 3), "float64"))
     assert plan.program.inputs[0].name == "a" and len(plan.program.inputs) == 3
-    assert str(plan).count("Matmul") == 2 and not layer._plans  # traced into net's program, not compiled alone
+    assert str(plan).count("Matmul") == 2 and not layer.cached_plans()  # traced into net's program, not compiled alone
     np.testing.assert_allclose(net(x, w1, w2).gather(), gelu(gelu(x @ w1) * 0.5 @ w2) * 2.0, rtol=1e-12)
     # and still a function of its own on arrays
     np.testing.assert_allclose(layer(x, w1).gather(), gelu(x @ w1) * 0.5, rtol=1e-12)
@@ -378,12 +378,12 @@ def test_plan_cache_is_lru_bounded(mesh):
     for n in range(2, 8):
         np.testing.assert_allclose(f(xs[n]).gather(), 2 * xs[n], rtol=1e-12)
         np.testing.assert_allclose(f(xs[1]).gather(), 2 * xs[1], rtol=1e-12)  # keeps the first one recent
-        assert len(f._plans) <= 3 and len(f._dispatch) <= 3
+        assert f.cache_info()["plans"] <= 3 and f.cache_info()["dispatch"] <= 3
     assert f.lower(T((4, 2), "float64")) is hot  # used all along: never evicted
-    assert [s[0].shape for s in f._plans] == [(24, 2), (28, 2), (4, 2)]  # the last lower() made it newest
+    assert [s[0].shape for s in f.cached_plans()] == [(24, 2), (28, 2), (4, 2)]  # the last lower() made it newest
     evicted = f.lower(T((8, 2), "float64"))  # compiled again, and correct
     np.testing.assert_allclose(f(xs[2]).gather(), 2 * xs[2], rtol=1e-12)
-    assert f._dispatch[((8, 2), "float64"),][1] is evicted
+    assert list(f.cached_plans().values())[-1] is evicted  # the call found the re-compiled plan
     with pytest.raises(ValueError, match="sf.jit max_plans= must be an int >= 1, got 0"):
         sf.jit(lambda a: a, mesh=mesh, max_plans=0)
 
@@ -393,8 +393,8 @@ def test_plan_cache_default_bound(mesh):
     assert f.max_plans == MAX_PLANS == 64
     for n in range(1, MAX_PLANS + 12):
         f(np.full((n,), 0.5))
-    assert len(f._plans) == MAX_PLANS and len(f._dispatch) == MAX_PLANS
-    assert min(s[0].shape[0] for s in f._plans) == 12
+    assert f.cache_info() == {"plans": MAX_PLANS, "dispatch": MAX_PLANS, "max_plans": MAX_PLANS}
+    assert min(s[0].shape[0] for s in f.cached_plans()) == 12
 
 
 # ---- the MPI tier: items 1, 2, 5, 6 and 7 under mpiexec -n 2 and -n 4 ------------------------------

@@ -5,6 +5,7 @@ import numpy as np
 import pytest
 
 import shardfuse as sf
+from shardfuse.ops import Op
 from cases import assert_close
 from shardfuse.ir import Idx, Instr, TensorType, Value
 from shardfuse.layout import Layout
@@ -40,7 +41,7 @@ def test_seed_function_on_an_input_already_sharded_on_the_stream_axis():
     f = sf.jit(lambda a, b: sf.stream(sf.shard(a, axis=1) @ b, axis=0), mesh=mesh)
     out = f(sf.shard(A, axis=0, mesh=mesh), B)
     assert_close(out.gather(), A @ B, "float64")
-    plan = next(iter(f._plans.values()))
+    plan = next(iter(f.cached_plans().values()))
     assert "a2a = AllToAll a_1 <- a, team=DIDx, axis=0, to_axis=1\n" in str(plan)  # before the loop
 
 
@@ -50,10 +51,10 @@ def test_verify_refuses_a_slice_across_shards():
     xi = Value("x_i", TensorType((1, 8), "float64", Layout(("DIDx", None))))
     from shardfuse.ir import Program
 
-    loop = Instr("for", attrs={"var": "i", "extent": 16, "results": {}},
-                 body=(Instr("set_stream", attrs={"stream": "Stream(0)", "index": 0}),
-                       Instr("slice", (xi,), (x,), {"axis": 0, "index": Idx("i")}),
-                       Instr("set_stream", attrs={"stream": "main"})))
+    loop = Instr(Op.FOR, attrs={"var": "i", "extent": 16, "results": {}},
+                 body=(Instr(Op.SET_STREAM, attrs={"stream": "Stream(0)", "index": 0}),
+                       Instr(Op.SLICE, (xi,), (x,), {"axis": 0, "index": Idx("i")}),
+                       Instr(Op.SET_STREAM, attrs={"stream": "main"})))
     prog = Program("bad", mesh, (x,), (x,), (loop,), 1, ("handmade",))
     with pytest.raises(PlanError, match="x_i.*extent 1 is sharded over DIDx"):
         verify(prog)
@@ -69,11 +70,11 @@ def _place(x, spec):
     return x if any(spec) else sf.replicate(x)
 
 
-def _placer(spec):
+def placer(spec):
     return lambda x: _place(x, spec)
 
 
-def _specs(mesh, ndim):
+def layout_specs(mesh, ndim):
     """Every placement of an ndim-D value on a 2-D mesh: each mesh axis on some tensor axis or
     none, and for two mesh axes on one tensor axis both orders."""
     y, x = mesh.axis_names
@@ -98,11 +99,11 @@ def _specs(mesh, ndim):
 def test_every_2d_reshard_runs_and_is_exact(shape):
     mesh = sf.DeviceMesh(shape, backend="numpy")
     X = np.random.default_rng().standard_normal((12, 12))
-    specs = _specs(mesh, 2)
-    placed = {s: sf.jit(_placer(s), mesh=mesh)(X) for s in specs}
+    specs = layout_specs(mesh, 2)
+    placed = {s: sf.jit(placer(s), mesh=mesh)(X) for s in specs}
     for src in specs:
         for dst in specs:
-            out = sf.jit(_placer(dst), mesh=mesh)(placed[src])
+            out = sf.jit(placer(dst), mesh=mesh)(placed[src])
             assert out.sharding.placement().axes == tuple(dst), (src, dst)
             np.testing.assert_array_equal(out.gather(), X, err_msg=f"{src} -> {dst}")
 
@@ -121,7 +122,7 @@ def test_2d_reshard_collective_counts(src, dst, counts):
     a = sf.jit(lambda x: _place(x, src), mesh=mesh)(X)
     f = sf.jit(lambda x: _place(x, dst), mesh=mesh)
     out = f(a)
-    assert next(iter(f._plans.values())).collectives() == counts
+    assert next(iter(f.cached_plans().values())).collectives() == counts
     np.testing.assert_array_equal(out.gather(), X)
 
 
@@ -133,7 +134,7 @@ def test_3d_mesh_reverse_placements():
     f = sf.jit(lambda x: _place(x, ("DIDx", "DIDy", "DIDz")), mesh=mesh)
     out = f(a)
     assert [str(p) for p in out.placements] == ["S(2)", "S(1)", "S(0)"]
-    assert sum(next(iter(f._plans.values())).collectives().values()) == 2
+    assert sum(next(iter(f.cached_plans().values())).collectives().values()) == 2
     np.testing.assert_array_equal(out.gather(), X)
 
 
@@ -231,4 +232,4 @@ def test_contraction_sharded_differently_in_each_operand():
     f = sf.jit(lambda a, b: a @ b, mesh=mesh, streams=1)
     out = f(sf.shard(A, axis=1, over="DIDx", mesh=mesh), sf.shard(B, axis=0, over="DIDy", mesh=mesh))
     assert_close(out.gather(), A @ B, "float64")
-    assert next(iter(f._plans.values())).collectives() == {"allgather": 1, "allreduce": 1}
+    assert next(iter(f.cached_plans().values())).collectives() == {"allgather": 1, "allreduce": 1}

@@ -95,7 +95,7 @@ def mpirun(n, args, timeout, env=None, program=None):
     return rc, out, time.monotonic() - t0
 
 
-def _tail(out, n=6000):
+def tail(out, n=6000):
     return out if len(out) <= n else "...\n" + out[-n:]
 
 
@@ -111,15 +111,15 @@ def test_mpi_cases(nprocs, tmp_path):
     # here passes --with-mpi.
     rc, out, secs = mpirun(nprocs, ["-m", "pytest", "--with-mpi", str(MPI_TESTS), "-q", "-p", "no:cacheprovider"],
                            timeout=240, env=env)
-    assert rc is not None, f"mpiexec -n {nprocs} pytest tests/mpi/ hung (killed after {secs:.0f} s):\n{_tail(out)}"
-    assert rc == 0, f"mpiexec -n {nprocs} pytest tests/mpi/ failed (exit {rc}):\n{_tail(out)}"
+    assert rc is not None, f"mpiexec -n {nprocs} pytest tests/mpi/ hung (killed after {secs:.0f} s):\n{tail(out)}"
+    assert rc == 0, f"mpiexec -n {nprocs} pytest tests/mpi/ failed (exit {rc}):\n{tail(out)}"
     # pytest's own summary line(s): "N passed[, M skipped] in Xs", one per rank (may interleave)
     passed = [int(m) for m in re.findall(r"(\d+) passed", out)]
-    assert passed and max(passed) > 0, f"no tests ran under mpiexec -n {nprocs}:\n{_tail(out)}"
-    assert not re.search(r"\d+ (failed|error)", out), _tail(out)
+    assert passed and max(passed) > 0, f"no tests ran under mpiexec -n {nprocs}:\n{tail(out)}"
+    assert not re.search(r"\d+ (failed|error)", out), tail(out)
     # and every rank's own count (written by tests/mpi/conftest.py)
     reports = [json.loads(p.read_text()) for p in sorted(tmp_path.glob("rank*.json"))]
-    assert sorted(r["rank"] for r in reports) == list(range(nprocs)), f"missing rank reports:\n{_tail(out)}"
+    assert sorted(r["rank"] for r in reports) == list(range(nprocs)), f"missing rank reports:\n{tail(out)}"
     counts = {r["passed"] for r in reports}
     assert len(counts) == 1 and counts.pop() > 0, reports
     assert all(r["failed"] == 0 and r["exitstatus"] == 0 and r["size"] == nprocs for r in reports), reports
@@ -131,36 +131,36 @@ FAST = 20  # seconds: a failure must end the job well before any hang detector w
 
 def test_one_rank_failing_before_a_collective_ends_the_job():
     rc, out, secs = mpirun(2, ["-m", "mpi4py", str(MPI_TESTS / "fail_one_rank.py")], timeout=60)
-    assert rc is not None, f"the job hung after rank 1 failed (killed after {secs:.0f} s):\n{_tail(out)}"
-    assert rc != 0, f"the job exited 0 although rank 1 failed:\n{_tail(out)}"
-    assert secs < FAST, f"the job took {secs:.1f} s to end after rank 1 failed:\n{_tail(out)}"
-    assert "rank 1 fails on purpose before the collective" in out, _tail(out)
-    assert "rank 0: bound, entering the allgather" in out, _tail(out)
-    assert "UNEXPECTED" not in out, _tail(out)
+    assert rc is not None, f"the job hung after rank 1 failed (killed after {secs:.0f} s):\n{tail(out)}"
+    assert rc != 0, f"the job exited 0 although rank 1 failed:\n{tail(out)}"
+    assert secs < FAST, f"the job took {secs:.1f} s to end after rank 1 failed:\n{tail(out)}"
+    assert "rank 1 fails on purpose before the collective" in out, tail(out)
+    assert "rank 0: bound, entering the allgather" in out, tail(out)
+    assert "UNEXPECTED" not in out, tail(out)
 
 
 def test_pytest_abort_hook_ends_the_job_when_one_rank_fails():
     rc, out, secs = mpirun(2, ["-m", "mpi4py", "-m", "pytest", "--with-mpi", str(MPI_TESTS / "hook_failure_check.py"),
                                "-q", "-p", "no:cacheprovider"], timeout=60)
-    assert rc is not None, f"the job hung after a test failed on rank 1 (killed after {secs:.0f} s):\n{_tail(out)}"
-    assert rc != 0 and secs < FAST, (rc, secs, _tail(out))
-    assert "[rank 1/2] test (call) FAILED" in out and "injected failure on rank 1" in out, _tail(out)
+    assert rc is not None, f"the job hung after a test failed on rank 1 (killed after {secs:.0f} s):\n{tail(out)}"
+    assert rc != 0 and secs < FAST, (rc, secs, tail(out))
+    assert "[rank 1/2] test (call) FAILED" in out and "injected failure on rank 1" in out, tail(out)
 
 
 def test_hang_guard_ends_a_job_stuck_in_a_collective():
     rc, out, secs = mpirun(2, ["-m", "mpi4py", "-m", "pytest", "--with-mpi", str(MPI_TESTS / "hang_check.py"),
                                "-q", "-p", "no:cacheprovider"], timeout=60, env={"SHARDFUSE_MPI_TEST_TIMEOUT": "3"})
-    assert rc is not None, f"the hang guard did not fire (killed after {secs:.0f} s):\n{_tail(out)}"
-    assert rc != 0 and secs < FAST, (rc, secs, _tail(out))
-    assert "Timeout (0:00:03)!" in out and "test_rank_0_waits_alone" in out, _tail(out)
+    assert rc is not None, f"the hang guard did not fire (killed after {secs:.0f} s):\n{tail(out)}"
+    assert rc != 0 and secs < FAST, (rc, secs, tail(out))
+    assert "Timeout (0:00:03)!" in out and "test_rank_0_waits_alone" in out, tail(out)
 
 
 # ---- the demo, one device per process -----------------------------------------------------
 def _check_demo(what, n, rc, out, secs):
-    assert rc == 0, f"{what} failed (exit {rc}, {secs:.0f} s):\n{_tail(out)}"
-    assert f"{n} process(es)" in out and f"DIDx={n}," in out, _tail(out)  # one device per process
-    assert re.search(r"relative error \S+ \(tolerance \S+\) -> OK", out), _tail(out)
-    assert "FAILED" not in out, _tail(out)
+    assert rc == 0, f"{what} failed (exit {rc}, {secs:.0f} s):\n{tail(out)}"
+    assert f"{n} process(es)" in out and f"DIDx={n}," in out, tail(out)  # one device per process
+    assert re.search(r"relative error \S+ \(tolerance \S+\) -> OK", out), tail(out)
+    assert "FAILED" not in out, tail(out)
 
 
 def test_demo_under_mpiexec():

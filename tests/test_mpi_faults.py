@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from test_mpi import _tail, mpirun  # skips this module too where there is no MPI
+from test_mpi import tail, mpirun  # skips this module too where there is no MPI
 
 SCRIPT = str(Path(__file__).resolve().parent / "mpi_scripts" / "faulty.py")
 LIMIT = 30  # seconds: every fault must end the job within this (the brief's bound)
@@ -46,7 +46,7 @@ FAULTS = {
 def _run(n, mode, env=None):
     rc, out, secs = mpirun(n, [SCRIPT, mode], timeout=60, env={**ENV, **(env or {})})
     what = f"mpiexec -n {n} python faulty.py {mode}"
-    assert rc is not None, f"{what} hung (killed after {secs:.0f} s):\n{_tail(out)}"
+    assert rc is not None, f"{what} hung (killed after {secs:.0f} s):\n{tail(out)}"
     return rc, out, secs, what
 
 
@@ -54,27 +54,27 @@ def _run(n, mode, env=None):
 @pytest.mark.parametrize("mode", sorted(FAULTS))
 def test_a_fault_on_one_rank_ends_the_job(mode, nprocs):
     rc, out, secs, what = _run(nprocs, mode, {"SHARDFUSE_TIMEOUT": "2"} if mode == "sleep" else None)
-    assert rc != 0, f"{what} exited 0 although rank 1 failed:\n{_tail(out)}"
-    assert secs < LIMIT, f"{what} took {secs:.1f} s to end:\n{_tail(out)}"
-    assert len(re.findall(r"rank \d: first call ok", out)) == nprocs, _tail(out)  # it got going first
+    assert rc != 0, f"{what} exited 0 although rank 1 failed:\n{tail(out)}"
+    assert secs < LIMIT, f"{what} took {secs:.1f} s to end:\n{tail(out)}"
+    assert len(re.findall(r"rank \d: first call ok", out)) == nprocs, tail(out)  # it got going first
     for pattern in FAULTS[mode]:
-        assert re.search(pattern, out), f"{what}: no {pattern!r} in the output:\n{_tail(out)}"
-    assert "UNEXPECTED" not in out, _tail(out)
+        assert re.search(pattern, out), f"{what}: no {pattern!r} in the output:\n{tail(out)}"
+    assert "UNEXPECTED" not in out, tail(out)
 
 
 def test_an_exception_in_a_thread_ends_the_job():
     rc, out, secs, what = _run(2, "raise_in_thread")
-    assert rc != 0 and secs < LIMIT, (rc, secs, _tail(out))
-    assert "RuntimeError: faulty: rank 1 raises in a worker thread" in out, _tail(out)
-    assert "[shardfuse rank 1/2] uncaught RuntimeError in thread 'worker'" in out, _tail(out)
+    assert rc != 0 and secs < LIMIT, (rc, secs, tail(out))
+    assert "RuntimeError: faulty: rank 1 raises in a worker thread" in out, tail(out)
+    assert "[shardfuse rank 1/2] uncaught RuntimeError in thread 'worker'" in out, tail(out)
 
 
 def test_ranks_that_finish_at_different_times_exit_cleanly():
     """Rank 1 works on for 3 s after the last collective: the others wait at exit, nobody aborts."""
     rc, out, secs, what = _run(2, "ok_late")
-    assert rc == 0, f"{what} failed (exit {rc}):\n{_tail(out)}"
-    assert len(re.findall(r"rank \d: done", out)) == 2 and secs >= 3, (secs, _tail(out))
-    assert "shardfuse rank" not in out, _tail(out)  # no fault report
+    assert rc == 0, f"{what} failed (exit {rc}):\n{tail(out)}"
+    assert len(re.findall(r"rank \d: done", out)) == 2 and secs >= 3, (secs, tail(out))
+    assert "shardfuse rank" not in out, tail(out)  # no fault report
 
 
 def test_fingerprint_cost_script_runs():
@@ -82,7 +82,7 @@ def test_fingerprint_cost_script_runs():
     timing is asserted here)."""
     bench = str(Path(SCRIPT).with_name("fingerprint_cost.py"))
     rc, out, secs = mpirun(2, [bench, "200"], timeout=60, env=ENV)
-    assert rc == 0, _tail(out)
+    assert rc == 0, tail(out)
     m = re.search(r"plan check: ([\d.]+) us per plan", out)
-    assert m and "compiling the plan took" in out, _tail(out)
+    assert m and "compiling the plan took" in out, tail(out)
 

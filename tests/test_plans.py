@@ -6,6 +6,7 @@ where buffers live, which stream each chunk runs on.
 import pytest
 
 import shardfuse as sf
+from shardfuse.ops import Op
 from shardfuse.ir import Instr, Program
 from shardfuse.layout import Layout
 from shardfuse.passes import PIPELINE, compile_program
@@ -192,6 +193,6 @@ def test_verifier_rejects_use_before_definition(mesh):
 
 
 def test_verifier_rejects_array_level_ops(mesh):
-    prog = Program("p", mesh, (), (), (Instr("set"),))
+    prog = Program("p", mesh, (), (), (Instr(Op.SET),))
     with pytest.raises(PlanError, match="not a host-level instruction"):
         verify(prog)

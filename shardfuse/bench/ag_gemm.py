@@ -15,6 +15,7 @@ from shardfuse.bench.inputs import Inputs, nbytes, rel_err, whole
 from shardfuse.bench.memory import footprint, growth
 from shardfuse.bench.runner import Variant
 from shardfuse.demo import seed_functions
+from shardfuse.ops import Op
 from shardfuse.runtime import backend_of
 
 
@@ -81,7 +82,7 @@ def build(ctx, inputs):
         return sf.replicate(sf.shard(a, axis=1, over=inputs.over))
 
     ag_plan = allgather.lower(inputs.a_array(0, 1).spec)
-    variants = [Variant("allgather alone", lambda: ag_plan(inputs.a_array(0, 1)), kind="allgather", flops=False)]
+    variants = [Variant("allgather alone", lambda: ag_plan(inputs.a_array(0, 1)), kind=Op.ALLGATHER, flops=False)]
 
     @sf.jit(mesh=mesh)
     def gemm(a, b):  # the whole A [M, K], replicated, times B on every device
@@ -162,12 +163,12 @@ def row(ctx, dtype, v, variants, ref, ratios):
     r.update(host_us_steady=steady, ms_steady=_median(v.gpu_b2b), rel_err=rel_err(v.check(), ref) if v.check else None)
     if steady is not None:
         r["host_frac_steady"] = steady * 1e-3 / ms
-    t = {w.kind: _median(w.gpu) for w in variants if w.kind in ("allgather", "gemm")}
+    t = {w.kind: _median(w.gpu) for w in variants if w.kind in (Op.ALLGATHER, "gemm")}
     bare = {(w.kind, w.s): _median(w.gpu) for w in variants if w.kind.startswith("bare")}
-    if v.kind == "allgather":  # bytes written + read
+    if v.kind == Op.ALLGATHER:  # bytes written + read
         r["gb_s"] = (nbytes((args.m, args.k), dtype) + nbytes((args.m // ctx.mesh.size, args.k), dtype)) / (ms * 1e-3) / 1e9
     if v.kind.startswith("pipelined") or v.kind == "user":
-        r["overlap_eff"] = max(t["allgather"], t["gemm"]) / ms
+        r["overlap_eff"] = max(t[Op.ALLGATHER], t["gemm"]) / ms
         for key in ("bare_cupy", "bare_cublas"):
             if (key, v.s) in bare:
                 r[f"vs_{key}_chunks"] = ms / bare[(key, v.s)]

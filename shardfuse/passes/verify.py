@@ -47,6 +47,7 @@ def _check_block(instrs, defined, prog, top):
     pending = set()
     defined = set(defined)
     for i in instrs:
+        _check(isinstance(i.op, Op), f"{i.op!r} is not an ops.Op: every instruction names one")
         _check(i.op in HOST, f"{i.op!r} is not a host-level instruction: lowering left it behind")
         for v in i.values():
             _check(v in defined, f"{v.name} is used by {i.op} before it is defined (or outside its loop)")

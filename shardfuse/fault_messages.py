@@ -1,0 +1,62 @@
+"""What the fault handling says: the names of plan steps (as a timeout names the step it waited
+in) and the one message every rank raises when ranks compiled different plans."""
+from __future__ import annotations
+
+import threading
+from contextlib import contextmanager
+
+_binding = threading.local()
+
+
+@contextmanager
+def binding(plan_name: str):
+    """Collectives bound inside are named after the plan and their place in it (the backend
+    never sees the IR, so this is where the plan's name comes from)."""
+    _binding.plan, _binding.count = plan_name, 0
+    try:
+        yield
+    finally:
+        _binding.plan = None
+
+
+def step_name(kind: str, team, ref=None) -> str:
+    """e.g. "allgather #2 of plan 'f' over DIDx (f32[1, 4, 16, 32] per device)"."""
+    plan = getattr(_binding, "plan", None)
+    where = ""
+    if plan is not None:
+        _binding.count += 1
+        where = f" #{_binding.count} of plan {plan!r}"
+    if isinstance(team, tuple):  # (sub-mesh, axis name)
+        team = f"{team[1]} of sub-mesh devices {team[0].devices}"
+    what = f"{kind}{where}" + (f" over {team}" if team is not None else "")
+    if ref is not None:
+        what += f" ({_short_dtype(ref.dtype)}{list(ref.shape)} per device)"
+    return what
+
+
+def _short_dtype(name: str) -> str:
+    return {"float32": "f32", "float64": "f64", "float16": "f16", "bfloat16": "bf16"}.get(name, name)
+
+
+def ranks_text(ranks) -> str:
+    return ", ".join(map(str, ranks))
+
+
+def describe_mismatch(texts: list, what: str) -> str:
+    """The same message on every rank: which ranks hold which text, and the first line where
+    each group's text differs from rank 0's."""
+    groups: dict = {}
+    for r, t in enumerate(texts):
+        groups.setdefault(t, []).append(r)
+    ref = texts[0].splitlines()
+    lines = [f"the ranks compiled different versions of {what} (found before its first collective): "
+             + "; ".join(f"version {chr(65 + i)} on rank(s) {ranks_text(rs)}" for i, rs in enumerate(groups.values()))]
+    for t, rs in list(groups.items())[1:]:
+        other = t.splitlines()
+        k = next((i for i, (a, b) in enumerate(zip(ref, other)) if a != b), min(len(ref), len(other)))
+        lines.append(f"first difference between rank 0 and rank {rs[0]}, line {k + 1}:")
+        lines.append(f"  rank 0: {ref[k] if k < len(ref) else '(end of text)'}")
+        lines.append(f"  rank {rs[0]}: {other[k] if k < len(other) else '(end of text)'}")
+    lines.append("every rank must call the same function with the same shapes, dtypes, shardings, chunks, "
+                 "algorithms and mesh, in the same order")
+    return "\n".join(lines)
