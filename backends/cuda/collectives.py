@@ -1,8 +1,8 @@
 """Collectives per team of a mesh axis (or of a sub-mesh's axis), and moves between meshes.
 
 A team whose devices are all in this process and on one GPU runs as device copies and CuPy
-reductions on the step's stream (allgather: D copies into the first member's buffer, then D - 1
-whole copies; reductions sum all D inputs in one kernel, in float32 for float16 / bfloat16 and
+reductions on the step's stream (allgather: one gather kernel up to 16 members, else D copies into
+the first member's buffer, then D - 1 whole copies; reductions sum all D inputs in one kernel, in float32 for float16 / bfloat16 and
 float64 for float64, rounded once; no scratch).  A team of distinct GPUs is NCCL, one
 communicator per team (keyed by its devices, made by its members only): one process owning
 several GPUs uses NcclCommunicator.initAll and groupStart/groupEnd; under mpiexec the team's
@@ -23,6 +23,7 @@ from shardfuse.ops import Op
 
 # How a team runs: all its devices in this process on one GPU, or NCCL across distinct GPUs
 ONE_GPU, NCCL = "one GPU", "NCCL"
+GATHER_KERNEL_MAX = 16  # virtual-device all-gathers up to this team size run as one kernel (kernels.gather)
 
 
 class Collectives:
@@ -170,14 +171,26 @@ class Collectives:
             raise ValueError(f"allgather sizes {send.shape} -> {recv.shape} over a team of {d}")
         nb = count * ITEM[send.dtype]
 
-        def copy(S, R, st):  # every block into the first member's buffer, then that whole buffer to the rest
+        def copies(S, R, st):  # every block into the first member's buffer, then that whole buffer to the rest
             r0 = R[0][0].data.ptr + R[0][1]
             for rank, (x, off) in enumerate(S):
                 runtime.memcpyAsync(r0 + rank * nb, x.data.ptr + off, nb, D2D, st.ptr)
             for x, off in R[1:]:
                 runtime.memcpyAsync(x.data.ptr + off, r0, d * nb, D2D, st.ptr)
+
+        if 1 < d <= GATHER_KERNEL_MAX and nb:
+            # virtual devices of one GPU: one kernel for all 2d - 1 copies (a copy costs ~5 us of
+            # host; the launch about as much as one)
+            aligned = nb % 16 == 0 and all(o % 16 == 0 for o in offsets_bytes(send) + offsets_bytes(recv))
+            units, kernels = nb // 16 if aligned else nb, self.kernels
+            grid = (min(4096, -(-units * d * d // 256)),)
+
+            def gathered(S, R, st):  # (the kernel compiled at first use: NCCL teams never need it)
+                kernels.gather(d, aligned)(grid, (256,), tuple(x.data.ptr + off for x, off in S) + tuple(x.data.ptr + off for x, off in R)
+                     + (units,))
         return self.collective(Op.ALLGATHER, send, recv, team, stream,
-                               lambda c, s, r, st: c.allGather(s, r, count, t, st), copy)
+                               lambda c, s, r, st: c.allGather(s, r, count, t, st),
+                               gathered if 1 < d <= GATHER_KERNEL_MAX and nb else copies)
 
     def allreduce(self, send, recv, team, stream):
         d = self.team_size(team)

@@ -294,15 +294,23 @@ def _lt_step(dev, pool, g, stream, tune_count):
     if plan is None:
         return None
     desc, la, lb, lc, algo, lt_keep = plan
-    mm = lt.Matmul
+    mm = lt.MatmulPrebound
     d1, d2, d3 = g.outer[0]
+    # every argument as a ctypes object, once; a call only sets the data pointers' values
+    pa, pb, pc = ctypes.c_void_p(), ctypes.c_void_p(), ctypes.c_void_p()
+    args = tuple([ctypes.c_void_p(x) for x in (lh, desc, alpha)] + [pa, ctypes.c_void_p(la), pb, ctypes.c_void_p(lb),
+                                                              ctypes.c_void_p(beta), pc, ctypes.c_void_p(lc), pc,
+                                                              ctypes.c_void_p(lc), ctypes.c_void_p(algo),
+                                                              ctypes.c_void_p(ws), ctypes.c_size_t(WORKSPACE),
+                                                              ctypes.c_void_p(sp)])
     if g.nd == 1:  # the hot path, kept short: one device, one GEMM
         o1_, o2_, oo_ = o1[0] + d1, o2[0] + d2, oo[0] + d3
 
         def step(bufs, _keep=(keep, lt_keep)):
-            pc = bufs[so][0].data.ptr + oo_
-            st = mm(lh, desc, alpha, bufs[s1][0].data.ptr + o1_, la, bufs[s2][0].data.ptr + o2_, lb,
-                    beta, pc, lc, pc, lc, algo, ws, WORKSPACE, sp)
+            pa.value = bufs[s1][0].data.ptr + o1_
+            pb.value = bufs[s2][0].data.ptr + o2_
+            pc.value = bufs[so][0].data.ptr + oo_
+            st = mm(*args)
             if st:
                 check(st, f"cublasLtMatmul (m={m} n={n} k={k} {dt})")
         return step
@@ -313,9 +321,10 @@ def _lt_step(dev, pool, g, stream, tune_count):
     def step(bufs, _keep=(keep, lt_keep)):
         A, B, C = bufs[s1], bufs[s2], bufs[so]
         for j, (x1, x2, x3) in enumerate(offs):
-            pc = C[j].data.ptr + x3
-            st = mm(lh, desc, alpha, A[j].data.ptr + x1, la, B[j].data.ptr + x2, lb,
-                    beta, pc, lc, pc, lc, algo, ws, WORKSPACE, sp)
+            pa.value = A[j].data.ptr + x1
+            pb.value = B[j].data.ptr + x2
+            pc.value = C[j].data.ptr + x3
+            st = mm(*args)
             if st:
                 check(st, f"cublasLtMatmul (m={m} n={n} k={k} {dt}, device {j})")
     return step

@@ -58,6 +58,29 @@ class Kernels:
                                           f"sf_sum{n}_{dtype}", preamble=BF16_PREAMBLE)
         return self._get(("sum_of", dtype, n), make)
 
+    def gather(self, n, vector):
+        """One launch instead of 2n - 1 copies: block r (`units` elements) of each of n send
+        buffers into place r of each of n receive buffers, all on one GPU (an all-gather over
+        virtual devices).  Pointers come as kernel arguments, so nothing is uploaded per call;
+        `vector`: 16-byte units (every offset and the block size aligned), else bytes."""
+        def make():
+            t = "uint4" if vector else "unsigned char"
+            ptrs = ", ".join([f"unsigned long long s{i}" for i in range(n)] + [f"unsigned long long r{i}" for i in range(n)])
+            src = f"""
+extern "C" __global__ void sf_gather{n}_{int(vector)}({ptrs}, unsigned long long units) {{
+    const {t}* S[{n}] = {{{", ".join(f"(const {t}*)s{i}" for i in range(n))}}};
+    {t}* R[{n}] = {{{", ".join(f"({t}*)r{i}" for i in range(n))}}};
+    unsigned long long total = units * {n * n};
+    for (unsigned long long i = blockIdx.x * (unsigned long long)blockDim.x + threadIdx.x; i < total;
+         i += (unsigned long long)gridDim.x * blockDim.x) {{
+        unsigned long long u = i % units, rest = i / units;
+        unsigned int r = rest % {n}, j = rest / {n};
+        R[j][r * units + u] = S[r][u];
+    }}
+}}"""
+            return cupy.RawKernel(src, f"sf_gather{n}_{int(vector)}")
+        return self._get(("gather", n, vector), make)
+
 
 def bind_elementwise(dev, kernels, op, a, b, out, stream, scalar=None):
     """Step: out = op(a[, b]) (op an Op of ops.ELEMENTWISE); bfloat16 through float32 scratch."""

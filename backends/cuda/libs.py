@@ -97,3 +97,8 @@ class CublasLt:
             f = getattr(lib, name)
             f.argtypes, f.restype = args, I
             setattr(self, name[len("cublasLt"):], f)
+        # The same entry point without argtypes, for the GEMM steps: called with ctypes objects
+        # built once at bind time (only the three data pointers change, in place), ctypes passes
+        # them as they are instead of converting 16 Python ints per call.
+        self.MatmulPrebound = lib["cublasLtMatmul"]
+        self.MatmulPrebound.restype = I
