@@ -1,0 +1,88 @@
+"""The shape of the hot path, pinned so that it cannot silently grow back (issue 14): what a bound
+plan issues per call, and that a call after the first binds and keeps nothing new.
+
+Counted on the real NumPy backend (a subclass that counts; the steps are its own), for the seed
+AllGather+GEMM at D = 8, S = 8 and smaller.  The figures of the GPU backend are in BENCHMARKS.md
+(benchmarks/host_cost.py); what is pinned here is the structure they rest on: one step per
+collective and per GEMM, all of a plan's devices inside that one step, nothing bound per call.
+"""
+from __future__ import annotations
+
+import gc
+import tracemalloc
+
+import numpy as np
+import pytest
+
+import shardfuse as sf
+from shardfuse.backends.numpy_local import NumpyLocalBackend
+from shardfuse.executor import Executable
+
+
+class CountingBackend(NumpyLocalBackend):
+    """The NumPy backend, counting what the executor asks of it at bind and at call time."""
+
+    def __init__(self, mesh):
+        super().__init__(mesh)
+        self.bound = {}
+        self.empties = 0
+
+    def _count(self, name):
+        self.bound[name] = self.bound.get(name, 0) + 1
+
+    def bind_matmul(self, a, b, out, stream):
+        self._count("matmul")
+        return super().bind_matmul(a, b, out, stream)
+
+    def bind_allgather(self, send, recv, team, stream):
+        self._count("allgather")
+        return super().bind_allgather(send, recv, team, stream)
+
+    def empty(self, shape, dtype):
+        self.empties += 1
+        return super().empty(shape, dtype)
+
+
+def seed(d, s):
+    mesh = sf.DeviceMesh(d, backend="numpy")
+    f = sf.jit(lambda a, b: sf.stream(sf.shard(a, axis=1) @ b, axis=0), mesh=mesh, streams=4)
+    plan = f.lower(sf.TensorSpec((s, d, 2, 4), "float64"), sf.TensorSpec((4, 3), "float64"))
+    backend = CountingBackend(mesh)
+    return plan, Executable(plan.program, backend), backend
+
+
+@pytest.mark.parametrize("d, s", [(1, 1), (1, 8), (8, 1), (8, 8)])
+def test_one_step_per_collective_and_gemm_with_every_device_inside(d, s):
+    plan, exe, be = seed(d, s)
+    # S GEMMs and S all-gathers (none at D = 1: they fold), each one bound step for all D devices
+    assert be.bound == ({"matmul": s} if d == 1 else {"matmul": s, "allgather": s})
+    assert len(exe.steps) == s * (1 if d == 1 else 2)  # NumPy's stream steps are no-ops (None): dropped
+    assert sum(plan.collectives().values()) == (0 if d == 1 else s)
+
+
+def test_a_call_after_the_first_binds_and_keeps_nothing_new():
+    plan, exe, be = seed(8, 8)
+    rng = np.random.default_rng()
+    a, b = rng.standard_normal((8, 8, 2, 4)), rng.standard_normal((4, 3))
+    ref = np.einsum("sdmk,kn->sdmn", a, b)
+    steps, templates, refs = list(exe.steps), list(exe.slot_templates), dict(exe.refs)
+    bound = dict(be.bound)
+    for _ in range(3):  # warm: the plan's own caches fill on the first calls
+        exe(a, b)
+    gc.collect()
+    tracemalloc.start()
+    before = tracemalloc.take_snapshot()
+    empties = be.empties
+    for _ in range(100):
+        ((lay, pieces),) = exe(a, b)
+        del lay, pieces
+    gc.collect()
+    after = tracemalloc.take_snapshot()
+    tracemalloc.stop()
+    grown = sum(st.size_diff for st in after.compare_to(before, "filename") if st.size_diff > 0)
+    assert grown < 64 * 1024, f"100 calls kept {grown} bytes"  # nothing per call stays alive
+    assert be.empties - empties == 100  # one allocation per call: the per-call output buffer
+    assert be.bound == bound and exe.steps == steps and exe.slot_templates == templates and exe.refs == refs
+    ((lay, pieces),) = exe(a, b)
+    out = sf.Array(plan.program.mesh, plan.program.outputs[0].type.shape, "float64", lay, pieces)
+    np.testing.assert_allclose(out.gather(), ref, rtol=1e-12)
