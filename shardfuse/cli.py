@@ -1,12 +1,13 @@
-"""The `shardfuse` command: `shardfuse demo`, `shardfuse bench`."""
+"""The `shardfuse` command: `shardfuse demo`, `shardfuse bench`, `shardfuse profile`."""
 from __future__ import annotations
 
 import sys
 
-USAGE = """usage: shardfuse {demo,bench} [options]   (shardfuse COMMAND --help for options)
+USAGE = """usage: shardfuse {demo,bench,profile} [options]   (shardfuse COMMAND --help for options)
 
-  demo   run the seed's pipelined AllGather+GEMM, print its plan, check and time it
-  bench  time pipelined and unpipelined plans, the GEMM alone and the Allgather alone
+  demo     run the seed's pipelined AllGather+GEMM, print its plan, check and time it
+  bench    time pipelined and unpipelined plans, the GEMM alone and the Allgather alone
+  profile  the seed's plan step by step: a Chrome trace, a Gantt chart, the overlap figures
 """
 
 
@@ -20,6 +21,8 @@ def main(argv=None) -> int:
         from shardfuse.demo import main as run
     elif cmd == "bench":
         from shardfuse.bench import main as run
+    elif cmd == "profile":
+        from shardfuse.profile_cli import main as run
     else:
         print(f"shardfuse: unknown command {cmd!r}\n{USAGE}", file=sys.stderr)
         return 2

@@ -9,15 +9,16 @@ Backends see Refs and streams, never the IR.
 from __future__ import annotations
 
 import threading
+import time
 from dataclasses import replace
 
 
 from shardfuse import faults
 from shardfuse.runtime import backend_of
-from shardfuse.pieces import Placed, local_pieces, piece_indices
-from shardfuse.interop import array_info, check_input, stream_ptr
+from shardfuse.pieces import check_args, local_pieces, piece_indices
+from shardfuse.interop import stream_ptr
 from shardfuse.backends.protocol import MAIN, Ref, block, rank_major, reshape_strides
-from shardfuse.ir import unroll, walk
+from shardfuse.ir import format_instrs, unroll, walk
 from shardfuse.ops import ELEMENTWISE, HOST, Op, VIEWS
 from shardfuse.strides import ordered_strides
 
@@ -56,8 +57,10 @@ class Executable:
         # where each local device's piece of a plain argument lies (its shape is checked per call)
         self._input_pieces = [piece_indices(v.type.shape, v.type.layout, self.mesh) for v in prog.inputs]
         self._deferred: dict = {}  # slot -> (physical shape, dtype): the program's own persistent buffers
+        self.labels: list = []  # per bound step: (the instruction as printed, with its loop index; Op; stream)
         self._bind(prog.instrs, MAIN)
-        self.steps = [s for s in self.steps if s is not None]
+        kept = [k for k, s in enumerate(self.steps) if s is not None]
+        self.steps, self.labels = [self.steps[k] for k in kept], [self.labels[k] for k in kept]
         self._allocate_used(prog)
         self._graph_outputs = None
         self._accepted, self._out_layouts = set(), {}  # hot-path caches of layout checks
@@ -112,7 +115,10 @@ class Executable:
         """Bind what one call issues (ir.unroll) in order: each instruction through its Op's
         binder in BIND, which returns the stream the following instructions issue on."""
         for i, env in unroll(instrs):
+            first = len(self.steps)
             stream = BIND[i.op](self, i, env, stream)
+            label = _label(i, env, stream)
+            self.labels.extend([label] * (len(self.steps) - first))
         return stream
 
     def _bind_allocate(self, i, env, stream):
@@ -273,35 +279,7 @@ class Executable:
 
     # ---- running ----------------------------------------------------------------------
     def _check_args(self, args, infos=None):
-        """Every argument against the plan's inputs, before any work is queued.  Returns the
-        ArrayInfo of each plain argument (None for sf.Arrays); `infos` when the caller has them."""
-        prog = self.prog
-        if len(args) != len(prog.inputs):
-            raise TypeError(f"{prog.name} takes {len(prog.inputs)} arguments, got {len(args)}")
-        out = []
-        for k, (arg, v) in enumerate(zip(args, prog.inputs)):
-            lay = v.type.layout
-            if isinstance(arg, Placed):
-                out.append(None)
-                # hot path: a (layout, shape, dtype) once accepted for this input is not checked again
-                key = (v, arg.sharding, arg.shape, arg.dtype_name)
-                if key in self._accepted:
-                    continue
-                if arg.shape != v.type.shape or arg.dtype_name != v.type.dtype:
-                    raise ValueError(f"{v.name}: expected shape {v.type.shape} and dtype {v.type.dtype}, got an "
-                                     f"sf.Array of shape {arg.shape} and dtype {arg.dtype_name}")
-                if arg.sharding.placement() != lay.placement():
-                    raise ValueError(f"{v.name}: plan expects layout {lay.placements(self.mesh)}, "
-                                     f"got {arg.sharding.placements(self.mesh)}")
-                self._accepted.add(key)
-                continue
-            info = infos[k] if infos is not None else array_info(arg)
-            if info.shape != v.type.shape or info.dtype != v.type.dtype:
-                raise ValueError(f"{v.name}: expected shape {v.type.shape} and dtype {v.type.dtype}, got a "
-                                 f"{info.describe()}")
-            check_input(info, self.backend, v.name)
-            out.append(info)
-        return out
+        return check_args(self.prog, args, self.backend, self._accepted, infos)
 
     def __call__(self, *args, stream=None, infos=None):
         """Run the plan.  On the cupy backend the plan's main stream first waits (device-side) for
@@ -311,7 +289,30 @@ class Executable:
         with self._lock:
             return self._run(args, infos, stream)
 
-    def _run(self, args, infos, stream):
+    def profile(self, args, repeat: int = 1) -> list:
+        """Run the plan `repeat` times, timing every step: [(call, step index, start, end)] in
+        seconds of time.perf_counter.  Host clocks, so only where steps run on the host (the NumPy
+        backends: a step's time is its devices' work, one after another)."""
+        if self.backend.stream(0) is not None:
+            raise NotImplementedError("plan.profile times steps with host clocks, which on GPUs measure issue "
+                                      "time only; GPU timelines from CUDA events are not built yet")
+        if self.graph is not None:
+            raise NotImplementedError("plan.profile runs eager plans (a graph replays as one launch)")
+        infos = self._check_args(args)
+        records = []
+        clock = time.perf_counter
+
+        def timed(bufs):
+            for k, step in enumerate(self.steps):
+                t0 = clock()
+                step(bufs)
+                records.append((call, k, t0, clock()))
+        with self._lock:
+            for call in range(repeat):
+                self._run(args, infos, None, issue=timed)
+        return records
+
+    def _run(self, args, infos, stream, issue=None):
         be = self.backend
         caller = None
         if be.name == "cupy":
@@ -334,8 +335,11 @@ class Executable:
         else:
             for slot, shape, dtype in self.per_call:
                 bufs[slot] = be.empty(shape, dtype)
-            for step in self.steps:
-                step(bufs)
+            if issue is None:
+                for step in self.steps:
+                    step(bufs)
+            else:
+                issue(bufs)
             outs = self._outputs(bufs)
         if caller is not None:
             be.fence_out(caller)
@@ -351,6 +355,14 @@ class Executable:
                 lay = self._out_layouts[v] = v.type.layout.placement()
             outs.append((lay, shards))
         return outs
+
+
+def _label(i, env, stream):
+    """What a profile shows for the steps an instruction bound: its line of print(plan), the loop
+    step it belongs to, its Op and its stream."""
+    text = format_instrs([i], indent=0)[0]
+    where = ", ".join(f"{k}={v}" for k, v in env.items())
+    return (f"{text}  [{where}]" if where else text), i.op, stream
 
 
 def _no_step(self, i, env, stream):  # GetCurrentStream: the main stream is the caller's

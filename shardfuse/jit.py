@@ -41,6 +41,24 @@ class Plan:
                 counts[key] = counts.get(key, 0) + 1
         return counts
 
+    def profile(self, *args, repeat: int = 1):
+        """Run the plan `repeat` times and return its Timeline: every executed step with its
+        device(s), stream, instruction text (as print(plan) shows it), start and end.  Under
+        mpiexec every rank's steps, gathered on every rank (a collective call).  NumPy backends
+        (host clocks); GPU timelines from CUDA events are not built yet."""
+        from shardfuse import faults
+        from shardfuse.timeline import Timeline
+
+        exe = self.executable
+        timeline = Timeline.from_records(exe, exe.profile(args, repeat), rank=self.program.mesh.rank)
+        mesh = self.program.mesh
+        if mesh.nprocs > 1:
+            from mpi4py import MPI
+
+            parts = faults.allgather_object(MPI.COMM_WORLD, timeline.events, f"gathering the profile of {self.program.name!r}")
+            timeline = Timeline([e for part in parts for e in part], self.program.name)
+        return timeline
+
     @property
     def executable(self):
         if self._exe is None:

@@ -4,6 +4,7 @@ sf.Array, which both place arguments this way; `Placed` is what the executor tak
 placed (sf.Array is one)."""
 from __future__ import annotations
 
+from shardfuse.interop import array_info, check_input
 from shardfuse.layout import Layout, mesh_axes, shard_count
 from shardfuse.runtime import backend_of
 from shardfuse.spec import check_divides, normalize_axis, normalize_over
@@ -88,3 +89,35 @@ def global_layout(shape: tuple, mesh, axis: int | None, over: str) -> Layout:
                 check_divides(shape, a, name, mesh)
         return layout
     return _memo(mesh, ("layout", shape, axis, tuple(over) if isinstance(over, list) else over), make)
+
+
+def check_args(prog, args, backend, accepted: set, infos=None) -> list:
+    """Every argument against the plan's inputs, before any work is queued.  Returns the
+    ArrayInfo of each plain argument (None for placed ones); `infos` when the caller has them.
+    `accepted`: the caller's cache of (input, layout, shape, dtype) already checked."""
+    if len(args) != len(prog.inputs):
+        raise TypeError(f"{prog.name} takes {len(prog.inputs)} arguments, got {len(args)}")
+    out = []
+    for k, (arg, v) in enumerate(zip(args, prog.inputs)):
+        lay = v.type.layout
+        if isinstance(arg, Placed):
+            out.append(None)
+            # hot path: a (layout, shape, dtype) once accepted for this input is not checked again
+            key = (v, arg.sharding, arg.shape, arg.dtype_name)
+            if key in accepted:
+                continue
+            if arg.shape != v.type.shape or arg.dtype_name != v.type.dtype:
+                raise ValueError(f"{v.name}: expected shape {v.type.shape} and dtype {v.type.dtype}, got an "
+                                 f"sf.Array of shape {arg.shape} and dtype {arg.dtype_name}")
+            if arg.sharding.placement() != lay.placement():
+                raise ValueError(f"{v.name}: plan expects layout {lay.placements(prog.mesh)}, "
+                                 f"got {arg.sharding.placements(prog.mesh)}")
+            accepted.add(key)
+            continue
+        info = infos[k] if infos is not None else array_info(arg)
+        if info.shape != v.type.shape or info.dtype != v.type.dtype:
+            raise ValueError(f"{v.name}: expected shape {v.type.shape} and dtype {v.type.dtype}, got a "
+                             f"{info.describe()}")
+        check_input(info, backend, v.name)
+        out.append(info)
+    return out

@@ -404,3 +404,16 @@ def test_collectives_inside_a_stage():
     else:  # several devices per process: refused on every rank, before anything is sent
         with pytest.raises(NotImplementedError, match="needs one device per process"):
             cases.stage_collectives_case(mesh)
+
+
+def test_profile_gathers_every_ranks_steps():
+    """plan.profile under mpiexec: every rank's steps, on every rank, with its devices."""
+    mesh = sf.DeviceMesh(NPROCS)
+    f = sf.jit(lambda a, b: sf.stream(sf.shard(a, axis=1) @ b, axis=0), mesh=mesh, streams=2)
+    a, b = np.ones((2, NPROCS, 4, 8)), np.ones((8, 4))
+    plan = f.lower(sf.TensorSpec(a.shape, "float64"), sf.TensorSpec(b.shape, "float64"))
+    tl = plan.profile(a, b, repeat=2)
+    assert len(tl) == NPROCS * 2 * len(plan.executable.steps)
+    assert {e.rank for e in tl.events} == set(range(NPROCS))
+    assert {e.devices for e in tl.events if e.rank == mesh.rank} == {tuple(mesh.local_devices)}
+    assert len(COMM.allgather(len(tl))) == NPROCS and len(set(COMM.allgather(len(tl)))) == 1

@@ -1,0 +1,159 @@
+"""Timeline: what the steps of a plan did, on a time axis, per device and stream (plan.profile).
+
+Each event is one executed step: its process rank, call, step index, devices, stream, the
+instruction as `print(plan)` shows it, its kind (communication, GEMM, other compute, copy,
+stream) and its start and end in seconds from the first step.  Out: Chrome trace / Perfetto JSON
+(`to_chrome_trace`), a matplotlib Gantt chart (`plot`), and the summary figures of `summary()`.
+"""
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass
+
+from shardfuse.ops import COMMUNICATION, ELEMENTWISE, Op
+
+KINDS = ("communication", "gemm", "compute", "copies", "stream")
+COLORS = {"communication": "tab:orange", "gemm": "tab:blue", "compute": "tab:green", "copies": "tab:gray",
+          "stream": "tab:purple"}
+
+
+def kind_of(op) -> str:
+    if op in COMMUNICATION or op == Op.WAIT:
+        return "communication"
+    if op == Op.MATMUL:
+        return "gemm"
+    if op in ELEMENTWISE or op == Op.SUM:
+        return "compute"
+    if op == Op.COPY:
+        return "copies"
+    return "stream"
+
+
+@dataclass(frozen=True)
+class Event:
+    rank: int
+    call: int
+    step: int
+    devices: tuple
+    stream: str
+    text: str
+    kind: str
+    start: float
+    end: float
+
+    @property
+    def duration(self) -> float:
+        return self.end - self.start
+
+
+class Timeline:
+    def __init__(self, events, plan_name: str = "plan"):
+        self.events = sorted(events, key=lambda e: (e.start, e.rank, e.step))
+        self.plan_name = plan_name
+
+    @classmethod
+    def from_records(cls, exe, records, rank: int = 0):
+        """From Executable.profile's (call, step, start, end) records and the steps' labels."""
+        t0 = min((r[2] for r in records), default=0.0)
+        devices = tuple(exe.backend.local_devices)
+        events = []
+        for call, k, start, end in records:
+            text, op, stream = exe.labels[k]
+            events.append(Event(rank, call, k, devices, str(stream), text, kind_of(op), start - t0, end - t0))
+        return cls(events, exe.prog.name)
+
+    def __len__(self):
+        return len(self.events)
+
+    def __repr__(self):
+        s = self.summary()
+        return (f"Timeline({self.plan_name!r}: {len(self.events)} steps, total {s['total_s'] * 1e3:.3f} ms, "
+                f"communication {s['communication_s'] * 1e3:.3f} ms, overlap efficiency {s['overlap_efficiency']:.2f})")
+
+    # ---- figures ----------------------------------------------------------------------------
+    def summary(self) -> dict:
+        """total_s: first start to last end; communication_s / gemm_s: summed step times of that
+        kind (all devices of a step count once); exposed_communication_s: communication time when
+        no GEMM or other compute runs on any device; overlap_efficiency = max(T_comm, T_compute) /
+        T_total (1.0: perfect overlap)."""
+        ev = self.events
+        total = max((e.end for e in ev), default=0.0) - min((e.start for e in ev), default=0.0)
+        by_kind = {k: sum(e.duration for e in ev if e.kind == k) for k in KINDS}
+        compute = by_kind["gemm"] + by_kind["compute"]
+        busy = _union([(e.start, e.end) for e in ev if e.kind in ("gemm", "compute")])
+        exposed = sum(_uncovered((e.start, e.end), busy) for e in ev if e.kind == "communication")
+        eff = max(by_kind["communication"], compute) / total if total > 0 else 1.0
+        return {"steps": len(ev), "total_s": total, "communication_s": by_kind["communication"],
+                "gemm_s": by_kind["gemm"], "compute_s": by_kind["compute"], "copy_s": by_kind["copies"],
+                "exposed_communication_s": exposed, "overlap_efficiency": eff}
+
+    # ---- out ----------------------------------------------------------------------------------
+    def to_chrome_trace(self, path=None) -> dict:
+        """Chrome trace / Perfetto JSON: a process per (rank, device), a thread per stream; times
+        in microseconds.  Written to `path` when given; the dict is returned either way."""
+        trace = []
+        pids = {}
+        for e in self.events:
+            for d in e.devices:
+                pid = pids.setdefault((e.rank, d), len(pids))
+                trace.append({"name": e.text, "cat": e.kind, "ph": "X", "ts": e.start * 1e6, "dur": e.duration * 1e6,
+                              "pid": pid, "tid": f"stream {e.stream}", "args": {"call": e.call, "step": e.step}})
+        for (rank, d), pid in pids.items():
+            trace.append({"name": "process_name", "ph": "M", "pid": pid, "args": {"name": f"rank {rank} device {d}"}})
+        doc = {"traceEvents": trace, "displayTimeUnit": "ms", "otherData": {"plan": self.plan_name}}
+        if path is not None:
+            with open(path, "w") as f:
+                json.dump(doc, f)
+        return doc
+
+    def to_dicts(self) -> list:
+        return [asdict(e) for e in self.events]
+
+    def plot(self, ax=None, path=None):
+        """A Gantt chart: a row per (rank, device, stream), steps coloured by kind.  Returns the
+        matplotlib Figure (inline in Jupyter); written to `path` (e.g. a PNG) when given."""
+        try:
+            import matplotlib
+            if ax is None and path is not None:
+                matplotlib.use("Agg", force=False)
+            import matplotlib.pyplot as plt
+        except ImportError:
+            raise ImportError("Timeline.plot needs matplotlib: pip install -e \".[plot]\"") from None
+        rows = sorted({(e.rank, d, e.stream) for e in self.events for d in e.devices})
+        index = {r: k for k, r in enumerate(rows)}
+        if ax is None:
+            fig, ax = plt.subplots(figsize=(10, 0.5 + 0.4 * max(1, len(rows))))
+        fig = ax.figure
+        for e in self.events:
+            for d in e.devices:
+                ax.broken_barh([(e.start * 1e3, max(e.duration * 1e3, 1e-6))], (index[(e.rank, d, e.stream)] - 0.4, 0.8),
+                               color=COLORS[e.kind])
+        ax.set_yticks(range(len(rows)), [f"rank {r} dev {d} stream {s}" for r, d, s in rows])
+        ax.set_xlabel("ms")
+        ax.set_title(f"{self.plan_name}: {self.summary()['overlap_efficiency']:.2f} overlap efficiency")
+        from matplotlib.patches import Patch
+
+        used = [k for k in KINDS if any(e.kind == k for e in self.events)]
+        ax.legend(handles=[Patch(color=COLORS[k], label=k) for k in used], loc="upper left", bbox_to_anchor=(1.0, 1.0),
+                  fontsize="small")
+        if path is not None:
+            fig.savefig(path, bbox_inches="tight")
+        return fig
+
+
+def _union(intervals):
+    out = []
+    for a, b in sorted(intervals):
+        if out and a <= out[-1][1]:
+            out[-1] = (out[-1][0], max(out[-1][1], b))
+        else:
+            out.append((a, b))
+    return out
+
+
+def _uncovered(iv, covered) -> float:
+    a, b = iv
+    left = b - a
+    for c, d in covered:
+        left -= max(0.0, min(b, d) - max(a, c))
+    return max(0.0, left)

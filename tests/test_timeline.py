@@ -1,0 +1,88 @@
+"""plan.profile and its Timeline on NumPy devices (host clocks): one interval per executed step,
+the Chrome trace, the Gantt chart and the summary figures (issue 15, item 1)."""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+import shardfuse as sf
+from shardfuse.timeline import KINDS
+
+
+def seed(d=4, s=4):
+    mesh = sf.DeviceMesh(d, backend="numpy")
+    f = sf.jit(lambda a, b: sf.stream(sf.shard(a, axis=1) @ b, axis=0), mesh=mesh, streams=2)
+    rng = np.random.default_rng()
+    a, b = rng.standard_normal((s, d, 8, 16)), rng.standard_normal((16, 8))
+    return f.lower(a, b), a, b
+
+
+@pytest.mark.parametrize("d, repeat", [(1, 1), (4, 3)])
+def test_one_interval_per_executed_step_with_its_plan_line(d, repeat):
+    plan, a, b = seed(d)
+    tl = plan.profile(a, b, repeat=repeat)
+    exe = plan.executable
+    assert len(tl) == repeat * len(exe.steps)
+    assert sorted((e.call, e.step) for e in tl.events) == [(c, k) for c in range(repeat) for k in range(len(exe.steps))]
+    lines = {line.strip() for line in str(plan).splitlines()}
+    for e in tl.events:
+        assert e.text.split("  [")[0] in lines, e.text  # the instruction as print(plan) shows it
+        assert e.end >= e.start >= 0 and e.devices == tuple(range(d)) and e.kind in KINDS
+    kinds = {e.kind for e in tl.events}
+    assert "gemm" in kinds and (("communication" in kinds) == (d > 1))  # at D = 1 the gathers fold
+    # steps run one after another on the host: no two intervals overlap
+    spans = sorted((e.start, e.end) for e in tl.events)
+    assert all(x[1] <= y[0] for x, y in zip(spans, spans[1:]))
+    np.testing.assert_allclose(plan(a, b).gather(), np.einsum("sdmk,kn->sdmn", a, b), rtol=1e-12)  # still right
+
+
+def test_summary_figures_add_up():
+    plan, a, b = seed()
+    s = plan.profile(a, b, repeat=2).summary()
+    assert s["steps"] > 0 and s["total_s"] > 0
+    busy = s["communication_s"] + s["gemm_s"] + s["compute_s"] + s["copy_s"]
+    assert busy <= s["total_s"] * 1.000001  # serial: kinds never overlap in time
+    assert s["exposed_communication_s"] == pytest.approx(s["communication_s"])  # nothing hides it on the host
+    assert s["overlap_efficiency"] == pytest.approx(max(s["communication_s"], s["gemm_s"] + s["compute_s"]) / s["total_s"])
+
+
+def test_chrome_trace_is_json_with_a_track_per_device_and_stream(tmp_path):
+    plan, a, b = seed(d=4)
+    tl = plan.profile(a, b)
+    path = tmp_path / "trace.json"
+    tl.to_chrome_trace(path)
+    doc = json.load(open(path))
+    events = [e for e in doc["traceEvents"] if e["ph"] == "X"]
+    names = {e["args"]["name"] for e in doc["traceEvents"] if e["ph"] == "M"}
+    assert names == {f"rank 0 device {d}" for d in range(4)}
+    assert len(events) == 4 * len(tl)  # each step on each of its devices' tracks
+    assert {e["tid"] for e in events} == {f"stream {e.stream}" for e in tl.events}
+    assert all(e["dur"] >= 0 and e["cat"] in KINDS for e in events)
+
+
+def test_plot_renders_a_png(tmp_path):
+    pytest.importorskip("matplotlib", reason="matplotlib is the optional [plot] extra")
+    plan, a, b = seed(d=2)
+    path = tmp_path / "timeline.png"
+    fig = plan.profile(a, b).plot(path=path)
+    assert fig.axes and path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_profile_of_a_plan_without_loops():
+    mesh = sf.DeviceMesh(2, backend="numpy")
+    f = sf.jit(lambda a: sf.shard(a, axis=0) * 2.0, mesh=mesh, graph=False)
+    x = np.ones((4, 2))
+    assert len(f.lower(x).profile(x)) == len(f.lower(x).executable.steps)
+
+
+def test_cli_writes_the_trace_and_the_chart(tmp_path):
+    trace, png = tmp_path / "t.json", tmp_path / "t.png"
+    r = subprocess.run([sys.executable, "-m", "shardfuse", "profile", "--devices", "2", "--m", "8", "--k", "16",
+                        "--n", "8", "--trace", str(trace), "--png", str(png)], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    assert "overlap efficiency" in r.stdout and json.load(open(trace))["traceEvents"]
+    assert png.read_bytes()[:4] == b"\x89PNG"
