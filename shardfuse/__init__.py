@@ -8,6 +8,8 @@
         return sf.stream(a @ b, axis=0)
     print(ag_matmul.lower(sf.TensorSpec((8, 4, 16, 32)), sf.TensorSpec((32, 24))))
 """
+from importlib.metadata import PackageNotFoundError, version as _version
+
 from shardfuse.api import replicate, shard
 from shardfuse.array import Array, from_local
 from shardfuse.faults import CollectiveTimeoutError, RankLeftError, RankMismatchError
@@ -21,3 +23,8 @@ from shardfuse.trace import exp, gelu, linear, relu, stream, tanh, to_mesh
 __all__ = ["Array", "DeviceMesh", "Layout", "Partial", "Replicate", "Shard", "Plan", "TensorSpec", "from_local", "jit", "replicate", "shard", "stream", "to_mesh",
            "exp", "gelu", "linear", "relu", "tanh",
            "CollectiveTimeoutError", "RankLeftError", "RankMismatchError"]
+
+try:
+    __version__ = _version("shardfuse")
+except PackageNotFoundError:  # run from a source tree that was never installed
+    __version__ = "0+unknown"

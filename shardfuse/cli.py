@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import sys
 
-USAGE = """usage: shardfuse {demo,bench,profile} [options]   (shardfuse COMMAND --help for options)
+USAGE = """usage: shardfuse {demo,bench,profile} [options]   (shardfuse COMMAND --help for options; --version)
 
   demo     run the seed's pipelined AllGather+GEMM, print its plan, check and time it
   bench    time pipelined and unpipelined plans, the GEMM alone and the Allgather alone
@@ -16,6 +16,11 @@ def main(argv=None) -> int:
     if not argv or argv[0] in ("-h", "--help"):
         print(USAGE)
         return 0 if argv else 2
+    if argv[0] in ("-V", "--version"):
+        from shardfuse import __version__
+
+        print(f"shardfuse {__version__}")
+        return 0
     cmd, rest = argv[0], argv[1:]
     if cmd == "demo":
         from shardfuse.demo import main as run

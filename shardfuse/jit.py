@@ -106,6 +106,10 @@ class Jitted:
         self._dispatch: dict = {}  # argument key -> (input specs, plan) (see __call__)
         functools.update_wrapper(self, fn)
 
+    def __repr__(self):
+        return (f"sf.jit({self.__name__}, mesh={self.mesh!r}, streams={self.streams}, graph={self.graph}; "
+                f"{len(self._plans)} plan(s) compiled)")
+
     def cached_plans(self) -> dict:
         """The compiled plans kept, by input specs, least recently used first (a copy)."""
         return dict(self._plans)

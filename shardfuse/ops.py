@@ -22,6 +22,8 @@ class Op(StrEnum):
     DIV = "div"
     NEG = "neg"
     SCALE = "scale"  # x * a Python scalar
+    ADD_SCALAR = "add_scalar"  # x + a Python scalar (not linear: a pending sum must be made whole first)
+    RDIV = "rdiv"  # a Python scalar / x
     EXP = "exp"
     TANH = "tanh"
     RELU = "relu"
@@ -53,7 +55,7 @@ class Op(StrEnum):
 
 
 BINARY = frozenset({Op.ADD, Op.SUB, Op.MUL, Op.DIV})
-NONLINEAR_UNARY = frozenset({Op.EXP, Op.TANH, Op.RELU, Op.GELU})
+NONLINEAR_UNARY = frozenset({Op.EXP, Op.TANH, Op.RELU, Op.GELU, Op.ADD_SCALAR, Op.RDIV})
 LINEAR_UNARY = frozenset({Op.NEG, Op.SCALE})  # commute with a pending sum
 ELEMENTWISE = BINARY | NONLINEAR_UNARY | LINEAR_UNARY
 # Collectives: started by one step and completed by its Wait; each has a `team` (mesh axis).

@@ -16,9 +16,10 @@ from __future__ import annotations
 from shardfuse.layout import Layout, mesh_axes
 from shardfuse.mesh import STREAM
 from shardfuse.ops import Op
+from shardfuse import ops
 
 LINEAR_UNARY = {Op.NEG, Op.SCALE, Op.TRANSPOSE}
-NONLINEAR_UNARY = {Op.EXP, Op.TANH, Op.RELU, Op.GELU}
+NONLINEAR_UNARY = set(ops.NONLINEAR_UNARY)
 BINARY = {Op.ADD, Op.SUB, Op.MUL, Op.DIV}
 
 

@@ -68,9 +68,11 @@ class Traced:
         return self.builder.emit(Op.MATMUL, (self, b), out, "c")
 
     def _elementwise(self, other, op):
-        if isinstance(other, (int, float)) and op in (Op.MUL, Op.DIV):
-            value = float(other) if op == Op.MUL else 1.0 / float(other)
-            return self._unary(Op.SCALE, value=value)
+        if _is_scalar(other):  # x op c: a scalar op on x (c the same on every device)
+            c = float(other)
+            if op in (Op.MUL, Op.DIV):
+                return self._unary(Op.SCALE, value=c if op == Op.MUL else 1.0 / c)
+            return self._unary(Op.ADD_SCALAR, value=c if op == Op.ADD else -c)
         b = self._other(other, op)
         try:
             shape = tuple(np.broadcast_shapes(self.shape, b.shape))
@@ -95,6 +97,31 @@ class Traced:
 
     def __rmul__(self, other):
         return self._elementwise(other, Op.MUL)
+
+    def __radd__(self, other):
+        return self._elementwise(other, Op.ADD)
+
+    def __rsub__(self, other):  # c - x
+        if not _is_scalar(other):
+            return NotImplemented
+        return (-self)._unary(Op.ADD_SCALAR, value=float(other))
+
+    def __rtruediv__(self, other):  # c / x
+        if not _is_scalar(other):
+            return NotImplemented
+        return self._unary(Op.RDIV, value=float(other))
+
+    # NumPy functions on traced values: the ones shardfuse has run as its own ops, the others are
+    # refused naming what to write instead (NumPy's own error would say "no callable exp method")
+    __array_priority__ = 1000
+
+    def __array_ufunc__(self, ufunc, method, *inputs, **kwargs):
+        fn = _UFUNCS.get(ufunc) if method == "__call__" and not kwargs else None
+        if fn is None:
+            raise TypeError(f"np.{ufunc.__name__}{'.' + method if method != '__call__' else ''} on a traced value is not "
+                            f"supported inside sf.jit; use operators (+ - * / @), x.sum(axis), x.T, x.reshape, or "
+                            f"sf.exp / sf.tanh / sf.relu / sf.gelu")
+        return fn(*inputs)
 
     def __neg__(self):
         return self._unary(Op.NEG)
@@ -130,6 +157,31 @@ class Traced:
         out = TensorType(tuple(int(s) for s in shape), self.dtype)
         return self.builder.emit(Op.RESHAPE, (self,), out, self.value.name + "_r", shape=out.shape,
                                  mesh_axes=tuple(zip(self.builder.mesh.axis_names, self.builder.mesh.shape)))
+
+
+def _is_scalar(x) -> bool:
+    """A Python or NumPy real number (never a bool: True is not 1.0 here)."""
+    return isinstance(x, (int, float, np.integer, np.floating)) and not isinstance(x, (bool, np.bool_))
+
+
+def _binary(method, reflected):
+    """np.<ufunc>(a, b) with a traced operand: its own operator method (never a + b again, which
+    with a NumPy scalar on the left would come back here)."""
+    def call(a, b):
+        out = getattr(a, method)(b) if isinstance(a, Traced) else getattr(b, reflected)(a) if reflected else NotImplemented
+        if out is NotImplemented:
+            raise TypeError(f"np.{method.strip('_')} of a {type(a).__name__} and a {type(b).__name__} inside sf.jit: "
+                            "arrays are not captured as constants; make them inputs of the function")
+        return out
+    return call
+
+
+_UFUNCS = {  # keyed by the NumPy ufunc itself
+    np.add: _binary("__add__", "__radd__"), np.subtract: _binary("__sub__", "__rsub__"),
+    np.multiply: _binary("__mul__", "__rmul__"), np.true_divide: _binary("__truediv__", "__rtruediv__"),
+    np.matmul: _binary("__matmul__", None), np.negative: lambda a: -a,
+    np.exp: lambda a: exp(a), np.tanh: lambda a: tanh(a),
+}
 
 
 def _traced(x, what):
