@@ -48,7 +48,8 @@ class Array(Placed):
         return TensorSpec(self.shape, self.dtype_name, self.sharding)
 
     def __repr__(self):
-        return f"sf.Array(shape={self.shape}, dtype={self.dtype_name}, sharding={self.sharding.placements(self.mesh)})"
+        return (f"sf.Array(shape={self.shape}, dtype={self.dtype_name}, "
+                f"placements={self.sharding.placements(self.mesh)}, mesh={self.sharding.mesh or self.mesh!r})")
 
     @classmethod
     def from_global(cls, x, mesh, axis: int | None, over: str = "DIDx", what: str = "sf.shard"):

@@ -95,6 +95,9 @@ class Jitted:
             raise ValueError(f"streams must be a positive int, got {streams}")
         if not isinstance(graph, (bool, np.bool_)):
             raise TypeError(f"graph must be True or False, got {graph!r} ({type(graph).__name__})")
+        if graph and mesh.backend_name != "cupy":
+            raise NotImplementedError(f"graph=True captures CUDA graphs: it needs the cupy backend, and {mesh} runs on "
+                                      f"{mesh.backend_name}")
         if not mesh.is_root and mesh.nprocs > 1:
             raise NotImplementedError(
                 f"sf.jit on the sub-mesh {mesh} under MPI ({mesh.nprocs} processes) is not supported: jit on its "

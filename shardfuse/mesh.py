@@ -76,6 +76,11 @@ class DeviceMesh:
         axis_names = _axis_names(axis_names, len(shape), f"mesh shape {shape}")
         if backend not in (None, "numpy", "cupy"):
             raise ValueError(f"backend must be 'numpy', 'cupy' or None, got {backend!r}")
+        if backend == "cupy":
+            try:
+                import cupy  # noqa: F401
+            except ImportError as e:
+                raise ImportError(f"DeviceMesh(backend='cupy') needs CuPy ({e}): pip install -e \".[gpu]\"") from None
         self.shape = shape
         self.axis_names = axis_names
         self.size = math.prod(shape)

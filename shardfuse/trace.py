@@ -191,14 +191,17 @@ def _traced(x, what):
 
 
 def exp(x):
+    """e**x elementwise, inside an sf.jit function (np.exp(x) works too)."""
     return _traced(x, Op.EXP)._unary(Op.EXP)
 
 
 def tanh(x):
+    """tanh elementwise, inside an sf.jit function (np.tanh(x) works too)."""
     return _traced(x, Op.TANH)._unary(Op.TANH)
 
 
 def relu(x):
+    """max(x, 0) elementwise, inside an sf.jit function."""
     return _traced(x, Op.RELU)._unary(Op.RELU)
 
 

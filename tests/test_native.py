@@ -56,3 +56,25 @@ def test_version_and_reprs():
     f = sf.jit(lambda x: x * 2.0, mesh=mesh)
     f(np.ones((2, 2)))
     assert repr(f) == "sf.jit(<lambda>, mesh=DeviceMesh(DIDx=2, backend=numpy), streams=4, graph=False; 1 plan(s) compiled)"
+
+
+def test_every_public_name_has_a_docstring():
+    missing = [n for n in sf.__all__ if not (getattr(getattr(sf, n), "__doc__", None) or "").strip()]
+    assert not missing, f"no docstring: {missing}"
+
+
+def test_backend_mistakes_fail_where_they_are_made():
+    mesh = sf.DeviceMesh(2, backend="numpy")
+    with pytest.raises(NotImplementedError, match="graph=True captures CUDA graphs: it needs the cupy backend"):
+        sf.jit(lambda x: x * 2.0, mesh=mesh, graph=True)
+    try:
+        import cupy  # noqa: F401
+    except ImportError:
+        with pytest.raises(ImportError, match=r'needs CuPy .*pip install -e "\.\[gpu\]"'):
+            sf.DeviceMesh(2, backend="cupy")
+
+
+def test_array_repr_names_its_placements_and_mesh():
+    mesh = sf.DeviceMesh((2, 2), backend="numpy")
+    a = sf.shard(np.ones((4, 4)), axis=0, over="DIDy", mesh=mesh)
+    assert repr(a) == "sf.Array(shape=(4, 4), dtype=float64, placements=('S(0)', 'R'), mesh=DeviceMesh(DIDy=2, DIDx=2, backend=numpy))"
