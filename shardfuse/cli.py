@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import sys
 
-USAGE = """usage: shardfuse {demo,bench,profile} [options]   (shardfuse COMMAND --help for options; --version)
+USAGE = """usage: shardfuse {demo,bench,profile} [options] [--debug]   (shardfuse COMMAND --help; --version)
 
   demo     run the seed's pipelined AllGather+GEMM, print its plan, check and time it
   bench    time pipelined and unpipelined plans, the GEMM alone and the Allgather alone
@@ -21,6 +21,8 @@ def main(argv=None) -> int:
 
         print(f"shardfuse {__version__}")
         return 0
+    debug = "--debug" in argv
+    argv = [a for a in argv if a != "--debug"]
     cmd, rest = argv[0], argv[1:]
     if cmd == "demo":
         from shardfuse.demo import main as run
@@ -31,7 +33,22 @@ def main(argv=None) -> int:
     else:
         print(f"shardfuse: unknown command {cmd!r}\n{USAGE}", file=sys.stderr)
         return 2
-    return run(rest)
+    try:
+        return run(rest)
+    except (ValueError, TypeError, NotImplementedError, ImportError) as e:
+        if debug:
+            raise
+        # a user's mistake: one line (once, not from every rank), no traceback (--debug shows it)
+        from shardfuse.mesh import launched_by_mpi
+
+        rank = 0
+        if launched_by_mpi():
+            from mpi4py import MPI
+
+            rank = MPI.COMM_WORLD.Get_rank()
+        if rank == 0:
+            print(f"shardfuse {cmd}: error: {e}", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":

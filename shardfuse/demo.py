@@ -109,6 +109,10 @@ def main(argv=None):
                    help="run the tensor-parallel MLP block instead (tp: x replicated; sp: sequence parallel)")
     p.add_argument("--hidden", type=int, default=64, help="MLP hidden size h (the block is h -> 4h -> h)")
     args = p.parse_args(argv)
+    for name in ("devices", "chunks", "m", "k", "n", "streams", "repeat", "hidden"):
+        value = getattr(args, name)
+        if value is not None and value < 1:
+            p.error(f"--{name} must be a positive int, got {value}")
     if args.mlp:
         return mlp_demo(args)
 

@@ -2,6 +2,8 @@
 import subprocess
 import sys
 
+import pytest
+
 from shardfuse.cli import main
 
 
@@ -38,3 +40,24 @@ def test_demo_mlp_sequence_parallel():
     assert r.returncode == 0, r.stderr
     assert "MLP block (sp)" in r.stdout and "-> OK" in r.stdout
     assert "chunks=2 {'allgather': 2, 'reduce_scatter': 2}" in r.stdout
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["demo", "--devices", "0"], "--devices must be a positive int, got 0"),
+    (["demo", "--streams", "-2"], "--streams must be a positive int, got -2"),
+    (["demo", "--devices", "3", "--m", "5", "--chunks", "0"], "--chunks must be a positive int, got 0"),
+    (["profile", "--m", "0"], "--m must be a positive int, got 0"),
+])
+def test_cli_mistakes_are_one_line_and_exit_2(argv, message):
+    r = run(*argv)
+    assert r.returncode == 2 and message in r.stderr and "Traceback" not in r.stderr, r.stderr
+
+
+def test_cli_errors_from_the_library_are_one_line_unless_debug():
+    bad = ["demo", "--devices", "3", "--backend", "numpy", "--mlp", "tp", "--hidden", "5", "--m", "4", "--chunks", "1"]
+    r = run(*bad)  # 4 * hidden = 20 does not divide over 3 devices
+    assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr
+    assert r.stderr.strip() == ("shardfuse demo: error: cannot shard axis 1 of extent 20 over DIDx: the mesh axis "
+                                "has 3 devices, which does not divide 20")
+    d = run("--debug", *bad)
+    assert d.returncode != 0 and "Traceback" in d.stderr and "ValueError: cannot shard axis 1" in d.stderr
