@@ -43,7 +43,12 @@ def world():
     whole job instead of hanging it, without `python -m mpi4py`."""
     if not launched_by_mpi():
         return None, 0, 1
-    from mpi4py import MPI
+    try:
+        from mpi4py import MPI
+    except ImportError as e:
+        raise ImportError(f"this process was started by an MPI launcher, and running under one needs mpi4py ({e}): "
+                          "pip install -e \".[mpi]\" (MPICH from PyPI), or pip install mpi4py built against your "
+                          "cluster's MPI") from None
 
     from shardfuse import faults
 

@@ -78,3 +78,20 @@ def test_array_repr_names_its_placements_and_mesh():
     mesh = sf.DeviceMesh((2, 2), backend="numpy")
     a = sf.shard(np.ones((4, 4)), axis=0, over="DIDy", mesh=mesh)
     assert repr(a) == "sf.Array(shape=(4, 4), dtype=float64, placements=('S(0)', 'R'), mesh=DeviceMesh(DIDy=2, DIDx=2, backend=numpy))"
+
+
+def test_under_a_launcher_without_mpi4py_the_error_says_what_to_install():
+    code = ("import sys; sys.modules['mpi4py'] = None\n"  # as if mpi4py were not installed
+            "import shardfuse as sf\nsf.DeviceMesh(2, backend='numpy')")
+    env = {**__import__("os").environ, "PMI_RANK": "0", "PMI_SIZE": "1"}
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, env=env)
+    assert r.returncode != 0 and 'needs mpi4py' in r.stderr and 'pip install -e ".[mpi]"' in r.stderr, r.stderr
+
+
+def test_one_process_never_imports_mpi4py():
+    code = "import sys\nimport numpy as np, shardfuse as sf\nm = sf.DeviceMesh(2, backend='numpy')\n" \
+           "sf.jit(lambda x: sf.shard(x, 0) * 2.0, mesh=m)(np.ones((2, 2))).gather()\nprint('mpi4py' in sys.modules)"
+    env = {k: v for k, v in __import__("os").environ.items() if k not in ("PMI_RANK", "PMI_SIZE", "OMPI_COMM_WORLD_SIZE",
+                                                                         "PMIX_RANK", "MPI_LOCALRANKID")}
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, env=env)
+    assert r.returncode == 0 and r.stdout.strip() == "False", (r.stdout, r.stderr)
