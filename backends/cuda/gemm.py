@@ -335,7 +335,7 @@ def _ex_step(g, fn):
     m, n, k, opa, lda, opb, ldb, ldc = g.dims
     alpha, beta, ctype, comp, dt, keep = g.alpha, g.beta, g.ctype, g.comp, g.dt, g.keep
     s1, o1, s2, o2, so, oo = g.src
-    handles, outer, ords, multi, ptrs = g.handles, g.outer, g.ords, g.multi, g.ptrs
+    handles, outer = g.handles, g.outer
     if g.nd == 1 and len(outer) == 1 and s1 is not None and s2 is not None and so is not None:
         # the common case, kept short: one device, one GEMM
         h0, (d1, d2, d3) = handles[0], outer[0]
@@ -349,34 +349,32 @@ def _ex_step(g, fn):
                 check(st, f"cublasGemmEx (m={m} n={n} k={k} {dt})")
         return step
 
-    def step(bufs, _keep=keep):
+    return _each_device(g, lambda h, a, b, c: fn(h, opa, opb, m, n, k, alpha, a, ctype, lda, b, ctype, ldb, beta, c,
+                                                 ctype, ldc, comp, GEMM_DEFAULT),
+                        f"cublasGemmEx (m={m} n={n} k={k} {dt})")
+
+
+def _each_device(g, call, what):
+    """The step that calls call(handle, a, b, c) per local device and outer batch offset."""
+    handles, outer, ords, multi, ptrs = g.handles, g.outer, g.ords, g.multi, g.ptrs
+
+    def step(bufs, _keep=g.keep):
         for j, h in enumerate(handles):
             if multi:
                 runtime.setDevice(ords[j])
             p1, p2, p3 = ptrs(bufs, j)
             for d1, d2, d3 in outer:
-                st = fn(h, opa, opb, m, n, k, alpha, p1 + d1, ctype, lda, p2 + d2, ctype, ldb,
-                        beta, p3 + d3, ctype, ldc, comp, GEMM_DEFAULT)
+                st = call(h, p1 + d1, p2 + d2, p3 + d3)
                 if st:
-                    check(st, f"cublasGemmEx (m={m} n={n} k={k} {dt})")
+                    check(st, what)
     return step
 
 
 def _batched_step(g, fn):
     """cublasGemmStridedBatchedEx: the inner batch in one call, per device and outer offset."""
     m, n, k, opa, lda, opb, ldb, ldc = g.dims
-    alpha, beta, ctype, comp, dt, keep = g.alpha, g.beta, g.ctype, g.comp, g.dt, g.keep
-    handles, outer, ords, multi, ptrs = g.handles, g.outer, g.ords, g.multi, g.ptrs
+    alpha, beta, ctype, comp, dt = g.alpha, g.beta, g.ctype, g.comp, g.dt
     cnt, sa, sb, sc = g.inner
-
-    def step(bufs, _keep=keep):
-        for j, h in enumerate(handles):
-            if multi:
-                runtime.setDevice(ords[j])
-            p1, p2, p3 = ptrs(bufs, j)
-            for d1, d2, d3 in outer:
-                st = fn(h, opa, opb, m, n, k, alpha, p1 + d1, ctype, lda, sa, p2 + d2, ctype, ldb, sb,
-                        beta, p3 + d3, ctype, ldc, sc, cnt, comp, GEMM_DEFAULT)
-                if st:
-                    check(st, f"cublasGemmStridedBatchedEx (m={m} n={n} k={k} batch={cnt} {dt})")
-    return step
+    return _each_device(g, lambda h, a, b, c: fn(h, opa, opb, m, n, k, alpha, a, ctype, lda, sa, b, ctype, ldb, sb,
+                                                 beta, c, ctype, ldc, sc, cnt, comp, GEMM_DEFAULT),
+                        f"cublasGemmStridedBatchedEx (m={m} n={n} k={k} batch={cnt} {dt})")
