@@ -18,10 +18,11 @@ from shardfuse.layout import Layout
 from shardfuse.mesh import DeviceMesh
 from shardfuse.placements import Partial, Replicate, Shard
 from shardfuse.spec import TensorSpec
+from shardfuse.visualize import visualize_sharding
 from shardfuse.trace import exp, gelu, linear, relu, stream, tanh, to_mesh
 
 __all__ = ["Array", "DeviceMesh", "Layout", "Partial", "Replicate", "Shard", "Plan", "TensorSpec", "from_local", "jit", "replicate", "shard", "stream", "to_mesh",
-           "exp", "gelu", "linear", "relu", "tanh",
+           "exp", "gelu", "linear", "relu", "tanh", "visualize_sharding",
            "CollectiveTimeoutError", "RankLeftError", "RankMismatchError"]
 
 try:

@@ -51,6 +51,20 @@ class Array(Placed):
         return (f"sf.Array(shape={self.shape}, dtype={self.dtype_name}, "
                 f"placements={self.sharding.placements(self.mesh)}, mesh={self.sharding.mesh or self.mesh!r})")
 
+    def _repr_html_(self):
+        """Jupyter: shape, dtype, placements per mesh axis, mesh, and the sharding picture."""
+        import html
+
+        from shardfuse.visualize import visualize_sharding
+
+        mesh = self.sharding.mesh or self.mesh
+        rows = "".join(f"<tr><td>{html.escape(n)}</td><td>{html.escape(str(p))}</td></tr>"
+                       for n, p in zip(self.mesh.axis_names, self.sharding.placements(self.mesh)))
+        head = (f"<b>sf.Array</b> shape {self.shape}, {self.dtype_name}, on {html.escape(repr(mesh))}"
+                f"<table style='font-family:monospace'><tr><th>mesh axis</th><th>placement</th></tr>{rows}</table>")
+        picture = visualize_sharding(self)._repr_html_() if self.ndim in (1, 2) else ""
+        return f"<div>{head}{picture}</div>"
+
     @classmethod
     def from_global(cls, x, mesh, axis: int | None, over: str = "DIDx", what: str = "sf.shard"):
         """x placed on mesh: sharded on `axis` over mesh axis `over`, or replicated (axis None)."""

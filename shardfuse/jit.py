@@ -31,6 +31,17 @@ class Plan:
 
     __repr__ = __str__
 
+    def _repr_html_(self):
+        """Jupyter: the program, the collectives one call issues, and what folded."""
+        import html
+
+        text = str(self.program)
+        folded = text.count("folded=")
+        counts = ", ".join(f"{k} x{v}" for k, v in sorted(self.collectives().items())) or "none"
+        return (f"<div><b>plan {html.escape(self.program.name)}</b>: collectives per call: {html.escape(counts)}; "
+                f"{folded} one-device collective(s) folded into views"
+                f"<pre style='font-size:smaller'>{html.escape(text)}</pre></div>")
+
     def collectives(self) -> dict:
         """How many collectives of each kind one call issues: the plan's communication steps as
         the executor binds them (ir.unroll: loops unrolled, guards applied)."""

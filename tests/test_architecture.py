@@ -268,7 +268,8 @@ PRIVATE_ALLOWED = {
     ("tests/test_gpu_interop.py", "_sleep"): "torch.cuda._sleep: a late producer injected on torch's stream",
     ("shardfuse/interop.py", "_C"): "torch._C._cuda_getCurrentRawStream: torch's current stream without a Stream object",
 }
-NAMEDTUPLE_API = {"_asdict", "_replace", "_fields", "_make", "_field_defaults"}  # public despite the _
+NAMEDTUPLE_API = {"_asdict", "_replace", "_fields", "_make", "_field_defaults",  # public despite the _
+                  "_repr_html_", "_repr_png_", "_repr_svg_"}  # (and IPython's rich display protocol)
 
 def _private(name: str) -> bool:  # not a dunder, nor namedtuple's API
     return name.startswith("_") and not (name.startswith("__") and name.endswith("__")) and name not in NAMEDTUPLE_API

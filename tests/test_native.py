@@ -99,3 +99,24 @@ def test_one_process_never_imports_mpi4py():
                                                                          "PMIX_RANK", "MPI_LOCALRANKID")}
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, env=env)
     assert r.returncode == 0 and r.stdout.strip() == "False", (r.stdout, r.stderr)
+
+
+def test_visualize_sharding_shows_who_holds_which_block():
+    mesh = sf.DeviceMesh((2, 2), backend="numpy")
+    a = sf.shard(np.ones((8, 6)), axis=0, over="DIDy", mesh=mesh)
+    pic = sf.visualize_sharding(a)
+    assert pic.rows == [(0, 4), (4, 8)] and pic.cols == [(0, 6)] and pic.holders == [[[0, 1]], [[2, 3]]]
+    assert "| 0,1 |  rows 0:4" in str(pic) and "| 2,3 |  rows 4:8" in str(pic)
+    b = sf.shard(np.ones(8), axis=0, over=("DIDy", "DIDx"), mesh=mesh)  # 1-D, over both mesh axes
+    assert sf.visualize_sharding(b).cols == [(0, 2), (2, 4), (4, 6), (6, 8)]
+    assert sf.visualize_sharding(b).holders == [[[0], [1], [2], [3]]]
+    assert "<table" in pic._repr_html_() and "S(0)" in a._repr_html_() and "<table" in a._repr_html_()
+    with pytest.raises(ValueError, match="1 or 2 axes"):
+        sf.visualize_sharding(sf.shard(np.ones((2, 2, 2)), axis=0, mesh=mesh))
+
+
+def test_plan_html_counts_collectives_and_folds():
+    one = sf.DeviceMesh(1, backend="numpy")
+    f = sf.jit(lambda a, b: sf.stream(sf.shard(a, axis=1) @ b, axis=0), mesh=one)
+    h = f.lower(np.ones((2, 1, 2, 3)), np.ones((3, 2)))._repr_html_()
+    assert "collectives per call: none" in h and "1 one-device collective(s) folded" in h and "<pre" in h
