@@ -8,6 +8,7 @@ Backends see Refs and streams, never the IR.
 """
 from __future__ import annotations
 
+import logging
 import threading
 import time
 from dataclasses import replace
@@ -21,6 +22,8 @@ from shardfuse.backends.protocol import MAIN, Ref, block, rank_major, reshape_st
 from shardfuse.ir import format_instrs, unroll, walk
 from shardfuse.ops import ELEMENTWISE, HOST, Op, VIEWS
 from shardfuse.strides import ordered_strides
+
+log = logging.getLogger("shardfuse")
 
 
 def _index(idx, env) -> int:
@@ -70,6 +73,7 @@ class Executable:
         # it is held only while the host issues (the kernels run after it is released).
         self._lock = threading.Lock()
         self.graph = backend.capture(self) if graph else None
+        log.info("bound plan %r on %s: %d steps%s", prog.name, backend.name, len(self.steps), " (graphs)" * graph)
 
     # ---- slots ------------------------------------------------------------------------
     def _new_slot(self, shape, dtype, buffers, order=None) -> Ref:
@@ -278,14 +282,11 @@ class Executable:
         return stream
 
     # ---- running ----------------------------------------------------------------------
-    def _check_args(self, args, infos=None):
-        return check_args(self.prog, args, self.backend, self._accepted, infos)
-
     def __call__(self, *args, stream=None, infos=None):
         """Run the plan.  On the cupy backend the plan's main stream first waits (device-side) for
         the caller's stream (stream=, or CuPy's current stream), and that stream then waits for
         the plan's outputs: the caller's work before and after the call is ordered with it."""
-        infos = self._check_args(args, infos)
+        infos = check_args(self.prog, args, self.backend, self._accepted, infos)
         with self._lock:
             return self._run(args, infos, stream)
 
@@ -298,7 +299,7 @@ class Executable:
                                       "time only; GPU timelines from CUDA events are not built yet")
         if self.graph is not None:
             raise NotImplementedError("plan.profile runs eager plans (a graph replays as one launch)")
-        infos = self._check_args(args)
+        infos = check_args(self.prog, args, self.backend, self._accepted)
         records = []
         clock = time.perf_counter
 

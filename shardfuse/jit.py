@@ -2,7 +2,9 @@
 from __future__ import annotations
 
 import functools
+import logging
 import os
+import time
 from collections import OrderedDict
 
 import numpy as np
@@ -16,6 +18,9 @@ from shardfuse.mesh import DeviceMesh, as_int
 from shardfuse.spec import TensorSpec
 from shardfuse.trace import Traced, trace
 from shardfuse.ops import COMMUNICATION, Op
+
+
+log = logging.getLogger("shardfuse")  # compile decisions (plans built, evicted); silent unless configured
 
 
 class Plan:
@@ -142,10 +147,19 @@ class Jitted:
         if plan is not None:
             self._plans.move_to_end(specs)
             return plan
+        t0 = time.perf_counter()
         prog = compile_program(trace(self.fn, self.mesh, specs, self.streams))
         plan = self._plans[specs] = Plan(prog, self.graph)
+        if log.isEnabledFor(logging.INFO):
+            loops = [i.attrs["extent"] for i in prog.instrs if i.op == Op.FOR]
+            log.info("compiled plan %r for %s in %.1f ms: %d instructions, stream loops of %s chunks, "
+                     "collectives per call %s, %d folded into views", prog.name,
+                     ", ".join(str(v.type) for v in prog.inputs), (time.perf_counter() - t0) * 1e3, len(prog.instrs),
+                     loops or "no", plan.collectives() or "none", str(prog).count("folded="))
         while len(self._plans) > self.max_plans:
             _, old = self._plans.popitem(last=False)
+            log.info("plan cache of %s full (max_plans=%d): dropped the least recently used plan", self.__name__,
+                     self.max_plans)
             for k in [k for k, (_, p) in self._dispatch.items() if p is old]:
                 del self._dispatch[k]
         if os.environ.get("SHARDFUSE_DUMP") == "plan":

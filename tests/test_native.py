@@ -120,3 +120,18 @@ def test_plan_html_counts_collectives_and_folds():
     f = sf.jit(lambda a, b: sf.stream(sf.shard(a, axis=1) @ b, axis=0), mesh=one)
     h = f.lower(np.ones((2, 1, 2, 3)), np.ones((3, 2)))._repr_html_()
     assert "collectives per call: none" in h and "1 one-device collective(s) folded" in h and "<pre" in h
+
+
+def test_compile_and_bind_decisions_are_logged_not_printed(caplog, capsys):
+    import logging
+
+    mesh = sf.DeviceMesh(2, backend="numpy")
+    f = sf.jit(lambda a, b: sf.stream(sf.shard(a, axis=1) @ b, axis=0), mesh=mesh, max_plans=1)
+    with caplog.at_level(logging.INFO, logger="shardfuse"):
+        f(np.ones((4, 2, 3, 5)), np.ones((5, 2)))
+        f(np.ones((2, 2, 3, 5)), np.ones((5, 2)))  # a second shape evicts the first plan
+    text = caplog.text
+    assert "compiled plan '<lambda>' for f64[4, 2:DIDx, 3, 5], f64[5, 2]" in text
+    assert "stream loops of [4] chunks, collectives per call {'allgather': 4}" in text
+    assert "bound plan '<lambda>' on numpy" in text and "dropped the least recently used plan" in text
+    assert capsys.readouterr().out == ""  # the library prints nothing

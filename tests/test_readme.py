@@ -35,3 +35,14 @@ def test_readme_python_blocks_run_as_written():
     h = x @ w1 + b1
     gelu = 0.5 * h * (1 + np.tanh(np.sqrt(2 / np.pi) * (h + 0.044715 * h ** 3)))
     np.testing.assert_allclose(ns["y"].gather(), gelu @ w2 + b2, rtol=1e-10, atol=1e-10)
+
+
+def test_every_environment_variable_is_in_the_readme_table():
+    root = README.parent
+    used = set()
+    for path in list((root / "shardfuse").rglob("*.py")) + list((root / "backends").rglob("*.py")):
+        used |= set(re.findall(r"\bSHARDFUSE_[A-Z0-9_]*[A-Z0-9]\b", path.read_text()))
+    table = re.search(r"### Settings\n(.*?)\n### ", README.read_text(), re.S).group(1)
+    listed = set(re.findall(r"`(SHARDFUSE_[A-Z0-9_]+)", table))
+    assert used <= listed, f"not in the README's table: {sorted(used - listed)}"
+    assert listed <= used, f"in the table but read nowhere: {sorted(listed - used)}"
