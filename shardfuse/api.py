@@ -3,11 +3,14 @@ a traced value (shardfuse.trace); on a concrete array they place it on a mesh an
 sf.Array (shardfuse.array)."""
 from __future__ import annotations
 
+from typing import Any
+
 from shardfuse import trace
 from shardfuse.array import Array, replicated
+from shardfuse.mesh import DeviceMesh
 
 
-def shard(x, axis: int, over="DIDx", mesh=None):
+def shard(x: Any, axis: int, over: str | tuple = "DIDx", mesh: DeviceMesh | None = None) -> Any:
     """Place `axis` of x across the devices of mesh axis `over`, or of several mesh axes
     (``over=("dp", "tp")``: the first outermost, as JAX's ``P(("dp", "tp"))``).
 
@@ -19,7 +22,7 @@ def shard(x, axis: int, over="DIDx", mesh=None):
     return Array.from_global(x, mesh, axis, over)
 
 
-def replicate(x, mesh=None):
+def replicate(x: Any, mesh: DeviceMesh | None = None) -> Any:
     """Replicated on every device (DTensor's Replicate()).  In a traced function this annotates
     x and forces the gathers (mesh=: a sub-mesh of the program's, replicated on its devices).
     On a concrete array (NumPy, CuPy, torch, JAX) with mesh=, returns an `sf.Array` that every

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import functools
+from typing import Any, Callable, overload
 import logging
 import os
 import time
@@ -47,7 +48,7 @@ class Plan:
                 f"{folded} one-device collective(s) folded into views"
                 f"<pre style='font-size:smaller'>{html.escape(text)}</pre></div>")
 
-    def collectives(self) -> dict:
+    def collectives(self) -> dict[str, int]:
         """How many collectives of each kind one call issues: the plan's communication steps as
         the executor binds them (ir.unroll: loops unrolled, guards applied)."""
         counts: dict = {}
@@ -138,7 +139,7 @@ class Jitted:
         max_plans), like functools' cache_info."""
         return {"plans": len(self._plans), "dispatch": len(self._dispatch), "max_plans": self.max_plans}
 
-    def lower(self, *specs) -> Plan:
+    def lower(self, *specs: Any) -> Plan:
         """The plan for these inputs: TensorSpecs, (shape, dtype[, sharding]) tuples, or the
         arrays themselves (as JAX's .lower takes either)."""
         specs = tuple(s if isinstance(s, TensorSpec) else TensorSpec(*s) if isinstance(s, tuple)
@@ -166,7 +167,7 @@ class Jitted:
             print(plan, flush=True)
         return plan
 
-    def __call__(self, *args, stream=None, **kwargs):
+    def __call__(self, *args: Any, stream: Any = None, **kwargs: Any) -> Any:
         """Run on the mesh.  stream=: the CUDA stream the caller issues on (CuPy or torch stream,
         `__cuda_stream__` object); default CuPy's current stream.  The call waits for it
         device-side and it waits for the outputs.
@@ -220,7 +221,18 @@ class Jitted:
         return self.fn(*args, **kwargs)
 
 
-def jit(fn=None, *, mesh=None, streams: int = 4, graph: bool = False, max_plans: int = MAX_PLANS):
+@overload
+def jit(fn: Callable, *, mesh: DeviceMesh | None = None, streams: int = 4, graph: bool = False,
+        max_plans: int = MAX_PLANS) -> Jitted: ...
+
+
+@overload
+def jit(fn: None = None, *, mesh: DeviceMesh | None = None, streams: int = 4, graph: bool = False,
+        max_plans: int = MAX_PLANS) -> Callable[[Callable], Jitted]: ...
+
+
+def jit(fn: Callable | None = None, *, mesh: DeviceMesh | None = None, streams: int = 4, graph: bool = False,
+        max_plans: int = MAX_PLANS) -> Jitted | Callable[[Callable], Jitted]:
     """Compile `fn` for `mesh`: ``@sf.jit(mesh=mesh, streams=4)``.  `max_plans`: how many compiled
     plans (one per input shapes, dtypes and layouts) it keeps, the least recently used dropped."""
     if fn is None:

@@ -316,7 +316,7 @@ def to_mesh(x: Traced, mesh, axis: int | None = None, over: str | None = None):
 ALGORITHMS = ("collective", "ring")
 
 
-def stream(x: Traced, axis: int, chunks: int | None = None, algorithm: str = "collective"):
+def stream(x: Traced, axis: int, chunks: int | None = None, algorithm: str = "collective") -> Traced:
     """Ask for x to be produced chunk by chunk along `axis` (chunks=None: one chunk per index).
 
     algorithm="collective": each chunk's input is all-gathered on a worker stream while other
