@@ -170,9 +170,12 @@ class CupyNcclBackend:
         return copies.bind_copy(self.dev, src, dst, stream)
 
     # ---- streams and events: device-side waits, never host blocks -----------------------------
-    def new_event(self):
+    def new_event(self, timing=False):
         """One event per GPU (not per device): a GPU's virtual devices share its streams."""
-        return self.dev.new_event()
+        return self.dev.new_event(timing)
+
+    def event_ms(self, start, end):
+        return [cupy.cuda.get_elapsed_time(a, b) for a, b in zip(start, end)]
 
     def bind_record(self, event, stream):
         return devices.record_step(self.dev, event, stream)

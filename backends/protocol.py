@@ -92,7 +92,8 @@ class Backend(Protocol):
     def bind_copy(self, src, dst, stream): """Step: dst[...] = src (any strides)."""
 
     # streams and events
-    def new_event(self): """A fresh event handle (one per local device)."""
+    def new_event(self, timing=False): """A fresh event handle (one per GPU; timing=True: usable by event_ms)."""
+    def event_ms(self, start, end): """Per GPU, milliseconds from event start to end (both recorded and completed)."""
     def bind_record(self, event, stream): """Step: record `event` on `stream`."""
     def bind_wait_event(self, event, stream): """Step: `stream` waits (device-side) for `event`."""
     def bind_join(self, waiter, waitee): """Step: stream `waiter` waits (device-side) for all work issued on `waitee`."""

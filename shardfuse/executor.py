@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import logging
 import threading
-import time
 from dataclasses import replace
 
 
@@ -66,12 +65,12 @@ class Executable:
         self.steps, self.labels = [self.steps[k] for k in kept], [self.labels[k] for k in kept]
         self._allocate_used(prog)
         self._graph_outputs = None
-        self._accepted, self._out_layouts = set(), {}  # hot-path caches of layout checks
+        self.accepted, self._out_layouts = set(), {}  # hot-path caches of layout checks
         # One call at a time: the plan's persistent buffers (gather pools, scratch) and its
         # graphs are shared by every call, so two threads issuing at once would write each
         # other's chunks.  A lock rather than per-thread buffers: it costs no memory, and on GPUs
         # it is held only while the host issues (the kernels run after it is released).
-        self._lock = threading.Lock()
+        self.lock = threading.Lock()
         self.graph = backend.capture(self) if graph else None
         log.info("bound plan %r on %s: %d steps%s", prog.name, backend.name, len(self.steps), " (graphs)" * graph)
 
@@ -286,34 +285,12 @@ class Executable:
         """Run the plan.  On the cupy backend the plan's main stream first waits (device-side) for
         the caller's stream (stream=, or CuPy's current stream), and that stream then waits for
         the plan's outputs: the caller's work before and after the call is ordered with it."""
-        infos = check_args(self.prog, args, self.backend, self._accepted, infos)
-        with self._lock:
-            return self._run(args, infos, stream)
+        infos = check_args(self.prog, args, self.backend, self.accepted, infos)
+        with self.lock:
+            return self.run(args, infos, stream)
 
-    def profile(self, args, repeat: int = 1) -> list:
-        """Run the plan `repeat` times, timing every step: [(call, step index, start, end)] in
-        seconds of time.perf_counter.  Host clocks, so only where steps run on the host (the NumPy
-        backends: a step's time is its devices' work, one after another)."""
-        if self.backend.stream(0) is not None:
-            raise NotImplementedError("plan.profile times steps with host clocks, which on GPUs measure issue "
-                                      "time only; GPU timelines from CUDA events are not built yet")
-        if self.graph is not None:
-            raise NotImplementedError("plan.profile runs eager plans (a graph replays as one launch)")
-        infos = check_args(self.prog, args, self.backend, self._accepted)
-        records = []
-        clock = time.perf_counter
-
-        def timed(bufs):
-            for k, step in enumerate(self.steps):
-                t0 = clock()
-                step(bufs)
-                records.append((call, k, t0, clock()))
-        with self._lock:
-            for call in range(repeat):
-                self._run(args, infos, None, issue=timed)
-        return records
-
-    def _run(self, args, infos, stream, issue=None):
+    def run(self, args, infos, stream, issue=None):
+        """One call, with self.lock held: place the inputs, issue the steps (or issue(bufs)), return the outputs."""
         be = self.backend
         caller = None
         if be.name == "cupy":

@@ -61,13 +61,13 @@ class Plan:
     def profile(self, *args, repeat: int = 1):
         """Run the plan `repeat` times and return its Timeline: every executed step with its
         device(s), stream, instruction text (as print(plan) shows it), start and end.  Under
-        mpiexec every rank's steps, gathered on every rank (a collective call).  NumPy backends
-        (host clocks); GPU timelines from CUDA events are not built yet."""
+        mpiexec every rank's steps, gathered on every rank (a collective call).  Host clocks on the
+        NumPy backends, CUDA events around each step on GPUs (shardfuse/timeline.py)."""
         from shardfuse import faults
-        from shardfuse.timeline import Timeline
+        from shardfuse.timeline import Timeline, profile_steps
 
         exe = self.executable
-        timeline = Timeline.from_records(exe, exe.profile(args, repeat), rank=self.program.mesh.rank)
+        timeline = Timeline.from_records(exe, profile_steps(exe, args, repeat), rank=self.program.mesh.rank)
         mesh = self.program.mesh
         if mesh.nprocs > 1:
             from mpi4py import MPI

@@ -8,8 +8,10 @@ stream) and its start and end in seconds from the first step.  Out: Chrome trace
 from __future__ import annotations
 
 import json
+import time
 from dataclasses import asdict, dataclass
 
+from shardfuse.backends.protocol import MAIN
 from shardfuse.ops import COMMUNICATION, ELEMENTWISE, Op
 
 KINDS = ("communication", "gemm", "compute", "copies", "stream")
@@ -53,11 +55,10 @@ class Timeline:
 
     @classmethod
     def from_records(cls, exe, records, rank: int = 0):
-        """From Executable.profile's (call, step, start, end) records and the steps' labels."""
+        """From profile_steps' (call, step, start, end, devices) records and the steps' labels."""
         t0 = min((r[2] for r in records), default=0.0)
-        devices = tuple(exe.backend.local_devices)
         events = []
-        for call, k, start, end in records:
+        for call, k, start, end, devices in records:
             text, op, stream = exe.labels[k]
             events.append(Event(rank, call, k, devices, str(stream), text, kind_of(op), start - t0, end - t0))
         return cls(events, exe.prog.name)
@@ -139,6 +140,66 @@ class Timeline:
         if path is not None:
             fig.savefig(path, bbox_inches="tight")
         return fig
+
+
+def profile_steps(exe, args, repeat: int = 1) -> list:
+    """Run a bound plan `repeat` times, timing every step: [(call, step, start s, end s, devices)].
+    On the NumPy backends host clocks around each step (the host runs it: its devices' work, one
+    after another).  On GPUs a pair of CUDA events around each step, recorded on the step's own
+    stream, so the profiled call issues the same kernels (plus the events) and overlap shows."""
+    from shardfuse.pieces import check_args
+
+    if exe.graph is not None:
+        raise NotImplementedError("plan.profile runs eager plans (a graph replays as one launch)")
+    infos = check_args(exe.prog, args, exe.backend, exe.accepted)
+    on_gpu = exe.backend.stream(0) is not None
+    records: list = []
+    with exe.lock:
+        for call in range(repeat):
+            if on_gpu:
+                records += _gpu_call(exe, args, infos, call)
+            else:
+                exe.run(args, infos, None, issue=lambda bufs: records.extend(_host_steps(exe, bufs, call)))
+    if not on_gpu:
+        t0 = min((r[2] for r in records), default=0.0)
+        records = [(c, k, a - t0, b - t0, tuple(exe.backend.local_devices)) for c, k, a, b in records]
+    return records
+
+
+def _host_steps(exe, bufs, call):
+    clock, out = time.perf_counter, []
+    for k, step in enumerate(exe.steps):
+        t0 = clock()
+        step(bufs)
+        out.append((call, k, t0, clock()))
+    return out
+
+
+def _gpu_call(exe, args, infos, call):
+    be = exe.backend
+    ref = be.new_event(timing=True)
+    marks = [(be.new_event(timing=True), be.new_event(timing=True)) for _ in exe.steps]
+    first = be.bind_record(ref, MAIN)
+    around = [(be.bind_record(e0, stream), step, be.bind_record(e1, stream))
+              for step, (e0, e1), (_, _, stream) in zip(exe.steps, marks, exe.labels)]
+
+    def issue(bufs):
+        first(bufs)
+        for pre, step, post in around:
+            pre(bufs)
+            step(bufs)
+            post(bufs)
+    exe.run(args, infos, None, issue=issue)
+    be.synchronize()
+    gpus = list(be.ordinals) if be.ordinals else [None]
+    order = sorted(set(gpus), key=gpus.index)
+    out = []
+    for k, (e0, e1) in enumerate(marks):
+        starts, ends = be.event_ms(ref, e0), be.event_ms(ref, e1)
+        for g, a, b in zip(order, starts, ends):
+            devices = tuple(d for d, o in zip(be.local_devices, gpus) if o == g)
+            out.append((call, k, a / 1e3, b / 1e3, devices))
+    return out
 
 
 def _union(intervals):

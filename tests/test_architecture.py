@@ -238,9 +238,10 @@ LAYER_RULES = [  # (rule, broken(importer, imported module of shardfuse))
      lambda m, t: (m == "shardfuse.rules" or m.startswith("shardfuse.passes")) and (t in RUN_TIME or _in_backends(t))),
     ("backends import only backends.*, the bottom floor and interop",
      lambda m, t: _in_backends(m) and not (_in_backends(t) or t in BOTTOM or t == "shardfuse.interop")),
-    ("only shardfuse.runtime imports backends (the executor and bench: backends.protocol too)",
+    ("only shardfuse.runtime imports backends (the executor, the profiler and bench: backends.protocol too)",
      lambda m, t: not _in_backends(m) and _in_backends(t) and m != "shardfuse.runtime" and not (
-         t == "shardfuse.backends.protocol" and (m == "shardfuse.executor" or m.startswith("shardfuse.bench")))),
+         t == "shardfuse.backends.protocol" and (m in ("shardfuse.executor", "shardfuse.timeline")
+                                                 or m.startswith("shardfuse.bench")))),
 ]
 
 def test_4_layering():

@@ -617,3 +617,24 @@ def test_one_jitted_function_from_four_threads_on_gpus(mesh):
     for t in threads:
         t.join()
     assert not errors and wrong == [0, 0, 0, 0]
+
+
+@pytest.mark.parametrize("d", [1, 2])
+def test_profile_on_the_gpu_from_cuda_events(d, tmp_path):
+    """plan.profile on GPUs: a pair of CUDA events around each step on its own stream, so the
+    timeline shows what the device did (GEMMs take time, worker streams overlap)."""
+    mesh = sf.DeviceMesh(d, backend="cupy")
+    f = sf.jit(lambda a, b: sf.stream(sf.shard(a, axis=1) @ b, axis=0), mesh=mesh, streams=2)
+    rng = np.random.default_rng()
+    a, b = rng.standard_normal((4, d, 256, 512)).astype(np.float32), rng.standard_normal((512, 256)).astype(np.float32)
+    plan = f.lower(a, b)
+    tl = plan.profile(a, b, repeat=2)
+    assert len(tl) == 2 * len(plan.executable.steps)  # one GPU: one event pair per step and call
+    assert all(0 <= e.start <= e.end for e in tl.events)
+    gemms = [e for e in tl.events if e.kind == "gemm"]
+    assert len(gemms) == 2 * 4 and all(e.duration > 0 for e in gemms)
+    assert {e.stream for e in gemms} == {"0", "1"}  # chunks on the two worker streams
+    assert tl.summary()["gemm_s"] > 0
+    tl.to_chrome_trace(tmp_path / "t.json")
+    np.testing.assert_allclose(plan(a, b).gather(), np.einsum("sdmk,kn->sdmn", a.astype(np.float64), b),
+                               rtol=1e-4, atol=1e-3)

@@ -37,7 +37,7 @@ def test_one_interval_per_executed_step_with_its_plan_line(d, repeat):
     # steps run one after another on the host: no two intervals overlap
     spans = sorted((e.start, e.end) for e in tl.events)
     assert all(x[1] <= y[0] for x, y in zip(spans, spans[1:]))
-    np.testing.assert_allclose(plan(a, b).gather(), np.einsum("sdmk,kn->sdmn", a, b), rtol=1e-12)  # still right
+    np.testing.assert_allclose(plan(a, b).gather(), np.einsum("sdmk,kn->sdmn", a, b), rtol=1e-12, atol=1e-12)  # still right
 
 
 def test_summary_figures_add_up():

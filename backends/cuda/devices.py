@@ -204,12 +204,12 @@ class Devices:
             runtime.streamWaitEvent(stream_ptr, ev, 0)
 
     # ---- events: one per GPU ------------------------------------------------------------
-    def new_event(self):
+    def new_event(self, timing=False):
         """One event per GPU (not per device): a GPU's virtual devices share its streams."""
         evs = []
         for o in self.gpus:
             with cupy.cuda.Device(o):
-                evs.append(cupy.cuda.Event(disable_timing=True))
+                evs.append(cupy.cuda.Event(disable_timing=not timing))
         self.events.append(evs)
         return evs
 
