@@ -14,7 +14,8 @@ def blocks():
     return re.findall(r"```python\n(.*?)```", README.read_text(), re.S)
 
 
-def test_readme_python_blocks_run_as_written():
+def test_readme_python_blocks_run_as_written(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)  # the blocks write files (a trace) where they run
     found = blocks()
     assert len(found) >= 2, "the README lost its examples"
     ns: dict = {}
@@ -29,6 +30,7 @@ def test_readme_python_blocks_run_as_written():
     np = ns["np"]
     # what the blocks claim: the seed plan gathers 8 times and computes a @ b; the MLP block's collectives
     assert ns["plan"].collectives() == {"allgather": 8}
+    assert (tmp_path / "trace.json").exists() and ns["tl"].summary()["steps"] == len(ns["tl"])
     np.testing.assert_allclose(ns["c"].gather(), ns["np_a"].astype(np.float64) @ ns["np_b"], rtol=1e-4, atol=1e-4)
     assert "{'allgather': 4, 'reduce_scatter': 4}" in out.getvalue()
     x, w1, b1, w2, b2 = (ns[k] for k in ("x", "w1", "b1", "w2", "b2"))
