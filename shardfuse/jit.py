@@ -174,6 +174,9 @@ class Jitted:
 
         Called on traced values, inside another sf.jit function, the function is inlined: traced
         into the caller's program (as JAX does); its streams= and graph= are the caller's then."""
+        if kwargs and not any(isinstance(a, Traced) for a in (*args, *kwargs.values())):
+            args = self._positional(args, kwargs)
+            kwargs = {}
         # hot path: the plan for these argument kinds, found by a cheap key (no TensorSpec built)
         try:
             infos = tuple(None if isinstance(a, Array) else array_info(a) for a in args)
@@ -196,6 +199,24 @@ class Jitted:
         else:
             self._plans.move_to_end(hit[0])
         return hit[1](*args, stream=stream, infos=infos)
+
+    def _positional(self, args, kwargs) -> tuple:
+        """Arrays given by keyword, bound as Python binds them, as the positional arguments the
+        plan takes (its inputs are the leading parameters given; later ones keep their defaults)."""
+        import inspect
+
+        try:
+            bound = inspect.signature(self.fn).bind_partial(*args, **kwargs)
+        except TypeError as e:
+            raise TypeError(f"{self.__name__}(): {e}") from None
+        names = list(inspect.signature(self.fn).parameters)
+        given = [n for n in names if n in bound.arguments]
+        if given != names[:len(given)]:
+            skipped = [n for n in names[:names.index(given[-1])] if n not in bound.arguments]
+            raise TypeError(f"{self.__name__}(): {', '.join(skipped)} not given, but a later parameter is: the traced "
+                            "inputs are the leading parameters (a skipped one would keep a Python default in "
+                            "the middle of them)")
+        return tuple(bound.arguments[n] for n in given)
 
     def _inline(self, args, kwargs, stream):
         """fn traced into the program of its traced arguments (a jitted function called inside

@@ -135,3 +135,20 @@ def test_compile_and_bind_decisions_are_logged_not_printed(caplog, capsys):
     assert "stream loops of [4] chunks, collectives per call {'allgather': 4}" in text
     assert "bound plan '<lambda>' on numpy" in text and "dropped the least recently used plan" in text
     assert capsys.readouterr().out == ""  # the library prints nothing
+
+
+def test_calls_by_keyword_bind_as_in_python():
+    mesh = sf.DeviceMesh(2, backend="numpy")
+
+    @sf.jit(mesh=mesh)
+    def f(a, b, c=None):
+        return a @ b if c is None else a @ b + c
+    rng = np.random.default_rng()
+    x, w, c = rng.standard_normal((4, 3)), rng.standard_normal((3, 2)), rng.standard_normal(2)
+    np.testing.assert_allclose(f(x, b=w).gather(), x @ w, rtol=1e-12)
+    np.testing.assert_allclose(f(b=w, a=x).gather(), x @ w, rtol=1e-12)
+    np.testing.assert_allclose(f(a=x, b=w, c=c).gather(), x @ w + c, rtol=1e-12)
+    with pytest.raises(TypeError, match="b not given, but a later parameter is"):
+        f(x, c=c)
+    with pytest.raises(TypeError, match="unexpected keyword argument 'd'"):
+        f(x, w, d=1)
