@@ -10,7 +10,7 @@
 """
 from importlib.metadata import PackageNotFoundError, version as _version
 
-from shardfuse.api import replicate, shard
+from shardfuse.api import distribute, replicate, shard
 from shardfuse.array import Array, from_local
 from shardfuse.faults import CollectiveTimeoutError, RankLeftError, RankMismatchError
 from shardfuse.jit import Plan, jit
@@ -22,7 +22,7 @@ from shardfuse.visualize import visualize_sharding
 from shardfuse.trace import exp, gelu, linear, relu, stream, tanh, to_mesh
 
 __all__ = ["Array", "DeviceMesh", "Layout", "Partial", "Replicate", "Shard", "Plan", "TensorSpec", "from_local", "jit", "replicate", "shard", "stream", "to_mesh",
-           "exp", "gelu", "linear", "relu", "tanh", "visualize_sharding",
+           "exp", "gelu", "linear", "relu", "tanh", "visualize_sharding", "distribute",
            "CollectiveTimeoutError", "RankLeftError", "RankMismatchError"]
 
 try:

@@ -7,7 +7,9 @@ from typing import Any
 
 from shardfuse import trace
 from shardfuse.array import Array, replicated
+from shardfuse.layout import layout_of
 from shardfuse.mesh import DeviceMesh
+from shardfuse.spec import normalize_axis
 
 
 def shard(x: Any, axis: int, over: str | tuple = "DIDx", mesh: DeviceMesh | None = None) -> Any:
@@ -19,6 +21,11 @@ def shard(x: Any, axis: int, over: str | tuple = "DIDx", mesh: DeviceMesh | None
     (give `mesh`)."""
     if isinstance(x, trace.Traced):
         return trace.shard(x, axis, over, mesh)
+    if isinstance(x, Array):  # an sf.Array resharded: axis over `over`, every other axis replicated
+        _same_mesh(x, mesh, "sf.shard")
+        spec: list = [None] * x.ndim
+        spec[normalize_axis(axis, x.ndim, x.shape)] = over
+        return x.redistribute(spec)
     return Array.from_global(x, mesh, axis, over)
 
 
@@ -29,4 +36,26 @@ def replicate(x: Any, mesh: DeviceMesh | None = None) -> Any:
     device of mesh holds whole: place a weight once and pass it to every call."""
     if isinstance(x, trace.Traced):
         return trace.replicate(x, mesh)
+    if isinstance(x, Array):
+        _same_mesh(x, mesh, "sf.replicate")
+        return x.full_array()
     return replicated(x, mesh)
+
+
+def distribute(x: Any, mesh: DeviceMesh, placements: Any) -> Array:
+    """x placed on mesh by DTensor-style placements (one `sf.Shard(dim)` / `sf.Replicate()` per
+    mesh axis: DTensor's distribute_tensor) or a JAX-style spec (one entry per tensor axis: None, a
+    mesh axis name or a tuple of them: JAX's device_put with NamedSharding(mesh, P(...))).  On an
+    sf.Array of that mesh, the same as x.redistribute(placements)."""
+    if isinstance(x, Array):
+        _same_mesh(x, mesh, "sf.distribute")
+        return x.redistribute(placements)
+    from shardfuse.interop import array_info
+
+    return Array.from_layout(x, mesh, layout_of(placements, len(array_info(x).shape), mesh))
+
+
+def _same_mesh(x: Array, mesh, what: str) -> None:
+    if mesh is not None and mesh != x.mesh:
+        raise ValueError(f"{what}: the sf.Array lives on {x.mesh}, not {mesh}; move values between meshes inside "
+                         "sf.jit with sf.to_mesh")

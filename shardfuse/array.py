@@ -8,13 +8,15 @@ from __future__ import annotations
 import numpy as np
 
 from shardfuse.interop import array_info, check_input, stream_ptr
-from shardfuse.layout import Layout
+from shardfuse.layout import Layout, layout_of
 from shardfuse.dtypes import normalize_dtype, np_dtype
 from shardfuse.executor import Executable
 from shardfuse.passes import compile_program
 from shardfuse.pieces import Placed, device_index, global_layout, local_pieces
-from shardfuse.spec import TensorSpec, check_axis, normalize_axis
-from shardfuse.trace import replicate, trace
+from shardfuse.spec import TensorSpec, check_axis, check_divides, normalize_axis
+from shardfuse.ir import TensorType
+from shardfuse.ops import Op
+from shardfuse.trace import trace
 from shardfuse.runtime import backend_of
 
 
@@ -77,6 +79,24 @@ class Array(Placed):
         check_input(info, backend_of(mesh), what)
         layout = global_layout(info.shape, mesh, axis, over)
         return cls(mesh, info.shape, info.dtype, layout, local_pieces(x, info.dtype, layout, mesh, info))
+
+    @classmethod
+    def from_layout(cls, x, mesh, layout: Layout, what: str = "sf.distribute"):
+        """x (a global array) placed on mesh with this layout (checked: each sharded extent divides)."""
+        _check_mesh(mesh, what)
+        info = array_info(x)
+        check_input(info, backend_of(mesh), what)
+        if layout.ndim != len(info.shape):
+            raise ValueError(f"{what}: layout of {layout.ndim} axes for an array of shape {info.shape}")
+        for a, over in layout.sharded_axes().items():
+            check_divides(info.shape, a, over, mesh)
+        return cls(mesh, info.shape, info.dtype, layout, local_pieces(x, info.dtype, layout, mesh, info))
+
+    def redistribute(self, placements) -> "Array":
+        """The same value with other placements (DTensor's redistribute; JAX-style specs too: one
+        entry per tensor axis), moved by the collectives a plan would use (a one-op plan, compiled
+        once per layout pair)."""
+        return _reshard(self, layout_of(placements, self.ndim, self.mesh))
 
     def gather(self) -> np.ndarray:
         """The global value, on every process (a host copy).
@@ -181,7 +201,7 @@ class Array(Placed):
         plan's collectives: NCCL, device copies or MPI), like DTensor's full_tensor()."""
         if not self.sharding.sharded_axes() and not self.sharding.partial and self.sharding.mesh is None:
             return self
-        return _full(self)
+        return _reshard(self, Layout.replicated(self.ndim))
 
 
 def _check_mesh(mesh, what):
@@ -216,22 +236,22 @@ class AddressableShard(tuple):
         return f"AddressableShard(device={self.device}, index={self.index}, shape={tuple(self.data.shape)})"
 
 
-_REPLICATORS: dict = {}  # (mesh, spec) -> the bound one-op plan that gathers it whole
+_RESHARDS: dict = {}  # (mesh, spec, layout) -> the bound one-op plan that moves it there
 
 
-def _full(x: Array) -> Array:
-    """x replicated on every device of its mesh: a one-op plan (its collectives as inside
-    sf.jit), compiled and bound once per mesh and spec."""
-    key = (x.mesh, x.spec)
-    exe = _REPLICATORS.get(key)
+def _reshard(x: Array, layout: Layout) -> Array:
+    """x with `layout` on its mesh: a one-op plan (its collectives as inside sf.jit), compiled and
+    bound once per mesh, spec and layout."""
+    key = (x.mesh, x.spec, layout)
+    exe = _RESHARDS.get(key)
     if exe is None:
-        def full_array(v):
-            return replicate(v)
+        def redistribute(v):
+            return v.builder.emit(Op.SET, (v,), TensorType(v.shape, v.dtype, layout), v.value.name, annotation=True)
 
-        prog = compile_program(trace(full_array, x.mesh, (x.spec,), streams=1))
-        exe = _REPLICATORS[key] = Executable(prog)
-        if len(_REPLICATORS) > 256:  # bounded: shapes that keep changing
-            _REPLICATORS.pop(next(iter(_REPLICATORS)))
+        prog = compile_program(trace(redistribute, x.mesh, (x.spec,), streams=1))
+        exe = _RESHARDS[key] = Executable(prog)
+        if len(_RESHARDS) > 256:  # bounded: shapes that keep changing
+            _RESHARDS.pop(next(iter(_RESHARDS)))
     ((lay, shards),) = exe(x)
     return Array(x.mesh, x.shape, x.dtype_name, lay, shards)
 

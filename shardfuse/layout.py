@@ -115,3 +115,37 @@ def format_type(shape, dtype, layout) -> str:
     if layout.partial:
         text += f" partial({', '.join(layout.partial)})"
     return text
+
+
+def layout_of(placements, ndim: int, mesh) -> "Layout":
+    """The Layout for DTensor-style placements (one Shard(dim) / Replicate() per mesh axis, in the
+    mesh's axis order; several Shard(d) of one dim shard it over those mesh axes, the first
+    outermost) or a JAX-style spec (one entry per tensor axis: None, a mesh axis name, or a tuple
+    of them; missing trailing entries are None)."""
+    from shardfuse.placements import Partial, Replicate, Shard
+
+    items = tuple(placements)
+    axes: list = [() for _ in range(ndim)]
+    if items and all(isinstance(p, (Shard, Replicate, Partial)) for p in items):
+        if len(items) != len(mesh.axis_names):
+            raise ValueError(f"placements {tuple(map(str, items))}: one per mesh axis of {mesh} "
+                             f"({len(mesh.axis_names)}), got {len(items)}")
+        for name, p in zip(mesh.axis_names, items):
+            if isinstance(p, Partial):
+                raise ValueError("Partial() is no placement of a whole value (it is what a contraction leaves pending)")
+            if isinstance(p, Shard):
+                if not -ndim <= p.dim < ndim:
+                    raise ValueError(f"Shard({p.dim}) of a value of {ndim} axes")
+                axes[p.dim % ndim] += (name,)
+    else:
+        if len(items) > ndim:
+            raise ValueError(f"spec {items}: {len(items)} entries for a value of {ndim} axes")
+        for k, entry in enumerate(items):
+            names = () if entry is None else (entry,) if isinstance(entry, str) else tuple(entry)
+            for n in names:
+                mesh.axis_index(n)  # an unknown mesh axis name fails here
+            axes[k] = names
+    used = [n for a in axes for n in a]
+    if len(used) != len(set(used)):
+        raise ValueError(f"{items}: a mesh axis shards two tensor axes")
+    return Layout(tuple(axis_entry(a) if a else None for a in axes))
