@@ -56,13 +56,27 @@ def relative_error(got, ref):
 
 
 def _seeded_rng(args, mesh):
-    """Every process draws the same global inputs (same seed), as a replicated program would."""
+    """Every process draws the same global inputs (same seed), as a replicated program would;
+    the seed is printed, so a run can be repeated with --seed."""
     seed = args.seed if args.seed is not None else int(time.time_ns() % 2**31)
     if mesh.nprocs > 1:
         from mpi4py import MPI
 
         seed = MPI.COMM_WORLD.bcast(seed)
+    if mesh.rank == 0:
+        print(f"inputs from seed {seed} (repeat with --seed {seed})")
     return np.random.default_rng(seed)
+
+
+def _timing_note(mesh) -> str:
+    """What the times mean on this mesh: virtual devices share one machine's resources."""
+    local = len(mesh.local_devices)
+    if local <= 1:
+        return ""
+    if mesh.backend_name == "numpy":
+        return (f" ({local} NumPy devices of one process run one after another, so nothing overlaps and the "
+                "pipelined plan only adds steps here; on GPUs chunks overlap)")
+    return f" ({local} virtual devices share the GPU(s) of this process)"
 
 
 def mlp_demo(args):
@@ -88,7 +102,8 @@ def mlp_demo(args):
         print(f"check against the single-device block: relative error {err:.2e} -> {'OK' if ok else 'FAILED'}")
         print(f"collectives per call: chunks={args.chunks} {plan.collectives()}, "
               f"chunks=1 {flat.lower(*specs).collectives()}")
-        print(f"time (median of {args.repeat}): pipelined {t_pipe:.3f} ms, one chunk {t_flat:.3f} ms")
+        print(f"time (median of {args.repeat}): pipelined {t_pipe:.3f} ms, one chunk {t_flat:.3f} ms"
+              + _timing_note(mesh))
     return 0 if ok else 1
 
 
@@ -143,5 +158,6 @@ def main(argv=None):
               f"(tolerance {TOLERANCE[args.dtype]:.0e}) -> {'OK' if ok else 'FAILED'}")
         print(f"collectives per call: pipelined {plan.collectives()}, "
               f"unpipelined {unpipelined.lower(a_sharded.spec, sf.TensorSpec(shape_b, args.dtype)).collectives()}")
-        print(f"time (median of {args.repeat}): pipelined {t_pipe:.3f} ms, unpipelined {t_flat:.3f} ms")
+        print(f"time (median of {args.repeat}): pipelined {t_pipe:.3f} ms, unpipelined {t_flat:.3f} ms"
+              + _timing_note(mesh))
     return 0 if ok else 1

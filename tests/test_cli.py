@@ -61,3 +61,15 @@ def test_cli_errors_from_the_library_are_one_line_unless_debug():
                                 "has 3 devices, which does not divide 20")
     d = run("--debug", *bad)
     assert d.returncode != 0 and "Traceback" in d.stderr and "ValueError: cannot shard axis 1" in d.stderr
+
+
+def test_demo_prints_its_seed_and_what_its_times_mean():
+    r = run("demo", "--backend", "numpy", "--devices", "2", "--chunks", "2", "--m", "4", "--k", "8", "--n", "8",
+            "--repeat", "1", "--seed", "123")
+    assert r.returncode == 0, r.stderr
+    assert "inputs from seed 123 (repeat with --seed 123)" in r.stdout
+    assert "2 NumPy devices of one process run one after another" in r.stdout
+    again = run("demo", "--backend", "numpy", "--devices", "2", "--chunks", "2", "--m", "4", "--k", "8", "--n", "8",
+                "--repeat", "1", "--seed", "123")
+    error = [line for line in r.stdout.splitlines() if "relative error" in line]
+    assert error and error == [line for line in again.stdout.splitlines() if "relative error" in line]  # same inputs
