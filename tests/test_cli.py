@@ -73,3 +73,14 @@ def test_demo_prints_its_seed_and_what_its_times_mean():
                 "--repeat", "1", "--seed", "123")
     error = [line for line in r.stdout.splitlines() if "relative error" in line]
     assert error and error == [line for line in again.stdout.splitlines() if "relative error" in line]  # same inputs
+
+
+def test_bench_defaults_are_sized_to_the_backend_and_numbers_are_checked():
+    import json
+
+    r = run("bench", "--backend", "numpy", "--devices", "2", "--json", "--repeat", "2", "--steady-rounds", "1")
+    assert r.returncode == 0, r.stderr
+    args = json.loads(r.stdout)["args"]
+    assert (args["m"], args["k"], args["n"], args["dtype"], args["chunks"]) == (512, 512, 512, "float32", [1, 2, 4])
+    bad = run("bench", "--backend", "numpy", "--devices", "2", "--m", "0")
+    assert bad.returncode == 2 and "--m must be a positive int, got 0" in bad.stderr and "Traceback" not in bad.stderr

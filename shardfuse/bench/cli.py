@@ -61,16 +61,19 @@ def parser():
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--backend", choices=["numpy", "cupy"], default=None)
     p.add_argument("--devices", type=int, default=None, help="D (default: all GPUs, else 4 CPU devices)")
-    p.add_argument("--m", type=int, default=8192)
-    p.add_argument("--k", type=int, default=8192)
-    p.add_argument("--n", type=int, default=8192)
-    p.add_argument("--dtype", default="float16", help="comma-separated: float16,bfloat16,float32,float64")
-    p.add_argument("--chunks", type=_ints, default=[1, 2, 4, 8, 16], help="S values, comma-separated")
+    p.add_argument("--m", type=int, default=None, help="rows (default 8192 on GPUs, 512 on NumPy devices)")
+    p.add_argument("--k", type=int, default=None, help="(default 8192 on GPUs, 512 on NumPy devices)")
+    p.add_argument("--n", type=int, default=None, help="(default 8192 on GPUs, 512 on NumPy devices)")
+    p.add_argument("--dtype", default=None, help="comma-separated: float16,bfloat16,float32,float64 "
+                                                 "(default float16 on GPUs, float32 on NumPy devices)")
+    p.add_argument("--chunks", type=_ints, default=None, help="S values, comma-separated (default 1,2,4,8,16 on "
+                                                              "GPUs, 1,2,4 on NumPy devices)")
     p.add_argument("--streams", type=_ints, default=[4], help="stream counts, comma-separated")
     p.add_argument("--warmup", type=int, default=5)
     p.add_argument("--repeat", type=int, default=30)
     p.add_argument("--sets", type=int, default=3, help="input sets rotated over runs")
-    p.add_argument("--growth-calls", type=int, default=1000, help="calls for the memory-growth check")
+    p.add_argument("--growth-calls", type=int, default=None, help="calls for the memory-growth check (default "
+                                                                  "1000 on GPUs, 20 on NumPy devices)")
     p.add_argument("--steady-calls", type=int, default=20,
                    help="calls issued back to back (no synchronisation) per run, for the steady-state host "
                         "issue time and the back-to-back GPU time per call")
@@ -89,9 +92,30 @@ def over_tolerance(rows):
     return [r for r in rows if r.get("rel_err") is not None and not r["rel_err"] <= TOLERANCE[r["dtype"]]]
 
 
+# Defaults sized to the backend: a GPU's are a large GEMM; NumPy devices compute on the host.
+DEFAULTS = {"cupy": dict(m=8192, k=8192, n=8192, dtype="float16", chunks=[1, 2, 4, 8, 16], growth_calls=1000),
+            "numpy": dict(m=512, k=512, n=512, dtype="float32", chunks=[1, 2, 4], growth_calls=20)}
+
+
+def _resolve(p, args, backend_name):
+    for name, value in DEFAULTS[backend_name].items():
+        if getattr(args, name) is None:
+            setattr(args, name, value)
+    for name in ("devices", "m", "k", "n", "warmup", "repeat", "sets", "steady_calls", "steady_rounds"):
+        value = getattr(args, name)
+        if value is not None and value < 1:
+            p.error(f"--{name.replace('_', '-')} must be a positive int, got {value}")
+    if args.growth_calls < 0 or not args.chunks or min(args.chunks) < 1 or not args.streams or min(args.streams) < 1:
+        p.error("--growth-calls must be >= 0, and --chunks / --streams positive ints")
+
+
 def main(argv=None):
-    args = parser().parse_args(argv)
+    p = parser()
+    args = p.parse_args(argv)
+    if args.devices is not None and args.devices < 1:
+        p.error(f"--devices must be a positive int, got {args.devices}")
     mesh = sf.DeviceMesh(args.devices or default_devices(args.backend), backend=args.backend)
+    _resolve(p, args, mesh.backend_name)
     mpi = None
     if args.seed is None:
         args.seed = int(time.time_ns() % 2**31)
