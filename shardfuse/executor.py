@@ -18,7 +18,7 @@ from shardfuse.runtime import backend_of
 from shardfuse.pieces import check_args, local_pieces, piece_indices
 from shardfuse.interop import stream_ptr
 from shardfuse.backends.protocol import MAIN, Ref, block, rank_major, reshape_strides
-from shardfuse.ir import format_instrs, unroll, walk
+from shardfuse.ir import format_instrs, local_shape, unroll, walk
 from shardfuse.ops import ELEMENTWISE, HOST, Op, VIEWS
 from shardfuse.strides import ordered_strides
 
@@ -53,9 +53,7 @@ class Executable:
         self.steps: list = []
         self.pending: dict = {}  # comm handle -> wait step(s)
         for v in prog.inputs:
-            lay = v.type.layout
-            shape = lay.local_shape(v.type.shape, self.mesh)
-            self.refs[v] = self._new_slot(shape, v.type.dtype, None)
+            self.refs[v] = self._new_slot(local_shape(v, self.mesh), v.type.dtype, None)
         # where each local device's piece of a plain argument lies (its shape is checked per call)
         self._input_pieces = [piece_indices(v.type.shape, v.type.layout, self.mesh) for v in prog.inputs]
         self._deferred: dict = {}  # slot -> (physical shape, dtype): the program's own persistent buffers
@@ -110,9 +108,6 @@ class Executable:
             if slot in used:
                 self.slot_templates[slot] = self.backend.empty(shape, dtype)
 
-    def _local_shape(self, v):
-        return v.type.layout.local_shape(v.type.shape, self.mesh)
-
     # ---- binding ----------------------------------------------------------------------
     def _bind(self, instrs, stream):
         """Bind what one call issues (ir.unroll) in order: each instruction through its Op's
@@ -126,7 +121,7 @@ class Executable:
 
     def _bind_allocate(self, i, env, stream):
         v, a = i.outs[0], i.attrs
-        shape = self._local_shape(v)
+        shape = local_shape(v, self.mesh)
         if a.get("pool"):
             self.refs[v] = self._allocate((a["pool"],) + shape, v.type.dtype, False)
         else:
@@ -197,7 +192,7 @@ class Executable:
         if op == Op.TRANSPOSE:
             perm = a["perm"]
             return replace(src, shape=tuple(src.shape[p] for p in perm), strides=tuple(src.strides[p] for p in perm))
-        out_shape = self._local_shape(i.outs[0])
+        out_shape = local_shape(i.outs[0], self.mesh)
         if op == Op.SLICE:
             ax, idx = a["axis"], a["index"]
             ranks = self._ranks(i.outs[0], idx.ring) if idx.ring else [0] * self.ndev  # ring: (rank - i) % D

@@ -99,6 +99,13 @@ class Program:
         return format_program(self)
 
 
+def local_shape(v: Value, mesh) -> tuple:
+    """The shape of v's piece on one device (its layout's sub-mesh, else `mesh`); the global
+    shape while no layout is known."""
+    lay = v.type.layout
+    return v.type.shape if lay is None else lay.local_shape(v.type.shape, mesh)
+
+
 def walk(instrs):
     for ins in instrs:
         yield ins

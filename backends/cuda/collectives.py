@@ -182,11 +182,13 @@ class Collectives:
             # virtual devices of one GPU: one kernel for all 2d - 1 copies (a copy costs ~5 us of
             # host; the launch about as much as one)
             aligned = nb % 16 == 0 and all(o % 16 == 0 for o in offsets_bytes(send) + offsets_bytes(recv))
-            units, kernels = nb // 16 if aligned else nb, self.kernels
+            units, kernels, kern = nb // 16 if aligned else nb, self.kernels, []
             grid = (min(4096, -(-units * d * d // 256)),)
 
             def gathered(S, R, st):  # (the kernel compiled at first use: NCCL teams never need it)
-                kernels.gather(d, aligned)(grid, (256,), tuple(x.data.ptr + off for x, off in S) + tuple(x.data.ptr + off for x, off in R)
+                if not kern:
+                    kern.append(kernels.gather(d, aligned))
+                kern[0](grid, (256,), tuple(x.data.ptr + off for x, off in S) + tuple(x.data.ptr + off for x, off in R)
                      + (units,))
         return self.collective(Op.ALLGATHER, send, recv, team, stream,
                                lambda c, s, r, st: c.allGather(s, r, count, t, st),

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from shardfuse.ir import Instr, Namer, Value
+from shardfuse.ir import Instr, Namer, Value, local_shape
 from shardfuse.ops import Op
 from shardfuse.passes.allocate import mark_per_call
 from shardfuse.strides import contiguous_strides, ordered_strides, reshape_strides
@@ -24,13 +24,9 @@ def stage_strided_views(prog):
     return prog.with_instrs(mark_per_call(staged), "stage_strided_views")  # an output may now view a staging buffer
 
 
-def _local(v, mesh):
-    return v.type.layout.local_shape(v.type.shape, mesh)
-
-
 def _walk(instrs, strides, mesh, namer):
     def of(v):  # inputs are C-contiguous
-        return strides[v] if v in strides else contiguous_strides(_local(v, mesh))
+        return strides[v] if v in strides else contiguous_strides(local_shape(v, mesh))
 
     out = []
     for i in instrs:
@@ -47,12 +43,12 @@ def _walk(instrs, strides, mesh, namer):
             strides[i.outs[0]] = _allocated(i, mesh)
         elif i.op == Op.VIEW:
             src, dst = i.ins[0], i.outs[0]
-            new = reshape_strides(_local(src, mesh), of(src), _local(dst, mesh))
+            new = reshape_strides(local_shape(src, mesh), of(src), local_shape(dst, mesh))
             if new is None:  # stage it: a contiguous copy, then the view of that
                 tmp = Value(namer(src.name + "_contig"), src.type)
                 out += [Instr(Op.ALLOCATE, (tmp,)), Instr(Op.COPY, (), (src,), into=tmp)]
                 i = replace(i, ins=(tmp,))
-                new = contiguous_strides(_local(dst, mesh))
+                new = contiguous_strides(local_shape(dst, mesh))
             strides[dst] = new
         out.append(i)
     return out
@@ -60,7 +56,7 @@ def _walk(instrs, strides, mesh, namer):
 
 def _allocated(i, mesh):
     """Strides of a new buffer: C order, or the order fold_collectives chose (rank-major)."""
-    shape = _local(i.outs[0], mesh)
+    shape = local_shape(i.outs[0], mesh)
     if i.attrs.get("pool"):
         shape = (i.attrs["pool"],) + shape
     return ordered_strides(shape, i.attrs.get("order"))

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from shardfuse.ir import Instr, Namer, Value, substitute, walk
+from shardfuse.ir import Instr, Namer, Value, local_shape, substitute, walk
 from shardfuse.layout import shard_count
 from shardfuse.ops import COLLECTIVES, Op, VIEWS
 from shardfuse.passes.allocate import output_roots, view_bases
@@ -33,10 +33,6 @@ def _team_size(i, prog):
     return shard_count(i.attrs["team"], i.ins[0].type.layout.mesh or prog.mesh)
 
 
-def _local(v, prog):
-    return v.type.layout.local_shape(v.type.shape, prog.mesh)
-
-
 def _fold(instrs, prog, ctx):
     foldable, roots, base, alias, handles, namer = ctx
     out = []
@@ -48,7 +44,7 @@ def _fold(instrs, prog, ctx):
         if i.op == Op.WAIT and i.ins[0] in handles:
             continue
         if (i.op in COLLECTIVES and i.op != Op.SENDRECV and i.into in foldable and base.get(i.into, i.into) not in roots
-                and "when" not in i.attrs and _local(i.ins[0], prog) == _local(i.into, prog)):
+                and "when" not in i.attrs and local_shape(i.ins[0], prog.mesh) == local_shape(i.into, prog.mesh)):
             y = i.into
             view = Value(namer(y.name + "_folded"), y.type)
             out.append(Instr(Op.VIEW, (view,), (i.ins[0],), {"shape": y.type.shape, "folded": f"{i.op} over "
@@ -112,7 +108,7 @@ def _without(instrs, dead):
 def _rank_major(instrs, prog):
     order = {}
     for i in walk(instrs):
-        if i.op == Op.ALLGATHER and i.attrs["axis"] > 0 and _local(i.ins[0], prog)[i.attrs["axis"]] == 1:
+        if i.op == Op.ALLGATHER and i.attrs["axis"] > 0 and local_shape(i.ins[0], prog.mesh)[i.attrs["axis"]] == 1:
             k, nd = i.attrs["axis"], i.into.type.ndim
             order[i.into] = (k,) + tuple(j for j in range(nd) if j != k)
     return _set_order(instrs, order)

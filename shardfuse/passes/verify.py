@@ -7,6 +7,7 @@ follows from its layout (each sharded extent divides evenly) and no Slice cuts a
 """
 from __future__ import annotations
 
+from shardfuse.ir import local_shape
 from shardfuse.layout import mesh_axes, shard_count
 from shardfuse.ops import COMMUNICATION, HOST, Op
 
@@ -38,11 +39,6 @@ def _check_local_shape(v, prog):
                                      f"{over} ({d} devices), which does not divide it")
 
 
-def _local(v, prog):
-    lay = v.type.layout
-    return v.type.shape if lay is None else lay.local_shape(v.type.shape, lay.mesh or prog.mesh)
-
-
 def _check_block(instrs, defined, prog, top):
     pending = set()
     defined = set(defined)
@@ -67,11 +63,11 @@ def _check_block(instrs, defined, prog, top):
             a, b = (v.type.shape for v in i.ins)
             want = a[:-1] + (b[-1],)
             _check(i.into.type.shape == want, f"Matmul {i.into.name}{i.into.type.shape} <- {a} @ {b}: expected {want}")
-            la, lb = (_local(v, prog) for v in i.ins)
+            la, lb = (local_shape(v, prog.mesh) for v in i.ins)
             _check(la[-1] == lb[-2], f"Matmul {i.into.name} <- {i.ins[0].name} @ {i.ins[1].name}: local K differs "
                                      f"({la} @ {lb}): one operand's K is sharded and the other's is not")
         if i.op == Op.COPY:
-            src, dst = (_local(v, prog) for v in (i.ins[0], i.into))
+            src, dst = (local_shape(v, prog.mesh) for v in (i.ins[0], i.into))
             _check(src == dst, f"Copy {i.into.name}{dst} <- {i.ins[0].name}{src}: the local shapes differ")
         if i.op == Op.FOR:
             body = i.body
