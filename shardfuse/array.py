@@ -12,7 +12,7 @@ from shardfuse.layout import Layout, layout_of
 from shardfuse.dtypes import normalize_dtype, np_dtype
 from shardfuse.executor import Executable
 from shardfuse.passes import compile_program
-from shardfuse.pieces import Placed, device_index, global_layout, local_pieces
+from shardfuse.pieces import Placed, device_index, global_layout, local_indices, local_pieces
 from shardfuse.spec import TensorSpec, check_axis, check_divides, normalize_axis
 from shardfuse.ir import TensorType
 from shardfuse.ops import Op
@@ -138,12 +138,9 @@ class Array(Placed):
     def addressable_shards(self) -> list:
         """This process' pieces, as in JAX: (device, index, data) each, data a backend-native
         array (cupy.ndarray on the cupy backend, bfloat16 as its uint16 bits; numpy.ndarray on NumPy)."""
-        out = []
-        for d, data in zip(self.mesh.local_devices, self.shards):
-            idx = device_index(self.shape, self.sharding, self.mesh, d)
-            if idx is not None:
-                out.append(AddressableShard(d, idx, data))
-        return out
+        indices = local_indices(self.shape, self.sharding, self.mesh)
+        return [AddressableShard(d, idx, data)
+                for d, idx, data in zip(self.mesh.local_devices, indices, self.shards) if idx is not None]
 
     def to_local(self):
         """This process' one piece (DTensor's to_local), a backend-native array, no copy.  Where
@@ -160,8 +157,8 @@ class Array(Placed):
     def _whole_piece(self, what):
         """A local piece that is the whole value (replicated, or a mesh of one device)."""
         lay = self.sharding
-        if len(self.shards) == 1 and lay.mesh is None and not lay.partial and self.shards[0].shape == self.shape:
-            return self.shards[0]  # the hot path (a result exported every call): one whole piece
+        if lay.mesh is None and not lay.partial and self.shards[0].shape == self.shape:
+            return self.shards[0]  # the hot path (a result exported every call): replicated pieces
         shards = self.addressable_shards
         if shards and self._held_whole(shards):
             return shards[0].data

@@ -48,15 +48,18 @@ def _memo(mesh, key, make):
     return got
 
 
+def local_indices(shape: tuple, layout: Layout, mesh) -> tuple:
+    """Per local device: device_index of its piece (remembered: results exported every call ask)."""
+    return _memo(mesh, ("indices", shape, layout),
+                 lambda: tuple(device_index(shape, layout, mesh, d) for d in mesh.local_devices))
+
+
 def piece_indices(shape: tuple, layout: Layout, mesh) -> tuple:
     """Per local device: the index of its piece of a global array of this shape, () when the
     piece is the whole array, None when the device holds none (outside the value's sub-mesh)."""
     def make():
-        out = []
-        for d in mesh.local_devices:
-            idx = device_index(shape, layout, mesh, d)
-            out.append(() if idx is not None and all(s == slice(None) for s in idx) else idx)
-        return tuple(out)
+        return tuple(() if idx is not None and all(s == slice(0, n) for s, n in zip(idx, shape)) else idx
+                     for idx in local_indices(shape, layout, mesh))
     return _memo(mesh, ("pieces", shape, layout), make)
 
 
