@@ -253,7 +253,7 @@ def bind_gemm(dev, pool, a, b, out, stream, lay, fixed, tune=GEMM_TUNE):
                         ctype=CUDA_T[dt], comp=comp, alpha=ctypes.addressof(one), beta=ctypes.addressof(zero),
                         keep=(one, zero), src=(s1, o1, s2, o2, so, oo), ptrs=_pointers(s1, o1, s2, o2, so, oo),
                         handles=handles, ords=dev.ordinals, multi=not dev.one_gpu, nd=nd)
-    if inner is None and pool.api == "lt" and not g.multi and len(outer) == 1 and None not in (s1, s2, so):
+    if inner is None and pool.api == "lt" and len(outer) == 1 and None not in (s1, s2, so):
         step = _lt_step(dev, pool, g, stream, tune)
         if step is not None:
             return step
@@ -276,58 +276,69 @@ def _pointers(s1, o1, s2, o2, so, oo):
 
 
 def _lt_step(dev, pool, g, stream, tune_count):
-    """One cublasLtMatmul per device (all on one GPU), or None when cuBLASLt has no algorithm."""
+    """One pre-bound cublasLtMatmul per device, tuned once per GPU (virtual devices of a GPU share
+    its plan), or None when cuBLASLt has no algorithm."""
     lt = pool.lt_lib()
-    o0 = dev.ordinals[0]
-    lh, ws, sp = pool.lt_handle(o0), pool.ws_ptr[(o0, stream)], dev.stream(0, stream).ptr
     m, n, k, opa, lda, opb, ldb, ldc = g.dims
     alpha, beta, item, dt, keep = g.alpha, g.beta, g.item, g.dt, g.keep
     s1, o1, s2, o2, so, oo = g.src
+    d1, d2, d3 = g.outer[0]
+    plans, calls = {}, []  # GPU -> its cuBLASLt plan; per device: (GPU, pa, pb, pc, args, offsets)
+    for j, o in enumerate(g.ords):
+        lh, ws, sp = pool.lt_handle(o), pool.ws_ptr[(o, stream)], dev.stream(j, stream).ptr
+        if o not in plans:
+            with cupy.cuda.Device(o):
+                plans[o] = _lt_plan_for(lt, lh, ws, sp, o, g, tune_count)
+            if plans[o] is None:
+                return None
+        desc, la, lb, lc, algo, _ = plans[o]
+        # every argument as a ctypes object, once; a call only sets the data pointers' values
+        pa, pb, pc = ctypes.c_void_p(), ctypes.c_void_p(), ctypes.c_void_p()
+        args = tuple([ctypes.c_void_p(x) for x in (lh, desc, alpha)] + [
+            pa, ctypes.c_void_p(la), pb, ctypes.c_void_p(lb), ctypes.c_void_p(beta), pc, ctypes.c_void_p(lc), pc,
+            ctypes.c_void_p(lc), ctypes.c_void_p(algo), ctypes.c_void_p(ws), ctypes.c_size_t(WORKSPACE),
+            ctypes.c_void_p(sp)])
+        calls.append((o, pa, pb, pc, args, (o1[j] + d1, o2[j] + d2, oo[j] + d3)))
+    mm, what, held = lt.MatmulPrebound, f"cublasLtMatmul (m={m} n={n} k={k} {dt})", (keep, plans)
+    if g.nd == 1:  # the hot path, kept short: one device, one GEMM
+        ((_, pa, pb, pc, args, (x1, x2, x3)),) = calls
+
+        def step(bufs, _keep=held):
+            pa.value = bufs[s1][0].data.ptr + x1
+            pb.value = bufs[s2][0].data.ptr + x2
+            pc.value = bufs[so][0].data.ptr + x3
+            st = mm(*args)
+            if st:
+                check(st, what)
+        return step
+    multi = g.multi  # several GPUs: each call on its own GPU; virtual devices of one GPU in turn
+
+    def step(bufs, _keep=held):
+        A, B, C = bufs[s1], bufs[s2], bufs[so]
+        for j, (o, pa, pb, pc, args, (x1, x2, x3)) in enumerate(calls):
+            if multi:
+                runtime.setDevice(o)
+            pa.value = A[j].data.ptr + x1
+            pb.value = B[j].data.ptr + x2
+            pc.value = C[j].data.ptr + x3
+            st = mm(*args)
+            if st:
+                check(st, f"{what}, device {j}")
+    return step
+
+
+def _lt_plan_for(lt, lh, ws, sp, ordinal, g, tune_count):
+    """The cuBLASLt plan (lt_plan's) of g's problem on one GPU, its algorithm tuned there."""
+    m, n, k, opa, lda, opb, ldb, ldc = g.dims
+    alpha, beta, item = g.alpha, g.beta, g.item
     sizes = (lda * (k if opa == OP_N else m), ldb * (n if opb == OP_N else k), ldc * n)
 
     def tune(desc, la, lb, lc, algos):
         return fastest(lambda algo, p: lt.Matmul(lh, desc, alpha, p[0], la, p[1], lb, beta, p[2], lc, p[2], lc,
                                                   algo, ws, WORKSPACE, sp), algos, sizes, item, sp)
 
-    plan = lt_plan(lt, lh, o0, g.comp, COMPUTE_SCALE[g.comp], g.ctype, opa, opb, m, n, k, lda, ldb, ldc, WORKSPACE,
-                   tune=tune if tune_count > 1 else None, count=tune_count)
-    if plan is None:
-        return None
-    desc, la, lb, lc, algo, lt_keep = plan
-    mm = lt.MatmulPrebound
-    d1, d2, d3 = g.outer[0]
-    # every argument as a ctypes object, once; a call only sets the data pointers' values
-    pa, pb, pc = ctypes.c_void_p(), ctypes.c_void_p(), ctypes.c_void_p()
-    args = tuple([ctypes.c_void_p(x) for x in (lh, desc, alpha)] + [pa, ctypes.c_void_p(la), pb, ctypes.c_void_p(lb),
-                                                              ctypes.c_void_p(beta), pc, ctypes.c_void_p(lc), pc,
-                                                              ctypes.c_void_p(lc), ctypes.c_void_p(algo),
-                                                              ctypes.c_void_p(ws), ctypes.c_size_t(WORKSPACE),
-                                                              ctypes.c_void_p(sp)])
-    if g.nd == 1:  # the hot path, kept short: one device, one GEMM
-        o1_, o2_, oo_ = o1[0] + d1, o2[0] + d2, oo[0] + d3
-
-        def step(bufs, _keep=(keep, lt_keep)):
-            pa.value = bufs[s1][0].data.ptr + o1_
-            pb.value = bufs[s2][0].data.ptr + o2_
-            pc.value = bufs[so][0].data.ptr + oo_
-            st = mm(*args)
-            if st:
-                check(st, f"cublasLtMatmul (m={m} n={n} k={k} {dt})")
-        return step
-    # virtual devices of one GPU: the same GEMM for each, in turn on the same stream
-    # (so they may share the workspace)
-    offs = [(o1[j] + d1, o2[j] + d2, oo[j] + d3) for j in range(g.nd)]
-
-    def step(bufs, _keep=(keep, lt_keep)):
-        A, B, C = bufs[s1], bufs[s2], bufs[so]
-        for j, (x1, x2, x3) in enumerate(offs):
-            pa.value = A[j].data.ptr + x1
-            pb.value = B[j].data.ptr + x2
-            pc.value = C[j].data.ptr + x3
-            st = mm(*args)
-            if st:
-                check(st, f"cublasLtMatmul (m={m} n={n} k={k} {dt}, device {j})")
-    return step
+    return lt_plan(lt, lh, ordinal, g.comp, COMPUTE_SCALE[g.comp], g.ctype, opa, opb, m, n, k, lda, ldb, ldc,
+                   WORKSPACE, tune=tune if tune_count > 1 else None, count=tune_count)
 
 
 def _ex_step(g, fn):
