@@ -17,7 +17,7 @@ import pytest
 
 import shardfuse as sf
 from shardfuse.backends.protocol import Backend
-from shardfuse.bench import cli, main, memory, report, runner
+from shardfuse.bench import cli, host, main, memory, report, runner
 from shardfuse.bench.clocks import HostClock, device_streams
 from shardfuse.bench.inputs import Inputs, f64, rel_err
 from shardfuse.demo import seed_functions
@@ -28,7 +28,8 @@ ROOT = Path(__file__).resolve().parents[1]
 BENCH = sorted((ROOT / "shardfuse" / "bench").glob("*.py"))
 M, K, N = 32, 16, 8
 OPTIONS = ("--backend", "--devices", "--m", "--k", "--n", "--dtype", "--chunks", "--streams", "--warmup", "--repeat",
-           "--sets", "--growth-calls", "--steady-calls", "--steady-rounds", "--graph", "--seed", "--json", "--pattern")
+           "--sets", "--growth-calls", "--steady-calls", "--steady-rounds", "--graph", "--seed", "--json", "--pattern",
+           "--no-progress", "--host")
 TINY = ["--backend", "numpy", "--m", str(M), "--k", str(K), "--n", str(N), "--repeat", "2", "--warmup", "1",
         "--growth-calls", "3", "--steady-rounds", "2", "--steady-calls", "3", "--seed", "5"]
 
@@ -54,6 +55,25 @@ def ag_expected(dtypes, chunks, streams):
     return out
 
 
+def cells(table: str) -> list[dict]:
+    """The table read back by its header: plan and dtype left-aligned (dtype never empty), every
+    other column right-aligned under its heading (an empty cell is ""), columns one space apart."""
+    head, _, *lines = table.splitlines()
+    name_w = head.index(" dtype")
+    ends = [(m.group(), m.end()) for m in re.finditer(r"\S+", head[name_w + 1:])][1:]  # after dtype
+    out = []
+    for ln in lines:
+        if not ln:
+            continue
+        rest = ln[name_w + 1:]
+        dtype = rest.split(" ", 1)[0]
+        row, prev = {"plan": ln[:name_w].strip(), "dtype": dtype}, len(dtype)
+        for h, end in ends:
+            row[h], prev = rest[prev:end].strip(), end
+        out.append(row)
+    return out
+
+
 def test_rows_are_the_variants_asked_for(both):
     rows = [(r["name"], r["dtype"], r["S"], r["streams"]) for r in both["rows"]]
     want = []
@@ -63,9 +83,11 @@ def test_rows_are_the_variants_asked_for(both):
                  ("gemm then reduce-scatter", dt, 1, 2)] + [("gemm+rs pipelined", dt, s, 2) for s in (1, 2, 4)]
     assert rows == want
     # the table has one line per row, in the same order, with the same name, dtype and S
-    lines = report.table(both["rows"]).splitlines()[2:]
-    assert [(ln[:27].strip(), ln[28:36].strip(), ln[37:40].strip()) for ln in lines] == \
-        [(n, d, "" if s is None else str(s)) for n, d, s, _ in want]
+    got = cells(report.table(both["rows"]))
+    assert [(c["plan"], c["dtype"], c["S"]) for c in got] == [(n, d, "" if s is None else str(s)) for n, d, s, _ in want]
+    # only columns some row fills: NumPy devices have no bare-library ratios
+    assert "/cupy-S" not in got[0] and "/cuBLAS-1" not in got[0] and {"ms", "host-us", "rel-err"} <= set(got[0])
+    assert all(any(c[h] for c in got) for h in got[0])
 
 
 def test_json_is_the_same_object_as_before(both):
@@ -150,10 +172,33 @@ def test_the_table_through_the_command_line():
     lines = r.stdout.splitlines()
     head = next(i for i, ln in enumerate(lines) if ln.startswith("plan "))
     want = [n for n, *_ in ag_expected(["float32"], [1, 2], [2])]
-    body = lines[head + 2:]
-    assert [ln[:27].strip() for ln in body] == want + [""]  # and an empty memory table (no device clock)
-    errs = [ln.split()[-1] for ln in body[1:len(want)]]  # every row but the Allgather alone ends with its error
+    assert lines[-1] == ""  # an empty memory table (no device clock)
+    got = cells("\n".join(lines[head:-1]))
+    assert [c["plan"] for c in got] == want
+    errs = [c["rel-err"] for c in got[1:]]  # every row but the Allgather alone has its error
     assert all(float(e) <= cli.TOLERANCE["float32"] for e in errs), errs
+    # progress on stderr (not a terminal here: a line as each phase starts and ends), none with --no-progress
+    assert "idle rounds" in r.stderr and "back to back" in r.stderr and "done in" in r.stderr
+    quiet = subprocess.run([sys.executable, "-m", "shardfuse", "bench", *TINY, "--devices", "1", "--chunks", "1",
+                            "--no-progress"], capture_output=True, text=True, timeout=60)
+    assert quiet.returncode == 0 and quiet.stderr == "", quiet.stderr
+
+
+def test_host_table_times_every_case_asked_for(capsys):
+    """--host: one row per (D, S), eager only on NumPy devices, the plan alone and the user path,
+    with the steps a call issues (S GEMMs and S all-gathers at D = 2) and the bare GEMM beside."""
+    assert main(["--host", "--backend", "numpy", "--devices", "2", "--chunks", "1,3", "--steady-calls", "2",
+                 "--steady-rounds", "1", "--json"]) == 0
+    got = json.loads(capsys.readouterr().out)
+    rows = got["host"]["rows"]
+    assert [(r["D"], r["S"], r["steps"]) for r in rows] == [(2, 1, 2), (2, 3, 6)]
+    assert all(r[k] > 0 for r in rows for k in ("eager", "eager_user")) and "graph" not in rows[0]
+    assert list(got["host"]["baselines"]) == ["numpy.matmul"] and got["env"]["backend"] == "numpy"
+    text = host.table(got["host"])
+    assert text.splitlines()[1].split() == ["D", "S", "eager", "user", "us/dev-step"]
+    assert [ln.split()[:2] for ln in text.splitlines()[3:5]] == [["2", "1"], ["2", "3"]]
+    with pytest.raises(SystemExit):
+        main(["--host", "--backend", "numpy", "--steady-calls", "0"])
 
 
 def test_help_lists_the_options(capsys):

@@ -137,8 +137,8 @@ def time_all(ctx, variants):
     {variant: ratio} each."""
     args, clock, mpi = ctx.args, ctx.clock, ctx.mpi
     ctx.log(f"  timing {len(variants)} variants, interleaved: {args.warmup} warm-up + {args.repeat} rounds")
-    runner.idle_rounds(clock, variants, args.warmup, args.repeat, mpi)
-    runner.back_to_back(clock, variants, args.steady_calls, args.steady_rounds, mpi)
+    runner.idle_rounds(clock, variants, args.warmup, args.repeat, mpi, ctx.progress)
+    runner.back_to_back(clock, variants, args.steady_calls, args.steady_rounds, mpi, ctx.progress)
     pairs = args.steady_calls * args.steady_rounds
     bare_one = next((v for v in variants if v.kind == "bare_cublas" and v.s == 1), None)
     vs_alone, vs_bare = {}, {}

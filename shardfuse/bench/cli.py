@@ -39,13 +39,14 @@ On the numpy backend it runs too (slowly, small sizes): host clocks stand in for
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 import time
 
 import shardfuse as sf
-from shardfuse.bench import ag_gemm, gemm_rs, report
+from shardfuse.bench import ag_gemm, gemm_rs, host, report
 from shardfuse.bench.clocks import caller_streams, device_streams, make_clock
-from shardfuse.bench.runner import Context
+from shardfuse.bench.runner import Context, Progress
 from shardfuse.demo import default_devices
 from shardfuse.runtime import backend_of
 
@@ -82,6 +83,11 @@ def parser():
     p.add_argument("--graph", action="store_true", help="also time graph replay (cupy backend)")
     p.add_argument("--seed", type=int, default=None)
     p.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
+    p.add_argument("--no-progress", action="store_true", help="no progress on stderr")
+    p.add_argument("--host", action="store_true",
+                   help="the host issue time table instead (bench/host.py): D = 1, 2, 4, 8 (or --devices), S = 1, 4, 8 "
+                        "(or --chunks), eager and graph, plan alone and user path, --steady-calls calls back to back, "
+                        "--steady-rounds runs")
     p.add_argument("--pattern", choices=["ag", "rs", "both"], default="ag",
                    help="ag: AllGather+GEMM (the seed); rs: GEMM+ReduceScatter (the row-parallel linear)")
     return p
@@ -109,12 +115,28 @@ def _resolve(p, args, backend_name):
         p.error("--growth-calls must be >= 0, and --chunks / --streams positive ints")
 
 
+def _host_table(p, args, mesh):
+    """`--host`: the issue-time table (one process: the plans' host work is what it measures)."""
+    if mesh.nprocs > 1:
+        p.error("--host measures one process' issue time: run it without mpiexec")
+    if args.steady_calls < 1 or args.steady_rounds < 1 or (args.chunks and min(args.chunks) < 1):
+        p.error("--steady-calls, --steady-rounds and --chunks must be positive ints")
+    env = report.environment(mesh)
+    result = host.suite(mesh.backend_name, args.steady_calls, args.steady_rounds,
+                        (args.devices,) if args.devices else host.DEVICES, tuple(args.chunks or host.CHUNKS),
+                        log=None if args.json or args.no_progress else lambda m: print(m, file=sys.stderr, flush=True))
+    print(json.dumps({"env": env, "host": result}) if args.json else f"{env}\n{host.table(result)}")
+    return 0
+
+
 def main(argv=None):
     p = parser()
     args = p.parse_args(argv)
     if args.devices is not None and args.devices < 1:
         p.error(f"--devices must be a positive int, got {args.devices}")
     mesh = sf.DeviceMesh(args.devices or default_devices(args.backend), backend=args.backend)
+    if args.host:
+        return _host_table(p, args, mesh)
     _resolve(p, args, mesh.backend_name)
     mpi = None
     if args.seed is None:
@@ -137,7 +159,8 @@ def main(argv=None):
     env["user_arrays"] = "numpy" if not cuda else "torch" if torch_stream is not None else "cupy"
     log(f"shardfuse bench: {mesh}, M={args.m} K={args.k} N={args.n}, S={args.chunks}, streams={args.streams}")
     log(f"  {env}")
-    ctx = Context(args, mesh, make_clock(backend_of(mesh), cuda), cuda, log, mpi, torch_stream)
+    ctx = Context(args, mesh, make_clock(backend_of(mesh), cuda), cuda, log, mpi, torch_stream,
+                  Progress(lead and not args.no_progress))
     rows, mem = [], []
     with caller:
         for dtype in args.dtype.split(","):

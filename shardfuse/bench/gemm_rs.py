@@ -24,7 +24,7 @@ def suite(ctx, dtype):
     args, mesh = ctx.args, ctx.mesh
     sets, partials = input_sets(args, mesh, dtype)
     variants = build(args, mesh, sets, partials)
-    runner.idle_rounds(ctx.clock, variants, args.warmup, args.repeat, ctx.mpi)
+    runner.idle_rounds(ctx.clock, variants, args.warmup, args.repeat, ctx.mpi, ctx.progress)
     x, w = sets[0][2], sets[0][3]
     rows_ = min(args.m, CHECK_ROWS)
     ref = x[:rows_].astype(np.float64) @ w.astype(np.float64)

@@ -35,25 +35,38 @@ def to_json(env, args, rows, mem):
     return json.dumps({"env": env, "args": dict(vars(args)), "rows": rows, "memory": mem})
 
 
-def table(rows):
-    def f(x, fmt):
-        return fmt % x if x is not None else ""
+def _pct(key):
+    return lambda r: 100 * r[key] if r.get(key) else None
 
-    head = (f"{'plan':<27} {'dtype':<8} {'S':>3} {'str':>3} {'ms':>8} {'TFLOP/s':>7} {'host us':>8} {'host%':>6} {'steady':>7} {'st%':>5} "
-            f"{'overlap':>7} {'/cupy S':>7} {'/cuBLAS S':>9} {'/cupy 1':>7} {'/cuBLAS 1':>9} {'/plan':>6} {'b2b ms':>7} "
-            f"{'/cuBLAS 1':>9} {'/plan':>6} "
-            f"{'rel err':>8}")
+
+# (header, value of a row or None, format); a column no row fills is left out of the table
+COLUMNS = [("dtype", lambda r: r["dtype"], "%s"), ("S", lambda r: r["S"], "%d"), ("str", lambda r: r["streams"], "%d"),
+           ("ms", lambda r: r["ms"], "%.3f"), ("TFLOP/s", lambda r: r["tflops"], "%.0f"),
+           ("host-us", lambda r: r["host_us"], "%.1f"), ("host%", _pct("host_frac"), "%.1f%%"),
+           ("steady", lambda r: r.get("host_us_steady"), "%.1f"), ("st%", _pct("host_frac_steady"), "%.1f"),
+           ("overlap", lambda r: r.get("overlap_eff"), "%.3f"),
+           ("/cupy-S", lambda r: r.get("vs_bare_cupy_chunks"), "%.3f"),
+           ("/cuBLAS-S", lambda r: r.get("vs_bare_cublas_chunks"), "%.3f"),
+           ("/cupy-1", lambda r: r.get("vs_bare_cupy_one"), "%.3f"),
+           ("/cuBLAS-1", lambda r: r.get("vs_bare_cublas_one"), "%.3f"),
+           ("/plan", lambda r: r.get("vs_plan_alone"), "%.3f"), ("b2b-ms", lambda r: r.get("ms_steady"), "%.3f"),
+           ("b2b/cuBLAS-1", lambda r: r.get("vs_bare_cublas_one_steady"), "%.3f"),
+           ("b2b/plan", lambda r: r.get("vs_plan_alone_steady"), "%.3f"),
+           ("rel-err", lambda r: r.get("rel_err"), "%.1e")]
+
+
+def table(rows):
+    """One line per row; only the columns some row fills (the NumPy backend's rows have no
+    bare-library ratios, a run without --graph no replay columns)."""
+    cells = [[None if get(r) is None else fmt % get(r) for _, get, fmt in COLUMNS] for r in rows]
+    keep = [c for c in range(len(COLUMNS)) if any(line[c] is not None for line in cells)]
+    widths = {c: max([len(COLUMNS[c][0])] + [len(line[c] or "") for line in cells]) for c in keep}
+    name_w = max([4] + [len(r["name"]) for r in rows])
+    align = {c: "<" if COLUMNS[c][2] == "%s" else ">" for c in keep}  # text left, numbers right
+    head = " ".join([f"{'plan':<{name_w}}"] + [f"{COLUMNS[c][0]:{align[c]}{widths[c]}}" for c in keep])
     out = [head, "-" * len(head)]
-    for r in rows:
-        out.append(f"{r['name']:<27} {r['dtype']:<8} {f(r['S'], '%d'):>3} {f(r['streams'], '%d'):>3} "
-                   f"{r['ms']:8.3f} {f(r['tflops'], '%.0f'):>7} {r['host_us']:8.1f} {100 * r['host_frac']:5.1f}% "
-                   f"{f(r.get('host_us_steady'), '%.1f'):>7} {f(100 * r['host_frac_steady'] if r.get('host_frac_steady') else None, '%.1f'):>5} "
-                   f"{f(r.get('overlap_eff'), '%.3f'):>7} {f(r.get('vs_bare_cupy_chunks'), '%.3f'):>7} "
-                   f"{f(r.get('vs_bare_cublas_chunks'), '%.3f'):>9} {f(r.get('vs_bare_cupy_one'), '%.3f'):>7} "
-                   f"{f(r.get('vs_bare_cublas_one'), '%.3f'):>9} "
-                   f"{f(r.get('vs_plan_alone'), '%.3f'):>6} {f(r.get('ms_steady'), '%.3f'):>7} "
-                   f"{f(r.get('vs_bare_cublas_one_steady'), '%.3f'):>9} "
-                   f"{f(r.get('vs_plan_alone_steady'), '%.3f'):>6} {f(r.get('rel_err'), '%.1e'):>8}")
+    for r, line in zip(rows, cells):
+        out.append(" ".join([f"{r['name']:<{name_w}}"] + [f"{line[c] or '':{align[c]}{widths[c]}}" for c in keep]))
     return "\n".join(out)
 
 

@@ -12,6 +12,7 @@ different shapes:
 """
 from __future__ import annotations
 
+import sys
 import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Optional
@@ -94,29 +95,69 @@ def run(clock, group, schedule, first=0, mpi=None):
     return gpu, host
 
 
-def idle_rounds(clock, variants, warmup, repeat, mpi=None):
+class Progress:
+    """Progress of the long loops on stderr (stdout keeps the table or the JSON): a bar redrawn
+    in place on a terminal, else a line when a phase starts and ends (CI logs stay short)."""
+
+    WIDTH = 30
+
+    def __init__(self, enabled: bool, stream=None):
+        self.enabled, self.out = enabled, stream or sys.stderr
+        self.tty = enabled and self.out.isatty()
+        self.label, self.total, self.done, self.t0 = "", 0, 0, 0.0
+
+    def start(self, label: str, total: int):
+        self.label, self.total, self.done, self.t0 = label, max(total, 1), 0, time.perf_counter()
+        if self.enabled and not self.tty:
+            print(f"shardfuse bench: {label} ({total} runs) ...", file=self.out, flush=True)
+        self.tick(0)
+
+    def tick(self, n: int = 1):
+        self.done += n
+        if self.tty:
+            full = self.WIDTH * self.done // self.total
+            print(f"\r{self.label:<40} [{'#' * full}{'.' * (self.WIDTH - full)}] {self.done}/{self.total} "
+                  f"{time.perf_counter() - self.t0:6.1f} s", end="", file=self.out, flush=True)
+
+    def finish(self):
+        if self.enabled:
+            end = "\n" if self.tty else ""
+            print(f"{end}shardfuse bench: {self.label} done in {time.perf_counter() - self.t0:.1f} s", file=self.out,
+                  flush=True)
+
+
+QUIET = Progress(False)
+
+
+def idle_rounds(clock, variants, warmup, repeat, mpi=None, progress=QUIET):
     """Each call alone on an idle device, round robin (every repetition runs each variant once,
     so slow drifts of clocks, power and temperature hit all of them alike); repetition r uses
     input set r.  Appends to v.gpu and v.host after the warm-up."""
+    progress.start(f"idle rounds, {len(variants)} variants", (warmup + repeat) * len(variants))
     for rep in range(warmup + repeat):
         for v in variants:
+            progress.tick()
             gpu, host = run(clock, (v,), IDLE, rep, mpi)
             if rep >= warmup:
                 v.gpu += gpu
                 v.host += host
+    progress.finish()
 
 
-def back_to_back(clock, variants, calls, rounds, mpi=None):
+def back_to_back(clock, variants, calls, rounds, mpi=None, progress=QUIET):
     """`rounds` runs of `calls` calls of each variant, round robin over the variants: host issue
     time per call (v.host_b2b) and GPU time per call over each run (v.gpu_b2b; host work the GPU
     hides behind earlier calls does not count)."""
     if not calls:
         return
+    progress.start(f"back to back, {calls} calls a run", rounds * len(variants))
     for _ in range(rounds):
         for v in variants:
+            progress.tick()
             gpu, host = run(clock, (v,), Schedule(calls=calls, each=False), 0, mpi)
             v.host_b2b += host
             v.gpu_b2b.append(gpu[0] / calls)
+    progress.finish()
 
 
 def alternating(clock, first, second, pairs, mpi=None):
@@ -140,3 +181,4 @@ class Context:
     log: Callable[[str], None]
     mpi: Any = None
     torch_stream: Any = None
+    progress: Progress = QUIET
