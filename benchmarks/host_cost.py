@@ -3,6 +3,7 @@ cProfile top entries of 200 calls issued back to back, the plan alone or the use
 
     python benchmarks/host_cost.py "D=8 S=8 eager"        # the plan alone, eager
     python benchmarks/host_cost.py "D=1 S=1 graph user"   # the user path, graph replay
+    python benchmarks/host_cost.py "D=1 S=1 graph user torch"   # ... with torch tensors
     python benchmarks/host_cost.py "D=2 S=4 eager" --backend numpy
 """
 from __future__ import annotations
@@ -25,7 +26,7 @@ def main():
     words = args.case.replace("=", " ").split()
     d, s, graph = int(words[words.index("D") + 1]), int(words[words.index("S") + 1]), "graph" in words
     mesh = sf.DeviceMesh(d, backend=args.backend)
-    call = host.user_call(mesh, s, graph) if "user" in words else host.plan_call(mesh, s, graph)[0]
+    call = host.user_call(mesh, s, graph, "torch" in words) if "user" in words else host.plan_call(mesh, s, graph)[0]
     sync = host.sync_of(args.backend)
     call()
     sync()

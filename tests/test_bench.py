@@ -195,7 +195,7 @@ def test_host_table_times_every_case_asked_for(capsys):
     assert all(r[k] > 0 for r in rows for k in ("eager", "eager_user")) and "graph" not in rows[0]
     assert list(got["host"]["baselines"]) == ["numpy.matmul"] and got["env"]["backend"] == "numpy"
     text = host.table(got["host"])
-    assert text.splitlines()[1].split() == ["D", "S", "eager", "user", "us/dev-step"]
+    assert text.splitlines()[1].split() == ["D", "S", "eager", "eager_user", "eager/dev-step"]
     assert [ln.split()[:2] for ln in text.splitlines()[3:5]] == [["2", "1"], ["2", "3"]]
     with pytest.raises(SystemExit):
         main(["--host", "--backend", "numpy", "--steady-calls", "0"])

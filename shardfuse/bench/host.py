@@ -39,12 +39,25 @@ def plan_call(mesh, s, graph):
     return lambda: plan(placed_a, placed_b), plan
 
 
-def user_call(mesh, s, graph):
-    """The user path: sf.shard of the user's array each call, a plain weight, a device array out."""
+def user_call(mesh, s, graph, torch_arrays=False):
+    """The user path: sf.shard of the user's array each call, a plain weight, a device array out
+    (CuPy arrays, NumPy on NumPy devices; torch CUDA tensors with torch_arrays)."""
     xp, _ = _array_module(mesh)
     f, a, b = seed(mesh, s, graph)
     out = xp.from_dlpack
+    if torch_arrays:
+        import torch
+
+        a, b, out = torch.from_dlpack(a), torch.from_dlpack(b), torch.from_dlpack
     return lambda: out(f(sf.shard(a, axis=1, mesh=mesh), b))
+
+
+def torch_on_gpu() -> bool:
+    try:
+        import torch
+    except ImportError:
+        return False
+    return torch.cuda.is_available()
 
 
 def _array_module(mesh):
@@ -91,10 +104,12 @@ def baselines(backend, sync, calls, rounds):
 
 
 def suite(backend, calls=50, rounds=5, devices=DEVICES, chunks=CHUNKS, log=None):
-    """{"baselines": {name: us}, "rows": [{D, S, eager, eager_user, graph, graph_user, steps}]}."""
+    """{"baselines": {name: us}, "rows": [{D, S, eager, eager_user, graph, graph_user, steps}]}
+    (and eager_user_torch, graph_user_torch where torch has a GPU)."""
     sync = sync_of(backend)
     rows = []
     modes = (False, True) if backend == "cupy" else (False,)
+    torch_too = backend == "cupy" and torch_on_gpu()
     for d in devices:
         mesh = sf.DeviceMesh(d, backend=backend)
         for s in chunks:
@@ -104,6 +119,8 @@ def suite(backend, calls=50, rounds=5, devices=DEVICES, chunks=CHUNKS, log=None)
                 call, plan = plan_call(mesh, s, graph)
                 row[name] = per_call_us(call, sync, calls, rounds)
                 row[f"{name}_user"] = per_call_us(user_call(mesh, s, graph), sync, calls, rounds)
+                if torch_too:
+                    row[f"{name}_user_torch"] = per_call_us(user_call(mesh, s, graph, True), sync, calls, rounds)
                 if not graph:
                     row["steps"] = len(plan.executable.steps)
             rows.append(row)
@@ -123,14 +140,13 @@ def sync_of(backend):
 def table(result) -> str:
     """The host table: a line per (D, S), eager and graph, plan alone and user path, in us per call;
     eager's per device-step cost beside it; the bare GEMMs last."""
-    graph = any("graph" in r for r in result["rows"])
-    head = f"{'D':>2} {'S':>2} {'eager':>8} {'user':>8} {'us/dev-step':>11}" + \
-        (f" {'graph':>8} {'user':>8}" if graph else "")
-    out = ["host issue time, us per call (calls back to back)", head, "-" * len(head)]
+    cols = [c for c in ("eager", "eager_user", "eager_user_torch", "graph", "graph_user", "graph_user_torch")
+            if c in result["rows"][0]]
+    head = " ".join([f"{'D':>2} {'S':>2}"] + [f"{c:>16}" for c in cols] + [f"{'eager/dev-step':>14}"])
+    out = ["host issue time, us per call (calls back to back); user: the user path (sf.shard in, a device "
+           "array out), torch: with torch tensors", head, "-" * len(head)]
     for r in result["rows"]:
-        line = f"{r['D']:>2} {r['S']:>2} {r['eager']:8.1f} {r['eager_user']:8.1f} {r['eager'] / (r['D'] * r['S']):11.1f}"
-        if graph:
-            line += f" {r['graph']:8.1f} {r['graph_user']:8.1f}"
-        out.append(line)
+        out.append(" ".join([f"{r['D']:>2} {r['S']:>2}"] + [f"{r[c]:16.1f}" for c in cols]
+                            + [f"{r['eager'] / (r['D'] * r['S']):14.1f}"]))
     out += [f"{name}: {us:.1f} us per call" for name, us in result["baselines"].items()]
     return "\n".join(out)
