@@ -7,20 +7,16 @@ from __future__ import annotations
 
 import numpy as np
 
+from shardfuse.array_ops import ArrayOps, reshard
 from shardfuse.interop import array_info, check_input, stream_ptr
 from shardfuse.layout import Layout, layout_of
 from shardfuse.dtypes import normalize_dtype, np_dtype
-from shardfuse.executor import Executable
-from shardfuse.passes import compile_program
 from shardfuse.pieces import Placed, device_index, global_layout, local_indices, local_pieces
 from shardfuse.spec import TensorSpec, check_axis, check_divides, normalize_axis
-from shardfuse.ir import TensorType
-from shardfuse.ops import Op
-from shardfuse.trace import trace
 from shardfuse.runtime import backend_of
 
 
-class Array(Placed):
+class Array(Placed, ArrayOps):  # operators, ufuncs, reductions, indexing: array_ops
     """A global array on a mesh: this process' pieces (`shards`, one per local device) and the
     layout that says where each lies.
 
@@ -96,7 +92,7 @@ class Array(Placed):
         """The same value with other placements (DTensor's redistribute; JAX-style specs too: one
         entry per tensor axis), moved by the collectives a plan would use (a one-op plan, compiled
         once per layout pair)."""
-        return _reshard(self, layout_of(placements, self.ndim, self.mesh))
+        return reshard(self, layout_of(placements, self.ndim, self.mesh))
 
     def gather(self) -> np.ndarray:
         """The global value, on every process (a host copy).
@@ -198,7 +194,7 @@ class Array(Placed):
         plan's collectives: NCCL, device copies or MPI), like DTensor's full_tensor()."""
         if not self.sharding.sharded_axes() and not self.sharding.partial and self.sharding.mesh is None:
             return self
-        return _reshard(self, Layout.replicated(self.ndim))
+        return reshard(self, Layout.replicated(self.ndim))
 
 
 def _check_mesh(mesh, what):
@@ -231,26 +227,6 @@ class AddressableShard(tuple):
 
     def __repr__(self):
         return f"AddressableShard(device={self.device}, index={self.index}, shape={tuple(self.data.shape)})"
-
-
-_RESHARDS: dict = {}  # (mesh, spec, layout) -> the bound one-op plan that moves it there
-
-
-def _reshard(x: Array, layout: Layout) -> Array:
-    """x with `layout` on its mesh: a one-op plan (its collectives as inside sf.jit), compiled and
-    bound once per mesh, spec and layout."""
-    key = (x.mesh, x.spec, layout)
-    exe = _RESHARDS.get(key)
-    if exe is None:
-        def redistribute(v):
-            return v.builder.emit(Op.SET, (v,), TensorType(v.shape, v.dtype, layout), v.value.name, annotation=True)
-
-        prog = compile_program(trace(redistribute, x.mesh, (x.spec,), streams=1))
-        exe = _RESHARDS[key] = Executable(prog)
-        if len(_RESHARDS) > 256:  # bounded: shapes that keep changing
-            _RESHARDS.pop(next(iter(_RESHARDS)))
-    ((lay, shards),) = exe(x)
-    return Array(x.mesh, x.shape, x.dtype_name, lay, shards)
 
 
 def from_local(local_piece, axis: int, over: str = "DIDx", mesh=None):

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import argparse
+import json
 import time
 
 import numpy as np
@@ -55,23 +56,28 @@ def relative_error(got, ref):
     return float(np.linalg.norm(got.astype(np.float64) - ref) / np.linalg.norm(ref))
 
 
-def _seeded_rng(args, mesh):
+def _seeded_rng(args, mesh, say):
     """Every process draws the same global inputs (same seed), as a replicated program would;
-    the seed is printed, so a run can be repeated with --seed."""
+    the seed is printed, so a run can be repeated with --seed.  Returns (rng, seed)."""
     seed = args.seed if args.seed is not None else int(time.time_ns() % 2**31)
     if mesh.nprocs > 1:
         from mpi4py import MPI
 
         seed = MPI.COMM_WORLD.bcast(seed)
-    if mesh.rank == 0:
-        print(f"inputs from seed {seed} (repeat with --seed {seed})")
-    return np.random.default_rng(seed)
+    say(f"inputs from seed {seed} (repeat with --seed {seed})")
+    return np.random.default_rng(seed), seed
+
+
+def is_virtual(mesh) -> bool:
+    """Whether several devices of this process share one CPU (NumPy) or one GPU (CuPy)."""
+    ordinals = backend_of(mesh).ordinals
+    return len(mesh.local_devices) > 1 if ordinals is None else len(set(ordinals)) < len(ordinals)
 
 
 def _timing_note(mesh) -> str:
     """What the times mean on this mesh: virtual devices share one machine's resources."""
     local = len(mesh.local_devices)
-    if local <= 1:
+    if not is_virtual(mesh):
         return ""
     if mesh.backend_name == "numpy":
         return (f" ({local} NumPy devices of one process run one after another, so nothing overlaps and the "
@@ -79,32 +85,79 @@ def _timing_note(mesh) -> str:
     return f" ({local} virtual devices share the GPU(s) of this process)"
 
 
+def _speaker(args, mesh):
+    """print on rank 0, unless --json (then one JSON object at the end instead)."""
+    return print if mesh.rank == 0 and not args.json else (lambda *a, **k: None)
+
+
+def _result(args, mesh, plan, seed, err, collectives, times) -> dict:
+    """What --json prints: one object with the plan, its checks and its times."""
+    return {"case": f"mlp {args.mlp}" if args.mlp else "seed", "backend": mesh.backend_name, "devices": len(mesh.devices), "processes": mesh.nprocs,
+            "virtual": is_virtual(mesh), "dtype": args.dtype, "seed": seed, "plan": str(plan),
+            "collectives": dict(zip(("pipelined", "unpipelined"), collectives)),
+            "timings_ms": dict(zip(("pipelined", "unpipelined"), times)), "repeat": args.repeat,
+            "relative_error": err, "tolerance": TOLERANCE[args.dtype], "passed": err <= TOLERANCE[args.dtype]}
+
+
+def _emit(args, mesh, result) -> int:
+    if args.json and mesh.rank == 0:
+        print(json.dumps(result))
+    return 0 if result["passed"] else 1
+
+
 def mlp_demo(args):
     from shardfuse.mlp import mlp_block, mlp_inputs, mlp_reference
 
     d = args.devices or default_devices(args.backend)
     mesh = sf.DeviceMesh(d, backend=args.backend)
-    lead = mesh.rank == 0
+    say = _speaker(args, mesh)
     tokens = args.chunks * d * args.m
-    inputs = [a.astype(np_dtype(args.dtype)) for a in mlp_inputs(_seeded_rng(args, mesh), tokens, args.hidden)]
+    rng, seed = _seeded_rng(args, mesh, say)
+    inputs = [a.astype(np_dtype(args.dtype)) for a in mlp_inputs(rng, tokens, args.hidden)]
     specs = [sf.TensorSpec(a.shape, args.dtype) for a in inputs]
     pipelined = mlp_block(mesh, args.mlp, chunks=args.chunks, streams=args.streams)
     flat = mlp_block(mesh, args.mlp, chunks=1, streams=args.streams)
     plan = pipelined.lower(*specs)
-    if lead:
-        print(f"{mesh}, MLP block ({args.mlp}), x[{tokens}, {args.hidden}], {args.dtype}\n")
-        print(plan, "\n")
+    say(f"{mesh}, MLP block ({args.mlp}), x[{tokens}, {args.hidden}], {args.dtype}\n")
+    say(plan, "\n")
     err = relative_error(pipelined(*inputs).gather(), mlp_reference(*inputs))
     ok = err <= TOLERANCE[args.dtype]
-    t_pipe = median_ms(lambda: pipelined(*inputs), mesh, args.repeat)
-    t_flat = median_ms(lambda: flat(*inputs), mesh, args.repeat)
-    if lead:
-        print(f"check against the single-device block: relative error {err:.2e} -> {'OK' if ok else 'FAILED'}")
-        print(f"collectives per call: chunks={args.chunks} {plan.collectives()}, "
-              f"chunks=1 {flat.lower(*specs).collectives()}")
-        print(f"time (median of {args.repeat}): pipelined {t_pipe:.3f} ms, one chunk {t_flat:.3f} ms"
-              + _timing_note(mesh))
-    return 0 if ok else 1
+    times = median_ms(lambda: pipelined(*inputs), mesh, args.repeat), median_ms(lambda: flat(*inputs), mesh, args.repeat)
+    collectives = plan.collectives(), flat.lower(*specs).collectives()
+    say(f"check against the single-device block: relative error {err:.2e} -> {'OK' if ok else 'FAILED'}")
+    say(f"collectives per call: chunks={args.chunks} {collectives[0]}, chunks=1 {collectives[1]}")
+    say(f"time (median of {args.repeat}): pipelined {times[0]:.3f} ms, one chunk {times[1]:.3f} ms" + _timing_note(mesh))
+    return _emit(args, mesh, _result(args, mesh, plan, seed, err, collectives, times))
+
+
+def seed_demo(args):
+    d = args.devices or default_devices(args.backend)
+    mesh = sf.DeviceMesh(d, backend=args.backend)
+    say = _speaker(args, mesh)
+    shape_a, shape_b = (args.chunks, d, args.m, args.k), (args.k, args.n)
+    pipelined, unpipelined = seed_functions(mesh, args.streams)
+    plan = pipelined.lower(sf.TensorSpec(shape_a, args.dtype), sf.TensorSpec(shape_b, args.dtype))
+    say(f"{mesh}, {mesh.nprocs} process(es), a{shape_a} @ b{shape_b} {args.dtype}\n")
+    say(plan, "\n")
+
+    rng, seed = _seeded_rng(args, mesh, say)
+    dt = np_dtype(args.dtype)
+    a = rng.standard_normal(shape_a).astype(dt)
+    b = rng.standard_normal(shape_b).astype(dt)
+    ref = a.astype(np.float64) @ b.astype(np.float64)
+
+    a_sharded = sf.shard(a, axis=1, over=mesh.axis_names[-1], mesh=mesh)
+    err = relative_error(pipelined(a_sharded, b).gather(), ref)
+    ok = err <= TOLERANCE[args.dtype]
+    times = (median_ms(lambda: pipelined(a_sharded, b), mesh, args.repeat),
+             median_ms(lambda: unpipelined(a_sharded, b), mesh, args.repeat))
+    collectives = plan.collectives(), unpipelined.lower(a_sharded.spec, sf.TensorSpec(shape_b, args.dtype)).collectives()
+    say(f"check against the single-device product: relative error {err:.2e} "
+        f"(tolerance {TOLERANCE[args.dtype]:.0e}) -> {'OK' if ok else 'FAILED'}")
+    say(f"collectives per call: pipelined {collectives[0]}, unpipelined {collectives[1]}")
+    say(f"time (median of {args.repeat}): pipelined {times[0]:.3f} ms, unpipelined {times[1]:.3f} ms"
+        + _timing_note(mesh))
+    return _emit(args, mesh, _result(args, mesh, plan, seed, err, collectives, times))
 
 
 def main(argv=None):
@@ -123,41 +176,11 @@ def main(argv=None):
     p.add_argument("--mlp", choices=["tp", "sp"], default=None,
                    help="run the tensor-parallel MLP block instead (tp: x replicated; sp: sequence parallel)")
     p.add_argument("--hidden", type=int, default=64, help="MLP hidden size h (the block is h -> 4h -> h)")
+    p.add_argument("--json", action="store_true", help="print one JSON object (plan, collectives, seed, times, "
+                   "error, passed, backend, devices) instead of the text")
     args = p.parse_args(argv)
     for name in ("devices", "chunks", "m", "k", "n", "streams", "repeat", "hidden"):
         value = getattr(args, name)
         if value is not None and value < 1:
             p.error(f"--{name} must be a positive int, got {value}")
-    if args.mlp:
-        return mlp_demo(args)
-
-    d = args.devices or default_devices(args.backend)
-    mesh = sf.DeviceMesh(d, backend=args.backend)
-    lead = mesh.rank == 0
-    shape_a, shape_b = (args.chunks, d, args.m, args.k), (args.k, args.n)
-    pipelined, unpipelined = seed_functions(mesh, args.streams)
-    plan = pipelined.lower(sf.TensorSpec(shape_a, args.dtype), sf.TensorSpec(shape_b, args.dtype))
-    if lead:
-        print(f"{mesh}, {mesh.nprocs} process(es), a{shape_a} @ b{shape_b} {args.dtype}\n")
-        print(plan, "\n")
-
-    rng = _seeded_rng(args, mesh)
-    dt = np_dtype(args.dtype)
-    a = rng.standard_normal(shape_a).astype(dt)
-    b = rng.standard_normal(shape_b).astype(dt)
-    ref = a.astype(np.float64) @ b.astype(np.float64)
-
-    a_sharded = sf.shard(a, axis=1, over=mesh.axis_names[-1], mesh=mesh)
-    c = pipelined(a_sharded, b)
-    err = relative_error(c.gather(), ref)
-    ok = err <= TOLERANCE[args.dtype]
-    t_pipe = median_ms(lambda: pipelined(a_sharded, b), mesh, args.repeat)
-    t_flat = median_ms(lambda: unpipelined(a_sharded, b), mesh, args.repeat)
-    if lead:
-        print(f"check against the single-device product: relative error {err:.2e} "
-              f"(tolerance {TOLERANCE[args.dtype]:.0e}) -> {'OK' if ok else 'FAILED'}")
-        print(f"collectives per call: pipelined {plan.collectives()}, "
-              f"unpipelined {unpipelined.lower(a_sharded.spec, sf.TensorSpec(shape_b, args.dtype)).collectives()}")
-        print(f"time (median of {args.repeat}): pipelined {t_pipe:.3f} ms, unpipelined {t_flat:.3f} ms"
-              + _timing_note(mesh))
-    return 0 if ok else 1
+    return mlp_demo(args) if args.mlp else seed_demo(args)

@@ -22,10 +22,29 @@ def test_demo_runs_checks_and_times():
     assert "pipelined" in out and "unpipelined" in out and " ms" in out
 
 
+@pytest.mark.parametrize("extra, case, collectives", [
+    ((), "seed", {"pipelined": {"allgather": 2}, "unpipelined": {"allgather": 1}}),
+    (("--mlp", "sp", "--hidden", "8"), "mlp sp",
+     {"pipelined": {"allgather": 2, "reduce_scatter": 2}, "unpipelined": {"allgather": 1, "reduce_scatter": 1}}),
+])
+def test_demo_json_is_one_object(extra, case, collectives):
+    import json
+
+    r = run("demo", "--backend", "numpy", "--devices", "2", "--chunks", "2", "--m", "4", "--k", "8", "--n", "8",
+            "--repeat", "2", "--seed", "7", "--json", *extra)
+    assert r.returncode == 0, r.stderr
+    out = json.loads(r.stdout)  # the whole of stdout: one JSON object, no text beside it
+    assert out["case"] == case and out["collectives"] == collectives
+    assert out["seed"] == 7 and out["passed"] is True and 0 <= out["relative_error"] <= out["tolerance"]
+    assert (out["backend"], out["devices"], out["processes"], out["virtual"], out["repeat"]) == ("numpy", 2, 1, True, 2)
+    assert out["plan"].startswith("plan ") and "For i in range(2):" in out["plan"]
+    assert set(out["timings_ms"]) == {"pipelined", "unpipelined"} and all(t > 0 for t in out["timings_ms"].values())
+
+
 def test_demo_help_lists_options():
     r = run("demo", "--help")
     assert r.returncode == 0
-    for opt in ("--chunks", "--streams", "--dtype", "--devices", "--m", "--k", "--n"):
+    for opt in ("--chunks", "--streams", "--dtype", "--devices", "--m", "--k", "--n", "--json"):
         assert opt in r.stdout
 
 

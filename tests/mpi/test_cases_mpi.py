@@ -417,3 +417,15 @@ def test_profile_gathers_every_ranks_steps():
     assert {e.rank for e in tl.events} == set(range(NPROCS))
     assert {e.devices for e in tl.events if e.rank == mesh.rank} == {tuple(mesh.local_devices)}
     assert len(COMM.allgather(len(tl))) == NPROCS and len(set(COMM.allgather(len(tl)))) == 1
+
+
+def test_array_ops_outside_jit(mesh):
+    """Operators, reductions and indexing on sf.Arrays (one-op plans) are collective and agree
+    with NumPy on every rank."""
+    rng = np.random.default_rng(COMM.bcast(int(time.time_ns() % 2**31)))  # the same inputs on every rank
+    a, b, w = rng.standard_normal((8, 6)), rng.standard_normal((8, 6)), rng.standard_normal((6, 3))
+    x, y = sf.shard(a, axis=0, mesh=mesh), sf.replicate(b, mesh=mesh)
+    for got, ref in ((x + y, a + b), (2.0 - x, 2.0 - a), (abs(x), np.abs(a)), (x @ w, a @ w), (np.exp(x), np.exp(a)),
+                     (x.sum(0), a.sum(0)), (x.mean(), a.mean()), (x[3], a[3]), (x[2:6], a[2:6]), (x[..., 1], a[..., 1])):
+        np.testing.assert_allclose(got.gather(), ref, rtol=1e-12, atol=1e-12)
+    assert len(x) == 8 and x[..., 1].placements == (sf.Shard(0),)

@@ -1,0 +1,255 @@
+"""Operations on sf.Array outside sf.jit, as on a jax.Array or a DTensor: ``x + y``, ``2 * x``,
+``-x``, ``abs(x)``, ``x @ w``, ``np.exp(x)``, ``x.sum(axis)``, ``x.mean(axis)``, ``len(x)``, ``x[i]``,
+``x[a:b]``, ``x[..., j]``.
+
+Each op runs as a one-op plan: the op traced on the array's mesh exactly as sf.jit traces it,
+compiled once per op, scalar and input specs (shapes, dtypes, layouts), and kept on the mesh (the
+least recently used of MAX_PLANS dropped).  So the collectives are those the op issues inside
+sf.jit, and a result has the layout sharding propagation gives it there: ``x + y`` of two S(0)
+arrays is S(0) with no communication; ``a @ b`` contracting a sharded axis is all-reduced to a
+replicated result.  Plain arrays (NumPy, CuPy, torch) beside an sf.Array are replicated global
+values, as in a call of a jitted function.  Every op is one plan call: a loop of many small ops
+runs faster as one sf.jit function.  Under mpiexec every op is collective.
+"""
+from __future__ import annotations
+
+import math
+import operator
+import threading
+from collections import OrderedDict
+
+import numpy as np
+
+from shardfuse import trace
+from shardfuse.executor import Executable
+from shardfuse.interop import array_info
+from shardfuse.ir import TensorType
+from shardfuse.layout import Layout
+from shardfuse.ops import Op
+from shardfuse.passes import compile_program
+from shardfuse.runtime import backend_of
+from shardfuse.spec import TensorSpec, normalize_axis
+
+MAX_PLANS = 256  # one-op plans kept per mesh (a plan holds its buffers)
+STATS = {"compiled": 0, "reused": 0}  # across meshes: what cache_info() reports
+_LOCK = threading.Lock()  # the caches are shared by threads (each plan call takes its own lock)
+
+
+def cache_info() -> dict:
+    """How many one-op plans were compiled and how many calls reused one (like functools')."""
+    return dict(STATS, max_plans=MAX_PLANS)
+
+
+def cached_programs(mesh) -> list:
+    """The one-op plans kept for `mesh` (programs, least recently used first)."""
+    return [exe.prog for exe in mesh.__dict__.get("_array_op_plans", {}).values()]
+
+
+def run(fn, args: tuple, key, name: str):
+    """fn(*args) as a one-op plan on the mesh of the sf.Arrays among args (plain arrays:
+    replicated inputs), compiled once per key and input specs; the result an sf.Array."""
+    arrays = [a for a in args if isinstance(a, ArrayOps)]
+    mesh = arrays[0].mesh
+    for b in arrays[1:]:
+        if b.mesh != mesh:
+            raise ValueError(f"{name}: the operands live on different meshes, {mesh} and {b.mesh}; place both on "
+                             "one mesh (sf.distribute), or move one inside sf.jit with sf.to_mesh")
+    specs = tuple(a.spec if isinstance(a, ArrayOps) else TensorSpec(*_shape_dtype(a)) for a in args)
+    with _LOCK:
+        plans = mesh.__dict__.setdefault("_array_op_plans", OrderedDict())  # dies with the mesh
+        exe = plans.get((key, specs))
+        if exe is None:
+            exe = plans[key, specs] = Executable(compile_program(trace.trace(fn, mesh, specs, streams=1, name=name)))
+            STATS["compiled"] += 1
+            if len(plans) > MAX_PLANS:
+                plans.popitem(last=False)
+        else:
+            plans.move_to_end((key, specs))
+            STATS["reused"] += 1
+    ((lay, shards),) = exe(*args)
+    v = exe.prog.outputs[0]
+    return type(arrays[0])(mesh, v.type.shape, v.type.dtype, lay, shards)
+
+
+def _shape_dtype(a) -> tuple:
+    info = array_info(a)
+    return info.shape, info.dtype
+
+
+def reshard(x, layout: Layout):
+    """x with `layout` on its mesh (redistribute, full_array, indexing): a one-op `set`."""
+    def redistribute(v):
+        return v.builder.emit(Op.SET, (v,), TensorType(v.shape, v.dtype, layout), v.value.name, annotation=True)
+
+    return run(redistribute, (x,), (Op.SET, layout), "redistribute")
+
+
+def _is_scalar(c) -> bool:
+    """A Python or NumPy real number, never a bool (as inside sf.jit)."""
+    return isinstance(c, (int, float, np.integer, np.floating)) and not isinstance(c, (bool, np.bool_))
+
+
+def _is_operand(a) -> bool:
+    return isinstance(a, ArrayOps) or any(hasattr(a, k) for k in ("__array__", "__dlpack__", "__cuda_array_interface__"))
+
+
+def binary(fn, a, b):
+    """fn(a, b) (an operator), one operand an sf.Array; the other an sf.Array, a plain array or
+    a scalar (baked into the plan, as inside sf.jit: each new value compiles once)."""
+    name = fn.__name__
+    if _is_scalar(b) and fn is not operator.matmul:
+        c = float(b)
+        return run(lambda x: fn(x, c), (a,), (fn, 1, c), name)
+    if _is_scalar(a) and fn is not operator.matmul:
+        c = float(a)
+        return run(lambda x: fn(c, x), (b,), (fn, 0, c), name)
+    if not (_is_operand(a) and _is_operand(b)):
+        return NotImplemented
+    return run(lambda x, y: fn(x, y), (a, b), (fn,), name)
+
+
+def unary(fn, x):
+    return run(lambda v: fn(v), (x,), (fn,), fn.__name__)
+
+
+def absolute(v):
+    """|v| from the traced ops: relu(v) + relu(-v) (exact: one of the two is zero)."""
+    return trace.relu(v) + trace.relu(-v)
+
+
+def _binary_methods(fn):
+    return (lambda self, other: binary(fn, self, other)), (lambda self, other: binary(fn, other, self))
+
+
+UFUNCS = {  # NumPy ufunc -> what it is on traced values
+    np.add: operator.add, np.subtract: operator.sub, np.multiply: operator.mul, np.true_divide: operator.truediv,
+    np.matmul: operator.matmul, np.negative: operator.neg, np.absolute: absolute, np.exp: trace.exp,
+    np.tanh: trace.tanh,
+}
+
+
+def _axes(axis, x) -> tuple:
+    """The reduced axes, distinct and in range: all for None, one int, or a tuple of ints."""
+    axes = tuple(range(x.ndim)) if axis is None else axis if isinstance(axis, tuple) else (axis,)
+    axes = tuple(normalize_axis(a, x.ndim, x.shape) for a in axes)
+    if len(set(axes)) != len(axes):
+        raise ValueError(f"duplicate value in axis={axis!r}")
+    return axes
+
+
+def reduce(x, axis, mean: bool, out):
+    """x.sum(axis) or x.mean(axis): the traced .sum of each axis (the last first), times 1/n for a mean."""
+    if out is not None:
+        raise TypeError("sf.Array reductions return a new sf.Array: out= is not supported")
+    axes = sorted(_axes(axis, x), reverse=True)
+    scale = 1.0 / math.prod(x.shape[a] for a in axes) if mean else None
+
+    def reduction(v):
+        for a in axes:
+            v = v.sum(a)
+        return v if scale is None else v * scale
+
+    return run(reduction, (x,), (Op.SUM, tuple(axes), scale), "mean" if mean else str(Op.SUM))
+
+
+def _index(key, shape) -> tuple:
+    """key as one int or slice per axis (ints in range, an Ellipsis expanded)."""
+    key = key if isinstance(key, tuple) else (key,)
+    if sum(k is Ellipsis for k in key) > 1:
+        raise IndexError("an index can only have a single ellipsis ('...')")
+    if sum(k is not Ellipsis for k in key) > len(shape):
+        raise IndexError(f"too many indices for an sf.Array of shape {shape}: {len(key)} given")
+    if Ellipsis in key:
+        at = next(n for n, k in enumerate(key) if k is Ellipsis)
+        key = key[:at] + (slice(None),) * (len(shape) - len(key) + 1) + key[at + 1:]
+    key = key + (slice(None),) * (len(shape) - len(key))
+    out = []
+    for ax, (k, n) in enumerate(zip(key, shape)):
+        if isinstance(k, slice):
+            k.indices(n)  # a slice of non-ints fails here, as in NumPy
+        elif isinstance(k, (int, np.integer)) and not isinstance(k, (bool, np.bool_)):
+            if not -n <= k < n:
+                raise IndexError(f"index {k} is out of bounds for axis {ax} with size {n}")
+            k = int(k) % n
+        else:
+            raise TypeError(f"sf.Array indexing takes ints, slices and '...' (basic indexing), got "
+                            f"{type(k).__name__}; for other indexing gather first: np.asarray(x)[...]")
+        out.append(k)
+    return tuple(out)
+
+
+def getitem(x, key):
+    """x[key], basic indexing.  Axes the key selects from are first made whole on every device
+    (the one-op plan of a redistribute: an Allgather where such an axis is sharded, nothing where
+    none is), then each device slices its own piece (a copy); axes the key leaves whole keep their
+    sharding.  So ``x[..., j]`` of a row-sharded x stays row-sharded without communication, and
+    ``x[i]`` or ``x[a:b]`` of it is gathered to a replicated result."""
+    idx = _index(key, x.shape)
+    touched = {ax for ax, (k, n) in enumerate(zip(idx, x.shape))
+               if not isinstance(k, slice) or k.indices(n) != (0, n, 1)}
+    lay = x.sharding.placement()
+    whole = Layout(tuple(None if ax in touched else a for ax, a in enumerate(lay.axes)), mesh=lay.mesh)
+    if whole != lay:
+        x = reshard(x, whole)
+    local = tuple(k if ax in touched else slice(None) for ax, k in enumerate(idx))
+    keep = [ax for ax, k in enumerate(idx) if isinstance(k, slice)]
+    shape = tuple(len(range(*idx[ax].indices(x.shape[ax]))) for ax in keep)
+    layout = Layout(tuple(whole.axes[ax] for ax in keep), mesh=lay.mesh)
+    piece = layout.local_shape(shape, x.mesh)  # reshaped: CuPy's contiguous copy of a 0-d piece is 1-d
+    shards = [p.reshape(piece) for p in backend_of(x.mesh).to_device([s[local] for s in x.shards])]
+    return type(x)(x.mesh, shape, x.dtype_name, layout, shards)
+
+
+class ArrayOps:
+    """The operators, NumPy ufuncs, reductions and indexing of sf.Array (see the module docstring)."""
+
+    __slots__ = ()
+
+    __add__, __radd__ = _binary_methods(operator.add)
+    __sub__, __rsub__ = _binary_methods(operator.sub)
+    __mul__, __rmul__ = _binary_methods(operator.mul)
+    __truediv__, __rtruediv__ = _binary_methods(operator.truediv)
+    __matmul__, __rmatmul__ = _binary_methods(operator.matmul)
+
+    def __neg__(self):
+        return unary(operator.neg, self)
+
+    def __abs__(self):
+        return unary(absolute, self)
+
+    def __array_ufunc__(self, ufunc, method, *inputs, **kwargs):
+        """np.exp(x), np.add(x, y), ...: the ufuncs shardfuse has ops for; others are refused."""
+        fn = UFUNCS.get(ufunc) if method == "__call__" and not kwargs else None
+        if fn is None:
+            what = f"np.{ufunc.__name__}" + (f".{method}" if method != "__call__" else "")
+            what += f" with {', '.join(k + '=' for k in kwargs)}" if kwargs else ""
+            raise TypeError(f"{what} on an sf.Array is not "
+                            f"supported; shardfuse has {', '.join('np.' + u.__name__ for u in UFUNCS)}, the operators "
+                            "+ - * / @, abs(), x.sum(axis), x.mean(axis) and basic indexing (np.asarray(x): the "
+                            "gathered NumPy value)")
+        return binary(fn, *inputs) if ufunc.nin == 2 else unary(fn, inputs[0])
+
+    def sum(self, axis=None, out=None):
+        """The sum over `axis` (an int, a tuple of them, or None: all), as a one-op plan."""
+        return reduce(self, axis, False, out)
+
+    def mean(self, axis=None, dtype=None, out=None):
+        """The mean over `axis` (an int, a tuple of them, or None: all), as a one-op plan."""
+        if dtype is not None:
+            raise TypeError("sf.Array.mean keeps the array's dtype: dtype= is not supported")
+        return reduce(self, axis, True, out)
+
+    def __len__(self):
+        if not self.shape:
+            raise TypeError("len() of a 0-d sf.Array")
+        return self.shape[0]
+
+    def __getitem__(self, key):
+        return getitem(self, key)
+
+    def __bool__(self):
+        """As NumPy: the truth of a one-element array (gathered: collective), ambiguous otherwise."""
+        if math.prod(self.shape) != 1:
+            raise ValueError(f"the truth value of an sf.Array of shape {self.shape} is ambiguous; use "
+                             "np.asarray(x).any() or .all() (the gathered value)")
+        return bool(self.gather().reshape(()))
