@@ -1,13 +1,15 @@
-"""The `shardfuse` command: `shardfuse demo`, `shardfuse bench`, `shardfuse profile`."""
+"""The `shardfuse` command: `shardfuse demo`, `bench`, `profile`, `calibrate`, `simulate`."""
 from __future__ import annotations
 
 import sys
 
-USAGE = """usage: shardfuse {demo,bench,profile} [options] [--debug]   (shardfuse COMMAND --help; --version)
+USAGE = """usage: shardfuse {demo,bench,profile,calibrate,simulate} [options] [--debug]   (shardfuse COMMAND --help; --version)
 
-  demo     run the seed's pipelined AllGather+GEMM, print its plan, check and time it
-  bench    time pipelined and unpipelined plans, the GEMM alone and the Allgather alone
-  profile  the seed's plan step by step: a Chrome trace, a Gantt chart, the overlap figures
+  demo       run the seed's pipelined AllGather+GEMM, print its plan, check and time it
+  bench      time pipelined and unpipelined plans, the GEMM alone and the Allgather alone
+  profile    the seed's plan step by step: a Chrome trace, a Gantt chart, the overlap figures
+  calibrate  measure this machine's rates for the cost model (chunks="auto") and cache them
+  simulate   predict a plan's timeline on D GPUs from published figures (seed case or MLP)
 """
 
 
@@ -30,6 +32,10 @@ def main(argv=None) -> int:
         from shardfuse.bench import main as run
     elif cmd == "profile":
         from shardfuse.profile_cli import main as run
+    elif cmd == "calibrate":
+        from shardfuse.calibrate import main as run
+    elif cmd == "simulate":
+        from shardfuse.simulate import main as run
     else:
         print(f"shardfuse: unknown command {cmd!r}\n{USAGE}", file=sys.stderr)
         return 2

@@ -14,10 +14,12 @@ from shardfuse.array import Array, spec_of
 from shardfuse.executor import Executable
 from shardfuse.interop import array_info
 from shardfuse.ir import Program, unroll
-from shardfuse.passes import compile_program
+from shardfuse.autochunks import compile_best, explain_plan
+from shardfuse.cost import Rates, predict
+from shardfuse.rates import machine
 from shardfuse.mesh import DeviceMesh, as_int
 from shardfuse.spec import TensorSpec
-from shardfuse.trace import Traced, trace
+from shardfuse.trace import Traced, trace  # noqa: F401 (trace: imported from here by tests)
 from shardfuse.ops import COMMUNICATION, Op
 
 
@@ -27,10 +29,11 @@ log = logging.getLogger("shardfuse")  # compile decisions (plans built, evicted)
 class Plan:
     """A compiled host program, bound lazily to the mesh's backend."""
 
-    def __init__(self, program: Program, graph: bool = False):
+    def __init__(self, program: Program, graph: bool = False, explanation=None, rates=None):
         self.program = program
         self.graph = graph
         self._exe = None
+        self._why, self._rates = explanation, rates  # chunks="auto"'s choice; the rates given to sf.jit
 
     def __str__(self):
         return str(self.program)
@@ -76,6 +79,18 @@ class Plan:
             timeline = Timeline([e for part in parts for e in part], self.program.name)
         return timeline
 
+    def explain(self):
+        """The cost model's view of this plan: for chunks="auto", every candidate S with its
+        predicted total, communication, compute and exposed communication, and why the chosen one
+        won; for a plan with fixed chunks, its one line.  Printable (an Explanation)."""
+        if self._why is None:
+            self._why = explain_plan(self.program, *machine(self.program.mesh, self._rates))
+        return self._why
+
+    def predict(self):
+        """The cost model's prediction of one call (cost.Prediction: .total_s, .timeline())."""
+        return predict(self.program, *machine(self.program.mesh, self._rates))
+
     @property
     def executable(self):
         if self._exe is None:
@@ -98,7 +113,7 @@ class Jitted:
     """A function compiled for a mesh: one plan per input specs, the `max_plans` most recently
     used kept (a plan holds its buffers; an evicted one is compiled again when next needed)."""
 
-    def __init__(self, fn, mesh, streams=4, graph=False, max_plans=MAX_PLANS):
+    def __init__(self, fn, mesh, streams=4, graph=False, max_plans=MAX_PLANS, rates=None):
         if not callable(fn):
             raise TypeError(f"sf.jit compiles a function, got {type(fn).__name__}")
         if mesh is None:
@@ -122,6 +137,10 @@ class Jitted:
                 "(sf.shard(x, axis, mesh=sub), sf.replicate(x, mesh=sub), sf.to_mesh)")
         self.fn, self.mesh, self.streams, self.graph = fn, mesh, int(streams), bool(graph)
         self.max_plans = as_int(max_plans, "sf.jit max_plans=", minimum=1)
+        if rates is not None and not isinstance(rates, (Rates, str)):
+            raise TypeError(f"sf.jit rates= must be a shardfuse.cost.Rates or a name of cost.DEFAULTS, got "
+                            f"{type(rates).__name__}")
+        self.rates = rates  # for chunks="auto" and plan.explain(): None = calibrated, else built-in defaults
         self._plans: OrderedDict = OrderedDict()  # input specs -> plan, least recently used first
         self._dispatch: dict = {}  # argument key -> (input specs, plan) (see __call__)
         functools.update_wrapper(self, fn)
@@ -149,8 +168,8 @@ class Jitted:
             self._plans.move_to_end(specs)
             return plan
         t0 = time.perf_counter()
-        prog = compile_program(trace(self.fn, self.mesh, specs, self.streams))
-        plan = self._plans[specs] = Plan(prog, self.graph)
+        prog, why = compile_best(self.fn, self.mesh, specs, self.streams, lambda: machine(self.mesh, self.rates))
+        plan = self._plans[specs] = Plan(prog, self.graph, why, self.rates)
         if log.isEnabledFor(logging.INFO):
             loops = [i.attrs["extent"] for i in prog.instrs if i.op == Op.FOR]
             log.info("compiled plan %r for %s in %.1f ms: %d instructions, stream loops of %s chunks, "
@@ -244,18 +263,20 @@ class Jitted:
 
 @overload
 def jit(fn: Callable, *, mesh: DeviceMesh | None = None, streams: int = 4, graph: bool = False,
-        max_plans: int = MAX_PLANS) -> Jitted: ...
+        max_plans: int = MAX_PLANS, rates: Rates | str | None = None) -> Jitted: ...
 
 
 @overload
 def jit(fn: None = None, *, mesh: DeviceMesh | None = None, streams: int = 4, graph: bool = False,
-        max_plans: int = MAX_PLANS) -> Callable[[Callable], Jitted]: ...
+        max_plans: int = MAX_PLANS, rates: Rates | str | None = None) -> Callable[[Callable], Jitted]: ...
 
 
 def jit(fn: Callable | None = None, *, mesh: DeviceMesh | None = None, streams: int = 4, graph: bool = False,
-        max_plans: int = MAX_PLANS) -> Jitted | Callable[[Callable], Jitted]:
+        max_plans: int = MAX_PLANS, rates: Rates | str | None = None) -> Jitted | Callable[[Callable], Jitted]:
     """Compile `fn` for `mesh`: ``@sf.jit(mesh=mesh, streams=4)``.  `max_plans`: how many compiled
-    plans (one per input shapes, dtypes and layouts) it keeps, the least recently used dropped."""
+    plans (one per input shapes, dtypes and layouts) it keeps, the least recently used dropped.
+    `rates`: what sf.stream(chunks="auto") and plan.explain() predict with (a cost.Rates, or
+    "h200" / "numpy/cpu"); default the cache `shardfuse calibrate` wrote, else built-in defaults."""
     if fn is None:
-        return lambda f: Jitted(f, mesh, streams, graph, max_plans)
-    return Jitted(fn, mesh, streams, graph, max_plans)
+        return lambda f: Jitted(f, mesh, streams, graph, max_plans, rates)
+    return Jitted(fn, mesh, streams, graph, max_plans, rates)

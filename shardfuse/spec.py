@@ -2,6 +2,7 @@
 axis, chunk and mesh-axis arguments of the annotations, all raised before anything runs."""
 from __future__ import annotations
 
+from contextvars import ContextVar
 from dataclasses import dataclass
 
 import numpy as np
@@ -49,6 +50,26 @@ def normalize_axis(axis: int, ndim: int, shape) -> int:
 def check_chunks(chunks):
     """sf.stream's chunks=: None or a positive int (NumPy integers too; never bools or floats)."""
     return None if chunks is None else as_int(chunks, "sf.stream chunks=", minimum=1)
+
+
+# While sf.jit compiles a candidate of chunks="auto": (the S that sf.stream(chunks="auto") takes, a
+# list that gets the extent of every axis so streamed, from which the jit draws its candidates).
+AUTO_CHUNKS: ContextVar = ContextVar("shardfuse_auto_chunks", default=None)
+
+
+def resolve_chunks(chunks, algorithm: str, extent: int):
+    """sf.stream's chunks=: None, a positive int, or "auto": the S sf.jit is trying now."""
+    if not (isinstance(chunks, str) and chunks == "auto"):
+        return check_chunks(chunks)
+    if algorithm == "ring":
+        raise ValueError("chunks='auto' chooses S for algorithm='collective'; the ring's chunks are the D shards of "
+                         "the axis (give chunks=D, or omit chunks)")
+    choice = AUTO_CHUNKS.get()
+    if choice is None:
+        raise ValueError("chunks='auto' is chosen by sf.jit while it compiles: trace the function through sf.jit "
+                         "(jitted.lower(...) or a call)")
+    choice[1].append(extent)
+    return choice[0]
 
 
 @dataclass(frozen=True)

@@ -14,7 +14,7 @@ from shardfuse.ir import Instr, Namer, Program, TensorType, Value
 from shardfuse.layout import Layout, mesh_axes
 from shardfuse.mesh import STREAM, as_int
 from shardfuse.ops import Op
-from shardfuse.spec import check_axis, check_chunks, check_divides, normalize_axis, normalize_over
+from shardfuse.spec import check_axis, check_divides, normalize_axis, normalize_over, resolve_chunks
 
 
 class Builder:
@@ -316,19 +316,23 @@ def to_mesh(x: Traced, mesh, axis: int | None = None, over: str | None = None):
 ALGORITHMS = ("collective", "ring")
 
 
-def stream(x: Traced, axis: int, chunks: int | None = None, algorithm: str = "collective") -> Traced:
+def stream(x: Traced, axis: int, chunks: int | str | None = None, algorithm: str = "collective") -> Traced:
     """Ask for x to be produced chunk by chunk along `axis` (chunks=None: one chunk per index).
 
     algorithm="collective": each chunk's input is all-gathered on a worker stream while other
     chunks multiply.  algorithm="ring": the chunks are the devices' own shards (chunks = D, or omitted),
     passed around a ring with Send/Recv; each step multiplies the shard that has arrived while
     the next one is in flight.
+
+    chunks="auto": sf.jit compiles the plan for each S that divides the axis (up to 16), predicts
+    each with the cost model (shardfuse/cost.py) and keeps the fastest; S = 1 (no pipelining)
+    when overlap cannot pay.  Every "auto" of one function takes the same S; plan.explain() says why.
     """
     if not isinstance(x, Traced):
         raise TypeError("sf.stream annotates values inside an sf.jit function")
     if algorithm not in ALGORITHMS:
         raise ValueError(f"algorithm must be one of {ALGORITHMS}, got {algorithm!r}")
-    chunks = check_chunks(chunks)
+    chunks = resolve_chunks(chunks, algorithm, x.shape[normalize_axis(axis, x.ndim, x.shape)])
     if algorithm == "ring":  # its chunks are the D shards: chunks=D may be said, and is checked once D is known
         x = _annotate(x, axis, STREAM, None, algorithm)
         if chunks is not None:

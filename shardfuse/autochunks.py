@@ -1,0 +1,151 @@
+"""sf.stream(chunks="auto"): compile the plan for each allowed S, predict each, keep the fastest.
+
+The function is traced once with S = 1, which records the extents of the axes streamed with
+"auto"; the candidates are the S up to MAX_AUTO_CHUNKS that divide all of them.  Each candidate
+is traced and compiled (one that the compiler refuses, e.g. an extent that does not divide into
+D x S, is listed with its reason and skipped), predicted by the cost model, and the fastest
+kept: a larger S only where it beats the smaller ones by more than AUTO_MARGIN (1%).  `Explanation` is what plan.explain() shows.
+"""
+from __future__ import annotations
+
+import logging
+import math
+from dataclasses import dataclass
+
+from shardfuse import faults
+from shardfuse.cost import predict
+from shardfuse.ir import unroll
+from shardfuse.ops import COMMUNICATION, Op
+from shardfuse.passes import compile_program
+from shardfuse.passes.pipeline import MAX_STREAM_CHUNKS
+from shardfuse.spec import AUTO_CHUNKS
+from shardfuse.trace import trace
+
+log = logging.getLogger("shardfuse")
+MAX_AUTO_CHUNKS = min(16, MAX_STREAM_CHUNKS)  # more rarely pays: per-chunk steps and collective latency
+AUTO_MARGIN = 0.01  # a larger S is chosen only where it is predicted faster than a smaller one by this much
+
+
+@dataclass(frozen=True)
+class Candidate:
+    s: int | None  # None: a plan without a stream loop
+    total_s: float = math.nan
+    comm_s: float = math.nan
+    compute_s: float = math.nan
+    exposed_s: float = math.nan
+    error: str | None = None  # why the compiler refused this S
+
+
+@dataclass(frozen=True)
+class Explanation:
+    plan_name: str
+    rates_name: str
+    candidates: tuple
+    chosen: int | None
+    auto: bool
+    reason: str
+
+    def __str__(self):
+        head = (f"plan {self.plan_name}: chunks='auto' chose S={self.chosen}" if self.auto
+                else f"plan {self.plan_name}: chunks fixed (S={self.chosen or 1})")
+        lines = [f"{head}, predicted with the {self.rates_name} rates",
+                 f"  {'S':>4} {'total ms':>10} {'comm ms':>10} {'compute ms':>11} {'exposed comm ms':>16}"]
+        for c in self.candidates:
+            mark = "*" if c.s == self.chosen and c.error is None else " "
+            s = "-" if c.s is None else c.s
+            if c.error is not None:
+                lines.append(f"{mark} {s:>4}  not possible: {c.error}")
+                continue
+            lines.append(f"{mark} {s:>4} {c.total_s * 1e3:>10.3f} {c.comm_s * 1e3:>10.3f} {c.compute_s * 1e3:>11.3f} "
+                         f"{c.exposed_s * 1e3:>16.3f}")
+        return "\n".join(lines + [self.reason])
+
+    __repr__ = __str__
+
+
+def candidate(s, prog, rates, local, share) -> Candidate:
+    p = predict(prog, rates, local, share)
+    m = p.summary()
+    return Candidate(s, p.total_s, m["communication_s"], m["gemm_s"] + m["compute_s"], m["exposed_communication_s"])
+
+
+def _kinds(prog) -> str:
+    kinds = sorted({str(i.op) for i, _ in unroll(prog.instrs) if i.op in COMMUNICATION})
+    return " and ".join(kinds) or "communication"
+
+
+def reason(best: Candidate, ok: list, rates, kinds: str) -> str:
+    """One sentence: why `best` is (or, fixed, what it does)."""
+    s = f"S={best.s or 1}"
+    if rates.serial:
+        return (f"{s}: with the {rates.name} rates steps run one after another as they are issued (NumPy devices), "
+                "so chunks cannot overlap; fewer steps cost less")
+    if not best.comm_s > 0:
+        return f"{s}: no communication to hide; more chunks only add steps and smaller GEMMs"
+    hidden = 1 - best.exposed_s / best.comm_s
+    one = next((c for c in ok if (c.s or 1) == 1), None)
+    if (best.s or 1) == 1 and len(ok) > 1:
+        runner = min((c for c in ok if c is not best), key=lambda c: c.total_s)
+        return (f"{s}: pipelining does not pay here: the best pipelined S={runner.s} is predicted "
+                f"{runner.total_s / best.total_s - 1:.1%} slower (its per-chunk steps, smaller GEMMs and GEMM slowdown "
+                f"beside the {kinds} cost more than the {best.comm_s * 1e3:.3f} ms of it they would hide)")
+    gain = f"; S=1 is predicted {one.total_s / best.total_s - 1:.1%} slower" if one is not None and one is not best else ""
+    if (faster := min(ok, key=lambda c: c.total_s)).total_s < best.total_s:
+        gain += f"; S={faster.s} only {1 - faster.total_s / best.total_s:.1%} faster (under the {AUTO_MARGIN:.0%} margin)"
+    return (f"{s}: hides {hidden:.0%} of the {kinds} ({best.exposed_s * 1e3:.3f} of {best.comm_s * 1e3:.3f} ms "
+            f"exposed){gain}")
+
+
+def _trace_with(fn, mesh, specs, streams, s):
+    extents: list = []
+    token = AUTO_CHUNKS.set((s, extents))
+    try:
+        return trace(fn, mesh, specs, streams), extents
+    finally:
+        AUTO_CHUNKS.reset(token)
+
+
+def candidates_for(extents) -> list:
+    g = math.gcd(*extents)
+    return [s for s in range(1, MAX_AUTO_CHUNKS + 1) if g % s == 0]
+
+
+def compile_best(fn, mesh, specs, streams, machine) -> tuple:
+    """(program, Explanation or None): the plan of fn for specs; with chunks="auto", the fastest
+    candidate's.  machine() gives (rates, local, share), called only when "auto" is used."""
+    traced, extents = _trace_with(fn, mesh, specs, streams, 1)
+    if not extents:
+        return compile_program(traced), None
+    rates, local, share = machine()
+    cands, progs = [], {}
+    for s in candidates_for(extents):
+        try:
+            prog = compile_program(traced if s == 1 else _trace_with(fn, mesh, specs, streams, s)[0])
+        except ValueError as e:
+            if s == 1:
+                raise
+            cands.append(Candidate(s, error=str(e)))
+            continue
+        progs[s] = prog
+        cands.append(candidate(s, prog, rates, local, share))
+    ok = [c for c in cands if c.error is None]
+    best = ok[0]
+    for c in ok[1:]:  # more chunks must pay by more than AUTO_MARGIN (the model is not that exact)
+        if c.total_s < best.total_s * (1 - AUTO_MARGIN):
+            best = c
+    if mesh.nprocs > 1:  # every rank must run the same plan: rank 0's choice (from its rates) holds
+        from mpi4py import MPI
+
+        s = faults.allgather_object(MPI.COMM_WORLD, best.s, f"choosing chunks='auto' for {traced.name!r}")[0]
+        best = next(c for c in ok if c.s == s)
+    why = Explanation(traced.name, rates.name, tuple(cands), best.s, True, reason(best, ok, rates, _kinds(progs[best.s])))
+    log.info("chunks='auto' for %s: S=%d of %s, predicted %.3f ms (%s rates): %s", traced.name, best.s,
+             [c.s for c in ok], best.total_s * 1e3, rates.name, why.reason)
+    return progs[best.s], why
+
+
+def explain_plan(prog, rates, local, share) -> Explanation:
+    """A plan compiled without "auto": its one candidate, the S of its stream loops."""
+    loops = sorted({i.attrs["extent"] for i in prog.instrs if i.op == Op.FOR})
+    c = candidate(loops[0] if len(loops) == 1 else None, prog, rates, local, share)
+    return Explanation(prog.name, rates.name, (c,), c.s, False, reason(c, [c], rates, _kinds(prog)))

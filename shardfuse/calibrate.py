@@ -1,0 +1,260 @@
+"""`shardfuse calibrate`: measure this machine's rates for the cost model, and cache them.
+
+Short runs of real plans through the mesh's backend (NumPy devices, or CuPy on GPUs), each the
+least of --repeat calls after a warm-up: host issue costs, memory bandwidth, GEMMs of a few sizes
+per dtype, an Allgather, Allreduce and ReduceScatter of a few sizes, and on GPUs with D > 1 a
+pipelined AllGather+GEMM (the GEMM slowdown that makes the model match it).  Each figure is what
+remains of a measured time once the model has accounted for the rest with the figures measured
+before it.  Rates are per device (NumPy devices and virtual devices of one GPU run one after
+another: the model multiplies back).  The cache (shardfuse/rates.py) is keyed by the machine: a
+driver, NCCL or CuPy update makes it stale, and calibrate rebuilds it (--force: always).
+"""
+from __future__ import annotations
+
+import argparse
+from dataclasses import replace
+
+import numpy as np
+
+import shardfuse as sf
+from shardfuse import rates as cache
+from shardfuse.cost import BUS_FACTOR, Rates, communication_of, predict, steps_of
+from shardfuse.dtypes import np_dtype
+from shardfuse.mesh import as_int
+from shardfuse.ops import COMMUNICATION, Op
+from shardfuse.runtime import backend_of
+
+# (GEMM sizes n for n x n x n, dtypes, elements of the collectives, elements of the bandwidth test)
+SIZES = {"cupy": ((1024, 2048, 4096, 8192), ("bfloat16", "float16", "float32"), (2**18, 2**22, 2**26), 2**26),
+         "numpy": ((96, 192, 384), ("float32", "float64"), (2**12, 2**15, 2**18), 2**21)}
+FREE = 1e30  # a rate so high that what it times costs nothing
+
+
+def make_timer(mesh, repeat: int) -> tuple:
+    """(time_s, host_s): time_s(fn) the least seconds a call of fn takes on the device (CUDA events
+    on the caller's stream; host time on NumPy devices), host_s(fn) the least wall time its issue
+    takes (the host returns once it has issued the steps); `repeat` calls each on an idle device,
+    after a warm-up (the bench's clocks)."""
+    import time
+
+    from shardfuse.bench.clocks import device_streams, make_clock
+
+    clock = make_clock(backend_of(mesh), device_streams(backend_of(mesh)))
+
+    def time_s(fn) -> float:
+        fn()
+        runs = []
+        for _ in range(repeat):
+            clock.idle()
+            st = clock.stamps(2)
+            clock.stamp(st, 0)
+            fn()
+            clock.stamp(st, 1)
+            runs.append(clock.between(*st) / 1e3)
+        return min(runs)
+
+    def host_s(fn) -> float:
+        fn()
+        runs = []
+        for _ in range(repeat):
+            clock.idle()
+            t0 = time.perf_counter()
+            fn()
+            runs.append(time.perf_counter() - t0)
+        clock.idle()
+        return min(runs)
+    return time_s, host_s
+
+
+def _fit(xs, secs, rate: float) -> tuple:
+    """(fixed seconds, rate) of the least-squares line secs = fixed + xs / rate, over the points
+    left a positive time once the rest was accounted for; too few of them, or a line that does
+    not rise: (None, the given rate), the figure kept."""
+    pts = [(x, t) for x, t in zip(xs, secs) if t > 0]
+    if len(pts) < 2:
+        return None, rate
+    slope, intercept = np.polyfit(*np.asarray(pts, float).T, 1)
+    if not slope > 0:
+        return None, max(x / t for x, t in pts)
+    return max(float(intercept), 0.0), 1.0 / float(slope)
+
+
+def _ones(shape, dtype, mesh, axis=None):
+    x = np.full(shape, 0.5, np.float32).astype(np_dtype(dtype))
+    return sf.replicate(x, mesh=mesh) if axis is None else sf.shard(x, axis, mesh=mesh)
+
+
+def _rest(prog, rates, local, share) -> float:
+    """The model's time for everything in prog but what `rates` makes free."""
+    return predict(prog, rates, local, share).total_s
+
+
+def measure_host(mesh, host_s, rates, local) -> Rates:
+    """Host issue costs, from wall times of the issue: call_s and step_s (a line through chains of
+    1 to 33 tiny GEMMs, the compute step plans issue most), comm_step_s (one tiny Allgather) and event_s (a
+    stream loop of tiny GEMMs in 1 and in 16 chunks)."""
+    x, w = _ones((64, 16), "float32", mesh), _ones((16, 16), "float32", mesh)
+
+    def chain(n):
+        def f(x, w):
+            for _ in range(n):
+                x = x @ w
+            return x
+        return sf.jit(f, mesh=mesh)
+
+    ns = (1, 9, 17, 33)
+    times = [host_s(lambda f=chain(n): f(x, w)) for n in ns]
+    fixed, per_step = _fit(ns, times, 1.0 / max(rates.step_s * local, 1e-9))
+    step = 1.0 / per_step
+    rates = replace(rates, step_s=step / local, call_s=max(times[0] - step, 0.0) if fixed is None else fixed)
+    if mesh.size > 1:
+        y = _ones((64,), "float32", mesh, 0)
+        ag = sf.jit(lambda v: sf.replicate(v), mesh=mesh)
+        rates = replace(rates, comm_step_s=max(host_s(lambda: ag(y)) - rates.call_s, 0.0) / local)
+    loops = [sf.jit(lambda v, u, s=s: sf.stream(v @ u, axis=0, chunks=s), mesh=mesh) for s in (1, 16)]
+    t = [host_s(lambda g=g: g(x, w)) for g in loops]
+    steps = [steps_of(g.lower(x, w).program, rates) for g in loops]
+    gemms, events = ([sum(st.engine == e for st in ss) for ss in steps] for e in ("compute", None))
+    per_event = max(t[1] - t[0] - (gemms[1] - gemms[0]) * step, 0.0) / max(events[1] - events[0], 1)
+    return replace(rates, event_s=per_event / local)
+
+
+def measure_compute(mesh, time_s, rates, local, share, gemm_sizes, dtypes, bw_elements) -> Rates:
+    """mem_bw from one large scaling; per dtype, GEMM peak and half-rate size fitted over sizes."""
+    x = _ones((bw_elements,), "float32", mesh)
+    f = sf.jit(lambda v: v * 1.0, mesh=mesh)
+    t = time_s(lambda: f(x)) - _rest(f.lower(x).program, replace(rates, mem_bw=FREE), local, share)
+    rates = replace(rates, mem_bw=share * 8 * bw_elements / t) if t > 0 else rates
+    mm = sf.jit(lambda a, b: a @ b, mesh=mesh)
+    gemm, half = dict(rates.gemm_flops), []
+    for dtype in dtypes:
+        flops, secs = [], []
+        for n in gemm_sizes:
+            a, b = _ones((n, n), dtype, mesh), _ones((n, n), dtype, mesh)
+            free = replace(rates, gemm_flops={dtype: FREE}, gemm_half_flops=0.0)
+            secs.append((time_s(lambda: mm(a, b)) - _rest(mm.lower(a, b).program, free, local, share)) / share)
+            flops.append(2.0 * n ** 3)
+        if rates.serial:  # NumPy: its fixed cost per GEMM is the host's, in step_s already
+            gemm[dtype] = sum(flops) / sum(secs) if sum(secs) > 0 else gemm.get(dtype, min(gemm.values()))
+            continue
+        t0, gemm[dtype] = _fit(flops, secs, gemm.get(dtype, min(gemm.values())))
+        if t0 is not None:
+            half.append(t0 * gemm[dtype])
+    half_flops = float(np.median(half)) if half else 0.0 if rates.serial else rates.gemm_half_flops
+    return replace(rates, gemm_flops=gemm, gemm_half_flops=half_flops)
+
+
+COLLECTIVE_CASES = {  # communication Op -> a function of an input sharded on axis 0: that one collective
+    Op.ALLGATHER: lambda x: sf.replicate(x),
+    Op.ALLREDUCE: lambda x: sf.replicate(x.sum(0)),
+    Op.REDUCE_SCATTER: lambda x: sf.shard(x.sum(0), 0),
+}
+
+
+def measure_comm(mesh, time_s, rates, local, share, sizes) -> Rates:
+    """Per collective: latency and bus bandwidth fitted over sizes; point-to-point and AllToAll
+    take the Allgather's bandwidth."""
+    d, bw, lats = mesh.size, dict(rates.comm_bw), []
+    free = replace(rates, comm_bw={op: FREE for op in rates.comm_bw}, comm_latency_s=0.0, comm_step_latency_s=0.0)
+    for op, fn in COLLECTIVE_CASES.items():
+        f = sf.jit(fn, mesh=mesh)
+        moved, secs = [], []
+        for n in sizes:
+            x = _ones((d, n) if op != Op.ALLGATHER else (n,), "float32", mesh, 0)
+            prog = f.lower(x).program
+            i = next(i for i in prog.walk() if i.op in COMMUNICATION)
+            nbytes, team = communication_of(i, mesh)
+            moved.append(nbytes * BUS_FACTOR[op](team))
+            secs.append(time_s(lambda: f(x)) - _rest(prog, free, local, share))
+        lat, bw[op] = _fit(moved, secs, bw[op])
+        if lat is not None:
+            lats.append(lat)
+    for op in (Op.ALLTOALL, Op.SENDRECV, Op.TRANSFER):
+        bw[op] = bw[Op.ALLGATHER]
+    return replace(rates, comm_bw=bw, comm_latency_s=float(np.median(lats)) if lats else rates.comm_latency_s,
+                   comm_step_latency_s=0.0 if lats else rates.comm_step_latency_s)
+
+
+def measure_slowdown(mesh, time_s, rates, local, share) -> Rates:
+    """The gemm_slowdown at which the model predicts a measured pipelined AllGather+GEMM (bisection
+    over [1, 2]: the prediction grows with it)."""
+    n = 2048 * mesh.size
+    a, b = _ones((n, 4096), "bfloat16", mesh, 0), _ones((4096, 4096), "bfloat16", mesh)
+    f = sf.jit(lambda a, b: sf.stream(sf.shard(a, axis=0) @ b, axis=0, chunks=4), mesh=mesh)
+    t, prog = time_s(lambda: f(a, b)), f.lower(a, b).program
+
+    def pred(x):
+        return predict(prog, replace(rates, gemm_slowdown=x), local, share).total_s
+    lo, hi = 1.0, 2.0  # (ends at 1 or 2 when the measured time lies outside)
+    for _ in range(30):
+        mid = (lo + hi) / 2
+        lo, hi = (mid, hi) if pred(mid) < t else (lo, mid)
+    return replace(rates, gemm_slowdown=(lo + hi) / 2)
+
+
+def calibrate(mesh, repeat: int = 10, log=print) -> Rates:
+    """This machine's rates on `mesh`, measured (a few seconds on NumPy devices, less on a GPU)."""
+    key = cache.machine_key(mesh)
+    backend = key["backend"]
+    gemm_sizes, dtypes, comm_sizes, bw_elements = SIZES[mesh.backend_name]
+    local, share = cache.engines(mesh)
+    time_s, host_s = make_timer(mesh, repeat)
+    base = cache.defaults_for(key)
+    rates = replace(base, name=f"calibrated {key.get('gpu', backend)} x{mesh.size}")
+    log(f"calibrating {mesh} on {backend} ({local} local device(s), {share} per engine), from {base.name} defaults")
+    rates = measure_host(mesh, host_s, rates, local)
+    log(f"  host: {rates.call_s * 1e6:.1f} us per call; per device {rates.step_s * 1e6:.2f} us per compute step, "
+        f"{rates.comm_step_s * 1e6:.2f} per communication step, {rates.event_s * 1e6:.2f} per stream step")
+    rates = measure_compute(mesh, time_s, rates, local, share, gemm_sizes, dtypes, bw_elements)
+    log(f"  memory {rates.mem_bw / 1e9:.1f} GB/s; GEMMs " + ", ".join(f"{d} {rates.gemm_flops[d] / 1e12:.3f} TFLOP/s"
+                                                                   for d in dtypes)
+        + f" (half rate at {rates.gemm_half_flops / 1e9:.3f} GFLOP)")
+    if mesh.size > 1:
+        rates = measure_comm(mesh, time_s, rates, local, share, comm_sizes)
+        log(f"  collectives: {rates.comm_latency_s * 1e6:.1f} us + bytes / busbw " + ", ".join(
+            f"{op} {rates.comm_bw[op] / 1e9:.2f} GB/s" for op in COLLECTIVE_CASES))
+        if not rates.serial:
+            rates = measure_slowdown(mesh, time_s, rates, local, share)
+            log(f"  GEMM slowdown beside a collective: {rates.gemm_slowdown:.2f}x")
+    return rates
+
+
+def ensure(mesh, force: bool = False, repeat: int = 10, log=print) -> tuple:
+    """(rates, cache path, measured now?): the cached rates when their key is this machine's,
+    else measured and written (a key change, a corrupt file or force: rebuilt)."""
+    key = cache.machine_key(mesh)
+    cached = None if force else cache.load(key)
+    if cached is not None:
+        return cached, cache.cache_path(key), False
+    rates = calibrate(mesh, repeat, log)
+    path = cache.save(key, rates) if mesh.rank == 0 else cache.cache_path(key)
+    return rates, path, True
+
+
+def main(argv=None) -> int:
+    from shardfuse.bench.clocks import caller_streams, device_streams
+    from shardfuse.demo import default_devices
+
+    p = argparse.ArgumentParser(prog="shardfuse calibrate", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--backend", choices=["numpy", "cupy"], default=None)
+    p.add_argument("--devices", type=int, default=None, help="D (default: all GPUs, else 4 CPU devices)")
+    p.add_argument("--repeat", type=int, default=10, help="timed calls per measurement (the least is kept)")
+    p.add_argument("--force", action="store_true", help="measure even when the cache is up to date")
+    args = p.parse_args(argv)
+    repeat = as_int(args.repeat, "--repeat", minimum=1)
+    devices = default_devices(args.backend) if args.devices is None else as_int(args.devices, "--devices", minimum=1)
+    mesh = sf.DeviceMesh(devices, backend=args.backend)
+    quiet = mesh.rank != 0
+
+    def log(msg):
+        if not quiet:
+            print(msg, flush=True)
+    caller, _ = caller_streams(device_streams(backend_of(mesh)))
+    with caller:
+        rates, path, measured = ensure(mesh, args.force, repeat, log)
+    log(f"{'wrote' if measured else 'up to date (--force measures again)'}: {path}")
+    if not measured:
+        log(f"  {rates.to_json()}")
+    return 0
+

@@ -1,0 +1,231 @@
+"""The cost model, chunks="auto", calibration and its cache, the simulator (issue 15).  CPU only."""
+import json
+from dataclasses import replace
+
+import numpy as np
+import pytest
+
+import shardfuse as sf
+from shardfuse import calibrate, cost, rates
+from shardfuse.cli import main as cli
+from shardfuse.layout import Layout
+from shardfuse.ops import Op
+
+ROWS = Layout(("DIDx", None))
+
+
+@pytest.fixture(autouse=True)
+def cache_dir(tmp_path, monkeypatch):
+    monkeypatch.setenv("SHARDFUSE_CACHE_DIR", str(tmp_path / "cache"))
+    return tmp_path / "cache"
+
+
+def seed(mesh, chunks, streams=2, algorithm="collective", **kw):
+    def ag_gemm(a, b):
+        return sf.stream(sf.shard(a, axis=0) @ b, axis=0, chunks=chunks, algorithm=algorithm)
+    return sf.jit(ag_gemm, mesh=mesh, streams=streams, **kw)
+
+
+def specs(m, k, n, dtype="float64"):
+    return sf.TensorSpec((m, k), dtype, ROWS), sf.TensorSpec((k, n), dtype)
+
+
+def gpu_like(**changes):
+    """Round, overlapping (non-serial) rates to inject."""
+    base = dict(name="injected", gemm_flops={"float64": 1e9}, gemm_half_flops=0.0, mem_bw=1e12,
+                comm_bw={op: 1e9 for op in cost.BUS_FACTOR}, comm_latency_s=0.0, comm_step_latency_s=0.0,
+                step_s=1e-9, comm_step_s=1e-9, event_s=0.0, call_s=0.0, gemm_slowdown=1.0, serial=False)
+    return cost.Rates(**{**base, **changes})
+
+
+# ---- the model against figures computed by hand ------------------------------------------------------
+# D = 2, A [8, 4] sharded on rows, B [4, 2], float64.  Per chunk (S = 2) a device gathers 16 elements
+# (128 bytes): 1 ms + 128 x (1/2) / 1e6 s = 1.064 ms; its GEMM is 2 x 8 x 4 = 64 FLOP: 64 us.  Host:
+# Allgather steps 200 us, GEMM steps 100 us, events free: AG0 issued at 0.2 ms, GEMM0 at 0.3, AG1 at 0.5,
+# GEMM1 at 0.6.  AG0 runs 0.2 -> 1.264; then GEMM0 and AG1 start together, GEMM0 at half speed beside
+# it (slowdown 2): 1.264 -> 1.392; AG1 1.264 -> 2.328; GEMM1 2.328 -> 2.392; + 0.5 ms per call = 2.892 ms.
+# S = 1: one Allgather of 256 bytes, 1.128 ms from 0.2; one GEMM of 128 FLOP, 128 us: 1.456 + 0.5 = 1.956.
+# Serial (as NumPy devices run): every step after the previous, its host time first: S = 2 is
+# 0.5 + 2 x (0.2 + 1.064 + 0.1 + 0.064) = 3.356 ms.
+HAND = gpu_like(gemm_flops={"float64": 1e6}, comm_bw={op: 1e6 for op in cost.BUS_FACTOR}, comm_latency_s=1e-3,
+                step_s=1e-4, comm_step_s=2e-4, call_s=0.5e-3, gemm_slowdown=2.0)
+
+
+def test_prediction_equals_hand_computed_figures():
+    mesh = sf.DeviceMesh(2, backend="numpy")
+    two, one = (seed(mesh, s).lower(*specs(8, 4, 2)).program for s in (2, 1))
+    p2 = cost.predict(two, HAND)
+    assert p2.total_s == pytest.approx(2.892e-3, rel=1e-12)
+    gemms = [t for e in p2.events if e.kind == "gemm" for t in (e.start, e.end)]
+    comms = [t for e in p2.events if e.kind == "communication" for t in (e.start, e.end)]
+    assert gemms == pytest.approx([1.264e-3, 1.392e-3, 2.328e-3, 2.392e-3], rel=1e-12)
+    assert comms == pytest.approx([0.2e-3, 1.264e-3, 1.264e-3, 2.328e-3], rel=1e-12)
+    s = p2.summary()
+    assert s["communication_s"] == pytest.approx(2.128e-3) and s["exposed_communication_s"] == pytest.approx(2.0e-3)
+    assert cost.predict(one, HAND).total_s == pytest.approx(1.956e-3, rel=1e-12)
+    assert cost.predict(two, replace(HAND, serial=True)).total_s == pytest.approx(3.356e-3, rel=1e-12)
+    plan = seed(mesh, "auto", rates=HAND).lower(*specs(8, 4, 2))  # the latency makes chunks cost more
+    assert plan.explain().chosen == 1 and [c.s for c in plan.explain().candidates] == [1, 2, 4, 8]
+    assert rates.engines(mesh) == (2, 2)  # sf.jit predicts NumPy devices as they run: one host, one engine
+    assert plan.explain().candidates[1].total_s == cost.predict(two, HAND, 2, 2).total_s > p2.total_s
+
+
+def test_a_prediction_is_a_timeline():
+    mesh = sf.DeviceMesh(2, backend="numpy")
+    pred = seed(mesh, 2, rates=HAND).lower(*specs(8, 4, 2)).predict()
+    tl = pred.timeline()
+    assert len(tl) == 9 and {e.stream for e in tl.events} == {"main", "0", "1"}
+    assert any("Allgather" in e.text and "[i=1]" in e.text for e in tl.events)
+    assert len([e for e in tl.to_chrome_trace()["traceEvents"] if e["ph"] == "X"]) == 9  # device 0 for all
+
+
+# ---- chunks="auto" -----------------------------------------------------------------------------
+def test_auto_is_1_where_overlap_cannot_pay():
+    one = sf.DeviceMesh(1, backend="numpy")  # one device: no communication at all
+    for r in (None, "h200"):
+        plan = seed(one, "auto", rates=r).lower(*specs(64, 16, 8))
+        assert plan.explain().chosen == 1 and plan.collectives() == {}
+    assert "no communication to hide" in str(seed(one, "auto", rates="h200").lower(*specs(64, 16, 8)).explain())
+    mesh = sf.DeviceMesh(4, backend="numpy")
+    free_comm = gpu_like(comm_bw={op: 1e30 for op in cost.BUS_FACTOR})
+    costly_steps = gpu_like(gemm_flops={"float64": 1e12}, comm_bw={op: 1e8 for op in cost.BUS_FACTOR}, step_s=1.0)
+    for r in (free_comm, costly_steps, None):  # None: the NumPy defaults, steps one after another
+        assert seed(mesh, "auto", rates=r).lower(*specs(64, 16, 8)).explain().chosen == 1
+
+
+def test_auto_pipelines_when_communication_dominates_and_computes_right():
+    mesh = sf.DeviceMesh(4, backend="numpy")
+    comm_bound = gpu_like(comm_bw={op: 1e8 for op in cost.BUS_FACTOR})  # the Allgather ~ as long as the GEMM
+    f = seed(mesh, "auto", rates=comm_bound)
+    rng = np.random.default_rng(15)
+    a, b = rng.standard_normal((64, 16)), rng.standard_normal((16, 8))
+    plan = f.lower(sf.shard(a, 0, mesh=mesh), b)
+    s = plan.explain().chosen
+    assert s > 1 and plan.collectives() == {"allgather": s}
+    assert f"S={s}: hides" in plan.explain().reason
+    got = f(sf.shard(a, 0, mesh=mesh), b).gather()
+    np.testing.assert_allclose(got, a.astype(np.float64) @ b, rtol=1e-12, atol=1e-12)
+
+
+def test_explain_lists_every_candidate_and_why():
+    mesh = sf.DeviceMesh(4, backend="numpy")
+    why = seed(mesh, "auto", rates="h200").lower(*specs(48, 16, 8)).explain()
+    assert [c.s for c in why.candidates] == [1, 2, 3, 4, 6, 8, 12, 16]  # the divisors of 48 up to 16
+    refused = {c.s for c in why.candidates if c.error}
+    assert refused == {8, 16}  # 48 rows cannot be cut into 4 devices x 8 chunks
+    text = str(why)
+    for c in why.candidates:
+        assert f" {c.s} " in text
+    assert "not possible" in text and why.reason in text and f"chose S={why.chosen}" in text
+    fixed = seed(mesh, 4, rates="h200").lower(*specs(48, 16, 8)).explain()
+    assert [c.s for c in fixed.candidates] == [4] and "chunks fixed (S=4)" in str(fixed)
+
+
+def test_auto_in_the_mlp_computes_right():
+    from shardfuse.mlp import mlp_block, mlp_inputs, mlp_reference
+
+    mesh = sf.DeviceMesh(2, backend="numpy")
+    args = mlp_inputs(np.random.default_rng(1), 8, 4)
+    f = mlp_block(mesh, "sp", chunks="auto")
+    np.testing.assert_allclose(f(*args).gather(), mlp_reference(*args), rtol=1e-10, atol=1e-10)
+    assert f.lower(*args).explain().auto
+
+
+def test_auto_refused_where_it_means_nothing():
+    mesh = sf.DeviceMesh(2, backend="numpy")
+    with pytest.raises(ValueError, match="chunks='auto' chooses S for algorithm='collective'"):
+        seed(mesh, "auto", algorithm="ring").lower(*specs(8, 4, 2))
+    with pytest.raises(TypeError, match="chunks= must be an int, got 'fast'"):
+        seed(mesh, "fast").lower(*specs(8, 4, 2))
+    with pytest.raises(TypeError, match="rates= must be"):
+        sf.jit(lambda a: a, mesh=mesh, rates=3)
+
+
+# ---- calibration and its cache -------------------------------------------------------------------
+def test_calibrate_writes_a_readable_cache_that_auto_uses(cache_dir, capsys):
+    assert cli(["calibrate", "--backend", "numpy", "--devices", "2", "--repeat", "2"]) == 0
+    mesh = sf.DeviceMesh(2, backend="numpy")
+    key = rates.machine_key(mesh)
+    doc = json.loads(rates.cache_path(key).read_text())
+    assert doc["key"] == key and rates.cache_path(key).parent == cache_dir
+    r = cost.Rates.from_json(doc["rates"])
+    assert r.serial and r.gemm_flops["float64"] > 0 and r.comm_bw[Op.ALLGATHER] > 0
+    assert "wrote" in capsys.readouterr().out
+    assert seed(mesh, "auto").lower(*specs(8, 4, 2)).explain().rates_name == "calibrated numpy x2"
+    assert cli(["calibrate", "--backend", "numpy", "--devices", "2"]) == 0
+    assert "up to date" in capsys.readouterr().out
+
+
+def test_cache_is_rebuilt_when_its_key_changes(monkeypatch):
+    mesh = sf.DeviceMesh(2, backend="numpy")
+    calls = []
+    monkeypatch.setattr(calibrate, "calibrate", lambda mesh, repeat, log: calls.append(1) or replace(cost.CPU, name="m"))
+    assert calibrate.ensure(mesh)[2] and calibrate.ensure(mesh)[2] is False and len(calls) == 1
+    assert rates.machine(mesh)[0].name == "m"
+    key = rates.machine_key(mesh)
+    monkeypatch.setattr(rates, "machine_key", lambda mesh: {**key, "numpy": "99.0"})  # a library update
+    assert rates.machine(mesh)[0] is cost.CPU  # stale: the defaults until calibrated again
+    r, path, measured = calibrate.ensure(mesh)
+    assert measured and len(calls) == 2 and json.loads(path.read_text())["key"]["numpy"] == "99.0"
+
+
+@pytest.mark.parametrize("content", ["{not json", '{"key": 1}', "[]", "KEY", "NEGATIVE"])
+def test_a_corrupt_cache_warns_and_falls_back(content):
+    mesh = sf.DeviceMesh(2, backend="numpy")
+    key = rates.machine_key(mesh)
+    path = rates.cache_path(key)
+    path.parent.mkdir(parents=True)
+    bad_rates = {**cost.CPU.to_json(), "step_s": -1.0}
+    text = {"KEY": json.dumps({"key": key}), "NEGATIVE": json.dumps({"key": key, "rates": bad_rates})}.get(content, content)
+    path.write_text(text)
+    with pytest.warns(UserWarning, match="corrupt rates cache"):
+        assert rates.machine(mesh)[0] is cost.CPU
+    with pytest.warns(UserWarning):
+        assert seed(mesh, "auto").lower(*specs(8, 4, 2)).explain().chosen == 1  # compiles all the same
+
+
+def test_rates_survive_json():
+    for r in cost.DEFAULTS.values():
+        assert cost.Rates.from_json(json.loads(json.dumps(r.to_json()))) == r
+
+
+# ---- the simulator and the sweep ------------------------------------------------------------------
+def test_simulate_prints_the_prediction_and_draws_it(tmp_path, capsys):
+    png, trace = tmp_path / "t.png", tmp_path / "t.json"
+    assert cli(["simulate", "--devices", "8", "--gpu", "h200", "--m", "32768", "--k", "32768", "--n", "8192",
+                "--dtype", "bf16", "--chunks", "auto", "--png", str(png), "--trace", str(trace)]) == 0
+    out = capsys.readouterr().out
+    assert "chose S=" in out and "predicted total" in out and "overlap efficiency" in out
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    doc = json.loads(trace.read_text())
+    assert {e["cat"] for e in doc["traceEvents"] if e["ph"] == "X"} >= {"gemm", "communication"}
+    assert cli(["simulate", "--mlp", "--devices", "4", "--m", "4096", "--k", "1024", "--chunks", "2"]) == 0
+    out = capsys.readouterr().out
+    assert "MLP block (sp)" in out and "'reduce_scatter': 2" in out
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["simulate", "--m", "0"], "--m must be an int >= 1, got 0"),
+    (["simulate", "--chunks", "many"], "--chunks must be a positive int or auto, got 'many'"),
+    (["simulate", "--devices", "3", "--m", "8"], "does not"),
+    (["calibrate", "--backend", "numpy", "--repeat", "0"], "--repeat must be an int >= 1, got 0"),
+])
+def test_cli_mistakes_are_one_line(argv, message, capsys):
+    assert cli(argv) == 2
+    err = capsys.readouterr().err
+    assert message in err and len(err.strip().splitlines()) == 1, err
+
+
+def test_sweep_runs_on_numpy_devices(tmp_path, capsys):
+    from shardfuse.bench.cli import parser
+    from shardfuse.bench.sweep import add_sweep_arguments, run_sweep
+
+    p = add_sweep_arguments(add_sweep_arguments(parser()))  # a second call adds nothing
+    out = tmp_path / "sweep.json"
+    args = p.parse_args(["--sweep", "--backend", "numpy", "--devices", "2", "--repeat", "2", "--sweep-m", "16,32",
+                         "--sweep-nk", "8x8", "--sweep-json", str(out)])
+    assert run_sweep(args) == 0
+    text = capsys.readouterr().out
+    assert "model (numpy/cpu rates) within 15%" in text and "chunks='auto' vs the best fixed S" in text
+    points = json.loads(out.read_text())["points"]
+    assert [p["m"] for p in points] == [16, 32] and all(p["auto"] == 1 for p in points)
