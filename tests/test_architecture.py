@@ -362,8 +362,10 @@ def test_6_plan_collectives_are_what_the_executor_binds():
 # No code golf: budgets, not targets.  shardfuse/ + backends/ measured 8235 lines (wc -l at commit
 # 6e4d009, issue 13); the total budget is about 10% above that.  Raised to 10,600 on 2026-12-04 for
 # new features, not growth of the old ones: the cost model, calibration and simulator (issue 15) and
-# array operations outside jit (issue 16), about 1,400 lines between them.
-MAX_FILE_LINES, MAX_FUNCTION_LINES, MAX_TOTAL_LINES = 400, 80, 10600
+# array operations outside jit (issue 16), about 1,400 lines between them.  Raised to 10,900 on
+# 2026-12-04 (third session) for issue 15's remaining parts (the GEMM memory bound in the model,
+# the sweep in `shardfuse bench`, NVTX ranges, the GPU profile CLI) and issue 14's user path.
+MAX_FILE_LINES, MAX_FUNCTION_LINES, MAX_TOTAL_LINES = 400, 80, 10900
 
 def test_7_size_budget():
     sizes = {path: len(path.read_text().splitlines()) for path in SOURCES.values()}
