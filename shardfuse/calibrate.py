@@ -27,6 +27,7 @@ from shardfuse.runtime import backend_of
 # (GEMM sizes n for n x n x n, dtypes, elements of the collectives, elements of the bandwidth test)
 SIZES = {"cupy": ((1024, 2048, 4096, 8192), ("bfloat16", "float16", "float32"), (2**18, 2**22, 2**26), 2**26),
          "numpy": ((96, 192, 384), ("float32", "float64"), (2**12, 2**15, 2**18), 2**21)}
+SKINNY = ((16, 32, 64), 8192)  # GPUs: GEMMs of m rows x n x n, bound by streaming B (the model's gemm_bw)
 FREE = 1e30  # a rate so high that what it times costs nothing
 
 
@@ -79,8 +80,10 @@ def _fit(xs, secs, rate: float) -> tuple:
     return max(float(intercept), 0.0), 1.0 / float(slope)
 
 
-def _ones(shape, dtype, mesh, axis=None):
-    x = np.full(shape, 0.5, np.float32).astype(np_dtype(dtype))
+def _random(shape, dtype, mesh, axis=None):
+    """Random inputs, never constants: a GEMM of constant operands runs ~15% faster on an H200
+    (less power drawn, higher clocks), which made the first calibration optimistic."""
+    x = np.random.default_rng(0).uniform(-1.0, 1.0, shape).astype(np_dtype(dtype))
     return sf.replicate(x, mesh=mesh) if axis is None else sf.shard(x, axis, mesh=mesh)
 
 
@@ -93,7 +96,7 @@ def measure_host(mesh, host_s, rates, local) -> Rates:
     """Host issue costs, from wall times of the issue: call_s and step_s (a line through chains of
     1 to 33 tiny GEMMs, the compute step plans issue most), comm_step_s (one tiny Allgather) and event_s (a
     stream loop of tiny GEMMs in 1 and in 16 chunks)."""
-    x, w = _ones((64, 16), "float32", mesh), _ones((16, 16), "float32", mesh)
+    x, w = _random((64, 16), "float32", mesh), _random((16, 16), "float32", mesh)
 
     def chain(n):
         def f(x, w):
@@ -108,7 +111,7 @@ def measure_host(mesh, host_s, rates, local) -> Rates:
     step = 1.0 / per_step
     rates = replace(rates, step_s=step / local, call_s=max(times[0] - step, 0.0) if fixed is None else fixed)
     if mesh.size > 1:
-        y = _ones((64,), "float32", mesh, 0)
+        y = _random((64,), "float32", mesh, 0)
         ag = sf.jit(lambda v: sf.replicate(v), mesh=mesh)
         rates = replace(rates, comm_step_s=max(host_s(lambda: ag(y)) - rates.call_s, 0.0) / local)
     loops = [sf.jit(lambda v, u, s=s: sf.stream(v @ u, axis=0, chunks=s), mesh=mesh) for s in (1, 16)]
@@ -121,7 +124,7 @@ def measure_host(mesh, host_s, rates, local) -> Rates:
 
 def measure_compute(mesh, time_s, rates, local, share, gemm_sizes, dtypes, bw_elements) -> Rates:
     """mem_bw from one large scaling; per dtype, GEMM peak and half-rate size fitted over sizes."""
-    x = _ones((bw_elements,), "float32", mesh)
+    x = _random((bw_elements,), "float32", mesh)
     f = sf.jit(lambda v: v * 1.0, mesh=mesh)
     t = time_s(lambda: f(x)) - _rest(f.lower(x).program, replace(rates, mem_bw=FREE), local, share)
     rates = replace(rates, mem_bw=share * 8 * bw_elements / t) if t > 0 else rates
@@ -130,8 +133,8 @@ def measure_compute(mesh, time_s, rates, local, share, gemm_sizes, dtypes, bw_el
     for dtype in dtypes:
         flops, secs = [], []
         for n in gemm_sizes:
-            a, b = _ones((n, n), dtype, mesh), _ones((n, n), dtype, mesh)
-            free = replace(rates, gemm_flops={dtype: FREE}, gemm_half_flops=0.0)
+            a, b = _random((n, n), dtype, mesh), _random((n, n), dtype, mesh)
+            free = replace(rates, gemm_flops={dtype: FREE}, gemm_half_flops=0.0, gemm_bw=FREE)
             secs.append((time_s(lambda: mm(a, b)) - _rest(mm.lower(a, b).program, free, local, share)) / share)
             flops.append(2.0 * n ** 3)
         if rates.serial:  # NumPy: its fixed cost per GEMM is the host's, in step_s already
@@ -141,7 +144,21 @@ def measure_compute(mesh, time_s, rates, local, share, gemm_sizes, dtypes, bw_el
         if t0 is not None:
             half.append(t0 * gemm[dtype])
     half_flops = float(np.median(half)) if half else 0.0 if rates.serial else rates.gemm_half_flops
-    return replace(rates, gemm_flops=gemm, gemm_half_flops=half_flops)
+    rates = replace(rates, gemm_flops=gemm, gemm_half_flops=half_flops)
+    return rates if rates.serial else measure_gemm_bw(mesh, time_s, rates, local, share, dtypes[0])
+
+
+def measure_gemm_bw(mesh, time_s, rates, local, share, dtype) -> Rates:
+    """gemm_bw: the fastest a GEMM of few rows streams its operands (bytes over what remains of its
+    time once the rest of the plan is accounted for)."""
+    mm, (ms, n), best = sf.jit(lambda a, b: a @ b, mesh=mesh), SKINNY, 0.0
+    free = replace(rates, gemm_flops={dtype: FREE}, gemm_half_flops=0.0, gemm_bw=FREE)
+    b = _random((n, n), dtype, mesh)
+    for m in ms:
+        a = _random((m, n), dtype, mesh)
+        t = (time_s(lambda: mm(a, b)) - _rest(mm.lower(a, b).program, free, local, share)) / share
+        best = max(best, (2 * m * n + n * n) * np.dtype(np_dtype(dtype)).itemsize / t) if t > 0 else best
+    return replace(rates, gemm_bw=best or rates.gemm_bw)
 
 
 COLLECTIVE_CASES = {  # communication Op -> a function of an input sharded on axis 0: that one collective
@@ -160,7 +177,7 @@ def measure_comm(mesh, time_s, rates, local, share, sizes) -> Rates:
         f = sf.jit(fn, mesh=mesh)
         moved, secs = [], []
         for n in sizes:
-            x = _ones((d, n) if op != Op.ALLGATHER else (n,), "float32", mesh, 0)
+            x = _random((d, n) if op != Op.ALLGATHER else (n,), "float32", mesh, 0)
             prog = f.lower(x).program
             i = next(i for i in prog.walk() if i.op in COMMUNICATION)
             nbytes, team = communication_of(i, mesh)
@@ -179,7 +196,7 @@ def measure_slowdown(mesh, time_s, rates, local, share) -> Rates:
     """The gemm_slowdown at which the model predicts a measured pipelined AllGather+GEMM (bisection
     over [1, 2]: the prediction grows with it)."""
     n = 2048 * mesh.size
-    a, b = _ones((n, 4096), "bfloat16", mesh, 0), _ones((4096, 4096), "bfloat16", mesh)
+    a, b = _random((n, 4096), "bfloat16", mesh, 0), _random((4096, 4096), "bfloat16", mesh)
     f = sf.jit(lambda a, b: sf.stream(sf.shard(a, axis=0) @ b, axis=0, chunks=4), mesh=mesh)
     t, prog = time_s(lambda: f(a, b)), f.lower(a, b).program
 
@@ -208,7 +225,7 @@ def calibrate(mesh, repeat: int = 10, log=print) -> Rates:
     rates = measure_compute(mesh, time_s, rates, local, share, gemm_sizes, dtypes, bw_elements)
     log(f"  memory {rates.mem_bw / 1e9:.1f} GB/s; GEMMs " + ", ".join(f"{d} {rates.gemm_flops[d] / 1e12:.3f} TFLOP/s"
                                                                    for d in dtypes)
-        + f" (half rate at {rates.gemm_half_flops / 1e9:.3f} GFLOP)")
+        + f" (half rate at {rates.gemm_half_flops / 1e9:.3f} GFLOP; operands at {rates.gemm_bw / 1e9:.0f} GB/s)")
     if mesh.size > 1:
         rates = measure_comm(mesh, time_s, rates, local, share, comm_sizes)
         log(f"  collectives: {rates.comm_latency_s * 1e6:.1f} us + bytes / busbw " + ", ".join(

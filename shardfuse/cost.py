@@ -32,6 +32,7 @@ class Rates:
     gemm_flops: dict  # dtype name -> sustained FLOP/s of a large GEMM
     gemm_half_flops: float  # a GEMM of this many FLOPs runs at half that rate: efficiency f / (f + half)
     mem_bw: float  # bytes/s read + written by elementwise ops, sums and copies
+    gemm_bw: float  # bytes/s a GEMM streams its operands and result at: the bound of skinny GEMMs
     comm_bw: dict  # communication Op -> bus bandwidth (bytes/s, nccl-tests' busbw)
     comm_latency_s: float  # per collective
     comm_step_latency_s: float  # per ring step (D - 1 of them)
@@ -57,7 +58,7 @@ class Rates:
         comm = {Op(k): _positive(v, f"comm_bw[{k}]", zero=False) for k, v in d["comm_bw"].items()}
         if not gemm or not comm:
             raise ValueError("rates need at least one GEMM rate and one bandwidth")
-        scalars = {n: _positive(d[n], n, zero=n not in ("gemm_slowdown", "mem_bw"))
+        scalars = {n: _positive(d[n], n, zero=n not in ("gemm_slowdown", "mem_bw", "gemm_bw"))
                    for n in names - {"name", "gemm_flops", "comm_bw", "serial"}}
         return cls(name=str(d["name"]), gemm_flops=gemm, comm_bw=comm, serial=bool(d["serial"]), **scalars)
 
@@ -71,28 +72,31 @@ def _positive(v, what: str, zero: bool = True) -> float:
 _ALL_COMM = (Op.ALLGATHER, Op.REDUCE_SCATTER, Op.ALLREDUCE, Op.ALLTOALL, Op.SENDRECV, Op.TRANSFER)
 
 # One H200 SXM (../shared/MULTIGPU-FIGURES.md): cuBLAS sustained ~720 TFLOP/s bf16 / fp16, chunk
-# efficiency 1 / (1 + 14 / m) at n = k = 8192 (half rate at 1.9 GFLOP); NCCL ring busbw ~370 GB/s
+# efficiency 1 / (1 + 14 / m) at n = k = 8192 (half rate at 1.9 GFLOP), operands streamed at ~4 TB/s
+# (HBM3e, 4.8 TB/s peak: a chunk of few rows re-reads all of B); NCCL ring busbw ~370 GB/s
 # (ReduceScatter ~350), 10 us + 0.6 us per ring step; a GEMM 1.3x slower beside an SM-based
 # collective; host 9.3 us per pre-bound cuBLASLt GEMM step (BENCHMARKS.md, issue 14), 7 us per NCCL call,
 # 0.7 us per event (FIELD-NOTES.md).
 H200 = Rates("h200", gemm_flops={"float16": 720e12, "bfloat16": 720e12, "float32": 51e12, "float64": 60e12},
-             gemm_half_flops=1.9e9, mem_bw=4.3e12,
+             gemm_half_flops=1.9e9, mem_bw=4.3e12, gemm_bw=4.0e12,
              comm_bw={op: 350e9 if op == Op.REDUCE_SCATTER else 370e9 for op in _ALL_COMM},
              comm_latency_s=10e-6, comm_step_latency_s=0.6e-6, step_s=9.3e-6, comm_step_s=7e-6, event_s=0.7e-6,
              call_s=20e-6, gemm_slowdown=1.3)
 # NumPy devices: a modest host; steps run as they are issued, one device after another.
 CPU = Rates("numpy/cpu", gemm_flops={"float16": 2e9, "bfloat16": 1e9, "float32": 100e9, "float64": 50e9},
-            gemm_half_flops=0.0, mem_bw=10e9, comm_bw={op: 5e9 for op in _ALL_COMM}, comm_latency_s=2e-6,
+            gemm_half_flops=0.0, mem_bw=10e9, gemm_bw=10e9, comm_bw={op: 5e9 for op in _ALL_COMM}, comm_latency_s=2e-6,
             comm_step_latency_s=0.0, step_s=10e-6, comm_step_s=8e-6, event_s=0.0, call_s=20e-6, gemm_slowdown=1.0,
             serial=True)
 DEFAULTS = {"h200": H200, "numpy/cpu": CPU}
 
 
 # ---- what one step costs ------------------------------------------------------------------------
-def gemm_time(flops: float, dtype: str, rates: Rates) -> float:
-    """flops / (peak x efficiency), efficiency = flops / (flops + half): saturating in size."""
+def gemm_time(flops: float, nbytes: float, dtype: str, rates: Rates) -> float:
+    """The larger of flops / (peak x efficiency), efficiency = flops / (flops + half) saturating in
+    size, and the time to stream its operands and result (nbytes): a roofline, since a chunk of
+    few rows is bound by reading all of B."""
     peak = rates.gemm_flops.get(dtype, min(rates.gemm_flops.values()))
-    return (flops + rates.gemm_half_flops) / peak if flops > 0 else 0.0
+    return max((flops + rates.gemm_half_flops) / peak, nbytes / rates.gemm_bw) if flops > 0 else 0.0
 
 
 # bytes x factor(D) / busbw is the time (nccl-tests PERFORMANCE.md: busbw = algbw x factor)
@@ -125,7 +129,8 @@ def work_of(i, mesh, rates: Rates, share: int = 1) -> tuple:
     devices of one GPU)."""
     if i.op == Op.MATMUL:
         flops = 2 * math.prod(local_shape(i.into, mesh)) * local_shape(i.ins[0], mesh)[-1]
-        return "compute", share * gemm_time(flops, i.into.type.dtype, rates)
+        nbytes = sum(_nbytes(v, mesh) for v in (*i.ins[:2], i.into))
+        return "compute", share * gemm_time(flops, nbytes, i.into.type.dtype, rates)
     if i.op in COMMUNICATION:
         nbytes, d = communication_of(i, mesh)
         return "comm", collective_time(i.op, nbytes, d, rates)

@@ -3,7 +3,7 @@
 `shardfuse calibrate` (shardfuse/calibrate.py) measures a machine's rates and caches them as JSON,
 one file per backend and mesh size, under $SHARDFUSE_CACHE_DIR, else $XDG_CACHE_HOME/shardfuse,
 else ~/.cache/shardfuse.  A file records the key it was measured under (backend, GPU model,
-driver, CUDA runtime, NCCL and CuPy versions, devices, processes): one whose key differs from
+driver, CUDA runtime, NCCL and CuPy versions, devices, processes, the model's version): one whose key differs from
 this machine's is stale (calibrate rebuilds it; until then the defaults hold), and a corrupt one
 is ignored with a warning, never an error.
 """
@@ -20,6 +20,7 @@ from shardfuse.runtime import backend_of
 
 log = logging.getLogger("shardfuse")
 KEY_FIELDS = ("backend", "gpu", "driver", "cuda_runtime", "nccl", "cupy", "numpy")
+MODEL = 2  # the cost model's version: rates measured for an older model (no gemm_bw) are stale
 
 
 def cache_dir() -> Path:
@@ -35,7 +36,7 @@ def machine_key(mesh) -> dict:
     desc = be.describe()
     key = {k: desc[k] for k in KEY_FIELDS if k in desc}
     gpus = len(set(be.ordinals)) if be.ordinals else 0
-    return {**key, "devices": mesh.size, "processes": mesh.nprocs, "gpus": gpus}
+    return {**key, "devices": mesh.size, "processes": mesh.nprocs, "gpus": gpus, "model": MODEL}
 
 
 def cache_path(key: dict) -> Path:

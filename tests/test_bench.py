@@ -29,7 +29,7 @@ BENCH = sorted((ROOT / "shardfuse" / "bench").glob("*.py"))
 M, K, N = 32, 16, 8
 OPTIONS = ("--backend", "--devices", "--m", "--k", "--n", "--dtype", "--chunks", "--streams", "--warmup", "--repeat",
            "--sets", "--growth-calls", "--steady-calls", "--steady-rounds", "--graph", "--seed", "--json", "--pattern",
-           "--no-progress", "--host")
+           "--no-progress", "--host", "--sweep", "--sweep-m", "--sweep-nk", "--sweep-json")
 TINY = ["--backend", "numpy", "--m", str(M), "--k", str(K), "--n", str(N), "--repeat", "2", "--warmup", "1",
         "--growth-calls", "3", "--steady-rounds", "2", "--steady-calls", "3", "--seed", "5"]
 

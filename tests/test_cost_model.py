@@ -32,7 +32,7 @@ def specs(m, k, n, dtype="float64"):
 
 def gpu_like(**changes):
     """Round, overlapping (non-serial) rates to inject."""
-    base = dict(name="injected", gemm_flops={"float64": 1e9}, gemm_half_flops=0.0, mem_bw=1e12,
+    base = dict(name="injected", gemm_flops={"float64": 1e9}, gemm_half_flops=0.0, mem_bw=1e12, gemm_bw=1e12,
                 comm_bw={op: 1e9 for op in cost.BUS_FACTOR}, comm_latency_s=0.0, comm_step_latency_s=0.0,
                 step_s=1e-9, comm_step_s=1e-9, event_s=0.0, call_s=0.0, gemm_slowdown=1.0, serial=False)
     return cost.Rates(**{**base, **changes})
@@ -68,6 +68,18 @@ def test_prediction_equals_hand_computed_figures():
     assert plan.explain().chosen == 1 and [c.s for c in plan.explain().candidates] == [1, 2, 4, 8]
     assert rates.engines(mesh) == (2, 2)  # sf.jit predicts NumPy devices as they run: one host, one engine
     assert plan.explain().candidates[1].total_s == cost.predict(two, HAND, 2, 2).total_s > p2.total_s
+
+
+def test_a_gemm_of_few_rows_is_bound_by_streaming_its_operands():
+    # A [2, 4] @ B [4, 2], float64: 2 x 2 x 2 x 4 = 32 FLOP, (8 + 8 + 4) x 8 = 160 bytes.  At 1 MFLOP/s
+    # and 1 MB/s the FLOPs take 32 us and the bytes 160 us: the roofline's larger figure wins.
+    mesh = sf.DeviceMesh(1, backend="numpy")
+    prog = sf.jit(lambda a, b: a @ b, mesh=mesh).lower(sf.TensorSpec((2, 4), "float64"),
+                                                         sf.TensorSpec((4, 2), "float64")).program
+    gemm = next(i for i in prog.walk() if i.op == Op.MATMUL)
+    slow, fast = (gpu_like(gemm_flops={"float64": 1e6}, gemm_bw=bw) for bw in (1e6, 1e9))
+    assert cost.work_of(gemm, mesh, slow) == ("compute", pytest.approx(160e-6))
+    assert cost.work_of(gemm, mesh, fast) == ("compute", pytest.approx(32e-6))
 
 
 def test_a_prediction_is_a_timeline():
@@ -217,14 +229,9 @@ def test_cli_mistakes_are_one_line(argv, message, capsys):
 
 
 def test_sweep_runs_on_numpy_devices(tmp_path, capsys):
-    from shardfuse.bench.cli import parser
-    from shardfuse.bench.sweep import add_sweep_arguments, run_sweep
-
-    p = add_sweep_arguments(add_sweep_arguments(parser()))  # a second call adds nothing
     out = tmp_path / "sweep.json"
-    args = p.parse_args(["--sweep", "--backend", "numpy", "--devices", "2", "--repeat", "2", "--sweep-m", "16,32",
-                         "--sweep-nk", "8x8", "--sweep-json", str(out)])
-    assert run_sweep(args) == 0
+    assert cli(["bench", "--sweep", "--backend", "numpy", "--devices", "2", "--repeat", "2", "--sweep-m", "16,32",
+                 "--sweep-nk", "8x8", "--sweep-json", str(out)]) == 0
     text = capsys.readouterr().out
     assert "model (numpy/cpu rates) within 15%" in text and "chunks='auto' vs the best fixed S" in text
     points = json.loads(out.read_text())["points"]

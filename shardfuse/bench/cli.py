@@ -47,6 +47,7 @@ import shardfuse as sf
 from shardfuse.bench import ag_gemm, gemm_rs, host, report
 from shardfuse.bench.clocks import caller_streams, device_streams, make_clock
 from shardfuse.bench.runner import Context, Progress
+from shardfuse.bench.sweep import add_sweep_arguments, run_sweep
 from shardfuse.demo import default_devices
 from shardfuse.runtime import backend_of
 
@@ -90,7 +91,7 @@ def parser():
                         "--steady-rounds runs")
     p.add_argument("--pattern", choices=["ag", "rs", "both"], default="ag",
                    help="ag: AllGather+GEMM (the seed); rs: GEMM+ReduceScatter (the row-parallel linear)")
-    return p
+    return add_sweep_arguments(p)
 
 
 def over_tolerance(rows):
@@ -134,6 +135,8 @@ def main(argv=None):
     args = p.parse_args(argv)
     if args.devices is not None and args.devices < 1:
         p.error(f"--devices must be a positive int, got {args.devices}")
+    if args.sweep:
+        return run_sweep(args)
     mesh = sf.DeviceMesh(args.devices or default_devices(args.backend), backend=args.backend)
     if args.host:
         return _host_table(p, args, mesh)
