@@ -61,16 +61,18 @@ class Plan:
                 counts[key] = counts.get(key, 0) + 1
         return counts
 
-    def profile(self, *args, repeat: int = 1):
+    def profile(self, *args, repeat: int = 1, nvtx: bool = False):
         """Run the plan `repeat` times and return its Timeline: every executed step with its
         device(s), stream, instruction text (as print(plan) shows it), start and end.  Under
         mpiexec every rank's steps, gathered on every rank (a collective call).  Host clocks on the
-        NumPy backends, CUDA events around each step on GPUs (shardfuse/timeline.py)."""
+        NumPy backends, CUDA events around each step on GPUs (shardfuse/timeline.py).  nvtx=True
+        also wraps each call and each step in an NVTX range named as the Timeline names them, so
+        `nsys profile` shows the same names (the optional [nvtx] extra)."""
         from shardfuse import faults
         from shardfuse.timeline import Timeline, profile_steps
 
         exe = self.executable
-        timeline = Timeline.from_records(exe, profile_steps(exe, args, repeat), rank=self.program.mesh.rank)
+        timeline = Timeline.from_records(exe, profile_steps(exe, args, repeat, nvtx), rank=self.program.mesh.rank)
         mesh = self.program.mesh
         if mesh.nprocs > 1:
             from mpi4py import MPI

@@ -142,53 +142,85 @@ class Timeline:
         return fig
 
 
-def profile_steps(exe, args, repeat: int = 1) -> list:
+def profile_steps(exe, args, repeat: int = 1, nvtx: bool = False) -> list:
     """Run a bound plan `repeat` times, timing every step: [(call, step, start s, end s, devices)].
     On the NumPy backends host clocks around each step (the host runs it: its devices' work, one
     after another).  On GPUs a pair of CUDA events around each step, recorded on the step's own
-    stream, so the profiled call issues the same kernels (plus the events) and overlap shows."""
+    stream, so the profiled call issues the same kernels (plus the events) and overlap shows.
+    nvtx=True: an NVTX range per call (the plan's name) and per step (its label), for nsys."""
     from shardfuse.pieces import check_args
 
     if exe.graph is not None:
         raise NotImplementedError("plan.profile runs eager plans (a graph replays as one launch)")
+    push, pop = _ranges(nvtx)
     infos = check_args(exe.prog, args, exe.backend, exe.accepted)
     on_gpu = exe.backend.stream(0) is not None
     records: list = []
     ref = exe.backend.new_event(timing=True) if on_gpu else None  # recorded once: every call's times from it
     with exe.lock:
         for call in range(repeat):
-            if on_gpu:
-                records += _gpu_call(exe, args, infos, call, ref)
-            else:
-                exe.run(args, infos, None, issue=lambda bufs: records.extend(_host_steps(exe, bufs, call)))
+            push(exe.prog.name)
+            try:  # a failing step must not leave Nsight's ranges open
+                if on_gpu:
+                    records += _gpu_call(exe, args, infos, call, ref, push, pop)
+                else:
+                    exe.run(args, infos, None, issue=lambda bufs: records.extend(_host_steps(exe, bufs, call, push, pop)))
+            finally:
+                pop()
     if not on_gpu:
         t0 = min((r[2] for r in records), default=0.0)
         records = [(c, k, a - t0, b - t0, tuple(exe.backend.local_devices)) for c, k, a, b in records]
     return records
 
 
-def _host_steps(exe, bufs, call):
+def _ranges(on: bool):
+    """(push, pop): nvtx's, so Nsight Systems names the ranges as the Timeline does, or no-ops.
+    Imported only when asked for: nvtx is an optional extra."""
+    if not on:
+        return _noop, _noop
+    try:
+        import nvtx
+    except ImportError:
+        raise ImportError("plan.profile(nvtx=True) needs the nvtx package: pip install \"shardfuse[nvtx]\" "
+                          "(or pip install nvtx)") from None
+    return nvtx.push_range, nvtx.pop_range
+
+
+def _noop(*_):
+    pass
+
+
+def _host_steps(exe, bufs, call, push, pop):
     clock, out = time.perf_counter, []
-    for k, step in enumerate(exe.steps):
-        t0 = clock()
-        step(bufs)
-        out.append((call, k, t0, clock()))
+    for k, (step, (text, _, _)) in enumerate(zip(exe.steps, exe.labels)):
+        push(text)  # outside the clocks: the ranges cost the measured intervals nothing
+        try:
+            t0 = clock()
+            step(bufs)
+            t1 = clock()
+        finally:
+            pop()
+        out.append((call, k, t0, t1))
     return out
 
 
-def _gpu_call(exe, args, infos, call, ref):
+def _gpu_call(exe, args, infos, call, ref, push, pop):
     be = exe.backend
     marks = [(be.new_event(timing=True), be.new_event(timing=True)) for _ in exe.steps]
     first = be.bind_record(ref, MAIN) if call == 0 else (lambda bufs: None)
-    around = [(be.bind_record(e0, stream), step, be.bind_record(e1, stream))
-              for step, (e0, e1), (_, _, stream) in zip(exe.steps, marks, exe.labels)]
+    around = [(text, be.bind_record(e0, stream), step, be.bind_record(e1, stream))
+              for step, (e0, e1), (text, _, stream) in zip(exe.steps, marks, exe.labels)]
 
     def issue(bufs):
         first(bufs)
-        for pre, step, post in around:
-            pre(bufs)
-            step(bufs)
-            post(bufs)
+        for text, pre, step, post in around:
+            push(text)  # outside the events, which time the GPU's work, not the host's
+            try:
+                pre(bufs)
+                step(bufs)
+                post(bufs)
+            finally:
+                pop()
     exe.run(args, infos, None, issue=issue)
     be.synchronize()
     gpus = list(be.ordinals) if be.ordinals else [None]

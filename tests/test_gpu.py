@@ -640,3 +640,24 @@ def test_profile_on_the_gpu_from_cuda_events(d, tmp_path):
     tl.to_chrome_trace(tmp_path / "t.json")
     np.testing.assert_allclose(plan(a, b).gather(), np.einsum("sdmk,kn->sdmn", a.astype(np.float64), b),
                                rtol=1e-4, atol=1e-3)
+
+
+def test_profile_nvtx_ranges_on_the_gpu(monkeypatch):
+    """plan.profile(nvtx=True) on GPUs: per call a range named after the plan, inside it one per
+    step named as its timeline line (around its CUDA events), balanced; the events unchanged."""
+    import sys
+    import types
+
+    mesh = sf.DeviceMesh(2, backend="cupy")
+    f = sf.jit(lambda a, b: sf.stream(sf.shard(a, axis=1) @ b, axis=0), mesh=mesh, streams=2)
+    a, b = np.ones((4, 2, 64, 32), np.float32), np.ones((32, 16), np.float32)
+    plan = f.lower(a, b)
+    log = []
+    monkeypatch.setitem(sys.modules, "nvtx", types.SimpleNamespace(
+        push_range=lambda message=None, **kw: log.append(("push", message)), pop_range=lambda **kw: log.append(("pop", None))))
+    tl = plan.profile(a, b, repeat=2, nvtx=True)
+    labels = [text for text, _, _ in plan.executable.labels]
+    one_call = [("push", plan.program.name)] + [x for t in labels for x in (("push", t), ("pop", None))] + [("pop", None)]
+    assert log == one_call * 2
+    # each step once per call and GPU (two GPUs: two event pairs), under its label
+    assert sorted({(e.call, e.step, e.text) for e in tl.events}) == [(c, k, t) for c in range(2) for k, t in enumerate(labels)]

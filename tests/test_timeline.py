@@ -86,3 +86,72 @@ def test_cli_writes_the_trace_and_the_chart(tmp_path):
     assert r.returncode == 0, r.stderr
     assert "overlap efficiency" in r.stdout and json.load(open(trace))["traceEvents"]
     assert png.read_bytes()[:4] == b"\x89PNG"
+
+
+# ---- NVTX ranges (plan.profile(nvtx=True), shardfuse profile --nvtx) ----------------------------
+def _recording_nvtx(monkeypatch):
+    """A stand-in nvtx module that records every push and pop, in order (no CUDA needed)."""
+    import types
+
+    log = []
+    fake = types.SimpleNamespace(push_range=lambda message=None, **kw: log.append(("push", message)),
+                                 pop_range=lambda **kw: log.append(("pop", None)))
+    monkeypatch.setitem(sys.modules, "nvtx", fake)
+    return log
+
+
+def _facts(tl):  # an event without its times, which differ from run to run
+    return [(e.call, e.step, e.devices, e.stream, e.text, e.kind) for e in tl.events]
+
+
+def test_nvtx_profile_gives_the_same_events():
+    import nvtx  # noqa: F401  (the [nvtx] extra, in [test]: a no-op without CUDA or nsys)
+
+    plan, a, b = seed(d=2)
+    plain, ranged = plan.profile(a, b, repeat=2), plan.profile(a, b, repeat=2, nvtx=True)
+    assert len(ranged) == 2 * len(plan.executable.steps)
+    assert sorted(_facts(ranged), key=lambda f: f[:2]) == sorted(_facts(plain), key=lambda f: f[:2])
+
+
+@pytest.mark.parametrize("repeat", [1, 3])
+def test_nvtx_ranges_are_the_plan_and_its_step_labels(monkeypatch, repeat):
+    log = _recording_nvtx(monkeypatch)
+    plan, a, b = seed(d=4)
+    tl = plan.profile(a, b, repeat=repeat, nvtx=True)
+    labels = [text for text, _, _ in plan.executable.labels]
+    one_call = [("push", plan.program.name)] + [x for t in labels for x in (("push", t), ("pop", None))] + [("pop", None)]
+    assert log == one_call * repeat  # nested and balanced: each step inside its call's range
+    assert {e.text for e in tl.events} == set(labels)  # the names the Timeline (and print(plan)) shows
+    log.clear()
+    plan.profile(a, b)  # off by default: no range at all
+    assert log == []
+
+
+def test_nvtx_missing_says_how_to_install_it(monkeypatch):
+    monkeypatch.setitem(sys.modules, "nvtx", None)  # `import nvtx` raises ImportError
+    plan, a, b = seed(d=2)
+    with pytest.raises(ImportError, match=r"pip install \"shardfuse\[nvtx\]\" \(or pip install nvtx\)"):
+        plan.profile(a, b, nvtx=True)
+    assert len(plan.profile(a, b)) == len(plan.executable.steps)  # without nvtx=True nothing needs it
+
+
+def test_cli_nvtx_pushes_the_ranges(tmp_path, monkeypatch, capsys):
+    from shardfuse.cli import main
+
+    log = _recording_nvtx(monkeypatch)
+    trace = tmp_path / "t.json"
+    argv = ["profile", "--nvtx", "--devices", "2", "--m", "4", "--k", "8", "--n", "8", "--repeat", "2", "--trace", str(trace)]
+    assert main(argv) == 0
+    names = {e["name"] for e in json.load(open(trace))["traceEvents"] if e["ph"] == "X"}  # the step labels
+    inner = [m for kind, m in log[1:-1] if kind == "push" and m != "ag_matmul"]
+    one_call = [("push", "ag_matmul")] + [x for t in inner[:len(inner) // 2] for x in (("push", t), ("pop", None))] + [("pop", None)]
+    assert log == one_call * 2 and set(inner) == names, log
+    assert "--backend cupy profiles GPUs" in capsys.readouterr().out
+
+
+def test_cli_dtype_must_suit_the_backend(tmp_path, capsys):
+    from shardfuse.profile_cli import main
+
+    with pytest.raises(SystemExit) as e:
+        main(["--dtype", "float16", "--trace", str(tmp_path / "t.json")])  # a GPU dtype, on the default numpy backend
+    assert e.value.code == 2 and "--dtype float16 is not profiled on numpy" in capsys.readouterr().err
