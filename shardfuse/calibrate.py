@@ -18,7 +18,7 @@ import numpy as np
 
 import shardfuse as sf
 from shardfuse import rates as cache
-from shardfuse.cost import BUS_FACTOR, Rates, communication_of, predict, steps_of
+from shardfuse.cost import BUS_FACTOR, ROOFLINE_P, Rates, communication_of, predict, steps_of
 from shardfuse.dtypes import np_dtype
 from shardfuse.mesh import as_int
 from shardfuse.ops import COMMUNICATION, Op
@@ -92,21 +92,22 @@ def _rest(prog, rates, local, share) -> float:
     return predict(prog, rates, local, share).total_s
 
 
+def _chain(mesh, n: int):
+    """A plan of n GEMMs one after another: x @ w @ w ... (x [m, k], w [k, k])."""
+    def f(x, w):
+        for _ in range(n):
+            x = x @ w
+        return x
+    return sf.jit(f, mesh=mesh)
+
+
 def measure_host(mesh, host_s, rates, local) -> Rates:
     """Host issue costs, from wall times of the issue: call_s and step_s (a line through chains of
     1 to 33 tiny GEMMs, the compute step plans issue most), comm_step_s (one tiny Allgather) and event_s (a
     stream loop of tiny GEMMs in 1 and in 16 chunks)."""
     x, w = _random((64, 16), "float32", mesh), _random((16, 16), "float32", mesh)
-
-    def chain(n):
-        def f(x, w):
-            for _ in range(n):
-                x = x @ w
-            return x
-        return sf.jit(f, mesh=mesh)
-
     ns = (1, 9, 17, 33)
-    times = [host_s(lambda f=chain(n): f(x, w)) for n in ns]
+    times = [host_s(lambda f=_chain(mesh, n): f(x, w)) for n in ns]
     fixed, per_step = _fit(ns, times, 1.0 / max(rates.step_s * local, 1e-9))
     step = 1.0 / per_step
     rates = replace(rates, step_s=step / local, call_s=max(times[0] - step, 0.0) if fixed is None else fixed)
@@ -149,15 +150,21 @@ def measure_compute(mesh, time_s, rates, local, share, gemm_sizes, dtypes, bw_el
 
 
 def measure_gemm_bw(mesh, time_s, rates, local, share, dtype) -> Rates:
-    """gemm_bw: the fastest a GEMM of few rows streams its operands (bytes over what remains of its
-    time once the rest of the plan is accounted for)."""
-    mm, (ms, n), best = sf.jit(lambda a, b: a @ b, mesh=mesh), SKINNY, 0.0
-    free = replace(rates, gemm_flops={dtype: FREE}, gemm_half_flops=0.0, gemm_bw=FREE)
-    b = _random((n, n), dtype, mesh)
+    """gemm_bw: how fast a GEMM of few rows streams its operands, from the slope of chains of 1
+    and 17 such GEMMs (the time of one GEMM on a busy GPU: a single short call is mostly its
+    fixed host and launch costs), less its FLOPs' share of the smoothed roofline."""
+    (ms, n), best = SKINNY, 0.0
+    itemsize = np.dtype(np_dtype(dtype)).itemsize
+    w = sf.replicate((np.random.default_rng(1).uniform(-1, 1, (n, n)) / np.sqrt(n)).astype(np_dtype(dtype)),
+                     mesh=mesh)  # scaled so the chain's values stay near 1
+    short, long = _chain(mesh, 1), _chain(mesh, 17)
+    peak = rates.gemm_flops.get(dtype, min(rates.gemm_flops.values()))
     for m in ms:
-        a = _random((m, n), dtype, mesh)
-        t = (time_s(lambda: mm(a, b)) - _rest(mm.lower(a, b).program, free, local, share)) / share
-        best = max(best, (2 * m * n + n * n) * np.dtype(np_dtype(dtype)).itemsize / t) if t > 0 else best
+        x = _random((m, n), dtype, mesh)
+        per_gemm = (time_s(lambda: long(x, w)) - time_s(lambda: short(x, w))) / 16 / share
+        by = per_gemm ** ROOFLINE_P - ((2 * m * n * n + rates.gemm_half_flops) / peak) ** ROOFLINE_P
+        if by > 0:
+            best = max(best, (2 * m * n + n * n) * itemsize / by ** (1 / ROOFLINE_P))
     return replace(rates, gemm_bw=best or rates.gemm_bw)
 
 
@@ -230,7 +237,7 @@ def calibrate(mesh, repeat: int = 10, log=print) -> Rates:
         rates = measure_comm(mesh, time_s, rates, local, share, comm_sizes)
         log(f"  collectives: {rates.comm_latency_s * 1e6:.1f} us + bytes / busbw " + ", ".join(
             f"{op} {rates.comm_bw[op] / 1e9:.2f} GB/s" for op in COLLECTIVE_CASES))
-        if not rates.serial:
+        if not rates.serial and share == 1:  # devices sharing a GPU never overlap (cost.work_of): no slowdown
             rates = measure_slowdown(mesh, time_s, rates, local, share)
             log(f"  GEMM slowdown beside a collective: {rates.gemm_slowdown:.2f}x")
     return rates

@@ -20,7 +20,7 @@ from shardfuse.runtime import backend_of
 
 log = logging.getLogger("shardfuse")
 KEY_FIELDS = ("backend", "gpu", "driver", "cuda_runtime", "nccl", "cupy", "numpy")
-MODEL = 2  # the cost model's version: rates measured for an older model (no gemm_bw) are stale
+MODEL = 3  # the cost model's version: rates measured for an older model (max roofline, no shared-GPU rule) are stale
 
 
 def cache_dir() -> Path:

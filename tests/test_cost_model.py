@@ -72,14 +72,30 @@ def test_prediction_equals_hand_computed_figures():
 
 def test_a_gemm_of_few_rows_is_bound_by_streaming_its_operands():
     # A [2, 4] @ B [4, 2], float64: 2 x 2 x 2 x 4 = 32 FLOP, (8 + 8 + 4) x 8 = 160 bytes.  At 1 MFLOP/s
-    # and 1 MB/s the FLOPs take 32 us and the bytes 160 us: the roofline's larger figure wins.
+    # and 1 MB/s the FLOPs take 32 us and the bytes 160 us: the larger figure dominates the smoothed
+    # roofline (their 3-norm, 160.4 us); at 1 GB/s the bytes take 0.16 us and the FLOPs are all.
     mesh = sf.DeviceMesh(1, backend="numpy")
     prog = sf.jit(lambda a, b: a @ b, mesh=mesh).lower(sf.TensorSpec((2, 4), "float64"),
                                                          sf.TensorSpec((4, 2), "float64")).program
     gemm = next(i for i in prog.walk() if i.op == Op.MATMUL)
     slow, fast = (gpu_like(gemm_flops={"float64": 1e6}, gemm_bw=bw) for bw in (1e6, 1e9))
-    assert cost.work_of(gemm, mesh, slow) == ("compute", pytest.approx(160e-6))
+    assert cost.work_of(gemm, mesh, slow) == ("compute", pytest.approx((32.0 ** 3 + 160.0 ** 3) ** (1 / 3) * 1e-6))
     assert cost.work_of(gemm, mesh, fast) == ("compute", pytest.approx(32e-6))
+
+
+def test_collectives_of_devices_sharing_a_gpu_queue_with_its_gemms():
+    # Virtual devices of one GPU (share > 1): their collectives are copies on the same SMs and HBM,
+    # so the model runs them on the compute engine; one device per GPU overlaps them.
+    mesh = sf.DeviceMesh(2, backend="numpy")
+    prog = seed(mesh, 2, rates=HAND).lower(*specs(8, 4, 2)).program
+    gather = next(i for i in prog.walk() if i.op == Op.ALLGATHER)
+    gpu = gpu_like()
+    assert cost.work_of(gather, mesh, gpu, share=1)[0] == "comm"
+    assert cost.work_of(gather, mesh, gpu, share=2)[0] == "compute"
+    assert cost.work_of(gather, mesh, gpu, share=1)[1] == cost.work_of(gather, mesh, gpu, share=2)[1]
+    overlapped, queued = (cost.predict(prog, gpu, 2, share).summary() for share in (1, 2))
+    assert queued["exposed_communication_s"] == pytest.approx(queued["communication_s"])
+    assert overlapped["exposed_communication_s"] < overlapped["communication_s"]
 
 
 def test_a_prediction_is_a_timeline():
@@ -105,8 +121,11 @@ def test_auto_is_1_where_overlap_cannot_pay():
         assert seed(mesh, "auto", rates=r).lower(*specs(64, 16, 8)).explain().chosen == 1
 
 
-def test_auto_pipelines_when_communication_dominates_and_computes_right():
+def test_auto_pipelines_when_communication_dominates_and_computes_right(monkeypatch):
     mesh = sf.DeviceMesh(4, backend="numpy")
+    # predicted as one process driving 4 GPUs (4 engines), where a collective overlaps GEMMs; the
+    # NumPy devices' own engines (4 on one host) would queue it behind them
+    monkeypatch.setattr(rates, "engines", lambda mesh: (4, 1))
     comm_bound = gpu_like(comm_bw={op: 1e8 for op in cost.BUS_FACTOR})  # the Allgather ~ as long as the GEMM
     f = seed(mesh, "auto", rates=comm_bound)
     rng = np.random.default_rng(15)
