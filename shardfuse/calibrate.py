@@ -101,13 +101,16 @@ def _chain(mesh, n: int):
     return sf.jit(f, mesh=mesh)
 
 
-def measure_host(mesh, host_s, rates, local) -> Rates:
-    """Host issue costs, from wall times of the issue: call_s and step_s (a line through chains of
-    1 to 33 tiny GEMMs, the compute step plans issue most), comm_step_s (one tiny Allgather) and event_s (a
-    stream loop of tiny GEMMs in 1 and in 16 chunks)."""
+def measure_host(mesh, time_s, host_s, rates, local) -> Rates:
+    """Host issue costs: call_s and step_s from a line through chains of 1 to 33 tiny GEMMs (the
+    compute step plans issue most), comm_step_s (one tiny Allgather) and event_s (a stream loop of
+    tiny GEMMs in 1 and in 16 chunks) from wall times of the issue.  On GPUs the chains are timed
+    on the device, as plans are (the GPU follows the host through tiny GEMMs): so call_s is the
+    host's work before the GPU can start, not the result's wrapping, which overlaps its work."""
     x, w = _random((64, 16), "float32", mesh), _random((16, 16), "float32", mesh)
     ns = (1, 9, 17, 33)
-    times = [host_s(lambda f=_chain(mesh, n): f(x, w)) for n in ns]
+    clock = host_s if rates.serial else time_s
+    times = [clock(lambda f=_chain(mesh, n): f(x, w)) for n in ns]
     fixed, per_step = _fit(ns, times, 1.0 / max(rates.step_s * local, 1e-9))
     step = 1.0 / per_step
     rates = replace(rates, step_s=step / local, call_s=max(times[0] - step, 0.0) if fixed is None else fixed)
@@ -226,7 +229,7 @@ def calibrate(mesh, repeat: int = 10, log=print) -> Rates:
     base = cache.defaults_for(key)
     rates = replace(base, name=f"calibrated {key.get('gpu', backend)} x{mesh.size}")
     log(f"calibrating {mesh} on {backend} ({local} local device(s), {share} per engine), from {base.name} defaults")
-    rates = measure_host(mesh, host_s, rates, local)
+    rates = measure_host(mesh, time_s, host_s, rates, local)
     log(f"  host: {rates.call_s * 1e6:.1f} us per call; per device {rates.step_s * 1e6:.2f} us per compute step, "
         f"{rates.comm_step_s * 1e6:.2f} per communication step, {rates.event_s * 1e6:.2f} per stream step")
     rates = measure_compute(mesh, time_s, rates, local, share, gemm_sizes, dtypes, bw_elements)
