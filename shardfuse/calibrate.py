@@ -3,9 +3,9 @@
 Short runs of real plans through the mesh's backend (NumPy devices, or CuPy on GPUs), each the
 least of --repeat calls after a warm-up: host issue costs, memory bandwidth, GEMMs of a few sizes
 per dtype, an Allgather, Allreduce and ReduceScatter of a few sizes, and on GPUs with D > 1 a
-pipelined AllGather+GEMM (the GEMM slowdown that makes the model match it).  Each figure is what
-remains of a measured time once the model has accounted for the rest with the figures measured
-before it.  Rates are per device (NumPy devices and virtual devices of one GPU run one after
+pipelined AllGather+GEMM (the GEMM slowdown that makes the model match it; on devices sharing a
+GPU, the collectives' latency).  Each figure is what remains of a measured time once the model
+has accounted for the rest with the figures measured before it.  Rates are per device (NumPy devices and virtual devices of one GPU run one after
 another: the model multiplies back).  The cache (shardfuse/rates.py) is keyed by the machine: a
 driver, NCCL or CuPy update makes it stale, and calibrate rebuilds it (--force: always).
 """
@@ -92,6 +92,12 @@ def _rest(prog, rates, local, share) -> float:
     return predict(prog, rates, local, share).total_s
 
 
+def _scaled_square(n: int, dtype: str, mesh):
+    """A replicated random [n, n] scaled by 1 / sqrt(n), so a chain x @ w @ w ... stays near 1."""
+    w = np.random.default_rng(1).uniform(-1, 1, (n, n)) / np.sqrt(n)
+    return sf.replicate(w.astype(np_dtype(dtype)), mesh=mesh)
+
+
 def _chain(mesh, n: int):
     """A plan of n GEMMs one after another: x @ w @ w ... (x [m, k], w [k, k])."""
     def f(x, w):
@@ -102,15 +108,14 @@ def _chain(mesh, n: int):
 
 
 def measure_host(mesh, time_s, host_s, rates, local) -> Rates:
-    """Host issue costs: call_s and step_s from a line through chains of 1 to 33 tiny GEMMs (the
-    compute step plans issue most), comm_step_s (one tiny Allgather) and event_s (a stream loop of
-    tiny GEMMs in 1 and in 16 chunks) from wall times of the issue.  On GPUs the chains are timed
-    on the device, as plans are (the GPU follows the host through tiny GEMMs): so call_s is the
-    host's work before the GPU can start, not the result's wrapping, which overlaps its work."""
+    """Host issue costs: step_s and call_s from a line through the issue times of chains of 1 to 33
+    tiny GEMMs (the compute step plans issue most), comm_step_s (one tiny Allgather) and event_s (a
+    stream loop of tiny GEMMs in 1 and in 16 chunks).  On GPUs call_s is instead the intercept of
+    device-timed chains of large GEMMs: the host's work before the GPU can start; the rest of a
+    call's fixed work (its result's wrapping) runs while the GPU computes."""
     x, w = _random((64, 16), "float32", mesh), _random((16, 16), "float32", mesh)
     ns = (1, 9, 17, 33)
-    clock = host_s if rates.serial else time_s
-    times = [clock(lambda f=_chain(mesh, n): f(x, w)) for n in ns]
+    times = [host_s(lambda f=_chain(mesh, n): f(x, w)) for n in ns]
     fixed, per_step = _fit(ns, times, 1.0 / max(rates.step_s * local, 1e-9))
     step = 1.0 / per_step
     rates = replace(rates, step_s=step / local, call_s=max(times[0] - step, 0.0) if fixed is None else fixed)
@@ -123,7 +128,13 @@ def measure_host(mesh, time_s, host_s, rates, local) -> Rates:
     steps = [steps_of(g.lower(x, w).program, rates) for g in loops]
     gemms, events = ([sum(st.engine == e for st in ss) for ss in steps] for e in ("compute", None))
     per_event = max(t[1] - t[0] - (gemms[1] - gemms[0]) * step, 0.0) / max(events[1] - events[0], 1)
-    return replace(rates, event_s=per_event / local)
+    rates = replace(rates, event_s=per_event / local)
+    if not rates.serial:  # last: the figures above are of wall times, with the whole call_s
+        big, wb = _random((2048, 4096), "bfloat16", mesh), _scaled_square(4096, "bfloat16", mesh)
+        ns = (1, 2, 4, 8)
+        pre, _ = _fit(ns, [time_s(lambda f=_chain(mesh, n): f(big, wb)) for n in ns], 1.0)
+        rates = replace(rates, call_s=rates.call_s if pre is None else pre)
+    return rates
 
 
 def measure_compute(mesh, time_s, rates, local, share, gemm_sizes, dtypes, bw_elements) -> Rates:
@@ -158,8 +169,7 @@ def measure_gemm_bw(mesh, time_s, rates, local, share, dtype) -> Rates:
     fixed host and launch costs), less its FLOPs' share of the smoothed roofline."""
     (ms, n), best = SKINNY, 0.0
     itemsize = np.dtype(np_dtype(dtype)).itemsize
-    w = sf.replicate((np.random.default_rng(1).uniform(-1, 1, (n, n)) / np.sqrt(n)).astype(np_dtype(dtype)),
-                     mesh=mesh)  # scaled so the chain's values stay near 1
+    w = _scaled_square(n, dtype, mesh)
     short, long = _chain(mesh, 1), _chain(mesh, 17)
     peak = rates.gemm_flops.get(dtype, min(rates.gemm_flops.values()))
     for m in ms:
@@ -202,21 +212,25 @@ def measure_comm(mesh, time_s, rates, local, share, sizes) -> Rates:
                    comm_step_latency_s=0.0 if lats else rates.comm_step_latency_s)
 
 
-def measure_slowdown(mesh, time_s, rates, local, share) -> Rates:
-    """The gemm_slowdown at which the model predicts a measured pipelined AllGather+GEMM (bisection
-    over [1, 2]: the prediction grows with it)."""
+def measure_pipeline(mesh, time_s, rates, local, share) -> Rates:
+    """The one figure fitted to a measured pipelined AllGather+GEMM (bisection: the prediction
+    grows with it; it ends at a bound when the measured time lies outside).  One device per GPU:
+    gemm_slowdown in [1, 2], what a GEMM loses beside a collective.  Devices sharing a GPU (no
+    overlap there, cost.work_of): comm_latency_s in [0, 1 ms], from 16 chunks, as collectives
+    run between GEMMs; a lone collective's fixed cost, measure_comm's, is mostly the host's issue
+    of a short plan (measured 105-153 us at D = 2, 4 on an H200, against 10-30 us in the sweeps)."""
+    field, lo, hi, chunks = ("gemm_slowdown", 1.0, 2.0, 4) if share == 1 else ("comm_latency_s", 0.0, 1e-3, 16)
     n = 2048 * mesh.size
     a, b = _random((n, 4096), "bfloat16", mesh, 0), _random((4096, 4096), "bfloat16", mesh)
-    f = sf.jit(lambda a, b: sf.stream(sf.shard(a, axis=0) @ b, axis=0, chunks=4), mesh=mesh)
+    f = sf.jit(lambda a, b: sf.stream(sf.shard(a, axis=0) @ b, axis=0, chunks=chunks), mesh=mesh)
     t, prog = time_s(lambda: f(a, b)), f.lower(a, b).program
 
     def pred(x):
-        return predict(prog, replace(rates, gemm_slowdown=x), local, share).total_s
-    lo, hi = 1.0, 2.0  # (ends at 1 or 2 when the measured time lies outside)
+        return predict(prog, replace(rates, **{field: x}), local, share).total_s
     for _ in range(30):
         mid = (lo + hi) / 2
         lo, hi = (mid, hi) if pred(mid) < t else (lo, mid)
-    return replace(rates, gemm_slowdown=(lo + hi) / 2)
+    return replace(rates, **{field: (lo + hi) / 2})
 
 
 def calibrate(mesh, repeat: int = 10, log=print) -> Rates:
@@ -240,9 +254,10 @@ def calibrate(mesh, repeat: int = 10, log=print) -> Rates:
         rates = measure_comm(mesh, time_s, rates, local, share, comm_sizes)
         log(f"  collectives: {rates.comm_latency_s * 1e6:.1f} us + bytes / busbw " + ", ".join(
             f"{op} {rates.comm_bw[op] / 1e9:.2f} GB/s" for op in COLLECTIVE_CASES))
-        if not rates.serial and share == 1:  # devices sharing a GPU never overlap (cost.work_of): no slowdown
-            rates = measure_slowdown(mesh, time_s, rates, local, share)
-            log(f"  GEMM slowdown beside a collective: {rates.gemm_slowdown:.2f}x")
+        if not rates.serial:
+            rates = measure_pipeline(mesh, time_s, rates, local, share)
+            log(f"  GEMM slowdown beside a collective: {rates.gemm_slowdown:.2f}x" if share == 1 else
+                f"  collective latency between GEMMs on the shared GPU: {rates.comm_latency_s * 1e6:.1f} us")
     return rates
 
 
