@@ -1,14 +1,11 @@
 """backend_of(mesh): the one place shardfuse/ reaches the backends (tests/test_architecture.py
 pins it).  A mesh is geometry only; its backend (streams, communicators, library handles) is made
-here on first use and lives as long as the mesh object, no longer: the table holds no mesh alive.
+here on first use and kept on the mesh object itself, so it lives as long as the mesh, no longer:
+no module-level table holds a mesh (or a GPU's streams and workspaces) alive.
 """
 from __future__ import annotations
 
-import weakref
-
 from shardfuse.backends import make_backend
-
-_BACKENDS: dict = {}  # id(root mesh) -> {None: its backend, sub-mesh key: a sub-mesh's backend}
 
 
 def backend_of(mesh):
@@ -19,13 +16,13 @@ def backend_of(mesh):
     (``sf.jit(f, mesh=mesh.submesh([0, 1]))``) and holds the arrays placed on it
     (``sf.shard(x, mesh=sub)``), one piece per device of the sub-mesh.  Under MPI a sub-mesh
     uses its root's backend, for placing and gathering arrays only."""
-    root = mesh.root
-    made = _BACKENDS.get(id(root))
-    if made is None:
-        made = _BACKENDS[id(root)] = {}
-        weakref.finalize(root, _BACKENDS.pop, id(root), None)
-    key = None if mesh.is_root or mesh.nprocs > 1 else mesh.devices + mesh.axis_names
-    be = made.get(key)
+    be = mesh.__dict__.get("_backend")  # the hot path: one lookup (a call asks a few times)
     if be is None:
-        be = made[key] = make_backend(root if key is None else mesh)
+        root = mesh.root
+        made = root.__dict__.setdefault("_backends", {})  # sub-mesh key -> backend, None: the root's
+        key = None if mesh.is_root or mesh.nprocs > 1 else mesh.devices + mesh.axis_names
+        be = made.get(key)
+        if be is None:
+            be = made[key] = make_backend(root if key is None else mesh)
+        mesh.__dict__["_backend"] = be
     return be

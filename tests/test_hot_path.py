@@ -86,3 +86,21 @@ def test_a_call_after_the_first_binds_and_keeps_nothing_new():
     ((lay, pieces),) = exe(a, b)
     out = sf.Array(plan.program.mesh, plan.program.outputs[0].type.shape, "float64", lay, pieces)
     np.testing.assert_allclose(out.gather(), ref, rtol=1e-12, atol=1e-12)
+
+
+def test_a_mesh_keeps_its_backend_and_nothing_keeps_the_mesh():
+    import weakref
+
+    from shardfuse.runtime import backend_of
+
+    mesh = sf.DeviceMesh(4, backend="numpy")
+    sub, same = mesh.submesh([0, 1]), mesh.submesh([0, 1])
+    be = backend_of(mesh)
+    assert backend_of(mesh) is be and backend_of(sub) is backend_of(same) is not be  # equal sub-meshes share
+    assert mesh.__dict__["_backend"] is be  # the hot path's one lookup
+    f = sf.jit(lambda a: a * 2.0, mesh=mesh)
+    np.testing.assert_allclose(f(sf.shard(np.arange(8.0), 0, mesh=mesh)).gather(), np.arange(8.0) * 2)
+    gone = weakref.ref(mesh)
+    del mesh, sub, same, be, f
+    gc.collect()
+    assert gone() is None  # its backend (streams, handles, workspaces on GPUs) goes with it
