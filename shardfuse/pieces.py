@@ -71,12 +71,19 @@ def local_pieces(x, dtype: str, layout: Layout, mesh, info=None, fenced=None, in
     piece_indices when the caller has them (a plan, from its input types)."""
     be = backend_of(mesh)
     x = be.adopt(x, info, fenced)
+    homes = be.ordinals or ()
+    whole: dict = {}  # GPU (None: host) -> its piece of the whole of x, made once per GPU
     out = []
     for j, idx in enumerate(indices or piece_indices(tuple(x.shape), layout, mesh)):
         if idx is None:  # a device outside the value's sub-mesh holds a placeholder, never read
             out.append(be.empty(layout.local_shape(x.shape, mesh), dtype)[j])
-        else:
-            out.append(be.piece(x[idx] if idx else x, j))
+        elif idx:
+            out.append(be.piece(x[idx], j))
+        else:  # all of x: devices of one GPU (virtual devices, NumPy's) share one read-only buffer
+            home = homes[j] if homes else None
+            if home not in whole:
+                whole[home] = be.piece(x, j)
+            out.append(whole[home])
     return out
 
 
