@@ -1,8 +1,5 @@
 """Host cost of each piece of the torch user path (issue 14): us per call of each operation
 alone, median of 5 runs of 2000 calls, on one GPU.  Usage: python benchmarks/torch_interop_cost.py"""
-import statistics
-import time
-
 import cupy
 import numpy as np
 import torch
@@ -12,16 +9,8 @@ from shardfuse import interop
 from shardfuse.bench import host
 
 
-def us(fn, calls=2000, rounds=5):
-    fn()
-    out = []
-    for _ in range(rounds):
-        t0 = time.perf_counter()
-        for _ in range(calls):
-            fn()
-        out.append((time.perf_counter() - t0) / calls * 1e6)
-    torch.cuda.synchronize()
-    return statistics.median(out)
+def us(fn):
+    return host.per_call_us(fn, torch.cuda.synchronize, 2000, 5)
 
 
 mesh = sf.DeviceMesh(1, backend="cupy")
