@@ -142,7 +142,7 @@ def work_of(i, mesh, rates: Rates, share: int = 1) -> tuple:
         nbytes, d = communication_of(i, mesh)
         # Virtual devices of one GPU: their "collectives" are copies in the one GPU's memory, run by
         # the same SMs and HBM as the GEMMs; measured on an H200 (D = 2, 4) they never overlap them
-        # (S = 1 was the fastest at every point), so they queue on the compute engine.
+        # (S = 1 was the fastest at almost every sweep point), so they queue on the compute engine.
         engine = "compute" if share > 1 and not rates.serial else "comm"
         return engine, collective_time(i.op, nbytes, d, rates)
     if i.op in ELEMENTWISE or i.op in (Op.SUM, Op.COPY):
