@@ -63,6 +63,23 @@ def piece_indices(shape: tuple, layout: Layout, mesh) -> tuple:
     return _memo(mesh, ("pieces", shape, layout), make)
 
 
+def split_axis(shape: tuple, layout: Layout, mesh):
+    """The axis (> 0) whose consecutive equal blocks, in local device order, are the local devices'
+    pieces, every other axis whole; None for any other layout (remembered, like the indices)."""
+    def make():
+        indices = piece_indices(shape, layout, mesh)
+        if len(indices) < 2 or not all(indices):  # a device holding none, or all of x
+            return None
+        cut = [a for a, s in enumerate(indices[0]) if s != slice(0, shape[a])]
+        if len(cut) != 1 or cut[0] == 0:  # axis 0's blocks are contiguous views already
+            return None
+        ax, n = cut[0], shape[cut[0]] // len(indices)
+        want = [tuple(slice(j * n, (j + 1) * n) if a == ax else slice(0, shape[a]) for a in range(len(shape)))
+                for j in range(len(indices))]
+        return ax if list(indices) == want else None
+    return _memo(mesh, ("split", shape, layout), make)
+
+
 def local_pieces(x, dtype: str, layout: Layout, mesh, info=None, fenced=None, indices=None):
     """This process' pieces of a global array x (one per local device), each contiguous on its
     device.  x is any array the backend can adopt: device arrays stay on the device (a piece is
@@ -71,10 +88,21 @@ def local_pieces(x, dtype: str, layout: Layout, mesh, info=None, fenced=None, in
     piece_indices when the caller has them (a plan, from its input types)."""
     be = backend_of(mesh)
     x = be.adopt(x, info, fenced)
+    shape = tuple(x.shape)
+    indices = indices or piece_indices(shape, layout, mesh)
     homes = be.ordinals or ()
+    ax = split_axis(shape, layout, mesh)
+    if ax is not None and len(set(homes)) <= 1 and x.flags.c_contiguous:
+        # Devices of one GPU (or NumPy's) holding consecutive blocks of an inner axis: one copy
+        # with that axis moved outermost, each device's piece a contiguous view of it (D strided
+        # copies before: ~14 us of host each on an H200's machine)
+        d = len(indices)
+        blocks = x.reshape(shape[:ax] + (d, shape[ax] // d) + shape[ax + 1:])
+        outer = be.piece(blocks.transpose((ax,) + tuple(a for a in range(len(shape) + 1) if a != ax)), 0)
+        return [outer[j] for j in range(d)]
     whole: dict = {}  # GPU (None: host) -> its piece of the whole of x, made once per GPU
     out = []
-    for j, idx in enumerate(indices or piece_indices(tuple(x.shape), layout, mesh)):
+    for j, idx in enumerate(indices):
         if idx is None:  # a device outside the value's sub-mesh holds a placeholder, never read
             out.append(be.empty(layout.local_shape(x.shape, mesh), dtype)[j])
         elif idx:

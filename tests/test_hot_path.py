@@ -104,3 +104,22 @@ def test_a_mesh_keeps_its_backend_and_nothing_keeps_the_mesh():
     del mesh, sub, same, be, f
     gc.collect()
     assert gone() is None  # its backend (streams, handles, workspaces on GPUs) goes with it
+
+
+@pytest.mark.parametrize("axis", [1, 2])
+def test_blocks_of_an_inner_axis_are_placed_by_one_copy(axis):
+    # D pieces along an inner axis: one copy with that axis outermost, each piece a contiguous view
+    from shardfuse.pieces import local_pieces, piece_indices, split_axis
+
+    mesh = sf.DeviceMesh(4, backend="numpy")
+    x = np.random.default_rng(7).standard_normal((4, 8, 8, 5))
+    placed = sf.shard(x, axis, mesh=mesh)
+    lay = placed.sharding
+    assert split_axis(x.shape, lay, mesh) == axis
+    pieces = local_pieces(x, "float64", lay, mesh)
+    for piece, idx in zip(pieces, piece_indices(x.shape, lay, mesh)):
+        assert piece.flags.c_contiguous and np.array_equal(piece, x[idx])
+    assert len({id(p.base) for p in pieces}) == 1  # views of one buffer, not D copies
+    np.testing.assert_array_equal(placed.gather(), x)
+    assert split_axis(x.shape, sf.shard(x, 0, mesh=mesh).sharding, mesh) is None  # axis 0: views already
+    assert split_axis(x.shape, sf.replicate(x, mesh=mesh).sharding, mesh) is None
