@@ -213,25 +213,44 @@ def measure_comm(mesh, time_s, rates, local, share, sizes) -> Rates:
                    comm_step_latency_s=0.0 if lats else rates.comm_step_latency_s)
 
 
-def measure_pipeline(mesh, time_s, rates, local, share) -> Rates:
-    """The one figure fitted to a measured pipelined AllGather+GEMM (bisection: the prediction
-    grows with it; it ends at a bound when the measured time lies outside).  One device per GPU:
-    gemm_slowdown in [1, 2], what a GEMM loses beside a collective.  Devices sharing a GPU (no
-    overlap there, cost.work_of): comm_latency_s in [0, 1 ms], from 16 chunks, as collectives
-    run between GEMMs; a lone collective's fixed cost, measure_comm's, is mostly the host's issue
-    of a short plan (measured 105-153 us at D = 2, 4 on an H200, against 10-30 us in the sweeps)."""
-    field, lo, hi, chunks = ("gemm_slowdown", 1.0, 2.0, 4) if share == 1 else ("comm_latency_s", 0.0, 1e-3, 16)
-    n = 2048 * mesh.size
-    a, b = _random((n, 4096), "bfloat16", mesh, 0), _random((4096, 4096), "bfloat16", mesh)
-    f = sf.jit(lambda a, b: sf.stream(sf.shard(a, axis=0) @ b, axis=0, chunks=chunks), mesh=mesh)
-    t, prog = time_s(lambda: f(a, b)), f.lower(a, b).program
-
+def fit_to(prog, seconds: float, rates, field: str, lo: float, hi: float, local: int, share: int) -> Rates:
+    """rates with `field` set by bisection in [lo, hi] so that the model's time of prog is `seconds`
+    (the prediction may grow or shrink with it; a time outside the range ends at a bound)."""
     def pred(x):
         return predict(prog, replace(rates, **{field: x}), local, share).total_s
+    grows = pred(hi) > pred(lo)
     for _ in range(30):
         mid = (lo + hi) / 2
-        lo, hi = (mid, hi) if pred(mid) < t else (lo, mid)
+        lo, hi = (mid, hi) if (pred(mid) < seconds) == grows else (lo, mid)
     return replace(rates, **{field: (lo + hi) / 2})
+
+
+def _pipeline(mesh, time_s, m: int, n: int, chunks: int) -> tuple:
+    """(least seconds, program) of the AllGather+GEMM A [m, n] sharded on rows @ B [n, n], bf16."""
+    a, b = _random((m, n), "bfloat16", mesh, 0), _scaled_square(n, "bfloat16", mesh)
+    f = sf.jit(lambda a, b: sf.stream(sf.shard(a, axis=0) @ b, axis=0, chunks=chunks), mesh=mesh)
+    return time_s(lambda: f(a, b)), f.lower(a, b).program
+
+
+def measure_pipeline(mesh, time_s, rates, local, share) -> Rates:
+    """The figures fitted to measured pipelined AllGather+GEMMs.  One device per GPU: gemm_slowdown
+    in [1, 2], what a GEMM loses beside a collective (4 chunks).  Devices sharing a GPU (no overlap
+    there, cost.work_of), from 16 chunks: comm_latency_s in [0, 1 ms], as collectives run between
+    GEMMs (a lone collective's fixed cost, measure_comm's, is mostly the host's issue of a short
+    plan: 105-153 us at D = 2, 4 on an H200, against 0-30 us in the sweeps), and gemm_bw from chunk
+    GEMMs of 96 rows x 8192 x 8192, bound by streaming B: the virtual devices' interleaved GEMMs
+    stream it at 2.1 (D = 4) to 3.2 TB/s (D = 2), not the 3.8 of one device's chain (H200 sweeps).
+    The two figures depend on each other a little: two rounds."""
+    if share == 1:
+        t, prog = _pipeline(mesh, time_s, 2048 * mesh.size, 4096, 4)
+        return fit_to(prog, t, rates, "gemm_slowdown", 1.0, 2.0, local, share)
+    latency = _pipeline(mesh, time_s, 2048 * mesh.size, 4096, 16)
+    skinny = _pipeline(mesh, time_s, 96 * 16, 8192, 16)
+    chain_bw = rates.gemm_bw
+    for _ in range(2):
+        rates = fit_to(*latency[::-1], rates, "comm_latency_s", 0.0, 1e-3, local, share)
+        rates = fit_to(*skinny[::-1], rates, "gemm_bw", chain_bw / 10, chain_bw * 2, local, share)
+    return rates
 
 
 def calibrate(mesh, repeat: int = 10, log=print) -> Rates:
@@ -258,7 +277,8 @@ def calibrate(mesh, repeat: int = 10, log=print) -> Rates:
         if not rates.serial:
             rates = measure_pipeline(mesh, time_s, rates, local, share)
             log(f"  GEMM slowdown beside a collective: {rates.gemm_slowdown:.2f}x" if share == 1 else
-                f"  collective latency between GEMMs on the shared GPU: {rates.comm_latency_s * 1e6:.1f} us")
+                f"  on the shared GPU: collective latency between GEMMs {rates.comm_latency_s * 1e6:.1f} us, "
+                f"chunk GEMMs stream their operands at {rates.gemm_bw / 1e9:.0f} GB/s")
     return rates
 
 

@@ -20,7 +20,9 @@ from shardfuse.runtime import backend_of
 
 log = logging.getLogger("shardfuse")
 KEY_FIELDS = ("backend", "gpu", "driver", "cuda_runtime", "nccl", "cupy", "numpy")
-MODEL = 3  # the cost model's version: rates measured for an older model (max roofline, no shared-GPU rule) are stale
+# The cost model's version: rates measured for an older one are stale (before 3: max roofline, no
+# shared-GPU rule; before 4: on a shared GPU, gemm_bw from chains, not from its pipelined GEMMs).
+MODEL = 4
 
 
 def cache_dir() -> Path:

@@ -107,6 +107,21 @@ def test_a_prediction_is_a_timeline():
     assert len([e for e in tl.to_chrome_trace()["traceEvents"] if e["ph"] == "X"]) == 9  # device 0 for all
 
 
+def test_calibration_fits_one_figure_to_a_measured_time_either_way():
+    # calibrate.fit_to bisects a figure until the model's time of a plan is the measured one: the
+    # collective latency (the time grows with it) and gemm_bw (the time shrinks as it grows), here
+    # from a time the model gave with known figures; a time out of reach ends at the bound.
+    mesh = sf.DeviceMesh(2, backend="numpy")
+    prog = seed(mesh, 4).lower(*specs(64, 32, 16)).program
+    truth = gpu_like(comm_latency_s=3e-5, gemm_bw=2e9, gemm_flops={"float64": 1e12})
+    t = cost.predict(prog, truth, 2, 2).total_s
+    lat = calibrate.fit_to(prog, t, replace(truth, comm_latency_s=0.0), "comm_latency_s", 0.0, 1e-3, 2, 2)
+    assert lat.comm_latency_s == pytest.approx(3e-5, rel=1e-6)
+    bw = calibrate.fit_to(prog, t, replace(truth, gemm_bw=5e9), "gemm_bw", 2e8, 1e10, 2, 2)
+    assert bw.gemm_bw == pytest.approx(2e9, rel=1e-6)
+    assert calibrate.fit_to(prog, t / 100, truth, "comm_latency_s", 0.0, 1e-3, 2, 2).comm_latency_s < 1e-9
+
+
 # ---- chunks="auto" -----------------------------------------------------------------------------
 def test_auto_is_1_where_overlap_cannot_pay():
     one = sf.DeviceMesh(1, backend="numpy")  # one device: no communication at all

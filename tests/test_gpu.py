@@ -661,3 +661,21 @@ def test_profile_nvtx_ranges_on_the_gpu(monkeypatch):
     assert log == one_call * 2
     # each step once per call and GPU (two GPUs: two event pairs), under its label
     assert sorted({(e.call, e.step, e.text) for e in tl.events}) == [(c, k, t) for c in range(2) for k, t in enumerate(labels)]
+
+
+def test_calibrate_on_the_gpu(tmp_path, monkeypatch):
+    """`shardfuse calibrate` on D = 2: finite, positive figures, the pipelined fits inside their
+    ranges (on one GPU the virtual devices' collective latency and chunk-GEMM bandwidth; on two,
+    the GEMM slowdown), and a cache that the model then reads back."""
+    from shardfuse import calibrate, rates
+
+    monkeypatch.setenv("SHARDFUSE_CACHE_DIR", str(tmp_path))
+    mesh = sf.DeviceMesh(2, backend="cupy")
+    r, path, measured = calibrate.ensure(mesh, force=True, repeat=2, log=lambda msg: None)
+    assert measured and path.exists() and rates.load(rates.machine_key(mesh)) == r
+    assert all(v > 0 for v in r.gemm_flops.values()) and 1e11 < r.gemm_bw < 2e13 and r.mem_bw > 1e11
+    assert 0 < r.step_s < 1e-3 and 0 <= r.call_s < 1e-2
+    if rates.engines(mesh)[1] > 1:
+        assert 0 <= r.comm_latency_s < 1e-3
+    else:
+        assert 1.0 <= r.gemm_slowdown < 2.0
