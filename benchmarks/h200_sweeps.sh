@@ -1,7 +1,7 @@
 #!/bin/bash
 # Issue 15's sweeps on the GPU machine: calibrate the cost model for D = 1, 2, 4 (virtual devices
 # beyond the GPUs present), then `shardfuse bench --sweep` each, writing the tables and JSON under
-# $OUT (default ./sweeps).  Run from the repository root with shardfuse importable and a GPU.
+# $OUT (default ./sweeps) and in one archive, $OUT.tgz.  Run from the repository root with shardfuse importable and a GPU.
 set -u
 OUT=${OUT:-sweeps}
 mkdir -p "$OUT"
@@ -12,3 +12,6 @@ for d in 1 2 4; do
     --sweep-json "$OUT/sweep_d$d.json" > "$OUT/sweep_d$d.txt" 2>&1
   tail -2 "$OUT/sweep_d$d.txt"
 done
+# one archive beside $OUT (the device tool brings back at most 8 files)
+tar -czf "${OUT%/}.tgz" -C "$OUT" .
+echo "all outputs: ${OUT%/}.tgz"
