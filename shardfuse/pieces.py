@@ -34,13 +34,16 @@ def device_index(shape, layout: Layout, mesh, device: int):
     return tuple(idx)
 
 
+_UNSEEN = object()
+
+
 def _memo(mesh, key, make):
     """make(), remembered on the mesh for the hot path (sf.shard and calls on the same shapes
     find it in one lookup).  Kept on the mesh, not in a global cache, so that no cache keeps a
     mesh (and its GPU streams, handles and workspaces) alive; bounded for ever-changing shapes."""
     memo = mesh.__dict__.setdefault("_placement_memo", {})
-    got = memo.get(key)
-    if got is None:
+    got = memo.get(key, _UNSEEN)
+    if got is _UNSEEN:  # (not None: split_axis remembers None)
         got = make()  # raises for bad input: nothing is remembered then
         if len(memo) >= 1024:
             memo.clear()
