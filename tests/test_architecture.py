@@ -365,7 +365,9 @@ def test_6_plan_collectives_are_what_the_executor_binds():
 # array operations outside jit (issue 16), about 1,400 lines between them.  Raised to 10,900 on
 # 2026-12-04 (third session) for issue 15's remaining parts (the GEMM memory bound in the model,
 # the sweep in `shardfuse bench`, NVTX ranges, the GPU profile CLI) and issue 14's user path.
-MAX_FILE_LINES, MAX_FUNCTION_LINES, MAX_TOTAL_LINES = 400, 80, 10900
+# Raised to 11,100 on 2026-12-05 for one batched GEMM per step for the virtual devices of a GPU
+# (backends/cuda/gemm_shared.py, issue 14) and the calibration's least-squares fit (issue 15).
+MAX_FILE_LINES, MAX_FUNCTION_LINES, MAX_TOTAL_LINES = 400, 80, 11100
 
 def test_7_size_budget():
     sizes = {path: len(path.read_text().splitlines()) for path in SOURCES.values()}

@@ -585,6 +585,35 @@ def test_stream_axis_an_input_shards_without_chunks(mesh):
     check(out.gather(), f64(x) @ f64(w), "float32")
 
 
+@pytest.mark.skipif(NGPU != 1, reason="batching is for the virtual devices of one GPU (this machine has several)")
+@pytest.mark.parametrize("mesh", [4], indirect=True)
+def test_virtual_devices_gemms_are_one_batched_call_where_evenly_spaced(mesh):
+    """Issue 14: the D GEMMs of a step on one GPU are one strided-batched cuBLASLt call when the
+    devices' operands are evenly spaced (as placed by sf.shard), else one call per device."""
+    lt = backend_of(mesh).gemms.lt_lib()
+    real, calls = lt.MatmulPrebound, []
+    lt.MatmulPrebound = lambda *args: calls.append(1) or real(*args)  # read when a plan binds
+    try:
+        r = rng()
+        a, b = randn(r, (8, 4, 16, 64), "float16"), randn(r, (64, 48), "float16")
+        f, placed = seed_fns(mesh, 4), sf.shard(a, axis=1, over="DIDx", mesh=mesh)
+        f(placed, b)  # the first call binds the batched call
+        calls.clear()
+        check(f(placed, b).gather(), f64(a) @ f64(b), "float16")
+        assert len(calls) == 8  # one per chunk for the 4 devices
+        x = randn(r, (4 * 32, 64), "float16")
+        rows = sf.shard(x, axis=0, mesh=mesh)
+        gaps = cupy.full((6,) + rows.shards[0].shape, np.nan, rows.shards[0].dtype)
+        for j, piece in zip((0, 1, 3, 5), rows.shards):
+            gaps[j] = piece
+        uneven = sf.Array(mesh, rows.shape, rows.dtype_name, rows.sharding, [gaps[j] for j in (0, 1, 3, 5)])
+        calls.clear()
+        check(sf.jit(lambda x, w: x @ w, mesh=mesh)(uneven, b).gather(), f64(x) @ f64(b), "float16")
+        assert len(calls) == 4  # the pieces are not evenly spaced: each device's own call
+    finally:
+        lt.MatmulPrebound = real
+
+
 @pytest.mark.parametrize("mesh", [1, 4], indirect=True)
 def test_results_do_not_alias_device_arguments(mesh):
     X = cupy.asarray(rng().standard_normal((8, 8)))

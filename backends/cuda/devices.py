@@ -17,6 +17,7 @@ events of every GPU, the fences with the caller's stream, and buffers.
 """
 from __future__ import annotations
 
+import itertools
 import os
 
 import numpy as np
@@ -93,6 +94,8 @@ class Devices:
         self.fence_in_ev = {o: self.fence[o][0].ptr for o in self.gpus}
         self.fence_out_pairs = [(self.fence[o][1].ptr, self.main_of[o].ptr) for o in self.gpus]
         self.one_gpu = len(self.gpus) == 1
+        # (GPU, how many consecutive local devices run on it): the blocks Devices.empty packs
+        self.blocks = [(o, len(list(run))) for o, run in itertools.groupby(self.ordinals)]
         self.ctx_gpu = None  # CUDA context -> GPU, to find the GPU of a caller's stream (several GPUs)
         self.events = []  # every event made, kept alive with the backend
 
@@ -118,19 +121,23 @@ class Devices:
 
     # ---- buffers ----------------------------------------------------------------------
     def empty(self, shape, dtype):
+        """One buffer per local device.  The devices of one GPU get views of one allocation, at a
+        constant distance: one allocation per call instead of one per device, and their GEMMs
+        can run as one strided-batched call (gemm_shared.py)."""
         if not POISON and len(self.ordinals) == 1:  # the per-call hot path
             with self.main[0]:
                 return [cupy.empty(shape, STORE[dtype])]
         out = []
-        for j, o in enumerate(self.ordinals):
-            with cupy.cuda.Device(o), self.main[j]:
-                if POISON:
-                    if dtype == "bfloat16":
-                        out.append(cupy.full(shape, 0x7FC0, np.uint16))
-                    else:
-                        out.append(cupy.full(shape, np.nan, STORE[dtype]))
+        for o, count in self.blocks:
+            with cupy.cuda.Device(o), self.main_of[o]:
+                whole = (count,) + tuple(shape)
+                if not POISON:
+                    whole = cupy.empty(whole, STORE[dtype])
+                elif dtype == "bfloat16":
+                    whole = cupy.full(whole, 0x7FC0, np.uint16)
                 else:
-                    out.append(cupy.empty(shape, STORE[dtype]))
+                    whole = cupy.full(whole, np.nan, STORE[dtype])
+            out.extend(whole)
         return out
 
     def f32_scratch(self, ref):

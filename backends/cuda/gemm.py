@@ -20,8 +20,10 @@ import numpy as np
 import cupy
 from cupy.cuda import runtime
 
+from shardfuse.backends.cuda import gemm_shared
 from shardfuse.backends.cuda.devices import offsets_bytes
 from shardfuse.backends.cuda.gemm_layout import gemm_layout
+from shardfuse.backends.cuda.lt_plans import fastest, lt_plan
 from shardfuse.backends.cuda.libs import (COMPUTE_32F, COMPUTE_32F_TF32, COMPUTE_64F, COMPUTE_SCALE, CUDA_T,
                                           GEMM_DEFAULT, ITEM, OP_N, Cublas, CublasLt, check)
 from shardfuse.backends.protocol import Ref, contiguous_strides
@@ -32,8 +34,6 @@ GEMM_API = os.environ.get("SHARDFUSE_GEMM", "lt")  # "lt": cublasLtMatmul with a
 # cuBLASLt: time the heuristic's first candidates on scratch buffers at bind time and keep the
 # fastest (its first choice was seen 8% slower than PyTorch's GEMM for bf16 8192^3); 0: take the first
 GEMM_TUNE = int(os.environ.get("SHARDFUSE_GEMM_TUNE", "8"))
-
-_TUNED: dict = {}  # problem -> index of the fastest candidate (the heuristic's order is deterministic), per process
 
 
 # ---- handles and workspaces ------------------------------------------------------------------
@@ -88,84 +88,6 @@ class Handles:
                 check(self.lt.Create(ctypes.byref(hp)), "cublasLtCreate")
             h = self.lt_handles[ordinal] = hp.value
         return h
-
-
-# ---- cuBLASLt: plan and tuning ---------------------------------------------------------------
-def lt_plan(lt, handle, ordinal, comp, scale, ctype, opa, opb, m, n, k, lda, ldb, ldc, workspace, tune=None,
-            count=GEMM_TUNE):
-    """(desc, layouts, algo buffer) for D = op(A) op(B), or None when no algorithm fits.
-    tune(desc, la, lb, lc, algos) -> index of the fastest, when given (`count` candidates)."""
-    keep = []
-
-    def out(f, *args):
-        p = ctypes.c_void_p()
-        check(f(ctypes.byref(p), *args), f"cublasLt {f.__name__}")
-        keep.append(p)
-        return p.value
-
-    def i32(v):
-        x = ctypes.c_int32(v)
-        keep.append(x)
-        return ctypes.cast(ctypes.byref(x), ctypes.c_void_p), 4
-
-    desc = out(lt.MatmulDescCreate, comp, scale)
-    check(lt.MatmulDescSetAttribute(desc, lt.TRANSA, *i32(opa)), "cublasLt set transa")
-    check(lt.MatmulDescSetAttribute(desc, lt.TRANSB, *i32(opb)), "cublasLt set transb")
-    la = out(lt.MatrixLayoutCreate, ctype, *((m, k) if opa == OP_N else (k, m)), lda)
-    lb = out(lt.MatrixLayoutCreate, ctype, *((k, n) if opb == OP_N else (n, k)), ldb)
-    lc = out(lt.MatrixLayoutCreate, ctype, m, n, ldc)
-    pref = out(lt.MatmulPreferenceCreate)
-    ws = ctypes.c_uint64(workspace)
-    keep.append(ws)
-    check(lt.MatmulPreferenceSetAttribute(pref, lt.PREF_MAX_WORKSPACE, ctypes.cast(ctypes.byref(ws),
-                                          ctypes.c_void_p), 8), "cublasLt set workspace")
-    want = max(1, count) if tune is not None else 1
-    result = ctypes.create_string_buffer(lt.HEURISTIC_BYTES * want)
-    got = ctypes.c_int(0)
-    st = lt.MatmulAlgoGetHeuristic(handle, desc, la, lb, lc, lc, pref, want, result, ctypes.byref(got))
-    if st != 0 or got.value < 1:
-        return None
-    keep.append(result)
-    base = ctypes.addressof(result)
-    algos = [base + i * lt.HEURISTIC_BYTES for i in range(got.value)
-             if ctypes.c_int.from_address(base + i * lt.HEURISTIC_BYTES + lt.HEURISTIC_STATE).value == 0]
-    best = 0
-    if tune is not None and len(algos) > 1:
-        key = (ordinal, comp, ctype, opa, opb, m, n, k, lda, ldb, ldc, workspace)
-        if key not in _TUNED:
-            _TUNED[key] = tune(desc, la, lb, lc, algos)
-        best = _TUNED[key]
-    return desc, la, lb, lc, algos[best], keep
-
-
-def fastest(run, algos, sizes, item, stream_ptr, reps=3):
-    """Index of the fastest cuBLASLt algorithm on scratch operands of the problem's sizes (raw
-    cudaMalloc, outside CuPy's pool, freed at once; filled with a non-zero constant pattern)."""
-    ptrs = [runtime.malloc(n * item) for n in sizes]
-    try:
-        for p, n in zip(ptrs, sizes):
-            runtime.memsetAsync(p, 0x3C, n * item, stream_ptr)  # 1.06 in float16, 0.011 in bfloat16/float32
-        start, stop = runtime.eventCreate(), runtime.eventCreate()
-        times = []
-        for algo in algos:
-            if run(algo, ptrs):
-                times.append(float("inf"))  # this candidate refuses the problem: never pick it
-                continue
-            ts = []
-            for _ in range(reps):
-                runtime.eventRecord(start, stream_ptr)
-                run(algo, ptrs)
-                runtime.eventRecord(stop, stream_ptr)
-                runtime.eventSynchronize(stop)
-                ts.append(runtime.eventElapsedTime(start, stop))
-            times.append(sorted(ts)[reps // 2])
-        runtime.eventDestroy(start)
-        runtime.eventDestroy(stop)
-        return times.index(min(times))
-    finally:
-        runtime.streamSynchronize(stream_ptr)
-        for p in ptrs:
-            runtime.free(p)
 
 
 # ---- GEMM steps ------------------------------------------------------------------------------
@@ -291,13 +213,7 @@ def _lt_step(dev, pool, g, stream, tune_count):
                 plans[o] = _lt_plan_for(lt, lh, ws, sp, o, g, tune_count)
             if plans[o] is None:
                 return None
-        desc, la, lb, lc, algo, _ = plans[o]
-        # every argument as a ctypes object, once; a call only sets the data pointers' values
-        pa, pb, pc = ctypes.c_void_p(), ctypes.c_void_p(), ctypes.c_void_p()
-        args = tuple([ctypes.c_void_p(x) for x in (lh, desc, alpha)] + [
-            pa, ctypes.c_void_p(la), pb, ctypes.c_void_p(lb), ctypes.c_void_p(beta), pc, ctypes.c_void_p(lc), pc,
-            ctypes.c_void_p(lc), ctypes.c_void_p(algo), ctypes.c_void_p(ws), ctypes.c_size_t(WORKSPACE),
-            ctypes.c_void_p(sp)])
+        args, pa, pb, pc = _prebound(lh, plans[o], alpha, beta, ws, sp)
         calls.append((o, pa, pb, pc, args, (o1[j] + d1, o2[j] + d2, oo[j] + d3)))
     mm, what, held = lt.MatmulPrebound, f"cublasLtMatmul (m={m} n={n} k={k} {dt})", (keep, plans)
     if g.nd == 1:  # the hot path, kept short: one device, one GEMM
@@ -324,21 +240,49 @@ def _lt_step(dev, pool, g, stream, tune_count):
             st = mm(*args)
             if st:
                 check(st, f"{what}, device {j}")
-    return step
+    if multi:
+        return step
+    # virtual devices of one GPU: one strided-batched call where their operands allow
+    o = g.ords[0]
+    lh, ws, sp = pool.lt_handle(o), pool.ws_ptr[(o, stream)], dev.stream(0, stream).ptr
+
+    def bind_batched(strides):
+        with cupy.cuda.Device(o):
+            plan = _lt_plan_for(lt, lh, ws, sp, o, g, tune_count, (g.nd,) + strides)
+        return None if plan is None else (*_prebound(lh, plan, alpha, beta, ws, sp), (plan, held))
+
+    return gemm_shared.one_gpu_step(step, bind_batched, mm, (s1, s2, so), [c[5] for c in calls], item,
+                                    ldc * n * item, lambda: runtime.streamIsCapturing(sp), what)
 
 
-def _lt_plan_for(lt, lh, ws, sp, ordinal, g, tune_count):
-    """The cuBLASLt plan (lt_plan's) of g's problem on one GPU, its algorithm tuned there."""
+def _prebound(lh, plan, alpha, beta, ws, sp):
+    """cublasLtMatmul's arguments as ctypes objects, made once (a call only sets the values of
+    the three data pointers pa, pb, pc): (args, pa, pb, pc).  The plan's objects are kept alive
+    by whoever holds `plan`."""
+    desc, la, lb, lc, algo, _ = plan
+    pa, pb, pc = ctypes.c_void_p(), ctypes.c_void_p(), ctypes.c_void_p()
+    args = tuple([ctypes.c_void_p(x) for x in (lh, desc, alpha)] + [
+        pa, ctypes.c_void_p(la), pb, ctypes.c_void_p(lb), ctypes.c_void_p(beta), pc, ctypes.c_void_p(lc), pc,
+        ctypes.c_void_p(lc), ctypes.c_void_p(algo), ctypes.c_void_p(ws), ctypes.c_size_t(WORKSPACE),
+        ctypes.c_void_p(sp)])
+    return args, pa, pb, pc
+
+
+def _lt_plan_for(lt, lh, ws, sp, ordinal, g, tune_count, batch=None):
+    """The cuBLASLt plan (lt_plan's) of g's problem on one GPU, its algorithm tuned there (with
+    `batch`, lt_plan's, a strided batch of them)."""
     m, n, k, opa, lda, opb, ldb, ldc = g.dims
     alpha, beta, item = g.alpha, g.beta, g.item
     sizes = (lda * (k if opa == OP_N else m), ldb * (n if opb == OP_N else k), ldc * n)
+    if batch is not None:  # the scratch operands span the whole batch
+        sizes = tuple(size + (batch[0] - 1) * stride for size, stride in zip(sizes, batch[1:]))
 
     def tune(desc, la, lb, lc, algos):
         return fastest(lambda algo, p: lt.Matmul(lh, desc, alpha, p[0], la, p[1], lb, beta, p[2], lc, p[2], lc,
                                                   algo, ws, WORKSPACE, sp), algos, sizes, item, sp)
 
     return lt_plan(lt, lh, ordinal, g.comp, COMPUTE_SCALE[g.comp], g.ctype, opa, opb, m, n, k, lda, ldb, ldc,
-                   WORKSPACE, tune=tune if tune_count > 1 else None, count=tune_count)
+                   WORKSPACE, tune=tune if tune_count > 1 else None, count=tune_count, batch=batch)
 
 
 def _ex_step(g, fn):

@@ -1,0 +1,65 @@
+"""The GEMMs of the virtual devices of one GPU as one strided-batched cublasLtMatmul.
+
+Virtual devices of a GPU issue each step in turn on the same stream, so a step's GEMM is one
+library call per device, each ~9 us of host (issue 14's step_cost).  Where the devices' operands
+lie at constant distances one batched call does the same work: Devices.empty packs a GPU's
+pieces in one allocation, pieces.local_pieces cuts an inner axis of an argument from one copy,
+and a replicated operand is one shared buffer (distance 0).  A caller's sf.Array may hold its
+pieces anywhere, so the distances are read at call time; each triple seen binds its batched
+call once, and pointers that are not evenly spaced take the per-device calls.  Plain Python (the
+CUDA parts come in as arguments), so the dispatch is tested anywhere."""
+from __future__ import annotations
+
+from shardfuse.backends.cuda.libs import check
+
+_REFUSED = object()  # a spacing cuBLASLt or the layout cannot batch: per-device calls
+
+
+def spacing(ptrs) -> int | None:
+    """The constant non-negative distance between consecutive pointers, else None."""
+    step = ptrs[1] - ptrs[0]
+    if step < 0:
+        return None
+    for x, y in zip(ptrs[1:], ptrs[2:]):
+        if y - x != step:
+            return None
+    return step
+
+
+def one_gpu_step(each_device, bind_batched, matmul, slots, offsets, item, c_bytes, capturing, what):
+    """The step of one GEMM per device of one GPU: one batched call when the operands are evenly
+    spaced, else each_device(bufs).  bind_batched((sa, sb, sc) in elements) -> (matmul's ctypes
+    arguments, pa, pb, pc: the base pointers to set in them, what must outlive them) or None.
+    slots and per-device byte offsets are the operands' (first, second, out); c_bytes: one output
+    matrix's extent (the outputs of a batch must not overlap); capturing(): whether the step's
+    stream is capturing a graph (binding tunes and synchronises: not then)."""
+    s1, s2, so = slots
+    o1, o2, o3 = (tuple(o[k] for o in offsets) for k in range(3))
+    bound: dict = {}
+
+    def bind(key):
+        if None in key or key[2] < c_bytes or any(s % item for s in key):
+            return _REFUSED
+        if capturing():
+            return None
+        call = bind_batched(tuple(s // item for s in key))
+        if len(bound) >= 16:  # callers that keep changing distances: bounded
+            bound.clear()
+        call = bound[key] = _REFUSED if call is None else call
+        return call
+
+    def step(bufs):
+        A, B, C = bufs[s1], bufs[s2], bufs[so]
+        pa = [x.data.ptr + o for x, o in zip(A, o1)]
+        pb = [x.data.ptr + o for x, o in zip(B, o2)]
+        pc = [x.data.ptr + o for x, o in zip(C, o3)]
+        key = (spacing(pa), spacing(pb), spacing(pc))
+        call = bound.get(key) or bind(key)
+        if call is None or call is _REFUSED:
+            return each_device(bufs)
+        args, a, b, c, _ = call
+        a.value, b.value, c.value = pa[0], pb[0], pc[0]
+        st = matmul(*args)
+        if st:
+            check(st, f"{what}, batched over {len(A)} devices")
+    return step

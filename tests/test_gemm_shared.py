@@ -1,0 +1,96 @@
+"""The dispatch of the virtual devices' GEMMs (backends/cuda/gemm_shared.py), on any machine: when
+the operands of a GPU's devices are evenly spaced one batched call runs, bound once per spacing;
+otherwise, and while a graph is being captured, each device's own call.  The buffers here are
+plain objects with a data pointer and the "calls" record what they were given: the real calls
+run in tests/test_gpu.py (the seed at D = 2, 4, 8 on one GPU, against float64 NumPy)."""
+from __future__ import annotations
+
+import ctypes
+from types import SimpleNamespace
+
+import pytest
+
+from shardfuse.backends.cuda.gemm_shared import one_gpu_step, spacing
+
+
+def buf(ptr):
+    return SimpleNamespace(data=SimpleNamespace(ptr=ptr))
+
+
+def test_spacing():
+    assert spacing([100, 164, 228, 292]) == 64
+    assert spacing([7, 7, 7]) == 0  # one shared buffer (a replicated operand)
+    assert spacing([100, 164, 230]) is None
+    assert spacing([300, 200, 100]) is None  # descending: left to the per-device calls
+
+
+class Recorder:
+    """each_device, bind_batched and matmul of one step, recording what they were given."""
+
+    def __init__(self, refuse=False):
+        self.each, self.binds, self.batched, self.refuse = 0, [], [], refuse
+
+    def each_device(self, bufs):
+        self.each += 1
+
+    def bind_batched(self, strides):
+        self.binds.append(strides)
+        if self.refuse:
+            return None
+        pa, pb, pc = ctypes.c_void_p(), ctypes.c_void_p(), ctypes.c_void_p()
+        return (pa, pb, pc), pa, pb, pc, None
+
+    def matmul(self, pa, pb, pc):
+        self.batched.append((pa.value, pb.value, pc.value))
+        return 0
+
+
+def make(rec, capturing=False, offsets=((0, 0, 0),) * 4, item=2, c_bytes=64):
+    return one_gpu_step(rec.each_device, rec.bind_batched, rec.matmul, (0, 1, 2), list(offsets), item, c_bytes,
+                        lambda: capturing, "test GEMM")
+
+
+def bufs(a, b, c):
+    return [[buf(p) for p in a], [buf(p) for p in b], [buf(p) for p in c]]
+
+
+def test_evenly_spaced_operands_take_one_batched_call_bound_once():
+    rec = Recorder()
+    step = make(rec)
+    for base in (1000, 5000):  # new pointers, same distances: no new binding
+        step(bufs([base + 128 * j for j in range(4)], [64] * 4, [90000 + 256 * j for j in range(4)]))
+    assert rec.binds == [(64, 0, 128)]  # element strides (2-byte items)
+    assert rec.batched == [(1000, 64, 90000), (5000, 64, 90000)] and rec.each == 0
+
+
+def test_per_device_offsets_are_part_of_the_pointers():
+    rec = Recorder()
+    step = make(rec, offsets=[(32 * j, 0, 0) for j in range(4)])
+    step(bufs([1000] * 4, [64] * 4, [90000 + 256 * j for j in range(4)]))  # one buffer, a slice per device
+    assert rec.binds == [(16, 0, 128)] and rec.batched == [(1000, 64, 90000)]
+
+
+@pytest.mark.parametrize("a, c", [
+    ([1000, 1128, 1300, 1400], [90000 + 256 * j for j in range(4)]),  # A not evenly spaced
+    ([1000 + 128 * j for j in range(4)], [90000] * 4),  # outputs would overlap
+    ([1000 + 128 * j for j in range(4)], [90000 + 32 * j for j in range(4)]),  # closer than one output
+    ([1000 + 3 * j for j in range(4)], [90000 + 256 * j for j in range(4)]),  # not whole elements apart
+])
+def test_operands_that_cannot_batch_take_the_per_device_calls(a, c):
+    rec = Recorder()
+    make(rec)(bufs(a, [64] * 4, c))
+    assert rec.each == 1 and rec.binds == [] and rec.batched == []
+
+
+def test_a_spacing_cublaslt_refuses_is_not_asked_again():
+    rec = Recorder(refuse=True)
+    step = make(rec)
+    for _ in range(3):
+        step(bufs([1000 + 128 * j for j in range(4)], [64] * 4, [90000 + 256 * j for j in range(4)]))
+    assert rec.binds == [(64, 0, 128)] and rec.each == 3 and rec.batched == []
+
+
+def test_no_binding_while_a_graph_is_captured():
+    rec = Recorder()
+    make(rec, capturing=True)(bufs([1000 + 128 * j for j in range(4)], [64] * 4, [90000 + 256 * j for j in range(4)]))
+    assert rec.each == 1 and rec.binds == []
