@@ -4,15 +4,18 @@ Short runs of real plans through the mesh's backend (NumPy devices, or CuPy on G
 least of --repeat calls after a warm-up: host issue costs, memory bandwidth, GEMMs of a few sizes
 per dtype, an Allgather, Allreduce and ReduceScatter of a few sizes, and on GPUs with D > 1 a
 pipelined AllGather+GEMM (the GEMM slowdown that makes the model match it; on devices sharing a
-GPU, the collectives' latency).  Each figure is what remains of a measured time once the model
-has accounted for the rest with the figures measured before it.  Rates are per device (NumPy
-devices and virtual devices of one GPU run one after another: the model multiplies back).  The
+GPU, the collectives' latency and the chunk GEMMs' operand bandwidth).  Each figure is what
+remains of a measured time once the model has accounted for the rest with the figures measured
+before it.  Rates are per device (NumPy devices and virtual devices of one GPU run one after
+another: the model multiplies back).  The
 cache (shardfuse/rates.py) is keyed by the machine: a driver, NCCL or CuPy update makes it
 stale, and calibrate rebuilds it (--force: always).
 """
 from __future__ import annotations
 
 import argparse
+import itertools
+import math
 from dataclasses import replace
 
 import numpy as np
@@ -29,6 +32,7 @@ from shardfuse.runtime import backend_of
 SIZES = {"cupy": ((1024, 2048, 4096, 8192), ("bfloat16", "float16", "float32"), (2**18, 2**22, 2**26), 2**26),
          "numpy": ((96, 192, 384), ("float32", "float64"), (2**12, 2**15, 2**18), 2**21)}
 SKINNY = ((16, 32, 64), 8192)  # GPUs: GEMMs of m rows x n x n, bound by streaming B (the model's gemm_bw)
+SHARED_RUNS = ((1024, 4096), 8192, (1, 4, 16))  # devices sharing a GPU: M, n and S of the pipelined runs
 FREE = 1e30  # a rate so high that what it times costs nothing
 
 
@@ -225,32 +229,53 @@ def fit_to(prog, seconds: float, rates, field: str, lo: float, hi: float, local:
     return replace(rates, **{field: (lo + hi) / 2})
 
 
+def fit_least_squares(runs, rates, bounds: dict, local: int, share: int, rounds: int = 8, k: int = 9) -> Rates:
+    """rates with the fields of `bounds` ({field: (lo, hi)}) that minimise the sum over `runs`
+    [(program, measured seconds)] of log(predicted / measured) squared: a k-point grid per field
+    (geometric where lo > 0), narrowed each round to the best point and two neighbours either side
+    (one would lose a minimum along a diagonal valley).  Every run weighs on every figure: figures
+    that trade off settle where the runs agree, not at a bound."""
+    names, box = list(bounds), [tuple(bounds[f]) for f in bounds]
+
+    def sse(values):
+        r = replace(rates, **dict(zip(names, values)))
+        return sum(math.log(predict(p, r, local, share).total_s / t) ** 2 for p, t in runs)
+    for _ in range(rounds):
+        axes = [np.geomspace(lo, hi, k) if lo > 0 else np.linspace(lo, hi, k) for lo, hi in box]
+        best = min(itertools.product(range(k), repeat=len(names)), key=lambda ix: sse([a[i] for a, i in zip(axes, ix)]))
+        box = [(a[max(i - 2, 0)], a[min(i + 2, k - 1)]) for a, i in zip(axes, best)]
+    return replace(rates, **{f: float(a[i]) for f, a, i in zip(names, axes, best)})
+
+
 def _pipeline(mesh, time_s, m: int, n: int, chunks: int) -> tuple:
-    """(least seconds, program) of the AllGather+GEMM A [m, n] sharded on rows @ B [n, n], bf16."""
+    """(program, least seconds) of the AllGather+GEMM A [m, n] sharded on rows @ B [n, n], bf16."""
     a, b = _random((m, n), "bfloat16", mesh, 0), _scaled_square(n, "bfloat16", mesh)
     f = sf.jit(lambda a, b: sf.stream(sf.shard(a, axis=0) @ b, axis=0, chunks=chunks), mesh=mesh)
-    return time_s(lambda: f(a, b)), f.lower(a, b).program
+    return f.lower(a, b).program, time_s(lambda: f(a, b))
 
 
 def measure_pipeline(mesh, time_s, rates, local, share) -> Rates:
     """The figures fitted to measured pipelined AllGather+GEMMs.  One device per GPU: gemm_slowdown
     in [1, 2], what a GEMM loses beside a collective (4 chunks).  Devices sharing a GPU (no overlap
-    there, cost.work_of), from 16 chunks: comm_latency_s in [0, 1 ms], as collectives run between
-    GEMMs (a lone collective's fixed cost, measure_comm's, is mostly the host's issue of a short
-    plan: 105-153 us at D = 2, 4 on an H200, against 0-30 us in the sweeps), and gemm_bw from chunk
-    GEMMs of 96 rows x 8192 x 8192, bound by streaming B: the virtual devices' interleaved GEMMs
-    stream it at 2.1 (D = 4) to 3.2 TB/s (D = 2), not the 3.8 of one device's chain (H200 sweeps).
-    The two figures depend on each other a little: two rounds."""
+    there, cost.work_of): comm_latency_s, as collectives run between GEMMs (a lone collective's
+    fixed cost, measure_comm's, is mostly the host's issue of a short plan: 80-150 us at D = 2, 4
+    on an H200, against 0-40 us in the sweeps), and gemm_bw, how fast the devices' chunk GEMMs
+    stream B (per device ~3.2 TB/s at D = 2, ~2.5 at D = 4 on an H200 with a cuBLAS call per device,
+    not the 3.6-3.9 of one device's chain), together by least squares over S = 1, 4, 16 at two M:
+    the two figures trade off, and exact fits to one run each ran gemm_bw to its bound.  B is 8192
+    x 8192: at 4096 x 4096 an H200 ran 17-45% slower than the figures that fit the sweeps predict,
+    a miss that the latency absorbed."""
     if share == 1:
-        t, prog = _pipeline(mesh, time_s, 2048 * mesh.size, 4096, 4)
+        prog, t = _pipeline(mesh, time_s, 2048 * mesh.size, 4096, 4)
         return fit_to(prog, t, rates, "gemm_slowdown", 1.0, 2.0, local, share)
-    latency = _pipeline(mesh, time_s, 2048 * mesh.size, 4096, 16)
-    skinny = _pipeline(mesh, time_s, 96 * 16, 8192, 16)
-    chain_bw = rates.gemm_bw
-    for _ in range(2):
-        rates = fit_to(*latency[::-1], rates, "comm_latency_s", 0.0, 1e-3, local, share)
-        rates = fit_to(*skinny[::-1], rates, "gemm_bw", chain_bw / 10, chain_bw * 2, local, share)
-    return rates
+    ms, n, ss = SHARED_RUNS
+    return fit_shared([_pipeline(mesh, time_s, m, n, s) for m in ms for s in ss], rates, local, share)
+
+
+def fit_shared(runs, rates, local, share) -> Rates:
+    """comm_latency_s and gemm_bw of devices sharing a GPU, from SHARED_RUNS' [(program, seconds)]."""
+    bounds = {"comm_latency_s": (0.0, 300e-6), "gemm_bw": (rates.gemm_bw / 8, rates.gemm_bw * 2)}
+    return fit_least_squares(runs, rates, bounds, local, share)
 
 
 def calibrate(mesh, repeat: int = 10, log=print) -> Rates:

@@ -122,6 +122,24 @@ def test_calibration_fits_one_figure_to_a_measured_time_either_way():
     assert calibrate.fit_to(prog, t / 100, truth, "comm_latency_s", 0.0, 1e-3, 2, 2).comm_latency_s < 1e-9
 
 
+def test_calibration_fits_two_figures_to_several_runs_at_once():
+    # calibrate.fit_least_squares, as on devices sharing a GPU: the collective latency and gemm_bw
+    # from pipelined runs at two B sizes and S = 1, 2, 4 (GEMMs bound by streaming B), timed by the
+    # model with known figures; started far from them.
+    mesh = sf.DeviceMesh(2, backend="numpy")
+    truth = gpu_like(comm_latency_s=3e-5, gemm_bw=2e9, gemm_flops={"float64": 1e12})
+    progs = [seed(mesh, s).lower(*specs(64, n, n)).program for n in (32, 64) for s in (1, 2, 4)]
+    runs = [(p, cost.predict(p, truth, 2, 2).total_s) for p in progs]
+    start = replace(truth, comm_latency_s=0.0, gemm_bw=8e9)
+    bounds = {"comm_latency_s": (0.0, 3e-4), "gemm_bw": (1e9, 1.6e10)}
+    fit = calibrate.fit_least_squares(runs, start, bounds, 2, 2)
+    assert fit.comm_latency_s == pytest.approx(3e-5, rel=0.02) and fit.gemm_bw == pytest.approx(2e9, rel=0.02)
+    # one run 10% slow (noise) moves the figures a little, to no bound
+    noisy = calibrate.fit_least_squares([(p, t * (1.1 if i == 5 else 1)) for i, (p, t) in enumerate(runs)],
+                                        start, bounds, 2, 2)
+    assert 1e-5 < noisy.comm_latency_s < 1e-4 and 1.2e9 < noisy.gemm_bw < 4e9
+
+
 # ---- chunks="auto" -----------------------------------------------------------------------------
 def test_auto_is_1_where_overlap_cannot_pay():
     one = sf.DeviceMesh(1, backend="numpy")  # one device: no communication at all
