@@ -23,7 +23,7 @@ from cupy.cuda import runtime
 from shardfuse.backends.cuda import gemm_shared
 from shardfuse.backends.cuda.devices import offsets_bytes
 from shardfuse.backends.cuda.gemm_layout import gemm_layout
-from shardfuse.backends.cuda.lt_plans import fastest, lt_plan
+from shardfuse.backends.cuda.lt_plans import fastest, lt_layouts, lt_plan
 from shardfuse.backends.cuda.libs import (COMPUTE_32F, COMPUTE_32F_TF32, COMPUTE_64F, COMPUTE_SCALE, CUDA_T,
                                           GEMM_DEFAULT, ITEM, OP_N, Cublas, CublasLt, check)
 from shardfuse.backends.protocol import Ref, contiguous_strides
@@ -247,12 +247,16 @@ def _lt_step(dev, pool, g, stream, tune_count):
     lh, ws, sp = pool.lt_handle(o), pool.ws_ptr[(o, stream)], dev.stream(0, stream).ptr
 
     def bind_batched(strides):
-        with cupy.cuda.Device(o):
-            plan = _lt_plan_for(lt, lh, ws, sp, o, g, tune_count, (g.nd,) + strides)
-        return None if plan is None else (*_prebound(lh, plan, alpha, beta, ws, sp), (plan, held))
+        # the per-device plan's descriptor and algorithm over batched layouts: each matrix is
+        # computed as by the per-device call (eager and graph replay agree to the bit), and
+        # nothing is tuned or synchronised, so this may bind inside a graph capture too
+        desc, _, _, _, algo, _ = plan = plans[o]
+        keep = []
+        lays = lt_layouts(lt, g.ctype, opa, opb, m, n, k, lda, ldb, ldc, keep, (g.nd,) + strides)
+        return (*_prebound(lh, (desc, *lays, algo, None), alpha, beta, ws, sp), (keep, plan, held))
 
     return gemm_shared.one_gpu_step(step, bind_batched, mm, (s1, s2, so), [c[5] for c in calls], item,
-                                    ldc * n * item, lambda: runtime.streamIsCapturing(sp), what)
+                                    ldc * n * item, what)
 
 
 def _prebound(lh, plan, alpha, beta, ws, sp):
@@ -268,21 +272,18 @@ def _prebound(lh, plan, alpha, beta, ws, sp):
     return args, pa, pb, pc
 
 
-def _lt_plan_for(lt, lh, ws, sp, ordinal, g, tune_count, batch=None):
-    """The cuBLASLt plan (lt_plan's) of g's problem on one GPU, its algorithm tuned there (with
-    `batch`, lt_plan's, a strided batch of them)."""
+def _lt_plan_for(lt, lh, ws, sp, ordinal, g, tune_count):
+    """The cuBLASLt plan (lt_plan's) of g's problem on one GPU, its algorithm tuned there."""
     m, n, k, opa, lda, opb, ldb, ldc = g.dims
     alpha, beta, item = g.alpha, g.beta, g.item
     sizes = (lda * (k if opa == OP_N else m), ldb * (n if opb == OP_N else k), ldc * n)
-    if batch is not None:  # the scratch operands span the whole batch
-        sizes = tuple(size + (batch[0] - 1) * stride for size, stride in zip(sizes, batch[1:]))
 
     def tune(desc, la, lb, lc, algos):
         return fastest(lambda algo, p: lt.Matmul(lh, desc, alpha, p[0], la, p[1], lb, beta, p[2], lc, p[2], lc,
                                                   algo, ws, WORKSPACE, sp), algos, sizes, item, sp)
 
     return lt_plan(lt, lh, ordinal, g.comp, COMPUTE_SCALE[g.comp], g.ctype, opa, opb, m, n, k, lda, ldb, ldc,
-                   WORKSPACE, tune=tune if tune_count > 1 else None, count=tune_count, batch=batch)
+                   WORKSPACE, tune=tune if tune_count > 1 else None, count=tune_count)
 
 
 def _ex_step(g, fn):

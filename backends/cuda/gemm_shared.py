@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from shardfuse.backends.cuda.libs import check
 
-_REFUSED = object()  # a spacing cuBLASLt or the layout cannot batch: per-device calls
+_REFUSED = object()  # a spacing cuBLASLt refused to batch: per-device calls
 
 
 def spacing(ptrs) -> int | None:
@@ -26,27 +26,16 @@ def spacing(ptrs) -> int | None:
     return step
 
 
-def one_gpu_step(each_device, bind_batched, matmul, slots, offsets, item, c_bytes, capturing, what):
+def one_gpu_step(each_device, bind_batched, matmul, slots, offsets, item, c_bytes, what):
     """The step of one GEMM per device of one GPU: one batched call when the operands are evenly
     spaced, else each_device(bufs).  bind_batched((sa, sb, sc) in elements) -> (matmul's ctypes
-    arguments, pa, pb, pc: the base pointers to set in them, what must outlive them) or None.
-    slots and per-device byte offsets are the operands' (first, second, out); c_bytes: one output
-    matrix's extent (the outputs of a batch must not overlap); capturing(): whether the step's
-    stream is capturing a graph (binding tunes and synchronises: not then)."""
+    arguments, pa, pb, pc: the base pointers to set in them, what must outlive them).  slots and
+    per-device byte offsets are the operands' (first, second, out); c_bytes: one output matrix's
+    extent (the outputs of a batch must not overlap).  A batched call that cuBLASLt refuses
+    (its status, before anything runs) is not tried again for that spacing."""
     s1, s2, so = slots
     o1, o2, o3 = (tuple(o[k] for o in offsets) for k in range(3))
-    bound: dict = {}
-
-    def bind(key):
-        if None in key or key[2] < c_bytes or any(s % item for s in key):
-            return _REFUSED
-        if capturing():
-            return None
-        call = bind_batched(tuple(s // item for s in key))
-        if len(bound) >= 16:  # callers that keep changing distances: bounded
-            bound.clear()
-        call = bound[key] = _REFUSED if call is None else call
-        return call
+    bound: dict = {}  # spacing -> the bound call, or _REFUSED
 
     def step(bufs):
         A, B, C = bufs[s1], bufs[s2], bufs[so]
@@ -54,12 +43,22 @@ def one_gpu_step(each_device, bind_batched, matmul, slots, offsets, item, c_byte
         pb = [x.data.ptr + o for x, o in zip(B, o2)]
         pc = [x.data.ptr + o for x, o in zip(C, o3)]
         key = (spacing(pa), spacing(pb), spacing(pc))
-        call = bound.get(key) or bind(key)
-        if call is None or call is _REFUSED:
+        call = bound.get(key)
+        new = call is None
+        if new:
+            if None in key or key[2] < c_bytes or any(s % item for s in key):
+                return each_device(bufs)
+            if len(bound) >= 16:  # callers that keep changing distances: bounded
+                bound.clear()
+            call = bound[key] = bind_batched(tuple(s // item for s in key))
+        if call is _REFUSED:
             return each_device(bufs)
         args, a, b, c, _ = call
         a.value, b.value, c.value = pa[0], pb[0], pc[0]
         st = matmul(*args)
+        if st and new:
+            bound[key] = _REFUSED
+            return each_device(bufs)
         if st:
             check(st, f"{what}, batched over {len(A)} devices")
     return step

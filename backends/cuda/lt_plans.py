@@ -11,13 +11,8 @@ from shardfuse.backends.cuda.libs import OP_N, check
 _TUNED: dict = {}  # problem -> index of the fastest candidate (the heuristic's order is deterministic), per process
 
 
-def lt_plan(lt, handle, ordinal, comp, scale, ctype, opa, opb, m, n, k, lda, ldb, ldc, workspace, tune=None,
-            count=1, batch=None):
-    """(desc, layouts, algo buffer) for D = op(A) op(B), or None when no algorithm fits.
-    tune(desc, la, lb, lc, algos) -> index of the fastest, when given (`count` candidates).
-    batch: (count, strideA, strideB, strideC) in elements, for a strided batch of such GEMMs."""
-    keep = []
-
+def _keeper(keep):
+    """out(f, *args): f's created handle, and i32(v): an int32 attribute value, both kept in keep."""
     def out(f, *args):
         p = ctypes.c_void_p()
         check(f(ctypes.byref(p), *args), f"cublasLt {f.__name__}")
@@ -28,10 +23,13 @@ def lt_plan(lt, handle, ordinal, comp, scale, ctype, opa, opb, m, n, k, lda, ldb
         x = ctypes.c_int32(v)
         keep.append(x)
         return ctypes.cast(ctypes.byref(x), ctypes.c_void_p), 4
+    return out, i32
 
-    desc = out(lt.MatmulDescCreate, comp, scale)
-    check(lt.MatmulDescSetAttribute(desc, lt.TRANSA, *i32(opa)), "cublasLt set transa")
-    check(lt.MatmulDescSetAttribute(desc, lt.TRANSB, *i32(opb)), "cublasLt set transb")
+
+def lt_layouts(lt, ctype, opa, opb, m, n, k, lda, ldb, ldc, keep, batch=None):
+    """The layouts (la, lb, lc) of D = op(A) op(B); batch: (count, strideA, strideB, strideC) in
+    elements, for a strided batch of such GEMMs.  What must outlive them goes into keep."""
+    out, i32 = _keeper(keep)
     la = out(lt.MatrixLayoutCreate, ctype, *((m, k) if opa == OP_N else (k, m)), lda)
     lb = out(lt.MatrixLayoutCreate, ctype, *((k, n) if opb == OP_N else (n, k)), ldb)
     lc = out(lt.MatrixLayoutCreate, ctype, m, n, ldc)
@@ -42,6 +40,19 @@ def lt_plan(lt, handle, ordinal, comp, scale, ctype, opa, opb, m, n, k, lda, ldb
             check(lt.MatrixLayoutSetAttribute(lay, lt.BATCH_COUNT, *i32(batch[0])), "cublasLt set batch count")
             check(lt.MatrixLayoutSetAttribute(lay, lt.BATCH_STRIDE, ctypes.cast(ctypes.byref(n64), ctypes.c_void_p),
                                               8), "cublasLt set batch stride")
+    return la, lb, lc
+
+
+def lt_plan(lt, handle, ordinal, comp, scale, ctype, opa, opb, m, n, k, lda, ldb, ldc, workspace, tune=None,
+            count=1):
+    """(desc, layouts, algo buffer) for D = op(A) op(B), or None when no algorithm fits.
+    tune(desc, la, lb, lc, algos) -> index of the fastest, when given (`count` candidates)."""
+    keep = []
+    out, i32 = _keeper(keep)
+    desc = out(lt.MatmulDescCreate, comp, scale)
+    check(lt.MatmulDescSetAttribute(desc, lt.TRANSA, *i32(opa)), "cublasLt set transa")
+    check(lt.MatmulDescSetAttribute(desc, lt.TRANSB, *i32(opb)), "cublasLt set transb")
+    la, lb, lc = lt_layouts(lt, ctype, opa, opb, m, n, k, lda, ldb, ldc, keep)
     pref = out(lt.MatmulPreferenceCreate)
     ws = ctypes.c_uint64(workspace)
     keep.append(ws)
@@ -59,7 +70,7 @@ def lt_plan(lt, handle, ordinal, comp, scale, ctype, opa, opb, m, n, k, lda, ldb
              if ctypes.c_int.from_address(base + i * lt.HEURISTIC_BYTES + lt.HEURISTIC_STATE).value == 0]
     best = 0
     if tune is not None and len(algos) > 1:
-        key = (ordinal, comp, ctype, opa, opb, m, n, k, lda, ldb, ldc, workspace, batch)
+        key = (ordinal, comp, ctype, opa, opb, m, n, k, lda, ldb, ldc, workspace)
         if key not in _TUNED:
             _TUNED[key] = tune(desc, la, lb, lc, algos)
         best = _TUNED[key]
