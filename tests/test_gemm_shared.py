@@ -96,3 +96,13 @@ def test_a_batch_that_fails_after_it_ran_raises():
     rec.status = 13  # CUBLAS_STATUS_EXECUTION_FAILED
     with pytest.raises(RuntimeError, match="test GEMM, batched over 4 devices failed with cuBLAS status 13"):
         step(spaced)
+
+
+def test_distances_that_keep_changing_stop_binding_after_a_few():
+    rec = Recorder()
+    step = make(rec)
+    for n in range(12):  # two devices: any two pointers are evenly spaced, here each call anew
+        step([[buf(1000), buf(5000 + 64 * n)], [buf(64)] * 2, [buf(90000), buf(90256)]])
+    assert len(rec.binds) == 8 and len(rec.batched) == 8 and rec.each == 4
+    step([[buf(1000), buf(5000)], [buf(64)] * 2, [buf(90000), buf(90256)]])  # a spacing bound before
+    assert len(rec.batched) == 9 and rec.each == 4

@@ -6,8 +6,9 @@ SHARDFUSE_GEMM=ex: cublasGemmEx); batched ones are cublasGemmStridedBatchedEx.  
 one workspace per (GPU, stream), so GEMMs on concurrent streams never share a workspace (virtual
 devices on one stream run in turn, so they may).  Batch dims that nest into the rows are folded
 into one GEMM, one more is a strided batch, further outer ones are looped at bind time; views
-cuBLAS cannot read are staged through scratch.  Everything but the per-call base pointers is
-resolved at bind time.  float32 runs without TF32 unless SHARDFUSE_TF32=1 (or CUPY_TF32=1).
+cuBLAS cannot read are staged through scratch.  The virtual devices of one GPU run a step's
+GEMMs as one strided-batched call where their operands allow (gemm_shared.py; plans and tuning
+in lt_plans.py).  Everything but the per-call base pointers is resolved at bind time.  float32 runs without TF32 unless SHARDFUSE_TF32=1 (or CUPY_TF32=1).
 """
 from __future__ import annotations
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 from shardfuse.backends.cuda.libs import check
 
 _REFUSED = object()  # a spacing cuBLASLt refused to batch: per-device calls
+MAX_SPACINGS = 8  # batched calls bound per step (binding makes cuBLASLt layouts: more host work than a call)
 
 
 def spacing(ptrs) -> int | None:
@@ -46,10 +47,10 @@ def one_gpu_step(each_device, bind_batched, matmul, slots, offsets, item, c_byte
         call = bound.get(key)
         new = call is None
         if new:
-            if None in key or key[2] < c_bytes or any(s % item for s in key):
+            # (two devices' pointers are always evenly spaced: buffers allocated anew each call
+            # would bind a call per call, so after MAX_SPACINGS the unseen ones are not bound)
+            if None in key or key[2] < c_bytes or any(s % item for s in key) or len(bound) >= MAX_SPACINGS:
                 return each_device(bufs)
-            if len(bound) >= 16:  # callers that keep changing distances: bounded
-                bound.clear()
             call = bound[key] = bind_batched(tuple(s // item for s in key))
         if call is _REFUSED:
             return each_device(bufs)
