@@ -88,6 +88,18 @@ def test_a_batch_cublaslt_refuses_at_its_first_call_is_not_tried_again():
     assert rec.binds == [(64, 0, 128)] and len(rec.batched) == 1 and rec.each == 3
 
 
+def test_an_error_at_the_first_batched_call_raises_rather_than_falling_back():
+    rec = Recorder(status=13)  # CUBLAS_STATUS_EXECUTION_FAILED: not a refusal of the batch
+    with pytest.raises(RuntimeError, match="cuBLAS status 13"):
+        make(rec)(bufs([1000 + 128 * j for j in range(4)], [64] * 4, [90000 + 256 * j for j in range(4)]))
+
+
+def test_outputs_exactly_one_matrix_apart_batch():
+    rec = Recorder()
+    make(rec, c_bytes=256)(bufs([1000 + 128 * j for j in range(4)], [64] * 4, [90000 + 256 * j for j in range(4)]))
+    assert rec.binds == [(64, 0, 128)] and rec.each == 0
+
+
 def test_a_batch_that_fails_after_it_ran_raises():
     rec = Recorder()
     step = make(rec)

@@ -18,6 +18,7 @@ events of every GPU, the fences with the caller's stream, and buffers.
 from __future__ import annotations
 
 import itertools
+import math
 import os
 
 import numpy as np
@@ -30,6 +31,7 @@ from shardfuse.backends.protocol import MAIN
 from shardfuse.dtypes import np_dtype
 
 POISON = os.environ.get("SHARDFUSE_POISON") == "1"  # fill new buffers with NaN (tests)
+ALIGN = 256  # bytes: what cudaMalloc guarantees, and what cuBLASLt's algorithms assume by default
 
 
 def _ordinals(mesh, ngpu):
@@ -121,23 +123,29 @@ class Devices:
 
     # ---- buffers ----------------------------------------------------------------------
     def empty(self, shape, dtype):
-        """One buffer per local device.  The devices of one GPU get views of one allocation, at a
-        constant distance: one allocation per call instead of one per device, and their GEMMs
-        can run as one strided-batched call (gemm_shared.py)."""
+        """One buffer per local device.  The devices of one GPU get views of one allocation at a
+        constant distance, a multiple of ALIGN bytes (aligned as separate allocations would be:
+        cuBLASLt's algorithms and the gather kernel's 16-byte loads rely on it): one allocation
+        per call instead of one per device, and their GEMMs can run as one strided-batched call
+        (gemm_shared.py)."""
+        store = STORE[dtype]
         if not POISON and len(self.ordinals) == 1:  # the per-call hot path
             with self.main[0]:
-                return [cupy.empty(shape, STORE[dtype])]
+                return [cupy.empty(shape, store)]
+        shape, item = tuple(shape), ITEM[dtype]
+        size = math.prod(shape)
+        step = -(-size * item // ALIGN) * ALIGN  # bytes from one device's piece to the next
         out = []
         for o, count in self.blocks:
             with cupy.cuda.Device(o), self.main_of[o]:
-                whole = (count,) + tuple(shape)
+                n = count * step // item
                 if not POISON:
-                    whole = cupy.empty(whole, STORE[dtype])
+                    flat = cupy.empty(n, store)
                 elif dtype == "bfloat16":
-                    whole = cupy.full(whole, 0x7FC0, np.uint16)
+                    flat = cupy.full(n, 0x7FC0, np.uint16)
                 else:
-                    whole = cupy.full(whole, np.nan, STORE[dtype])
-            out.extend(whole)
+                    flat = cupy.full(n, np.nan, store)
+            out.extend(cupy.ndarray(shape, store, flat.data + j * step) for j in range(count))
         return out
 
     def f32_scratch(self, ref):

@@ -13,7 +13,8 @@ from __future__ import annotations
 from shardfuse.backends.cuda.libs import check
 
 _REFUSED = object()  # a spacing cuBLASLt refused to batch: per-device calls
-MAX_SPACINGS = 8  # batched calls bound per step (binding makes cuBLASLt layouts: more host work than a call)
+MAX_SPACINGS = 8  # batched calls bound per step: binding makes three cuBLASLt layouts
+REFUSALS = (7, 15)  # CUBLAS_STATUS_INVALID_VALUE, NOT_SUPPORTED: this algorithm cannot run the batch
 
 
 def spacing(ptrs) -> int | None:
@@ -32,8 +33,9 @@ def one_gpu_step(each_device, bind_batched, matmul, slots, offsets, item, c_byte
     spaced, else each_device(bufs).  bind_batched((sa, sb, sc) in elements) -> (matmul's ctypes
     arguments, pa, pb, pc: the base pointers to set in them, what must outlive them).  slots and
     per-device byte offsets are the operands' (first, second, out); c_bytes: one output matrix's
-    extent (the outputs of a batch must not overlap).  A batched call that cuBLASLt refuses
-    (its status, before anything runs) is not tried again for that spacing."""
+    extent (the outputs of a batch must not overlap).  A batched call that cuBLASLt refuses at
+    its first call (REFUSALS: the per-device algorithm cannot run it, e.g. for want of
+    workspace) is not tried again for that spacing; any other error status raises."""
     s1, s2, so = slots
     o1, o2, o3 = (tuple(o[k] for o in offsets) for k in range(3))
     bound: dict = {}  # spacing -> the bound call, or _REFUSED
@@ -57,7 +59,7 @@ def one_gpu_step(each_device, bind_batched, matmul, slots, offsets, item, c_byte
         args, a, b, c, _ = call
         a.value, b.value, c.value = pa[0], pb[0], pc[0]
         st = matmul(*args)
-        if st and new:
+        if st in REFUSALS and new:
             bound[key] = _REFUSED
             return each_device(bufs)
         if st:

@@ -60,7 +60,7 @@ class Cublas:
 
 
 class CublasLt:
-    """cuBLASLt through ctypes: descriptors and the algorithm are chosen at bind time (gemm.lt_plan),
+    """cuBLASLt through ctypes: descriptors and the algorithm are chosen at bind time (lt_plans.lt_plan),
     so a GEMM step at run time is one cublasLtMatmul call (less host work than cublasGemmEx)."""
 
     TRANSA, TRANSB = 3, 4  # cublasLtMatmulDescAttributes_t
