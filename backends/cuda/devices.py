@@ -133,7 +133,7 @@ class Devices:
             with self.main[0]:
                 return [cupy.empty(shape, store)]
         shape, item = tuple(shape), ITEM[dtype]
-        size = math.prod(shape)
+        size = int(math.prod(shape))
         step = -(-size * item // ALIGN) * ALIGN  # bytes from one device's piece to the next
         out = []
         for o, count in self.blocks:
