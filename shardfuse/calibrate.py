@@ -7,9 +7,8 @@ pipelined AllGather+GEMM (the GEMM slowdown that makes the model match it; on de
 GPU, the collectives' latency and the chunk GEMMs' operand bandwidth).  Each figure is what
 remains of a measured time once the model has accounted for the rest with the figures measured
 before it.  Rates are per device (NumPy devices and virtual devices of one GPU run one after
-another: the model multiplies back).  The
-cache (shardfuse/rates.py) is keyed by the machine: a driver, NCCL or CuPy update makes it
-stale, and calibrate rebuilds it (--force: always).
+another: the model multiplies back).  The cache (shardfuse/rates.py) is keyed by the machine: a
+driver, NCCL or CuPy update makes it stale, and calibrate rebuilds it (--force: always).
 """
 from __future__ import annotations
 
