@@ -1,6 +1,7 @@
 """The cost model, chunks="auto", calibration and its cache, the simulator (issue 15).  CPU only."""
 import json
 from dataclasses import replace
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -288,3 +289,34 @@ def test_sweep_runs_on_numpy_devices(tmp_path, capsys):
     assert "model (numpy/cpu rates) within 15%" in text and "chunks='auto' vs the best fixed S" in text
     points = json.loads(out.read_text())["points"]
     assert [p["m"] for p in points] == [16, 32] and all(p["auto"] == 1 for p in points)
+
+
+BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
+RECORDED = sorted((BENCHMARKS / "results").glob("2026-12-05-h200-sweeps*/sweep_d*.json"))
+
+
+def _refit_sweeps():
+    """benchmarks/refit_sweeps.py as a module (benchmarks/ is no package)."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("refit_sweeps", BENCHMARKS / "refit_sweeps.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.mark.parametrize("path", RECORDED, ids=lambda p: f"{p.parent.name}/{p.name}")
+def test_the_model_predicts_the_recorded_h200_sweeps_as_recorded(path):
+    """A pin between cost.py and measured H200 data: each sweep recorded on 2026-12-05 (model 4)
+    predicted again from its own rates, on a CPU, gives the times the H200 run predicted.  A change
+    to what cost.py predicts fails here: bump rates.MODEL (so cached rates are recalibrated) and
+    take the pin to newly recorded sweeps."""
+    assert RECORDED, "no recorded sweeps under benchmarks/results"
+    assert rates.MODEL == 4, "the recorded sweeps are of cost model 4: record sweeps of the new model"
+    refit = _refit_sweeps()
+    recorded_rates, points, d = refit.load(path)
+    table = refit.rows(points, d)
+    got = refit.score(recorded_rates, table, d)["pred"]
+    want = [r[4] for r in table]
+    assert len(table) == 60
+    np.testing.assert_allclose(got, want, rtol=1e-9)
