@@ -62,6 +62,11 @@ class Executable:
         kept = [k for k, s in enumerate(self.steps) if s is not None]
         self.steps, self.labels = [self.steps[k] for k in kept], [self.labels[k] for k in kept]
         self._allocate_used(prog)
+        # per output: the slot whose per-call buffers are the output as they are (a call then makes
+        # no view per device), else None
+        made = {slot: shape for slot, shape, _ in self.per_call}
+        self._whole_outputs = [r.slot if made.get(r.slot) == r.shape and not any(r.offsets) and r.is_contiguous()
+                               else None for r in (self.refs[v] for v in prog.outputs)]
         self._graph_outputs = None
         self.accepted, self._out_layouts = set(), {}  # hot-path caches of layout checks
         # One call at a time: the plan's persistent buffers (gather pools, scratch) and its
@@ -320,9 +325,12 @@ class Executable:
 
     def _outputs(self, bufs):
         outs = []
-        for v in self.prog.outputs:
-            ref = self.refs[v]
-            shards = [self.backend.view(bufs, ref, j) for j in range(self.ndev)]
+        for v, whole in zip(self.prog.outputs, self._whole_outputs):
+            if whole is not None:
+                shards = list(bufs[whole])
+            else:
+                ref = self.refs[v]
+                shards = [self.backend.view(bufs, ref, j) for j in range(self.ndev)]
             lay = self._out_layouts.get(v)
             if lay is None:
                 lay = self._out_layouts[v] = v.type.layout.placement()

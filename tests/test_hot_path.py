@@ -25,7 +25,8 @@ class CountingBackend(NumpyLocalBackend):
     def __init__(self, mesh):
         super().__init__(mesh)
         self.bound = {}
-        self.empties = 0
+        self.empties = self.output_views = 0
+        self.outputs = ()  # the Refs of the plan's outputs, set by the test
 
     def _count(self, name):
         self.bound[name] = self.bound.get(name, 0) + 1
@@ -41,6 +42,10 @@ class CountingBackend(NumpyLocalBackend):
     def empty(self, shape, dtype):
         self.empties += 1
         return super().empty(shape, dtype)
+
+    def view(self, bufs, ref, j):
+        self.output_views += any(ref is r for r in self.outputs)  # the steps make views too
+        return super().view(bufs, ref, j)
 
 
 def seed(d, s):
@@ -66,6 +71,7 @@ def test_a_call_after_the_first_binds_and_keeps_nothing_new():
     a, b = rng.standard_normal((8, 8, 2, 4)), rng.standard_normal((4, 3))
     ref = np.einsum("sdmk,kn->sdmn", a, b)
     steps, templates, refs = list(exe.steps), list(exe.slot_templates), dict(exe.refs)
+    be.outputs = [exe.refs[v] for v in plan.program.outputs]
     bound = dict(be.bound)
     for _ in range(3):  # warm: the plan's own caches fill on the first calls
         exe(a, b)
@@ -82,6 +88,7 @@ def test_a_call_after_the_first_binds_and_keeps_nothing_new():
     grown = sum(st.size_diff for st in after.compare_to(before, "filename") if st.size_diff > 0)
     assert grown < 64 * 1024, f"100 calls kept {grown} bytes"  # nothing per call stays alive
     assert be.empties - empties == 100  # one allocation per call: the per-call output buffer
+    assert be.output_views == 0  # the output is that buffer as it is: no view per device per call
     assert be.bound == bound and exe.steps == steps and exe.slot_templates == templates and exe.refs == refs
     ((lay, pieces),) = exe(a, b)
     out = sf.Array(plan.program.mesh, plan.program.outputs[0].type.shape, "float64", lay, pieces)
