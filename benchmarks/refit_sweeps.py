@@ -59,9 +59,9 @@ def rows(points, d: int) -> list:
 
 def fitted(rates, table, d: int) -> tuple:
     """(rates fitted as calibrate fits them on a shared GPU, the rows that stood in for its runs)."""
-    ms, n, ss = SHARED_RUNS
-    used = [r for r in table if r[0]["m"] in ms and r[0]["n"] == r[0]["k"] == n and r[1] in ss]
-    if len(used) != len(ms) * len(ss):
+    ms, bs, ss = SHARED_RUNS
+    used = [r for r in table if r[0]["m"] in ms and (r[0]["n"], r[0]["k"]) in bs and r[1] in ss]
+    if len(used) != len(ms) * len(bs) * len(ss):
         raise SystemExit(f"the sweep lacks calibrate's shapes {SHARED_RUNS}: --fit cannot stand in for them")
     return fit_shared([(prog, t) for _, _, prog, t, _ in used], rates, d, d), used
 

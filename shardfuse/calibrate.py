@@ -31,7 +31,9 @@ from shardfuse.runtime import backend_of
 SIZES = {"cupy": ((1024, 2048, 4096, 8192), ("bfloat16", "float16", "float32"), (2**18, 2**22, 2**26), 2**26),
          "numpy": ((96, 192, 384), ("float32", "float64"), (2**12, 2**15, 2**18), 2**21)}
 SKINNY = ((16, 32, 64), 8192)  # GPUs: GEMMs of m rows x n x n, bound by streaming B (the model's gemm_bw)
-SHARED_RUNS = ((1024, 4096), 8192, (1, 4, 16))  # devices sharing a GPU: M, n and S of the pipelined runs
+# devices sharing a GPU: the pipelined runs' M, B's (N, K) and S (the sweep's two B shapes: fitted
+# to square B alone, the D = 2 fit ran gemm_bw to its bound in 2 of 4 H200 calibrations)
+SHARED_RUNS = ((1024, 4096), ((8192, 8192), (4096, 16384)), (1, 4, 16))
 FREE = 1e30  # a rate so high that what it times costs nothing
 
 
@@ -96,9 +98,9 @@ def _rest(prog, rates, local, share) -> float:
     return predict(prog, rates, local, share).total_s
 
 
-def _scaled_square(n: int, dtype: str, mesh):
-    """A replicated random [n, n] scaled by 1 / sqrt(n), so a chain x @ w @ w ... stays near 1."""
-    w = np.random.default_rng(1).uniform(-1, 1, (n, n)) / np.sqrt(n)
+def _scaled_square(n: int, dtype: str, mesh, cols: int | None = None):
+    """A replicated random [n, cols] (cols: n) scaled by 1 / sqrt(n), so a chain x @ w @ w ... stays near 1."""
+    w = np.random.default_rng(1).uniform(-1, 1, (n, cols or n)) / np.sqrt(n)
     return sf.replicate(w.astype(np_dtype(dtype)), mesh=mesh)
 
 
@@ -246,9 +248,9 @@ def fit_least_squares(runs, rates, bounds: dict, local: int, share: int, rounds:
     return replace(rates, **{f: float(a[i]) for f, a, i in zip(names, axes, best)})
 
 
-def _pipeline(mesh, time_s, m: int, n: int, chunks: int) -> tuple:
-    """(program, least seconds) of the AllGather+GEMM A [m, n] sharded on rows @ B [n, n], bf16."""
-    a, b = _random((m, n), "bfloat16", mesh, 0), _scaled_square(n, "bfloat16", mesh)
+def pipelined_run(mesh, time_s, m: int, n: int, k: int, chunks: int) -> tuple:
+    """(program, least seconds) of the AllGather+GEMM A [m, k] sharded on rows @ B [k, n], bf16."""
+    a, b = _random((m, k), "bfloat16", mesh, 0), _scaled_square(k, "bfloat16", mesh, n)
     f = sf.jit(lambda a, b: sf.stream(sf.shard(a, axis=0) @ b, axis=0, chunks=chunks), mesh=mesh)
     return f.lower(a, b).program, time_s(lambda: f(a, b))
 
@@ -260,15 +262,16 @@ def measure_pipeline(mesh, time_s, rates, local, share) -> Rates:
     fixed cost, measure_comm's, is mostly the host's issue of a short plan: 80-150 us at D = 2, 4
     on an H200, against 0-40 us in the sweeps), and gemm_bw, how fast the devices' chunk GEMMs
     stream B (per device ~3.2 TB/s at D = 2, ~2.5 at D = 4 on an H200 with a cuBLAS call per device,
-    not the 3.6-3.9 of one device's chain), together by least squares over S = 1, 4, 16 at two M:
-    the two figures trade off, and exact fits to one run each ran gemm_bw to its bound.  B is 8192
-    x 8192: at 4096 x 4096 an H200 ran 17-45% slower than the figures that fit the sweeps predict,
-    a miss that the latency absorbed."""
+    not the 3.6-3.9 of one device's chain), together by least squares over SHARED_RUNS (S = 1, 4,
+    16 at two M and the sweep's two B shapes): the two figures trade off, and exact fits to one run
+    each ran gemm_bw to its bound.  Not B = 4096 x 4096: there an H200 ran 17-45% slower than the
+    figures that fit the sweeps predict, a miss that the latency absorbed."""
     if share == 1:
-        prog, t = _pipeline(mesh, time_s, 2048 * mesh.size, 4096, 4)
+        prog, t = pipelined_run(mesh, time_s, 2048 * mesh.size, 4096, 4096, 4)
         return fit_to(prog, t, rates, "gemm_slowdown", 1.0, 2.0, local, share)
-    ms, n, ss = SHARED_RUNS
-    return fit_shared([_pipeline(mesh, time_s, m, n, s) for m in ms for s in ss], rates, local, share)
+    ms, bs, ss = SHARED_RUNS
+    runs = [pipelined_run(mesh, time_s, m, n, k, s) for m in ms for n, k in bs for s in ss]
+    return fit_shared(runs, rates, local, share)
 
 
 def fit_shared(runs, rates, local, share) -> Rates:

@@ -123,6 +123,13 @@ def test_calibration_fits_one_figure_to_a_measured_time_either_way():
     assert calibrate.fit_to(prog, t / 100, truth, "comm_latency_s", 0.0, 1e-3, 2, 2).comm_latency_s < 1e-9
 
 
+def test_the_pipelined_runs_of_calibration_have_the_b_shapes_asked_for():
+    # calibrate's shared-GPU runs take the sweep's B shapes, [K, N] with K != N too (SHARED_RUNS)
+    mesh = sf.DeviceMesh(2, backend="numpy")
+    prog, t = calibrate.pipelined_run(mesh, lambda fn: (fn(), 0.5)[1], 64, 16, 48, 4)
+    assert [v.type.shape for v in prog.inputs] == [(64, 48), (48, 16)] and t == 0.5
+
+
 def test_calibration_fits_two_figures_to_several_runs_at_once():
     # calibrate.fit_least_squares, as on devices sharing a GPU: the collective latency and gemm_bw
     # from pipelined runs at two B sizes and S = 1, 2, 4 (GEMMs bound by streaming B), timed by the
