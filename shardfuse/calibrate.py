@@ -98,9 +98,9 @@ def _rest(prog, rates, local, share) -> float:
     return predict(prog, rates, local, share).total_s
 
 
-def _scaled_square(n: int, dtype: str, mesh, cols: int | None = None):
-    """A replicated random [n, cols] (cols: n) scaled by 1 / sqrt(n), so a chain x @ w @ w ... stays near 1."""
-    w = np.random.default_rng(1).uniform(-1, 1, (n, cols or n)) / np.sqrt(n)
+def _scaled_weight(k: int, dtype: str, mesh, n: int | None = None):
+    """A replicated random [k, n] (n: k) scaled by 1 / sqrt(k), so a chain x @ w @ w ... stays near 1."""
+    w = np.random.default_rng(1).uniform(-1, 1, (k, n or k)) / np.sqrt(k)
     return sf.replicate(w.astype(np_dtype(dtype)), mesh=mesh)
 
 
@@ -136,7 +136,7 @@ def measure_host(mesh, time_s, host_s, rates, local) -> Rates:
     per_event = max(t[1] - t[0] - (gemms[1] - gemms[0]) * step, 0.0) / max(events[1] - events[0], 1)
     rates = replace(rates, event_s=per_event / local)
     if not rates.serial:  # last: the figures above are of wall times, with the whole call_s
-        big, wb = _random((2048, 4096), "bfloat16", mesh), _scaled_square(4096, "bfloat16", mesh)
+        big, wb = _random((2048, 4096), "bfloat16", mesh), _scaled_weight(4096, "bfloat16", mesh)
         ns = (1, 2, 4, 8)
         pre, _ = _fit(ns, [time_s(lambda f=_chain(mesh, n): f(big, wb)) for n in ns], 1.0)
         rates = replace(rates, call_s=rates.call_s if pre is None else pre)
@@ -175,7 +175,7 @@ def measure_gemm_bw(mesh, time_s, rates, local, share, dtype) -> Rates:
     fixed host and launch costs), less its FLOPs' share of the smoothed roofline."""
     (ms, n), best = SKINNY, 0.0
     itemsize = np.dtype(np_dtype(dtype)).itemsize
-    w = _scaled_square(n, dtype, mesh)
+    w = _scaled_weight(n, dtype, mesh)
     short, long = _chain(mesh, 1), _chain(mesh, 17)
     peak = rates.gemm_flops.get(dtype, min(rates.gemm_flops.values()))
     for m in ms:
@@ -250,7 +250,7 @@ def fit_least_squares(runs, rates, bounds: dict, local: int, share: int, rounds:
 
 def pipelined_run(mesh, time_s, m: int, n: int, k: int, chunks: int) -> tuple:
     """(program, least seconds) of the AllGather+GEMM A [m, k] sharded on rows @ B [k, n], bf16."""
-    a, b = _random((m, k), "bfloat16", mesh, 0), _scaled_square(k, "bfloat16", mesh, n)
+    a, b = _random((m, k), "bfloat16", mesh, 0), _scaled_weight(k, "bfloat16", mesh, n)
     f = sf.jit(lambda a, b: sf.stream(sf.shard(a, axis=0) @ b, axis=0, chunks=chunks), mesh=mesh)
     return f.lower(a, b).program, time_s(lambda: f(a, b))
 

@@ -312,13 +312,16 @@ def _refit_sweeps():
     return module
 
 
+def test_the_recorded_sweeps_are_there():
+    assert len(RECORDED) == 7, RECORDED  # else the pin below would run on none of them
+
+
 @pytest.mark.parametrize("path", RECORDED, ids=lambda p: f"{p.parent.name}/{p.name}")
 def test_the_model_predicts_the_recorded_h200_sweeps_as_recorded(path):
     """A pin between cost.py and measured H200 data: each sweep recorded on 2026-12-05 (model 4)
     predicted again from its own rates, on a CPU, gives the times the H200 run predicted.  A change
     to what cost.py predicts fails here: bump rates.MODEL (so cached rates are recalibrated) and
     take the pin to newly recorded sweeps."""
-    assert RECORDED, "no recorded sweeps under benchmarks/results"
     assert rates.MODEL == 4, "the recorded sweeps are of cost model 4: record sweeps of the new model"
     refit = _refit_sweeps()
     recorded_rates, points, d = refit.load(path)

@@ -8,7 +8,8 @@ devices on one stream run in turn, so they may).  Batch dims that nest into the 
 into one GEMM, one more is a strided batch, further outer ones are looped at bind time; views
 cuBLAS cannot read are staged through scratch.  The virtual devices of one GPU run a step's
 GEMMs as one strided-batched call where their operands allow (gemm_shared.py; plans and tuning
-in lt_plans.py).  Everything but the per-call base pointers is resolved at bind time.  float32 runs without TF32 unless SHARDFUSE_TF32=1 (or CUPY_TF32=1).
+in lt_plans.py).  Everything but the per-call base pointers is resolved at bind time.  float32
+runs without TF32 unless SHARDFUSE_TF32=1 (or CUPY_TF32=1).
 """
 from __future__ import annotations
 
