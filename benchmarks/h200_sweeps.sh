@@ -13,7 +13,8 @@ for d in 1 2 4; do
   python3 -m shardfuse bench --sweep --backend cupy --devices $d --repeat 10 \
     --sweep-json "$OUT/sweep_d$d.json" > "$OUT/sweep_d$d.txt" 2>&1
   tail -2 "$OUT/sweep_d$d.txt"
+  # one archive beside $OUT (the device tool brings back at most 8 files), remade after each D
+  # so a run cut short by the device's time limit still brings back the Ds it finished
+  tar -czf "${OUT%/}.tgz" -C "$OUT" .
 done
-# one archive beside $OUT (the device tool brings back at most 8 files)
-tar -czf "${OUT%/}.tgz" -C "$OUT" .
 echo "all outputs: ${OUT%/}.tgz"
