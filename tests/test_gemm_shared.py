@@ -118,3 +118,17 @@ def test_distances_that_keep_changing_stop_binding_after_a_few():
     assert len(rec.binds) == 8 and len(rec.batched) == 8 and rec.each == 4
     step([[buf(1000), buf(5000)], [buf(64)] * 2, [buf(90000), buf(90256)]])  # a spacing bound before
     assert len(rec.batched) == 9 and rec.each == 4
+
+
+def test_pointers_less_aligned_than_the_algorithm_needs_take_the_per_device_calls():
+    """A caller's array may start anywhere: a batch whose first pointers, or whose spacing, are not
+    multiples of the algorithm's alignment is not issued (each_device handles such pointers)."""
+    rec = Recorder()
+    step = one_gpu_step(rec.each_device, rec.bind_batched, rec.matmul, (0, 1, 2), [(0, 0, 0)] * 4, 2, 64,
+                        "test GEMM", align=256)
+    step(bufs([1024 + 256 * j for j in range(4)], [512] * 4, [8192 + 256 * j for j in range(4)]))
+    assert (rec.each, len(rec.batched)) == (0, 1)  # aligned: the batch
+    step(bufs([1026 + 256 * j for j in range(4)], [512] * 4, [8192 + 256 * j for j in range(4)]))
+    assert (rec.each, len(rec.batched)) == (1, 1)  # A starts 2 bytes off
+    step(bufs([1024 + 384 * j for j in range(4)], [512] * 4, [8192 + 256 * j for j in range(4)]))
+    assert (rec.each, len(rec.batched), len(rec.binds)) == (2, 1, 1)  # A's devices 384 bytes apart: not bound

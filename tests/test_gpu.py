@@ -714,3 +714,31 @@ def test_calibrate_on_the_gpu(tmp_path, monkeypatch):
         assert 0 <= r.comm_latency_s < 1e-3
     else:
         assert 1.0 <= r.gemm_slowdown < 2.0
+
+
+@pytest.mark.parametrize("dtype", ["float16", "float32", "float64"])  # (CuPy has no bfloat16 arrays to offset)
+@pytest.mark.parametrize("k", [41, 48])
+@pytest.mark.parametrize("graph", [False, True], ids=["eager", "graph"])
+@pytest.mark.parametrize("mesh", [1, 2, 4], indirect=True)
+def test_odd_sizes_and_arrays_that_start_anywhere(mesh, graph, k, dtype):
+    """Chunks at byte offsets that are not multiples of 256 (odd sizes), and device arrays that
+    start one element into an allocation (plain, and placed by sf.from_local's zero-copy views):
+    cuBLASLt and the virtual devices' gather kernel must not assume an alignment they were not
+    given (a misaligned load is a fatal CUDA error).  k = 48: chunks 16-byte aligned, so only the
+    base pointers are not."""
+    d, chunks = mesh.size, 4
+    r = rng()
+    x, w = randn(r, (5 * chunks * d, k), dtype), randn(r, (k, 23), dtype)
+    f = sf.jit(lambda x, w: sf.stream(sf.shard(x, axis=0) @ w, axis=0, chunks=chunks), mesh=mesh, graph=graph)
+
+    def one_element_in(a):
+        store = cupy.empty(a.size + 1, a.dtype)
+        v = store[1:].reshape(a.shape)
+        v[...] = cupy.asarray(a)
+        return v
+
+    ref = f64(x) @ f64(w)
+    placed = sf.from_local(one_element_in(x), axis=0, mesh=mesh)
+    assert placed.shards[0].data.ptr % 16  # zero-copy views of the offset array
+    for xa, wa in ((x, w), (one_element_in(x), one_element_in(w)), (placed, one_element_in(w))):
+        check(f(xa, wa).gather(), ref, dtype)

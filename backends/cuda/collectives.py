@@ -18,6 +18,7 @@ from cupy.cuda import nccl, runtime
 
 from shardfuse.backends.cuda.copies import dma_copy
 from shardfuse.backends.cuda.devices import offsets_bytes
+from shardfuse.backends.cuda.kernels import Prebound
 from shardfuse.backends.cuda.libs import D2D, ITEM, NCCL_T
 from shardfuse.ops import Op
 
@@ -180,16 +181,21 @@ class Collectives:
 
         if 1 < d <= GATHER_KERNEL_MAX and nb:
             # virtual devices of one GPU: one kernel for all 2d - 1 copies (a copy costs ~5 us of
-            # host; the launch about as much as one)
+            # host), its arguments set in place (kernels.Prebound); 16-byte loads where the block
+            # size, the offsets and the base pointers (read per call: a caller's array may start
+            # anywhere) allow, else bytes
             aligned = nb % 16 == 0 and all(o % 16 == 0 for o in offsets_bytes(send) + offsets_bytes(recv))
-            units, kernels, kern = nb // 16 if aligned else nb, self.kernels, []
-            grid = (min(4096, -(-units * d * d // 256)),)
+            kernels, kern, units = self.kernels, {}, {True: nb // 16, False: nb}
+            grids = {v: min(4096, -(-u * d * d // 256)) for v, u in units.items()}
 
-            def gathered(S, R, st):  # (the kernel compiled at first use: NCCL teams never need it)
-                if not kern:
-                    kern.append(kernels.gather(d, aligned))
-                kern[0](grid, (256,), tuple(x.data.ptr + off for x, off in S) + tuple(x.data.ptr + off for x, off in R)
-                     + (units,))
+            def gathered(S, R, st):  # (the kernels compiled at first use: NCCL teams never need them)
+                ptrs = [x.data.ptr + off for x, off in S] + [x.data.ptr + off for x, off in R]
+                vector, sp = aligned and not any(p & 15 for p in ptrs), st.ptr
+                k = kern.get((sp, vector))
+                if k is None:  # (per stream: the launch is of the kernel compiled for its GPU)
+                    k = kern[sp, vector] = Prebound(kernels.gather(d, vector), 2 * d + 1)
+                ptrs.append(units[vector])
+                k(grids[vector], 256, ptrs, sp)
         return self.collective(Op.ALLGATHER, send, recv, team, stream,
                                lambda c, s, r, st: c.allGather(s, r, count, t, st),
                                gathered if 1 < d <= GATHER_KERNEL_MAX and nb else copies)

@@ -25,7 +25,7 @@ from cupy.cuda import runtime
 from shardfuse.backends.cuda import gemm_shared
 from shardfuse.backends.cuda.devices import offsets_bytes
 from shardfuse.backends.cuda.gemm_layout import gemm_layout
-from shardfuse.backends.cuda.lt_plans import fastest, lt_layouts, lt_plan
+from shardfuse.backends.cuda.lt_plans import alignment, fastest, lt_layouts, lt_plan
 from shardfuse.backends.cuda.libs import (COMPUTE_32F, COMPUTE_32F_TF32, COMPUTE_64F, COMPUTE_SCALE, CUDA_T,
                                           GEMM_DEFAULT, ITEM, OP_N, Cublas, CublasLt, check)
 from shardfuse.backends.protocol import Ref, contiguous_strides
@@ -178,7 +178,7 @@ def bind_gemm(dev, pool, a, b, out, stream, lay, fixed, tune=GEMM_TUNE):
                         keep=(one, zero), src=(s1, o1, s2, o2, so, oo), ptrs=_pointers(s1, o1, s2, o2, so, oo),
                         handles=handles, ords=dev.ordinals, multi=not dev.one_gpu, nd=nd)
     if inner is None and pool.api == "lt" and len(outer) == 1 and None not in (s1, s2, so):
-        step = _lt_step(dev, pool, g, stream, tune)
+        step = _lt_step(dev, pool, g, stream, tune, _ex_step(g, cb.gemm))
         if step is not None:
             return step
     if inner is None:
@@ -199,20 +199,25 @@ def _pointers(s1, o1, s2, o2, so, oo):
     return ptrs
 
 
-def _lt_step(dev, pool, g, stream, tune_count):
+def _lt_step(dev, pool, g, stream, tune_count, unaligned):
     """One pre-bound cublasLtMatmul per device, tuned once per GPU (virtual devices of a GPU share
-    its plan), or None when cuBLASLt has no algorithm."""
+    its plan), or None when cuBLASLt has no algorithm.  The algorithm is chosen for pointers at
+    the alignment of the operands' offsets (odd sizes put chunks anywhere); a call whose base
+    pointers are less aligned (a caller's array may start anywhere) runs `unaligned` instead:
+    cublasGemmEx, which reads any pointer."""
     lt = pool.lt_lib()
     m, n, k, opa, lda, opb, ldb, ldc = g.dims
     alpha, beta, item, dt, keep = g.alpha, g.beta, g.item, g.dt, g.keep
     s1, o1, s2, o2, so, oo = g.src
     d1, d2, d3 = g.outer[0]
     plans, calls = {}, []  # GPU -> its cuBLASLt plan; per device: (GPU, pa, pb, pc, args, offsets)
+    align = alignment(*(x + d for j in range(g.nd) for x, d in ((o1[j], d1), (o2[j], d2), (oo[j], d3))))
+    mask = align - 1
     for j, o in enumerate(g.ords):
         lh, ws, sp = pool.lt_handle(o), pool.ws_ptr[(o, stream)], dev.stream(j, stream).ptr
         if o not in plans:
             with cupy.cuda.Device(o):
-                plans[o] = _lt_plan_for(lt, lh, ws, sp, o, g, tune_count)
+                plans[o] = _lt_plan_for(lt, lh, ws, sp, o, g, tune_count, align)
             if plans[o] is None:
                 return None
         args, pa, pb, pc = _prebound(lh, plans[o], alpha, beta, ws, sp)
@@ -222,9 +227,10 @@ def _lt_step(dev, pool, g, stream, tune_count):
         ((_, pa, pb, pc, args, (x1, x2, x3)),) = calls
 
         def step(bufs, _keep=held):
-            pa.value = bufs[s1][0].data.ptr + x1
-            pb.value = bufs[s2][0].data.ptr + x2
-            pc.value = bufs[so][0].data.ptr + x3
+            a, b, c = bufs[s1][0].data.ptr + x1, bufs[s2][0].data.ptr + x2, bufs[so][0].data.ptr + x3
+            if (a | b | c) & mask:
+                return unaligned(bufs)
+            pa.value, pb.value, pc.value = a, b, c
             st = mm(*args)
             if st:
                 check(st, what)
@@ -236,9 +242,10 @@ def _lt_step(dev, pool, g, stream, tune_count):
         for j, (o, pa, pb, pc, args, (x1, x2, x3)) in enumerate(calls):
             if multi:
                 runtime.setDevice(o)
-            pa.value = A[j].data.ptr + x1
-            pb.value = B[j].data.ptr + x2
-            pc.value = C[j].data.ptr + x3
+            a, b, c = A[j].data.ptr + x1, B[j].data.ptr + x2, C[j].data.ptr + x3
+            if (a | b | c) & mask:  # (the devices before j compute their product again: the same values)
+                return unaligned(bufs)
+            pa.value, pb.value, pc.value = a, b, c
             st = mm(*args)
             if st:
                 check(st, f"{what}, device {j}")
@@ -258,7 +265,7 @@ def _lt_step(dev, pool, g, stream, tune_count):
         return (*_prebound(lh, (desc, *lays, algo, None), alpha, beta, ws, sp), (keep, plan, held))
 
     return gemm_shared.one_gpu_step(step, bind_batched, mm, (s1, s2, so), [c[5] for c in calls], item,
-                                    ldc * n * item, what)
+                                    ldc * n * item, what, align)
 
 
 def _prebound(lh, plan, alpha, beta, ws, sp):
@@ -274,8 +281,9 @@ def _prebound(lh, plan, alpha, beta, ws, sp):
     return args, pa, pb, pc
 
 
-def _lt_plan_for(lt, lh, ws, sp, ordinal, g, tune_count):
-    """The cuBLASLt plan (lt_plan's) of g's problem on one GPU, its algorithm tuned there."""
+def _lt_plan_for(lt, lh, ws, sp, ordinal, g, tune_count, align):
+    """The cuBLASLt plan (lt_plan's) of g's problem on one GPU for pointers that are multiples of
+    `align` bytes, its algorithm tuned there."""
     m, n, k, opa, lda, opb, ldb, ldc = g.dims
     alpha, beta, item = g.alpha, g.beta, g.item
     sizes = (lda * (k if opa == OP_N else m), ldb * (n if opb == OP_N else k), ldc * n)
@@ -285,7 +293,7 @@ def _lt_plan_for(lt, lh, ws, sp, ordinal, g, tune_count):
                                                   algo, ws, WORKSPACE, sp), algos, sizes, item, sp)
 
     return lt_plan(lt, lh, ordinal, g.comp, COMPUTE_SCALE[g.comp], g.ctype, opa, opb, m, n, k, lda, ldb, ldc,
-                   WORKSPACE, tune=tune if tune_count > 1 else None, count=tune_count)
+                   WORKSPACE, tune=tune if tune_count > 1 else None, count=tune_count, align=align)
 
 
 def _ex_step(g, fn):

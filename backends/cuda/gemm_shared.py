@@ -28,30 +28,36 @@ def spacing(ptrs) -> int | None:
     return step
 
 
-def one_gpu_step(each_device, bind_batched, matmul, slots, offsets, item, c_bytes, what):
+def one_gpu_step(each_device, bind_batched, matmul, slots, offsets, item, c_bytes, what, align=1):
     """The step of one GEMM per device of one GPU: one batched call when the operands are evenly
     spaced, else each_device(bufs).  bind_batched((sa, sb, sc) in elements) -> (matmul's ctypes
     arguments, pa, pb, pc: the base pointers to set in them, what must outlive them).  slots and
     per-device byte offsets are the operands' (first, second, out); c_bytes: one output matrix's
-    extent (the outputs of a batch must not overlap).  A batched call that cuBLASLt refuses at
-    its first call (REFUSALS: the per-device algorithm cannot run it, e.g. for want of
-    workspace) is not tried again for that spacing; any other error status raises."""
+    extent (the outputs of a batch must not overlap); align: the bytes the algorithm needs every
+    pointer to be a multiple of (other pointers take each_device, which handles them).  A
+    batched call that cuBLASLt refuses at its first call (REFUSALS: the per-device algorithm
+    cannot run it, e.g. for want of workspace) is not tried again for that spacing; any other
+    error status raises."""
     s1, s2, so = slots
     o1, o2, o3 = (tuple(o[k] for o in offsets) for k in range(3))
     bound: dict = {}  # spacing -> the bound call, or _REFUSED
+    mask = align - 1
 
     def step(bufs):
         A, B, C = bufs[s1], bufs[s2], bufs[so]
         pa = [x.data.ptr + o for x, o in zip(A, o1)]
         pb = [x.data.ptr + o for x, o in zip(B, o2)]
         pc = [x.data.ptr + o for x, o in zip(C, o3)]
+        if (pa[0] | pb[0] | pc[0]) & mask:  # (with the spacings' check below: every pointer aligned)
+            return each_device(bufs)
         key = (spacing(pa), spacing(pb), spacing(pc))
         call = bound.get(key)
         new = call is None
         if new:
             # (two devices' pointers are always evenly spaced: buffers allocated anew each call
             # would bind a call per call, so after MAX_SPACINGS the unseen ones are not bound)
-            if None in key or key[2] < c_bytes or any(s % item for s in key) or len(bound) >= MAX_SPACINGS:
+            if None in key or key[2] < c_bytes or any(s % item or s & mask for s in key) \
+                    or len(bound) >= MAX_SPACINGS:
                 return each_device(bufs)
             call = bound[key] = bind_batched(tuple(s // item for s in key))
         if call is _REFUSED:

@@ -66,6 +66,7 @@ class CublasLt:
     TRANSA, TRANSB = 3, 4  # cublasLtMatmulDescAttributes_t
     BATCH_COUNT, BATCH_STRIDE = 5, 6  # cublasLtMatrixLayoutAttribute_t
     PREF_MAX_WORKSPACE = 1  # cublasLtMatmulPreferenceAttributes_t
+    PREF_MIN_ALIGNMENT = (5, 6, 7, 8)  # of A, B, C, D in bytes (uint32; the default, 256, is assumed unless set)
     HEURISTIC_BYTES = 96  # sizeof(cublasLtMatmulHeuristicResult_t): algo (64), workspaceSize, state, waves, reserved
     HEURISTIC_STATE = 72  # offset of its state (0: success)
 

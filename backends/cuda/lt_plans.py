@@ -44,9 +44,11 @@ def lt_layouts(lt, ctype, opa, opb, m, n, k, lda, ldb, ldc, keep, batch=None):
 
 
 def lt_plan(lt, handle, ordinal, comp, scale, ctype, opa, opb, m, n, k, lda, ldb, ldc, workspace, tune=None,
-            count=1):
+            count=1, align=256):
     """(desc, layouts, algo buffer) for D = op(A) op(B), or None when no algorithm fits.
-    tune(desc, la, lb, lc, algos) -> index of the fastest, when given (`count` candidates)."""
+    tune(desc, la, lb, lc, algos) -> index of the fastest, when given (`count` candidates).
+    align: the bytes every operand pointer is a multiple of (cuBLASLt's algorithms assume 256
+    unless told less, and one given less faults with a misaligned address)."""
     keep = []
     out, i32 = _keeper(keep)
     desc = out(lt.MatmulDescCreate, comp, scale)
@@ -58,6 +60,12 @@ def lt_plan(lt, handle, ordinal, comp, scale, ctype, opa, opb, m, n, k, lda, ldb
     keep.append(ws)
     check(lt.MatmulPreferenceSetAttribute(pref, lt.PREF_MAX_WORKSPACE, ctypes.cast(ctypes.byref(ws),
                                           ctypes.c_void_p), 8), "cublasLt set workspace")
+    if align < 256:
+        al = ctypes.c_uint32(align)
+        keep.append(al)
+        for attr in lt.PREF_MIN_ALIGNMENT:
+            check(lt.MatmulPreferenceSetAttribute(pref, attr, ctypes.cast(ctypes.byref(al), ctypes.c_void_p), 4),
+                  "cublasLt set alignment")
     want = max(1, count) if tune is not None else 1
     result = ctypes.create_string_buffer(lt.HEURISTIC_BYTES * want)
     got = ctypes.c_int(0)
@@ -70,11 +78,20 @@ def lt_plan(lt, handle, ordinal, comp, scale, ctype, opa, opb, m, n, k, lda, ldb
              if ctypes.c_int.from_address(base + i * lt.HEURISTIC_BYTES + lt.HEURISTIC_STATE).value == 0]
     best = 0
     if tune is not None and len(algos) > 1:
-        key = (ordinal, comp, ctype, opa, opb, m, n, k, lda, ldb, ldc, workspace)
+        key = (ordinal, comp, ctype, opa, opb, m, n, k, lda, ldb, ldc, workspace, align)
         if key not in _TUNED:
             _TUNED[key] = tune(desc, la, lb, lc, algos)
         best = _TUNED[key]
     return desc, la, lb, lc, algos[best], keep
+
+
+def alignment(*pointers) -> int:
+    """The largest power of two up to 256 that divides every one of these byte offsets or pointers."""
+    a = 256
+    for p in pointers:
+        while p % a:
+            a //= 2
+    return a
 
 
 def fastest(run, algos, sizes, item, stream_ptr, reps=3):
