@@ -91,7 +91,8 @@ class Prebound:
     Python argument anew each call; cuLaunchKernel copies the values, so they may change after)."""
 
     def __init__(self, kernel, n):
-        self.fn = kernel.kernel.ptr
+        self.function = kernel.kernel  # (kept: it holds the loaded module)
+        self.fn = self.function.ptr
         self.values = (ctypes.c_uint64 * n)()
         self.params = (ctypes.c_void_p * n)(*(ctypes.addressof(self.values) + 8 * i for i in range(n)))
         self.params_ptr = ctypes.addressof(self.params)
