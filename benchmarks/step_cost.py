@@ -24,7 +24,9 @@ def floors(calls):
     import cupy
     from cupy_backends.cuda.api import runtime
 
-    from shardfuse.backends.cuda.kernels import Prebound
+    from cupy.cuda import driver
+
+    from shardfuse.backends.cuda.libs import Prebound
 
     k = cupy.RawKernel(r'extern "C" __global__ void nop(float* x) {}', "nop")
     x = cupy.zeros(1, dtype=cupy.float32)
@@ -32,11 +34,11 @@ def floors(calls):
     sp_ptr, ev_ptr = sp.ptr, ev.ptr
     k17 = cupy.RawKernel(r'extern "C" __global__ void nop17(%s) {}' % ", ".join(
         f"unsigned long long a{i}" for i in range(17)), "nop17")
-    pre17, args17 = Prebound(k17, 17), [x.data.ptr] * 17
+    pre17, args17 = Prebound(k17.kernel, 17, driver.launchKernel), [x.data.ptr] * 17
     out = {}
     for name, fn in (("empty RawKernel launch", lambda: k((1,), (1,), (x,), stream=sp)),
                      ("RawKernel launch, 17 arguments", lambda: k17((1,), (1,), tuple(args17), stream=sp)),
-                     ("kernels.Prebound launch, 17 arguments", lambda: pre17(1, 1, args17, sp_ptr)),
+                     ("libs.Prebound launch, 17 arguments", lambda: pre17(1, 1, args17, sp_ptr)),
                      ("runtime.eventRecord", lambda: runtime.eventRecord(ev_ptr, sp_ptr)),
                      ("runtime.streamWaitEvent", lambda: runtime.streamWaitEvent(sp_ptr, ev_ptr, 0))):
         out[name] = host.per_call_us(fn, cupy.cuda.Device().synchronize, calls, 5)

@@ -14,12 +14,11 @@ so their wait steps are None.
 from __future__ import annotations
 
 import cupy
-from cupy.cuda import nccl, runtime
+from cupy.cuda import driver, nccl, runtime
 
 from shardfuse.backends.cuda.copies import dma_copy
 from shardfuse.backends.cuda.devices import offsets_bytes
-from shardfuse.backends.cuda.kernels import Prebound
-from shardfuse.backends.cuda.libs import D2D, ITEM, NCCL_T
+from shardfuse.backends.cuda.libs import D2D, ITEM, NCCL_T, Prebound
 from shardfuse.ops import Op
 
 # How a team runs: all its devices in this process on one GPU, or NCCL across distinct GPUs
@@ -181,7 +180,7 @@ class Collectives:
 
         if 1 < d <= GATHER_KERNEL_MAX and nb:
             # virtual devices of one GPU: one kernel for all 2d - 1 copies (a copy costs ~5 us of
-            # host), its arguments set in place (kernels.Prebound); 16-byte loads where the block
+            # host), its arguments set in place (libs.Prebound); 16-byte loads where the block
             # size, the offsets and the base pointers (read per call: a caller's array may start
             # anywhere) allow, else bytes
             aligned = nb % 16 == 0 and all(o % 16 == 0 for o in offsets_bytes(send) + offsets_bytes(recv))
@@ -193,7 +192,8 @@ class Collectives:
                 vector, sp = aligned and not any(p & 15 for p in ptrs), st.ptr
                 k = kern.get((sp, vector))
                 if k is None:  # (per stream: the launch is of the kernel compiled for its GPU)
-                    k = kern[sp, vector] = Prebound(kernels.gather(d, vector), 2 * d + 1)
+                    k = kern[sp, vector] = Prebound(kernels.gather(d, vector).kernel, 2 * d + 1,
+                                                    driver.launchKernel)
                 ptrs.append(units[vector])
                 k(grids[vector], 256, ptrs, sp)
         return self.collective(Op.ALLGATHER, send, recv, team, stream,

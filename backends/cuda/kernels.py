@@ -3,10 +3,7 @@ bfloat16 arithmetic): elementwise ops run in float32 scratch and round back once
 in float32, with the conversions of the preamble (round to nearest even, NaN kept quiet)."""
 from __future__ import annotations
 
-import ctypes
-
 import cupy
-from cupy.cuda import driver
 
 # fn(xp, x, y or scalar, out) keyed by Op, for any array module xp: the same ufunc calls on both backends
 from shardfuse.backends.numpy_local import ELEMENTWISE
@@ -83,23 +80,6 @@ extern "C" __global__ void sf_gather{n}_{int(vector)}({ptrs}, unsigned long long
 }}"""
             return cupy.RawKernel(src, f"sf_gather{n}_{int(vector)}")
         return self._get(("gather", n, vector), make)
-
-
-class Prebound:
-    """A launch of a RawKernel whose n arguments are all 64-bit, compiled for the current GPU, its
-    argument array built once and its values set in place per call (CuPy's launch converts every
-    Python argument anew each call; cuLaunchKernel copies the values, so they may change after)."""
-
-    def __init__(self, kernel, n):
-        self.function = kernel.kernel  # (kept: it holds the loaded module)
-        self.fn = self.function.ptr
-        self.values = (ctypes.c_uint64 * n)()
-        self.params = (ctypes.c_void_p * n)(*(ctypes.addressof(self.values) + 8 * i for i in range(n)))
-        self.params_ptr = ctypes.addressof(self.params)
-
-    def __call__(self, grid, block, values, stream_ptr):
-        self.values[:] = values
-        driver.launchKernel(self.fn, grid, 1, 1, block, 1, 1, 0, stream_ptr, self.params_ptr, 0)
 
 
 def bind_elementwise(dev, kernels, op, a, b, out, stream, scalar=None):

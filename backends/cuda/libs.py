@@ -1,5 +1,6 @@
 """cuBLAS and cuBLASLt through ctypes (CuPy's own wrappers refuse graph capture): loading, the
-signatures of the few entry points used, the status check, and the CUDA / cuBLAS / NCCL enums."""
+signatures of the few entry points used, the status check, the CUDA / cuBLAS / NCCL enums, and
+a kernel launch with prebound arguments."""
 from __future__ import annotations
 
 import ctypes
@@ -21,6 +22,24 @@ D2D = 3  # cudaMemcpyDeviceToDevice
 def check(status, what):
     if status != 0:
         raise RuntimeError(f"cupy_nccl: {what} failed with cuBLAS status {status}")
+
+
+class Prebound:
+    """A kernel launch whose n arguments are all 64-bit, its argument array built once and its
+    values set in place per call (CuPy's RawKernel launch converts every Python argument anew
+    each call; cuLaunchKernel copies the values, so they may change after it).  `function`: the
+    CuPy Function compiled for the GPU it launches on (kept: it holds the module); `launch`:
+    cuLaunchKernel's binding, cupy.cuda.driver.launchKernel."""
+
+    def __init__(self, function, n, launch):
+        self.function, self.fn, self.launch = function, function.ptr, launch
+        self.values = (ctypes.c_uint64 * n)()
+        self.params = (ctypes.c_void_p * n)(*(ctypes.addressof(self.values) + 8 * i for i in range(n)))
+        self.params_ptr = ctypes.addressof(self.params)
+
+    def __call__(self, grid, block, values, stream_ptr):
+        self.values[:] = values
+        self.launch(self.fn, grid, 1, 1, block, 1, 1, 0, stream_ptr, self.params_ptr, 0)
 
 
 def find_cublas():
