@@ -104,10 +104,12 @@ def local_pieces(x, dtype: str, layout: Layout, mesh, info=None, fenced=None, in
         outer = be.piece(blocks.transpose((ax,) + tuple(a for a in range(len(shape) + 1) if a != ax)), 0)
         return [outer[j] for j in range(d)]
     whole: dict = {}  # GPU (None: host) -> its piece of the whole of x, made once per GPU
-    out = []
+    out, spare = [], None
     for j, idx in enumerate(indices):
         if idx is None:  # a device outside the value's sub-mesh holds a placeholder, never read
-            out.append(be.empty(layout.local_shape(x.shape, mesh), dtype)[j])
+            if spare is None:  # (one allocation for every device's placeholder, not one each)
+                spare = be.empty(layout.local_shape(x.shape, mesh), dtype)
+            out.append(spare[j])
         elif idx:
             out.append(be.piece(x[idx], j))
         else:  # all of x: devices of one GPU (virtual devices, NumPy's) share one read-only buffer

@@ -142,3 +142,19 @@ def test_a_placement_answer_of_none_is_remembered_too(monkeypatch):
     for _ in range(3):
         assert pieces.split_axis((4, 6), lay, mesh) is None  # a shape not placed before
     assert len(made) == 1  # worked out once, not on every call
+
+
+def test_devices_outside_a_sub_mesh_share_one_placeholder_allocation(monkeypatch):
+    from shardfuse.pieces import local_pieces
+    from shardfuse.runtime import backend_of
+
+    mesh = sf.DeviceMesh(4, backend="numpy")
+    a = np.random.default_rng(3).standard_normal((4, 6))
+    t = sf.jit(lambda v: sf.to_mesh(v, mesh.submesh([2, 3]), axis=0), mesh=mesh)(a)
+    be, made = backend_of(mesh), []
+    real = be.empty
+    monkeypatch.setattr(be, "empty", lambda *args: made.append(args) or real(*args))
+    pieces = local_pieces(a, "float64", t.sharding, mesh)
+    assert len(made) == 1  # devices 0 and 1 hold placeholders cut from one allocation
+    assert pieces[0].shape == pieces[1].shape == (2, 6)
+    np.testing.assert_array_equal(np.concatenate(pieces[2:]), a)
