@@ -724,8 +724,8 @@ def test_odd_sizes_and_arrays_that_start_anywhere(mesh, graph, k, dtype):
     """Chunks at byte offsets that are not multiples of 256 (odd sizes), and device arrays that
     start one element into an allocation (plain, and placed by sf.from_local's zero-copy views):
     cuBLASLt and the virtual devices' gather kernel must not assume an alignment they were not
-    given (a misaligned load is a fatal CUDA error).  k = 48: chunks 16-byte aligned, so only the
-    base pointers are not."""
+    given (a misaligned load is a fatal CUDA error).  k = 48: the gathered chunks are 16-byte
+    multiples, so there only the base pointers are not aligned."""
     d, chunks = mesh.size, 4
     r = rng()
     x, w = randn(r, (5 * chunks * d, k), dtype), randn(r, (k, 23), dtype)

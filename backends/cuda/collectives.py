@@ -191,9 +191,11 @@ class Collectives:
                 ptrs = [x.data.ptr + off for x, off in S] + [x.data.ptr + off for x, off in R]
                 vector, sp = aligned and not any(p & 15 for p in ptrs), st.ptr
                 k = kern.get((sp, vector))
-                if k is None:  # (per stream: the launch is of the kernel compiled for its GPU)
-                    k = kern[sp, vector] = Prebound(kernels.gather(d, vector).kernel, 2 * d + 1,
-                                                    driver.launchKernel)
+                if k is None:  # per stream (the kernel compiled for its GPU); both variants at once,
+                    # so the warm-up compiles them before a graph capture (no module loads there)
+                    for v in (True, False) if aligned else (False,):
+                        kern[sp, v] = Prebound(kernels.gather(d, v).kernel, 2 * d + 1, driver.launchKernel)
+                    k = kern[sp, vector]
                 ptrs.append(units[vector])
                 k(grids[vector], 256, ptrs, sp)
         return self.collective(Op.ALLGATHER, send, recv, team, stream,
