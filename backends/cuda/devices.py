@@ -124,10 +124,10 @@ class Devices:
     # ---- buffers ----------------------------------------------------------------------
     def empty(self, shape, dtype):
         """One buffer per local device.  The devices of one GPU get views of one allocation at a
-        constant distance, a multiple of ALIGN bytes (aligned as separate allocations would be:
-        cuBLASLt's algorithms and the gather kernel's 16-byte loads rely on it): one allocation
-        per call instead of one per device, and their GEMMs can run as one strided-batched call
-        (gemm_shared.py)."""
+        constant distance, a multiple of ALIGN bytes (aligned as separate allocations would be, so
+        cuBLASLt's algorithms for 256-byte pointers and the gather kernel's 16-byte loads apply):
+        one allocation per call instead of one per device, and their GEMMs can run as one
+        strided-batched call (gemm_shared.py)."""
         store = STORE[dtype]
         if not POISON and len(self.ordinals) == 1:  # the per-call hot path
             with self.main[0]:
