@@ -10,6 +10,8 @@ call once, and pointers that are not evenly spaced take the per-device calls.  P
 CUDA parts come in as arguments), so the dispatch is tested anywhere."""
 from __future__ import annotations
 
+import operator
+
 from shardfuse.backends.cuda.libs import check
 
 _REFUSED = object()  # a spacing cuBLASLt refused to batch: per-device calls
@@ -18,14 +20,23 @@ REFUSALS = (7, 15)  # CUBLAS_STATUS_INVALID_VALUE, NOT_SUPPORTED: this algorithm
 
 
 def spacing(ptrs) -> int | None:
-    """The constant non-negative distance between consecutive pointers, else None."""
-    step = ptrs[1] - ptrs[0]
-    if step < 0:
-        return None
-    for x, y in zip(ptrs[1:], ptrs[2:]):
-        if y - x != step:
-            return None
-    return step
+    """The constant non-negative distance between consecutive pointers, else None (compared as
+    whole lists, in C: this runs for every operand of every step)."""
+    first, step = ptrs[0], ptrs[1] - ptrs[0]
+    if step > 0:
+        return step if ptrs == list(range(first, first + step * len(ptrs), step)) else None
+    return 0 if step == 0 and ptrs.count(first) == len(ptrs) else None
+
+
+_PTR = operator.attrgetter("data.ptr")
+
+
+def _pointers(offsets):
+    """ptrs(buffers): each device's buffer pointer plus its offset; where every device has the
+    same offset, the bare pointers (their spacing is the same) with the offset left to the caller."""
+    if len(set(offsets)) == 1:
+        return lambda xs: list(map(_PTR, xs)), offsets[0]
+    return lambda xs: [p + o for p, o in zip(map(_PTR, xs), offsets)], 0
 
 
 def one_gpu_step(each_device, bind_batched, matmul, slots, offsets, item, c_bytes, what, align=1):
@@ -39,16 +50,14 @@ def one_gpu_step(each_device, bind_batched, matmul, slots, offsets, item, c_byte
     cannot run it, e.g. for want of workspace) is not tried again for that spacing; any other
     error status raises."""
     s1, s2, so = slots
-    o1, o2, o3 = (tuple(o[k] for o in offsets) for k in range(3))
+    (ptrs_a, xa), (ptrs_b, xb), (ptrs_c, xc) = (_pointers(tuple(o[k] for o in offsets)) for k in range(3))
     bound: dict = {}  # spacing -> the bound call, or _REFUSED
     mask = align - 1
 
     def step(bufs):
-        A, B, C = bufs[s1], bufs[s2], bufs[so]
-        pa = [x.data.ptr + o for x, o in zip(A, o1)]
-        pb = [x.data.ptr + o for x, o in zip(B, o2)]
-        pc = [x.data.ptr + o for x, o in zip(C, o3)]
-        if (pa[0] | pb[0] | pc[0]) & mask:  # (with the spacings' check below: every pointer aligned)
+        pa, pb, pc = ptrs_a(bufs[s1]), ptrs_b(bufs[s2]), ptrs_c(bufs[so])
+        a0, b0, c0 = pa[0] + xa, pb[0] + xb, pc[0] + xc
+        if (a0 | b0 | c0) & mask:  # (with the spacings' check below: every pointer aligned)
             return each_device(bufs)
         key = (spacing(pa), spacing(pb), spacing(pc))
         call = bound.get(key)
@@ -63,11 +72,11 @@ def one_gpu_step(each_device, bind_batched, matmul, slots, offsets, item, c_byte
         if call is _REFUSED:
             return each_device(bufs)
         args, a, b, c, _ = call
-        a.value, b.value, c.value = pa[0], pb[0], pc[0]
+        a.value, b.value, c.value = a0, b0, c0
         st = matmul(*args)
         if st in REFUSALS and new:
             bound[key] = _REFUSED
             return each_device(bufs)
         if st:
-            check(st, f"{what}, batched over {len(A)} devices")
+            check(st, f"{what}, batched over {len(pa)} devices")
     return step
