@@ -71,6 +71,7 @@ class Plan:
         from shardfuse import faults
         from shardfuse.timeline import Timeline, profile_steps
 
+        repeat = as_int(repeat, "plan.profile repeat=", minimum=1)  # (0 would profile nothing, silently)
         exe = self.executable
         timeline = Timeline.from_records(exe, profile_steps(exe, args, repeat, nvtx), rank=self.program.mesh.rank)
         mesh = self.program.mesh

@@ -82,7 +82,8 @@ class Timeline:
         by_kind = {k: _covered(_union([(e.start, e.end) for e in ev if e.kind == k])) for k in KINDS}
         busy = _union([(e.start, e.end) for e in ev if e.kind in ("gemm", "compute")])
         compute = _covered(busy)
-        exposed = sum(_uncovered((e.start, e.end), busy) for e in ev if e.kind == "communication")
+        comm = _union([(e.start, e.end) for e in ev if e.kind == "communication"])
+        exposed = sum(_uncovered(iv, busy) for iv in comm)  # (of the union: concurrent ones count once)
         eff = max(by_kind["communication"], compute) / total if total > 0 else 1.0
         return {"steps": len(ev), "total_s": total, "communication_s": by_kind["communication"],
                 "gemm_s": by_kind["gemm"], "compute_s": by_kind["compute"], "copy_s": by_kind["copies"],

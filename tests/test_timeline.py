@@ -50,6 +50,27 @@ def test_summary_figures_add_up():
     assert s["overlap_efficiency"] == pytest.approx(max(s["communication_s"], s["gemm_s"] + s["compute_s"]) / s["total_s"])
 
 
+def test_concurrent_communication_is_exposed_once():
+    """Two collectives at the same time (two streams, or two ranks) hide behind the same GEMM or
+    not at all: exposed communication is of their union, never more than the communication."""
+    from shardfuse.timeline import Event, Timeline
+
+    def ev(stream, kind, start, end):
+        return Event(0, 0, stream, (0,), str(stream), kind, kind, start, end)
+
+    s = Timeline([ev(0, "communication", 0.0, 1.0), ev(1, "communication", 0.0, 1.0)]).summary()
+    assert s["communication_s"] == s["exposed_communication_s"] == pytest.approx(1.0)
+    s = Timeline([ev(0, "communication", 0.0, 1.0), ev(1, "communication", 0.5, 2.0), ev(2, "gemm", 0.75, 1.5)]).summary()
+    assert s["communication_s"] == pytest.approx(2.0) and s["exposed_communication_s"] == pytest.approx(1.25)
+
+
+@pytest.mark.parametrize("repeat", [0, -1, 1.5, True])
+def test_profile_repeat_must_be_a_positive_int(repeat):
+    plan, a, b = seed()
+    with pytest.raises((TypeError, ValueError), match="repeat"):
+        plan.profile(a, b, repeat=repeat)
+
+
 def test_chrome_trace_is_json_with_a_track_per_device_and_stream(tmp_path):
     plan, a, b = seed(d=4)
     tl = plan.profile(a, b)
