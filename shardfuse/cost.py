@@ -54,13 +54,16 @@ class Rates:
         names = {f.name for f in fields(cls)}
         if not isinstance(d, dict) or set(d) != names:
             raise ValueError(f"rates need the fields {sorted(names)}, got {sorted(d) if isinstance(d, dict) else d!r}")
+        for n, want in (("gemm_flops", dict), ("comm_bw", dict), ("serial", bool), ("name", str)):
+            if not isinstance(d[n], want):
+                raise ValueError(f"rates' {n} must be a {want.__name__}, got {d[n]!r}")
         gemm = {str(k): _positive(v, f"gemm_flops[{k}]", zero=False) for k, v in d["gemm_flops"].items()}
         comm = {Op(k): _positive(v, f"comm_bw[{k}]", zero=False) for k, v in d["comm_bw"].items()}
         if not gemm or not comm:
             raise ValueError("rates need at least one GEMM rate and one bandwidth")
         scalars = {n: _positive(d[n], n, zero=n not in ("gemm_slowdown", "mem_bw", "gemm_bw"))
                    for n in names - {"name", "gemm_flops", "comm_bw", "serial"}}
-        return cls(name=str(d["name"]), gemm_flops=gemm, comm_bw=comm, serial=bool(d["serial"]), **scalars)
+        return cls(name=d["name"], gemm_flops=gemm, comm_bw=comm, serial=d["serial"], **scalars)
 
 
 def _positive(v, what: str, zero: bool = True) -> float:

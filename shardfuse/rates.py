@@ -42,7 +42,9 @@ def machine_key(mesh) -> dict:
 
 
 def cache_path(key: dict) -> Path:
-    return cache_dir() / f"rates-{key['backend']}-{key['devices']}dev.json"
+    """One file per backend, mesh size and process count (all in the key: runs that differ in
+    them must not overwrite each other's rates)."""
+    return cache_dir() / f"rates-{key['backend']}-{key['devices']}dev-{key['processes']}proc.json"
 
 
 def load(key: dict) -> Rates | None:

@@ -241,14 +241,18 @@ def test_cache_is_rebuilt_when_its_key_changes(monkeypatch):
     assert measured and len(calls) == 2 and json.loads(path.read_text())["key"]["numpy"] == "99.0"
 
 
-@pytest.mark.parametrize("content", ["{not json", '{"key": 1}', "[]", "KEY", "NEGATIVE"])
+BAD_RATES = {"NEGATIVE": {"step_s": -1.0}, "GEMM_LIST": {"gemm_flops": []}, "BW_NULL": {"comm_bw": None},
+             "SERIAL_STR": {"serial": "false"}, "NAME_NUM": {"name": 3}}
+
+
+@pytest.mark.parametrize("content", ["{not json", '{"key": 1}', "[]", "KEY", *BAD_RATES])
 def test_a_corrupt_cache_warns_and_falls_back(content):
     mesh = sf.DeviceMesh(2, backend="numpy")
     key = rates.machine_key(mesh)
     path = rates.cache_path(key)
     path.parent.mkdir(parents=True)
-    bad_rates = {**cost.CPU.to_json(), "step_s": -1.0}
-    text = {"KEY": json.dumps({"key": key}), "NEGATIVE": json.dumps({"key": key, "rates": bad_rates})}.get(content, content)
+    text = json.dumps({"key": key, "rates": {**cost.CPU.to_json(), **BAD_RATES[content]}}) if content in BAD_RATES \
+        else json.dumps({"key": key}) if content == "KEY" else content
     path.write_text(text)
     with pytest.warns(UserWarning, match="corrupt rates cache"):
         assert rates.machine(mesh)[0] is cost.CPU
@@ -330,3 +334,8 @@ def test_the_model_predicts_the_recorded_h200_sweeps_as_recorded(path):
     want = [r[4] for r in table]
     assert len(table) == 60
     np.testing.assert_allclose(got, want, rtol=1e-9)
+
+
+def test_runs_of_other_process_counts_keep_their_own_cache_files():
+    key = rates.machine_key(sf.DeviceMesh(4, backend="numpy"))
+    assert rates.cache_path(key) != rates.cache_path({**key, "processes": 2})  # mpiexec -n 2 on the same 4 devices
