@@ -41,7 +41,7 @@ def main(argv=None) -> int:
         return 2
     try:
         return run(rest)
-    except (ValueError, TypeError, NotImplementedError, ImportError) as e:
+    except (ValueError, TypeError, NotImplementedError, ImportError, OSError) as e:  # OSError: a file not writable
         if debug:
             raise
         # a user's mistake: one line (once, not from every rank), no traceback (--debug shows it)

@@ -10,6 +10,7 @@ import numpy as np
 import shardfuse as sf
 from shardfuse.demo import default_devices, seed_functions
 from shardfuse.dtypes import np_dtype
+from shardfuse.timeline import output_file
 
 # what each backend profiles: NumPy has no fast 16-bit GEMM; on GPUs the 16-bit types are the ones tensor
 # cores run (float32 too, for comparison)
@@ -30,17 +31,18 @@ def main(argv=None) -> int:
     p.add_argument("--dtype", default="float32", choices=sorted({t for ts in DTYPES.values() for t in ts}),
                    help="numpy: " + ", ".join(DTYPES["numpy"]) + "; cupy: " + ", ".join(DTYPES["cupy"]))
     p.add_argument("--repeat", type=int, default=2)
-    p.add_argument("--trace", default="shardfuse_trace.json", help="Chrome trace / Perfetto JSON to write")
-    p.add_argument("--png", default=None, help="a Gantt chart to write (needs matplotlib)")
+    p.add_argument("--trace", type=output_file, default="shardfuse_trace.json",
+                   help="Chrome trace / Perfetto JSON to write (default: %(default)s)")
+    p.add_argument("--png", type=output_file, default=None, help="a Gantt chart to write (needs matplotlib)")
     p.add_argument("--nvtx", action="store_true", help="NVTX ranges named after the plan and its steps, for Nsight "
                    "Systems (needs the nvtx package)")
     args = p.parse_args(argv)
-    for name in ("chunks", "m", "k", "n", "streams", "repeat"):
-        if getattr(args, name) < 1:
+    for name in ("devices", "chunks", "m", "k", "n", "streams", "repeat"):
+        if getattr(args, name) is not None and getattr(args, name) < 1:
             p.error(f"--{name} must be a positive int, got {getattr(args, name)}")
     if args.dtype not in DTYPES[args.backend]:
         p.error(f"--dtype {args.dtype} is not profiled on {args.backend}: choose from {', '.join(DTYPES[args.backend])}")
-    d = args.devices or default_devices(args.backend)
+    d = default_devices(args.backend) if args.devices is None else args.devices
     mesh = sf.DeviceMesh(d, backend=args.backend)
     pipelined, _ = seed_functions(mesh, args.streams)
     rng = np.random.default_rng(0)

@@ -17,6 +17,7 @@ from shardfuse import autochunks
 from shardfuse.cost import DEFAULTS, Rates, predict
 from shardfuse.mesh import as_int
 from shardfuse.mlp import mlp_block
+from shardfuse.timeline import output_file
 
 DTYPE_NAMES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32", "fp64": "float64",
                **{n: n for n in ("bfloat16", "float16", "float32", "float64")}}
@@ -36,8 +37,8 @@ def parser():
     p.add_argument("--streams", type=int, default=4, help="worker streams")
     p.add_argument("--mlp", nargs="?", const="sp", default=None, choices=["sp", "tp"],
                    help="the MLP block instead: sp (sequence parallel, the default) or tp")
-    p.add_argument("--png", default=None, help="the predicted timeline as a Gantt chart (needs matplotlib)")
-    p.add_argument("--trace", default=None, help="the predicted timeline as a Chrome trace / Perfetto JSON")
+    p.add_argument("--png", type=output_file, default=None, help="the predicted timeline as a Gantt chart (needs matplotlib)")
+    p.add_argument("--trace", type=output_file, default=None, help="the predicted timeline as a Chrome trace / Perfetto JSON")
     return p
 
 

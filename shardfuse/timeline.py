@@ -7,7 +7,9 @@ stream) and its start and end in seconds from the first step.  Out: Chrome trace
 """
 from __future__ import annotations
 
+import argparse
 import json
+import os
 import time
 from dataclasses import asdict, dataclass
 
@@ -46,6 +48,17 @@ class Event:
     @property
     def duration(self) -> float:
         return self.end - self.start
+
+
+def output_file(path: str) -> str:
+    """argparse type of a trace or chart a command writes: its directory must exist, checked
+    before the command does any work (a file that cannot be written must not fail a run at its end)."""
+    parent = os.path.dirname(os.path.abspath(path))
+    if not os.path.isdir(parent):
+        raise argparse.ArgumentTypeError(f"{path}: the directory {parent} does not exist")
+    if os.path.isdir(path):
+        raise argparse.ArgumentTypeError(f"{path} is a directory: give a file name")
+    return path
 
 
 class Timeline:

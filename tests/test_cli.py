@@ -103,3 +103,16 @@ def test_bench_defaults_are_sized_to_the_backend_and_numbers_are_checked():
     assert (args["m"], args["k"], args["n"], args["dtype"], args["chunks"]) == (512, 512, 512, "float32", [1, 2, 4])
     bad = run("bench", "--backend", "numpy", "--devices", "2", "--m", "0")
     assert bad.returncode == 2 and "--m must be a positive int, got 0" in bad.stderr and "Traceback" not in bad.stderr
+
+
+@pytest.mark.parametrize("args", [["profile", "--png", "{missing}/x.png"], ["profile", "--trace", "{missing}/t.json"],
+                                  ["simulate", "--png", "{missing}/a.png"], ["simulate", "--trace", "{tmp}"],
+                                  ["profile", "--devices", "0"]])
+def test_outputs_that_cannot_be_written_and_bad_sizes_fail_before_any_work(args, tmp_path, capsys):
+    args = [a.format(missing=tmp_path / "missing", tmp=tmp_path) for a in args]
+    with pytest.raises(SystemExit) as e:
+        main(args)
+    assert e.value.code == 2
+    err = capsys.readouterr().err
+    assert "does not exist" in err or "is a directory" in err or "--devices must be a positive int, got 0" in err
+    assert "Traceback" not in err
