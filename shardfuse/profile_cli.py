@@ -61,7 +61,10 @@ def main(argv=None) -> int:
               f"{s['communication_s'] * 1e3:.3f} ms (exposed {s['exposed_communication_s'] * 1e3:.3f}), GEMMs "
               f"{s['gemm_s'] * 1e3:.3f} ms, overlap efficiency {s['overlap_efficiency']:.2f}")
         print(f"trace: {args.trace}" + (f", chart: {args.png}" if args.png else ""))
-        if args.backend == "numpy":
+        if mesh.nprocs > 1:
+            print(f"{mesh.nprocs} processes: each one's times start at its own first step (their clocks are not "
+                  "aligned), so overlap between processes is approximate")
+        elif args.backend == "numpy":
             print("NumPy devices run one after another inside each step, so nothing overlaps here; "
                   "--backend cupy profiles GPUs (CUDA events on each step's stream)")
     return 0

@@ -59,6 +59,8 @@ AUTO_CHUNKS: ContextVar = ContextVar("shardfuse_auto_chunks", default=None)
 
 def resolve_chunks(chunks, algorithm: str, extent: int):
     """sf.stream's chunks=: None, a positive int, or "auto": the S sf.jit is trying now."""
+    if isinstance(chunks, str) and chunks != "auto":
+        raise TypeError(f'sf.stream chunks= must be an int or "auto", got {chunks!r} (str)')
     if not (isinstance(chunks, str) and chunks == "auto"):
         return check_chunks(chunks)
     if algorithm == "ring":

@@ -107,14 +107,17 @@ class Timeline:
         """Chrome trace / Perfetto JSON: a process per (rank, device), a thread per stream; times
         in microseconds.  Written to `path` when given; the dict is returned either way."""
         trace = []
-        pids = {}
+        pids, tids = {}, {}  # integer ids, named by metadata events (Perfetto shows string tids by number)
         for e in self.events:
             for d in e.devices:
                 pid = pids.setdefault((e.rank, d), len(pids))
+                tid = tids.setdefault((pid, e.stream), len(tids))
                 trace.append({"name": e.text, "cat": e.kind, "ph": "X", "ts": e.start * 1e6, "dur": e.duration * 1e6,
-                              "pid": pid, "tid": f"stream {e.stream}", "args": {"call": e.call, "step": e.step}})
+                              "pid": pid, "tid": tid, "args": {"call": e.call, "step": e.step}})
         for (rank, d), pid in pids.items():
             trace.append({"name": "process_name", "ph": "M", "pid": pid, "args": {"name": f"rank {rank} device {d}"}})
+        for (pid, stream), tid in tids.items():
+            trace.append({"name": "thread_name", "ph": "M", "pid": pid, "tid": tid, "args": {"name": f"stream {stream}"}})
         doc = {"traceEvents": trace, "displayTimeUnit": "ms", "otherData": {"plan": self.plan_name}}
         if path is not None:
             with open(path, "w") as f:

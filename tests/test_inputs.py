@@ -87,7 +87,8 @@ def test_device_mesh_takes_numpy_integers():
 @pytest.mark.parametrize("chunks, err, msg", [
     (2.0, TypeError, r"sf.stream chunks= must be an int, got 2.0 \(float\)"),
     (True, TypeError, r"sf.stream chunks= must be an int, got True \(bool\)"),
-    ("2", TypeError, r"sf.stream chunks= must be an int, got '2' \(str\)"),
+    ("2", TypeError, r"sf.stream chunks= must be an int or \"auto\", got '2' \(str\)"),
+    ("Auto", TypeError, r"sf.stream chunks= must be an int or \"auto\", got 'Auto' \(str\)"),
     (0, ValueError, r"sf.stream chunks= must be an int >= 1, got 0"),
 ])
 def test_stream_chunks_are_checked(mesh, chunks, err, msg):

@@ -78,10 +78,13 @@ def test_chrome_trace_is_json_with_a_track_per_device_and_stream(tmp_path):
     tl.to_chrome_trace(path)
     doc = json.load(open(path))
     events = [e for e in doc["traceEvents"] if e["ph"] == "X"]
-    names = {e["args"]["name"] for e in doc["traceEvents"] if e["ph"] == "M"}
-    assert names == {f"rank 0 device {d}" for d in range(4)}
+    meta = [e for e in doc["traceEvents"] if e["ph"] == "M"]
+    assert {e["args"]["name"] for e in meta if e["name"] == "process_name"} == {f"rank 0 device {d}" for d in range(4)}
+    threads = {(e["pid"], e["tid"]): e["args"]["name"] for e in meta if e["name"] == "thread_name"}
     assert len(events) == 4 * len(tl)  # each step on each of its devices' tracks
-    assert {e["tid"] for e in events} == {f"stream {e.stream}" for e in tl.events}
+    assert all(isinstance(e["tid"], int) for e in events)  # named by thread_name metadata, as Perfetto wants
+    assert {threads[e["pid"], e["tid"]] for e in events} == {f"stream {e.stream}" for e in tl.events}
+    assert len(threads) == 4 * len({e.stream for e in tl.events})  # a track per device and stream
     assert all(e["dur"] >= 0 and e["cat"] in KINDS for e in events)
 
 
