@@ -74,9 +74,11 @@ def _kinds(prog) -> str:
     return " and ".join(kinds) or "communication"
 
 
-def reason(best: Candidate, ok: list, rates, kinds: str) -> str:
+def reason(best: Candidate, ok: list, rates, kinds: str, streams: int = 2) -> str:
     """One sentence: why `best` is (or, fixed, what it does)."""
     s = f"S={best.s or 1}"
+    if streams == 1 and (best.s or 1) == 1 and len(ok) > 1:
+        return f"{s}: with streams=1 every chunk's steps run on one stream, one after another, so nothing overlaps"
     if rates.serial:
         return (f"{s}: with the {rates.name} rates steps run one after another as they are issued (NumPy devices), "
                 "so chunks cannot overlap; fewer steps cost less")
@@ -138,7 +140,8 @@ def compile_best(fn, mesh, specs, streams, machine) -> tuple:
 
         s = faults.allgather_object(MPI.COMM_WORLD, best.s, f"choosing chunks='auto' for {traced.name!r}")[0]
         best = next(c for c in ok if c.s == s)
-    why = Explanation(traced.name, rates.name, tuple(cands), best.s, True, reason(best, ok, rates, _kinds(progs[best.s])))
+    why = Explanation(traced.name, rates.name, tuple(cands), best.s, True,
+                      reason(best, ok, rates, _kinds(progs[best.s]), streams))
     log.info("chunks='auto' for %s: S=%d of %s, predicted %.3f ms (%s rates): %s", traced.name, best.s,
              [c.s for c in ok], best.total_s * 1e3, rates.name, why.reason)
     return progs[best.s], why

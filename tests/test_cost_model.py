@@ -339,3 +339,8 @@ def test_the_model_predicts_the_recorded_h200_sweeps_as_recorded(path):
 def test_runs_of_other_process_counts_keep_their_own_cache_files():
     key = rates.machine_key(sf.DeviceMesh(4, backend="numpy"))
     assert rates.cache_path(key) != rates.cache_path({**key, "processes": 2})  # mpiexec -n 2 on the same 4 devices
+
+
+def test_with_one_stream_auto_says_nothing_can_overlap(capsys):
+    assert cli(["simulate", "--devices", "8", "--gpu", "h200", "--streams", "1", "--chunks", "auto"]) == 0
+    assert "S=1: with streams=1 every chunk's steps run on one stream" in capsys.readouterr().out
