@@ -27,10 +27,13 @@ class Array(Placed, ArrayOps):  # operators, ufuncs, reductions, indexing: array
     and world size (a per-rank checkpoint); to send a value elsewhere pickle ``.gather()`` (the
     global NumPy value; collective) or ``.to_local()`` (this process' piece) instead."""
 
-    def __init__(self, mesh, shape, dtype, layout: Layout, shards: list):
+    def __init__(self, mesh, shape, dtype, layout: Layout, shards: list, pieces_contiguous: bool = False):
         self.dtype_name = normalize_dtype(dtype)
         self.mesh, self.shape, self.dtype = mesh, tuple(shape), np_dtype(self.dtype_name)
         self.sharding, self.shards = layout, shards
+        # every piece known C-contiguous (placed by shardfuse, or a plan's whole buffer): a call takes
+        # the pieces as they are, without asking each one
+        self.pieces_contiguous = pieces_contiguous
 
     ndim = property(lambda self: len(self.shape))
 
@@ -74,7 +77,7 @@ class Array(Placed, ArrayOps):  # operators, ufuncs, reductions, indexing: array
         info = array_info(x)
         check_input(info, backend_of(mesh), what)
         layout = global_layout(info.shape, mesh, axis, over)
-        return cls(mesh, info.shape, info.dtype, layout, local_pieces(x, info.dtype, layout, mesh, info))
+        return cls(mesh, info.shape, info.dtype, layout, local_pieces(x, info.dtype, layout, mesh, info), True)
 
     @classmethod
     def from_layout(cls, x, mesh, layout: Layout, what: str = "sf.distribute"):
@@ -86,7 +89,7 @@ class Array(Placed, ArrayOps):  # operators, ufuncs, reductions, indexing: array
             raise ValueError(f"{what}: layout of {layout.ndim} axes for an array of shape {info.shape}")
         for a, over in layout.sharded_axes().items():
             check_divides(info.shape, a, over, mesh)
-        return cls(mesh, info.shape, info.dtype, layout, local_pieces(x, info.dtype, layout, mesh, info))
+        return cls(mesh, info.shape, info.dtype, layout, local_pieces(x, info.dtype, layout, mesh, info), True)
 
     def redistribute(self, placements) -> "Array":
         """The same value with other placements (DTensor's redistribute; JAX-style specs too: one
@@ -257,7 +260,7 @@ def from_local(local_piece, axis: int, over: str = "DIDx", mesh=None):
     x = be.adopt(local_piece, info)
     n = info.shape[ax] // L
     parts = [be.piece(x[(slice(None),) * ax + (slice(j * n, (j + 1) * n),)], j) for j in range(L)]
-    return Array(mesh, shape, info.dtype, layout, parts)
+    return Array(mesh, shape, info.dtype, layout, parts, True)
 
 
 def replicated(x, mesh) -> Array:

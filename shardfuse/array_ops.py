@@ -66,9 +66,9 @@ def run(fn, args: tuple, key, name: str):
         else:
             plans.move_to_end((key, specs))
             STATS["reused"] += 1
-    ((lay, shards),) = exe(*args)
+    ((lay, shards, whole),) = exe(*args)
     v = exe.prog.outputs[0]
-    return type(arrays[0])(mesh, v.type.shape, v.type.dtype, lay, shards)
+    return type(arrays[0])(mesh, v.type.shape, v.type.dtype, lay, shards, whole)
 
 
 def _shape_dtype(a) -> tuple:

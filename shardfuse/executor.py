@@ -299,7 +299,7 @@ class Executable:
         bufs = list(self.slot_templates)
         for k, (arg, v, info) in enumerate(zip(args, self.prog.inputs, infos)):
             if info is None:  # an sf.Array: its pieces are already placed
-                bufs[k] = [be.ascontiguous(s) for s in arg.shards]
+                bufs[k] = arg.shards if arg.pieces_contiguous else [be.ascontiguous(s) for s in arg.shards]
             else:
                 bufs[k] = local_pieces(arg, v.type.dtype, v.type.layout, self.mesh, info, fenced=caller,
                                        indices=self._input_pieces[k])
@@ -334,7 +334,7 @@ class Executable:
             lay = self._out_layouts.get(v)
             if lay is None:
                 lay = self._out_layouts[v] = v.type.layout.placement()
-            outs.append((lay, shards))
+            outs.append((lay, shards, whole is not None))
         return outs
 
 

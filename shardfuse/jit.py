@@ -104,8 +104,8 @@ class Plan:
         """Run the plan: sf.Arrays in (or plain arrays), sf.Arrays out."""
         outs = self.executable(*args, stream=stream, infos=infos)
         prog = self.program
-        arrays = tuple(Array(prog.mesh, v.type.shape, v.type.dtype, lay, shards)
-                       for v, (lay, shards) in zip(prog.outputs, outs))
+        arrays = tuple(Array(prog.mesh, v.type.shape, v.type.dtype, lay, shards, whole)
+                       for v, (lay, shards, whole) in zip(prog.outputs, outs))
         return arrays[0] if len(arrays) == 1 else arrays
 
 

@@ -339,7 +339,7 @@ def _counting_backend(mesh):
 def _gathered(prog, out):
     """The global result of an Executable call ((layout, pieces) per output, wrapped as jit.Plan does)."""
     if not isinstance(out, sf.Array):
-        ((lay, shards),), (v,) = out, prog.outputs
+        ((lay, shards, _),), (v,) = out, prog.outputs
         out = sf.Array(prog.mesh, v.type.shape, v.type.dtype, lay, shards)
     return out.gather()
 

@@ -80,8 +80,8 @@ def test_a_call_after_the_first_binds_and_keeps_nothing_new():
     before = tracemalloc.take_snapshot()
     empties = be.empties
     for _ in range(100):
-        ((lay, pieces),) = exe(a, b)
-        del lay, pieces
+        ((lay, pieces, whole),) = exe(a, b)
+        del lay, pieces, whole
     gc.collect()
     after = tracemalloc.take_snapshot()
     tracemalloc.stop()
@@ -90,7 +90,8 @@ def test_a_call_after_the_first_binds_and_keeps_nothing_new():
     assert be.empties - empties == 100  # one allocation per call: the per-call output buffer
     assert be.output_views == 0  # the output is that buffer as it is: no view per device per call
     assert be.bound == bound and exe.steps == steps and exe.slot_templates == templates and exe.refs == refs
-    ((lay, pieces),) = exe(a, b)
+    ((lay, pieces, whole),) = exe(a, b)
+    assert whole  # the output is the call's own buffer: known contiguous
     out = sf.Array(plan.program.mesh, plan.program.outputs[0].type.shape, "float64", lay, pieces)
     np.testing.assert_allclose(out.gather(), ref, rtol=1e-12, atol=1e-12)
 
@@ -158,3 +159,22 @@ def test_devices_outside_a_sub_mesh_share_one_placeholder_allocation(monkeypatch
     assert len(made) == 1  # devices 0 and 1 hold placeholders cut from one allocation
     assert pieces[0].shape == pieces[1].shape == (2, 6)
     np.testing.assert_array_equal(np.concatenate(pieces[2:]), a)
+
+
+def test_pieces_shardfuse_placed_are_taken_without_asking_each_one(monkeypatch):
+    from shardfuse.runtime import backend_of
+
+    mesh = sf.DeviceMesh(4, backend="numpy")
+    f = sf.jit(lambda x: x * 2.0, mesh=mesh)
+    x = np.random.default_rng(5).standard_normal((8, 6))
+    placed, asked = sf.shard(x, 0, mesh=mesh), []
+    be = backend_of(mesh)
+    real = be.ascontiguous
+    monkeypatch.setattr(be, "ascontiguous", lambda p: asked.append(p) or real(p))
+    y = f(placed)
+    assert placed.pieces_contiguous and y.pieces_contiguous and asked == []  # placed, and a plan's own buffer
+    np.testing.assert_allclose(f(y).gather(), 4 * x, rtol=1e-12)
+    assert asked == []
+    strided = sf.Array(mesh, (8, 6), "float64", placed.sharding, [p[:, ::-1][:, ::-1] for p in placed.shards])
+    np.testing.assert_allclose(f(strided).gather(), 2 * x, rtol=1e-12)
+    assert len(asked) == 4  # pieces from elsewhere: each made contiguous as before
