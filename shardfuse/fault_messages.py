@@ -44,7 +44,18 @@ def ranks_text(ranks) -> str:
 
 def describe_mismatch(texts: list, what: str) -> str:
     """The same message on every rank: which ranks hold which text, and the first line where
-    each group's text differs from rank 0's."""
+    each group's text differs from rank 0's.  Each text's first line says what the rank is
+    checking (a plan, a mesh's backend): ranks at different ones are told that instead."""
+    heads: dict = {}
+    for r, t in enumerate(texts):
+        heads.setdefault(t.split("\n", 1)[0], []).append(r)
+    if len(heads) > 1:
+        return ("the ranks reached different collective steps (found before any of them communicated): "
+                + "; ".join(f"rank(s) {ranks_text(rs)} at {h}" for h, rs in heads.items())
+                + "\nevery rank must make the same shardfuse calls in the same order; the first use of a mesh "
+                "(placing an array on it with sf.shard, sf.replicate or sf.from_local, or a call) sets up its "
+                "backend, which every rank must do too")
+    texts = [t.split("\n", 1)[1] if "\n" in t else "" for t in texts]
     groups: dict = {}
     for r, t in enumerate(texts):
         groups.setdefault(t, []).append(r)

@@ -344,6 +344,7 @@ class _Job:
         if self._fp_req is not None:
             wait(self._fp_req, f"setting up the plan check of {what}", self.world)
             self._fp_req = None
+        text = f"{what}\n{text}"  # (what each rank is at: ranks at different steps are told so)
         digest = np.frombuffer(hashlib.blake2b(text.encode(), digest_size=16).digest(), np.uint8)
         every = np.empty((self.size, digest.size), np.uint8)
         wait(self.fp.Iallgather(digest, every), f"the plan check of {what}", self.fp)

@@ -90,3 +90,16 @@ def test_double_annotation(mesh):
 def test_stream_outside_jit():
     with pytest.raises(TypeError, match="inside an sf.jit function"):
         sf.stream(np.ones(4), axis=0)
+
+
+def test_ranks_at_different_collective_steps_are_told_so():
+    """A rank setting up a mesh's backend (its first sf.shard there) while another checks a plan:
+    not 'different versions of the plan', but which step each rank is at."""
+    from shardfuse.fault_messages import describe_mismatch
+
+    texts = ["the MPI backend of DeviceMesh(DIDx=4)\nmesh ...", "plan 'f'\nmesh ...\nplan f(x: f64[8, 3])"]
+    msg = describe_mismatch(texts, "plan 'f'")
+    assert "different collective steps" in msg and "rank(s) 0 at the MPI backend of DeviceMesh(DIDx=4)" in msg
+    assert "rank(s) 1 at plan 'f'" in msg and "sets up its backend" in msg
+    same = describe_mismatch(["plan 'f'\nmesh\nplan f(x: f64[8, 3])", "plan 'f'\nmesh\nplan f(x: f64[8, 2])"], "plan 'f'")
+    assert "different versions of plan 'f'" in same and "line 2:" in same and "f64[8, 2]" in same
