@@ -286,6 +286,8 @@ class Executable:
         the caller's stream (stream=, or CuPy's current stream), and that stream then waits for
         the plan's outputs: the caller's work before and after the call is ordered with it."""
         infos = check_args(self.prog, args, self.backend, self.accepted, infos)
+        if self.mesh.nprocs > 1:
+            faults.one_thread(f"a call of plan {self.prog.name!r}")
         with self.lock:
             return self.run(args, infos, stream)
 

@@ -17,7 +17,9 @@ shardfuse first touches MPI with more than one process (`install`, from mesh.wor
   no deadline).  Then it asks the ranks it waits for where they are (ranks inside a shardfuse
   wait answer with their step), reports the step and the ranks that did not arrive, and aborts;
 * before a plan's first collective, `agree` checks that every rank compiled the same plan
-  (one 16-byte allgather per plan) and raises RankMismatchError on every rank if not.
+  (one 16-byte allgather per plan) and raises RankMismatchError on every rank if not;
+* a process' collective calls all come from one thread (`one_thread`): ranks pair collectives
+  in the order each issues them, and threads would interleave differently on each rank.
 
 Nothing here does anything in one process, or under mpiexec -n 1.
 """
@@ -91,6 +93,23 @@ def active() -> bool:
     return _job is not None
 
 
+_OWNER: dict = {}  # "thread": the thread that makes this process' collective calls
+
+
+def one_thread(what: str) -> None:
+    """Under mpiexec, raise (before any communication) when `what` comes from a thread other than
+    the one that made this process' first collective call: calls from several threads reach the
+    ranks' collectives in a different order on each rank and would mix their data silently."""
+    me = threading.get_ident()
+    owner = _OWNER.setdefault("thread", me)  # (atomic: two first callers agree on one)
+    if owner != me:
+        raise RuntimeError(f"{what} from thread {threading.current_thread().name!r}: under mpiexec every shardfuse "
+                           "call that communicates must come from one thread per process (this process' first came "
+                           "from another); each rank would pair its collectives with the other ranks' in whatever "
+                           "order its threads ran, mixing calls' data. Make the calls from one thread (hand the work "
+                           "to it, e.g. through a queue)")
+
+
 # ---- waits ----------------------------------------------------------------------------------
 def wait(reqs, what: str, peers) -> None:
     """Wait for MPI request(s) (a Request or a list), up to the deadline.  peers: the
@@ -136,6 +155,7 @@ def allgather_object(comm, obj, what: str) -> list:
 
     if _job is None:
         return comm.allgather(obj)
+    one_thread(what)
     return [pickle.loads(b) for b in allgather_bytes(comm, pickle.dumps(obj), what)]
 
 
@@ -341,6 +361,7 @@ class _Job:
     def agree(self, text, what):
         import numpy as np
 
+        one_thread(f"the check of {what}")
         if self._fp_req is not None:
             wait(self._fp_req, f"setting up the plan check of {what}", self.world)
             self._fp_req = None

@@ -5,6 +5,7 @@ import functools
 from typing import Any, Callable, overload
 import logging
 import os
+import threading
 import time
 from collections import OrderedDict
 
@@ -33,6 +34,7 @@ class Plan:
         self.program = program
         self.graph = graph
         self._exe = None
+        self._binding = threading.Lock()  # threads' first calls bind it once (binding may communicate)
         self._why, self._rates = explanation, rates  # chunks="auto"'s choice; the rates given to sf.jit
 
     def __str__(self):
@@ -97,7 +99,9 @@ class Plan:
     @property
     def executable(self):
         if self._exe is None:
-            self._exe = Executable(self.program, graph=self.graph)
+            with self._binding:
+                if self._exe is None:
+                    self._exe = Executable(self.program, graph=self.graph)
         return self._exe
 
     def __call__(self, *args, stream=None, infos=None):
@@ -146,6 +150,9 @@ class Jitted:
         self.rates = rates  # for chunks="auto" and plan.explain(): None = calibrated, else built-in defaults
         self._plans: OrderedDict = OrderedDict()  # input specs -> plan, least recently used first
         self._dispatch: dict = {}  # argument key -> (input specs, plan) (see __call__)
+        # both tables, for threads calling at once: one thread's eviction must not leave another's
+        # dispatch entry naming a dropped plan (a call's own work runs outside it, under its plan's lock)
+        self._tables = threading.RLock()
         functools.update_wrapper(self, fn)
 
     def __repr__(self):
@@ -166,6 +173,10 @@ class Jitted:
         arrays themselves (as JAX's .lower takes either)."""
         specs = tuple(s if isinstance(s, TensorSpec) else TensorSpec(*s) if isinstance(s, tuple)
                       else spec_of(s, self.mesh) for s in specs)
+        with self._tables:
+            return self._lower(specs)
+
+    def _lower(self, specs: tuple) -> Plan:
         plan = self._plans.get(specs)
         if plan is not None:
             self._plans.move_to_end(specs)
@@ -211,15 +222,16 @@ class Jitted:
                             f"{', '.join(kwargs)} (a parameter with a default keeps it when not given)")
         key = tuple((a.shape, a.dtype_name, a.sharding, a.mesh) if i is None else (i.shape, i.dtype)
                     for a, i in zip(args, infos))
-        hit = self._dispatch.get(key)
-        if hit is None:
-            specs = tuple(spec_of(a, self.mesh) for a in args)
-            plan = self.lower(*specs)
-            hit = self._dispatch[key] = (specs, plan)
-            if len(self._dispatch) > 4 * self.max_plans:  # cannot happen (a key names one specs): a backstop
-                self._dispatch.clear()
-        else:
-            self._plans.move_to_end(hit[0])
+        with self._tables:
+            hit = self._dispatch.get(key)
+            if hit is None:
+                specs = tuple(spec_of(a, self.mesh) for a in args)
+                plan = self._lower(specs)
+                hit = self._dispatch[key] = (specs, plan)
+                if len(self._dispatch) > 4 * self.max_plans:  # cannot happen (a key names one specs): a backstop
+                    self._dispatch.clear()
+            else:
+                self._plans.move_to_end(hit[0])
         return hit[1](*args, stream=stream, infos=infos)
 
     def _positional(self, args, kwargs) -> tuple:

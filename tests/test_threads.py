@@ -34,3 +34,38 @@ def test_one_jitted_function_from_four_threads():
     finally:
         sys.setswitchinterval(old)
     assert not errors and wrong == [0, 0, 0, 0]
+
+
+def test_threads_calling_while_plans_are_evicted_keep_the_cache_consistent():
+    """max_plans=1 and four threads with four shapes: every call compiles or evicts; no thread may
+    leave the dispatch table naming a dropped plan (that made every later call of its shape raise)."""
+    mesh = sf.DeviceMesh(2, backend="numpy")
+    f = sf.jit(lambda a, b: sf.shard(a, axis=0) @ b, mesh=mesh, max_plans=1)
+    wrong, errors = [0] * 4, []
+
+    def work(t):
+        rng = np.random.default_rng(t)
+        try:
+            for _ in range(200):
+                a, b = rng.standard_normal((4 * (t + 1), 8)), rng.standard_normal((8, 3))
+                if not np.allclose(f(a, b).gather(), a @ b, rtol=1e-12, atol=1e-12):
+                    wrong[t] += 1
+        except Exception as e:
+            errors.append(e)
+
+    old = sys.getswitchinterval()
+    sys.setswitchinterval(1e-6)
+    try:
+        threads = [threading.Thread(target=work, args=(t,)) for t in range(4)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+    finally:
+        sys.setswitchinterval(old)
+    assert not errors and wrong == [0, 0, 0, 0], errors[:1]
+    info = f.cache_info()
+    assert info["plans"] == 1 and info["dispatch"] <= 1  # every dispatch entry names the kept plan
+    for rows in (4, 8, 12, 16):  # and every shape still runs afterwards
+        a = np.ones((rows, 8))
+        np.testing.assert_allclose(f(a, np.ones((8, 3))).gather(), a @ np.ones((8, 3)))

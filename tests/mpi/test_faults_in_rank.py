@@ -127,3 +127,31 @@ def test_a_request_waited_with_the_deadline_completes():
     faults.wait(req, "a test barrier", COMM)
     got = faults.allgather_object(COMM, {"rank": RANK}, "a test allgather")
     assert got == [{"rank": r} for r in range(NPROCS)]
+
+
+def test_calls_from_a_second_thread_are_refused_before_they_communicate():
+    """Ranks pair collectives in the order each issues them: a second thread's calls would pair
+    with whatever the other ranks' threads issued (mixing calls' data silently), so they raise on
+    their rank before communicating, and the first thread's calls go on."""
+    import threading
+
+    mesh = sf.DeviceMesh(4)
+    f = sf.jit(lambda x: sf.replicate(sf.shard(x, axis=0)), mesh=mesh)
+    g = sf.jit(lambda x: sf.replicate(sf.shard(x, axis=0) * 2.0), mesh=mesh)  # a plan not yet checked
+    x = np.arange(8.0)
+    assert np.array_equal(f(x).gather(), x)
+    caught = []
+
+    def other_thread():
+        for call in (lambda: f(x), lambda: g(x)):
+            try:
+                call()
+            except RuntimeError as e:
+                caught.append(str(e))
+
+    t = threading.Thread(target=other_thread, name="worker")
+    t.start()
+    t.join()
+    assert len(caught) == 2 and all("must come from one thread per process" in m for m in caught), caught
+    assert "a call of plan" in caught[0] and "the check of plan" in caught[1]
+    assert np.array_equal(f(x).gather(), x) and np.array_equal(g(x).gather(), 2 * x)  # this thread goes on
