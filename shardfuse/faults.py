@@ -97,17 +97,13 @@ _OWNER: dict = {}  # "thread": the thread that makes this process' collective ca
 
 
 def one_thread(what: str) -> None:
-    """Under mpiexec, raise (before any communication) when `what` comes from a thread other than
-    the one that made this process' first collective call: calls from several threads reach the
-    ranks' collectives in a different order on each rank and would mix their data silently."""
-    me = threading.get_ident()
-    owner = _OWNER.setdefault("thread", me)  # (atomic: two first callers agree on one)
-    if owner != me:
+    """Raise, before `what` communicates, unless it comes from the thread of this process' first
+    collective call (threads would reach the collectives in another order on each rank)."""
+    if _OWNER.setdefault("thread", threading.get_ident()) != threading.get_ident():  # (atomic)
         raise RuntimeError(f"{what} from thread {threading.current_thread().name!r}: under mpiexec every shardfuse "
-                           "call that communicates must come from one thread per process (this process' first came "
-                           "from another); each rank would pair its collectives with the other ranks' in whatever "
-                           "order its threads ran, mixing calls' data. Make the calls from one thread (hand the work "
-                           "to it, e.g. through a queue)")
+                           "call that communicates must come from one thread per process; ranks pair collectives in "
+                           "the order each issues them, so calls from several threads would mix their data. Make "
+                           "the calls from one thread (hand it the work, e.g. through a queue)")
 
 
 # ---- waits ----------------------------------------------------------------------------------
