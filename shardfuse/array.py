@@ -31,9 +31,7 @@ class Array(Placed, ArrayOps):  # operators, ufuncs, reductions, indexing: array
         self.dtype_name = normalize_dtype(dtype)
         self.mesh, self.shape, self.dtype = mesh, tuple(shape), np_dtype(self.dtype_name)
         self.sharding, self.shards = layout, shards
-        # every piece known C-contiguous (placed by shardfuse, or a plan's whole buffer): a call takes
-        # the pieces as they are, without asking each one
-        self.pieces_contiguous = pieces_contiguous
+        self.pieces_contiguous = pieces_contiguous  # placed by shardfuse, or whole plan buffers: taken as they are
 
     ndim = property(lambda self: len(self.shape))
 

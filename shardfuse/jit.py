@@ -150,9 +150,7 @@ class Jitted:
         self.rates = rates  # for chunks="auto" and plan.explain(): None = calibrated, else built-in defaults
         self._plans: OrderedDict = OrderedDict()  # input specs -> plan, least recently used first
         self._dispatch: dict = {}  # argument key -> (input specs, plan) (see __call__)
-        # both tables, for threads calling at once: one thread's eviction must not leave another's
-        # dispatch entry naming a dropped plan (a call's own work runs outside it, under its plan's lock)
-        self._tables = threading.RLock()
+        self._tables = threading.RLock()  # both tables, for threads calling at once (a call runs outside it)
         functools.update_wrapper(self, fn)
 
     def __repr__(self):

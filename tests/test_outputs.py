@@ -1,4 +1,5 @@
-"""A call's results never alias its arguments: writing an argument afterwards leaves them be."""
+"""A call's results never alias its arguments, nor each other: writing an argument or another
+result afterwards leaves them be."""
 import numpy as np
 import pytest
 
@@ -34,3 +35,18 @@ def test_the_copy_is_in_the_printed_plan():
         "  Copy x_t_copy <- x_t",
         "  return x_t_copy",
     ]
+
+
+@pytest.mark.parametrize("d", [1, 4])
+def test_results_do_not_alias_each_other(d):
+    """`return y, y, y.T`: one value returned thrice is three buffers (the later two copies), so
+    writing one result's piece (to_local gives it) leaves the others be."""
+    mesh = sf.DeviceMesh(d, backend="numpy")
+    X = np.random.default_rng().standard_normal((8, 8))
+    f = sf.jit(lambda x: (lambda y: (y, y, y.T))(x * 2.0), mesh=mesh)
+    a, b, c = f(X)
+    for s in a.shards:
+        s[...] = 7.0
+    np.testing.assert_array_equal(b.gather(), 2 * X)
+    np.testing.assert_array_equal(c.gather(), 2 * X.T)
+    assert str(f.lower(X)).count("Copy") == 2

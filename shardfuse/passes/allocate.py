@@ -34,12 +34,16 @@ def output_roots(prog):
 
 
 def _copy_aliased_outputs(prog, instrs, namer):
-    """An output that is an input or a view of one (identity, a local shard slice, `.T`) gets a
-    buffer of its own: a result must never change when the caller later writes its argument."""
-    base, inputs = view_bases(prog), set(prog.inputs)
+    """An output that is an input or a view of one (identity, a local shard slice, `.T`), or of
+    an earlier output's buffer (`return y, y`), gets a buffer of its own: a result must never
+    change when the caller later writes its argument or another result."""
+    base, taken = view_bases(prog), set(prog.inputs)
     outputs, tail = [], []
     for v in prog.outputs:
-        if base.get(v, v) in inputs:
+        root = base.get(v, v)
+        if root not in taken:
+            taken.add(root)
+        else:
             c = Value(namer(v.name + "_copy"), v.type)
             tail += [Instr(Op.ALLOCATE, (c,), attrs={"per_call": True}), Instr(Op.COPY, (), (v,), into=c)]
             v = c
