@@ -98,6 +98,9 @@ def array_info(x) -> ArrayInfo:
             info = array_info(cupy.from_dlpack(x))
             return ArrayInfo(info.shape, info.dtype, int(dev_id), info.contiguous, "dlpack")
         raise ValueError(f"a DLPack array on device type {dev_type}: shardfuse takes host or CUDA memory")
+    if isinstance(x, (list, tuple)) and not all(isinstance(e, (list, tuple, int, float, np.generic)) for e in x):
+        raise TypeError(f"a {type(x).__name__} of {len(x)} items that are not all numbers: shardfuse takes one array "
+                        "per argument, and would stack these into one (pass np.stack(...) if one array is meant)")
     if isinstance(x, (list, tuple, int, float)):
         return array_info(_from_python(x))
     if hasattr(x, "__array__"):

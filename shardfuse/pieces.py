@@ -11,9 +11,8 @@ from shardfuse.spec import check_divides, normalize_axis, normalize_over
 
 
 class Placed:
-    """A value already placed on a mesh: `mesh`, global `shape`, `dtype_name`, `sharding` (a
-    Layout) and `shards` (this process' pieces, one per local device).  sf.Array is the one
-    kind; the executor takes its pieces as they are."""
+    """A value already placed on a mesh: `mesh`, global `shape`, `dtype_name`, `sharding` (a Layout),
+    `shards` (this process' pieces, one per local device) and `pieces_contiguous`.  sf.Array is the one kind."""
 
     __slots__ = ()
 

@@ -194,6 +194,16 @@ def test_matrix_lists_and_nan_through_gelu_and_sum(mesh, sharded, axis):
 
 
 @pytest.mark.filterwarnings(MATRIX_WARNING)
+def test_a_tuple_of_arrays_is_refused_not_stacked(mesh):
+    x = np.ones((4, 4))
+    f = sf.jit(lambda a, b: a @ b, mesh=mesh)
+    for arg in ((x, x), [x, x]):  # (NumPy would stack them into one [2, 4, 4] argument)
+        with pytest.raises(TypeError, match="items that are not all numbers: shardfuse takes one array per argument"):
+            f(arg, x)
+    np.testing.assert_array_equal(f([[1.0, 2.0], [3.0, 4.0]], np.eye(2)).gather(), [[1, 2], [3, 4]])  # numbers: fine
+    np.testing.assert_array_equal(f([[np.float32(1), 2.0]], np.eye(2)).gather(), [[1, 2]])  # NumPy scalars too
+
+
 def test_submesh_placements_do_not_break_later_calls(mesh):
     """The IndexError that np.matrix, lists and NaN inputs were blamed for: a sub-mesh placing an
     array of a shape first made its piece indices the parent's (a shared placement memo)."""
