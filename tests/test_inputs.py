@@ -193,7 +193,6 @@ def test_matrix_lists_and_nan_through_gelu_and_sum(mesh, sharded, axis):
     np.testing.assert_array_equal(sf.replicate(x.tolist(), mesh=mesh).gather(), x)
 
 
-@pytest.mark.filterwarnings(MATRIX_WARNING)
 def test_a_tuple_of_arrays_is_refused_not_stacked(mesh):
     x = np.ones((4, 4))
     f = sf.jit(lambda a, b: a @ b, mesh=mesh)
@@ -204,6 +203,7 @@ def test_a_tuple_of_arrays_is_refused_not_stacked(mesh):
     np.testing.assert_array_equal(f([[np.float32(1), 2.0]], np.eye(2)).gather(), [[1, 2]])  # NumPy scalars too
 
 
+@pytest.mark.filterwarnings(MATRIX_WARNING)
 def test_submesh_placements_do_not_break_later_calls(mesh):
     """The IndexError that np.matrix, lists and NaN inputs were blamed for: a sub-mesh placing an
     array of a shape first made its piece indices the parent's (a shared placement memo)."""
