@@ -8,6 +8,21 @@ import numpy as np
 import shardfuse as sf
 
 
+def run_in_threads(work, n):
+    """work(t) for t < n, each in its own thread, switching threads often (so unguarded shared
+    state would interleave)."""
+    old = sys.getswitchinterval()
+    sys.setswitchinterval(1e-6)
+    try:
+        threads = [threading.Thread(target=work, args=(t,)) for t in range(n)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+    finally:
+        sys.setswitchinterval(old)
+
+
 def test_one_jitted_function_from_four_threads():
     mesh = sf.DeviceMesh(4, backend="numpy")
     f = sf.jit(lambda a, b: sf.stream(sf.shard(a, axis=0) @ b, axis=0, chunks=4), mesh=mesh, streams=2)
@@ -23,16 +38,7 @@ def test_one_jitted_function_from_four_threads():
         except Exception as e:  # an exception in a thread would otherwise pass unseen
             errors.append(e)
 
-    old = sys.getswitchinterval()
-    sys.setswitchinterval(1e-6)  # switch threads often, so unguarded calls would interleave
-    try:
-        threads = [threading.Thread(target=work, args=(t,)) for t in range(4)]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join()
-    finally:
-        sys.setswitchinterval(old)
+    run_in_threads(work, 4)
     assert not errors and wrong == [0, 0, 0, 0]
 
 
@@ -53,16 +59,7 @@ def test_threads_calling_while_plans_are_evicted_keep_the_cache_consistent():
         except Exception as e:
             errors.append(e)
 
-    old = sys.getswitchinterval()
-    sys.setswitchinterval(1e-6)
-    try:
-        threads = [threading.Thread(target=work, args=(t,)) for t in range(4)]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join()
-    finally:
-        sys.setswitchinterval(old)
+    run_in_threads(work, 4)
     assert not errors and wrong == [0, 0, 0, 0], errors[:1]
     info = f.cache_info()
     assert info["plans"] == 1 and info["dispatch"] <= 1  # every dispatch entry names the kept plan
