@@ -92,11 +92,11 @@ class Timeline:
         device; overlap_efficiency = max(T_comm, T_compute) / T_total (1.0: perfect overlap)."""
         ev = self.events
         total = max((e.end for e in ev), default=0.0) - min((e.start for e in ev), default=0.0)
-        by_kind = {k: _covered(_union([(e.start, e.end) for e in ev if e.kind == k])) for k in KINDS}
-        busy = _union([(e.start, e.end) for e in ev if e.kind in ("gemm", "compute")])
+        spans = {k: _union([(e.start, e.end) for e in ev if e.kind == k]) for k in KINDS}
+        by_kind = {k: _covered(u) for k, u in spans.items()}
+        busy = _union(spans["gemm"] + spans["compute"])
         compute = _covered(busy)
-        comm = _union([(e.start, e.end) for e in ev if e.kind == "communication"])
-        exposed = sum(_uncovered(iv, busy) for iv in comm)  # (of the union: concurrent ones count once)
+        exposed = sum(_uncovered(iv, busy) for iv in spans["communication"])  # (concurrent ones count once)
         eff = max(by_kind["communication"], compute) / total if total > 0 else 1.0
         return {"steps": len(ev), "total_s": total, "communication_s": by_kind["communication"],
                 "gemm_s": by_kind["gemm"], "compute_s": by_kind["compute"], "copy_s": by_kind["copies"],
