@@ -269,7 +269,8 @@ def _start_ready(steps, queues, running, issued, start, end, t) -> int:
 @dataclass(frozen=True)
 class Prediction:
     """A plan's predicted call: total_s (call_s + until the last step ends or is issued) and the
-    steps as timeline Events (rank 0, call 0, device 0: it stands for every device of the SPMD plan)."""
+    steps as timeline Events (rank 0, call 0; each on every device of the mesh: the plan is SPMD,
+    and the one simulated device stands for each, so every device gets its track)."""
 
     plan_name: str
     total_s: float
@@ -291,7 +292,7 @@ def predict(prog, rates: Rates, local: int = 1, share: int = 1) -> Prediction:
     for (host cost per step x local); share: devices whose compute shares one engine."""
     steps = steps_of(prog, rates, local, share)
     times = schedule(steps, rates)
-    devices = prog.mesh.devices[:1]
+    devices = tuple(prog.mesh.devices)
     events = tuple(Event(0, 0, k, devices, str(s.stream), s.text, kind_of(s.op), a, b)
                    for k, (s, (a, b)) in enumerate(zip(steps, times)))
     last = max([b for _, b in times] + [sum(s.host for s in steps)])

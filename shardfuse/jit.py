@@ -211,10 +211,10 @@ class Jitted:
         # hot path: the plan for these argument kinds, found by a cheap key (no TensorSpec built)
         try:
             infos = tuple(None if isinstance(a, Array) else array_info(a) for a in args)
-        except TypeError:
+        except (TypeError, ValueError) as e:
             if any(isinstance(a, Traced) for a in args):
                 return self._inline(args, kwargs, stream)
-            raise
+            raise self._argument_error(args, e) from None
         if kwargs:
             raise TypeError(f"{self.__name__}() takes its arrays positionally; got keyword argument(s) "
                             f"{', '.join(kwargs)} (a parameter with a default keeps it when not given)")
@@ -231,6 +231,19 @@ class Jitted:
             else:
                 self._plans.move_to_end(hit[0])
         return hit[1](*args, stream=stream, infos=infos)
+
+    def _argument_error(self, args, error):
+        """`error` (array_info's, for one of args) naming the parameter it is about."""
+        import inspect
+
+        names = list(inspect.signature(self.fn).parameters)
+        names += [f"#{k}" for k in range(len(names), len(args))]
+        for k, a in enumerate(args):
+            try:
+                isinstance(a, Array) or array_info(a)
+            except type(error):
+                return type(error)(f"{self.__name__}(): argument {names[k]} (position {k}): {error}")
+        return error
 
     def _positional(self, args, kwargs) -> tuple:
         """Arrays given by keyword, bound as Python binds them, as the positional arguments the

@@ -60,10 +60,6 @@ class Layout:
                 return i
         return None
 
-    def used_mesh_axes(self) -> set:
-        """Mesh axes that shard some tensor axis or hold a pending sum."""
-        return {n for a in self.placement().axes for n in mesh_axes(a)} | set(self.partial)
-
     def stream_axis(self):
         return self.axes.index(STREAM) if STREAM in self.axes else None
 

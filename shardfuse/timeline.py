@@ -147,6 +147,7 @@ class Timeline:
                 ax.broken_barh([(e.start * 1e3, max(e.duration * 1e3, 1e-6))], (index[(e.rank, d, e.stream)] - 0.4, 0.8),
                                color=COLORS[e.kind])
         ax.set_yticks(range(len(rows)), [f"rank {r} dev {d} stream {s}" for r, d, s in rows])
+        ax.invert_yaxis()  # the first device's main stream on top, as Nsight Systems orders them
         ax.set_xlabel("ms")
         ax.set_title(f"{self.plan_name}: {self.summary()['overlap_efficiency']:.2f} overlap efficiency")
         from matplotlib.patches import Patch

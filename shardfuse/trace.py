@@ -51,19 +51,20 @@ class Traced:
         if not isinstance(other, Traced) or other.builder is not self.builder:
             raise TypeError(f"{what}: both operands must be values of the traced function, got {type(other).__name__}")
         if other.dtype != self.dtype:
-            raise TypeError(f"{what}: dtypes do not match: {self.dtype} and {other.dtype}")
+            raise TypeError(f"{what} of {self.value.name} and {other.value.name}: dtypes do not match: {self.dtype} "
+                            f"and {other.dtype}")
         return other
 
     def __matmul__(self, other):
         b = self._other(other, Op.MATMUL)
-        sa, sb = self.shape, b.shape
+        sa, sb, na, nb = self.shape, b.shape, self.value.name, b.value.name  # (the parameters' names for inputs)
         if len(sa) < 2 or len(sb) < 2:
-            raise ValueError(f"matmul needs operands of at least 2 axes, got shapes {sa} and {sb}")
+            raise ValueError(f"matmul needs operands of at least 2 axes, got {na}{sa} and {nb}{sb}")
         if sa[-1] != sb[-2]:
-            raise ValueError(f"matmul contraction sizes differ: a{sa} has K={sa[-1]} on its last axis, "
-                             f"b{sb} has K={sb[-2]} on its second-to-last axis")
+            raise ValueError(f"matmul {na} @ {nb}: contraction sizes differ: {na}{sa} has K={sa[-1]} on its last "
+                             f"axis, {nb}{sb} has K={sb[-2]} on its second-to-last axis")
         if len(sb) > 2 and sb[:-2] != sa[:-2]:
-            raise ValueError(f"matmul batch axes differ: a{sa} and b{sb}")
+            raise ValueError(f"matmul {na} @ {nb}: batch axes differ: {na}{sa} and {nb}{sb}")
         out = TensorType(sa[:-1] + (sb[-1],), self.dtype)
         return self.builder.emit(Op.MATMUL, (self, b), out, "c")
 
@@ -77,7 +78,8 @@ class Traced:
         try:
             shape = tuple(np.broadcast_shapes(self.shape, b.shape))
         except ValueError:
-            raise ValueError(f"{op}: shapes {self.shape} and {b.shape} do not broadcast") from None
+            raise ValueError(f"{op} of {self.value.name} and {b.value.name}: shapes {self.shape} and {b.shape} do not "
+                             "broadcast") from None
         return self.builder.emit(op, (self, b), TensorType(shape, self.dtype), op[0])
 
     def _unary(self, op, **attrs):
@@ -86,20 +88,18 @@ class Traced:
     def __add__(self, other):
         return self._elementwise(other, Op.ADD)
 
+    __radd__ = __add__  # (c + x: reflected only for scalars, and + commutes)
+
     def __sub__(self, other):
         return self._elementwise(other, Op.SUB)
 
     def __mul__(self, other):
         return self._elementwise(other, Op.MUL)
 
+    __rmul__ = __mul__
+
     def __truediv__(self, other):
         return self._elementwise(other, Op.DIV)
-
-    def __rmul__(self, other):
-        return self._elementwise(other, Op.MUL)
-
-    def __radd__(self, other):
-        return self._elementwise(other, Op.ADD)
 
     def __rsub__(self, other):  # c - x
         if not _is_scalar(other):

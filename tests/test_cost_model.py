@@ -105,7 +105,9 @@ def test_a_prediction_is_a_timeline():
     tl = pred.timeline()
     assert len(tl) == 9 and {e.stream for e in tl.events} == {"main", "0", "1"}
     assert any("Allgather" in e.text and "[i=1]" in e.text for e in tl.events)
-    assert len([e for e in tl.to_chrome_trace()["traceEvents"] if e["ph"] == "X"]) == 9  # device 0 for all
+    trace = tl.to_chrome_trace()["traceEvents"]
+    assert len([e for e in trace if e["ph"] == "X"]) == 2 * 9  # each step on each device's track
+    assert {e["args"]["name"] for e in trace if e["name"] == "process_name"} == {"rank 0 device 0", "rank 0 device 1"}
 
 
 def test_calibration_fits_one_figure_to_a_measured_time_either_way():

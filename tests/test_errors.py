@@ -17,7 +17,7 @@ def seed(a, b):
 
 
 def test_contraction_sizes_differ(mesh):
-    with pytest.raises(ValueError, match=r"contraction sizes differ: a\(8, 4, 16, 32\) has K=32.*b\(33, 24\) has K=33"):
+    with pytest.raises(ValueError, match=r"matmul a_1 @ b: contraction sizes differ: a_1\(8, 4, 16, 32\) has K=32.*b\(33, 24\) has K=33"):
         sf.jit(seed, mesh=mesh).lower(T((8, 4, 16, 32)), T((33, 24)))
 
 
@@ -103,3 +103,17 @@ def test_ranks_at_different_collective_steps_are_told_so():
     assert "rank(s) 1 at plan 'f'" in msg and "sets up its backend" in msg
     same = describe_mismatch(["plan 'f'\nmesh\nplan f(x: f64[8, 3])", "plan 'f'\nmesh\nplan f(x: f64[8, 2])"], "plan 'f'")
     assert "different versions of plan 'f'" in same and "line 2:" in same and "f64[8, 2]" in same
+
+
+def test_a_bad_argument_is_named_by_its_parameter(mesh):
+    @sf.jit(mesh=mesh)
+    def f(x, weight):
+        return x @ weight
+
+    a = np.random.default_rng(0).standard_normal((8, 4))
+    with pytest.raises(TypeError, match=r"^f\(\): argument weight \(position 1\): expected an array .*got str"):
+        f(a, "w")
+    with pytest.raises(TypeError, match=r"^f\(\): argument weight \(position 1\): a int"):
+        f(a, weight=3)
+    with pytest.raises(ValueError, match=r"^matmul x @ weight: contraction sizes differ"):
+        f(a, a)
