@@ -163,8 +163,8 @@ class CupyNcclBackend:
     def bind_elementwise(self, op, a, b, out, stream, scalar=None):
         return kernels.bind_elementwise(self.dev, self.kernels, op, a, b, out, stream, scalar)
 
-    def bind_sum(self, a, axis, out, stream):
-        return kernels.bind_sum(self.dev, self.kernels, a, axis, out, stream)
+    def bind_sum(self, a, axis, out, stream, scale=1.0):
+        return kernels.bind_sum(self.dev, self.kernels, a, axis, out, stream, scale)
 
     def bind_copy(self, src, dst, stream):
         return copies.bind_copy(self.dev, src, dst, stream)

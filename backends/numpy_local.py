@@ -35,6 +35,7 @@ ELEMENTWISE = {
     Op.MUL: lambda xp, x, y, o: xp.multiply(x, y, out=o),
     Op.DIV: lambda xp, x, y, o: xp.divide(x, y, out=o),
     Op.SCALE: lambda xp, x, s, o: xp.multiply(x, x.dtype.type(s), out=o),
+    Op.DIV_SCALAR: lambda xp, x, s, o: xp.divide(x, x.dtype.type(s), out=o),
     Op.ADD_SCALAR: lambda xp, x, s, o: xp.add(x, x.dtype.type(s), out=o),
     Op.RDIV: lambda xp, x, s, o: xp.divide(x.dtype.type(s), x, out=o),
     Op.NEG: lambda xp, x, _, o: xp.negative(x, out=o),
@@ -115,10 +116,15 @@ class NumpyLocalBackend:
                 fn(np, x, y, o)
         return step
 
-    def bind_sum(self, a, axis, out, stream):
+    def bind_sum(self, a, axis, out, stream, scale=1.0):
+        """16-bit values summed in float32 (as on GPUs: NumPy sums bfloat16 in bfloat16), and scaled
+        before they are rounded back (a float16 mean whose sum would overflow does not)."""
+        acc = np.float64 if out.dtype == "float64" else np.float32
+
         def step(bufs):
             for x, o in zip(self._views(bufs, a), self._views(bufs, out)):
-                np.sum(x, axis=axis, out=o)
+                s = np.sum(x, axis=axis, dtype=acc)
+                o[...] = s if scale == 1.0 else s * scale
         return step
 
     def bind_copy(self, src, dst, stream):

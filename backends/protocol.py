@@ -88,7 +88,7 @@ class Backend(Protocol):
     # compute steps
     def bind_matmul(self, a, b, out, stream): """Step: out = a @ b (batched over leading axes)."""
     def bind_elementwise(self, op, a, b, out, stream, scalar=None): """Step: out = op(a[, b]); op an ops.Op of ops.ELEMENTWISE."""
-    def bind_sum(self, a, axis, out, stream): """Step: out = a.sum(axis)."""
+    def bind_sum(self, a, axis, out, stream, scale=1.0): """Step: out = a.sum(axis) * scale, 16-bit summed in float32."""
     def bind_copy(self, src, dst, stream): """Step: dst[...] = src (any strides)."""
 
     # streams and events

@@ -142,14 +142,13 @@ def reduce(x, axis, mean: bool, out):
     if out is not None:
         raise TypeError("sf.Array reductions return a new sf.Array: out= is not supported")
     axes = sorted(_axes(axis, x), reverse=True)
-    scale = 1.0 / math.prod(x.shape[a] for a in axes) if mean else None
 
     def reduction(v):
-        for a in axes:
-            v = v.sum(a)
-        return v if scale is None else v * scale
+        for a in axes:  # (a mean of means: each scaled before it is rounded)
+            v = v.mean(a) if mean else v.sum(a)
+        return v
 
-    return run(reduction, (x,), (Op.SUM, tuple(axes), scale), "mean" if mean else str(Op.SUM))
+    return run(reduction, (x,), (Op.SUM, tuple(axes), mean), "mean" if mean else str(Op.SUM))
 
 
 def _index(key, shape) -> tuple:

@@ -180,7 +180,8 @@ class Executable:
         return stream
 
     def _bind_sum(self, i, env, stream):
-        self.steps.append(self.backend.bind_sum(self.refs[i.ins[0]], i.attrs["axis"], self.refs[i.into], stream))
+        self.steps.append(self.backend.bind_sum(self.refs[i.ins[0]], i.attrs["axis"], self.refs[i.into], stream,
+                                                i.attrs.get("factor", 1.0)))
         return stream
 
     def _bind_copy(self, i, env, stream):

@@ -22,6 +22,7 @@ class Op(StrEnum):
     DIV = "div"
     NEG = "neg"
     SCALE = "scale"  # x * a Python scalar
+    DIV_SCALAR = "div_scalar"  # x / a Python scalar (not x * (1 / c): 1 / c may not fit x's dtype)
     ADD_SCALAR = "add_scalar"  # x + a Python scalar (not linear: a pending sum must be made whole first)
     RDIV = "rdiv"  # a Python scalar / x
     EXP = "exp"
@@ -56,7 +57,7 @@ class Op(StrEnum):
 
 BINARY = frozenset({Op.ADD, Op.SUB, Op.MUL, Op.DIV})
 NONLINEAR_UNARY = frozenset({Op.EXP, Op.TANH, Op.RELU, Op.GELU, Op.ADD_SCALAR, Op.RDIV})
-LINEAR_UNARY = frozenset({Op.NEG, Op.SCALE})  # commute with a pending sum
+LINEAR_UNARY = frozenset({Op.NEG, Op.SCALE, Op.DIV_SCALAR})  # commute with a pending sum
 ELEMENTWISE = BINARY | NONLINEAR_UNARY | LINEAR_UNARY
 # Collectives: started by one step and completed by its Wait; each has a `team` (mesh axis).
 COLLECTIVES = frozenset({Op.ALLGATHER, Op.ALLREDUCE, Op.REDUCE_SCATTER, Op.ALLTOALL, Op.SENDRECV})

@@ -18,7 +18,7 @@ from shardfuse.mesh import STREAM
 from shardfuse.ops import Op
 from shardfuse import ops
 
-LINEAR_UNARY = {Op.NEG, Op.SCALE, Op.TRANSPOSE}
+LINEAR_UNARY = {Op.NEG, Op.SCALE, Op.DIV_SCALAR, Op.TRANSPOSE}
 NONLINEAR_UNARY = set(ops.NONLINEAR_UNARY)
 BINARY = {Op.ADD, Op.SUB, Op.MUL, Op.DIV}
 

@@ -7,6 +7,7 @@ errors are raised here, at trace time, so nothing runs before they are found.
 from __future__ import annotations
 
 import inspect
+import math
 
 import numpy as np
 
@@ -72,7 +73,7 @@ class Traced:
         if _is_scalar(other):  # x op c: a scalar op on x (c the same on every device)
             c = float(other)
             if op in (Op.MUL, Op.DIV):
-                return self._unary(Op.SCALE, value=c if op == Op.MUL else 1.0 / c)
+                return self._unary(Op.SCALE, value=c) if op == Op.MUL else self._unary(Op.DIV_SCALAR, value=c)
             return self._unary(Op.ADD_SCALAR, value=c if op == Op.ADD else -c)
         b = self._other(other, op)
         try:
@@ -127,13 +128,18 @@ class Traced:
         return self._unary(Op.NEG)
 
     def sum(self, axis: int):
-        ax = normalize_axis(axis, self.ndim, self.shape)
-        out = TensorType(self.shape[:ax] + self.shape[ax + 1:], self.dtype)
-        return self.builder.emit(Op.SUM, (self,), out, "s", axis=ax)
+        return self._sum(axis, {})
 
     def mean(self, axis: int):
+        """The sum scaled by 1 / n in one step, before it is rounded to a 16-bit dtype (a float16
+        sum can overflow where the mean does not); NaN for an empty axis, as NumPy gives."""
+        n = self.shape[normalize_axis(axis, self.ndim, self.shape)]
+        return self._sum(axis, {"factor": 1.0 / n if n else math.nan})
+
+    def _sum(self, axis, attrs):
         ax = normalize_axis(axis, self.ndim, self.shape)
-        return self.sum(ax) * (1.0 / self.shape[ax])
+        out = TensorType(self.shape[:ax] + self.shape[ax + 1:], self.dtype)
+        return self.builder.emit(Op.SUM, (self,), out, "s", axis=ax, **attrs)
 
     def transpose(self, *perm):
         perm = tuple(perm[0]) if len(perm) == 1 and isinstance(perm[0], (tuple, list)) else perm

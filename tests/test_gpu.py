@@ -280,6 +280,19 @@ def test_elementwise_and_sum(mesh, dtype):
         assert np.linalg.norm(got - ref) / np.linalg.norm(ref) <= tol * (8 if ref.ndim == 1 else 1)
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_means_whose_sums_overflow_and_division_by_small_scalars(mesh, dtype):
+    # a mean is one scaled sum (float16's sum of these overflows, its mean does not); x / c divides
+    r = rng()
+    xs = (30 + r.random((8, 4096))).astype(np_dtype(dtype))
+    for f in (lambda a: a.mean(1), lambda a: sf.shard(a, 1).mean(1)):
+        got = f64(sf.jit(f, mesh=mesh)(xs).gather())
+        np.testing.assert_allclose(got, f64(xs).mean(1), rtol=8e-3)
+    small = (0.1 + 0.4 * r.random((4, 8))).astype(xs.dtype)
+    got = f64(sf.jit(lambda a: a / 1e-5, mesh=mesh)(small).gather())
+    np.testing.assert_allclose(got, f64(small) / 1e-5, rtol=8e-3)
+
+
 # ---- the backend's GEMM binding on strided views: transposes, batches, broadcast -------------------
 def _strided(shape, order):
     st, acc = [0] * len(shape), 1

@@ -137,3 +137,55 @@ def test_ring_with_b_sharded_on_k_is_refused_at_compile_time():
                                             1, algorithm="ring"), mesh=mesh)
     with pytest.raises(ValueError, match="whole along K"):
         f.lower(x0, x1, x2)
+
+
+# ---- found by a new-user probe (2026-12-05) --------------------------------------------------
+
+@pytest.mark.parametrize("streams", [1, 4])
+@pytest.mark.parametrize("d", [1, 2])
+def test_a_staged_copy_inside_a_stream_loop_gets_a_buffer_per_stream(d, streams):
+    # the staging copy of a strided reshape was allocated inside the loop and never bound
+    x = rng().standard_normal((2, 3, 2))
+    check(lambda x: sf.stream(x.transpose(1, 0, 2).reshape(6, 2), axis=1), sf.DeviceMesh(d, backend="numpy"),
+          (x,), x.transpose(1, 0, 2).reshape(6, 2), streams)
+
+
+@pytest.mark.parametrize("dtype", [np.float16, np.float64])
+def test_dividing_by_a_small_scalar_divides(dtype):
+    # x / c was x * (1 / c), and 1 / c overflowed the dtype: inf where NumPy is finite
+    mesh = sf.DeviceMesh(2, backend="numpy")
+    x = (0.1 + 0.4 * rng().random((4, 2))).astype(dtype)  # x / c within float16's range
+    c = 1e-5 if dtype == np.float16 else 1e-310  # 1 / c overflows the dtype
+    x = x if dtype == np.float16 else x * 1e-300
+    for got in (sf.jit(lambda a: a / c, mesh=mesh)(x), sf.shard(x, 0, mesh=mesh) / c):
+        np.testing.assert_array_equal(got.gather(), x / dtype(c))
+        assert np.isfinite(got.gather()).all()
+    with np.errstate(divide="ignore"):
+        assert np.isinf(sf.jit(lambda a: a / 0, mesh=mesh)(x).gather()).all()  # as NumPy, not ZeroDivisionError
+
+
+@pytest.mark.parametrize("sharded", [False, True])
+def test_16_bit_sums_and_means_accumulate_in_float32_whatever_the_layout(sharded):
+    import ml_dtypes
+
+    mesh = sf.DeviceMesh(4, backend="numpy")
+    x = (30 + rng().random((8, 4096))).astype(np.float16)  # its sums overflow float16, its means do not
+    y = (1 + 0.1 * rng().random((8, 4096))).astype(ml_dtypes.bfloat16)
+    place = (lambda a: sf.shard(a, 1)) if sharded else (lambda a: a)
+    mean = sf.jit(lambda a: place(a).mean(1), mesh=mesh)(x).gather()
+    np.testing.assert_allclose(mean.astype(np.float64), x.astype(np.float64).mean(1), rtol=2 ** -10)
+    total = sf.jit(lambda a: place(a).sum(1), mesh=mesh)(y).gather()  # NumPy's own bfloat16 sum gives 512
+    np.testing.assert_allclose(total.astype(np.float64), y.astype(np.float64).sum(1), rtol=2 ** -7)
+    assert np.isnan(sf.jit(lambda a: a.mean(1), mesh=mesh)(np.ones((3, 0))).gather()).all()
+
+
+def test_ring_over_a_batch_axis_with_a_batched_b_is_refused_before_it_runs():
+    mesh = sf.DeviceMesh(2, backend="numpy")
+    a, b = rng().standard_normal((2, 4, 3)), rng().standard_normal((2, 3, 5))
+    f = sf.jit(lambda a, b: sf.stream(sf.shard(a, 0) @ b, axis=0, algorithm="ring"), mesh=mesh)
+    with pytest.raises(ValueError, match=r"algorithm='ring' streams the batch axis .* has batch axes too"):
+        f.lower(a, b)
+    g = sf.jit(lambda a, b: sf.stream(a @ b, axis=1, chunks=2), mesh=mesh)
+    with pytest.raises(ValueError, match=r"on the row axis 1 of c = a @ b, whose B has batch axes, is not supported"):
+        g.lower(a, b)
+    check(lambda a, b: sf.stream(sf.shard(a, 0) @ b, axis=0), mesh, (a, b), a @ b)  # the batch axis streams

@@ -109,9 +109,32 @@ def bind_elementwise(dev, kernels, op, a, b, out, stream, scalar=None):
     return dev.per_device(refs, stream, body)
 
 
-def bind_sum(dev, kernels, a, axis, out, stream):
-    """Step: out = a.sum(axis); bfloat16 reduced in float32, rounded once."""
+def bind_sum(dev, kernels, a, axis, out, stream, scale=1.0):
+    """Step: out = a.sum(axis) * scale; 16-bit reduced in float32, float16 scaled there before it
+    is rounded (a mean whose sum would overflow float16 does not); bfloat16 rounded once unscaled."""
     if out.dtype == "bfloat16":
         kern = kernels.bf16_sum()
-        return dev.per_device((a, out), stream, lambda j, x, o: kern(x, o, axis=axis))
-    return dev.per_device((a, out), stream, lambda j, x, o: cupy.sum(x, axis=axis, out=o))
+        if scale == 1.0:
+            return dev.per_device((a, out), stream, lambda j, x, o: kern(x, o, axis=axis))
+        to32, to16, t = kernels.to_f32(), kernels.to_bf16(), dev.f32_scratch(out)
+
+        def scaled_bf16(j, x, o):
+            kern(x, o, axis=axis)
+            to32(o, t[j])
+            cupy.multiply(t[j], scale, out=t[j])
+            to16(t[j], o)
+        return dev.per_device((a, out), stream, scaled_bf16)
+    if out.dtype == "float16":
+        t = dev.f32_scratch(out)
+
+        def half(j, x, o):
+            cupy.sum(x, axis=axis, dtype=cupy.float32, out=t[j])
+            cupy.multiply(t[j], scale, out=o)
+        return dev.per_device((a, out), stream, half)
+    if scale == 1.0:
+        return dev.per_device((a, out), stream, lambda j, x, o: cupy.sum(x, axis=axis, out=o))
+
+    def scaled(j, x, o):
+        cupy.sum(x, axis=axis, out=o)
+        cupy.multiply(o, scale, out=o)
+    return dev.per_device((a, out), stream, scaled)

@@ -67,14 +67,17 @@ def allocate_buffers(prog):
         if i.op == Op.ALLOCATE:
             out.append(replace(i, attrs={**i.attrs, "per_call": i.outs[0] in roots}))
         elif i.op == Op.FOR:
-            out.extend(_hoist(i, min(prog.streams, i.attrs["extent"]), roots, namer))
+            out.extend(hoist_allocations(i, prog.streams, roots, namer))
         else:
             out.append(i)
     out, outputs = _copy_aliased_outputs(prog, out, namer)
     return prog.with_instrs(out, "allocate_buffers", outputs=outputs)
 
 
-def _hoist(loop, nstreams, roots, namer):
+def hoist_allocations(loop, streams, roots, namer) -> list:
+    """The loop's allocations moved before it (a pool per stream, or the whole of a result),
+    then the loop; `roots`: the buffers program outputs are views of."""
+    nstreams = min(streams, loop.attrs["extent"])
     pre, body = [], []
     results = loop.attrs["results"]
     for b in loop.body:

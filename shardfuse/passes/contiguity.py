@@ -13,7 +13,7 @@ from dataclasses import replace
 
 from shardfuse.ir import Instr, Namer, Value, local_shape
 from shardfuse.ops import Op
-from shardfuse.passes.allocate import mark_per_call
+from shardfuse.passes.allocate import hoist_allocations, mark_per_call, output_roots
 from shardfuse.strides import contiguous_strides, ordered_strides, reshape_strides
 
 
@@ -21,6 +21,9 @@ def stage_strided_views(prog):
     namer = Namer.for_program(prog)
     strides: dict = {}
     staged = replace(prog, instrs=tuple(_walk(prog.instrs, strides, prog.mesh, namer)))
+    roots = output_roots(staged)  # a staging buffer inside a stream loop: a pool per stream, as any other there
+    staged = replace(staged, instrs=tuple(x for i in staged.instrs for x in (
+        hoist_allocations(i, prog.streams, roots, namer) if i.op == Op.FOR else (i,))))
     return prog.with_instrs(mark_per_call(staged), "stage_strided_views")  # an output may now view a staging buffer
 
 

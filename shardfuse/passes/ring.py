@@ -59,6 +59,10 @@ def _ring_block(mm, gather, prog, namer):
             f"whole along K: here {a.name} is {a.type.layout.placements(prog.mesh)} and B {b.name} is "
             f"{b_lay.placements(prog.mesh)}, so the matmul would contract a sharded K instead; replicate B "
             f"(sf.replicate(b)) or shard it on N, or use the default algorithm")
+    if b.type.ndim > 2 and ka < a.type.ndim - 2:
+        raise ValueError(f"algorithm='ring' streams the batch axis {ka} of {a.name}, but B {b.name}{b.type.shape} has "
+                         "batch axes too, so each block of A would need its own block of B: use the default "
+                         "algorithm, or a 2-D B")
     d = prog.mesh.axis_size(team)
     if c.type.shape[k] != d:
         raise ValueError(f"algorithm='ring': the stream axis of {c.name} must have one chunk per device ({d}), "

@@ -70,6 +70,10 @@ def split_stream_axes(prog):
             continue
         if i.op == Op.MATMUL and amap[0] is None:
             raise ValueError("sf.stream(..., chunks=) on the N axis of a matmul is not supported: stream a row or batch axis")
+        if i.op == Op.MATMUL and amap[1] is None and i.ins[1].type.ndim > 2:  # (B's batch axes would not line up)
+            raise ValueError(f"sf.stream(..., chunks=) on the row axis {k} of {o.name} = {i.ins[0].name} @ "
+                             f"{i.ins[1].name}, whose B has batch axes, is not supported: stream a batch axis, or the "
+                             "rows of a matmul with a 2-D B")
         sharded = {v.type.layout.axes[a] for v, a in zip(i.ins, amap) if a is not None} - {None, STREAM}
         if lay.stream_over:
             sharded.add(lay.stream_over)

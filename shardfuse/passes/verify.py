@@ -49,6 +49,9 @@ def _check_block(instrs, defined, prog, top):
             _check(v in defined, f"{v.name} is used by {i.op} before it is defined (or outside its loop)")
         for v in (*i.values(), *i.outs):
             _check_local_shape(v, prog)
+        if i.op == Op.ALLOCATE:
+            _check(top, f"Allocate {i.outs[0].name} inside a stream loop: every buffer is allocated before it (a "
+                        "pool per stream, passes/allocate.py), else none is bound")
         if i.op == Op.SLICE:
             src = i.ins[0].type.layout.placement()
             _check(src.axes[i.attrs["axis"]] is None,
@@ -62,6 +65,7 @@ def _check_block(instrs, defined, prog, top):
         if i.op == Op.MATMUL:
             a, b = (v.type.shape for v in i.ins)
             want = a[:-1] + (b[-1],)
+            _check(len(b) == 2 or a[:-2] == b[:-2], f"Matmul {i.into.name} <- {a} @ {b}: the batch axes differ")
             _check(i.into.type.shape == want, f"Matmul {i.into.name}{i.into.type.shape} <- {a} @ {b}: expected {want}")
             la, lb = (local_shape(v, prog.mesh) for v in i.ins)
             _check(la[-1] == lb[-2], f"Matmul {i.into.name} <- {i.ins[0].name} @ {i.ins[1].name}: local K differs "
