@@ -273,7 +273,10 @@ def reshape_infer(ins, lays):
 def reshape_require(ins, out, lays):
     src, dst = ins.ins[0].type.shape, ins.outs[0].type.shape
     out_axes = _unshard(out.axes, set(lays[0].partial))
-    axes = _map_reshape(dst, [_placed(a) for a in out_axes], src, _mesh_size(ins), False)
+    try:
+        axes = _map_reshape(dst, [_placed(a) for a in out_axes], src, _mesh_size(ins), False)
+    except ValueError:  # no sharding of the input gives this result's: reshape it as it is, then
+        return (lays[0],), reshape_infer(ins, lays)  # reshard the result (R -> S: a local slice)
     return (Layout(tuple(axes), lays[0].partial),), Layout(tuple(out_axes), _union(out.partial, lays[0].partial),
                                                           out.chunks, out.stream_over)
 

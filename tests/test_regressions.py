@@ -189,3 +189,12 @@ def test_ring_over_a_batch_axis_with_a_batched_b_is_refused_before_it_runs():
     with pytest.raises(ValueError, match=r"on the row axis 1 of c = a @ b, whose B has batch axes, is not supported"):
         g.lower(a, b)
     check(lambda a, b: sf.stream(sf.shard(a, 0) @ b, axis=0), mesh, (a, b), a @ b)  # the batch axis streams
+
+
+@pytest.mark.parametrize("between", [lambda v: v, sf.replicate, lambda v: v * 1.0])
+def test_a_reshaped_replicated_value_is_sharded_after_the_reshape(between):
+    # the sharding was pushed into the reshape's input, whose rows (3) two devices do not divide
+    x = rng().standard_normal((3, 4))
+    out = check(lambda x: sf.shard(between(x.reshape(12)), axis=0), sf.DeviceMesh(2, backend="numpy"), (x,),
+                x.reshape(12))
+    assert out.placements == (sf.Shard(0),)
