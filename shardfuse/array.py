@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from shardfuse import faults
 from shardfuse.array_ops import ArrayOps, reshard
 from shardfuse.interop import array_info, check_input, stream_ptr
 from shardfuse.layout import Layout, layout_of
@@ -102,10 +103,9 @@ class Array(Placed, ArrayOps):  # operators, ufuncs, reductions, indexing: array
         MPI), in the same order as its other collectives; a process that skips it leaves the
         others waiting."""
         pieces = list(zip(self.mesh.local_devices, backend_of(self.mesh).to_host(self.shards)))
-        if self.mesh.nprocs > 1:
-            from mpi4py import MPI
-
-            pieces = [p for part in MPI.COMM_WORLD.allgather(pieces) for p in part]
+        if self.mesh.nprocs > 1:  # (with the deadline; a rank at another step raises RankMismatchError)
+            what = f"gather() of an sf.Array {self.dtype_name}{list(self.shape)} {self.placements}"
+            pieces = [p for part in faults.allgather_object(pieces, what) for p in part]
         lay = self.sharding
         mesh = lay.mesh or self.mesh
         out = np.zeros(self.shape, self.dtype)
@@ -242,12 +242,11 @@ def from_local(local_piece, axis: int, over: str = "DIDx", mesh=None):
     if len(mesh.shape) != 1:
         raise NotImplementedError("sf.from_local supports 1-D meshes for now")
     mesh.axis_index(over)
-    if mesh.nprocs > 1:
-        from mpi4py import MPI
-
-        seen = MPI.COMM_WORLD.allgather((info.shape, info.dtype))
+    if mesh.nprocs > 1:  # every rank's piece, axis and mesh axis must agree: else each builds another array
+        seen = faults.allgather_object((info.shape, info.dtype, ax, over), "sf.from_local")
         if len(set(seen)) != 1:
-            raise ValueError(f"sf.from_local: processes passed pieces of different shapes/dtypes: {seen}")
+            raise ValueError("sf.from_local: processes passed pieces of different shapes/dtypes or different axis=/over=: "
+                             + ", ".join(f"rank {r}: {s} {d} axis={a} over={o!r}" for r, (s, d, a, o) in enumerate(seen)))
     L = len(mesh.local_devices)
     if info.shape[ax] % L:
         raise ValueError(f"local piece axis {ax} of extent {info.shape[ax]} cannot be split over {L} local devices")

@@ -136,9 +136,7 @@ def compile_best(fn, mesh, specs, streams, machine) -> tuple:
         if c.total_s < best.total_s * (1 - AUTO_MARGIN):
             best = c
     if mesh.nprocs > 1:  # every rank must run the same plan: rank 0's choice (from its rates) holds
-        from mpi4py import MPI
-
-        s = faults.allgather_object(MPI.COMM_WORLD, best.s, f"choosing chunks='auto' for {traced.name!r}")[0]
+        s = faults.allgather_object(best.s, f"choosing chunks='auto' for {traced.name!r}")[0]
         best = next(c for c in ok if c.s == s)
     why = Explanation(traced.name, rates.name, tuple(cands), best.s, True,
                       reason(best, ok, rates, _kinds(progs[best.s]), streams))

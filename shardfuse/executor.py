@@ -39,8 +39,9 @@ class Executable:
             # other ones (a hang, or garbage).  Checked once per plan and before binding,
             # which already communicates (sub-communicators, NCCL ids): different shapes,
             # dtypes, chunks, functions, algorithms or meshes all print different texts.
-            faults.agree(f"mesh {mesh!r} shape={mesh.shape} axes={mesh.axis_names} devices={mesh.devices} "
-                         f"processes={mesh.nprocs} graph={graph}\n{prog}", f"plan {prog.name!r}")
+            self.agreement = (f"mesh {mesh!r} shape={mesh.shape} axes={mesh.axis_names} devices={mesh.devices} "
+                              f"processes={mesh.nprocs} graph={graph}\n{prog}")
+            faults.agree(self.agreement, f"plan {prog.name!r}")
         with faults.binding(prog.name):
             self._init(prog, backend_of(mesh) if backend is None else backend, graph)
 
@@ -287,10 +288,16 @@ class Executable:
         the caller's stream (stream=, or CuPy's current stream), and that stream then waits for
         the plan's outputs: the caller's work before and after the call is ordered with it."""
         infos = check_args(self.prog, args, self.backend, self.accepted, infos)
-        if self.mesh.nprocs > 1:
-            faults.one_thread(f"a call of plan {self.prog.name!r}")
+        self.check_ranks()
         with self.lock:
             return self.run(args, infos, stream)
+
+    def check_ranks(self):
+        """Under mpiexec, at every call (not only the first): every rank calls this very plan.  A
+        rank may pick another plan (a short last batch) or call plans in another order, and MPI
+        would pair their collectives silently: RankMismatchError on every rank instead."""
+        if self.mesh.nprocs > 1:
+            faults.agree(self.agreement, f"plan {self.prog.name!r}")
 
     def run(self, args, infos, stream, issue=None):
         """One call, with self.lock held: place the inputs, issue the steps (or issue(bufs)), return the outputs."""

@@ -1,8 +1,13 @@
 """What the fault handling says: the names of plan steps (as a timeout names the step it waited
-in) and the one message every rank raises when ranks compiled different plans."""
+in), the one message every rank raises when ranks compiled different plans, and how a rank
+that aborts the job gets its last words out."""
 from __future__ import annotations
 
+import os
+import stat
+import sys
 import threading
+import time
 from contextlib import contextmanager
 
 _binding = threading.local()
@@ -71,3 +76,38 @@ def describe_mismatch(texts: list, what: str) -> str:
     lines.append("every rank must call the same function with the same shapes, dtypes, shardings, chunks, "
                  "algorithms and mesh, in the same order")
     return "\n".join(lines)
+
+
+def emit(message: str, drain=(), wait_s: float = 2.0) -> None:
+    """Write to the real stderr and wait until the launcher has read what we wrote: MPICH's
+    hydra drops output still in the pipe when an Abort arrives (seen here: 2 runs in 60 lost
+    the aborting rank's whole output), and the message is the point of aborting.  At most
+    wait_s seconds."""
+    for f in (sys.stdout, sys.stderr):
+        try:
+            f.flush()
+        except Exception:
+            pass
+    if message:
+        try:
+            os.write(2, message.encode("utf-8", "replace"))
+        except OSError:
+            pass
+    deadline = time.monotonic() + wait_s
+    for fd in (1, 2, *drain):
+        while unread(fd) > 0 and time.monotonic() < deadline:
+            time.sleep(0.002)
+
+
+def unread(fd: int) -> int:
+    """Bytes written to pipe `fd` and not yet read by the other end (0 if not a pipe)."""
+    import fcntl
+    import struct
+    import termios
+
+    try:
+        if not stat.S_ISFIFO(os.fstat(fd).st_mode):
+            return 0
+        return struct.unpack("i", fcntl.ioctl(fd, termios.FIONREAD, b"\0\0\0\0"))[0]
+    except (OSError, ValueError):
+        return 0

@@ -6,18 +6,17 @@ failed one: the job hangs.  A rank that calls a different plan (another shape, c
 mesh, ...) pairs its collectives with the wrong ones: a hang, or garbage.  So, once
 shardfuse first touches MPI with more than one process (`install`, from mesh.world()):
 
-* an uncaught exception (main thread or any thread) prints its traceback and calls
-  MPI.COMM_WORLD.Abort, as `python -m mpi4py` would, so every rank ends;
+* an uncaught exception (any thread) prints its traceback and calls MPI.COMM_WORLD.Abort, as
+  `python -m mpi4py` would, so every rank ends;
 * a rank that leaves (its script ends, `sys.exit(any code)`) tells the others (a message on a
-  private communicator) and waits, up to the deadline, for them to leave too.  A rank that is
-  waiting in a shardfuse collective for a rank that has left aborts the job: that collective
-  can never complete.  Ranks that all finish leave normally, with their own exit status;
-* every wait of the NumPy-over-MPI backend, the plan check and the exit polls its requests
-  until SHARDFUSE_TIMEOUT seconds have passed (default 600, like NCCL's watchdog; 0 or less:
-  no deadline).  Then it asks the ranks it waits for where they are (ranks inside a shardfuse
-  wait answer with their step), reports the step and the ranks that did not arrive, and aborts;
-* before a plan's first collective, `agree` checks that every rank compiled the same plan
-  (one 16-byte allgather per plan) and raises RankMismatchError on every rank if not;
+  private communicator) and waits, up to the deadline, for them to leave too.  A rank waiting
+  in a shardfuse collective for a rank that has left aborts the job: it can never complete;
+* every wait of the NumPy-over-MPI backend, the checks and the exit polls its requests until
+  SHARDFUSE_TIMEOUT seconds have passed (default 600, like NCCL's watchdog; 0 or less: none),
+  then asks the ranks it waits for where they are, reports the step and the ranks that did not
+  arrive, and aborts;
+* before every call of a plan (and gather, from_local, ...), `agree` checks that every rank is
+  at the same step (one 16-byte allgather) and raises RankMismatchError on every rank if not;
 * a process' collective calls all come from one thread (`one_thread`): ranks pair collectives
   in the order each issues them, and threads would interleave differently on each rank.
 
@@ -28,13 +27,12 @@ from __future__ import annotations
 import atexit
 import hashlib
 import os
-import stat
 import sys
 import threading
 import time
 import traceback
 
-from shardfuse.fault_messages import binding, describe_mismatch, ranks_text, step_name  # noqa: F401 (binding, step_name: used as faults.*)
+from shardfuse.fault_messages import binding, describe_mismatch, emit, ranks_text, step_name  # noqa: F401 (binding, step_name: used as faults.*)
 
 TIMEOUT_ENV = "SHARDFUSE_TIMEOUT"
 DEFAULT_TIMEOUT = 600.0
@@ -145,14 +143,16 @@ def allgather_bytes(comm, data: bytes, what: str) -> list:
     return [out[offs[k]:offs[k + 1]].tobytes() for k in range(n)]
 
 
-def allgather_object(comm, obj, what: str) -> list:
-    """comm.allgather(obj) with the deadline (for callers that would otherwise block forever)."""
+def allgather_object(obj, what: str) -> list:
+    """Every rank's obj, with the deadline.  The ranks first agree that each is at this step
+    (`what`: RankMismatchError if not), and the exchange runs on a private communicator, so it
+    never pairs with a plan's collective (whose data it would read as its own)."""
     import pickle
 
     if _job is None:
-        return comm.allgather(obj)
-    one_thread(what)
-    return [pickle.loads(b) for b in allgather_bytes(comm, pickle.dumps(obj), what)]
+        return [obj]
+    agree("", what)
+    return [pickle.loads(b) for b in allgather_bytes(_job.fp, pickle.dumps(obj), what)]
 
 
 def barrier(comm, what: str) -> None:
@@ -169,42 +169,8 @@ def abort(message: str, code: int = 1, drain=()) -> None:
 
     if _job is not None:
         _job.aborting = True
-    _emit(message, drain)
+    emit(message, drain, DRAIN_WAIT)
     MPI.COMM_WORLD.Abort(code)
-
-
-def _emit(message: str, drain=()) -> None:
-    """Write to the real stderr and wait until the launcher has read what we wrote: MPICH's
-    hydra drops output still in the pipe when an Abort arrives (seen here: 2 runs in 60 lost
-    the aborting rank's whole output), and the message is the point of aborting."""
-    for f in (sys.stdout, sys.stderr):
-        try:
-            f.flush()
-        except Exception:
-            pass
-    if message:
-        try:
-            os.write(2, message.encode("utf-8", "replace"))
-        except OSError:
-            pass
-    deadline = time.monotonic() + DRAIN_WAIT
-    for fd in (1, 2, *drain):
-        while _unread(fd) > 0 and time.monotonic() < deadline:
-            time.sleep(0.002)
-
-
-def _unread(fd: int) -> int:
-    """Bytes written to pipe `fd` and not yet read by the other end (0 if not a pipe)."""
-    import fcntl
-    import struct
-    import termios
-
-    try:
-        if not stat.S_ISFIFO(os.fstat(fd).st_mode):
-            return 0
-        return struct.unpack("i", fcntl.ioctl(fd, termios.FIONREAD, b"\0\0\0\0"))[0]
-    except (OSError, ValueError):
-        return 0
 
 
 class _Job:
@@ -217,6 +183,7 @@ class _Job:
         # the backend's: ctrl for point-to-point notes (left / where are you), fp for plan checks.
         self.ctrl, self._ctrl_req = world.Idup()
         self.fp, self._fp_req = world.Idup()
+        self.digests: dict = {}  # agreed text -> its hash
         self.left: set = set()  # ranks that told us they are leaving
         self.answers: dict = {}  # rank -> where it said it was (while we ask)
         self.waiting = None  # what this rank waits in now (answered when asked)
@@ -359,15 +326,19 @@ class _Job:
 
         one_thread(f"the check of {what}")
         if self._fp_req is not None:
-            wait(self._fp_req, f"setting up the plan check of {what}", self.world)
+            wait(self._fp_req, f"setting up the check of {what}", self.world)
             self._fp_req = None
         text = f"{what}\n{text}"  # (what each rank is at: ranks at different steps are told so)
-        digest = np.frombuffer(hashlib.blake2b(text.encode(), digest_size=16).digest(), np.uint8)
+        digest = self.digests.get(text)  # (a plan is checked at every call: its text hashed once)
+        if digest is None:
+            digest = np.frombuffer(hashlib.blake2b(text.encode(), digest_size=16).digest(), np.uint8)
+            self.digests = self.digests if len(self.digests) < 256 else {}
+            self.digests[text] = digest
         every = np.empty((self.size, digest.size), np.uint8)
-        wait(self.fp.Iallgather(digest, every), f"the plan check of {what}", self.fp)
+        wait(self.fp.Iallgather(digest, every), f"the check of {what}", self.fp)
         if (every == every[0]).all():
             return
-        texts = [b.decode("utf-8", "replace") for b in allgather_bytes(self.fp, text.encode(), f"the plan check of {what}")]
+        texts = [b.decode("utf-8", "replace") for b in allgather_bytes(self.fp, text.encode(), f"the check of {what}")]
         raise RankMismatchError(describe_mismatch(texts, what))
 
     # -- leaving --------------------------------------------------------------------------

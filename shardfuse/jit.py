@@ -78,9 +78,7 @@ class Plan:
         timeline = Timeline.from_records(exe, profile_steps(exe, args, repeat, nvtx), rank=self.program.mesh.rank)
         mesh = self.program.mesh
         if mesh.nprocs > 1:
-            from mpi4py import MPI
-
-            parts = faults.allgather_object(MPI.COMM_WORLD, timeline.events, f"gathering the profile of {self.program.name!r}")
+            parts = faults.allgather_object(timeline.events, f"gathering the profile of {self.program.name!r}")
             timeline = Timeline([e for part in parts for e in part], self.program.name)
         return timeline
 

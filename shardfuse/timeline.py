@@ -177,6 +177,7 @@ def profile_steps(exe, args, repeat: int = 1, nvtx: bool = False) -> list:
     ref = exe.backend.new_event(timing=True) if on_gpu else None  # recorded once: every call's times from it
     with exe.lock:
         for call in range(repeat):
+            exe.check_ranks()
             push(exe.prog.name)
             try:  # a failing step must not leave Nsight's ranges open
                 if on_gpu:

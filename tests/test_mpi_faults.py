@@ -30,13 +30,20 @@ FAULTS = {
                       r"\[shardfuse rank 1/\d\] uncaught ValueError on this rank"],
     "sys_exit0": [r"rank 1: calling sys\.exit\(0\)",
                   r"RankLeftError: \[shardfuse rank \d/\d\] rank\(s\) 1 left the job .* while this rank waited "
-                  r"for them in allgather #1 of plan '<lambda>'"],
+                  r"for them in the check of plan '<lambda>'"],  # (every call checks that all ranks run it)
+    "exit_in_gather": [r"rank 1: calling sys\.exit\(0\) while the others gather",
+                       r"RankLeftError: .*rank\(s\) 1 left the job .* while this rank "
+                       r"waited for them in the check of gather\(\) of an sf\.Array float64\[8, 3\]"],
     "sys_exit3": [r"rank 1: calling sys\.exit\(3\)", r"RankLeftError: .*rank\(s\) 1 left the job"],
     "os_exit3": [r"rank 1: calling os\._exit\(3\)"],
     "sleep": [r"rank 1: sleeping past the timeout",
-              r"CollectiveTimeoutError: \[shardfuse rank \d/\d\] allgather #1 of plan '<lambda>' over DIDx "
-              r"\(f64\[\d, 3\] per device\) did not complete within 2 s \(SHARDFUSE_TIMEOUT\)",
+              r"CollectiveTimeoutError: \[shardfuse rank \d/\d\] the check of plan '<lambda>' did not complete "
+              r"within 2 s \(SHARDFUSE_TIMEOUT\)",
               r"not arrived: rank\(s\) 1\n +rank 1: no answer"],
+    "sleep_in_step": [r"rank 1: sleeping inside a plan step",
+                      r"CollectiveTimeoutError: \[shardfuse rank \d/\d\] allgather #\d of plan 'g' over DIDx "
+                      r"\(f64\[.*\] per device\) did not complete within 2 s \(SHARDFUSE_TIMEOUT\)",
+                      r"not arrived: rank\(s\) 1\n +rank 1: no answer"],
     "mismatch": [r"RankMismatchError: the ranks compiled different versions of plan '<lambda>'",
                  r"first difference between rank 0 and rank 1, line 2:\n  rank 0: plan <lambda>\(x: f64\[8:DIDx, 3\]\)"
                  r".*\n  rank 1: plan <lambda>\(x: f64\[8:DIDx, 2\]\)"],
@@ -53,7 +60,7 @@ def _run(n, mode, env=None):
 @pytest.mark.parametrize("nprocs", [2, 4])
 @pytest.mark.parametrize("mode", sorted(FAULTS))
 def test_a_fault_on_one_rank_ends_the_job(mode, nprocs):
-    rc, out, secs, what = _run(nprocs, mode, {"SHARDFUSE_TIMEOUT": "2"} if mode == "sleep" else None)
+    rc, out, secs, what = _run(nprocs, mode, {"SHARDFUSE_TIMEOUT": "2"} if mode.startswith("sleep") else None)
     assert rc != 0, f"{what} exited 0 although rank 1 failed:\n{tail(out)}"
     assert secs < LIMIT, f"{what} took {secs:.1f} s to end:\n{tail(out)}"
     assert len(re.findall(r"rank \d: first call ok", out)) == nprocs, tail(out)  # it got going first
@@ -83,6 +90,6 @@ def test_fingerprint_cost_script_runs():
     bench = str(Path(SCRIPT).with_name("fingerprint_cost.py"))
     rc, out, secs = mpirun(2, [bench, "200"], timeout=60, env=ENV)
     assert rc == 0, tail(out)
-    m = re.search(r"plan check: ([\d.]+) us per plan", out)
+    m = re.search(r"plan check: ([\d.]+) us .* per plan, ([\d.]+) us .* per call", out)
     assert m and "compiling the plan took" in out, tail(out)
 

@@ -84,15 +84,13 @@ class Collectives:
         self.comms.update(made)
 
     def _make_comms_mpi(self, groups, made):
-        from mpi4py import MPI
-
         from shardfuse import faults
 
         idx = self.dev.local_index
         uids = {g: nccl.get_unique_id() for g in groups if g[0] in idx}
         merged = {}
         # every process, members or not; with SHARDFUSE_TIMEOUT (NCCL's own init has none)
-        for part in faults.allgather_object(MPI.COMM_WORLD, uids, f"sharing the NCCL ids of teams {groups}"):
+        for part in faults.allgather_object(uids, f"sharing the NCCL ids of teams {groups}"):
             merged.update(part)
         nccl.groupStart()
         try:

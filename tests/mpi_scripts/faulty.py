@@ -6,7 +6,8 @@ Rank 1 is the one that misbehaves; the others go on into a collective that needs
 
 Modes: ok, ok_late (rank 1 finishes 3 s after the others), raise_between, raise_in_step,
 raise_tracing, raise_in_thread, sys_exit0, sys_exit3, os_exit3, sleep (past SHARDFUSE_TIMEOUT),
-mismatch (a different shape on rank 1, not caught).
+sleep_in_step (inside a plan, past it), mismatch (a different shape on rank 1), exit_in_gather
+(rank 1 leaves while the others are in Array.gather).
 """
 import os
 import sys
@@ -53,8 +54,8 @@ if rank == BAD:
         say("sleeping past the timeout")
         time.sleep(60)
 
-if mode == "raise_in_step":
-    # a plan step that raises on rank 1 only, mid-plan (the others are in its collectives)
+if mode in ("raise_in_step", "sleep_in_step"):
+    # a plan step that raises (or sleeps) on rank 1 only, mid-plan (the others are in its collectives)
     @sf.jit(mesh=mesh, streams=2)
     def g(a, b):
         return sf.stream(sf.shard(a, axis=1) @ b, axis=0)
@@ -64,6 +65,9 @@ if mode == "raise_in_step":
     exe = plan.executable
     if rank == BAD:
         def step(bufs):
+            if mode == "sleep_in_step":
+                say("sleeping inside a plan step")
+                time.sleep(60)
             raise RuntimeError("faulty: rank 1 raises inside a plan step")
         exe.steps.insert(len(exe.steps) // 2, step)
     plan(a, b)
@@ -73,6 +77,12 @@ elif mode == "raise_tracing":
             raise ValueError("faulty: rank 1 raises while tracing")
         return sf.replicate(sf.shard(x, axis=0)) * 2.0
     sf.jit(h, mesh=mesh)(x)  # the others wait in the plan check
+elif mode == "exit_in_gather":
+    c = f(x)
+    if rank == BAD:
+        say("calling sys.exit(0) while the others gather")
+        sys.exit(0)
+    c.gather()  # the others wait here for rank 1 (gather is collective)
 elif mode == "mismatch":
     sf.jit(lambda x: sf.replicate(sf.shard(x, axis=0)), mesh=mesh)(x if rank != BAD else x[:, :2].copy())
 elif mode not in ("ok", "ok_late"):
