@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import itertools
 import math
+import os
 from dataclasses import replace
 
 import numpy as np
@@ -126,7 +127,7 @@ def measure_host(mesh, time_s, host_s, rates, local) -> Rates:
     step = 1.0 / per_step
     rates = replace(rates, step_s=step / local, call_s=max(times[0] - step, 0.0) if fixed is None else fixed)
     if mesh.size > 1:
-        y = _random((64,), "float32", mesh, 0)
+        y = _random((16 * mesh.size,), "float32", mesh, 0)  # (any D divides it)
         ag = sf.jit(lambda v: sf.replicate(v), mesh=mesh)
         rates = replace(rates, comm_step_s=max(host_s(lambda: ag(y)) - rates.call_s, 0.0) / local)
     loops = [sf.jit(lambda v, u, s=s: sf.stream(v @ u, axis=0, chunks=s), mesh=mesh) for s in (1, 16)]
@@ -202,7 +203,7 @@ def measure_comm(mesh, time_s, rates, local, share, sizes) -> Rates:
     for op, fn in COLLECTIVE_CASES.items():
         f = sf.jit(fn, mesh=mesh)
         moved, secs = [], []
-        for n in sizes:
+        for n in (n // d * d for n in sizes):  # (any D divides them)
             x = _random((d, n) if op != Op.ALLGATHER else (n,), "float32", mesh, 0)
             prog = f.lower(x).program
             i = next(i for i in prog.walk() if i.op in COMMUNICATION)
@@ -270,7 +271,8 @@ def measure_pipeline(mesh, time_s, rates, local, share) -> Rates:
         prog, t = pipelined_run(mesh, time_s, 2048 * mesh.size, 4096, 4096, 4)
         return fit_to(prog, t, rates, "gemm_slowdown", 1.0, 2.0, local, share)
     ms, bs, ss = SHARED_RUNS
-    runs = [pipelined_run(mesh, time_s, m, n, k, s) for m in ms for n, k in bs for s in ss]
+    rows = mesh.size * max(ss)  # (M a multiple of D x S for any D)
+    runs = [pipelined_run(mesh, time_s, m // rows * rows, n, k, s) for m in ms for n, k in bs for s in ss]
     return fit_shared(runs, rates, local, share)
 
 
@@ -298,9 +300,12 @@ def calibrate(mesh, repeat: int = 10, log=print) -> Rates:
                                                                    for d in dtypes)
         + f" (half rate at {rates.gemm_half_flops / 1e9:.3f} GFLOP; operands at {rates.gemm_bw / 1e9:.0f} GB/s)")
     if mesh.size > 1:
-        rates = measure_comm(mesh, time_s, rates, local, share, comm_sizes)
-        log(f"  collectives: {rates.comm_latency_s * 1e6:.1f} us + bytes / busbw " + ", ".join(
-            f"{op} {rates.comm_bw[op] / 1e9:.2f} GB/s" for op in COLLECTIVE_CASES))
+        before, rates = rates, measure_comm(mesh, time_s, rates, local, share, comm_sizes)
+        kept = " (the default: too little time was left to measure once compute was accounted for)"
+        log(f"  collectives: {rates.comm_latency_s * 1e6:.1f} us"
+            f"{kept if rates.comm_latency_s == before.comm_latency_s else ''} + bytes / busbw " + ", ".join(
+                f"{op} {rates.comm_bw[op] / 1e9:.2f} GB/s{kept if rates.comm_bw[op] == before.comm_bw[op] else ''}"
+                for op in COLLECTIVE_CASES))
         if not rates.serial:
             rates = measure_pipeline(mesh, time_s, rates, local, share)
             log(f"  GEMM slowdown beside a collective: {rates.gemm_slowdown:.2f}x" if share == 1 else
@@ -316,6 +321,9 @@ def ensure(mesh, force: bool = False, repeat: int = 10, log=print) -> tuple:
     cached = None if force else cache.load(key)
     if cached is not None:
         return cached, cache.cache_path(key), False
+    where = cache.cache_dir()  # (checked before measuring: a cache that cannot be written fails fast)
+    if where.exists() and not (where.is_dir() and os.access(where, os.W_OK)):
+        raise OSError(f"the rates cache {where} is not a writable directory (set SHARDFUSE_CACHE_DIR to one)")
     rates = calibrate(mesh, repeat, log)
     path = cache.save(key, rates) if mesh.rank == 0 else cache.cache_path(key)
     return rates, path, True

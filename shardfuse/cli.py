@@ -41,9 +41,11 @@ def main(argv=None) -> int:
         return 2
     try:
         return run(rest)
-    except (ValueError, TypeError, NotImplementedError, ImportError, OSError) as e:  # OSError: a file not writable
-        if debug:
+    except (ValueError, TypeError, NotImplementedError, ImportError, OSError, MemoryError) as e:  # OSError: a file
+        if debug:  # not writable; MemoryError: sizes too large for this machine
             raise
+        if isinstance(e, MemoryError):
+            e = f"{e or 'out of memory'}: the sizes asked for do not fit this machine's memory (smaller --m / --devices)"
         # a user's mistake: one line (once, not from every rank), no traceback (--debug shows it)
         from shardfuse.mesh import launched_by_mpi
 

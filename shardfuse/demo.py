@@ -60,6 +60,8 @@ def _seeded_rng(args, mesh, say):
     """Every process draws the same global inputs (same seed), as a replicated program would;
     the seed is printed, so a run can be repeated with --seed.  Returns (rng, seed)."""
     seed = args.seed if args.seed is not None else int(time.time_ns() % 2**31)
+    if seed < 0:
+        raise ValueError(f"--seed must be an int >= 0, got {seed}")
     if mesh.nprocs > 1:
         from mpi4py import MPI
 

@@ -54,8 +54,13 @@ def output_file(path: str) -> str:
     """argparse type of a trace or chart a command writes: its directory must exist, checked
     before the command does any work (a file that cannot be written must not fail a run at its end)."""
     parent = os.path.dirname(os.path.abspath(path))
+    if not path:
+        raise argparse.ArgumentTypeError("an empty file name")
     if not os.path.isdir(parent):
-        raise argparse.ArgumentTypeError(f"{path}: the directory {parent} does not exist")
+        raise argparse.ArgumentTypeError(f"{path}: {parent} is not a directory" if os.path.exists(parent) else
+                                         f"{path}: the directory {parent} does not exist")
+    if not os.access(parent, os.W_OK):
+        raise argparse.ArgumentTypeError(f"{path}: the directory {parent} is not writable")
     if os.path.isdir(path):
         raise argparse.ArgumentTypeError(f"{path} is a directory: give a file name")
     return path

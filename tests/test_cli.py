@@ -66,6 +66,14 @@ def test_demo_mlp_sequence_parallel():
     (["demo", "--streams", "-2"], "--streams must be a positive int, got -2"),
     (["demo", "--devices", "3", "--m", "5", "--chunks", "0"], "--chunks must be a positive int, got 0"),
     (["profile", "--m", "0"], "--m must be a positive int, got 0"),
+    (["demo", "--backend", "numpy", "--seed", "-1"], "--seed must be an int >= 0, got -1"),
+    (["demo", "--backend", "numpy", "--devices", "100000000"], "do not fit this machine's memory"),
+    (["bench", "--backend", "numpy", "--devices", "3"], "--m must be a multiple of D = 3"),
+    (["bench", "--backend", "numpy", "--dtype", "float32,float8"], "--dtype takes float64, float32, float16, bfloat16"),
+    (["bench", "--backend", "numpy", "--graph"], "--graph times CUDA graph replay: it needs the cupy backend"),
+    (["bench", "--backend", "numpy", "--chunks", "0"], "--chunks must be positive ints"),
+    (["profile", "--png", ""], "argument --png: an empty file name"),
+    (["profile", "--trace", "/etc/hostname/t.json"], "/etc/hostname is not a directory"),
 ])
 def test_cli_mistakes_are_one_line_and_exit_2(argv, message):
     r = run(*argv)
@@ -116,3 +124,14 @@ def test_outputs_that_cannot_be_written_and_bad_sizes_fail_before_any_work(args,
     err = capsys.readouterr().err
     assert "does not exist" in err or "is a directory" in err or "--devices must be a positive int, got 0" in err
     assert "Traceback" not in err
+
+
+def test_calibrate_refuses_a_cache_it_cannot_write_before_measuring(tmp_path):
+    import os
+
+    blocker = tmp_path / "a_file"
+    blocker.write_text("")
+    r = subprocess.run([sys.executable, "-m", "shardfuse", "calibrate", "--backend", "numpy", "--force"],
+                       capture_output=True, text=True, timeout=120, env={**os.environ, "SHARDFUSE_CACHE_DIR": str(blocker)})
+    assert r.returncode == 2 and "is not a writable directory (set SHARDFUSE_CACHE_DIR to one)" in r.stderr, r.stderr
+    assert "calibrating" not in r.stdout  # refused before any measurement

@@ -346,3 +346,10 @@ def test_runs_of_other_process_counts_keep_their_own_cache_files():
 def test_with_one_stream_auto_says_nothing_can_overlap(capsys):
     assert cli(["simulate", "--devices", "8", "--gpu", "h200", "--streams", "1", "--chunks", "auto"]) == 0
     assert "S=1: with streams=1 every chunk's steps run on one stream" in capsys.readouterr().out
+
+
+def test_calibration_runs_on_a_mesh_its_sizes_were_not_chosen_for():
+    # 3 devices do not divide the host test's 64 elements nor the collectives' 2**k: each is rounded
+    lines = []
+    rates = calibrate.calibrate(sf.DeviceMesh(3, backend="numpy"), repeat=1, log=lines.append)
+    assert rates.name == "calibrated numpy x3" and any(line.startswith("  collectives:") for line in lines), lines

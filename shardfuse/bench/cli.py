@@ -104,16 +104,29 @@ DEFAULTS = {"cupy": dict(m=8192, k=8192, n=8192, dtype="float16", chunks=[1, 2, 
             "numpy": dict(m=512, k=512, n=512, dtype="float32", chunks=[1, 2, 4], growth_calls=20)}
 
 
-def _resolve(p, args, backend_name):
-    for name, value in DEFAULTS[backend_name].items():
+def _resolve(p, args, mesh):
+    """Defaults for the backend, and every argument checked before any work (each error names it)."""
+    for name, value in DEFAULTS[mesh.backend_name].items():
         if getattr(args, name) is None:
             setattr(args, name, value)
-    for name in ("devices", "m", "k", "n", "warmup", "repeat", "sets", "steady_calls", "steady_rounds"):
-        value = getattr(args, name)
-        if value is not None and value < 1:
-            p.error(f"--{name.replace('_', '-')} must be a positive int, got {value}")
-    if args.growth_calls < 0 or not args.chunks or min(args.chunks) < 1 or not args.streams or min(args.streams) < 1:
-        p.error("--growth-calls must be >= 0, and --chunks / --streams positive ints")
+    for name in ("devices", "m", "k", "n", "repeat", "sets", "steady_calls", "steady_rounds", "warmup",
+                 "growth_calls", "seed"):
+        value, least = getattr(args, name), 0 if name in ("warmup", "growth_calls", "seed") else 1
+        if value is not None and value < least:
+            p.error(f"--{name.replace('_', '-')} must be {'a positive int' if least else 'an int >= 0'}, got {value}")
+    for name in ("chunks", "streams"):
+        if not getattr(args, name) or min(getattr(args, name)) < 1:
+            p.error(f"--{name} must be positive ints, comma-separated, got {getattr(args, name)}")
+    unknown = [d for d in args.dtype.split(",") if d not in TOLERANCE]
+    if unknown:
+        p.error(f"--dtype takes {', '.join(TOLERANCE)} (comma-separated), got {', '.join(map(repr, unknown))}")
+    d = mesh.size
+    if args.m % d or (args.pattern != "ag" and args.k % d):
+        what = "--m must be a multiple" if args.pattern == "ag" else "--m and --k must be multiples"
+        p.error(f"{what} of D = {d} (the devices hold blocks of the rows, and of K in GEMM+ReduceScatter), got "
+                f"M={args.m} K={args.k}")
+    if args.graph and mesh.backend_name != "cupy":
+        p.error("--graph times CUDA graph replay: it needs the cupy backend (GPUs)")
 
 
 def _host_table(p, args, mesh):
@@ -140,7 +153,7 @@ def main(argv=None):
     mesh = sf.DeviceMesh(args.devices or default_devices(args.backend), backend=args.backend)
     if args.host:
         return _host_table(p, args, mesh)
-    _resolve(p, args, mesh.backend_name)
+    _resolve(p, args, mesh)
     mpi = None
     if args.seed is None:
         args.seed = int(time.time_ns() % 2**31)

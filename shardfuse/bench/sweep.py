@@ -19,6 +19,7 @@ import numpy as np
 import shardfuse as sf
 from shardfuse.dtypes import np_dtype
 from shardfuse.simulate import seed
+from shardfuse.timeline import output_file
 
 DEFAULTS = {"cupy": dict(m=[1024, 2048, 4096, 8192, 16384, 32768], nk="8192x8192,4096x16384", dtype="bfloat16",
                          chunks=[1, 2, 4, 8, 16]),
@@ -43,7 +44,7 @@ def add_sweep_arguments(parser):
                                                                     "doubling on GPUs; 128,256 on NumPy devices)")
     parser.add_argument("--sweep-nk", default=None, help="N x K pairs, comma-separated (default 8192x8192,4096x16384 "
                                                          "on GPUs; 64x64,32x128 on NumPy devices)")
-    parser.add_argument("--sweep-json", default=None, help="also write every point to this JSON file")
+    parser.add_argument("--sweep-json", default=None, type=output_file, help="also write every point to this JSON file")
     return parser
 
 
