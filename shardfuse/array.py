@@ -145,8 +145,9 @@ class Array(Placed, ArrayOps):  # operators, ufuncs, reductions, indexing: array
         shards = self.addressable_shards
         if len(shards) == 1 or (shards and self._held_whole(shards)):  # replicas: any one is the value
             return shards[0].data
-        raise ValueError(f"to_local(): this process holds {len(shards)} different pieces of {self!r} "
-                         f"(devices {[s.device for s in shards]}); use addressable_shards")
+        distinct = len({tuple((i.start, i.stop) for i in s.index) for s in shards})  # (replicas hold the same)
+        raise ValueError(f"to_local(): this process holds {distinct} different pieces of {self!r} on "
+                         f"{len(shards)} devices {[s.device for s in shards]}; use addressable_shards")
 
     def _held_whole(self, shards) -> bool:
         return not self.sharding.partial and all(tuple(s.data.shape) == self.shape for s in shards)

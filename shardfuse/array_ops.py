@@ -28,7 +28,7 @@ from shardfuse.layout import Layout
 from shardfuse.ops import Op
 from shardfuse.passes import compile_program
 from shardfuse.runtime import backend_of
-from shardfuse.spec import TensorSpec, normalize_axis
+from shardfuse.spec import TensorSpec, check_divides, normalize_axis
 
 MAX_PLANS = 256  # one-op plans kept per mesh (a plan holds its buffers)
 STATS = {"compiled": 0, "reused": 0}  # across meshes: what cache_info() reports
@@ -78,6 +78,9 @@ def _shape_dtype(a) -> tuple:
 
 def reshard(x, layout: Layout):
     """x with `layout` on its mesh (redistribute, full_array, indexing): a one-op `set`."""
+    for ax, over in layout.placement().sharded_axes().items():
+        check_divides(x.shape, ax, over, layout.mesh or x.mesh)  # (the reshard table's own refusal says less)
+
     def redistribute(v):
         return v.builder.emit(Op.SET, (v,), TensorType(v.shape, v.dtype, layout), v.value.name, annotation=True)
 
@@ -137,10 +140,17 @@ def _axes(axis, x) -> tuple:
     return axes
 
 
-def reduce(x, axis, mean: bool, out):
-    """x.sum(axis) or x.mean(axis): the traced .sum of each axis (the last first), times 1/n for a mean."""
+def reduce(x, axis, mean: bool, out, dtype=None, keepdims=False):
+    """x.sum(axis) or x.mean(axis): the traced .sum (.mean) of each axis, the last first."""
+    what = "mean" if mean else str(Op.SUM)
     if out is not None:
         raise TypeError("sf.Array reductions return a new sf.Array: out= is not supported")
+    if dtype is not None:
+        raise TypeError(f"sf.Array.{what} keeps the array's dtype (16-bit sums accumulate in float32): dtype= is not "
+                        "supported")
+    if keepdims:
+        raise TypeError(f"sf.Array.{what}: keepdims=True is not supported; inside sf.jit, reshape the result "
+                        f"(x.{what}(0).reshape(1, ...))")
     axes = sorted(_axes(axis, x), reverse=True)
 
     def reduction(v):
@@ -210,6 +220,13 @@ class ArrayOps:
     __truediv__, __rtruediv__ = _binary_methods(operator.truediv)
     __matmul__, __rmatmul__ = _binary_methods(operator.matmul)
 
+    def __eq__(self, other):  # (Python's default compares identity: `a == b` was False for equal values)
+        raise TypeError("== on an sf.Array is not supported (NumPy compares elementwise, Python by identity): "
+                        "compare the values with np.array_equal(a.gather(), b.gather()), or use `a is b`")
+
+    __ne__ = __eq__
+    __hash__ = object.__hash__  # (still a dict key / set member by identity)
+
     def __neg__(self):
         return unary(operator.neg, self)
 
@@ -228,15 +245,13 @@ class ArrayOps:
                             "gathered NumPy value)")
         return binary(fn, *inputs) if ufunc.nin == 2 else unary(fn, inputs[0])
 
-    def sum(self, axis=None, out=None):
+    def sum(self, axis=None, dtype=None, out=None, keepdims=False):
         """The sum over `axis` (an int, a tuple of them, or None: all), as a one-op plan."""
-        return reduce(self, axis, False, out)
+        return reduce(self, axis, False, out, dtype, keepdims)
 
-    def mean(self, axis=None, dtype=None, out=None):
+    def mean(self, axis=None, dtype=None, out=None, keepdims=False):
         """The mean over `axis` (an int, a tuple of them, or None: all), as a one-op plan."""
-        if dtype is not None:
-            raise TypeError("sf.Array.mean keeps the array's dtype: dtype= is not supported")
-        return reduce(self, axis, True, out)
+        return reduce(self, axis, True, out, dtype, keepdims)
 
     def __len__(self):
         if not self.shape:

@@ -167,6 +167,10 @@ class Jitted:
     def lower(self, *specs: Any) -> Plan:
         """The plan for these inputs: TensorSpecs, (shape, dtype[, sharding]) tuples, or the
         arrays themselves (as JAX's .lower takes either)."""
+        for s in specs:
+            if isinstance(s, tuple) and (not s or not isinstance(s[0], (tuple, list))):
+                raise TypeError(f"{self.__name__}.lower takes TensorSpecs, (shape, dtype[, sharding]) tuples or arrays; "
+                                f"got {s!r}: for a shape, write ({s!r}, 'float32')")
         specs = tuple(s if isinstance(s, TensorSpec) else TensorSpec(*s) if isinstance(s, tuple)
                       else spec_of(s, self.mesh) for s in specs)
         with self._tables:
@@ -252,7 +256,13 @@ class Jitted:
             bound = inspect.signature(self.fn).bind_partial(*args, **kwargs)
         except TypeError as e:
             raise TypeError(f"{self.__name__}(): {e}") from None
-        names = list(inspect.signature(self.fn).parameters)
+        params = inspect.signature(self.fn).parameters
+        extra = [n for n in bound.arguments if params[n].kind in (params[n].KEYWORD_ONLY, params[n].VAR_KEYWORD)]
+        if extra:
+            raise TypeError(f"{self.__name__}(): {', '.join(extra)} given, but a keyword-only (or **) parameter is no "
+                            "traced input: sf.jit traces the arrays of the leading parameters; fix other values "
+                            f"before jitting, e.g. sf.jit(functools.partial({self.__name__}, {extra[0]}=...), mesh=...)")
+        names = list(params)
         given = [n for n in names if n in bound.arguments]
         if given != names[:len(given)]:
             skipped = [n for n in names[:names.index(given[-1])] if n not in bound.arguments]

@@ -120,6 +120,9 @@ def layout_of(placements, ndim: int, mesh) -> "Layout":
     of them; missing trailing entries are None)."""
     from shardfuse.placements import Partial, Replicate, Shard
 
+    if isinstance(placements, (str, Shard, Replicate, Partial)) or not isinstance(placements, (tuple, list)):
+        raise TypeError(f"placements: a list or tuple (one sf.Shard(dim) / sf.Replicate() per mesh axis, or one "
+                        f"entry per tensor axis: None, a mesh axis name or a tuple of them), got {placements!r}")
     items = tuple(placements)
     axes: list = [() for _ in range(ndim)]
     if items and all(isinstance(p, (Shard, Replicate, Partial)) for p in items):
@@ -137,6 +140,10 @@ def layout_of(placements, ndim: int, mesh) -> "Layout":
         if len(items) > ndim:
             raise ValueError(f"spec {items}: {len(items)} entries for a value of {ndim} axes")
         for k, entry in enumerate(items):
+            if not (entry is None or isinstance(entry, str) or (isinstance(entry, (tuple, list))
+                                                                and all(isinstance(n, str) for n in entry))):
+                raise TypeError(f"spec {items}: entry {k} must be None, a mesh axis name or a tuple of them (JAX's "
+                                f"P(...)), or give one sf.Shard(dim) / sf.Replicate() per mesh axis; got {entry!r}")
             names = () if entry is None else (entry,) if isinstance(entry, str) else tuple(entry)
             for n in names:
                 mesh.axis_index(n)  # an unknown mesh axis name fails here

@@ -25,6 +25,9 @@ def mlp_block(mesh, mode="sp", chunks=2, streams=4, tp=None, dp=None):
         return sf.shard(v, axis=0, over=dp) if dp else v
 
     def mlp(x, w1, b1, w2, b2):
+        if x.ndim != 2 + bool(dp):
+            raise ValueError(f"mlp_block(dp={dp!r}) takes x of shape {'[batch, tokens, h]' if dp else '[tokens, h]'}, "
+                             f"got {x.ndim} axes {tuple(x.shape)}")
         x = batch(x)
         w1, b1, w2 = sf.shard(w1, axis=1, over=tp), sf.shard(b1, axis=0, over=tp), sf.shard(w2, axis=0, over=tp)
         if mode == "sp":

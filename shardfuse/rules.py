@@ -275,8 +275,10 @@ def reshape_require(ins, out, lays):
     out_axes = _unshard(out.axes, set(lays[0].partial))
     try:
         axes = _map_reshape(dst, [_placed(a) for a in out_axes], src, _mesh_size(ins), False)
-    except ValueError:  # no sharding of the input gives this result's: reshape it as it is, then
-        return (lays[0],), reshape_infer(ins, lays)  # reshard the result (R -> S: a local slice)
+    except ValueError:  # no sharding of a replicated input gives this result's: reshape it whole,
+        if lays[0].placement().sharded_axes() or lays[0].partial or STREAM in out.axes:  # then slice
+            raise  # the result locally (R -> S); other layouts keep the refusal
+        return (lays[0],), reshape_infer(ins, lays)
     return (Layout(tuple(axes), lays[0].partial),), Layout(tuple(out_axes), _union(out.partial, lays[0].partial),
                                                           out.chunks, out.stream_over)
 

@@ -117,3 +117,17 @@ def test_a_bad_argument_is_named_by_its_parameter(mesh):
         f(a, weight=3)
     with pytest.raises(ValueError, match=r"^matmul x @ weight: contraction sizes differ"):
         f(a, a)
+
+
+def test_lower_and_keyword_only_parameters_say_what_to_write(mesh):
+    f = sf.jit(lambda a, b: a @ b, mesh=mesh)
+    with pytest.raises(TypeError, match=r"lower takes TensorSpecs, .*got \(16, 8\): for a shape, write \(\(16, 8\), "):
+        f.lower((16, 8), (8, 6))
+
+    def scaled(a, *, s=2.0):
+        return a * s
+
+    x = np.random.default_rng(0).standard_normal((4, 4))
+    with pytest.raises(TypeError, match=r"scaled\(\): s given, but a keyword-only .*functools.partial\(scaled, s=...\)"):
+        sf.jit(scaled, mesh=mesh)(x, s=5.0)
+    np.testing.assert_allclose(sf.jit(scaled, mesh=mesh)(x).gather(), 2 * x)

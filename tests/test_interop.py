@@ -65,6 +65,9 @@ def test_addressable_shards_and_to_local():
         np.testing.assert_array_equal(s.data, x[s.index])
     with pytest.raises(ValueError, match=r"holds 4 different pieces .*addressable_shards"):
         arr.to_local()
+    half = sf.distribute(x, sf.DeviceMesh((2, 2), backend="numpy"), [sf.Shard(0), sf.Replicate()])
+    with pytest.raises(ValueError, match=r"holds 2 different pieces .* on 4 devices"):  # (replicas counted once)
+        half.to_local()
     np.testing.assert_array_equal(arr.full_array().to_local(), x)  # replicas: any one is the value
     one = sf.DeviceMesh(1, backend="numpy")
     np.testing.assert_array_equal(sf.shard(x, axis=0, mesh=one).to_local(), x)

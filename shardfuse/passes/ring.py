@@ -51,6 +51,9 @@ def _ring_block(mm, gather, prog, namer):
     team = a.type.layout.axes[ka]
     if team is None or team == STREAM:
         raise ValueError(f"algorithm='ring' streams axis {k} of {c.name}, but {a.name} is not sharded on axis {ka}")
+    if isinstance(team, tuple) and len(team) > 1:
+        raise ValueError(f"algorithm='ring' passes the shards of {a.name} around one mesh axis, but its axis {ka} is "
+                         f"sharded over several {team}: shard it over one, or use the default algorithm")
     gathered, b_lay = mm.ins[0].type.layout.placement(), b.type.layout.placement()
     if gathered != a.type.layout.placement().with_axis(ka, None) or b_lay.axes[-2] is not None \
             or b_lay.partial or c.type.layout.partial:
