@@ -28,16 +28,22 @@ def _gelu(xp, x, _, out):
     xp.multiply(x, inner, out=out)
 
 
+def _scalar(x, s):
+    """An op's Python scalar beside x: float32 for 16-bit x, so the op runs in float32 and rounds once
+    into x's dtype (1e5, or 1 / 1e-5, does not fit float16), else x's own type (NumPy's result)."""
+    return np.float32(s) if x.dtype.itemsize == 2 else x.dtype.type(s)
+
+
 # Elementwise ops for any array module xp (NumPy here; CuPy has the same ufuncs).
 ELEMENTWISE = {
     Op.ADD: lambda xp, x, y, o: xp.add(x, y, out=o),
     Op.SUB: lambda xp, x, y, o: xp.subtract(x, y, out=o),
     Op.MUL: lambda xp, x, y, o: xp.multiply(x, y, out=o),
     Op.DIV: lambda xp, x, y, o: xp.divide(x, y, out=o),
-    Op.SCALE: lambda xp, x, s, o: xp.multiply(x, x.dtype.type(s), out=o),
-    Op.DIV_SCALAR: lambda xp, x, s, o: xp.divide(x, x.dtype.type(s), out=o),
-    Op.ADD_SCALAR: lambda xp, x, s, o: xp.add(x, x.dtype.type(s), out=o),
-    Op.RDIV: lambda xp, x, s, o: xp.divide(x.dtype.type(s), x, out=o),
+    Op.SCALE: lambda xp, x, s, o: xp.multiply(x, _scalar(x, s), out=o),
+    Op.DIV_SCALAR: lambda xp, x, s, o: xp.divide(x, _scalar(x, s), out=o),
+    Op.ADD_SCALAR: lambda xp, x, s, o: xp.add(x, _scalar(x, s), out=o),
+    Op.RDIV: lambda xp, x, s, o: xp.divide(_scalar(x, s), x, out=o),
     Op.NEG: lambda xp, x, _, o: xp.negative(x, out=o),
     Op.EXP: lambda xp, x, _, o: xp.exp(x, out=o),
     Op.TANH: lambda xp, x, _, o: xp.tanh(x, out=o),

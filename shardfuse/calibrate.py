@@ -164,8 +164,9 @@ def measure_compute(mesh, time_s, rates, local, share, gemm_sizes, dtypes, bw_el
             continue
         t0, gemm[dtype] = _fit(flops, secs, gemm.get(dtype, min(gemm.values())))
         if t0 is not None:
-            half.append(t0 * gemm[dtype])
-    half_flops = float(np.median(half)) if half else 0.0 if rates.serial else rates.gemm_half_flops
+            half.append(t0)
+    # (a GEMM's fixed time, the same for every dtype: cost.gemm_time reads it at the fastest peak)
+    half_flops = float(np.median(half)) * max(gemm.values()) if half else 0.0 if rates.serial else rates.gemm_half_flops
     rates = replace(rates, gemm_flops=gemm, gemm_half_flops=half_flops)
     return rates if rates.serial else measure_gemm_bw(mesh, time_s, rates, local, share, dtypes[0])
 
@@ -182,7 +183,8 @@ def measure_gemm_bw(mesh, time_s, rates, local, share, dtype) -> Rates:
     for m in ms:
         x = _random((m, n), dtype, mesh)
         per_gemm = (time_s(lambda: long(x, w)) - time_s(lambda: short(x, w))) / 16 / share
-        by = per_gemm ** ROOFLINE_P - ((2 * m * n * n + rates.gemm_half_flops) / peak) ** ROOFLINE_P
+        fixed = rates.gemm_half_flops / max(rates.gemm_flops.values())  # (cost.gemm_time's)
+        by = per_gemm ** ROOFLINE_P - (2 * m * n * n / peak + fixed) ** ROOFLINE_P
         if by > 0:
             best = max(best, (2 * m * n + n * n) * itemsize / by ** (1 / ROOFLINE_P))
     return replace(rates, gemm_bw=best or rates.gemm_bw)

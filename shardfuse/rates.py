@@ -96,7 +96,9 @@ def engines(mesh) -> tuple:
 
 def machine(mesh, rates: Rates | str | None = None) -> tuple:
     """(rates, local, share) for predicting plans on mesh: rates given (a Rates, or a name of
-    cost.DEFAULTS), else calibrated ones from the cache, else the defaults."""
+    cost.DEFAULTS), else calibrated ones from the cache, else the defaults.  A GPU's rates on a
+    mesh of NumPy devices predict one GPU per device, each in its own process (as `shardfuse
+    simulate` does): not D devices sharing the host's one engine."""
     if isinstance(rates, str):
         if rates not in DEFAULTS:
             raise ValueError(f"rates={rates!r}: the built-in rates are {sorted(DEFAULTS)}")
@@ -104,4 +106,6 @@ def machine(mesh, rates: Rates | str | None = None) -> tuple:
     if rates is None:
         key = machine_key(mesh)
         rates = load(key) or defaults_for(key)
+    if not rates.serial and not backend_of(mesh).ordinals:
+        return rates, 1, 1
     return (rates,) + engines(mesh)

@@ -91,21 +91,20 @@ class Timeline:
 
     # ---- figures ----------------------------------------------------------------------------
     def summary(self) -> dict:
-        """total_s: first start to last end; communication_s / gemm_s / ...: the time during which
-        some step of that kind runs (overlapping steps, on other streams or devices, count once);
-        exposed_communication_s: communication time when no GEMM or other compute runs on any
-        device; overlap_efficiency = max(T_comm, T_compute) / T_total (1.0: perfect overlap)."""
-        ev = self.events
-        total = max((e.end for e in ev), default=0.0) - min((e.start for e in ev), default=0.0)
-        spans = {k: _union([(e.start, e.end) for e in ev if e.kind == k]) for k in KINDS}
-        by_kind = {k: _covered(u) for k, u in spans.items()}
-        busy = _union(spans["gemm"] + spans["compute"])
-        compute = _covered(busy)
-        exposed = sum(_uncovered(iv, busy) for iv in spans["communication"])  # (concurrent ones count once)
-        eff = max(by_kind["communication"], compute) / total if total > 0 else 1.0
-        return {"steps": len(ev), "total_s": total, "communication_s": by_kind["communication"],
-                "gemm_s": by_kind["gemm"], "compute_s": by_kind["compute"], "copy_s": by_kind["copies"],
-                "exposed_communication_s": exposed, "overlap_efficiency": eff}
+        """Figures of one device: total_s, first start to last end; communication_s / gemm_s / ...:
+        the time during which some step of that kind runs (overlapping steps on other streams count
+        once); exposed_communication_s: communication time when no GEMM or other compute runs on
+        that device; overlap_efficiency = max(T_comm, T_compute) / T_total (1.0: perfect overlap).
+        Communication hides only behind its own device's compute, and ranks' clocks are not
+        aligned, so a timeline of several devices or ranks gives its slowest one's figures (the
+        largest total), `device` naming it as (rank, device)."""
+        per: dict = {}
+        for e in self.events:
+            for d in e.devices:
+                per.setdefault((e.rank, d), []).append(e)
+        figures, device = max(((_figures(ev), key) for key, ev in per.items()), key=lambda f: f[0]["total_s"],
+                              default=(_figures([]), None))
+        return {"steps": len(self.events), **figures, "device": device}
 
     # ---- out ----------------------------------------------------------------------------------
     def to_chrome_trace(self, path=None) -> dict:
@@ -133,36 +132,34 @@ class Timeline:
         return [asdict(e) for e in self.events]
 
     def plot(self, ax=None, path=None):
-        """A Gantt chart: a row per (rank, device, stream), steps coloured by kind.  Returns the
-        matplotlib Figure (inline in Jupyter); written to `path` (e.g. a PNG) when given."""
+        """A Gantt chart: a row per (rank, device, stream), each device's main stream first, steps
+        coloured by kind.  Returns the matplotlib Figure (shown once, inline, in Jupyter: it is not
+        registered with pyplot); written to `path` (e.g. a PNG) when given."""
         try:
-            import matplotlib
-            if ax is None and path is not None:
-                matplotlib.use("Agg", force=False)
-            import matplotlib.pyplot as plt
+            from matplotlib.figure import Figure
+            from matplotlib.patches import Patch
         except ImportError:
             raise ImportError("Timeline.plot needs matplotlib: pip install -e \".[plot]\"") from None
-        rows = sorted({(e.rank, d, e.stream) for e in self.events for d in e.devices})
+        rows = sorted({(e.rank, d, e.stream) for e in self.events for d in e.devices}, key=_row_order)
         index = {r: k for k, r in enumerate(rows)}
         if ax is None:
-            fig, ax = plt.subplots(figsize=(10, 0.5 + 0.4 * max(1, len(rows))))
-        fig = ax.figure
+            ax = Figure(figsize=(10, 0.5 + 0.4 * max(1, len(rows)))).subplots()
+        bars: dict = {}  # (row, kind) -> [(start ms, width ms)]: one artist each, not one per step
         for e in self.events:
             for d in e.devices:
-                ax.broken_barh([(e.start * 1e3, max(e.duration * 1e3, 1e-6))], (index[(e.rank, d, e.stream)] - 0.4, 0.8),
-                               color=COLORS[e.kind])
+                bars.setdefault((index[(e.rank, d, e.stream)], e.kind), []).append((e.start * 1e3, e.duration * 1e3))
+        for (row, kind), spans in bars.items():
+            ax.broken_barh(spans, (row - 0.4, 0.8), color=COLORS[kind], linewidth=0)
         ax.set_yticks(range(len(rows)), [f"rank {r} dev {d} stream {s}" for r, d, s in rows])
         ax.invert_yaxis()  # the first device's main stream on top, as Nsight Systems orders them
         ax.set_xlabel("ms")
         ax.set_title(f"{self.plan_name}: {self.summary()['overlap_efficiency']:.2f} overlap efficiency")
-        from matplotlib.patches import Patch
-
         used = [k for k in KINDS if any(e.kind == k for e in self.events)]
         ax.legend(handles=[Patch(color=COLORS[k], label=k) for k in used], loc="upper left", bbox_to_anchor=(1.0, 1.0),
                   fontsize="small")
         if path is not None:
-            fig.savefig(path, bbox_inches="tight")
-        return fig
+            ax.figure.savefig(path, bbox_inches="tight")
+        return ax.figure
 
 
 def profile_steps(exe, args, repeat: int = 1, nvtx: bool = False) -> list:
@@ -256,6 +253,26 @@ def _gpu_call(exe, args, infos, call, ref, push, pop):
             devices = tuple(d for d, o in zip(be.local_devices, gpus) if o == g)
             out.append((call, k, a / 1e3, b / 1e3, devices))
     return out
+
+
+def _row_order(row):
+    """(rank, device, main stream first, then workers by number): not "10" before "2"."""
+    rank, device, stream = row
+    return rank, device, stream != str(MAIN), int(stream) if stream.isdigit() else 0, stream
+
+
+def _figures(ev) -> dict:
+    """Timeline.summary's figures of one device's events."""
+    total = max((e.end for e in ev), default=0.0) - min((e.start for e in ev), default=0.0)
+    spans = {k: _union([(e.start, e.end) for e in ev if e.kind == k]) for k in KINDS}
+    by_kind = {k: _covered(u) for k, u in spans.items()}
+    busy = _union(spans["gemm"] + spans["compute"])
+    compute = _covered(busy)
+    exposed = sum(_uncovered(iv, busy) for iv in spans["communication"])  # (concurrent ones count once)
+    eff = max(by_kind["communication"], compute) / total if total > 0 else 1.0
+    return {"total_s": total, "communication_s": by_kind["communication"], "gemm_s": by_kind["gemm"],
+            "compute_s": by_kind["compute"], "copy_s": by_kind["copies"], "exposed_communication_s": exposed,
+            "overlap_efficiency": eff}
 
 
 def _union(intervals):

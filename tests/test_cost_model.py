@@ -67,8 +67,11 @@ def test_prediction_equals_hand_computed_figures():
     assert cost.predict(two, replace(HAND, serial=True)).total_s == pytest.approx(3.356e-3, rel=1e-12)
     plan = seed(mesh, "auto", rates=HAND).lower(*specs(8, 4, 2))  # the latency makes chunks cost more
     assert plan.explain().chosen == 1 and [c.s for c in plan.explain().candidates] == [1, 2, 4, 8]
-    assert rates.engines(mesh) == (2, 2)  # sf.jit predicts NumPy devices as they run: one host, one engine
-    assert plan.explain().candidates[1].total_s == cost.predict(two, HAND, 2, 2).total_s > p2.total_s
+    assert rates.engines(mesh) == (2, 2)  # NumPy devices as they run: one host, one engine
+    # but a GPU's rates on NumPy devices predict one GPU per device, each in its own process (as
+    # `shardfuse simulate`): not D devices sharing one engine, where nothing could overlap
+    assert rates.machine(mesh, HAND) == (HAND, 1, 1) and rates.machine(mesh, cost.CPU) == (cost.CPU, 2, 2)
+    assert plan.explain().candidates[1].total_s == p2.total_s < cost.predict(two, HAND, 2, 2).total_s
 
 
 def test_a_gemm_of_few_rows_is_bound_by_streaming_its_operands():
@@ -353,3 +356,12 @@ def test_calibration_runs_on_a_mesh_its_sizes_were_not_chosen_for():
     lines = []
     rates = calibrate.calibrate(sf.DeviceMesh(3, backend="numpy"), repeat=1, log=lines.append)
     assert rates.name == "calibrated numpy x3" and any(line.startswith("  collectives:") for line in lines), lines
+
+
+def test_a_gemms_fixed_time_is_the_same_in_every_dtype():
+    # the half-rate size is the fastest dtype's: at float32's peak the same FLOPs were a 37 us floor
+    tiny = 2 * 256 ** 3
+    f32, bf16 = (cost.gemm_time(tiny, 0, dt, cost.H200) for dt in ("float32", "bfloat16"))
+    fixed = cost.H200.gemm_half_flops / max(cost.H200.gemm_flops.values())
+    assert f32 == pytest.approx(tiny / cost.H200.gemm_flops["float32"] + fixed) and f32 < 10e-6
+    assert bf16 == pytest.approx(tiny / cost.H200.gemm_flops["bfloat16"] + fixed)

@@ -64,6 +64,22 @@ def test_concurrent_communication_is_exposed_once():
     assert s["communication_s"] == pytest.approx(2.0) and s["exposed_communication_s"] == pytest.approx(1.25)
 
 
+def test_communication_hides_only_behind_its_own_devices_compute():
+    """Another device's (or rank's, whose clock is its own) GEMM hides nothing: the summary is the
+    slowest device's, computed on its own events."""
+    from shardfuse.timeline import Event, Timeline
+
+    def ev(rank, device, kind, start, end):
+        return Event(rank, 0, 0, (device,), "0", kind, kind, start, end)
+
+    for a, b in (((0, 0), (0, 1)), ((0, 0), (1, 0))):  # two devices of a process; two ranks
+        s = Timeline([ev(*a, "communication", 0.0, 1.0), ev(*b, "gemm", 0.0, 1.0), ev(*b, "gemm", 1.0, 1.5)]).summary()
+        assert s["exposed_communication_s"] == pytest.approx(0.0) and s["device"] == b  # b's is the longer
+        s = Timeline([ev(*a, "communication", 0.0, 2.0), ev(*b, "gemm", 0.0, 1.0)]).summary()
+        assert s["device"] == a and s["exposed_communication_s"] == pytest.approx(2.0)
+        assert s["overlap_efficiency"] == pytest.approx(1.0) and s["gemm_s"] == 0.0
+
+
 @pytest.mark.parametrize("repeat", [0, -1, 1.5, True])
 def test_profile_repeat_must_be_a_positive_int(repeat):
     plan, a, b = seed()

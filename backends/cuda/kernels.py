@@ -32,10 +32,12 @@ class Kernels:
             kern = self.cache[key] = make()
         return kern
 
-    def bf16_sum(self):
-        return self._get(Op.SUM, lambda: cupy.ReductionKernel(
-            "uint16 x", "uint16 y", "bf2f(x)", "a + b", "y = f2bf(a)", "0", "sf_bf16_sum", reduce_type="float",
-            preamble=BF16_PREAMBLE))
+    def bf16_sum(self, to_float32=False):
+        """The sum of bfloat16 (uint16 bits) in float32, rounded to bfloat16 once, or left in float32."""
+        out, post = ("float32 y", "y = a") if to_float32 else ("uint16 y", "y = f2bf(a)")
+        return self._get((Op.SUM, to_float32), lambda: cupy.ReductionKernel(
+            "uint16 x", out, "bf2f(x)", "a + b", post, "0", f"sf_bf16_sum{'_f32' if to_float32 else ''}",
+            reduce_type="float", preamble=BF16_PREAMBLE))
 
     def to_f32(self):
         return self._get("to_f32", lambda: cupy.ElementwiseKernel(
@@ -110,17 +112,16 @@ def bind_elementwise(dev, kernels, op, a, b, out, stream, scalar=None):
 
 
 def bind_sum(dev, kernels, a, axis, out, stream, scale=1.0):
-    """Step: out = a.sum(axis) * scale; 16-bit reduced in float32, float16 scaled there before it
-    is rounded (a mean whose sum would overflow float16 does not); bfloat16 rounded once unscaled."""
+    """Step: out = a.sum(axis) * scale; 16-bit reduced in float32 and scaled there, rounded once (a
+    float16 mean whose sum would overflow float16 does not)."""
     if out.dtype == "bfloat16":
-        kern = kernels.bf16_sum()
         if scale == 1.0:
+            kern = kernels.bf16_sum()
             return dev.per_device((a, out), stream, lambda j, x, o: kern(x, o, axis=axis))
-        to32, to16, t = kernels.to_f32(), kernels.to_bf16(), dev.f32_scratch(out)
+        kern, to16, t = kernels.bf16_sum(to_float32=True), kernels.to_bf16(), dev.f32_scratch(out)
 
         def scaled_bf16(j, x, o):
-            kern(x, o, axis=axis)
-            to32(o, t[j])
+            kern(x, t[j], axis=axis)
             cupy.multiply(t[j], scale, out=t[j])
             to16(t[j], o)
         return dev.per_device((a, out), stream, scaled_bf16)
