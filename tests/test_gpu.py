@@ -755,3 +755,10 @@ def test_odd_sizes_and_arrays_that_start_anywhere(mesh, graph, k, dtype):
     assert placed.shards[0].data.ptr % 16  # zero-copy views of the offset array
     for xa, wa in ((x, w), (one_element_in(x), one_element_in(w)), (placed, one_element_in(w))):
         check(f(xa, wa).gather(), ref, dtype)
+    # a GEMM that reads the pieces themselves (no gather in between): on virtual devices of one
+    # GPU, pieces 5 x k elements apart, so device 0 may be aligned while the spacing is not (the
+    # batched call's spacing check), at every offset above
+    g = sf.jit(lambda x, w: sf.shard(x, axis=0) @ w, mesh=mesh, graph=graph)
+    y = randn(r, (5 * d, k), dtype)
+    for ya, wa in ((y, w), (one_element_in(y), one_element_in(w)), (sf.from_local(one_element_in(y), axis=0, mesh=mesh), w)):
+        check(g(ya, wa).gather(), f64(y) @ f64(w), dtype)
