@@ -4,7 +4,8 @@ The function is traced once with S = 1, which records the extents of the axes st
 "auto"; the candidates are the S up to MAX_AUTO_CHUNKS that divide all of them.  Each candidate
 is traced and compiled (one that the compiler refuses, e.g. an extent that does not divide into
 D x S, is listed with its reason and skipped), predicted by the cost model, and the fastest
-kept: a larger S only where it beats the smaller ones by more than AUTO_MARGIN (1%).  `Explanation` is what plan.explain() shows.
+kept: the fewest chunks predicted within AUTO_MARGIN (1%) of the fastest (the model is not that
+exact, and fewer chunks mean fewer steps).  `Explanation` is what plan.explain() shows.
 """
 from __future__ import annotations
 
@@ -23,7 +24,7 @@ from shardfuse.trace import trace
 
 log = logging.getLogger("shardfuse")
 MAX_AUTO_CHUNKS = min(16, MAX_STREAM_CHUNKS)  # more rarely pays: per-chunk steps and collective latency
-AUTO_MARGIN = 0.01  # a larger S is chosen only where it is predicted faster than a smaller one by this much
+AUTO_MARGIN = 0.01  # the fewest chunks predicted within this much of the fastest are chosen
 
 
 @dataclass(frozen=True)
@@ -44,10 +45,12 @@ class Explanation:
     chosen: int | None
     auto: bool
     reason: str
+    loops: tuple = ()  # a fixed plan's stream loops' chunk counts
 
     def __str__(self):
+        fixed = "S=" + ", ".join(map(str, self.loops)) if self.loops else "no stream loop"
         head = (f"plan {self.plan_name}: chunks='auto' chose S={self.chosen}" if self.auto
-                else f"plan {self.plan_name}: chunks fixed (S={self.chosen or 1})")
+                else f"plan {self.plan_name}: chunks fixed ({fixed})")
         lines = [f"{head}, predicted with the {self.rates_name} rates",
                  f"  {'S':>4} {'total ms':>10} {'comm ms':>10} {'compute ms':>11} {'exposed comm ms':>16}"]
         for c in self.candidates:
@@ -74,14 +77,14 @@ def _kinds(prog) -> str:
     return " and ".join(kinds) or "communication"
 
 
-def reason(best: Candidate, ok: list, rates, kinds: str, streams: int = 2) -> str:
-    """One sentence: why `best` is (or, fixed, what it does)."""
-    s = f"S={best.s or 1}"
+def reason(best: Candidate, ok: list, rates, kinds: str, streams: int = 2, label: str | None = None) -> str:
+    """One sentence: why `best` is (or, fixed, what it does; `label` names its loops)."""
+    s = label or f"S={best.s or 1}"
     if streams == 1 and (best.s or 1) == 1 and len(ok) > 1:
         return f"{s}: with streams=1 every chunk's steps run on one stream, one after another, so nothing overlaps"
     if rates.serial:
         return (f"{s}: with the {rates.name} rates steps run one after another as they are issued (NumPy devices), "
-                "so chunks cannot overlap; fewer steps cost less")
+                "so nothing overlaps; fewer steps cost less")
     if not best.comm_s > 0:
         return f"{s}: no communication to hide; more chunks only add steps and smaller GEMMs"
     hidden = 1 - best.exposed_s / best.comm_s
@@ -93,9 +96,10 @@ def reason(best: Candidate, ok: list, rates, kinds: str, streams: int = 2) -> st
                 f"beside the {kinds} cost more than the {best.comm_s * 1e3:.3f} ms of it they would hide)")
     gain = f"; S=1 is predicted {one.total_s / best.total_s - 1:.1%} slower" if one is not None and one is not best else ""
     if (faster := min(ok, key=lambda c: c.total_s)).total_s < best.total_s:
-        gain += f"; S={faster.s} only {1 - faster.total_s / best.total_s:.1%} faster (under the {AUTO_MARGIN:.0%} margin)"
-    return (f"{s}: hides {hidden:.0%} of the {kinds} ({best.exposed_s * 1e3:.3f} of {best.comm_s * 1e3:.3f} ms "
-            f"exposed){gain}")
+        gain += (f"; S={faster.s} is only {1 - faster.total_s / best.total_s:.2%} faster (within the {AUTO_MARGIN:.0%} "
+                 "margin: fewer chunks are kept)")
+    return (f"{s}: hides {math.floor(hidden * 1000) / 10:g}% of the {kinds} ({best.exposed_s * 1e3:.3f} of "
+            f"{best.comm_s * 1e3:.3f} ms exposed){gain}")
 
 
 def _trace_with(fn, mesh, specs, streams, s):
@@ -131,15 +135,15 @@ def compile_best(fn, mesh, specs, streams, machine) -> tuple:
         progs[s] = prog
         cands.append(candidate(s, prog, rates, local, share))
     ok = [c for c in cands if c.error is None]
-    best = ok[0]
-    for c in ok[1:]:  # more chunks must pay by more than AUTO_MARGIN (the model is not that exact)
-        if c.total_s < best.total_s * (1 - AUTO_MARGIN):
-            best = c
+    fastest = min(c.total_s for c in ok)  # the fewest chunks within AUTO_MARGIN of it (ok: S ascending)
+    best = next(c for c in ok if c.total_s * (1 - AUTO_MARGIN) <= fastest)
     if mesh.nprocs > 1:  # every rank must run the same plan: rank 0's choice (from its rates) holds
         s = faults.allgather_object(best.s, f"choosing chunks='auto' for {traced.name!r}")[0]
         best = next(c for c in ok if c.s == s)
-    why = Explanation(traced.name, rates.name, tuple(cands), best.s, True,
-                      reason(best, ok, rates, _kinds(progs[best.s]), streams))
+    why = reason(best, ok, rates, _kinds(progs[best.s]), streams)
+    if len(ok) == 1 and len(cands) > 1:
+        why += f"; no other S up to {MAX_AUTO_CHUNKS} divides the streamed extents into devices x chunks"
+    why = Explanation(traced.name, rates.name, tuple(cands), best.s, True, why)
     log.info("chunks='auto' for %s: S=%d of %s, predicted %.3f ms (%s rates): %s", traced.name, best.s,
              [c.s for c in ok], best.total_s * 1e3, rates.name, why.reason)
     return progs[best.s], why
@@ -149,4 +153,6 @@ def explain_plan(prog, rates, local, share) -> Explanation:
     """A plan compiled without "auto": its one candidate, the S of its stream loops."""
     loops = sorted({i.attrs["extent"] for i in prog.instrs if i.op == Op.FOR})
     c = candidate(loops[0] if len(loops) == 1 else None, prog, rates, local, share)
-    return Explanation(prog.name, rates.name, (c,), c.s, False, reason(c, [c], rates, _kinds(prog)))
+    label = "S=" + ", ".join(map(str, loops)) if loops else "no stream loop"
+    return Explanation(prog.name, rates.name, (c,), c.s, False, reason(c, [c], rates, _kinds(prog), label=label),
+                       tuple(loops))

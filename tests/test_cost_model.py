@@ -365,3 +365,27 @@ def test_a_gemms_fixed_time_is_the_same_in_every_dtype():
     fixed = cost.H200.gemm_half_flops / max(cost.H200.gemm_flops.values())
     assert f32 == pytest.approx(tiny / cost.H200.gemm_flops["float32"] + fixed) and f32 < 10e-6
     assert bf16 == pytest.approx(tiny / cost.H200.gemm_flops["bfloat16"] + fixed)
+
+
+def test_explain_names_every_loop_and_why_no_other_s_was_possible():
+    mesh, f32 = sf.DeviceMesh(2, backend="numpy"), lambda *s: sf.TensorSpec(s, "float32")
+    two = sf.jit(lambda a, b: sf.stream(sf.stream(sf.shard(a, 0) @ b, axis=0, chunks=4) @ b.T, axis=0, chunks=2),
+                 mesh=mesh, rates="h200").lower(f32(16, 8), f32(8, 8)).explain()
+    assert "chunks fixed (S=2, 4)" in str(two) and two.reason.startswith("S=2, 4: ")
+    none = sf.jit(lambda a, b: a @ b, mesh=mesh, rates="h200").lower(f32(16, 8), f32(8, 8)).explain()
+    assert "chunks fixed (no stream loop)" in str(none) and "S=1" not in str(none)
+    only = seed(sf.DeviceMesh(4, backend="numpy"), "auto", rates="h200").lower(*specs(68, 8, 8)).explain()
+    assert only.chosen == 1 and "no other S up to 16 divides the streamed extents" in only.reason
+
+
+def test_auto_keeps_the_fewest_chunks_within_the_margin_of_the_fastest():
+    from shardfuse import autochunks
+
+    mesh = sf.DeviceMesh(8, backend="numpy")
+    why = seed(mesh, "auto", rates="h200").lower(sf.TensorSpec((32768, 32768), "bfloat16"),
+                                                 sf.TensorSpec((32768, 8192), "bfloat16")).explain()
+    ok = [c for c in why.candidates if c.error is None]
+    fastest = min(c.total_s for c in ok)
+    chosen = next(c for c in ok if c.s == why.chosen)
+    assert chosen.total_s * (1 - autochunks.AUTO_MARGIN) <= fastest
+    assert all(c.total_s * (1 - autochunks.AUTO_MARGIN) > fastest for c in ok if c.s < why.chosen)
