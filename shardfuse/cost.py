@@ -278,6 +278,9 @@ class Prediction:
     total_s: float
     events: tuple
 
+    def __repr__(self):  # (not its events: thousands for many chunks)
+        return f"Prediction({self.plan_name!r}: {self.total_s * 1e3:.3f} ms, {len(self.events)} steps)"
+
     def timeline(self) -> Timeline:
         return Timeline(self.events, self.plan_name)
 

@@ -293,9 +293,8 @@ class Executable:
             return self.run(args, infos, stream)
 
     def check_ranks(self):
-        """Under mpiexec, at every call (not only the first): every rank calls this very plan.  A
-        rank may pick another plan (a short last batch) or call plans in another order, and MPI
-        would pair their collectives silently: RankMismatchError on every rank instead."""
+        """Under mpiexec, at every call: every rank calls this plan (one that picked another, e.g. for
+        a short last batch, would pair their collectives silently): else RankMismatchError on all."""
         if self.mesh.nprocs > 1:
             faults.agree(self.agreement, f"plan {self.prog.name!r}")
 

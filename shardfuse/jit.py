@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import functools
+import inspect
 from typing import Any, Callable, overload
 import logging
 import os
@@ -236,8 +237,6 @@ class Jitted:
 
     def _argument_error(self, args, error):
         """`error` (array_info's, for one of args) naming the parameter it is about."""
-        import inspect
-
         names = list(inspect.signature(self.fn).parameters)
         names += [f"#{k}" for k in range(len(names), len(args))]
         for k, a in enumerate(args):
@@ -250,8 +249,6 @@ class Jitted:
     def _positional(self, args, kwargs) -> tuple:
         """Arrays given by keyword, bound as Python binds them, as the positional arguments the
         plan takes (its inputs are the leading parameters given; later ones keep their defaults)."""
-        import inspect
-
         try:
             bound = inspect.signature(self.fn).bind_partial(*args, **kwargs)
         except TypeError as e:

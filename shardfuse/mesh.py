@@ -167,7 +167,8 @@ class DeviceMesh:
     def __repr__(self):
         dims = ", ".join(f"{n}={s}" for n, s in zip(self.axis_names, self.shape))
         where = "" if self.is_root else f", devices={self.devices}"
-        return f"DeviceMesh({dims}{where}, backend={self.backend_name})"
+        procs = f", processes={self.nprocs}" if self.nprocs > 1 else ""  # (the NumPy backend over MPI)
+        return f"DeviceMesh({dims}{where}, backend={self.backend_name}{procs})"
 
     # -- pickling: by constructor arguments, never the backend or caches ---------------------
     def __reduce__(self):

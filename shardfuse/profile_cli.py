@@ -42,6 +42,11 @@ def main(argv=None) -> int:
             p.error(f"--{name} must be a positive int, got {getattr(args, name)}")
     if args.dtype not in DTYPES[args.backend]:
         p.error(f"--dtype {args.dtype} is not profiled on {args.backend}: choose from {', '.join(DTYPES[args.backend])}")
+    if args.nvtx:  # (before any work, not after the warm-up)
+        try:
+            import nvtx  # noqa: F401
+        except ImportError:
+            p.error("--nvtx needs the nvtx package: pip install \"shardfuse[nvtx]\" (or pip install nvtx)")
     d = default_devices(args.backend) if args.devices is None else args.devices
     mesh = sf.DeviceMesh(d, backend=args.backend)
     pipelined, _ = seed_functions(mesh, args.streams)

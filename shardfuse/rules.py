@@ -107,9 +107,8 @@ def contraction_require(ins, out, lays, labels=None):
         klab, k = None, None
     # Keep the contraction local (then reduce after) rather than reshard the inputs' other axes.
     carried = _linear_partials(ins.op, lays)
-    # an input pending a sum only over the mesh axis that shards K cannot keep it: reduced first (a
-    # ReduceScatter into that sharding), else it would both shard and pend over one axis.  (Pending
-    # over more axes stays refused: the output's propagated layout would still pend the others.)
+    # an input pending a sum only over K's mesh axis is reduce-scattered into that sharding first (over
+    # more axes it stays refused: the output's propagated layout would still pend the others)
     carried = [() if c and set(c) <= _names([k]) else c for c in carried]
     out_axes = _unshard(out.axes, set(_union(*carried)) | _names([k]))
     placed = dict(zip(out_labels, (_placed(a) for a in out_axes)))

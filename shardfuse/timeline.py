@@ -138,7 +138,7 @@ class Timeline:
         try:
             from matplotlib.figure import Figure
             from matplotlib.patches import Patch
-        except ImportError:
+        except ImportError:  # (an optional extra)
             raise ImportError("Timeline.plot needs matplotlib: pip install -e \".[plot]\"") from None
         rows = sorted({(e.rank, d, e.stream) for e in self.events for d in e.devices}, key=_row_order)
         index = {r: k for k, r in enumerate(rows)}
@@ -286,7 +286,7 @@ def _union(intervals):
 
 
 def _covered(intervals) -> float:
-    return sum(b - a for a, b in intervals)
+    return sum((b - a for a, b in intervals), 0.0)
 
 
 def _uncovered(iv, covered) -> float:

@@ -74,6 +74,8 @@ def test_demo_mlp_sequence_parallel():
     (["bench", "--backend", "numpy", "--chunks", "0"], "--chunks must be positive ints"),
     (["profile", "--png", ""], "argument --png: an empty file name"),
     (["profile", "--trace", "/etc/hostname/t.json"], "/etc/hostname is not a directory"),
+    (["bench", "--sweep", "--backend", "numpy", "--devices", "3", "--sweep-m", "12,13"],
+     "--sweep-m values must be multiples of D = 3, got [12, 13]"),
 ])
 def test_cli_mistakes_are_one_line_and_exit_2(argv, message):
     r = run(*argv)

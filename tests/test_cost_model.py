@@ -358,6 +358,11 @@ def test_calibration_runs_on_a_mesh_its_sizes_were_not_chosen_for():
     assert rates.name == "calibrated numpy x3" and any(line.startswith("  collectives:") for line in lines), lines
 
 
+def test_a_prediction_prints_in_one_line():
+    pred = seed(sf.DeviceMesh(8, backend="numpy"), 64, rates="h200").lower(*specs(4096, 64, 64)).predict()
+    assert repr(pred) == f"Prediction('ag_gemm': {pred.total_s * 1e3:.3f} ms, {len(pred.events)} steps)"
+
+
 def test_a_gemms_fixed_time_is_the_same_in_every_dtype():
     # the half-rate size is the fastest dtype's: at float32's peak the same FLOPs were a 37 us floor
     tiny = 2 * 256 ** 3

@@ -175,6 +175,15 @@ def test_nvtx_missing_says_how_to_install_it(monkeypatch):
     assert len(plan.profile(a, b)) == len(plan.executable.steps)  # without nvtx=True nothing needs it
 
 
+def test_cli_nvtx_missing_is_refused_before_any_work(monkeypatch, capsys):
+    from shardfuse.cli import main
+
+    monkeypatch.setitem(sys.modules, "nvtx", None)
+    with pytest.raises(SystemExit) as e:
+        main(["profile", "--nvtx", "--devices", "2", "--m", "4", "--k", "8", "--n", "8"])
+    assert e.value.code == 2 and "--nvtx needs the nvtx package" in capsys.readouterr().err
+
+
 def test_cli_nvtx_pushes_the_ranges(tmp_path, monkeypatch, capsys):
     from shardfuse.cli import main
 

@@ -65,6 +65,8 @@ def _settings(args, mesh) -> dict:
               or d["chunks"], streams=(getattr(args, "streams", None) or [4])[0], repeat=getattr(args, "repeat", 10))
     if min(st["ms"]) < 1 or min(st["chunks"]) < 1 or st["streams"] < 1 or st["repeat"] < 1:
         raise ValueError("--sweep-m, --chunks, --streams and --repeat must be positive ints")
+    if any(m % mesh.size for m in st["ms"]):  # (A's rows are sharded over the devices)
+        raise ValueError(f"--sweep-m values must be multiples of D = {mesh.size}, got {st['ms']}")
     return st
 
 
