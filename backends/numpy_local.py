@@ -28,10 +28,15 @@ def _gelu(xp, x, _, out):
     xp.multiply(x, inner, out=out)
 
 
-def _scalar(x, s):
-    """An op's Python scalar beside x: float32 for 16-bit x, so the op runs in float32 and rounds once
-    into x's dtype (1e5, or 1 / 1e-5, does not fit float16), else x's own type (NumPy's result)."""
-    return np.float32(s) if x.dtype.itemsize == 2 else x.dtype.type(s)
+def _scalar_op(fn, x, s, o, reflected=False):
+    """fn(x, s) (fn(s, x) reflected) with a Python scalar s: for 16-bit x the loop runs in float32
+    (dtype=, not promotion, which NumPy 1.x and older CuPy decide by value) and rounds once into
+    o (1e5, or 1 / 1e-5, does not fit float16); else in x's own type (NumPy's result)."""
+    if x.dtype.itemsize == 2:
+        s = np.float32(s)
+        return fn(s, x, out=o, dtype=np.float32) if reflected else fn(x, s, out=o, dtype=np.float32)
+    s = x.dtype.type(s)
+    return fn(s, x, out=o) if reflected else fn(x, s, out=o)
 
 
 # Elementwise ops for any array module xp (NumPy here; CuPy has the same ufuncs).
@@ -40,10 +45,10 @@ ELEMENTWISE = {
     Op.SUB: lambda xp, x, y, o: xp.subtract(x, y, out=o),
     Op.MUL: lambda xp, x, y, o: xp.multiply(x, y, out=o),
     Op.DIV: lambda xp, x, y, o: xp.divide(x, y, out=o),
-    Op.SCALE: lambda xp, x, s, o: xp.multiply(x, _scalar(x, s), out=o),
-    Op.DIV_SCALAR: lambda xp, x, s, o: xp.divide(x, _scalar(x, s), out=o),
-    Op.ADD_SCALAR: lambda xp, x, s, o: xp.add(x, _scalar(x, s), out=o),
-    Op.RDIV: lambda xp, x, s, o: xp.divide(_scalar(x, s), x, out=o),
+    Op.SCALE: lambda xp, x, s, o: _scalar_op(xp.multiply, x, s, o),
+    Op.DIV_SCALAR: lambda xp, x, s, o: _scalar_op(xp.divide, x, s, o),
+    Op.ADD_SCALAR: lambda xp, x, s, o: _scalar_op(xp.add, x, s, o),
+    Op.RDIV: lambda xp, x, s, o: _scalar_op(xp.divide, x, s, o, reflected=True),
     Op.NEG: lambda xp, x, _, o: xp.negative(x, out=o),
     Op.EXP: lambda xp, x, _, o: xp.exp(x, out=o),
     Op.TANH: lambda xp, x, _, o: xp.tanh(x, out=o),
@@ -129,6 +134,11 @@ class NumpyLocalBackend:
 
         def step(bufs):
             for x, o in zip(self._views(bufs, a), self._views(bufs, out)):
+                if o.dtype == acc:  # (no temporary)
+                    np.sum(x, axis=axis, out=o)
+                    if scale != 1.0:
+                        o *= scale
+                    continue
                 s = np.sum(x, axis=axis, dtype=acc)
                 o[...] = s if scale == 1.0 else s * scale
         return step

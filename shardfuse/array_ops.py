@@ -54,6 +54,10 @@ def run(fn, args: tuple, key, name: str):
         if b.mesh != mesh:
             raise ValueError(f"{name}: the operands live on different meshes, {mesh} and {b.mesh}; place both on "
                              "one mesh (sf.distribute), or move one inside sf.jit with sf.to_mesh")
+    if mesh.nprocs > 1 and not mesh.is_root:  # (every rank alike, before any communication)
+        raise NotImplementedError(f"{name} of an sf.Array placed on the sub-mesh {mesh} under MPI: operations outside "
+                                  "sf.jit run on whole meshes there; jit on the whole mesh and place the value on the "
+                                  "sub-mesh inside it (sf.to_mesh, or sf.shard / sf.replicate with mesh=)")
     specs = tuple(a.spec if isinstance(a, ArrayOps) else TensorSpec(*_shape_dtype(a)) for a in args)
     with _LOCK:
         plans = mesh.__dict__.setdefault("_array_op_plans", OrderedDict())  # dies with the mesh
@@ -220,11 +224,12 @@ class ArrayOps:
     __truediv__, __rtruediv__ = _binary_methods(operator.truediv)
     __matmul__, __rmatmul__ = _binary_methods(operator.matmul)
 
-    def __eq__(self, other):  # (Python's default compares identity: `a == b` was False for equal values)
-        raise TypeError("== on an sf.Array is not supported (NumPy compares elementwise, Python by identity): "
+    def __eq__(self, other, op="=="):  # (Python's default compares identity: `a == b` was False for equal values)
+        raise TypeError(f"{op} on an sf.Array is not supported (NumPy compares elementwise, Python by identity): "
                         "compare the values with np.array_equal(a.gather(), b.gather()), or use `a is b`")
 
-    __ne__ = __eq__
+    def __ne__(self, other):
+        return self.__eq__(other, "!=")
     __hash__ = object.__hash__  # (still a dict key / set member by identity)
 
     def __neg__(self):

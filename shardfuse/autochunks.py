@@ -102,6 +102,12 @@ def reason(best: Candidate, ok: list, rates, kinds: str, streams: int = 2, label
             f"{best.comm_s * 1e3:.3f} ms exposed){gain}")
 
 
+def choose(ok: list) -> Candidate:
+    """The fewest chunks predicted within AUTO_MARGIN of the fastest (ok: S ascending)."""
+    fastest = min(c.total_s for c in ok)
+    return next(c for c in ok if c.total_s * (1 - AUTO_MARGIN) <= fastest)
+
+
 def _trace_with(fn, mesh, specs, streams, s):
     extents: list = []
     token = AUTO_CHUNKS.set((s, extents))
@@ -135,8 +141,7 @@ def compile_best(fn, mesh, specs, streams, machine) -> tuple:
         progs[s] = prog
         cands.append(candidate(s, prog, rates, local, share))
     ok = [c for c in cands if c.error is None]
-    fastest = min(c.total_s for c in ok)  # the fewest chunks within AUTO_MARGIN of it (ok: S ascending)
-    best = next(c for c in ok if c.total_s * (1 - AUTO_MARGIN) <= fastest)
+    best = choose(ok)
     if mesh.nprocs > 1:  # every rank must run the same plan: rank 0's choice (from its rates) holds
         s = faults.allgather_object(best.s, f"choosing chunks='auto' for {traced.name!r}")[0]
         best = next(c for c in ok if c.s == s)

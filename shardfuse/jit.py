@@ -168,8 +168,8 @@ class Jitted:
     def lower(self, *specs: Any) -> Plan:
         """The plan for these inputs: TensorSpecs, (shape, dtype[, sharding]) tuples, or the
         arrays themselves (as JAX's .lower takes either)."""
-        for s in specs:
-            if isinstance(s, tuple) and (not s or not isinstance(s[0], (tuple, list))):
+        for s in specs:  # (a shape alone, (16, 8), would read 8 as a dtype)
+            if isinstance(s, tuple) and len(s) >= 2 and all(isinstance(n, (int, np.integer)) for n in s):
                 raise TypeError(f"{self.__name__}.lower takes TensorSpecs, (shape, dtype[, sharding]) tuples or arrays; "
                                 f"got {s!r}: for a shape, write ({s!r}, 'float32')")
         specs = tuple(s if isinstance(s, TensorSpec) else TensorSpec(*s) if isinstance(s, tuple)

@@ -59,8 +59,9 @@ def output_file(path: str) -> str:
     if not os.path.isdir(parent):
         raise argparse.ArgumentTypeError(f"{path}: {parent} is not a directory" if os.path.exists(parent) else
                                          f"{path}: the directory {parent} does not exist")
-    if not os.access(parent, os.W_OK):
-        raise argparse.ArgumentTypeError(f"{path}: the directory {parent} is not writable")
+    if not os.access(path, os.W_OK) if os.path.exists(path) else not os.access(parent, os.W_OK):
+        raise argparse.ArgumentTypeError(f"{path} is not writable" if os.path.exists(path) else
+                                         f"{path}: the directory {parent} is not writable")
     if os.path.isdir(path):
         raise argparse.ArgumentTypeError(f"{path} is a directory: give a file name")
     return path
@@ -151,7 +152,7 @@ class Timeline:
         for (row, kind), spans in bars.items():
             ax.broken_barh(spans, (row - 0.4, 0.8), color=COLORS[kind], linewidth=0)
         ax.set_yticks(range(len(rows)), [f"rank {r} dev {d} stream {s}" for r, d, s in rows])
-        ax.invert_yaxis()  # the first device's main stream on top, as Nsight Systems orders them
+        ax.set_ylim(len(rows) - 0.5, -0.5)  # the first device's main stream on top, as Nsight Systems orders them
         ax.set_xlabel("ms")
         ax.set_title(f"{self.plan_name}: {self.summary()['overlap_efficiency']:.2f} overlap efficiency")
         used = [k for k in KINDS if any(e.kind == k for e in self.events)]

@@ -26,12 +26,18 @@ class Builder:
         self.instrs: list = []
         self.namer = Namer()
         self.producer: dict = {}  # value -> the instruction that made it
+        self.homes: dict = {}  # value -> the sub-mesh it lives on, where known when traced
 
     def emit(self, op, ins, out_type, base, **attrs) -> "Traced":
         out = Value(self.namer(base), out_type)
         ins_ = Instr(op, (out,), tuple(t.value for t in ins), attrs)
         self.instrs.append(ins_)
         self.producer[out] = ins_
+        lay = getattr(out_type, "layout", None)
+        homes = {self.homes.get(t.value) for t in ins}  # (propagation puts a result on its inputs' mesh)
+        home = lay.mesh if lay is not None else homes.pop() if len(homes) == 1 else None
+        if home is not None:
+            self.homes[out] = home
         return Traced(self, out)
 
 
@@ -252,6 +258,8 @@ def _annotate(x: Traced, axis: int, what, chunks=None, algorithm=None, on=None) 
     if algorithm is not None:
         attrs["algorithm"] = algorithm
     sub = _sub_mesh(x.builder, on)
+    if sub is None and what == STREAM and layout.mesh is None:
+        sub = x.builder.homes.get(x.value)  # streaming a value does not move it off its sub-mesh
     if sub is not None:
         if layout.mesh is not None and layout.mesh != sub:
             raise ValueError(f"annotations on {x.value.name} name two meshes: {layout.mesh} and {sub}")

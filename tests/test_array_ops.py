@@ -153,7 +153,7 @@ def test_len_and_iteration():
     (lambda x, z: x.mean(0, dtype=np.float32), TypeError, r"dtype= is not supported"),
     (lambda x, z: np.sum(x, axis=0, keepdims=True), TypeError, r"keepdims=True is not supported"),
     (lambda x, z: x == x, TypeError, r"== on an sf.Array is not supported .*np.array_equal"),
-    (lambda x, z: x != z, TypeError, r"== on an sf.Array is not supported"),
+    (lambda x, z: x != z, TypeError, r"!= on an sf.Array is not supported"),
     (lambda x, z: sf.replicate(np.ones((6, 4)), mesh=sf.DeviceMesh(3, backend="numpy")).redistribute((None, "DIDx")),
      ValueError, r"cannot shard axis 1 of extent 4 over DIDx: the mesh axis has 3 devices"),
     (lambda x, z: sf.distribute(np.ones((4, 4)), z.mesh, "DIDx"), TypeError, r"placements: a list or tuple"),

@@ -384,13 +384,11 @@ def test_explain_names_every_loop_and_why_no_other_s_was_possible():
 
 
 def test_auto_keeps_the_fewest_chunks_within_the_margin_of_the_fastest():
-    from shardfuse import autochunks
+    # comparing each S with the best so far, S = 4 beat S = 1 by over 1% (1.25%) and won, though
+    # S = 2 is within 1% of it; the rule keeps the fewest chunks within the margin of the fastest
+    from shardfuse.autochunks import Candidate, choose
 
-    mesh = sf.DeviceMesh(8, backend="numpy")
-    why = seed(mesh, "auto", rates="h200").lower(sf.TensorSpec((32768, 32768), "bfloat16"),
-                                                 sf.TensorSpec((32768, 8192), "bfloat16")).explain()
-    ok = [c for c in why.candidates if c.error is None]
-    fastest = min(c.total_s for c in ok)
-    chosen = next(c for c in ok if c.s == why.chosen)
-    assert chosen.total_s * (1 - autochunks.AUTO_MARGIN) <= fastest
-    assert all(c.total_s * (1 - autochunks.AUTO_MARGIN) > fastest for c in ok if c.s < why.chosen)
+    ok = [Candidate(1, 1.0), Candidate(2, 0.991), Candidate(4, 0.9875), Candidate(8, 0.9990)]
+    assert choose(ok).s == 2
+    assert choose([Candidate(1, 1.0), Candidate(2, 0.995)]).s == 1
+    assert choose([Candidate(1, 1.0), Candidate(2, 0.98)]).s == 2

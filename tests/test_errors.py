@@ -131,3 +131,8 @@ def test_lower_and_keyword_only_parameters_say_what_to_write(mesh):
     with pytest.raises(TypeError, match=r"scaled\(\): s given, but a keyword-only .*functools.partial\(scaled, s=...\)"):
         sf.jit(scaled, mesh=mesh)(x, s=5.0)
     np.testing.assert_allclose(sf.jit(scaled, mesh=mesh)(x).gather(), 2 * x)
+
+
+def test_lower_takes_an_int_shape_with_its_dtype(mesh):
+    f = sf.jit(lambda a: a * 2.0, mesh=mesh)
+    assert f.lower((16, "float32")).program.inputs[0].type.shape == (16,)

@@ -235,3 +235,17 @@ def test_sums_pending_over_two_mesh_axes_into_a_k_sharded_matmul_are_never_wrong
         assert "cannot reshard" in str(e)
         return
     np.testing.assert_allclose(out.gather(), ref, rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.parametrize("chunks", [2, 3])
+def test_streaming_a_value_on_a_sub_mesh_keeps_it_there(chunks):
+    # the stream annotation put the product on the whole mesh: each chunk gathered to device 0 and
+    # broadcast to all four, cut into 4 shards though its sub-mesh has 2 (a crash under mpiexec -n 4)
+    mesh = sf.DeviceMesh(4, backend="numpy")
+    sub = mesh.submesh([3, 2])
+    x, w = rng().standard_normal((12, 12)), rng().standard_normal((12, 6))
+
+    def f(x, w):
+        return sf.stream(sf.shard(x, axis=0, mesh=sub) @ sf.replicate(w, mesh=sub), axis=0, chunks=chunks)
+    check(f, mesh, (x, w), x @ w)
+    assert sf.jit(f, mesh=mesh).lower(x, w).collectives() == {"allgather": chunks}

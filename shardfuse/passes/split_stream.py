@@ -82,7 +82,7 @@ def split_stream_axes(prog):
                              f"{sorted(sharded, key=str)}: "
                              "stream it before or after the reshard, not on it")
         mesh_axis = sharded.pop() if sharded else None
-        d = shard_count(mesh_axis, prog.mesh)
+        d = shard_count(mesh_axis, lay.mesh or prog.mesh)  # (a value on a sub-mesh: its devices)
         extent = o.type.shape[k]
         if s is None and not ring:
             # chunks omitted on an axis an input shards: one chunk per index of each device's shard.

@@ -183,3 +183,15 @@ def test_calls_from_a_second_thread_are_refused_before_they_communicate():
     assert len(caught) == 2 and all("must come from one thread per process" in m for m in caught), caught
     assert all("the check of plan" in m for m in caught)
     assert np.array_equal(f(x).gather(), x) and np.array_equal(g(x).gather(), 2 * x)  # this thread goes on
+
+
+def test_ops_on_an_array_placed_on_a_sub_mesh_are_refused_on_every_rank():
+    """Outside sf.jit an op on such an array ran a plan traced on the sub-mesh with the root
+    mesh's backend: IndexError on the ranks holding none of it, and the job aborted."""
+    mesh = sf.DeviceMesh(4)
+    a = sf.shard(np.arange(24.0).reshape(4, 6), axis=0, mesh=mesh.submesh([0, 1]))
+    np.testing.assert_array_equal(a.gather(), np.arange(24.0).reshape(4, 6))
+    for op in (lambda: a * 2.0, lambda: a.sum(0), lambda: a[1]):
+        with pytest.raises(NotImplementedError, match="on the sub-mesh .* under MPI"):
+            op()
+    np.testing.assert_array_equal((sf.replicate(np.ones(4), mesh=mesh) * 2.0).gather(), 2 * np.ones(4))
