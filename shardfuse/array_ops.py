@@ -112,6 +112,15 @@ def binary(fn, a, b):
         return run(lambda x: fn(c, x), (b,), (fn, 0, c), name)
     if not (_is_operand(a) and _is_operand(b)):
         return NotImplemented
+    # a plain array beside an sf.Array on a sub-mesh is replicated on that sub-mesh, not the whole
+    sub = next((v.sharding.mesh for v in (a, b) if isinstance(v, ArrayOps) and v.sharding.mesh), None)
+    if sub is not None and not (isinstance(a, ArrayOps) and isinstance(b, ArrayOps)):
+        plain = 1 if isinstance(a, ArrayOps) else 0
+
+        def on_sub(x, y):
+            x, y = (x, trace.replicate(y, mesh=sub)) if plain else (trace.replicate(x, mesh=sub), y)
+            return fn(x, y)
+        return run(on_sub, (a, b), (fn, "on_sub_mesh", plain), name)
     return run(lambda x, y: fn(x, y), (a, b), (fn,), name)
 
 

@@ -144,3 +144,15 @@ def test_submesh_arguments_are_checked(mesh):
     assert mesh.submesh(np.arange(2)).devices == (0, 1)
     with pytest.raises(ValueError, match="need 1 distinct axis names for a sub-mesh"):
         mesh.submesh([0, 1], axis_names=("a", "b"))
+
+
+def test_a_plain_array_beside_a_sub_mesh_result_is_replicated_on_that_sub_mesh():
+    # outside sf.jit, `t + X` with t on a sub-mesh was refused ("operands live on different meshes")
+    mesh = sf.DeviceMesh(4, backend="numpy")
+    sub = mesh.submesh([1, 2, 3])
+    rng = np.random.default_rng()
+    x, w = rng.standard_normal((6, 6)), rng.standard_normal((6, 3))
+    t = sf.jit(lambda v: sf.to_mesh(v, sub, axis=0), mesh=mesh)(x)
+    for got, ref in ((t + x, 2 * x), (x * t, x * x), (t @ w, x @ w), (x - t, 0 * x)):
+        np.testing.assert_allclose(got.gather(), ref, rtol=1e-12, atol=1e-12)
+        assert got.sharding.mesh == sub and got.placements == (sf.Shard(0),)
