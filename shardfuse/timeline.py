@@ -91,21 +91,23 @@ class Timeline:
                 f"communication {s['communication_s'] * 1e3:.3f} ms, overlap efficiency {s['overlap_efficiency']:.2f})")
 
     # ---- figures ----------------------------------------------------------------------------
-    def summary(self) -> dict:
+    def summary(self, call: int | None = None) -> dict:
         """Figures of one device: total_s, first start to last end; communication_s / gemm_s / ...:
         the time during which some step of that kind runs (overlapping steps on other streams count
         once); exposed_communication_s: communication time when no GEMM or other compute runs on
         that device; overlap_efficiency = max(T_comm, T_compute) / T_total (1.0: perfect overlap).
         Communication hides only behind its own device's compute, and ranks' clocks are not
         aligned, so a timeline of several devices or ranks gives its slowest one's figures (the
-        largest total), `device` naming it as (rank, device)."""
+        largest total), `device` naming it as (rank, device).  call=k: that profiled call's alone
+        (profile(repeat=N) records N; their spans are what predict() gives for one)."""
         per: dict = {}
-        for e in self.events:
+        events = self.events if call is None else [e for e in self.events if e.call == call]
+        for e in events:
             for d in e.devices:
                 per.setdefault((e.rank, d), []).append(e)
         figures, device = max(((_figures(ev), key) for key, ev in per.items()), key=lambda f: f[0]["total_s"],
                               default=(_figures([]), None))
-        return {"steps": len(self.events), **figures, "device": device}
+        return {"steps": len(events), **figures, "device": device}
 
     # ---- out ----------------------------------------------------------------------------------
     def to_chrome_trace(self, path=None) -> dict:
@@ -269,7 +271,7 @@ def _figures(ev) -> dict:
     by_kind = {k: _covered(u) for k, u in spans.items()}
     busy = _union(spans["gemm"] + spans["compute"])
     compute = _covered(busy)
-    exposed = sum(_uncovered(iv, busy) for iv in spans["communication"])  # (concurrent ones count once)
+    exposed = sum((_uncovered(iv, busy) for iv in spans["communication"]), 0.0)  # (concurrent ones count once)
     eff = max(by_kind["communication"], compute) / total if total > 0 else 1.0
     return {"total_s": total, "communication_s": by_kind["communication"], "gemm_s": by_kind["gemm"],
             "compute_s": by_kind["compute"], "copy_s": by_kind["copies"], "exposed_communication_s": exposed,

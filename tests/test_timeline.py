@@ -64,6 +64,15 @@ def test_concurrent_communication_is_exposed_once():
     assert s["communication_s"] == pytest.approx(2.0) and s["exposed_communication_s"] == pytest.approx(1.25)
 
 
+def test_each_profiled_call_has_its_own_figures():
+    plan, a, b = seed()
+    tl = plan.profile(a, b, repeat=3)
+    calls = [tl.summary(call=k) for k in range(3)]
+    assert all(c["steps"] == len(plan.executable.steps) for c in calls)  # (one interval per step and call)
+    assert sum(c["total_s"] for c in calls) <= tl.summary()["total_s"]  # calls run one after another
+    assert tl.summary(call=3) == {**tl.summary(call=3), "steps": 0, "total_s": 0.0, "device": None}
+
+
 def test_communication_hides_only_behind_its_own_devices_compute():
     """Another device's (or rank's, whose clock is its own) GEMM hides nothing: the summary is the
     slowest device's, computed on its own events."""
