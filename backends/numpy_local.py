@@ -71,9 +71,7 @@ class NumpyLocalBackend:
         dt = np_dtype(dtype)
         if POISON:
             return [np.full(shape, np.nan, dt) for _ in self.local_devices]
-        # zeros, not empty: devices outside a value's sub-mesh compute on their placeholders, and
-        # uninitialised memory there raised NumPy overflow warnings
-        return [np.zeros(shape, dt) for _ in self.local_devices]
+        return [np.empty(shape, dt) for _ in self.local_devices]
 
     def to_device(self, pieces):
         return [np.array(p, copy=True) for p in pieces]

@@ -41,8 +41,7 @@ class Executable:
             # dtypes, chunks, functions, algorithms or meshes all print different texts.
             self.agreement = (f"mesh {mesh!r} shape={mesh.shape} axes={mesh.axis_names} devices={mesh.devices} "
                               f"processes={mesh.nprocs} graph={graph}\n{prog}")
-            faults.agree(self.agreement, f"plan {prog.name!r}")
-        self.fresh = True  # the check above stands for the first call's (every rank makes one per call)
+            faults.agree(self.agreement, f"plan {prog.name!r}")  # (and each call checks, labelled apart)
         with faults.binding(prog.name):
             self._init(prog, backend_of(mesh) if backend is None else backend, graph)
 
@@ -296,9 +295,8 @@ class Executable:
     def check_ranks(self):
         """Under mpiexec, at every call: every rank calls this plan (one that picked another, e.g. for
         a short last batch, would pair their collectives silently): else RankMismatchError on all."""
-        if self.mesh.nprocs > 1 and not self.fresh:
-            faults.agree(self.agreement, f"plan {self.prog.name!r}")
-        self.fresh = False
+        if self.mesh.nprocs > 1:
+            faults.agree(self.agreement, f"plan {self.prog.name!r} (a call)")
 
     def run(self, args, infos, stream, issue=None):
         """One call, with self.lock held: place the inputs, issue the steps (or issue(bufs)), return the outputs."""

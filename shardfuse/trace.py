@@ -8,12 +8,13 @@ from __future__ import annotations
 
 import inspect
 import math
+from dataclasses import replace
 
 import numpy as np
 
 from shardfuse.ir import Instr, Namer, Program, TensorType, Value
 from shardfuse.layout import Layout, mesh_axes
-from shardfuse.mesh import STREAM, as_int
+from shardfuse.mesh import STREAM, DeviceMesh, as_int
 from shardfuse.ops import Op
 from shardfuse.spec import check_axis, check_divides, normalize_axis, normalize_over, resolve_chunks
 
@@ -27,17 +28,16 @@ class Builder:
         self.namer = Namer()
         self.producer: dict = {}  # value -> the instruction that made it
         self.homes: dict = {}  # value -> the sub-mesh it lives on, where known when traced
+        self.kept: set = set()  # stream annotations that kept their value's sub-mesh (no mesh= given)
 
     def emit(self, op, ins, out_type, base, **attrs) -> "Traced":
         out = Value(self.namer(base), out_type)
         ins_ = Instr(op, (out,), tuple(t.value for t in ins), attrs)
         self.instrs.append(ins_)
         self.producer[out] = ins_
-        lay = getattr(out_type, "layout", None)
-        homes = {self.homes.get(t.value) for t in ins}  # (propagation puts a result on its inputs' mesh)
-        home = lay.mesh if lay is not None else homes.pop() if len(homes) == 1 else None
-        if home is not None:
-            self.homes[out] = home
+        lay, homes = getattr(out_type, "layout", None), {self.homes.get(t.value) for t in ins}
+        home = lay.mesh if lay is not None else homes.pop() if len(homes) == 1 else None  # (propagation's rule)
+        self.homes.update({out: home} if home is not None else {})
         return Traced(self, out)
 
 
@@ -95,15 +95,13 @@ class Traced:
     def __add__(self, other):
         return self._elementwise(other, Op.ADD)
 
-    __radd__ = __add__  # (c + x: reflected only for scalars, and + commutes)
-
     def __sub__(self, other):
         return self._elementwise(other, Op.SUB)
 
     def __mul__(self, other):
         return self._elementwise(other, Op.MUL)
 
-    __rmul__ = __mul__
+    __radd__, __rmul__ = __add__, __mul__  # (c + x, c * x: reflected only for scalars; both commute)
 
     def __truediv__(self, other):
         return self._elementwise(other, Op.DIV)
@@ -232,8 +230,6 @@ def _sub_mesh(builder, mesh):
     """None for the program's own mesh; a checked sub-mesh of it otherwise."""
     if mesh is None or mesh == builder.mesh:
         return None
-    from shardfuse.mesh import DeviceMesh
-
     if not isinstance(mesh, DeviceMesh):
         raise TypeError(f"mesh= must be an sf.DeviceMesh (the program's mesh or a sub-mesh of it), "
                         f"got {type(mesh).__name__}")
@@ -255,11 +251,13 @@ def _annotate(x: Traced, axis: int, what, chunks=None, algorithm=None, on=None) 
         layout = prev.outs[0].type.layout
         base = Traced(x.builder, prev.ins[0])
         attrs = dict(prev.attrs)
+        if prev.outs[0] in x.builder.kept and what != STREAM:  # a placement composed onto a stream that
+            layout = replace(layout, mesh=None)  # kept the value's sub-mesh: as in the other order
     if algorithm is not None:
         attrs["algorithm"] = algorithm
     sub = _sub_mesh(x.builder, on)
-    if sub is None and what == STREAM and layout.mesh is None:
-        sub = x.builder.homes.get(x.value)  # streaming a value does not move it off its sub-mesh
+    kept = sub is None and what == STREAM and layout.mesh is None and x.builder.homes.get(x.value) is not None
+    sub = x.builder.homes[x.value] if kept else sub  # streaming a value does not move it off its sub-mesh
     if sub is not None:
         if layout.mesh is not None and layout.mesh != sub:
             raise ValueError(f"annotations on {x.value.name} name two meshes: {layout.mesh} and {sub}")
@@ -292,7 +290,9 @@ def _annotate(x: Traced, axis: int, what, chunks=None, algorithm=None, on=None) 
             layout = Layout(layout.with_axis(ax, what).axes, chunks=layout.chunks, stream_over=layout.stream_over,
                             mesh=layout.mesh)
     out = TensorType(shape, x.dtype, layout)
-    return x.builder.emit(Op.SET, (base,), out, base.value.name, **attrs)
+    made = x.builder.emit(Op.SET, (base,), out, base.value.name, **attrs)
+    x.builder.kept.update([made.value] if kept else [])
+    return made
 
 
 def shard(x: "Traced", axis: int, over="DIDx", mesh=None):
@@ -389,6 +389,7 @@ def trace(fn, mesh, specs, streams=4, name=None) -> Program:
     inputs = []
     for pname, spec in zip(params, specs):
         v = Value(builder.namer(pname), TensorType(spec.shape, spec.dtype, spec.layout))
+        builder.homes.update({v: spec.layout.mesh} if spec.layout is not None and spec.layout.mesh else {})
         inputs.append(v)
     result = fn(*(Traced(builder, v) for v in inputs))
     results = result if isinstance(result, tuple) else (result,)

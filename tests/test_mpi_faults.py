@@ -37,7 +37,7 @@ FAULTS = {
     "sys_exit3": [r"rank 1: calling sys\.exit\(3\)", r"RankLeftError: .*rank\(s\) 1 left the job"],
     "os_exit3": [r"rank 1: calling os\._exit\(3\)"],
     "sleep": [r"rank 1: sleeping past the timeout",
-              r"CollectiveTimeoutError: \[shardfuse rank \d/\d\] the check of plan '<lambda>' did not complete "
+              r"CollectiveTimeoutError: \[shardfuse rank \d/\d\] the check of plan '<lambda>' \(a call\) did not complete "
               r"within 2 s \(SHARDFUSE_TIMEOUT\)",
               r"not arrived: rank\(s\) 1\n +rank 1: no answer"],
     "sleep_in_step": [r"rank 1: sleeping inside a plan step",

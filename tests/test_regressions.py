@@ -249,3 +249,22 @@ def test_streaming_a_value_on_a_sub_mesh_keeps_it_there(chunks):
         return sf.stream(sf.shard(x, axis=0, mesh=sub) @ sf.replicate(w, mesh=sub), axis=0, chunks=chunks)
     check(f, mesh, (x, w), x @ w)
     assert sf.jit(f, mesh=mesh).lower(x, w).collectives() == {"allgather": chunks}
+
+
+def test_a_sub_mesh_argument_streams_on_its_sub_mesh_and_annotations_compose_either_way():
+    mesh = sf.DeviceMesh(4, backend="numpy")
+    sub = mesh.submesh([2, 3])
+    x, w = rng().standard_normal((8, 8)), rng().standard_normal((8, 4))
+    t = sf.jit(lambda v: sf.to_mesh(v, sub, axis=0), mesh=mesh)(x)  # an argument living on the sub-mesh
+    out = sf.jit(lambda a, b: sf.stream(a @ sf.replicate(b, mesh=sub), axis=0, chunks=2), mesh=mesh)(t, w)
+    assert out.sharding.mesh == sub
+    np.testing.assert_allclose(out.gather(), x @ w, rtol=1e-12)
+    y = lambda v: sf.shard(v, 0, mesh=sub) * 2.0  # noqa: E731
+    for f in (lambda v: sf.stream(sf.shard(y(v), 1), 0, chunks=2), lambda v: sf.shard(sf.stream(y(v), 0, chunks=2), 1)):
+        out = sf.jit(f, mesh=mesh)(x)
+        assert out.sharding.mesh is None and out.placements == (sf.Shard(1),)  # the same in either order
+        np.testing.assert_allclose(out.gather(), 2 * x, rtol=1e-12)
+    ring = sf.jit(lambda v, b: sf.stream(sf.shard(v, 0, mesh=sub) @ sf.replicate(b, mesh=sub), 0, algorithm="ring"),
+                  mesh=mesh)
+    with pytest.raises(ValueError, match="algorithm='ring' on a value of a sub-mesh .* is not supported"):
+        ring.lower(x, w)

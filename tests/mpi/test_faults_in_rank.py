@@ -195,3 +195,36 @@ def test_ops_on_an_array_placed_on_a_sub_mesh_are_refused_on_every_rank():
         with pytest.raises(NotImplementedError, match="on the sub-mesh .* under MPI"):
             op()
     np.testing.assert_array_equal((sf.replicate(np.ones(4), mesh=mesh) * 2.0).gather(), 2 * np.ones(4))
+
+
+@pytest.mark.parametrize("case", ["stream_rep", "shard_then_stream", "stream_then_shard"])
+def test_a_streamed_move_off_a_sub_mesh_sends_strided_chunks(case):
+    """A chunk of a move between meshes is a strided view: sent and received through contiguous
+    staging (MPI asserted 'buffer ... is not contiguous' on every rank at -n 4)."""
+    mesh = sf.DeviceMesh(4)
+    sub = mesh.submesh([2, 3])
+    x = np.random.default_rng(0).standard_normal((8, 8))  # the same on every rank
+
+    def y_of(v):
+        return sf.shard(v, 0, mesh=sub) * 2.0
+    fn = {"stream_rep": lambda v: sf.stream(sf.replicate(y_of(v)), axis=1, chunks=2),
+          "shard_then_stream": lambda v: sf.stream(sf.shard(y_of(v), axis=1), axis=0, chunks=2),
+          "stream_then_shard": lambda v: sf.shard(sf.stream(y_of(v), axis=0, chunks=2), axis=1)}[case]
+    out = sf.jit(fn, mesh=mesh)(x)
+    assert out.sharding.mesh is None  # (the placement without mesh=: the whole mesh, in either order)
+    np.testing.assert_allclose(out.gather(), 2 * x, rtol=1e-12)
+
+
+def test_a_plan_bound_before_its_first_call_still_checks_that_call():
+    """Binding checks the plan; each call checks again (labelled apart), so ranks that then call
+    different plans raise instead of pairing their collectives."""
+    mesh = sf.DeviceMesh(4)
+    x = np.arange(8.0).reshape(4, 2)
+    f = sf.jit(lambda a: sf.replicate(sf.shard(a, 0) * 2.0), mesh=mesh)
+    g = sf.jit(lambda a: sf.replicate(sf.shard(a, 0) * 3.0), mesh=mesh)
+    g(x)
+    plan = f.lower(x)
+    plan.executable  # bound on every rank
+    with pytest.raises(sf.RankMismatchError, match="a call"):
+        plan(x) if RANK == BAD else g(x)
+    np.testing.assert_array_equal(plan(x).gather(), 2 * x)
