@@ -49,7 +49,9 @@ ELEMENTWISE = {
     Op.DIV_SCALAR: lambda xp, x, s, o: _scalar_op(xp.divide, x, s, o),
     Op.ADD_SCALAR: lambda xp, x, s, o: _scalar_op(xp.add, x, s, o),
     Op.RDIV: lambda xp, x, s, o: _scalar_op(xp.divide, x, s, o, reflected=True),
-    Op.NEG: lambda xp, x, _, o: xp.negative(x, out=o),
+    # (x * -1, exact: NumPy 2.4.6's float64 `negative` wrote wrong values for some strided views, e.g.
+    # x of shape (3, 1), strides (64, 8) into out strides (16, 8): x[1] became -1.0 for 8.0)
+    Op.NEG: lambda xp, x, _, o: xp.multiply(x, x.dtype.type(-1), out=o),
     Op.EXP: lambda xp, x, _, o: xp.exp(x, out=o),
     Op.TANH: lambda xp, x, _, o: xp.tanh(x, out=o),
     Op.RELU: lambda xp, x, _, o: xp.maximum(x, x.dtype.type(0), out=o),

@@ -268,3 +268,13 @@ def test_a_sub_mesh_argument_streams_on_its_sub_mesh_and_annotations_compose_eit
                   mesh=mesh)
     with pytest.raises(ValueError, match="algorithm='ring' on a value of a sub-mesh .* is not supported"):
         ring.lower(x, w)
+
+
+def test_a_negated_chunk_of_a_tuple_sharded_stream_is_right():
+    # the long differential profile: NumPy 2.4.6's float64 `negative` misreads some strided views
+    # (here each device's chunk), so Neg is x * -1
+    mesh = sf.DeviceMesh((2, 2), backend="numpy")
+    x = rng().standard_normal((3, 2, 4))
+    f = lambda x: sf.shard(sf.stream(-sf.replicate(x), 1, chunks=2), 2, over=("DIDy", "DIDx"))  # noqa: E731
+    check(f, mesh, (sf.shard(x, axis=2, over="DIDy", mesh=mesh),), -x)
+    check(f, mesh, (x,), -x)
