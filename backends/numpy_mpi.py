@@ -343,24 +343,17 @@ class NumpyMPIBackend(NumpyLocalBackend):
         what = faults.step_name(Op.TRANSFER, None, pairs[0][1] if pairs else None)
 
         def start(bufs):
-            reqs, held, back = [], [], []  # (a stream chunk's view may be strided: staged contiguous)
+            reqs = []
             for tag, (s, sref, d, rref) in enumerate(pairs):
                 here_s, here_d = s // L == me, d // L == me
                 if here_s and here_d:
                     self.view(bufs, rref, idx[d])[...] = self.view(bufs, sref, idx[s])
                 elif here_s:
-                    held.append(np.ascontiguousarray(self.view(bufs, sref, idx[s])))
-                    reqs.append(world.Isend(_wire(held[-1]), dest=d // L, tag=tag))
+                    reqs.append(world.Isend(_wire(self.view(bufs, sref, idx[s])), dest=d // L, tag=tag))
                 elif here_d:
-                    v = self.view(bufs, rref, idx[d])
-                    into = v if v.flags.c_contiguous else np.empty(v.shape, v.dtype)
-                    back += [(v, into)] if into is not v else []
-                    reqs.append(world.Irecv(_wire(into), source=s // L, tag=tag))
-            state.update(reqs=reqs, held=held, back=back)
+                    reqs.append(world.Irecv(_wire(self.view(bufs, rref, idx[d])), source=s // L, tag=tag))
+            state["reqs"] = reqs
 
         def wait(bufs):
             faults.wait(state.pop("reqs"), what, peers)
-            state.pop("held")
-            for v, into in state.pop("back"):
-                v[...] = into
         return start, wait

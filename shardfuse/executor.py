@@ -36,9 +36,9 @@ class Executable:
         mesh = prog.mesh
         if mesh.nprocs > 1:
             # Under mpiexec every rank must run this very plan, or its collectives pair with
-            # other ones (a hang, or garbage).  Checked once per plan and before binding,
-            # which already communicates (sub-communicators, NCCL ids): different shapes,
-            # dtypes, chunks, functions, algorithms or meshes all print different texts.
+            # other ones (a hang, or garbage).  Checked before binding, which already
+            # communicates (sub-communicators, NCCL ids), and again at every call (check_ranks):
+            # different shapes, dtypes, chunks, functions, algorithms or meshes print different texts.
             self.agreement = (f"mesh {mesh!r} shape={mesh.shape} axes={mesh.axis_names} devices={mesh.devices} "
                               f"processes={mesh.nprocs} graph={graph}\n{prog}")
             faults.agree(self.agreement, f"plan {prog.name!r}")  # (and each call checks, labelled apart)
@@ -234,12 +234,16 @@ class Executable:
         a, kind = i.attrs, i.attrs["kind"]
         frm, to = a["from"], a["to"]
         send, recv = self.refs[i.ins[0]], self.refs[i.into]
-        pre = post = None
         if kind == "Scatter":  # block q of the root's whole value goes to destination q
-            send, pre = self._contiguous(rank_major(send, a["axis"], len(to)), stream, before=True)
-            pairs = [(frm[0], block(send, q), d, recv) for q, d in enumerate(to)]
+            send = rank_major(send, a["axis"], len(to))
         elif kind == "Gather":  # source p's piece lands in block p of the root's whole value
-            recv, post = self._contiguous(rank_major(recv, a["axis"], len(frm)), stream, before=False)
+            recv = rank_major(recv, a["axis"], len(frm))
+        # backends move contiguous views: a strided one (a stream chunk's) is staged through scratch
+        send, pre = self._contiguous(send, stream, before=True)
+        recv, post = self._contiguous(recv, stream, before=False)
+        if kind == "Scatter":
+            pairs = [(frm[0], block(send, q), d, recv) for q, d in enumerate(to)]
+        elif kind == "Gather":
             pairs = [(s, send, to[0], block(recv, p)) for p, s in enumerate(frm)]
         elif kind == "Broadcast":
             pairs = [(frm[0], send, d, recv) for d in to]
