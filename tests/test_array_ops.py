@@ -9,6 +9,8 @@ import shardfuse as sf
 from shardfuse import array_ops
 from shardfuse.mesh import gpu_count
 
+pytestmark = pytest.mark.gpu  # part of the GPU run (benchmarks/gpu_first.sh)
+
 MESHES = {"1d": 4, "2x2": (2, 2)}
 BACKENDS = ["numpy"] + ["cupy"] * (gpu_count() > 0)  # the same bodies on GPUs, where CuPy sees one
 # how x (8, 12) and y (8, 12) are placed, per mesh: a JAX-style spec per tensor axis

@@ -192,10 +192,10 @@ def test_host_table_times_every_case_asked_for(capsys):
     got = json.loads(capsys.readouterr().out)
     rows = got["host"]["rows"]
     assert [(r["D"], r["S"], r["steps"]) for r in rows] == [(2, 1, 2), (2, 3, 6)]
-    assert all(r[k] > 0 for r in rows for k in ("eager", "eager_user")) and "graph" not in rows[0]
+    assert all(r[k] > 0 for r in rows for k in ("eager", "eager_natural", "eager_user")) and "graph" not in rows[0]
     assert list(got["host"]["baselines"]) == ["numpy.matmul"] and got["env"]["backend"] == "numpy"
     text = host.table(got["host"])
-    assert text.splitlines()[1].split() == ["D", "S", "eager", "eager_user", "eager/dev-step"]
+    assert text.splitlines()[1].split() == ["D", "S", "eager", "eager_natural", "eager_user", "eager/dev-step"]
     assert [ln.split()[:2] for ln in text.splitlines()[3:5]] == [["2", "1"], ["2", "3"]]
     with pytest.raises(SystemExit):
         main(["--host", "--backend", "numpy", "--steady-calls", "0"])

@@ -10,7 +10,9 @@ from types import SimpleNamespace
 
 import pytest
 
-from shardfuse.backends.cuda.gemm_shared import one_gpu_step, spacing
+pytestmark = pytest.mark.gpu  # part of the GPU run (benchmarks/gpu_first.sh); runs anywhere
+
+from shardfuse.backends.cuda.gemm_shared import nested_batch_step, one_gpu_step, spacing
 
 
 def buf(ptr):
@@ -132,3 +134,61 @@ def test_pointers_less_aligned_than_the_algorithm_needs_take_the_per_device_call
     assert (rec.each, len(rec.batched)) == (1, 1)  # A starts 2 bytes off
     step(bufs([1024 + 384 * j for j in range(4)], [512] * 4, [8192 + 256 * j for j in range(4)]))
     assert (rec.each, len(rec.batched), len(rec.binds)) == (2, 1, 1)  # A's devices 384 bytes apart: not bound
+
+
+# ---- a strided batch on each device (the natural layout: a chunk of rows sharded and streamed) ----
+class NestedRecorder:
+    def __init__(self, status=0):
+        self.each, self.batched, self.status = 0, [], status
+
+    def each_device(self, bufs):
+        self.each += 1
+
+    def batched_call(self, a, b, c, total):
+        self.batched.append((a, b, c, total))
+        return self.status
+
+
+def nested(rec, strides=(128, 0, 256), count=8, offsets=((0, 0, 0),) * 4):
+    return nested_batch_step(rec.each_device, rec.batched_call, (0, 1, 2), list(offsets), strides, count,
+                             "test batch")
+
+
+def test_devices_one_whole_batch_apart_are_one_batch_of_all_their_gemms():
+    rec = NestedRecorder()
+    step = nested(rec)  # 8 GEMMs a device; A 128 bytes a batch, a shared B, C 256 bytes a batch
+    step(bufs([1000 + 8 * 128 * j for j in range(4)], [64] * 4, [90000 + 8 * 256 * j for j in range(4)]))
+    assert rec.batched == [(1000, 64, 90000, 32)] and rec.each == 0
+
+
+def test_per_device_offsets_take_part_in_the_nested_spacing():
+    rec = NestedRecorder()  # one output buffer per device, each device's chunk at its own offset
+    step = nested(rec, offsets=[(0, 0, 16 * j) for j in range(4)])
+    step(bufs([1000 + 1024 * j for j in range(4)], [64] * 4, [90000 + 2048 * j - 16 * j for j in range(4)]))
+    assert rec.batched == [(1000, 64, 90000, 32)]
+
+
+@pytest.mark.parametrize("a, b, c", [
+    ([1000 + 1000 * j for j in range(4)], [64] * 4, [90000 + 2048 * j for j in range(4)]),  # A not one batch apart
+    ([1000 + 1024 * j for j in range(4)], [64 + 640 * j for j in range(4)], [90000 + 2048 * j for j in range(4)]),
+    # B shared inside a device's batch but one copy per device: no single stride reads it
+    ([1000 + 1024 * j for j in range(4)], [64] * 4, [90000] * 4),  # outputs would overlap
+    ([1000, 2024, 5000, 4048], [64] * 4, [90000 + 2048 * j for j in range(4)]),  # not evenly spaced
+])
+def test_devices_not_one_batch_apart_take_their_own_batches(a, b, c):
+    rec = NestedRecorder()
+    nested(rec)(bufs(a, b, c))
+    assert rec.each == 1 and rec.batched == []
+
+
+def test_a_zero_output_stride_is_never_one_batch():
+    rec = NestedRecorder()
+    step = nested(rec, strides=(128, 0, 0))
+    step(bufs([1000 + 1024 * j for j in range(4)], [64] * 4, [90000] * 4))
+    assert rec.each == 1 and rec.batched == []
+
+
+def test_an_error_of_the_nested_batch_raises():
+    rec = NestedRecorder(status=13)
+    with pytest.raises(RuntimeError, match="test batch, batched over 4 devices failed with cuBLAS status 13"):
+        nested(rec)(bufs([1000 + 1024 * j for j in range(4)], [64] * 4, [90000 + 2048 * j for j in range(4)]))

@@ -20,7 +20,7 @@ cupy = pytest.importorskip("cupy", reason="CuPy is not installed")
 from cases import gpu_count  # noqa: E402
 
 NGPU = gpu_count()
-pytestmark = pytest.mark.skipif(NGPU == 0, reason="CuPy sees no GPU")
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(NGPU == 0, reason="CuPy sees no GPU")]
 
 import shardfuse as sf  # noqa: E402
 from shardfuse.backends.protocol import Ref, contiguous_strides  # noqa: E402
@@ -631,6 +631,35 @@ def test_virtual_devices_gemms_are_one_batched_call_where_evenly_spaced(mesh):
         assert each.tobytes() == batched.tobytes()  # the batch runs the per-device algorithm
     finally:
         lt.MatmulPrebound = real
+
+
+@pytest.mark.skipif(NGPU != 1, reason="batching is for the virtual devices of one GPU (this machine has several)")
+@pytest.mark.parametrize("mesh", [4, 8], indirect=True)
+@pytest.mark.parametrize("dtype", ["float16", "float32"])
+def test_natural_layout_gemms_are_one_batched_call_per_chunk(mesh, dtype):
+    """Issue 29: x [rows, K] sharded on rows and streamed in S chunks (the README's layout): each
+    chunk's GEMM is a strided batch of D blocks on every device; the D devices of one GPU lie one
+    whole batch apart (gathered chunks and output packed in one allocation), so one
+    cublasGemmStridedBatchedEx runs D * D GEMMs, once per chunk, not once per device and chunk."""
+    cb = backend_of(mesh).gemms.lib()
+    real, calls = cb.gemm_batched, []
+
+    def counting(*args):
+        calls.append(args[-3])  # the batch count
+        return real(*args)
+
+    cb.gemm_batched = counting  # read when a plan binds
+    try:
+        r, d, s = rng(), mesh.size, 4
+        x, w = randn(r, (d * s * 16, 64), dtype), randn(r, (64, 48), dtype)
+        f = sf.jit(lambda x, w: sf.stream(sf.shard(x, axis=0) @ w, axis=0, chunks=s), mesh=mesh, streams=2)
+        placed = sf.shard(x, axis=0, mesh=mesh)
+        f(placed, w)  # binds
+        calls.clear()
+        check(f(placed, w).gather(), f64(x) @ f64(w), dtype)
+        assert calls == [d * d] * s  # one call per chunk, every device's D blocks
+    finally:
+        cb.gemm_batched = real
 
 
 @pytest.mark.parametrize("mesh", [1, 4], indirect=True)

@@ -19,7 +19,7 @@ cupy = pytest.importorskip("cupy", reason="CuPy is not installed")
 import shardfuse as sf  # noqa: E402
 from cases import gpu_count  # noqa: E402
 
-pytestmark = pytest.mark.skipif(gpu_count() == 0, reason="CuPy sees no GPU")
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(gpu_count() == 0, reason="CuPy sees no GPU")]
 
 
 TOL = {"float64": 1e-12, "float32": 1e-5, "float16": 2e-3, "bfloat16": 1e-2}

@@ -18,6 +18,8 @@ import shardfuse as sf
 from shardfuse.backends.numpy_local import NumpyLocalBackend
 from shardfuse.executor import Executable
 
+pytestmark = pytest.mark.gpu  # part of the GPU run (benchmarks/gpu_first.sh)
+
 
 class CountingBackend(NumpyLocalBackend):
     """The NumPy backend, counting what the executor asks of it at bind and at call time."""

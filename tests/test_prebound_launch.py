@@ -7,7 +7,11 @@ from __future__ import annotations
 import ctypes
 from types import SimpleNamespace
 
+import pytest
+
 from shardfuse.backends.cuda.libs import Prebound
+
+pytestmark = pytest.mark.gpu  # part of the GPU run (benchmarks/gpu_first.sh); runs anywhere
 
 
 def test_each_launch_passes_that_calls_values_through_the_one_argument_array():

@@ -341,6 +341,16 @@ def _batched_step(g, fn):
     m, n, k, opa, lda, opb, ldb, ldc = g.dims
     alpha, beta, ctype, comp, dt = g.alpha, g.beta, g.ctype, g.comp, g.dt
     cnt, sa, sb, sc = g.inner
-    return _each_device(g, lambda h, a, b, c: fn(h, opa, opb, m, n, k, alpha, a, ctype, lda, sa, b, ctype, ldb, sb,
-                                                 beta, c, ctype, ldc, sc, cnt, comp, GEMM_DEFAULT),
-                        f"cublasGemmStridedBatchedEx (m={m} n={n} k={k} batch={cnt} {dt})")
+    what = f"cublasGemmStridedBatchedEx (m={m} n={n} k={k} batch={cnt} {dt})"
+    each = _each_device(g, lambda h, a, b, c: fn(h, opa, opb, m, n, k, alpha, a, ctype, lda, sa, b, ctype, ldb, sb,
+                                                 beta, c, ctype, ldc, sc, cnt, comp, GEMM_DEFAULT), what)
+    s1, o1, s2, o2, so, oo = g.src
+    if g.multi or g.nd == 1 or len(g.outer) != 1 or None in (s1, s2, so):
+        return each
+    # virtual devices of one GPU: their batches as one batch where they lie one batch apart
+    h0, (d1, d2, d3), item = g.handles[0], g.outer[0], g.item
+    offsets = [(o1[j] + d1, o2[j] + d2, oo[j] + d3) for j in range(g.nd)]
+    return gemm_shared.nested_batch_step(
+        each, lambda a, b, c, total: fn(h0, opa, opb, m, n, k, alpha, a, ctype, lda, sa, b, ctype, ldb, sb, beta, c,
+                                        ctype, ldc, sc, total, comp, GEMM_DEFAULT),
+        (s1, s2, so), offsets, (sa * item, sb * item, sc * item), cnt, what)

@@ -80,3 +80,29 @@ def one_gpu_step(each_device, bind_batched, matmul, slots, offsets, item, c_byte
         if st:
             check(st, f"{what}, batched over {len(pa)} devices")
     return step
+
+
+def nested_batch_step(each_device, batched, slots, offsets, strides, count, what):
+    """The step of a strided batch of `count` GEMMs on each device of one GPU (a chunk of rows
+    sharded and streamed: the natural layout's [D * m, K] pieces) as ONE strided-batched call of
+    count * devices GEMMs, where each operand's devices lie exactly one whole batch apart
+    (spacing == count * its batch stride; a shared operand: both 0), which is how Devices.empty
+    packs a GPU's pieces; else each_device(bufs).  slots and per-device byte offsets are the
+    operands' (first, second, out); strides: their batch strides in bytes; batched(a, b, c,
+    total) makes the call and returns cuBLAS' status."""
+    (ptrs_a, xa), (ptrs_b, xb), (ptrs_c, xc) = (_pointers(tuple(o[k] for o in offsets)) for k in range(3))
+    s1, s2, so = slots
+    want = tuple(count * s for s in strides)
+    total = count * len(offsets)
+    if want[2] <= 0:  # outputs one batch apart cannot overlap; a zero output stride is not a batch
+        return each_device
+
+    def step(bufs):
+        pa, pb, pc = ptrs_a(bufs[s1]), ptrs_b(bufs[s2]), ptrs_c(bufs[so])
+        if (spacing(pa), spacing(pb), spacing(pc)) != want:
+            return each_device(bufs)
+        st = batched(pa[0] + xa, pb[0] + xb, pc[0] + xc, total)
+        if st:
+            check(st, f"{what}, batched over {len(pa)} devices")
+    return step
+

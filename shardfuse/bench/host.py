@@ -1,6 +1,7 @@
 """`shardfuse bench --host`: the host's issue time per call (issue 14's table).
 
-The seed AllGather+GEMM on tiny shapes ([S, D, 16, 64] @ [64, 64]), so the GPU finishes long
+The seed AllGather+GEMM on tiny shapes ([S, D, 16, 64] @ [64, 64]; beside it the same work in
+the natural layout, [S * D * 16, 64] sharded on rows and streamed in S chunks), so the GPU finishes long
 before the host issues the next call: each figure is the wall time per call of --host-calls
 calls issued back to back with no synchronisation in between, the median of --host-rounds
 runs.  For D = 1, 2, 4, 8 (virtual devices beyond the GPUs there are) and S = 1, 4, 8, eager and
@@ -31,10 +32,20 @@ def seed(mesh, s, graph):
     return f, a, b
 
 
-def plan_call(mesh, s, graph):
-    """The plan alone: called on sf.Arrays placed once."""
+def natural(mesh, s, graph):
+    """The same work in the natural layout (the README's first example): A [S * D * 16, 64]
+    sharded on its rows, the product streamed over them in S chunks."""
     f, a, b = seed(mesh, s, graph)
-    placed_a, placed_b = sf.shard(a, axis=1, mesh=mesh), sf.replicate(b, mesh=mesh)
+    f = sf.jit(lambda a, b: sf.stream(sf.shard(a, axis=0) @ b, axis=0, chunks=s), mesh=mesh, streams=min(s, 4),
+               graph=graph)
+    return f, a.reshape(-1, K), b
+
+
+def plan_call(mesh, s, graph, layout=seed):
+    """The plan alone: called on sf.Arrays placed once (the seed layout's A sharded on axis 1,
+    the natural layout's on axis 0)."""
+    f, a, b = layout(mesh, s, graph)
+    placed_a, placed_b = sf.shard(a, axis=1 if layout is seed else 0, mesh=mesh), sf.replicate(b, mesh=mesh)
     plan = f.lower(placed_a.spec, placed_b.spec)
     return lambda: plan(placed_a, placed_b), plan
 
@@ -104,8 +115,8 @@ def baselines(backend, sync, calls, rounds):
 
 
 def suite(backend, calls=50, rounds=5, devices=DEVICES, chunks=CHUNKS, log=None):
-    """{"baselines": {name: us}, "rows": [{D, S, eager, eager_user, graph, graph_user, steps}]}
-    (and eager_user_torch, graph_user_torch where torch has a GPU)."""
+    """{"baselines": {name: us}, "rows": [{D, S, eager, eager_natural, eager_user, graph, graph_natural,
+    graph_user, steps}]} (and eager_user_torch, graph_user_torch where torch has a GPU)."""
     sync = sync_of(backend)
     rows = []
     modes = (False, True) if backend == "cupy" else (False,)
@@ -118,6 +129,7 @@ def suite(backend, calls=50, rounds=5, devices=DEVICES, chunks=CHUNKS, log=None)
                 name = "graph" if graph else "eager"
                 call, plan = plan_call(mesh, s, graph)
                 row[name] = per_call_us(call, sync, calls, rounds)
+                row[f"{name}_natural"] = per_call_us(plan_call(mesh, s, graph, natural)[0], sync, calls, rounds)
                 row[f"{name}_user"] = per_call_us(user_call(mesh, s, graph), sync, calls, rounds)
                 if torch_too:
                     row[f"{name}_user_torch"] = per_call_us(user_call(mesh, s, graph, True), sync, calls, rounds)
@@ -140,11 +152,12 @@ def sync_of(backend):
 def table(result) -> str:
     """The host table: a line per (D, S), eager and graph, plan alone and user path, in us per call;
     eager's per device-step cost beside it; the bare GEMMs last."""
-    cols = [c for c in ("eager", "eager_user", "eager_user_torch", "graph", "graph_user", "graph_user_torch")
-            if c in result["rows"][0]]
+    cols = [c for c in ("eager", "eager_natural", "eager_user", "eager_user_torch", "graph", "graph_natural",
+                        "graph_user", "graph_user_torch") if c in result["rows"][0]]
     head = " ".join([f"{'D':>2} {'S':>2}"] + [f"{c:>16}" for c in cols] + [f"{'eager/dev-step':>14}"])
-    out = ["host issue time, us per call (calls back to back); user: the user path (sf.shard in, a device "
-           "array out), torch: with torch tensors", head, "-" * len(head)]
+    out = ["host issue time, us per call (calls back to back); natural: the same work with A [rows, K] sharded "
+           "on rows (the plan alone); user: the user path (sf.shard in, a device array out), torch: with torch "
+           "tensors", head, "-" * len(head)]
     for r in result["rows"]:
         out.append(" ".join([f"{r['D']:>2} {r['S']:>2}"] + [f"{r[c]:16.1f}" for c in cols]
                             + [f"{r['eager'] / (r['D'] * r['S']):14.1f}"]))
