@@ -53,6 +53,7 @@ class Executable:
         self.per_call: list = []  # (slot, shape, dtype)
         self.steps: list = []
         self.pending: dict = {}  # comm handle -> wait step(s)
+        self.pools: list = []  # per pool (Allocate with pool=n): its n entries, one slot each
         for v in prog.inputs:
             self.refs[v] = self._new_slot(local_shape(v, self.mesh), v.type.dtype, None)
         # where each local device's piece of a plain argument lies (its shape is checked per call)
@@ -110,6 +111,9 @@ class Executable:
                 ref = self.refs.get(v)
                 if isinstance(ref, Ref):
                     used.add(ref.slot)
+        for pool in self.pools:  # a pool's entries serve the iterations in turn: all or none
+            if any(r.slot in used for r in pool):
+                used.update(r.slot for r in pool)
         for slot, (shape, dtype) in self._deferred.items():
             if slot in used:
                 self.slot_templates[slot] = self.backend.empty(shape, dtype)
@@ -129,7 +133,12 @@ class Executable:
         v, a = i.outs[0], i.attrs
         shape = local_shape(v, self.mesh)
         if a.get("pool"):
-            self.refs[v] = self._allocate((a["pool"],) + shape, v.type.dtype, False)
+            # one buffer per pool entry (Select picks one at bind time), each laid out by the
+            # backend as any buffer: the devices of one GPU one piece apart, so their GEMMs on a
+            # pool entry can be one batched call (a (pool,) + shape buffer per device would put
+            # them `pool` pieces apart)
+            self.refs[v] = tuple(self._allocate(shape, v.type.dtype, False) for _ in range(a["pool"]))
+            self.pools.append(self.refs[v])
         else:
             self.refs[v] = self._allocate(shape, v.type.dtype, a.get("per_call", False), a.get("order"))
         return stream
@@ -192,10 +201,8 @@ class Executable:
     def _view(self, i, env) -> Ref:
         op, a = i.op, i.attrs
         src = self.refs[i.ins[0]]
-        if op == Op.SELECT:
-            k = _index(a["index"], env)
-            return Ref(src.slot, tuple(o + k * src.strides[0] for o in src.offsets), src.shape[1:],
-                       src.strides[1:], src.dtype)
+        if op == Op.SELECT:  # an entry of a pool (_bind_allocate)
+            return src[_index(a["index"], env)]
         if op == Op.TRANSPOSE:
             perm = a["perm"]
             return replace(src, shape=tuple(src.shape[p] for p in perm), strides=tuple(src.strides[p] for p in perm))

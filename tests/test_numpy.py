@@ -100,13 +100,15 @@ def test_plans_are_cached_and_buffers_reused():
 
 def test_one_device_plan_keeps_no_gathered_copy():
     """At D = 1 the Allgather folds to a view of the input, so the gathered pool it would have
-    filled is never made; at D = 2 the plan has it (and still computes the product)."""
+    filled is never made; at D = 2 the plan has it, one buffer per pool entry (and still computes
+    the product)."""
     import numpy as np
 
-    for d, persistent in ((1, 0), (2, 1)):
+    for d, persistent in ((1, 0), (2, 3)):
         m = mesh(d)
-        f = sf.jit(lambda a, b: sf.stream(sf.shard(a, axis=1) @ b, axis=0), mesh=m)
+        f = sf.jit(lambda a, b: sf.stream(sf.shard(a, axis=1) @ b, axis=0), mesh=m, streams=3)
         exe = f.lower(sf.TensorSpec((4, d, 3, 5)), sf.TensorSpec((5, 7))).executable
+        assert d == 1 or "Allocate 3 x" in str(f.lower(sf.TensorSpec((4, d, 3, 5)), sf.TensorSpec((5, 7))))
         assert sum(t is not None for t in exe.slot_templates) == persistent, d
         rng = np.random.default_rng()
         a, b = rng.standard_normal((4, d, 3, 5)).astype("float32"), rng.standard_normal((5, 7)).astype("float32")
