@@ -1,0 +1,45 @@
+"""Pytrees (shardfuse/tree.py) with jax.tree_util's conventions: dicts by sorted key, None a node
+without leaves, namedtuples kept, anything else a leaf."""
+from collections import namedtuple
+
+import numpy as np
+import pytest
+
+from shardfuse import tree
+
+Pair = namedtuple("Pair", "w b")
+
+
+def test_flatten_orders_dict_leaves_by_key_and_rebuilds_the_structure():
+    params = {"wq": 1, "b": [2, (3, None)], "a": Pair(4, {"z": 5, "y": 6})}
+    leaves, td = tree.flatten(params)
+    assert leaves == [4, 6, 5, 2, 3, 1]  # a (Pair(w, b={y, z})), b, wq
+    back = td.unflatten(leaves)
+    assert back == params and list(back) == ["a", "b", "wq"] and isinstance(back["a"], Pair)
+    assert td.num_leaves == 6
+    assert str(td) == "{'a': Pair(*, {'y': *, 'z': *}), 'b': [*, (*, None)], 'wq': *}"
+
+
+def test_arrays_and_scalars_are_leaves_and_none_has_none():
+    x = np.ones(3)
+    assert tree.flatten(x) == ([x], tree.LEAF)
+    assert tree.flatten(None)[0] == [] and tree.flatten(None)[1].unflatten([]) is None
+    assert tree.flatten((x,))[1].unflatten([7]) == (7,)
+
+
+def test_unflatten_checks_the_number_of_leaves():
+    _, td = tree.flatten({"a": 1, "b": 2})
+    with pytest.raises(ValueError, match="holds 2 leaves, got 3"):
+        td.unflatten([1, 2, 3])
+
+
+def test_tree_map_over_matching_structures():
+    a, b = {"w": 1.0, "b": [2.0]}, {"w": 10.0, "b": [20.0]}
+    assert tree.tree_map(lambda x, y: x + y, a, b) == {"b": [22.0], "w": 11.0}
+    with pytest.raises(ValueError, match="structures differ"):
+        tree.tree_map(lambda x, y: x, a, {"w": 1.0})
+
+
+def test_dict_keys_must_sort():
+    with pytest.raises(TypeError, match="sortable keys"):
+        tree.flatten({1: 0, "a": 1})
