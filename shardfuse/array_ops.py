@@ -42,7 +42,10 @@ def cache_info() -> dict:
 
 def cached_programs(mesh) -> list:
     """The one-op plans kept for `mesh` (programs, least recently used first)."""
-    return [exe.prog for exe in mesh.__dict__.get("_array_op_plans", {}).values()]
+    plans = mesh.op_plan_cache
+    if plans is None:
+        return []
+    return [exe.prog for exe in plans.values()]
 
 
 def run(fn, args: tuple, key, name: str):
@@ -60,7 +63,9 @@ def run(fn, args: tuple, key, name: str):
                                   "sub-mesh inside it (sf.to_mesh, or sf.shard / sf.replicate with mesh=)")
     specs = tuple(a.spec if isinstance(a, ArrayOps) else TensorSpec(*_shape_dtype(a)) for a in args)
     with _LOCK:
-        plans = mesh.__dict__.setdefault("_array_op_plans", OrderedDict())  # dies with the mesh
+        plans = mesh.op_plan_cache  # on the mesh object: its plans die with it (mesh.py says why)
+        if plans is None:
+            plans = mesh.op_plan_cache = OrderedDict()
         exe = plans.get((key, specs))
         if exe is None:
             exe = plans[key, specs] = Executable(compile_program(trace.trace(fn, mesh, specs, streams=1, name=name)))

@@ -399,3 +399,46 @@ def test_8_ir_attributes_are_plain_data():
                 except Exception as e:  # noqa: BLE001 (reported)
                     bad.append(f"{where}: printing raised {type(e).__name__}: {e}")
     assert not bad, _report("IR attributes that are not plain data, or programs that do not print", bad)
+
+# ---- 9. no hidden state -------------------------------------------------------------------------
+# The run-time state a mesh object holds (mesh.py declares it and says why it is on the mesh), each
+# attribute with the one module that fills it.
+MESH_STATE_OWNERS = {"backend_cache": "shardfuse.runtime", "submesh_backend_cache": "shardfuse.runtime",
+                     "op_plan_cache": "shardfuse.array_ops"}
+
+def _mesh_in_use():
+    """A mesh, a sub-mesh of it, and what uses them: placements on both (the placement memo), a
+    one-op plan, jitted calls (backends, plans), a result whose layout names the sub-mesh."""
+    mesh = sf.DeviceMesh(4, backend="numpy")
+    sub = mesh.submesh([2, 1])
+    x = np.arange(8.0)
+    on_sub, on_mesh = sf.shard(x, 0, mesh=sub), sf.shard(x, 0, mesh=mesh)
+    moved = sf.jit(lambda a: sf.shard(a, 0, mesh=sub) * 2.0, mesh=mesh)(on_mesh)
+    results = [(on_mesh * 2.0).gather(), on_sub.gather(), moved.addressable_shards, moved.gather()]
+    return mesh, sub, results
+
+def test_9_no_hidden_state():
+    import gc
+    import weakref
+    bad = []
+    for mod, path in SOURCES.items():  # state under string keys slips past every other check
+        for n in ast.walk(_tree(path)):
+            if isinstance(n, ast.Attribute) and n.attr == "__dict__":
+                bad.append(f"{_where(path, n)}: {ast.unparse(n)} (declare the attribute instead)")
+            for t in (t for tt in _targets(n) for t in ast.walk(tt)):
+                owner = MESH_STATE_OWNERS.get(getattr(t, "attr", None))
+                if isinstance(t, ast.Attribute) and owner not in (None, mod) and mod != "shardfuse.mesh":
+                    bad.append(f"{_where(path, t)}: {ast.unparse(t)} is set outside {owner}, which owns it")
+    declared = set(vars(sf.DeviceMesh(4, backend="numpy")))
+    if not set(MESH_STATE_OWNERS) <= declared:
+        bad.append(f"mesh.py does not declare {sorted(set(MESH_STATE_OWNERS) - declared)}")
+    mesh, sub, results = _mesh_in_use()
+    bad += [f"{m} got attributes mesh.py does not declare: {sorted(set(vars(m)) - declared)}"
+            for m in (mesh, sub) if set(vars(m)) != declared]
+    gone = weakref.ref(mesh)
+    del mesh, sub, results
+    gc.collect()
+    if gone() is not None:  # a module-level table (a memo, a cache) that holds a mesh keeps it for ever
+        bad.append("a mesh in use is kept alive after its last use: " + ", ".join(
+            type(r).__name__ for r in gc.get_referrers(gone()) if not isinstance(r, type(sys._getframe()))))
+    assert not bad, _report("pieces of hidden state", bad)

@@ -105,7 +105,7 @@ def test_a_mesh_keeps_its_backend_and_nothing_keeps_the_mesh():
     sub, same = mesh.submesh([0, 1]), mesh.submesh([0, 1])
     be = backend_of(mesh)
     assert backend_of(mesh) is be and backend_of(sub) is backend_of(same) is not be  # equal sub-meshes share
-    assert mesh.__dict__["_backend"] is be  # the hot path's one lookup
+    assert mesh.backend_cache is be  # the hot path's one lookup
     f = sf.jit(lambda a: a * 2.0, mesh=mesh)
     np.testing.assert_allclose(f(sf.shard(np.arange(8.0), 0, mesh=mesh)).gather(), np.arange(8.0) * 2)
     gone = weakref.ref(mesh)
