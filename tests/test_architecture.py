@@ -6,8 +6,9 @@ promises, so that it cannot quietly come undone: 1. the backend Protocol is comp
 conforms to it; 3. one op vocabulary (`ops.Op`, and the tables keyed by it); 4. layering (no cycle, no
 import going up, lazy imports included); 5. no private names across modules; 6. the plan is what runs
 (`plan.collectives()` == the collectives the executor binds); 7. files and functions of bounded size (no
-total budget); 8. IR attributes are plain data and programs print.  Each test lists every violation it
-finds (file:line where there is one).
+total budget); 8. IR attributes are plain data and programs print; 9. no hidden state (no `__dict__`
+keys; the run-time state a mesh declares is set by its owner only; nothing keeps a used mesh alive).
+Each test lists every violation it finds (file:line where there is one).
 """
 from __future__ import annotations
 
