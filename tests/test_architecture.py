@@ -6,9 +6,10 @@ promises, so that it cannot quietly come undone: 1. the backend Protocol is comp
 conforms to it; 3. one op vocabulary (`ops.Op`, and the tables keyed by it); 4. layering (no cycle, no
 import going up, lazy imports included); 5. no private names across modules; 6. the plan is what runs
 (`plan.collectives()` == the collectives the executor binds); 7. files and functions of bounded size (no
-total budget); 8. IR attributes are plain data and programs print; 9. no hidden state (no `__dict__`
-keys; the run-time state a mesh declares is set by its owner only; nothing keeps a used mesh alive).
-Each test lists every violation it finds (file:line where there is one).
+total budget); 8. IR attributes are plain data, programs print, and instructions are never changed
+after they are made; 9. no hidden state (no `__dict__` keys; the run-time state a mesh declares is
+set by its owner only; nothing keeps a used mesh alive).  Each test lists every violation it finds
+(file:line where there is one).
 """
 from __future__ import annotations
 
@@ -400,6 +401,48 @@ def test_8_ir_attributes_are_plain_data():
                 except Exception as e:  # noqa: BLE001 (reported)
                     bad.append(f"{where}: printing raised {type(e).__name__}: {e}")
     assert not bad, _report("IR attributes that are not plain data, or programs that do not print", bad)
+
+# (file, attrs key) written into an instruction that was already made, each with its reason: to be emptied.
+ATTRS_WRITE_ALLOWED = {
+    ("shardfuse/trace.py", "ring_chunks"): "sf.stream(algorithm='ring', chunks=) sets it on the Set that _annotate "
+                                           "made (issue 30: give it to _annotate instead)",
+}
+
+def _attrs_writes(tree):
+    """(node, key) for every write into `<expr>.attrs`: x.attrs[k] = / += / del, x.attrs.update(...) & co."""
+    for n in ast.walk(tree):
+        targets = _targets(n) + ([n.target] if isinstance(n, ast.AugAssign) else []) + (
+            n.targets if isinstance(n, ast.Delete) else [])
+        for t in targets:
+            if isinstance(t, ast.Subscript) and isinstance(t.value, ast.Attribute) and t.value.attr == "attrs":
+                yield n, t.slice.value if isinstance(t.slice, ast.Constant) else ast.unparse(t.slice)
+        if (isinstance(n, ast.Call) and isinstance(n.func, ast.Attribute) and isinstance(n.func.value, ast.Attribute)
+                and n.func.value.attr == "attrs" and n.func.attr in ("update", "pop", "popitem", "setdefault", "clear")):
+            yield n, f".{n.func.attr}()"
+
+def test_8b_instructions_are_never_changed():
+    """ir.py's promise: passes build new instructions instead of editing old ones.  By the code (no
+    write into an instruction's attrs) and by running: every stage's instructions keep their
+    attributes while the later passes run."""
+    from shardfuse.jit import trace
+    from shardfuse.passes import PIPELINE
+    bad = []
+    for path in SOURCES.values():
+        rel = str(path.relative_to(ROOT))
+        bad += [f"{_where(path, n)}: writes attrs[{key!r}] of a made instruction" for n, key in _attrs_writes(_tree(path))
+                if (rel, key) not in ATTRS_WRITE_ALLOWED]
+    mesh = sf.DeviceMesh(4, backend="numpy")
+    ring = sf.jit(lambda x, w: sf.stream(sf.shard(x, axis=0) @ w, axis=0, chunks=4, algorithm="ring"), mesh=mesh)
+    cases = [(name, f, args) for name, f, args, _ in _golden(4)] + [("ring", ring, (np.ones((16, 8)), np.ones((8, 4))))]
+    for name, f, args in cases:
+        prog = trace(f.fn, f.mesh, [sf.TensorSpec(a.shape, "float64") for a in args], f.streams)
+        seen = []  # (stage, instruction, a copy of its attrs when the stage was made)
+        for p in (None,) + tuple(PIPELINE):
+            prog = p(prog) if p else prog
+            seen += [(p.__name__ if p else "trace", i, dict(i.attrs)) for i in prog.walk()]
+        bad += [f"{name}: an instruction {i.op} made by {stage} was changed later: {was} -> {i.attrs}"
+                for stage, i, was in seen if i.attrs != was]
+    assert not bad, _report("instructions changed after they were made", bad)
 
 # ---- 9. no hidden state -------------------------------------------------------------------------
 # The run-time state a mesh object holds (mesh.py declares it and says why it is on the mesh), each
