@@ -142,7 +142,7 @@ def test_a_placement_answer_of_none_is_remembered_too(monkeypatch):
     monkeypatch.setattr(pieces, "piece_indices", lambda *a: made.append(a) or real(*a))
     for _ in range(3):
         assert pieces.split_axis((4, 6), lay, mesh) is None  # a shape not placed before
-    assert len(made) == 1  # worked out once, not on every call
+    assert len(made) <= 1  # worked out once at most (meshes of one geometry share the memo), not on every call
 
 
 def test_devices_outside_a_sub_mesh_share_one_placeholder_allocation(monkeypatch):
