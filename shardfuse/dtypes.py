@@ -26,11 +26,6 @@ TABLE = {t.name: t for t in (
 DTYPES = tuple(TABLE)  # the names, in the order messages list them
 
 
-def itemsize(name: str) -> int:
-    """Bytes per element of a dtype of TABLE."""
-    return TABLE[name].itemsize
-
-
 def short_name(name: str) -> str:
     """The printed name (f32 for float32); a name not in TABLE as it is."""
     info = TABLE.get(name)
