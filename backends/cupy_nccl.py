@@ -46,7 +46,7 @@ class CupyNcclBackend:
 
     def __init__(self, mesh):
         dev = self.dev = devices.Devices(mesh)
-        self.mesh, self.local_devices, self.local_index = mesh, dev.local_devices, dev.local_index
+        self.mesh, self.local_devices = mesh, dev.local_devices
         self.ordinals, self.gpus, self.main = dev.ordinals, dev.gpus, dev.main
         self.gemms = gemm.Handles(dev)
         self.kernels = kernels.Kernels()
@@ -54,10 +54,9 @@ class CupyNcclBackend:
         # communicator instead, so that a machine with one GPU still runs the NCCL path.
         self.collectives = collectives.Collectives(dev, self.kernels,
                                                    os.environ.get("SHARDFUSE_COLLECTIVES") == "nccl")
-        self._comms = self.collectives.comms  # the same dict (tests read it)
-        self._handles = self.gemms.handles  # the same dict (the bench reads it; memory_stats() is public)
+        self._comms = self.collectives.comms  # the same dict (tests/test_gpu.py aborts its communicators)
 
-    # ---- settings and counts of the parts, under their old names ------------------------------
+    # ---- a setting of the collectives that tests/test_gpu.py sets on the backend --------------
     @property
     def one_device_nccl(self):
         return self.collectives.one_device_nccl
@@ -65,18 +64,6 @@ class CupyNcclBackend:
     @one_device_nccl.setter
     def one_device_nccl(self, value):
         self.collectives.one_device_nccl = value
-
-    @property
-    def gemm_api(self):
-        return self.gemms.api
-
-    @gemm_api.setter
-    def gemm_api(self, value):
-        self.gemms.api = value
-
-    @property
-    def workspace_bytes(self):
-        return self.gemms.workspace_bytes
 
     def stream(self, j=0):
         """The main stream of local device j (the one plans issue on and fence with)."""

@@ -169,7 +169,7 @@ class Array(Placed, ArrayOps):  # operators, ufuncs, reductions, indexing: array
         piece = self._whole_piece("__dlpack__")
         if stream is not None:
             backend_of(self.mesh).fence_out({1: 0}.get(stream, stream))
-        if self.dtype_name == "bfloat16" and backend_of(self.mesh).name == "cupy":
+        if piece.dtype != self.dtype:  # bfloat16 held as its uint16 bits (CuPy has no bfloat16)
             try:
                 import torch
             except ImportError:
@@ -183,7 +183,7 @@ class Array(Placed, ArrayOps):  # operators, ufuncs, reductions, indexing: array
 
     @property
     def __cuda_array_interface__(self):
-        if backend_of(self.mesh).name != "cupy":
+        if backend_of(self.mesh).ordinals is None:  # (the protocol: devices in host memory)
             raise AttributeError("__cuda_array_interface__: this sf.Array lives in host memory (NumPy backend)")
         if self.dtype_name == "bfloat16":
             raise AttributeError("__cuda_array_interface__ has no bfloat16 type; use __dlpack__ (torch) or to_local()")

@@ -42,7 +42,10 @@ def cache_info() -> dict:
 
 def cached_programs(mesh) -> list:
     """The one-op plans kept for `mesh` (programs, least recently used first)."""
-    return [exe.prog for exe in mesh.__dict__.get("_array_op_plans", {}).values()]
+    plans = mesh.op_plan_cache
+    if plans is None:
+        return []
+    return [exe.prog for exe in plans.values()]
 
 
 def run(fn, args: tuple, key, name: str):
@@ -60,7 +63,9 @@ def run(fn, args: tuple, key, name: str):
                                   "sub-mesh inside it (sf.to_mesh, or sf.shard / sf.replicate with mesh=)")
     specs = tuple(a.spec if isinstance(a, ArrayOps) else TensorSpec(*_shape_dtype(a)) for a in args)
     with _LOCK:
-        plans = mesh.__dict__.setdefault("_array_op_plans", OrderedDict())  # dies with the mesh
+        plans = mesh.op_plan_cache  # on the mesh object: its plans die with it (mesh.py says why)
+        if plans is None:
+            plans = mesh.op_plan_cache = OrderedDict()
         exe = plans.get((key, specs))
         if exe is None:
             exe = plans[key, specs] = Executable(compile_program(trace.trace(fn, mesh, specs, streams=1, name=name)))
@@ -115,10 +120,13 @@ def binary(fn, a, b):
     # a plain array beside an sf.Array on a sub-mesh is replicated on that sub-mesh, not the whole
     sub = next((v.sharding.mesh for v in (a, b) if isinstance(v, ArrayOps) and v.sharding.mesh), None)
     if sub is not None and not (isinstance(a, ArrayOps) and isinstance(b, ArrayOps)):
-        plain = 1 if isinstance(a, ArrayOps) else 0
+        plain = 1 if isinstance(a, ArrayOps) else 0  # which operand is the plain array
 
         def on_sub(x, y):
-            x, y = (x, trace.replicate(y, mesh=sub)) if plain else (trace.replicate(x, mesh=sub), y)
+            if plain == 1:
+                y = trace.replicate(y, mesh=sub)
+            else:
+                x = trace.replicate(x, mesh=sub)
             return fn(x, y)
         return run(on_sub, (a, b), (fn, "on_sub_mesh", plain), name)
     return run(lambda x, y: fn(x, y), (a, b), (fn,), name)
@@ -146,7 +154,12 @@ UFUNCS = {  # NumPy ufunc -> what it is on traced values
 
 def _axes(axis, x) -> tuple:
     """The reduced axes, distinct and in range: all for None, one int, or a tuple of ints."""
-    axes = tuple(range(x.ndim)) if axis is None else axis if isinstance(axis, tuple) else (axis,)
+    if axis is None:
+        axes = tuple(range(x.ndim))
+    elif isinstance(axis, tuple):
+        axes = axis
+    else:
+        axes = (axis,)
     axes = tuple(normalize_axis(a, x.ndim, x.shape) for a in axes)
     if len(set(axes)) != len(axes):
         raise ValueError(f"duplicate value in axis={axis!r}")
@@ -251,8 +264,11 @@ class ArrayOps:
         """np.exp(x), np.add(x, y), ...: the ufuncs shardfuse has ops for; others are refused."""
         fn = UFUNCS.get(ufunc) if method == "__call__" and not kwargs else None
         if fn is None:
-            what = f"np.{ufunc.__name__}" + (f".{method}" if method != "__call__" else "")
-            what += f" with {', '.join(k + '=' for k in kwargs)}" if kwargs else ""
+            what = f"np.{ufunc.__name__}"
+            if method != "__call__":
+                what += f".{method}"
+            if kwargs:
+                what += f" with {', '.join(k + '=' for k in kwargs)}"
             raise TypeError(f"{what} on an sf.Array is not "
                             f"supported; shardfuse has {', '.join('np.' + u.__name__ for u in UFUNCS)}, the operators "
                             "+ - * / @, abs(), x.sum(axis), x.mean(axis) and basic indexing (np.asarray(x): the "

@@ -10,6 +10,8 @@ import threading
 import time
 from contextlib import contextmanager
 
+from shardfuse.dtypes import short_name
+
 _binding = threading.local()
 
 
@@ -33,14 +35,12 @@ def step_name(kind: str, team, ref=None) -> str:
         where = f" #{_binding.count} of plan {plan!r}"
     if isinstance(team, tuple):  # (sub-mesh, axis name)
         team = f"{team[1]} of sub-mesh devices {team[0].devices}"
-    what = f"{kind}{where}" + (f" over {team}" if team is not None else "")
+    what = f"{kind}{where}"
+    if team is not None:
+        what += f" over {team}"
     if ref is not None:
-        what += f" ({_short_dtype(ref.dtype)}{list(ref.shape)} per device)"
+        what += f" ({short_name(ref.dtype)}{list(ref.shape)} per device)"
     return what
-
-
-def _short_dtype(name: str) -> str:
-    return {"float32": "f32", "float64": "f64", "float16": "f16", "bfloat16": "bf16"}.get(name, name)
 
 
 def ranks_text(ranks) -> str:

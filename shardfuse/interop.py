@@ -17,7 +17,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from shardfuse.dtypes import DTYPES, normalize_dtype, np_dtype
+from shardfuse.dtypes import DTYPES, TABLE, normalize_dtype, np_dtype
+from shardfuse.strides import contiguous_strides
 
 _DL_CPU, _DL_CUDA, _DL_CUDA_HOST, _DL_CUDA_MANAGED = 1, 2, 3, 13
 
@@ -86,7 +87,8 @@ def array_info(x) -> ArrayInfo:
         shape = tuple(cai["shape"])
         dtype = normalize_dtype(np.dtype(cai["typestr"]))
         strides = cai.get("strides")
-        contiguous = strides is None or tuple(strides) == _c_strides(shape, np.dtype(cai["typestr"]).itemsize)
+        item = np.dtype(cai["typestr"]).itemsize
+        contiguous = strides is None or tuple(strides) == tuple(s * item for s in contiguous_strides(shape))
         return ArrayInfo(shape, dtype, _pointer_device(cai["data"][0]), contiguous, "cuda_array_interface")
     if hasattr(x, "__dlpack__") and hasattr(x, "__dlpack_device__"):
         dev_type, dev_id = x.__dlpack_device__()
@@ -141,14 +143,6 @@ def _native(x: np.ndarray) -> np.ndarray:
     return x
 
 
-def _c_strides(shape, item):
-    out, acc = [], item
-    for n in reversed(shape):
-        out.append(acc)
-        acc *= n
-    return tuple(reversed(out))
-
-
 def _pointer_device(ptr: int) -> int:
     import cupy
 
@@ -192,7 +186,6 @@ def to_cupy(x):
     return cupy.from_dlpack(x)
 
 
-_STORE = {"float16": np.float16, "bfloat16": np.uint16, "float32": np.float32, "float64": np.float64}
 _READY: dict = {}  # GPU ordinal -> a reusable cupy Event (a wait takes the event's state when queued)
 
 
@@ -214,7 +207,7 @@ def torch_view(t, consumer: int | None = None, fenced: int | None = None):
     streams already wait for)."""
     import cupy
 
-    shape, store = tuple(t.shape), _STORE[_torch_dtype(t)]
+    shape, store = tuple(t.shape), TABLE[_torch_dtype(t)].bits
     if 0 in shape:
         return cupy.empty(shape, store)
     dev, item = t.get_device(), t.element_size()

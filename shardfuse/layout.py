@@ -12,6 +12,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, replace
 
+from shardfuse.dtypes import short_name
 from shardfuse.mesh import STREAM
 
 
@@ -96,7 +97,7 @@ def _entry_text(entry) -> str:
 
 def format_type(shape, dtype, layout) -> str:
     """`f32[8, 4:DIDx, 16, 32]`: extents, with the parallel type of non-serial axes."""
-    short = {"float32": "f32", "float64": "f64", "float16": "f16", "bfloat16": "bf16"}.get(dtype, dtype)
+    short = short_name(dtype)
     if layout is None:
         return f"{short}[{', '.join(map(str, shape))}] ?"
     dims = [str(n) if a is None else f"{n}:{_entry_text(a)}" for n, a in zip(shape, layout.axes)]

@@ -3,6 +3,16 @@
 Under `mpiexec -n P` each process owns a contiguous block of size/P devices (rank p owns
 [p*L, (p+1)*L)); in one process it owns all of them.  The mesh also picks the backend:
 CuPy+NCCL when CuPy sees GPUs, NumPy otherwise.
+
+A mesh is geometry, compared, hashed and pickled by it.  Beside it, each mesh object holds the
+run-time state that must live exactly as long as that object, declared in `DeviceMesh.__init__`
+and filled on first use by the modules named there (this module imports none of them): its
+backend (streams, communicators, library handles) and its one-op plans.  They are kept on the
+mesh and not in those modules' tables weakly keyed by the mesh because they refer back to it
+(a backend holds its mesh, a plan's program names it): a WeakKeyDictionary value that reaches
+its key keeps the key alive for ever, and equal meshes would share one entry (under MPI making a
+backend is collective, so it must not depend on which equal mesh the garbage collector took).
+What depends on geometry alone is kept by geometry instead (pieces.py's placement memo).
 """
 from __future__ import annotations
 
@@ -100,6 +110,7 @@ class DeviceMesh:
         self.backend_name = backend
         self.devices = tuple(range(self.size))  # global device ids, in mesh order
         self.root = self  # the mesh a program runs on; a sub-mesh points at it
+        self._empty_run_time_state()
         _LIVE_MESHES[(self.shape, self.axis_names, self.backend_name, self.nprocs)] = self
 
     def submesh(self, devices, axis_names=None) -> "DeviceMesh":
@@ -114,14 +125,21 @@ class DeviceMesh:
         if not devices or len(set(devices)) != len(devices) or not set(devices) <= set(self.devices):
             raise ValueError(f"a sub-mesh needs distinct devices of {self} (ids {self.devices}), got {devices}")
         axis_names = _axis_names(self.axis_names[-1:] if axis_names is None else axis_names, 1, "a sub-mesh")
-        # Built field by field, never by copying this mesh's __dict__: each mesh owns its caches
-        # (the placement memo of array._memo, its backend), which hold per-device data of that mesh.
+        # Built field by field: the sub-mesh has run-time state of its own, none of this mesh's
         sub = object.__new__(DeviceMesh)
         sub.shape, sub.axis_names, sub.size = (len(devices),), axis_names, len(devices)
         sub.nprocs, sub.rank, sub.backend_name = self.nprocs, self.rank, self.backend_name
         sub.devices, sub.root = devices, self.root
         sub.local_devices = tuple(d for d in devices if d in self.root.local_devices)
+        sub._empty_run_time_state()
         return sub
+
+    def _empty_run_time_state(self):
+        """Declares the run-time state a mesh object holds (see the module docstring), empty; each
+        attribute is filled and read only by the module named beside it."""
+        self.backend_cache = None  # runtime.backend_of: the backend of this mesh object
+        self.submesh_backend_cache: dict = {}  # runtime.backend_of, on a root mesh: its sub-meshes' backends
+        self.op_plan_cache = None  # array_ops.run: the one-op plans of operations outside jit on this mesh
 
     @property
     def is_root(self) -> bool:

@@ -34,25 +34,36 @@ def device_index(shape, layout: Layout, mesh, device: int):
 
 
 _UNSEEN = object()
+_MEMO: dict = {}  # (mesh geometry, what, ...) -> what _memo remembered
+MEMO_SIZE = 4096  # entries kept before the memo starts over (ever-changing shapes)
 
 
 def _memo(mesh, key, make):
-    """make(), remembered on the mesh for the hot path (sf.shard and calls on the same shapes
-    find it in one lookup).  Kept on the mesh, not in a global cache, so that no cache keeps a
-    mesh (and its GPU streams, handles and workspaces) alive; bounded for ever-changing shapes."""
-    memo = mesh.__dict__.setdefault("_placement_memo", {})
-    got = memo.get(key, _UNSEEN)
+    """make(), remembered for the hot path (sf.shard and calls on the same shapes find it in one
+    lookup).  What is remembered here depends on the mesh's geometry alone, so it is keyed by
+    that geometry and holds no mesh object: this table keeps no mesh (nor its GPU streams,
+    handles and workspaces) alive, and equal meshes share their entries."""
+    key = (mesh.shape, mesh.axis_names, mesh.devices, mesh.local_devices) + key
+    got = _MEMO.get(key, _UNSEEN)
     if got is _UNSEEN:  # (not None: split_axis remembers None)
         got = make()  # raises for bad input: nothing is remembered then
-        if len(memo) >= 1024:
-            memo.clear()
-        memo[key] = got
+        if len(_MEMO) >= MEMO_SIZE:
+            _MEMO.clear()
+        _MEMO[key] = got
     return got
+
+
+def _geometry(layout: Layout):
+    """A layout as a memo key: the sub-mesh it lives on (if any) by its geometry, not the object."""
+    sub = layout.mesh
+    if sub is None:
+        return layout
+    return layout.on(None), sub.shape, sub.axis_names, sub.devices
 
 
 def local_indices(shape: tuple, layout: Layout, mesh) -> tuple:
     """Per local device: device_index of its piece (remembered: results exported every call ask)."""
-    return _memo(mesh, ("indices", shape, layout),
+    return _memo(mesh, ("indices", shape, _geometry(layout)),
                  lambda: tuple(device_index(shape, layout, mesh, d) for d in mesh.local_devices))
 
 
@@ -62,7 +73,7 @@ def piece_indices(shape: tuple, layout: Layout, mesh) -> tuple:
     def make():
         return tuple(() if idx is not None and all(s == slice(0, n) for s, n in zip(idx, shape)) else idx
                      for idx in local_indices(shape, layout, mesh))
-    return _memo(mesh, ("pieces", shape, layout), make)
+    return _memo(mesh, ("pieces", shape, _geometry(layout)), make)
 
 
 def split_axis(shape: tuple, layout: Layout, mesh):
@@ -79,7 +90,7 @@ def split_axis(shape: tuple, layout: Layout, mesh):
         want = [tuple(slice(j * n, (j + 1) * n) if a == ax else slice(0, shape[a]) for a in range(len(shape)))
                 for j in range(len(indices))]
         return ax if list(indices) == want else None
-    return _memo(mesh, ("split", shape, layout), make)
+    return _memo(mesh, ("split", shape, _geometry(layout)), make)
 
 
 def local_pieces(x, dtype: str, layout: Layout, mesh, info=None, fenced=None, indices=None):

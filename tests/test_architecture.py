@@ -5,8 +5,11 @@ and a few golden plans run on the NumPy backend: no GPU, no CuPy, fast.  They pi
 promises, so that it cannot quietly come undone: 1. the backend Protocol is complete; 2. every backend
 conforms to it; 3. one op vocabulary (`ops.Op`, and the tables keyed by it); 4. layering (no cycle, no
 import going up, lazy imports included); 5. no private names across modules; 6. the plan is what runs
-(`plan.collectives()` == the collectives the executor binds); 7. a size budget; 8. IR attributes are
-plain data and programs print.  Each test lists every violation it finds (file:line where there is one).
+(`plan.collectives()` == the collectives the executor binds); 7. files and functions of bounded size (no
+total budget); 8. IR attributes are plain data, programs print, and instructions are never changed
+after they are made; 9. no hidden state (no `__dict__` keys; the run-time state a mesh declares is
+set by its owner only; nothing keeps a used mesh alive).  Each test lists every violation it finds
+(file:line where there is one).
 """
 from __future__ import annotations
 
@@ -154,10 +157,8 @@ def test_3a_no_op_name_strings_outside_ops():
                 and id(n) not in skip and (rel, n.value) not in OP_STRING_ALLOWED]
     assert not bad, _report("op names spelled as strings", bad)
 
-def test_3b_executor_binds_exactly_the_host_ops():
-    from shardfuse import executor
-    want, have = ops.HOST - {Op.FOR}, set(executor.BIND)  # loops are unrolled (ir.unroll)
-    assert have == want, f"executor.BIND lacks {sorted(map(str, want - have))}, extra {sorted(map(str, have - want))}"
+# (executor.BIND covers ops.HOST but For, which ir.unroll unrolls: executor.py asserts it at import, so
+# every test fails when it does not.)
 
 def test_3c_every_op_prints():
     from shardfuse.ir import Instr, TensorType, Value, format_instrs
@@ -358,33 +359,22 @@ def test_6_plan_collectives_are_what_the_executor_binds():
                 bad.append(f"{name} D={d}: wrong result, max error {np.max(np.abs(got - want)):.3g}")
     assert not bad, _report("plans that do not run as printed", bad)
 
-# ---- 7. size budget -----------------------------------------------------------------------------
-# No code golf: budgets, not targets.  shardfuse/ + backends/ measured 8235 lines (wc -l at commit
-# 6e4d009, issue 13); the total budget is about 10% above that.  Raised to 10,600 on 2026-12-04 for
-# new features, not growth of the old ones: the cost model, calibration and simulator (issue 15) and
-# array operations outside jit (issue 16), about 1,400 lines between them.  Raised to 10,900 on
-# 2026-12-04 (third session) for issue 15's remaining parts (the GEMM memory bound in the model,
-# the sweep in `shardfuse bench`, NVTX ranges, the GPU profile CLI) and issue 14's user path.
-# Raised to 11,100 on 2026-12-05 for one batched GEMM per step for the virtual devices of a GPU
-# (backends/cuda/gemm_shared.py, issue 14) and the calibration's least-squares fit (issue 15).
-# Raised to 11,400 on 2026-12-05 (third session, no GPU lent) for fixes found by new-user probes:
-# errors that name the function's parameter, per-device tracks of a simulated plan, x / c and
-# scaled float32-accumulated sums, the per-call rank check, CLI arguments checked up front,
-# per-device timeline figures, sub-mesh values that stream on their sub-mesh.
-MAX_FILE_LINES, MAX_FUNCTION_LINES, MAX_TOTAL_LINES = 400, 80, 11700
+# ---- 7. file and function sizes -----------------------------------------------------------------
+# Limits that keep a file or a function readable in one sitting.  There is no total line budget (there
+# was one until issue 30): a budget on the whole invites code golf, conditional one-liners written to
+# fit it, and a line that says one thing is worth more than the line it saves.
+MAX_FILE_LINES, MAX_FUNCTION_LINES = 400, 80
 
-def test_7_size_budget():
-    sizes = {path: len(path.read_text().splitlines()) for path in SOURCES.values()}
-    bad, total = [], sum(sizes.values())
-    for path, lines in sizes.items():
+def test_7_file_and_function_sizes():
+    bad = []
+    for path in SOURCES.values():
+        lines = len(path.read_text().splitlines())
         if lines > MAX_FILE_LINES:
             bad.append(f"{path.relative_to(ROOT)}: {lines} lines > {MAX_FILE_LINES}")
         for n in ast.walk(_tree(path)):
             if isinstance(n, FUNCS) and n.end_lineno - n.lineno + 1 > MAX_FUNCTION_LINES:
                 bad.append(f"{_where(path, n)}: {n.name} is {n.end_lineno - n.lineno + 1} lines > {MAX_FUNCTION_LINES}")
-    if total > MAX_TOTAL_LINES:
-        bad.append(f"shardfuse/ + backends/: {total} lines > {MAX_TOTAL_LINES}")
-    assert not bad, _report("over the size budget", bad)
+    assert not bad, _report("files or functions over their size limit", bad)
 
 # ---- 8. IR attributes are plain data ------------------------------------------------------------
 def _plain(x, ok_types) -> bool:
@@ -411,3 +401,88 @@ def test_8_ir_attributes_are_plain_data():
                 except Exception as e:  # noqa: BLE001 (reported)
                     bad.append(f"{where}: printing raised {type(e).__name__}: {e}")
     assert not bad, _report("IR attributes that are not plain data, or programs that do not print", bad)
+
+# (file, attrs key) written into an instruction that was already made, each with its reason: to be emptied.
+ATTRS_WRITE_ALLOWED = {
+    ("shardfuse/trace.py", "ring_chunks"): "sf.stream(algorithm='ring', chunks=) sets it on the Set that _annotate "
+                                           "made (issue 30: give it to _annotate instead)",
+}
+
+def _attrs_writes(tree):
+    """(node, key) for every write into `<expr>.attrs`: x.attrs[k] = / += / del, x.attrs.update(...) & co."""
+    for n in ast.walk(tree):
+        targets = _targets(n) + ([n.target] if isinstance(n, ast.AugAssign) else []) + (
+            n.targets if isinstance(n, ast.Delete) else [])
+        for t in targets:
+            if isinstance(t, ast.Subscript) and isinstance(t.value, ast.Attribute) and t.value.attr == "attrs":
+                yield n, t.slice.value if isinstance(t.slice, ast.Constant) else ast.unparse(t.slice)
+        if (isinstance(n, ast.Call) and isinstance(n.func, ast.Attribute) and isinstance(n.func.value, ast.Attribute)
+                and n.func.value.attr == "attrs" and n.func.attr in ("update", "pop", "popitem", "setdefault", "clear")):
+            yield n, f".{n.func.attr}()"
+
+def test_8b_instructions_are_never_changed():
+    """ir.py's promise: passes build new instructions instead of editing old ones.  By the code (no
+    write into an instruction's attrs) and by running: every stage's instructions keep their
+    attributes while the later passes run."""
+    from shardfuse.jit import trace
+    from shardfuse.passes import PIPELINE
+    bad = []
+    for path in SOURCES.values():
+        rel = str(path.relative_to(ROOT))
+        bad += [f"{_where(path, n)}: writes attrs[{key!r}] of a made instruction" for n, key in _attrs_writes(_tree(path))
+                if (rel, key) not in ATTRS_WRITE_ALLOWED]
+    mesh = sf.DeviceMesh(4, backend="numpy")
+    ring = sf.jit(lambda x, w: sf.stream(sf.shard(x, axis=0) @ w, axis=0, chunks=4, algorithm="ring"), mesh=mesh)
+    cases = [(name, f, args) for name, f, args, _ in _golden(4)] + [("ring", ring, (np.ones((16, 8)), np.ones((8, 4))))]
+    for name, f, args in cases:
+        prog = trace(f.fn, f.mesh, [sf.TensorSpec(a.shape, "float64") for a in args], f.streams)
+        seen = []  # (stage, instruction, a copy of its attrs when the stage was made)
+        for p in (None,) + tuple(PIPELINE):
+            prog = p(prog) if p else prog
+            seen += [(p.__name__ if p else "trace", i, dict(i.attrs)) for i in prog.walk()]
+        bad += [f"{name}: an instruction {i.op} made by {stage} was changed later: {was} -> {i.attrs}"
+                for stage, i, was in seen if i.attrs != was]
+    assert not bad, _report("instructions changed after they were made", bad)
+
+# ---- 9. no hidden state -------------------------------------------------------------------------
+# The run-time state a mesh object holds (mesh.py declares it and says why it is on the mesh), each
+# attribute with the one module that fills it.
+MESH_STATE_OWNERS = {"backend_cache": "shardfuse.runtime", "submesh_backend_cache": "shardfuse.runtime",
+                     "op_plan_cache": "shardfuse.array_ops"}
+
+def _mesh_in_use():
+    """A mesh, a sub-mesh of it, and what uses them: placements on both (the placement memo), a
+    one-op plan, jitted calls (backends, plans), a result whose layout names the sub-mesh."""
+    mesh = sf.DeviceMesh(4, backend="numpy")
+    sub = mesh.submesh([2, 1])
+    x = np.arange(8.0)
+    on_sub, on_mesh = sf.shard(x, 0, mesh=sub), sf.shard(x, 0, mesh=mesh)
+    moved = sf.jit(lambda a: sf.shard(a, 0, mesh=sub) * 2.0, mesh=mesh)(on_mesh)
+    results = [(on_mesh * 2.0).gather(), on_sub.gather(), moved.addressable_shards, moved.gather()]
+    return mesh, sub, results
+
+def test_9_no_hidden_state():
+    import gc
+    import weakref
+    bad = []
+    for mod, path in SOURCES.items():  # state under string keys slips past every other check
+        for n in ast.walk(_tree(path)):
+            if isinstance(n, ast.Attribute) and n.attr == "__dict__":
+                bad.append(f"{_where(path, n)}: {ast.unparse(n)} (declare the attribute instead)")
+            for t in (t for tt in _targets(n) for t in ast.walk(tt)):
+                owner = MESH_STATE_OWNERS.get(getattr(t, "attr", None))
+                if isinstance(t, ast.Attribute) and owner not in (None, mod) and mod != "shardfuse.mesh":
+                    bad.append(f"{_where(path, t)}: {ast.unparse(t)} is set outside {owner}, which owns it")
+    declared = set(vars(sf.DeviceMesh(4, backend="numpy")))
+    if not set(MESH_STATE_OWNERS) <= declared:
+        bad.append(f"mesh.py does not declare {sorted(set(MESH_STATE_OWNERS) - declared)}")
+    mesh, sub, results = _mesh_in_use()
+    bad += [f"{m} got attributes mesh.py does not declare: {sorted(set(vars(m)) - declared)}"
+            for m in (mesh, sub) if set(vars(m)) != declared]
+    gone = weakref.ref(mesh)
+    del mesh, sub, results
+    gc.collect()
+    if gone() is not None:  # a module-level table (a memo, a cache) that holds a mesh keeps it for ever
+        bad.append("a mesh in use is kept alive after its last use: " + ", ".join(
+            type(r).__name__ for r in gc.get_referrers(gone()) if not isinstance(r, type(sys._getframe()))))
+    assert not bad, _report("pieces of hidden state", bad)

@@ -107,7 +107,7 @@ def test_a_mesh_keeps_its_backend_and_nothing_keeps_the_mesh():
     sub, same = mesh.submesh([0, 1]), mesh.submesh([0, 1])
     be = backend_of(mesh)
     assert backend_of(mesh) is be and backend_of(sub) is backend_of(same) is not be  # equal sub-meshes share
-    assert mesh.__dict__["_backend"] is be  # the hot path's one lookup
+    assert mesh.backend_cache is be  # the hot path's one lookup
     f = sf.jit(lambda a: a * 2.0, mesh=mesh)
     np.testing.assert_allclose(f(sf.shard(np.arange(8.0), 0, mesh=mesh)).gather(), np.arange(8.0) * 2)
     gone = weakref.ref(mesh)
@@ -144,7 +144,7 @@ def test_a_placement_answer_of_none_is_remembered_too(monkeypatch):
     monkeypatch.setattr(pieces, "piece_indices", lambda *a: made.append(a) or real(*a))
     for _ in range(3):
         assert pieces.split_axis((4, 6), lay, mesh) is None  # a shape not placed before
-    assert len(made) == 1  # worked out once, not on every call
+    assert len(made) <= 1  # worked out once at most (meshes of one geometry share the memo), not on every call
 
 
 def test_devices_outside_a_sub_mesh_share_one_placeholder_allocation(monkeypatch):

@@ -3,6 +3,7 @@
 Each expected text was read and checked by hand: which collectives the compiler inserts,
 where buffers live, which stream each chunk runs on.
 """
+import numpy as np
 import pytest
 
 import shardfuse as sf
@@ -149,9 +150,27 @@ def test_plan_text(mesh, name):
     assert str(sf.jit(fn, mesh=mesh).lower(*specs)) == expected.rstrip("\n")
 
 
-def test_plan_history_names_every_pass(mesh):
-    plan = sf.jit(ag_matmul, mesh=mesh).lower(T((8, 4, 16, 32)), T((32, 24)))
+def test_the_plan_a_call_runs_went_through_every_pass_and_verify_last(mesh):
+    """The plan that a call runs (the one the jitted function keeps, not a fresh .lower) was made by
+    every pass of PIPELINE once, in order, and verified last: no pass changes it after verify."""
+    rng = np.random.default_rng(0)
+    f = sf.jit(ag_matmul, mesh=mesh)
+    f(rng.standard_normal((8, 4, 16, 32)).astype(np.float32), rng.standard_normal((32, 24)).astype(np.float32))
+    (plan,) = f.cached_plans().values()
     assert plan.program.history == ("trace",) + tuple(p.__name__ for p in PIPELINE)
+    assert PIPELINE[-1] is verify and len(set(PIPELINE)) == len(PIPELINE)
+
+
+def test_every_stage_is_stamped_by_the_pass_that_made_it(mesh):
+    """Each prefix of the pipeline stops where it is asked to, and its program's history names
+    exactly the passes that ran (a pass that stamps another's name, or none, fails here)."""
+    from shardfuse.trace import trace
+
+    prog = trace(ag_matmul, mesh, [T((8, 4, 16, 32)), T((32, 24))])
+    names = [p.__name__ for p in PIPELINE]
+    for k, name in enumerate(names):
+        staged = compile_program(prog, stop_after=name)
+        assert staged.history == ("trace", *names[:k + 1]), f"stopped after {name}"
 
 
 def test_stages_print(mesh):
@@ -179,7 +198,7 @@ def test_verifier_rejects_unwaited_collective(mesh):
     plan = sf.jit(ag_then_matmul, mesh=mesh).lower(T((8, 4, 16, 32)), T((32, 24)))
     prog = plan.program
     broken = Program(prog.name, prog.mesh, prog.inputs, prog.outputs,
-                     tuple(i for i in prog.instrs if i.op != "wait"), prog.streams)
+                     tuple(i for i in prog.instrs if i.op != Op.WAIT), prog.streams)
     with pytest.raises(PlanError, match="never waited"):
         verify(broken)
 

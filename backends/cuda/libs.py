@@ -5,13 +5,14 @@ from __future__ import annotations
 
 import ctypes
 
-import numpy as np
+from shardfuse.dtypes import TABLE
 
-# storage dtype on the GPU, cudaDataType, NCCL type, bytes per element
-STORE = {"float16": np.float16, "bfloat16": np.uint16, "float32": np.float32, "float64": np.float64}
+# Per dtype name: the NumPy type a CuPy buffer of it holds (bfloat16: its uint16 bits) and bytes
+# per element, both from shardfuse.dtypes' table; CUDA's cudaDataType and NCCL's type enum
+STORE = {name: t.bits for name, t in TABLE.items()}
+ITEM = {name: t.itemsize for name, t in TABLE.items()}
 CUDA_T = {"float16": 2, "bfloat16": 14, "float32": 0, "float64": 1}
 NCCL_T = {"float16": 6, "bfloat16": 9, "float32": 7, "float64": 8}
-ITEM = {"float16": 2, "bfloat16": 2, "float32": 4, "float64": 8}
 OP_N, OP_T = 0, 1
 COMPUTE_32F, COMPUTE_32F_TF32, COMPUTE_64F = 68, 77, 70
 COMPUTE_SCALE = {68: 0, 77: 0, 70: 1}  # compute type -> scale (alpha/beta) cudaDataType
