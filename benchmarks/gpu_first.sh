@@ -14,7 +14,6 @@ mkdir -p "$OUT"
 python3 -m pip install -q --no-deps --no-build-isolation -e . > "$OUT/install.txt" 2>&1
 save() { tar -czf "${OUT%/}.tgz" -C "$OUT" .; }
 nvidia-smi --query-gpu=name,driver_version --format=csv,noheader > "$OUT/gpu.txt" 2>&1
-git rev-parse --short HEAD >> "$OUT/gpu.txt" 2>/dev/null
 # tests of code never yet run on a GPU first, in their own process: a misaligned address is a
 # sticky CUDA error that would fail every later test of the same process
 # (tests/test_notebooks.py holds no GPU test and needs nbformat, which the GPU machine lacks)
@@ -28,6 +27,7 @@ tail -3 "$OUT/gpu_tests.txt"; save
 for case in "D=8 S=8" "D=2 S=8" "D=1 S=8"; do
   name=${case//=/}
   python3 benchmarks/step_cost.py "$case" > "$OUT/step_cost_${name// /_}.txt" 2>&1
+  python3 benchmarks/step_cost.py "$case" --layout natural > "$OUT/step_cost_natural_${name// /_}.txt" 2>&1
 done
 save
 python3 -m shardfuse bench --host --backend cupy --no-progress > "$OUT/host.txt" 2>&1

@@ -4,7 +4,7 @@ buffers), the wall time per call.  Says which steps the eager issue time is made
 collective, stream switch, event record/wait) and how far each is above the driver's floor,
 which it measures too: an empty kernel launch (CuPy RawKernel) and an event record.
 
-    python benchmarks/step_cost.py "D=1 S=8" [--backend cupy] [--calls 200]
+    python benchmarks/step_cost.py "D=1 S=8" [--backend cupy] [--calls 200] [--layout natural]
 """
 from __future__ import annotations
 
@@ -50,15 +50,18 @@ def main():
     ap.add_argument("case", nargs="?", default="D=1 S=8")
     ap.add_argument("--backend", default="cupy")
     ap.add_argument("--calls", type=int, default=200)
+    ap.add_argument("--layout", choices=("seed", "natural"), default="seed",
+                    help="seed: A [S, D, m, K] sharded on axis 1; natural: A [S * D * m, K] sharded on rows")
     args = ap.parse_args()
+    layout = host.natural if args.layout == "natural" else host.seed
     words = args.case.replace("=", " ").split()
     d, s = int(words[words.index("D") + 1]), int(words[words.index("S") + 1])
     mesh = sf.DeviceMesh(d, backend=args.backend)
-    call, plan = host.plan_call(mesh, s, graph=False)
+    call, plan = host.plan_call(mesh, s, False, layout)
     call()
     exe = plan.executable
-    f, a, b = host.seed(mesh, s, False)
-    placed = (sf.shard(a, axis=1, mesh=mesh), sf.replicate(b, mesh=mesh))
+    f, a, b = layout(mesh, s, False)
+    placed = (sf.shard(a, axis=1 if layout is host.seed else 0, mesh=mesh), sf.replicate(b, mesh=mesh))
     infos = check_args(exe.prog, placed, exe.backend, exe.accepted)
     sync = host.sync_of(args.backend)
     per_kind = defaultdict(list)
@@ -75,7 +78,7 @@ def main():
 
     with exe.lock:
         exe.run(placed, infos, None, issue=timed)
-    print(f"{args.case}: {len(exe.steps)} steps; a whole eager call {host.per_call_us(call, sync, 50, 5):.1f} us")
+    print(f"{args.case} ({args.layout} layout): {len(exe.steps)} steps; a whole eager call {host.per_call_us(call, sync, 50, 5):.1f} us")
     for kind, us in sorted(per_kind.items(), key=lambda kv: -sum(kv[1])):
         print(f"  {kind:<48} x{len(us):<3} {np.median(us):6.1f} us each, {sum(us):7.1f} us in all")
     if args.backend == "cupy":
