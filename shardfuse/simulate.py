@@ -29,7 +29,7 @@ def parser():
     p.add_argument("--devices", type=int, default=8, help="D, the GPUs (default 8)")
     p.add_argument("--gpu", default="h200", choices=sorted(DEFAULTS), help="built-in rates to predict with")
     p.add_argument("--rates", default=None, help="a rates JSON file instead (a `shardfuse calibrate` cache file)")
-    p.add_argument("--m", type=int, default=32768, help="rows of A (with --mlp: tokens)")
+    p.add_argument("--m", type=int, default=32768, help="M, all of A's rows, as in shardfuse demo and bench (with --mlp: tokens)")
     p.add_argument("--k", type=int, default=32768, help="columns of A (with --mlp: the hidden size)")
     p.add_argument("--n", type=int, default=8192, help="columns of B (unused with --mlp)")
     p.add_argument("--dtype", default="bf16", choices=sorted(DTYPE_NAMES))
