@@ -1,10 +1,10 @@
-"""`shardfuse simulate`: a plan's predicted timeline on D GPUs, from published figures (issue 15).
+"""`shardfuse simulate`: a plan's predicted timeline on D GPUs, from published figures.
 
 The plan is compiled on a NumPy mesh of D virtual devices from TensorSpecs (nothing is computed
-or allocated) and predicted by the cost model with a GPU's built-in rates (cost.DEFAULTS: the
-H200's from ../shared/MULTIGPU-FIGURES.md), one process per GPU.  Cases: the seed (A [m, k]
-sharded on rows, B [k, n] replicated, C = A @ B streamed along its rows: AllGather+GEMM), or
-with --mlp the Megatron-style MLP block (shardfuse/mlp.py; tokens = m, hidden = k, n unused).
+or allocated) and predicted by the cost model with a GPU's built-in rates (--gpu), or with the
+rates `shardfuse calibrate` measured (--rates), one process per GPU.  Cases: the seed (A [M, K]
+sharded on rows, B [K, N] replicated, C = A @ B streamed along its rows: AllGather+GEMM), or with
+--mlp the Megatron-style MLP block (shardfuse.mlp; tokens = M, hidden = K, N unused).
 """
 from __future__ import annotations
 
@@ -88,12 +88,13 @@ def main(argv=None) -> int:
     print(f"simulated {name}: D={nums['devices']} x {rates.name} (one process per GPU), m={nums['m']} k={nums['k']}"
           + ("" if args.mlp else f" n={nums['n']}") + f" {dtype}, chunks={nums['chunks']}, streams={nums['streams']}")
     print(why)
-    s = pred.summary()
-    print(f"predicted total {s['total_s'] * 1e3:.3f} ms: communication {s['communication_s'] * 1e3:.3f} ms (exposed "
-          f"{s['exposed_communication_s'] * 1e3:.3f}), GEMMs {s['gemm_s'] * 1e3:.3f} ms, other compute "
-          f"{s['compute_s'] * 1e3:.3f} ms, overlap efficiency {s['overlap_efficiency']:.2f}; collectives per call "
-          f"{sf.Plan(prog).collectives() or 'none'}")
     timeline = pred.timeline()
+    s = timeline.summary()  # the steps' figures, as the chart's title and shardfuse profile give them
+    print(f"predicted total {pred.total_s * 1e3:.3f} ms (the steps span {s['total_s'] * 1e3:.3f} ms, the rest is host "
+          f"work outside them): communication {s['communication_s'] * 1e3:.3f} ms (exposed "
+          f"{s['exposed_communication_s'] * 1e3:.3f}), GEMMs {s['gemm_s'] * 1e3:.3f} ms, other compute "
+          f"{s['compute_s'] * 1e3:.3f} ms, overlap efficiency {s['overlap_efficiency']:.2f} over the steps' span; "
+          f"collectives per call {sf.Plan(prog).collectives() or 'none'}")
     if args.trace:
         timeline.to_chrome_trace(args.trace)
         print(f"trace: {args.trace}")

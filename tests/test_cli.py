@@ -142,3 +142,26 @@ def test_calibrate_refuses_a_cache_it_cannot_write_before_measuring(tmp_path):
                        capture_output=True, text=True, timeout=120, env={**os.environ, "SHARDFUSE_CACHE_DIR": str(blocker)})
     assert r.returncode == 2 and "is not a writable directory (set SHARDFUSE_CACHE_DIR to one)" in r.stderr, r.stderr
     assert "calibrating" not in r.stdout  # refused before any measurement
+
+
+def test_simulate_prints_the_overlap_efficiency_its_chart_shows(tmp_path, capsys, monkeypatch):
+    # at small sizes the host's time per call outside the steps is a large part of the predicted
+    # total: the line said 0.28 (over the call) while the chart's title said 0.50 (over the steps)
+    import re
+
+    from shardfuse.timeline import Timeline
+
+    titles, plot = [], Timeline.plot
+    monkeypatch.setattr(Timeline, "plot", lambda self, *a, **k: titles.append(plot(self, *a, **k).axes[0].get_title()))
+    argv = ["simulate", "--devices", "2", "--m", "1024", "--k", "1024", "--n", "1024", "--png", str(tmp_path / "s.png")]
+    assert main(argv) == 0
+    printed = re.search(r"overlap efficiency (\d\.\d\d) over the steps' span", capsys.readouterr().out).group(1)
+    assert titles == [f"ag_gemm: {printed} overlap efficiency"]
+
+
+def test_simulate_help_names_no_issue_and_no_path_outside_the_project(capsys):
+    with pytest.raises(SystemExit):
+        main(["simulate", "--help"])
+    out = capsys.readouterr().out
+    assert "issue" not in out.lower() and "../" not in out and "MULTIGPU" not in out
+    assert "M, all of A's rows, as in shardfuse demo and bench" in " ".join(out.split())
