@@ -28,7 +28,7 @@ from functools import cache
 import numpy as np
 
 import shardfuse as sf
-from shardfuse.autochunks import AUTO_MARGIN
+from shardfuse.autochunks import Candidate, choose
 from shardfuse.bench.sweep import MODEL_WITHIN
 from shardfuse.calibrate import SHARED_RUNS, fit_shared
 from shardfuse.cost import Rates, predict
@@ -75,11 +75,8 @@ def score(rates, table, d: int, left_out=()) -> dict:
     autos = []
     for pt in {id(r[0]): r[0] for r in table}.values():
         mine = sorted((s, p, t) for (q, s, _, t, _), p in zip(table, pred) if q is pt)
-        best = mine[0]
-        for c in mine[1:]:  # autochunks.compile_best's rule
-            if c[1] < best[1] * (1 - AUTO_MARGIN):
-                best = c
-        autos.append(best[2] / min(t for _, _, t in mine) - 1)
+        chosen = choose([Candidate(s, p) for s, p, _ in mine]).s  # autochunks.compile_best's rule
+        autos.append(dict((s, t) for s, _, t in mine)[chosen] / min(t for _, _, t in mine) - 1)
     return dict(within=int(np.sum(np.abs(errors) <= MODEL_WITHIN)), n=len(errors), held=(sum(held), len(held)),
                 median=float(np.median(np.abs(errors))), errors=errors, pred=pred, auto_worst=max(autos))
 

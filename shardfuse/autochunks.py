@@ -102,10 +102,10 @@ def reason(best: Candidate, ok: list, rates, kinds: str, streams: int = 2, label
             f"{best.comm_s * 1e3:.3f} ms exposed){gain}")
 
 
-def choose(ok: list) -> Candidate:
-    """The fewest chunks predicted within AUTO_MARGIN of the fastest (ok: S ascending)."""
+def choose(ok: list, margin: float = AUTO_MARGIN) -> Candidate:
+    """The fewest chunks predicted within `margin` of the fastest (ok: S ascending)."""
     fastest = min(c.total_s for c in ok)
-    return next(c for c in ok if c.total_s * (1 - AUTO_MARGIN) <= fastest)
+    return next(c for c in ok if c.total_s * (1 - margin) <= fastest)
 
 
 def _trace_with(fn, mesh, specs, streams, s):

@@ -87,6 +87,18 @@ def _timing_note(mesh) -> str:
     return f" ({local} virtual devices share the GPU(s) of this process)"
 
 
+def rows_per_block(args, d) -> int:
+    """m = M / (S x D): the rows of each [m, K] block of A in the seed layout [S, D, m, K] (--m is M,
+    all of A's rows, as in `shardfuse bench` and `simulate`; the MLP block's tokens)."""
+    if args.m is None:
+        return 64
+    if args.m % (args.chunks * d):
+        raise ValueError(f"--m is M, all of A's rows (as in shardfuse bench and simulate; the demo's --m once meant "
+                         f"rows per device per chunk): {args.m} must be a multiple of --chunks x devices = "
+                         f"{args.chunks} x {d} = {args.chunks * d}")
+    return args.m // (args.chunks * d)
+
+
 def _speaker(args, mesh):
     """print on rank 0, unless --json (then one JSON object at the end instead)."""
     return print if mesh.rank == 0 and not args.json else (lambda *a, **k: None)
@@ -113,7 +125,7 @@ def mlp_demo(args):
     d = args.devices or default_devices(args.backend)
     mesh = sf.DeviceMesh(d, backend=args.backend)
     say = _speaker(args, mesh)
-    tokens = args.chunks * d * args.m
+    tokens = args.chunks * d * rows_per_block(args, d)
     rng, seed = _seeded_rng(args, mesh, say)
     inputs = [a.astype(np_dtype(args.dtype)) for a in mlp_inputs(rng, tokens, args.hidden)]
     specs = [sf.TensorSpec(a.shape, args.dtype) for a in inputs]
@@ -136,10 +148,11 @@ def seed_demo(args):
     d = args.devices or default_devices(args.backend)
     mesh = sf.DeviceMesh(d, backend=args.backend)
     say = _speaker(args, mesh)
-    shape_a, shape_b = (args.chunks, d, args.m, args.k), (args.k, args.n)
+    shape_a, shape_b = (args.chunks, d, rows_per_block(args, d), args.k), (args.k, args.n)
     pipelined, unpipelined = seed_functions(mesh, args.streams)
     plan = pipelined.lower(sf.TensorSpec(shape_a, args.dtype), sf.TensorSpec(shape_b, args.dtype))
-    say(f"{mesh}, {mesh.nprocs} process(es), a{shape_a} @ b{shape_b} {args.dtype}\n")
+    say(f"{mesh}, {mesh.nprocs} process(es), a{shape_a} @ b{shape_b} {args.dtype} (M={np.prod(shape_a[:3])} rows "
+        "of A in the seed layout [S, D, m, K])\n")
     say(plan, "\n")
 
     rng, seed = _seeded_rng(args, mesh, say)
@@ -168,7 +181,8 @@ def main(argv=None):
                    "under mpiexec, one per process)")
     p.add_argument("--backend", choices=["numpy", "cupy"], default=None)
     p.add_argument("--chunks", type=int, default=8, help="S: chunks along the stream axis")
-    p.add_argument("--m", type=int, default=64, help="rows per device per chunk")
+    p.add_argument("--m", type=int, default=None, help="M, all of A's rows (with --mlp: tokens), as in shardfuse "
+                   "bench and simulate: a multiple of chunks x devices (default 64 x chunks x devices)")
     p.add_argument("--k", type=int, default=256)
     p.add_argument("--n", type=int, default=256)
     p.add_argument("--streams", type=int, default=4)

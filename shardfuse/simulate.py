@@ -1,10 +1,10 @@
-"""`shardfuse simulate`: a plan's predicted timeline on D GPUs, from published figures (issue 15).
+"""`shardfuse simulate`: a plan's predicted timeline on D GPUs, from published figures.
 
 The plan is compiled on a NumPy mesh of D virtual devices from TensorSpecs (nothing is computed
-or allocated) and predicted by the cost model with a GPU's built-in rates (cost.DEFAULTS: the
-H200's from ../shared/MULTIGPU-FIGURES.md), one process per GPU.  Cases: the seed (A [m, k]
-sharded on rows, B [k, n] replicated, C = A @ B streamed along its rows: AllGather+GEMM), or
-with --mlp the Megatron-style MLP block (shardfuse/mlp.py; tokens = m, hidden = k, n unused).
+or allocated) and predicted by the cost model with a GPU's built-in rates (--gpu), or with the
+rates `shardfuse calibrate` measured (--rates), one process per GPU.  Cases: the seed (A [M, K]
+sharded on rows, B [K, N] replicated, C = A @ B streamed along its rows: AllGather+GEMM), or with
+--mlp the Megatron-style MLP block (shardfuse.mlp; tokens = M, hidden = K, N unused).
 """
 from __future__ import annotations
 
@@ -29,7 +29,7 @@ def parser():
     p.add_argument("--devices", type=int, default=8, help="D, the GPUs (default 8)")
     p.add_argument("--gpu", default="h200", choices=sorted(DEFAULTS), help="built-in rates to predict with")
     p.add_argument("--rates", default=None, help="a rates JSON file instead (a `shardfuse calibrate` cache file)")
-    p.add_argument("--m", type=int, default=32768, help="rows of A (with --mlp: tokens)")
+    p.add_argument("--m", type=int, default=32768, help="M, all of A's rows, as in shardfuse demo and bench (with --mlp: tokens)")
     p.add_argument("--k", type=int, default=32768, help="columns of A (with --mlp: the hidden size)")
     p.add_argument("--n", type=int, default=8192, help="columns of B (unused with --mlp)")
     p.add_argument("--dtype", default="bf16", choices=sorted(DTYPE_NAMES))
@@ -88,12 +88,13 @@ def main(argv=None) -> int:
     print(f"simulated {name}: D={nums['devices']} x {rates.name} (one process per GPU), m={nums['m']} k={nums['k']}"
           + ("" if args.mlp else f" n={nums['n']}") + f" {dtype}, chunks={nums['chunks']}, streams={nums['streams']}")
     print(why)
-    s = pred.summary()
-    print(f"predicted total {s['total_s'] * 1e3:.3f} ms: communication {s['communication_s'] * 1e3:.3f} ms (exposed "
-          f"{s['exposed_communication_s'] * 1e3:.3f}), GEMMs {s['gemm_s'] * 1e3:.3f} ms, other compute "
-          f"{s['compute_s'] * 1e3:.3f} ms, overlap efficiency {s['overlap_efficiency']:.2f}; collectives per call "
-          f"{sf.Plan(prog).collectives() or 'none'}")
     timeline = pred.timeline()
+    s = timeline.summary()  # the steps' figures, as the chart's title and shardfuse profile give them
+    print(f"predicted total {pred.total_s * 1e3:.3f} ms (the steps span {s['total_s'] * 1e3:.3f} ms, the rest is host "
+          f"work outside them): communication {s['communication_s'] * 1e3:.3f} ms (exposed "
+          f"{s['exposed_communication_s'] * 1e3:.3f}), GEMMs {s['gemm_s'] * 1e3:.3f} ms, other compute "
+          f"{s['compute_s'] * 1e3:.3f} ms, overlap efficiency {s['overlap_efficiency']:.2f} over the steps' span; "
+          f"collectives per call {sf.Plan(prog).collectives() or 'none'}")
     if args.trace:
         timeline.to_chrome_trace(args.trace)
         print(f"trace: {args.trace}")

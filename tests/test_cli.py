@@ -12,7 +12,7 @@ def run(*args):
 
 
 def test_demo_runs_checks_and_times():
-    r = run("demo", "--backend", "numpy", "--devices", "4", "--chunks", "4", "--m", "8", "--k", "16",
+    r = run("demo", "--backend", "numpy", "--devices", "4", "--chunks", "4", "--m", "128", "--k", "16",
             "--n", "16", "--repeat", "2")
     assert r.returncode == 0, r.stderr
     out = r.stdout
@@ -20,6 +20,7 @@ def test_demo_runs_checks_and_times():
     assert "-> OK" in out
     assert "collectives per call: pipelined {'allgather': 4}, unpipelined {'allgather': 1}" in out
     assert "pipelined" in out and "unpipelined" in out and " ms" in out
+    assert "a(4, 4, 8, 16) @ b(16, 16) float32 (M=128 rows of A" in out  # --m is M, as in bench and simulate
 
 
 @pytest.mark.parametrize("extra, case, collectives", [
@@ -30,7 +31,7 @@ def test_demo_runs_checks_and_times():
 def test_demo_json_is_one_object(extra, case, collectives):
     import json
 
-    r = run("demo", "--backend", "numpy", "--devices", "2", "--chunks", "2", "--m", "4", "--k", "8", "--n", "8",
+    r = run("demo", "--backend", "numpy", "--devices", "2", "--chunks", "2", "--m", "16", "--k", "8", "--n", "8",
             "--repeat", "2", "--seed", "7", "--json", *extra)
     assert r.returncode == 0, r.stderr
     out = json.loads(r.stdout)  # the whole of stdout: one JSON object, no text beside it
@@ -54,10 +55,10 @@ def test_unknown_command(capsys):
 
 
 def test_demo_mlp_sequence_parallel():
-    r = run("demo", "--mlp", "sp", "--backend", "numpy", "--devices", "2", "--chunks", "2", "--m", "4",
+    r = run("demo", "--mlp", "sp", "--backend", "numpy", "--devices", "2", "--chunks", "2", "--m", "16",
             "--hidden", "8", "--repeat", "1")
     assert r.returncode == 0, r.stderr
-    assert "MLP block (sp)" in r.stdout and "-> OK" in r.stdout
+    assert "MLP block (sp), x[16, 8]" in r.stdout and "-> OK" in r.stdout
     assert "chunks=2 {'allgather': 2, 'reduce_scatter': 2}" in r.stdout
 
 
@@ -68,6 +69,9 @@ def test_demo_mlp_sequence_parallel():
     (["profile", "--m", "0"], "--m must be a positive int, got 0"),
     (["demo", "--backend", "numpy", "--seed", "-1"], "--seed must be an int >= 0, got -1"),
     (["demo", "--backend", "numpy", "--devices", "2", "--m", "100000000000"], "do not fit this machine's memory"),
+    (["demo", "--backend", "numpy", "--devices", "2", "--chunks", "4", "--m", "12"],
+     "--m is M, all of A's rows (as in shardfuse bench and simulate; the demo's --m once meant rows per device per "
+     "chunk): 12 must be a multiple of --chunks x devices = 4 x 2 = 8"),
     (["bench", "--backend", "numpy", "--devices", "3"], "--m must be a multiple of D = 3"),
     (["bench", "--backend", "numpy", "--dtype", "float32,float8"], "--dtype takes float64, float32, float16, bfloat16"),
     (["bench", "--backend", "numpy", "--graph"], "--graph times CUDA graph replay: it needs the cupy backend"),
@@ -84,7 +88,7 @@ def test_cli_mistakes_are_one_line_and_exit_2(argv, message, tmp_path):
 
 
 def test_cli_errors_from_the_library_are_one_line_unless_debug():
-    bad = ["demo", "--devices", "3", "--backend", "numpy", "--mlp", "tp", "--hidden", "5", "--m", "4", "--chunks", "1"]
+    bad = ["demo", "--devices", "3", "--backend", "numpy", "--mlp", "tp", "--hidden", "5", "--m", "12", "--chunks", "1"]
     r = run(*bad)  # 4 * hidden = 20 does not divide over 3 devices
     assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr
     assert r.stderr.strip() == ("shardfuse demo: error: cannot shard axis 1 of extent 20 over DIDx: the mesh axis "
@@ -94,12 +98,12 @@ def test_cli_errors_from_the_library_are_one_line_unless_debug():
 
 
 def test_demo_prints_its_seed_and_what_its_times_mean():
-    r = run("demo", "--backend", "numpy", "--devices", "2", "--chunks", "2", "--m", "4", "--k", "8", "--n", "8",
+    r = run("demo", "--backend", "numpy", "--devices", "2", "--chunks", "2", "--m", "16", "--k", "8", "--n", "8",
             "--repeat", "1", "--seed", "123")
     assert r.returncode == 0, r.stderr
     assert "inputs from seed 123 (repeat with --seed 123)" in r.stdout
     assert "2 NumPy devices of one process run one after another" in r.stdout
-    again = run("demo", "--backend", "numpy", "--devices", "2", "--chunks", "2", "--m", "4", "--k", "8", "--n", "8",
+    again = run("demo", "--backend", "numpy", "--devices", "2", "--chunks", "2", "--m", "16", "--k", "8", "--n", "8",
                 "--repeat", "1", "--seed", "123")
     error = [line for line in r.stdout.splitlines() if "relative error" in line]
     assert error and error == [line for line in again.stdout.splitlines() if "relative error" in line]  # same inputs
@@ -138,3 +142,26 @@ def test_calibrate_refuses_a_cache_it_cannot_write_before_measuring(tmp_path):
                        capture_output=True, text=True, timeout=120, env={**os.environ, "SHARDFUSE_CACHE_DIR": str(blocker)})
     assert r.returncode == 2 and "is not a writable directory (set SHARDFUSE_CACHE_DIR to one)" in r.stderr, r.stderr
     assert "calibrating" not in r.stdout  # refused before any measurement
+
+
+def test_simulate_prints_the_overlap_efficiency_its_chart_shows(tmp_path, capsys, monkeypatch):
+    # at small sizes the host's time per call outside the steps is a large part of the predicted
+    # total: the line said 0.28 (over the call) while the chart's title said 0.50 (over the steps)
+    import re
+
+    from shardfuse.timeline import Timeline
+
+    titles, plot = [], Timeline.plot
+    monkeypatch.setattr(Timeline, "plot", lambda self, *a, **k: titles.append(plot(self, *a, **k).axes[0].get_title()))
+    argv = ["simulate", "--devices", "2", "--m", "1024", "--k", "1024", "--n", "1024", "--png", str(tmp_path / "s.png")]
+    assert main(argv) == 0
+    printed = re.search(r"overlap efficiency (\d\.\d\d) over the steps' span", capsys.readouterr().out).group(1)
+    assert titles == [f"ag_gemm: {printed} overlap efficiency"]
+
+
+def test_simulate_help_names_no_issue_and_no_path_outside_the_project(capsys):
+    with pytest.raises(SystemExit):
+        main(["simulate", "--help"])
+    out = capsys.readouterr().out
+    assert "issue" not in out.lower() and "../" not in out and "MULTIGPU" not in out
+    assert "M, all of A's rows, as in shardfuse demo and bench" in " ".join(out.split())

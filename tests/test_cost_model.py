@@ -305,17 +305,21 @@ def test_sweep_runs_on_numpy_devices(tmp_path, capsys):
     assert "model (numpy/cpu rates) within 15%" in text and "chunks='auto' vs the best fixed S" in text
     points = json.loads(out.read_text())["points"]
     assert [p["m"] for p in points] == [16, 32] and all(p["auto"] == 1 for p in points)
+    assert all(len(r["passes_ms"]) == 2 and r["measured_ms"] == min(r["passes_ms"]) for p in points
+               for r in p["rows"].values())
+    assert _script("auto_spread").main([str(out)]) == 0
+    assert "within a run, between an S's two passes: median" in capsys.readouterr().out
 
 
 BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
 RECORDED = sorted((BENCHMARKS / "results").glob("2026-12-05-h200-sweeps*/sweep_d*.json"))
 
 
-def _refit_sweeps():
-    """benchmarks/refit_sweeps.py as a module (benchmarks/ is no package)."""
+def _script(name):
+    """benchmarks/NAME.py as a module (benchmarks/ is no package)."""
     import importlib.util
 
-    spec = importlib.util.spec_from_file_location("refit_sweeps", BENCHMARKS / "refit_sweeps.py")
+    spec = importlib.util.spec_from_file_location(name, BENCHMARKS / f"{name}.py")
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
@@ -332,7 +336,7 @@ def test_the_model_predicts_the_recorded_h200_sweeps_as_recorded(path):
     to what cost.py predicts fails here: bump rates.MODEL (so cached rates are recalibrated) and
     take the pin to newly recorded sweeps."""
     assert rates.MODEL == 4, "the recorded sweeps are of cost model 4: record sweeps of the new model"
-    refit = _refit_sweeps()
+    refit = _script("refit_sweeps")
     recorded_rates, points, d = refit.load(path)
     table = refit.rows(points, d)
     got = refit.score(recorded_rates, table, d)["pred"]
@@ -392,3 +396,19 @@ def test_auto_keeps_the_fewest_chunks_within_the_margin_of_the_fastest():
     assert choose(ok).s == 2
     assert choose([Candidate(1, 1.0), Candidate(2, 0.995)]).s == 1
     assert choose([Candidate(1, 1.0), Candidate(2, 0.98)]).s == 2
+    assert choose([Candidate(1, 1.0), Candidate(2, 0.98)], margin=0.03).s == 1
+
+
+def test_no_margin_would_have_changed_auto_in_the_recorded_sweeps(capsys):
+    """Issue 29, item 3 (benchmarks/auto_spread.py): in every recorded H200 sweep the model put
+    S = 1 strictly fastest, so the margin never decided a choice: any margin from 0 to 15% picks
+    the recorded S at every point; picking more chunks where the predictions are level misses."""
+    spread = _script("auto_spread")
+    shapes = spread.load(RECORDED)
+    points = [p for runs in shapes.values() for p in runs.values()]
+    assert len(points) == 7 * 12 and {p["auto"] for p in points} == {1}
+    for margin in (0.0, 0.01, 0.03, 0.05, 0.15):
+        assert all(spread.margin_rule(margin)(p) == p["auto"] for p in points), margin
+    assert max(spread.miss(p, p["auto"]) for p in points if p["devices"] == 2) < 0.03
+    assert spread.main([str(path) for path in RECORDED]) == 0
+    assert "not recorded" in capsys.readouterr().out  # these sweeps kept one time of the two passes

@@ -19,3 +19,6 @@ def test_notebook_runs(path):
     NotebookClient(nb, timeout=120, kernel_name="python3", resources={"metadata": {"path": str(path.parent)}}).execute()
     errors = [o for c in nb.cells if c.cell_type == "code" for o in c.get("outputs", []) if o.output_type == "error"]
     assert not errors
+    for cell in nb.cells:  # a chart shows as a picture, not as "<Figure size 1000x370 with 1 Axes>"
+        if cell.cell_type == "code" and ".plot(" in cell.source:
+            assert any("image/png" in o.get("data", {}) for o in cell.outputs), cell.source

@@ -63,7 +63,8 @@ def parser():
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--backend", choices=["numpy", "cupy"], default=None)
     p.add_argument("--devices", type=int, default=None, help="D (default: all GPUs, else 4 CPU devices)")
-    p.add_argument("--m", type=int, default=None, help="rows (default 8192 on GPUs, 512 on NumPy devices)")
+    p.add_argument("--m", type=int, default=None, help="M, all of A's rows, as in shardfuse demo and simulate "
+                                                           "(default 8192 on GPUs, 512 on NumPy devices)")
     p.add_argument("--k", type=int, default=None, help="(default 8192 on GPUs, 512 on NumPy devices)")
     p.add_argument("--n", type=int, default=None, help="(default 8192 on GPUs, 512 on NumPy devices)")
     p.add_argument("--dtype", default=None, help="comma-separated: float16,bfloat16,float32,float64 "
