@@ -95,7 +95,8 @@ def _stage(i, of, mesh, namer):
         shape, st = local_shape(v, mesh), of(v)
         if is_contiguous(*(rank_major(shape, st, *blocks) if blocks else (shape, st))):
             continue
-        tmp = Value(namer(v.name + "_staged"), v.type)
+        chunk = v.name.endswith("_i")  # a chunk's: x_staged_i, from the pool x_staged_pool
+        tmp = Value(namer(v.name.removesuffix("_i") + "_staged" + ("_i" if chunk else "")), v.type)
         before.append(Instr(Op.ALLOCATE, (tmp,), attrs={"blocks": blocks} if blocks else {}))
         if side == 0:  # what it sends, copied in first
             before.append(Instr(Op.COPY, (), (v,), guard, into=tmp))
