@@ -4,11 +4,12 @@
 as latency + bytes / bandwidth by kind and team size (nccl-tests' bus-bandwidth convention), the
 host's cost to issue a step, and how much a GEMM slows while a collective runs beside it.
 `predict(program, rates)` takes the steps one call issues (steps.plan_steps: the list the
-executor binds and a profile labels) and simulates one device's streams: each step on its stream in issue order, not before the host
-has issued it, after the events and joins it waits for; one compute engine (GEMMs and other
-kernels) and one communication engine, so communication on one stream overlaps compute on
-another.  Plans are SPMD, so one simulated device stands for every device of the mesh.  The
-result turns into a `timeline.Timeline`: the same plot, Chrome trace and summary as a profile.
+executor binds and a profile labels) and simulates one device's streams: each step on its stream
+in issue order, not before the host has issued it, after the events and joins it waits for; one
+compute engine (GEMMs and other kernels) and one communication engine, so communication on one
+stream overlaps compute on another.  Plans are SPMD, so one simulated device stands for every
+device of the mesh.  The result turns into a `timeline.Timeline`: the same plot, Chrome trace and
+summary as a profile.
 """
 from __future__ import annotations
 
