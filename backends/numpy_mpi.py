@@ -40,7 +40,7 @@ _HALF = ("bfloat16", "float16")
 
 
 def _buf(a: np.ndarray) -> np.ndarray:
-    """`a` as an MPI buffer: it must be one contiguous block (the executor stages others)."""
+    """`a` as an MPI buffer: it must be one contiguous block (the plan stages others)."""
     if not a.flags.c_contiguous:
         raise AssertionError(f"MPI buffer of shape {a.shape}, strides {a.strides} is not contiguous")
     return a

@@ -3,7 +3,13 @@
 A backend runs steps on one kind of device for the devices of this process.  It never sees the
 IR: the executor hands it `Ref`s (strided views of numbered buffer slots), streams and teams,
 and gets back steps, callables of the per-call buffer table (`bufs[slot][device]`), bound once
-and called on every run.  Collectives are bound as a (start, wait) pair of steps.
+and called on every run.  Collectives are bound as a (start, wait) pair of steps.  A bind_*
+method may return None for a step it has nothing to do for (NumPy's events; a wait where the
+start already completed): the executor leaves it out.
+
+Communication (collectives, sends and receives, moves between meshes) reads and writes
+contiguous views only: the compiler stages any other view through a scratch buffer, with a
+Copy printed in the plan (passes/contiguity.py), so a backend never copies behind the plan.
 
 `numpy_local.NumpyLocalBackend` is the reference implementation; `tests/test_architecture.py`
 checks that every backend defines every member below with the same parameters, and that no
@@ -14,6 +20,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from typing import Callable, Protocol, Union, runtime_checkable
 
+from shardfuse import strides
 from shardfuse.strides import contiguous_strides, reshape_strides  # noqa: F401 (part of the protocol)
 
 # ---- streams, teams, steps -------------------------------------------------------------------
@@ -43,24 +50,25 @@ class Ref:
 
     def is_contiguous(self) -> bool:
         """C-contiguous, ignoring axes of extent 1 (their strides never matter)."""
-        expect = 1
-        for n, s in reversed(list(zip(self.shape, self.strides))):
-            if n != 1 and s != expect:
-                return False
-            expect *= n
-        return True
+        return strides.is_contiguous(self.shape, self.strides)
 
 def rank_major(ref: Ref, axis: int, d: int) -> Ref:
     """The view [D, ...] of a gathered / to-be-scattered axis: rank r's block first."""
-    n, s = ref.shape[axis], ref.strides[axis]
-    lk = n // d
-    shape = (d,) + ref.shape[:axis] + (lk,) + ref.shape[axis + 1:]
-    strides = (lk * s,) + ref.strides[:axis] + (s,) + ref.strides[axis + 1:]
-    return replace(ref, shape=shape, strides=strides)
+    shape, st = strides.rank_major(ref.shape, ref.strides, axis, d)
+    return replace(ref, shape=shape, strides=st)
 
 def block(ref: Ref, k: int) -> Ref:
     """Block k of a rank-major [D, ...] view."""
     return Ref(ref.slot, tuple(o + k * ref.strides[0] for o in ref.offsets), ref.shape[1:], ref.strides[1:], ref.dtype)
+
+@dataclass(frozen=True)
+class BoundPlan:
+    """A bound plan as a backend may see it (`capture`): its steps and buffer slots, never the IR."""
+
+    steps: tuple  # the Steps of one call, in issue order
+    slots: tuple  # per slot: its persistent buffers (one per local device), or None (an input, or made per call)
+    inputs: tuple  # (shape, dtype) of each input's slot, slots 0 .. len(inputs) - 1
+    per_call: tuple  # (slot, shape, dtype) of each buffer made at every call (the outputs)
 
 # ---- the protocol ----------------------------------------------------------------------------
 @runtime_checkable
@@ -68,7 +76,9 @@ class Backend(Protocol):
     name: str  # "numpy" or "cupy": what users and reports call it
     local_devices: tuple  # this process' global device ids, in mesh order
     submesh_teams: bool  # whether collectives may run within a sub-mesh (Team as a tuple)
-    ordinals: tuple | None  # the GPU of each local device (None: the devices live in host memory)
+    # the GPU of each local device; None: the devices live in host memory and steps run on the
+    # host as they are issued (no streams: a call has no caller's stream to fence with)
+    ordinals: tuple | None
 
     # buffers and host data
     def empty(self, shape, dtype): """One buffer per local device (poisoned with NaN when SHARDFUSE_POISON=1)."""
@@ -107,7 +117,7 @@ class Backend(Protocol):
     def bind_transfers(self, pairs, stream): """Point-to-point copies (src device, send, dst device, recv) between meshes."""
 
     # whole plans
-    def capture(self, exe): """A replayable graph of the bound Executable, or raise NotImplementedError."""
+    def capture(self, exe): """A replayable graph of a bound plan (exe: a BoundPlan), or raise NotImplementedError."""
 
     # reports (so no module reads a backend's private state)
     def describe(self) -> dict: """Name, devices, library versions: for reports and bench tables."""

@@ -3,12 +3,13 @@
 `Rates` is plain data: GEMM throughput by dtype with an efficiency curve in size, collective time
 as latency + bytes / bandwidth by kind and team size (nccl-tests' bus-bandwidth convention), the
 host's cost to issue a step, and how much a GEMM slows while a collective runs beside it.
-`predict(program, rates)` walks the steps one call issues (ir.unroll, as the executor binds them)
-and simulates one device's streams: each step on its stream in issue order, not before the host
-has issued it, after the events and joins it waits for; one compute engine (GEMMs and other
-kernels) and one communication engine, so communication on one stream overlaps compute on
-another.  Plans are SPMD, so one simulated device stands for every device of the mesh.  The
-result turns into a `timeline.Timeline`: the same plot, Chrome trace and summary as a profile.
+`predict(program, rates)` takes the steps one call issues (steps.plan_steps: the list the
+executor binds and a profile labels) and simulates one device's streams: each step on its stream
+in issue order, not before the host has issued it, after the events and joins it waits for; one
+compute engine (GEMMs and other kernels) and one communication engine, so communication on one
+stream overlaps compute on another.  Plans are SPMD, so one simulated device stands for every
+device of the mesh.  The result turns into a `timeline.Timeline`: the same plot, Chrome trace and
+summary as a profile.
 """
 from __future__ import annotations
 
@@ -17,9 +18,10 @@ from collections import deque
 from dataclasses import asdict, dataclass, fields
 from itertools import accumulate
 
-from shardfuse.ir import TensorType, format_instrs, local_shape, unroll
-from shardfuse.ops import COMMUNICATION, ELEMENTWISE, Op, VIEWS
-from shardfuse.timeline import MAIN, Event, Timeline, kind_of
+from shardfuse.ir import TensorType, local_shape
+from shardfuse.ops import COMMUNICATION, ELEMENTWISE, Op
+from shardfuse.steps import event_key, index_of, plan_steps
+from shardfuse.timeline import Event, Timeline
 
 ITEMSIZE = {"float16": 2, "bfloat16": 2, "float32": 4, "float64": 8}  # (no ml_dtypes import for bfloat16)
 
@@ -159,9 +161,10 @@ def work_of(i, mesh, rates: Rates, share: int = 1) -> tuple:
 # ---- the steps of one call ----------------------------------------------------------------------
 @dataclass(frozen=True)
 class Step:
-    text: str
-    op: Op
-    stream: object  # MAIN or a worker index
+    """A plan step as the simulation sees it."""
+
+    plan: object  # its steps.PlanStep
+    stream: object  # its stream ("main" or a worker index)
     engine: str | None
     work: float  # seconds on the engine
     host: float  # seconds of host time to issue it
@@ -171,34 +174,25 @@ class Step:
 HOST_COST = {"compute": lambda r: r.step_s, "comm": lambda r: r.comm_step_s, None: lambda r: r.event_s}
 
 
-def _at(idx, env) -> int:
-    return idx if isinstance(idx, int) else idx.eval(env)
-
-
 def steps_of(prog, rates: Rates, local: int = 1, share: int = 1) -> list:
-    """The steps one call issues, in order, as the executor binds them: views, allocations,
-    stream switches and collective waits bind no step (a collective is stream-ordered)."""
-    stream, last, events, out = MAIN, {}, {}, []
-    for i, env in unroll(prog.instrs):
-        if i.op in VIEWS or i.op in (Op.ALLOCATE, Op.GET_STREAM, Op.WAIT):
-            continue
-        if i.op == Op.SET_STREAM:
-            stream = MAIN if i.attrs["stream"] == MAIN else _at(i.attrs["index"], env)
-            continue
+    """The plan's steps (steps.plan_steps), each with its engine, work, host cost and waits.  A
+    Wait costs the host nothing: collectives are ordered on their stream (GPUs bind no step for
+    it) or complete in their start's time (NumPy)."""
+    last, events, out = {}, {}, []
+    for s in plan_steps(prog):
+        i, env = s.instr, s.env
         needs = ()
         if i.op == Op.RECORD_EVENT:
-            events[(i.outs[0], _at(i.attrs["index"], env) if "index" in i.attrs else None)] = len(out)
+            events[event_key(i.outs[0], i, env)] = len(out)
         elif i.op == Op.WAIT_EVENT:
-            needs = (events[(i.ins[0], _at(i.attrs["index"], env) if "index" in i.attrs else None)],)
+            needs = (events[event_key(i.ins[0], i, env)],)
         elif i.op == Op.SYNCHRONIZE:  # the current stream waits for all that the worker was given
-            w = _at(i.attrs["index"], env)
+            w = index_of(i.attrs["index"], env)
             needs = (last[w],) if w in last else ()
         engine, work = work_of(i, prog.mesh, rates, share)
-        text = format_instrs([i], indent=0)[0]
-        where = ", ".join(f"{k}={v}" for k, v in env.items())
-        last[stream] = len(out)
-        out.append(Step(f"{text}  [{where}]" if where else text, i.op, stream, engine, work,
-                        HOST_COST[engine](rates) * local, needs))
+        host = 0.0 if i.op == Op.WAIT else HOST_COST[engine](rates) * local
+        last[s.stream] = len(out)
+        out.append(Step(s, s.stream, engine, work, host, needs))
     return out
 
 
@@ -298,7 +292,7 @@ def predict(prog, rates: Rates, local: int = 1, share: int = 1) -> Prediction:
     steps = steps_of(prog, rates, local, share)
     times = schedule(steps, rates)
     devices = tuple(prog.mesh.devices)
-    events = tuple(Event(0, 0, k, devices, str(s.stream), s.text, kind_of(s.op), a, b)
-                   for k, (s, (a, b)) in enumerate(zip(steps, times)))
+    events = tuple(Event(0, 0, s.plan.index, devices, str(s.plan.stream), s.plan.text, s.plan.kind, a, b)
+                   for s, (a, b) in zip(steps, times))
     last = max([b for _, b in times] + [sum(s.host for s in steps)])
     return Prediction(prog.name, rates.call_s + last, events)

@@ -4,6 +4,8 @@ Binding resolves everything that does not change between calls: loops are unroll
 view (chunk slice, pool slot, shard slice, reshape) becomes a `Ref` (slot, per-device element
 offsets, shape, strides), the stream of every step is fixed, persistent buffers and events
 are created.  A call then only places its inputs, allocates its outputs and runs the steps.
+The steps are exactly the plan's (steps.issue_order: one per printed instruction that issues
+work; none is added here, no staging copy either: passes/contiguity.py prints those).
 Backends see Refs and streams, never the IR.
 """
 from __future__ import annotations
@@ -17,16 +19,14 @@ from shardfuse import faults
 from shardfuse.runtime import backend_of
 from shardfuse.pieces import check_args, local_pieces, piece_indices
 from shardfuse.interop import stream_ptr
-from shardfuse.backends.protocol import MAIN, Ref, block, rank_major, reshape_strides
-from shardfuse.ir import format_instrs, local_shape, unroll, walk
+from shardfuse.backends.protocol import BoundPlan, Ref, block, rank_major, reshape_strides
+from shardfuse.ir import local_shape, walk
 from shardfuse.ops import ELEMENTWISE, HOST, Op, VIEWS
+from shardfuse.passes.contiguity import comm_blocks
+from shardfuse.steps import event_key, index_of, issue_order
 from shardfuse.strides import ordered_strides
 
 log = logging.getLogger("shardfuse")
-
-
-def _index(idx, env) -> int:
-    return idx if isinstance(idx, int) else idx.eval(env)
 
 
 class Executable:
@@ -51,18 +51,24 @@ class Executable:
         self.refs: dict = {}
         self.slot_templates: list = []  # per slot: None (input / per call) or persistent buffers
         self.per_call: list = []  # (slot, shape, dtype)
+        # The plan's steps that this backend runs, in issue order: steps.PlanStep records with
+        # `run` (the backend's callable) and `devices` (this process') filled in.  Steps a
+        # backend has nothing to do for (NumPy's events) are left out; `index` is each one's
+        # place in the plan's list, as the cost model and a profile number them.
         self.steps: list = []
-        self.pending: dict = {}  # comm handle -> wait step(s)
+        self.pending: dict = {}  # comm handle -> its wait step
+        self.blocked: dict = {}  # staging buffer stored as [D, ...] blocks -> (axis, D)
         self.pools: list = []  # per pool (Allocate with pool=n): its n entries, one slot each
         for v in prog.inputs:
             self.refs[v] = self._new_slot(local_shape(v, self.mesh), v.type.dtype, None)
         # where each local device's piece of a plain argument lies (its shape is checked per call)
         self._input_pieces = [piece_indices(v.type.shape, v.type.layout, self.mesh) for v in prog.inputs]
         self._deferred: dict = {}  # slot -> (physical shape, dtype): the program's own persistent buffers
-        self.labels: list = []  # per bound step: (the instruction as printed, with its loop index; Op; stream)
-        self._bind(prog.instrs, MAIN)
-        kept = [k for k, s in enumerate(self.steps) if s is not None]
-        self.steps, self.labels = [self.steps[k] for k in kept], [self.labels[k] for k in kept]
+        local = tuple(backend.local_devices)
+        for i, env, step in issue_order(prog):
+            run = BIND[i.op](self, i, env, None if step is None else step.stream)
+            if run is not None:
+                self.steps.append(replace(step, devices=local, run=run))
         self._allocate_used(prog)
         # per output: the slot whose per-call buffers are the output as they are (a call then makes
         # no view per device), else None
@@ -76,8 +82,13 @@ class Executable:
         # other's chunks.  A lock rather than per-thread buffers: it costs no memory, and on GPUs
         # it is held only while the host issues (the kernels run after it is released).
         self.lock = threading.Lock()
-        self.graph = backend.capture(self) if graph else None
+        self.graph = backend.capture(self.bound_plan()) if graph else None
         log.info("bound plan %r on %s: %d steps%s", prog.name, backend.name, len(self.steps), " (graphs)" * graph)
+
+    def bound_plan(self) -> BoundPlan:
+        """What a backend may see of this bound plan (graph capture): its steps and slots."""
+        inputs = tuple((self.refs[v].shape, self.refs[v].dtype) for v in self.prog.inputs)
+        return BoundPlan(tuple(s.run for s in self.steps), tuple(self.slot_templates), inputs, tuple(self.per_call))
 
     # ---- slots ------------------------------------------------------------------------
     def _new_slot(self, shape, dtype, buffers, order=None) -> Ref:
@@ -96,13 +107,9 @@ class Executable:
             self._deferred[ref.slot] = (phys_shape, dtype)
         return ref
 
-    def _scratch(self, shape, dtype) -> Ref:
-        """A persistent staging buffer that binding itself adds (steps use it): made now."""
-        return self._new_slot(shape, dtype, self.backend.empty(tuple(shape), dtype))
-
     def _allocate_used(self, prog):
         """The program's own persistent buffers, made once binding is done and only where a step
-        still uses them.  Scratch made while binding is in use."""
+        still uses them."""
         used = {self.refs[v].slot for v in prog.outputs}
         for i in walk(prog.instrs):
             if i.op in VIEWS or i.op == Op.ALLOCATE:
@@ -118,20 +125,13 @@ class Executable:
             if slot in used:
                 self.slot_templates[slot] = self.backend.empty(shape, dtype)
 
-    # ---- binding ----------------------------------------------------------------------
-    def _bind(self, instrs, stream):
-        """Bind what one call issues (ir.unroll) in order: each instruction through its Op's
-        binder in BIND, which returns the stream the following instructions issue on."""
-        for i, env in unroll(instrs):
-            first = len(self.steps)
-            stream = BIND[i.op](self, i, env, stream)
-            label = _label(i, env, stream)
-            self.labels.extend([label] * (len(self.steps) - first))
-        return stream
-
+    # ---- binding: each binder returns the instruction's step (None: it issues nothing) ----
     def _bind_allocate(self, i, env, stream):
         v, a = i.outs[0], i.attrs
         shape = local_shape(v, self.mesh)
+        if a.get("blocks"):  # a staging buffer stored as communication reads or writes it: [D, ...]
+            self.blocked[v] = ax, d = a["blocks"]
+            shape = (d,) + shape[:ax] + (shape[ax] // d,) + shape[ax + 1:]
         if a.get("pool"):
             # one buffer per pool entry (Select picks one at bind time), each laid out by the
             # backend as any buffer: the devices of one GPU one piece apart, so their GEMMs on a
@@ -141,68 +141,55 @@ class Executable:
             self.pools.append(self.refs[v])
         else:
             self.refs[v] = self._allocate(shape, v.type.dtype, a.get("per_call", False), a.get("order"))
-        return stream
 
     def _bind_view(self, i, env, stream):
         self.refs[i.outs[0]] = self._view(i, env)
-        return stream
-
-    def _bind_set_stream(self, i, env, stream):
-        return MAIN if i.attrs["stream"] == MAIN else _index(i.attrs["index"], env)
-
-    def _event_key(self, v, i, env):  # events recorded in a loop are one per step: (event, step)
-        return (v, _index(i.attrs["index"], env)) if "index" in i.attrs else v
+        if i.ins[0] in self.blocked:  # (a pool's slot)
+            self.blocked[i.outs[0]] = self.blocked[i.ins[0]]
 
     def _bind_record(self, i, env, stream):
-        key = self._event_key(i.outs[0], i, env)
+        key = event_key(i.outs[0], i, env)
         self.refs[key] = self.backend.new_event()
-        self.steps.append(self.backend.bind_record(self.refs[key], stream))
-        return stream
+        return self.backend.bind_record(self.refs[key], stream)
 
     def _bind_wait_event(self, i, env, stream):
-        self.steps.append(self.backend.bind_wait_event(self.refs[self._event_key(i.ins[0], i, env)], stream))
-        return stream
+        return self.backend.bind_wait_event(self.refs[event_key(i.ins[0], i, env)], stream)
 
     def _bind_synchronize(self, i, env, stream):
-        self.steps.append(self.backend.bind_join(stream, _index(i.attrs["index"], env)))
-        return stream
+        return self.backend.bind_join(stream, index_of(i.attrs["index"], env))
 
     def _bind_sendrecv(self, i, env, stream):
-        start, wait = self.backend.bind_sendrecv(self.refs[i.ins[0]], self.refs[i.into],
-                                                 self._team(i, i.attrs["team"]), i.attrs["shift"], stream)
-        self.steps.append(start)
-        self.pending[i.outs[0]] = [wait]
-        return stream
+        start, self.pending[i.outs[0]] = self.backend.bind_sendrecv(*self._comm_operands(i), self._team(i, i.attrs["team"]),
+                                                                    i.attrs["shift"], stream)
+        return start
 
     def _bind_wait(self, i, env, stream):
-        self.steps.extend(self.pending.pop(i.ins[0]))
-        return stream
+        return self.pending.pop(i.ins[0])
 
     def _bind_matmul(self, i, env, stream):
         x, y = (self.refs[v] for v in i.ins)
-        self.steps.append(self.backend.bind_matmul(x, y, self.refs[i.into], stream))
-        return stream
+        return self.backend.bind_matmul(x, y, self.refs[i.into], stream)
 
     def _bind_elementwise(self, i, env, stream):
         x, y = (self.refs[v] for v in i.ins) if len(i.ins) == 2 else (self.refs[i.ins[0]], None)
         scalar = {"scalar": i.attrs["value"]} if "value" in i.attrs else {}
-        self.steps.append(self.backend.bind_elementwise(i.op, x, y, self.refs[i.into], stream, **scalar))
-        return stream
+        return self.backend.bind_elementwise(i.op, x, y, self.refs[i.into], stream, **scalar)
 
     def _bind_sum(self, i, env, stream):
-        self.steps.append(self.backend.bind_sum(self.refs[i.ins[0]], i.attrs["axis"], self.refs[i.into], stream,
-                                                i.attrs.get("factor", 1.0)))
-        return stream
+        return self.backend.bind_sum(self.refs[i.ins[0]], i.attrs["axis"], self.refs[i.into], stream,
+                                     i.attrs.get("factor", 1.0))
 
     def _bind_copy(self, i, env, stream):
-        self.steps.append(self.backend.bind_copy(self.refs[i.ins[0]], self.refs[i.into], stream))
-        return stream
+        """A copy into or out of a staging buffer stored in blocks sees the other side in blocks too."""
+        src, dst = i.ins[0], i.into
+        blocks = self.blocked.get(src) or self.blocked.get(dst)
+        return self.backend.bind_copy(self._in_blocks(src, blocks), self._in_blocks(dst, blocks), stream)
 
     def _view(self, i, env) -> Ref:
         op, a = i.op, i.attrs
         src = self.refs[i.ins[0]]
         if op == Op.SELECT:  # an entry of a pool (_bind_allocate)
-            return src[_index(a["index"], env)]
+            return src[index_of(a["index"], env)]
         if op == Op.TRANSPOSE:
             perm = a["perm"]
             return replace(src, shape=tuple(src.shape[p] for p in perm), strides=tuple(src.strides[p] for p in perm))
@@ -228,38 +215,36 @@ class Executable:
         mi = mesh.axis_index(team)
         return [mesh.coords(d)[mi] if d in mesh.devices else 0 for d in self.backend.local_devices]
 
-    def _contiguous(self, ref: Ref, stream, before: bool):
-        """ref itself if contiguous, else (scratch, copy step) to stage it."""
-        if ref.is_contiguous():
-            return ref, None
-        tmp = self._scratch(ref.shape, ref.dtype)
-        step = self.backend.bind_copy(ref, tmp, stream) if before else self.backend.bind_copy(tmp, ref, stream)
-        return tmp, step
+    def _in_blocks(self, v, blocks) -> Ref:
+        """v as its [D, ...] view where blocks = (axis, D) says it holds D blocks (a staging
+        buffer stored in blocks already is one)."""
+        ref = self.refs[v]
+        return rank_major(ref, *blocks) if blocks is not None and v not in self.blocked else ref
+
+    def _comm_operands(self, i) -> tuple:
+        """(send, recv) of communication i as it reads and writes them: contiguous (the plan stages)."""
+        refs = [self._in_blocks(v, b) for v, b in zip((i.ins[0], i.into), comm_blocks(i, self.mesh))]
+        for v, ref in zip((i.ins[0], i.into), refs):
+            if not ref.is_contiguous():  # (backends move contiguous views only)
+                raise RuntimeError(f"{i.op} {v.name}: a strided view {ref.shape}, strides {ref.strides}, reached "
+                                   "communication unstaged (passes/contiguity.py stages every one, printed)")
+        return refs
 
     def _bind_transfer(self, i, env, stream):
         """A move between meshes as point-to-point copies: (src device, send, dst device, recv)."""
         a, kind = i.attrs, i.attrs["kind"]
         frm, to = a["from"], a["to"]
-        send, recv = self.refs[i.ins[0]], self.refs[i.into]
+        send, recv = self._comm_operands(i)
         if kind == "Scatter":  # block q of the root's whole value goes to destination q
-            send = rank_major(send, a["axis"], len(to))
-        elif kind == "Gather":  # source p's piece lands in block p of the root's whole value
-            recv = rank_major(recv, a["axis"], len(frm))
-        # backends move contiguous views: a strided one (a stream chunk's) is staged through scratch
-        send, pre = self._contiguous(send, stream, before=True)
-        recv, post = self._contiguous(recv, stream, before=False)
-        if kind == "Scatter":
             pairs = [(frm[0], block(send, q), d, recv) for q, d in enumerate(to)]
-        elif kind == "Gather":
+        elif kind == "Gather":  # source p's piece lands in block p of the root's whole value
             pairs = [(s, send, to[0], block(recv, p)) for p, s in enumerate(frm)]
         elif kind == "Broadcast":
             pairs = [(frm[0], send, d, recv) for d in to]
         else:  # SendRecv: device p to device p
             pairs = list(zip(frm, [send] * len(frm), to, [recv] * len(to)))
-        start, wait = self.backend.bind_transfers(pairs, stream)
-        self.steps.extend([pre, start])
-        self.pending[i.outs[0]] = [wait, post]
-        return stream
+        start, self.pending[i.outs[0]] = self.backend.bind_transfers(pairs, stream)
+        return start
 
     def _team(self, i, name):
         """What a backend's collective runs over: a mesh axis name of the program's mesh, or
@@ -273,29 +258,13 @@ class Executable:
         return (mesh, name)
 
     def _bind_collective(self, i, env, stream):
-        a = i.attrs
-        d = (i.ins[0].type.layout.mesh or self.mesh).axis_size(a["team"])
-        send, recv = self.refs[i.ins[0]], self.refs[i.into]
-        team = self._team(i, a["team"])
-        pre, post = [], []
-        if i.op == Op.ALLGATHER:
-            recv = rank_major(recv, a["axis"], d)
-        if i.op == Op.REDUCE_SCATTER:
-            send = rank_major(send, a["axis"], d)
-        if i.op == Op.ALLTOALL:  # block r of the target axis goes to rank r; rank r's block lands at r
-            send, recv = rank_major(send, a["to_axis"], d), rank_major(recv, a["axis"], d)
-        send, s1 = self._contiguous(send, stream, before=True)
-        recv, s2 = self._contiguous(recv, stream, before=False)
-        pre.append(s1)
-        post.append(s2)
-        start, wait = COLLECTIVE_BINDERS[i.op](self.backend)(send, recv, team, stream)
-        self.steps.extend(pre + [start])
-        self.pending[i.outs[0]] = [wait] + post
-        return stream
+        start, self.pending[i.outs[0]] = COLLECTIVE_BINDERS[i.op](self.backend)(
+            *self._comm_operands(i), self._team(i, i.attrs["team"]), stream)
+        return start
 
     # ---- running ----------------------------------------------------------------------
     def __call__(self, *args, stream=None, infos=None):
-        """Run the plan.  On the cupy backend the plan's main stream first waits (device-side) for
+        """Run the plan.  On GPUs the plan's main stream first waits (device-side) for
         the caller's stream (stream=, or CuPy's current stream), and that stream then waits for
         the plan's outputs: the caller's work before and after the call is ordered with it."""
         infos = check_args(self.prog, args, self.backend, self.accepted, infos)
@@ -313,7 +282,7 @@ class Executable:
         """One call, with self.lock held: place the inputs, issue the steps (or issue(bufs)), return the outputs."""
         be = self.backend
         caller = None
-        if be.name == "cupy":
+        if be.ordinals is not None:  # steps run on GPU streams: fenced with the caller's
             caller = stream_ptr(stream)
             be.fence_in(caller)
         bufs = list(self.slot_templates)
@@ -335,7 +304,7 @@ class Executable:
                 bufs[slot] = be.empty(shape, dtype)
             if issue is None:
                 for step in self.steps:
-                    step(bufs)
+                    step.run(bufs)
             else:
                 issue(bufs)
             outs = self._outputs(bufs)
@@ -358,16 +327,8 @@ class Executable:
         return outs
 
 
-def _label(i, env, stream):
-    """What a profile shows for the steps an instruction bound: its line of print(plan), the loop
-    step it belongs to, its Op and its stream."""
-    text = format_instrs([i], indent=0)[0]
-    where = ", ".join(f"{k}={v}" for k, v in env.items())
-    return (f"{text}  [{where}]" if where else text), i.op, stream
-
-
-def _no_step(self, i, env, stream):  # GetCurrentStream: the main stream is the caller's
-    return stream
+def _no_step(self, i, env, stream):  # stream switches (steps.issue_order follows them)
+    return None
 
 
 # Every host-level Op's binder (tests/test_architecture.py checks that the keys are ops.HOST).
@@ -375,7 +336,7 @@ BIND = {
     Op.ALLOCATE: Executable._bind_allocate,
     **{op: Executable._bind_view for op in VIEWS},
     Op.GET_STREAM: _no_step,
-    Op.SET_STREAM: Executable._bind_set_stream,
+    Op.SET_STREAM: _no_step,
     Op.RECORD_EVENT: Executable._bind_record,
     Op.WAIT_EVENT: Executable._bind_wait_event,
     Op.SYNCHRONIZE: Executable._bind_synchronize,

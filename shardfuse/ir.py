@@ -203,6 +203,8 @@ def _fmt(ins: Instr) -> str:
             "double buffer" if a.get("ring") else "one per stream" if a.get("pool") else "once")
         if a.get("order"):  # stored with the gathered axis first (see passes/fold.py)
             where += ", rank-major"
+        if a.get("blocks"):  # a staging buffer stored as communication reads it (passes/contiguity.py)
+            where += ", as {1} blocks of axis {0}".format(*a["blocks"])
         v = ins.outs[0]
         pool = f"{a['pool']} x " if a.get("pool") else ""
         return f"{v.name} = Allocate {pool}{v.type}  ({where})"

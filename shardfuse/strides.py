@@ -1,5 +1,6 @@
-"""Strides of local buffers, in elements: what the compiler (passes/lower.py, which stages a
-reshape that cannot be a view) and the executor (which binds views) both need."""
+"""Strides of local buffers, in elements: what the compiler (passes/contiguity.py, which stages
+reshapes that cannot be views and collective buffers that are not contiguous) and the executor
+(which binds views) both need."""
 from __future__ import annotations
 
 
@@ -54,3 +55,21 @@ def ordered_strides(shape, order=None):
     for j, o in enumerate(order):
         out[o] = phys[j]
     return tuple(out)
+
+
+def is_contiguous(shape, strides) -> bool:
+    """C-contiguous, ignoring axes of extent 1 (their strides never matter)."""
+    expect = 1
+    for n, s in reversed(list(zip(shape, strides))):
+        if n != 1 and s != expect:
+            return False
+        expect *= n
+    return True
+
+
+def rank_major(shape, strides, axis: int, d: int):
+    """(shape, strides) of the view [D, ...] of a buffer whose `axis` holds d blocks, block r
+    first: how a collective reads or writes a gathered or to-be-scattered axis, rank by rank."""
+    n, s = shape[axis], strides[axis]
+    lk = n // d
+    return (d,) + shape[:axis] + (lk,) + shape[axis + 1:], (lk * s,) + strides[:axis] + (s,) + strides[axis + 1:]

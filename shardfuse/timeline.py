@@ -1,6 +1,7 @@
 """Timeline: what the steps of a plan did, on a time axis, per device and stream (plan.profile).
 
-Each event is one executed step: its process rank, call, step index, devices, stream, the
+Each event is one executed step: its process rank, call, step index (its place in the plan's
+list of steps, shardfuse/steps.py: a prediction numbers them alike), devices, stream, the
 instruction as `print(plan)` shows it, its kind (communication, GEMM, other compute, copy,
 stream) and its start and end in seconds from the first step.  Out: Chrome trace / Perfetto JSON
 (`to_chrome_trace`), a matplotlib Gantt chart (`plot`), and the summary figures of `summary()`.
@@ -14,23 +15,10 @@ import time
 from dataclasses import asdict, dataclass
 
 from shardfuse.backends.protocol import MAIN
-from shardfuse.ops import COMMUNICATION, ELEMENTWISE, Op
+from shardfuse.steps import KINDS
 
-KINDS = ("communication", "gemm", "compute", "copies", "stream")
 COLORS = {"communication": "tab:orange", "gemm": "tab:blue", "compute": "tab:green", "copies": "tab:gray",
           "stream": "tab:purple"}
-
-
-def kind_of(op) -> str:
-    if op in COMMUNICATION or op == Op.WAIT:
-        return "communication"
-    if op == Op.MATMUL:
-        return "gemm"
-    if op in ELEMENTWISE or op == Op.SUM:
-        return "compute"
-    if op == Op.COPY:
-        return "copies"
-    return "stream"
 
 
 @dataclass(frozen=True)
@@ -74,12 +62,12 @@ class Timeline:
 
     @classmethod
     def from_records(cls, exe, records, rank: int = 0):
-        """From profile_steps' (call, step, start, end, devices) records and the steps' labels."""
+        """From profile_steps' (call, k, start, end, devices) records: k is a step of exe.steps."""
         t0 = min((r[2] for r in records), default=0.0)
         events = []
         for call, k, start, end, devices in records:
-            text, op, stream = exe.labels[k]
-            events.append(Event(rank, call, k, devices, str(stream), text, kind_of(op), start - t0, end - t0))
+            s = exe.steps[k]
+            events.append(Event(rank, call, s.index, devices, str(s.stream), s.text, s.kind, start - t0, end - t0))
         return cls(events, exe.prog.name)
 
     def __len__(self):
@@ -216,11 +204,11 @@ def _noop(*_):
 
 def _host_steps(exe, bufs, call, push, pop):
     clock, out = time.perf_counter, []
-    for k, (step, (text, _, _)) in enumerate(zip(exe.steps, exe.labels)):
-        push(text)  # outside the clocks: the ranges cost the measured intervals nothing
+    for k, step in enumerate(exe.steps):
+        push(step.text)  # outside the clocks: the ranges cost the measured intervals nothing
         try:
             t0 = clock()
-            step(bufs)
+            step.run(bufs)
             t1 = clock()
         finally:
             pop()
@@ -232,8 +220,8 @@ def _gpu_call(exe, args, infos, call, ref, push, pop):
     be = exe.backend
     marks = [(be.new_event(timing=True), be.new_event(timing=True)) for _ in exe.steps]
     first = be.bind_record(ref, MAIN) if call == 0 else (lambda bufs: None)
-    around = [(text, be.bind_record(e0, stream), step, be.bind_record(e1, stream))
-              for step, (e0, e1), (text, _, stream) in zip(exe.steps, marks, exe.labels)]
+    around = [(s.text, be.bind_record(e0, s.stream), s.run, be.bind_record(e1, s.stream))
+              for s, (e0, e1) in zip(exe.steps, marks)]
 
     def issue(bufs):
         first(bufs)

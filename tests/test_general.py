@@ -60,7 +60,11 @@ def test_named_mesh_axes():
     # a replicated product needs both operands whole: x gathered over dp, w over tp
     assert plan.collectives() == {"allgather": 2}
     text = str(plan)
-    assert "Allgather x_gathered <- x, team=dp, axis=0" in text and "Allgather w_gathered <- w, team=tp, axis=1" in text
+    assert "Allgather x_gathered <- x, team=dp, axis=0" in text
+    # w's columns gather into a staging buffer stored as 2 blocks of axis 1, copied into place after the Wait
+    assert ("  w_gathered_staged = Allocate f64[3, 6]  (once, as 2 blocks of axis 1)\n"
+            "  ag_1 = Allgather w_gathered_staged <- w, team=tp, axis=1\n  Wait ag_1\n"
+            "  Copy w_gathered <- w_gathered_staged\n") in text
     assert_close(f(x, w).gather(), x @ w, "float64")
 
 

@@ -733,11 +733,12 @@ def test_profile_nvtx_ranges_on_the_gpu(monkeypatch):
     monkeypatch.setitem(sys.modules, "nvtx", types.SimpleNamespace(
         push_range=lambda message=None, **kw: log.append(("push", message)), pop_range=lambda **kw: log.append(("pop", None))))
     tl = plan.profile(a, b, repeat=2, nvtx=True)
-    labels = [text for text, _, _ in plan.executable.labels]
+    labels = [s.text for s in plan.executable.steps]
     one_call = [("push", plan.program.name)] + [x for t in labels for x in (("push", t), ("pop", None))] + [("pop", None)]
     assert log == one_call * 2
     # each step once per call and GPU (two GPUs: two event pairs), under its label
-    assert sorted({(e.call, e.step, e.text) for e in tl.events}) == [(c, k, t) for c in range(2) for k, t in enumerate(labels)]
+    steps = plan.executable.steps  # (numbered as the plan's steps: a GPU binds no step for a Wait)
+    assert sorted({(e.call, e.step, e.text) for e in tl.events}) == [(c, s.index, s.text) for c in range(2) for s in steps]
 
 
 def test_calibrate_on_the_gpu(tmp_path, monkeypatch):

@@ -42,7 +42,8 @@ def test_seed_function_on_an_input_already_sharded_on_the_stream_axis():
     out = f(sf.shard(A, axis=0, mesh=mesh), B)
     assert_close(out.gather(), A @ B, "float64")
     plan = next(iter(f.cached_plans().values()))
-    assert "a2a = AllToAll a_1 <- a, team=DIDx, axis=0, to_axis=1\n" in str(plan)  # before the loop
+    # before the loop; its send (block r of axis 1 of each piece) staged, printed
+    assert "Copy a_staged <- a\n  a2a = AllToAll a_1 <- a_staged, team=DIDx, axis=0, to_axis=1\n" in str(plan)
 
 
 def test_verify_refuses_a_slice_across_shards():

@@ -15,9 +15,13 @@ def test_alltoall_plan_text():
     mesh = sf.DeviceMesh(4, backend="numpy")
     f = sf.jit(lambda x: sf.shard(sf.shard(x, axis=0) * 2.0, axis=1), mesh=mesh)
     text = str(f.lower(sf.TensorSpec((8, 12, 5), "float64")))
-    assert text.splitlines()[2:5] == [
+    # rank r's send is block r of axis 1 of its [2, 12, 5] piece: strided, so the plan stages it,
+    # stored as the AllToAll reads it (4 blocks of axis 1, block r first); the receive is contiguous
+    assert text.splitlines()[2:7] == [
         "  x_moved = Allocate f64[8, 12:DIDx, 5]  (once)",
-        "  a2a = AllToAll x_moved <- x, team=DIDx, axis=0, to_axis=1",
+        "  x_staged = Allocate f64[8:DIDx, 12, 5]  (once, as 4 blocks of axis 1)",
+        "  Copy x_staged <- x",
+        "  a2a = AllToAll x_moved <- x_staged, team=DIDx, axis=0, to_axis=1",
         "  Wait a2a",
     ]
 

@@ -27,7 +27,7 @@ def test_one_interval_per_executed_step_with_its_plan_line(d, repeat):
     tl = plan.profile(a, b, repeat=repeat)
     exe = plan.executable
     assert len(tl) == repeat * len(exe.steps)
-    assert sorted((e.call, e.step) for e in tl.events) == [(c, k) for c in range(repeat) for k in range(len(exe.steps))]
+    assert sorted((e.call, e.step) for e in tl.events) == [(c, s.index) for c in range(repeat) for s in exe.steps]
     lines = {line.strip() for line in str(plan).splitlines()}
     for e in tl.events:
         assert e.text.split("  [")[0] in lines, e.text  # the instruction as print(plan) shows it
@@ -167,7 +167,7 @@ def test_nvtx_ranges_are_the_plan_and_its_step_labels(monkeypatch, repeat):
     log = _recording_nvtx(monkeypatch)
     plan, a, b = seed(d=4)
     tl = plan.profile(a, b, repeat=repeat, nvtx=True)
-    labels = [text for text, _, _ in plan.executable.labels]
+    labels = [s.text for s in plan.executable.steps]
     one_call = [("push", plan.program.name)] + [x for t in labels for x in (("push", t), ("pop", None))] + [("pop", None)]
     assert log == one_call * repeat  # nested and balanced: each step inside its call's range
     assert {e.text for e in tl.events} == set(labels)  # the names the Timeline (and print(plan)) shows

@@ -24,16 +24,16 @@ class GraphPlan:
 
     MAX_GRAPHS = 8  # graphs kept per plan: one per set of input buffers a caller alternates between
 
-    def __init__(self, dev, exe):
+    def __init__(self, dev, plan):
+        """plan: the bound plan's protocol.BoundPlan (its steps and slots)."""
         self.dev = dev
-        self.steps, self.n_inputs = exe.steps, len(exe.prog.inputs)
-        self.static = list(exe.slot_templates)
+        self.steps, self.n_inputs = plan.steps, len(plan.inputs)
+        self.static = list(plan.slots)
         self.inputs = []  # the plan's own input buffers: the warm-up's, and usable as inputs too
-        for k, v in enumerate(exe.prog.inputs):
-            ref = exe.refs[v]
-            self.static[k] = dev.empty(ref.shape, ref.dtype)
+        for k, (shape, dtype) in enumerate(plan.inputs):
+            self.static[k] = dev.empty(shape, dtype)
             self.inputs.append(self.static[k])
-        for slot, shape, dtype in exe.per_call:
+        for slot, shape, dtype in plan.per_call:
             self.static[slot] = dev.empty(shape, dtype)
         for bufs in self.inputs:
             for x in bufs:

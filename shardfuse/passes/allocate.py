@@ -91,6 +91,10 @@ def hoist_allocations(loop, streams, roots, namer) -> list:
             body.append(Instr(Op.SLICE, (oc,), (full,), {"axis": ax, "index": Idx("i")}))
         else:
             pool = Value(namer(oc.name.removesuffix("_i") + "_pool"), oc.type)
-            pre.append(Instr(Op.ALLOCATE, (pool,), attrs={"pool": nstreams}))
+            pre.append(Instr(Op.ALLOCATE, (pool,), attrs={"pool": nstreams, **_kept(b.attrs, "blocks")}))
             body.append(Instr(Op.SELECT, (oc,), (pool,), {"index": Idx("i", nstreams)}))
     return pre + [replace(loop, body=tuple(body))]
+
+
+def _kept(attrs, *names) -> dict:
+    return {n: attrs[n] for n in names if n in attrs}

@@ -9,6 +9,7 @@ raise_tracing, raise_in_thread, sys_exit0, sys_exit3, os_exit3, sleep (past SHAR
 sleep_in_step (inside a plan, past it), mismatch (a different shape on rank 1), exit_in_gather
 (rank 1 leaves while the others are in Array.gather).
 """
+import dataclasses
 import os
 import sys
 import threading
@@ -69,7 +70,8 @@ if mode in ("raise_in_step", "sleep_in_step"):
                 say("sleeping inside a plan step")
                 time.sleep(60)
             raise RuntimeError("faulty: rank 1 raises inside a plan step")
-        exe.steps.insert(len(exe.steps) // 2, step)
+        k = len(exe.steps) // 2
+        exe.steps.insert(k, dataclasses.replace(exe.steps[k], run=step))
     plan(a, b)
 elif mode == "raise_tracing":
     def h(x):
