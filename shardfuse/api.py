@@ -6,6 +6,7 @@ from __future__ import annotations
 from typing import Any
 
 from shardfuse import trace
+from shardfuse.traced import Traced
 from shardfuse.array import Array, replicated
 from shardfuse.layout import layout_of
 from shardfuse.mesh import DeviceMesh
@@ -19,7 +20,7 @@ def shard(x: Any, axis: int, over: str | tuple = "DIDx", mesh: DeviceMesh | None
     In a traced function this annotates a value (mesh=: a sub-mesh, a pipeline stage, the value
     moves to); on a concrete global array it returns an `sf.Array` holding this process' pieces
     (give `mesh`)."""
-    if isinstance(x, trace.Traced):
+    if isinstance(x, Traced):
         return trace.shard(x, axis, over, mesh)
     if isinstance(x, Array):  # an sf.Array resharded: axis over `over`, every other axis replicated
         _same_mesh(x, mesh, "sf.shard")
@@ -34,7 +35,7 @@ def replicate(x: Any, mesh: DeviceMesh | None = None) -> Any:
     x and forces the gathers (mesh=: a sub-mesh of the program's, replicated on its devices).
     On a concrete array (NumPy, CuPy, torch, JAX) with mesh=, returns an `sf.Array` that every
     device of mesh holds whole: place a weight once and pass it to every call."""
-    if isinstance(x, trace.Traced):
+    if isinstance(x, Traced):
         return trace.replicate(x, mesh)
     if isinstance(x, Array):
         _same_mesh(x, mesh, "sf.replicate")

@@ -20,7 +20,7 @@ from collections import OrderedDict
 
 import numpy as np
 
-from shardfuse import trace
+from shardfuse import trace, traced
 from shardfuse.executor import Executable
 from shardfuse.interop import array_info
 from shardfuse.ir import TensorType
@@ -130,7 +130,7 @@ def unary(fn, x):
 
 def absolute(v):
     """|v| from the traced ops: relu(v) + relu(-v) (exact: one of the two is zero)."""
-    return trace.relu(v) + trace.relu(-v)
+    return traced.relu(v) + traced.relu(-v)
 
 
 def _binary_methods(fn):
@@ -139,8 +139,8 @@ def _binary_methods(fn):
 
 UFUNCS = {  # NumPy ufunc -> what it is on traced values
     np.add: operator.add, np.subtract: operator.sub, np.multiply: operator.mul, np.true_divide: operator.truediv,
-    np.matmul: operator.matmul, np.negative: operator.neg, np.absolute: absolute, np.exp: trace.exp,
-    np.tanh: trace.tanh,
+    np.matmul: operator.matmul, np.negative: operator.neg, np.absolute: absolute, np.exp: traced.exp,
+    np.tanh: traced.tanh,
 }
 
 
