@@ -6,10 +6,9 @@ Axis, chunk and mesh errors are raised here, at trace time, so nothing runs befo
 from __future__ import annotations
 
 import inspect
-from dataclasses import replace
 
 from shardfuse.ir import Program, TensorType, Value
-from shardfuse.layout import Layout, mesh_axes
+from shardfuse.layout import Layout
 from shardfuse.mesh import STREAM, DeviceMesh
 from shardfuse.ops import Op
 from shardfuse.spec import check_divides, normalize_axis, normalize_over, resolve_chunks
@@ -30,59 +29,58 @@ def _sub_mesh(builder, mesh):
 
 
 def _annotate(x: Traced, axis: int, what, chunks=None, algorithm=None, on=None) -> Traced:
-    """A `set` whose output has the annotated layout; annotations on one value compose."""
-    shape = x.shape
-    ax = normalize_axis(axis, x.ndim, shape)
-    prev = x.builder.producer.get(x.value)
-    base = x
-    layout = Layout.replicated(x.ndim)
-    attrs = {"annotation": True}
-    if prev is not None and prev.attrs.get("annotation"):
-        layout = prev.outs[0].type.layout
-        base = Traced(x.builder, prev.ins[0])
-        attrs = dict(prev.attrs)
-        if prev.outs[0] in x.builder.kept and what != STREAM:  # a placement composed onto a stream that
-            layout = replace(layout, mesh=None)  # kept the value's sub-mesh: as in the other order
+    """One annotation on x: a `set` whose output has the layout it states.  Annotations on one
+    value compose into one `set` (values are pure: only the last layout counts), each placement
+    restating the tensor axis it names (Layout.sharded: the mesh axes it names move there) and a
+    stream only scheduling: the same rule as sf.shard on an sf.Array outside jit."""
+    ax = normalize_axis(axis, x.ndim, x.shape)
+    base, layout, attrs = _annotated_so_far(x)
+    if what == STREAM:
+        layout = _streamed(x, layout, ax, chunks)
+    else:
+        layout = _placed(x, layout, ax, what, _sub_mesh(x.builder, on))
     if algorithm is not None:
         attrs["algorithm"] = algorithm
-    sub = _sub_mesh(x.builder, on)
-    kept = sub is None and what == STREAM and layout.mesh is None and x.builder.homes.get(x.value) is not None
-    sub = x.builder.homes[x.value] if kept else sub  # streaming a value does not move it off its sub-mesh
-    if sub is not None:
-        if layout.mesh is not None and layout.mesh != sub:
-            raise ValueError(f"annotations on {x.value.name} name two meshes: {layout.mesh} and {sub}")
-        layout = layout.on(sub)
-    mesh = layout.mesh or x.builder.mesh
-    cur = layout.axes[ax]
-    name = x.value.name
-    if what == STREAM:
-        if STREAM in layout.axes:
-            raise ValueError(f"{name} already has a stream axis ({layout.stream_axis()})")
-        if chunks is not None and (chunks < 1 or shape[ax] % chunks):
-            raise ValueError(f"stream chunks={chunks} does not divide axis {ax} of extent {shape[ax]}")
-        if cur is not None and chunks is None:
-            raise ValueError(f"axis {ax} of {name}{shape} is sharded over {cur}: streaming it too needs chunks=")
-        layout = Layout(layout.with_axis(ax, STREAM).axes, chunks=chunks, stream_over=cur, mesh=layout.mesh)
-    else:
-        what = normalize_over(what, mesh)  # an unknown mesh axis name fails first
-        for n in mesh_axes(what):
-            if layout.placement().mesh_axis_of(n) is not None:
-                raise ValueError(f"mesh axis {n} already shards axis {layout.placement().mesh_axis_of(n)} of {name}")
-        if cur == STREAM and (layout.chunks is None or layout.stream_over):
-            raise ValueError(f"axis {ax} of {name}{shape} is streamed without chunks=: it cannot be sharded too")
-        if cur not in (None, STREAM):
-            raise ValueError(f"axis {ax} of {name}{shape} is already sharded over {cur}: to shard it over several "
-                             f"mesh axes, name them together (over=({cur!r}, {what!r}))")
-        check_divides(shape, ax, what, mesh)
-        if cur == STREAM:
-            layout = Layout(layout.axes, chunks=layout.chunks, stream_over=what, mesh=layout.mesh)
-        else:
-            layout = Layout(layout.with_axis(ax, what).axes, chunks=layout.chunks, stream_over=layout.stream_over,
-                            mesh=layout.mesh)
-    out = TensorType(shape, x.dtype, layout)
-    made = x.builder.emit(Op.SET, (base,), out, base.value.name, **attrs)
-    x.builder.kept.update([made.value] if kept else [])
-    return made
+    return x.builder.emit(Op.SET, (base,), TensorType(x.shape, x.dtype, layout), base.value.name, **attrs)
+
+
+def _annotated_so_far(x: Traced):
+    """(the value the annotation applies to, its layout as annotations have stated it so far, the
+    set's attributes).  A value an annotation made: that annotation's input and layout, so that
+    annotations compose.  Any other value starts replicated (on the sub-mesh it lives on, which
+    a stream keeps): a function's annotations state its layouts whatever layout its arguments
+    arrive in, which decides only the communication, and an op's result has no layout until the
+    compiler picks one."""
+    prev = x.builder.producer.get(x.value)
+    if prev is not None and prev.attrs.get("annotation"):
+        return Traced(x.builder, prev.ins[0]), prev.outs[0].type.layout, dict(prev.attrs)
+    home = x.builder.homes.get(x.value)
+    return x, Layout.replicated(x.ndim).on(None if home == x.builder.mesh else home), {"annotation": True}
+
+
+def _streamed(x: Traced, layout: Layout, ax: int, chunks) -> Layout:
+    """layout with axis ax streamed: a schedule, so the value stays where it is (its sharding, its mesh)."""
+    name, shape, cur = x.value.name, x.shape, layout.axes[ax]
+    if STREAM in layout.axes:
+        raise ValueError(f"{name} already has a stream axis ({layout.stream_axis()})")
+    if chunks is not None and (chunks < 1 or shape[ax] % chunks):
+        raise ValueError(f"stream chunks={chunks} does not divide axis {ax} of extent {shape[ax]}")
+    if cur is not None and chunks is None:
+        raise ValueError(f"axis {ax} of {name}{shape} is sharded over {cur}: streaming it too needs chunks=")
+    return Layout(layout.with_axis(ax, STREAM).axes, chunks=chunks, stream_over=cur, mesh=layout.mesh)
+
+
+def _placed(x: Traced, layout: Layout, ax: int, over, sub) -> Layout:
+    """layout with axis ax sharded over `over`, on `sub` (None: the program's whole mesh)."""
+    if layout.mesh != sub:  # moved to another mesh: its sharding there is what this annotation states
+        layout = Layout(tuple(a if a == STREAM else None for a in layout.axes), chunks=layout.chunks, mesh=sub)
+    mesh = sub or x.builder.mesh
+    over = normalize_over(over, mesh)  # an unknown mesh axis name fails first
+    if layout.axes[ax] == STREAM and layout.chunks is None:
+        raise ValueError(f"axis {ax} of {x.value.name}{x.shape} is streamed without chunks=: it cannot be sharded "
+                         "too")
+    check_divides(x.shape, ax, over, mesh)
+    return layout.sharded(ax, over)
 
 
 def shard(x: "Traced", axis: int, over="DIDx", mesh=None):

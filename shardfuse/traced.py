@@ -24,7 +24,6 @@ class Builder:
         self.namer = Namer()
         self.producer: dict = {}  # value -> the instruction that made it
         self.homes: dict = {}  # value -> the sub-mesh it lives on, where known when traced
-        self.kept: set = set()  # stream annotations that kept their value's sub-mesh (no mesh= given)
 
     def emit(self, op, ins, out_type, base, **attrs) -> "Traced":
         out = Value(self.namer(base), out_type)
