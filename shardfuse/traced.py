@@ -7,6 +7,7 @@ before they are found.  The annotations on traced values are shardfuse.trace's.
 from __future__ import annotations
 
 import math
+import operator
 
 import numpy as np
 
@@ -71,7 +72,7 @@ class Traced:
         return self.builder.emit(Op.MATMUL, (self, b), out, "c")
 
     def _elementwise(self, other, op):
-        if _is_scalar(other):  # x op c: a scalar op on x (c the same on every device)
+        if is_scalar(other):  # x op c: a scalar op on x (c the same on every device)
             c = float(other)
             if op in (Op.MUL, Op.DIV):
                 return self._unary(Op.SCALE, value=c) if op == Op.MUL else self._unary(Op.DIV_SCALAR, value=c)
@@ -102,43 +103,104 @@ class Traced:
         return self._elementwise(other, Op.DIV)
 
     def __rsub__(self, other):  # c - x
-        if not _is_scalar(other):
+        if not is_scalar(other):
             return NotImplemented
         return (-self)._unary(Op.ADD_SCALAR, value=float(other))
 
     def __rtruediv__(self, other):  # c / x
-        if not _is_scalar(other):
+        if not is_scalar(other):
             return NotImplemented
         return self._unary(Op.RDIV, value=float(other))
 
-    # NumPy functions on traced values: the ones shardfuse has run as its own ops, the others are
-    # refused naming what to write instead (NumPy's own error would say "no callable exp method")
+    # NumPy on traced values: a function or ufunc shardfuse has runs as its op (the NUMPY table),
+    # any other is refused naming what to write instead (never an ndarray made of traced values)
     __array_priority__ = 1000
 
     def __array_ufunc__(self, ufunc, method, *inputs, **kwargs):
-        fn = _UFUNCS.get(ufunc) if method == "__call__" and not kwargs else None
+        fn = NUMPY.get(ufunc) if method == "__call__" and not kwargs else None
         if fn is None:
-            raise TypeError(f"np.{ufunc.__name__}{'.' + method if method != '__call__' else ''} on a traced value is not "
-                            f"supported inside sf.jit; use operators (+ - * / @), x.sum(axis), x.T, x.reshape, or "
-                            f"sf.exp / sf.tanh / sf.relu / sf.gelu")
+            raise TypeError(unsupported(ufunc, method, kwargs))
         return fn(*inputs)
+
+    def __array_function__(self, func, types, args, kwargs):
+        fn = NUMPY.get(func)
+        if fn is None:
+            raise TypeError(unsupported(func))
+        return fn(*args, **kwargs)
+
+    # Python asking for a concrete value: a traced one has a shape and a dtype, no numbers yet
+    def _concrete(self, what: str, instead: str):
+        raise ConcretizationError(f"{what} of the traced value {_describe(self)} inside sf.jit: its numbers exist "
+                                  f"only when the compiled plan runs; {instead}")
+
+    def __bool__(self):
+        self._concrete("bool()", "Python's if / while / and / or / not need a concrete value: decide the branch "
+                                 "outside the jitted function (a parameter with a default stays a Python value), "
+                                 "or compute both sides and combine them arithmetically (sf.relu, *, +)")
+
+    def __int__(self):
+        self._concrete("int()", _NUMBER)
+
+    def __float__(self):
+        self._concrete("float()", _NUMBER)
+
+    def __complex__(self):
+        self._concrete("complex()", _NUMBER)
+
+    def __index__(self):
+        self._concrete("use as an int (an index, an extent)", _NUMBER)
+
+    def __array__(self, dtype=None, copy=None):
+        self._concrete("np.asarray / np.array", "inside sf.jit use shardfuse's ops (the operators, x.sum(axis), "
+                                                "np.exp, ...); outside, np.asarray(the jitted function's result)")
+
+    def __iter__(self):
+        self._concrete("iteration", "there is no indexing inside sf.jit: work on whole axes (x.sum(axis), "
+                                    "x.reshape(...), x.T), or iterate over the result outside the jitted function")
+
+    def __contains__(self, item):  # (without it, Python turns the iteration's error into "not iterable")
+        self.__iter__()
+
+    def __len__(self):  # the shape is static: len() is known
+        if not self.shape:
+            raise TypeError(f"len() of the 0-d traced value {_describe(self)} (as NumPy: len() of unsized object)")
+        return self.shape[0]
+
+    def __eq__(self, other, op="=="):  # (Python's default compares identity: x == y would be False, silently)
+        raise TypeError(f"{op} on the traced value {_describe(self)} inside sf.jit is not supported (NumPy compares "
+                        "elementwise, Python by identity): compare the results outside the jitted function, or "
+                        "write `x is y` for identity")
+
+    def __ne__(self, other):
+        return self.__eq__(other, "!=")
+
+    __hash__ = object.__hash__  # (a dict key by identity)
+
+    def __abs__(self):
+        return absolute(self)
 
     def __neg__(self):
         return self._unary(Op.NEG)
 
-    def sum(self, axis: int):
-        return self._sum(axis, {})
+    def sum(self, axis=None):
+        """The sum over `axis`: an int, a tuple of them, or None (every axis), as NumPy's."""
+        return self._reduce(axis, mean=False)
 
-    def mean(self, axis: int):
-        """The sum scaled by 1 / n in one step, before it is rounded to a 16-bit dtype (a float16
-        sum can overflow where the mean does not); NaN for an empty axis, as NumPy gives."""
-        n = self.shape[normalize_axis(axis, self.ndim, self.shape)]
-        return self._sum(axis, {"factor": 1.0 / n if n else math.nan})
+    def mean(self, axis=None):
+        """The mean over `axis` (as sum): each axis' sum scaled by 1 / n in one step, before it is
+        rounded to a 16-bit dtype (a float16 sum can overflow where the mean does not); NaN for
+        an empty axis, as NumPy gives."""
+        return self._reduce(axis, mean=True)
 
-    def _sum(self, axis, attrs):
-        ax = normalize_axis(axis, self.ndim, self.shape)
-        out = TensorType(self.shape[:ax] + self.shape[ax + 1:], self.dtype)
-        return self.builder.emit(Op.SUM, (self,), out, "s", axis=ax, **attrs)
+    def _reduce(self, axis, mean: bool):
+        v = self
+        for ax in sorted(reduced_axes(axis, self.ndim, self.shape), reverse=True):  # the last first: no renumbering
+            n, attrs = v.shape[ax], {}
+            if mean:
+                attrs["factor"] = 1.0 / n if n else math.nan
+            out = TensorType(v.shape[:ax] + v.shape[ax + 1:], v.dtype)
+            v = v.builder.emit(Op.SUM, (v,), out, "s", axis=ax, **attrs)
+        return v
 
     def transpose(self, *perm):
         perm = tuple(perm[0]) if len(perm) == 1 and isinstance(perm[0], (tuple, list)) else perm
@@ -164,29 +226,28 @@ class Traced:
                                  mesh_axes=tuple(zip(self.builder.mesh.axis_names, self.builder.mesh.shape)))
 
 
-def _is_scalar(x) -> bool:
+class ConcretizationError(TypeError):
+    """A traced value used where Python needs its numbers (bool(), int(), float(), np.asarray,
+    a loop over it) inside sf.jit, as JAX's ConcretizationTypeError: the message names the value
+    and what to write instead."""
+
+
+_NUMBER = ("a number computed inside sf.jit is known only after the call: return it and read the result "
+           "(np.asarray(result)); shapes are static (x.shape)")
+
+
+def is_scalar(x) -> bool:
     """A Python or NumPy real number (never a bool: True is not 1.0 here)."""
     return isinstance(x, (int, float, np.integer, np.floating)) and not isinstance(x, (bool, np.bool_))
 
 
-def _binary(method, reflected):
-    """np.<ufunc>(a, b) with a traced operand: its own operator method (never a + b again, which
-    with a NumPy scalar on the left would come back here)."""
-    def call(a, b):
-        out = getattr(a, method)(b) if isinstance(a, Traced) else getattr(b, reflected)(a) if reflected else NotImplemented
-        if out is NotImplemented:
-            raise TypeError(f"np.{method.strip('_')} of a {type(a).__name__} and a {type(b).__name__} inside sf.jit: "
-                            "arrays are not captured as constants; make them inputs of the function")
-        return out
-    return call
-
-
-_UFUNCS = {  # keyed by the NumPy ufunc itself
-    np.add: _binary("__add__", "__radd__"), np.subtract: _binary("__sub__", "__rsub__"),
-    np.multiply: _binary("__mul__", "__rmul__"), np.true_divide: _binary("__truediv__", "__rtruediv__"),
-    np.matmul: _binary("__matmul__", None), np.negative: lambda a: -a,
-    np.exp: lambda a: exp(a), np.tanh: lambda a: tanh(a),
-}
+def reduced_axes(axis, ndim: int, shape) -> tuple:
+    """The axes a reduction's axis= names, distinct and in range: every axis for None, one int, or a tuple."""
+    axes = tuple(range(ndim)) if axis is None else axis if isinstance(axis, tuple) else (axis,)
+    axes = tuple(normalize_axis(a, ndim, shape) for a in axes)
+    if len(set(axes)) != len(axes):
+        raise ValueError(f"duplicate value in axis={axis!r}")
+    return axes
 
 
 def _traced(x, what):
@@ -219,3 +280,105 @@ def linear(x, w, b=None):
     """x @ w (+ b): a dense layer."""
     y = _traced(x, "linear") @ w
     return y if b is None else y + b
+
+
+def absolute(x):
+    """|x| elementwise (np.abs(x), abs(x)): relu(x) + relu(-x), exact (one of the two is zero)."""
+    return relu(x) + relu(-x)
+
+
+# ---- NumPy's functions on traced values ---------------------------------------------------------
+def _binary(method, reflected):
+    """np.<ufunc>(a, b) with a traced operand: its own operator method (never a + b again, which
+    with a NumPy scalar on the left would come back here).  Named as `operator`'s functions."""
+    def call(a, b):
+        out = getattr(a, method)(b) if isinstance(a, Traced) else getattr(b, reflected)(a) if reflected else NotImplemented
+        if out is NotImplemented:
+            raise TypeError(f"np.{method.strip('_')} of a {type(a).__name__} and a {type(b).__name__} inside sf.jit: "
+                            "arrays are not captured as constants; make them inputs of the function")
+        return out
+    call.__name__ = method.strip("_")
+    return call
+
+
+def _defaults_only(what: str, takes: str, **given):
+    """Refuse the arguments of a NumPy function shardfuse's op lacks (None / False: NumPy's defaults)."""
+    bad = [k for k, v in given.items() if v is not None and v is not False]
+    if bad:
+        raise TypeError(f"{what} with {', '.join(k + '=' for k in bad)} is not supported on traced shardfuse values "
+                        f"(inside sf.jit): write {takes}")
+
+
+def _describe(v) -> str:
+    """A traced value as the tracer knows it: its name, shape and dtype."""
+    return f"{v.value.name} (shape {v.shape}, {v.dtype})" if isinstance(v, Traced) else type(v).__name__
+
+
+def _dot(a, b, out=None):
+    _defaults_only("np.dot", "np.dot(a, b)", out=out)
+    if is_scalar(a) or is_scalar(b):
+        return a * b
+    if getattr(a, "ndim", None) == 2 and getattr(b, "ndim", None) == 2:
+        return a @ b
+    raise TypeError(f"np.dot of {_describe(a)} and {_describe(b)} inside sf.jit: shardfuse runs np.dot as a matmul "
+                    "of 2-D operands only (NumPy's dot of other ranks is no matmul); write a @ b (a matmul, "
+                    "batched over leading axes), reshaping 1-D operands to 2-D first")
+
+
+def _transpose(a, axes=None):
+    return a.transpose() if axes is None else a.transpose(axes)
+
+
+def _swapaxes(a, axis1, axis2):
+    perm = list(range(a.ndim))
+    i, j = normalize_axis(axis1, a.ndim, a.shape), normalize_axis(axis2, a.ndim, a.shape)
+    perm[i], perm[j] = j, i
+    return a.transpose(perm)
+
+
+def _reshape(a, shape, order="C", *, copy=None):  # (copy= changes nothing: traced values are never written)
+    if order != "C":
+        raise TypeError(f"np.reshape(..., order={order!r}) is not supported on traced shardfuse values (inside "
+                        "sf.jit): write x.reshape(shape) (C order)")
+    return a.reshape(shape)
+
+
+_REDUCED = ", a new value of x's dtype (reshape it where NumPy would keep dims)"
+
+
+def _sum(a, axis=None, dtype=None, out=None, keepdims=False, **rest):
+    _defaults_only("np.sum", "np.sum(x, axis) or x.sum(axis)" + _REDUCED, dtype=dtype, out=out, keepdims=keepdims,
+                   **rest)
+    return a.sum(axis)
+
+
+def _mean(a, axis=None, dtype=None, out=None, keepdims=False, **rest):
+    _defaults_only("np.mean", "np.mean(x, axis) or x.mean(axis)" + _REDUCED, dtype=dtype, out=out, keepdims=keepdims,
+                   **rest)
+    return a.mean(axis)
+
+
+NUMPY = {  # NumPy function or ufunc -> the same on traced values: adding an op is one line
+    np.add: _binary("__add__", "__radd__"), np.subtract: _binary("__sub__", "__rsub__"),
+    np.multiply: _binary("__mul__", "__rmul__"), np.divide: _binary("__truediv__", "__rtruediv__"),
+    np.matmul: _binary("__matmul__", None), np.negative: operator.neg, np.absolute: absolute,
+    np.exp: exp, np.tanh: tanh,
+    np.dot: _dot, np.transpose: _transpose, np.swapaxes: _swapaxes, np.reshape: _reshape,
+    np.sum: _sum, np.mean: _mean,
+}
+
+
+def numpy_name(f) -> str:
+    """np.sum, np.linalg.norm: a NumPy function as its users write it."""
+    module = getattr(f, "__module__", None) or "numpy"
+    return ("np" + module[len("numpy"):] if module.startswith("numpy") else module) + "." + f.__name__
+
+
+def unsupported(func, method="__call__", kwargs=()) -> str:
+    """What a NumPy function (or a ufunc's method) shardfuse lacks on traced values says."""
+    what = numpy_name(func) + ("" if method == "__call__" else f".{method}")
+    what += f" with {', '.join(k + '=' for k in kwargs)}" if kwargs else ""
+    return (f"{what} is not supported on traced shardfuse values (inside sf.jit); supported: "
+            f"{', '.join(sorted(numpy_name(f) for f in NUMPY))} (np.dot: 2-D), the operators + - * / @, x.sum(axis), "
+            "x.mean(axis), x.T, x.reshape(...), sf.relu, sf.gelu; or compute it outside the jitted function on its "
+            "result")

@@ -28,7 +28,8 @@ def _apply(x, steps, mesh=None):
 
 # (mesh shape, axis names, global shape, annotations, the placements they leave)
 CASES = {
-    "move dp from axis 0 to axis 1": ((2, 2), ("dp", "tp"), (4, 4), [("shard", 0, "dp"), ("shard", 1, "dp")], (S(1), R)),
+    "move dp from axis 0 to axis 1": ((2, 2), ("dp", "tp"), (4, 4), [("shard", 0, "dp"), ("shard", 1, "dp")],
+                                      (S(1), R)),
     "(dp, tp) -> dp, no + 0.0": ((2, 2), ("dp", "tp"), (8, 4), [("shard", 0, ("dp", "tp")), ("shard", 0, "dp")],
                                  (S(0), R)),
     "other axes keep their sharding": ((2, 2), ("dp", "tp"), (4, 4), [("shard", 0, "dp"), ("shard", 1, "tp")],
