@@ -19,11 +19,12 @@ from shardfuse.mesh import DeviceMesh
 from shardfuse.placements import Partial, Replicate, Shard
 from shardfuse.spec import TensorSpec
 from shardfuse.visualize import visualize_sharding
-from shardfuse.trace import exp, gelu, linear, relu, stream, tanh, to_mesh
+from shardfuse.trace import stream, to_mesh
+from shardfuse.traced import ConcretizationError, exp, gelu, linear, relu, tanh
 
 __all__ = ["Array", "DeviceMesh", "Layout", "Partial", "Replicate", "Shard", "Plan", "TensorSpec", "from_local", "jit", "replicate", "shard", "stream", "to_mesh",
            "exp", "gelu", "linear", "relu", "tanh", "visualize_sharding", "distribute",
-           "CollectiveTimeoutError", "RankLeftError", "RankMismatchError"]
+           "CollectiveTimeoutError", "ConcretizationError", "RankLeftError", "RankMismatchError"]
 
 try:
     __version__ = _version("shardfuse")

@@ -6,10 +6,11 @@ from __future__ import annotations
 from typing import Any
 
 from shardfuse import trace
+from shardfuse.traced import Traced
 from shardfuse.array import Array, replicated
-from shardfuse.layout import layout_of
+from shardfuse.layout import Layout, layout_of
 from shardfuse.mesh import DeviceMesh
-from shardfuse.spec import normalize_axis
+from shardfuse.spec import normalize_axis, normalize_over
 
 
 def shard(x: Any, axis: int, over: str | tuple = "DIDx", mesh: DeviceMesh | None = None) -> Any:
@@ -19,13 +20,15 @@ def shard(x: Any, axis: int, over: str | tuple = "DIDx", mesh: DeviceMesh | None
     In a traced function this annotates a value (mesh=: a sub-mesh, a pipeline stage, the value
     moves to); on a concrete global array it returns an `sf.Array` holding this process' pieces
     (give `mesh`)."""
-    if isinstance(x, trace.Traced):
+    if isinstance(x, Traced):
         return trace.shard(x, axis, over, mesh)
-    if isinstance(x, Array):  # an sf.Array resharded: axis over `over`, every other axis replicated
+    if isinstance(x, Array):  # resharded by the annotation rule (Layout.sharded), as inside sf.jit
         _same_mesh(x, mesh, "sf.shard")
-        spec: list = [None] * x.ndim
-        spec[normalize_axis(axis, x.ndim, x.shape)] = over
-        return x.redistribute(spec)
+        lay = x.sharding.placement()
+        if lay.mesh is not None:  # moved off its sub-mesh to the whole mesh: sharded there as this states only
+            lay = Layout.replicated(x.ndim)
+        lay = lay.sharded(normalize_axis(axis, x.ndim, x.shape), normalize_over(over, x.mesh))
+        return x.redistribute(list(lay.axes))
     return Array.from_global(x, mesh, axis, over)
 
 
@@ -34,7 +37,7 @@ def replicate(x: Any, mesh: DeviceMesh | None = None) -> Any:
     x and forces the gathers (mesh=: a sub-mesh of the program's, replicated on its devices).
     On a concrete array (NumPy, CuPy, torch, JAX) with mesh=, returns an `sf.Array` that every
     device of mesh holds whole: place a weight once and pass it to every call."""
-    if isinstance(x, trace.Traced):
+    if isinstance(x, Traced):
         return trace.replicate(x, mesh)
     if isinstance(x, Array):
         _same_mesh(x, mesh, "sf.replicate")

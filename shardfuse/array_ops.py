@@ -28,7 +28,8 @@ from shardfuse.layout import Layout
 from shardfuse.ops import Op
 from shardfuse.passes import compile_program
 from shardfuse.runtime import backend_of
-from shardfuse.spec import TensorSpec, check_divides, normalize_axis
+from shardfuse.spec import TensorSpec, check_divides
+from shardfuse.traced import NUMPY, absolute, is_scalar, reduced_axes
 
 MAX_PLANS = 256  # one-op plans kept per mesh (a plan holds its buffers)
 STATS = {"compiled": 0, "reused": 0}  # across meshes: what cache_info() reports
@@ -96,11 +97,6 @@ def reshard(x, layout: Layout):
     return run(redistribute, (x,), (Op.SET, layout), "redistribute")
 
 
-def _is_scalar(c) -> bool:
-    """A Python or NumPy real number, never a bool (as inside sf.jit)."""
-    return isinstance(c, (int, float, np.integer, np.floating)) and not isinstance(c, (bool, np.bool_))
-
-
 def _is_operand(a) -> bool:
     return isinstance(a, ArrayOps) or any(hasattr(a, k) for k in ("__array__", "__dlpack__", "__cuda_array_interface__"))
 
@@ -109,10 +105,10 @@ def binary(fn, a, b):
     """fn(a, b) (an operator), one operand an sf.Array; the other an sf.Array, a plain array or
     a scalar (baked into the plan, as inside sf.jit: each new value compiles once)."""
     name = fn.__name__
-    if _is_scalar(b) and fn is not operator.matmul:
+    if is_scalar(b) and fn is not operator.matmul:
         c = float(b)
         return run(lambda x: fn(x, c), (a,), (fn, 1, c), name)
-    if _is_scalar(a) and fn is not operator.matmul:
+    if is_scalar(a) and fn is not operator.matmul:
         c = float(a)
         return run(lambda x: fn(c, x), (b,), (fn, 0, c), name)
     if not (_is_operand(a) and _is_operand(b)):
@@ -136,34 +132,11 @@ def unary(fn, x):
     return run(lambda v: fn(v), (x,), (fn,), fn.__name__)
 
 
-def absolute(v):
-    """|v| from the traced ops: relu(v) + relu(-v) (exact: one of the two is zero)."""
-    return trace.relu(v) + trace.relu(-v)
-
-
 def _binary_methods(fn):
     return (lambda self, other: binary(fn, self, other)), (lambda self, other: binary(fn, other, self))
 
 
-UFUNCS = {  # NumPy ufunc -> what it is on traced values
-    np.add: operator.add, np.subtract: operator.sub, np.multiply: operator.mul, np.true_divide: operator.truediv,
-    np.matmul: operator.matmul, np.negative: operator.neg, np.absolute: absolute, np.exp: trace.exp,
-    np.tanh: trace.tanh,
-}
-
-
-def _axes(axis, x) -> tuple:
-    """The reduced axes, distinct and in range: all for None, one int, or a tuple of ints."""
-    if axis is None:
-        axes = tuple(range(x.ndim))
-    elif isinstance(axis, tuple):
-        axes = axis
-    else:
-        axes = (axis,)
-    axes = tuple(normalize_axis(a, x.ndim, x.shape) for a in axes)
-    if len(set(axes)) != len(axes):
-        raise ValueError(f"duplicate value in axis={axis!r}")
-    return axes
+UFUNCS = [u for u in NUMPY if isinstance(u, np.ufunc)]  # those sf.Array runs: as on traced values (traced.NUMPY)
 
 
 def reduce(x, axis, mean: bool, out, dtype=None, keepdims=False):
@@ -177,14 +150,12 @@ def reduce(x, axis, mean: bool, out, dtype=None, keepdims=False):
     if keepdims:
         raise TypeError(f"sf.Array.{what}: keepdims=True is not supported; inside sf.jit, reshape the result "
                         f"(x.{what}(0).reshape(1, ...))")
-    axes = sorted(_axes(axis, x), reverse=True)
+    axes = tuple(sorted(reduced_axes(axis, x.ndim, x.shape)))  # (one plan per set of axes)
 
-    def reduction(v):
-        for a in axes:  # (a mean of means: each scaled before it is rounded)
-            v = v.mean(a) if mean else v.sum(a)
-        return v
+    def reduction(v):  # (a mean of means: each scaled before it is rounded)
+        return v.mean(axes) if mean else v.sum(axes)
 
-    return run(reduction, (x,), (Op.SUM, tuple(axes), mean), "mean" if mean else str(Op.SUM))
+    return run(reduction, (x,), (Op.SUM, axes, mean), "mean" if mean else str(Op.SUM))
 
 
 def _index(key, shape) -> tuple:
@@ -262,7 +233,7 @@ class ArrayOps:
 
     def __array_ufunc__(self, ufunc, method, *inputs, **kwargs):
         """np.exp(x), np.add(x, y), ...: the ufuncs shardfuse has ops for; others are refused."""
-        fn = UFUNCS.get(ufunc) if method == "__call__" and not kwargs else None
+        fn = NUMPY.get(ufunc) if method == "__call__" and not kwargs else None
         if fn is None:
             what = f"np.{ufunc.__name__}"
             if method != "__call__":

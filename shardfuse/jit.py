@@ -21,7 +21,8 @@ from shardfuse.cost import Rates, predict
 from shardfuse.rates import machine
 from shardfuse.mesh import DeviceMesh, as_int
 from shardfuse.spec import TensorSpec
-from shardfuse.trace import Traced, trace  # noqa: F401 (trace: imported from here by tests)
+from shardfuse.trace import trace  # noqa: F401 (imported from here by tests)
+from shardfuse.traced import Traced
 from shardfuse.ops import COMMUNICATION, Op
 
 

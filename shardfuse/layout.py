@@ -69,6 +69,22 @@ class Layout:
         axes[i] = what
         return replace(self, axes=tuple(axes))
 
+    def sharded(self, i: int, entry) -> "Layout":
+        """The annotation rule: tensor axis i sharded over `entry` (None: replicated), each mesh axis
+        it names moved off any other tensor axis (a mesh axis shards at most one); every other axis
+        keeps its sharding and the schedule (stream axis, chunks) stays.  Pending sums are resolved."""
+        names = set(mesh_axes(entry))
+
+        def rest(a):  # a's mesh axes less those `entry` takes
+            return a if a == STREAM else axis_entry(n for n in mesh_axes(a) if n not in names)
+
+        axes, stream_over = [rest(a) for a in self.axes], rest(self.stream_over)
+        if axes[i] == STREAM:  # a streamed axis keeps its schedule; the mesh axes shard it until it is split
+            stream_over = entry
+        else:
+            axes[i] = entry
+        return replace(self, axes=tuple(axes), stream_over=stream_over, partial=())
+
     def placement(self) -> "Layout":
         """The layout without its schedule (STREAM axes serial): where data lives."""
         return Layout(tuple(self.stream_over if a == STREAM else a for a in self.axes), self.partial, mesh=self.mesh)

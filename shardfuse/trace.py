@@ -1,229 +1,18 @@
-"""The front end: traced values, the annotations sf.shard / sf.stream on them, and trace().
+"""The front end: the annotations sf.shard / sf.replicate / sf.stream / sf.to_mesh on traced
+values, and trace(), which runs a function on traced values (shardfuse.traced) into a Program.
 
-Inside an `sf.jit` function the arguments are `Traced` values; every operation appends
-one array-level instruction to the program being built.  Shape, dtype, axis and mesh
-errors are raised here, at trace time, so nothing runs before they are found.
+Axis, chunk and mesh errors are raised here, at trace time, so nothing runs before they are found.
 """
 from __future__ import annotations
 
 import inspect
-import math
-from dataclasses import replace
 
-import numpy as np
-
-from shardfuse.ir import Instr, Namer, Program, TensorType, Value
-from shardfuse.layout import Layout, mesh_axes
-from shardfuse.mesh import STREAM, DeviceMesh, as_int
+from shardfuse.ir import Program, TensorType, Value
+from shardfuse.layout import Layout
+from shardfuse.mesh import STREAM, DeviceMesh
 from shardfuse.ops import Op
-from shardfuse.spec import check_axis, check_divides, normalize_axis, normalize_over, resolve_chunks
-
-
-class Builder:
-    """Collects the instructions of one traced function."""
-
-    def __init__(self, mesh):
-        self.mesh = mesh
-        self.instrs: list = []
-        self.namer = Namer()
-        self.producer: dict = {}  # value -> the instruction that made it
-        self.homes: dict = {}  # value -> the sub-mesh it lives on, where known when traced
-        self.kept: set = set()  # stream annotations that kept their value's sub-mesh (no mesh= given)
-
-    def emit(self, op, ins, out_type, base, **attrs) -> "Traced":
-        out = Value(self.namer(base), out_type)
-        ins_ = Instr(op, (out,), tuple(t.value for t in ins), attrs)
-        self.instrs.append(ins_)
-        self.producer[out] = ins_
-        lay, homes = getattr(out_type, "layout", None), {self.homes.get(t.value) for t in ins}
-        home = lay.mesh if lay is not None else homes.pop() if len(homes) == 1 else None  # (propagation's rule)
-        self.homes.update({out: home} if home is not None else {})
-        return Traced(self, out)
-
-
-class Traced:
-    """A value inside a traced function (global shape, like a JAX tracer)."""
-
-    def __init__(self, builder: Builder, value: Value):
-        self.builder, self.value = builder, value
-
-    shape = property(lambda self: self.value.type.shape)
-    dtype = property(lambda self: self.value.type.dtype)
-    ndim = property(lambda self: len(self.value.type.shape))
-
-    def __repr__(self):
-        return f"Traced({self.value.name}: {self.value.type})"
-
-    def _other(self, other, what):
-        if not isinstance(other, Traced) or other.builder is not self.builder:
-            raise TypeError(f"{what}: both operands must be values of the traced function, got {type(other).__name__}")
-        if other.dtype != self.dtype:
-            raise TypeError(f"{what} of {self.value.name} and {other.value.name}: dtypes do not match: {self.dtype} "
-                            f"and {other.dtype}")
-        return other
-
-    def __matmul__(self, other):
-        b = self._other(other, Op.MATMUL)
-        sa, sb, na, nb = self.shape, b.shape, self.value.name, b.value.name  # (the parameters' names for inputs)
-        if len(sa) < 2 or len(sb) < 2:
-            raise ValueError(f"matmul needs operands of at least 2 axes, got {na}{sa} and {nb}{sb}")
-        if sa[-1] != sb[-2]:
-            raise ValueError(f"matmul {na} @ {nb}: contraction sizes differ: {na}{sa} has K={sa[-1]} on its last "
-                             f"axis, {nb}{sb} has K={sb[-2]} on its second-to-last axis")
-        if len(sb) > 2 and sb[:-2] != sa[:-2]:
-            raise ValueError(f"matmul {na} @ {nb}: batch axes differ: {na}{sa} and {nb}{sb}")
-        out = TensorType(sa[:-1] + (sb[-1],), self.dtype)
-        return self.builder.emit(Op.MATMUL, (self, b), out, "c")
-
-    def _elementwise(self, other, op):
-        if _is_scalar(other):  # x op c: a scalar op on x (c the same on every device)
-            c = float(other)
-            if op in (Op.MUL, Op.DIV):
-                return self._unary(Op.SCALE, value=c) if op == Op.MUL else self._unary(Op.DIV_SCALAR, value=c)
-            return self._unary(Op.ADD_SCALAR, value=c if op == Op.ADD else -c)
-        b = self._other(other, op)
-        try:
-            shape = tuple(np.broadcast_shapes(self.shape, b.shape))
-        except ValueError:
-            raise ValueError(f"{op} of {self.value.name} and {b.value.name}: shapes {self.shape} and {b.shape} do not "
-                             "broadcast") from None
-        return self.builder.emit(op, (self, b), TensorType(shape, self.dtype), op[0])
-
-    def _unary(self, op, **attrs):
-        return self.builder.emit(op, (self,), TensorType(self.shape, self.dtype), op[0], **attrs)
-
-    def __add__(self, other):
-        return self._elementwise(other, Op.ADD)
-
-    def __sub__(self, other):
-        return self._elementwise(other, Op.SUB)
-
-    def __mul__(self, other):
-        return self._elementwise(other, Op.MUL)
-
-    __radd__, __rmul__ = __add__, __mul__  # (c + x, c * x: reflected only for scalars; both commute)
-
-    def __truediv__(self, other):
-        return self._elementwise(other, Op.DIV)
-
-    def __rsub__(self, other):  # c - x
-        if not _is_scalar(other):
-            return NotImplemented
-        return (-self)._unary(Op.ADD_SCALAR, value=float(other))
-
-    def __rtruediv__(self, other):  # c / x
-        if not _is_scalar(other):
-            return NotImplemented
-        return self._unary(Op.RDIV, value=float(other))
-
-    # NumPy functions on traced values: the ones shardfuse has run as its own ops, the others are
-    # refused naming what to write instead (NumPy's own error would say "no callable exp method")
-    __array_priority__ = 1000
-
-    def __array_ufunc__(self, ufunc, method, *inputs, **kwargs):
-        fn = _UFUNCS.get(ufunc) if method == "__call__" and not kwargs else None
-        if fn is None:
-            raise TypeError(f"np.{ufunc.__name__}{'.' + method if method != '__call__' else ''} on a traced value is not "
-                            f"supported inside sf.jit; use operators (+ - * / @), x.sum(axis), x.T, x.reshape, or "
-                            f"sf.exp / sf.tanh / sf.relu / sf.gelu")
-        return fn(*inputs)
-
-    def __neg__(self):
-        return self._unary(Op.NEG)
-
-    def sum(self, axis: int):
-        return self._sum(axis, {})
-
-    def mean(self, axis: int):
-        """The sum scaled by 1 / n in one step, before it is rounded to a 16-bit dtype (a float16
-        sum can overflow where the mean does not); NaN for an empty axis, as NumPy gives."""
-        n = self.shape[normalize_axis(axis, self.ndim, self.shape)]
-        return self._sum(axis, {"factor": 1.0 / n if n else math.nan})
-
-    def _sum(self, axis, attrs):
-        ax = normalize_axis(axis, self.ndim, self.shape)
-        out = TensorType(self.shape[:ax] + self.shape[ax + 1:], self.dtype)
-        return self.builder.emit(Op.SUM, (self,), out, "s", axis=ax, **attrs)
-
-    def transpose(self, *perm):
-        perm = tuple(perm[0]) if len(perm) == 1 and isinstance(perm[0], (tuple, list)) else perm
-        perm = tuple(check_axis(p) for p in perm) or tuple(reversed(range(self.ndim)))
-        if sorted(perm) != list(range(self.ndim)):
-            raise ValueError(f"transpose: {perm} is not a permutation of the {self.ndim} axes of {self.shape}")
-        out = TensorType(tuple(self.shape[p] for p in perm), self.dtype)
-        return self.builder.emit(Op.TRANSPOSE, (self,), out, self.value.name + "_t", perm=tuple(perm))
-
-    T = property(lambda self: self.transpose())
-
-    def reshape(self, *shape):
-        shape = tuple(shape[0]) if len(shape) == 1 and isinstance(shape[0], (tuple, list)) else shape
-        shape = tuple(as_int(s, f"reshape of {self.shape}: an extent") for s in shape)
-        size = int(np.prod(self.shape))
-        if shape.count(-1) == 1:
-            known = int(np.prod([s for s in shape if s != -1]))
-            shape = tuple(size // known if s == -1 else s for s in shape)
-        if int(np.prod(shape)) != size or any(s < 1 for s in shape):
-            raise ValueError(f"cannot reshape {self.shape} ({size} elements) to {shape}")
-        out = TensorType(tuple(int(s) for s in shape), self.dtype)
-        return self.builder.emit(Op.RESHAPE, (self,), out, self.value.name + "_r", shape=out.shape,
-                                 mesh_axes=tuple(zip(self.builder.mesh.axis_names, self.builder.mesh.shape)))
-
-
-def _is_scalar(x) -> bool:
-    """A Python or NumPy real number (never a bool: True is not 1.0 here)."""
-    return isinstance(x, (int, float, np.integer, np.floating)) and not isinstance(x, (bool, np.bool_))
-
-
-def _binary(method, reflected):
-    """np.<ufunc>(a, b) with a traced operand: its own operator method (never a + b again, which
-    with a NumPy scalar on the left would come back here)."""
-    def call(a, b):
-        out = getattr(a, method)(b) if isinstance(a, Traced) else getattr(b, reflected)(a) if reflected else NotImplemented
-        if out is NotImplemented:
-            raise TypeError(f"np.{method.strip('_')} of a {type(a).__name__} and a {type(b).__name__} inside sf.jit: "
-                            "arrays are not captured as constants; make them inputs of the function")
-        return out
-    return call
-
-
-_UFUNCS = {  # keyed by the NumPy ufunc itself
-    np.add: _binary("__add__", "__radd__"), np.subtract: _binary("__sub__", "__rsub__"),
-    np.multiply: _binary("__mul__", "__rmul__"), np.true_divide: _binary("__truediv__", "__rtruediv__"),
-    np.matmul: _binary("__matmul__", None), np.negative: lambda a: -a,
-    np.exp: lambda a: exp(a), np.tanh: lambda a: tanh(a),
-}
-
-
-def _traced(x, what):
-    if not isinstance(x, Traced):
-        raise TypeError(f"sf.{what} takes values inside an sf.jit function, got {type(x).__name__}")
-    return x
-
-
-def exp(x):
-    """e**x elementwise, inside an sf.jit function (np.exp(x) works too)."""
-    return _traced(x, Op.EXP)._unary(Op.EXP)
-
-
-def tanh(x):
-    """tanh elementwise, inside an sf.jit function (np.tanh(x) works too)."""
-    return _traced(x, Op.TANH)._unary(Op.TANH)
-
-
-def relu(x):
-    """max(x, 0) elementwise, inside an sf.jit function."""
-    return _traced(x, Op.RELU)._unary(Op.RELU)
-
-
-def gelu(x):
-    """GELU, tanh form (as in GPT-2 and Megatron)."""
-    return _traced(x, Op.GELU)._unary(Op.GELU)
-
-
-def linear(x, w, b=None):
-    """x @ w (+ b): a dense layer."""
-    y = _traced(x, "linear") @ w
-    return y if b is None else y + b
+from shardfuse.spec import check_divides, normalize_axis, normalize_over, resolve_chunks
+from shardfuse.traced import Builder, Traced
 
 
 def _sub_mesh(builder, mesh):
@@ -240,59 +29,58 @@ def _sub_mesh(builder, mesh):
 
 
 def _annotate(x: Traced, axis: int, what, chunks=None, algorithm=None, on=None) -> Traced:
-    """A `set` whose output has the annotated layout; annotations on one value compose."""
-    shape = x.shape
-    ax = normalize_axis(axis, x.ndim, shape)
-    prev = x.builder.producer.get(x.value)
-    base = x
-    layout = Layout.replicated(x.ndim)
-    attrs = {"annotation": True}
-    if prev is not None and prev.attrs.get("annotation"):
-        layout = prev.outs[0].type.layout
-        base = Traced(x.builder, prev.ins[0])
-        attrs = dict(prev.attrs)
-        if prev.outs[0] in x.builder.kept and what != STREAM:  # a placement composed onto a stream that
-            layout = replace(layout, mesh=None)  # kept the value's sub-mesh: as in the other order
+    """One annotation on x: a `set` whose output has the layout it states.  Annotations on one
+    value compose into one `set` (values are pure: only the last layout counts), each placement
+    restating the tensor axis it names (Layout.sharded: the mesh axes it names move there) and a
+    stream only scheduling: the same rule as sf.shard on an sf.Array outside jit."""
+    ax = normalize_axis(axis, x.ndim, x.shape)
+    base, layout, attrs = _annotated_so_far(x)
+    if what == STREAM:
+        layout = _streamed(x, layout, ax, chunks)
+    else:
+        layout = _placed(x, layout, ax, what, _sub_mesh(x.builder, on))
     if algorithm is not None:
         attrs["algorithm"] = algorithm
-    sub = _sub_mesh(x.builder, on)
-    kept = sub is None and what == STREAM and layout.mesh is None and x.builder.homes.get(x.value) is not None
-    sub = x.builder.homes[x.value] if kept else sub  # streaming a value does not move it off its sub-mesh
-    if sub is not None:
-        if layout.mesh is not None and layout.mesh != sub:
-            raise ValueError(f"annotations on {x.value.name} name two meshes: {layout.mesh} and {sub}")
-        layout = layout.on(sub)
-    mesh = layout.mesh or x.builder.mesh
-    cur = layout.axes[ax]
-    name = x.value.name
-    if what == STREAM:
-        if STREAM in layout.axes:
-            raise ValueError(f"{name} already has a stream axis ({layout.stream_axis()})")
-        if chunks is not None and (chunks < 1 or shape[ax] % chunks):
-            raise ValueError(f"stream chunks={chunks} does not divide axis {ax} of extent {shape[ax]}")
-        if cur is not None and chunks is None:
-            raise ValueError(f"axis {ax} of {name}{shape} is sharded over {cur}: streaming it too needs chunks=")
-        layout = Layout(layout.with_axis(ax, STREAM).axes, chunks=chunks, stream_over=cur, mesh=layout.mesh)
-    else:
-        what = normalize_over(what, mesh)  # an unknown mesh axis name fails first
-        for n in mesh_axes(what):
-            if layout.placement().mesh_axis_of(n) is not None:
-                raise ValueError(f"mesh axis {n} already shards axis {layout.placement().mesh_axis_of(n)} of {name}")
-        if cur == STREAM and (layout.chunks is None or layout.stream_over):
-            raise ValueError(f"axis {ax} of {name}{shape} is streamed without chunks=: it cannot be sharded too")
-        if cur not in (None, STREAM):
-            raise ValueError(f"axis {ax} of {name}{shape} is already sharded over {cur}: to shard it over several "
-                             f"mesh axes, name them together (over=({cur!r}, {what!r}))")
-        check_divides(shape, ax, what, mesh)
-        if cur == STREAM:
-            layout = Layout(layout.axes, chunks=layout.chunks, stream_over=what, mesh=layout.mesh)
-        else:
-            layout = Layout(layout.with_axis(ax, what).axes, chunks=layout.chunks, stream_over=layout.stream_over,
-                            mesh=layout.mesh)
-    out = TensorType(shape, x.dtype, layout)
-    made = x.builder.emit(Op.SET, (base,), out, base.value.name, **attrs)
-    x.builder.kept.update([made.value] if kept else [])
-    return made
+    return x.builder.emit(Op.SET, (base,), TensorType(x.shape, x.dtype, layout), base.value.name, **attrs)
+
+
+def _annotated_so_far(x: Traced):
+    """(the value the annotation applies to, its layout as annotations have stated it so far, the
+    set's attributes).  A value an annotation made: that annotation's input and layout, so that
+    annotations compose.  Any other value starts replicated (on the sub-mesh it lives on, which
+    a stream keeps): a function's annotations state its layouts whatever layout its arguments
+    arrive in, which decides only the communication, and an op's result has no layout until the
+    compiler picks one."""
+    prev = x.builder.producer.get(x.value)
+    if prev is not None and prev.attrs.get("annotation"):
+        return Traced(x.builder, prev.ins[0]), prev.outs[0].type.layout, dict(prev.attrs)
+    home = x.builder.homes.get(x.value)
+    return x, Layout.replicated(x.ndim).on(None if home == x.builder.mesh else home), {"annotation": True}
+
+
+def _streamed(x: Traced, layout: Layout, ax: int, chunks) -> Layout:
+    """layout with axis ax streamed: a schedule, so the value stays where it is (its sharding, its mesh)."""
+    name, shape, cur = x.value.name, x.shape, layout.axes[ax]
+    if STREAM in layout.axes:
+        raise ValueError(f"{name} already has a stream axis ({layout.stream_axis()})")
+    if chunks is not None and (chunks < 1 or shape[ax] % chunks):
+        raise ValueError(f"stream chunks={chunks} does not divide axis {ax} of extent {shape[ax]}")
+    if cur is not None and chunks is None:
+        raise ValueError(f"axis {ax} of {name}{shape} is sharded over {cur}: streaming it too needs chunks=")
+    return Layout(layout.with_axis(ax, STREAM).axes, chunks=chunks, stream_over=cur, mesh=layout.mesh)
+
+
+def _placed(x: Traced, layout: Layout, ax: int, over, sub) -> Layout:
+    """layout with axis ax sharded over `over`, on `sub` (None: the program's whole mesh)."""
+    if layout.mesh != sub:  # moved to another mesh: its sharding there is what this annotation states
+        layout = Layout(tuple(a if a == STREAM else None for a in layout.axes), chunks=layout.chunks, mesh=sub)
+    mesh = sub or x.builder.mesh
+    over = normalize_over(over, mesh)  # an unknown mesh axis name fails first
+    if layout.axes[ax] == STREAM and layout.chunks is None:
+        raise ValueError(f"axis {ax} of {x.value.name}{x.shape} is streamed without chunks=: it cannot be sharded "
+                         "too")
+    check_divides(x.shape, ax, over, mesh)
+    return layout.sharded(ax, over)
 
 
 def shard(x: "Traced", axis: int, over="DIDx", mesh=None):

@@ -88,8 +88,8 @@ ALL_MESHES = ["4", "2x2", "2", "2x4", "1"]
 
 # >>> HOOK (issue 12): a dim sharded over a tuple of mesh axes, `over=("DIDy", "DIDx")`.
 # Every strategy below draws `over` from over_choices() and sizes it with over_size(), and the
-# chain bookkeeping treats each member of a tuple as used, so widening the choices here (e.g.
-# to three-axis tuples on a 3-D mesh) is all a new form of `over` needs.  The library takes
+# chain bookkeeping moves each member of a tuple off the other axes, so widening the choices
+# here (e.g. to three-axis tuples on a 3-D mesh) is all a new form of `over` needs.  The library takes
 # tuples now (README), so they are on by default; SHARDFUSE_TEST_MULTI_OVER=0 leaves them out.
 MULTI_AXIS_OVER = os.environ.get("SHARDFUSE_TEST_MULTI_OVER", "1") == "1"
 
@@ -158,8 +158,12 @@ class Chain:
     def over_of(self, axis):
         return next((o for a, o in self.sharded if a == axis), None)
 
-    def used(self) -> set:
-        return {m for _, o in self.sharded for m in over_axes(o)}
+    def with_shard(self, axis, over) -> "Chain":
+        """The annotation rule (README): `axis` sharded over `over`, whose mesh axes leave every
+        other tensor axis; the other axes keep the rest of their sharding."""
+        taken = set(over_axes(over))
+        rest = [(a, tuple(m for m in over_axes(o) if m not in taken)) for a, o in self.sharded if a != axis]
+        return Chain(tuple((a, m if len(m) > 1 else m[0]) for a, m in rest if m) + ((axis, over),), self.stream)
 
 
 @dataclass
@@ -365,7 +369,7 @@ class Gen:
                 dup = [(self.mesh.axis_names[-1],) * 2] if MULTI_AXIS_OVER else []  # a mesh axis twice
                 a, o = self.pick(range(-nd, nd + 1)), self.pick(self.overs + ["DIDz"] + dup)
             kw = "" if o == "DIDx" and len(self.mesh.axis_names) == 1 and self.chance(50) else f", over={o!r}"
-            new = Chain(chain.sharded + ((a % nd if -nd <= a < nd else a, o),), chain.stream)
+            new = chain.with_shard(a % nd if -nd <= a < nd else a, o)
             return self.emit(f"sf.shard({v.name}, {a}{kw})", v.shape, new, v.pos)
         if not wild:
             a, c = self.pick(streams)
@@ -381,7 +385,7 @@ class Gen:
 
     def _can_shard(self, v, chain, a, o) -> bool:
         n = self._size(o)
-        if n is None or v.shape[a] % n or chain.over_of(a) is not None or set(over_axes(o)) & chain.used():
+        if n is None or v.shape[a] % n:  # (re-sharding an axis, or moving a mesh axis, is one annotation too)
             return False
         if chain.stream and chain.stream[0] == a:
             c = chain.stream[1]

@@ -41,7 +41,7 @@ def test_shard_and_replicate_reshard_an_existing_array():
     x = np.random.default_rng().standard_normal((8, 4))
     a = sf.shard(x, axis=0, over="DIDy", mesh=MESH)
     b = sf.shard(a, axis=1, over="DIDx")  # was a DLPack error
-    assert b.placements == (sf.Replicate(), sf.Shard(1))
+    assert b.placements == (sf.Shard(0), sf.Shard(1))  # axis 0 keeps DIDy (the annotation rule, README)
     np.testing.assert_array_equal(b.gather(), x)
     c = sf.replicate(b)
     assert c.placements == (sf.Replicate(), sf.Replicate()) and all(np.array_equal(s, x) for s in c.shards)

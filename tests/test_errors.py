@@ -81,9 +81,9 @@ def test_bad_mesh_and_streams():
         sf.jit(seed, mesh=sf.DeviceMesh(2, backend="numpy"), streams=0)
 
 
-def test_double_annotation(mesh):
-    f = sf.jit(lambda a: sf.shard(sf.shard(a, axis=0), axis=1), mesh=mesh)
-    with pytest.raises(ValueError, match="mesh axis DIDx already shards axis 0"):
+def test_double_stream(mesh):  # (two placements on one value compose: tests/test_annotation_rule.py)
+    f = sf.jit(lambda a: sf.stream(sf.stream(a, axis=0), axis=1), mesh=mesh)
+    with pytest.raises(ValueError, match="already has a stream axis"):
         f.lower(T((8, 8)))
 
 

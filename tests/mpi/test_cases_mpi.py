@@ -14,6 +14,7 @@ from mpi4py import MPI
 
 import cases
 import shardfuse as sf
+import test_annotation_rule as annotation_rule
 from shardfuse.backends.protocol import Ref, contiguous_strides
 from shardfuse.runtime import backend_of
 
@@ -172,6 +173,14 @@ def test_2d_mesh_both_axes():
     want = {"allgather": 2} if shape[1] > 1 else {"allgather": 1}
     assert f.lower(sf.TensorSpec(x.shape, "float64")).collectives() == want
     cases.assert_close(f(x).gather(), x, "float64")
+
+
+# 2-D meshes at -n 4 only: at -n 2 a process' two devices lie in two dp teams, which the MPI
+# backend's AllToAll refuses (one device per process always works)
+@pytest.mark.parametrize("name", sorted(n for n, c in annotation_rule.CASES.items() if len(c[0]) == 1 or NPROCS >= 4))
+def test_annotation_rule(name):
+    """One annotation rule inside and outside sf.jit (issue 30): same placements, NumPy's values."""
+    annotation_rule.rule_case(name)
 
 
 # ---- start really is non-blocking -------------------------------------------------------------
