@@ -279,10 +279,11 @@ class Prediction:
         return Timeline(self.events, self.plan_name)
 
     def summary(self) -> dict:
-        """Timeline.summary's figures, with this prediction's total."""
+        """Timeline.summary's figures (overlap efficiency over the span of the steps: the chart's
+        and `shardfuse profile`'s one definition), with total_s this prediction's whole call,
+        host time outside the steps included; span_s is the steps' span."""
         s = self.timeline().summary()
-        busy = max(s["communication_s"], s["gemm_s"] + s["compute_s"])
-        s.update(total_s=self.total_s, overlap_efficiency=busy / self.total_s if self.total_s > 0 else 1.0)
+        s.update(span_s=s["total_s"], total_s=self.total_s)
         return s
 
 

@@ -8,7 +8,7 @@ import argparse
 import numpy as np
 
 import shardfuse as sf
-from shardfuse.demo import default_devices, seed_functions
+from shardfuse.demo import default_devices, rows_per_block, seed_functions
 from shardfuse.dtypes import np_dtype
 from shardfuse.timeline import output_file
 
@@ -24,7 +24,8 @@ def main(argv=None) -> int:
     p.add_argument("--devices", type=int, default=None, help="mesh size (default: all GPUs on cupy, else 4 CPU "
                    "devices; under mpiexec, one per process)")
     p.add_argument("--chunks", type=int, default=4, help="S: chunks along the stream axis")
-    p.add_argument("--m", type=int, default=64, help="rows per device per chunk")
+    p.add_argument("--m", type=int, default=None, help="M, all of A's rows, as in shardfuse demo, bench and "
+                   "simulate: a multiple of chunks x devices (default 64 x chunks x devices)")
     p.add_argument("--k", type=int, default=256)
     p.add_argument("--n", type=int, default=256)
     p.add_argument("--streams", type=int, default=2)
@@ -51,7 +52,11 @@ def main(argv=None) -> int:
     mesh = sf.DeviceMesh(d, backend=args.backend)
     pipelined, _ = seed_functions(mesh, args.streams)
     rng = np.random.default_rng(0)
-    a = rng.standard_normal((args.chunks, d, args.m, args.k)).astype(np_dtype(args.dtype))
+    try:
+        m = rows_per_block(args, d)
+    except ValueError as e:
+        p.error(str(e))
+    a = rng.standard_normal((args.chunks, d, m, args.k)).astype(np_dtype(args.dtype))
     b = rng.standard_normal((args.k, args.n)).astype(np_dtype(args.dtype))
     a = sf.shard(a, axis=1, over=mesh.axis_names[-1], mesh=mesh)
     plan = pipelined.lower(a.spec, sf.TensorSpec(b.shape, args.dtype))

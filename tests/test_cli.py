@@ -67,6 +67,7 @@ def test_demo_mlp_sequence_parallel():
     (["demo", "--streams", "-2"], "--streams must be a positive int, got -2"),
     (["demo", "--devices", "3", "--m", "5", "--chunks", "0"], "--chunks must be a positive int, got 0"),
     (["profile", "--m", "0"], "--m must be a positive int, got 0"),
+    (["profile", "--devices", "2", "--m", "12"], "12 must be a multiple of --chunks x devices = 4 x 2 = 8"),
     (["demo", "--backend", "numpy", "--seed", "-1"], "--seed must be an int >= 0, got -1"),
     (["demo", "--backend", "numpy", "--devices", "2", "--m", "100000000000"], "do not fit this machine's memory"),
     (["demo", "--backend", "numpy", "--devices", "2", "--chunks", "4", "--m", "12"],

@@ -189,7 +189,7 @@ def test_cli_nvtx_missing_is_refused_before_any_work(monkeypatch, capsys):
 
     monkeypatch.setitem(sys.modules, "nvtx", None)
     with pytest.raises(SystemExit) as e:
-        main(["profile", "--nvtx", "--devices", "2", "--m", "4", "--k", "8", "--n", "8"])
+        main(["profile", "--nvtx", "--devices", "2", "--m", "16", "--k", "8", "--n", "8"])
     assert e.value.code == 2 and "--nvtx needs the nvtx package" in capsys.readouterr().err
 
 
@@ -198,7 +198,7 @@ def test_cli_nvtx_pushes_the_ranges(tmp_path, monkeypatch, capsys):
 
     log = _recording_nvtx(monkeypatch)
     trace = tmp_path / "t.json"
-    argv = ["profile", "--nvtx", "--devices", "2", "--m", "4", "--k", "8", "--n", "8", "--repeat", "2", "--trace", str(trace)]
+    argv = ["profile", "--nvtx", "--devices", "2", "--m", "16", "--k", "8", "--n", "8", "--repeat", "2", "--trace", str(trace)]
     assert main(argv) == 0
     names = {e["name"] for e in json.load(open(trace))["traceEvents"] if e["ph"] == "X"}  # the step labels
     inner = [m for kind, m in log[1:-1] if kind == "push" and m != "ag_matmul"]
