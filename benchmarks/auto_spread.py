@@ -69,8 +69,9 @@ RULES = {  # name: point -> the S it picks
     "recorded (the JSON's auto)": lambda p: p["auto"],
     **{f"margin {m:.0%}" + (" (now)" if m == AUTO_MARGIN else ""): margin_rule(m)
        for m in sorted({0.0, AUTO_MARGIN, AUTO_WITHIN, 0.05, MODEL_WITHIN})},
-    "S=2 where level (0.1%)": lambda p: 2 if predicted(p)[2] <= predicted(p)[1] * 1.001 else p["auto"],
-    "always S=2": lambda p: 2,
+    "S=2 where level (0.1%)": lambda p: 2 if predicted(p).get(2, float("inf")) <= predicted(p)[1] * 1.001
+    else p["auto"],
+    "always S=2": lambda p: 2 if 2 in predicted(p) else p["auto"],
 }
 
 
@@ -149,7 +150,7 @@ def ratio_error_table(shapes) -> list:
 
 
 def within_run(shapes) -> list:
-    """The two passes each S is timed in (sweep.py's passes_ms, recorded from 2026-12-06 on)."""
+    """The two passes each S is timed in (sweep.py's passes_ms, recorded by sweeps run after this script was written)."""
     spr = [max(r["passes_ms"]) / min(r["passes_ms"]) - 1 for runs in shapes.values() for p in runs.values()
            for r in p["rows"].values() if "passes_ms" in r]
     if not spr:

@@ -18,13 +18,11 @@ from collections import deque
 from dataclasses import asdict, dataclass, fields
 from itertools import accumulate
 
+from shardfuse.dtypes import TABLE
 from shardfuse.ir import TensorType, local_shape
 from shardfuse.ops import COMMUNICATION, ELEMENTWISE, Op
 from shardfuse.steps import event_key, index_of, plan_steps
 from shardfuse.timeline import Event, Timeline
-
-ITEMSIZE = {"float16": 2, "bfloat16": 2, "float32": 4, "float64": 8}  # (no ml_dtypes import for bfloat16)
-
 
 @dataclass(frozen=True)
 class Rates:
@@ -126,7 +124,7 @@ def collective_time(op, nbytes: float, d: int, rates: Rates) -> float:
 
 
 def _nbytes(v, mesh) -> int:
-    return math.prod(local_shape(v, mesh)) * ITEMSIZE.get(v.type.dtype, 4)
+    return math.prod(local_shape(v, mesh)) * TABLE[v.type.dtype].itemsize
 
 
 def communication_of(i, mesh) -> tuple:

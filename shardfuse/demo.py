@@ -93,8 +93,8 @@ def rows_per_block(args, d) -> int:
     if args.m is None:
         return 64
     if args.m % (args.chunks * d):
-        raise ValueError(f"--m is M, all of A's rows (as in shardfuse bench and simulate; the demo's --m once meant "
-                         f"rows per device per chunk): {args.m} must be a multiple of --chunks x devices = "
+        raise ValueError(f"--m is M, all of A's rows (as in shardfuse bench and simulate; demo's and profile's --m "
+                         f"once meant rows per device per chunk): {args.m} must be a multiple of --chunks x devices = "
                          f"{args.chunks} x {d} = {args.chunks * d}")
     return args.m // (args.chunks * d)
 

@@ -71,7 +71,7 @@ def test_demo_mlp_sequence_parallel():
     (["demo", "--backend", "numpy", "--seed", "-1"], "--seed must be an int >= 0, got -1"),
     (["demo", "--backend", "numpy", "--devices", "2", "--m", "100000000000"], "do not fit this machine's memory"),
     (["demo", "--backend", "numpy", "--devices", "2", "--chunks", "4", "--m", "12"],
-     "--m is M, all of A's rows (as in shardfuse bench and simulate; the demo's --m once meant rows per device per "
+     "--m is M, all of A's rows (as in shardfuse bench and simulate; demo's and profile's --m once meant rows per device per "
      "chunk): 12 must be a multiple of --chunks x devices = 4 x 2 = 8"),
     (["bench", "--backend", "numpy", "--devices", "3"], "--m must be a multiple of D = 3"),
     (["bench", "--backend", "numpy", "--dtype", "float32,float8"], "--dtype takes float64, float32, float16, bfloat16"),
