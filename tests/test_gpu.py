@@ -642,13 +642,13 @@ def test_natural_layout_gemms_are_one_batched_call_per_chunk(mesh, dtype):
     whole batch apart (gathered chunks and output packed in one allocation), so one
     cublasGemmStridedBatchedEx runs D * D GEMMs, once per chunk, not once per device and chunk."""
     cb = backend_of(mesh).gemms.lib()
-    real, calls = cb.gemm_batched, []
+    real, calls = cb.gemm_batched_prebound, []
 
     def counting(*args):
-        calls.append(args[-3])  # the batch count
+        calls.append(args[-3].value)  # the batch count (a ctypes int, built at bind time)
         return real(*args)
 
-    cb.gemm_batched = counting  # read when a plan binds
+    cb.gemm_batched_prebound = counting  # read when a plan binds
     try:
         r, d, s = rng(), mesh.size, 4
         x, w = randn(r, (d * s * 16, 64), dtype), randn(r, (64, 48), dtype)
@@ -659,7 +659,7 @@ def test_natural_layout_gemms_are_one_batched_call_per_chunk(mesh, dtype):
         check(f(placed, w).gather(), f64(x) @ f64(w), dtype)
         assert calls == [d * d] * s  # one call per chunk, every device's D blocks
     finally:
-        cb.gemm_batched = real
+        cb.gemm_batched_prebound = real
 
 
 @pytest.mark.parametrize("mesh", [1, 4], indirect=True)

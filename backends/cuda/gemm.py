@@ -183,7 +183,7 @@ def bind_gemm(dev, pool, a, b, out, stream, lay, fixed, tune=GEMM_TUNE):
             return step
     if inner is None:
         return _ex_step(g, cb.gemm)
-    return _batched_step(g, cb.gemm_batched)
+    return _batched_step(g, cb)
 
 
 def _pointers(s1, o1, s2, o2, so, oo):
@@ -336,8 +336,10 @@ def _each_device(g, call, what):
     return step
 
 
-def _batched_step(g, fn):
-    """cublasGemmStridedBatchedEx: the inner batch in one call, per device and outer offset."""
+def _batched_step(g, cb):
+    """cublasGemmStridedBatchedEx: the inner batch in one call, per device and outer offset (the
+    virtual devices of one GPU in one call where they allow)."""
+    fn = cb.gemm_batched
     m, n, k, opa, lda, opb, ldb, ldc = g.dims
     alpha, beta, ctype, comp, dt = g.alpha, g.beta, g.ctype, g.comp, g.dt
     cnt, sa, sb, sc = g.inner
@@ -347,10 +349,20 @@ def _batched_step(g, fn):
     s1, o1, s2, o2, so, oo = g.src
     if g.multi or g.nd == 1 or len(g.outer) != 1 or None in (s1, s2, so):
         return each
-    # virtual devices of one GPU: their batches as one batch where they lie one batch apart
-    h0, (d1, d2, d3), item = g.handles[0], g.outer[0], g.item
+    # virtual devices of one GPU: their batches as one batch where they lie one batch apart, the
+    # call's arguments built once (only the three base pointers are set per call)
+    (d1, d2, d3), item = g.outer[0], g.item
     offsets = [(o1[j] + d1, o2[j] + d2, oo[j] + d3) for j in range(g.nd)]
-    return gemm_shared.nested_batch_step(
-        each, lambda a, b, c, total: fn(h0, opa, opb, m, n, k, alpha, a, ctype, lda, sa, b, ctype, ldb, sb, beta, c,
-                                        ctype, ldc, sc, total, comp, GEMM_DEFAULT),
-        (s1, s2, so), offsets, (sa * item, sb * item, sc * item), cnt, what)
+    pa, pb, pc = ctypes.c_void_p(), ctypes.c_void_p(), ctypes.c_void_p()
+    i, ll = ctypes.c_int, ctypes.c_longlong
+    args = (ctypes.c_void_p(g.handles[0]), i(opa), i(opb), i(m), i(n), i(k), ctypes.c_void_p(alpha), pa, i(ctype),
+            i(lda), ll(sa), pb, i(ctype), i(ldb), ll(sb), ctypes.c_void_p(beta), pc, i(ctype), i(ldc), ll(sc),
+            i(cnt * g.nd), i(comp), i(GEMM_DEFAULT))
+    call = cb.gemm_batched_prebound
+
+    def batched(a, b, c, total, _keep=g.keep):
+        pa.value, pb.value, pc.value = a, b, c
+        return call(*args)
+
+    return gemm_shared.nested_batch_step(each, batched, (s1, s2, so), offsets, (sa * item, sb * item, sc * item),
+                                         cnt, what)

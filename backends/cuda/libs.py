@@ -77,6 +77,10 @@ class Cublas:
         self.gemm_batched.argtypes = [P, I, I, I, I, I, P, P, I, I, LL, P, I, I, LL, P, P, I, I, LL, I, I, I]
         for f in (self.create, self.set_stream, self.set_workspace, self.gemm, self.gemm_batched):
             f.restype = I
+        # without argtypes, for the virtual devices' one batched call per step: called with ctypes
+        # objects built at bind time (CublasLt.MatmulPrebound's reason: 23 ints converted per call)
+        self.gemm_batched_prebound = lib["cublasGemmStridedBatchedEx"]
+        self.gemm_batched_prebound.restype = I
 
 
 class CublasLt:
