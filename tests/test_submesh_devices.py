@@ -3,13 +3,13 @@
 A two-stage pipeline on 4 devices (stage 0 on devices 0, 1; stage 1 on 2, 3), each stage a
 Matmul and a Gelu:
 
-    plan pipeline(x: f32[8:DIDx, 6] @devices(0, 1), w0: f32[6, 6] @devices(0, 1), w1: f32[6, 6] @devices(2, 3)) -> ...
-      Matmul c <- x @ w0                  (devices 0, 1)
-      Gelu g <- c                         (devices 0, 1)
-      sendrecv = SendRecv g_moved <- g, from=(0, 1), to=(2, 3), axis=0   (all four)
-      Wait sendrecv
-      Matmul c_1 <- g_moved @ w1          (devices 2, 3)
-      Gelu g_1 <- c_1                     (devices 2, 3)
+    plan two_stages(x: f32[8:DIDx, 6] @devices(0, 1), w0: f32[6, 6] @devices(0, 1), w1: f32[6, 4] @devices(2, 3)) -> ...
+      Matmul c <- x @ w0                  devices 0, 1
+      Gelu g <- c                         devices 0, 1
+      sendrecv = SendRecv g_moved <- g, from=(0, 1), to=(2, 3), axis=0    all four
+      Wait sendrecv                       all four
+      Matmul c_1 <- g_moved @ w1          devices 2, 3
+      Gelu g_1 <- c_1                     devices 2, 3
 
 Before, every device ran every step, those outside a stage on placeholder buffers (work
 doubled; under mpiexec -n 4, nondeterministic overflow warnings from the garbage they held).
