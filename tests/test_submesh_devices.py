@@ -38,13 +38,14 @@ def gelu64(x):
     return 0.5 * x * (1 + np.tanh(0.7978845608028654 * (x + 0.044715 * x ** 3)))
 
 
-def pipeline(mesh, collective=False):
+def pipeline(mesh, collective=False, **jit):
     """Two stages, each a Matmul and a Gelu.  collective=True: stage 1 is tensor parallel (its
     weight's columns sharded over the stage: an Allgather of its input within the stage, and an
-    Allreduce of the row sums), so collectives on a sub-mesh's team run beside the stage's steps."""
+    Allreduce of the row sums), so collectives on a sub-mesh's team run beside the stage's steps.
+    jit: more arguments of sf.jit (graph=True)."""
     s0, s1 = (mesh.submesh(list(d)) for d in STAGES)
 
-    @sf.jit(mesh=mesh)
+    @sf.jit(mesh=mesh, **jit)
     def two_stages(x, w0, w1):
         h = sf.gelu(sf.shard(x, axis=0, mesh=s0) @ sf.replicate(w0, mesh=s0))
         if collective:

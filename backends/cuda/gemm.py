@@ -214,7 +214,7 @@ def _lt_step(dev, pool, g, stream, tune_count, unaligned):
     alpha, beta, item, dt, keep = g.alpha, g.beta, g.item, g.dt, g.keep
     s1, o1, s2, o2, so, oo = g.src
     d1, d2, d3 = g.outer[0]
-    plans, calls = {}, []  # GPU -> its cuBLASLt plan; per device: (GPU, pa, pb, pc, args, offsets)
+    plans, calls = {}, []  # GPU -> its cuBLASLt plan; per device of js: (j, GPU, pa, pb, pc, args, offsets)
     align = alignment(*(x + d for j in g.js for x, d in ((o1[j], d1), (o2[j], d2), (oo[j], d3))))
     mask = align - 1
     for j in g.js:
