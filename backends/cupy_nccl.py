@@ -144,17 +144,18 @@ class CupyNcclBackend:
         self.dev.synchronize()
 
     # ---- compute steps ------------------------------------------------------------------------
-    def bind_matmul(self, a, b, out, stream):
-        return gemm.bind_matmul(self.dev, self.gemms, a, b, out, stream, GEMM_TUNE)
+    # (each on the local devices `devices`, positions j, or all for None: a pipeline stage's own)
+    def bind_matmul(self, a, b, out, stream, devices=None):
+        return gemm.bind_matmul(self.dev, self.gemms, a, b, out, stream, GEMM_TUNE, devices)
 
-    def bind_elementwise(self, op, a, b, out, stream, scalar=None):
-        return kernels.bind_elementwise(self.dev, self.kernels, op, a, b, out, stream, scalar)
+    def bind_elementwise(self, op, a, b, out, stream, scalar=None, devices=None):
+        return kernels.bind_elementwise(self.dev.on(devices), self.kernels, op, a, b, out, stream, scalar)
 
-    def bind_sum(self, a, axis, out, stream, scale=1.0):
-        return kernels.bind_sum(self.dev, self.kernels, a, axis, out, stream, scale)
+    def bind_sum(self, a, axis, out, stream, scale=1.0, devices=None):
+        return kernels.bind_sum(self.dev.on(devices), self.kernels, a, axis, out, stream, scale)
 
-    def bind_copy(self, src, dst, stream):
-        return copies.bind_copy(self.dev, src, dst, stream)
+    def bind_copy(self, src, dst, stream, devices=None):
+        return copies.bind_copy(self.dev, src, dst, stream, devices)
 
     # ---- streams and events: device-side waits, never host blocks -----------------------------
     def new_event(self, timing=False):
@@ -193,8 +194,8 @@ class CupyNcclBackend:
         return collectives.bind_transfers(self.dev, pairs, stream)
 
     # ---- whole plans --------------------------------------------------------------------------
-    def capture(self, exe):
-        return GraphPlan(self.dev, exe)
+    def capture(self, plan):
+        return GraphPlan(self.dev, plan)
 
     # ---- reports --------------------------------------------------------------------------------
     def describe(self) -> dict:

@@ -111,31 +111,36 @@ class NumpyLocalBackend:
     def _views(self, bufs, ref):
         return [self.view(bufs, ref, j) for j in range(len(self.local_devices))]
 
-    # ---- compute ----------------------------------------------------------------------
-    def bind_matmul(self, a, b, out, stream):
-        def step(bufs):
-            for x, y, o in zip(self._views(bufs, a), self._views(bufs, b), self._views(bufs, out)):
-                np.matmul(x, y, out=o)
-        return step
+    def _on(self, devices):
+        """The positions j a compute step runs on (protocol: None is every local device)."""
+        return tuple(range(len(self.local_devices))) if devices is None else tuple(devices)
 
-    def bind_elementwise(self, op, a, b, out, stream, scalar=None):
-        fn = ELEMENTWISE[op]
+    # ---- compute: each step on its devices only ------------------------------------------
+    def bind_matmul(self, a, b, out, stream, devices=None):
+        js, view = self._on(devices), self.view
 
         def step(bufs):
-            outs = self._views(bufs, out)
-            xs = self._views(bufs, a)
-            ys = self._views(bufs, b) if b is not None else [scalar] * len(outs)
-            for x, y, o in zip(xs, ys, outs):
-                fn(np, x, y, o)
+            for j in js:
+                np.matmul(view(bufs, a, j), view(bufs, b, j), out=view(bufs, out, j))
         return step
 
-    def bind_sum(self, a, axis, out, stream, scale=1.0):
+    def bind_elementwise(self, op, a, b, out, stream, scalar=None, devices=None):
+        fn, js, view = ELEMENTWISE[op], self._on(devices), self.view
+
+        def step(bufs):
+            for j in js:
+                fn(np, view(bufs, a, j), scalar if b is None else view(bufs, b, j), view(bufs, out, j))
+        return step
+
+    def bind_sum(self, a, axis, out, stream, scale=1.0, devices=None):
         """16-bit values summed in float32 (as on GPUs: NumPy sums bfloat16 in bfloat16), and scaled
         before they are rounded back (a float16 mean whose sum would overflow does not)."""
         acc = np.float64 if out.dtype == "float64" else np.float32
+        js, view = self._on(devices), self.view
 
         def step(bufs):
-            for x, o in zip(self._views(bufs, a), self._views(bufs, out)):
+            for j in js:
+                x, o = view(bufs, a, j), view(bufs, out, j)
                 if o.dtype == acc:  # (no temporary)
                     np.sum(x, axis=axis, out=o)
                     if scale != 1.0:
@@ -145,10 +150,12 @@ class NumpyLocalBackend:
                 o[...] = s if scale == 1.0 else s * scale
         return step
 
-    def bind_copy(self, src, dst, stream):
+    def bind_copy(self, src, dst, stream, devices=None):
+        js, view = self._on(devices), self.view
+
         def step(bufs):
-            for x, o in zip(self._views(bufs, src), self._views(bufs, dst)):
-                o[...] = x
+            for j in js:
+                view(bufs, dst, j)[...] = view(bufs, src, j)
         return step
 
     # ---- streams: steps run in issue order, so ordering needs no work --------------------
@@ -183,7 +190,7 @@ class NumpyLocalBackend:
     def synchronize(self):
         pass
 
-    def capture(self, exe):
+    def capture(self, plan):
         raise NotImplementedError("graph mode needs the cupy backend")
 
     # ---- collectives: (start, wait); in memory, across the local devices of each team ------

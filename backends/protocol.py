@@ -7,6 +7,15 @@ and called on every run.  Collectives are bound as a (start, wait) pair of steps
 method may return None for a step it has nothing to do for (NumPy's events; a wait where the
 start already completed): the executor leaves it out.
 
+A step runs on the devices of the values it computes (shardfuse/steps.py, devices_of), so a
+pipeline stage's steps run on its sub-mesh only.  Compute steps and copies take `devices`: the
+positions j (into local_devices, a slot's buffers and Ref.offsets) of the local devices to run
+on, None for all; a device left out computes nothing (its buffers of that value are placeholders
+that nobody reads).  Communication runs where its team (between meshes, its pairs of devices)
+says; it is bound on every process, since setting a team up may itself be collective.  Events
+and joins order a GPU's streams, for all its devices.  The executor does not bind a compute step
+that has none of this process' devices, and leaves any such step out of this process' list.
+
 Communication (collectives, sends and receives, moves between meshes) reads and writes
 contiguous views only: the compiler stages any other view through a scratch buffer, with a
 Copy printed in the plan (passes/contiguity.py), so a backend never copies behind the plan.
@@ -95,11 +104,11 @@ class Backend(Protocol):
     def synchronize(self): """Block the host until every stream of this backend is idle."""
     def stream(self, j=0): """Local device j's main stream (a CuPy Stream; None where steps run on the host)."""
 
-    # compute steps
-    def bind_matmul(self, a, b, out, stream): """Step: out = a @ b (batched over leading axes)."""
-    def bind_elementwise(self, op, a, b, out, stream, scalar=None): """Step: out = op(a[, b]); op an ops.Op of ops.ELEMENTWISE."""
-    def bind_sum(self, a, axis, out, stream, scale=1.0): """Step: out = a.sum(axis) * scale, 16-bit summed in float32."""
-    def bind_copy(self, src, dst, stream): """Step: dst[...] = src (any strides)."""
+    # compute steps, on local devices `devices` (positions j; None: all of them)
+    def bind_matmul(self, a, b, out, stream, devices=None): """Step: out = a @ b (batched over leading axes)."""
+    def bind_elementwise(self, op, a, b, out, stream, scalar=None, devices=None): """Step: out = op(a[, b]); op an ops.Op of ops.ELEMENTWISE."""
+    def bind_sum(self, a, axis, out, stream, scale=1.0, devices=None): """Step: out = a.sum(axis) * scale, 16-bit summed in float32."""
+    def bind_copy(self, src, dst, stream, devices=None): """Step: dst[...] = src (any strides)."""
 
     # streams and events
     def new_event(self, timing=False): """A fresh event handle (one per GPU; timing=True: usable by event_ms)."""
@@ -117,7 +126,7 @@ class Backend(Protocol):
     def bind_transfers(self, pairs, stream): """Point-to-point copies (src device, send, dst device, recv) between meshes."""
 
     # whole plans
-    def capture(self, exe): """A replayable graph of a bound plan (exe: a BoundPlan), or raise NotImplementedError."""
+    def capture(self, plan): """A replayable graph of a BoundPlan, or raise NotImplementedError."""
 
     # reports (so no module reads a backend's private state)
     def describe(self) -> dict: """Name, devices, library versions: for reports and bench tables."""

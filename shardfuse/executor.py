@@ -5,8 +5,10 @@ view (chunk slice, pool slot, shard slice, reshape) becomes a `Ref` (slot, per-d
 offsets, shape, strides), the stream of every step is fixed, persistent buffers and events
 are created.  A call then only places its inputs, allocates its outputs and runs the steps.
 The steps are exactly the plan's (steps.issue_order: one per printed instruction that issues
-work; none is added here, no staging copy either: passes/contiguity.py prints those).
-Backends see Refs and streams, never the IR.
+work; none is added here, no staging copy either: passes/contiguity.py prints those), each on
+the devices steps.devices_of gives it: this process leaves out the compute steps of a pipeline
+stage it holds no device of, and runs the others on its devices of their stage only.
+Backends see Refs, streams and local devices, never the IR.
 """
 from __future__ import annotations
 
@@ -21,9 +23,9 @@ from shardfuse.pieces import check_args, local_pieces, piece_indices
 from shardfuse.interop import stream_ptr
 from shardfuse.backends.protocol import BoundPlan, Ref, block, rank_major, reshape_strides
 from shardfuse.ir import local_shape, walk
-from shardfuse.ops import ELEMENTWISE, HOST, Op, VIEWS
+from shardfuse.ops import COMMUNICATION, ELEMENTWISE, HOST, Op, VIEWS
 from shardfuse.passes.contiguity import comm_blocks
-from shardfuse.steps import event_key, index_of, issue_order
+from shardfuse.steps import event_key, index_of, issue_order, mesh_of
 from shardfuse.strides import ordered_strides
 
 log = logging.getLogger("shardfuse")
@@ -52,9 +54,10 @@ class Executable:
         self.slot_templates: list = []  # per slot: None (input / per call) or persistent buffers
         self.per_call: list = []  # (slot, shape, dtype)
         # The plan's steps that this backend runs, in issue order: steps.PlanStep records with
-        # `run` (the backend's callable) and `devices` (this process') filled in.  Steps a
-        # backend has nothing to do for (NumPy's events) are left out; `index` is each one's
-        # place in the plan's list, as the cost model and a profile number them.
+        # `run` (the backend's callable) and `devices` (this process' of the step's) filled in.
+        # Steps a backend has nothing to do for (NumPy's events) and steps on none of this
+        # process' devices (another pipeline stage's) are left out; `index` is each one's place
+        # in the plan's list, as the cost model and a profile number them.
         self.steps: list = []
         self.pending: dict = {}  # comm handle -> its wait step
         self.blocked: dict = {}  # staging buffer stored as [D, ...] blocks -> (axis, D)
@@ -66,9 +69,15 @@ class Executable:
         self._deferred: dict = {}  # slot -> (physical shape, dtype): the program's own persistent buffers
         local = tuple(backend.local_devices)
         for i, env, step in issue_order(prog):
-            run = BIND[i.op](self, i, env, None if step is None else step.stream)
-            if run is not None:
-                self.steps.append(replace(step, devices=local, run=run))
+            if step is None:  # allocations, views, stream switches: no step
+                BIND[i.op](self, i, env, None, ())
+                continue
+            here = tuple(j for j, d in enumerate(local) if d in step.devices)  # positions j
+            if not here and i.op not in BOUND_EVERYWHERE:
+                continue  # a compute step of another pipeline stage: nothing to do on this process
+            run = BIND[i.op](self, i, env, step.stream, here)
+            if run is not None and here:
+                self.steps.append(replace(step, devices=tuple(local[j] for j in here), run=run))
         self._allocate_used(prog)
         # per output: the slot whose per-call buffers are the output as they are (a call then makes
         # no view per device), else None
@@ -126,7 +135,9 @@ class Executable:
                 self.slot_templates[slot] = self.backend.empty(shape, dtype)
 
     # ---- binding: each binder returns the instruction's step (None: it issues nothing) ----
-    def _bind_allocate(self, i, env, stream):
+    # `devices`: the positions j of the local devices the step runs on (steps.devices_of), which
+    # compute steps and copies pass on; communication has its team, stream steps all devices.
+    def _bind_allocate(self, i, env, stream, devices):
         v, a = i.outs[0], i.attrs
         shape = local_shape(v, self.mesh)
         if a.get("blocks"):  # a staging buffer stored as communication reads or writes it: [D, ...]
@@ -142,48 +153,49 @@ class Executable:
         else:
             self.refs[v] = self._allocate(shape, v.type.dtype, a.get("per_call", False), a.get("order"))
 
-    def _bind_view(self, i, env, stream):
+    def _bind_view(self, i, env, stream, devices):
         self.refs[i.outs[0]] = self._view(i, env)
         if i.ins[0] in self.blocked:  # (a pool's slot)
             self.blocked[i.outs[0]] = self.blocked[i.ins[0]]
 
-    def _bind_record(self, i, env, stream):
+    def _bind_record(self, i, env, stream, devices):
         key = event_key(i.outs[0], i, env)
         self.refs[key] = self.backend.new_event()
         return self.backend.bind_record(self.refs[key], stream)
 
-    def _bind_wait_event(self, i, env, stream):
+    def _bind_wait_event(self, i, env, stream, devices):
         return self.backend.bind_wait_event(self.refs[event_key(i.ins[0], i, env)], stream)
 
-    def _bind_synchronize(self, i, env, stream):
+    def _bind_synchronize(self, i, env, stream, devices):
         return self.backend.bind_join(stream, index_of(i.attrs["index"], env))
 
-    def _bind_sendrecv(self, i, env, stream):
+    def _bind_sendrecv(self, i, env, stream, devices):
         start, self.pending[i.outs[0]] = self.backend.bind_sendrecv(*self._comm_operands(i), self._team(i, i.attrs["team"]),
                                                                     i.attrs["shift"], stream)
         return start
 
-    def _bind_wait(self, i, env, stream):
+    def _bind_wait(self, i, env, stream, devices):
         return self.pending.pop(i.ins[0])
 
-    def _bind_matmul(self, i, env, stream):
+    def _bind_matmul(self, i, env, stream, devices):
         x, y = (self.refs[v] for v in i.ins)
-        return self.backend.bind_matmul(x, y, self.refs[i.into], stream)
+        return self.backend.bind_matmul(x, y, self.refs[i.into], stream, devices=devices)
 
-    def _bind_elementwise(self, i, env, stream):
+    def _bind_elementwise(self, i, env, stream, devices):
         x, y = (self.refs[v] for v in i.ins) if len(i.ins) == 2 else (self.refs[i.ins[0]], None)
         scalar = {"scalar": i.attrs["value"]} if "value" in i.attrs else {}
-        return self.backend.bind_elementwise(i.op, x, y, self.refs[i.into], stream, **scalar)
+        return self.backend.bind_elementwise(i.op, x, y, self.refs[i.into], stream, devices=devices, **scalar)
 
-    def _bind_sum(self, i, env, stream):
+    def _bind_sum(self, i, env, stream, devices):
         return self.backend.bind_sum(self.refs[i.ins[0]], i.attrs["axis"], self.refs[i.into], stream,
-                                     i.attrs.get("factor", 1.0))
+                                     i.attrs.get("factor", 1.0), devices=devices)
 
-    def _bind_copy(self, i, env, stream):
+    def _bind_copy(self, i, env, stream, devices):
         """A copy into or out of a staging buffer stored in blocks sees the other side in blocks too."""
         src, dst = i.ins[0], i.into
         blocks = self.blocked.get(src) or self.blocked.get(dst)
-        return self.backend.bind_copy(self._in_blocks(src, blocks), self._in_blocks(dst, blocks), stream)
+        return self.backend.bind_copy(self._in_blocks(src, blocks), self._in_blocks(dst, blocks), stream,
+                                      devices=devices)
 
     def _view(self, i, env) -> Ref:
         op, a = i.op, i.attrs
@@ -211,7 +223,7 @@ class Executable:
 
     def _ranks(self, v, team):
         """Each local device's position along mesh axis `team` of the mesh v lives on (0 outside it)."""
-        mesh = v.type.layout.mesh or self.mesh
+        mesh = mesh_of(v, self.prog)
         mi = mesh.axis_index(team)
         return [mesh.coords(d)[mi] if d in mesh.devices else 0 for d in self.backend.local_devices]
 
@@ -230,7 +242,7 @@ class Executable:
                                    "communication unstaged (passes/contiguity.py stages every one, printed)")
         return refs
 
-    def _bind_transfer(self, i, env, stream):
+    def _bind_transfer(self, i, env, stream, devices):
         """A move between meshes as point-to-point copies: (src device, send, dst device, recv)."""
         a, kind = i.attrs, i.attrs["kind"]
         frm, to = a["from"], a["to"]
@@ -249,15 +261,15 @@ class Executable:
     def _team(self, i, name):
         """What a backend's collective runs over: a mesh axis name of the program's mesh, or
         (sub-mesh, axis name) for a value that lives on a sub-mesh (backends that can)."""
-        mesh = i.ins[0].type.layout.mesh
-        if mesh is None:
+        mesh = mesh_of(i.ins[0], self.prog)
+        if mesh == self.mesh:
             return name
         if not self.backend.submesh_teams:
             raise NotImplementedError(f"{i.op} of {i.ins[0].name} inside the sub-mesh {mesh}: the {self.backend.name} "
                                       "backend does not run collectives within a sub-mesh yet (moves between meshes work)")
         return (mesh, name)
 
-    def _bind_collective(self, i, env, stream):
+    def _bind_collective(self, i, env, stream, devices):
         start, self.pending[i.outs[0]] = COLLECTIVE_BINDERS[i.op](self.backend)(
             *self._comm_operands(i), self._team(i, i.attrs["team"]), stream)
         return start
@@ -327,7 +339,7 @@ class Executable:
         return outs
 
 
-def _no_step(self, i, env, stream):  # stream switches (steps.issue_order follows them)
+def _no_step(self, i, env, stream, devices):  # stream switches (steps.issue_order follows them)
     return None
 
 
@@ -350,6 +362,10 @@ BIND = {
     Op.COPY: Executable._bind_copy,
 }
 assert set(BIND) == HOST - {Op.FOR}, set(BIND) ^ HOST  # loops are unrolled (ir.unroll)
+
+# Communication is bound on every process, also where it holds none of the step's devices: setting
+# up a team may be collective (an MPI split), and the backend knows where there is nothing to do.
+BOUND_EVERYWHERE = COMMUNICATION | {Op.WAIT}
 
 # The backend method each collective binds through (send, recv, team, stream).
 COLLECTIVE_BINDERS = {

@@ -5,6 +5,11 @@ profile labels (so a step's index names the same instruction in all three).
 stream switches issue nothing; every other instruction is one step, on the stream the last
 SetCurrentStream picked (the main stream before any).  A step's text is its line of
 `print(plan)`, with its loop step: `Matmul c_i <- a_i @ b  [i=3]`.
+
+A step runs on the devices of the values it computes (`devices_of`): a Matmul whose result lives
+on a pipeline stage's sub-mesh runs on that stage's devices only, a collective on its team's
+mesh, a move between meshes on both ends, a Wait where its communication started; stream steps
+(events, joins) on every device of the plan.
 """
 from __future__ import annotations
 
@@ -12,7 +17,7 @@ from dataclasses import dataclass
 from typing import Callable
 
 from shardfuse.ir import Instr, format_instrs, unroll
-from shardfuse.ops import COMMUNICATION, ELEMENTWISE, VIEWS, Op
+from shardfuse.ops import COLLECTIVES, COMMUNICATION, ELEMENTWISE, VIEWS, Op
 
 KINDS = ("communication", "gemm", "compute", "copies", "stream")
 NO_STEP = VIEWS | {Op.ALLOCATE, Op.GET_STREAM, Op.SET_STREAM}
@@ -40,7 +45,7 @@ class PlanStep:
     stream: object  # "main" (backends.protocol.MAIN) or a worker stream's index
     instr: Instr
     env: dict  # the loop variables of this step
-    devices: tuple  # the devices it runs on: the mesh's in the plan; this process' once bound
+    devices: tuple  # the global ids of the devices it runs on (devices_of); once bound, this process' of them
     run: Callable | None = None  # once bound: the backend's callable of the per-call buffer table
 
 
@@ -61,9 +66,32 @@ def stream_of(i, env, stream):
     return index_of(i.attrs["index"], env) if "index" in i.attrs else i.attrs["stream"]
 
 
+def mesh_of(v, prog):
+    """The mesh value v lives on: its sub-mesh (a pipeline stage), else the program's mesh.  (The one
+    place the steps, and the executor through them, read a value's mesh.)"""
+    return v.type.layout.mesh or prog.mesh
+
+
+def devices_of(i, prog, started) -> tuple:
+    """The global ids of the devices instruction i runs on.  `started`: the devices of each
+    communication handle issued so far, which its Wait runs on (filled here)."""
+    if i.op == Op.WAIT:
+        return started.pop(i.ins[0])
+    if i.op == Op.TRANSFER:  # both ends of a move between meshes
+        devices = tuple(dict.fromkeys(i.attrs["from"] + i.attrs["to"]))
+    elif i.op in COLLECTIVES:  # every team of the mesh its operand lives on
+        devices = tuple(mesh_of(i.ins[0], prog).devices)
+    elif i.into is not None:  # compute and copies: where the result lives
+        return tuple(mesh_of(i.into, prog).devices)
+    else:  # events and joins: the streams of every device
+        return tuple(prog.mesh.devices)
+    started[i.outs[0]] = devices
+    return devices
+
+
 def issue_order(prog):
     """(instruction, loop variables, PlanStep or None) for everything one call issues, in order."""
-    stream, k, devices = "main", 0, tuple(prog.mesh.devices)
+    stream, k, started = "main", 0, {}
     for i, env in unroll(prog.instrs):
         stream = stream_of(i, env, stream)
         if i.op in NO_STEP:
@@ -71,7 +99,8 @@ def issue_order(prog):
             continue
         text = format_instrs([i], indent=0)[0]
         where = ", ".join(f"{n}={v}" for n, v in env.items())
-        yield i, env, PlanStep(k, f"{text}  [{where}]" if where else text, i.op, kind_of(i.op), stream, i, env, devices)
+        yield i, env, PlanStep(k, f"{text}  [{where}]" if where else text, i.op, kind_of(i.op), stream, i, env,
+                               devices_of(i, prog, started))
         k += 1
 
 

@@ -1,7 +1,8 @@
 """Timeline: what the steps of a plan did, on a time axis, per device and stream (plan.profile).
 
 Each event is one executed step: its process rank, call, step index (its place in the plan's
-list of steps, shardfuse/steps.py: a prediction numbers them alike), devices, stream, the
+list of steps, shardfuse/steps.py: a prediction numbers them alike), the devices it ran on (a
+pipeline stage's steps on that stage's devices only: steps.devices_of), stream, the
 instruction as `print(plan)` shows it, its kind (communication, GEMM, other compute, copy,
 stream) and its start and end in seconds from the first step.  Out: Chrome trace / Perfetto JSON
 (`to_chrome_trace`), a matplotlib Gantt chart (`plot`), and the summary figures of `summary()`.
@@ -9,6 +10,8 @@ stream) and its start and end in seconds from the first step.  Out: Chrome trace
 from __future__ import annotations
 
 import argparse
+import functools
+import io
 import json
 import os
 import time
@@ -124,17 +127,18 @@ class Timeline:
 
     def plot(self, ax=None, path=None):
         """A Gantt chart: a row per (rank, device, stream), each device's main stream first, steps
-        coloured by kind.  Returns the matplotlib Figure (shown once, inline, in Jupyter: it is not
-        registered with pyplot); written to `path` (e.g. a PNG) when given."""
+        coloured by kind.  Returns the matplotlib Figure, which shows once, inline, as a notebook
+        cell's last value, with or without `%matplotlib inline` (it has a `_repr_png_`, and it is
+        not registered with pyplot, so the inline backend does not show it again); written to
+        `path` (e.g. a PNG) when given.  With `ax=`, the chart is drawn there and that Figure returned."""
         try:
-            from matplotlib.figure import Figure
             from matplotlib.patches import Patch
         except ImportError:  # (an optional extra)
             raise ImportError("Timeline.plot needs matplotlib: pip install -e \".[plot]\"") from None
         rows = sorted({(e.rank, d, e.stream) for e in self.events for d in e.devices}, key=_row_order)
         index = {r: k for k, r in enumerate(rows)}
         if ax is None:
-            ax = Figure(figsize=(10, 0.5 + 0.4 * max(1, len(rows)))).subplots()
+            ax = _inline_figure()(figsize=(10, 0.5 + 0.4 * max(1, len(rows)))).subplots()
         bars: dict = {}  # (row, kind) -> [(start ms, width ms)]: one artist each, not one per step
         for e in self.events:
             for d in e.devices:
@@ -151,6 +155,22 @@ class Timeline:
         if path is not None:
             ax.figure.savefig(path, bbox_inches="tight")
         return ax.figure
+
+
+@functools.cache
+def _inline_figure():
+    """A matplotlib Figure that Jupyter shows as a PNG (made at the first plot: matplotlib is an
+    optional extra).  IPython asks a value's type printers first (`%matplotlib inline` registers
+    one for Figure) and `_repr_png_` only where there is none, so it shows once either way."""
+    from matplotlib.figure import Figure
+
+    class InlineFigure(Figure):
+        def _repr_png_(self):
+            out = io.BytesIO()
+            self.savefig(out, format="png", bbox_inches="tight")
+            return out.getvalue()
+
+    return InlineFigure
 
 
 def profile_steps(exe, args, repeat: int = 1, nvtx: bool = False) -> list:
@@ -179,9 +199,9 @@ def profile_steps(exe, args, repeat: int = 1, nvtx: bool = False) -> list:
                     exe.run(args, infos, None, issue=lambda bufs: records.extend(_host_steps(exe, bufs, call, push, pop)))
             finally:
                 pop()
-    if not on_gpu:
+    if not on_gpu:  # each step on this process' devices of it (a pipeline stage's steps on the stage's)
         t0 = min((r[2] for r in records), default=0.0)
-        records = [(c, k, a - t0, b - t0, tuple(exe.backend.local_devices)) for c, k, a, b in records]
+        records = [(c, k, a - t0, b - t0, exe.steps[k].devices) for c, k, a, b in records]
     return records
 
 
@@ -240,9 +260,11 @@ def _gpu_call(exe, args, infos, call, ref, push, pop):
     out = []
     for k, (e0, e1) in enumerate(marks):
         starts, ends = be.event_ms(ref, e0), be.event_ms(ref, e1)
+        mine = exe.steps[k].devices  # (a pipeline stage's step: its GPUs only)
         for g, a, b in zip(order, starts, ends):
-            devices = tuple(d for d, o in zip(be.local_devices, gpus) if o == g)
-            out.append((call, k, a / 1e3, b / 1e3, devices))
+            devices = tuple(d for d, o in zip(be.local_devices, gpus) if o == g and d in mine)
+            if devices:
+                out.append((call, k, a / 1e3, b / 1e3, devices))
     return out
 
 

@@ -33,9 +33,9 @@ class CountingBackend(NumpyLocalBackend):
     def _count(self, name):
         self.bound[name] = self.bound.get(name, 0) + 1
 
-    def bind_matmul(self, a, b, out, stream):
+    def bind_matmul(self, a, b, out, stream, devices=None):
         self._count("matmul")
-        return super().bind_matmul(a, b, out, stream)
+        return super().bind_matmul(a, b, out, stream, devices)
 
     def bind_allgather(self, send, recv, team, stream):
         self._count("allgather")

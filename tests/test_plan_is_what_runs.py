@@ -76,9 +76,9 @@ class Counting(NumpyLocalBackend):
     def _count(self, what):
         self.bound[what] = self.bound.get(what, 0) + 1
 
-    def bind_copy(self, src, dst, stream):
+    def bind_copy(self, src, dst, stream, devices=None):
         self._count(Op.COPY)
-        return super().bind_copy(src, dst, stream)
+        return super().bind_copy(src, dst, stream, devices)
 
     def bind_transfers(self, pairs, stream):
         self._count(Op.TRANSFER)
@@ -129,7 +129,9 @@ def test_bound_profiled_predicted_and_printed_steps_are_one_list(case):
     assert [(s.index, s.text, s.op, s.stream) for s in bound] == \
         [(p.index, p.text, p.op, p.stream) for p in printed if p.index in {s.index for s in bound}]
     assert {p.op for p in printed} - {s.op for s in bound} <= STREAM_OPS | {Op.WAIT}
-    assert all(s.run is not None and s.devices == tuple(f.mesh.local_devices) for s in bound)
+    # each on this process' devices of the printed step's (a sub-mesh's steps on its devices only)
+    assert all(s.run is not None and s.devices == tuple(d for d in f.mesh.local_devices if d in printed[s.index].devices)
+               for s in bound)
     # profiled: the bound steps, every call
     tl = plan.profile(*args, repeat=2)
     for call in range(2):

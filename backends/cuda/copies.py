@@ -67,22 +67,24 @@ def dma_copy(src, dst):
     return None
 
 
-def bind_copy(dev, src, dst, stream):
-    """Step: dst[...] = src, a DMA copy per device where one can move it, else a copy kernel."""
+def bind_copy(dev, src, dst, stream, devices=None):
+    """Step: dst[...] = src on local devices `devices` (positions j; None: all), a DMA copy per
+    device where one can move it, else a copy kernel."""
     if src.shape != dst.shape:
         raise ValueError(f"copy {src.shape} -> {dst.shape}")
     copy = dma_copy(src, dst)
     if copy is None:
         def body(j, x, o):
             o[...] = x
-        return dev.per_device((src, dst), stream, body)
-    streams = [dev.stream(j, stream).ptr for j in range(len(dev.ordinals))]
+        return dev.per_device((src, dst), stream, body, devices)
+    js = range(len(dev.ordinals)) if devices is None else devices
+    streams = [(j, dev.stream(j, stream).ptr) for j in js]
     so, do = offsets_bytes(src), offsets_bytes(dst)
     ss, ds = src.slot, dst.slot
 
     def step(bufs):
         S, D = bufs[ss], bufs[ds]
-        for j, sp in enumerate(streams):
+        for j, sp in streams:
             copy(D[j].data.ptr + do[j], S[j].data.ptr + so[j], sp)
     return step
 

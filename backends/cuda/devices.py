@@ -170,17 +170,24 @@ class Devices:
             else:
                 x[...] = r.astype(x.dtype)
 
-    def per_device(self, refs, stream, body):
-        """A step that builds CuPy views of refs on each device and runs body(j, *views) on stream."""
-        streams = [self.stream(j, stream) for j in range(len(self.ordinals))]
+    def per_device(self, refs, stream, body, devices=None):
+        """A step that builds CuPy views of refs on each local device of `devices` (positions j;
+        None: all) and runs body(j, *views) on stream."""
+        js = range(len(self.ordinals)) if devices is None else devices
+        streams = [(j, self.stream(j, stream)) for j in js]
         ords = self.ordinals
         view = self.view
 
         def step(bufs):
-            for j, s in enumerate(streams):
+            for j, s in streams:
                 with cupy.cuda.Device(ords[j]), s:
                     body(j, *[view(bufs, r, j) for r in refs])
         return step
+
+    def on(self, devices):
+        """These devices as a step on local devices `devices` (positions j) sees them: per_device
+        runs there only (kernels.py binds through it as through Devices); None: all, self."""
+        return self if devices is None or len(devices) == len(self.ordinals) else OnDevices(self, tuple(devices))
 
     # ---- the caller's streams: device-side waits, never host blocks ----------------------
     def gpu_of_stream(self, ptr):
@@ -267,3 +274,17 @@ def join_step(dev, waiter, waitee):
             runtime.eventRecord(e, src)
             runtime.streamWaitEvent(dst, e, 0)
     return step
+
+
+class OnDevices:
+    """A Devices whose per_device runs on some local devices only (Devices.on); all else is the
+    Devices' own."""
+
+    def __init__(self, dev, devices):
+        self.dev, self.devices = dev, devices
+
+    def __getattr__(self, name):
+        return getattr(self.dev, name)
+
+    def per_device(self, refs, stream, body):
+        return self.dev.per_device(refs, stream, body, self.devices)

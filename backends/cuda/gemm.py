@@ -93,8 +93,10 @@ class Handles:
 
 
 # ---- GEMM steps ------------------------------------------------------------------------------
-def bind_matmul(dev, pool, a, b, out, stream, tune=GEMM_TUNE):
-    """Step: out = a @ b.  `tune`: how many cuBLASLt candidates to time (SHARDFUSE_GEMM_TUNE)."""
+def bind_matmul(dev, pool, a, b, out, stream, tune=GEMM_TUNE, devices=None):
+    """Step: out = a @ b on local devices `devices` (positions j; None: all).  `tune`: how many
+    cuBLASLt candidates to time (SHARDFUSE_GEMM_TUNE)."""
+    js = tuple(range(len(dev.ordinals))) if devices is None else tuple(devices)
     lay = gemm_layout(a, b, out)
     pre, post = [], []
     if lay is None:  # stage operands cuBLAS cannot read in place through contiguous scratch
@@ -115,9 +117,9 @@ def bind_matmul(dev, pool, a, b, out, stream, tune=GEMM_TUNE):
         if lay is None:
             raise NotImplementedError(f"cupy_nccl: matmul {a.shape} @ {b.shape} -> {out.shape}: no cuBLAS layout")
         gemm = bind_gemm(dev, pool, x, y, o, stream, lay, {id(x): pre and pre[0][1], id(y): pre and pre[1][1],
-                                                           id(o): post and post[0][1]}, tune)
-        copies_in = [_stage_copy(dev, src, buf, stream, True) for src, buf in pre]
-        copies_out = [_stage_copy(dev, dst, buf, stream, False) for dst, buf in post]
+                                                           id(o): post and post[0][1]}, tune, js)
+        copies_in = [_stage_copy(dev, src, buf, stream, True, js) for src, buf in pre]
+        copies_out = [_stage_copy(dev, dst, buf, stream, False, js) for dst, buf in post]
 
         def step(bufs):
             for c in copies_in:
@@ -126,14 +128,14 @@ def bind_matmul(dev, pool, a, b, out, stream, tune=GEMM_TUNE):
             for c in copies_out:
                 c(bufs)
         return step
-    return bind_gemm(dev, pool, a, b, out, stream, lay, {}, tune)
+    return bind_gemm(dev, pool, a, b, out, stream, lay, {}, tune, js)
 
 
-def _stage_copy(dev, ref, buf, stream, into):
-    streams = [dev.stream(j, stream) for j in range(len(dev.ordinals))]
+def _stage_copy(dev, ref, buf, stream, into, js):
+    streams = [(j, dev.stream(j, stream)) for j in js]
 
     def step(bufs):
-        for j, s in enumerate(streams):
+        for j, s in streams:
             with cupy.cuda.Device(dev.ordinals[j]), s:
                 v = dev.view(bufs, ref, j)
                 if into:
@@ -143,9 +145,10 @@ def _stage_copy(dev, ref, buf, stream, into):
     return step
 
 
-def bind_gemm(dev, pool, a, b, out, stream, lay, fixed, tune=GEMM_TUNE):
-    """The step of cuBLAS calls of layout `lay` (gemm_layout's); `fixed` maps id(ref) of a staged
-    operand to its scratch buffers (fixed pointers instead of a slot)."""
+def bind_gemm(dev, pool, a, b, out, stream, lay, fixed, tune, js):
+    """The step of cuBLAS calls of layout `lay` (gemm_layout's) on local devices js (positions j);
+    `fixed` maps id(ref) of a staged operand to its scratch buffers (fixed pointers instead of a
+    slot)."""
     m, n, k, opa, lda, opb, ldb, ldc, swap, inner, outer = lay
     dt = out.dtype
     if not (a.dtype == b.dtype == dt):
@@ -162,8 +165,8 @@ def bind_gemm(dev, pool, a, b, out, stream, lay, fixed, tune=GEMM_TUNE):
     else:
         outer = [(oa * item, ob * item, oc * item) for (oa, ob, oc) in outer]
     cb = pool.lib()
-    nd = len(dev.ordinals)
-    handles = [pool.handle(j, stream) for j in range(nd)]
+    nd = len(js)
+    handles = [pool.handle(j, stream) for j in js]  # (one per device of js, in its order)
 
     def source(ref):  # (slot, byte offsets) or (None, fixed pointers) of a staged operand
         buf = fixed.get(id(ref))
@@ -176,7 +179,8 @@ def bind_gemm(dev, pool, a, b, out, stream, lay, fixed, tune=GEMM_TUNE):
     g = SimpleNamespace(dims=(m, n, k, opa, lda, opb, ldb, ldc), inner=inner, outer=outer, dt=dt, item=item,
                         ctype=CUDA_T[dt], comp=comp, alpha=ctypes.addressof(one), beta=ctypes.addressof(zero),
                         keep=(one, zero), src=(s1, o1, s2, o2, so, oo), ptrs=_pointers(s1, o1, s2, o2, so, oo),
-                        handles=handles, ords=dev.ordinals, multi=not dev.one_gpu, nd=nd)
+                        handles=handles, ords=dev.ordinals, multi=not dev.one_gpu, nd=nd, js=js,
+                        whole=nd == len(dev.ordinals))  # whole: every local device (one batch can serve them)
     if inner is None and pool.api == "lt" and len(outer) == 1 and None not in (s1, s2, so):
         step = _lt_step(dev, pool, g, stream, tune, _ex_step(g, cb.gemm))
         if step is not None:
@@ -210,10 +214,11 @@ def _lt_step(dev, pool, g, stream, tune_count, unaligned):
     alpha, beta, item, dt, keep = g.alpha, g.beta, g.item, g.dt, g.keep
     s1, o1, s2, o2, so, oo = g.src
     d1, d2, d3 = g.outer[0]
-    plans, calls = {}, []  # GPU -> its cuBLASLt plan; per device: (GPU, pa, pb, pc, args, offsets)
-    align = alignment(*(x + d for j in range(g.nd) for x, d in ((o1[j], d1), (o2[j], d2), (oo[j], d3))))
+    plans, calls = {}, []  # GPU -> its cuBLASLt plan; per device of js: (j, GPU, pa, pb, pc, args, offsets)
+    align = alignment(*(x + d for j in g.js for x, d in ((o1[j], d1), (o2[j], d2), (oo[j], d3))))
     mask = align - 1
-    for j, o in enumerate(g.ords):
+    for j in g.js:
+        o = g.ords[j]
         lh, ws, sp = pool.lt_handle(o), pool.ws_ptr[(o, stream)], dev.stream(j, stream).ptr
         if o not in plans:
             with cupy.cuda.Device(o):
@@ -221,13 +226,13 @@ def _lt_step(dev, pool, g, stream, tune_count, unaligned):
             if plans[o] is None:
                 return None
         args, pa, pb, pc = _prebound(lh, plans[o], alpha, beta, ws, sp)
-        calls.append((o, pa, pb, pc, args, (o1[j] + d1, o2[j] + d2, oo[j] + d3)))
+        calls.append((j, o, pa, pb, pc, args, (o1[j] + d1, o2[j] + d2, oo[j] + d3)))
     mm, what, held = lt.MatmulPrebound, f"cublasLtMatmul (m={m} n={n} k={k} {dt})", (keep, plans)
     if g.nd == 1:  # the hot path, kept short: one device, one GEMM
-        ((_, pa, pb, pc, args, (x1, x2, x3)),) = calls
+        ((j0, _, pa, pb, pc, args, (x1, x2, x3)),) = calls
 
         def step(bufs, _keep=held):
-            a, b, c = bufs[s1][0].data.ptr + x1, bufs[s2][0].data.ptr + x2, bufs[so][0].data.ptr + x3
+            a, b, c = bufs[s1][j0].data.ptr + x1, bufs[s2][j0].data.ptr + x2, bufs[so][j0].data.ptr + x3
             if (a | b | c) & mask:
                 return unaligned(bufs)
             pa.value, pb.value, pc.value = a, b, c
@@ -239,7 +244,7 @@ def _lt_step(dev, pool, g, stream, tune_count, unaligned):
 
     def step(bufs, _keep=held):
         A, B, C = bufs[s1], bufs[s2], bufs[so]
-        for j, (o, pa, pb, pc, args, (x1, x2, x3)) in enumerate(calls):
+        for j, o, pa, pb, pc, args, (x1, x2, x3) in calls:
             if multi:
                 runtime.setDevice(o)
             a, b, c = A[j].data.ptr + x1, B[j].data.ptr + x2, C[j].data.ptr + x3
@@ -249,7 +254,7 @@ def _lt_step(dev, pool, g, stream, tune_count, unaligned):
             st = mm(*args)
             if st:
                 check(st, f"{what}, device {j}")
-    if multi:
+    if multi or not g.whole:
         return step
     # virtual devices of one GPU: one strided-batched call where their operands allow
     o = g.ords[0]
@@ -264,7 +269,7 @@ def _lt_step(dev, pool, g, stream, tune_count, unaligned):
         lays = lt_layouts(lt, g.ctype, opa, opb, m, n, k, lda, ldb, ldc, keep, (g.nd,) + strides)
         return (*_prebound(lh, (desc, *lays, algo, None), alpha, beta, ws, sp), (keep, plan, held))
 
-    return gemm_shared.one_gpu_step(step, bind_batched, mm, (s1, s2, so), [c[5] for c in calls], item,
+    return gemm_shared.one_gpu_step(step, bind_batched, mm, (s1, s2, so), [c[6] for c in calls], item,
                                     ldc * n * item, what, align)
 
 
@@ -304,12 +309,12 @@ def _ex_step(g, fn):
     handles, outer = g.handles, g.outer
     if g.nd == 1 and len(outer) == 1 and s1 is not None and s2 is not None and so is not None:
         # the common case, kept short: one device, one GEMM
-        h0, (d1, d2, d3) = handles[0], outer[0]
-        o1_, o2_, oo_ = o1[0] + d1, o2[0] + d2, oo[0] + d3
+        h0, (d1, d2, d3), j0 = handles[0], outer[0], g.js[0]
+        o1_, o2_, oo_ = o1[j0] + d1, o2[j0] + d2, oo[j0] + d3
 
         def step(bufs, _keep=keep):
-            st = fn(h0, opa, opb, m, n, k, alpha, bufs[s1][0].data.ptr + o1_, ctype, lda,
-                    bufs[s2][0].data.ptr + o2_, ctype, ldb, beta, bufs[so][0].data.ptr + oo_, ctype, ldc,
+            st = fn(h0, opa, opb, m, n, k, alpha, bufs[s1][j0].data.ptr + o1_, ctype, lda,
+                    bufs[s2][j0].data.ptr + o2_, ctype, ldb, beta, bufs[so][j0].data.ptr + oo_, ctype, ldc,
                     comp, GEMM_DEFAULT)
             if st:
                 check(st, f"cublasGemmEx (m={m} n={n} k={k} {dt})")
@@ -321,11 +326,11 @@ def _ex_step(g, fn):
 
 
 def _each_device(g, call, what):
-    """The step that calls call(handle, a, b, c) per local device and outer batch offset."""
-    handles, outer, ords, multi, ptrs = g.handles, g.outer, g.ords, g.multi, g.ptrs
+    """The step that calls call(handle, a, b, c) per local device of g.js and outer batch offset."""
+    handles, outer, ords, multi, ptrs = list(zip(g.js, g.handles)), g.outer, g.ords, g.multi, g.ptrs
 
     def step(bufs, _keep=g.keep):
-        for j, h in enumerate(handles):
+        for j, h in handles:
             if multi:
                 runtime.setDevice(ords[j])
             p1, p2, p3 = ptrs(bufs, j)
@@ -347,17 +352,17 @@ def _batched_step(g, cb):
     each = _each_device(g, lambda h, a, b, c: fn(h, opa, opb, m, n, k, alpha, a, ctype, lda, sa, b, ctype, ldb, sb,
                                                  beta, c, ctype, ldc, sc, cnt, comp, GEMM_DEFAULT), what)
     s1, o1, s2, o2, so, oo = g.src
-    if g.multi or g.nd == 1 or len(g.outer) != 1 or None in (s1, s2, so):
+    if g.multi or not g.whole or g.nd == 1 or len(g.outer) != 1 or None in (s1, s2, so):
         return each
     # virtual devices of one GPU: their batches as one batch where they lie one batch apart, the
     # call's arguments built once (only the three base pointers are set per call)
     (d1, d2, d3), item = g.outer[0], g.item
-    offsets = [(o1[j] + d1, o2[j] + d2, oo[j] + d3) for j in range(g.nd)]
+    offsets = [(o1[j] + d1, o2[j] + d2, oo[j] + d3) for j in g.js]
     pa, pb, pc = ctypes.c_void_p(), ctypes.c_void_p(), ctypes.c_void_p()
     i, ll = ctypes.c_int, ctypes.c_longlong
     args = (ctypes.c_void_p(g.handles[0]), i(opa), i(opb), i(m), i(n), i(k), ctypes.c_void_p(alpha), pa, i(ctype),
             i(lda), ll(sa), pb, i(ctype), i(ldb), ll(sb), ctypes.c_void_p(beta), pc, i(ctype), i(ldc), ll(sc),
-            i(cnt * g.nd), i(comp), i(GEMM_DEFAULT))
+            i(cnt * len(offsets)), i(comp), i(GEMM_DEFAULT))
     call = cb.gemm_batched_prebound
 
     def batched(a, b, c, total, _keep=g.keep):

@@ -1,0 +1,70 @@
+"""A value on a sub-mesh is computed on its devices only, in mpiexec ranks (issue 30, item 6;
+tests/test_submesh_devices.py in one process).  Under -n 4 each rank owns one device, under -n 2
+rank 0 owns stage 0 (devices 0, 1) and rank 1 stage 1 (2, 3): a rank runs its own stage's
+Matmul and Gelu and none of the other's, so none of the overflow warnings that computing on
+placeholders printed (4-14 a run at -n 4) can appear.  Buffers no step writes hold a huge value
+(`loud`): any arithmetic on one raises here, where warnings are errors."""
+from __future__ import annotations
+
+import warnings
+
+import numpy as np
+import pytest
+from mpi4py import MPI
+
+import shardfuse as sf
+from shardfuse.backends.numpy_mpi import NumpyMPIBackend
+from shardfuse.ops import Op
+from shardfuse.steps import plan_steps
+from test_submesh_devices import inputs, loud, pipeline, reference, with_backend
+
+NPROCS = MPI.COMM_WORLD.Get_size()
+# collectives within a sub-mesh need one device per process under MPI (numpy_mpi._submesh_comm)
+VARIANTS = [False, True] if NPROCS == 4 else [False]
+
+
+def _loud_mesh():
+    mesh = sf.DeviceMesh(4)
+    return with_backend(mesh, loud(NumpyMPIBackend)(mesh))
+
+
+@pytest.mark.parametrize("collective", VARIANTS, ids=["plain", "tensor-parallel-stage"][:len(VARIANTS)])
+def test_each_rank_runs_its_own_stage_only(collective):
+    mesh = _loud_mesh()
+    f = pipeline(mesh, collective)
+    rng = np.random.default_rng(7)  # the same on every rank: inputs are global arrays
+    x, w0, w1 = inputs(rng)
+    plan = f.lower(x, w0, w1)
+    mine = set(mesh.local_devices)
+    printed = {s.index: s for s in plan_steps(plan.program)}
+    for s in plan.executable.steps:  # this rank's steps: its devices of each printed step's, never none
+        assert s.devices and s.devices == tuple(d for d in mesh.local_devices if d in printed[s.index].devices), s
+    compute = [s for s in printed.values() if s.op in (Op.MATMUL, Op.GELU)]
+    bound = {s.index for s in plan.executable.steps}
+    assert {s.index for s in compute if mine & set(s.devices)} == {s.index for s in compute} & bound
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # an overflow on a placeholder raises
+        for _ in range(3):
+            x, w0, w1 = inputs(rng)
+            np.testing.assert_allclose(f(x, w0, w1).gather(), reference(x, w0, w1, collective), rtol=2e-5, atol=1e-5)
+
+
+def test_the_profile_shows_each_stage_on_its_devices():
+    mesh = _loud_mesh()
+    x, w0, w1 = inputs(np.random.default_rng(8))
+    plan = pipeline(mesh).lower(x, w0, w1)
+    printed = plan_steps(plan.program)
+    per = 4 // NPROCS
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        tl = plan.profile(x, w0, w1, repeat=2)  # every rank's events (collective)
+    assert {e.rank for e in tl.events} == set(range(NPROCS))
+    for e in tl.events:
+        ranks_devices = range(e.rank * per, (e.rank + 1) * per)
+        assert e.devices == tuple(d for d in ranks_devices if d in printed[e.step].devices), e
+    stage = {}
+    for e in tl.events:
+        if e.kind in ("gemm", "compute"):
+            stage.setdefault(e.text, set()).update(e.devices)
+    assert stage == {"Matmul c <- x @ w0": {0, 1}, "Gelu g <- c": {0, 1},
+                     "Matmul c_1 <- g_moved @ w1": {2, 3}, "Gelu g_1 <- c_1": {2, 3}}
