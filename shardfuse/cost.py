@@ -290,8 +290,7 @@ def predict(prog, rates: Rates, local: int = 1, share: int = 1) -> Prediction:
     for (host cost per step x local); share: devices whose compute shares one engine."""
     steps = steps_of(prog, rates, local, share)
     times = schedule(steps, rates)
-    devices = tuple(prog.mesh.devices)
-    events = tuple(Event(0, 0, s.plan.index, devices, str(s.plan.stream), s.plan.text, s.plan.kind, a, b)
+    events = tuple(Event(0, 0, s.plan.index, s.plan.devices, str(s.plan.stream), s.plan.text, s.plan.kind, a, b)
                    for s, (a, b) in zip(steps, times))
     last = max([b for _, b in times] + [sum(s.host for s in steps)])
     return Prediction(prog.name, rates.call_s + last, events)
