@@ -70,12 +70,14 @@ def _astype(xp, x, _, o):
 
 
 
-def _compare_scalar(name):
-    return lambda xp, x, s, o: getattr(xp, name)(x, x.dtype.type(s), out=o)
+def _compare(op):  # (a comparison Op's value is its ufunc's name: Op.LT is "less")
+    return lambda xp, x, y, o: getattr(xp, op)(x, y, out=o)
 
 
-_COMPARE = {Op.LT: "less", Op.LE: "less_equal", Op.GT: "greater", Op.GE: "greater_equal", Op.EQ: "equal",
-            Op.NE: "not_equal"}
+def _compare_scalar(op):
+    return lambda xp, x, s, o: getattr(xp, op)(x, x.dtype.type(s), out=o)
+
+
 _TO_SCALAR = {Op.LT: Op.LT_SCALAR, Op.LE: Op.LE_SCALAR, Op.GT: Op.GT_SCALAR, Op.GE: Op.GE_SCALAR,
               Op.EQ: Op.EQ_SCALAR, Op.NE: Op.NE_SCALAR}
 
@@ -91,8 +93,8 @@ ELEMENTWISE = {
     Op.MINIMUM: lambda xp, x, y, o: xp.minimum(x, y, out=o),
     Op.MAXIMUM_SCALAR: lambda xp, x, s, o: xp.maximum(x, x.dtype.type(s), out=o),
     Op.MINIMUM_SCALAR: lambda xp, x, s, o: xp.minimum(x, x.dtype.type(s), out=o),
-    **{op: (lambda name: lambda xp, x, y, o: getattr(xp, name)(x, y, out=o))(name) for op, name in _COMPARE.items()},
-    **{_TO_SCALAR[op]: _compare_scalar(name) for op, name in _COMPARE.items()},
+    **{op: _compare(op) for op in _TO_SCALAR},
+    **{scalar: _compare_scalar(op) for op, scalar in _TO_SCALAR.items()},
     Op.LOGICAL_NOT: lambda xp, x, _, o: xp.logical_not(x, out=o),
     Op.WHERE_THEN: _then,
     Op.WHERE_ELSE: _else,

@@ -31,7 +31,7 @@ from shardfuse.ops import Op
 from shardfuse.passes import compile_program
 from shardfuse.runtime import backend_of
 from shardfuse.spec import TensorSpec, check_divides
-from shardfuse.traced import NUMPY, reduced_axes, is_weak_scalar
+from shardfuse.traced import NUMPY, Traced, reduced_axes, is_weak_scalar
 from shardfuse.traced_numpy import absolute
 
 MAX_PLANS = 256  # one-op plans kept per mesh (a plan holds its buffers)
@@ -151,12 +151,14 @@ def _binary_methods(fn):
     return (lambda self, other: binary(fn, self, other)), (lambda self, other: binary(fn, other, self))
 
 
-_REDUCTIONS = {np.sum: "sum", np.mean: "mean", np.max: "max", np.amax: "max", np.min: "min", np.amin: "min"}
+_REDUCTIONS = {np.sum: Traced.sum, np.mean: Traced.mean, np.max: Traced.max, np.amax: Traced.max, np.min: Traced.min,
+               np.amin: Traced.min}
 UFUNCS = [u for u in NUMPY if isinstance(u, np.ufunc)]  # those sf.Array runs: as on traced values (traced.NUMPY)
 
 
-def reduce(x, axis, what: str, out, dtype=None, keepdims=False, **rest):
-    """x.sum / mean / max / min(axis, keepdims=): the traced reduction of each axis, the last first."""
+def reduce(x, axis, method, out, dtype=None, keepdims=False, **rest):
+    """x.sum / mean / max / min(axis, keepdims=) (method: Traced's), the traced reduction of each axis."""
+    what = method.__name__
     if out is not None:
         raise TypeError("sf.Array reductions return a new sf.Array: out= is not supported")
     if dtype is not None:
@@ -168,9 +170,18 @@ def reduce(x, axis, what: str, out, dtype=None, keepdims=False, **rest):
     keepdims = bool(keepdims)
 
     def reduction(v):  # (a mean of means: each scaled before it is rounded)
-        return getattr(v, what)(axes, keepdims=keepdims)
+        return method(v, axes, keepdims=keepdims)
 
     return run(reduction, (x,), (Op.SUM, axes, what, keepdims), what)
+
+
+def _gathered(x):
+    """x with every sf.Array in it (in lists, tuples and dicts too) as its gathered NumPy value."""
+    if isinstance(x, ArrayOps):
+        return np.asarray(x)
+    if isinstance(x, (list, tuple)):
+        return type(x)(_gathered(v) for v in x)
+    return {k: _gathered(v) for k, v in x.items()} if isinstance(x, dict) else x
 
 
 def _index(key, shape) -> tuple:
@@ -245,7 +256,7 @@ class ArrayOps:
     def astype(self, dtype):
         """This array in another dtype (float16, bfloat16, float32, float64, int32, int64, bool): a
         local cast on every device, the sharding kept."""
-        return apply(lambda v, dt: v.astype(dt), (self, np_dtype(normalize_dtype(dtype)).name), "astype")
+        return apply(lambda v, dt: v.astype(dt), (self, np_dtype(normalize_dtype(dtype)).name), "x.astype")
 
     def one_op(self, fn, args, name):
         """fn(*args) as a one-op plan (sf.where, sf.sqrt, ... outside sf.jit): see apply."""
@@ -257,8 +268,8 @@ class ArrayOps:
         if func is np.where and len(args) == 3 and not kwargs:
             return apply(NUMPY[np.where], args, "where")
         if func in _REDUCTIONS and isinstance(args[0], ArrayOps):
-            return getattr(args[0], _REDUCTIONS[func])(*args[1:], **kwargs)
-        return func._implementation(*args, **kwargs)
+            return getattr(args[0], _REDUCTIONS[func].__name__)(*args[1:], **kwargs)
+        return func(*_gathered(args), **_gathered(kwargs))
 
     def __neg__(self):
         return unary(operator.neg, self)
@@ -283,19 +294,19 @@ class ArrayOps:
 
     def sum(self, axis=None, dtype=None, out=None, keepdims=False, **rest):
         """The sum over `axis` (an int, a tuple of them, or None: all), as a one-op plan."""
-        return reduce(self, axis, "sum", out, dtype, keepdims, **rest)
+        return reduce(self, axis, Traced.sum, out, dtype, keepdims, **rest)
 
     def mean(self, axis=None, dtype=None, out=None, keepdims=False, **rest):
         """The mean over `axis` (an int, a tuple of them, or None: all), as a one-op plan."""
-        return reduce(self, axis, "mean", out, dtype, keepdims, **rest)
+        return reduce(self, axis, Traced.mean, out, dtype, keepdims, **rest)
 
     def max(self, axis=None, out=None, keepdims=False, **rest):
         """The largest element over `axis`, as a one-op plan (a sharded axis is gathered first)."""
-        return reduce(self, axis, "max", out, None, keepdims, **rest)
+        return reduce(self, axis, Traced.max, out, None, keepdims, **rest)
 
     def min(self, axis=None, out=None, keepdims=False, **rest):
         """The smallest element over `axis`, as a one-op plan (a sharded axis is gathered first)."""
-        return reduce(self, axis, "min", out, None, keepdims, **rest)
+        return reduce(self, axis, Traced.min, out, None, keepdims, **rest)
 
     def __len__(self):
         if not self.shape:

@@ -61,7 +61,7 @@ class Traced:
             raise TypeError(f"{what}: both operands must be values of the traced function, got {type(other).__name__}")
         return other
 
-    def _pair(self, other, what, to_float=False):
+    def promote_with(self, other, what, to_float=False):
         """(self, other) cast to their promoted dtype (dtypes.promote_types; to_float: a float one)."""
         b = self._other(other, what)
         dt = dtypes.promote_types(self.dtype, b.dtype)
@@ -69,7 +69,7 @@ class Traced:
         dt = "float64" if what == Op.DIV and not dtypes.is_float(dt) else dt  # (NumPy's true division)
         return self.astype(dt), b.astype(dt)
 
-    def _weak(self, c, to_float=False, rounded=False):
+    def with_scalar(self, c, to_float=False, rounded=False):
         """(self cast where the scalar's kind needs it, c as a value of that dtype): a Python scalar is
         weak, as in NumPy 2 and JAX (x * 2.0 keeps float16; int32 x * 0.5 is float64)."""
         dt = dtypes.weak_result(self.dtype, c)
@@ -79,7 +79,7 @@ class Traced:
             return x, as_value(c, dt)
         return x, float(c) if dtypes.is_float(dt) else bool(c) if dt == "bool" else int(c)
 
-    def _emit(self, op, ins, dtype, **attrs):
+    def elementwise_op(self, op, ins, dtype, **attrs):
         try:
             shape = tuple(np.broadcast_shapes(*(v.shape for v in ins)))
         except ValueError:
@@ -88,7 +88,11 @@ class Traced:
         return self.builder.emit(op, ins, TensorType(shape, dtype), op[0], **attrs)
 
     def __matmul__(self, other):
-        b = self._other(other, Op.MATMUL)
+        a, b = self.promote_with(other, Op.MATMUL)  # (f32 @ f64: f64, as NumPy and JAX)
+        if not dtypes.is_float(a.dtype):
+            raise TypeError(f"matmul {self.value.name} @ {b.value.name} of {a.dtype} values: shardfuse multiplies float "
+                            "arrays (cuBLAS has no integer GEMM here); cast first: x.astype('float32')")
+        self = a
         sa, sb, na, nb = self.shape, b.shape, self.value.name, b.value.name  # (the parameters' names for inputs)
         if len(sa) < 2 or len(sb) < 2:
             raise ValueError(f"matmul needs operands of at least 2 axes, got {na}{sa} and {nb}{sb}")
@@ -101,26 +105,26 @@ class Traced:
         return self.builder.emit(Op.MATMUL, (self, b), out, "c")
 
     def _elementwise(self, other, op):
-        if is_scalar(other):  # x op c: a scalar op on x (c the same on every device)
-            x, c = self._weak(other, to_float=op == Op.DIV)
+        if is_weak_scalar(other):  # x op c: a scalar op on x (c the same on every device)
+            x, c = self.with_scalar(other, to_float=op == Op.DIV)
             if op in (Op.MUL, Op.DIV):
-                return x._unary(Op.SCALE, value=c) if op == Op.MUL else x._unary(Op.DIV_SCALAR, value=c)
-            return x._unary(Op.ADD_SCALAR, value=c if op == Op.ADD else -c)
-        a, b = self._pair(other, op)
-        return a._emit(op, (a, b), a.dtype)
+                return x.unary_op(Op.SCALE, value=c) if op == Op.MUL else x.unary_op(Op.DIV_SCALAR, value=c)
+            return x.unary_op(Op.ADD_SCALAR, value=c if op == Op.ADD else -c)
+        a, b = self.promote_with(other, op)
+        return a.elementwise_op(op, (a, b), a.dtype)
 
-    def _unary(self, op, dtype=None, **attrs):
+    def unary_op(self, op, dtype=None, **attrs):
         return self.builder.emit(op, (self,), TensorType(self.shape, dtype or self.dtype), op[0], **attrs)
 
     def _compare(self, other, op):
         """x op y elementwise, a boolean array (JAX's and NumPy's ==, not Python's identity)."""
         if is_weak_scalar(other):
-            x, c = self._weak(other, rounded=True)
-            return x._unary(SCALAR_OF[op], "bool", value=c)
+            x, c = self.with_scalar(other, rounded=True)
+            return x.unary_op(SCALAR_OF[op], "bool", value=c)
         if not isinstance(other, Traced):
             return NotImplemented
-        a, b = self._pair(other, op)
-        return a._emit(op, (a, b), "bool")
+        a, b = self.promote_with(other, op)
+        return a.elementwise_op(op, (a, b), "bool")
 
     __lt__ = lambda self, other: self._compare(other, Op.LT)  # noqa: E731 (c < x is x > c: Python reflects)
     __le__ = lambda self, other: self._compare(other, Op.LE)  # noqa: E731
@@ -132,27 +136,27 @@ class Traced:
 
     def __invert__(self):
         if self.dtype != "bool":
-            raise TypeError(f"~ of {_describe(self)}: shardfuse has ~ of boolean arrays only (logical not)")
-        return self._unary(Op.LOGICAL_NOT)
+            raise TypeError(f"~ of {describe(self)}: shardfuse has ~ of boolean arrays only (logical not)")
+        return self.unary_op(Op.LOGICAL_NOT)
 
     def __pow__(self, other):
         if not is_scalar(other):
             raise TypeError(f"x ** y with {type(other).__name__} y inside sf.jit: shardfuse has powers by a Python "
                             "scalar (x ** 2, x ** 0.5); for array exponents write np.exp(y * np.log(x))")
-        x, c = self._weak(other)
-        return x._unary(Op.POW, value=c)
+        x, c = self.with_scalar(other)
+        return x.unary_op(Op.POW, value=c)
 
     def __rpow__(self, other):  # c ** x
         if not is_scalar(other):
             return NotImplemented
-        x, c = self._weak(other)
-        return x._unary(Op.RPOW, value=c)
+        x, c = self.with_scalar(other)
+        return x.unary_op(Op.RPOW, value=c)
 
     def astype(self, dtype):
         """x in another dtype (float16, bfloat16, float32, float64, int32, int64, bool), as NumPy's
         astype (floats to integers truncate toward zero); a cast to x's own dtype is x."""
         dt = dtypes.normalize_dtype(dtype)
-        return self if dt == self.dtype else self._unary(Op.ASTYPE, dt)
+        return self if dt == self.dtype else self.unary_op(Op.ASTYPE, dt)
 
     def __add__(self, other):
         return self._elementwise(other, Op.ADD)
@@ -171,12 +175,12 @@ class Traced:
     def __rsub__(self, other):  # c - x
         if not is_scalar(other):
             return NotImplemented
-        return (-self)._unary(Op.ADD_SCALAR, value=float(other))
+        return (-self).unary_op(Op.ADD_SCALAR, value=float(other))
 
     def __rtruediv__(self, other):  # c / x
         if not is_scalar(other):
             return NotImplemented
-        return self._unary(Op.RDIV, value=float(other))
+        return self.unary_op(Op.RDIV, value=float(other))
 
     # NumPy on traced values: a function or ufunc shardfuse has runs as its op (the NUMPY table),
     # any other is refused naming what to write instead (never an ndarray made of traced values)
@@ -196,7 +200,7 @@ class Traced:
 
     # Python asking for a concrete value: a traced one has a shape and a dtype, no numbers yet
     def _concrete(self, what: str, instead: str):
-        raise ConcretizationError(f"{what} of the traced value {_describe(self)} inside sf.jit: its numbers exist "
+        raise ConcretizationError(f"{what} of the traced value {describe(self)} inside sf.jit: its numbers exist "
                                   f"only when the compiled plan runs; {instead}")
 
     def __bool__(self):
@@ -229,19 +233,19 @@ class Traced:
 
     def __len__(self):  # the shape is static: len() is known
         if not self.shape:
-            raise TypeError(f"len() of the 0-d traced value {_describe(self)} (as NumPy: len() of unsized object)")
+            raise TypeError(f"len() of the 0-d traced value {describe(self)} (as NumPy: len() of unsized object)")
         return self.shape[0]
 
     def __abs__(self):  # relu(x) + relu(-x), exact (one of the two is zero)
-        return self._unary(Op.RELU) + (-self)._unary(Op.RELU)
+        return self.unary_op(Op.RELU) + (-self).unary_op(Op.RELU)
 
     def __neg__(self):
-        return self._unary(Op.NEG)
+        return self.unary_op(Op.NEG)
 
     def sum(self, axis=None, keepdims=False):
         """The sum over `axis`: an int, a tuple of them, or None (every axis), as NumPy's (integers
         and bools summed in int64)."""
-        return self._reduce(axis, "sum", keepdims)
+        return self._reduce(axis, Op.SUM, keepdims)
 
     def mean(self, axis=None, keepdims=False):
         """The mean over `axis` (as sum): each axis' sum scaled by 1 / n in one step, before it is
@@ -259,18 +263,19 @@ class Traced:
 
     def _reduce(self, axis, kind, keepdims=False):
         axes = reduced_axes(axis, self.ndim, self.shape)
-        v = self.astype({"sum": "int64", "mean": "float64"}[kind]) if kind in ("sum", "mean") and \
-            not dtypes.is_float(self.dtype) else self  # (NumPy's dtypes of integer sums and means)
+        summed = kind in (Op.SUM, "mean")
+        v = self.astype("int64" if kind == Op.SUM else "float64") if summed and not dtypes.is_float(self.dtype) \
+            else self  # (NumPy's dtypes of integer sums and means)
         for ax in sorted(axes, reverse=True):  # the last first: no renumbering
             n, attrs = v.shape[ax], {}
             out = TensorType(v.shape[:ax] + v.shape[ax + 1:], v.dtype)
-            if kind in ("sum", "mean"):
+            if summed:
                 if kind == "mean":
                     attrs["factor"] = 1.0 / n if n else math.nan
                 v = v.builder.emit(Op.SUM, (v,), out, "s", axis=ax, **attrs)
                 continue
             if n == 0:
-                raise ValueError(f"{kind} of {_describe(self)} over axis {ax} of extent 0 (as NumPy: a zero-size "
+                raise ValueError(f"{kind} of {describe(self)} over axis {ax} of extent 0 (as NumPy: a zero-size "
                                  "reduction has no identity)")
             if ax != v.ndim - 1:  # the reduced axis last (a view), then one reduction of the last axis
                 v = v.transpose([a for a in range(v.ndim) if a != ax] + [ax])
@@ -348,7 +353,7 @@ def reduced_axes(axis, ndim: int, shape) -> tuple:
 
 
 
-def _describe(v) -> str:
+def describe(v) -> str:
     """A traced value as the tracer knows it: its name, shape and dtype."""
     return f"{v.value.name} (shape {v.shape}, {v.dtype})" if isinstance(v, Traced) else type(v).__name__
 

@@ -15,7 +15,7 @@ import numpy as np
 from shardfuse import dtypes
 from shardfuse.ops import Op
 from shardfuse.spec import normalize_axis
-from shardfuse.traced import NUMPY, Traced, _describe, is_scalar, is_weak_scalar
+from shardfuse.traced import NUMPY, Traced, describe, is_scalar, is_weak_scalar
 
 
 def _apply(fn, what, *args):
@@ -34,14 +34,14 @@ def _floating(x):
     return x.astype(dtypes.float_result(x.dtype))
 
 
-def _unary(op):
+def _math(op):
     def fn(x):
-        return _apply(lambda v: _floating(v)._unary(op), str(op), x)
+        return _apply(lambda v: _floating(v).unary_op(op), str(op), x)
     fn.__name__ = str(op)
     return fn
 
 
-exp, tanh, sqrt, rsqrt, log, sigmoid, silu = (_unary(op) for op in (Op.EXP, Op.TANH, Op.SQRT, Op.RSQRT, Op.LOG,
+exp, tanh, sqrt, rsqrt, log, sigmoid, silu = (_math(op) for op in (Op.EXP, Op.TANH, Op.SQRT, Op.RSQRT, Op.LOG,
                                                                      Op.SIGMOID, Op.SILU))
 exp.__doc__ = "e**x elementwise (np.exp(x) works too)."
 tanh.__doc__ = "tanh elementwise (np.tanh(x) works too)."
@@ -54,12 +54,12 @@ silu.__doc__ = "x * sigmoid(x) elementwise (SiLU, swish: jax.nn.silu)."
 
 def relu(x):
     """max(x, 0) elementwise."""
-    return _apply(lambda v: v._unary(Op.RELU), "relu", x)
+    return _apply(lambda v: v.unary_op(Op.RELU), str(Op.RELU), x)
 
 
 def gelu(x):
     """GELU, tanh form (as in GPT-2 and Megatron)."""
-    return _apply(lambda v: v._unary(Op.GELU), "gelu", x)
+    return _apply(lambda v: v.unary_op(Op.GELU), str(Op.GELU), x)
 
 
 def linear(x, w, b=None):
@@ -93,10 +93,10 @@ def _extremum(op, scalar_op):
             if is_weak_scalar(a):
                 a, b = b, a
             if is_weak_scalar(b):
-                v, c = a._weak(b, rounded=True)
-                return v._unary(scalar_op, value=c)
-            a, b = a._pair(b, op)
-            return a._emit(op, (a, b), a.dtype)
+                v, c = a.with_scalar(b, rounded=True)
+                return v.unary_op(scalar_op, value=c)
+            a, b = a.promote_with(b, op)
+            return a.elementwise_op(op, (a, b), a.dtype)
         return _apply(traced, str(op), x, y)
     fn.__name__ = str(op)
     fn.__doc__ = f"np.{op}(x, y) elementwise: arrays (broadcast, promoted) or an array and a scalar; NaN propagates."
@@ -120,19 +120,19 @@ def _where(c, x, y):
     c = c if c.dtype == "bool" else c.astype("bool")
     arrays = [v for v in (x, y) if isinstance(v, Traced)]
     if len(arrays) == 2:
-        x, y = x._pair(y, "where")
+        x, y = x.promote_with(y, "where")
         dt = x.dtype
     elif arrays:
-        dt = arrays[0]._weak(y if arrays[0] is x else x)[0].dtype
+        dt = arrays[0].with_scalar(y if arrays[0] is x else x)[0].dtype
     else:
         dt = np.result_type(x, y).name  # (two Python scalars: NumPy's default dtypes)
     halves = []
     for v, (array_op, fill_op) in ((x, (Op.WHERE_THEN, Op.FILL_THEN)), (y, (Op.WHERE_ELSE, Op.FILL_ELSE))):
         if isinstance(v, Traced):
             v = v.astype(dt)
-            halves.append(c._emit(array_op, (c, v), dt))
+            halves.append(c.elementwise_op(array_op, (c, v), dt))
         elif is_weak_scalar(v):
-            halves.append(c._unary(fill_op, dt, value=float(v) if dtypes.is_float(dt) else
+            halves.append(c.unary_op(fill_op, dt, value=float(v) if dtypes.is_float(dt) else
                                    bool(v) if dt == "bool" else int(v)))
         else:
             raise TypeError(f"sf.where: x and y must be traced arrays or Python scalars, got {type(v).__name__} (arrays "
@@ -149,7 +149,7 @@ _REFLECT = {Op.LT: Op.GT, Op.LE: Op.GE, Op.GT: Op.LT, Op.GE: Op.LE, Op.EQ: Op.EQ
 
 def logical_not(x):
     """~x of a boolean array (np.logical_not; other dtypes count as x != 0)."""
-    return _apply(lambda v: ~(v if v.dtype == "bool" else v.astype("bool")), "logical_not", x)
+    return _apply(lambda v: ~(v if v.dtype == "bool" else v.astype("bool")), str(Op.LOGICAL_NOT), x)
 
 
 # ---- NumPy's functions on traced values ---------------------------------------------------------
@@ -180,7 +180,7 @@ def _dot(a, b, out=None):
         return a * b
     if getattr(a, "ndim", None) == 2 and getattr(b, "ndim", None) == 2:
         return a @ b
-    raise TypeError(f"np.dot of {_describe(a)} and {_describe(b)} inside sf.jit: shardfuse runs np.dot as a matmul "
+    raise TypeError(f"np.dot of {describe(a)} and {describe(b)} inside sf.jit: shardfuse runs np.dot as a matmul "
                     "of 2-D operands only (NumPy's dot of other ranks is no matmul); write a @ b (a matmul, "
                     "batched over leading axes), reshaping 1-D operands to 2-D first")
 
@@ -203,12 +203,14 @@ def _reshape(a, shape, order="C", *, copy=None):  # (copy= changes nothing: trac
     return a.reshape(shape)
 
 
-def _reduction(name):
+def _reduction(method):
     """np.sum / mean / max / min (amax, amin) of a traced value: its method, axis= and keepdims= as NumPy's."""
+    name = method.__name__
+
     def call(a, axis=None, dtype=None, out=None, keepdims=False, **rest):
         _defaults_only(f"np.{name}", f"np.{name}(x, axis, keepdims=...) or x.{name}(axis, keepdims=...), a new value",
                        dtype=dtype, out=out, **rest)
-        return getattr(a, name)(axis, keepdims=keepdims)
+        return method(a, axis, keepdims=keepdims)
     call.__name__ = name
     return call
 
@@ -229,6 +231,6 @@ NUMPY.update({  # NumPy function or ufunc -> the same on traced values: adding a
     np.less: _compare(Op.LT), np.less_equal: _compare(Op.LE), np.greater: _compare(Op.GT),
     np.greater_equal: _compare(Op.GE), np.equal: _compare(Op.EQ), np.not_equal: _compare(Op.NE),
     np.dot: _dot, np.transpose: _transpose, np.swapaxes: _swapaxes, np.reshape: _reshape, np.where: _where_numpy,
-    np.sum: _reduction("sum"), np.mean: _reduction("mean"), np.max: _reduction("max"), np.amax: _reduction("max"),
-    np.min: _reduction("min"), np.amin: _reduction("min"),
+    np.sum: _reduction(Traced.sum), np.mean: _reduction(Traced.mean), np.max: _reduction(Traced.max),
+    np.amax: _reduction(Traced.max), np.min: _reduction(Traced.min), np.amin: _reduction(Traced.min),
 })
