@@ -134,7 +134,7 @@ class NumpyLocalBackend:
     def bind_sum(self, a, axis, out, stream, scale=1.0):
         """16-bit values summed in float32 (as on GPUs: NumPy sums bfloat16 in bfloat16), and scaled
         before they are rounded back (a float16 mean whose sum would overflow does not)."""
-        acc = np.float64 if out.dtype == "float64" else np.float32
+        acc = np.float64 if out.dtype == "float64" else np.int64 if out.dtype == "int64" else np.float32
 
         def step(bufs):
             for x, o in zip(self._views(bufs, a), self._views(bufs, out)):
