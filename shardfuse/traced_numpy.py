@@ -118,6 +118,10 @@ def _where(c, x, y):
     if not isinstance(c, Traced):
         raise TypeError(f"sf.where: the condition must be a traced array inside sf.jit, got {type(c).__name__}")
     c = c if c.dtype == "bool" else c.astype("bool")
+    for v in (x, y):
+        if not (isinstance(v, Traced) or is_weak_scalar(v)):
+            raise TypeError(f"sf.where: x and y must be traced arrays or Python scalars, got {type(v).__name__} "
+                            "(arrays are not captured as constants inside sf.jit: make them inputs of the function)")
     arrays = [v for v in (x, y) if isinstance(v, Traced)]
     if len(arrays) == 2:
         x, y = x.promote_with(y, "where")
@@ -131,12 +135,9 @@ def _where(c, x, y):
         if isinstance(v, Traced):
             v = v.astype(dt)
             halves.append(c.elementwise_op(array_op, (c, v), dt))
-        elif is_weak_scalar(v):
-            halves.append(c.unary_op(fill_op, dt, value=float(v) if dtypes.is_float(dt) else
-                                   bool(v) if dt == "bool" else int(v)))
         else:
-            raise TypeError(f"sf.where: x and y must be traced arrays or Python scalars, got {type(v).__name__} (arrays "
-                            "are not captured as constants inside sf.jit: make them inputs of the function)")
+            halves.append(c.unary_op(fill_op, dt, value=float(v) if dtypes.is_float(dt) else
+                                     bool(v) if dt == "bool" else int(v)))
     return halves[0] + halves[1]
 
 
