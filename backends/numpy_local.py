@@ -11,7 +11,7 @@ import os
 import numpy as np
 
 from shardfuse.backends.elementwise_numpy import ELEMENTWISE as NEW_ELEMENTWISE
-from shardfuse.dtypes import np_dtype
+from shardfuse.dtypes import np_dtype, poison_value
 from shardfuse.ops import Op
 
 POISON = os.environ.get("SHARDFUSE_POISON") == "1"  # fill new buffers with NaN (tests)
@@ -74,7 +74,7 @@ class NumpyLocalBackend:
     def empty(self, shape, dtype):
         dt = np_dtype(dtype)
         if POISON:
-            return [np.full(shape, np.nan, dt) for _ in self.local_devices]
+            return [np.full(shape, poison_value(dtype), dt) for _ in self.local_devices]
         return [np.empty(shape, dt) for _ in self.local_devices]
 
     def to_device(self, pieces):

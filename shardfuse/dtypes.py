@@ -101,6 +101,13 @@ def weak_result(name: str, c) -> str:
     return "float64" if k == 2 else "int64"
 
 
+def poison_value(name: str):
+    """What a poisoned buffer (SHARDFUSE_POISON=1, tests) is filled with: NaN for floats, the
+    smallest integer, True; so that an element a plan never writes shows."""
+    dt = np_dtype(name)
+    return np.nan if is_float(name) else True if name == "bool" else np.iinfo(dt).min
+
+
 def float_result(name: str) -> str:
     """The dtype of sqrt, log, exp, / ... of an array of dtype `name` (NumPy's: bool -> float16,
     int32 / int64 -> float64)."""

@@ -61,12 +61,12 @@ class Traced:
             raise TypeError(f"{what}: both operands must be values of the traced function, got {type(other).__name__}")
         return other
 
-    def promote_with(self, other, what, to_float=False):
-        """(self, other) cast to their promoted dtype (dtypes.promote_types; to_float: a float one)."""
+    def promote_with(self, other, what):
+        """(self, other) cast to their promoted dtype (dtypes.promote_types; float64 for the true
+        division of integers, as NumPy's)."""
         b = self._other(other, what)
         dt = dtypes.promote_types(self.dtype, b.dtype)
-        dt = dtypes.float_result(dt) if to_float and dt in ("bool", "int32", "int64") and what != Op.DIV else dt
-        dt = "float64" if what == Op.DIV and not dtypes.is_float(dt) else dt  # (NumPy's true division)
+        dt = "float64" if what == Op.DIV and not dtypes.is_float(dt) else dt
         return self.astype(dt), b.astype(dt)
 
     def with_scalar(self, c, to_float=False, rounded=False):
@@ -330,7 +330,8 @@ def as_value(c, dtype: str):
         return bool(c)
     if not dtypes.is_float(dtype):
         return int(c)
-    return float(dtypes.np_dtype(dtype).type(c)) if dtypes.TABLE[dtype].itemsize < 8 else float(c)
+    with np.errstate(over="ignore"):  # (1e5 is inf in float16, as NumPy 2 compares it)
+        return float(dtypes.np_dtype(dtype).type(c)) if dtypes.TABLE[dtype].itemsize < 8 else float(c)
 
 
 SCALAR_OF = {Op.LT: Op.LT_SCALAR, Op.LE: Op.LE_SCALAR, Op.GT: Op.GT_SCALAR, Op.GE: Op.GE_SCALAR,

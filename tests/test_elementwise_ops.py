@@ -217,11 +217,13 @@ def test_pending_sum_is_made_whole_before_a_nonlinear_op():
 
     @sf.jit(mesh=mesh)
     def f(x, w):
-        return np.sqrt(sf.shard(x, axis=1) @ sf.shard(w, axis=0)), (x @ w).max(-1), (x @ w).astype("float32")
+        p = sf.shard(x, axis=1) @ sf.shard(w, axis=0)  # pending sums over DIDx
+        return np.sqrt(p), p.max(-1), p.astype("float32")
 
     plan = f.lower(sf.TensorSpec(x.shape, "float64"), sf.TensorSpec(w.shape, "float64"))
     text = str(plan)
     assert text.index("Allreduce") < text.index("Sqrt"), text
+    assert plan.collectives() == {"allreduce": 1}, text  # one reduction feeds sqrt, max and the cast
     s, m, c = f(x, w)
     np.testing.assert_allclose(s.gather(), np.sqrt(x @ w), rtol=1e-14)
     np.testing.assert_allclose(m.gather(), (x @ w).max(-1), rtol=1e-14)
