@@ -7,7 +7,6 @@ before they are found.  The annotations on traced values are shardfuse.trace's.
 from __future__ import annotations
 
 import math
-import operator
 
 import numpy as np
 
