@@ -10,7 +10,8 @@ import os
 
 import numpy as np
 
-from shardfuse.dtypes import np_dtype
+from shardfuse.backends.elementwise_numpy import ELEMENTWISE as NEW_ELEMENTWISE
+from shardfuse.dtypes import np_dtype, poison_value
 from shardfuse.ops import Op
 
 POISON = os.environ.get("SHARDFUSE_POISON") == "1"  # fill new buffers with NaN (tests)
@@ -56,6 +57,7 @@ ELEMENTWISE = {
     Op.TANH: lambda xp, x, _, o: xp.tanh(x, out=o),
     Op.RELU: lambda xp, x, _, o: xp.maximum(x, x.dtype.type(0), out=o),
     Op.GELU: _gelu,
+    **NEW_ELEMENTWISE,  # issue 31's ops: backends/elementwise_numpy.py
 }
 
 
@@ -72,7 +74,7 @@ class NumpyLocalBackend:
     def empty(self, shape, dtype):
         dt = np_dtype(dtype)
         if POISON:
-            return [np.full(shape, np.nan, dt) for _ in self.local_devices]
+            return [np.full(shape, poison_value(dtype), dt) for _ in self.local_devices]
         return [np.empty(shape, dt) for _ in self.local_devices]
 
     def to_device(self, pieces):
@@ -135,7 +137,7 @@ class NumpyLocalBackend:
     def bind_sum(self, a, axis, out, stream, scale=1.0, devices=None):
         """16-bit values summed in float32 (as on GPUs: NumPy sums bfloat16 in bfloat16), and scaled
         before they are rounded back (a float16 mean whose sum would overflow does not)."""
-        acc = np.float64 if out.dtype == "float64" else np.float32
+        acc = np.float64 if out.dtype == "float64" else np.int64 if out.dtype == "int64" else np.float32
         js, view = self._on(devices), self.view
 
         def step(bufs):

@@ -1,6 +1,7 @@
 """Operations on sf.Array outside sf.jit, as on a jax.Array or a DTensor: ``x + y``, ``2 * x``,
-``-x``, ``abs(x)``, ``x @ w``, ``np.exp(x)``, ``x.sum(axis)``, ``x.mean(axis)``, ``len(x)``, ``x[i]``,
-``x[a:b]``, ``x[..., j]``.
+``-x``, ``abs(x)``, ``x @ w``, ``x ** 2``, ``x < y`` (and ``==``: elementwise, as JAX's), ``np.exp(x)``,
+``np.sqrt(x)``, ``sf.where(c, x, y)``, ``x.astype(dtype)``, ``x.sum / mean / max / min(axis,
+keepdims=)``, ``len(x)``, ``x[i]``, ``x[a:b]``, ``x[..., j]``.
 
 Each op runs as a one-op plan: the op traced on the array's mesh exactly as sf.jit traces it,
 compiled once per op, scalar and input specs (shapes, dtypes, layouts), and kept on the mesh (the
@@ -21,6 +22,7 @@ from collections import OrderedDict
 import numpy as np
 
 from shardfuse import trace
+from shardfuse.dtypes import normalize_dtype, np_dtype
 from shardfuse.executor import Executable
 from shardfuse.interop import array_info
 from shardfuse.ir import TensorType
@@ -29,7 +31,8 @@ from shardfuse.ops import Op
 from shardfuse.passes import compile_program
 from shardfuse.runtime import backend_of
 from shardfuse.spec import TensorSpec, check_divides
-from shardfuse.traced import NUMPY, absolute, is_scalar, reduced_axes
+from shardfuse.traced import NUMPY, Traced, reduced_axes, is_weak_scalar
+from shardfuse.traced_numpy import absolute
 
 MAX_PLANS = 256  # one-op plans kept per mesh (a plan holds its buffers)
 STATS = {"compiled": 0, "reused": 0}  # across meshes: what cache_info() reports
@@ -105,12 +108,10 @@ def binary(fn, a, b):
     """fn(a, b) (an operator), one operand an sf.Array; the other an sf.Array, a plain array or
     a scalar (baked into the plan, as inside sf.jit: each new value compiles once)."""
     name = fn.__name__
-    if is_scalar(b) and fn is not operator.matmul:
-        c = float(b)
-        return run(lambda x: fn(x, c), (a,), (fn, 1, c), name)
-    if is_scalar(a) and fn is not operator.matmul:
-        c = float(a)
-        return run(lambda x: fn(c, x), (b,), (fn, 0, c), name)
+    if is_weak_scalar(b) and fn is not operator.matmul:  # (keyed with its type: 1, 1.0 and True differ)
+        return run(lambda x: fn(x, b), (a,), (fn, 1, type(b).__name__, b), name)
+    if is_weak_scalar(a) and fn is not operator.matmul:
+        return run(lambda x: fn(a, x), (b,), (fn, 0, type(a).__name__, a), name)
     if not (_is_operand(a) and _is_operand(b)):
         return NotImplemented
     # a plain array beside an sf.Array on a sub-mesh is replicated on that sub-mesh, not the whole
@@ -132,30 +133,55 @@ def unary(fn, x):
     return run(lambda v: fn(v), (x,), (fn,), fn.__name__)
 
 
+def apply(fn, args, name):
+    """fn(*args) as a one-op plan (sf.where, sf.sqrt, ... on sf.Arrays): sf.Arrays and plain arrays
+    among args are its inputs; anything else (scalars, dtypes, axes) is baked in, and keyed."""
+    pos = [k for k, a in enumerate(args) if _is_operand(a)]
+    consts = tuple((k, type(a).__name__, a) for k, a in enumerate(args) if k not in pos)
+
+    def traced(*values):
+        full = list(args)
+        for k, v in zip(pos, values):
+            full[k] = v
+        return fn(*full)
+    return run(traced, tuple(args[k] for k in pos), (fn, tuple(pos), consts), name)
+
+
 def _binary_methods(fn):
     return (lambda self, other: binary(fn, self, other)), (lambda self, other: binary(fn, other, self))
 
 
+_REDUCTIONS = {np.sum: Traced.sum, np.mean: Traced.mean, np.max: Traced.max, np.amax: Traced.max, np.min: Traced.min,
+               np.amin: Traced.min}
 UFUNCS = [u for u in NUMPY if isinstance(u, np.ufunc)]  # those sf.Array runs: as on traced values (traced.NUMPY)
 
 
-def reduce(x, axis, mean: bool, out, dtype=None, keepdims=False):
-    """x.sum(axis) or x.mean(axis): the traced .sum (.mean) of each axis, the last first."""
-    what = "mean" if mean else str(Op.SUM)
+def reduce(x, axis, method, out, dtype=None, keepdims=False, **rest):
+    """x.sum / mean / max / min(axis, keepdims=) (method: Traced's), the traced reduction of each axis."""
+    what = method.__name__
     if out is not None:
         raise TypeError("sf.Array reductions return a new sf.Array: out= is not supported")
     if dtype is not None:
         raise TypeError(f"sf.Array.{what} keeps the array's dtype (16-bit sums accumulate in float32): dtype= is not "
                         "supported")
-    if keepdims:
-        raise TypeError(f"sf.Array.{what}: keepdims=True is not supported; inside sf.jit, reshape the result "
-                        f"(x.{what}(0).reshape(1, ...))")
+    if rest:
+        raise TypeError(f"sf.Array.{what} with {', '.join(k + '=' for k in rest)} is not supported")
     axes = tuple(sorted(reduced_axes(axis, x.ndim, x.shape)))  # (one plan per set of axes)
+    keepdims = bool(keepdims)
 
     def reduction(v):  # (a mean of means: each scaled before it is rounded)
-        return v.mean(axes) if mean else v.sum(axes)
+        return method(v, axes, keepdims=keepdims)
 
-    return run(reduction, (x,), (Op.SUM, axes, mean), "mean" if mean else str(Op.SUM))
+    return run(reduction, (x,), (Op.SUM, axes, what, keepdims), what)
+
+
+def _gathered(x):
+    """x with every sf.Array in it (in lists, tuples and dicts too) as its gathered NumPy value."""
+    if isinstance(x, ArrayOps):
+        return np.asarray(x)
+    if isinstance(x, (list, tuple)):
+        return type(x)(_gathered(v) for v in x)
+    return {k: _gathered(v) for k, v in x.items()} if isinstance(x, dict) else x
 
 
 def _index(key, shape) -> tuple:
@@ -217,13 +243,33 @@ class ArrayOps:
     __truediv__, __rtruediv__ = _binary_methods(operator.truediv)
     __matmul__, __rmatmul__ = _binary_methods(operator.matmul)
 
-    def __eq__(self, other, op="=="):  # (Python's default compares identity: `a == b` was False for equal values)
-        raise TypeError(f"{op} on an sf.Array is not supported (NumPy compares elementwise, Python by identity): "
-                        "compare the values with np.array_equal(a.gather(), b.gather()), or use `a is b`")
-
-    def __ne__(self, other):
-        return self.__eq__(other, "!=")
+    __pow__, __rpow__ = _binary_methods(operator.pow)
+    # comparisons: elementwise boolean sf.Arrays, as jax.Array's (c < x is x > c: Python reflects)
+    __lt__, __le__ = _binary_methods(operator.lt)[0], _binary_methods(operator.le)[0]
+    __gt__, __ge__ = _binary_methods(operator.gt)[0], _binary_methods(operator.ge)[0]
+    __eq__, __ne__ = _binary_methods(operator.eq)[0], _binary_methods(operator.ne)[0]
     __hash__ = object.__hash__  # (still a dict key / set member by identity)
+
+    def __invert__(self):
+        return unary(operator.invert, self)
+
+    def astype(self, dtype):
+        """This array in another dtype (float16, bfloat16, float32, float64, int32, int64, bool): a
+        local cast on every device, the sharding kept."""
+        return apply(lambda v, dt: v.astype(dt), (self, np_dtype(normalize_dtype(dtype)).name), "x.astype")
+
+    def one_op(self, fn, args, name):
+        """fn(*args) as a one-op plan (sf.where, sf.sqrt, ... outside sf.jit): see apply."""
+        return apply(fn, args, name)
+
+    def __array_function__(self, func, types, args, kwargs):
+        """np.where, np.sum / mean / max / min (amax, amin) run as shardfuse ops; every other NumPy
+        function sees the gathered value (np.asarray(x)), as before."""
+        if func is np.where and len(args) == 3 and not kwargs:
+            return apply(NUMPY[np.where], args, "where")
+        if func in _REDUCTIONS and isinstance(args[0], ArrayOps):
+            return getattr(args[0], _REDUCTIONS[func].__name__)(*args[1:], **kwargs)
+        return func(*_gathered(args), **_gathered(kwargs))
 
     def __neg__(self):
         return unary(operator.neg, self)
@@ -246,13 +292,21 @@ class ArrayOps:
                             "gathered NumPy value)")
         return binary(fn, *inputs) if ufunc.nin == 2 else unary(fn, inputs[0])
 
-    def sum(self, axis=None, dtype=None, out=None, keepdims=False):
+    def sum(self, axis=None, dtype=None, out=None, keepdims=False, **rest):
         """The sum over `axis` (an int, a tuple of them, or None: all), as a one-op plan."""
-        return reduce(self, axis, False, out, dtype, keepdims)
+        return reduce(self, axis, Traced.sum, out, dtype, keepdims, **rest)
 
-    def mean(self, axis=None, dtype=None, out=None, keepdims=False):
+    def mean(self, axis=None, dtype=None, out=None, keepdims=False, **rest):
         """The mean over `axis` (an int, a tuple of them, or None: all), as a one-op plan."""
-        return reduce(self, axis, True, out, dtype, keepdims)
+        return reduce(self, axis, Traced.mean, out, dtype, keepdims, **rest)
+
+    def max(self, axis=None, out=None, keepdims=False, **rest):
+        """The largest element over `axis`, as a one-op plan (a sharded axis is gathered first)."""
+        return reduce(self, axis, Traced.max, out, None, keepdims, **rest)
+
+    def min(self, axis=None, out=None, keepdims=False, **rest):
+        """The smallest element over `axis`, as a one-op plan (a sharded axis is gathered first)."""
+        return reduce(self, axis, Traced.min, out, None, keepdims, **rest)
 
     def __len__(self):
         if not self.shape:

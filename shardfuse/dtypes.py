@@ -1,5 +1,5 @@
 """The dtypes shardfuse computes in: the one table of their names, sizes and printed names
-(bfloat16 from ml_dtypes).  Everything else reads it: plans and messages print the short
+(bfloat16 from ml_dtypes), and how they promote (NumPy 2's rules, JAX's among floats).  Everything else reads it: plans and messages print the short
 names, the cost model and the backends take the sizes, and a backend keeps only its own
 library's enums (backends/cuda/libs.py: CUDA_T, NCCL_T)."""
 from __future__ import annotations
@@ -22,6 +22,9 @@ TABLE = {t.name: t for t in (
     DTypeInfo("bfloat16", 2, "bf16", np.uint16),
     DTypeInfo("float32", 4, "f32", np.float32),
     DTypeInfo("float64", 8, "f64", np.float64),
+    DTypeInfo("int32", 4, "i32", np.int32),
+    DTypeInfo("int64", 8, "i64", np.int64),
+    DTypeInfo("bool", 1, "bool", np.bool_),
 )}
 DTYPES = tuple(TABLE)  # the names, in the order messages list them
 
@@ -55,3 +58,57 @@ def np_dtype(name: str):
 
         return np.dtype(ml_dtypes.bfloat16)
     return np.dtype(name)
+
+
+FLOATS = ("float16", "bfloat16", "float32", "float64")
+KINDS = {"bool": 0, "int32": 1, "int64": 1, **{f: 2 for f in FLOATS}}  # bool < integer < floating
+
+
+def is_float(name: str) -> bool:
+    return name in FLOATS
+
+
+def promote_types(a: str, b: str) -> str:
+    """The dtype of an op on arrays of dtypes a and b: as jnp.promote_types among floats (float16
+    and bfloat16 meet at float32), as NumPy 2 otherwise (bool < int32 < int64; an integer beside a
+    float gives float64 as NumPy's int32 + float32 does, and a larger float's own type)."""
+    if a == b:
+        return a
+    if is_float(a) and is_float(b):
+        if {a, b} == {"float16", "bfloat16"}:
+            return "float32"
+        return max(a, b, key=lambda t: TABLE[t].itemsize)
+    if is_float(a) or is_float(b):
+        f, other = (a, b) if is_float(a) else (b, a)
+        return f if other == "bool" else "float64"
+    return max(a, b, key=lambda t: (KINDS[t], TABLE[t].itemsize))
+
+
+def scalar_kind(c) -> int:
+    """0, 1 or 2 for a Python / NumPy bool, integer or float (a weak scalar's kind)."""
+    if isinstance(c, (bool, np.bool_)):
+        return 0
+    return 1 if isinstance(c, (int, np.integer)) else 2
+
+
+def weak_result(name: str, c) -> str:
+    """The dtype of an op on an array of dtype `name` and a Python scalar c (NumPy 2 and JAX: a
+    weak scalar keeps the array's dtype, unless it is of a higher kind: a float beside an integer
+    array gives float64, an integer beside a bool array int64, as NumPy's defaults)."""
+    k = scalar_kind(c)
+    if k <= KINDS[name]:
+        return name
+    return "float64" if k == 2 else "int64"
+
+
+def poison_value(name: str):
+    """What a poisoned buffer (SHARDFUSE_POISON=1, tests) is filled with: NaN for floats, the
+    smallest integer, True; so that an element a plan never writes shows."""
+    dt = np_dtype(name)
+    return np.nan if is_float(name) else True if name == "bool" else np.iinfo(dt).min
+
+
+def float_result(name: str) -> str:
+    """The dtype of sqrt, log, exp, / ... of an array of dtype `name` (NumPy's: bool -> float16,
+    int32 / int64 -> float64)."""
+    return name if is_float(name) else "float16" if name == "bool" else "float64"

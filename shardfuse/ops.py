@@ -29,6 +29,42 @@ class Op(StrEnum):
     TANH = "tanh"
     RELU = "relu"
     GELU = "gelu"
+    SQRT = "sqrt"
+    RSQRT = "rsqrt"
+    LOG = "log"
+    SIGMOID = "sigmoid"
+    SILU = "silu"  # x * sigmoid(x)
+    POW = "pow"  # x ** a Python scalar
+    RPOW = "rpow"  # a Python scalar ** x
+    MAXIMUM = "maximum"
+    MINIMUM = "minimum"
+    MAXIMUM_SCALAR = "maximum_scalar"
+    MINIMUM_SCALAR = "minimum_scalar"
+    # comparisons: boolean results (x op y, or x op a Python scalar)
+    LT = "less"
+    LE = "less_equal"
+    GT = "greater"
+    GE = "greater_equal"
+    EQ = "equal"
+    NE = "not_equal"
+    LT_SCALAR = "less_scalar"
+    LE_SCALAR = "less_equal_scalar"
+    GT_SCALAR = "greater_scalar"
+    GE_SCALAR = "greater_equal_scalar"
+    EQ_SCALAR = "equal_scalar"
+    NE_SCALAR = "not_equal_scalar"
+    LOGICAL_NOT = "logical_not"
+    # where(c, x, y) is the sum of two halves, each exact with the other's zero (-0.0 for floats:
+    # x + -0.0 is x for every x, -0.0 and NaN included); the backend protocol passes two operands
+    WHERE_THEN = "where_then"  # where(c, x, 0)
+    WHERE_ELSE = "where_else"  # where(c, 0, x)
+    FILL_THEN = "fill_then"  # where(c, a Python scalar, 0), in the output's dtype
+    FILL_ELSE = "fill_else"  # where(c, 0, a Python scalar)
+    ASTYPE = "astype"  # a cast to the output's dtype
+    # reductions of the last axis (tracing transposes the reduced axis there): bound and costed as
+    # elementwise steps (one pass over the input, no attribute that a stream split renumbers)
+    REDUCE_MAX = "reduce_max"
+    REDUCE_MIN = "reduce_min"
     SUM = "sum"
     TRANSPOSE = "transpose"  # also a host-level view
     # host level: buffers and their views
@@ -55,10 +91,16 @@ class Op(StrEnum):
     WAIT_EVENT = "wait_event"
 
 
-BINARY = frozenset({Op.ADD, Op.SUB, Op.MUL, Op.DIV})
-NONLINEAR_UNARY = frozenset({Op.EXP, Op.TANH, Op.RELU, Op.GELU, Op.ADD_SCALAR, Op.RDIV})
+COMPARE = frozenset({Op.LT, Op.LE, Op.GT, Op.GE, Op.EQ, Op.NE})
+COMPARE_SCALAR = frozenset({Op.LT_SCALAR, Op.LE_SCALAR, Op.GT_SCALAR, Op.GE_SCALAR, Op.EQ_SCALAR, Op.NE_SCALAR})
+BINARY = frozenset({Op.ADD, Op.SUB, Op.MUL, Op.DIV, Op.MAXIMUM, Op.MINIMUM, Op.WHERE_THEN, Op.WHERE_ELSE}) | COMPARE
+NONLINEAR_UNARY = frozenset({Op.EXP, Op.TANH, Op.RELU, Op.GELU, Op.ADD_SCALAR, Op.RDIV, Op.SQRT, Op.RSQRT, Op.LOG,
+                             Op.SIGMOID, Op.SILU, Op.POW, Op.RPOW, Op.MAXIMUM_SCALAR, Op.MINIMUM_SCALAR,
+                             Op.LOGICAL_NOT, Op.FILL_THEN, Op.FILL_ELSE, Op.ASTYPE}) | COMPARE_SCALAR
 LINEAR_UNARY = frozenset({Op.NEG, Op.SCALE, Op.DIV_SCALAR})  # commute with a pending sum
-ELEMENTWISE = BINARY | NONLINEAR_UNARY | LINEAR_UNARY
+LOCAL_REDUCTIONS = frozenset({Op.REDUCE_MAX, Op.REDUCE_MIN})  # of the last axis, which must be whole
+# (a step per device like the elementwise ops: the executor binds these through bind_elementwise)
+ELEMENTWISE = BINARY | NONLINEAR_UNARY | LINEAR_UNARY | LOCAL_REDUCTIONS
 # Collectives: started by one step and completed by its Wait; each has a `team` (mesh axis).
 COLLECTIVES = frozenset({Op.ALLGATHER, Op.ALLREDUCE, Op.REDUCE_SCATTER, Op.ALLTOALL, Op.SENDRECV})
 COMMUNICATION = COLLECTIVES | {Op.TRANSFER}

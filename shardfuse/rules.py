@@ -190,6 +190,18 @@ def elementwise_require(ins, out, lays):
     return tuple(req), produced
 
 
+# ---- max / min of the last axis: local, so that axis is made whole first (an Allgather where it is
+# sharded; an Allreduce with max / min of the partial results is not in the pending state yet) ----
+
+def last_axis_reduce_infer(ins, lays):
+    return Layout(tuple(_axes(lays[0])[:-1]))
+
+
+def last_axis_reduce_require(ins, out, lays):
+    return (Layout(tuple(_placed(a) for a in out.axes) + (None,)),), Layout(tuple(out.axes), out.partial, out.chunks,
+                                                                           out.stream_over)
+
+
 # ---- transpose: a permuted view ------------------------------------------------------------
 
 def transpose_axis_map(ins, j):
@@ -323,7 +335,9 @@ RULES = {
     Op.SET: dict(infer=_given, require=_as_is, axis_map=identity_axis_map),
     Op.VIEW: dict(infer=_given, require=_as_is, axis_map=_no_stream_map),
     Op.RESHAPE: dict(infer=reshape_infer, require=reshape_require, axis_map=reshape_axis_map),
-    **{op: ELEMENTWISE for op in BINARY | LINEAR_UNARY - {Op.TRANSPOSE} | NONLINEAR_UNARY},
+    **{op: ELEMENTWISE for op in BINARY | LINEAR_UNARY - {Op.TRANSPOSE} | NONLINEAR_UNARY | ops.BINARY},
+    **{op: dict(infer=last_axis_reduce_infer, require=last_axis_reduce_require, axis_map=identity_axis_map)
+       for op in ops.LOCAL_REDUCTIONS},
 }
 
 

@@ -7,14 +7,19 @@ before they are found.  The annotations on traced values are shardfuse.trace's.
 from __future__ import annotations
 
 import math
-import operator
 
 import numpy as np
 
+from shardfuse import dtypes
 from shardfuse.ir import Instr, Namer, TensorType, Value
 from shardfuse.mesh import as_int
 from shardfuse.ops import Op
 from shardfuse.spec import check_axis, normalize_axis
+
+# NumPy function or ufunc -> the same on traced values (and on sf.Array: array_ops): adding an op
+# is one line.  Filled by shardfuse.traced_numpy (imported with the package), which holds the
+# functions; this module holds the traced values and their methods.
+NUMPY: dict = {}
 
 class Builder:
     """Collects the instructions of one traced function."""
@@ -53,13 +58,40 @@ class Traced:
     def _other(self, other, what):
         if not isinstance(other, Traced) or other.builder is not self.builder:
             raise TypeError(f"{what}: both operands must be values of the traced function, got {type(other).__name__}")
-        if other.dtype != self.dtype:
-            raise TypeError(f"{what} of {self.value.name} and {other.value.name}: dtypes do not match: {self.dtype} "
-                            f"and {other.dtype}")
         return other
 
+    def promote_with(self, other, what):
+        """(self, other) cast to their promoted dtype (dtypes.promote_types; float64 for the true
+        division of integers, as NumPy's)."""
+        b = self._other(other, what)
+        dt = dtypes.promote_types(self.dtype, b.dtype)
+        dt = "float64" if what == Op.DIV and not dtypes.is_float(dt) else dt
+        return self.astype(dt), b.astype(dt)
+
+    def with_scalar(self, c, to_float=False, rounded=False):
+        """(self cast where the scalar's kind needs it, c as a value of that dtype): a Python scalar is
+        weak, as in NumPy 2 and JAX (x * 2.0 keeps float16; int32 x * 0.5 is float64)."""
+        dt = dtypes.weak_result(self.dtype, c)
+        dt = "float64" if to_float and not dtypes.is_float(dt) else dt
+        x = self.astype(dt)
+        if rounded:  # (a comparison's or maximum's scalar: NumPy 2 rounds it to x's dtype first)
+            return x, as_value(c, dt)
+        return x, float(c) if dtypes.is_float(dt) else bool(c) if dt == "bool" else int(c)
+
+    def elementwise_op(self, op, ins, dtype, **attrs):
+        try:
+            shape = tuple(np.broadcast_shapes(*(v.shape for v in ins)))
+        except ValueError:
+            raise ValueError(f"{op} of {' and '.join(v.value.name for v in ins)}: shapes "
+                             f"{' and '.join(str(v.shape) for v in ins)} do not broadcast") from None
+        return self.builder.emit(op, ins, TensorType(shape, dtype), op[0], **attrs)
+
     def __matmul__(self, other):
-        b = self._other(other, Op.MATMUL)
+        a, b = self.promote_with(other, Op.MATMUL)  # (f32 @ f64: f64, as NumPy and JAX)
+        if not dtypes.is_float(a.dtype):
+            raise TypeError(f"matmul {self.value.name} @ {b.value.name} of {a.dtype} values: shardfuse multiplies float "
+                            "arrays (cuBLAS has no integer GEMM here); cast first: x.astype('float32')")
+        self = a
         sa, sb, na, nb = self.shape, b.shape, self.value.name, b.value.name  # (the parameters' names for inputs)
         if len(sa) < 2 or len(sb) < 2:
             raise ValueError(f"matmul needs operands of at least 2 axes, got {na}{sa} and {nb}{sb}")
@@ -72,21 +104,58 @@ class Traced:
         return self.builder.emit(Op.MATMUL, (self, b), out, "c")
 
     def _elementwise(self, other, op):
-        if is_scalar(other):  # x op c: a scalar op on x (c the same on every device)
-            c = float(other)
+        if is_weak_scalar(other):  # x op c: a scalar op on x (c the same on every device)
+            x, c = self.with_scalar(other, to_float=op == Op.DIV)
             if op in (Op.MUL, Op.DIV):
-                return self._unary(Op.SCALE, value=c) if op == Op.MUL else self._unary(Op.DIV_SCALAR, value=c)
-            return self._unary(Op.ADD_SCALAR, value=c if op == Op.ADD else -c)
-        b = self._other(other, op)
-        try:
-            shape = tuple(np.broadcast_shapes(self.shape, b.shape))
-        except ValueError:
-            raise ValueError(f"{op} of {self.value.name} and {b.value.name}: shapes {self.shape} and {b.shape} do not "
-                             "broadcast") from None
-        return self.builder.emit(op, (self, b), TensorType(shape, self.dtype), op[0])
+                return x.unary_op(Op.SCALE, value=c) if op == Op.MUL else x.unary_op(Op.DIV_SCALAR, value=c)
+            return x.unary_op(Op.ADD_SCALAR, value=c if op == Op.ADD else -c)
+        a, b = self.promote_with(other, op)
+        return a.elementwise_op(op, (a, b), a.dtype)
 
-    def _unary(self, op, **attrs):
-        return self.builder.emit(op, (self,), TensorType(self.shape, self.dtype), op[0], **attrs)
+    def unary_op(self, op, dtype=None, **attrs):
+        return self.builder.emit(op, (self,), TensorType(self.shape, dtype or self.dtype), op[0], **attrs)
+
+    def _compare(self, other, op):
+        """x op y elementwise, a boolean array (JAX's and NumPy's ==, not Python's identity)."""
+        if is_weak_scalar(other):
+            x, c = self.with_scalar(other, rounded=True)
+            return x.unary_op(SCALAR_OF[op], "bool", value=c)
+        if not isinstance(other, Traced):
+            return NotImplemented
+        a, b = self.promote_with(other, op)
+        return a.elementwise_op(op, (a, b), "bool")
+
+    __lt__ = lambda self, other: self._compare(other, Op.LT)  # noqa: E731 (c < x is x > c: Python reflects)
+    __le__ = lambda self, other: self._compare(other, Op.LE)  # noqa: E731
+    __gt__ = lambda self, other: self._compare(other, Op.GT)  # noqa: E731
+    __ge__ = lambda self, other: self._compare(other, Op.GE)  # noqa: E731
+    __eq__ = lambda self, other: self._compare(other, Op.EQ)  # noqa: E731
+    __ne__ = lambda self, other: self._compare(other, Op.NE)  # noqa: E731
+    __hash__ = object.__hash__  # (a dict key by identity)
+
+    def __invert__(self):
+        if self.dtype != "bool":
+            raise TypeError(f"~ of {describe(self)}: shardfuse has ~ of boolean arrays only (logical not)")
+        return self.unary_op(Op.LOGICAL_NOT)
+
+    def __pow__(self, other):
+        if not is_scalar(other):
+            raise TypeError(f"x ** y with {type(other).__name__} y inside sf.jit: shardfuse has powers by a Python "
+                            "scalar (x ** 2, x ** 0.5); for array exponents write np.exp(y * np.log(x))")
+        x, c = self.with_scalar(other)
+        return x.unary_op(Op.POW, value=c)
+
+    def __rpow__(self, other):  # c ** x
+        if not is_scalar(other):
+            return NotImplemented
+        x, c = self.with_scalar(other)
+        return x.unary_op(Op.RPOW, value=c)
+
+    def astype(self, dtype):
+        """x in another dtype (float16, bfloat16, float32, float64, int32, int64, bool), as NumPy's
+        astype (floats to integers truncate toward zero); a cast to x's own dtype is x."""
+        dt = dtypes.normalize_dtype(dtype)
+        return self if dt == self.dtype else self.unary_op(Op.ASTYPE, dt)
 
     def __add__(self, other):
         return self._elementwise(other, Op.ADD)
@@ -105,12 +174,12 @@ class Traced:
     def __rsub__(self, other):  # c - x
         if not is_scalar(other):
             return NotImplemented
-        return (-self)._unary(Op.ADD_SCALAR, value=float(other))
+        return (-self).unary_op(Op.ADD_SCALAR, value=float(other))
 
     def __rtruediv__(self, other):  # c / x
         if not is_scalar(other):
             return NotImplemented
-        return self._unary(Op.RDIV, value=float(other))
+        return self.unary_op(Op.RDIV, value=float(other))
 
     # NumPy on traced values: a function or ufunc shardfuse has runs as its op (the NUMPY table),
     # any other is refused naming what to write instead (never an ndarray made of traced values)
@@ -130,7 +199,7 @@ class Traced:
 
     # Python asking for a concrete value: a traced one has a shape and a dtype, no numbers yet
     def _concrete(self, what: str, instead: str):
-        raise ConcretizationError(f"{what} of the traced value {_describe(self)} inside sf.jit: its numbers exist "
+        raise ConcretizationError(f"{what} of the traced value {describe(self)} inside sf.jit: its numbers exist "
                                   f"only when the compiled plan runs; {instead}")
 
     def __bool__(self):
@@ -163,43 +232,55 @@ class Traced:
 
     def __len__(self):  # the shape is static: len() is known
         if not self.shape:
-            raise TypeError(f"len() of the 0-d traced value {_describe(self)} (as NumPy: len() of unsized object)")
+            raise TypeError(f"len() of the 0-d traced value {describe(self)} (as NumPy: len() of unsized object)")
         return self.shape[0]
 
-    def __eq__(self, other, op="=="):  # (Python's default compares identity: x == y would be False, silently)
-        raise TypeError(f"{op} on the traced value {_describe(self)} inside sf.jit is not supported (NumPy compares "
-                        "elementwise, Python by identity): compare the results outside the jitted function, or "
-                        "write `x is y` for identity")
-
-    def __ne__(self, other):
-        return self.__eq__(other, "!=")
-
-    __hash__ = object.__hash__  # (a dict key by identity)
-
-    def __abs__(self):
-        return absolute(self)
+    def __abs__(self):  # relu(x) + relu(-x), exact (one of the two is zero)
+        return self.unary_op(Op.RELU) + (-self).unary_op(Op.RELU)
 
     def __neg__(self):
-        return self._unary(Op.NEG)
+        return self.unary_op(Op.NEG)
 
-    def sum(self, axis=None):
-        """The sum over `axis`: an int, a tuple of them, or None (every axis), as NumPy's."""
-        return self._reduce(axis, mean=False)
+    def sum(self, axis=None, keepdims=False):
+        """The sum over `axis`: an int, a tuple of them, or None (every axis), as NumPy's (integers
+        and bools summed in int64)."""
+        return self._reduce(axis, Op.SUM, keepdims)
 
-    def mean(self, axis=None):
+    def mean(self, axis=None, keepdims=False):
         """The mean over `axis` (as sum): each axis' sum scaled by 1 / n in one step, before it is
         rounded to a 16-bit dtype (a float16 sum can overflow where the mean does not); NaN for
         an empty axis, as NumPy gives."""
-        return self._reduce(axis, mean=True)
+        return self._reduce(axis, "mean", keepdims)
 
-    def _reduce(self, axis, mean: bool):
-        v = self
-        for ax in sorted(reduced_axes(axis, self.ndim, self.shape), reverse=True):  # the last first: no renumbering
+    def max(self, axis=None, keepdims=False):
+        """The largest element over `axis` (NaN if any is), as NumPy's; a sharded axis is gathered first."""
+        return self._reduce(axis, Op.REDUCE_MAX, keepdims)
+
+    def min(self, axis=None, keepdims=False):
+        """The smallest element over `axis` (NaN if any is), as NumPy's; a sharded axis is gathered first."""
+        return self._reduce(axis, Op.REDUCE_MIN, keepdims)
+
+    def _reduce(self, axis, kind, keepdims=False):
+        axes = reduced_axes(axis, self.ndim, self.shape)
+        summed = kind in (Op.SUM, "mean")
+        v = self.astype("int64" if kind == Op.SUM else "float64") if summed and not dtypes.is_float(self.dtype) \
+            else self  # (NumPy's dtypes of integer sums and means)
+        for ax in sorted(axes, reverse=True):  # the last first: no renumbering
             n, attrs = v.shape[ax], {}
-            if mean:
-                attrs["factor"] = 1.0 / n if n else math.nan
             out = TensorType(v.shape[:ax] + v.shape[ax + 1:], v.dtype)
-            v = v.builder.emit(Op.SUM, (v,), out, "s", axis=ax, **attrs)
+            if summed:
+                if kind == "mean":
+                    attrs["factor"] = 1.0 / n if n else math.nan
+                v = v.builder.emit(Op.SUM, (v,), out, "s", axis=ax, **attrs)
+                continue
+            if n == 0:
+                raise ValueError(f"{kind} of {describe(self)} over axis {ax} of extent 0 (as NumPy: a zero-size "
+                                 "reduction has no identity)")
+            if ax != v.ndim - 1:  # the reduced axis last (a view), then one reduction of the last axis
+                v = v.transpose([a for a in range(v.ndim) if a != ax] + [ax])
+            v = v.builder.emit(kind, (v,), out, "m")
+        if keepdims:
+            v = v.reshape(tuple(1 if a in axes else n for a, n in enumerate(self.shape)))
         return v
 
     def transpose(self, *perm):
@@ -236,6 +317,26 @@ _NUMBER = ("a number computed inside sf.jit is known only after the call: return
            "(np.asarray(result)); shapes are static (x.shape)")
 
 
+def is_weak_scalar(x) -> bool:
+    """A Python or NumPy scalar, bools included (comparisons, where, maximum)."""
+    return is_scalar(x) or isinstance(x, (bool, np.bool_))
+
+
+def as_value(c, dtype: str):
+    """A scalar as the plan stores it beside an array of `dtype`: rounded to that dtype where NumPy 2
+    rounds a weak scalar (so that the kernels of every backend compare and pick the same value)."""
+    if dtype == "bool":
+        return bool(c)
+    if not dtypes.is_float(dtype):
+        return int(c)
+    with np.errstate(over="ignore"):  # (1e5 is inf in float16, as NumPy 2 compares it)
+        return float(dtypes.np_dtype(dtype).type(c)) if dtypes.TABLE[dtype].itemsize < 8 else float(c)
+
+
+SCALAR_OF = {Op.LT: Op.LT_SCALAR, Op.LE: Op.LE_SCALAR, Op.GT: Op.GT_SCALAR, Op.GE: Op.GE_SCALAR,
+             Op.EQ: Op.EQ_SCALAR, Op.NE: Op.NE_SCALAR}
+
+
 def is_scalar(x) -> bool:
     """A Python or NumPy real number (never a bool: True is not 1.0 here)."""
     return isinstance(x, (int, float, np.integer, np.floating)) and not isinstance(x, (bool, np.bool_))
@@ -250,122 +351,11 @@ def reduced_axes(axis, ndim: int, shape) -> tuple:
     return axes
 
 
-def _traced(x, what):
-    if not isinstance(x, Traced):
-        raise TypeError(f"sf.{what} takes values inside an sf.jit function, got {type(x).__name__}")
-    return x
 
 
-def exp(x):
-    """e**x elementwise, inside an sf.jit function (np.exp(x) works too)."""
-    return _traced(x, Op.EXP)._unary(Op.EXP)
-
-
-def tanh(x):
-    """tanh elementwise, inside an sf.jit function (np.tanh(x) works too)."""
-    return _traced(x, Op.TANH)._unary(Op.TANH)
-
-
-def relu(x):
-    """max(x, 0) elementwise, inside an sf.jit function."""
-    return _traced(x, Op.RELU)._unary(Op.RELU)
-
-
-def gelu(x):
-    """GELU, tanh form (as in GPT-2 and Megatron)."""
-    return _traced(x, Op.GELU)._unary(Op.GELU)
-
-
-def linear(x, w, b=None):
-    """x @ w (+ b): a dense layer."""
-    y = _traced(x, "linear") @ w
-    return y if b is None else y + b
-
-
-def absolute(x):
-    """|x| elementwise (np.abs(x), abs(x)): relu(x) + relu(-x), exact (one of the two is zero)."""
-    return relu(x) + relu(-x)
-
-
-# ---- NumPy's functions on traced values ---------------------------------------------------------
-def _binary(method, reflected):
-    """np.<ufunc>(a, b) with a traced operand: its own operator method (never a + b again, which
-    with a NumPy scalar on the left would come back here).  Named as `operator`'s functions."""
-    def call(a, b):
-        out = getattr(a, method)(b) if isinstance(a, Traced) else getattr(b, reflected)(a) if reflected else NotImplemented
-        if out is NotImplemented:
-            raise TypeError(f"np.{method.strip('_')} of a {type(a).__name__} and a {type(b).__name__} inside sf.jit: "
-                            "arrays are not captured as constants; make them inputs of the function")
-        return out
-    call.__name__ = method.strip("_")
-    return call
-
-
-def _defaults_only(what: str, takes: str, **given):
-    """Refuse the arguments of a NumPy function shardfuse's op lacks (None / False: NumPy's defaults)."""
-    bad = [k for k, v in given.items() if v is not None and v is not False]
-    if bad:
-        raise TypeError(f"{what} with {', '.join(k + '=' for k in bad)} is not supported on traced shardfuse values "
-                        f"(inside sf.jit): write {takes}")
-
-
-def _describe(v) -> str:
+def describe(v) -> str:
     """A traced value as the tracer knows it: its name, shape and dtype."""
     return f"{v.value.name} (shape {v.shape}, {v.dtype})" if isinstance(v, Traced) else type(v).__name__
-
-
-def _dot(a, b, out=None):
-    _defaults_only("np.dot", "np.dot(a, b)", out=out)
-    if is_scalar(a) or is_scalar(b):
-        return a * b
-    if getattr(a, "ndim", None) == 2 and getattr(b, "ndim", None) == 2:
-        return a @ b
-    raise TypeError(f"np.dot of {_describe(a)} and {_describe(b)} inside sf.jit: shardfuse runs np.dot as a matmul "
-                    "of 2-D operands only (NumPy's dot of other ranks is no matmul); write a @ b (a matmul, "
-                    "batched over leading axes), reshaping 1-D operands to 2-D first")
-
-
-def _transpose(a, axes=None):
-    return a.transpose() if axes is None else a.transpose(axes)
-
-
-def _swapaxes(a, axis1, axis2):
-    perm = list(range(a.ndim))
-    i, j = normalize_axis(axis1, a.ndim, a.shape), normalize_axis(axis2, a.ndim, a.shape)
-    perm[i], perm[j] = j, i
-    return a.transpose(perm)
-
-
-def _reshape(a, shape, order="C", *, copy=None):  # (copy= changes nothing: traced values are never written)
-    if order != "C":
-        raise TypeError(f"np.reshape(..., order={order!r}) is not supported on traced shardfuse values (inside "
-                        "sf.jit): write x.reshape(shape) (C order)")
-    return a.reshape(shape)
-
-
-_REDUCED = ", a new value of x's dtype (reshape it where NumPy would keep dims)"
-
-
-def _sum(a, axis=None, dtype=None, out=None, keepdims=False, **rest):
-    _defaults_only("np.sum", "np.sum(x, axis) or x.sum(axis)" + _REDUCED, dtype=dtype, out=out, keepdims=keepdims,
-                   **rest)
-    return a.sum(axis)
-
-
-def _mean(a, axis=None, dtype=None, out=None, keepdims=False, **rest):
-    _defaults_only("np.mean", "np.mean(x, axis) or x.mean(axis)" + _REDUCED, dtype=dtype, out=out, keepdims=keepdims,
-                   **rest)
-    return a.mean(axis)
-
-
-NUMPY = {  # NumPy function or ufunc -> the same on traced values: adding an op is one line
-    np.add: _binary("__add__", "__radd__"), np.subtract: _binary("__sub__", "__rsub__"),
-    np.multiply: _binary("__mul__", "__rmul__"), np.divide: _binary("__truediv__", "__rtruediv__"),
-    np.matmul: _binary("__matmul__", None), np.negative: operator.neg, np.absolute: absolute,
-    np.exp: exp, np.tanh: tanh,
-    np.dot: _dot, np.transpose: _transpose, np.swapaxes: _swapaxes, np.reshape: _reshape,
-    np.sum: _sum, np.mean: _mean,
-}
 
 
 def numpy_name(f) -> str:
@@ -379,6 +369,7 @@ def unsupported(func, method="__call__", kwargs=()) -> str:
     what = numpy_name(func) + ("" if method == "__call__" else f".{method}")
     what += f" with {', '.join(k + '=' for k in kwargs)}" if kwargs else ""
     return (f"{what} is not supported on traced shardfuse values (inside sf.jit); supported: "
-            f"{', '.join(sorted(numpy_name(f) for f in NUMPY))} (np.dot: 2-D), the operators + - * / @, x.sum(axis), "
-            "x.mean(axis), x.T, x.reshape(...), sf.relu, sf.gelu; or compute it outside the jitted function on its "
-            "result")
+            f"{', '.join(sorted(numpy_name(f) for f in NUMPY))} (np.dot: 2-D), the operators + - * / @ ** "
+            "< <= > >= == != ~, x.sum / mean / max / min(axis, keepdims=), x.astype(dtype), x.T, x.reshape(...), "
+            "sf.relu, sf.gelu, sf.silu, sf.sigmoid, sf.rsqrt, sf.where; or compute it outside the jitted function "
+            "on its result")

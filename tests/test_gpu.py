@@ -792,3 +792,82 @@ def test_odd_sizes_and_arrays_that_start_anywhere(mesh, graph, k, dtype):
     y = randn(r, (5 * d, k), dtype)
     for ya, wa in ((y, w), (one_element_in(y), one_element_in(w)), (sf.from_local(one_element_in(y), axis=0, mesh=mesh), w)):
         check(g(ya, wa).gather(), f64(y) @ f64(w), dtype)
+
+
+# ---- issue 31: the elementwise ops and reductions on the CuPy backend (tests/test_elementwise_ops.py's bodies) ----
+import test_elementwise_ops as ew  # noqa: E402
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("jit", [True, False], ids=["jit", "eager"])
+@pytest.mark.parametrize("name", sorted(ew.OPS))
+@pytest.mark.parametrize("mesh", [1, 4], indirect=True)
+def test_issue31_elementwise_op(mesh, name, jit, dtype):
+    ew.check_op(name, mesh, ("DIDx", None), ("DIDx", None), dtype, jit, np.random.default_rng(0))
+
+
+@pytest.mark.parametrize("name", sorted(ew.OPS))
+@pytest.mark.parametrize("mesh", [4], indirect=True)
+def test_issue31_elementwise_op_broadcast_and_replicated(mesh, name):
+    ew.check_op(name, mesh, (None, "DIDx"), (None, None), "float32", True, np.random.default_rng(1))
+    ew.check_op(name, mesh, ("DIDx", None), None, "bfloat16", True, np.random.default_rng(2), row=True)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("name", ["max 0 keepdims=True", "max -1 keepdims=False", "min (0, 1) keepdims=True",
+                                  "min None keepdims=False", "sum -1 keepdims=True", "mean (0, 1) keepdims=False",
+                                  "np.amax"])
+@pytest.mark.parametrize("layout", [("DIDx", None), (None, "DIDx")], ids=["S0", "S1"])
+@pytest.mark.parametrize("mesh", [1, 4], indirect=True)
+def test_issue31_reductions(mesh, layout, name, dtype):
+    ew.check_reduction(name, mesh, layout, dtype, True, np.random.default_rng(3))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("mesh", [1, 4], indirect=True)
+def test_issue31_astype_round_trips(mesh, dtype):
+    """Casts between every float dtype, int32 and bool, bit for bit as NumPy / ml_dtypes (bfloat16
+    through float32 scratch: float64 -> bfloat16 rounds twice, as ml_dtypes does)."""
+    x = np.random.default_rng(4).standard_normal((8, 12)) * 3
+    xs = sf.shard(x, axis=0, mesh=mesh)
+    for fn in (lambda v: v.astype(dtype), lambda v: v.astype(dtype).astype(np.float64),
+               lambda v: v.astype(dtype).astype(np.int32), lambda v: v.astype(dtype).astype(bool),
+               lambda v: v.astype(np.int64).astype(dtype), lambda v: (v > 0).astype(dtype),
+               lambda v: v.astype(np.float32).astype(dtype)):
+        want = fn(x)  # (NumPy casts through the same chain of dtypes)
+        for got in (fn(xs), sf.jit(fn, mesh=mesh)(xs)):
+            assert got.dtype == want.dtype, (dtype, got.dtype, want.dtype)
+            np.testing.assert_array_equal(np.asarray(got).view(np.uint8), np.asarray(want).view(np.uint8))
+
+
+@pytest.mark.parametrize("mesh", [1, 2, 4], indirect=True)
+def test_issue31_integer_and_bool_arrays(mesh):
+    """int32 / int64 / bool buffers, their Allgather (NCCL types or device copies) and Allreduce."""
+    ids = np.random.default_rng(5).integers(1, 1000, (8, 12)).astype(np.int32)
+    a = sf.shard(ids, axis=1, mesh=mesh)
+    np.testing.assert_array_equal(sf.replicate(a).gather(), ids)
+    np.testing.assert_array_equal(sf.replicate(a > 500).gather(), ids > 500)
+    np.testing.assert_array_equal(a.sum(1).gather(), ids.sum(1))  # int64 partial sums all-reduced
+    np.testing.assert_array_equal(a.max(1).gather(), ids.max(1))
+    np.testing.assert_array_equal(np.where(a > 500, a, -1).gather(), np.where(ids > 500, ids, -1))
+    np.testing.assert_array_equal((a.astype(np.int64) * 3).gather(), ids.astype(np.int64) * 3)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("mesh", [1, 4], indirect=True)
+def test_issue31_pending_sum_sqrt_and_causal_softmax(mesh, dtype):
+    rng = np.random.default_rng(6)
+    x, w = (rng.uniform(0.5, 1.0, s).astype(np_dtype(dtype)) for s in ((8, 16), (16, 12)))
+    f = sf.jit(lambda x, w: np.sqrt(sf.shard(x, axis=1) @ sf.shard(w, axis=0)), mesh=mesh)
+    check(f(x, w).gather(), np.sqrt(f64(x) @ f64(w)), dtype)
+    scores = rng.standard_normal((4, 8, 8)).astype(np_dtype(dtype))
+    mask = np.tril(np.ones((8, 8), bool))
+
+    def softmax(s):
+        e = np.exp(s - s.max(-1, keepdims=True))
+        return e / e.sum(-1, keepdims=True)
+
+    want = softmax(np.where(mask, f64(scores), -np.inf))
+    s = sf.shard(scores, axis=0, mesh=mesh)
+    check(sf.jit(lambda s, m: softmax(sf.where(m, s, -np.inf)), mesh=mesh)(s, mask).gather(), want, dtype)
+    check(softmax(sf.where(mask, s, -np.inf)).gather(), want, dtype)

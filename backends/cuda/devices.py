@@ -28,7 +28,7 @@ from cupy.cuda import runtime
 
 from shardfuse.backends.cuda.libs import ITEM, STORE
 from shardfuse.backends.protocol import MAIN
-from shardfuse.dtypes import np_dtype
+from shardfuse.dtypes import np_dtype, poison_value
 
 POISON = os.environ.get("SHARDFUSE_POISON") == "1"  # fill new buffers with NaN (tests)
 ALIGN = 256  # bytes: what cudaMalloc guarantees, and what cuBLASLt's algorithms assume by default
@@ -144,7 +144,7 @@ class Devices:
                 elif dtype == "bfloat16":
                     flat = cupy.full(n, 0x7FC0, np.uint16)
                 else:
-                    flat = cupy.full(n, np.nan, store)
+                    flat = cupy.full(n, poison_value(dtype), store)
             out.extend(cupy.ndarray(shape, store, flat.data + j * step) for j in range(count))
         return out
 

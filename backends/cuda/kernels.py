@@ -1,6 +1,7 @@
 """CuPy kernels and the elementwise and sum steps.  bfloat16 is stored as uint16 (CuPy has no
-bfloat16 arithmetic): elementwise ops run in float32 scratch and round back once, sums reduce
-in float32, with the conversions of the preamble (round to nearest even, NaN kept quiet)."""
+bfloat16 arithmetic): elementwise ops (comparisons, casts, where's halves and max / min of the last
+axis too) run in float32 scratch and round back once, sums reduce in float32, with the
+conversions of the preamble (round to nearest even, NaN kept quiet)."""
 from __future__ import annotations
 
 import cupy
@@ -39,6 +40,11 @@ class Kernels:
             "uint16 x", out, "bf2f(x)", "a + b", post, "0", f"sf_bf16_sum{'_f32' if to_float32 else ''}",
             reduce_type="float", preamble=BF16_PREAMBLE))
 
+    def fused(self, op, f):
+        """The one-kernel form of op (_FUSED), computed in C type f (float or double)."""
+        return self._get((op, f), lambda: cupy.ElementwiseKernel("T x", "T y", _FUSED[op].replace("F", f),
+                                                                 f"sf_{op}_{f}"))
+
     def to_f32(self):
         return self._get("to_f32", lambda: cupy.ElementwiseKernel(
             "uint16 x", "float32 y", "y = bf2f(x)", "sf_bf16_to_f32", preamble=BF16_PREAMBLE))
@@ -53,7 +59,7 @@ class Kernels:
         def make():
             t = {"bfloat16": "uint16"}.get(dtype, dtype)
             load = {"bfloat16": "bf2f(x{})", "float16": "(float)x{}"}.get(dtype, "x{}")
-            acc = "double" if dtype == "float64" else "float"
+            acc = {"float64": "double", "int32": "long long", "int64": "long long", "bool": "bool"}.get(dtype, "float")
             body = f"{acc} s = {load.format(0)};" + "".join(f" s += {load.format(i)};" for i in range(1, n))
             body += " y = f2bf(s);" if dtype == "bfloat16" else " y = s;"
             return cupy.ElementwiseKernel(", ".join(f"{t} x{i}" for i in range(n)), f"{t} y", body,
@@ -84,30 +90,43 @@ extern "C" __global__ void sf_gather{n}_{int(vector)}({ptrs}, unsigned long long
         return self._get(("gather", n, vector), make)
 
 
+# One kernel each where NumPy's form is a composition (F: the type computed in, float for 16- and
+# 32-bit values, double for float64); sigmoid as e^x / (1 + e^x) below 0, so nothing overflows to NaN
+_FUSED = {
+    Op.SIGMOID: "F v = (F)x; F e = exp(-fabs(v)); y = (T)(v >= 0 ? 1 / (1 + e) : e / (1 + e))",
+    Op.SILU: "F v = (F)x; F e = exp(-fabs(v)); y = (T)(v * (v >= 0 ? 1 / (1 + e) : e / (1 + e)))",
+    Op.RSQRT: "y = (T)((F)1 / sqrt((F)x))",
+}
+
+
+def _fused(kernels, op, dtype):
+    kern = kernels.fused(op, "double" if dtype == "float64" else "float")
+    return lambda xp, x, _, o: kern(x, o)
+
+
 def bind_elementwise(dev, kernels, op, a, b, out, stream, scalar=None):
-    """Step: out = op(a[, b]) (op an Op of ops.ELEMENTWISE); bfloat16 through float32 scratch."""
-    fn = ELEMENTWISE[op]
+    """Step: out = op(a[, b]) (op an Op of ops.ELEMENTWISE).  bfloat16 operands are read through
+    float32 scratch and a bfloat16 result written through it (made now: no allocation when the
+    step runs), so comparisons, casts and max of bfloat16 see numbers, not their bits."""
+    fn = _fused(kernels, op, out.dtype) if op in _FUSED else ELEMENTWISE[op]
     refs = (a, out) if b is None else (a, b, out)
-    if out.dtype != "bfloat16":
+    if all(r.dtype != "bfloat16" for r in refs):
         if b is None:
             return dev.per_device(refs, stream, lambda j, x, o: fn(cupy, x, scalar, o))
         return dev.per_device(refs, stream, lambda j, x, y, o: fn(cupy, x, y, o))
-    # bfloat16: in float32 scratch made now (no allocation when the step runs), rounded back
     to32, to16 = kernels.to_f32(), kernels.to_bf16()
-    ta, to = dev.f32_scratch(a), dev.f32_scratch(out)
-    if b is None:
-        def body(j, x, o):
-            to32(x, ta[j])
-            fn(cupy, ta[j], scalar, to[j])
-            to16(to[j], o)
-    else:
-        tb = dev.f32_scratch(b)
+    scratch = [dev.f32_scratch(r) if r.dtype == "bfloat16" else None for r in refs]
 
-        def body(j, x, y, o):
-            to32(x, ta[j])
-            to32(y, tb[j])
-            fn(cupy, ta[j], tb[j], to[j])
-            to16(to[j], o)
+    def body(j, *views):
+        args = []
+        for v, t in zip(views[:-1], scratch):
+            if t is not None:
+                to32(v, t[j])
+            args.append(v if t is None else t[j])
+        o, t = views[-1], scratch[-1]
+        fn(cupy, args[0], scalar if b is None else args[1], o if t is None else t[j])
+        if t is not None:
+            to16(t[j], o)
     return dev.per_device(refs, stream, body)
 
 

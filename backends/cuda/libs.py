@@ -12,7 +12,7 @@ from shardfuse.dtypes import TABLE
 STORE = {name: t.bits for name, t in TABLE.items()}
 ITEM = {name: t.itemsize for name, t in TABLE.items()}
 CUDA_T = {"float16": 2, "bfloat16": 14, "float32": 0, "float64": 1}
-NCCL_T = {"float16": 6, "bfloat16": 9, "float32": 7, "float64": 8}
+NCCL_T = {"float16": 6, "bfloat16": 9, "float32": 7, "float64": 8, "int32": 2, "int64": 4, "bool": 1}  # (bool: uint8)
 OP_N, OP_T = 0, 1
 COMPUTE_32F, COMPUTE_32F_TF32, COMPUTE_64F = 68, 77, 70
 COMPUTE_SCALE = {68: 0, 77: 0, 70: 1}  # compute type -> scale (alpha/beta) cudaDataType

@@ -1,0 +1,237 @@
+"""The functions on traced values (sf.exp, sf.sqrt, sf.where, ...) and NumPy's on them: the one
+table `traced.NUMPY`, filled here, that `Traced.__array_ufunc__` / `__array_function__` and
+sf.Array (shardfuse/array_ops.py) look NumPy's functions up in.
+
+The sf.* functions take traced values inside sf.jit and sf.Arrays outside it (each op there a
+one-op plan, array_ops.apply); NumPy's semantics: dtype promotion (dtypes.promote_types, weak
+Python scalars), broadcasting, negative axes.
+"""
+from __future__ import annotations
+
+import operator
+
+import numpy as np
+
+from shardfuse import dtypes
+from shardfuse.ops import Op
+from shardfuse.spec import normalize_axis
+from shardfuse.traced import NUMPY, Traced, describe, is_scalar, is_weak_scalar
+
+
+def _apply(fn, what, *args):
+    """fn(*args) on traced values; with an sf.Array among args (outside jit), as its one-op plan."""
+    if any(isinstance(a, Traced) for a in args):
+        return fn(*args)
+    for a in args:
+        if hasattr(type(a), "one_op"):  # sf.Array (array_ops.ArrayOps)
+            return a.one_op(fn, args, what)
+    raise TypeError(f"sf.{what} takes values inside an sf.jit function or sf.Arrays, got "
+                    f"{', '.join(type(a).__name__ for a in args)}")
+
+
+def _floating(x):
+    """x, cast to a float dtype first where it is an integer or bool array (NumPy's result of sqrt, log ...)."""
+    return x.astype(dtypes.float_result(x.dtype))
+
+
+def _math(op):
+    def fn(x):
+        return _apply(lambda v: _floating(v).unary_op(op), str(op), x)
+    fn.__name__ = str(op)
+    return fn
+
+
+exp, tanh, sqrt, rsqrt, log, sigmoid, silu = (_math(op) for op in (Op.EXP, Op.TANH, Op.SQRT, Op.RSQRT, Op.LOG,
+                                                                     Op.SIGMOID, Op.SILU))
+exp.__doc__ = "e**x elementwise (np.exp(x) works too)."
+tanh.__doc__ = "tanh elementwise (np.tanh(x) works too)."
+sqrt.__doc__ = "The square root elementwise (np.sqrt(x) works too); NaN below 0, as NumPy's."
+rsqrt.__doc__ = "1 / sqrt(x) elementwise, in one step (16-bit values in float32, rounded once), as jax.lax.rsqrt."
+log.__doc__ = "The natural logarithm elementwise (np.log(x) works too); -inf at 0, NaN below, as NumPy's."
+sigmoid.__doc__ = "1 / (1 + e**-x) elementwise, without overflow for large |x| (jax.nn.sigmoid)."
+silu.__doc__ = "x * sigmoid(x) elementwise (SiLU, swish: jax.nn.silu)."
+
+
+def relu(x):
+    """max(x, 0) elementwise."""
+    return _apply(lambda v: v.unary_op(Op.RELU), str(Op.RELU), x)
+
+
+def gelu(x):
+    """GELU, tanh form (as in GPT-2 and Megatron)."""
+    return _apply(lambda v: v.unary_op(Op.GELU), str(Op.GELU), x)
+
+
+def linear(x, w, b=None):
+    """x @ w (+ b): a dense layer."""
+    if not isinstance(x, Traced):
+        raise TypeError(f"sf.linear takes values inside an sf.jit function, got {type(x).__name__}")
+    y = x @ w
+    return y if b is None else y + b
+
+
+def absolute(x):
+    """|x| elementwise (np.abs(x), abs(x)): relu(x) + relu(-x), exact (one of the two is zero)."""
+    return abs(x)
+
+
+def power(x, c):
+    """x ** c for a Python scalar c (np.power(x, c)); c ** x for a scalar x."""
+    if is_scalar(x):
+        return c.__rpow__(x)
+    return x ** c
+
+
+def square(x):
+    """x ** 2 elementwise (np.square)."""
+    return x ** 2
+
+
+def _extremum(op, scalar_op):
+    def fn(x, y):
+        def traced(a, b):
+            if is_weak_scalar(a):
+                a, b = b, a
+            if is_weak_scalar(b):
+                v, c = a.with_scalar(b, rounded=True)
+                return v.unary_op(scalar_op, value=c)
+            a, b = a.promote_with(b, op)
+            return a.elementwise_op(op, (a, b), a.dtype)
+        return _apply(traced, str(op), x, y)
+    fn.__name__ = str(op)
+    fn.__doc__ = f"np.{op}(x, y) elementwise: arrays (broadcast, promoted) or an array and a scalar; NaN propagates."
+    return fn
+
+
+maximum, minimum = _extremum(Op.MAXIMUM, Op.MAXIMUM_SCALAR), _extremum(Op.MINIMUM, Op.MINIMUM_SCALAR)
+
+
+def where(c, x, y):
+    """x where c is true, else y, elementwise (np.where / jnp.where with three arguments): c a
+    boolean array (others count as c != 0, as NumPy), x and y arrays or Python scalars, all three
+    broadcast; the dtype is NumPy's (arrays promoted, scalars weak).  It runs as two halves added,
+    each exact: where(c, x, 0) + where(c, 0, y), with -0.0 as the zero of floats."""
+    return _apply(_where, "where", c, x, y)
+
+
+def _where(c, x, y):
+    if not isinstance(c, Traced):
+        raise TypeError(f"sf.where: the condition must be a traced array inside sf.jit, got {type(c).__name__}")
+    c = c if c.dtype == "bool" else c.astype("bool")
+    for v in (x, y):
+        if not (isinstance(v, Traced) or is_weak_scalar(v)):
+            raise TypeError(f"sf.where: x and y must be traced arrays or Python scalars, got {type(v).__name__} "
+                            "(arrays are not captured as constants inside sf.jit: make them inputs of the function)")
+    arrays = [v for v in (x, y) if isinstance(v, Traced)]
+    if len(arrays) == 2:
+        x, y = x.promote_with(y, "where")
+        dt = x.dtype
+    elif arrays:
+        dt = arrays[0].with_scalar(y if arrays[0] is x else x)[0].dtype
+    else:
+        dt = np.result_type(x, y).name  # (two Python scalars: NumPy's default dtypes)
+    halves = []
+    for v, (array_op, fill_op) in ((x, (Op.WHERE_THEN, Op.FILL_THEN)), (y, (Op.WHERE_ELSE, Op.FILL_ELSE))):
+        if isinstance(v, Traced):
+            v = v.astype(dt)
+            halves.append(c.elementwise_op(array_op, (c, v), dt))
+        else:
+            halves.append(c.unary_op(fill_op, dt, value=float(v) if dtypes.is_float(dt) else
+                                     bool(v) if dt == "bool" else int(v)))
+    return halves[0] + halves[1]
+
+
+def _compare(op):
+    return lambda a, b: a._compare(b, op) if isinstance(a, Traced) else b._compare(a, _REFLECT[op])
+
+
+_REFLECT = {Op.LT: Op.GT, Op.LE: Op.GE, Op.GT: Op.LT, Op.GE: Op.LE, Op.EQ: Op.EQ, Op.NE: Op.NE}
+
+
+def logical_not(x):
+    """~x of a boolean array (np.logical_not; other dtypes count as x != 0)."""
+    return _apply(lambda v: ~(v if v.dtype == "bool" else v.astype("bool")), str(Op.LOGICAL_NOT), x)
+
+
+# ---- NumPy's functions on traced values ---------------------------------------------------------
+def _binary(method, reflected):
+    """np.<ufunc>(a, b) with a traced operand: its own operator method (never a + b again, which
+    with a NumPy scalar on the left would come back here).  Named as `operator`'s functions."""
+    def call(a, b):
+        out = getattr(a, method)(b) if isinstance(a, Traced) else getattr(b, reflected)(a) if reflected else NotImplemented
+        if out is NotImplemented:
+            raise TypeError(f"np.{method.strip('_')} of a {type(a).__name__} and a {type(b).__name__} inside sf.jit: "
+                            "arrays are not captured as constants; make them inputs of the function")
+        return out
+    call.__name__ = method.strip("_")
+    return call
+
+
+def _defaults_only(what: str, takes: str, **given):
+    """Refuse the arguments of a NumPy function shardfuse's op lacks (None / False: NumPy's defaults)."""
+    bad = [k for k, v in given.items() if v is not None and v is not False]
+    if bad:
+        raise TypeError(f"{what} with {', '.join(k + '=' for k in bad)} is not supported on traced shardfuse values "
+                        f"(inside sf.jit): write {takes}")
+
+
+def _dot(a, b, out=None):
+    _defaults_only("np.dot", "np.dot(a, b)", out=out)
+    if is_scalar(a) or is_scalar(b):
+        return a * b
+    if getattr(a, "ndim", None) == 2 and getattr(b, "ndim", None) == 2:
+        return a @ b
+    raise TypeError(f"np.dot of {describe(a)} and {describe(b)} inside sf.jit: shardfuse runs np.dot as a matmul "
+                    "of 2-D operands only (NumPy's dot of other ranks is no matmul); write a @ b (a matmul, "
+                    "batched over leading axes), reshaping 1-D operands to 2-D first")
+
+
+def _transpose(a, axes=None):
+    return a.transpose() if axes is None else a.transpose(axes)
+
+
+def _swapaxes(a, axis1, axis2):
+    perm = list(range(a.ndim))
+    i, j = normalize_axis(axis1, a.ndim, a.shape), normalize_axis(axis2, a.ndim, a.shape)
+    perm[i], perm[j] = j, i
+    return a.transpose(perm)
+
+
+def _reshape(a, shape, order="C", *, copy=None):  # (copy= changes nothing: traced values are never written)
+    if order != "C":
+        raise TypeError(f"np.reshape(..., order={order!r}) is not supported on traced shardfuse values (inside "
+                        "sf.jit): write x.reshape(shape) (C order)")
+    return a.reshape(shape)
+
+
+def _reduction(method):
+    """np.sum / mean / max / min (amax, amin) of a traced value: its method, axis= and keepdims= as NumPy's."""
+    name = method.__name__
+
+    def call(a, axis=None, dtype=None, out=None, keepdims=False, **rest):
+        _defaults_only(f"np.{name}", f"np.{name}(x, axis, keepdims=...) or x.{name}(axis, keepdims=...), a new value",
+                       dtype=dtype, out=out, **rest)
+        return method(a, axis, keepdims=keepdims)
+    call.__name__ = name
+    return call
+
+
+def _where_numpy(condition, *xy):
+    if len(xy) != 2:
+        raise TypeError("np.where(condition) with one argument (the indices of true elements) has no static shape: "
+                        "inside sf.jit write np.where(condition, x, y)")
+    return where(condition, *xy)
+
+
+NUMPY.update({  # NumPy function or ufunc -> the same on traced values: adding an op is one line
+    np.add: _binary("__add__", "__radd__"), np.subtract: _binary("__sub__", "__rsub__"),
+    np.multiply: _binary("__mul__", "__rmul__"), np.divide: _binary("__truediv__", "__rtruediv__"),
+    np.matmul: _binary("__matmul__", None), np.negative: operator.neg, np.absolute: absolute,
+    np.exp: exp, np.tanh: tanh, np.sqrt: sqrt, np.log: log, np.power: power, np.square: square,
+    np.maximum: maximum, np.minimum: minimum, np.logical_not: logical_not,
+    np.less: _compare(Op.LT), np.less_equal: _compare(Op.LE), np.greater: _compare(Op.GT),
+    np.greater_equal: _compare(Op.GE), np.equal: _compare(Op.EQ), np.not_equal: _compare(Op.NE),
+    np.dot: _dot, np.transpose: _transpose, np.swapaxes: _swapaxes, np.reshape: _reshape, np.where: _where_numpy,
+    np.sum: _reduction(Traced.sum), np.mean: _reduction(Traced.mean), np.max: _reduction(Traced.max),
+    np.amax: _reduction(Traced.max), np.min: _reduction(Traced.min), np.amin: _reduction(Traced.min),
+})
