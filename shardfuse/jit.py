@@ -15,6 +15,7 @@ import numpy as np
 from shardfuse.array import Array, spec_of
 from shardfuse.executor import Executable
 from shardfuse.interop import array_info
+from shardfuse import tree
 from shardfuse.ir import Program, unroll
 from shardfuse.autochunks import compile_best, explain_plan
 from shardfuse.cost import Rates, predict
@@ -38,6 +39,7 @@ class Plan:
         self._exe = None
         self._binding = threading.Lock()  # threads' first calls bind it once (binding may communicate)
         self._why, self._rates = explanation, rates  # chunks="auto"'s choice; the rates given to sf.jit
+        self.out_tree = None  # the structure of the function's result where it is a pytree (tree.FlatFunction)
 
     def __str__(self):
         return str(self.program)
@@ -110,6 +112,8 @@ class Plan:
         prog = self.program
         arrays = tuple(Array(prog.mesh, v.type.shape, v.type.dtype, lay, shards, whole)
                        for v, (lay, shards, whole) in zip(prog.outputs, outs))
+        if self.out_tree is not None:
+            return self.out_tree.unflatten(arrays)
         return arrays[0] if len(arrays) == 1 else arrays
 
 
@@ -151,15 +155,20 @@ class Jitted:
         self._plans: OrderedDict = OrderedDict()  # input specs -> plan, least recently used first
         self._dispatch: dict = {}  # argument key -> (input specs, plan) (see __call__)
         self._tables = threading.RLock()  # both tables, for threads calling at once (a call runs outside it)
-        functools.update_wrapper(self, fn)
+        self._trees: dict = {}  # arguments' pytree structure -> the sf.jit of fn as a function of their leaves
+        functools.update_wrapper(self, fn, updated=())  # (not fn.__dict__: a FlatFunction's fields would shadow ours)
 
     def __repr__(self):
         return (f"sf.jit({self.__name__}, mesh={self.mesh!r}, streams={self.streams}, graph={self.graph}; "
-                f"{len(self._plans)} plan(s) compiled)")
+                f"{len(self.cached_plans())} plan(s) compiled)")
 
     def cached_plans(self) -> dict:
-        """The compiled plans kept, by input specs, least recently used first (a copy)."""
-        return dict(self._plans)
+        """The compiled plans kept, by input specs, least recently used first (a copy); for
+        pytree arguments, by (their structure, the leaves' specs), each structure's apart."""
+        out = dict(self._plans)
+        for td, child in list(self._trees.items()):
+            out.update({(td, specs): plan for specs, plan in child._plans.items()})
+        return out
 
     def cache_info(self) -> dict:
         """How many plans are kept and how many argument kinds map to them (both bounded by
@@ -173,10 +182,24 @@ class Jitted:
             if isinstance(s, tuple) and len(s) >= 2 and all(isinstance(n, (int, np.integer)) for n in s):
                 raise TypeError(f"{self.__name__}.lower takes TensorSpecs, (shape, dtype[, sharding]) tuples or arrays; "
                                 f"got {s!r}: for a shape, write ({s!r}, 'float32')")
+        if any(isinstance(s, (dict, list)) or s is None for s in specs):  # pytrees (a tuple is a spec here)
+            leaves, in_tree = tree.flatten(specs, is_leaf=lambda x: isinstance(x, tuple) and x is not specs
+                                           and not tree.is_container(x[0] if x else None))
+            return self._for_tree(in_tree).lower(*leaves)
         specs = tuple(s if isinstance(s, TensorSpec) else TensorSpec(*s) if isinstance(s, tuple)
                       else spec_of(s, self.mesh) for s in specs)
         with self._tables:
             return self._lower(specs)
+
+    def _for_tree(self, in_tree) -> "Jitted":
+        """The sf.jit of fn as a function of the leaves of arguments of this structure (made once)."""
+        with self._tables:
+            child = self._trees.get(in_tree)
+            if child is None:
+                flat = tree.FlatFunction(self.fn, in_tree, _param_names(self.fn, len(in_tree.children)))
+                child = self._trees[in_tree] = Jitted(flat, self.mesh, self.streams, self.graph, self.max_plans,
+                                                      self.rates)
+            return child
 
     def _lower(self, specs: tuple) -> Plan:
         plan = self._plans.get(specs)
@@ -184,8 +207,10 @@ class Jitted:
             self._plans.move_to_end(specs)
             return plan
         t0 = time.perf_counter()
-        prog, why = compile_best(self.fn, self.mesh, specs, self.streams, lambda: machine(self.mesh, self.rates))
+        traced = self.fn if isinstance(self.fn, tree.FlatFunction) else tree.FlatFunction(self.fn)
+        prog, why = compile_best(traced, self.mesh, specs, self.streams, lambda: machine(self.mesh, self.rates))
         plan = self._plans[specs] = Plan(prog, self.graph, why, self.rates)
+        plan.out_tree = traced.out_tree  # (the structure of fn's result, set as it was traced just now)
         if log.isEnabledFor(logging.INFO):
             loops = [i.attrs["extent"] for i in prog.instrs if i.op == Op.FOR]
             log.info("compiled plan %r for %s in %.1f ms: %d instructions, stream loops of %s chunks, "
@@ -212,6 +237,12 @@ class Jitted:
         if kwargs and not any(isinstance(a, Traced) for a in (*args, *kwargs.values())):
             args = self._positional(args, kwargs)
             kwargs = {}
+        if any(isinstance(a, (dict, list, tuple)) or a is None for a in args):  # pytrees of arrays
+            if any(isinstance(a, Traced) for a in tree.leaves(args)):
+                return self._inline(args, kwargs, stream)
+            leaves, in_tree = tree.flatten(args)
+            self._check_leaves(args)
+            return self._for_tree(in_tree)(*leaves, stream=stream)
         # hot path: the plan for these argument kinds, found by a cheap key (no TensorSpec built)
         try:
             infos = tuple(None if isinstance(a, Array) else array_info(a) for a in args)
@@ -235,6 +266,17 @@ class Jitted:
             else:
                 self._plans.move_to_end(hit[0])
         return hit[1](*args, stream=stream, infos=infos)
+
+    def _check_leaves(self, args):
+        """Pytree arguments hold arrays: a list of Python numbers is data meant as one array (NumPy
+        would read it so), which sf.jit does not guess; say what to write."""
+        names = _param_names(self.fn, len(args))
+        for k, (name, a) in enumerate(zip(names, args)):
+            numbers = [x for x in tree.leaves(a) if isinstance(x, (bool, int, float, complex, np.generic))]
+            if numbers and tree.is_container(a):
+                raise TypeError(f"{self.__name__}(): argument {name} (position {k}) is a {type(a).__name__} holding "
+                                f"Python numbers ({numbers[0]!r}, ...): sf.jit takes arrays, and pytrees (dicts, lists, "
+                                f"tuples) of arrays; for one array write np.asarray({name})")
 
     def _argument_error(self, args, error):
         """`error` (array_info's, for one of args) naming the parameter it is about."""
@@ -312,3 +354,14 @@ def jit(fn: Callable | None = None, *, mesh: DeviceMesh | None = None, streams: 
     if fn is None:
         return lambda f: Jitted(f, mesh, streams, graph, max_plans, rates)
     return Jitted(fn, mesh, streams, graph, max_plans, rates)
+
+
+def _param_names(fn, n: int) -> list:
+    """The names of the parameters that n positional arguments of fn fill (then *args' name,
+    numbered), to name each argument's leaves after."""
+    P = inspect.Parameter
+    params = list(inspect.signature(fn).parameters.values())
+    pos = [p.name for p in params if p.kind in (P.POSITIONAL_ONLY, P.POSITIONAL_OR_KEYWORD)]
+    star = next((p.name for p in params if p.kind == P.VAR_POSITIONAL), "arg")
+    return (pos + [f"{star}{k}" for k in range(max(0, n - len(pos)))])[:n]
+

@@ -177,10 +177,13 @@ def test_matrix_lists_and_nan_through_gelu_and_sum(mesh, sharded, axis):
         return sf.gelu(a).sum(axis)
 
     f = sf.jit(fn, mesh=mesh)
-    for arg, ref in ((np.matrix(x), x), (x.tolist(), x), (tuple(map(tuple, x)), x)):
-        got = f(arg).gather()
-        assert type(got) is np.ndarray and got.shape == (x.shape[1 - axis],)
-        np.testing.assert_allclose(got, gelu(ref).sum(axis), rtol=1e-12)
+    got = f(np.matrix(x)).gather()
+    assert type(got) is np.ndarray and got.shape == (x.shape[1 - axis],)
+    np.testing.assert_allclose(got, gelu(x).sum(axis), rtol=1e-12)
+    for arg in (x.tolist(), tuple(map(tuple, x))):  # a pytree of numbers: refused, saying what to write
+        with pytest.raises(TypeError, match=r"argument a \(position 0\) is a (list|tuple) holding Python numbers"
+                                            r".*np.asarray\(a\)"):
+            f(arg)
     with np.errstate(invalid="ignore"):
         ref = gelu(xn).sum(axis)
     got = f(xn).gather()
@@ -193,14 +196,20 @@ def test_matrix_lists_and_nan_through_gelu_and_sum(mesh, sharded, axis):
     np.testing.assert_array_equal(sf.replicate(x.tolist(), mesh=mesh).gather(), x)
 
 
-def test_a_tuple_of_arrays_is_refused_not_stacked(mesh):
-    x = np.ones((4, 4))
-    f = sf.jit(lambda a, b: a @ b, mesh=mesh)
-    for arg in ((x, x), [x, x]):  # (NumPy would stack them into one [2, 4, 4] argument)
-        with pytest.raises(TypeError, match="items that are not all numbers: shardfuse takes one array per argument"):
-            f(arg, x)
-    np.testing.assert_array_equal(f([[1.0, 2.0], [3.0, 4.0]], np.eye(2)).gather(), [[1, 2], [3, 4]])  # numbers: fine
-    np.testing.assert_array_equal(f([[np.float32(1), 2.0]], np.eye(2)).gather(), [[1, 2]])  # NumPy scalars too
+def test_a_tuple_of_arrays_is_a_pytree_and_a_list_of_numbers_is_refused(mesh):
+    """As in JAX, a tuple or list argument is a pytree (NumPy would stack arrays into one [2, 4, 4]
+    argument, or read numbers as one array): its arrays are leaves; Python numbers in it are
+    refused, saying how to pass one array."""
+    x = rng().standard_normal((4, 4))
+    f = sf.jit(lambda ab, c: ab[0] @ ab[1] + c, mesh=mesh)
+    for arg in ((x, x), [x, x]):
+        np.testing.assert_allclose(f(arg, x).gather(), x @ x + x, rtol=1e-12)
+    g = sf.jit(lambda a, b: a @ b, mesh=mesh)
+    for arg in ([[1.0, 2.0], [3.0, 4.0]], [[np.float32(1), 2.0]]):
+        with pytest.raises(TypeError, match=r"argument a \(position 0\) is a list holding Python numbers .*"
+                                            r"np.asarray\(a\)"):
+            g(arg, np.eye(2))
+    np.testing.assert_array_equal(g(np.asarray([[1.0, 2.0], [3.0, 4.0]]), np.eye(2)).gather(), [[1, 2], [3, 4]])
 
 
 @pytest.mark.filterwarnings(MATRIX_WARNING)
@@ -211,17 +220,15 @@ def test_submesh_placements_do_not_break_later_calls(mesh):
     sf.shard(np.ones((4, 4)), axis=0, mesh=mesh)
     sf.shard(x, axis=0, mesh=mesh.submesh([0, 1]))
     f = sf.jit(lambda a: sf.gelu(sf.shard(a, axis=0)).sum(0), mesh=mesh)
-    for arg in (np.matrix(x), x.tolist(), x):
+    for arg in (np.matrix(x), x):
         np.testing.assert_allclose(f(arg).gather(), gelu(x).sum(0), rtol=1e-12)
 
 
 def test_bad_python_and_numpy_inputs_are_refused_clearly(mesh):
     f = sf.jit(lambda a: sf.gelu(sf.shard(a, axis=0)).sum(0), mesh=mesh)
-    with pytest.raises(ValueError, match="a list that is not a rectangular array of numbers"):
-        f([[1.0, 2.0], [3.0]])
-    with pytest.raises(TypeError, match=r"a list of int64 values \(np.asarray gives int64\[4, 2\]\): expected "
-                                        r"floats"):
-        f([[1, 2], [3, 4], [5, 6], [7, 8]])
+    for numbers in ([[1.0, 2.0], [3.0]], [[1, 2], [3, 4], [5, 6], [7, 8]]):  # pytrees of numbers
+        with pytest.raises(TypeError, match=r"is a list holding Python numbers .* np.asarray\(a\)"):
+            f(numbers)
     with pytest.raises(TypeError, match="a NumPy masked array: shardfuse takes plain arrays and would drop the mask"):
         f(np.ma.masked_array(np.ones((4, 2)), mask=np.eye(4, 2)))
     with pytest.raises(TypeError, match="unsupported dtype 'int16'"):
@@ -445,7 +452,7 @@ MPI_SCRIPT = textwrap.dedent('''
         g = sf.jit(lambda a: sf.gelu(sf.shard(a, axis=0)).sum(0), mesh=mesh)
         ref = 0.5 * x * (1 + np.tanh(0.7978845608028654 * (x + 0.044715 * x ** 3)))
         same(g(np.matrix(x)).gather(), ref.sum(0), "np.matrix")
-        same(g(x.tolist()).gather(), ref.sum(0), "nested lists")
+        same(g(np.asarray(x.tolist())).gather(), ref.sum(0), "nested lists, as one array")
         xn = x.copy(); xn[1, 2] = np.nan
         assert np.isnan(g(xn).gather()[2]) and np.isfinite(g(xn).gather()[[0, 1, 3]]).all()
         # 6. big-endian inputs, through collectives
