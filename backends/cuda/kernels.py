@@ -96,7 +96,22 @@ _FUSED = {
     Op.SIGMOID: "F v = (F)x; F e = exp(-fabs(v)); y = (T)(v >= 0 ? 1 / (1 + e) : e / (1 + e))",
     Op.SILU: "F v = (F)x; F e = exp(-fabs(v)); y = (T)(v * (v >= 0 ? 1 / (1 + e) : e / (1 + e)))",
     Op.RSQRT: "y = (T)((F)1 / sqrt((F)x))",
+    # (NumPy's form makes temporaries: an allocation inside a CUDA graph capture is refused)
+    Op.GELU: "F v = (F)x; y = (T)((F)0.5 * v * ((F)1 + tanh((F)0.7978845608028654 * (v + (F)0.044715 * v * v * v))))",
 }
+
+
+def _reduce_min(xp, x, _, o):
+    """min of the last axis as -max(-x) (exact, NaN kept): CuPy 14's min with out= over a
+    contiguous input fails inside its CUB path (TypeError comparing an array with a dtype, seen
+    on an H100 2026-12-05), while max with out= runs."""
+    if o.dtype.kind != "f":
+        return ELEMENTWISE[Op.REDUCE_MIN](xp, x, _, o)
+    xp.max(xp.negative(x), axis=-1, out=o)
+    xp.negative(o, out=o)
+
+
+_CUPY = {Op.REDUCE_MIN: _reduce_min}  # CuPy's own form of an op, where NumPy's does not run there
 
 
 def _fused(kernels, op, dtype):
@@ -108,7 +123,7 @@ def bind_elementwise(dev, kernels, op, a, b, out, stream, scalar=None):
     """Step: out = op(a[, b]) (op an Op of ops.ELEMENTWISE).  bfloat16 operands are read through
     float32 scratch and a bfloat16 result written through it (made now: no allocation when the
     step runs), so comparisons, casts and max of bfloat16 see numbers, not their bits."""
-    fn = _fused(kernels, op, out.dtype) if op in _FUSED else ELEMENTWISE[op]
+    fn = _fused(kernels, op, out.dtype) if op in _FUSED else _CUPY.get(op, ELEMENTWISE[op])
     refs = (a, out) if b is None else (a, b, out)
     if all(r.dtype != "bfloat16" for r in refs):
         if b is None:
