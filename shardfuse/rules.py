@@ -255,8 +255,11 @@ def _map_reshape(src_shape, src_axes, dst_shape, mesh_size, forward):
     return out
 
 
-def _mesh_size(ins):
-    """Mesh axis name -> its size, from the reshape's plain-data attribute (program mesh)."""
+def _mesh_size(ins, lay):
+    """Mesh axis name -> its size on the mesh the value lives on: its sub-mesh, else the program's
+    (the reshape's plain-data attribute)."""
+    if lay.mesh is not None:
+        return lay.mesh.axis_size
     return dict(ins.attrs["mesh_axes"]).__getitem__
 
 
@@ -270,14 +273,14 @@ def _count(entry, mesh_size) -> int:
 def reshape_infer(ins, lays):
     (la,) = lays
     src, dst = ins.ins[0].type.shape, ins.outs[0].type.shape
-    return Layout(tuple(_map_reshape(src, _axes(la), dst, _mesh_size(ins), True)), la.partial)
+    return Layout(tuple(_map_reshape(src, _axes(la), dst, _mesh_size(ins, la), True)), la.partial)
 
 
 def reshape_require(ins, out, lays):
     src, dst = ins.ins[0].type.shape, ins.outs[0].type.shape
     out_axes = _unshard(out.axes, set(lays[0].partial))
     try:
-        axes = _map_reshape(dst, [_placed(a) for a in out_axes], src, _mesh_size(ins), False)
+        axes = _map_reshape(dst, [_placed(a) for a in out_axes], src, _mesh_size(ins, lays[0]), False)
     except ValueError:  # no sharding of a replicated input gives this result's: reshape it whole,
         if lays[0].placement().sharded_axes() or lays[0].partial or STREAM in out.axes:  # then slice
             raise  # the result locally (R -> S); other layouts keep the refusal

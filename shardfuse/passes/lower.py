@@ -14,7 +14,7 @@ from __future__ import annotations
 from dataclasses import replace
 
 from shardfuse.ir import Instr, Namer, Value
-from shardfuse.layout import Layout
+from shardfuse.layout import Layout, mesh_axes
 from shardfuse.passes.reshard_plan import reshard_steps
 from shardfuse.ops import HOST_ONLY, Op
 
@@ -73,28 +73,45 @@ def _lower_set(x, y, namer, mesh):
     return out
 
 
-def _sharded_axis(lay):
-    axes = list(lay.placement().sharded_axes())
+def _sharded_axis(lay, mesh):
+    axes = list(lay.sharded_axes())
     if len(axes) > 1:
-        raise NotImplementedError(f"moving a value sharded on several axes ({lay.placements(lay.mesh)}) between "
-                                  "meshes is not supported yet")
+        raise NotImplementedError(f"moving a value sharded on several axes ({lay.placements(mesh)}) between "
+                                  "meshes is not supported yet: replicate one of them first")
     return axes[0] if axes else None
 
 
+def _holders(lay, mesh, ax) -> list:
+    """Per block of tensor axis ax (None: the whole value), in block order, the devices of mesh
+    holding it: a value sharded over some mesh axes is replicated over the others, and over a
+    tuple of mesh axes its blocks follow the tuple's order, not the devices' (pieces.device_index)."""
+    names = mesh_axes(lay.axes[ax]) if ax is not None else ()
+    held: dict = {}
+    for d in mesh.devices:
+        c, b = mesh.coords(d), 0
+        for n in names:
+            b = b * mesh.axis_size(n) + c[mesh.axis_index(n)]
+        held.setdefault(b, []).append(d)
+    return [held[b] for b in range(len(held))]
+
+
 def _lower_move(x, y, namer, mesh):
-    """x on one mesh -> y on another: Allreduce pending sums at the source, then point-to-point."""
+    """x on one mesh -> y on another: Allreduce pending sums at the source, then point to point:
+    block p of x's holders to the devices of y holding block p (same sharding), else gathered
+    onto y's first device and spread from there (Scatter where every device of y holds a block
+    of its own, else Broadcast and each device's local slice)."""
     out, cur = [], x
     src, dst = x.type.layout.placement(), y.type.layout.placement()
+    a_mesh, b_mesh = src.mesh or mesh, dst.mesh or mesh
+    s_ax, d_ax = _sharded_axis(src, a_mesh), _sharded_axis(dst, b_mesh)  # (refused before any step)
     if src.partial:  # reduce where the sums are, then move the smaller, whole value
         whole = Value(namer(f"{x.name}_reduced"), x.type.with_layout(replace(src, partial=())))
         out += _lower_set(cur, whole, namer, mesh)
         cur, src = whole, whole.type.layout
-    a_mesh, b_mesh = src.mesh or mesh, dst.mesh or mesh
-    s_ax, d_ax = _sharded_axis(src), _sharded_axis(dst)
 
     def move(kind, frm, to, target, axis=None):
         h = Value(namer(kind.lower()), "Comm")
-        attrs = {"kind": kind, "from": frm, "to": to}
+        attrs = {"kind": kind, "from": tuple(frm), "to": tuple(to)}
         if axis is not None:
             attrs["axis"] = axis
         out.extend([Instr(Op.ALLOCATE, (target,)), Instr(Op.TRANSFER, (h,), (cur,), attrs, into=target),
@@ -102,21 +119,29 @@ def _lower_move(x, y, namer, mesh):
         return target
 
     A, B = a_mesh.devices, b_mesh.devices
-    if s_ax == d_ax and (s_ax is None or len(A) == len(B)):
-        kind = "SendRecv" if len(A) == len(B) else "Broadcast"
-        move(kind, A if kind == "SendRecv" else A[:1], B, y, s_ax)
+    have, want = _holders(src, a_mesh, s_ax), _holders(dst, b_mesh, d_ax)
+    if s_ax is None and d_ax is None:
+        move("SendRecv", A, B, y) if len(A) == len(B) else move("Broadcast", A[:1], B, y)
         return out
-    if s_ax is None:  # replicated -> sharded
-        move("Scatter", A[:1], B, y, d_ax)
+    if s_ax == d_ax and len(have) == len(want):  # block p from a holder of it to each device that wants it
+        frm = [have[b][j % len(have[b])] for b, devs in enumerate(want) for j in range(len(devs))]
+        move("SendRecv", frm, [d for devs in want for d in devs], y, s_ax)
         return out
-    # sharded -> anything else: gather onto the destination's first device, then spread
-    root = mesh.root.submesh(B[:1])
-    gathered = y if (d_ax is None and len(B) == 1) else \
-        Value(namer(f"{x.name}_gathered"), y.type.with_layout(Layout((None,) * y.type.ndim, mesh=root)))
-    cur = move("Gather", A, B[:1], gathered, s_ax)
-    if gathered is not y:
-        if d_ax is None:
-            move("Broadcast", B[:1], B, y)
-        else:
-            move("Scatter", B[:1], B, y, d_ax)
+    if s_ax is not None:  # gather onto the destination's first device
+        root = mesh.root.submesh(B[:1])
+        done = d_ax is None and len(B) == 1
+        gathered = y if done else \
+            Value(namer(f"{x.name}_gathered"), y.type.with_layout(Layout((None,) * y.type.ndim, mesh=root)))
+        cur = move("Gather", [devs[0] for devs in have], B[:1], gathered, s_ax)
+        if done:
+            return out
+        A = B[:1]
+    if d_ax is None:
+        move("Broadcast", A[:1], B, y)
+    elif all(len(devs) == 1 for devs in want):  # every device of y holds a block of its own
+        move("Scatter", A[:1], [devs[0] for devs in want], y, d_ax)
+    else:  # replicated on y's mesh, then each device keeps its block (a local slice)
+        whole = Value(namer(f"{x.name}_whole"), y.type.with_layout(Layout((None,) * y.type.ndim, mesh=dst.mesh)))
+        cur = move("Broadcast", A[:1], B, whole)
+        out += _lower_set(cur, y, namer, mesh)
     return out

@@ -22,6 +22,19 @@ def _sharded_inputs(i, amap):
     return [v for v, a in zip(i.ins, amap) if a is not None and v.type.layout.placement().axes[a] is not None]
 
 
+def _shard_count(i, amap, mesh_axis, lay, mesh) -> int:
+    """How many shards mesh_axis cuts the stream axis into, on the mesh of each value it shards
+    there (a move between meshes reads one mesh and writes another): they must agree."""
+    counts = {shard_count(mesh_axis, v.type.layout.mesh or mesh) for v, a in zip(i.ins, amap)
+              if a is not None and v.type.layout.placement().axes[a] == mesh_axis}
+    if lay.stream_over:
+        counts.add(shard_count(mesh_axis, lay.mesh or mesh))
+    if len(counts) > 1:
+        raise ValueError(f"the stream axis of {i.outs[0].name} is sharded {sorted(counts)} ways on the meshes it moves "
+                         "between: stream it before or after the move, not on it")
+    return counts.pop() if counts else 1
+
+
 def _split_attrs(i, amap, k, n):
     """The op's attributes once its stream axis k (input axis amap[0]) is split into n axes."""
     if i.op == Op.TRANSPOSE:  # output axis j reads input axis perm[j]; axes after the split shift by n - 1
@@ -82,12 +95,12 @@ def split_stream_axes(prog):
                              f"{sorted(sharded, key=str)}: "
                              "stream it before or after the reshard, not on it")
         mesh_axis = sharded.pop() if sharded else None
-        d = shard_count(mesh_axis, lay.mesh or prog.mesh)  # (a value on a sub-mesh: its devices)
+        d = _shard_count(i, amap, mesh_axis, lay, prog.mesh)
         extent = o.type.shape[k]
         if s is None and not ring:
             # chunks omitted on an axis an input shards: one chunk per index of each device's shard.
             # Slicing single indices of the sharded axis itself would cut across shards.
-            s = extent // d
+            s = max(extent // d, 1)  # (an empty axis: one empty chunk)
         if ring:  # the ring's chunks are the shards: [D:Stream, m]
             if mesh_axis is None:
                 raise ValueError(f"algorithm='ring' streams {o.name} along axis {k}, but no input shards that axis")
