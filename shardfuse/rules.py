@@ -280,11 +280,13 @@ def reshape_require(ins, out, lays):
     src, dst = ins.ins[0].type.shape, ins.outs[0].type.shape
     out_axes = _unshard(out.axes, set(lays[0].partial))
     try:
-        axes = _map_reshape(dst, [_placed(a) for a in out_axes], src, _mesh_size(ins, lays[0]), False)
+        axes = _map_reshape(dst, [_placed(a) for a in out_axes], src, _mesh_size(ins, out), False)
     except ValueError:  # no sharding of a replicated input gives this result's: reshape it whole,
-        if lays[0].placement().sharded_axes() or lays[0].partial or STREAM in out.axes:  # then slice
+        moved = lays[0].mesh != out.mesh  # (an input from another mesh moves anyway: it may move whole)
+        if (lays[0].placement().sharded_axes() and not moved) or lays[0].partial or STREAM in out.axes:  # then slice
             raise  # the result locally (R -> S); other layouts keep the refusal
-        return (lays[0],), reshape_infer(ins, lays)
+        whole = Layout.replicated(len(src))
+        return (whole,), reshape_infer(ins, [whole])
     return (Layout(tuple(axes), lays[0].partial),), Layout(tuple(out_axes), _union(out.partial, lays[0].partial),
                                                           out.chunks, out.stream_over)
 

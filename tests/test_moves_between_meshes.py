@@ -105,6 +105,28 @@ def stream_a_value_moved_to_a_sub_mesh_and_back(make):
     _same(f, (x, w), (x * 2.0) @ w)
 
 
+# ---- found by the differential test's moves between meshes -------------------------------------
+def pending_sum_moved_to_another_sub_mesh(make):
+    """A sum pending on one sub-mesh, consumed on another: reduced where it is, then moved (a
+    pending sum moved as such was reduced again on arrival: 4x the result)."""
+    mesh = make((2, 2))
+    s0, s1 = mesh.submesh((0, 1)), mesh.submesh((3, 2))
+    x = _rng().standard_normal((2, 2, 4))
+    f = sf.jit(lambda a: sf.shard(sf.shard(a, 1, mesh=s0).sum(1).T, 0, mesh=s1), mesh=mesh)
+    _same(f, (x,), x.sum(1).T)
+
+
+def reshape_on_a_larger_sub_mesh_than_its_input(make):
+    """A reshape annotated onto a 4-device sub-mesh from a 2-device one: checked against the
+    sub-mesh it runs on (the input moves whole where its sharding cannot give the result's)."""
+    mesh = make((2, 2))
+    s0, s1 = mesh.submesh((0, 1)), mesh.submesh((2, 0, 3, 1))
+    x = _rng().standard_normal((4, 4))
+    f = sf.jit(lambda a: sf.shard(sf.shard(a, 0, mesh=s0).reshape(2, 2, 2, 2).reshape(4, 2, 2), 0, mesh=s1),
+               mesh=mesh)
+    _same(f, (x,), x.reshape(4, 2, 2))
+
+
 # ---- 0-d and empty values ----------------------------------------------------------------------
 def zero_d_on_a_mesh(make):
     mesh = make(4)
@@ -153,6 +175,14 @@ def test_reshape_on_a_sub_mesh_larger_than_the_mesh_axis():
 
 def test_stream_a_value_moved_to_a_sub_mesh_and_back():
     stream_a_value_moved_to_a_sub_mesh_and_back(_numpy_mesh)
+
+
+def test_pending_sum_moved_to_another_sub_mesh():
+    pending_sum_moved_to_another_sub_mesh(_numpy_mesh)
+
+
+def test_reshape_on_a_larger_sub_mesh_than_its_input():
+    reshape_on_a_larger_sub_mesh_than_its_input(_numpy_mesh)
 
 
 def test_zero_d_on_a_mesh():

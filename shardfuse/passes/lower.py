@@ -104,6 +104,8 @@ def _lower_move(x, y, namer, mesh):
     src, dst = x.type.layout.placement(), y.type.layout.placement()
     a_mesh, b_mesh = src.mesh or mesh, dst.mesh or mesh
     s_ax, d_ax = _sharded_axis(src, a_mesh), _sharded_axis(dst, b_mesh)  # (refused before any step)
+    if dst.partial:  # (insert_resharding reduces sums before they move: each device would hold the whole sum)
+        raise NotImplementedError(f"{y.name}: a pending sum moved between meshes ({dst.placements(b_mesh)})")
     if src.partial:  # reduce where the sums are, then move the smaller, whole value
         whole = Value(namer(f"{x.name}_reduced"), x.type.with_layout(replace(src, partial=())))
         out += _lower_set(cur, whole, namer, mesh)

@@ -7,6 +7,8 @@ to the annotated layout.  Program outputs never stay partial.
 """
 from __future__ import annotations
 
+from dataclasses import replace
+
 from shardfuse.ir import Instr, Namer, Value, substitute
 from shardfuse.layout import Layout
 from shardfuse.rules import rule
@@ -41,8 +43,11 @@ def insert_resharding(prog):
             out.append(i)
             continue
         o = i.outs[0]
-        req, produced = rule(i.op, "require")(i, o.type.layout, [v.type.layout for v in i.ins])
         where = o.type.layout.mesh  # an op runs on the mesh its output lives on (rules speak of axes only)
+        # pending sums are reduced where they are, before a move to another mesh: a sum is never moved
+        i = replace(i, ins=tuple(reshard(v, Layout(v.type.layout.placement().axes, mesh=v.type.layout.mesh))
+                                 if v.type.layout.mesh != where and v.type.layout.partial else v for v in i.ins))
+        req, produced = rule(i.op, "require")(i, o.type.layout, [v.type.layout for v in i.ins])
         req, produced = [r.on(where) for r in req], produced.on(where)
         ins = tuple(reshard(v, r) for v, r in zip(i.ins, req))
         if produced == o.type.layout:
