@@ -14,6 +14,7 @@ from dataclasses import dataclass, replace
 
 from shardfuse.dtypes import short_name
 from shardfuse.mesh import STREAM
+from shardfuse.sharding import Sharding
 
 
 def mesh_axes(entry) -> tuple:
@@ -93,18 +94,21 @@ class Layout:
         """The same layout on `mesh` (None: the program's whole mesh)."""
         return replace(self, mesh=mesh)
 
+    def home(self, mesh):
+        """The mesh the value lives on: its sub-mesh, else `mesh` (the program's).  The one place
+        where a layout's mesh None means the program's whole mesh."""
+        return mesh if self.mesh is None else self.mesh
+
+    def sharding(self, mesh) -> Sharding:
+        """Where the value lives (its schedule left out), on the mesh it lives on (see home)."""
+        return Sharding(self.home(mesh), tuple(mesh_axes(a) for a in self.placement().axes), self.partial)
+
     def local_shape(self, shape, mesh) -> tuple:
-        out = []
-        mesh = self.mesh or mesh
-        for n, a in zip(shape, self.placement().axes):
-            out.append(n // shard_count(a, mesh))
-        return tuple(out)
+        return self.sharding(mesh).local_shape(shape)
 
     def placements(self, mesh) -> tuple:
         """DTensor-style placement per mesh axis, compact: 'S(i)', 'R' or 'P'."""
-        from shardfuse.placements import placements_of
-
-        return tuple(str(p) for p in placements_of(self, self.mesh or mesh))
+        return tuple(str(p) for p in self.sharding(mesh).placements())
 
 
 def _entry_text(entry) -> str:

@@ -255,12 +255,10 @@ def _map_reshape(src_shape, src_axes, dst_shape, mesh_size, forward):
     return out
 
 
-def _mesh_size(ins, lay):
-    """Mesh axis name -> its size on the mesh the value lives on: its sub-mesh, else the program's
-    (the reshape's plain-data attribute)."""
-    if lay.mesh is not None:
-        return lay.mesh.axis_size
-    return dict(ins.attrs["mesh_axes"]).__getitem__
+def _mesh_size(lay):
+    """Mesh axis name -> its size on the mesh the value lives on (infer and require give every
+    layout its mesh)."""
+    return lay.mesh.axis_size
 
 
 def _count(entry, mesh_size) -> int:
@@ -273,19 +271,19 @@ def _count(entry, mesh_size) -> int:
 def reshape_infer(ins, lays):
     (la,) = lays
     src, dst = ins.ins[0].type.shape, ins.outs[0].type.shape
-    return Layout(tuple(_map_reshape(src, _axes(la), dst, _mesh_size(ins, la), True)), la.partial)
+    return Layout(tuple(_map_reshape(src, _axes(la), dst, _mesh_size(la), True)), la.partial)
 
 
 def reshape_require(ins, out, lays):
     src, dst = ins.ins[0].type.shape, ins.outs[0].type.shape
     out_axes = _unshard(out.axes, set(lays[0].partial))
     try:
-        axes = _map_reshape(dst, [_placed(a) for a in out_axes], src, _mesh_size(ins, out), False)
+        axes = _map_reshape(dst, [_placed(a) for a in out_axes], src, _mesh_size(out), False)
     except ValueError:  # no sharding of a replicated input gives this result's: reshape it whole,
         moved = lays[0].mesh != out.mesh  # (an input from another mesh moves anyway: it may move whole)
         if (lays[0].placement().sharded_axes() and not moved) or lays[0].partial or STREAM in out.axes:  # then slice
             raise  # the result locally (R -> S); other layouts keep the refusal
-        whole = Layout.replicated(len(src))
+        whole = Layout.replicated(len(src)).on(out.mesh)
         return (whole,), reshape_infer(ins, [whole])
     return (Layout(tuple(axes), lays[0].partial),), Layout(tuple(out_axes), _union(out.partial, lays[0].partial),
                                                           out.chunks, out.stream_over)
@@ -334,3 +332,19 @@ RULES = {
 
 def rule(op: str, what: str):
     return RULES[op][what]
+
+
+def _on_home(lay, mesh):
+    return lay.on(lay.home(mesh))
+
+
+def infer(instr, lays, mesh):
+    """The layout instr's rule infers for its output from its inputs' layouts, each on the mesh
+    it lives on (`mesh`, the program's, for a layout that names none)."""
+    return RULES[instr.op]["infer"](instr, [_on_home(lay, mesh) for lay in lays])
+
+
+def require(instr, out, lays, mesh):
+    """(the input layouts instr's rule needs, the layout it then produces) for output layout `out`;
+    layouts on their meshes as in infer."""
+    return RULES[instr.op]["require"](instr, _on_home(out, mesh), [_on_home(lay, mesh) for lay in lays])

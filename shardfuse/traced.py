@@ -225,8 +225,7 @@ class Traced:
         if int(np.prod(shape)) != size or any(s < 1 for s in shape):
             raise ValueError(f"cannot reshape {self.shape} ({size} elements) to {shape}")
         out = TensorType(tuple(int(s) for s in shape), self.dtype)
-        return self.builder.emit(Op.RESHAPE, (self,), out, self.value.name + "_r", shape=out.shape,
-                                 mesh_axes=tuple(zip(self.builder.mesh.axis_names, self.builder.mesh.shape)))
+        return self.builder.emit(Op.RESHAPE, (self,), out, self.value.name + "_r", shape=out.shape)
 
 
 class ConcretizationError(TypeError):

@@ -14,7 +14,7 @@ from __future__ import annotations
 from dataclasses import replace
 
 from shardfuse.ir import Instr, Namer, Value
-from shardfuse.layout import Layout, mesh_axes
+from shardfuse.layout import Layout
 from shardfuse.passes.reshard_plan import reshard_steps
 from shardfuse.ops import HOST_ONLY, Op
 
@@ -52,7 +52,7 @@ def _lower_set(x, y, namer, mesh):
     if x.type.layout.mesh != y.type.layout.mesh:
         return _lower_move(x, y, namer, mesh)
     where = x.type.layout.mesh
-    steps = reshard_steps(x.type.layout.placement(), y.type.layout.placement(), where or mesh, x.type.shape)
+    steps = reshard_steps(x.type.layout.placement(), y.type.layout.placement(), x.type.layout.home(mesh), x.type.shape)
     if not steps:  # only the schedule changes: a copy keeps y a buffer of its own
         return [Instr(Op.ALLOCATE, (y,)), Instr(Op.COPY, (), (x,), into=y)]
     out, cur = [], x
@@ -73,25 +73,21 @@ def _lower_set(x, y, namer, mesh):
     return out
 
 
-def _sharded_axis(lay, mesh):
-    axes = list(lay.sharded_axes())
+def _sharded_axis(sh):
+    axes = [i for i, d in enumerate(sh.dims) if d]
     if len(axes) > 1:
-        raise NotImplementedError(f"moving a value sharded on several axes ({lay.placements(mesh)}) between "
-                                  "meshes is not supported yet: replicate one of them first")
+        raise NotImplementedError(f"moving a value sharded on several axes ({tuple(map(str, sh.placements()))}) "
+                                  "between meshes is not supported yet: replicate one of them first")
     return axes[0] if axes else None
 
 
-def _holders(lay, mesh, ax) -> list:
-    """Per block of tensor axis ax (None: the whole value), in block order, the devices of mesh
-    holding it: a value sharded over some mesh axes is replicated over the others, and over a
-    tuple of mesh axes its blocks follow the tuple's order, not the devices' (pieces.device_index)."""
-    names = mesh_axes(lay.axes[ax]) if ax is not None else ()
+def _holders(sh, ax) -> list:
+    """Per block of tensor axis ax (None: the whole value), in block order, the devices holding
+    it: a value sharded over some mesh axes is replicated over the others, and over a tuple of
+    mesh axes its blocks follow the tuple's order, not the devices' (Sharding.block)."""
     held: dict = {}
-    for d in mesh.devices:
-        c, b = mesh.coords(d), 0
-        for n in names:
-            b = b * mesh.axis_size(n) + c[mesh.axis_index(n)]
-        held.setdefault(b, []).append(d)
+    for d in sh.mesh.devices:
+        held.setdefault(0 if ax is None else sh.block(ax, d), []).append(d)
     return [held[b] for b in range(len(held))]
 
 
@@ -101,15 +97,14 @@ def _lower_move(x, y, namer, mesh):
     onto y's first device and spread from there (Scatter where every device of y holds a block
     of its own, else Broadcast and each device's local slice)."""
     out, cur = [], x
-    src, dst = x.type.layout.placement(), y.type.layout.placement()
-    a_mesh, b_mesh = src.mesh or mesh, dst.mesh or mesh
-    s_ax, d_ax = _sharded_axis(src, a_mesh), _sharded_axis(dst, b_mesh)  # (refused before any step)
+    src, dst = x.type.layout.sharding(mesh), y.type.layout.sharding(mesh)
+    s_ax, d_ax = _sharded_axis(src), _sharded_axis(dst)  # (refused before any step)
     if dst.partial:  # (insert_resharding reduces sums before they move: each device would hold the whole sum)
-        raise NotImplementedError(f"{y.name}: a pending sum moved between meshes ({dst.placements(b_mesh)})")
+        raise NotImplementedError(f"{y.name}: a pending sum moved between meshes ({dst.placements()})")
     if src.partial:  # reduce where the sums are, then move the smaller, whole value
-        whole = Value(namer(f"{x.name}_reduced"), x.type.with_layout(replace(src, partial=())))
+        whole = Value(namer(f"{x.name}_reduced"), x.type.with_layout(replace(x.type.layout.placement(), partial=())))
         out += _lower_set(cur, whole, namer, mesh)
-        cur, src = whole, whole.type.layout
+        cur = whole
 
     def move(kind, frm, to, target, axis=None):
         h = Value(namer(kind.lower()), "Comm")
@@ -120,8 +115,8 @@ def _lower_move(x, y, namer, mesh):
                     Instr(Op.WAIT, (), (h,))])
         return target
 
-    A, B = a_mesh.devices, b_mesh.devices
-    have, want = _holders(src, a_mesh, s_ax), _holders(dst, b_mesh, d_ax)
+    A, B = src.mesh.devices, dst.mesh.devices
+    have, want = _holders(src, s_ax), _holders(dst, d_ax)
     if s_ax is None and d_ax is None:
         move("SendRecv", A, B, y) if len(A) == len(B) else move("Broadcast", A[:1], B, y)
         return out
@@ -143,7 +138,8 @@ def _lower_move(x, y, namer, mesh):
     elif all(len(devs) == 1 for devs in want):  # every device of y holds a block of its own
         move("Scatter", A[:1], [devs[0] for devs in want], y, d_ax)
     else:  # replicated on y's mesh, then each device keeps its block (a local slice)
-        whole = Value(namer(f"{x.name}_whole"), y.type.with_layout(Layout((None,) * y.type.ndim, mesh=dst.mesh)))
+        whole = Value(namer(f"{x.name}_whole"),
+                      y.type.with_layout(Layout((None,) * y.type.ndim, mesh=y.type.layout.mesh)))
         cur = move("Broadcast", A[:1], B, whole)
         out += _lower_set(cur, y, namer, mesh)
     return out

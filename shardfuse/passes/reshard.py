@@ -11,7 +11,7 @@ from dataclasses import replace
 
 from shardfuse.ir import Instr, Namer, Value, substitute
 from shardfuse.layout import Layout
-from shardfuse.rules import rule
+from shardfuse.rules import require
 from shardfuse.ops import Op
 
 
@@ -47,7 +47,7 @@ def insert_resharding(prog):
         # pending sums are reduced where they are, before a move to another mesh: a sum is never moved
         i = replace(i, ins=tuple(reshard(v, Layout(v.type.layout.placement().axes, mesh=v.type.layout.mesh))
                                  if v.type.layout.mesh != where and v.type.layout.partial else v for v in i.ins))
-        req, produced = rule(i.op, "require")(i, o.type.layout, [v.type.layout for v in i.ins])
+        req, produced = require(i, o.type.layout, [v.type.layout for v in i.ins], prog.mesh)
         req, produced = [r.on(where) for r in req], produced.on(where)
         ins = tuple(reshard(v, r) for v, r in zip(i.ins, req))
         if produced == o.type.layout:

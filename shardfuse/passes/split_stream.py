@@ -25,10 +25,10 @@ def _sharded_inputs(i, amap):
 def _shard_count(i, amap, mesh_axis, lay, mesh) -> int:
     """How many shards mesh_axis cuts the stream axis into, on the mesh of each value it shards
     there (a move between meshes reads one mesh and writes another): they must agree."""
-    counts = {shard_count(mesh_axis, v.type.layout.mesh or mesh) for v, a in zip(i.ins, amap)
+    counts = {v.type.layout.sharding(mesh).count(a) for v, a in zip(i.ins, amap)
               if a is not None and v.type.layout.placement().axes[a] == mesh_axis}
     if lay.stream_over:
-        counts.add(shard_count(mesh_axis, lay.mesh or mesh))
+        counts.add(shard_count(lay.stream_over, lay.home(mesh)))
     if len(counts) > 1:
         raise ValueError(f"the stream axis of {i.outs[0].name} is sharded {sorted(counts)} ways on the meshes it moves "
                          "between: stream it before or after the move, not on it")
