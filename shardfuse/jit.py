@@ -21,7 +21,7 @@ from shardfuse.cost import Rates, predict
 from shardfuse.rates import machine
 from shardfuse.mesh import DeviceMesh, as_int
 from shardfuse.spec import TensorSpec
-from shardfuse.trace import trace  # noqa: F401 (imported from here by tests)
+from shardfuse.trace import trace
 from shardfuse.traced import Traced
 from shardfuse.ops import COMMUNICATION, Op
 
@@ -184,7 +184,8 @@ class Jitted:
             self._plans.move_to_end(specs)
             return plan
         t0 = time.perf_counter()
-        prog, why = compile_best(self.fn, self.mesh, specs, self.streams, lambda: machine(self.mesh, self.rates))
+        traced = trace(self.fn, self.mesh, specs, self.streams)  # once per input signature, "auto" or not
+        prog, why = compile_best(traced, lambda: machine(self.mesh, self.rates))
         plan = self._plans[specs] = Plan(prog, self.graph, why, self.rates)
         if log.isEnabledFor(logging.INFO):
             loops = [i.attrs["extent"] for i in prog.instrs if i.op == Op.FOR]

@@ -63,7 +63,7 @@ def _streamed(x: Traced, layout: Layout, ax: int, chunks) -> Layout:
     name, shape, cur = x.value.name, x.shape, layout.axes[ax]
     if STREAM in layout.axes:
         raise ValueError(f"{name} already has a stream axis ({layout.stream_axis()})")
-    if chunks is not None and (chunks < 1 or shape[ax] % chunks):
+    if chunks not in (None, "auto") and (chunks < 1 or shape[ax] % chunks):
         raise ValueError(f"stream chunks={chunks} does not divide axis {ax} of extent {shape[ax]}")
     if cur is not None and chunks is None:
         raise ValueError(f"axis {ax} of {name}{shape} is sharded over {cur}: streaming it too needs chunks=")
@@ -134,7 +134,8 @@ def stream(x: Traced, axis: int, chunks: int | str | None = None, algorithm: str
         raise TypeError("sf.stream annotates values inside an sf.jit function")
     if algorithm not in ALGORITHMS:
         raise ValueError(f"algorithm must be one of {ALGORITHMS}, got {algorithm!r}")
-    chunks = resolve_chunks(chunks, algorithm, x.shape[normalize_axis(axis, x.ndim, x.shape)])
+    normalize_axis(axis, x.ndim, x.shape)  # (an axis out of range is named before chunks=)
+    chunks = resolve_chunks(chunks, algorithm)
     if algorithm == "ring":  # its chunks are the D shards: chunks=D may be said, and is checked once D is known
         x = _annotate(x, axis, STREAM, None, algorithm)
         if chunks is not None:
