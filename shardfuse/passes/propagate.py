@@ -13,7 +13,6 @@ from __future__ import annotations
 from collections import defaultdict
 
 from shardfuse.ir import Instr, Value, substitute
-from shardfuse.mesh import STREAM
 from shardfuse.rules import infer, require
 from shardfuse.ops import Op
 
@@ -81,7 +80,7 @@ def _one_refinement(instrs, outputs, inferred, consumers, mesh):
     for p in reversed(instrs):
         for o in p.outs:
             lay = o.type.layout
-            if o not in inferred or o in outputs or lay.partial or STREAM in lay.axes or not consumers[o]:
+            if o not in inferred or o in outputs or lay.partial or lay.stream is not None or not consumers[o]:
                 continue
             if any(c.op in (Op.SET, Op.VIEW) for c, _ in consumers[o]):
                 continue  # a reshard or a view states no requirement of its own
