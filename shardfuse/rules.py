@@ -281,7 +281,7 @@ def reshape_require(ins, out, lays):
         axes = _map_reshape(dst, [_chunked(out, j, a) for j, a in enumerate(out_axes)], src, _mesh_size(out), False)
     except ValueError:  # no sharding of a replicated input gives this result's: reshape it whole,
         moved = lays[0].mesh != out.mesh  # (an input from another mesh moves anyway: it may move whole)
-        if (lays[0].placement().sharded_axes() and not moved) or lays[0].partial or out.stream is not None:  # then slice
+        if (lays[0].sharded_axes() and not moved) or lays[0].partial or out.stream is not None:  # then slice
             raise  # the result locally (R -> S); other layouts keep the refusal
         whole = Layout.replicated(len(src)).on(out.mesh)
         return (whole,), reshape_infer(ins, [whole])

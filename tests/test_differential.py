@@ -658,7 +658,7 @@ def _check_output(got_arr, ref, val: Val, prog: Prog, what: str):
                              f"got {got[idx]!r}, NumPy {ref[idx]!r}; layout {got_arr.sharding.placements(prog.mesh)}")
     mesh = prog.mesh_of(val.home)
     if val.chain is not None or val.home is not None:  # a value the program put somewhere (an unannotated one
-        lives = got_arr.sharding.mesh or prog.mesh   # lives where its inputs do: a plain input where it is first annotated)
+        lives = got_arr.sharding.home(prog.mesh)     # lives where its inputs do: a plain input where it is first annotated)
         assert lives.devices == mesh.devices, f"{what}: lives on devices {lives.devices}, the program put it on {mesh}"
     if val.chain is not None:  # the layout rule: an annotated value has exactly the stated layout
         # a tuple `over` shards the dim over each of its mesh axes: (S(0), S(0))

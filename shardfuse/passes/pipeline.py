@@ -46,7 +46,7 @@ def mark_stream_intermediates(prog):
             continue
         # its own inputs must be whole along that axis: a chunk of a sharded axis cuts across
         # shards (the value is then made whole, before the loop)
-        if any(a is not None and v.type.layout.placement().axes[a] is not None
+        if any(a is not None and v.type.layout.axes[a] is not None
                for v, a in zip(i.ins, rule(i.op, "axis_map")(i, j))):
             continue
         retyped[o] = Value(o.name, o.type.with_layout(o.type.layout.streamed(j)))

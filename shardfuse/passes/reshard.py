@@ -45,7 +45,7 @@ def insert_resharding(prog):
         o = i.outs[0]
         where = o.type.layout.mesh  # an op runs on the mesh its output lives on (rules speak of axes only)
         # pending sums are reduced where they are, before a move to another mesh: a sum is never moved
-        i = replace(i, ins=tuple(reshard(v, Layout(v.type.layout.placement().axes, mesh=v.type.layout.mesh))
+        i = replace(i, ins=tuple(reshard(v, Layout(v.type.layout.axes, mesh=v.type.layout.mesh))
                                  if v.type.layout.mesh != where and v.type.layout.partial else v for v in i.ins))
         req, produced = require(i, o.type.layout, [v.type.layout for v in i.ins], prog.mesh)
         req, produced = [r.on(where) for r in req], produced.on(where)
@@ -61,5 +61,5 @@ def insert_resharding(prog):
     for v in prog.outputs:
         v = alias.get(v, v)
         lay = v.type.layout
-        outputs.append(reshard(v, Layout(lay.placement().axes, mesh=lay.mesh)) if lay.partial else v)
+        outputs.append(reshard(v, Layout(lay.axes, mesh=lay.mesh)) if lay.partial else v)
     return prog.with_instrs(out, "insert_resharding", outputs=tuple(outputs))

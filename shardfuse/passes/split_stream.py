@@ -18,14 +18,14 @@ def _split(shape, axes, ax, factors, new_axes):
 
 def _sharded_inputs(i, amap):
     """Inputs of i whose axis mapped to the stream axis is sharded (placement, not schedule)."""
-    return [v for v, a in zip(i.ins, amap) if a is not None and v.type.layout.placement().axes[a] is not None]
+    return [v for v, a in zip(i.ins, amap) if a is not None and v.type.layout.axes[a] is not None]
 
 
 def _shard_count(i, amap, mesh_axis, lay, k, mesh) -> int:
     """How many shards mesh_axis cuts the stream axis into, on the mesh of each value it shards
     there (a move between meshes reads one mesh and writes another): they must agree."""
     counts = {v.type.layout.sharding(mesh).count(a) for v, a in zip(i.ins, amap)
-              if a is not None and v.type.layout.placement().axes[a] == mesh_axis}
+              if a is not None and v.type.layout.axes[a] == mesh_axis}
     if lay.axes[k] is not None:
         counts.add(lay.sharding(mesh).count(k))
     if len(counts) > 1:

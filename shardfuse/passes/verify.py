@@ -53,7 +53,7 @@ def _check_block(instrs, defined, prog, top):
             _check(top, f"Allocate {i.outs[0].name} inside a stream loop: every buffer is allocated before it (a "
                         "pool per stream, passes/allocate.py), else none is bound")
         if i.op == Op.SLICE:
-            src = i.ins[0].type.layout.placement()
+            src = i.ins[0].type.layout
             _check(src.axes[i.attrs["axis"]] is None,
                    f"Slice {i.outs[0].name} <- {i.ins[0].name}: axis {i.attrs['axis']} is sharded over "
                    f"{src.axes[i.attrs['axis']]}; a chunk of it would cut across shards (reshard first)")
