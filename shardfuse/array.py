@@ -49,7 +49,7 @@ class Array(Placed, ArrayOps):  # operators, ufuncs, reductions, indexing: array
 
     def __repr__(self):
         return (f"sf.Array(shape={self.shape}, dtype={self.dtype_name}, "
-                f"placements={self.sharding.placements(self.mesh)}, mesh={self.sharding.mesh or self.mesh!r})")
+                f"placements={self.sharding.placements(self.mesh)}, mesh={self.sharding.home(self.mesh)!r})")
 
     def _repr_html_(self):
         """Jupyter: shape, dtype, placements per mesh axis, mesh, and the sharding picture."""
@@ -57,7 +57,7 @@ class Array(Placed, ArrayOps):  # operators, ufuncs, reductions, indexing: array
 
         from shardfuse.visualize import visualize_sharding
 
-        mesh = self.sharding.mesh or self.mesh
+        mesh = self.sharding.home(self.mesh)
         rows = "".join(f"<tr><td>{html.escape(n)}</td><td>{html.escape(str(p))}</td></tr>"
                        for n, p in zip(self.mesh.axis_names, self.sharding.placements(self.mesh)))
         head = (f"<b>sf.Array</b> shape {self.shape}, {self.dtype_name}, on {html.escape(repr(mesh))}"
@@ -107,7 +107,7 @@ class Array(Placed, ArrayOps):  # operators, ufuncs, reductions, indexing: array
             what = f"gather() of an sf.Array {self.dtype_name}{list(self.shape)} {self.placements}"
             pieces = [p for part in faults.allgather_object(pieces, what) for p in part]
         lay = self.sharding
-        mesh = lay.mesh or self.mesh
+        mesh = lay.home(self.mesh)
         out = np.zeros(self.shape, self.dtype)
         replicas = [mesh.axis_index(m) for m in mesh.axis_names
                     if lay.mesh_axis_of(m) is None and m not in lay.partial]

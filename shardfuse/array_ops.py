@@ -91,8 +91,8 @@ def _shape_dtype(a) -> tuple:
 
 def reshard(x, layout: Layout):
     """x with `layout` on its mesh (redistribute, full_array, indexing): a one-op `set`."""
-    for ax, over in layout.placement().sharded_axes().items():
-        check_divides(x.shape, ax, over, layout.mesh or x.mesh)  # (the reshard table's own refusal says less)
+    for ax, over in layout.sharded_axes().items():
+        check_divides(x.shape, ax, over, layout.home(x.mesh))  # (the reshard table's own refusal says less)
 
     def redistribute(v):
         return v.builder.emit(Op.SET, (v,), TensorType(v.shape, v.dtype, layout), v.value.name, annotation=True)

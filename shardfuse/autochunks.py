@@ -1,11 +1,13 @@
 """sf.stream(chunks="auto"): compile the plan for each allowed S, predict each, keep the fastest.
 
-The function is traced once with S = 1, which records the extents of the axes streamed with
-"auto"; the candidates are the S up to MAX_AUTO_CHUNKS that divide all of them.  Each candidate
-is traced and compiled (one that the compiler refuses, e.g. an extent that does not divide into
-D x S, is listed with its reason and skipped), predicted by the cost model, and the fastest
-kept: the fewest chunks predicted within AUTO_MARGIN (1%) of the fastest (the model is not that
-exact, and fewer chunks mean fewer steps).  `Explanation` is what plan.explain() shows.
+The function is traced once; its program keeps chunks="auto" on the axes so streamed, and the
+candidates are the S up to MAX_AUTO_CHUNKS that divide all of their extents.  The one traced
+program is compiled with each candidate S in place of "auto" (one that the compiler refuses,
+e.g. an extent that does not divide into D x S, is listed with its reason and skipped),
+predicted by the cost model, and the fastest kept: the fewest chunks predicted within
+AUTO_MARGIN (1%) of the fastest (the model is not that exact, and fewer chunks mean fewer
+steps).  A program without "auto" is compiled once and the cost model is not consulted.
+`Explanation` is what plan.explain() shows.
 """
 from __future__ import annotations
 
@@ -13,14 +15,14 @@ import logging
 import math
 from dataclasses import dataclass
 
+from dataclasses import replace
+
 from shardfuse import faults
 from shardfuse.cost import predict
-from shardfuse.ir import unroll
+from shardfuse.ir import Value, substitute, unroll, walk
 from shardfuse.ops import COMMUNICATION, Op
 from shardfuse.passes import compile_program
 from shardfuse.passes.pipeline import MAX_STREAM_CHUNKS
-from shardfuse.spec import AUTO_CHUNKS
-from shardfuse.trace import trace
 
 log = logging.getLogger("shardfuse")
 MAX_AUTO_CHUNKS = min(16, MAX_STREAM_CHUNKS)  # more rarely pays: per-chunk steps and collective latency
@@ -108,13 +110,22 @@ def choose(ok: list, margin: float = AUTO_MARGIN) -> Candidate:
     return next(c for c in ok if c.total_s * (1 - margin) <= fastest)
 
 
-def _trace_with(fn, mesh, specs, streams, s):
-    extents: list = []
-    token = AUTO_CHUNKS.set((s, extents))
-    try:
-        return trace(fn, mesh, specs, streams), extents
-    finally:
-        AUTO_CHUNKS.reset(token)
+def _auto(v) -> bool:
+    lay = v.type.layout
+    return lay is not None and lay.chunks == "auto"
+
+
+def auto_extents(prog) -> list:
+    """The extent of every axis the traced program streams with chunks="auto"."""
+    return [v.type.shape[v.type.layout.stream_axis()] for i in walk(prog.instrs) for v in i.outs if _auto(v)]
+
+
+def with_chunks(prog, s: int):
+    """The traced program with S = s wherever it says chunks="auto"."""
+    new = {v: Value(v.name, v.type.with_layout(replace(v.type.layout, chunks=s)))
+           for i in walk(prog.instrs) for v in i.outs if _auto(v)}
+    return prog.with_instrs(substitute(prog.instrs, new), f"chunks={s}",
+                            outputs=tuple(new.get(v, v) for v in prog.outputs))
 
 
 def candidates_for(extents) -> list:
@@ -122,17 +133,18 @@ def candidates_for(extents) -> list:
     return [s for s in range(1, MAX_AUTO_CHUNKS + 1) if g % s == 0]
 
 
-def compile_best(fn, mesh, specs, streams, machine) -> tuple:
-    """(program, Explanation or None): the plan of fn for specs; with chunks="auto", the fastest
-    candidate's.  machine() gives (rates, local, share), called only when "auto" is used."""
-    traced, extents = _trace_with(fn, mesh, specs, streams, 1)
+def compile_best(traced, machine) -> tuple:
+    """(program, Explanation or None): the traced program compiled; with chunks="auto", the
+    fastest candidate's.  machine() gives (rates, local, share), called only when "auto" is used."""
+    extents = auto_extents(traced)
     if not extents:
         return compile_program(traced), None
     rates, local, share = machine()
+    mesh, streams = traced.mesh, traced.streams
     cands, progs = [], {}
     for s in candidates_for(extents):
         try:
-            prog = compile_program(traced if s == 1 else _trace_with(fn, mesh, specs, streams, s)[0])
+            prog = compile_program(with_chunks(traced, s))
         except ValueError as e:
             if s == 1:
                 raise

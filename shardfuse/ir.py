@@ -180,7 +180,7 @@ def _typed(v: Value) -> str:
 
 
 def _attrs(a: dict, skip=()) -> str:
-    return ", ".join(f"{k}={v}" for k, v in a.items() if k not in skip and k != "mesh_axes")
+    return ", ".join(f"{k}={v}" for k, v in a.items() if k not in skip)
 
 
 _STREAM_FORMATS = {

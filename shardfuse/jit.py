@@ -22,7 +22,7 @@ from shardfuse.cost import Rates, predict
 from shardfuse.rates import machine
 from shardfuse.mesh import DeviceMesh, as_int
 from shardfuse.spec import TensorSpec
-from shardfuse.trace import trace  # noqa: F401 (imported from here by tests)
+from shardfuse.trace import trace
 from shardfuse.traced import Traced
 from shardfuse.ops import COMMUNICATION, Op
 
@@ -207,10 +207,11 @@ class Jitted:
             self._plans.move_to_end(specs)
             return plan
         t0 = time.perf_counter()
-        traced = self.fn if isinstance(self.fn, tree.FlatFunction) else tree.FlatFunction(self.fn)
-        prog, why = compile_best(traced, self.mesh, specs, self.streams, lambda: machine(self.mesh, self.rates))
+        fn = self.fn if isinstance(self.fn, tree.FlatFunction) else tree.FlatFunction(self.fn)
+        traced = trace(fn, self.mesh, specs, self.streams)  # once per input signature, "auto" or not
+        prog, why = compile_best(traced, lambda: machine(self.mesh, self.rates))
         plan = self._plans[specs] = Plan(prog, self.graph, why, self.rates)
-        plan.out_tree = traced.out_tree  # (the structure of fn's result, set as it was traced just now)
+        plan.out_tree = fn.out_tree  # (the structure of fn's result, set as it was traced just now)
         if log.isEnabledFor(logging.INFO):
             loops = [i.attrs["extent"] for i in prog.instrs if i.op == Op.FOR]
             log.info("compiled plan %r for %s in %.1f ms: %d instructions, stream loops of %s chunks, "

@@ -1,11 +1,13 @@
 """Layouts: how each axis of a global array is placed on the mesh and scheduled in time.
 
-A Layout gives, per tensor axis, one of: None (replicated, serial), a mesh axis name
-(sharded over that mesh axis, e.g. "DIDx"), an ordered tuple of mesh axis names (sharded over
-all of them, the first the outermost, as JAX's `P(("dp", "tp"))`) or STREAM (produced chunk by
-chunk).  `partial`
-names mesh axes over which the local values are partial sums still to be reduced.
-Placements in DTensor's words (Shard(i) / Replicate() / Partial()) are derived from it.
+A Layout gives, per tensor axis, one of: None (replicated), a mesh axis name (sharded over that
+mesh axis, e.g. "DIDx") or an ordered tuple of mesh axis names (sharded over all of them, the
+first the outermost, as JAX's `P(("dp", "tp"))`).  `partial` names mesh axes over which the
+local values are partial sums still to be reduced.  Apart from where it lives, the schedule:
+`stream`, the tensor axis produced chunk by chunk (printed `:Stream`, `:DIDx+Stream` where it
+is sharded too), and `chunks`, how many (sf.stream(chunks=)) until split_stream splits it.
+`sharding(mesh)` is where it lives alone (shardfuse/sharding.py); placements in DTensor's words
+(Shard(i) / Replicate() / Partial()) are derived from that.
 """
 from __future__ import annotations
 
@@ -14,11 +16,12 @@ from dataclasses import dataclass, replace
 
 from shardfuse.dtypes import short_name
 from shardfuse.mesh import STREAM
+from shardfuse.sharding import Sharding
 
 
 def mesh_axes(entry) -> tuple:
-    """The mesh axes one tensor axis is sharded over, outermost first (() for None / STREAM)."""
-    if entry is None or entry == STREAM:
+    """The mesh axes one tensor axis is sharded over, outermost first (() for None)."""
+    if entry is None:
         return ()
     return entry if isinstance(entry, tuple) else (entry,)
 
@@ -36,10 +39,10 @@ def shard_count(entry, mesh) -> int:
 
 @dataclass(frozen=True)
 class Layout:
-    axes: tuple  # per tensor axis: None | mesh axis name | tuple of mesh axis names | STREAM
+    axes: tuple  # per tensor axis: None | mesh axis name | tuple of mesh axis names
     partial: tuple = ()  # mesh axes with a pending sum
-    chunks: int | None = None  # stream chunks when the STREAM axis is to be split (sf.stream(chunks=))
-    stream_over: str | None = None  # mesh axis that also shards the STREAM axis (until it is split)
+    chunks: int | str | None = None  # chunks of the stream axis until it is split (sf.stream(chunks=): int, "auto")
+    stream: int | None = None  # the tensor axis produced chunk by chunk (the schedule), or None
     mesh: object = None  # the sub-mesh the value lives on (None: the program's whole mesh)
 
     @staticmethod
@@ -52,7 +55,7 @@ class Layout:
 
     def sharded_axes(self) -> dict:
         """{tensor axis: mesh axis name} for sharded axes."""
-        return {i: a for i, a in enumerate(self.axes) if a not in (None, STREAM)}
+        return {i: a for i, a in enumerate(self.axes) if a is not None}
 
     def mesh_axis_of(self, name: str):
         """Tensor axis sharded over mesh axis `name` (alone or with others), or None."""
@@ -62,7 +65,11 @@ class Layout:
         return None
 
     def stream_axis(self):
-        return self.axes.index(STREAM) if STREAM in self.axes else None
+        return self.stream
+
+    def streamed(self, i: int, chunks=None) -> "Layout":
+        """The same placement, produced chunk by chunk along tensor axis i."""
+        return replace(self, stream=i, chunks=chunks)
 
     def with_axis(self, i: int, what) -> "Layout":
         axes = list(self.axes)
@@ -74,37 +81,33 @@ class Layout:
         it names moved off any other tensor axis (a mesh axis shards at most one); every other axis
         keeps its sharding and the schedule (stream axis, chunks) stays.  Pending sums are resolved."""
         names = set(mesh_axes(entry))
-
-        def rest(a):  # a's mesh axes less those `entry` takes
-            return a if a == STREAM else axis_entry(n for n in mesh_axes(a) if n not in names)
-
-        axes, stream_over = [rest(a) for a in self.axes], rest(self.stream_over)
-        if axes[i] == STREAM:  # a streamed axis keeps its schedule; the mesh axes shard it until it is split
-            stream_over = entry
-        else:
-            axes[i] = entry
-        return replace(self, axes=tuple(axes), stream_over=stream_over, partial=())
+        axes = [axis_entry(n for n in mesh_axes(a) if n not in names) for a in self.axes]
+        axes[i] = entry
+        return replace(self, axes=tuple(axes), partial=())
 
     def placement(self) -> "Layout":
-        """The layout without its schedule (STREAM axes serial): where data lives."""
-        return Layout(tuple(self.stream_over if a == STREAM else a for a in self.axes), self.partial, mesh=self.mesh)
+        """The layout without its schedule (stream axis, chunks): where data lives."""
+        return Layout(self.axes, self.partial, mesh=self.mesh)
 
     def on(self, mesh) -> "Layout":
         """The same layout on `mesh` (None: the program's whole mesh)."""
         return replace(self, mesh=mesh)
 
+    def home(self, mesh):
+        """The mesh the value lives on: its sub-mesh, else `mesh` (the program's).  The one place
+        where a layout's mesh None means the program's whole mesh."""
+        return mesh if self.mesh is None else self.mesh
+
+    def sharding(self, mesh) -> Sharding:
+        """Where the value lives (its schedule left out), on the mesh it lives on (see home)."""
+        return Sharding(self.home(mesh), tuple(mesh_axes(a) for a in self.axes), self.partial)
+
     def local_shape(self, shape, mesh) -> tuple:
-        out = []
-        mesh = self.mesh or mesh
-        for n, a in zip(shape, self.placement().axes):
-            out.append(n // shard_count(a, mesh))
-        return tuple(out)
+        return self.sharding(mesh).local_shape(shape)
 
     def placements(self, mesh) -> tuple:
         """DTensor-style placement per mesh axis, compact: 'S(i)', 'R' or 'P'."""
-        from shardfuse.placements import placements_of
-
-        return tuple(str(p) for p in placements_of(self, self.mesh or mesh))
+        return tuple(str(p) for p in self.sharding(mesh).placements())
 
 
 def _entry_text(entry) -> str:
@@ -117,9 +120,9 @@ def format_type(shape, dtype, layout) -> str:
     if layout is None:
         return f"{short}[{', '.join(map(str, shape))}] ?"
     dims = [str(n) if a is None else f"{n}:{_entry_text(a)}" for n, a in zip(shape, layout.axes)]
-    if layout.stream_over:
-        k = layout.stream_axis()
-        dims[k] = f"{shape[k]}:{_entry_text(layout.stream_over)}+{STREAM}"
+    k = layout.stream
+    if k is not None:
+        dims[k] = f"{shape[k]}:{STREAM}" if layout.axes[k] is None else f"{dims[k]}+{STREAM}"
     text = f"{short}[{', '.join(dims)}]"
     if layout.mesh is not None:
         text += f" @devices{layout.mesh.devices}"

@@ -5,7 +5,7 @@ placed (sf.Array is one)."""
 from __future__ import annotations
 
 from shardfuse.interop import array_info, check_input
-from shardfuse.layout import Layout, mesh_axes, shard_count
+from shardfuse.layout import Layout
 from shardfuse.runtime import backend_of
 from shardfuse.spec import check_divides, normalize_axis, normalize_over
 
@@ -19,16 +19,12 @@ class Placed:
 
 def device_index(shape, layout: Layout, mesh, device: int):
     """The index (tuple of slices) of `device`'s piece of a global array (None: it holds none)."""
-    mesh = layout.mesh or mesh
-    if device not in mesh.devices:
+    sh = layout.sharding(mesh)
+    if device not in sh.mesh.devices:
         return None
-    coords = mesh.coords(device)
     idx = []
-    for n, a in zip(shape, layout.placement().axes):
-        c = 0  # the piece's position along the mesh axes of `a`, the first outermost
-        for name in mesh_axes(a):
-            c = c * mesh.axis_size(name) + coords[mesh.axis_index(name)]
-        size = n // shard_count(a, mesh)
+    for i, n in enumerate(shape):
+        c, size = sh.block(i, device), n // sh.count(i)
         idx.append(slice(c * size, (c + 1) * size))
     return tuple(idx)
 
@@ -102,6 +98,8 @@ def local_pieces(x, dtype: str, layout: Layout, mesh, info=None, fenced=None, in
     be = backend_of(mesh)
     x = be.adopt(x, info, fenced)
     shape = tuple(x.shape)
+    if not shape:  # a 0-d array: each device holds it whole (a backend's contiguous copy may be 1-d)
+        return [be.piece(x, j).reshape(()) for j in range(len(mesh.local_devices))]
     indices = indices or piece_indices(shape, layout, mesh)
     homes = be.ordinals or ()
     ax = split_axis(shape, layout, mesh)

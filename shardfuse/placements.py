@@ -31,10 +31,5 @@ class Partial:
 
 
 def placements_of(layout, mesh) -> tuple:
-    """One placement per mesh axis, in the mesh's axis order."""
-    lay = layout.placement()
-    out = []
-    for name in mesh.axis_names:
-        dim = lay.mesh_axis_of(name)
-        out.append(Shard(dim) if dim is not None else Partial() if name in lay.partial else Replicate())
-    return tuple(out)
+    """One placement per axis of the mesh the value lives on (`mesh`: the program's), in its order."""
+    return layout.sharding(mesh).placements()

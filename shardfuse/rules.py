@@ -14,7 +14,6 @@ layout that differs from the wanted one is resolved by a `set` after the op.
 from __future__ import annotations
 
 from shardfuse.layout import Layout, mesh_axes
-from shardfuse.mesh import STREAM
 from shardfuse.ops import Op
 from shardfuse import ops
 
@@ -23,19 +22,21 @@ NONLINEAR_UNARY = set(ops.NONLINEAR_UNARY)
 BINARY = {Op.ADD, Op.SUB, Op.MUL, Op.DIV}
 
 
-def _placed(a):
-    return None if a == STREAM else a
+def _chunked(out, j, a):
+    """What an output axis asks of the inputs: its stream axis is made chunk by chunk, each chunk
+    whole along it (the axis's own sharding is the schedule's, resolved when split_stream splits it)."""
+    return None if j == out.stream else a
 
 
 def _axes(lay):
     """Where each axis of an input lives (a stream axis that is also sharded counts as sharded)."""
-    return lay.placement().axes
+    return lay.axes
 
 
-def _unshard(axes, pending):
+def _unshard(axes, pending, stream=None):
     """A mesh axis that holds pending sums cannot also shard an axis: such an output is made
-    unsharded there (its `set` reduce-scatters the sums instead)."""
-    return [None if set(mesh_axes(a)) & set(pending) else a for a in axes]
+    unsharded there (its `set` reduce-scatters the sums instead); the stream axis keeps its own."""
+    return [a if j == stream else None if set(mesh_axes(a)) & set(pending) else a for j, a in enumerate(axes)]
 
 
 def _names(entries) -> set:
@@ -80,7 +81,6 @@ def contraction_infer(ins, lays, labels=None):
     # The weight (last operand) decides first: on a tie its sharding wins, as in nvFuser.
     for labs, lay in reversed(list(zip(in_labels, lays))):
         for lab, a in zip(labs, _axes(lay)):
-            a = _placed(a)
             if lab in out_labels and a is not None and lab not in axes and not _names([a]) & used:
                 axes[lab] = a
                 used |= _names([a])
@@ -95,8 +95,8 @@ def contraction_infer(ins, lays, labels=None):
 def _contraction_axis(in_labels, out_labels, lays):
     for labs, lay in zip(in_labels, lays):
         for lab, a in zip(labs, _axes(lay)):
-            if lab not in out_labels and _placed(a) is not None:
-                return lab, _placed(a)
+            if lab not in out_labels and a is not None:
+                return lab, a
     return None, None
 
 
@@ -110,12 +110,12 @@ def contraction_require(ins, out, lays, labels=None):
     # an input pending a sum only over K's mesh axis is reduce-scattered into that sharding first (over
     # more axes it stays refused: the output's propagated layout would still pend the others)
     carried = [() if c and set(c) <= _names([k]) else c for c in carried]
-    out_axes = _unshard(out.axes, set(_union(*carried)) | _names([k]))
-    placed = dict(zip(out_labels, (_placed(a) for a in out_axes)))
+    out_axes = _unshard(out.axes, set(_union(*carried)) | _names([k]), out.stream)
+    placed = dict(zip(out_labels, (_chunked(out, j, a) for j, a in enumerate(out_axes))))
     if klab is not None:
         placed[klab] = k
     req = tuple(Layout(tuple(placed.get(lab) for lab in labs), carried[j]) for j, labs in enumerate(in_labels))
-    produced = Layout(tuple(out_axes), _union(out.partial, mesh_axes(k), *carried), out.chunks, out.stream_over)
+    produced = Layout(tuple(out_axes), _union(out.partial, mesh_axes(k), *carried), out.chunks, out.stream)
     return req, produced
 
 
@@ -166,9 +166,9 @@ def elementwise_require(ins, out, lays):
     instead of one gather per operand."""
     carried = _linear_partials(ins.op, lays)
     pending = set(_union(*carried))
-    axes = _unshard(out.axes, pending)
+    axes = _unshard(out.axes, pending, out.stream)
     for j, a in enumerate(axes):
-        if a is not None:
+        if a is not None or j == out.stream:
             continue
         owners = {_axes(lay)[src] if lay.mesh == out.mesh else None
                   for lay, src in zip(lays, elementwise_axis_map(ins, j)) if src is not None}
@@ -184,9 +184,9 @@ def elementwise_require(ins, out, lays):
         for j, a in enumerate(axes):
             src = elementwise_axis_map(ins, j)[n]
             if src is not None:
-                in_axes[src] = _placed(a)
+                in_axes[src] = _chunked(out, j, a)
         req.append(Layout(tuple(in_axes), carried[n]))
-    produced = Layout(tuple(axes), _union(out.partial, *carried), out.chunks, out.stream_over)
+    produced = Layout(tuple(axes), _union(out.partial, *carried), out.chunks, out.stream)
     return tuple(req), produced
 
 
@@ -215,12 +215,12 @@ def transpose_infer(ins, lays):
 
 def transpose_require(ins, out, lays):
     perm = ins.attrs["perm"]
-    out_axes = _unshard(out.axes, set(lays[0].partial))
+    out_axes = _unshard(out.axes, set(lays[0].partial), out.stream)
     axes = [None] * len(perm)
     for j, p in enumerate(perm):
-        axes[p] = _placed(out_axes[j])
+        axes[p] = _chunked(out, j, out_axes[j])
     return (Layout(tuple(axes), lays[0].partial),), Layout(tuple(out_axes), _union(out.partial, lays[0].partial),
-                                                          out.chunks, out.stream_over)
+                                                          out.chunks, out.stream)
 
 
 # ---- reshape: a view, allowed where it does not cross a sharded axis boundary --------------
@@ -267,9 +267,10 @@ def _map_reshape(src_shape, src_axes, dst_shape, mesh_size, forward):
     return out
 
 
-def _mesh_size(ins):
-    """Mesh axis name -> its size, from the reshape's plain-data attribute (program mesh)."""
-    return dict(ins.attrs["mesh_axes"]).__getitem__
+def _mesh_size(lay):
+    """Mesh axis name -> its size on the mesh the value lives on (infer and require give every
+    layout its mesh)."""
+    return lay.mesh.axis_size
 
 
 def _count(entry, mesh_size) -> int:
@@ -282,20 +283,22 @@ def _count(entry, mesh_size) -> int:
 def reshape_infer(ins, lays):
     (la,) = lays
     src, dst = ins.ins[0].type.shape, ins.outs[0].type.shape
-    return Layout(tuple(_map_reshape(src, _axes(la), dst, _mesh_size(ins), True)), la.partial)
+    return Layout(tuple(_map_reshape(src, _axes(la), dst, _mesh_size(la), True)), la.partial)
 
 
 def reshape_require(ins, out, lays):
     src, dst = ins.ins[0].type.shape, ins.outs[0].type.shape
-    out_axes = _unshard(out.axes, set(lays[0].partial))
+    out_axes = _unshard(out.axes, set(lays[0].partial), out.stream)
     try:
-        axes = _map_reshape(dst, [_placed(a) for a in out_axes], src, _mesh_size(ins), False)
+        axes = _map_reshape(dst, [_chunked(out, j, a) for j, a in enumerate(out_axes)], src, _mesh_size(out), False)
     except ValueError:  # no sharding of a replicated input gives this result's: reshape it whole,
-        if lays[0].placement().sharded_axes() or lays[0].partial or STREAM in out.axes:  # then slice
+        moved = lays[0].mesh != out.mesh  # (an input from another mesh moves anyway: it may move whole)
+        if (lays[0].sharded_axes() and not moved) or lays[0].partial or out.stream is not None:  # then slice
             raise  # the result locally (R -> S); other layouts keep the refusal
-        return (lays[0],), reshape_infer(ins, lays)
+        whole = Layout.replicated(len(src)).on(out.mesh)
+        return (whole,), reshape_infer(ins, [whole])
     return (Layout(tuple(axes), lays[0].partial),), Layout(tuple(out_axes), _union(out.partial, lays[0].partial),
-                                                          out.chunks, out.stream_over)
+                                                          out.chunks, out.stream)
 
 
 def reshape_axis_map(ins, j):
@@ -343,3 +346,19 @@ RULES = {
 
 def rule(op: str, what: str):
     return RULES[op][what]
+
+
+def _on_home(lay, mesh):
+    return lay.on(lay.home(mesh))
+
+
+def infer(instr, lays, mesh):
+    """The layout instr's rule infers for its output from its inputs' layouts, each on the mesh
+    it lives on (`mesh`, the program's, for a layout that names none)."""
+    return RULES[instr.op]["infer"](instr, [_on_home(lay, mesh) for lay in lays])
+
+
+def require(instr, out, lays, mesh):
+    """(the input layouts instr's rule needs, the layout it then produces) for output layout `out`;
+    layouts on their meshes as in infer."""
+    return RULES[instr.op]["require"](instr, _on_home(out, mesh), [_on_home(lay, mesh) for lay in lays])

@@ -17,6 +17,7 @@ from shardfuse import autochunks
 from shardfuse.cost import DEFAULTS, Rates, predict
 from shardfuse.mesh import as_int
 from shardfuse.mlp import mlp_block
+from shardfuse.trace import trace
 from shardfuse.timeline import output_file
 
 DTYPE_NAMES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32", "fp64": "float64",
@@ -81,7 +82,7 @@ def main(argv=None) -> int:
     mesh = sf.DeviceMesh(nums["devices"], backend="numpy")
     f, specs = case(mesh, nums, dtype, args.mlp)
     machine = (rates, 1, 1)  # one process per GPU: each issues its own steps, computes on its own engine
-    prog, why = autochunks.compile_best(f.fn, mesh, specs, nums["streams"], lambda: machine)
+    prog, why = autochunks.compile_best(trace(f.fn, mesh, specs, nums["streams"]), lambda: machine)
     why = why or autochunks.explain_plan(prog, *machine)
     pred = predict(prog, *machine)
     name = f"MLP block ({args.mlp})" if args.mlp else "seed AllGather+GEMM"

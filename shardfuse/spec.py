@@ -2,7 +2,6 @@
 axis, chunk and mesh-axis arguments of the annotations, all raised before anything runs."""
 from __future__ import annotations
 
-from contextvars import ContextVar
 from dataclasses import dataclass
 
 import numpy as np
@@ -52,13 +51,9 @@ def check_chunks(chunks):
     return None if chunks is None else as_int(chunks, "sf.stream chunks=", minimum=1)
 
 
-# While sf.jit compiles a candidate of chunks="auto": (the S that sf.stream(chunks="auto") takes, a
-# list that gets the extent of every axis so streamed, from which the jit draws its candidates).
-AUTO_CHUNKS: ContextVar = ContextVar("shardfuse_auto_chunks", default=None)
-
-
-def resolve_chunks(chunks, algorithm: str, extent: int):
-    """sf.stream's chunks=: None, a positive int, or "auto": the S sf.jit is trying now."""
+def resolve_chunks(chunks, algorithm: str):
+    """sf.stream's chunks=: None, a positive int, or "auto" (kept in the traced program: sf.jit
+    compiles it once per candidate S, autochunks.py)."""
     if isinstance(chunks, str) and chunks != "auto":
         raise TypeError(f'sf.stream chunks= must be an int or "auto", got {chunks!r} (str)')
     if not (isinstance(chunks, str) and chunks == "auto"):
@@ -66,12 +61,7 @@ def resolve_chunks(chunks, algorithm: str, extent: int):
     if algorithm == "ring":
         raise ValueError("chunks='auto' chooses S for algorithm='collective'; the ring's chunks are the D shards of "
                          "the axis (give chunks=D, or omit chunks)")
-    choice = AUTO_CHUNKS.get()
-    if choice is None:
-        raise ValueError("chunks='auto' is chosen by sf.jit while it compiles: trace the function through sf.jit "
-                         "(jitted.lower(...) or a call)")
-    choice[1].append(extent)
-    return choice[0]
+    return "auto"
 
 
 @dataclass(frozen=True)

@@ -61,22 +61,22 @@ def _annotated_so_far(x: Traced):
 def _streamed(x: Traced, layout: Layout, ax: int, chunks) -> Layout:
     """layout with axis ax streamed: a schedule, so the value stays where it is (its sharding, its mesh)."""
     name, shape, cur = x.value.name, x.shape, layout.axes[ax]
-    if STREAM in layout.axes:
-        raise ValueError(f"{name} already has a stream axis ({layout.stream_axis()})")
-    if chunks is not None and (chunks < 1 or shape[ax] % chunks):
+    if layout.stream is not None:
+        raise ValueError(f"{name} already has a stream axis ({layout.stream})")
+    if chunks not in (None, "auto") and (chunks < 1 or shape[ax] % chunks):
         raise ValueError(f"stream chunks={chunks} does not divide axis {ax} of extent {shape[ax]}")
     if cur is not None and chunks is None:
         raise ValueError(f"axis {ax} of {name}{shape} is sharded over {cur}: streaming it too needs chunks=")
-    return Layout(layout.with_axis(ax, STREAM).axes, chunks=chunks, stream_over=cur, mesh=layout.mesh)
+    return layout.streamed(ax, chunks)
 
 
 def _placed(x: Traced, layout: Layout, ax: int, over, sub) -> Layout:
     """layout with axis ax sharded over `over`, on `sub` (None: the program's whole mesh)."""
     if layout.mesh != sub:  # moved to another mesh: its sharding there is what this annotation states
-        layout = Layout(tuple(a if a == STREAM else None for a in layout.axes), chunks=layout.chunks, mesh=sub)
+        layout = Layout((None,) * layout.ndim, chunks=layout.chunks, stream=layout.stream, mesh=sub)
     mesh = sub or x.builder.mesh
     over = normalize_over(over, mesh)  # an unknown mesh axis name fails first
-    if layout.axes[ax] == STREAM and layout.chunks is None:
+    if layout.stream == ax and layout.chunks is None:
         raise ValueError(f"axis {ax} of {x.value.name}{x.shape} is streamed without chunks=: it cannot be sharded "
                          "too")
     check_divides(x.shape, ax, over, mesh)
@@ -134,7 +134,8 @@ def stream(x: Traced, axis: int, chunks: int | str | None = None, algorithm: str
         raise TypeError("sf.stream annotates values inside an sf.jit function")
     if algorithm not in ALGORITHMS:
         raise ValueError(f"algorithm must be one of {ALGORITHMS}, got {algorithm!r}")
-    chunks = resolve_chunks(chunks, algorithm, x.shape[normalize_axis(axis, x.ndim, x.shape)])
+    normalize_axis(axis, x.ndim, x.shape)  # (an axis out of range is named before chunks=)
+    chunks = resolve_chunks(chunks, algorithm)
     if algorithm == "ring":  # its chunks are the D shards: chunks=D may be said, and is checked once D is known
         x = _annotate(x, axis, STREAM, None, algorithm)
         if chunks is not None:

@@ -299,12 +299,14 @@ class Traced:
         size = int(np.prod(self.shape))
         if shape.count(-1) == 1:
             known = int(np.prod([s for s in shape if s != -1]))
+            if known == 0:  # (NumPy refuses too: any extent fits an empty array)
+                raise ValueError(f"cannot reshape {self.shape} ({size} elements) to {shape}: -1 is ambiguous "
+                                 "beside an extent 0")
             shape = tuple(size // known if s == -1 else s for s in shape)
         if int(np.prod(shape)) != size or any(s < 1 for s in shape):
             raise ValueError(f"cannot reshape {self.shape} ({size} elements) to {shape}")
         out = TensorType(tuple(int(s) for s in shape), self.dtype)
-        return self.builder.emit(Op.RESHAPE, (self,), out, self.value.name + "_r", shape=out.shape,
-                                 mesh_axes=tuple(zip(self.builder.mesh.axis_names, self.builder.mesh.shape)))
+        return self.builder.emit(Op.RESHAPE, (self,), out, self.value.name + "_r", shape=out.shape)
 
 
 class ConcretizationError(TypeError):

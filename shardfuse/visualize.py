@@ -56,7 +56,7 @@ def visualize_sharding(x) -> ShardingPicture:
     if x.ndim not in (1, 2):
         raise ValueError(f"visualize_sharding draws arrays of 1 or 2 axes (as JAX's does), got shape {x.shape}")
     shape = x.shape if x.ndim == 2 else (1,) + x.shape
-    mesh = x.sharding.mesh or x.mesh
+    mesh = x.sharding.home(x.mesh)
     pieces = {}
     for d in mesh.devices:
         idx = device_index(x.shape, x.sharding, x.mesh, d)

@@ -200,8 +200,8 @@ def test_3e_verify_rejects_an_op_that_is_not_an_op():
     raise AssertionError(f"verify accepted Instr(op={str(i.op)!r}): a str, not an ops.Op")
 
 # ---- 4. layering --------------------------------------------------------------------------------
-BOTTOM = {f"shardfuse.{m}" for m in ("dtypes", "ops", "strides", "mesh", "placements", "layout", "spec", "faults",
-                                    "fault_messages")}
+BOTTOM = {f"shardfuse.{m}" for m in ("dtypes", "ops", "strides", "mesh", "placements", "sharding", "layout", "spec",
+                                    "faults", "fault_messages")}
 BOTTOM_THIRD_PARTY = {"numpy", "mpi4py", "ml_dtypes", "cupy"}  # besides the standard library (cupy: mesh.gpu_count)
 RUN_TIME = {f"shardfuse.{m}" for m in ("executor", "jit", "array", "api", "runtime")} | {"shardfuse"}  # (re-exports)
 

@@ -198,6 +198,38 @@ def test_explain_lists_every_candidate_and_why():
     assert [c.s for c in fixed.candidates] == [4] and "chunks fixed (S=4)" in str(fixed)
 
 
+def test_auto_traces_the_function_once_per_signature():
+    """chunks="auto": the traced program keeps "auto" and is compiled once per candidate S; the
+    user's function runs once per input signature (issue 30, item 2)."""
+    mesh = sf.DeviceMesh(4, backend="numpy")
+    calls = []
+
+    def ag_gemm(a, b):
+        calls.append(a.shape)
+        return sf.stream(sf.shard(a, axis=0) @ b, axis=0, chunks="auto")
+    f = sf.jit(ag_gemm, mesh=mesh, streams=2, rates="h200")
+    why = f.lower(*specs(48, 16, 8)).explain()
+    assert len(why.candidates) == 8 and calls == [(48, 16)]
+    f.lower(*specs(48, 16, 8))
+    f.lower(*specs(64, 16, 8))
+    assert calls == [(48, 16), (64, 16)]
+    from shardfuse.trace import trace
+
+    assert "chunks=auto" in str(trace(ag_gemm, mesh, specs(48, 16, 8), 2))  # (the traced program, as stated)
+
+
+def test_a_plan_without_auto_never_asks_the_cost_model(monkeypatch):
+    def refuse(*a, **k):
+        raise AssertionError("the cost model was consulted for a plan without chunks='auto'")
+    import sys
+
+    monkeypatch.setattr(sys.modules["shardfuse.jit"], "machine", refuse)  # (sf.jit, the function, shadows the module)
+    mesh = sf.DeviceMesh(4, backend="numpy")
+    assert seed(mesh, 4).lower(*specs(48, 16, 8)).collectives() == {"allgather": 4}
+    with pytest.raises(AssertionError, match="the cost model was consulted"):  # (the patch holds: "auto" asks)
+        seed(mesh, "auto").lower(*specs(48, 16, 8))
+
+
 def test_auto_in_the_mlp_computes_right():
     from shardfuse.mlp import mlp_block, mlp_inputs, mlp_reference
 

@@ -39,6 +39,7 @@ from hypothesis.errors import InvalidArgument, UnsatisfiedAssumption
 
 import shardfuse as sf
 import shardfuse.backends
+from shardfuse.placements import placements_of
 
 try:
     from shardfuse.passes.verify import PlanError
@@ -110,6 +111,19 @@ def over_size(mesh, over) -> int:
     return math.prod(mesh.axis_size(a) for a in over_axes(over))
 # <<< HOOK
 
+# Sub-meshes of each mesh (devices, axis names or None for the parent's last): pipeline stages in
+# device order and out of it, of one device, of every device, and with an axis name the parent
+# lacks.  A program names them S0, S1, ... (`sf.shard(v, 0, mesh=S1)`) and moves values between
+# them and the whole mesh (issue 30: the moves, reshapes and streams there were wrong).
+SUBMESHES = {
+    "1": [],
+    "2": [((1,), None), ((1, 0), None)],
+    "4": [((0, 1), None), ((2, 3), None), ((3, 1, 2, 0), None), ((1,), None), ((0, 1), ("pp",))],
+    "2x2": [((0, 1), None), ((2, 0, 3, 1), None), ((3,), None), ((1, 3), ("pp",))],
+    "2x4": [((0, 1, 2, 3), None), ((7, 5, 3, 1), None), ((4, 5), None), (tuple(range(8)), ("pp",)), ((6,), None)],
+}
+SUBS = {k: [MESHES[k][0].submesh(d, n) for d, n in v] for k, v in SUBMESHES.items()}
+
 
 EXTENTS = (4, 8, 2, 16, 12, 6, 3)  # shrinks towards 4; 2, 6 and 3 do not divide every mesh axis
 BATCH = (2, 4, 3)
@@ -127,6 +141,7 @@ class NumpySF:
 
     shard = staticmethod(lambda x, axis, over="DIDx", mesh=None: x)
     replicate = staticmethod(lambda x, mesh=None: x)
+    to_mesh = staticmethod(lambda x, mesh, axis=None, over=None: x)
     stream = staticmethod(lambda x, axis, chunks=None, algorithm="collective": x)
     gelu = staticmethod(_gelu)
     relu = staticmethod(lambda x: np.maximum(x, 0.0))
@@ -138,6 +153,7 @@ class NumpySF:
 NUMPY_SF_SRC = '''class npsf:  # the NumPy reference: the same function, annotations as identities
     shard = staticmethod(lambda x, axis, over="DIDx", mesh=None: x)
     replicate = staticmethod(lambda x, mesh=None: x)
+    to_mesh = staticmethod(lambda x, mesh, axis=None, over=None: x)
     stream = staticmethod(lambda x, axis, chunks=None, algorithm="collective": x)
     gelu = staticmethod(lambda x: 0.5 * x * (1 + np.tanh(np.sqrt(2 / np.pi) * (x + 0.044715 * x ** 3))))
     relu = staticmethod(lambda x: np.maximum(x, 0.0))
@@ -172,6 +188,7 @@ class Val:
     shape: tuple
     chain: Chain | None = None  # set when this value is the output of an annotation
     pos: bool = False  # known positive and away from 0 (a divisor)
+    home: int | None = None  # the sub-mesh (SUBS[mesh][home]) it lives on; None: the whole mesh
 
 
 @dataclass
@@ -195,6 +212,13 @@ class Prog:
     @property
     def mesh(self):
         return MESHES[self.mesh_key][0]
+
+    def mesh_of(self, home):
+        return self.mesh if home is None else SUBS[self.mesh_key][home]
+
+    def subs_src(self) -> str:
+        return "".join(f"S{k} = mesh.submesh({d}{'' if n is None else f', {n!r}'})\n"
+                       for k, (d, n) in enumerate(SUBMESHES[self.mesh_key]))
 
     def source(self) -> str:
         body = "".join(f"    {line}\n" for line in self.lines)
@@ -265,9 +289,9 @@ class Prog:
         ins64 = ", ".join(f"{i.name}.astype(np.float64)" for i in self.inputs)
         return (f"# ---- repro (standalone) ----\nimport os; os.environ['SHARDFUSE_POISON'] = '1'\n"
                 f"import types, numpy as np, shardfuse as sf\nmesh = {MESHES[self.mesh_key][1]}\n"
-                f"{self.input_src(seed)}\n{self.source()}"
+                f"{self.subs_src()}{self.input_src(seed)}\n{self.source()}"
                 + "\n".join(lines + [f"{outs} = sf.jit(f, mesh=mesh, streams={self.streams})({', '.join(names)})"])
-                + f"\n{NUMPY_SF_SRC}ref_f = types.FunctionType(f.__code__, {{'sf': npsf, 'np': np}})  # f, sf -> npsf\n"
+                + f"\n{NUMPY_SF_SRC}ref_f = types.FunctionType(f.__code__, {{**globals(), 'sf': npsf}})  # f, sf -> npsf\n"
                 + f"{refs} = (lambda out: out if isinstance(out, tuple) else (out,))(ref_f({ins64}))\n"
                 + check + "\n# ----")
 
@@ -307,9 +331,9 @@ class Gen:
         self.prog.wild |= w
         return w
 
-    def emit(self, expr, shape, chain=None, pos=False) -> Val:
+    def emit(self, expr, shape, chain=None, pos=False, home=None) -> Val:
         self.count += 1
-        v = Val(f"v{self.count}", tuple(shape), chain, pos)
+        v = Val(f"v{self.count}", tuple(shape), chain, pos, home)
         self.prog.lines.append(f"{v.name} = {expr}")
         self.pool.append(v)
         return v
@@ -346,45 +370,78 @@ class Gen:
         return tuple(self.extent() if j >= ndim - 2 else self.pick(BATCH) for j in range(ndim))
 
     # -- annotations
+    def where(self, home) -> str:
+        """The mesh= argument that keeps (or puts) a value on `home`."""
+        return "" if home is None else f", mesh=S{home}"
+
     def annotate(self, v: Val, what=None) -> Val:
         if not v.shape:
             return v
+        home = v.home
+        mesh, at = self.prog.mesh_of(home), self.where(home)
         what = what or self.pick(["shard", "stream", "shard", "replicate"])
         if what == "replicate":
-            return self.emit(f"sf.replicate({v.name})", v.shape, Chain(), v.pos)
+            return self.emit(f"sf.replicate({v.name}{at})", v.shape, Chain(), v.pos, home)
         chain = v.chain or Chain()
         nd = len(v.shape)
         ring = what == "stream" and self.chance(5)
-        shards = [(a, o) for a in range(nd) for o in self.overs if self._can_shard(v, chain, a, o)]
-        streams = [(a, c) for a in range(nd) for c in (None, 1, 2, 4) if self._can_stream(v, chain, a, c, ring)]
+        overs = over_choices(mesh)
+        shards = [(a, o) for a in range(nd) for o in overs if self._can_shard(v, chain, a, o, mesh)]
+        streams = [(a, c) for a in range(nd) for c in (None, 1, 2, 4) if self._can_stream(v, chain, a, c, ring, mesh)]
         if not (shards if what == "shard" else streams):  # nothing valid of that kind: the other one
             what = "stream" if what == "shard" and streams else "shard" if shards else what
         wild = self.wild()
         if not wild and not (shards if what == "shard" else streams):  # nothing valid at all
-            return self.emit(f"sf.replicate({v.name})", v.shape, Chain(), v.pos)
+            return self.emit(f"sf.replicate({v.name}{at})", v.shape, Chain(), v.pos, home)
         if what == "shard":
             if not wild:
                 a, o = self.pick(shards)
             else:
-                dup = [(self.mesh.axis_names[-1],) * 2] if MULTI_AXIS_OVER else []  # a mesh axis twice
-                a, o = self.pick(range(-nd, nd + 1)), self.pick(self.overs + ["DIDz"] + dup)
-            kw = "" if o == "DIDx" and len(self.mesh.axis_names) == 1 and self.chance(50) else f", over={o!r}"
+                dup = [(mesh.axis_names[-1],) * 2] if MULTI_AXIS_OVER else []  # a mesh axis twice
+                a, o = self.pick(range(-nd, nd + 1)), self.pick(overs + ["DIDz"] + dup)
+            kw = "" if o == "DIDx" and mesh.axis_names == ("DIDx",) and self.chance(50) else f", over={o!r}"
             new = chain.with_shard(a % nd if -nd <= a < nd else a, o)
-            return self.emit(f"sf.shard({v.name}, {a}{kw})", v.shape, new, v.pos)
+            return self.emit(f"sf.shard({v.name}, {a}{kw}{at})", v.shape, new, v.pos, home)
         if not wild:
             a, c = self.pick(streams)
         else:
             a, c = self.pick(range(-nd, nd + 1)), self.pick([None, 3, 0, 2, 8])
         args = (f", chunks={c}" if c is not None else "") + (", algorithm='ring'" if ring else "")
         new = Chain(chain.sharded, (a % nd if -nd <= a < nd else a, c, ring))
-        return self.emit(f"sf.stream({v.name}, {a}{args})", v.shape, new, v.pos)
+        return self.emit(f"sf.stream({v.name}, {a}{args})", v.shape, new, v.pos, home)
 
-    def _size(self, o):
+    def move(self, v: Val, to="any") -> Val:
+        """v moved to another mesh (to: a sub-mesh index, None for the whole mesh, "any" to draw
+        one): sharded there on one axis, replicated there, or by sf.to_mesh (no annotation)."""
+        subs = SUBS[self.prog.mesh_key]
+        if not v.shape or (to == "any" and not subs):
+            return self.annotate(v)
+        if to == "any":
+            to = self.pick([k for k in range(len(subs)) if k != v.home] + ([None] if v.home is not None else []))
+        if to == v.home:
+            return v
+        mesh, at = self.prog.mesh_of(to), self.where(to)
+        # an annotation that moves a value starts replicated there, keeping its stream (trace._placed)
+        chain = Chain((), v.chain.stream if v.chain else None)
+        shards = [(a, o) for a in range(len(v.shape)) for o in over_choices(mesh)
+                  if self._can_shard(v, chain, a, o, mesh)]
+        how = self.pick(["shard", "replicate", "shard", "to_mesh"])
+        if how == "to_mesh" and to is not None and chain.stream is None:
+            axes = [a for a in range(len(v.shape)) if v.shape[a] % mesh.size == 0]
+            if axes and self.chance(70):
+                return self.emit(f"sf.to_mesh({v.name}, S{to}, axis={self.pick(axes)})", v.shape, None, v.pos, to)
+            return self.emit(f"sf.to_mesh({v.name}, S{to})", v.shape, None, v.pos, to)
+        if how != "replicate" and shards:
+            a, o = self.pick(shards)
+            return self.emit(f"sf.shard({v.name}, {a}, over={o!r}{at})", v.shape, chain.with_shard(a, o), v.pos, to)
+        return self.emit(f"sf.replicate({v.name}{at})", v.shape, Chain(), v.pos, to)
+
+    def _size(self, o, mesh):
         """over_size, or None for a name this mesh lacks (a wild draw's, refused already)."""
-        return over_size(self.mesh, o) if set(over_axes(o)) <= set(self.mesh.axis_names) else None
+        return over_size(mesh, o) if set(over_axes(o)) <= set(mesh.axis_names) else None
 
-    def _can_shard(self, v, chain, a, o) -> bool:
-        n = self._size(o)
+    def _can_shard(self, v, chain, a, o, mesh) -> bool:
+        n = self._size(o, mesh)
         if n is None or v.shape[a] % n:  # (re-sharding an axis, or moving a mesh axis, is one annotation too)
             return False
         if chain.stream and chain.stream[0] == a:
@@ -392,14 +449,14 @@ class Gen:
             return bool(c) and c > 0 and not chain.stream[2] and v.shape[a] % (n * c) == 0
         return True
 
-    def _can_stream(self, v, chain, a, c, ring) -> bool:
+    def _can_stream(self, v, chain, a, c, ring, mesh) -> bool:
         if chain.stream is not None or (ring and c is not None):
             return False
         if c is not None and v.shape[a] % c:
             return False
         o = chain.over_of(a)
         if o is not None:
-            n = self._size(o)
+            n = self._size(o, mesh)
             return c is not None and n is not None and v.shape[a] % (n * c) == 0
         return True
 
@@ -407,22 +464,26 @@ class Gen:
         return self.annotate(v) if self.chance(pct) else v
 
     # -- ops
+    def to_home(self, p: Val, home) -> Val:
+        """p on the mesh `home` (an operand beside a value there): moved if it lives elsewhere."""
+        return p if p.home == home else self.move(p, home)
+
     def unary(self, v: Val) -> Val:
         op = self.pick(["gelu", "relu", "tanh", "exp", "neg", "scale", "rscale", "div_scalar", "add_scalar"])
         if op == "add_scalar" and not self.wild():  # (a wild draw: scalar + is not in the README)
             op = "scale"
         if op in ("gelu", "relu", "tanh", "exp"):
-            return self.emit(f"sf.{op}({v.name})", v.shape, pos=op == "exp")
+            return self.emit(f"sf.{op}({v.name})", v.shape, pos=op == "exp", home=v.home)
         if op == "neg":
-            return self.emit(f"-{v.name}", v.shape)
+            return self.emit(f"-{v.name}", v.shape, home=v.home)
         c = self.pick(SCALARS)
         if op == "scale":
-            return self.emit(f"{v.name} * {c}", v.shape)
+            return self.emit(f"{v.name} * {c}", v.shape, home=v.home)
         if op == "rscale":
-            return self.emit(f"{c} * {v.name}", v.shape)
+            return self.emit(f"{c} * {v.name}", v.shape, home=v.home)
         if op == "div_scalar":
-            return self.emit(f"{v.name} / {c}", v.shape)
-        return self.emit(f"{v.name} + {c}", v.shape)  # a scalar add: supported or refused
+            return self.emit(f"{v.name} / {c}", v.shape, home=v.home)
+        return self.emit(f"{v.name} + {c}", v.shape, home=v.home)  # a scalar add: supported or refused
 
     def partner_shape(self, shape):
         """A shape that broadcasts with `shape`: the same, a suffix, unit dims, a new lead dim."""
@@ -437,18 +498,18 @@ class Gen:
 
     def binary(self, v: Val) -> Val:
         op = self.pick(["+", "*", "-", "/"])
-        others = [p for p in self.pool if p is not v and _broadcasts(p.shape, v.shape) and p.shape]
+        others = [p for p in self.pool if p is not v and _broadcasts(p.shape, v.shape) and p.shape and p.home == v.home]
         if others and self.chance(30):
             p = self.pick(others)
         else:
             p = self.new_input(self.partner_shape(v.shape), pos=(op == "/"))
-            p = self.maybe_annotate(p, 30)
+            p = self.to_home(self.maybe_annotate(p, 30), v.home)
         if op == "/" and not p.pos:
-            p = self.emit(f"sf.exp({p.name})", p.shape, pos=True)
+            p = self.emit(f"sf.exp({p.name})", p.shape, pos=True, home=p.home)
         shape = np.broadcast_shapes(v.shape, p.shape)
         if op != "/" and self.chance(40):
-            return self.emit(f"{p.name} {op} {v.name}", shape)
-        return self.emit(f"{v.name} {op} {p.name}", shape)
+            return self.emit(f"{p.name} {op} {v.name}", shape, home=v.home)
+        return self.emit(f"{v.name} {op} {p.name}", shape, home=v.home)
 
     def reduce(self, v: Val) -> Val:
         if len(v.shape) < 2 and not self.chance(5):  # rarely: a 1-D value reduced to 0-d
@@ -459,16 +520,16 @@ class Gen:
         a = self.pick(list(range(nd)) + [-1])
         how = self.pick(["sum", "mean"])
         keep = a % nd
-        return self.emit(f"{v.name}.{how}({a})", v.shape[:keep] + v.shape[keep + 1:])
+        return self.emit(f"{v.name}.{how}({a})", v.shape[:keep] + v.shape[keep + 1:], home=v.home)
 
     def transpose(self, v: Val) -> Val:
         nd = len(v.shape)
         if nd < 2:
             return self.unary(v)
         if nd == 2 or self.chance(40):
-            return self.emit(f"{v.name}.T", v.shape[::-1])
+            return self.emit(f"{v.name}.T", v.shape[::-1], home=v.home)
         perm = tuple(self.draw(st.permutations(range(nd))))
-        return self.emit(f"{v.name}.transpose({', '.join(map(str, perm))})", tuple(v.shape[p] for p in perm))
+        return self.emit(f"{v.name}.transpose({', '.join(map(str, perm))})", tuple(v.shape[p] for p in perm), home=v.home)
 
     def reshape(self, v: Val) -> Val:
         shape = list(v.shape)
@@ -486,7 +547,7 @@ class Gen:
         text = list(map(str, new))
         if self.chance(30):
             text[self.pick(range(len(new)))] = "-1"
-        return self.emit(f"{v.name}.reshape({', '.join(text)})", new)
+        return self.emit(f"{v.name}.reshape({', '.join(text)})", new, home=v.home)
 
     def matmul(self, v: Val) -> Val:
         nd = len(v.shape)
@@ -495,27 +556,27 @@ class Gen:
         form = self.pick(["right", "left", "batched", "linear", "self", "right"])
         K, N = v.shape[-1], self.extent()
         if form == "batched" and nd >= 3:
-            w = self.maybe_annotate(self.new_input(v.shape[:-2] + (K, N)), 40)
-            return self.emit(f"{v.name} @ {w.name}", v.shape[:-1] + (N,))
+            w = self.to_home(self.maybe_annotate(self.new_input(v.shape[:-2] + (K, N)), 40), v.home)
+            return self.emit(f"{v.name} @ {w.name}", v.shape[:-1] + (N,), home=v.home)
         if form == "left":
             M = self.extent()
             lead = v.shape[:-2] if nd >= 3 else ((self.pick(BATCH),) if self.chance(30) else ())
-            a = self.maybe_annotate(self.new_input(lead + (M, v.shape[-2])), 40)
-            return self.emit(f"{a.name} @ {v.name}", lead + (M, K))
+            a = self.to_home(self.maybe_annotate(self.new_input(lead + (M, v.shape[-2])), 40), v.home)
+            return self.emit(f"{a.name} @ {v.name}", lead + (M, K), home=v.home)
         if form == "linear":
-            w = self.maybe_annotate(self.new_input((K, N)), 40)
+            w = self.to_home(self.maybe_annotate(self.new_input((K, N)), 40), v.home)
             if self.chance(70):
-                b = self.maybe_annotate(self.new_input((N,)), 30)
-                return self.emit(f"sf.linear({v.name}, {w.name}, {b.name})", v.shape[:-1] + (N,))
-            return self.emit(f"sf.linear({v.name}, {w.name})", v.shape[:-1] + (N,))
+                b = self.to_home(self.maybe_annotate(self.new_input((N,)), 30), v.home)
+                return self.emit(f"sf.linear({v.name}, {w.name}, {b.name})", v.shape[:-1] + (N,), home=v.home)
+            return self.emit(f"sf.linear({v.name}, {w.name})", v.shape[:-1] + (N,), home=v.home)
         if form == "self" and nd == 2:
             if self.chance(50):
-                return self.emit(f"{v.name} @ {v.name}.T", (v.shape[0], v.shape[0]))
-            return self.emit(f"{v.name}.T @ {v.name}", (K, K))
-        w = self.maybe_annotate(self.new_input((K, N)), 40)
-        return self.emit(f"{v.name} @ {w.name}", v.shape[:-1] + (N,))
+                return self.emit(f"{v.name} @ {v.name}.T", (v.shape[0], v.shape[0]), home=v.home)
+            return self.emit(f"{v.name}.T @ {v.name}", (K, K), home=v.home)
+        w = self.to_home(self.maybe_annotate(self.new_input((K, N)), 40), v.home)
+        return self.emit(f"{v.name} @ {w.name}", v.shape[:-1] + (N,), home=v.home)
 
-    STEPS = ("annotate", "unary", "binary", "reduce", "transpose", "reshape", "matmul")
+    STEPS = ("annotate", "unary", "binary", "reduce", "transpose", "reshape", "matmul", "move")
 
     def step(self, kind, v):
         return getattr(self, kind)(v)
@@ -595,12 +656,16 @@ def _check_output(got_arr, ref, val: Val, prog: Prog, what: str):
         raise AssertionError(f"{what}: {int(bad.sum())} of {got.size} elements wrong, max abs error "
                              f"{np.abs(got - ref).max():.3e} (reference scale {scale:.3g}), first at {idx}: "
                              f"got {got[idx]!r}, NumPy {ref[idx]!r}; layout {got_arr.sharding.placements(prog.mesh)}")
+    mesh = prog.mesh_of(val.home)
+    if val.chain is not None or val.home is not None:  # a value the program put somewhere (an unannotated one
+        lives = got_arr.sharding.home(prog.mesh)     # lives where its inputs do: a plain input where it is first annotated)
+        assert lives.devices == mesh.devices, f"{what}: lives on devices {lives.devices}, the program put it on {mesh}"
     if val.chain is not None:  # the layout rule: an annotated value has exactly the stated layout
-        mesh = prog.mesh  # a tuple `over` shards the dim over each of its mesh axes: (S(0), S(0))
+        # a tuple `over` shards the dim over each of its mesh axes: (S(0), S(0))
         want = tuple(next((sf.Shard(a) for a, o in val.chain.sharded if name in over_axes(o)), sf.Replicate())
                      for name in mesh.axis_names)
-        assert tuple(got_arr.placements) == want, \
-            f"{what}: placements {tuple(map(str, got_arr.placements))}, the annotations state {tuple(map(str, want))}"
+        got = placements_of(got_arr.sharding, mesh)
+        assert got == want, f"{what}: placements {tuple(map(str, got))}, the annotations state {tuple(map(str, want))}"
 
 
 def _as_tuple(x):
@@ -610,7 +675,8 @@ def _as_tuple(x):
 def run_program(prog: Prog, seed: int, stats: Counter):
     src = prog.source()
     note(prog.repro(seed))
-    ns_sf, ns_np = {"sf": sf, "np": np}, {"sf": NumpySF, "np": np}
+    subs = {f"S{k}": m for k, m in enumerate(SUBS[prog.mesh_key])}
+    ns_sf, ns_np = {"sf": sf, "np": np, **subs}, {"sf": NumpySF, "np": np, **subs}
     exec(src, ns_sf)
     exec(src, ns_np)
     fn, ref_fn = ns_sf["f"], ns_np["f"]
@@ -749,6 +815,20 @@ def _mixed_programs(data):
     run_program(prog, seed, STATS["mixed"])
 
 
+@PROFILE
+@given(data=st.data())
+def _moves_between_meshes(data):
+    """Values moved between the mesh and its sub-meshes (pipeline stages), sharded there over
+    one axis or a tuple of mesh axes in either order, with ops, reshapes and streams on either side."""
+    mesh_key, streams, dtype, seed = _common(data, ["2x2", "4", "2x4", "2"])
+    g = Gen(data, mesh_key, dtype, streams)
+    x = g.new_input(g.shape(g.pick([2, 3])), placed=g.chance(70))
+    cur = g.move(g.maybe_annotate(x, 50))
+    kinds = ["move", "annotate", "unary", "reshape", "move", "matmul", "binary", "reduce", "transpose", "move"]
+    prog = g.body(cur, kinds, g.draw(st.integers(0, 5), label="steps"), branch=10)
+    run_program(prog, seed, STATS["moves"])
+
+
 def test_elementwise_and_reduction_chains():
     _drive(_elementwise_and_reductions, "elementwise")
 
@@ -763,3 +843,7 @@ def test_reshards_on_1d_and_2d_meshes():
 
 def test_mixed_programs():
     _drive(_mixed_programs, "mixed")
+
+
+def test_moves_between_meshes():
+    _drive(_moves_between_meshes, "moves")

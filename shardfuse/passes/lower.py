@@ -52,7 +52,7 @@ def _lower_set(x, y, namer, mesh):
     if x.type.layout.mesh != y.type.layout.mesh:
         return _lower_move(x, y, namer, mesh)
     where = x.type.layout.mesh
-    steps = reshard_steps(x.type.layout.placement(), y.type.layout.placement(), where or mesh, x.type.shape)
+    steps = reshard_steps(x.type.layout.placement(), y.type.layout.placement(), x.type.layout.home(mesh), x.type.shape)
     if not steps:  # only the schedule changes: a copy keeps y a buffer of its own
         return [Instr(Op.ALLOCATE, (y,)), Instr(Op.COPY, (), (x,), into=y)]
     out, cur = [], x
@@ -73,50 +73,73 @@ def _lower_set(x, y, namer, mesh):
     return out
 
 
-def _sharded_axis(lay):
-    axes = list(lay.placement().sharded_axes())
+def _sharded_axis(sh):
+    axes = [i for i, d in enumerate(sh.dims) if d]
     if len(axes) > 1:
-        raise NotImplementedError(f"moving a value sharded on several axes ({lay.placements(lay.mesh)}) between "
-                                  "meshes is not supported yet")
+        raise NotImplementedError(f"moving a value sharded on several axes ({tuple(map(str, sh.placements()))}) "
+                                  "between meshes is not supported yet: replicate one of them first")
     return axes[0] if axes else None
 
 
+def _holders(sh, ax) -> list:
+    """Per block of tensor axis ax (None: the whole value), in block order, the devices holding
+    it: a value sharded over some mesh axes is replicated over the others, and over a tuple of
+    mesh axes its blocks follow the tuple's order, not the devices' (Sharding.block)."""
+    held: dict = {}
+    for d in sh.mesh.devices:
+        held.setdefault(0 if ax is None else sh.block(ax, d), []).append(d)
+    return [held[b] for b in range(len(held))]
+
+
 def _lower_move(x, y, namer, mesh):
-    """x on one mesh -> y on another: Allreduce pending sums at the source, then point-to-point."""
+    """x on one mesh -> y on another: Allreduce pending sums at the source, then point to point:
+    block p of x's holders to the devices of y holding block p (same sharding), else gathered
+    onto y's first device and spread from there (Scatter where every device of y holds a block
+    of its own, else Broadcast and each device's local slice)."""
     out, cur = [], x
-    src, dst = x.type.layout.placement(), y.type.layout.placement()
+    src, dst = x.type.layout.sharding(mesh), y.type.layout.sharding(mesh)
+    s_ax, d_ax = _sharded_axis(src), _sharded_axis(dst)  # (refused before any step)
+    if dst.partial:  # (insert_resharding reduces sums before they move: each device would hold the whole sum)
+        raise NotImplementedError(f"{y.name}: a pending sum moved between meshes ({dst.placements()})")
     if src.partial:  # reduce where the sums are, then move the smaller, whole value
-        whole = Value(namer(f"{x.name}_reduced"), x.type.with_layout(replace(src, partial=())))
+        whole = Value(namer(f"{x.name}_reduced"), x.type.with_layout(replace(x.type.layout.placement(), partial=())))
         out += _lower_set(cur, whole, namer, mesh)
-        cur, src = whole, whole.type.layout
-    a_mesh, b_mesh = src.mesh or mesh, dst.mesh or mesh
-    s_ax, d_ax = _sharded_axis(src), _sharded_axis(dst)
+        cur = whole
 
     def move(kind, frm, to, target, axis=None):
         h = Value(namer(kind.lower()), "Comm")
-        attrs = {"kind": kind, "from": frm, "to": to}
+        attrs = {"kind": kind, "from": tuple(frm), "to": tuple(to)}
         if axis is not None:
             attrs["axis"] = axis
         out.extend([Instr(Op.ALLOCATE, (target,)), Instr(Op.TRANSFER, (h,), (cur,), attrs, into=target),
                     Instr(Op.WAIT, (), (h,))])
         return target
 
-    A, B = a_mesh.devices, b_mesh.devices
-    if s_ax == d_ax and (s_ax is None or len(A) == len(B)):
-        kind = "SendRecv" if len(A) == len(B) else "Broadcast"
-        move(kind, A if kind == "SendRecv" else A[:1], B, y, s_ax)
+    A, B = src.mesh.devices, dst.mesh.devices
+    have, want = _holders(src, s_ax), _holders(dst, d_ax)
+    if s_ax is None and d_ax is None:
+        move("SendRecv", A, B, y) if len(A) == len(B) else move("Broadcast", A[:1], B, y)
         return out
-    if s_ax is None:  # replicated -> sharded
-        move("Scatter", A[:1], B, y, d_ax)
+    if s_ax == d_ax and len(have) == len(want):  # block p from a holder of it to each device that wants it
+        frm = [have[b][j % len(have[b])] for b, devs in enumerate(want) for j in range(len(devs))]
+        move("SendRecv", frm, [d for devs in want for d in devs], y, s_ax)
         return out
-    # sharded -> anything else: gather onto the destination's first device, then spread
-    root = mesh.root.submesh(B[:1])
-    gathered = y if (d_ax is None and len(B) == 1) else \
-        Value(namer(f"{x.name}_gathered"), y.type.with_layout(Layout((None,) * y.type.ndim, mesh=root)))
-    cur = move("Gather", A, B[:1], gathered, s_ax)
-    if gathered is not y:
-        if d_ax is None:
-            move("Broadcast", B[:1], B, y)
-        else:
-            move("Scatter", B[:1], B, y, d_ax)
+    if s_ax is not None:  # gather onto the destination's first device
+        root = mesh.root.submesh(B[:1])
+        done = d_ax is None and len(B) == 1
+        gathered = y if done else \
+            Value(namer(f"{x.name}_gathered"), y.type.with_layout(Layout((None,) * y.type.ndim, mesh=root)))
+        cur = move("Gather", [devs[0] for devs in have], B[:1], gathered, s_ax)
+        if done:
+            return out
+        A = B[:1]
+    if d_ax is None:
+        move("Broadcast", A[:1], B, y)
+    elif all(len(devs) == 1 for devs in want):  # every device of y holds a block of its own
+        move("Scatter", A[:1], [devs[0] for devs in want], y, d_ax)
+    else:  # replicated on y's mesh, then each device keeps its block (a local slice)
+        whole = Value(namer(f"{x.name}_whole"),
+                      y.type.with_layout(Layout((None,) * y.type.ndim, mesh=y.type.layout.mesh)))
+        cur = move("Broadcast", A[:1], B, whole)
+        out += _lower_set(cur, y, namer, mesh)
     return out

@@ -13,7 +13,6 @@ from collections import defaultdict
 
 from shardfuse.ir import Idx, Instr, Namer, TensorType, Value, substitute, walk
 
-from shardfuse.mesh import STREAM
 from shardfuse.ops import HOST_ONLY, Op
 from shardfuse.rules import rule
 
@@ -47,10 +46,10 @@ def mark_stream_intermediates(prog):
             continue
         # its own inputs must be whole along that axis: a chunk of a sharded axis cuts across
         # shards (the value is then made whole, before the loop)
-        if any(a is not None and v.type.layout.placement().axes[a] is not None
+        if any(a is not None and v.type.layout.axes[a] is not None
                for v, a in zip(i.ins, rule(i.op, "axis_map")(i, j))):
             continue
-        retyped[o] = Value(o.name, o.type.with_layout(o.type.layout.with_axis(j, STREAM)))
+        retyped[o] = Value(o.name, o.type.with_layout(o.type.layout.streamed(j)))
     instrs = substitute(prog.instrs, retyped)
     return prog.with_instrs(instrs, "mark_stream_intermediates",
                             outputs=tuple(retyped.get(v, v) for v in prog.outputs))

@@ -13,8 +13,7 @@ from __future__ import annotations
 from collections import defaultdict
 
 from shardfuse.ir import Instr, Value, substitute
-from shardfuse.mesh import STREAM
-from shardfuse.rules import rule
+from shardfuse.rules import infer, require
 from shardfuse.ops import Op
 
 
@@ -26,7 +25,7 @@ def propagate_sharding(prog):
         outs = []
         for o in i.outs:
             if o.type.layout is None:
-                lay = rule(i.op, "infer")(Instr(i.op, i.outs, ins, i.attrs), [v.type.layout for v in ins])
+                lay = infer(Instr(i.op, i.outs, ins, i.attrs), [v.type.layout for v in ins], prog.mesh)
                 o2 = Value(o.name, o.type.with_layout(lay.on(_common_mesh(i, ins))))
                 inferred.add(o2)
             else:
@@ -35,7 +34,7 @@ def propagate_sharding(prog):
             outs.append(o2)
         out.append(Instr(i.op, tuple(outs), ins, i.attrs))
     outputs = tuple(env[v] for v in prog.outputs)
-    out, outputs = _backward(out, outputs, inferred)
+    out, outputs = _backward(out, outputs, inferred, prog.mesh)
     return prog.with_instrs(out, "propagate_sharding", outputs=outputs)
 
 
@@ -57,18 +56,18 @@ def _refines(want, have) -> bool:
     return all(h is None or h == w for w, h in zip(want.axes, have.axes)) and want.axes != have.axes
 
 
-def _required(instr, n):
+def _required(instr, n, mesh):
     lays = [v.type.layout for v in instr.ins]
-    return rule(instr.op, "require")(instr, instr.outs[0].type.layout, lays)[0][n]
+    return require(instr, instr.outs[0].type.layout, lays, mesh)[0][n]
 
 
-def _backward(instrs, outputs, inferred):
+def _backward(instrs, outputs, inferred, mesh):
     while True:
         consumers = defaultdict(list)
         for i in instrs:
             for n, v in enumerate(i.ins):
                 consumers[v].append((i, n))
-        change = _one_refinement(instrs, outputs, inferred, consumers)
+        change = _one_refinement(instrs, outputs, inferred, consumers, mesh)
         if change is None:
             return instrs, outputs
         old, new = change
@@ -77,15 +76,15 @@ def _backward(instrs, outputs, inferred):
         outputs = tuple(new if v is old else v for v in outputs)
 
 
-def _one_refinement(instrs, outputs, inferred, consumers):
+def _one_refinement(instrs, outputs, inferred, consumers, mesh):
     for p in reversed(instrs):
         for o in p.outs:
             lay = o.type.layout
-            if o not in inferred or o in outputs or lay.partial or STREAM in lay.axes or not consumers[o]:
+            if o not in inferred or o in outputs or lay.partial or lay.stream is not None or not consumers[o]:
                 continue
             if any(c.op in (Op.SET, Op.VIEW) for c, _ in consumers[o]):
                 continue  # a reshard or a view states no requirement of its own
-            wants = {_required(c, n) for c, n in consumers[o]}
+            wants = {_required(c, n, mesh) for c, n in consumers[o]}
             if len(wants) != 1:
                 continue
             want = wants.pop()
@@ -94,7 +93,7 @@ def _one_refinement(instrs, outputs, inferred, consumers):
             want = want.on(lay.mesh)
             # the producer must make `want` from its inputs with local slices at most
             trial = Instr(p.op, (Value(o.name, o.type.with_layout(want)),), p.ins, p.attrs)
-            req, produced = rule(p.op, "require")(trial, want, [v.type.layout for v in p.ins])
+            req, produced = require(trial, want, [v.type.layout for v in p.ins], mesh)
             if produced != want:
                 continue
             if all(r == v.type.layout.placement() or _refines(r, v.type.layout.placement()) for r, v in zip(req, p.ins)):

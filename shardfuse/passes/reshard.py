@@ -7,9 +7,11 @@ to the annotated layout.  Program outputs never stay partial.
 """
 from __future__ import annotations
 
+from dataclasses import replace
+
 from shardfuse.ir import Instr, Namer, Value, substitute
 from shardfuse.layout import Layout
-from shardfuse.rules import rule
+from shardfuse.rules import require
 from shardfuse.ops import Op
 
 
@@ -41,8 +43,11 @@ def insert_resharding(prog):
             out.append(i)
             continue
         o = i.outs[0]
-        req, produced = rule(i.op, "require")(i, o.type.layout, [v.type.layout for v in i.ins])
         where = o.type.layout.mesh  # an op runs on the mesh its output lives on (rules speak of axes only)
+        # pending sums are reduced where they are, before a move to another mesh: a sum is never moved
+        i = replace(i, ins=tuple(reshard(v, Layout(v.type.layout.axes, mesh=v.type.layout.mesh))
+                                 if v.type.layout.mesh != where and v.type.layout.partial else v for v in i.ins))
+        req, produced = require(i, o.type.layout, [v.type.layout for v in i.ins], prog.mesh)
         req, produced = [r.on(where) for r in req], produced.on(where)
         ins = tuple(reshard(v, r) for v, r in zip(i.ins, req))
         if produced == o.type.layout:
@@ -56,5 +61,5 @@ def insert_resharding(prog):
     for v in prog.outputs:
         v = alias.get(v, v)
         lay = v.type.layout
-        outputs.append(reshard(v, Layout(lay.placement().axes, mesh=lay.mesh)) if lay.partial else v)
+        outputs.append(reshard(v, Layout(lay.axes, mesh=lay.mesh)) if lay.partial else v)
     return prog.with_instrs(out, "insert_resharding", outputs=tuple(outputs))

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 from shardfuse.ir import Idx, Instr, Namer, TensorType, Value
 
-from shardfuse.mesh import STREAM
 from shardfuse.rules import rule
 from shardfuse.ops import Op
 
@@ -49,7 +48,7 @@ def _ring_block(mm, gather, prog, namer):
     k = c.type.layout.stream_axis()
     ka = rule(Op.MATMUL, "axis_map")(mm, k)[0]
     team = a.type.layout.axes[ka]
-    if team is None or team == STREAM:
+    if team is None or a.type.layout.stream == ka:
         raise ValueError(f"algorithm='ring' streams axis {k} of {c.name}, but {a.name} is not sharded on axis {ka}")
     if c.type.layout.mesh is not None or a.type.layout.mesh is not None:
         raise ValueError(f"algorithm='ring' on a value of a sub-mesh ({c.name}) is not supported: use the default "

@@ -8,8 +8,7 @@ from __future__ import annotations
 
 from shardfuse.ir import Instr, Namer, TensorType, Value, substitute
 from shardfuse.ops import ELEMENTWISE, Op
-from shardfuse.layout import Layout, shard_count
-from shardfuse.mesh import STREAM
+from shardfuse.layout import Layout
 from shardfuse.rules import rule
 
 
@@ -19,7 +18,20 @@ def _split(shape, axes, ax, factors, new_axes):
 
 def _sharded_inputs(i, amap):
     """Inputs of i whose axis mapped to the stream axis is sharded (placement, not schedule)."""
-    return [v for v, a in zip(i.ins, amap) if a is not None and v.type.layout.placement().axes[a] is not None]
+    return [v for v, a in zip(i.ins, amap) if a is not None and v.type.layout.axes[a] is not None]
+
+
+def _shard_count(i, amap, mesh_axis, lay, k, mesh) -> int:
+    """How many shards mesh_axis cuts the stream axis into, on the mesh of each value it shards
+    there (a move between meshes reads one mesh and writes another): they must agree."""
+    counts = {v.type.layout.sharding(mesh).count(a) for v, a in zip(i.ins, amap)
+              if a is not None and v.type.layout.axes[a] == mesh_axis}
+    if lay.axes[k] is not None:
+        counts.add(lay.sharding(mesh).count(k))
+    if len(counts) > 1:
+        raise ValueError(f"the stream axis of {i.outs[0].name} is sharded {sorted(counts)} ways on the meshes it moves "
+                         "between: stream it before or after the move, not on it")
+    return counts.pop() if counts else 1
 
 
 def _split_attrs(i, amap, k, n):
@@ -74,20 +86,20 @@ def split_stream_axes(prog):
             raise ValueError(f"sf.stream(..., chunks=) on the row axis {k} of {o.name} = {i.ins[0].name} @ "
                              f"{i.ins[1].name}, whose B has batch axes, is not supported: stream a batch axis, or the "
                              "rows of a matmul with a 2-D B")
-        sharded = {v.type.layout.axes[a] for v, a in zip(i.ins, amap) if a is not None} - {None, STREAM}
-        if lay.stream_over:
-            sharded.add(lay.stream_over)
+        sharded = {v.type.layout.axes[a] for v, a in zip(i.ins, amap) if a is not None} - {None}
+        if lay.axes[k] is not None:  # (the axis is sharded and streamed: chunks of each device's shard)
+            sharded.add(lay.axes[k])
         if len(sharded) > 1:
             raise ValueError(f"the stream axis {k} of {o.name} is sharded over different mesh axes by it and its inputs "
                              f"{sorted(sharded, key=str)}: "
                              "stream it before or after the reshard, not on it")
         mesh_axis = sharded.pop() if sharded else None
-        d = shard_count(mesh_axis, lay.mesh or prog.mesh)  # (a value on a sub-mesh: its devices)
+        d = _shard_count(i, amap, mesh_axis, lay, k, prog.mesh)
         extent = o.type.shape[k]
         if s is None and not ring:
             # chunks omitted on an axis an input shards: one chunk per index of each device's shard.
             # Slicing single indices of the sharded axis itself would cut across shards.
-            s = extent // d
+            s = max(extent // d, 1)  # (an empty axis: one empty chunk)
         if ring:  # the ring's chunks are the shards: [D:Stream, m]
             if mesh_axis is None:
                 raise ValueError(f"algorithm='ring' streams {o.name} along axis {k}, but no input shards that axis")
@@ -118,9 +130,11 @@ def split_stream_axes(prog):
             vv = Value(namer(v.name + "_split"), TensorType(shp, v.type.dtype, Layout(axs, vl.partial, mesh=vl.mesh)))
             out.append(Instr(Op.VIEW, (vv,), (v,), {"shape": shp}))
             new_ins.append(vv)
-        split_axes = (STREAM, None) if ring else ((lay.stream_over, STREAM, None) if mesh_axis else (STREAM, None))
+        # the split output: [D, S:Stream, m] (D sharded as the axis was), or [S:Stream, m]
+        split_axes, stream = ((lay.axes[k], None, None), k + 1) if mesh_axis and not ring else ((None, None), k)
         shp, axs = _split(o.type.shape, lay.axes, k, fac, split_axes)
-        o_split = Value(namer(o.name + "_split"), TensorType(shp, o.type.dtype, Layout(axs, lay.partial, mesh=lay.mesh)))
+        o_split = Value(namer(o.name + "_split"), TensorType(shp, o.type.dtype,
+                                                              Layout(axs, lay.partial, stream=stream, mesh=lay.mesh)))
         out.append(Instr(i.op, (o_split,), tuple(new_ins), _split_attrs(i, amap, k, len(fac))))
         o_back = Value(o.name, o.type.with_layout(lay.placement()))
         out.append(Instr(Op.VIEW, (o_back,), (o_split,), {"shape": o.type.shape}))

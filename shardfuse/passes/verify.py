@@ -8,7 +8,7 @@ follows from its layout (each sharded extent divides evenly) and no Slice cuts a
 from __future__ import annotations
 
 from shardfuse.ir import local_shape
-from shardfuse.layout import mesh_axes, shard_count
+from shardfuse.layout import axis_entry
 from shardfuse.ops import COMMUNICATION, HOST, Op
 
 class PlanError(AssertionError):
@@ -30,13 +30,13 @@ def _check_local_shape(v, prog):
     t = v.type
     if not hasattr(t, "layout") or t.layout is None:
         return
-    mesh = t.layout.mesh or prog.mesh
-    both = {n for a in t.layout.placement().axes for n in mesh_axes(a)} & set(t.layout.partial)
+    sh = t.layout.sharding(prog.mesh)
+    both = {n for d in sh.dims for n in d} & set(sh.partial)
     _check(not both, f"{v.name}: {t}: mesh axis {sorted(both)} both shards it and pends a sum")
-    for ax, over in t.layout.placement().sharded_axes().items():
-        d = shard_count(over, mesh)
+    for ax, over in enumerate(sh.dims):
+        d = sh.count(ax)
         _check(t.shape[ax] % d == 0, f"{v.name}{t.shape}: axis {ax} of extent {t.shape[ax]} is sharded over "
-                                     f"{over} ({d} devices), which does not divide it")
+                                     f"{axis_entry(over)} ({d} devices), which does not divide it")
 
 
 def _check_block(instrs, defined, prog, top):
@@ -53,7 +53,7 @@ def _check_block(instrs, defined, prog, top):
             _check(top, f"Allocate {i.outs[0].name} inside a stream loop: every buffer is allocated before it (a "
                         "pool per stream, passes/allocate.py), else none is bound")
         if i.op == Op.SLICE:
-            src = i.ins[0].type.layout.placement()
+            src = i.ins[0].type.layout
             _check(src.axes[i.attrs["axis"]] is None,
                    f"Slice {i.outs[0].name} <- {i.ins[0].name}: axis {i.attrs['axis']} is sharded over "
                    f"{src.axes[i.attrs['axis']]}; a chunk of it would cut across shards (reshard first)")

@@ -15,6 +15,7 @@ from mpi4py import MPI
 import cases
 import shardfuse as sf
 import test_annotation_rule as annotation_rule
+import test_moves_between_meshes as moves
 from shardfuse.backends.protocol import Ref, contiguous_strides
 from shardfuse.runtime import backend_of
 
@@ -438,3 +439,22 @@ def test_array_ops_outside_jit(mesh):
                      (x.sum(0), a.sum(0)), (x.mean(), a.mean()), (x[3], a[3]), (x[2:6], a[2:6]), (x[..., 1], a[..., 1])):
         np.testing.assert_allclose(got.gather(), ref, rtol=1e-12, atol=1e-12)
     assert len(x) == 8 and x[..., 1].placements == (sf.Shard(0),)
+
+
+# ---- issue 30: moves between meshes, reshapes and streams on sub-meshes, 0-d and empty values ----
+@pytest.mark.parametrize("body,args", [
+    (moves.partly_sharded_to_sub_mesh, (2,)), (moves.partly_sharded_to_sub_mesh, (4,)),
+    (moves.sub_mesh_to_partly_sharded, ()),
+    (moves.tuple_in_non_mesh_order_and_sub_mesh, ([0, 1, 2, 3],)),
+    (moves.tuple_in_non_mesh_order_and_sub_mesh, ([3, 1, 2, 0],)),
+    (moves.two_sharded_axes_to_sub_mesh_is_refused, ()), (moves.reshape_on_a_sub_mesh, ()),
+    (moves.reshape_on_a_sub_mesh_larger_than_the_mesh_axis, ()),
+    (moves.stream_a_value_moved_to_a_sub_mesh_and_back, ()), (moves.zero_d_on_a_mesh, ()), (moves.empty_values, ()),
+    (moves.pending_sum_moved_to_another_sub_mesh, ()), (moves.reshape_on_a_larger_sub_mesh_than_its_input, ()),
+], ids=lambda v: getattr(v, "__name__", str(v)))
+def test_moves_between_meshes(body, args):
+    if body is moves.pending_sum_moved_to_another_sub_mesh and NPROCS < 4:  # (an Allreduce within a sub-mesh)
+        with pytest.raises(NotImplementedError, match="needs one device per process"):
+            body(sf.DeviceMesh, *args)
+        return
+    body(sf.DeviceMesh, *args)
