@@ -29,8 +29,8 @@ import numpy as np
 from shardfuse.traced import Traced
 from shardfuse.traced_numpy import exp, gelu, linear, log, rsqrt, silu, where
 
-__all__ = ["softmax", "log_softmax", "layer_norm", "rms_norm", "gelu", "silu", "linear", "attention",
-           "cross_entropy_onehot"]
+__all__ = ["softmax", "log_softmax", "layer_norm", "rms_norm", "linear", "attention", "cross_entropy_onehot",
+           *(f.__name__ for f in (gelu, silu))]  # (the ops' names by reference: an op name is never a string here)
 
 _WIDENED = {"float16": "float32", "bfloat16": "float32"}  # 16-bit values are normalised in float32
 # The score a masked-out position gets: finite, so a row with every position masked is uniform
