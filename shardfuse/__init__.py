@@ -19,6 +19,7 @@ from shardfuse.mesh import DeviceMesh
 from shardfuse.placements import Partial, Replicate, Shard
 from shardfuse.spec import TensorSpec
 from shardfuse.visualize import visualize_sharding
+from shardfuse import nn
 from shardfuse.trace import stream, to_mesh
 from shardfuse.traced import ConcretizationError
 from shardfuse.traced_numpy import (exp, gelu, linear, log, logical_not, maximum, minimum, relu, rsqrt, sigmoid, silu,
@@ -26,7 +27,7 @@ from shardfuse.traced_numpy import (exp, gelu, linear, log, logical_not, maximum
 
 __all__ = ["Array", "DeviceMesh", "Layout", "Partial", "Replicate", "Shard", "Plan", "TensorSpec", "from_local", "jit", "replicate", "shard", "stream", "to_mesh",
            "exp", "gelu", "linear", "relu", "tanh", "sqrt", "rsqrt", "log", "sigmoid", "silu", "maximum", "minimum",
-           "where", "logical_not", "visualize_sharding", "distribute",
+           "where", "logical_not", "nn", "visualize_sharding", "distribute",
            "CollectiveTimeoutError", "ConcretizationError", "RankLeftError", "RankMismatchError"]
 
 try:

@@ -1,0 +1,164 @@
+"""sf.nn: the functions of a transformer layer, written with shardfuse's ops (as jax.nn and
+torch.nn.functional), so that their shardings come from the ops' rules and nothing else.
+
+    import numpy as np, shardfuse as sf
+    mesh = sf.DeviceMesh((2, 2), ("dp", "tp"))
+
+    @sf.jit(mesh=mesh)
+    def attend(q, k, v, mask):                       # [batch, heads, seq, head_dim]
+        q, k, v = (sf.shard(sf.shard(t, axis=0, over="dp"), axis=1, over="tp") for t in (q, k, v))
+        return sf.nn.attention(q, k, v, mask=mask)   # heads sharded: no communication
+
+Inside sf.jit each function adds its ops to the traced program.  Outside it, on sf.Arrays (and
+plain arrays beside them, replicated), each call is one plan, compiled once per input specs and
+kept on the mesh as the one-op plans of array ops are (`Array.one_op`): `sf.nn.softmax(x)` of an
+sf.Array is one plan call, not five.
+
+16-bit inputs (float16, bfloat16) of softmax, log_softmax, layer_norm and rms_norm are computed in
+float32 and the result cast back to the input's dtype (as torch's kernels and Megatron's
+fp32 softmax do); other dtypes are computed in their own.
+"""
+from __future__ import annotations
+
+import functools
+import inspect
+import math
+
+import numpy as np
+
+from shardfuse.traced import Traced
+from shardfuse.traced_numpy import exp, gelu, linear, log, rsqrt, silu, where
+
+__all__ = ["softmax", "log_softmax", "layer_norm", "rms_norm", "linear", "attention", "cross_entropy_onehot",
+           *(f.__name__ for f in (gelu, silu))]  # (the ops' names by reference: an op name is never a string here)
+
+_WIDENED = {"float16": "float32", "bfloat16": "float32"}  # 16-bit values are normalised in float32
+# The score a masked-out position gets: finite, so a row with every position masked is uniform
+# rather than NaN (jax.nn.dot_product_attention's choice, 0.7 of the dtype's largest magnitude).
+_MASKED = {"float16": -0.7 * 65504.0, "bfloat16": -0.7 * 3.3895313892515355e38,
+           "float32": -0.7 * float(np.finfo(np.float32).max), "float64": -0.7 * float(np.finfo(np.float64).max)}
+
+
+def _one_plan(fn):
+    """fn as it is on traced values (inside sf.jit); on sf.Arrays the whole of fn as one plan."""
+    signature = inspect.signature(fn)
+
+    @functools.wraps(fn)
+    def call(*args, **kwargs):
+        bound = signature.bind(*args, **kwargs)
+        bound.apply_defaults()
+        args = bound.args
+        if any(isinstance(a, Traced) for a in args):
+            return fn(*args)
+        for a in args:
+            if hasattr(type(a), "one_op"):  # sf.Array (array_ops.ArrayOps)
+                return a.one_op(fn, args, f"nn.{fn.__name__}")
+        raise TypeError(f"sf.nn.{fn.__name__} takes values inside an sf.jit function or sf.Arrays, got "
+                        f"{', '.join(type(a).__name__ for a in args)}")
+    return call
+
+
+def _widened(x):
+    """x in the dtype it is normalised in (float32 for 16-bit floats), and its own dtype."""
+    return x.astype(_WIDENED.get(x.dtype, x.dtype)), x.dtype
+
+
+@_one_plan
+def softmax(x, axis=-1):
+    """exp(x - max) / sum(exp(x - max)) over `axis` (jax.nn.softmax); the max and the sum keep
+    their axis (keepdims), so they broadcast back.  Over a sharded axis the sum is an Allreduce of
+    the reduced shape, and the max gathers that axis (until max reduces with an Allreduce)."""
+    x, dtype = _widened(x)
+    e = exp(x - x.max(axis, keepdims=True))
+    return (e / e.sum(axis, keepdims=True)).astype(dtype)
+
+
+@_one_plan
+def log_softmax(x, axis=-1):
+    """x - max - log(sum(exp(x - max))) over `axis` (jax.nn.log_softmax)."""
+    x, dtype = _widened(x)
+    s = x - x.max(axis, keepdims=True)
+    return (s - log(exp(s).sum(axis, keepdims=True))).astype(dtype)
+
+
+@_one_plan
+def layer_norm(x, weight, bias, eps=1e-5):
+    """(x - mean) / sqrt(var + eps) * weight + bias over the last axis (torch's F.layer_norm with
+    normalized_shape the last extent; the biased variance).  weight and bias are [hidden] arrays,
+    or None for none.  A hidden axis sharded over a mesh axis is reduced with Allreduces of
+    [tokens]-sized values."""
+    x, dtype = _widened(x)
+    d = x - x.mean(-1, keepdims=True)
+    y = d * rsqrt((d * d).mean(-1, keepdims=True) + eps)
+    y = y if weight is None else y * weight
+    y = y if bias is None else y + bias
+    return y.astype(dtype)
+
+
+@_one_plan
+def rms_norm(x, weight, eps=1e-6):
+    """x / sqrt(mean(x**2) + eps) * weight over the last axis (RMSNorm, as in LLaMA); weight a
+    [hidden] array or None."""
+    x, dtype = _widened(x)
+    y = x * rsqrt((x * x).mean(-1, keepdims=True) + eps)
+    y = y if weight is None else y * weight
+    return y.astype(dtype)
+
+
+def _swap_last_two(t):
+    return t.transpose(tuple(range(t.ndim - 2)) + (t.ndim - 1, t.ndim - 2))
+
+
+@_one_plan
+def _attention(q, k, v, mask):
+    scores = (q @ _swap_last_two(k)) * (1.0 / math.sqrt(q.shape[-1]))
+    if mask is not None:
+        if isinstance(q, Traced) and not isinstance(mask, Traced):
+            raise TypeError(f"sf.nn.attention: mask is a {type(mask).__name__} inside sf.jit, where arrays are not "
+                            "captured as constants yet: make the mask an argument of the jitted function")
+        scores = where(mask, scores, _MASKED[scores.dtype]) if mask.dtype == "bool" else scores + mask
+    return softmax(scores, -1) @ v
+
+
+def attention(q, k, v, causal=False, mask=None):
+    """Scaled dot-product attention, softmax(q @ k^T / sqrt(head_dim) + mask) @ v, over
+    [batch, heads, seq, head_dim] operands (any leading axes, the same on q, k and v).
+
+    mask broadcasts against the scores [..., seq_q, seq_k]: a boolean array (True: attend, as
+    jax.nn.dot_product_attention; a masked score becomes a large negative number, so a row with
+    nothing to attend to is uniform, not NaN) or a float array added to the scores.  The softmax
+    of 16-bit scores runs in float32.  With heads (or batch) sharded over a mesh axis and
+    sequence and head_dim whole, nothing is communicated.
+
+    causal=True builds np.tril(np.ones((seq_q, seq_k), bool)) as the mask: outside sf.jit it is
+    passed as a replicated array; inside sf.jit it raises NotImplementedError, because a NumPy
+    array is not captured as a constant there yet and shardfuse has no iota to build it from:
+    pass the mask as an argument of the jitted function instead (mask=np.tril(...))."""
+    if causal:
+        if mask is not None:
+            raise ValueError("sf.nn.attention: give causal=True or mask=, not both (fold the causal mask into yours: "
+                             "mask & np.tril(np.ones((seq_q, seq_k), bool)))")
+        if any(isinstance(t, Traced) for t in (q, k, v)):
+            raise NotImplementedError(
+                "sf.nn.attention(causal=True) inside sf.jit: NumPy arrays are not captured as constants yet and "
+                "there is no iota op to build the mask from; make the mask an argument of the jitted function and "
+                f"pass mask=np.tril(np.ones(({q.shape[-2]}, {k.shape[-2]}), bool)) instead")
+        mask = np.tril(np.ones((q.shape[-2], k.shape[-2]), bool))
+    return _attention(q, k, v, mask)
+
+
+@_one_plan
+def cross_entropy_onehot(logits, targets):
+    """The mean over tokens of -sum(targets * log_softmax(logits)) over the last (vocabulary)
+    axis, for one-hot targets of the logits' shape (or any rows that sum to 1: soft labels).
+    Integer labels come with sf.take (issue 31, item 4); until then pass one-hot float targets.
+
+    Written as Megatron's vocab-parallel cross-entropy: per token log(sum(exp(logits - max))) minus
+    the target's logit (minus max), so no [tokens, vocabulary] log_softmax is formed; with the
+    vocabulary sharded the sum of exponentials and the target logit are Allreduces of [tokens]
+    values (the max still gathers the logits over that axis: max does not reduce with an
+    Allreduce yet).  The result is a 0-d array of the logits' dtype (float32 for 16-bit logits)."""
+    x, _ = _widened(logits)
+    s = x - x.max(-1, keepdims=True)
+    target = (targets * s).sum(-1)
+    return (log(exp(s).sum(-1)) - target).mean()
