@@ -13,9 +13,10 @@ from shardfuse.mesh import DeviceMesh
 from shardfuse.spec import normalize_axis, normalize_over
 
 
-def shard(x: Any, axis: int, over: str | tuple = "DIDx", mesh: DeviceMesh | None = None) -> Any:
-    """Place `axis` of x across the devices of mesh axis `over`, or of several mesh axes
-    (``over=("dp", "tp")``: the first outermost, as JAX's ``P(("dp", "tp"))``).
+def shard(x: Any, axis: int, over: str | tuple | None = None, mesh: DeviceMesh | None = None) -> Any:
+    """Place `axis` of x across the devices of mesh axis `over` (default: the mesh's last axis,
+    DIDx on an unnamed mesh), or of several mesh axes (``over=("dp", "tp")``: the first
+    outermost, as JAX's ``P(("dp", "tp"))``).
 
     In a traced function this annotates a value (mesh=: a sub-mesh, a pipeline stage, the value
     moves to); on a concrete global array it returns an `sf.Array` holding this process' pieces

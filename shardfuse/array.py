@@ -66,7 +66,7 @@ class Array(Placed, ArrayOps):  # operators, ufuncs, reductions, indexing: array
         return f"<div>{head}{picture}</div>"
 
     @classmethod
-    def from_global(cls, x, mesh, axis: int | None, over: str = "DIDx", what: str = "sf.shard"):
+    def from_global(cls, x, mesh, axis: int | None, over: str | None = None, what: str = "sf.shard"):
         """x placed on mesh: sharded on `axis` over mesh axis `over`, or replicated (axis None)."""
         if mesh is None:
             raise ValueError(f"{what} on a concrete array needs mesh=")
@@ -231,7 +231,7 @@ class AddressableShard(tuple):
         return f"AddressableShard(device={self.device}, index={self.index}, shape={tuple(self.data.shape)})"
 
 
-def from_local(local_piece, axis: int, over: str = "DIDx", mesh=None):
+def from_local(local_piece, axis: int, over: str | None = None, mesh=None):
     """SPMD construction: each process passes its own piece (covering its local devices).  A
     device array stays on the device: each local device's part is a zero-copy view where it can be."""
     if mesh is None:
@@ -242,6 +242,7 @@ def from_local(local_piece, axis: int, over: str = "DIDx", mesh=None):
     ax = normalize_axis(axis, len(info.shape), info.shape)
     if len(mesh.shape) != 1:
         raise NotImplementedError("sf.from_local supports 1-D meshes for now")
+    over = mesh.axis_names[-1] if over is None else over
     mesh.axis_index(over)
     if mesh.nprocs > 1:  # every rank's piece, axis and mesh axis must agree: else each builds another array
         seen = faults.allgather_object((info.shape, info.dtype, ax, over), "sf.from_local")

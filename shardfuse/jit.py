@@ -78,6 +78,8 @@ class Plan:
         from shardfuse.timeline import Timeline, profile_steps
 
         repeat = as_int(repeat, "plan.profile repeat=", minimum=1)  # (0 would profile nothing, silently)
+        if any(tree.is_container(a) for a in args):  # the jitted function's pytrees: their leaves
+            args = tuple(tree.leaves(args))
         exe = self.executable
         timeline = Timeline.from_records(exe, profile_steps(exe, args, repeat, nvtx), rank=self.program.mesh.rank)
         mesh = self.program.mesh
@@ -107,7 +109,10 @@ class Plan:
         return self._exe
 
     def __call__(self, *args, stream=None, infos=None):
-        """Run the plan: sf.Arrays in (or plain arrays), sf.Arrays out."""
+        """Run the plan: sf.Arrays in (or plain arrays, or the pytrees of them the jitted function
+        took), sf.Arrays out (in the function's result structure)."""
+        if any(tree.is_container(a) for a in args):
+            args = tuple(tree.leaves(args))
         outs = self.executable(*args, stream=stream, infos=infos)
         prog = self.program
         arrays = tuple(Array(prog.mesh, v.type.shape, v.type.dtype, lay, shards, whole)
@@ -182,9 +187,8 @@ class Jitted:
             if isinstance(s, tuple) and len(s) >= 2 and all(isinstance(n, (int, np.integer)) for n in s):
                 raise TypeError(f"{self.__name__}.lower takes TensorSpecs, (shape, dtype[, sharding]) tuples or arrays; "
                                 f"got {s!r}: for a shape, write ({s!r}, 'float32')")
-        if any(isinstance(s, (dict, list)) or s is None for s in specs):  # pytrees (a tuple is a spec here)
-            leaves, in_tree = tree.flatten(specs, is_leaf=lambda x: isinstance(x, tuple) and x is not specs
-                                           and not tree.is_container(x[0] if x else None))
+        if any(tree.is_container(s) and not _is_spec_tuple(s) for s in specs):  # pytrees of specs or arrays
+            leaves, in_tree = tree.flatten(specs, is_leaf=lambda x: x is not specs and _is_spec_tuple(x))
             return self._for_tree(in_tree).lower(*leaves)
         specs = tuple(s if isinstance(s, TensorSpec) else TensorSpec(*s) if isinstance(s, tuple)
                       else spec_of(s, self.mesh) for s in specs)
@@ -365,4 +369,11 @@ def _param_names(fn, n: int) -> list:
     pos = [p.name for p in params if p.kind in (P.POSITIONAL_ONLY, P.POSITIONAL_OR_KEYWORD)]
     star = next((p.name for p in params if p.kind == P.VAR_POSITIONAL), "arg")
     return (pos + [f"{star}{k}" for k in range(max(0, n - len(pos)))])[:n]
+
+
+def _is_spec_tuple(x) -> bool:
+    """A (shape, dtype[, sharding]) tuple, which lower() reads as one TensorSpec, not as a pytree."""
+    return (type(x) is tuple and len(x) in (2, 3) and isinstance(x[0], (tuple, list, int, np.integer))
+            and all(isinstance(n, (int, np.integer)) for n in np.atleast_1d(x[0]).tolist() if x[0] != ())
+            and isinstance(x[1], (str, np.dtype, type)))
 

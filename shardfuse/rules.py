@@ -198,8 +198,8 @@ def last_axis_reduce_infer(ins, lays):
 
 
 def last_axis_reduce_require(ins, out, lays):
-    return (Layout(tuple(_placed(a) for a in out.axes) + (None,)),), Layout(tuple(out.axes), out.partial, out.chunks,
-                                                                           out.stream_over)
+    # (the input holds no pending sum: max and min do not commute with one)
+    return (Layout(tuple(out.axes) + (None,)),), Layout(tuple(out.axes), out.partial, out.chunks, out.stream)
 
 
 # ---- transpose: a permuted view ------------------------------------------------------------

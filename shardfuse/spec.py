@@ -13,7 +13,10 @@ from shardfuse.mesh import as_int
 
 def normalize_over(over, mesh):
     """A mesh axis name, or an ordered tuple of them (one tensor axis sharded over several mesh
-    axes, the first outermost, as JAX's `P(("dp", "tp"))`): the Layout entry, checked."""
+    axes, the first outermost, as JAX's `P(("dp", "tp"))`): the Layout entry, checked.  None:
+    the mesh's last (innermost) axis, the default of sf.shard (DIDx on an unnamed mesh)."""
+    if over is None:
+        over = mesh.axis_names[-1]
     names = (over,) if isinstance(over, str) else tuple(over) if isinstance(over, (tuple, list)) else None
     if not names or not all(isinstance(n, str) for n in names) or len(set(names)) != len(names):
         raise ValueError(f"over= takes a mesh axis name or a tuple of distinct ones (mesh axes "

@@ -83,7 +83,7 @@ def _placed(x: Traced, layout: Layout, ax: int, over, sub) -> Layout:
     return layout.sharded(ax, over)
 
 
-def shard(x: "Traced", axis: int, over="DIDx", mesh=None):
+def shard(x: "Traced", axis: int, over=None, mesh=None):
     """Place `axis` of x across the devices of mesh axis `over`, or of several mesh axes
     (``over=("dp", "tp")``: the first outermost, as JAX's ``P(("dp", "tp"))``).
 

@@ -51,6 +51,19 @@ class Traced:
     shape = property(lambda self: self.value.type.shape)
     dtype = property(lambda self: self.value.type.dtype)
     ndim = property(lambda self: len(self.value.type.shape))
+    size = property(lambda self: math.prod(self.value.type.shape))
+
+    def __getitem__(self, index):
+        raise NotImplementedError(
+            f"indexing {self.value.name}{list(self.shape)} inside sf.jit is not supported yet (x[...] on an sf.Array "
+            "outside jit is): reshape and reduce it inside (x.reshape(...), x.sum(axis)), or pass the part you need "
+            "as an argument")
+
+    def swapaxes(self, axis1, axis2):
+        perm = list(range(self.ndim))
+        a, b = (normalize_axis(x, self.ndim, self.shape) for x in (axis1, axis2))
+        perm[a], perm[b] = perm[b], perm[a]
+        return self.transpose(perm)
 
     def __repr__(self):
         return f"Traced({self.value.name}: {self.value.type})"
@@ -70,8 +83,10 @@ class Traced:
 
     def with_scalar(self, c, to_float=False, rounded=False):
         """(self cast where the scalar's kind needs it, c as a value of that dtype): a Python scalar is
-        weak, as in NumPy 2 and JAX (x * 2.0 keeps float16; int32 x * 0.5 is float64)."""
-        dt = dtypes.weak_result(self.dtype, c)
+        weak, as in NumPy 2 and JAX (x * 2.0 keeps float16; int32 x * 0.5 is float64); a NumPy scalar
+        is not (float32 x * np.float64(3) is float64, as NumPy 2's and JAX's)."""
+        name = np.dtype(c.dtype).name if isinstance(c, np.generic) else None
+        dt = dtypes.promote_types(self.dtype, name) if name in dtypes.TABLE else dtypes.weak_result(self.dtype, c)
         dt = "float64" if to_float and not dtypes.is_float(dt) else dt
         x = self.astype(dt)
         if rounded:  # (a comparison's or maximum's scalar: NumPy 2 rounds it to x's dtype first)
@@ -285,7 +300,8 @@ class Traced:
 
     def transpose(self, *perm):
         perm = tuple(perm[0]) if len(perm) == 1 and isinstance(perm[0], (tuple, list)) else perm
-        perm = tuple(check_axis(p) for p in perm) or tuple(reversed(range(self.ndim)))
+        perm = tuple(normalize_axis(check_axis(p), self.ndim, self.shape) for p in perm) \
+            or tuple(reversed(range(self.ndim)))  # (negative axes count from the end, as NumPy's)
         if sorted(perm) != list(range(self.ndim)):
             raise ValueError(f"transpose: {perm} is not a permutation of the {self.ndim} axes of {self.shape}")
         out = TensorType(tuple(self.shape[p] for p in perm), self.dtype)

@@ -191,10 +191,7 @@ def _transpose(a, axes=None):
 
 
 def _swapaxes(a, axis1, axis2):
-    perm = list(range(a.ndim))
-    i, j = normalize_axis(axis1, a.ndim, a.shape), normalize_axis(axis2, a.ndim, a.shape)
-    perm[i], perm[j] = j, i
-    return a.transpose(perm)
+    return a.swapaxes(axis1, axis2)
 
 
 def _reshape(a, shape, order="C", *, copy=None):  # (copy= changes nothing: traced values are never written)

@@ -119,3 +119,21 @@ def test_placements_without_mesh_put_a_chain_on_the_whole_mesh():
     assert on_s1.sharding.mesh == s1 and on_s1.sharding.axes == (None, "DIDx")
     for out in (whole, on_s1):
         np.testing.assert_array_equal(out.gather(), x)
+
+
+def test_over_defaults_to_the_mesh_last_axis_on_named_meshes():
+    """From a new-user probe: sf.shard without over= on a ("dp", "tp") mesh said "unknown mesh axis
+    'DIDx'", a name the user never wrote; the default is the mesh's last axis, as DIDx is on an
+    unnamed mesh."""
+    m = sf.DeviceMesh((2, 2), ("dp", "tp"))
+    x = np.random.default_rng(0).standard_normal((4, 4))
+    assert sf.shard(x, axis=0, mesh=m).sharding.axes == ("tp", None)
+    out = sf.jit(lambda x: sf.shard(x, axis=1) * 2.0, mesh=m)(x)
+    assert out.sharding.axes == (None, "tp")
+    np.testing.assert_array_equal(out.gather(), 2 * x)
+
+
+def test_indexing_inside_jit_says_what_to_write():
+    m = sf.DeviceMesh(2)
+    with pytest.raises(NotImplementedError, match=r"indexing x\[4, 4\] inside sf.jit is not supported yet"):
+        sf.jit(lambda x: x[0], mesh=m)(np.ones((4, 4)))

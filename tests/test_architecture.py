@@ -270,6 +270,8 @@ PRIVATE_ALLOWED = {
     ("tests/test_inputs.py", "_rebuild_array"): "forges a pickle made by another MPI process",
     ("tests/test_gpu_interop.py", "_sleep"): "torch.cuda._sleep: a late producer injected on torch's stream",
     ("shardfuse/interop.py", "_C"): "torch._C._cuda_getCurrentRawStream: torch's current stream without a Stream object",
+    ("backends/cuda/graphs.py", "_accelerator"): "CuPy's CUB switch (CUPY_ACCELERATORS at run time): no public "
+                                                 "API; CUB's temporaries are refused inside a graph capture",
 }
 NAMEDTUPLE_API = {"_asdict", "_replace", "_fields", "_make", "_field_defaults",  # public despite the _
                   "_repr_html_", "_repr_png_", "_repr_svg_"}  # (and IPython's rich display protocol)

@@ -315,3 +315,17 @@ def test_refusals_say_what_to_write():
     ]:
         with pytest.raises(error, match=msg):
             sf.jit(fn, mesh=mesh).lower(spec)
+
+
+def test_numpy_scalars_are_strong_python_scalars_weak():
+    """From a new-user probe: NumPy 2 and JAX promote with a NumPy scalar's dtype (float32 x *
+    np.float64(3) is float64) but keep the array's for a Python scalar (x * 3.0 is float32)."""
+    mesh, x = sf.DeviceMesh(2), np.random.default_rng(0).standard_normal(4).astype(np.float32)
+    cases = [(lambda x: x * np.float64(3), x * np.float64(3)), (lambda x: x * 3.0, x * 3.0),
+             (lambda x: x.astype("float16") + np.float32(2), x.astype(np.float16) + np.float32(2)),
+             (lambda x: x.astype("int32") + np.int64(1), x.astype(np.int32) + np.int64(1)),
+             (lambda x: x < np.float64(0.5), x < np.float64(0.5))]
+    for fn, want in cases:
+        got = sf.jit(fn, mesh=mesh)(x)
+        assert got.dtype_name == want.dtype.name, (got.dtype_name, want.dtype)
+        np.testing.assert_array_equal(got.gather(), want)

@@ -76,3 +76,20 @@ def test_arrays_in_and_a_pytree_out():
     single = sf.jit(lambda x: x + 1.0, mesh=mesh)(x)  # a leaf and a flat tuple come back as before
     assert isinstance(single, sf.Array)
     assert isinstance(sf.jit(lambda x: (x, x * 2.0), mesh=mesh)(x), tuple)
+
+
+def test_plans_and_their_profile_take_the_pytrees_the_function_takes():
+    """From a new-user probe: plan(...) and plan.profile(...) took only the leaves; lower() read a
+    namedtuple or tuple of arrays as (shape, dtype) specs."""
+    mesh, rng = sf.DeviceMesh(2), np.random.default_rng(5)
+    w, x = rand(rng, 6, 4), rand(rng, 8, 6)
+    f = sf.jit(lambda p, x: sf.shard(x, axis=0) @ p["w"], mesh=mesh)
+    plan = f.lower({"w": w}, x)
+    np.testing.assert_allclose(plan({"w": w}, x).gather(), x @ w, rtol=1e-12)
+    assert len(plan.profile({"w": w}, x).events) > 0
+    g = sf.jit(lambda t: t.w + t.b, mesh=mesh)
+    plan = g.lower(Pair(w, w))
+    np.testing.assert_allclose(plan(Pair(w, w)).gather(), 2 * w)
+    assert "t_w" in str(plan) and "t_b" in str(plan)
+    h = sf.jit(lambda t: t[0] * t[1], mesh=mesh)
+    assert "t_0" in str(h.lower((w, w))) and "t_0" in str(h.lower([((6, 4), "float64"), ((6, 4), "float64")]))

@@ -3,6 +3,8 @@ Graphs read the caller's own input buffers (no copy-in) and write the plan's own
 next call overwrites them."""
 from __future__ import annotations
 
+import contextlib
+
 from collections import OrderedDict
 
 import cupy
@@ -79,7 +81,7 @@ class GraphPlan:
         # thread-local capture: each GPU's main stream records its own graph, all in this thread
         mode = runtime.streamCaptureModeThreadLocal
         started = []
-        with cupy.cuda.using_allocator(keep):
+        with cupy.cuda.using_allocator(keep), _without_cub():
             try:
                 for o, m in self._mains:
                     with cupy.cuda.Device(o):
@@ -105,3 +107,22 @@ class GraphPlan:
         self.captures += 1
         entry = self.graphs[key] = (graphs, held)
         return entry
+
+
+@contextlib.contextmanager
+def _without_cub():
+    """CuPy's CUB reductions (cupy.sum of a contiguous input) allocate their temporary storage
+    with cudaMalloc-backed calls a capture refuses (cudaErrorStreamCaptureUnsupported, the
+    tensor-parallel stage's Sum on an H100, 2026-12-05): while capturing, CuPy's own reduction
+    kernels run instead, which write into the given out= buffer."""
+    from cupy._core import _accelerator
+
+    saved = (list(_accelerator.get_reduction_accelerators()), list(_accelerator.get_routine_accelerators()))
+    _accelerator.set_reduction_accelerators([])
+    _accelerator.set_routine_accelerators([])
+    try:
+        yield
+    finally:
+        _accelerator.set_reduction_accelerators(saved[0])
+        _accelerator.set_routine_accelerators(saved[1])
+
