@@ -31,6 +31,18 @@ from shardfuse.ops import Op
 from shardfuse.steps import plan_steps
 
 STAGES = ((0, 1), (2, 3))
+# the pipeline's compute steps (as a profile labels them) and the devices each stage runs them on
+STAGE_STEPS = {"Matmul c <- x @ w0": {0, 1}, "Gelu g <- c": {0, 1},
+               "Matmul c_1 <- g_moved @ w1": {2, 3}, "Gelu g_1 <- c_1": {2, 3}}
+
+
+def compute_devices(timeline) -> dict:
+    """{step text: the devices its events ran on} for the GEMM and compute steps of a profile."""
+    stage: dict = {}
+    for e in timeline.events:
+        if e.kind in ("gemm", "compute"):
+            stage.setdefault(e.text, set()).update(e.devices)
+    return stage
 
 
 def gelu64(x):
