@@ -121,6 +121,12 @@ ALGORITHMS = ("collective", "ring")
 def stream(x: Traced, axis: int, chunks: int | str | None = None, algorithm: str = "collective") -> Traced:
     """Ask for x to be produced chunk by chunk along `axis` (chunks=None: one chunk per index).
 
+    A schedule relative to the placement stated so far: `sf.stream(sf.shard(c, axis=1), axis=0)`
+    places c as sf.shard says and streams it.  As the first annotation on a value it starts, as
+    every first annotation inside jit does, from replicated: `sf.stream(a @ b, axis=0)` is the
+    pipelined AllGather+GEMM (c replicated).  To stream a value where propagation would place it,
+    state that placement (tests/test_stream_only_schedules.py).
+
     algorithm="collective": each chunk's input is all-gathered on a worker stream while other
     chunks multiply.  algorithm="ring": the chunks are the devices' own shards (chunks = D, or omitted),
     passed around a ring with Send/Recv; each step multiplies the shard that has arrived while
