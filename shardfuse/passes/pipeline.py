@@ -5,7 +5,9 @@ mark_stream_intermediates: a value made only to feed a stream-parallel op (the g
   so it is produced chunk by chunk instead of whole.
 form_stream_loops: each run of consecutive stream-parallel instructions becomes one `for`
   loop over the chunks; inputs from outside are sliced per chunk, results are written into
-  chunks of whole buffers (`results` maps chunk values to them).
+  chunks of whole buffers (`results` maps chunk values to them).  Later streamed consumers of a
+  chunk the loop gathers for several of them join it (Q, K and V's GEMMs on the one Allgather of
+  each chunk of x), with what lies between hoisted before the loop or deferred after it.
 """
 from __future__ import annotations
 
