@@ -2,6 +2,7 @@
 from shardfuse.passes.allocate import allocate_buffers
 from shardfuse.passes.annotations import fold_annotations
 from shardfuse.passes.contiguity import stage_strided_views
+from shardfuse.passes.cse import share_resharding
 from shardfuse.passes.fold import fold_collectives
 from shardfuse.passes.lower import lower_to_host
 from shardfuse.passes.pipeline import form_stream_loops, mark_stream_intermediates
@@ -17,6 +18,7 @@ PIPELINE = (
     propagate_sharding,
     split_stream_axes,
     insert_resharding,
+    share_resharding,
     mark_stream_intermediates,
     lower_ring,
     form_stream_loops,

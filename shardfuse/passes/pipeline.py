@@ -5,11 +5,13 @@ mark_stream_intermediates: a value made only to feed a stream-parallel op (the g
   so it is produced chunk by chunk instead of whole.
 form_stream_loops: each run of consecutive stream-parallel instructions becomes one `for`
   loop over the chunks; inputs from outside are sliced per chunk, results are written into
-  chunks of whole buffers (`results` maps chunk values to them).
+  chunks of whole buffers (`results` maps chunk values to them).  Later streamed consumers of a
+  chunk the loop gathers for several of them join it (Q, K and V's GEMMs on the one Allgather of
+  each chunk of x), with what lies between hoisted before the loop or deferred after it.
 """
 from __future__ import annotations
 
-from collections import defaultdict
+from collections import Counter, defaultdict
 
 from shardfuse.ir import Idx, Instr, Namer, TensorType, Value, substitute, walk
 
@@ -22,10 +24,29 @@ def _stream_axis(v):
     return lay.stream_axis() if lay is not None else None
 
 
+def _chunk_axis(o, users, retyped):
+    """The axis of o that maps to the stream axis of every consumer of o, where all its
+    consumers are stream-parallel, read o's chunks along one axis and have as many chunks
+    (a value shared by several streamed consumers, share_resharding's gathered x of Q, K and V,
+    is streamed for all of them at once); else None."""
+    axes = set()
+    for c in users:
+        co = retyped.get(c.outs[0], c.outs[0])
+        k = _stream_axis(co)
+        if k is None:
+            return None
+        amap = rule(c.op, "axis_map")(c, k)
+        axes.update((amap[p], co.type.shape[k]) for p, v in enumerate(c.ins) if v is o)
+    if len(axes) != 1:
+        return None
+    ((j, extent),) = axes
+    return j if j is not None and o.type.shape[j] == extent else None
+
+
 def mark_stream_intermediates(prog):
     consumers = defaultdict(list)
     for i in prog.instrs:
-        for v in i.ins:
+        for v in dict.fromkeys(i.ins):
             consumers[v].append(i)
     outputs = set(prog.outputs)
     retyped = {}
@@ -34,14 +55,9 @@ def mark_stream_intermediates(prog):
             continue
         o = i.outs[0]
         users = consumers[o]
-        if o in outputs or _stream_axis(o) is not None or len(users) != 1:
+        if o in outputs or _stream_axis(o) is not None or not users:
             continue
-        (c,) = users
-        co = retyped.get(c.outs[0], c.outs[0])
-        k = _stream_axis(co)
-        if k is None:
-            continue
-        j = rule(c.op, "axis_map")(c, k)[c.ins.index(o)]
+        j = _chunk_axis(o, users, retyped)
         if j is None or o.type.layout.axes[j] is not None:
             continue
         # its own inputs must be whole along that axis: a chunk of a sharded axis cuts across
@@ -79,6 +95,8 @@ MAX_STREAM_CHUNKS = 1024
 def form_stream_loops(prog):
     namer = Namer.for_program(prog)
     instrs, out = list(prog.instrs), []
+    uses = Counter(v for j in prog.walk() for v in j.values())
+    uses.update(prog.outputs)
     k = 0
     while k < len(instrs):
         i = instrs[k]
@@ -96,9 +114,48 @@ def form_stream_loops(prog):
         while k < len(instrs) and _stream_extent(instrs[k]) == s and _chunks_line_up(group, instrs[k]):
             group.append(instrs[k])
             k += 1
+        hoisted, group, deferred, rest = _join_sharers(instrs, k, group, s, uses)
+        out += hoisted
+        instrs[k:rest] = deferred
         later = {v for j in walk(instrs[k:]) for v in j.values()} | set(prog.outputs)  # loop bodies too (the ring)
         out.append(_make_loop(group, s, later, namer))
     return prog.with_instrs(out, "form_stream_loops")
+
+
+def _join_sharers(instrs, k, group, s, uses):
+    """Later streamed consumers of a chunk the group gathers (a `set` whose result several
+    instructions read: share_resharding's one Allgather of x for Q, K and V) join its loop, so
+    that each takes the chunk that one collective brought.  Between the group and the last of
+    them (instrs[k:rest]), an instruction the loop does not feed and that is not streamed is
+    hoisted before the loop (the Allgather of wk), any other is deferred after it.  Returns
+    (hoisted, group, deferred, rest); nothing moves if no consumer joins.  A loop or host-level
+    instruction ends the search."""
+    shared = {o for j in group if j.op == Op.SET for o in j.outs if uses[o] > 1}
+    joined, hoisted, deferred = list(group), [], []
+    blocked = {o for j in group for o in j.outs}  # made in the loop or after it
+    late = set()  # made by a deferred instruction
+    rest = k
+    for n in range(k, len(instrs) if shared else k):
+        j = instrs[n]
+        if j.op in HOST_ONLY or j.into is not None or j.body:
+            break
+        deps = {v for x in walk([j]) for v in x.values()}
+        if (_stream_extent(j) == s and deps & shared and not deps & late
+                and _chunks_line_up(joined, j)):
+            joined.append(j)
+            shared.update(o for o in j.outs if j.op == Op.SET and uses[o] > 1)
+            blocked.update(j.outs)
+            rest = n + 1
+        elif _stream_extent(j) is None and not deps & blocked:
+            hoisted.append(j)
+        else:
+            deferred.append(j)
+            blocked.update(j.outs)
+            late.update(j.outs)
+    if rest == k:
+        return [], group, [], k
+    window = instrs[k:rest]
+    return ([j for j in hoisted if j in window], joined, [j for j in deferred if j in window], rest)
 
 
 def _chunks_line_up(group, i):

@@ -1,0 +1,268 @@
+"""Issue 31, item 7 (first half): identical collectives of one value (same source, layout and
+chunks) are issued once and feed every consumer (passes/cse.py's share_resharding), streamed
+consumers included: Q, K and V's GEMMs each take the chunk the one Allgather of x brought, in one
+stream loop (passes/pipeline.py).  Collective counts pin the sharing; values are checked against
+NumPy in float64 on random inputs, on a 1-D mesh and a 2x2 ("dp", "tp") mesh."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import shardfuse as sf
+from shardfuse import tree
+from shardfuse.ir import unroll
+from shardfuse.ops import COMMUNICATION, Op
+from shardfuse.passes import PIPELINE
+from shardfuse.passes.cse import share_resharding
+from shardfuse.trace import trace
+
+F64 = "float64"
+
+
+def _qkv(mesh, streamed, over=None, chunks=4, streams=4):
+    kw = {} if over is None else {"over": over}
+
+    def wrap(y):
+        return sf.stream(y, axis=0, chunks=chunks) if streamed else y
+
+    @sf.jit(mesh=mesh, streams=streams)
+    def qkv(x, wq, wk, wv):
+        x = sf.shard(x, axis=0, **kw)
+        q = wrap(x @ sf.shard(wq, axis=1, **kw))
+        k = wrap(x @ sf.shard(wk, axis=1, **kw))
+        v = wrap(x @ sf.shard(wv, axis=1, **kw))
+        return q, k, v
+
+    return qkv
+
+
+def _inputs(m=16, k=8, n=12, seed=0):
+    rng = np.random.default_rng(seed)
+    return [rng.standard_normal(s) for s in ((m, k), (k, n), (k, n), (k, n))]
+
+
+def _specs(arrays):
+    return [sf.TensorSpec(a.shape, F64) for a in arrays]
+
+
+def _check(fn, arrays):
+    x, wq, wk, wv = arrays
+    got = fn(*arrays)
+    for g, w in zip(got, (wq, wk, wv)):
+        np.testing.assert_allclose(g.gather(), x @ w, rtol=1e-12, atol=1e-12)
+
+
+def _loops(plan):
+    return [i for i in plan.program.instrs if i.op == Op.FOR]
+
+
+def test_unstreamed_projections_share_one_allgather():
+    mesh = sf.DeviceMesh(4)
+    fn, arrays = _qkv(mesh, streamed=False), _inputs()
+    assert fn.lower(*_specs(arrays)).collectives() == {"allgather": 1}
+    _check(fn, arrays)
+
+
+def test_streamed_projections_share_each_chunks_allgather_in_one_loop():
+    """Before: each projection all-gathered x again, chunk by chunk (3 x 4 Allgathers of x, and 3
+    of the weights: 15).  Now one loop gathers each chunk of x once and runs the three GEMMs on it."""
+    mesh = sf.DeviceMesh(4)
+    fn, arrays = _qkv(mesh, streamed=True), _inputs()
+    plan = fn.lower(*_specs(arrays))
+    assert plan.collectives() == {"allgather": 4 + 3}
+    (loop,) = _loops(plan)
+    body = [i.op for i in loop.body]
+    assert body.count(Op.ALLGATHER) == 1 and body.count(Op.MATMUL) == 3
+    gathered = next(i.into for i in loop.body if i.op == Op.ALLGATHER)
+    assert all(gathered in i.ins for i in loop.body if i.op == Op.MATMUL)
+    _check(fn, arrays)
+
+
+@pytest.mark.parametrize("chunks", [1, 2, 4])
+@pytest.mark.parametrize("streams", [1, 2, 4])
+def test_streamed_sharing_any_chunks(chunks, streams):
+    mesh = sf.DeviceMesh(4)
+    fn, arrays = _qkv(mesh, streamed=True, chunks=chunks, streams=streams), _inputs(m=32, seed=chunks)
+    assert fn.lower(*_specs(arrays)).collectives() == {"allgather": chunks + 3}
+    _check(fn, arrays)
+
+
+def test_different_chunks_do_not_share_a_loop():
+    """Chunks of different sizes are different collectives: each stream keeps its own."""
+    mesh = sf.DeviceMesh(4)
+
+    @sf.jit(mesh=mesh)
+    def two(x, wq, wk):
+        x = sf.shard(x, axis=0)
+        q = sf.stream(x @ sf.shard(wq, axis=1), axis=0, chunks=2)
+        k = sf.stream(x @ sf.shard(wk, axis=1), axis=0, chunks=4)
+        return q, k
+
+    x, wq, wk, _ = _inputs(m=32, seed=5)
+    plan = two.lower(*_specs([x, wq, wk]))
+    assert plan.collectives() == {"allgather": 2 + 4 + 2}
+    q, k = two(x, wq, wk)
+    np.testing.assert_allclose(q.gather(), x @ wq, rtol=1e-12, atol=1e-12)
+    np.testing.assert_allclose(k.gather(), x @ wk, rtol=1e-12, atol=1e-12)
+
+
+def test_repeated_annotation_moves_once():
+    """Two sf.replicate(x) of one x: one Allgather, both consumers read it."""
+    mesh = sf.DeviceMesh(4)
+
+    @sf.jit(mesh=mesh)
+    def f(x, w):
+        x = sf.shard(x, axis=0)
+        return sf.replicate(x) @ w, sf.replicate(x) * 2.0
+
+    x, w, _, _ = _inputs(seed=7)
+    plan = f.lower(*_specs([x, w]))
+    assert plan.collectives() == {"allgather": 1}
+    a, b = f(x, w)
+    np.testing.assert_allclose(a.gather(), x @ w, rtol=1e-12, atol=1e-12)
+    np.testing.assert_allclose(b.gather(), x * 2.0, rtol=1e-12, atol=1e-12)
+
+
+def test_returned_resharding_keeps_its_own_buffer():
+    """A value returned twice after the same move: each output keeps a buffer of its own."""
+    mesh = sf.DeviceMesh(4)
+
+    @sf.jit(mesh=mesh)
+    def f(x):
+        x = sf.shard(x, axis=0)
+        return sf.replicate(x), sf.replicate(x)
+
+    (x, *_) = _inputs(seed=8)
+    a, b = f(x)
+    np.testing.assert_allclose(a.gather(), x, rtol=0, atol=0)
+    np.testing.assert_allclose(b.gather(), x, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("streamed", [False, True])
+def test_2x2_mesh_shares_over_tp(streamed):
+    """On a ("dp", "tp") mesh, x and the weights sharded over tp: the same counts per call."""
+    mesh = sf.DeviceMesh((2, 2), ("dp", "tp"))
+    fn, arrays = _qkv(mesh, streamed=streamed, over="tp"), _inputs(m=16, seed=11)
+    plan = fn.lower(*_specs(arrays))
+    assert plan.collectives() == ({"allgather": 4 + 3} if streamed else {"allgather": 1})
+    _check(fn, arrays)
+
+
+@pytest.mark.parametrize("streamed", [False, True])
+def test_2x2_mesh_rows_over_dp_and_tp(streamed):
+    """x sharded over (dp, tp) on its rows, weights over tp on N: x's two-step gather (over tp, then
+    dp) is issued once per chunk for the three projections (before: 2 unstreamed, 2 x 2 x 3 + 3 = 15
+    streamed)."""
+    mesh = sf.DeviceMesh((2, 2), ("dp", "tp"))
+
+    def wrap(y):
+        return sf.stream(y, axis=0, chunks=2) if streamed else y
+
+    @sf.jit(mesh=mesh)
+    def qkv(x, wq, wk, wv):
+        x = sf.shard(x, axis=0, over=("dp", "tp"))
+        return tuple(wrap(x @ sf.shard(w, axis=1, over="tp")) for w in (wq, wk, wv))
+
+    arrays = _inputs(m=32, seed=13)
+    plan = qkv.lower(*_specs(arrays))
+    assert plan.collectives() == ({"allgather": 2 * 2 + 3} if streamed else {"allgather": 2})
+    _check(qkv, arrays)
+
+
+def test_ring_consumers_keep_their_own_rings():
+    """A set feeding a ring matmul is the ring's (lower_ring replaces it): never shared."""
+    mesh = sf.DeviceMesh(4)
+
+    @sf.jit(mesh=mesh)
+    def f(x, wq, wk):
+        x = sf.shard(x, axis=0)
+        q = sf.stream(x @ wq, axis=0, algorithm="ring")
+        k = sf.stream(x @ wk, axis=0, algorithm="ring")
+        return q, k
+
+    x, wq, wk, _ = _inputs(m=16, seed=17)
+    plan = f.lower(*_specs([x, wq, wk]))
+    assert plan.collectives() == {"sendrecv": 2 * 3}  # (as before: each ring passes 3 shards on)
+    q, k = f(x, wq, wk)
+    np.testing.assert_allclose(q.gather(), x @ wq, rtol=1e-12, atol=1e-12)
+    np.testing.assert_allclose(k.gather(), x @ wk, rtol=1e-12, atol=1e-12)
+
+
+def test_joined_loop_hoists_and_defers_around_its_consumers():
+    """Between the loop that gathers x's chunks and V's GEMM sit an op of Q's result (after the
+    loop) and a stream that reads it (a loop of its own, later); wv's gather moves before the loop.
+    Values as NumPy's whatever the order."""
+    mesh = sf.DeviceMesh(4)
+
+    @sf.jit(mesh=mesh)
+    def f(x, wq, wk, wv):
+        x = sf.shard(x, axis=0)
+        q = sf.stream(x @ sf.shard(wq, axis=1), axis=0, chunks=2)
+        t = q * 2.0 + 1.0
+        k = sf.stream(x @ wk + t, axis=0, chunks=2)
+        v = sf.stream(x @ sf.shard(wv, axis=1), axis=0, chunks=2)
+        return t, k, v.sum(0)
+
+    x, wq, wk, wv = _inputs(seed=19)
+    plan = f.lower(*_specs([x, wq, wk, wv]))
+    assert plan.collectives() == {"allgather": 6}  # (before: 8, x's chunks gathered twice)
+    assert [sum(j.op == Op.MATMUL for j in loop.body) for loop in _loops(plan)] == [2, 0]
+    t, k, vs = f(x, wq, wk, wv)
+    want_t = (x @ wq) * 2.0 + 1.0
+    for got, want in ((t, want_t), (k, x @ wk + want_t), (vs, (x @ wv).sum(0))):
+        np.testing.assert_allclose(got.gather(), want, rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.parametrize("seed", range(64))
+def test_random_consumers_of_one_value(seed):
+    """Random mixes of consumers of one sharded x (streamed or not, chunks 1/2/4, weights sharded or
+    replicated, an elementwise op after, a consumer reading an earlier result): values as NumPy's,
+    and never more collectives than without share_resharding."""
+    rng = np.random.default_rng(seed)
+    mesh = sf.DeviceMesh(4) if seed % 2 else sf.DeviceMesh((2, 2), ("dp", "tp"))
+    over = "DIDx" if seed % 2 else ("dp", "tp")
+    n = int(rng.integers(2, 4))
+    cfg = [(rng.random() < 0.75, int(rng.choice([2, 4, 4, 1])), bool(rng.integers(2)), bool(rng.integers(2)),
+            i > 0 and rng.random() < 0.25) for i in range(n)]
+
+    def consumer(x, w, prev, c):
+        streamed, chunks, shard_w, scale, reads_prev = c
+        w = sf.shard(w, axis=1, over=mesh.axis_names[-1]) if shard_w else w
+        y = x @ w
+        y = y + prev if reads_prev else y
+        y = sf.stream(y, axis=0, chunks=chunks) if streamed else y
+        return y * 0.5 if scale else y
+
+    def numpy_consumer(x, w, prev, c):
+        y = x @ w + (prev if c[4] else 0.0)
+        return y * 0.5 if c[3] else y
+
+    def build(cs):
+        @sf.jit(mesh=mesh)
+        def f(x, *ws):
+            x = sf.shard(x, axis=0, over=over)
+            outs = []
+            for w, c in zip(ws, cs):
+                outs.append(consumer(x, w, outs[-1] if outs else None, c))
+            return tuple(outs)
+        return f
+
+    x = rng.standard_normal((32, 8))
+    ws = [rng.standard_normal((8, 12)) for _ in cfg]
+    f = build(cfg)
+    got = f(x, *ws)
+    want = []
+    for w, c in zip(ws, cfg):
+        want.append(numpy_consumer(x, w, want[-1] if want else None, c))
+    for g, w in zip(got, want):
+        np.testing.assert_allclose(g.gather(), w, rtol=1e-12, atol=1e-12)
+    specs = _specs([x, *ws])
+    assert sum(f.lower(*specs).collectives().values()) <= _unshared_count(f, mesh, specs), cfg
+
+
+def _unshared_count(f, mesh, specs) -> int:
+    """Collectives per call of f compiled by the pipeline without share_resharding."""
+    prog = trace(tree.FlatFunction(f.fn), mesh, specs, 4)
+    for p in PIPELINE:
+        prog = prog if p is share_resharding else p(prog)
+    return sum(1 for i, _ in unroll(prog.instrs) if i.op in COMMUNICATION)
