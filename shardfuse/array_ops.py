@@ -258,6 +258,20 @@ class ArrayOps:
         local cast on every device, the sharding kept."""
         return apply(lambda v, dt: v.astype(dt), (self, np_dtype(normalize_dtype(dtype)).name), "x.astype")
 
+    def transpose(self, *axes):
+        """The axes permuted (NumPy's x.transpose; no axes: reversed), the sharding moving with them:
+        a view on every device, no communication."""
+        return apply(lambda v, *a: v.transpose(*a), (self, *axes), "x.transpose")
+
+    T = property(lambda self: self.transpose())
+
+    def swapaxes(self, axis1, axis2):
+        return apply(lambda v, a, b: v.swapaxes(a, b), (self, axis1, axis2), "x.swapaxes")
+
+    def reshape(self, *shape):
+        """NumPy's x.reshape, as inside sf.jit (refused where it would cross a sharded axis's boundary)."""
+        return apply(lambda v, *s: v.reshape(*s), (self, *shape), "x.reshape")
+
     def one_op(self, fn, args, name):
         """fn(*args) as a one-op plan (sf.where, sf.sqrt, ... outside sf.jit): see apply."""
         return apply(fn, args, name)

@@ -181,3 +181,20 @@ def test_arrays_on_a_sub_mesh():
     for got, ref in ((t + 1, a + 1), (t[1], a[1]), (t[..., 2], a[..., 2]), (t.sum(0), a.sum(0))):
         assert got.sharding.mesh == sub
         np.testing.assert_allclose(got.gather(), ref, rtol=1e-12)
+
+
+def test_transpose_swapaxes_and_reshape_methods_outside_jit():
+    """From a new-user probe: the README listed .T / .transpose / .reshape among the ops of an
+    sf.Array outside jit, which had none of them; each is a one-op plan, as inside jit."""
+    mesh = sf.DeviceMesh(4, backend="numpy")
+    x = np.random.default_rng(3).standard_normal((8, 4, 2))
+    a = sf.shard(x, axis=0, mesh=mesh)
+    assert a.T.sharding.axes == (None, None, "DIDx")  # the sharding moves with its axis: a view
+    np.testing.assert_array_equal(a.T.gather(), x.T)
+    np.testing.assert_array_equal(a.transpose(1, 0, 2).gather(), x.transpose(1, 0, 2))
+    np.testing.assert_array_equal(a.transpose((2, 0, 1)).gather(), x.transpose(2, 0, 1))
+    np.testing.assert_array_equal(a.swapaxes(0, -1).gather(), x.swapaxes(0, -1))
+    r = a.reshape(8, 8)
+    assert r.sharding.axes == ("DIDx", None)
+    np.testing.assert_array_equal(r.gather(), x.reshape(8, 8))
+    np.testing.assert_array_equal(a.reshape((4, 2, 8)).gather(), x.reshape(4, 2, 8))
