@@ -332,7 +332,19 @@ class ArrayOps:
 
     def __bool__(self):
         """As NumPy: the truth of a one-element array (gathered: collective), ambiguous otherwise."""
+        return bool(self._one_element(ValueError, f"the truth value of an sf.Array of shape {self.shape} is "
+                                      "ambiguous; use np.asarray(x).any() or .all() (the gathered value)"))
+
+    def __float__(self):
+        return float(self._one_element(TypeError, f"float() of an sf.Array of shape {self.shape}: only one "
+                                       "element converts; use np.asarray(x) (the gathered value)"))
+
+    def __int__(self):
+        return int(self._one_element(TypeError, f"int() of an sf.Array of shape {self.shape}: only one "
+                                     "element converts; use np.asarray(x) (the gathered value)"))
+
+    def _one_element(self, error, message):
+        """The value of a one-element array, gathered (a collective under mpiexec), as NumPy's."""
         if math.prod(self.shape) != 1:
-            raise ValueError(f"the truth value of an sf.Array of shape {self.shape} is ambiguous; use "
-                             "np.asarray(x).any() or .all() (the gathered value)")
-        return bool(self.gather().reshape(()))
+            raise error(message)
+        return self.gather().reshape(())

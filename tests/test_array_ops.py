@@ -198,3 +198,12 @@ def test_transpose_swapaxes_and_reshape_methods_outside_jit():
     assert r.sharding.axes == ("DIDx", None)
     np.testing.assert_array_equal(r.gather(), x.reshape(8, 8))
     np.testing.assert_array_equal(a.reshape((4, 2, 8)).gather(), x.reshape(4, 2, 8))
+
+
+def test_float_and_int_of_one_element_arrays_as_numpy():
+    """From a new-user probe: bool() of a one-element sf.Array worked, float() and int() did not."""
+    mesh = sf.DeviceMesh(4, backend="numpy")
+    a = sf.shard(np.arange(8.0), axis=0, mesh=mesh)
+    assert float(a.sum()) == 28.0 and int(a.sum()) == 28 and bool(a.sum())
+    with pytest.raises(TypeError, match=r"float\(\) of an sf.Array of shape \(8,\): only one element converts"):
+        float(a)
