@@ -1,7 +1,7 @@
-"""The elementwise kernels of issue 31 (sqrt, log, powers, maximum / minimum, comparisons, where's
-halves, casts, max / min of the last axis), as fn(xp, x, y or scalar, out) for any array module
-xp: merged into numpy_local.ELEMENTWISE, which CuPy's kernels share (backends/cuda/kernels.py runs
-bfloat16 through float32 scratch and has its own sigmoid, silu and rsqrt).
+"""Every elementwise op as fn(xp, x, y or scalar, out) for any array module xp, in one table
+(ELEMENTWISE): the NumPy backends run it with NumPy, and CuPy's kernels share it
+(backends/cuda/kernels.py runs bfloat16 through float32 scratch and has its own one-kernel
+sigmoid, silu, rsqrt and GELU).
 
 Scalars arrive already in the operand's dtype's values where NumPy 2 would round them (the
 tracer rounds a comparison's or maximum's scalar), so `x.dtype.type(s)` is exact here.  16-bit
@@ -12,6 +12,50 @@ from __future__ import annotations
 import numpy as np
 
 from shardfuse.ops import Op
+
+
+
+def _gelu(xp, x, _, out):
+    """GELU, tanh form: 0.5 x (1 + tanh(sqrt(2/pi) (x + 0.044715 x^3)))."""
+    inner = x * x
+    inner *= 0.044715 * x
+    inner += x
+    inner *= 0.7978845608028654
+    xp.tanh(inner, out=inner)
+    inner += 1.0
+    inner *= 0.5
+    xp.multiply(x, inner, out=out)
+
+
+def _scalar_op(fn, x, s, o, reflected=False):
+    """fn(x, s) (fn(s, x) reflected) with a Python scalar s: for 16-bit x the loop runs in float32
+    (dtype=, not promotion, which NumPy 1.x and older CuPy decide by value) and rounds once into
+    o (1e5, or 1 / 1e-5, does not fit float16); else in x's own type (NumPy's result)."""
+    if x.dtype.itemsize == 2:
+        s = np.float32(s)
+        return fn(s, x, out=o, dtype=np.float32) if reflected else fn(x, s, out=o, dtype=np.float32)
+    s = x.dtype.type(s)
+    return fn(s, x, out=o) if reflected else fn(x, s, out=o)
+
+
+# The first ops, for any array module xp (NumPy here; CuPy has the same ufuncs).
+_BASIC = {
+    Op.ADD: lambda xp, x, y, o: xp.add(x, y, out=o),
+    Op.SUB: lambda xp, x, y, o: xp.subtract(x, y, out=o),
+    Op.MUL: lambda xp, x, y, o: xp.multiply(x, y, out=o),
+    Op.DIV: lambda xp, x, y, o: xp.divide(x, y, out=o),
+    Op.SCALE: lambda xp, x, s, o: _scalar_op(xp.multiply, x, s, o),
+    Op.DIV_SCALAR: lambda xp, x, s, o: _scalar_op(xp.divide, x, s, o),
+    Op.ADD_SCALAR: lambda xp, x, s, o: _scalar_op(xp.add, x, s, o),
+    Op.RDIV: lambda xp, x, s, o: _scalar_op(xp.divide, x, s, o, reflected=True),
+    # (x * -1, exact: NumPy 2.4.6's float64 `negative` wrote wrong values for some strided views, e.g.
+    # x of shape (3, 1), strides (64, 8) into out strides (16, 8): x[1] became -1.0 for 8.0)
+    Op.NEG: lambda xp, x, _, o: xp.multiply(x, x.dtype.type(-1), out=o),
+    Op.EXP: lambda xp, x, _, o: xp.exp(x, out=o),
+    Op.TANH: lambda xp, x, _, o: xp.tanh(x, out=o),
+    Op.RELU: lambda xp, x, _, o: xp.maximum(x, x.dtype.type(0), out=o),
+    Op.GELU: _gelu,
+}
 
 
 def _zero(o):
@@ -82,6 +126,7 @@ _TO_SCALAR = {Op.LT: Op.LT_SCALAR, Op.LE: Op.LE_SCALAR, Op.GT: Op.GT_SCALAR, Op.
               Op.EQ: Op.EQ_SCALAR, Op.NE: Op.NE_SCALAR}
 
 ELEMENTWISE = {
+    **_BASIC,
     Op.SQRT: lambda xp, x, _, o: xp.sqrt(x, out=o),
     Op.LOG: lambda xp, x, _, o: xp.log(x, out=o),
     Op.RSQRT: _in32(lambda xp, x, _: 1 / xp.sqrt(x)),

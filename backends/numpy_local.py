@@ -10,55 +10,10 @@ import os
 
 import numpy as np
 
-from shardfuse.backends.elementwise_numpy import ELEMENTWISE as NEW_ELEMENTWISE
+from shardfuse.backends.elementwise_numpy import ELEMENTWISE
 from shardfuse.dtypes import np_dtype, poison_value
-from shardfuse.ops import Op
 
 POISON = os.environ.get("SHARDFUSE_POISON") == "1"  # fill new buffers with NaN (tests)
-
-
-def _gelu(xp, x, _, out):
-    """GELU, tanh form: 0.5 x (1 + tanh(sqrt(2/pi) (x + 0.044715 x^3)))."""
-    inner = x * x
-    inner *= 0.044715 * x
-    inner += x
-    inner *= 0.7978845608028654
-    xp.tanh(inner, out=inner)
-    inner += 1.0
-    inner *= 0.5
-    xp.multiply(x, inner, out=out)
-
-
-def _scalar_op(fn, x, s, o, reflected=False):
-    """fn(x, s) (fn(s, x) reflected) with a Python scalar s: for 16-bit x the loop runs in float32
-    (dtype=, not promotion, which NumPy 1.x and older CuPy decide by value) and rounds once into
-    o (1e5, or 1 / 1e-5, does not fit float16); else in x's own type (NumPy's result)."""
-    if x.dtype.itemsize == 2:
-        s = np.float32(s)
-        return fn(s, x, out=o, dtype=np.float32) if reflected else fn(x, s, out=o, dtype=np.float32)
-    s = x.dtype.type(s)
-    return fn(s, x, out=o) if reflected else fn(x, s, out=o)
-
-
-# Elementwise ops for any array module xp (NumPy here; CuPy has the same ufuncs).
-ELEMENTWISE = {
-    Op.ADD: lambda xp, x, y, o: xp.add(x, y, out=o),
-    Op.SUB: lambda xp, x, y, o: xp.subtract(x, y, out=o),
-    Op.MUL: lambda xp, x, y, o: xp.multiply(x, y, out=o),
-    Op.DIV: lambda xp, x, y, o: xp.divide(x, y, out=o),
-    Op.SCALE: lambda xp, x, s, o: _scalar_op(xp.multiply, x, s, o),
-    Op.DIV_SCALAR: lambda xp, x, s, o: _scalar_op(xp.divide, x, s, o),
-    Op.ADD_SCALAR: lambda xp, x, s, o: _scalar_op(xp.add, x, s, o),
-    Op.RDIV: lambda xp, x, s, o: _scalar_op(xp.divide, x, s, o, reflected=True),
-    # (x * -1, exact: NumPy 2.4.6's float64 `negative` wrote wrong values for some strided views, e.g.
-    # x of shape (3, 1), strides (64, 8) into out strides (16, 8): x[1] became -1.0 for 8.0)
-    Op.NEG: lambda xp, x, _, o: xp.multiply(x, x.dtype.type(-1), out=o),
-    Op.EXP: lambda xp, x, _, o: xp.exp(x, out=o),
-    Op.TANH: lambda xp, x, _, o: xp.tanh(x, out=o),
-    Op.RELU: lambda xp, x, _, o: xp.maximum(x, x.dtype.type(0), out=o),
-    Op.GELU: _gelu,
-    **NEW_ELEMENTWISE,  # issue 31's ops: backends/elementwise_numpy.py
-}
 
 
 class NumpyLocalBackend:

@@ -7,7 +7,7 @@ from __future__ import annotations
 import cupy
 
 # fn(xp, x, y or scalar, out) keyed by Op, for any array module xp: the same ufunc calls on both backends
-from shardfuse.backends.numpy_local import ELEMENTWISE
+from shardfuse.backends.elementwise_numpy import ELEMENTWISE
 from shardfuse.ops import Op
 
 BF16_PREAMBLE = r"""
