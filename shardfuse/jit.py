@@ -22,7 +22,7 @@ from shardfuse.cost import Rates, predict
 from shardfuse.rates import machine
 from shardfuse.mesh import DeviceMesh, as_int
 from shardfuse.spec import TensorSpec
-from shardfuse.trace import trace
+from shardfuse.trace import input_names, trace
 from shardfuse.traced import Traced
 from shardfuse.ops import COMMUNICATION, Op
 
@@ -123,6 +123,7 @@ class Plan:
 
 
 MAX_PLANS = 64  # compiled plans a jitted function keeps by default (the least recently used go)
+_NUMBERS = (bool, int, float, complex, np.generic)  # Python and NumPy scalars: not arrays, as pytree leaves
 
 
 class Jitted:
@@ -200,7 +201,7 @@ class Jitted:
         with self._tables:
             child = self._trees.get(in_tree)
             if child is None:
-                flat = tree.FlatFunction(self.fn, in_tree, _param_names(self.fn, len(in_tree.children)))
+                flat = tree.FlatFunction(self.fn, in_tree, input_names(self.fn, len(in_tree.children)))
                 child = self._trees[in_tree] = Jitted(flat, self.mesh, self.streams, self.graph, self.max_plans,
                                                       self.rates)
             return child
@@ -246,7 +247,8 @@ class Jitted:
             if any(isinstance(a, Traced) for a in tree.leaves(args)):
                 return self._inline(args, kwargs, stream)
             leaves, in_tree = tree.flatten(args)
-            self._check_leaves(args)
+            if any(isinstance(x, _NUMBERS) for x in leaves):
+                self._refuse_numbers(args)
             return self._for_tree(in_tree)(*leaves, stream=stream)
         # hot path: the plan for these argument kinds, found by a cheap key (no TensorSpec built)
         try:
@@ -272,12 +274,12 @@ class Jitted:
                 self._plans.move_to_end(hit[0])
         return hit[1](*args, stream=stream, infos=infos)
 
-    def _check_leaves(self, args):
+    def _refuse_numbers(self, args):
         """Pytree arguments hold arrays: a list of Python numbers is data meant as one array (NumPy
         would read it so), which sf.jit does not guess; say what to write."""
-        names = _param_names(self.fn, len(args))
+        names = input_names(self.fn, len(args))
         for k, (name, a) in enumerate(zip(names, args)):
-            numbers = [x for x in tree.leaves(a) if isinstance(x, (bool, int, float, complex, np.generic))]
+            numbers = [x for x in tree.leaves(a) if isinstance(x, _NUMBERS)]
             if numbers and tree.is_container(a):
                 raise TypeError(f"{self.__name__}(): argument {name} (position {k}) is a {type(a).__name__} holding "
                                 f"Python numbers ({numbers[0]!r}, ...): sf.jit takes arrays, and pytrees (dicts, lists, "
@@ -359,16 +361,6 @@ def jit(fn: Callable | None = None, *, mesh: DeviceMesh | None = None, streams: 
     if fn is None:
         return lambda f: Jitted(f, mesh, streams, graph, max_plans, rates)
     return Jitted(fn, mesh, streams, graph, max_plans, rates)
-
-
-def _param_names(fn, n: int) -> list:
-    """The names of the parameters that n positional arguments of fn fill (then *args' name,
-    numbered), to name each argument's leaves after."""
-    P = inspect.Parameter
-    params = list(inspect.signature(fn).parameters.values())
-    pos = [p.name for p in params if p.kind in (P.POSITIONAL_ONLY, P.POSITIONAL_OR_KEYWORD)]
-    star = next((p.name for p in params if p.kind == P.VAR_POSITIONAL), "arg")
-    return (pos + [f"{star}{k}" for k in range(max(0, n - len(pos)))])[:n]
 
 
 def _is_spec_tuple(x) -> bool:

@@ -150,7 +150,7 @@ def stream(x: Traced, axis: int, chunks: int | str | None = None, algorithm: str
     return _annotate(x, axis, STREAM, chunks, None)
 
 
-def _input_names(fn, n: int) -> list:
+def input_names(fn, n: int) -> list:
     """Names of the traced inputs when fn is given n arguments.  The arguments fill fn's
     positional parameters in order (then its *args); a parameter with a default value that is
     not given keeps that Python value at trace time (it is no traced input)."""
@@ -180,7 +180,7 @@ def _input_names(fn, n: int) -> list:
 
 def trace(fn, mesh, specs, streams=4, name=None) -> Program:
     builder = Builder(mesh)
-    params = _input_names(fn, len(specs))
+    params = input_names(fn, len(specs))
     inputs = []
     for pname, spec in zip(params, specs):
         v = Value(builder.namer(pname), TensorType(spec.shape, spec.dtype, spec.layout))
