@@ -146,6 +146,7 @@ ELEMENTWISE = {
     Op.FILL_THEN: _fill_then,
     Op.FILL_ELSE: _fill_else,
     Op.ASTYPE: _astype,
+    Op.FULL_LIKE: lambda xp, x, s, o: xp.copyto(o, o.dtype.type(s)),
     Op.REDUCE_MAX: lambda xp, x, _, o: xp.max(x, axis=-1, out=o),
     Op.REDUCE_MIN: lambda xp, x, _, o: xp.min(x, axis=-1, out=o),
 }

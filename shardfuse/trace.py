@@ -52,7 +52,7 @@ def _annotated_so_far(x: Traced):
     arrive in, which decides only the communication, and an op's result has no layout until the
     compiler picks one."""
     prev = x.builder.producer.get(x.value)
-    if prev is not None and prev.attrs.get("annotation"):
+    if prev is not None and prev.attrs.get("annotation") and x.value not in x.builder.fresh:
         return Traced(x.builder, prev.ins[0]), prev.outs[0].type.layout, dict(prev.attrs)
     home = x.builder.homes.get(x.value)
     return x, Layout.replicated(x.ndim).on(None if home == x.builder.mesh else home), {"annotation": True}

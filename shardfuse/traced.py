@@ -30,6 +30,10 @@ class Builder:
         self.namer = Namer()
         self.producer: dict = {}  # value -> the instruction that made it
         self.homes: dict = {}  # value -> the sub-mesh it lives on, where known when traced
+        # values annotations do not compose through: the primals of sf.grad / sf.vjp, which are
+        # new values to the differentiated function (as JAX's new tracers), so that its annotations
+        # apply to them and their cotangents reach them
+        self.fresh: set = set()
 
     def emit(self, op, ins, out_type, base, **attrs) -> "Traced":
         out = Value(self.namer(base), out_type)

@@ -1,0 +1,268 @@
+"""Reverse mode: the backward of a traced function, appended to the same program.
+
+`backward` walks the instructions a function recorded, last first, and emits for each the ops
+of its vector-Jacobian product (one rule per op, `VJP`, as JAX keeps one per primitive and
+tinygrad's gradient.py does) through the same `Traced` methods a user's code calls.  So the
+backward is an ordinary part of the program: propagation, resharding, verification and printing
+treat it as they treat the forward, and the communication of the backward is what the planner
+derives from the layouts (a replicated gradient of a sharded contraction is an Allreduce, a
+gradient pinned sharded a ReduceScatter).
+
+Annotations transpose to themselves (as JAX's sharding_constraint): the cotangent of an
+annotated value is pinned to its placement.  A schedule moves across a matmul: the input
+gradient of a streamed GEMM is streamed over the same axis and chunks (an AllGather+GEMM's
+backward is a GEMM+ReduceScatter pipelined as the forward was; TransformerEngine's and
+Megatron's sequence-parallel backward).
+"""
+from __future__ import annotations
+
+import math
+
+from shardfuse import dtypes
+from shardfuse.ir import TensorType
+from shardfuse.layout import Layout
+from shardfuse.ops import COMPARE, COMPARE_SCALAR, ELEMENTWISE, Op
+from shardfuse.traced import Traced
+from shardfuse.traced_numpy import where
+
+# ops whose output carries no gradient to their inputs (boolean or constant results)
+NO_GRADIENT = COMPARE | COMPARE_SCALAR | {Op.LOGICAL_NOT, Op.FILL_THEN, Op.FILL_ELSE, Op.FULL_LIKE}
+
+
+def full_like(x: Traced, value, dtype=None) -> Traced:
+    """An array of x's shape (and layout, as propagation places it) holding `value`."""
+    return x.unary_op(Op.FULL_LIKE, dtype or x.dtype, value=value)
+
+
+def differentiable(dtype: str) -> bool:
+    return dtypes.is_float(dtype)
+
+
+def backward(builder, instrs, wrt, outs, cts) -> list:
+    """The cotangents of the values `wrt` (None where no path leads from them to `outs`), given
+    the cotangents `cts` (Traced) of `outs`, through `instrs` (the forward, as recorded)."""
+    active = {v for v in wrt if differentiable(v.type.dtype)}
+    for ins in instrs:
+        if ins.op not in NO_GRADIENT and any(v in active for v in ins.ins):
+            active.update(o for o in ins.outs if differentiable(o.type.dtype))
+    grads: dict = {}
+    for o, c in zip(outs, cts):
+        if o in active:
+            _accumulate(grads, o, c)
+    for ins in reversed(instrs):
+        ct = grads.pop(ins.outs[0], None) if ins.outs and ins.outs[0] not in wrt else None
+        if ct is None:
+            continue
+        rule = VJP.get(ins.op)
+        if rule is None:
+            raise NotImplementedError(f"sf.grad: no differentiation rule for {ins.op} (in {ins.outs[0].name} = "
+                                      f"{ins.op}({', '.join(v.name for v in ins.ins)})); shardfuse differentiates "
+                                      f"{', '.join(sorted(map(str, VJP)))}")
+        ins_t = [Traced(builder, v) for v in ins.ins]
+        for v, g in zip(ins.ins, rule(ins, ins_t, Traced(builder, ins.outs[0]), ct, instrs)):
+            if g is not None and v in active:
+                _accumulate(grads, v, g)
+    return [grads.get(v) for v in wrt]
+
+
+def _accumulate(grads, v, g: Traced):
+    if g.shape != v.type.shape:
+        raise AssertionError(f"autodiff: cotangent of {v.name}{v.type.shape} has shape {g.shape}")
+    g = g.astype(v.type.dtype)
+    grads[v] = grads[v] + g if v in grads else g
+
+
+# ---- layouts: what the backward pins ---------------------------------------------------------------
+
+def pin(ct: Traced, layout: Layout, name: str | None = None) -> Traced:
+    """ct annotated with `layout` (an annotation, so printed and verified as one); ct itself where
+    an annotation already pinned it there."""
+    p = ct.builder.producer.get(ct.value)
+    if p is not None and p.op == Op.SET and p.attrs.get("annotation") and p.outs[0].type.layout == layout:
+        return ct
+    return ct.builder.emit(Op.SET, (ct,), TensorType(ct.shape, ct.dtype, layout), name or ct.value.name,
+                           annotation=True)
+
+
+def known_layout(builder, v):
+    """Where the forward states v lives: an input's layout, an annotation's placement, or that of
+    the operand an elementwise op keeps the shape of (its layout carries over); None if unstated."""
+    for _ in range(64):
+        p = builder.producer.get(v)
+        if p is None:
+            return v.type.layout.placement() if v.type.layout is not None else None
+        if p.op == Op.SET:
+            return p.outs[0].type.layout.placement()
+        same = [i for i in p.ins if i.type.shape == v.type.shape and p.op in ELEMENTWISE]
+        if not same:
+            return None
+        v = same[0]
+    return None
+
+
+def _stream_of(out, instrs):
+    """(stream axis, chunks) of the annotation that streams `out` in the forward, else None."""
+    for i in instrs:
+        if i.op == Op.SET and i.ins and i.ins[0] is out:
+            lay = i.outs[0].type.layout
+            if lay.stream is not None:
+                chunks = lay.chunks if i.attrs.get("algorithm") != "ring" else i.attrs.get("ring_chunks")
+                return (lay.stream, chunks) if chunks is not None else None
+    return None
+
+
+# ---- the rules: rule(instr, inputs, output, ct, forward instrs) -> a cotangent (or None) per input -----
+
+def _unbroadcast(ct: Traced, shape) -> Traced:
+    """ct summed over the axes broadcasting added or stretched, to `shape`."""
+    if ct.shape == tuple(shape):
+        return ct
+    lead = ct.ndim - len(shape)
+    axes = tuple(range(lead)) + tuple(lead + i for i, n in enumerate(shape) if n == 1 and ct.shape[lead + i] != 1)
+    return ct.sum(axis=axes).reshape(shape) if axes else ct.reshape(shape)
+
+
+def _set(ins, xs, out, ct, instrs):
+    (x,) = xs
+    lay = out.value.type.layout
+    if ins.attrs.get("annotation"):  # transposes to itself: the cotangent lives where the value does
+        return [pin(ct, lay.placement())]
+    home = x.builder.homes.get(x.value)  # a move between meshes: back to where x lives
+    back = known_layout(x.builder, x.value) or Layout.replicated(x.ndim).on(None if home == x.builder.mesh else home)
+    return [pin(ct, back)]
+
+
+def _matmul(ins, xs, out, ct, instrs):
+    a, b = xs
+    da = _unbroadcast(ct @ b.swapaxes(-1, -2), a.shape)
+    # every batch of a met the one b: a batched product summed over the batch axes (not one GEMM of
+    # a reshaped to rows: merging a batch axis sharded over dp with rows sharded over tp is no layout)
+    db = _unbroadcast(a.swapaxes(-1, -2) @ ct, b.shape)
+    streamed = _stream_of(ins.outs[0], instrs)
+    if streamed is not None and streamed[0] < out.ndim - 1 and a.ndim == out.ndim:
+        lay = known_layout(a.builder, a.value)
+        if lay is not None and lay.mesh is None:  # a's gradient produced chunk by chunk, as c was
+            axis, chunks = streamed
+            if lay.axes[axis] is None or chunks != "auto":  # (a sharded stream axis needs a number of chunks)
+                da = pin(da, lay.streamed(axis, chunks))
+    return [da, db]
+
+
+def _sum(ins, xs, out, ct, instrs):
+    (x,) = xs
+    ax = ins.attrs["axis"]
+    factor = ins.attrs.get("factor")
+    g = ct * factor if factor is not None else ct
+    g = g.reshape(x.shape[:ax] + (1,) + x.shape[ax + 1:])
+    return [full_like(x, 0.0, g.dtype) + g]
+
+
+def _reduce_extremum(ins, xs, out, ct, instrs):
+    """Ties share the cotangent equally (JAX's rule for max and min)."""
+    (x,) = xs
+    keep = x.shape[:-1] + (1,)
+    hit = (x == out.reshape(keep)).astype(x.dtype)
+    share = (ct / hit.sum(axis=-1)).reshape(keep)
+    return [hit * share]
+
+
+def _binary_extremum(first_wins):
+    def rule(ins, xs, out, ct, instrs):
+        a, b = xs
+        wins = (a > b) if first_wins else (a < b)
+        w = wins.astype(ct.dtype) + (a == b).astype(ct.dtype) * 0.5
+        return [_unbroadcast(ct * w, a.shape), _unbroadcast(ct * (1.0 - w), b.shape)]
+    return rule
+
+
+def _scalar_extremum(first_wins):
+    def rule(ins, xs, out, ct, instrs):
+        (x,) = xs
+        c = ins.attrs["value"]
+        wins = (x > c) if first_wins else (x < c)
+        return [ct * (wins.astype(ct.dtype) + (x == c).astype(ct.dtype) * 0.5)]
+    return rule
+
+
+def _gelu(ins, xs, out, ct, instrs):
+    """d/dx of the tanh form 0.5 x (1 + tanh(u)), u = k (x + 0.044715 x^3)."""
+    (x,) = xs
+    k = math.sqrt(2 / math.pi)
+    t = ((x + x * x * x * 0.044715) * k).unary_op(Op.TANH)
+    du = (x * x * (3 * 0.044715) + 1.0) * k
+    return [ct * ((t + 1.0) * 0.5 + x * 0.5 * (1.0 - t * t) * du)]
+
+
+def _silu(ins, xs, out, ct, instrs):
+    (x,) = xs
+    s = x.unary_op(Op.SIGMOID)
+    return [ct * (s * (x * (1.0 - s) + 1.0))]
+
+
+def _pow(ins, xs, out, ct, instrs):
+    (x,) = xs
+    c = ins.attrs["value"]
+    return [full_like(x, 0.0, ct.dtype) if c == 0 else ct * (x ** (c - 1) * c)]
+
+
+def _where_half(op):
+    def rule(ins, xs, out, ct, instrs):
+        c, x = xs
+        return [None, _unbroadcast(c.elementwise_op(op, (c, ct), ct.dtype), x.shape)]
+    return rule
+
+
+def _binary(da, db):
+    def rule(ins, xs, out, ct, instrs):
+        a, b = xs
+        return [_unbroadcast(da(ct, a, b, out), a.shape), _unbroadcast(db(ct, a, b, out), b.shape)]
+    return rule
+
+
+def _unary(d):
+    return lambda ins, xs, out, ct, instrs: [d(ct, xs[0], out, ins.attrs.get("value"))]
+
+
+VJP = {
+    Op.SET: _set,
+    Op.MATMUL: _matmul,
+    Op.SUM: _sum,
+    Op.REDUCE_MAX: _reduce_extremum,
+    Op.REDUCE_MIN: _reduce_extremum,
+    Op.RESHAPE: lambda ins, xs, out, ct, instrs: [ct.reshape(xs[0].shape)],
+    Op.TRANSPOSE: lambda ins, xs, out, ct, instrs: [ct.transpose(_inverse(ins.attrs["perm"]))],
+    Op.ADD: _binary(lambda ct, a, b, y: ct, lambda ct, a, b, y: ct),
+    Op.SUB: _binary(lambda ct, a, b, y: ct, lambda ct, a, b, y: -ct),
+    Op.MUL: _binary(lambda ct, a, b, y: ct * b, lambda ct, a, b, y: ct * a),
+    Op.DIV: _binary(lambda ct, a, b, y: ct / b, lambda ct, a, b, y: -(ct * y) / b),
+    Op.MAXIMUM: _binary_extremum(True),
+    Op.MINIMUM: _binary_extremum(False),
+    Op.MAXIMUM_SCALAR: _scalar_extremum(True),
+    Op.MINIMUM_SCALAR: _scalar_extremum(False),
+    Op.WHERE_THEN: _where_half(Op.WHERE_THEN),
+    Op.WHERE_ELSE: _where_half(Op.WHERE_ELSE),
+    Op.NEG: _unary(lambda ct, x, y, c: -ct),
+    Op.SCALE: _unary(lambda ct, x, y, c: ct * c),
+    Op.DIV_SCALAR: _unary(lambda ct, x, y, c: ct / c),
+    Op.ADD_SCALAR: _unary(lambda ct, x, y, c: ct),
+    Op.RDIV: _unary(lambda ct, x, y, c: -(ct * y) / x),
+    Op.EXP: _unary(lambda ct, x, y, c: ct * y),
+    Op.TANH: _unary(lambda ct, x, y, c: ct * (1.0 - y * y)),
+    Op.RELU: _unary(lambda ct, x, y, c: where(x > 0, ct, 0.0)),
+    Op.GELU: _gelu,
+    Op.SQRT: _unary(lambda ct, x, y, c: ct * 0.5 / y),
+    Op.RSQRT: _unary(lambda ct, x, y, c: ct * (y * y * y) * -0.5),
+    Op.LOG: _unary(lambda ct, x, y, c: ct / x),
+    Op.SIGMOID: _unary(lambda ct, x, y, c: ct * (y * (1.0 - y))),
+    Op.SILU: _silu,
+    Op.POW: _pow,
+    Op.RPOW: _unary(lambda ct, x, y, c: ct * y * (math.log(c) if c > 0 else math.nan)),
+    Op.ASTYPE: lambda ins, xs, out, ct, instrs: [ct.astype(xs[0].dtype) if differentiable(xs[0].dtype) else None],
+}
+
+
+def _inverse(perm) -> tuple:
+    inv = [0] * len(perm)
+    for i, p in enumerate(perm):
+        inv[p] = i
+    return tuple(inv)

@@ -1,0 +1,198 @@
+"""sf.grad, sf.value_and_grad, sf.vjp: JAX's API and semantics over shardfuse's programs.
+
+Inside an sf.jit function they trace the differentiated function into the caller's program and
+append its backward there (shardfuse.autodiff), so `sf.jit(sf.value_and_grad(loss))` is one plan
+holding forward and backward.  Outside jit, on sf.Arrays or plain arrays, each is compiled with
+sf.jit on the arrays' mesh (or the mesh of the jitted function it differentiates) and run, as
+JAX runs grad eagerly.  Arguments and results are pytrees (a model's parameters as one dict).
+
+Each gradient has its primal's layout: the layout the argument arrived in (a weight sharded S(1)
+over tp gets a gradient S(1) over tp; a weight replicated over a data-parallel axis gets its
+gradient summed over that axis), JAX's and DTensor's rule.
+"""
+from __future__ import annotations
+
+import inspect
+
+from shardfuse import tree
+from shardfuse.array import Array
+from shardfuse.autodiff import backward, differentiable, full_like, pin
+from shardfuse.jit import Jitted
+from shardfuse.traced import Traced, describe
+
+
+def _traced_leaves(args) -> list:
+    return [x for x in tree.leaves(args) if isinstance(x, Traced)]
+
+
+def _mesh_options(fn, args, what: str) -> tuple:
+    """(mesh, streams, graph) to compile with outside jit: the jitted function's, else the mesh
+    of the sf.Arrays among the arguments."""
+    if isinstance(fn, Jitted):
+        return fn.mesh, fn.streams, fn.graph
+    meshes = {a.mesh for a in tree.leaves(args) if isinstance(a, Array)}
+    if len(meshes) != 1:
+        raise ValueError(f"{what} outside sf.jit compiles for the mesh of its sf.Array arguments, and "
+                         f"{'none is an sf.Array' if not meshes else f'they are on {len(meshes)} meshes'}: pass "
+                         f"sf.Arrays of one mesh, or write sf.jit({what}(f), mesh=mesh)")
+    return meshes.pop(), 4, False
+
+
+def _name(fn) -> str:
+    return getattr(fn, "__name__", type(fn).__name__)
+
+
+def _signature(fn):
+    return inspect.signature(fn.fn if isinstance(fn, Jitted) else fn)
+
+
+class _Forward:
+    """A traced call of fn on primals made fresh values, its instructions kept for the backward."""
+
+    def __init__(self, fn, primals: tuple, wrt: list, what: str, has_aux: bool):
+        self.builder = wrt[0].builder if wrt else _traced_leaves(primals)[0].builder
+        self.wrt = wrt
+        self.builder.fresh.update(x.value for x in wrt)
+        start = len(self.builder.instrs)
+        out = fn(*primals)
+        if has_aux:
+            if not (isinstance(out, tuple) and len(out) == 2):
+                raise TypeError(f"{what}(has_aux=True): {_name(fn)} must return a pair (output, aux), got "
+                                f"{type(out).__name__}")
+            out, self.aux = out
+        self.out = out
+        self.instrs = list(self.builder.instrs[start:])
+
+    def cotangents(self, outs: list, cts: list) -> list:
+        """The cotangent of each primal in wrt, in its input's layout (zeros where none reaches it)."""
+        grads = backward(self.builder, self.instrs, [x.value for x in self.wrt], [o.value for o in outs], cts)
+        res = []
+        for x, g in zip(self.wrt, grads):
+            g = full_like(x, 0.0) if g is None else g
+            if self.builder.producer.get(x.value) is None and x.value.type.layout is not None:  # an input's layout
+                g = pin(g, x.value.type.layout.placement(), "d" + x.value.name)
+            res.append(g)
+        return res
+
+
+def _check_primals(leaves, what, where):
+    for x in leaves:
+        if not isinstance(x, Traced):
+            raise TypeError(f"{what}: {where} holds a {type(x).__name__}; gradients are taken with respect to arrays "
+                            "(pass it as an array, or leave it out of argnums)")
+        if not differentiable(x.dtype):
+            raise TypeError(f"{what}: {where} is {describe(x)} of dtype {x.dtype}: gradients are taken with respect "
+                            "to float arrays only (as JAX's); leave integer and boolean arguments out of argnums")
+
+
+class _Grad:
+    """sf.grad / sf.value_and_grad of fn."""
+
+    def __init__(self, fn, argnums, has_aux, with_value):
+        if not callable(fn):
+            raise TypeError(f"sf.grad differentiates a function, got {type(fn).__name__}")
+        nums = (argnums,) if isinstance(argnums, int) else tuple(argnums)
+        if not nums or not all(isinstance(n, int) and not isinstance(n, bool) for n in nums):
+            raise TypeError(f"argnums must be an int or a tuple of ints, got {argnums!r}")
+        self.fn, self.argnums, self.nums, self.has_aux, self.with_value = fn, argnums, nums, has_aux, with_value
+        self.what = "sf.value_and_grad" if with_value else "sf.grad"
+        self.__name__ = f"{'value_and_grad' if with_value else 'grad'}_{_name(fn)}"
+        self.__signature__ = _signature(fn)
+        self._compiled: dict = {}  # (mesh, streams, graph) -> the sf.jit of this function
+
+    def __call__(self, *args):
+        if not _traced_leaves(args):
+            key = _mesh_options(self.fn, args, self.what)
+            jitted = self._compiled.get(key)
+            if jitted is None:
+                jitted = self._compiled[key] = Jitted(self, *key)
+            return jitted(*args)
+        return self._traced(args)
+
+    def _traced(self, args):
+        n = len(args)
+        for k in self.nums:
+            if not -n <= k < n:
+                raise ValueError(f"{self.what}(argnums={self.argnums!r}): {_name(self.fn)} was given {n} "
+                                 "argument(s)")
+        trees = [tree.flatten(args[k]) for k in self.nums]
+        wrt = []
+        for k, (leaves, _) in zip(self.nums, trees):
+            _check_primals(leaves, self.what, f"argument {k}")
+            wrt += leaves
+        fwd = _Forward(self.fn, args, wrt, self.what, self.has_aux)
+        out = fwd.out
+        if not isinstance(out, Traced) or out.shape != () or not differentiable(out.dtype):
+            got = describe(out) if isinstance(out, Traced) else type(out).__name__
+            raise TypeError(f"{self.what}: {_name(self.fn)} must return a float scalar (shape ()), got {got}; for "
+                            "other outputs use sf.vjp")
+        grads = iter(fwd.cotangents([out], [full_like(out, 1.0)]))
+        per_arg = [td.unflatten([next(grads) for _ in leaves]) for leaves, td in trees]
+        g = per_arg[0] if isinstance(self.argnums, int) else tuple(per_arg)
+        value = (out, fwd.aux) if self.has_aux else out
+        if self.with_value:
+            return value, g
+        return (g, fwd.aux) if self.has_aux else g
+
+
+def grad(fn, argnums=0, has_aux=False):
+    """The gradient of fn (which returns a float scalar) with respect to argument `argnums` (an
+    int, or a tuple of them: a tuple of gradients), as jax.grad: a function of fn's arguments
+    returning gradients with the arguments' structure and layouts.  has_aux=True: fn returns
+    (loss, aux) and the result is (gradient, aux)."""
+    return _Grad(fn, argnums, has_aux, with_value=False)
+
+
+def value_and_grad(fn, argnums=0, has_aux=False):
+    """(fn's value, its gradient), as jax.value_and_grad: one forward, one backward."""
+    return _Grad(fn, argnums, has_aux, with_value=True)
+
+
+def vjp(fn, *primals, has_aux=False):
+    """(fn(*primals), vjp_fn), as jax.vjp: vjp_fn(cotangent), the cotangent with the structure of
+    fn's output, returns a tuple with a cotangent per primal.  Inside sf.jit the backward is
+    appended to the program; outside, vjp_fn runs a plan that computes the forward again (the
+    primals are kept, never the activations)."""
+    if _traced_leaves(primals):
+        return _vjp_traced(fn, primals, has_aux)
+    key = _mesh_options(fn, primals, "sf.vjp")
+    fwd = fn if isinstance(fn, Jitted) else Jitted(fn, *key)
+    out = fwd(*primals)
+    pullback = Jitted(_Pullback(fn, has_aux), *key)
+
+    def vjp_fn(cotangent):
+        grads = pullback(primals, cotangent)
+        return grads if isinstance(grads, tuple) else (grads,)
+    return (out[0], vjp_fn, out[1]) if has_aux else (out, vjp_fn)
+
+
+def _vjp_traced(fn, primals, has_aux):
+    leaves, in_tree = tree.flatten(primals)
+    _check_primals(leaves, "sf.vjp", "a primal")
+    fwd = _Forward(fn, primals, leaves, "sf.vjp", has_aux)
+    out_leaves, out_tree = tree.flatten(fwd.out)
+
+    def vjp_fn(cotangent):
+        cts, ct_tree = tree.flatten(cotangent)
+        if ct_tree != out_tree:
+            raise ValueError(f"vjp_fn: the cotangent must have the structure of {_name(fn)}'s output {out_tree}, "
+                             f"got {ct_tree}")
+        for o, c in zip(out_leaves, cts):
+            if not isinstance(c, Traced) or c.shape != o.shape or c.dtype != o.dtype:
+                got = describe(c) if isinstance(c, Traced) else type(c).__name__
+                raise ValueError(f"vjp_fn: the cotangent of {describe(o)} must be an array of shape {o.shape} and "
+                                 f"dtype {o.dtype}, got {got}")
+        return tuple(in_tree.unflatten(fwd.cotangents(out_leaves, cts)))
+    return (fwd.out, vjp_fn, fwd.aux) if has_aux else (fwd.out, vjp_fn)
+
+
+class _Pullback:
+    """(primals, cotangent) -> vjp_fn(cotangent): what sf.vjp's vjp_fn compiles outside jit."""
+
+    def __init__(self, fn, has_aux):
+        self.fn, self.has_aux = fn, has_aux
+        self.__name__ = f"vjp_{_name(fn)}"
+
+    def __call__(self, primals, cotangent):
+        return _vjp_traced(self.fn, tuple(primals), self.has_aux)[1](cotangent)
+

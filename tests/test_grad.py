@@ -1,0 +1,342 @@
+"""sf.grad, sf.value_and_grad, sf.vjp (issue 32): every op's gradient against float64 central
+differences of the same function's compiled forward, on fresh random inputs, with inputs
+replicated and sharded on a 1-D and a 2-D mesh; gradients in their primals' layouts; the MLP
+block's gradients against NumPy's analytic ones and its backward's collectives pinned; the API's
+forms inside and outside jit, pytrees, has_aux, argnums, and its refusals.
+
+tests/mpi/test_grad_mpi.py runs the same checks under mpiexec."""
+from __future__ import annotations
+
+import zlib
+
+import numpy as np
+import pytest
+
+import shardfuse as sf
+from shardfuse.mlp import mlp_block, mlp_inputs
+
+_MESHES: dict = {}
+
+
+def mesh_of(kind):
+    if kind not in _MESHES:
+        _MESHES[kind] = (sf.DeviceMesh((4,), ("tp",), backend="numpy") if kind == "1d"
+                         else sf.DeviceMesh((2, 2), ("dp", "tp"), backend="numpy"))
+    return _MESHES[kind]
+
+
+def pos(rng, shape):  # away from 0, for sqrt, log, 1/x
+    return rng.uniform(0.5, 2.0, shape)
+
+
+def normal(rng, shape):
+    return rng.standard_normal(shape)
+
+
+# name -> (function, [(shape, generator)], argnums); the loss is sum(fn(*args) * r)
+X, Y = (8, 12), (12,)
+CASES = {
+    "exp": (np.exp, [(X, normal)], 0),
+    "tanh": (np.tanh, [(X, normal)], 0),
+    "relu": (sf.relu, [(X, normal)], 0),
+    "gelu": (sf.gelu, [(X, normal)], 0),
+    "silu": (sf.silu, [(X, normal)], 0),
+    "sigmoid": (sf.sigmoid, [(X, normal)], 0),
+    "sqrt": (np.sqrt, [(X, pos)], 0),
+    "rsqrt": (sf.rsqrt, [(X, pos)], 0),
+    "log": (np.log, [(X, pos)], 0),
+    "pow 3": (lambda x: x ** 3, [(X, normal)], 0),
+    "pow 0.5": (lambda x: x ** 0.5, [(X, pos)], 0),
+    "rpow": (lambda x: 2.0 ** x, [(X, normal)], 0),
+    "abs": (abs, [(X, normal)], 0),
+    "scalars": (lambda x: (3.0 - x * 2.0) / 4.0 + 1.5 / (x * x + 1.0), [(X, normal)], 0),
+    "maximum scalar": (lambda x: np.maximum(x, 0.3) + np.minimum(x, -0.2), [(X, normal)], 0),
+    "astype": (lambda x: (x.astype("float32") * 2.0).astype("float64"), [(X, normal)], 0),
+    "add broadcast": (lambda x, y: x + y, [(X, normal), (Y, normal)], (0, 1)),
+    "sub column": (lambda x, y: x - y, [(X, normal), ((8, 1), normal)], (0, 1)),
+    "mul broadcast": (lambda x, y: x * y, [(X, normal), ((1, 12), normal)], (0, 1)),
+    "div": (lambda x, y: x / y, [(X, normal), (X, pos)], (0, 1)),
+    "maximum": (lambda x, y: np.maximum(x, y) - np.minimum(x, y) * 0.5, [(X, normal), (X, normal)], (0, 1)),
+    "where": (lambda x, y: sf.where(x > 0.1, x * y, y), [(X, normal), (Y, normal)], (0, 1)),
+    "where scalar": (lambda x: sf.where(x > 0, x, 2.0) + sf.where(x < 0.5, -1.0, x * x), [(X, normal)], 0),
+    "sum axis 0": (lambda x: x.sum(0), [(X, normal)], 0),
+    "sum keepdims": (lambda x: x * x.sum(axis=1, keepdims=True), [(X, normal)], 0),
+    "sum all": (lambda x: x.sum() * x, [(X, normal)], 0),
+    "mean": (lambda x: x.mean(axis=(0, 1)) + x.mean(axis=-1, keepdims=True), [(X, normal)], 0),
+    "max last": (lambda x: x.max(axis=-1), [(X, normal)], 0),
+    "max first keepdims": (lambda x: x - x.max(axis=0, keepdims=True), [(X, normal)], 0),
+    "min all": (lambda x: x.min() * x, [(X, normal)], 0),
+    "reshape": (lambda x: x.reshape(4, 24) * 2.0, [(X, normal)], 0),
+    "transpose": (lambda x: x.T @ x, [(X, normal)], 0),
+    "swapaxes": (lambda x: x.reshape(4, 2, 12).swapaxes(0, 2), [(X, normal)], 0),
+    "matmul": (lambda x, w: x @ w, [(X, normal), ((12, 4), normal)], (0, 1)),
+    "matmul batch @ 2-D": (lambda x, w: x.reshape(4, 2, 12) @ w, [(X, normal), ((12, 4), normal)], (0, 1)),
+    "matmul batched": (lambda x, w: x.reshape(4, 2, 12) @ w, [(X, normal), ((4, 12, 4), normal)], (0, 1)),
+    "softmax": (sf.nn.softmax, [(X, normal)], 0),
+    "log_softmax": (lambda x: sf.nn.log_softmax(x, axis=0), [(X, normal)], 0),
+    "layer_norm": (sf.nn.layer_norm, [(X, normal), (Y, normal), (Y, normal)], (0, 1, 2)),
+    "rms_norm": (sf.nn.rms_norm, [(X, normal), (Y, normal)], (0, 1)),
+    "attention": (lambda q, k, v: sf.nn.attention(q, k, v), [((2, 4, 6, 4), normal)] * 3, (0, 1, 2)),
+    "cross_entropy_onehot": (lambda x, t: sf.nn.cross_entropy_onehot(x, t), [(X, normal), (X, normal)], 0),
+}
+
+# how each argument is placed, per mesh kind: replicated, or its first axis sharded
+PLACEMENTS = {"1d": {"R": None, "S0": ("tp",)}, "2d": {"R": None, "S0": ("dp",), "S01": (("dp", "tp"),)}}
+
+
+def placed(a, mesh, spec):
+    if spec is None or a.shape[0] % np.prod([mesh.axis_size(n) for n in np.atleast_1d(spec[0])]):
+        return sf.distribute(a, mesh, (None,) * a.ndim)
+    return sf.distribute(a, mesh, tuple(spec) + (None,) * (a.ndim - len(spec)))
+
+
+def loss_of(fn):
+    def loss(*args):
+        *xs, r = args
+        return (fn(*xs) * r).sum()
+    loss.__name__ = "loss"
+    return loss
+
+
+def check_case(name, mesh, placement, rng, eps=1e-6):
+    """sf.grad of sum(fn(*args) * r) against the central difference of the compiled forward, in two
+    random directions; each gradient in its argument's layout."""
+    fn, gens, argnums = CASES[name]
+    nums = (argnums,) if isinstance(argnums, int) else argnums
+    xs = [g(rng, s) for s, g in gens]
+    r = rng.standard_normal(np.shape(np.asarray(sf.jit(fn, mesh=mesh)(*xs))))
+    spec = PLACEMENTS["1d" if len(mesh.axis_names) == 1 else "2d"][placement]
+    args = [placed(x, mesh, spec) for x in xs] + [sf.replicate(r, mesh=mesh)]
+    loss = loss_of(fn)
+    value, grads = sf.jit(sf.value_and_grad(loss, argnums=nums), mesh=mesh)(*args)
+    forward = sf.jit(loss, mesh=mesh)
+    assert abs(float(value) - float(forward(*args))) <= 1e-12 * (1 + abs(float(value)))
+    for k, g in zip(nums, grads):
+        assert g.shape == xs[k].shape and g.dtype == np.float64, (name, k, g.shape)
+        assert g.sharding.placement() == args[k].sharding.placement(), (name, k, g.sharding, args[k].sharding)
+    if name == "astype":  # (linear, but through float32: a step float32's rounding does not swamp)
+        eps, tol = 1e-2, 2e-4
+    else:
+        tol = 1e-6
+    for _ in range(2):
+        vs = [rng.standard_normal(x.shape) for x in xs]
+        moved = [lambda s, k=k: [x + s * v if j == k else x for j, (x, v) in enumerate(zip(xs, vs))] for k in nums]
+        for k, g, at in zip(nums, grads, moved):
+            hi, lo = (float(forward(*at(s), r)) for s in (eps, -eps))
+            numeric = (hi - lo) / (2 * eps)
+            analytic = float(np.sum(np.asarray(g) * vs[k]))
+            assert abs(numeric - analytic) <= tol * (1 + abs(numeric)), (name, k, numeric, analytic)
+
+
+def seed_of(*names):  # (the same on every rank: Python's hash of a str is not)
+    return np.random.default_rng(zlib.crc32(repr(names).encode()))
+
+
+ALL = [(name, kind, p) for name in CASES for kind in ("1d", "2d") for p in PLACEMENTS[kind]]
+
+
+@pytest.mark.parametrize("name, kind, placement", ALL, ids=[f"{n}-{k}-{p}" for n, k, p in ALL])
+def test_gradient_against_central_differences(name, kind, placement):
+    check_case(name, mesh_of(kind), placement, seed_of(name, kind, placement))
+
+
+# ---- the MLP block: analytic gradients, the backward pipelined --------------------------------------
+
+def np_mlp_grads(x, w1, b1, w2, b2, r):
+    """d sum((gelu(x w1 + b1) w2 + b2) * r) / d(x, w1, b1, w2, b2), written out in NumPy."""
+    k = np.sqrt(2 / np.pi)
+    h = x @ w1 + b1
+    t = np.tanh(k * (h + 0.044715 * h ** 3))
+    g = 0.5 * h * (1 + t)
+    dg = r @ w2.T
+    dh = dg * (0.5 * (1 + t) + 0.5 * h * (1 - t * t) * k * (1 + 3 * 0.044715 * h * h))
+    return dh @ w1.T, x.T @ dh, dh.sum(0), g.T @ r, r.sum(0)
+
+
+def mlp_grad(mesh, mode, chunks, dp=None):
+    block = mlp_block(mesh, mode, chunks=chunks, dp=dp)
+
+    def loss(x, w1, b1, w2, b2, r):
+        return (block(x, w1, b1, w2, b2) * r).sum()
+    return sf.jit(sf.grad(loss, argnums=(0, 1, 2, 3, 4)), mesh=mesh)
+
+
+def check_mlp(mesh, mode, chunks, rng, dp=None):
+    x, w1, b1, w2, b2 = mlp_inputs(rng, 16, 8, batch=2 if dp else None)
+    r = rng.standard_normal(x.shape)
+    grads = mlp_grad(mesh, mode, chunks, dp)(x, w1, b1, w2, b2, r)
+    if dp:  # the batch is data-parallel: weight gradients summed over it
+        per = [np_mlp_grads(x[b], w1, b1, w2, b2, r[b]) for b in range(x.shape[0])]
+        want = [np.stack([p[0] for p in per])] + [sum(p[i] for p in per) for i in range(1, 5)]
+    else:
+        want = np_mlp_grads(x, w1, b1, w2, b2, r)
+    for name, g, w in zip(("x", "w1", "b1", "w2", "b2"), grads, want):
+        np.testing.assert_allclose(np.asarray(g), w, rtol=1e-10, atol=1e-10, err_msg=name)
+
+
+@pytest.mark.parametrize("mode, chunks", [("sp", 2), ("sp", 4), ("tp", 2)])
+def test_mlp_block_gradients_exact(mode, chunks):
+    check_mlp(mesh_of("1d"), mode, chunks, np.random.default_rng(3))
+
+
+def test_mlp_block_gradients_data_parallel():
+    check_mlp(mesh_of("2d"), "sp", 2, np.random.default_rng(4), dp="dp")
+
+
+def _loops_with(plan, op):
+    return [i for i in plan.program.instrs if i.op == "for" and any(b.op == op for b in i.body)]
+
+
+@pytest.mark.parametrize("chunks", [2, 4])
+def test_sequence_parallel_backward_is_pipelined(chunks):
+    """The forward's AllGather+GEMM gives a backward GEMM+ReduceScatter over the same chunks (the
+    input gradient), and its GEMM+ReduceScatter an AllGather+GEMM: each a stream loop of S steps."""
+    rng = np.random.default_rng(5)
+    x, w1, b1, w2, b2 = mlp_inputs(rng, 16, 8)
+    plan = mlp_grad(mesh_of("1d"), "sp", chunks).lower(x, w1, b1, w2, b2, x)
+    gathers, scatters = _loops_with(plan, "allgather"), _loops_with(plan, "reduce_scatter")
+    assert len(gathers) == 2 and len(scatters) == 2, str(plan)  # forward and backward, one each
+    assert all(loop.attrs["extent"] == chunks for loop in gathers + scatters)
+    # the backward's loops come after the forward's, in the other order (the last layer first)
+    assert plan.program.instrs.index(gathers[0]) < plan.program.instrs.index(scatters[0]) \
+        < plan.program.instrs.index(gathers[1]) < plan.program.instrs.index(scatters[1])
+
+
+# ---- layouts of gradients -------------------------------------------------------------------------
+
+def test_gradient_has_its_primals_layout():
+    mesh = mesh_of("2d")
+    rng = np.random.default_rng(6)
+    w = sf.distribute(rng.standard_normal((12, 8)), mesh, (None, "tp"))  # column-parallel
+    v = sf.replicate(rng.standard_normal((8, 4)), mesh=mesh)  # replicated over dp and tp
+    x = sf.distribute(rng.standard_normal((4, 12)), mesh, ("dp", None))  # data-parallel batch
+
+    def loss(w, v, x):
+        return ((x @ w) @ v).sum()
+    f = sf.jit(sf.grad(loss, argnums=(0, 1)), mesh=mesh)
+    dw, dv = f(w, v, x)
+    assert dw.sharding.placement() == w.sharding.placement() and dv.sharding.placement() == v.sharding.placement()
+    xs = np.asarray(x)
+    np.testing.assert_allclose(np.asarray(dw), xs.T @ np.ones((4, 4)) @ np.asarray(v).T, rtol=1e-12)
+    np.testing.assert_allclose(np.asarray(dv), (xs @ np.asarray(w)).T @ np.ones((4, 4)), rtol=1e-12)
+    assert "allreduce" in f.lower(w, v, x).collectives()  # the replicated weight's gradient: summed over dp
+
+
+# ---- the API --------------------------------------------------------------------------------------
+
+def _loss(params, x):
+    h = np.tanh(x @ params["w"] + params["b"])
+    return (h * h).mean()
+
+
+def _params(rng):
+    return {"w": rng.standard_normal((6, 4)), "b": rng.standard_normal((4,))}
+
+
+def _np_loss_grads(params, x):
+    h = np.tanh(x @ params["w"] + params["b"])
+    dz = 2 * h * (1 - h * h) / h.size
+    return {"w": x.T @ dz, "b": dz.sum(0)}
+
+
+def test_pytree_parameters_inside_jit_value_and_grad_and_aux():
+    mesh = mesh_of("1d")
+    rng = np.random.default_rng(7)
+    params, x = _params(rng), rng.standard_normal((8, 6))
+
+    def with_aux(params, x):
+        return _loss(params, x), {"scaled": _loss(params, x) * 2.0}
+    value, grads = sf.jit(sf.value_and_grad(_loss), mesh=mesh)(params, x)
+    (v2, aux), g2 = sf.jit(sf.value_and_grad(with_aux, has_aux=True), mesh=mesh)(params, x)
+    g3, aux3 = sf.jit(sf.grad(with_aux, has_aux=True), mesh=mesh)(params, x)
+    want = _np_loss_grads(params, x)
+    assert sorted(grads) == ["b", "w"]
+    for g in (grads, g2, g3):
+        for k in want:
+            np.testing.assert_allclose(np.asarray(g[k]), want[k], rtol=1e-12)
+    np.testing.assert_allclose(float(aux["scaled"]), 2 * float(value), rtol=1e-15)
+    np.testing.assert_allclose(float(aux3["scaled"]), 2 * float(v2), rtol=1e-15)
+
+
+def test_grad_outside_jit_on_sf_arrays_and_of_a_jitted_function():
+    mesh = mesh_of("1d")
+    rng = np.random.default_rng(8)
+    params, x = _params(rng), rng.standard_normal((8, 6))
+    want = _np_loss_grads(params, x)
+    placed = {k: sf.replicate(v, mesh=mesh) for k, v in params.items()}
+    eager = sf.grad(_loss)(placed, sf.shard(x, axis=0, mesh=mesh))
+    of_jitted = sf.grad(sf.jit(_loss, mesh=mesh))(params, x)
+    argnums = sf.grad(_loss, argnums=(0, 1))(placed, sf.replicate(x, mesh=mesh))
+    for g in (eager, of_jitted, argnums[0]):
+        for k in want:
+            np.testing.assert_allclose(np.asarray(g[k]), want[k], rtol=1e-12)
+    assert argnums[1].shape == x.shape
+
+
+def test_vjp_inside_and_outside_jit():
+    mesh = mesh_of("1d")
+    rng = np.random.default_rng(10)
+    a, b, ct = rng.standard_normal((8, 6)), rng.standard_normal((6, 4)), rng.standard_normal((8, 4))
+
+    def f(a, b):
+        return np.tanh(a @ b)
+    t = np.tanh(a @ b)
+    want_a, want_b = ((1 - t * t) * ct) @ b.T, a.T @ ((1 - t * t) * ct)
+
+    def inside(a, b, ct):
+        out, pull = sf.vjp(f, sf.shard(a, axis=0), b)
+        return (out,) + pull(ct)
+    out, da, db = sf.jit(inside, mesh=mesh)(a, b, ct)
+    np.testing.assert_allclose(np.asarray(out), t, rtol=1e-12)
+    out2, pull = sf.vjp(f, sf.shard(a, axis=0, mesh=mesh), sf.replicate(b, mesh=mesh))
+    da2, db2 = pull(ct)
+    np.testing.assert_allclose(np.asarray(out2), t, rtol=1e-12)
+    for got, want in ((da, want_a), (db, want_b), (da2, want_a), (db2, want_b)):
+        np.testing.assert_allclose(np.asarray(got), want, rtol=1e-12)
+    assert da2.sharding.placement() == sf.shard(a, axis=0, mesh=mesh).sharding.placement()
+
+
+def test_annotations_inside_the_differentiated_function_reach_its_primal():
+    """A primal made by an annotation outside the function is a new value to it: the function's own
+    annotation does not compose through it (the gradient would miss it)."""
+    mesh = mesh_of("1d")
+    rng = np.random.default_rng(11)
+    w, x = rng.standard_normal((8, 4)), rng.standard_normal((8, 8))
+
+    def loss(w, x):
+        return (x @ sf.shard(w, axis=0)).sum()
+
+    def outer(w, x):
+        return sf.grad(loss)(sf.shard(w, axis=1), x)
+    np.testing.assert_allclose(np.asarray(sf.jit(outer, mesh=mesh)(w, x)), x.T @ np.ones((8, 4)), rtol=1e-12)
+
+
+def test_unused_argument_gets_zeros_and_integer_outputs_carry_none():
+    mesh = mesh_of("1d")
+    x, y = np.arange(1.0, 9.0), np.arange(8.0)
+
+    def loss(x, y):
+        return (x * (x > 3).astype("float64")).sum()
+    dx, dy = sf.jit(sf.grad(loss, argnums=(0, 1)), mesh=mesh)(x, y)
+    np.testing.assert_array_equal(np.asarray(dx), (x > 3).astype(float))
+    np.testing.assert_array_equal(np.asarray(dy), np.zeros(8))
+
+
+@pytest.mark.parametrize("fn, args, argnums, match", [
+    (lambda x: x * 2.0, (np.ones(4),), 0, "must return a float scalar"),
+    (lambda x: x.sum(), (np.arange(4, dtype=np.int32),), 0, "float arrays only"),
+    (lambda x, y: (x * y).sum(), (np.ones(4), np.ones(4)), 2, "given 2 argument"),
+    (lambda x: x.sum(), (np.ones(4),), "0", "argnums must be an int"),
+])
+def test_refusals(fn, args, argnums, match):
+    with pytest.raises((TypeError, ValueError), match=match):
+        sf.jit(sf.grad(fn, argnums=argnums), mesh=mesh_of("1d"))(*args)
+
+
+def test_refusals_outside_jit_and_of_the_cotangent():
+    with pytest.raises(ValueError, match="mesh of its sf.Array arguments"):
+        sf.grad(lambda x: x.sum())(np.ones(4))
+    mesh = mesh_of("1d")
+    _, pull = sf.vjp(lambda x: x * 2.0, sf.replicate(np.ones(4), mesh=mesh))
+    with pytest.raises(ValueError, match="shape"):
+        pull(np.ones(5))
