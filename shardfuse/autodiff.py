@@ -20,7 +20,7 @@ import math
 
 from shardfuse import dtypes
 from shardfuse.ir import TensorType
-from shardfuse.layout import Layout
+from shardfuse.layout import Layout, axis_entry, mesh_axes
 from shardfuse.ops import COMPARE, COMPARE_SCALAR, ELEMENTWISE, Op
 from shardfuse.traced import Traced
 from shardfuse.traced_numpy import where
@@ -137,7 +137,8 @@ def _matmul(ins, xs, out, ct, instrs):
     da = _unbroadcast(ct @ b.swapaxes(-1, -2), a.shape)
     # every batch of a met the one b: a batched product summed over the batch axes (not one GEMM of
     # a reshaped to rows: merging a batch axis sharded over dp with rows sharded over tp is no layout)
-    db = _unbroadcast(a.swapaxes(-1, -2) @ ct, b.shape)
+    a_, ct_ = _regathered(a, ct)
+    db = _unbroadcast(a_.swapaxes(-1, -2) @ ct_, b.shape)
     streamed = _stream_of(ins.outs[0], instrs)
     if streamed is not None and streamed[0] < out.ndim - 1 and a.ndim == out.ndim:
         lay = known_layout(a.builder, a.value)
@@ -146,6 +147,28 @@ def _matmul(ins, xs, out, ct, instrs):
             if lay.axes[axis] is None or chunks != "auto":  # (a sharded stream axis needs a number of chunks)
                 da = pin(da, lay.streamed(axis, chunks))
     return [da, db]
+
+
+def _regathered(a: Traced, ct: Traced):
+    """(a, ct) for the weight gradient a^T ct, the rows of one gathered where a mesh axis shards the
+    rows of one and the columns of the other (the sequence-parallel case: x's tokens and dH's
+    columns over tp).  Megatron and TransformerEngine gather the activation again there; left to
+    itself the planner would move the larger operand (an AllToAll of dH, then a ReduceScatter).
+    A mesh axis sharding the rows of both (data parallel) stays: the product pends a sum over it."""
+    la, lc = known_layout(a.builder, a.value), known_layout(ct.builder, ct.value)
+    if la is None or lc is None or la.mesh is not None or lc.mesh is not None:
+        return a, ct
+    rows = lambda lay: {n for e in lay.axes[:-1] for n in mesh_axes(e)}  # noqa: E731
+    last = lambda lay: set(mesh_axes(lay.axes[-1]))  # noqa: E731
+    out = []
+    for x, lay, other in ((a, la, lc), (ct, lc, la)):
+        clash = rows(lay) & last(other)
+        if clash:
+            lay = Layout(tuple(axis_entry(n for n in mesh_axes(e) if n not in clash) for e in lay.axes[:-1])
+                         + (lay.axes[-1],))
+            x = pin(x, lay)
+        out.append(x)
+    return tuple(out)
 
 
 def _sum(ins, xs, out, ct, instrs):

@@ -1,0 +1,46 @@
+"""sf.grad under mpiexec (the checks of tests/test_grad.py on the NumPy-over-MPI backend): a
+gradient per kind of op against central differences with inputs replicated and sharded, the MLP
+block's gradients against NumPy's analytic ones (tensor and sequence parallel; data parallel on
+the 2x2 mesh under -n 4, whose dp collectives need 4 processes), gradients in their primals'
+layouts, and sf.vjp outside jit.  Every rank runs every test in the same order, with the same seeds."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from mpi4py import MPI
+
+import test_grad as tg
+
+NPROCS = MPI.COMM_WORLD.Get_size()
+KINDS = ["1d", "2d"] if NPROCS == 4 else ["1d"]
+OPS = ["gelu", "log", "where", "mul broadcast", "max first keepdims", "mean", "reshape", "transpose",
+       "matmul batch @ 2-D", "softmax", "layer_norm", "attention"]
+CASES = [(name, kind, p) for name in OPS for kind in KINDS for p in tg.PLACEMENTS[kind]]
+
+
+@pytest.mark.parametrize("name, kind, placement", CASES, ids=[f"{n}-{k}-{p}" for n, k, p in CASES])
+def test_gradient_against_central_differences(name, kind, placement):
+    tg.check_case(name, tg.mesh_of(kind), placement, tg.seed_of(name, kind, placement))
+
+
+@pytest.mark.parametrize("mode", ["sp", "tp"])
+def test_mlp_block_gradients_exact(mode):
+    tg.check_mlp(tg.mesh_of("1d"), mode, 2, np.random.default_rng(3))
+
+
+@pytest.mark.skipif(NPROCS != 4, reason="the 2x2 dp x tp mesh's dp collectives need 4 processes")
+def test_mlp_block_gradients_data_parallel():
+    tg.check_mlp(tg.mesh_of("2d"), "sp", 2, np.random.default_rng(4), dp="dp")
+
+
+@pytest.mark.skipif(NPROCS != 4, reason="the 2x2 dp x tp mesh's dp collectives need 4 processes")
+def test_gradient_has_its_primals_layout():
+    tg.test_gradient_has_its_primals_layout()
+
+
+def test_vjp_inside_and_outside_jit():
+    tg.test_vjp_inside_and_outside_jit()
+
+
+def test_grad_outside_jit_on_sf_arrays_and_of_a_jitted_function():
+    tg.test_grad_outside_jit_on_sf_arrays_and_of_a_jitted_function()
