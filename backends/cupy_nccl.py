@@ -101,6 +101,10 @@ class CupyNcclBackend:
                 return cupy.ascontiguousarray(x)
         return self.to_device([x])[0]
 
+    def copy(self, x):
+        with cupy.cuda.Device(x.device.id), self.dev.main_of[x.device.id]:
+            return x.copy(order="C")
+
     def adopt(self, x, info=None, fenced=None):
         """A CuPy array holding the whole of the caller's array x (bfloat16 as uint16): a
         zero-copy view of a device array (main of its GPU waits for the producer's stream, as

@@ -41,6 +41,9 @@ class NumpyLocalBackend:
     def ascontiguous(self, x):
         return np.ascontiguousarray(x)
 
+    def copy(self, x):
+        return np.array(x, copy=True, order="C")
+
     # ---- the caller's arrays and streams ------------------------------------------------
     def adopt(self, x, info=None, fenced=None):
         """A whole call argument as a host array (device arrays are copied: these devices live

@@ -94,6 +94,7 @@ class Backend(Protocol):
     def to_device(self, pieces): """Host pieces (one per local device) as device buffers."""
     def to_host(self, bufs): """Device buffers as host NumPy arrays (a copy, or the buffer itself on NumPy)."""
     def ascontiguous(self, x): """x itself when C-contiguous, else a contiguous copy on its device."""
+    def copy(self, x): """A new contiguous buffer on x's device holding x (a donated argument the caller still owns)."""
     def adopt(self, x, info=None, fenced=None): """A caller's array (host or device) as this backend's buffer for one device."""
     def piece(self, x, j): """Piece of a caller's array for local device j (a view where it can be)."""
     def view(self, bufs, ref, j): """The array that `ref` names on local device j, as a strided view of bufs."""

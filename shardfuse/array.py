@@ -17,6 +17,18 @@ from shardfuse.spec import TensorSpec, check_axis, check_divides, normalize_axis
 from shardfuse.runtime import backend_of
 
 
+class Donated:
+    """The pieces of a donated sf.Array: any use raises, saying why."""
+
+    def __init__(self, why: str):
+        self.why = why
+
+    def _refuse(self, *_):
+        raise RuntimeError(self.why)
+
+    __iter__ = __getitem__ = __len__ = _refuse
+
+
 class Array(Placed, ArrayOps):  # operators, ufuncs, reductions, indexing: array_ops
     """A global array on a mesh: this process' pieces (`shards`, one per local device) and the
     layout that says where each lies.
@@ -28,13 +40,23 @@ class Array(Placed, ArrayOps):  # operators, ufuncs, reductions, indexing: array
     and world size (a per-rank checkpoint); to send a value elsewhere pickle ``.gather()`` (the
     global NumPy value; collective) or ``.to_local()`` (this process' piece) instead."""
 
-    def __init__(self, mesh, shape, dtype, layout: Layout, shards: list, pieces_contiguous: bool = False):
+    def __init__(self, mesh, shape, dtype, layout: Layout, shards: list, pieces_contiguous: bool = False,
+                 owned: bool = False):
         self.dtype_name = normalize_dtype(dtype)
         self.mesh, self.shape, self.dtype = mesh, tuple(shape), np_dtype(self.dtype_name)
         self.sharding, self.shards = layout, shards
         self.pieces_contiguous = pieces_contiguous  # placed by shardfuse, or whole plan buffers: taken as they are
+        # a plan's result: a buffer per device that nothing else views, which a plan that it is donated
+        # to may write (pieces placed from a caller's array may view it, or share one buffer per GPU)
+        self.owned = owned
 
     ndim = property(lambda self: len(self.shape))
+
+    def donated(self, to: str) -> None:
+        """Mark this array's buffers as given to a plan's result (sf.jit donate_argnums): any later
+        use raises, as a donated JAX array does, instead of reading what the result wrote there."""
+        self.shards = Donated(f"this sf.Array{self.shape} was donated to {to} (donate_argnums): its buffers now "
+                              "hold that call's result; use the result instead")
 
     @property
     def placements(self) -> tuple:

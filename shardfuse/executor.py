@@ -82,6 +82,9 @@ class Executable:
         # per output: the slot whose per-call buffers are the output as they are (a call then makes
         # no view per device), else None
         made = {slot: shape for slot, shape, _ in self.per_call}
+        # inputs whose buffers outputs took (passes/donate.py): the output is the input's pieces
+        self.donated = tuple(k for k, v in enumerate(prog.inputs) if v in set(prog.outputs))
+        made.update({self.refs[prog.inputs[k]].slot: self.refs[prog.inputs[k]].shape for k in self.donated})
         self._whole_outputs = [r.slot if made.get(r.slot) == r.shape and not any(r.offsets) and r.is_contiguous()
                                else None for r in (self.refs[v] for v in prog.outputs)]
         self._graph_outputs = None
@@ -304,6 +307,9 @@ class Executable:
             else:
                 bufs[k] = local_pieces(arg, v.type.dtype, v.type.layout, self.mesh, info, fenced=caller,
                                        indices=self._input_pieces[k])
+            if k in self.donated and not (info is None and arg.owned):
+                # a caller's array (maybe viewed, or one buffer for a GPU's devices): the result writes a copy
+                bufs[k] = [be.copy(p) for p in bufs[k]]
         if self.graph is not None:
             # Graph mode: the captured plan writes plan-owned output buffers (the next call
             # overwrites them); the backend keeps one graph per set of input buffers it has seen.

@@ -87,6 +87,7 @@ class Program:
     instrs: tuple
     streams: int = 4
     history: tuple = ()  # the passes that produced this program, in order
+    donated: tuple = ()  # indices of inputs whose buffers outputs may take (sf.jit's donate_argnums)
 
     def with_instrs(self, instrs, by: str, **changes) -> "Program":
         return replace(self, instrs=tuple(instrs), history=self.history + (by,), **changes)

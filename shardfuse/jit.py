@@ -1,6 +1,7 @@
-"""sf.jit: trace a function once per input specs, compile it to a plan, run the plan."""
+"""sf.jit: trace a function once per input specs, compile it to a plan (shardfuse.plan), run the plan."""
 from __future__ import annotations
 
+import dataclasses
 import functools
 import inspect
 from typing import Any, Callable, overload
@@ -13,113 +14,20 @@ from collections import OrderedDict
 import numpy as np
 
 from shardfuse.array import Array, spec_of
-from shardfuse.executor import Executable
+from shardfuse.plan import Plan  # noqa: F401 (sf.jit's plans; shardfuse.jit.Plan as before)
 from shardfuse.interop import array_info
 from shardfuse import tree
-from shardfuse.ir import Program, unroll
-from shardfuse.autochunks import compile_best, explain_plan
-from shardfuse.cost import Rates, predict
+from shardfuse.autochunks import compile_best
+from shardfuse.cost import Rates
 from shardfuse.rates import machine
 from shardfuse.mesh import DeviceMesh, as_int
 from shardfuse.spec import TensorSpec
 from shardfuse.trace import input_names, trace
 from shardfuse.traced import Traced
-from shardfuse.ops import COMMUNICATION, Op
+from shardfuse.ops import Op
 
 
 log = logging.getLogger("shardfuse")  # compile decisions (plans built, evicted); silent unless configured
-
-
-class Plan:
-    """A compiled host program, bound lazily to the mesh's backend."""
-
-    def __init__(self, program: Program, graph: bool = False, explanation=None, rates=None):
-        self.program = program
-        self.graph = graph
-        self._exe = None
-        self._binding = threading.Lock()  # threads' first calls bind it once (binding may communicate)
-        self._why, self._rates = explanation, rates  # chunks="auto"'s choice; the rates given to sf.jit
-        self.out_tree = None  # the structure of the function's result where it is a pytree (tree.FlatFunction)
-
-    def __str__(self):
-        return str(self.program)
-
-    __repr__ = __str__
-
-    def _repr_html_(self):
-        """Jupyter: the program, the collectives one call issues, and what folded."""
-        import html
-
-        text = str(self.program)
-        folded = text.count("folded=")
-        counts = ", ".join(f"{k} x{v}" for k, v in sorted(self.collectives().items())) or "none"
-        return (f"<div><b>plan {html.escape(self.program.name)}</b>: collectives per call: {html.escape(counts)}; "
-                f"{folded} one-device collective(s) folded into views"
-                f"<pre style='font-size:smaller'>{html.escape(text)}</pre></div>")
-
-    def collectives(self) -> dict[str, int]:
-        """How many collectives of each kind one call issues: the plan's communication steps as
-        the executor binds them (ir.unroll: loops unrolled, guards applied)."""
-        counts: dict = {}
-        for i, _ in unroll(self.program.instrs):
-            if i.op in COMMUNICATION:
-                key = i.attrs["kind"].lower() if i.op == Op.TRANSFER else str(i.op)
-                counts[key] = counts.get(key, 0) + 1
-        return counts
-
-    def profile(self, *args, repeat: int = 1, nvtx: bool = False):
-        """Run the plan `repeat` times and return its Timeline: every executed step with its
-        device(s), stream, instruction text (as print(plan) shows it), start and end.  Under
-        mpiexec every rank's steps, gathered on every rank (a collective call).  Host clocks on the
-        NumPy backends, CUDA events around each step on GPUs (shardfuse/timeline.py).  nvtx=True
-        also wraps each call and each step in an NVTX range named as the Timeline names them, so
-        `nsys profile` shows the same names (the optional [nvtx] extra)."""
-        from shardfuse import faults
-        from shardfuse.timeline import Timeline, profile_steps
-
-        repeat = as_int(repeat, "plan.profile repeat=", minimum=1)  # (0 would profile nothing, silently)
-        if any(tree.is_container(a) for a in args):  # the jitted function's pytrees: their leaves
-            args = tuple(tree.leaves(args))
-        exe = self.executable
-        timeline = Timeline.from_records(exe, profile_steps(exe, args, repeat, nvtx), rank=self.program.mesh.rank)
-        mesh = self.program.mesh
-        if mesh.nprocs > 1:
-            parts = faults.allgather_object(timeline.events, f"gathering the profile of {self.program.name!r}")
-            timeline = Timeline([e for part in parts for e in part], self.program.name)
-        return timeline
-
-    def explain(self):
-        """The cost model's view of this plan: for chunks="auto", every candidate S with its
-        predicted total, communication, compute and exposed communication, and why the chosen one
-        won; for a plan with fixed chunks, its one line.  Printable (an Explanation)."""
-        if self._why is None:
-            self._why = explain_plan(self.program, *machine(self.program.mesh, self._rates))
-        return self._why
-
-    def predict(self):
-        """The cost model's prediction of one call (cost.Prediction: .total_s, .timeline())."""
-        return predict(self.program, *machine(self.program.mesh, self._rates))
-
-    @property
-    def executable(self):
-        if self._exe is None:
-            with self._binding:
-                if self._exe is None:
-                    self._exe = Executable(self.program, graph=self.graph)
-        return self._exe
-
-    def __call__(self, *args, stream=None, infos=None):
-        """Run the plan: sf.Arrays in (or plain arrays, or the pytrees of them the jitted function
-        took), sf.Arrays out (in the function's result structure)."""
-        if any(tree.is_container(a) for a in args):
-            args = tuple(tree.leaves(args))
-        outs = self.executable(*args, stream=stream, infos=infos)
-        prog = self.program
-        arrays = tuple(Array(prog.mesh, v.type.shape, v.type.dtype, lay, shards, whole)
-                       for v, (lay, shards, whole) in zip(prog.outputs, outs))
-        if self.out_tree is not None:
-            return self.out_tree.unflatten(arrays)
-        return arrays[0] if len(arrays) == 1 else arrays
 
 
 MAX_PLANS = 64  # compiled plans a jitted function keeps by default (the least recently used go)
@@ -130,7 +38,7 @@ class Jitted:
     """A function compiled for a mesh: one plan per input specs, the `max_plans` most recently
     used kept (a plan holds its buffers; an evicted one is compiled again when next needed)."""
 
-    def __init__(self, fn, mesh, streams=4, graph=False, max_plans=MAX_PLANS, rates=None):
+    def __init__(self, fn, mesh, streams=4, graph=False, max_plans=MAX_PLANS, rates=None, donate_argnums=()):
         if not callable(fn):
             raise TypeError(f"sf.jit compiles a function, got {type(fn).__name__}")
         if mesh is None:
@@ -153,6 +61,10 @@ class Jitted:
                 f"whole mesh {mesh.root} and place values on the sub-mesh inside the function "
                 "(sf.shard(x, axis, mesh=sub), sf.replicate(x, mesh=sub), sf.to_mesh)")
         self.fn, self.mesh, self.streams, self.graph = fn, mesh, int(streams), bool(graph)
+        self.donate_argnums = _argnums(donate_argnums)
+        if self.donate_argnums and self.graph:
+            raise NotImplementedError("sf.jit(donate_argnums=..., graph=True): a CUDA graph writes the buffers it "
+                                      "captured, so its results cannot take the arguments' buffers; use graph=False")
         self.max_plans = as_int(max_plans, "sf.jit max_plans=", minimum=1)
         if rates is not None and not isinstance(rates, (Rates, str)):
             raise TypeError(f"sf.jit rates= must be a shardfuse.cost.Rates or a name of cost.DEFAULTS, got "
@@ -202,8 +114,11 @@ class Jitted:
             child = self._trees.get(in_tree)
             if child is None:
                 flat = tree.FlatFunction(self.fn, in_tree, input_names(self.fn, len(in_tree.children)))
+                starts = [sum(c.num_leaves for c in in_tree.children[:k]) for k in range(len(in_tree.children) + 1)]
+                leaves = tuple(j for k in self.donate_argnums if k < len(in_tree.children)
+                               for j in range(starts[k], starts[k + 1]))
                 child = self._trees[in_tree] = Jitted(flat, self.mesh, self.streams, self.graph, self.max_plans,
-                                                      self.rates)
+                                                      self.rates, leaves)
             return child
 
     def _lower(self, specs: tuple) -> Plan:
@@ -214,6 +129,11 @@ class Jitted:
         t0 = time.perf_counter()
         fn = self.fn if isinstance(self.fn, tree.FlatFunction) else tree.FlatFunction(self.fn)
         traced = trace(fn, self.mesh, specs, self.streams)  # once per input signature, "auto" or not
+        if self.donate_argnums:
+            if max(self.donate_argnums) >= len(specs):
+                raise ValueError(f"{self.__name__}: donate_argnums={self.donate_argnums} names argument "
+                                 f"{max(self.donate_argnums)}, but the call gave {len(specs)}")
+            traced = dataclasses.replace(traced, donated=self.donate_argnums)
         prog, why = compile_best(traced, lambda: machine(self.mesh, self.rates))
         plan = self._plans[specs] = Plan(prog, self.graph, why, self.rates)
         plan.out_tree = fn.out_tree  # (the structure of fn's result, set as it was traced just now)
@@ -344,23 +264,30 @@ class Jitted:
 
 @overload
 def jit(fn: Callable, *, mesh: DeviceMesh | None = None, streams: int = 4, graph: bool = False,
-        max_plans: int = MAX_PLANS, rates: Rates | str | None = None) -> Jitted: ...
+        max_plans: int = MAX_PLANS, rates: Rates | str | None = None, donate_argnums=()) -> Jitted: ...
 
 
 @overload
 def jit(fn: None = None, *, mesh: DeviceMesh | None = None, streams: int = 4, graph: bool = False,
-        max_plans: int = MAX_PLANS, rates: Rates | str | None = None) -> Callable[[Callable], Jitted]: ...
+        max_plans: int = MAX_PLANS, rates: Rates | str | None = None,
+        donate_argnums=()) -> Callable[[Callable], Jitted]: ...
 
 
 def jit(fn: Callable | None = None, *, mesh: DeviceMesh | None = None, streams: int = 4, graph: bool = False,
-        max_plans: int = MAX_PLANS, rates: Rates | str | None = None) -> Jitted | Callable[[Callable], Jitted]:
+        max_plans: int = MAX_PLANS, rates: Rates | str | None = None,
+        donate_argnums=()) -> Jitted | Callable[[Callable], Jitted]:
     """Compile `fn` for `mesh`: ``@sf.jit(mesh=mesh, streams=4)``.  `max_plans`: how many compiled
     plans (one per input shapes, dtypes and layouts) it keeps, the least recently used dropped.
     `rates`: what sf.stream(chunks="auto") and plan.explain() predict with (a cost.Rates, or
-    "h200" / "numpy/cpu"); default the cache `shardfuse calibrate` wrote, else built-in defaults."""
+    "h200" / "numpy/cpu"); default the cache `shardfuse calibrate` wrote, else built-in defaults.
+    `donate_argnums`: arguments (an int or a tuple; for a pytree argument, all its leaves) whose
+    buffers results may take, as JAX's: `new_w = w - lr * g` written into w's buffer (the plan
+    prints it), and a donated sf.Array raises on any later use.  A result takes a donated buffer
+    only where the plan has read it already; otherwise it gets its own, and no result ever
+    aliases an argument that was not donated."""
     if fn is None:
-        return lambda f: Jitted(f, mesh, streams, graph, max_plans, rates)
-    return Jitted(fn, mesh, streams, graph, max_plans, rates)
+        return lambda f: Jitted(f, mesh, streams, graph, max_plans, rates, donate_argnums)
+    return Jitted(fn, mesh, streams, graph, max_plans, rates, donate_argnums)
 
 
 def _is_spec_tuple(x) -> bool:
@@ -369,3 +296,12 @@ def _is_spec_tuple(x) -> bool:
             and all(isinstance(n, (int, np.integer)) for n in np.atleast_1d(x[0]).tolist() if x[0] != ())
             and isinstance(x[1], (str, np.dtype, type)))
 
+
+def _argnums(nums) -> tuple:
+    """donate_argnums as a sorted tuple of argument positions."""
+    nums = (nums,) if isinstance(nums, (int, np.integer)) and not isinstance(nums, bool) else nums
+    try:
+        out = tuple(sorted({as_int(k, "donate_argnums", minimum=0) for k in nums}))
+    except TypeError:
+        raise TypeError(f"donate_argnums must be an int or a tuple of ints, got {nums!r}") from None
+    return out

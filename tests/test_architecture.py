@@ -203,7 +203,7 @@ def test_3e_verify_rejects_an_op_that_is_not_an_op():
 BOTTOM = {f"shardfuse.{m}" for m in ("dtypes", "ops", "strides", "mesh", "placements", "sharding", "layout", "spec",
                                     "faults", "fault_messages")}
 BOTTOM_THIRD_PARTY = {"numpy", "mpi4py", "ml_dtypes", "cupy"}  # besides the standard library (cupy: mesh.gpu_count)
-RUN_TIME = {f"shardfuse.{m}" for m in ("executor", "jit", "array", "api", "runtime")} | {"shardfuse"}  # (re-exports)
+RUN_TIME = {f"shardfuse.{m}" for m in ("executor", "jit", "plan", "array", "api", "runtime")} | {"shardfuse"}  # (re-exports)
 
 def _imports(mod: str):
     """(target module, node) for every import in mod, those inside functions too; `from shardfuse

@@ -3,6 +3,7 @@ from shardfuse.passes.allocate import allocate_buffers
 from shardfuse.passes.annotations import fold_annotations
 from shardfuse.passes.contiguity import stage_strided_views
 from shardfuse.passes.cse import share_resharding
+from shardfuse.passes.donate import donate_buffers
 from shardfuse.passes.fold import fold_collectives
 from shardfuse.passes.lower import lower_to_host
 from shardfuse.passes.pipeline import form_stream_loops, mark_stream_intermediates
@@ -26,6 +27,7 @@ PIPELINE = (
     allocate_buffers,
     fold_collectives,
     stage_strided_views,
+    donate_buffers,
     assign_streams,
     verify,
 )

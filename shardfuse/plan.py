@@ -1,0 +1,121 @@
+"""A compiled plan: the host program sf.jit made, bound lazily to the mesh's backend and run on
+sf.Arrays; printable, profiled, counted (collectives) and explained (the cost model)."""
+from __future__ import annotations
+
+import threading
+
+from shardfuse import tree
+from shardfuse.array import Array
+from shardfuse.autochunks import explain_plan
+from shardfuse.cost import predict
+from shardfuse.executor import Executable
+from shardfuse.ir import Program, unroll
+from shardfuse.mesh import as_int
+from shardfuse.ops import COMMUNICATION, Op
+from shardfuse.rates import machine
+
+
+class Plan:
+    """A compiled host program, bound lazily to the mesh's backend."""
+
+    def __init__(self, program: Program, graph: bool = False, explanation=None, rates=None):
+        self.program = program
+        self.graph = graph
+        self._exe = None
+        self._binding = threading.Lock()  # threads' first calls bind it once (binding may communicate)
+        self._why, self._rates = explanation, rates  # chunks="auto"'s choice; the rates given to sf.jit
+        self.out_tree = None  # the structure of the function's result where it is a pytree (tree.FlatFunction)
+
+    def __str__(self):
+        return str(self.program)
+
+    __repr__ = __str__
+
+    def _repr_html_(self):
+        """Jupyter: the program, the collectives one call issues, and what folded."""
+        import html
+
+        text = str(self.program)
+        folded = text.count("folded=")
+        counts = ", ".join(f"{k} x{v}" for k, v in sorted(self.collectives().items())) or "none"
+        return (f"<div><b>plan {html.escape(self.program.name)}</b>: collectives per call: {html.escape(counts)}; "
+                f"{folded} one-device collective(s) folded into views"
+                f"<pre style='font-size:smaller'>{html.escape(text)}</pre></div>")
+
+    def collectives(self) -> dict[str, int]:
+        """How many collectives of each kind one call issues: the plan's communication steps as
+        the executor binds them (ir.unroll: loops unrolled, guards applied)."""
+        counts: dict = {}
+        for i, _ in unroll(self.program.instrs):
+            if i.op in COMMUNICATION:
+                key = i.attrs["kind"].lower() if i.op == Op.TRANSFER else str(i.op)
+                counts[key] = counts.get(key, 0) + 1
+        return counts
+
+    def profile(self, *args, repeat: int = 1, nvtx: bool = False):
+        """Run the plan `repeat` times and return its Timeline: every executed step with its
+        device(s), stream, instruction text (as print(plan) shows it), start and end.  Under
+        mpiexec every rank's steps, gathered on every rank (a collective call).  Host clocks on the
+        NumPy backends, CUDA events around each step on GPUs (shardfuse/timeline.py).  nvtx=True
+        also wraps each call and each step in an NVTX range named as the Timeline names them, so
+        `nsys profile` shows the same names (the optional [nvtx] extra)."""
+        from shardfuse import faults
+        from shardfuse.timeline import Timeline, profile_steps
+
+        repeat = as_int(repeat, "plan.profile repeat=", minimum=1)  # (0 would profile nothing, silently)
+        if any(tree.is_container(a) for a in args):  # the jitted function's pytrees: their leaves
+            args = tuple(tree.leaves(args))
+        exe = self.executable
+        timeline = Timeline.from_records(exe, profile_steps(exe, args, repeat, nvtx), rank=self.program.mesh.rank)
+        mesh = self.program.mesh
+        if mesh.nprocs > 1:
+            parts = faults.allgather_object(timeline.events, f"gathering the profile of {self.program.name!r}")
+            timeline = Timeline([e for part in parts for e in part], self.program.name)
+        return timeline
+
+    def explain(self):
+        """The cost model's view of this plan: for chunks="auto", every candidate S with its
+        predicted total, communication, compute and exposed communication, and why the chosen one
+        won; for a plan with fixed chunks, its one line.  Printable (an Explanation)."""
+        if self._why is None:
+            self._why = explain_plan(self.program, *machine(self.program.mesh, self._rates))
+        return self._why
+
+    def predict(self):
+        """The cost model's prediction of one call (cost.Prediction: .total_s, .timeline())."""
+        return predict(self.program, *machine(self.program.mesh, self._rates))
+
+    @property
+    def executable(self):
+        if self._exe is None:
+            with self._binding:
+                if self._exe is None:
+                    self._exe = Executable(self.program, graph=self.graph)
+        return self._exe
+
+    def __call__(self, *args, stream=None, infos=None):
+        """Run the plan: sf.Arrays in (or plain arrays, or the pytrees of them the jitted function
+        took), sf.Arrays out (in the function's result structure)."""
+        if any(tree.is_container(a) for a in args):
+            args = tuple(tree.leaves(args))
+        exe = self.executable
+        if exe.donated:
+            self._check_donated(args, exe.donated)
+        outs = exe(*args, stream=stream, infos=infos)
+        prog = self.program
+        for k in exe.donated:
+            if isinstance(args[k], Array):
+                args[k].donated(f"{prog.name}")
+        arrays = tuple(Array(prog.mesh, v.type.shape, v.type.dtype, lay, shards, whole, owned=not self.graph)
+                       for v, (lay, shards, whole) in zip(prog.outputs, outs))
+        if self.out_tree is not None:
+            return self.out_tree.unflatten(arrays)
+        return arrays[0] if len(arrays) == 1 else arrays
+
+    def _check_donated(self, args, donated):
+        """A donated argument passed in another position too would be read after the result wrote it."""
+        for k in donated:
+            for j, a in enumerate(args):
+                if j != k and a is args[k]:
+                    raise ValueError(f"{self.program.name}(): argument {k} is donated (donate_argnums) and also passed "
+                                     f"as argument {j}: its buffer would be overwritten while read; pass a copy")

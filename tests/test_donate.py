@@ -1,0 +1,106 @@
+"""sf.jit(donate_argnums=) (issue 32): an update step writes its result into the donated
+argument's buffers (one copy of the weights), printed in the plan; a donated sf.Array refuses any
+later use; a caller's plain array or placed array is never written; a result that cannot take a
+donated buffer safely gets its own; pytrees donate all their leaves."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import shardfuse as sf
+
+MESH = sf.DeviceMesh((4,), ("tp",), backend="numpy")
+
+
+def _loss(w, x):
+    return ((sf.shard(x, axis=0) @ w) ** 2).mean()
+
+
+def _sgd(w, x):
+    return w - 0.1 * sf.grad(_loss)(w, x)
+
+
+def _reference(w, x, steps):
+    for _ in range(steps):
+        w = w - 0.1 * (2 * x.T @ (x @ w) / (x.shape[0] * w.shape[1]))
+    return w
+
+
+def test_sgd_steps_write_the_weights_in_place_and_match_numpy():
+    rng = np.random.default_rng(0)
+    w0, x = rng.standard_normal((8, 4)), rng.standard_normal((16, 8))
+    step = sf.jit(_sgd, mesh=MESH, donate_argnums=0)
+    plan = step.lower(w0, x)
+    assert "Sub w <- w, " in str(plan) and plan.program.outputs[0] is plan.program.inputs[0]
+    kept = w0.copy()
+    w = step(w0, x)  # a plain array: the first step writes a copy, never the caller's array
+    np.testing.assert_array_equal(w0, kept)
+    for _ in range(4):
+        pieces = list(w.shards)
+        new = step(w, x)
+        assert all(a is b for a, b in zip(new.shards, pieces)), "the result is not in the donated buffers"
+        with pytest.raises(RuntimeError, match="donated"):
+            np.asarray(w)
+        w = new
+    np.testing.assert_allclose(np.asarray(w), _reference(w0, x, 5), rtol=1e-12)
+
+
+def test_a_placed_array_is_copied_not_written():
+    """sf.replicate of a NumPy array may view it (and its devices share one buffer): donating it
+    must neither change the caller's array nor write one piece four times."""
+    rng = np.random.default_rng(1)
+    w0, x = rng.standard_normal((8, 4)), rng.standard_normal((16, 8))
+    kept = w0.copy()
+    w = sf.replicate(w0, mesh=MESH)
+    out = sf.jit(_sgd, mesh=MESH, donate_argnums=(0,))(w, x)
+    np.testing.assert_array_equal(w0, kept)
+    np.testing.assert_allclose(np.asarray(out), _reference(kept, x, 1), rtol=1e-12)
+    with pytest.raises(RuntimeError, match="donated to _sgd"):
+        w.gather()
+
+
+def test_a_result_written_before_the_argument_is_last_read_keeps_its_own_buffer():
+    def f(w):
+        y = w * 2.0  # written first ...
+        return y, (w * w).sum()  # ... while w is read after
+    rng = np.random.default_rng(2)
+    w0 = rng.standard_normal((8, 4))
+    jf = sf.jit(f, mesh=MESH, donate_argnums=0)
+    plan = jf.lower(w0)
+    assert not set(plan.program.outputs) & set(plan.program.inputs)
+    y, s = jf(sf.jit(lambda w: w + 0.0, mesh=MESH)(w0))
+    np.testing.assert_allclose(np.asarray(y), 2 * w0, rtol=1e-15)
+    np.testing.assert_allclose(float(s), (w0 * w0).sum(), rtol=1e-12)
+
+
+def test_pytree_parameters_donated_leaf_by_leaf():
+    rng = np.random.default_rng(3)
+    params = {"b": rng.standard_normal(4), "w": rng.standard_normal((8, 4))}
+    x = rng.standard_normal((16, 8))
+
+    def loss(p, x):
+        return np.tanh(sf.shard(x, axis=0) @ p["w"] + p["b"]).sum()
+
+    def step(p, x):
+        g = sf.grad(loss)(p, x)
+        return {k: p[k] - 0.5 * g[k] for k in p}
+    donating, plain = sf.jit(step, mesh=MESH, donate_argnums=0), sf.jit(step, mesh=MESH)
+    p1 = p2 = params
+    for _ in range(3):
+        p1, p2 = donating(p1, x), plain(p2, x)
+    for k in params:
+        np.testing.assert_allclose(np.asarray(p1[k]), np.asarray(p2[k]), rtol=1e-14)
+    text = str(donating.lower(params, x))
+    assert "Sub p_b <- p_b, " in text and "Sub p_w <- p_w, " in text
+
+
+def test_refusals():
+    rng = np.random.default_rng(4)
+    w = sf.jit(lambda w: w + 0.0, mesh=MESH)(rng.standard_normal((8, 4)))
+    step = sf.jit(lambda a, b: a - 0.1 * b, mesh=MESH, donate_argnums=0)
+    with pytest.raises(ValueError, match="donated .* also passed as argument 1"):
+        step(w, w)
+    with pytest.raises(ValueError, match="names argument 3"):
+        sf.jit(lambda a: a * 2.0, mesh=MESH, donate_argnums=3)(np.ones(4))
+    with pytest.raises(TypeError, match="donate_argnums"):
+        sf.jit(lambda a: a, mesh=MESH, donate_argnums="w")
