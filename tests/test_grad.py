@@ -343,3 +343,20 @@ def test_refusals_outside_jit_and_of_the_cotangent():
     _, pull = sf.vjp(lambda x: x * 2.0, sf.replicate(np.ones(4), mesh=mesh))
     with pytest.raises(ValueError, match="shape"):
         pull(np.ones(5))
+
+
+@pytest.mark.parametrize("d", [2, 4, 8])
+def test_seed_backward_exact(d):
+    """The seed's pipelined AllGather+GEMM, differentiated: da, db against NumPy's (the cotangent
+    of its replicated result is replicated, so da is a local slice of r @ b.T: no collective)."""
+    mesh = sf.DeviceMesh(d, backend="numpy")
+    rng = np.random.default_rng(d)
+    a, b, r = rng.standard_normal((4, d, 8, 16)), rng.standard_normal((16, 12)), rng.standard_normal((4, d, 8, 12))
+
+    def loss(a, b, r):
+        return (sf.stream(sf.shard(a, axis=1) @ b, axis=0, chunks=2) * r).sum()
+    f = sf.jit(sf.grad(loss, argnums=(0, 1)), mesh=mesh)
+    da, db = f(a, b, r)
+    np.testing.assert_allclose(np.asarray(da), r @ b.T, rtol=1e-12)
+    np.testing.assert_allclose(np.asarray(db), np.einsum("sdmk,sdmn->kn", a, r), rtol=1e-12)
+    assert da.sharding.placement() == sf.shard(a, axis=1, mesh=mesh).sharding.placement()

@@ -1,0 +1,87 @@
+"""Gradients and donation on the CuPy backend (issue 32; run on the GPU machine by
+`pytest -m gpu`): the per-op gradients of tests/test_grad.py against central differences, the MLP
+block's and the seed's backward (pipelined) against NumPy's analytic gradients at D = 1, 2, 4, 8
+virtual devices, and an SGD step written into the donated weights' GPU buffers."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from cases import gpu_count
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(gpu_count() == 0, reason="CuPy sees no GPU")]
+
+import shardfuse as sf  # noqa: E402
+import test_grad as tg  # noqa: E402
+from shardfuse.mlp import mlp_inputs  # noqa: E402
+
+_MESHES: dict = {}
+
+
+def cupy_mesh(d, names=("tp",)):
+    key = (d, names)
+    if key not in _MESHES:
+        _MESHES[key] = sf.DeviceMesh((d,) if len(names) == 1 else (2, d // 2), names, backend="cupy")
+    return _MESHES[key]
+
+
+OPS = ["gelu", "silu", "rsqrt", "log", "where", "mul broadcast", "maximum", "max first keepdims", "mean",
+       "astype", "transpose", "matmul batch @ 2-D", "softmax", "layer_norm", "rms_norm", "attention"]
+
+
+@pytest.mark.parametrize("placement", ["R", "S0"])
+@pytest.mark.parametrize("name", OPS)
+def test_gradient_against_central_differences(name, placement):
+    tg.check_case(name, cupy_mesh(4), placement, tg.seed_of(name, placement, "gpu"))
+
+
+@pytest.mark.parametrize("d", [1, 2, 4])
+@pytest.mark.parametrize("mode", ["sp", "tp"])
+def test_mlp_block_gradients(d, mode):
+    tg.check_mlp(cupy_mesh(d), mode, 2, np.random.default_rng(d))
+
+
+def test_mlp_block_gradients_data_parallel():
+    tg.check_mlp(cupy_mesh(4, ("dp", "tp")), "sp", 2, np.random.default_rng(7), dp="dp")
+
+
+@pytest.mark.parametrize("d", [2, 4, 8])
+@pytest.mark.parametrize("dtype", ["float64", "float32"])
+def test_seed_backward_exact(d, dtype):
+    """The seed's pipelined AllGather+GEMM, differentiated: da and db against NumPy's."""
+    mesh = cupy_mesh(d, ("DIDx",))
+    rng = np.random.default_rng(d)
+    a = rng.standard_normal((4, d, 8, 16)).astype(dtype)
+    b = rng.standard_normal((16, 12)).astype(dtype)
+    r = rng.standard_normal((4, d, 8, 12)).astype(dtype)
+
+    def loss(a, b, r):
+        return (sf.stream(sf.shard(a, axis=1) @ b, axis=0, chunks=2) * r).sum()
+    da, db = sf.jit(sf.grad(loss, argnums=(0, 1)), mesh=mesh)(a, b, r)
+    a64, b64, r64 = (x.astype(np.float64) for x in (a, b, r))
+    tol = 1e-12 if dtype == "float64" else 1e-5
+    for got, want in ((da, r64 @ b64.T), (db, np.einsum("sdmk,sdmn->kn", a64, r64))):
+        got = np.asarray(got).astype(np.float64)
+        assert np.linalg.norm(got - want) <= tol * np.linalg.norm(want)
+
+
+def test_sgd_step_writes_the_donated_gpu_buffers():
+    import cupy
+
+    mesh = cupy_mesh(2)
+    rng = np.random.default_rng(3)
+    w0, x = rng.standard_normal((8, 4)).astype(np.float32), rng.standard_normal((16, 8)).astype(np.float32)
+
+    def step(w, x):
+        return w - 0.1 * sf.grad(lambda w, x: ((sf.shard(x, axis=0) @ w) ** 2).mean())(w, x)
+    jstep = sf.jit(step, mesh=mesh, donate_argnums=0)
+    w, want = jstep(w0, x), w0.astype(np.float64)
+    want = want - 0.1 * (2 * x.T @ (x @ want) / 64)
+    for _ in range(3):
+        pieces = [p.data.ptr for p in w.shards]
+        assert all(isinstance(p, cupy.ndarray) for p in w.shards)
+        w_next = jstep(w, x)
+        assert [p.data.ptr for p in w_next.shards] == pieces
+        w = w_next
+        want = want - 0.1 * (2 * x.T @ (x @ want) / 64)
+    np.testing.assert_allclose(np.asarray(w), want, rtol=1e-4, atol=1e-5)
