@@ -23,12 +23,13 @@ from shardfuse import nn
 from shardfuse.trace import stream, to_mesh
 from shardfuse.traced import ConcretizationError
 from shardfuse.transforms import grad, value_and_grad, vjp
+from shardfuse.torch_bridge import torch_function
 from shardfuse.traced_numpy import (exp, gelu, linear, log, logical_not, maximum, minimum, relu, rsqrt, sigmoid, silu,
                                     sqrt, tanh, where)
 
 __all__ = ["Array", "DeviceMesh", "Layout", "Partial", "Replicate", "Shard", "Plan", "TensorSpec", "from_local", "jit", "replicate", "shard", "stream", "to_mesh",
            "exp", "gelu", "linear", "relu", "tanh", "sqrt", "rsqrt", "log", "sigmoid", "silu", "maximum", "minimum",
-           "where", "logical_not", "nn", "grad", "value_and_grad", "vjp", "visualize_sharding", "distribute",
+           "where", "logical_not", "nn", "grad", "value_and_grad", "vjp", "torch_function", "visualize_sharding", "distribute",
            "CollectiveTimeoutError", "ConcretizationError", "RankLeftError", "RankMismatchError"]
 
 try:

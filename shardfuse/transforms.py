@@ -150,7 +150,8 @@ def value_and_grad(fn, argnums=0, has_aux=False):
 
 def vjp(fn, *primals, has_aux=False):
     """(fn(*primals), vjp_fn), as jax.vjp: vjp_fn(cotangent), the cotangent with the structure of
-    fn's output, returns a tuple with a cotangent per primal.  Inside sf.jit the backward is
+    fn's output, returns a tuple with a cotangent per primal (None for an integer or boolean one,
+    where JAX gives float0 zeros).  Inside sf.jit the backward is
     appended to the program; outside, vjp_fn runs a plan that computes the forward again (the
     primals are kept, never the activations)."""
     if _traced_leaves(primals):
@@ -168,8 +169,11 @@ def vjp(fn, *primals, has_aux=False):
 
 def _vjp_traced(fn, primals, has_aux):
     leaves, in_tree = tree.flatten(primals)
-    _check_primals(leaves, "sf.vjp", "a primal")
-    fwd = _Forward(fn, primals, leaves, "sf.vjp", has_aux)
+    for x in leaves:
+        if not isinstance(x, Traced):
+            raise TypeError(f"sf.vjp: a primal is a {type(x).__name__}; it takes arrays (and pytrees of them)")
+    wrt = [x for x in leaves if differentiable(x.dtype)]  # (integer and boolean primals: cotangent None)
+    fwd = _Forward(fn, primals, wrt, "sf.vjp", has_aux)
     out_leaves, out_tree = tree.flatten(fwd.out)
 
     def vjp_fn(cotangent):
@@ -182,7 +186,8 @@ def _vjp_traced(fn, primals, has_aux):
                 got = describe(c) if isinstance(c, Traced) else type(c).__name__
                 raise ValueError(f"vjp_fn: the cotangent of {describe(o)} must be an array of shape {o.shape} and "
                                  f"dtype {o.dtype}, got {got}")
-        return tuple(in_tree.unflatten(fwd.cotangents(out_leaves, cts)))
+        grads = iter(fwd.cotangents(out_leaves, cts))
+        return tuple(in_tree.unflatten([next(grads) if differentiable(x.dtype) else None for x in leaves]))
     return (fwd.out, vjp_fn, fwd.aux) if has_aux else (fwd.out, vjp_fn)
 
 

@@ -1,0 +1,82 @@
+"""sf.torch_function (issue 32): a jitted function inside torch autograd, checked against torch's
+own autograd on the same layer (float64), with several results (one unused by the loss), an
+integer input (no gradient), and a few Adam steps of torch's optimizer on both."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+import shardfuse as sf
+from shardfuse.mlp import mlp_block
+
+MESH = sf.DeviceMesh((4,), ("tp",), backend="numpy")
+
+
+def torch_mlp(x, w1, b1, w2, b2):
+    return torch.nn.functional.gelu(x @ w1 + b1, approximate="tanh") @ w2 + b2
+
+
+def _leaves(seed):
+    g = torch.Generator().manual_seed(seed)
+    shapes = [(16, 8), (8, 32), (32,), (32, 8), (8,)]
+    return [torch.randn(s, dtype=torch.float64, generator=g, requires_grad=True) for s in shapes]
+
+
+def _twins(seed):
+    a = _leaves(seed)
+    return a, [t.detach().clone().requires_grad_() for t in a]
+
+
+@pytest.mark.parametrize("mode", ["sp", "tp"])
+def test_mlp_block_matches_torch_autograd(mode):
+    ours, theirs = _twins(0)
+    y = sf.torch_function(mlp_block(MESH, mode, chunks=2))(*ours)
+    z = torch_mlp(*theirs)
+    torch.testing.assert_close(y, z, rtol=1e-12, atol=1e-12)
+    (y.sin() * 3).sum().backward()
+    (z.sin() * 3).sum().backward()
+    for a, b in zip(ours, theirs):
+        torch.testing.assert_close(a.grad, b.grad, rtol=1e-10, atol=1e-10)
+
+
+def test_several_results_one_unused_and_an_integer_input():
+    def f(x, w, k):
+        h = sf.shard(x, axis=0) @ w
+        return np.tanh(h) * k.astype("float64"), h.sum(0)
+    fn = sf.torch_function(sf.jit(f, mesh=MESH))
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(8, 6, dtype=torch.float64, generator=g, requires_grad=True)
+    w = torch.randn(6, 4, dtype=torch.float64, generator=g, requires_grad=True)
+    k = torch.tensor(3, dtype=torch.int64)
+    y, s = fn(x, w, k)
+    y.sum().backward()  # s is not used: its cotangent is zero
+    x2, w2 = x.detach().clone().requires_grad_(), w.detach().clone().requires_grad_()
+    (torch.tanh(x2 @ w2) * 3).sum().backward()
+    torch.testing.assert_close(x.grad, x2.grad, rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(w.grad, w2.grad, rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(s, (x2 @ w2).sum(0).detach(), rtol=1e-12, atol=1e-12)
+
+
+def test_adam_steps_agree_with_torch():
+    ours, theirs = _twins(2)
+    fn = sf.torch_function(mlp_block(MESH, "sp", chunks=2))
+    opt_a, opt_b = torch.optim.Adam(ours[1:], lr=1e-2), torch.optim.Adam(theirs[1:], lr=1e-2)
+    target = torch.randn(16, 8, dtype=torch.float64, generator=torch.Generator().manual_seed(3))
+    losses = []
+    for _ in range(5):
+        for opt, params, f in ((opt_a, ours, fn), (opt_b, theirs, torch_mlp)):
+            opt.zero_grad()
+            loss = ((f(*params) - target) ** 2).mean()
+            loss.backward()
+            opt.step()
+            losses.append(loss.item())
+    np.testing.assert_allclose(losses[0::2], losses[1::2], rtol=1e-10)
+    assert losses[-2] < losses[0]
+    for a, b in zip(ours, theirs):
+        torch.testing.assert_close(a, b, rtol=1e-9, atol=1e-9)
+
+
+def test_refuses_non_tensors():
+    with pytest.raises(TypeError, match="takes torch tensors"):
+        sf.torch_function(sf.jit(lambda x: x * 2.0, mesh=MESH))(np.ones(4))
