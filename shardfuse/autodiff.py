@@ -122,14 +122,22 @@ def _unbroadcast(ct: Traced, shape) -> Traced:
     return ct.sum(axis=axes).reshape(shape) if axes else ct.reshape(shape)
 
 
+def _home(x: Traced):
+    """The sub-mesh x lives on (None: the program's whole mesh)."""
+    home = x.builder.homes.get(x.value)
+    return None if home == x.builder.mesh else home
+
+
 def _set(ins, xs, out, ct, instrs):
+    """An annotation transposes to itself (the cotangent lives where the value does); a move
+    between meshes (sf.to_mesh, or an annotation with mesh=) moves the cotangent back."""
     (x,) = xs
     lay = out.value.type.layout
-    if ins.attrs.get("annotation"):  # transposes to itself: the cotangent lives where the value does
-        return [pin(ct, lay.placement())]
-    home = x.builder.homes.get(x.value)  # a move between meshes: back to where x lives
-    back = known_layout(x.builder, x.value) or Layout.replicated(x.ndim).on(None if home == x.builder.mesh else home)
-    return [pin(ct, back)]
+    if ins.attrs.get("annotation"):
+        ct = pin(ct, lay.placement())
+    if lay.mesh != _home(x) or not ins.attrs.get("annotation"):
+        ct = pin(ct, known_layout(x.builder, x.value) or Layout.replicated(x.ndim).on(_home(x)))
+    return [ct]
 
 
 def _matmul(ins, xs, out, ct, instrs):
@@ -139,14 +147,41 @@ def _matmul(ins, xs, out, ct, instrs):
     # a reshaped to rows: merging a batch axis sharded over dp with rows sharded over tp is no layout)
     a_, ct_ = _regathered(a, ct)
     db = _unbroadcast(a_.swapaxes(-1, -2) @ ct_, b.shape)
+    return [_streamed_like(ins, a, b, da, out, instrs), db]
+
+
+def _streamed_like(ins, a, b, da, out, instrs):
+    """da produced chunk by chunk as the forward's product was (the dgrad GEMM of an AllGather+GEMM
+    is a GEMM+ReduceScatter over the same chunks), where the forward states a's layout and the
+    split is one the compiler takes; a schedule hint (passes drop it rather than refuse)."""
     streamed = _stream_of(ins.outs[0], instrs)
-    if streamed is not None and streamed[0] < out.ndim - 1 and a.ndim == out.ndim:
-        lay = known_layout(a.builder, a.value)
-        if lay is not None and lay.mesh is None:  # a's gradient produced chunk by chunk, as c was
-            axis, chunks = streamed
-            if lay.axes[axis] is None or chunks != "auto":  # (a sharded stream axis needs a number of chunks)
-                da = pin(da, lay.streamed(axis, chunks))
-    return [da, db]
+    if streamed is None or b.ndim != 2 or a.ndim != out.ndim or da.builder.producer[da.value].op != Op.MATMUL:
+        return da
+    axis, chunks = streamed
+    lay = known_layout(a.builder, a.value)
+    if axis >= out.ndim - 1 or lay is None or lay.mesh is not None or lay.partial:
+        return da
+    shards = math.prod(a.builder.mesh.axis_size(n) for n in mesh_axes(lay.axes[axis]))
+    if chunks == "auto" and shards > 1 or isinstance(chunks, int) and a.shape[axis] % (chunks * shards):
+        return da
+    return a.builder.emit(Op.SET, (da,), TensorType(da.shape, da.dtype, lay.streamed(axis, chunks)), da.value.name,
+                          annotation=True, hint=True)
+
+
+def drop_hints(prog):
+    """prog with the schedule hints autodiff added taken out (each value keeps its placement):
+    what sf.jit compiles when a hint's split is one the passes refuse."""
+    from shardfuse.ir import Value, substitute
+
+    mapping = {}
+    for i in prog.instrs:
+        if i.op == Op.SET and i.attrs.get("hint"):
+            o = i.outs[0]
+            mapping[o] = Value(o.name, o.type.with_layout(o.type.layout.placement()))
+    if not mapping:
+        return None
+    return prog.with_instrs(substitute(prog.instrs, mapping), "drop_hints",
+                            outputs=tuple(mapping.get(v, v) for v in prog.outputs))
 
 
 def _regathered(a: Traced, ct: Traced):

@@ -18,6 +18,7 @@ from shardfuse.plan import Plan  # noqa: F401 (sf.jit's plans; shardfuse.jit.Pla
 from shardfuse.interop import array_info
 from shardfuse import tree
 from shardfuse.autochunks import compile_best
+from shardfuse.autodiff import drop_hints
 from shardfuse.cost import Rates
 from shardfuse.rates import machine
 from shardfuse.mesh import DeviceMesh, as_int
@@ -134,7 +135,13 @@ class Jitted:
                 raise ValueError(f"{self.__name__}: donate_argnums={self.donate_argnums} names argument "
                                  f"{max(self.donate_argnums)}, but the call gave {len(specs)}")
             traced = dataclasses.replace(traced, donated=self.donate_argnums)
-        prog, why = compile_best(traced, lambda: machine(self.mesh, self.rates))
+        try:
+            prog, why = compile_best(traced, lambda: machine(self.mesh, self.rates))
+        except ValueError:
+            plain = drop_hints(traced)  # a backward's schedule is a hint: without it, or the refusal
+            if plain is None:
+                raise
+            prog, why = compile_best(plain, lambda: machine(self.mesh, self.rates))
         plan = self._plans[specs] = Plan(prog, self.graph, why, self.rates)
         plan.out_tree = fn.out_tree  # (the structure of fn's result, set as it was traced just now)
         if log.isEnabledFor(logging.INFO):

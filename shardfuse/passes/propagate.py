@@ -84,6 +84,8 @@ def _one_refinement(instrs, outputs, inferred, consumers, mesh):
                 continue
             if any(c.op in (Op.SET, Op.VIEW) for c, _ in consumers[o]):
                 continue  # a reshard or a view states no requirement of its own
+            if any(c.outs and c.outs[0].type.layout.mesh != lay.mesh for c, _ in consumers[o]):
+                continue  # a consumer on another mesh: o moves there, and its sharding there need not divide here
             wants = {_required(c, n, mesh) for c, n in consumers[o]}
             if len(wants) != 1:
                 continue
