@@ -19,7 +19,9 @@ from shardfuse.mesh import DeviceMesh
 from shardfuse.placements import Partial, Replicate, Shard
 from shardfuse.spec import TensorSpec
 from shardfuse.visualize import visualize_sharding
-from shardfuse import nn
+from shardfuse import nn, transformer
+
+nn.transformer_layer = transformer.transformer_layer  # (sf.nn's block; in its own module: it is built from sf.nn)
 from shardfuse.trace import stream, to_mesh
 from shardfuse.traced import ConcretizationError
 from shardfuse.transforms import grad, value_and_grad, vjp

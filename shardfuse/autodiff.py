@@ -155,7 +155,8 @@ def _streamed_like(ins, a, b, da, out, instrs):
     is a GEMM+ReduceScatter over the same chunks), where the forward states a's layout and the
     split is one the compiler takes; a schedule hint (passes drop it rather than refuse)."""
     streamed = _stream_of(ins.outs[0], instrs)
-    if streamed is None or b.ndim != 2 or a.ndim != out.ndim or da.builder.producer[da.value].op != Op.MATMUL:
+    users = sum(i.ins.count(a.value) for i in instrs)  # (a's cotangent sums several terms: made whole once)
+    if streamed is None or users > 1 or b.ndim != 2 or a.ndim != out.ndim or da.builder.producer[da.value].op != Op.MATMUL:
         return da
     axis, chunks = streamed
     lay = known_layout(a.builder, a.value)
