@@ -34,6 +34,7 @@ from shardfuse.backends.cuda import collectives, copies, devices, gemm, kernels
 from shardfuse.backends.cuda.graphs import GraphPlan
 from shardfuse.interop import torch_view, array_info, to_cupy, to_numpy
 from shardfuse.dtypes import np_dtype
+from shardfuse.ops import Reduce
 
 # how many cuBLASLt candidates a GEMM times at bind time; read at every bind, so it may be set
 # here at run time (benchmarks/gemm_vs_torch.py does)
@@ -178,8 +179,8 @@ class CupyNcclBackend:
     def bind_allgather(self, send, recv, team, stream):
         return self.collectives.allgather(send, recv, team, stream)
 
-    def bind_allreduce(self, send, recv, team, stream):
-        return self.collectives.allreduce(send, recv, team, stream)
+    def bind_allreduce(self, send, recv, team, stream, op=Reduce.SUM):
+        return self.collectives.allreduce(send, recv, team, stream, op)
 
     def bind_reduce_scatter(self, send, recv, team, stream):
         return self.collectives.reduce_scatter(send, recv, team, stream)

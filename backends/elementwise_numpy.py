@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from shardfuse.backends import extrema
 from shardfuse.ops import Op
 
 
@@ -146,6 +147,8 @@ ELEMENTWISE = {
     Op.FILL_THEN: _fill_then,
     Op.FILL_ELSE: _fill_else,
     Op.ASTYPE: _astype,
+    Op.ORDER_KEYS: extrema.to_keys,
+    Op.FROM_ORDER_KEYS: extrema.from_keys,
     Op.REDUCE_MAX: lambda xp, x, _, o: xp.max(x, axis=-1, out=o),
     Op.REDUCE_MIN: lambda xp, x, _, o: xp.min(x, axis=-1, out=o),
 }

@@ -270,8 +270,9 @@ class Executable:
         return (mesh, name)
 
     def _bind_collective(self, i, env, stream, devices):
+        op = {"op": i.attrs["op"]} if "op" in i.attrs else {}  # (an Allreduce's max / min)
         start, self.pending[i.outs[0]] = COLLECTIVE_BINDERS[i.op](self.backend)(
-            *self._comm_operands(i), self._team(i, i.attrs["team"]), stream)
+            *self._comm_operands(i), self._team(i, i.attrs["team"]), stream, **op)
         return start
 
     # ---- running ----------------------------------------------------------------------

@@ -221,7 +221,8 @@ def _fmt(ins: Instr) -> str:
     if ins.into is not None:  # host-level compute and communication write into a buffer
         name = {Op.MATMUL: "Matmul", Op.SUM: "Sum", Op.COPY: "Copy",
                 Op.ALLGATHER: "Allgather", Op.ALLREDUCE: "Allreduce", Op.REDUCE_SCATTER: "ReduceScatter", Op.ALLTOALL: "AllToAll",
-                Op.SENDRECV: "SendRecv"}.get(op, op.capitalize())
+                Op.SENDRECV: "SendRecv", Op.ORDER_KEYS: "OrderKeys", Op.FROM_ORDER_KEYS: "FromOrderKeys"
+                }.get(op, op.capitalize())
         rhs = " @ ".join(v.name for v in ins.ins) if op == Op.MATMUL else ins_s
         if op == Op.TRANSFER:  # a move between meshes, in nvFuser's words
             name, a = a["kind"], {k: v for k, v in a.items() if k != "kind"}

@@ -11,6 +11,14 @@ from __future__ import annotations
 from enum import StrEnum
 
 
+class Reduce(StrEnum):
+    """How pending values combine (DTensor's Partial(reduce_op)): the operator of an Allreduce
+    (ncclSum / ncclMax / ncclMin, MPI.SUM / MAX / MIN)."""
+    SUM = "sum"
+    MAX = "max"
+    MIN = "min"
+
+
 class Op(StrEnum):
     # array level: what tracing records, the passes rewrite
     SET = "set"  # a (re)sharding or a stream annotation: the value with another layout
@@ -61,6 +69,10 @@ class Op(StrEnum):
     FILL_THEN = "fill_then"  # where(c, a Python scalar, 0), in the output's dtype
     FILL_ELSE = "fill_else"  # where(c, 0, a Python scalar)
     ASTYPE = "astype"  # a cast to the output's dtype
+    # an Allreduce with max / min moves floats as order-preserving integer keys (NaN kept as NumPy
+    # keeps it: backends/extrema.py); the scalar `value` is "max" or "min"
+    ORDER_KEYS = "order_keys"
+    FROM_ORDER_KEYS = "from_order_keys"
     # reductions of the last axis (tracing transposes the reduced axis there): bound and costed as
     # elementwise steps (one pass over the input, no attribute that a stream split renumbers)
     REDUCE_MAX = "reduce_max"
@@ -96,7 +108,8 @@ COMPARE_SCALAR = frozenset({Op.LT_SCALAR, Op.LE_SCALAR, Op.GT_SCALAR, Op.GE_SCAL
 BINARY = frozenset({Op.ADD, Op.SUB, Op.MUL, Op.DIV, Op.MAXIMUM, Op.MINIMUM, Op.WHERE_THEN, Op.WHERE_ELSE}) | COMPARE
 NONLINEAR_UNARY = frozenset({Op.EXP, Op.TANH, Op.RELU, Op.GELU, Op.ADD_SCALAR, Op.RDIV, Op.SQRT, Op.RSQRT, Op.LOG,
                              Op.SIGMOID, Op.SILU, Op.POW, Op.RPOW, Op.MAXIMUM_SCALAR, Op.MINIMUM_SCALAR,
-                             Op.LOGICAL_NOT, Op.FILL_THEN, Op.FILL_ELSE, Op.ASTYPE}) | COMPARE_SCALAR
+                             Op.LOGICAL_NOT, Op.FILL_THEN, Op.FILL_ELSE, Op.ASTYPE, Op.ORDER_KEYS,
+                             Op.FROM_ORDER_KEYS}) | COMPARE_SCALAR
 LINEAR_UNARY = frozenset({Op.NEG, Op.SCALE, Op.DIV_SCALAR})  # commute with a pending sum
 LOCAL_REDUCTIONS = frozenset({Op.REDUCE_MAX, Op.REDUCE_MIN})  # of the last axis, which must be whole
 # (a step per device like the elementwise ops: the executor binds these through bind_elementwise)

@@ -8,7 +8,7 @@ import cupy
 
 # fn(xp, x, y or scalar, out) keyed by Op, for any array module xp: the same ufunc calls on both backends
 from shardfuse.backends.elementwise_numpy import ELEMENTWISE
-from shardfuse.ops import Op
+from shardfuse.ops import Op, Reduce
 
 BF16_PREAMBLE = r"""
 __device__ inline float bf2f(unsigned short h) { return __uint_as_float(((unsigned int)h) << 16); }
@@ -65,6 +65,15 @@ class Kernels:
             return cupy.ElementwiseKernel(", ".join(f"{t} x{i}" for i in range(n)), f"{t} y", body,
                                           f"sf_sum{n}_{dtype}", preamble=BF16_PREAMBLE)
         return self._get(("sum_of", dtype, n), make)
+
+    def extremum_of(self, dtype, n, op):
+        """y = max (op="max") or min of x0 ... x{n-1} elementwise, integers (order keys), one kernel."""
+        def make():
+            f = "max" if op == Reduce.MAX else "min"
+            body = "y = x0;" + "".join(f" y = {f}(y, x{i});" for i in range(1, n))
+            return cupy.ElementwiseKernel(", ".join(f"{dtype} x{i}" for i in range(n)), f"{dtype} y", body,
+                                          f"sf_{op}{n}_{dtype}")
+        return self._get(("extremum_of", dtype, n, op), make)
 
     def gather(self, n, vector):
         """One launch instead of 2n - 1 copies: block r (`units` elements) of each of n send
