@@ -87,6 +87,9 @@ class Program:
     instrs: tuple
     streams: int = 4
     history: tuple = ()  # the passes that produced this program, in order
+    # NumPy arrays captured while tracing (shardfuse/constants.py): the last len(constants) inputs,
+    # bound by the plan at each call after the function's arguments
+    constants: tuple = field(default=(), compare=False, repr=False)
 
     def with_instrs(self, instrs, by: str, **changes) -> "Program":
         return replace(self, instrs=tuple(instrs), history=self.history + (by,), **changes)
@@ -250,6 +253,9 @@ def format_program(prog: Program) -> str:
     outs = ", ".join(_typed(v) for v in prog.outputs)
     mesh = " x ".join(f"{n}={s}" for n, s in zip(prog.mesh.axis_names, prog.mesh.shape))
     head = [f"plan {prog.name}({ins}) -> ({outs})", f"  # mesh {mesh}, streams={prog.streams}"]
+    if prog.constants:
+        names = ", ".join(v.name for v in prog.inputs[len(prog.inputs) - len(prog.constants):])
+        head.append(f"  # constants: {names} (NumPy arrays captured when traced; the plan binds them at each call)")
     body = format_instrs(prog.instrs)
     tail = ["  return " + ", ".join(v.name for v in prog.outputs)]
     return "\n".join(head + body + tail)

@@ -40,6 +40,7 @@ class Plan:
         self._binding = threading.Lock()  # threads' first calls bind it once (binding may communicate)
         self._why, self._rates = explanation, rates  # chunks="auto"'s choice; the rates given to sf.jit
         self.out_tree = None  # the structure of the function's result where it is a pytree (tree.FlatFunction)
+        self._const_infos = tuple(array_info(c) for c in program.constants)
 
     def __str__(self):
         return str(self.program)
@@ -113,6 +114,8 @@ class Plan:
         took), sf.Arrays out (in the function's result structure)."""
         if any(tree.is_container(a) for a in args):
             args = tuple(tree.leaves(args))
+        if self.program.constants:  # (the arrays captured when traced: the last inputs)
+            args, infos = args + self.program.constants, None if infos is None else infos + self._const_infos
         outs = self.executable(*args, stream=stream, infos=infos)
         prog = self.program
         arrays = tuple(Array(prog.mesh, v.type.shape, v.type.dtype, lay, shards, whole)
@@ -332,13 +335,15 @@ class Jitted:
         if builder.mesh != self.mesh:
             raise ValueError(f"{name} is compiled for {self.mesh}, but is called inside a function traced for "
                              f"{builder.mesh}: inlining needs the same mesh")
+        args = tuple(builder.constant(a) for a in args)  # NumPy arrays: constants of the caller's program
+        kwargs = {k: builder.constant(a) for k, a in kwargs.items()}
         for k, a in enumerate(list(args) + list(kwargs.values())):
             if isinstance(a, Traced):
                 continue
             if isinstance(a, Array) or hasattr(a, "__array__") or hasattr(a, "__dlpack__") \
                     or hasattr(a, "__cuda_array_interface__"):
                 raise TypeError(f"{name}() called inside a traced function on a {type(a).__name__}: arrays are not "
-                                "captured as constants; make it an input of the outer sf.jit function")
+                                "captured as constants (NumPy arrays are); make it an input of the outer sf.jit function")
         return self.fn(*args, **kwargs)
 
 

@@ -112,10 +112,7 @@ def _swap_last_two(t):
 @_one_plan
 def _attention(q, k, v, mask):
     scores = (q @ _swap_last_two(k)) * (1.0 / math.sqrt(q.shape[-1]))
-    if mask is not None:
-        if isinstance(q, Traced) and not isinstance(mask, Traced):
-            raise TypeError(f"sf.nn.attention: mask is a {type(mask).__name__} inside sf.jit, where arrays are not "
-                            "captured as constants yet: make the mask an argument of the jitted function")
+    if mask is not None:  # (a NumPy mask inside sf.jit is a constant of the program)
         scores = where(mask, scores, _MASKED[scores.dtype]) if mask.dtype == "bool" else scores + mask
     return softmax(scores, -1) @ v
 
@@ -131,18 +128,11 @@ def attention(q, k, v, causal=False, mask=None):
     sequence and head_dim whole, nothing is communicated.
 
     causal=True builds np.tril(np.ones((seq_q, seq_k), bool)) as the mask: outside sf.jit it is
-    passed as a replicated array; inside sf.jit it raises NotImplementedError, because a NumPy
-    array is not captured as a constant there yet and shardfuse has no iota to build it from:
-    pass the mask as an argument of the jitted function instead (mask=np.tril(...))."""
+    passed as a replicated array, inside sf.jit it is a constant of the program (shardfuse/constants.py)."""
     if causal:
         if mask is not None:
             raise ValueError("sf.nn.attention: give causal=True or mask=, not both (fold the causal mask into yours: "
                              "mask & np.tril(np.ones((seq_q, seq_k), bool)))")
-        if any(isinstance(t, Traced) for t in (q, k, v)):
-            raise NotImplementedError(
-                "sf.nn.attention(causal=True) inside sf.jit: NumPy arrays are not captured as constants yet and "
-                "there is no iota op to build the mask from; make the mask an argument of the jitted function and "
-                f"pass mask=np.tril(np.ones(({q.shape[-2]}, {k.shape[-2]}), bool)) instead")
         mask = np.tril(np.ones((q.shape[-2], k.shape[-2]), bool))
     return _attention(q, k, v, mask)
 

@@ -246,7 +246,7 @@ def test_max_over_a_sharded_axis_is_one_allreduce_max():
 def test_causal_mask_softmax():
     """A causal mask (np.tril) with where and comparisons, and a softmax with the max subtracted
     (keepdims, broadcasting): outside jit the mask is a plain array closed over; inside jit an
-    argument (constants captured inside sf.jit are issue 31's item 6)."""
+    argument or closed over (a constant of the program)."""
     mesh = mesh_of(4)
     rng = np.random.default_rng(7)
     scores = rng.standard_normal((4, 8, 8)) * 4
@@ -265,8 +265,8 @@ def test_causal_mask_softmax():
     g = sf.jit(lambda s, i, j: softmax(sf.where(i >= j, s, -np.inf)), mesh=mesh)  # the mask from comparisons
     rows, cols = np.arange(8.0)[:, None], np.arange(8.0)[None, :]
     np.testing.assert_allclose(g(s, rows, cols).gather(), want, rtol=1e-12, atol=1e-300)
-    with pytest.raises(TypeError, match="not captured as constants inside sf.jit"):
-        sf.jit(lambda s: sf.where(s > 0, s, np.zeros((8, 8))), mesh=mesh)(s)
+    h = sf.jit(lambda s: softmax(sf.where(mask, s, -np.inf)), mesh=mesh)  # the mask closed over: a constant
+    np.testing.assert_allclose(h(s).gather(), want, rtol=1e-12, atol=1e-300)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)

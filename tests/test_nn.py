@@ -302,17 +302,26 @@ def test_causal_outside_jit_and_the_mask_argument_inside_agree():
     np.testing.assert_allclose(inside.gather(), want, rtol=1e-12, atol=1e-12)
 
 
-def test_causal_inside_jit_says_to_pass_the_mask():
-    f = sf.jit(lambda q, k, v: nn.attention(q, k, v, causal=True), mesh=mesh_of("1d"))
-    with pytest.raises(NotImplementedError, match=r"mask=np\.tril\(np\.ones\(\(8, 8\), bool\)\)"):
-        f.lower(*qkv(np.random.default_rng(5)))
+@pytest.mark.parametrize("kind", ["1d", "2d"])
+def test_causal_inside_jit_is_a_constant_mask(kind):
+    """causal=True inside sf.jit: the np.tril mask is a constant of the program (printed), heads
+    sharded still communicate nothing, and the values are the float64 reference's."""
+    mesh = mesh_of(kind)
+    q, k, v = (sf.distribute(t, mesh, HEAD_LAYOUTS[kind]["heads"]) for t in qkv(np.random.default_rng(5)))
+    f = sf.jit(lambda q, k, v: nn.attention(q, k, v, causal=True), mesh=mesh)
+    plan = f.lower(q, k, v)
+    assert "# constants: const " in str(plan) and "const: bool[8, 8]" in str(plan), str(plan)
+    assert plan.collectives() == {}, str(plan)
+    want = np_attention(*(t.gather() for t in (q, k, v)), np.tril(np.ones((S, S), bool)))
+    np.testing.assert_allclose(f(q, k, v).gather(), want, rtol=1e-12, atol=1e-12)
 
 
-def test_a_numpy_mask_closed_over_inside_jit_is_refused_clearly():
+def test_a_numpy_mask_closed_over_inside_jit_is_a_constant():
     tril = np.tril(np.ones((S, S), bool))
+    tril[3, 0] = False  # (not the causal mask: this one is what the program must use)
+    q, k, v = qkv(np.random.default_rng(5))
     f = sf.jit(lambda q, k, v: nn.attention(q, k, v, mask=tril), mesh=mesh_of("1d"))
-    with pytest.raises(TypeError, match="make the mask an argument of the jitted function"):
-        f.lower(*qkv(np.random.default_rng(5)))
+    np.testing.assert_allclose(f(q, k, v).gather(), np_attention(q, k, v, tril), rtol=1e-12, atol=1e-12)
 
 
 def test_causal_and_a_mask_together_are_refused():

@@ -33,3 +33,8 @@ def test_max_min_over_the_sharded_axis(mesh, kind, dtype, nans, jit):
 def test_max_plan_is_one_allreduce(mesh):
     plan = ex.plan_of(mesh, "max", 1)
     assert plan.collectives() == {"allreduce": 1} and "op=max" in str(plan), plan
+
+
+def test_constants_closed_over(mesh):
+    import test_constants as ct
+    ct.check_closed_over(mesh, np.random.default_rng(0))
