@@ -11,7 +11,7 @@ import os
 
 import numpy as np
 
-from shardfuse.backends.elementwise_numpy import ELEMENTWISE
+from shardfuse.backends.elementwise_numpy import ELEMENTWISE, take_rows
 from shardfuse.dtypes import np_dtype, poison_value
 from shardfuse.ops import Reduce
 
@@ -107,6 +107,14 @@ class NumpyLocalBackend:
                     continue
                 s = np.sum(x, axis=axis, dtype=acc)
                 o[...] = s if scale == 1.0 else s * scale
+        return step
+
+    def bind_take(self, table, ids, rows, out, stream, vocab, devices=None):
+        js, view = self._on(devices), self.view
+
+        def step(bufs):
+            for j in js:
+                take_rows(np, view(bufs, table, j), view(bufs, ids, j), view(bufs, rows, j), vocab, view(bufs, out, j))
         return step
 
     def bind_copy(self, src, dst, stream, devices=None):

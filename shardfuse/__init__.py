@@ -18,6 +18,7 @@ from shardfuse.layout import Layout
 from shardfuse.mesh import DeviceMesh
 from shardfuse.placements import Partial, Replicate, Shard
 from shardfuse.spec import TensorSpec
+from shardfuse.take import take
 from shardfuse.visualize import visualize_sharding
 from shardfuse import nn
 from shardfuse.trace import stream, to_mesh
@@ -27,7 +28,7 @@ from shardfuse.traced_numpy import (exp, gelu, linear, log, logical_not, maximum
 
 __all__ = ["Array", "DeviceMesh", "Layout", "Partial", "Replicate", "Shard", "Plan", "TensorSpec", "from_local", "jit", "replicate", "shard", "stream", "to_mesh",
            "exp", "gelu", "linear", "relu", "tanh", "sqrt", "rsqrt", "log", "sigmoid", "silu", "maximum", "minimum",
-           "where", "logical_not", "nn", "visualize_sharding", "distribute",
+           "where", "logical_not", take.__name__, "nn", "visualize_sharding", "distribute",
            "CollectiveTimeoutError", "ConcretizationError", "RankLeftError", "RankMismatchError"]
 
 try:

@@ -79,6 +79,7 @@ class Op(StrEnum):
     REDUCE_MIN = "reduce_min"
     SUM = "sum"
     TRANSPOSE = "transpose"  # also a host-level view
+    TAKE = "take"  # take(table, ids, rows): rows ids of the table, zeros where this device holds none
     # host level: buffers and their views
     ALLOCATE = "allocate"
     SLICE = "slice"
@@ -124,6 +125,6 @@ STREAM_OPS = frozenset({Op.GET_STREAM, Op.SET_STREAM, Op.SYNCHRONIZE, Op.RECORD_
 HOST_ONLY = frozenset({Op.ALLOCATE, Op.SELECT, Op.SENDRECV, Op.WAIT, Op.FOR}) | STREAM_OPS
 # What a final plan may hold: the executor binds exactly these.
 HOST = (VIEWS | COMMUNICATION | ELEMENTWISE | STREAM_OPS
-        | {Op.ALLOCATE, Op.COPY, Op.WAIT, Op.MATMUL, Op.SUM, Op.FOR})
+        | {Op.ALLOCATE, Op.COPY, Op.WAIT, Op.MATMUL, Op.SUM, Op.TAKE, Op.FOR})
 # What tracing may record.
-ARRAY = ELEMENTWISE | {Op.SET, Op.RESHAPE, Op.MATMUL, Op.SUM, Op.TRANSPOSE}
+ARRAY = ELEMENTWISE | {Op.SET, Op.RESHAPE, Op.MATMUL, Op.SUM, Op.TRANSPOSE, Op.TAKE}

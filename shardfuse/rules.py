@@ -15,6 +15,7 @@ from __future__ import annotations
 
 from shardfuse.layout import Layout, mesh_axes
 from shardfuse.ops import Op, Reduce
+from shardfuse.rules_take import TAKE
 from shardfuse import ops
 
 LINEAR_UNARY = {Op.NEG, Op.SCALE, Op.DIV_SCALAR, Op.TRANSPOSE}
@@ -348,6 +349,7 @@ RULES = {
     Op.SET: dict(infer=_given, require=_as_is, axis_map=identity_axis_map),
     Op.VIEW: dict(infer=_given, require=_as_is, axis_map=_no_stream_map),
     Op.RESHAPE: dict(infer=reshape_infer, require=reshape_require, axis_map=reshape_axis_map),
+    Op.TAKE: TAKE,  # (shardfuse/rules_take.py: the vocab-parallel embedding)
     **{op: ELEMENTWISE for op in BINARY | LINEAR_UNARY - {Op.TRANSPOSE} | NONLINEAR_UNARY | ops.BINARY},
     **{op: dict(infer=last_axis_reduce_infer, require=last_axis_reduce_require, axis_map=identity_axis_map)
        for op in ops.LOCAL_REDUCTIONS},

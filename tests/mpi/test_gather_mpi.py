@@ -38,3 +38,20 @@ def test_max_plan_is_one_allreduce(mesh):
 def test_constants_closed_over(mesh):
     import test_constants as ct
     ct.check_closed_over(mesh, np.random.default_rng(0))
+
+
+@pytest.mark.parametrize("jit", [True, False], ids=["jit", "eager"])
+@pytest.mark.parametrize("layout", ["vocab", "hidden", "replicated"])
+@pytest.mark.parametrize("dtype", ["float64", "bfloat16"])
+def test_take_vocab_parallel(mesh, layout, dtype, jit):
+    import test_take as tk
+    mesh1 = sf.DeviceMesh(mesh.size, "tp")
+    tk.check_take(mesh1, layout, dtype, "int64", np.random.default_rng(1), jit)
+
+
+def test_take_vocab_parallel_on_a_2d_mesh():
+    import test_take as tk
+    mesh = sf.DeviceMesh((2, 2), ("dp", "tp"))
+    # (over dp under -n 2 each process' two devices lie in two dp teams, which the MPI backend refuses)
+    for layout in ("vocab-batch-dp",) + (("vocab-both",) if NPROCS != 2 else ()):
+        tk.check_take(mesh, layout, "float32", "int32", np.random.default_rng(2))
