@@ -55,3 +55,18 @@ def test_take_vocab_parallel_on_a_2d_mesh():
     # (over dp under -n 2 each process' two devices lie in two dp teams, which the MPI backend refuses)
     for layout in ("vocab-batch-dp",) + (("vocab-both",) if NPROCS != 2 else ()):
         tk.check_take(mesh, layout, "float32", "int32", np.random.default_rng(2))
+
+
+@pytest.mark.parametrize("jit", [True, False], ids=["jit", "eager"])
+@pytest.mark.parametrize("dtype", ["float64", "bfloat16"])
+def test_cross_entropy_vocab_parallel(mesh, dtype, jit):
+    import test_cross_entropy as ce
+    ce.check_cross_entropy(sf.DeviceMesh(mesh.size, "tp"), "vocab", dtype, np.random.default_rng(3), jit)
+
+
+def test_cross_entropy_tokens_over_dp_vocab_over_tp():
+    import test_cross_entropy as ce
+    if NPROCS == 2:  # (dp teams span processes' devices under -n 2: the MPI backend refuses those)
+        pytest.skip("an Allreduce over dp with 2 devices per process in two dp teams: refused by the MPI backend")
+    ce.check_cross_entropy(sf.DeviceMesh((2, 2), ("dp", "tp")), "tokens-dp-vocab-tp", "float32",
+                           np.random.default_rng(4))
