@@ -33,7 +33,6 @@ import cupy
 from shardfuse.backends.cuda import collectives, copies, devices, gemm, kernels
 from shardfuse.backends.cuda.graphs import GraphPlan
 from shardfuse.interop import torch_view, array_info, to_cupy, to_numpy
-from shardfuse.backends.elementwise_numpy import take_rows
 from shardfuse.dtypes import np_dtype
 from shardfuse.ops import Reduce
 
@@ -157,8 +156,9 @@ class CupyNcclBackend:
         return kernels.bind_sum(self.dev.on(devices), self.kernels, a, axis, out, stream, scale)
 
     def bind_take(self, table, ids, rows, out, stream, vocab, devices=None):
+        kern, width = self.kernels.take(), int(np.prod(table.shape[1:], dtype=np.int64))
         return self.dev.on(devices).per_device((table, ids, rows, out), stream,
-                                               lambda j, t, i, r, o: take_rows(cupy, t, i, r, vocab, o))
+                                               lambda j, t, i, r, o: kern(t, i, r, t.shape[0], vocab, width, o))
 
     def bind_copy(self, src, dst, stream, devices=None):
         return copies.bind_copy(self.dev, src, dst, stream, devices)
