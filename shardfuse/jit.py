@@ -81,7 +81,7 @@ class Plan:
         repeat = as_int(repeat, "plan.profile repeat=", minimum=1)  # (0 would profile nothing, silently)
         if any(tree.is_container(a) for a in args):  # the jitted function's pytrees: their leaves
             args = tuple(tree.leaves(args))
-        exe = self.executable
+        exe, args = self.executable, args + self.program.constants  # (the constants: bound by the plan)
         timeline = Timeline.from_records(exe, profile_steps(exe, args, repeat, nvtx), rank=self.program.mesh.rank)
         mesh = self.program.mesh
         if mesh.nprocs > 1:

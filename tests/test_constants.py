@@ -104,3 +104,13 @@ def test_mismatched_shapes_are_refused_at_trace_time():
     f = sf.jit(lambda x: x + np.ones(3), mesh=sf.DeviceMesh(2))
     with pytest.raises(ValueError, match=r"add of \w+ and const: shapes \(4,\) and \(3,\) do not broadcast"):
         f.lower(sf.TensorSpec((4,), "float32"))
+
+
+def test_profile_and_predict_of_a_plan_with_constants():
+    mesh = sf.DeviceMesh(2)
+    c = RNG(14).standard_normal((4, 4))
+    plan = sf.jit(lambda x: x @ c, mesh=mesh).lower(sf.TensorSpec((4, 4), "float64"))
+    x = RNG(15).standard_normal((4, 4))
+    np.testing.assert_allclose(plan(x).gather(), x @ c, rtol=1e-12)
+    assert plan.profile(x, repeat=2).summary() is not None
+    assert plan.predict().total_s >= 0
