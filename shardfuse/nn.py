@@ -168,7 +168,9 @@ def cross_entropy(logits, labels):
     vocabulary sharded over a mesh axis each is one Allreduce of [tokens] values (max, sum of
     exponentials, target logit) and the logits are never gathered.  The result is a 0-d array of
     the logits' dtype (float32 for 16-bit logits, computed in float32)."""
-    if not dtypes_int(labels):
+    if isinstance(logits, Traced):  # (NumPy labels inside sf.jit: a constant of the program)
+        labels = logits.builder.constant(labels)
+    if not _int_array(labels):
         raise TypeError(f"sf.nn.cross_entropy: labels must be an integer array (int32 or int64) of class ids, got "
                         f"{describe(labels)}; for one-hot or soft targets use cross_entropy_onehot")
     if tuple(labels.shape) != tuple(logits.shape[:-1]):
@@ -183,5 +185,5 @@ def cross_entropy(logits, labels):
     return (log(exp(s).sum(-1)) - target).mean()
 
 
-def dtypes_int(v) -> bool:
+def _int_array(v) -> bool:
     return isinstance(v, Traced) and v.dtype in ("int32", "int64")

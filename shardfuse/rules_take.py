@@ -14,7 +14,8 @@ from shardfuse.layout import Layout, mesh_axes
 
 
 def _pending(lay, out_mesh) -> tuple:
-    """The mesh axes the table's vocabulary axis is sharded over (none when it moves to another mesh)."""
+    """The mesh axes the table's vocabulary axis is sharded over (none where the table moves to
+    another mesh: it arrives whole there)."""
     return mesh_axes(lay.axes[0]) if lay.mesh == out_mesh else ()
 
 
@@ -31,7 +32,7 @@ def take_axis_map(ins, j):
 
 def take_infer(ins, lays):
     table, ids, _ = lays
-    pending = _pending(table, None if table.mesh is None else table.mesh)
+    pending = mesh_axes(table.axes[0])
     axes, used = [], set(pending)
     for a in tuple(ids.axes) + tuple(table.axes[1:]):  # (the ids' sharding first: tokens stay where they are)
         names = set(mesh_axes(a))

@@ -101,3 +101,11 @@ def test_labels_must_be_integers_of_the_tokens_shape():
     with pytest.raises(ValueError, match=r"labels of shape \(2, 3\) for logits of shape \(2, 4, 16\): one label per "
                                          r"row of logits \(the shape \(2, 4\)\)"):
         sf.jit(nn.cross_entropy, mesh=mesh).lower(logits, sf.TensorSpec((B, 3), "int32"))
+
+
+def test_numpy_labels_inside_jit_are_a_constant():
+    mesh = sf.DeviceMesh(4, "tp")
+    logits, labels = make(np.random.default_rng(4), "float64")
+    f = sf.jit(lambda x: nn.cross_entropy(sf.shard(x, axis=2), labels), mesh=mesh)
+    np.testing.assert_allclose(float(f(logits).gather()), np_cross_entropy(logits, labels), rtol=1e-12)
+    assert f.lower(logits).collectives() == {"allreduce": 3}
