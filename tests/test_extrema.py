@@ -105,3 +105,33 @@ def test_order_keys_round_trip_and_order():
             np.testing.assert_array_equal(back.astype(np.float64), v.astype(np.float64))
             assert (k[0] > k[1:]).all() if op == "max" else (k[0] < k[1:]).all()
             assert (np.diff(k[1:]) >= 0).all()
+
+
+def _random_case(r):
+    """A random 3-D value on a 1-D, 2-D or 3-D mesh, a random placement, axes and operator."""
+    mesh = [sf.DeviceMesh(4), sf.DeviceMesh((2, 2), ("dp", "tp")), sf.DeviceMesh((2, 1, 2), ("a", "b", "c"))][r.integers(3)]
+    shape = (4, 8, 4)
+    entries = [None] * 3
+    for name in mesh.axis_names:  # each mesh axis shards at most one tensor axis, or none
+        j = r.integers(4)
+        if j < 3:
+            entries[j] = name if entries[j] is None else (entries[j], name) if isinstance(entries[j], str) \
+                else entries[j] + (name,)
+    axis = [None, int(r.integers(-3, 3)), tuple(sorted(set(int(a) for a in r.integers(0, 3, 2))))][r.integers(3)]
+    return mesh, shape, tuple(entries), axis, bool(r.integers(2)), ["max", "min"][r.integers(2)]
+
+
+@pytest.mark.parametrize("seed", range(60))
+def test_random_placements_axes_and_operators(seed):
+    """Random placements (several mesh axes on one tensor axis too), axes, keepdims and NaNs: the
+    values NumPy gives in float64, and no Allgather where nothing else asks for one."""
+    r = np.random.default_rng(1000 + seed)
+    mesh, shape, spec, axis, keepdims, kind = _random_case(r)
+    x = rand(r, "float32", shape)
+    if r.integers(2):
+        x[tuple(int(r.integers(n)) for n in shape)] = np.nan
+    f = sf.jit(lambda v: getattr(v, kind)(axis, keepdims=keepdims), mesh=mesh)
+    a = sf.distribute(x, mesh, spec)
+    want = getattr(x.astype(np.float64), kind)(axis, keepdims=keepdims)
+    np.testing.assert_array_equal(np.asarray(f(a).gather(), np.float64), want)
+    assert "allgather" not in f.lower(a).collectives(), (spec, axis, str(f.lower(a)))

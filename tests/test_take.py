@@ -147,3 +147,30 @@ def test_errors_name_what_was_expected_and_what_came():
         sf.jit(lambda t, i: np.take(t, i, axis=0, mode="wrap"), mesh=mesh).lower(t, i)
     with pytest.raises(TypeError, match="sf.take takes values inside an sf.jit function or sf.Arrays"):
         sf.take(np.ones((V, H)), np.zeros(3, int))
+
+
+def _random_case(r):
+    """A random table (3-D) and ids placement on a 1-D or 2-D mesh, and a random axis to take along."""
+    mesh = [sf.DeviceMesh(4), sf.DeviceMesh((2, 2), ("dp", "tp"))][r.integers(2)]
+    entries = [None] * 3
+    for name in mesh.axis_names:
+        j = r.integers(4)
+        if j < 3:
+            entries[j] = name if entries[j] is None else (entries[j], name)
+    ids_spec = (mesh.axis_names[0],) if r.integers(3) == 0 and mesh.axis_names[0] not in \
+        {n for e in entries for n in (e if isinstance(e, tuple) else (e,))} else (None,)
+    return mesh, tuple(entries), ids_spec, int(r.integers(-3, 3))
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_random_placements_and_axes(seed):
+    """Random table and ids placements and axes: np.take's values (ids clamped), and no Allgather
+    (the result keeps the placements of the table's other axes and of the ids)."""
+    r = np.random.default_rng(3000 + seed)
+    mesh, spec, ids_spec, axis = _random_case(r)
+    table = r.standard_normal((4, 8, 4))
+    ids = r.integers(-2 * table.shape[axis], 2 * table.shape[axis], (4, 3))
+    f = sf.jit(lambda t, i: sf.take(t, i, axis=axis), mesh=mesh)
+    t, i = sf.distribute(table, mesh, spec), sf.distribute(ids, mesh, ids_spec)
+    np.testing.assert_array_equal(f(t, i).gather(), np_lookup(table, ids, axis))
+    assert "allgather" not in f.lower(t, i).collectives(), str(f.lower(t, i))
