@@ -1,6 +1,7 @@
 """sf.take(table, ids, axis=0): the elements of `table` at integer `ids` along `axis`, as np.take
 (and jnp.take), inside sf.jit and on sf.Arrays outside it; np.take(table, ids) of traced values
-runs it too (traced.NUMPY), and indexing a traced value with a traced integer array calls it.
+runs it too (traced.NUMPY); it is what indexing a traced value with a traced integer array is
+to call (Traced.__getitem__).
 
     @sf.jit(mesh=mesh)
     def embed(table, ids):                     # table [vocab, hidden], ids [batch, seq] int32

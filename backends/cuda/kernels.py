@@ -91,12 +91,12 @@ class Kernels:
             body = "y = x;" if x_dtype == "bool" else \
                 f"{f} v = ({f})x; {k} b = {bits}(v); y = v != v ? {nan_key} : (b < 0 ? (b ^ {m}) : b);"
             return cupy.ElementwiseKernel(f"{x_dtype} x", f"{keys_dtype} y", body, f"sf_keys_{op}_{x_dtype}")
-        return self._get(("order_keys", op, x_dtype, keys_dtype, decode), make)
+        return self._get((Op.ORDER_KEYS, op, x_dtype, keys_dtype, decode), make)
 
     def take(self):
         """out = table[ids] for the rows this device holds, zeros elsewhere (elementwise_numpy.take_rows's
         semantics), one kernel over the output (no temporaries: graph capture refuses allocations)."""
-        return self._get("take", lambda: cupy.ElementwiseKernel(
+        return self._get(Op.TAKE, lambda: cupy.ElementwiseKernel(
             "raw T table, raw I ids, raw int64 rows, int64 nloc, int64 vocab, int64 width", "T out",
             "long long r = i / width, c = i % width; long long g = (long long)ids[r]; if (g < 0) g += vocab;"
             " g = g < 0 ? 0 : (g >= vocab ? vocab - 1 : g); long long loc = g - rows[0];"
