@@ -34,6 +34,7 @@ from shardfuse.backends.cuda import collectives, copies, devices, gemm, kernels
 from shardfuse.backends.cuda.graphs import GraphPlan
 from shardfuse.interop import torch_view, array_info, to_cupy, to_numpy
 from shardfuse.dtypes import np_dtype
+from shardfuse.ops import Reduce
 
 # how many cuBLASLt candidates a GEMM times at bind time; read at every bind, so it may be set
 # here at run time (benchmarks/gemm_vs_torch.py does)
@@ -158,6 +159,11 @@ class CupyNcclBackend:
     def bind_sum(self, a, axis, out, stream, scale=1.0, devices=None):
         return kernels.bind_sum(self.dev.on(devices), self.kernels, a, axis, out, stream, scale)
 
+    def bind_take(self, table, ids, rows, out, stream, vocab, devices=None):
+        kern, width = self.kernels.take(), int(np.prod(table.shape[1:], dtype=np.int64))
+        return self.dev.on(devices).per_device((table, ids, rows, out), stream,
+                                               lambda j, t, i, r, o: kern(t, i, r, t.shape[0], vocab, width, o))
+
     def bind_copy(self, src, dst, stream, devices=None):
         return copies.bind_copy(self.dev, src, dst, stream, devices)
 
@@ -182,8 +188,8 @@ class CupyNcclBackend:
     def bind_allgather(self, send, recv, team, stream):
         return self.collectives.allgather(send, recv, team, stream)
 
-    def bind_allreduce(self, send, recv, team, stream):
-        return self.collectives.allreduce(send, recv, team, stream)
+    def bind_allreduce(self, send, recv, team, stream, op=Reduce.SUM):
+        return self.collectives.allreduce(send, recv, team, stream, op)
 
     def bind_reduce_scatter(self, send, recv, team, stream):
         return self.collectives.reduce_scatter(send, recv, team, stream)

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from shardfuse.backends import extrema
 from shardfuse.ops import Op
 
 
@@ -147,6 +148,23 @@ ELEMENTWISE = {
     Op.FILL_ELSE: _fill_else,
     Op.ASTYPE: _astype,
     Op.FULL_LIKE: lambda xp, x, s, o: xp.copyto(o, o.dtype.type(s)),
+    Op.ORDER_KEYS: extrema.to_keys,
+    Op.FROM_ORDER_KEYS: extrema.from_keys,
     Op.REDUCE_MAX: lambda xp, x, _, o: xp.max(x, axis=-1, out=o),
     Op.REDUCE_MIN: lambda xp, x, _, o: xp.min(x, axis=-1, out=o),
 }
+
+
+def take_rows(xp, table, ids, rows, vocab, out):
+    """out = table[ids] for the rows this device holds (rows: their global numbers, consecutive),
+    zeros for the others (Megatron's vocab-parallel embedding: the devices' outputs sum to the
+    lookup).  ids index as NumPy's (negative from the end of the vocabulary) and those outside
+    [-vocab, vocab) are clamped to the first or last row, as JAX's indexing does; bfloat16 rows
+    are moved as their bits."""
+    g = ids.astype(np.int64)
+    g = xp.clip(xp.where(g < 0, g + vocab, g), 0, vocab - 1)
+    loc = g - rows[0]
+    held = (loc >= 0) & (loc < table.shape[0])
+    picked = xp.take(table, xp.clip(loc, 0, table.shape[0] - 1), axis=0)
+    mask = held.reshape(held.shape + (1,) * (table.ndim - 1))
+    out[...] = xp.where(mask, picked, xp.zeros((), picked.dtype))

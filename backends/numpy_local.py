@@ -6,12 +6,14 @@ plan and the executor are the same ones the GPU backend runs.
 """
 from __future__ import annotations
 
+import functools
 import os
 
 import numpy as np
 
-from shardfuse.backends.elementwise_numpy import ELEMENTWISE
+from shardfuse.backends.elementwise_numpy import ELEMENTWISE, take_rows
 from shardfuse.dtypes import np_dtype, poison_value
+from shardfuse.ops import Reduce
 
 POISON = os.environ.get("SHARDFUSE_POISON") == "1"  # fill new buffers with NaN (tests)
 
@@ -110,6 +112,14 @@ class NumpyLocalBackend:
                 o[...] = s if scale == 1.0 else s * scale
         return step
 
+    def bind_take(self, table, ids, rows, out, stream, vocab, devices=None):
+        js, view = self._on(devices), self.view
+
+        def step(bufs):
+            for j in js:
+                take_rows(np, view(bufs, table, j), view(bufs, ids, j), view(bufs, rows, j), vocab, view(bufs, out, j))
+        return step
+
     def bind_copy(self, src, dst, stream, devices=None):
         js, view = self._on(devices), self.view
 
@@ -171,13 +181,14 @@ class NumpyLocalBackend:
                         r[j][rank] = s[q]
         return start, None
 
-    def bind_allreduce(self, send, recv, team, stream):
+    def bind_allreduce(self, send, recv, team, stream, op=Reduce.SUM):
         teams = self._local_teams(team)
 
         def start(bufs):
             s, r = self._views(bufs, send), self._views(bufs, recv)
             for t in teams:
-                total = sum(s[q].astype(np.float64) for q in t)
+                total = sum(s[q].astype(np.float64) for q in t) if op == Reduce.SUM else \
+                    functools.reduce(np.maximum if op == Reduce.MAX else np.minimum, [s[q] for q in t])
                 for j in t:
                     r[j][...] = total
         return start, None

@@ -29,7 +29,7 @@ import numpy as np
 from shardfuse import faults
 from shardfuse.backends.numpy_local import NumpyLocalBackend
 from shardfuse.dtypes import np_dtype
-from shardfuse.ops import Op
+from shardfuse.ops import Op, Reduce
 
 # Sub-communicators are split once per (mesh geometry, process count) and reused by every
 # mesh of that geometry: splitting is collective, and never freeing them avoids a
@@ -209,11 +209,13 @@ class NumpyMPIBackend(NumpyLocalBackend):
                 r[j][...] = r[0]
         return start, wait
 
-    def bind_allreduce(self, send, recv, team, stream):
-        """send, recv: [*S] per local device (contiguous); recv = sum over the team."""
+    def bind_allreduce(self, send, recv, team, stream, op=Reduce.SUM):
+        """send, recv: [*S] per local device (contiguous); recv = sum (or max, min) over the team."""
         comm = self._comm(team, Op.ALLREDUCE)
         if comm is None:  # no device of this team here
             return None, None
+        if op != Reduce.SUM:
+            return self._allreduce_extremum(comm, send, recv, team, op)
         L, red = self.L, _reduce_dtype(send.dtype)
         native = red == np_dtype(send.dtype)
         direct_send = L == 1 and native and not self._slot_alias(send, recv)
@@ -234,6 +236,27 @@ class NumpyMPIBackend(NumpyLocalBackend):
             r = state.pop("r")
             if not native:
                 r[0][...] = rbuf
+            for j in range(1, L):
+                r[j][...] = r[0]
+        return start, wait
+
+    def _allreduce_extremum(self, comm, send, recv, team, op):
+        """Allreduce with MPI.MAX / MIN of integers (a plan moves floats as order keys: MPI's float
+        MAX drops NaN by rank order, backends/extrema.py): this process' devices combined first."""
+        if np_dtype(send.dtype).kind != "i":
+            raise TypeError(f"Allreduce op={op} of {send.dtype} values: the plan moves integer keys (passes/lower.py)")
+        L, sbuf = self.L, np.empty(send.shape, np_dtype(send.dtype))
+        state, mpi_op = {}, self.MPI.MAX if op == Reduce.MAX else self.MPI.MIN
+        what = faults.step_name(Op.ALLREDUCE, team, send)
+
+        def start(bufs):
+            s, r = self._views(bufs, send), self._views(bufs, recv)
+            (np.maximum if op == Reduce.MAX else np.minimum).reduce(s, out=sbuf) if L > 1 else np.copyto(sbuf, s[0])
+            state["req"], state["r"] = comm.Iallreduce(_buf(sbuf), _buf(r[0]), mpi_op), r
+
+        def wait(bufs):
+            faults.wait(state.pop("req"), what, comm)
+            r = state.pop("r")
             for j in range(1, L):
                 r[j][...] = r[0]
         return start, wait

@@ -31,6 +31,7 @@ from typing import Callable, Protocol, Union, runtime_checkable
 
 from shardfuse import strides
 from shardfuse.strides import contiguous_strides, reshape_strides  # noqa: F401 (part of the protocol)
+from shardfuse.ops import Reduce
 
 # ---- streams, teams, steps -------------------------------------------------------------------
 MAIN = "main"  # the stream the caller issues on (worker streams are ints 0 .. streams - 1)
@@ -110,6 +111,7 @@ class Backend(Protocol):
     def bind_elementwise(self, op, a, b, out, stream, scalar=None, devices=None): """Step: out = op(a[, b]); op an ops.Op of ops.ELEMENTWISE."""
     def bind_sum(self, a, axis, out, stream, scale=1.0, devices=None): """Step: out = a.sum(axis) * scale, 16-bit summed in float32."""
     def bind_copy(self, src, dst, stream, devices=None): """Step: dst[...] = src (any strides)."""
+    def bind_take(self, table, ids, rows, out, stream, vocab, devices=None): """Step: out = the table's rows ids (elementwise_numpy.take_rows)."""
 
     # streams and events
     def new_event(self, timing=False): """A fresh event handle (one per GPU; timing=True: usable by event_ms)."""
@@ -120,7 +122,7 @@ class Backend(Protocol):
 
     # communication: (start, wait) step pairs over a team; send / recv contiguous
     def bind_allgather(self, send, recv, team, stream): """recv [D, ...] rank-major gets every rank's send."""
-    def bind_allreduce(self, send, recv, team, stream): """recv = the sum of every rank's send."""
+    def bind_allreduce(self, send, recv, team, stream, op=Reduce.SUM): """recv = the sum (op="max" / "min": the max, min; NaN as NumPy's) of every rank's send."""
     def bind_reduce_scatter(self, send, recv, team, stream): """recv = block r of the sum of the rank-major sends [D, ...]."""
     def bind_alltoall(self, send, recv, team, stream): """Block q of rank r's send [D, ...] lands in block r of rank q's recv."""
     def bind_sendrecv(self, send, recv, team, shift, stream): """Rank r sends to r + shift and receives from r - shift."""

@@ -18,6 +18,7 @@ from shardfuse.layout import Layout
 from shardfuse.mesh import DeviceMesh
 from shardfuse.placements import Partial, Replicate, Shard
 from shardfuse.spec import TensorSpec
+from shardfuse.take import take
 from shardfuse.visualize import visualize_sharding
 from shardfuse import nn, transformer
 
@@ -31,7 +32,8 @@ from shardfuse.traced_numpy import (exp, gelu, linear, log, logical_not, maximum
 
 __all__ = ["Array", "DeviceMesh", "Layout", "Partial", "Replicate", "Shard", "Plan", "TensorSpec", "from_local", "jit", "replicate", "shard", "stream", "to_mesh",
            "exp", "gelu", "linear", "relu", "tanh", "sqrt", "rsqrt", "log", "sigmoid", "silu", "maximum", "minimum",
-           "where", "logical_not", "nn", "grad", "value_and_grad", "vjp", "torch_function", "visualize_sharding", "distribute",
+           "where", "logical_not", take.__name__, "nn", "grad", "value_and_grad", "vjp", "torch_function",
+           "visualize_sharding", "distribute",
            "CollectiveTimeoutError", "ConcretizationError", "RankLeftError", "RankMismatchError"]
 
 try:

@@ -79,7 +79,7 @@ def run(fn, args: tuple, key, name: str):
         else:
             plans.move_to_end((key, specs))
             STATS["reused"] += 1
-    ((lay, shards, whole),) = exe(*args)
+    ((lay, shards, whole),) = exe(*args, *exe.prog.constants)  # (constants: made from shapes alone, as np.arange(n))
     v = exe.prog.outputs[0]
     return type(arrays[0])(mesh, v.type.shape, v.type.dtype, lay, shards, whole)
 
@@ -281,6 +281,8 @@ class ArrayOps:
         function sees the gathered value (np.asarray(x)), as before."""
         if func is np.where and len(args) == 3 and not kwargs:
             return apply(NUMPY[np.where], args, "where")
+        if func is np.take:  # (shardfuse.take: a one-op plan, the vocab-parallel lookup where the table is sharded)
+            return NUMPY[np.take](*args, **kwargs)
         if func in _REDUCTIONS and isinstance(args[0], ArrayOps):
             return getattr(args[0], _REDUCTIONS[func].__name__)(*args[1:], **kwargs)
         return func(*_gathered(args), **_gathered(kwargs))

@@ -112,3 +112,11 @@ def float_result(name: str) -> str:
     """The dtype of sqrt, log, exp, / ... of an array of dtype `name` (NumPy's: bool -> float16,
     int32 / int64 -> float64)."""
     return name if is_float(name) else "float16" if name == "bool" else "float64"
+
+
+def order_key_dtype(dtype: str):
+    """The integer dtype an Allreduce of max / min moves `dtype` values as (order-preserving keys,
+    backends/extrema.py), or None where the values themselves go (integers)."""
+    if dtype in ("int32", "int64"):
+        return None
+    return "int64" if dtype == "float64" else "int32"

@@ -193,6 +193,10 @@ class Executable:
         return self.backend.bind_sum(self.refs[i.ins[0]], i.attrs["axis"], self.refs[i.into], stream,
                                      i.attrs.get("factor", 1.0), devices=devices)
 
+    def _bind_take(self, i, env, stream, devices):
+        table, ids, rows = (self.refs[v] for v in i.ins)
+        return self.backend.bind_take(table, ids, rows, self.refs[i.into], stream, i.attrs["vocab"], devices=devices)
+
     def _bind_copy(self, i, env, stream, devices):
         """A copy into or out of a staging buffer stored in blocks sees the other side in blocks too."""
         src, dst = i.ins[0], i.into
@@ -273,8 +277,9 @@ class Executable:
         return (mesh, name)
 
     def _bind_collective(self, i, env, stream, devices):
+        op = {"op": i.attrs["op"]} if "op" in i.attrs else {}  # (an Allreduce's max / min)
         start, self.pending[i.outs[0]] = COLLECTIVE_BINDERS[i.op](self.backend)(
-            *self._comm_operands(i), self._team(i, i.attrs["team"]), stream)
+            *self._comm_operands(i), self._team(i, i.attrs["team"]), stream, **op)
         return start
 
     # ---- running ----------------------------------------------------------------------
@@ -365,6 +370,7 @@ BIND = {
     Op.MATMUL: Executable._bind_matmul,
     **{op: Executable._bind_elementwise for op in ELEMENTWISE},
     Op.SUM: Executable._bind_sum,
+    Op.TAKE: Executable._bind_take,
     Op.COPY: Executable._bind_copy,
 }
 assert set(BIND) == HOST - {Op.FOR}, set(BIND) ^ HOST  # loops are unrolled (ir.unroll)

@@ -88,6 +88,9 @@ class Program:
     streams: int = 4
     history: tuple = ()  # the passes that produced this program, in order
     donated: tuple = ()  # indices of inputs whose buffers outputs may take (sf.jit's donate_argnums)
+    # NumPy arrays captured while tracing (shardfuse/constants.py): the last len(constants) inputs,
+    # bound by the plan at each call after the function's arguments
+    constants: tuple = field(default=(), compare=False, repr=False)
 
     def with_instrs(self, instrs, by: str, **changes) -> "Program":
         return replace(self, instrs=tuple(instrs), history=self.history + (by,), **changes)
@@ -222,7 +225,8 @@ def _fmt(ins: Instr) -> str:
     if ins.into is not None:  # host-level compute and communication write into a buffer
         name = {Op.MATMUL: "Matmul", Op.SUM: "Sum", Op.COPY: "Copy",
                 Op.ALLGATHER: "Allgather", Op.ALLREDUCE: "Allreduce", Op.REDUCE_SCATTER: "ReduceScatter", Op.ALLTOALL: "AllToAll",
-                Op.SENDRECV: "SendRecv"}.get(op, op.capitalize())
+                Op.SENDRECV: "SendRecv", Op.TAKE: "Take", Op.ORDER_KEYS: "OrderKeys", Op.FROM_ORDER_KEYS: "FromOrderKeys"
+                }.get(op, op.capitalize())
         rhs = " @ ".join(v.name for v in ins.ins) if op == Op.MATMUL else ins_s
         if op == Op.TRANSFER:  # a move between meshes, in nvFuser's words
             name, a = a["kind"], {k: v for k, v in a.items() if k != "kind"}
@@ -250,6 +254,9 @@ def format_program(prog: Program) -> str:
     outs = ", ".join(_typed(v) for v in prog.outputs)
     mesh = " x ".join(f"{n}={s}" for n, s in zip(prog.mesh.axis_names, prog.mesh.shape))
     head = [f"plan {prog.name}({ins}) -> ({outs})", f"  # mesh {mesh}, streams={prog.streams}"]
+    if prog.constants:
+        names = ", ".join(v.name for v in prog.inputs[len(prog.inputs) - len(prog.constants):])
+        head.append(f"  # constants: {names} (NumPy arrays captured when traced; the plan binds them at each call)")
     body = format_instrs(prog.instrs)
     tail = ["  return " + ", ".join(v.name for v in prog.outputs)]
     return "\n".join(head + body + tail)

@@ -259,13 +259,15 @@ class Jitted:
         if builder.mesh != self.mesh:
             raise ValueError(f"{name} is compiled for {self.mesh}, but is called inside a function traced for "
                              f"{builder.mesh}: inlining needs the same mesh")
+        args = tuple(builder.constant(a) for a in args)  # NumPy arrays: constants of the caller's program
+        kwargs = {k: builder.constant(a) for k, a in kwargs.items()}
         for k, a in enumerate(list(args) + list(kwargs.values())):
             if isinstance(a, Traced):
                 continue
             if isinstance(a, Array) or hasattr(a, "__array__") or hasattr(a, "__dlpack__") \
                     or hasattr(a, "__cuda_array_interface__"):
                 raise TypeError(f"{name}() called inside a traced function on a {type(a).__name__}: arrays are not "
-                                "captured as constants; make it an input of the outer sf.jit function")
+                                "captured as constants (NumPy arrays are); make it an input of the outer sf.jit function")
         return self.fn(*args, **kwargs)
 
 

@@ -16,6 +16,7 @@ from dataclasses import dataclass, replace
 
 from shardfuse.dtypes import short_name
 from shardfuse.mesh import STREAM
+from shardfuse.ops import Reduce
 from shardfuse.sharding import Sharding
 
 
@@ -44,6 +45,11 @@ class Layout:
     chunks: int | str | None = None  # chunks of the stream axis until it is split (sf.stream(chunks=): int, "auto")
     stream: int | None = None  # the tensor axis produced chunk by chunk (the schedule), or None
     mesh: object = None  # the sub-mesh the value lives on (None: the program's whole mesh)
+    partial_op: str = Reduce.SUM  # how the pending values combine: "sum", or "max" / "min" (a max of a sharded axis)
+
+    def __post_init__(self):  # (no pending values, no operator: layouts without them compare equal)
+        if not self.partial and self.partial_op != Reduce.SUM:
+            object.__setattr__(self, "partial_op", Reduce.SUM)
 
     @staticmethod
     def replicated(ndim: int) -> "Layout":
@@ -87,7 +93,7 @@ class Layout:
 
     def placement(self) -> "Layout":
         """The layout without its schedule (stream axis, chunks): where data lives."""
-        return Layout(self.axes, self.partial, mesh=self.mesh)
+        return Layout(self.axes, self.partial, mesh=self.mesh, partial_op=self.partial_op)
 
     def on(self, mesh) -> "Layout":
         """The same layout on `mesh` (None: the program's whole mesh)."""
@@ -129,7 +135,8 @@ def format_type(shape, dtype, layout) -> str:
     if layout.chunks:
         text += f" chunks={layout.chunks}"
     if layout.partial:
-        text += f" partial({', '.join(layout.partial)})"
+        op = "" if layout.partial_op == Reduce.SUM else f"{layout.partial_op}: "
+        text += f" partial({op}{', '.join(layout.partial)})"
     return text
 
 

@@ -26,10 +26,11 @@ import math
 
 import numpy as np
 
-from shardfuse.traced import Traced
-from shardfuse.traced_numpy import exp, gelu, linear, log, rsqrt, silu, where
+from shardfuse.traced import Traced, describe
+from shardfuse.traced_numpy import exp, gelu, linear, log, maximum, minimum, rsqrt, silu, where
 
-__all__ = ["softmax", "log_softmax", "layer_norm", "rms_norm", "linear", "attention", "cross_entropy_onehot",
+__all__ = ["softmax", "log_softmax", "layer_norm", "rms_norm", "linear", "attention", "cross_entropy",
+           "cross_entropy_onehot",
            *(f.__name__ for f in (gelu, silu))]  # (the ops' names by reference: an op name is never a string here)
 
 _WIDENED = {"float16": "float32", "bfloat16": "float32"}  # 16-bit values are normalised in float32
@@ -112,10 +113,7 @@ def _swap_last_two(t):
 @_one_plan
 def _attention(q, k, v, mask):
     scores = (q @ _swap_last_two(k)) * (1.0 / math.sqrt(q.shape[-1]))
-    if mask is not None:
-        if isinstance(q, Traced) and not isinstance(mask, Traced):
-            raise TypeError(f"sf.nn.attention: mask is a {type(mask).__name__} inside sf.jit, where arrays are not "
-                            "captured as constants yet: make the mask an argument of the jitted function")
+    if mask is not None:  # (a NumPy mask inside sf.jit is a constant of the program)
         scores = where(mask, scores, _MASKED[scores.dtype]) if mask.dtype == "bool" else scores + mask
     return softmax(scores, -1) @ v
 
@@ -131,18 +129,11 @@ def attention(q, k, v, causal=False, mask=None):
     sequence and head_dim whole, nothing is communicated.
 
     causal=True builds np.tril(np.ones((seq_q, seq_k), bool)) as the mask: outside sf.jit it is
-    passed as a replicated array; inside sf.jit it raises NotImplementedError, because a NumPy
-    array is not captured as a constant there yet and shardfuse has no iota to build it from:
-    pass the mask as an argument of the jitted function instead (mask=np.tril(...))."""
+    passed as a replicated array, inside sf.jit it is a constant of the program (shardfuse/constants.py)."""
     if causal:
         if mask is not None:
             raise ValueError("sf.nn.attention: give causal=True or mask=, not both (fold the causal mask into yours: "
                              "mask & np.tril(np.ones((seq_q, seq_k), bool)))")
-        if any(isinstance(t, Traced) for t in (q, k, v)):
-            raise NotImplementedError(
-                "sf.nn.attention(causal=True) inside sf.jit: NumPy arrays are not captured as constants yet and "
-                "there is no iota op to build the mask from; make the mask an argument of the jitted function and "
-                f"pass mask=np.tril(np.ones(({q.shape[-2]}, {k.shape[-2]}), bool)) instead")
         mask = np.tril(np.ones((q.shape[-2], k.shape[-2]), bool))
     return _attention(q, k, v, mask)
 
@@ -151,14 +142,48 @@ def attention(q, k, v, causal=False, mask=None):
 def cross_entropy_onehot(logits, targets):
     """The mean over tokens of -sum(targets * log_softmax(logits)) over the last (vocabulary)
     axis, for one-hot targets of the logits' shape (or any rows that sum to 1: soft labels).
-    Integer labels come with sf.take (issue 31, item 4); until then pass one-hot float targets.
+    For integer labels: cross_entropy.
 
     Written as Megatron's vocab-parallel cross-entropy: per token log(sum(exp(logits - max))) minus
     the target's logit (minus max), so no [tokens, vocabulary] log_softmax is formed; with the
     vocabulary sharded the sum of exponentials and the target logit are Allreduces of [tokens]
-    values (the max still gathers the logits over that axis: max does not reduce with an
-    Allreduce yet).  The result is a 0-d array of the logits' dtype (float32 for 16-bit logits)."""
+    values, and so is the max (an Allreduce with op=max).  The result is a 0-d array of the
+    logits' dtype (float32 for 16-bit logits)."""
     x, _ = _widened(logits)
     s = x - x.max(-1, keepdims=True)
     target = (targets * s).sum(-1)
     return (log(exp(s).sum(-1)) - target).mean()
+
+
+@_one_plan
+def cross_entropy(logits, labels):
+    """The mean over tokens of -log_softmax(logits)[label] (torch's F.cross_entropy with integer
+    targets, optax's softmax_cross_entropy_with_integer_labels): logits [..., vocab], labels [...]
+    int32 / int64.  Labels index as sf.take's (negative from the end; outside [-vocab, vocab)
+    clamped to the first or last class).
+
+    Written as Megatron's vocab-parallel cross-entropy (tensor_parallel/cross_entropy.py): per token
+    the max of the logits, log(sum(exp(logits - max))) and the target's logit (the logits where
+    the vocabulary ids, a constant np.arange(vocab), equal the label, summed), so that with the
+    vocabulary sharded over a mesh axis each is one Allreduce of [tokens] values (max, sum of
+    exponentials, target logit) and the logits are never gathered.  The result is a 0-d array of
+    the logits' dtype (float32 for 16-bit logits, computed in float32)."""
+    if isinstance(logits, Traced):  # (NumPy labels inside sf.jit: a constant of the program)
+        labels = logits.builder.constant(labels)
+    if not _int_array(labels):
+        raise TypeError(f"sf.nn.cross_entropy: labels must be an integer array (int32 or int64) of class ids, got "
+                        f"{describe(labels)}; for one-hot or soft targets use cross_entropy_onehot")
+    if tuple(labels.shape) != tuple(logits.shape[:-1]):
+        raise ValueError(f"sf.nn.cross_entropy: labels of shape {tuple(labels.shape)} for logits of shape "
+                         f"{tuple(logits.shape)}: one label per row of logits (the shape {tuple(logits.shape[:-1])})")
+    x, _ = _widened(logits)
+    n = x.shape[-1]
+    s = x - x.max(-1, keepdims=True)
+    labels = minimum(maximum(where(labels < 0, labels + n, labels), 0), n - 1)
+    hit = labels.reshape(tuple(labels.shape) + (1,)) == np.arange(n, dtype=labels.dtype)  # (a constant)
+    target = where(hit, s, 0.0).sum(-1)
+    return (log(exp(s).sum(-1)) - target).mean()
+
+
+def _int_array(v) -> bool:
+    return isinstance(v, Traced) and v.dtype in ("int32", "int64")

@@ -11,6 +11,14 @@ from __future__ import annotations
 from enum import StrEnum
 
 
+class Reduce(StrEnum):
+    """How pending values combine (DTensor's Partial(reduce_op)): the operator of an Allreduce
+    (ncclSum / ncclMax / ncclMin, MPI.SUM / MAX / MIN)."""
+    SUM = "sum"
+    MAX = "max"
+    MIN = "min"
+
+
 class Op(StrEnum):
     # array level: what tracing records, the passes rewrite
     SET = "set"  # a (re)sharding or a stream annotation: the value with another layout
@@ -62,12 +70,17 @@ class Op(StrEnum):
     FILL_ELSE = "fill_else"  # where(c, 0, a Python scalar)
     ASTYPE = "astype"  # a cast to the output's dtype
     FULL_LIKE = "full_like"  # a Python scalar in every element, of the input's shape (autodiff's ones and zeros)
+    # an Allreduce with max / min moves floats as order-preserving integer keys (NaN kept as NumPy
+    # keeps it: backends/extrema.py); the scalar `value` is "max" or "min"
+    ORDER_KEYS = "order_keys"
+    FROM_ORDER_KEYS = "from_order_keys"
     # reductions of the last axis (tracing transposes the reduced axis there): bound and costed as
     # elementwise steps (one pass over the input, no attribute that a stream split renumbers)
     REDUCE_MAX = "reduce_max"
     REDUCE_MIN = "reduce_min"
     SUM = "sum"
     TRANSPOSE = "transpose"  # also a host-level view
+    TAKE = "take"  # take(table, ids, rows): rows ids of the table, zeros where this device holds none
     # host level: buffers and their views
     ALLOCATE = "allocate"
     SLICE = "slice"
@@ -97,7 +110,8 @@ COMPARE_SCALAR = frozenset({Op.LT_SCALAR, Op.LE_SCALAR, Op.GT_SCALAR, Op.GE_SCAL
 BINARY = frozenset({Op.ADD, Op.SUB, Op.MUL, Op.DIV, Op.MAXIMUM, Op.MINIMUM, Op.WHERE_THEN, Op.WHERE_ELSE}) | COMPARE
 NONLINEAR_UNARY = frozenset({Op.EXP, Op.TANH, Op.RELU, Op.GELU, Op.ADD_SCALAR, Op.RDIV, Op.SQRT, Op.RSQRT, Op.LOG,
                              Op.SIGMOID, Op.SILU, Op.POW, Op.RPOW, Op.MAXIMUM_SCALAR, Op.MINIMUM_SCALAR,
-                             Op.LOGICAL_NOT, Op.FILL_THEN, Op.FILL_ELSE, Op.ASTYPE, Op.FULL_LIKE}) | COMPARE_SCALAR
+                             Op.LOGICAL_NOT, Op.FILL_THEN, Op.FILL_ELSE, Op.ASTYPE, Op.FULL_LIKE, Op.ORDER_KEYS,
+                             Op.FROM_ORDER_KEYS}) | COMPARE_SCALAR
 LINEAR_UNARY = frozenset({Op.NEG, Op.SCALE, Op.DIV_SCALAR})  # commute with a pending sum
 LOCAL_REDUCTIONS = frozenset({Op.REDUCE_MAX, Op.REDUCE_MIN})  # of the last axis, which must be whole
 # (a step per device like the elementwise ops: the executor binds these through bind_elementwise)
@@ -112,6 +126,6 @@ STREAM_OPS = frozenset({Op.GET_STREAM, Op.SET_STREAM, Op.SYNCHRONIZE, Op.RECORD_
 HOST_ONLY = frozenset({Op.ALLOCATE, Op.SELECT, Op.SENDRECV, Op.WAIT, Op.FOR}) | STREAM_OPS
 # What a final plan may hold: the executor binds exactly these.
 HOST = (VIEWS | COMMUNICATION | ELEMENTWISE | STREAM_OPS
-        | {Op.ALLOCATE, Op.COPY, Op.WAIT, Op.MATMUL, Op.SUM, Op.FOR})
+        | {Op.ALLOCATE, Op.COPY, Op.WAIT, Op.MATMUL, Op.SUM, Op.TAKE, Op.FOR})
 # What tracing may record.
-ARRAY = ELEMENTWISE | {Op.SET, Op.RESHAPE, Op.MATMUL, Op.SUM, Op.TRANSPOSE}
+ARRAY = ELEMENTWISE | {Op.SET, Op.RESHAPE, Op.MATMUL, Op.SUM, Op.TRANSPOSE, Op.TAKE}

@@ -9,6 +9,7 @@ from shardfuse.array import Array
 from shardfuse.autochunks import explain_plan
 from shardfuse.cost import predict
 from shardfuse.executor import Executable
+from shardfuse.interop import array_info
 from shardfuse.ir import Program, unroll
 from shardfuse.mesh import as_int
 from shardfuse.ops import COMMUNICATION, Op
@@ -25,6 +26,7 @@ class Plan:
         self._binding = threading.Lock()  # threads' first calls bind it once (binding may communicate)
         self._why, self._rates = explanation, rates  # chunks="auto"'s choice; the rates given to sf.jit
         self.out_tree = None  # the structure of the function's result where it is a pytree (tree.FlatFunction)
+        self._const_infos = tuple(array_info(c) for c in program.constants)
 
     def __str__(self):
         return str(self.program)
@@ -65,7 +67,7 @@ class Plan:
         repeat = as_int(repeat, "plan.profile repeat=", minimum=1)  # (0 would profile nothing, silently)
         if any(tree.is_container(a) for a in args):  # the jitted function's pytrees: their leaves
             args = tuple(tree.leaves(args))
-        exe = self.executable
+        exe, args = self.executable, args + self.program.constants  # (the constants: bound by the plan)
         timeline = Timeline.from_records(exe, profile_steps(exe, args, repeat, nvtx), rank=self.program.mesh.rank)
         mesh = self.program.mesh
         if mesh.nprocs > 1:
@@ -98,6 +100,8 @@ class Plan:
         took), sf.Arrays out (in the function's result structure)."""
         if any(tree.is_container(a) for a in args):
             args = tuple(tree.leaves(args))
+        if self.program.constants:  # (the arrays captured when traced: the last inputs)
+            args, infos = args + self.program.constants, None if infos is None else infos + self._const_infos
         exe = self.executable
         if exe.donated:
             self._check_donated(args, exe.donated)

@@ -14,7 +14,8 @@ layout that differs from the wanted one is resolved by a `set` after the op.
 from __future__ import annotations
 
 from shardfuse.layout import Layout, mesh_axes
-from shardfuse.ops import Op
+from shardfuse.ops import Op, Reduce
+from shardfuse.rules_take import TAKE
 from shardfuse import ops
 
 LINEAR_UNARY = {Op.NEG, Op.SCALE, Op.DIV_SCALAR, Op.TRANSPOSE}
@@ -62,6 +63,8 @@ def einsum_labels(ins):
 def _linear_partials(op, lays):
     """Pending sums that may flow through this op, per input (the rest must be reduced first)."""
     parts = [tuple(l.partial) for l in lays]
+    if any(lay.partial_op != Reduce.SUM for lay in lays):  # (pending maxima flow through no op)
+        return [()] * len(parts)
     if op in LINEAR_UNARY or op == Op.SUM or op == Op.RESHAPE:
         return parts
     if op in (Op.ADD, Op.SUB):  # P + P stays P only when every operand pends the same sums
@@ -190,8 +193,8 @@ def elementwise_require(ins, out, lays):
     return tuple(req), produced
 
 
-# ---- max / min of the last axis: local, so that axis is made whole first (an Allgather where it is
-# sharded; an Allreduce with max / min of the partial results is not in the pending state yet) ----
+# ---- max / min of the last axis: local; where that axis is sharded, each device's maximum of its
+# shard is a pending max (Partial("max")), made whole by an Allreduce with that operator ----------
 
 def last_axis_reduce_infer(ins, lays):
     return Layout(tuple(_axes(lays[0])[:-1]))
@@ -199,7 +202,15 @@ def last_axis_reduce_infer(ins, lays):
 
 def last_axis_reduce_require(ins, out, lays):
     # (the input holds no pending sum: max and min do not commute with one)
-    return (Layout(tuple(out.axes) + (None,)),), Layout(tuple(out.axes), out.partial, out.chunks, out.stream)
+    (lay,) = lays
+    last = _axes(lay)[-1] if lay.mesh == out.mesh and out.stream is None and lay.stream is None else None
+    if last is None:  # the last axis whole (gathered where it is sharded and streamed)
+        return (Layout(tuple(out.axes) + (None,)),), Layout(tuple(out.axes), out.partial, out.chunks, out.stream)
+    pending = mesh_axes(last)
+    out_axes = _unshard(out.axes, set(pending))
+    kind = Reduce.MAX if ins.op == Op.REDUCE_MAX else Reduce.MIN
+    return (Layout(tuple(out_axes) + (last,)),), Layout(tuple(out_axes), tuple(pending), out.chunks,
+                                                       partial_op=kind)
 
 
 # ---- transpose: a permuted view ------------------------------------------------------------
@@ -338,6 +349,7 @@ RULES = {
     Op.SET: dict(infer=_given, require=_as_is, axis_map=identity_axis_map),
     Op.VIEW: dict(infer=_given, require=_as_is, axis_map=_no_stream_map),
     Op.RESHAPE: dict(infer=reshape_infer, require=reshape_require, axis_map=reshape_axis_map),
+    Op.TAKE: TAKE,  # (shardfuse/rules_take.py: the vocab-parallel embedding)
     **{op: ELEMENTWISE for op in BINARY | LINEAR_UNARY - {Op.TRANSPOSE} | NONLINEAR_UNARY | ops.BINARY},
     **{op: dict(infer=last_axis_reduce_infer, require=last_axis_reduce_require, axis_map=identity_axis_map)
        for op in ops.LOCAL_REDUCTIONS},

@@ -9,7 +9,7 @@ tensors are read on the caller's current stream) and results come back through D
 from __future__ import annotations
 
 from shardfuse.jit import Jitted
-from shardfuse.transforms import _Pullback
+from shardfuse.transforms import Pullback
 
 
 def _tensor(x, torch):
@@ -27,7 +27,7 @@ def torch_function(fn, mesh=None):
     import torch
 
     jitted = fn if isinstance(fn, Jitted) else Jitted(fn, mesh)
-    pullback = Jitted(_Pullback(jitted.fn, False), jitted.mesh, jitted.streams)
+    pullback = Jitted(Pullback(jitted.fn, False), jitted.mesh, jitted.streams)
 
     def stream_of(tensors):
         cuda = [t for t in tensors if t.is_cuda]

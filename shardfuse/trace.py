@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import inspect
 
+from shardfuse.constants import captured
 from shardfuse.ir import Program, TensorType, Value
 from shardfuse.layout import Layout
 from shardfuse.mesh import STREAM, DeviceMesh
@@ -191,5 +192,6 @@ def trace(fn, mesh, specs, streams=4, name=None) -> Program:
     for r in results:
         if not isinstance(r, Traced):
             raise TypeError(f"{fn.__name__} must return traced values, got {type(r).__name__}")
-    return Program(name or fn.__name__, mesh, tuple(inputs), tuple(r.value for r in results),
-                   tuple(builder.instrs), streams, ("trace",))
+    const_inputs, const_arrays = captured(builder)  # (NumPy arrays met: inputs bound by the plan itself)
+    return Program(name or fn.__name__, mesh, tuple(inputs) + const_inputs, tuple(r.value for r in results),
+                   tuple(builder.instrs), streams, ("trace",), constants=const_arrays)

@@ -10,7 +10,7 @@ import math
 
 import numpy as np
 
-from shardfuse import dtypes
+from shardfuse import constants, dtypes
 from shardfuse.ir import Instr, Namer, TensorType, Value
 from shardfuse.mesh import as_int
 from shardfuse.ops import Op
@@ -30,10 +30,12 @@ class Builder:
         self.namer = Namer()
         self.producer: dict = {}  # value -> the instruction that made it
         self.homes: dict = {}  # value -> the sub-mesh it lives on, where known when traced
-        # values annotations do not compose through: the primals of sf.grad / sf.vjp, which are
-        # new values to the differentiated function (as JAX's new tracers), so that its annotations
-        # apply to them and their cotangents reach them
-        self.fresh: set = set()
+        self.fresh: set = set()  # sf.grad's primals: annotations do not compose through them (JAX's new tracers)
+        self.constants: dict = {}  # id(a NumPy array met) -> (it, its value then, its input): shardfuse.constants
+
+    def constant(self, x):
+        """x as a value of this program where it is a NumPy array (shardfuse/constants.py); else x."""
+        return Traced(self, constants.capture(self, x)) if constants.is_constant(x) else x
 
     def emit(self, op, ins, out_type, base, **attrs) -> "Traced":
         out = Value(self.namer(base), out_type)
@@ -73,6 +75,7 @@ class Traced:
         return f"Traced({self.value.name}: {self.value.type})"
 
     def _other(self, other, what):
+        other = self.builder.constant(other)  # (a NumPy array: a replicated constant)
         if not isinstance(other, Traced) or other.builder is not self.builder:
             raise TypeError(f"{what}: both operands must be values of the traced function, got {type(other).__name__}")
         return other
@@ -139,7 +142,7 @@ class Traced:
         if is_weak_scalar(other):
             x, c = self.with_scalar(other, rounded=True)
             return x.unary_op(SCALAR_OF[op], "bool", value=c)
-        if not isinstance(other, Traced):
+        if not isinstance(other, Traced) and not constants.is_constant(other):
             return NotImplemented
         a, b = self.promote_with(other, op)
         return a.elementwise_op(op, (a, b), "bool")
@@ -371,8 +374,6 @@ def reduced_axes(axis, ndim: int, shape) -> tuple:
     if len(set(axes)) != len(axes):
         raise ValueError(f"duplicate value in axis={axis!r}")
     return axes
-
-
 
 
 def describe(v) -> str:

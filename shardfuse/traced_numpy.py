@@ -19,9 +19,11 @@ from shardfuse.traced import NUMPY, Traced, describe, is_scalar, is_weak_scalar
 
 
 def _apply(fn, what, *args):
-    """fn(*args) on traced values; with an sf.Array among args (outside jit), as its one-op plan."""
-    if any(isinstance(a, Traced) for a in args):
-        return fn(*args)
+    """fn(*args) on traced values (NumPy arrays among them captured as constants); with an sf.Array
+    among args (outside jit), as its one-op plan."""
+    traced = next((a for a in args if isinstance(a, Traced)), None)
+    if traced is not None:
+        return fn(*(traced.builder.constant(a) for a in args))
     for a in args:
         if hasattr(type(a), "one_op"):  # sf.Array (array_ops.ArrayOps)
             return a.one_op(fn, args, what)
@@ -116,12 +118,11 @@ def where(c, x, y):
 
 def _where(c, x, y):
     if not isinstance(c, Traced):
-        raise TypeError(f"sf.where: the condition must be a traced array inside sf.jit, got {type(c).__name__}")
+        raise TypeError(f"sf.where: the condition must be an array inside sf.jit, got {type(c).__name__}")
     c = c if c.dtype == "bool" else c.astype("bool")
     for v in (x, y):
         if not (isinstance(v, Traced) or is_weak_scalar(v)):
-            raise TypeError(f"sf.where: x and y must be traced arrays or Python scalars, got {type(v).__name__} "
-                            "(arrays are not captured as constants inside sf.jit: make them inputs of the function)")
+            raise TypeError(f"sf.where: x and y must be arrays or Python scalars, got {type(v).__name__}")
     arrays = [v for v in (x, y) if isinstance(v, Traced)]
     if len(arrays) == 2:
         x, y = x.promote_with(y, "where")
@@ -158,10 +159,12 @@ def _binary(method, reflected):
     """np.<ufunc>(a, b) with a traced operand: its own operator method (never a + b again, which
     with a NumPy scalar on the left would come back here).  Named as `operator`'s functions."""
     def call(a, b):
+        if isinstance(b, Traced):  # (a NumPy array on the left: a constant)
+            a = b.builder.constant(a)
         out = getattr(a, method)(b) if isinstance(a, Traced) else getattr(b, reflected)(a) if reflected else NotImplemented
         if out is NotImplemented:
             raise TypeError(f"np.{method.strip('_')} of a {type(a).__name__} and a {type(b).__name__} inside sf.jit: "
-                            "arrays are not captured as constants; make them inputs of the function")
+                            "an array (NumPy's, captured as a constant, or a traced value) was expected: write np.asarray(...)")
         return out
     call.__name__ = method.strip("_")
     return call

@@ -159,7 +159,7 @@ def vjp(fn, *primals, has_aux=False):
     key = _mesh_options(fn, primals, "sf.vjp")
     fwd = fn if isinstance(fn, Jitted) else Jitted(fn, *key)
     out = fwd(*primals)
-    pullback = Jitted(_Pullback(fn, has_aux), *key)
+    pullback = Jitted(Pullback(fn, has_aux), *key)
 
     def vjp_fn(cotangent):
         grads = pullback(primals, cotangent)
@@ -191,7 +191,7 @@ def _vjp_traced(fn, primals, has_aux):
     return (fwd.out, vjp_fn, fwd.aux) if has_aux else (fwd.out, vjp_fn)
 
 
-class _Pullback:
+class Pullback:
     """(primals, cotangent) -> vjp_fn(cotangent): what sf.vjp's vjp_fn compiles outside jit."""
 
     def __init__(self, fn, has_aux):

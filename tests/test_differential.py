@@ -609,7 +609,7 @@ def _broadcasts(a, b) -> bool:
 STATS: dict = {}
 
 
-def _deliberate(e: BaseException) -> bool:
+def deliberate(e: BaseException) -> bool:
     """A clear error of shardfuse's own: a refusal type, a message, raised by a `raise`
     statement in shardfuse's code (a NumPy error surfacing from a backend is not one)."""
     if not isinstance(e, REFUSALS) or not str(e).strip():
@@ -632,7 +632,7 @@ def _deliberate(e: BaseException) -> bool:
     return not isinstance(e, PlanError)
 
 
-def _category(e) -> str:
+def category(e) -> str:
     msg = re.sub(r"\b[vxa]\d+\w*", "<v>", str(e).splitlines()[0] if str(e) else "")
     return f"{type(e).__name__}: {re.sub(r'[0-9]+', 'N', msg)[:80]}"
 
@@ -668,7 +668,7 @@ def _check_output(got_arr, ref, val: Val, prog: Prog, what: str):
         assert got == want, f"{what}: placements {tuple(map(str, got))}, the annotations state {tuple(map(str, want))}"
 
 
-def _as_tuple(x):
+def as_tuple(x):
     return x if isinstance(x, tuple) else (x,)
 
 
@@ -683,9 +683,9 @@ def run_program(prog: Prog, seed: int, stats: Counter):
 
     def reference(inputs):
         with np.errstate(all="ignore"):
-            out = tuple(np.asarray(r, np.float64) for r in _as_tuple(ref_fn(*(x.astype(np.float64) for x in inputs))))
+            out = tuple(np.asarray(r, np.float64) for r in as_tuple(ref_fn(*(x.astype(np.float64) for x in inputs))))
             if prog.dtype != "float64":  # a value that overflows in the narrow type itself is no test
-                narrow = _as_tuple(ref_fn(*inputs))
+                narrow = as_tuple(ref_fn(*inputs))
                 assume(all(np.all(np.isfinite(np.asarray(r, np.float64))) for r in narrow))
         return out
 
@@ -708,21 +708,21 @@ def run_program(prog: Prog, seed: int, stats: Counter):
         if phase != "lower":
             raise AssertionError(f"{phase} raised {type(e).__name__} after the plan compiled: errors must come "
                                  f"before any communication, from lower(): {e}") from e
-        if not _deliberate(e):
+        if not deliberate(e):
             raise AssertionError(f"{phase} raised {type(e).__name__} that is not a clear refusal "
                                  f"(not raised by shardfuse itself, or no message): {e}") from e
         kind = "invalid" if ref_error is not None else "wild" if prog.wild else "valid"
         stats["refused"] += 1
-        stats[f"refused {kind} @{phase}: {_category(e)}"] += 1
+        stats[f"refused {kind} @{phase}: {category(e)}"] += 1
         event(f"refused ({kind}) at {phase}")
-        event(f"refused: {_category(e)}")
+        event(f"refused: {category(e)}")
 
     try:
         jitted.lower(*specs)
     except Exception as e:
         return refused(e, "lower")
     try:
-        out1 = _as_tuple(jitted(*args))
+        out1 = as_tuple(jitted(*args))
     except Exception as e:
         return refused(e, "call")
     assert ref_error is None, f"NumPy rejects this program ({type(ref_error).__name__}: {ref_error}), " \
@@ -739,14 +739,14 @@ def run_program(prog: Prog, seed: int, stats: Counter):
     inputs2 = prog.make_inputs(seed + 1)
     ref2 = reference(inputs2)
     assume(all(np.all(np.isfinite(r)) and (not r.size or np.abs(r).max() < 1e100) for r in ref2))
-    out2 = _as_tuple(jitted(*prog.place(inputs2)))
+    out2 = as_tuple(jitted(*prog.place(inputs2)))
     for k, (o, r, v) in enumerate(zip(out2, ref2, prog.outs)):
         _check_output(o, r, v, prog, f"call 2 (fresh inputs), output {k}")
     for k, (o, r, v) in enumerate(zip(out1, ref, prog.outs)):
         _check_output(o, r, v, prog, f"call 1's output {k} after call 2")
 
 
-def _common(data, meshes, f32=0):
+def common_draws(data, meshes, f32=0):
     mesh_key = data.draw(st.sampled_from(meshes), label="mesh")
     streams = data.draw(st.integers(1, 4), label="streams")
     dtype = "float32" if f32 and data.draw(st.integers(0, 99)) >= 100 - f32 else "float64"
@@ -770,7 +770,7 @@ def _drive(prop, name):
 @PROFILE
 @given(data=st.data())
 def _elementwise_and_reductions(data):
-    mesh_key, streams, dtype, seed = _common(data, ALL_MESHES, f32=10)
+    mesh_key, streams, dtype, seed = common_draws(data, ALL_MESHES, f32=10)
     g = Gen(data, mesh_key, dtype, streams)
     x = g.new_input(g.shape(g.pick([2, 1, 3])))
     kinds = ["annotate", "unary", "binary", "annotate", "reduce", "transpose", "reshape", "binary"]
@@ -781,7 +781,7 @@ def _elementwise_and_reductions(data):
 @PROFILE
 @given(data=st.data())
 def _matmul_chains(data):
-    mesh_key, streams, dtype, seed = _common(data, ALL_MESHES, f32=10)
+    mesh_key, streams, dtype, seed = common_draws(data, ALL_MESHES, f32=10)
     g = Gen(data, mesh_key, dtype, streams)
     x = g.maybe_annotate(g.new_input(g.shape(g.pick([2, 3]))), 50)
     cur = g.matmul(x)
@@ -795,7 +795,7 @@ def _matmul_chains(data):
 def _reshards(data):
     """A placed input, then annotations (with an op or two between) asking for other layouts:
     every row of the reshard table, over either mesh axis, with and without streaming."""
-    mesh_key, streams, dtype, seed = _common(data, MESHES_2D + MESHES_2D + MESHES_1D)
+    mesh_key, streams, dtype, seed = common_draws(data, MESHES_2D + MESHES_2D + MESHES_1D)
     g = Gen(data, mesh_key, dtype, streams)
     x = g.new_input(g.shape(g.pick([2, 3])), placed=True)
     kinds = ["annotate", "annotate", "annotate", "unary", "reduce", "matmul", "transpose"]
@@ -807,7 +807,7 @@ def _reshards(data):
 @PROFILE
 @given(data=st.data())
 def _mixed_programs(data):
-    mesh_key, streams, dtype, seed = _common(data, ALL_MESHES, f32=10)
+    mesh_key, streams, dtype, seed = common_draws(data, ALL_MESHES, f32=10)
     g = Gen(data, mesh_key, dtype, streams)
     x = g.new_input(g.shape(g.pick([2, 3, 1])))
     prog = g.body(x, list(Gen.STEPS) + ["annotate", "matmul"], g.draw(st.integers(1, 8), label="steps"),
@@ -820,7 +820,7 @@ def _mixed_programs(data):
 def _moves_between_meshes(data):
     """Values moved between the mesh and its sub-meshes (pipeline stages), sharded there over
     one axis or a tuple of mesh axes in either order, with ops, reshapes and streams on either side."""
-    mesh_key, streams, dtype, seed = _common(data, ["2x2", "4", "2x4", "2"])
+    mesh_key, streams, dtype, seed = common_draws(data, ["2x2", "4", "2x4", "2"])
     g = Gen(data, mesh_key, dtype, streams)
     x = g.new_input(g.shape(g.pick([2, 3])), placed=g.chance(70))
     cur = g.move(g.maybe_annotate(x, 50))

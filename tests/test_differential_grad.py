@@ -31,7 +31,7 @@ EPS = 1e-6
 def _loss(fn, n, mesh):
     def loss(*args):
         xs, rs = args[:n], args[n:]
-        outs = td._as_tuple(fn(*xs))
+        outs = td.as_tuple(fn(*xs))
         total = None
         for o, r in zip(outs, rs):  # (an output on a sub-mesh moves to the mesh: that move is differentiated too)
             term = (sf.to_mesh(o, mesh) * r).sum()
@@ -53,7 +53,7 @@ def run_gradient(prog: td.Prog, seed: int, stats: Counter):
     rng = np.random.default_rng(seed + 7)
     try:
         with np.errstate(all="ignore"):
-            outs = td._as_tuple(ref_fn(*inputs))
+            outs = td.as_tuple(ref_fn(*inputs))
     except Exception:  # noqa: BLE001 (NumPy rejects it: the forward's net checks the refusal)
         assume(False)
     assume(all(np.all(np.isfinite(o)) and np.abs(o).max(initial=0) < 1e6 for o in outs))
@@ -61,7 +61,7 @@ def run_gradient(prog: td.Prog, seed: int, stats: Counter):
 
     def ref_loss(xs):
         with np.errstate(all="ignore"):
-            return sum(float(np.sum(np.asarray(o, np.float64) * r)) for o, r in zip(td._as_tuple(ref_fn(*xs)), rs))
+            return sum(float(np.sum(np.asarray(o, np.float64) * r)) for o, r in zip(td.as_tuple(ref_fn(*xs)), rs))
 
     n = len(inputs)
     try:  # a program whose forward is refused is the forward net's business (tests/test_differential.py)
@@ -77,13 +77,13 @@ def run_gradient(prog: td.Prog, seed: int, stats: Counter):
     try:
         grad.lower(*specs)
     except Exception as e:  # noqa: BLE001
-        if not td._deliberate(e):
+        if not td.deliberate(e):
             raise AssertionError(f"lowering the gradient raised {type(e).__name__}, not a clear refusal: {e}") from e
         stats["refused"] += 1
-        stats[f"refused: {td._category(e)}"] += 1
-        event(f"gradient refused: {td._category(e)}")
+        stats[f"refused: {td.category(e)}"] += 1
+        event(f"gradient refused: {td.category(e)}")
         return
-    grads = td._as_tuple(grad(*args))
+    grads = td.as_tuple(grad(*args))
     stats["ran"] += 1
     event("gradient ran")
     for k, (g, a) in enumerate(zip(grads, args)):
@@ -117,7 +117,7 @@ def _drive(prop, name):
 
 
 def _program(data, meshes, kinds, first):
-    mesh_key, streams, _, seed = td._common(data, meshes)
+    mesh_key, streams, _, seed = td.common_draws(data, meshes)
     g = td.Gen(data, mesh_key, "float64", streams)
     prog = first(g, kinds)
     return prog, seed

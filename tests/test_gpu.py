@@ -871,3 +871,100 @@ def test_issue31_pending_sum_sqrt_and_causal_softmax(mesh, dtype):
     s = sf.shard(scores, axis=0, mesh=mesh)
     check(sf.jit(lambda s, m: softmax(sf.where(m, s, -np.inf)), mesh=mesh)(s, mask).gather(), want, dtype)
     check(softmax(sf.where(mask, s, -np.inf)).gather(), want, dtype)
+
+
+# ---- issue 31: max / min over a sharded axis (Allreduce with ncclMax / ncclMin of order keys), take and the
+# vocab-parallel embedding, constants, cross-entropy (the bodies of tests/test_extrema.py, test_take.py,
+# test_constants.py, test_cross_entropy.py) --------------------------------------------------------------
+import test_constants as ct  # noqa: E402
+import test_cross_entropy as ce  # noqa: E402
+import test_extrema as ex  # noqa: E402
+import test_take as tk  # noqa: E402
+
+
+def _tp_mesh(d, shape=None):
+    """A cupy mesh of d devices whose axes are named as the take / cross-entropy cases name them."""
+    key = ("tp", d, shape)
+    if key not in _MESHES:
+        _MESHES[key] = sf.DeviceMesh(shape or d, ("dp", "tp") if shape else "tp", backend="cupy")
+    return _MESHES[key]
+
+
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16", "float32", "float64", "int32"])
+@pytest.mark.parametrize("kind", ["max", "min"])
+@pytest.mark.parametrize("nans", [(), ((0, 0),), ((3, 7), (5, 1))], ids=str)
+@pytest.mark.parametrize("mesh", [1, 2, 4], indirect=True)
+def test_issue31_max_min_over_a_sharded_axis(mesh, kind, dtype, nans):
+    nans = () if dtype == "int32" else nans
+    got = ex.check_max(mesh, kind, dtype, 1, False, nans, np.random.default_rng(7))
+    if nans:
+        assert np.isnan(np.asarray(got.gather(), np.float64)[[r for r, _ in nans]]).all()
+    assert ex.plan_of(mesh, kind, 1).collectives() == ({"allreduce": 1} if mesh.size > 1 else {})
+
+
+@pytest.mark.parametrize("kind", ["max", "min"])
+def test_issue31_max_min_through_nccl_and_graphs(kind):
+    """The one-device NCCL path (a one-rank ncclMax / ncclMin of int keys) and a captured graph."""
+    x = np.random.default_rng(8).standard_normal((6, 8)).astype(np.float32)
+    x[2, 3] = np.nan
+    want = getattr(x.astype(np.float64), kind)(1)
+    for mesh, graph in ((_nccl_mesh(), False), (sf.DeviceMesh(4, backend="cupy"), True)):
+        f = sf.jit(lambda v: getattr(sf.shard(v, axis=1), kind)(1), mesh=mesh, graph=graph)
+        for _ in range(2):  # (a graph: captured at the first call, replayed at the second)
+            np.testing.assert_array_equal(np.asarray(f(x).gather(), np.float64), want)
+
+
+@pytest.mark.parametrize("dtype", ["int32", "int64"])
+@pytest.mark.parametrize("op", ["max", "min"])
+@pytest.mark.parametrize("mesh", [2, 4], indirect=True)
+def test_issue31_allreduce_max_min_called_directly(mesh, op, dtype):
+    be = backend_of(mesh)
+    nd = len(be.local_devices)
+    sends = [np.random.default_rng(9 + j).integers(-10**6, 10**6, (3, 5)).astype(dtype) for j in range(nd)]
+    sref = Ref(0, (0,) * nd, (3, 5), contiguous_strides((3, 5)), dtype)
+    rref = Ref(1, (0,) * nd, (3, 5), contiguous_strides((3, 5)), dtype)
+    bufs = [be.to_device(sends), be.empty((3, 5), dtype)]
+    start, _ = be.bind_allreduce(sref, rref, "DIDx", 0, op=op)
+    start(bufs)
+    be.synchronize()
+    want = (np.maximum if op == "max" else np.minimum).reduce(sends)
+    for got in be.to_host(bufs[1]):
+        np.testing.assert_array_equal(got, want)
+
+
+@pytest.mark.parametrize("layout", ["vocab", "hidden", "replicated"])
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16", "float64"])
+@pytest.mark.parametrize("d", [1, 4])
+def test_issue31_take_vocab_parallel(d, layout, dtype):
+    tk.check_take(_tp_mesh(d), layout, dtype, "int64", np.random.default_rng(10))
+    tk.check_take(_tp_mesh(d), layout, dtype, "int32", np.random.default_rng(11), jit=False)
+
+
+def test_issue31_take_on_a_2d_mesh_and_in_a_graph():
+    mesh = _tp_mesh(4, (2, 2))
+    for layout in ("vocab-batch-dp", "vocab-both"):
+        tk.check_take(mesh, layout, "float32", "int32", np.random.default_rng(12))
+    rng = np.random.default_rng(13)
+    table, ids = rng.standard_normal((tk.V, tk.H)).astype(np.float32), tk.ids_of(rng, (4, 6), out_of_range=True)
+    f = sf.jit(lambda t, i: sf.take(sf.shard(t, axis=0, over="tp"), i), mesh=mesh, graph=True)
+    for _ in range(2):
+        np.testing.assert_array_equal(f(table, ids).gather(), tk.np_lookup(table, ids))
+
+
+@pytest.mark.parametrize("mesh", [1, 4], indirect=True)
+def test_issue31_constants_and_causal_attention(mesh):
+    ct.check_closed_over(mesh, np.random.default_rng(14))
+    q, k, v = (np.random.default_rng(15 + j).standard_normal((2, 4, 8, 8)) for j in range(3))
+    f = sf.jit(lambda q, k, v: sf.nn.attention(sf.shard(q, axis=1), k, v, causal=True), mesh=mesh)
+    s = q @ np.swapaxes(k, -1, -2) / np.sqrt(8) + np.where(np.tril(np.ones((8, 8), bool)), 0, -np.inf)
+    e = np.exp(s - s.max(-1, keepdims=True))
+    np.testing.assert_allclose(f(q, k, v).gather(), (e / e.sum(-1, keepdims=True)) @ v, rtol=1e-10, atol=1e-12)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16", "float64"])
+@pytest.mark.parametrize("d", [1, 4])
+def test_issue31_cross_entropy_vocab_parallel(d, dtype):
+    ce.check_cross_entropy(_tp_mesh(d), "vocab", dtype, np.random.default_rng(16))
+    ce.check_cross_entropy(_tp_mesh(d), "vocab", dtype, np.random.default_rng(17), jit=False)
+    if d == 4:
+        ce.check_cross_entropy(_tp_mesh(4, (2, 2)), "tokens-dp-vocab-tp", dtype, np.random.default_rng(18))

@@ -19,7 +19,7 @@ from cupy.cuda import driver, nccl, runtime
 from shardfuse.backends.cuda.copies import dma_copy
 from shardfuse.backends.cuda.devices import offsets_bytes
 from shardfuse.backends.cuda.libs import D2D, ITEM, NCCL_T, Prebound
-from shardfuse.ops import Op
+from shardfuse.ops import Op, Reduce
 
 # How a team runs: all its devices in this process on one GPU, or NCCL across distinct GPUs
 ONE_GPU, NCCL = "one GPU", "NCCL"
@@ -200,19 +200,27 @@ class Collectives:
                                lambda c, s, r, st: c.allGather(s, r, count, t, st),
                                gathered if 1 < d <= GATHER_KERNEL_MAX and nb else copies)
 
-    def allreduce(self, send, recv, team, stream):
+    def allreduce(self, send, recv, team, stream, op=Reduce.SUM):
+        """recv = the sum, or with op="max" / "min" (ncclMax / ncclMin) the max or min, of the team's
+        sends; a plan moves floats' maxima as integer keys (backends/extrema.py: NCCL's float max
+        does not keep NumPy's NaN), so those are integers here."""
         d = self.team_size(team)
         count, t = send.size, NCCL_T[send.dtype]
-        kern, nb = self.kernels.sum_of(send.dtype, d), count * ITEM[send.dtype]
+        nb = count * ITEM[send.dtype]
+        if op != Reduce.SUM and send.dtype not in ("int32", "int64"):
+            raise TypeError(f"Allreduce op={op} of {send.dtype}: the plan moves integer keys (passes/lower.py)")
+        kern = self.kernels.sum_of(send.dtype, d) if op == Reduce.SUM else \
+            self.kernels.extremum_of(send.dtype, d, op)
 
-        def copy(S, R, st):  # the sum into the first member's buffer, then copied to the rest
+        def copy(S, R, st):  # the result into the first member's buffer, then copied to the rest
             (r0, o0) = R[0]
             out = cupy.ndarray((count,), r0.dtype, r0.data + o0)
             kern(*[cupy.ndarray((count,), x.dtype, x.data + off) for x, off in S], out)
             for x, off in R[1:]:
                 runtime.memcpyAsync(x.data.ptr + off, out.data.ptr, nb, D2D, st.ptr)
+        nccl_op = {Reduce.SUM: 0, Reduce.MAX: 2, Reduce.MIN: 3}[op]  # (ncclSum, ncclMax, ncclMin)
         return self.collective(Op.ALLREDUCE, send, recv, team, stream,
-                               lambda c, s, r, st: c.allReduce(s, r, count, t, 0, st), copy)
+                               lambda c, s, r, st: c.allReduce(s, r, count, t, nccl_op, st), copy)
 
     def reduce_scatter(self, send, recv, team, stream):
         """send: [D, *recv] contiguous; rank r gets the sum of every member's block r."""

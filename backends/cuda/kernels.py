@@ -8,7 +8,7 @@ import cupy
 
 # fn(xp, x, y or scalar, out) keyed by Op, for any array module xp: the same ufunc calls on both backends
 from shardfuse.backends.elementwise_numpy import ELEMENTWISE
-from shardfuse.ops import Op
+from shardfuse.ops import Op, Reduce
 
 BF16_PREAMBLE = r"""
 __device__ inline float bf2f(unsigned short h) { return __uint_as_float(((unsigned int)h) << 16); }
@@ -66,6 +66,42 @@ class Kernels:
                                           f"sf_sum{n}_{dtype}", preamble=BF16_PREAMBLE)
         return self._get(("sum_of", dtype, n), make)
 
+    def extremum_of(self, dtype, n, op):
+        """y = max (op="max") or min of x0 ... x{n-1} elementwise, integers (order keys), one kernel."""
+        def make():
+            f = "max" if op == Reduce.MAX else "min"
+            body = "y = x0;" + "".join(f" y = {f}(y, x{i});" for i in range(1, n))
+            return cupy.ElementwiseKernel(", ".join(f"{dtype} x{i}" for i in range(n)), f"{dtype} y", body,
+                                          f"sf_{op}{n}_{dtype}")
+        return self._get(("extremum_of", dtype, n, op), make)
+
+    def order_keys(self, op, x_dtype, keys_dtype, decode=False):
+        """Floats (or bools) to the order keys of backends/extrema.py, or (decode) back, in one kernel
+        with no temporaries (a graph capture refuses allocations); bfloat16 comes through float32."""
+        def make():
+            wide = keys_dtype == "int64"
+            k, f, m = ("long long", "double", "0x7fffffffffffffffLL") if wide else ("int", "float", "0x7fffffff")
+            nan_key = m if op == Reduce.MAX else f"(-{m} - 1)"
+            bits, from_bits = ("__double_as_longlong", "__longlong_as_double") if wide else \
+                ("__float_as_int", "__int_as_float")
+            if decode:
+                body = "y = k != 0;" if x_dtype == "bool" else \
+                    f"{k} b = k < 0 ? (k ^ {m}) : k; {f} v = {from_bits}(k == {nan_key} ? {m} : b); y = v;"
+                return cupy.ElementwiseKernel(f"{keys_dtype} k", f"{x_dtype} y", body, f"sf_from_keys_{op}_{x_dtype}")
+            body = "y = x;" if x_dtype == "bool" else \
+                f"{f} v = ({f})x; {k} b = {bits}(v); y = v != v ? {nan_key} : (b < 0 ? (b ^ {m}) : b);"
+            return cupy.ElementwiseKernel(f"{x_dtype} x", f"{keys_dtype} y", body, f"sf_keys_{op}_{x_dtype}")
+        return self._get((Op.ORDER_KEYS, op, x_dtype, keys_dtype, decode), make)
+
+    def take(self):
+        """out = table[ids] for the rows this device holds, zeros elsewhere (elementwise_numpy.take_rows's
+        semantics), one kernel over the output (no temporaries: graph capture refuses allocations)."""
+        return self._get(Op.TAKE, lambda: cupy.ElementwiseKernel(
+            "raw T table, raw I ids, raw int64 rows, int64 nloc, int64 vocab, int64 width", "T out",
+            "long long r = i / width, c = i % width; long long g = (long long)ids[r]; if (g < 0) g += vocab;"
+            " g = g < 0 ? 0 : (g >= vocab ? vocab - 1 : g); long long loc = g - rows[0];"
+            " out = (loc >= 0 && loc < nloc) ? table[loc * width + c] : (T)0;", "sf_take"))
+
     def gather(self, n, vector):
         """One launch instead of 2n - 1 copies: block r (`units` elements) of each of n send
         buffers into place r of each of n receive buffers, all on one GPU (an all-gather over
@@ -119,11 +155,24 @@ def _fused(kernels, op, dtype):
     return lambda xp, x, _, o: kern(x, o)
 
 
+_KEYS = (Op.ORDER_KEYS, Op.FROM_ORDER_KEYS)
+
+
+def _keys(kernels, op, a, out, reduce_op):
+    """The order-key kernels (bfloat16 arrives and leaves as float32 scratch, as for every op)."""
+    if op == Op.ORDER_KEYS:
+        kern = kernels.order_keys(reduce_op, "float32" if a.dtype == "bfloat16" else a.dtype, out.dtype)
+    else:
+        kern = kernels.order_keys(reduce_op, "float32" if out.dtype == "bfloat16" else out.dtype, a.dtype, decode=True)
+    return lambda xp, x, _, o: kern(x, o)
+
+
 def bind_elementwise(dev, kernels, op, a, b, out, stream, scalar=None):
     """Step: out = op(a[, b]) (op an Op of ops.ELEMENTWISE).  bfloat16 operands are read through
     float32 scratch and a bfloat16 result written through it (made now: no allocation when the
     step runs), so comparisons, casts and max of bfloat16 see numbers, not their bits."""
-    fn = _fused(kernels, op, out.dtype) if op in _FUSED else _CUPY.get(op, ELEMENTWISE[op])
+    fn = _fused(kernels, op, out.dtype) if op in _FUSED else _keys(kernels, op, a, out, scalar) if op in _KEYS \
+        else _CUPY.get(op, ELEMENTWISE[op])
     refs = (a, out) if b is None else (a, b, out)
     if all(r.dtype != "bfloat16" for r in refs):
         if b is None:

@@ -13,10 +13,11 @@ from __future__ import annotations
 
 from dataclasses import replace
 
+from shardfuse.dtypes import order_key_dtype as key_dtype
 from shardfuse.ir import Instr, Namer, Value
 from shardfuse.layout import Layout
 from shardfuse.passes.reshard_plan import reshard_steps
-from shardfuse.ops import HOST_ONLY, Op
+from shardfuse.ops import HOST_ONLY, Op, Reduce
 
 
 def lower_to_host(prog):
@@ -51,6 +52,13 @@ def _lower(instrs, namer, mesh, results=()):
 def _lower_set(x, y, namer, mesh):
     if x.type.layout.mesh != y.type.layout.mesh:
         return _lower_move(x, y, namer, mesh)
+    op = x.type.layout.partial_op
+    if op != Reduce.SUM and key_dtype(x.type.dtype):  # pending maxima of floats: moved as integer keys
+        kx = Value(namer(f"{x.name}_keys"), replace(x.type, dtype=key_dtype(x.type.dtype)))
+        ky = Value(namer(f"{y.name}_keys"), replace(y.type, dtype=kx.type.dtype))
+        return [Instr(Op.ALLOCATE, (kx,)), Instr(Op.ORDER_KEYS, (), (x,), {"value": op}, into=kx),
+                *_lower_set(kx, ky, namer, mesh),
+                Instr(Op.ALLOCATE, (y,)), Instr(Op.FROM_ORDER_KEYS, (), (ky,), {"value": op}, into=y)]
     where = x.type.layout.mesh
     steps = reshard_steps(x.type.layout.placement(), y.type.layout.placement(), x.type.layout.home(mesh), x.type.shape)
     if not steps:  # only the schedule changes: a copy keeps y a buffer of its own
@@ -66,6 +74,8 @@ def _lower_set(x, y, namer, mesh):
             h = Value(namer({Op.ALLGATHER: "ag", Op.ALLREDUCE: "ar", Op.REDUCE_SCATTER: "rs", Op.ALLTOALL: "a2a"}[kind]),
                       "Comm")
             attrs = {"team": m} if ax is None else {"team": m, "axis": ax}
+            if kind == Op.ALLREDUCE and x.type.layout.partial_op != Reduce.SUM:  # (printed: Allreduce ..., op=max)
+                attrs["op"] = x.type.layout.partial_op
             if to_ax is not None:
                 attrs["to_axis"] = to_ax
             out += [Instr(Op.ALLOCATE, (nxt,)), Instr(kind, (h,), (cur,), attrs, into=nxt), Instr(Op.WAIT, (), (h,))]

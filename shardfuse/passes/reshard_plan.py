@@ -18,7 +18,7 @@ import heapq
 import math
 
 from shardfuse.layout import Layout, axis_entry, mesh_axes, shard_count
-from shardfuse.ops import Op
+from shardfuse.ops import Op, Reduce
 
 ORDER = {Op.SHARD_SLICE: 0, Op.REDUCE_SCATTER: 1, Op.ALLREDUCE: 2, Op.ALLTOALL: 3, Op.ALLGATHER: 4}
 
@@ -44,8 +44,8 @@ def _moves(lay: Layout, shape, mesh, keep_partial):
             if m in keep_partial:
                 continue
             rest = tuple(p for p in lay.partial if p != m)
-            yield (Op.ALLREDUCE, m, None, None), Layout(axes, rest)
-            for j in range(len(axes)):
+            yield (Op.ALLREDUCE, m, None, None), Layout(axes, rest, partial_op=lay.partial_op)
+            for j in range(len(axes) if lay.partial_op == Reduce.SUM else 0):  # (max / min: Allreduce, then a slice)
                 if fits(j, m):
                     yield (Op.REDUCE_SCATTER, m, j, None), Layout(add(axes, j, m), rest)
             continue
@@ -72,8 +72,10 @@ def _moved(kind, before: Layout, after: Layout, shape, mesh) -> int:
 
 def reshard_steps(src: Layout, dst: Layout, mesh, shape=None):
     """[(kind, mesh axis, tensor axis, target axis, layout after)] taking placement src to dst."""
-    src, dst = Layout(src.axes, src.partial), Layout(dst.axes, dst.partial)
+    src, dst = (Layout(lay.axes, lay.partial, partial_op=lay.partial_op) for lay in (src, dst))
     made = [m for m in dst.partial if m not in src.partial]
+    if src.partial and dst.partial and src.partial_op != dst.partial_op:
+        raise ValueError(f"cannot reshard pending {src.partial_op} values into pending {dst.partial_op} values")
     if made:  # a pending sum cannot be created by resharding, only by a contraction
         raise ValueError(f"cannot reshard {src.placements(mesh)} -> {dst.placements(mesh)} over {made[0]}")
     index = {m: k for k, m in enumerate(mesh.axis_names)}

@@ -1,0 +1,56 @@
+"""The sharding rule of take (an embedding lookup), one entry of rules.RULES.
+
+take(table, ids, rows) -> out[*ids.shape, *table.shape[1:]]: row ids[...] of the table.  `rows` is
+np.arange(vocabulary) (a constant the tracer adds), laid out as the table's axis 0, so each device
+knows which rows it holds without a per-device attribute.  The table's other axes and the ids'
+axes map to the output's.  A table sharded over the vocabulary (axis 0) is Megatron's
+vocab-parallel embedding: each device looks the ids up in its own rows and writes zeros for the
+others, so the output is a pending sum over those mesh axes, made whole by one Allreduce (or a
+ReduceScatter where the output is sharded) -- never a gather of the table.
+"""
+from __future__ import annotations
+
+from shardfuse.layout import Layout, mesh_axes
+
+
+def _pending(lay, out_mesh) -> tuple:
+    """The mesh axes the table's vocabulary axis is sharded over (none where the table moves to
+    another mesh: it arrives whole there)."""
+    return mesh_axes(lay.axes[0]) if lay.mesh == out_mesh else ()
+
+
+def _free(axes, taken, stream=None):
+    """axes with every entry that names a mesh axis in `taken` made replicated (the stream axis kept)."""
+    return [a if j == stream or not set(mesh_axes(a)) & set(taken) else None for j, a in enumerate(axes)]
+
+
+def take_axis_map(ins, j):
+    """(table axis, ids axis, rows axis) that output axis j comes from."""
+    nid = ins.ins[1].type.ndim
+    return (None, j, None) if j < nid else (j - nid + 1, None, None)
+
+
+def take_infer(ins, lays):
+    table, ids, _ = lays
+    pending = mesh_axes(table.axes[0])
+    axes, used = [], set(pending)
+    for a in tuple(ids.axes) + tuple(table.axes[1:]):  # (the ids' sharding first: tokens stay where they are)
+        names = set(mesh_axes(a))
+        axes.append(a if a is not None and not names & used else None)
+        used |= names if axes[-1] is not None else set()
+    return Layout(tuple(axes), tuple(pending))
+
+
+def take_require(ins, out, lays):
+    table = lays[0]
+    pending = _pending(table, out.mesh)
+    nid = ins.ins[1].type.ndim
+    out_axes = _free(out.axes, pending, out.stream)
+    asked = [None if j == out.stream else a for j, a in enumerate(out_axes)]  # (chunks of the stream axis)
+    vocab = table.axes[0] if pending else None
+    req = (Layout((vocab,) + tuple(asked[nid:])), Layout(tuple(asked[:nid])), Layout((vocab,)))
+    partial = tuple(sorted(set(out.partial) | set(pending)))
+    return req, Layout(tuple(out_axes), partial, out.chunks, out.stream)
+
+
+TAKE = dict(infer=take_infer, require=take_require, axis_map=take_axis_map)
