@@ -282,7 +282,29 @@ def _unary(d):
     return lambda ins, xs, out, ct, instrs: [d(ct, xs[0], out, ins.attrs.get("value"))]
 
 
+def _take(ins, xs, out, ct, instrs):
+    """The table's cotangent: each row the sum of the cotangents of the positions that took it,
+    as a one-hot [..., ids, vocab] matrix contracted with ct (a batched GEMM per leading axis of the
+    ids, summed; no scatter-add op yet: it holds tokens x vocabulary elements)."""
+    table, ids, rows = xs
+    n = ins.attrs["vocab"]
+    ids = where(ids < 0, ids + n, ids)  # NumPy's negative ids, then JAX's clamping (as the forward)
+    ids = ids.unary_op(Op.MAXIMUM_SCALAR, value=0).unary_op(Op.MINIMUM_SCALAR, value=n - 1)
+    rest = table.shape[1:]
+    width = math.prod(rest)
+    g = ct if len(rest) == 1 else ct.reshape(ids.shape + (width,))
+    if ids.ndim == 0:
+        hit, g = (ids.reshape(1, 1) == rows.reshape(1, n)).astype(ct.dtype), g.reshape(1, width)
+    else:
+        hit = (ids.reshape(ids.shape + (1,)) == rows).astype(ct.dtype)  # [..., ids, vocab]
+    d = hit.swapaxes(-1, -2) @ g  # [..., vocab, width]
+    if d.ndim > 2:
+        d = d.sum(axis=tuple(range(d.ndim - 2)))
+    return [d if len(rest) == 1 else d.reshape(table.shape), None, None]
+
+
 VJP = {
+    Op.TAKE: _take,
     Op.SET: _set,
     Op.MATMUL: _matmul,
     Op.SUM: _sum,

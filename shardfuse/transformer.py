@@ -42,9 +42,11 @@ def causal_mask(seq):
     return np.tril(np.ones((seq, seq), bool))
 
 
-def transformer_layer(params, x, mask, heads, *, tp=None, sp=False, dp=None, chunks=None, eps=1e-5):
-    """One pre-norm transformer block on x [batch, seq, hidden]; mask [seq, seq] booleans (True:
-    attend; `causal_mask(seq)` for GPT).  heads divides hidden (and, with tp, heads divides over tp)."""
+def transformer_layer(params, x, heads, *, causal=True, mask=None, tp=None, sp=False, dp=None, chunks=None,
+                      eps=1e-5):
+    """One pre-norm transformer block on x [batch, seq, hidden]: causal self-attention (GPT's), or
+    with mask= [seq, seq] booleans (True: attend) and causal=False.  heads divides hidden (and,
+    with tp, the heads divide over tp)."""
     p = params
     if sp and tp is None:
         raise ValueError("transformer_layer(sp=True) shards the sequence over the tensor-parallel axis: give tp=")
@@ -78,14 +80,14 @@ def transformer_layer(params, x, mask, heads, *, tp=None, sp=False, dp=None, chu
     x = batch(trace.shard(x, axis=1, over=tp)) if sp else batch(x)
     y = layer_norm(x, p["ln1_w"], p["ln1_b"], eps)
     q, k, v = (heads_first(column_parallel(y, p[w])) for w in ("wq", "wk", "wv"))
-    o = attention(q, k, v, mask=mask).transpose(0, 2, 1, 3).reshape(b, s, h)
+    o = attention(q, k, v, causal=causal, mask=mask).transpose(0, 2, 1, 3).reshape(b, s, h)
     x = x + (row_parallel(o, p["wo"]) + p["bo"])
     y = layer_norm(x, p["ln2_w"], p["ln2_b"], eps)
     z = gelu(column_parallel(y, p["w1"]) + col(p["b1"], axis=0))
     return x + (row_parallel(z, p["w2"]) + p["b2"])
 
 
-def layer_reference(params, x, mask, heads, eps=1e-5):
+def layer_reference(params, x, heads, mask=None, eps=1e-5):
     """The same block in float64 NumPy (the tests' and the demo's reference)."""
     p = {k: np.asarray(v, np.float64) for k, v in params.items()}
     x = np.asarray(x, np.float64)
@@ -101,6 +103,7 @@ def layer_reference(params, x, mask, heads, eps=1e-5):
     y = ln(x, p["ln1_w"], p["ln1_b"])
     q, k, v = (split(y @ p[w]) for w in ("wq", "wk", "wv"))
     scores = q @ k.transpose(0, 1, 3, 2) / np.sqrt(h // heads)
+    mask = causal_mask(s) if mask is None else mask
     scores = np.where(mask, scores, -0.7 * np.finfo(np.float64).max)
     e = np.exp(scores - scores.max(-1, keepdims=True))
     o = ((e / e.sum(-1, keepdims=True)) @ v).transpose(0, 2, 1, 3).reshape(b, s, h)
@@ -108,3 +111,53 @@ def layer_reference(params, x, mask, heads, eps=1e-5):
     g = ln(x, p["ln2_w"], p["ln2_b"]) @ p["w1"] + p["b1"]
     g = 0.5 * g * (1 + np.tanh(np.sqrt(2 / np.pi) * (g + 0.044715 * g ** 3)))
     return x + g @ p["w2"] + p["b2"]
+
+
+# ---- a GPT model: embeddings, L blocks, the final norm, the vocabulary head, the loss ---------------
+
+def init_gpt(rng, vocab, hidden, layers, seq, dtype="float32", scale=0.02):
+    """GPT parameters: token and position embeddings, `layers` blocks, the final norm and an
+    untied vocabulary head [hidden, vocab]."""
+    def normal(*shape):
+        return (rng.standard_normal(shape) * scale).astype(dtype)
+    return {"wte": normal(vocab, hidden), "wpe": normal(seq, hidden),
+            "layers": [init_params(rng, hidden, dtype, scale) for _ in range(layers)],
+            "lnf_w": (1 + normal(hidden)).astype(dtype), "lnf_b": normal(hidden), "head": normal(hidden, vocab)}
+
+
+def gpt_loss(params, ids, labels, heads, *, tp=None, sp=False, dp=None, chunks=None):
+    """The mean cross-entropy of a GPT on token ids [batch, seq] against labels [batch, seq].  With
+    tp: the vocabulary-parallel embedding (each device looks up its rows, one Allreduce, or one
+    ReduceScatter into the sequence shards with sp) and head (logits sharded over the vocabulary,
+    Megatron's vocab-parallel cross-entropy: three Allreduces of per-token values)."""
+    from shardfuse.nn import cross_entropy
+    from shardfuse.take import take
+
+    p = params
+    wte = trace.shard(p["wte"], axis=0, over=tp) if tp else p["wte"]
+    x = take(wte, ids) + p["wpe"]
+    for layer in p["layers"]:
+        x = transformer_layer(layer, x, heads, tp=tp, sp=sp, dp=dp, chunks=chunks)
+    x = layer_norm(x, p["lnf_w"], p["lnf_b"])
+    logits = x @ (trace.shard(p["head"], axis=1, over=tp) if tp else p["head"])
+    if tp:
+        logits = trace.shard(logits, axis=-1, over=tp)
+    if dp:
+        logits = trace.shard(logits, axis=0, over=dp)
+    return cross_entropy(logits, labels)
+
+
+def gpt_reference(params, ids, labels, heads):
+    """gpt_loss in float64 NumPy."""
+    p = params
+    x = np.asarray(p["wte"], np.float64)[np.clip(np.where(ids < 0, ids + len(p["wte"]), ids), 0, len(p["wte"]) - 1)]
+    x = x + np.asarray(p["wpe"], np.float64)
+    for layer in p["layers"]:
+        x = layer_reference(layer, x, heads)
+    d = x - x.mean(-1, keepdims=True)
+    x = d / np.sqrt((d * d).mean(-1, keepdims=True) + 1e-5) * np.asarray(p["lnf_w"], np.float64) + p["lnf_b"]
+    logits = x @ np.asarray(p["head"], np.float64)
+    m = logits.max(-1, keepdims=True)
+    lse = np.log(np.exp(logits - m).sum(-1)) + m[..., 0]
+    target = np.take_along_axis(logits, labels[..., None].astype(np.int64), -1)[..., 0]
+    return float((lse - target).mean())

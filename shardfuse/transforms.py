@@ -18,6 +18,8 @@ from shardfuse import tree
 from shardfuse.array import Array
 from shardfuse.autodiff import backward, differentiable, full_like, pin
 from shardfuse.jit import Jitted
+from shardfuse.layout import Layout
+from shardfuse.ops import Op
 from shardfuse.traced import Traced, describe
 
 
@@ -69,10 +71,22 @@ class _Forward:
         res = []
         for x, g in zip(self.wrt, grads):
             g = full_like(x, 0.0) if g is None else g
-            if self.builder.producer.get(x.value) is None and x.value.type.layout is not None:  # an input's layout
-                g = pin(g, x.value.type.layout.placement(), "d" + x.value.name)
-            res.append(g)
+            lay = self._layout_of(x) if self.builder.producer.get(x.value) is None else None
+            res.append(g if lay is None else pin(g, lay, "d" + x.value.name))
         return res
+
+    def _layout_of(self, x):
+        """The layout of a program input's gradient: the layout it arrived in (an sf.Array's); for
+        a plain array, the one the function states for it where every use is the same annotation
+        (a weight sharded by the function keeps that sharding), else replicated, as JAX places a
+        NumPy argument (so an update step returns each parameter in the layout it came in)."""
+        if x.value.type.layout is not None:
+            return x.value.type.layout.placement()
+        uses = [i for i in self.instrs if x.value in i.ins]
+        stated = {i.outs[0].type.layout.placement() for i in uses if i.op == Op.SET and i.attrs.get("annotation")}
+        if len(stated) == 1 and all(i.op == Op.SET for i in uses):
+            return stated.pop()
+        return Layout.replicated(x.ndim)
 
 
 def _check_primals(leaves, what, where):

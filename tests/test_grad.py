@@ -33,6 +33,10 @@ def normal(rng, shape):
     return rng.standard_normal(shape)
 
 
+def ids(rng, shape):  # integer ids, negative ones too (NumPy's: from the end)
+    return rng.integers(-8, 8, shape).astype(np.int32)
+
+
 # name -> (function, [(shape, generator)], argnums); the loss is sum(fn(*args) * r)
 X, Y = (8, 12), (12,)
 CASES = {
@@ -78,6 +82,11 @@ CASES = {
     "rms_norm": (sf.nn.rms_norm, [(X, normal), (Y, normal)], (0, 1)),
     "attention": (lambda q, k, v: sf.nn.attention(q, k, v), [((2, 4, 6, 4), normal)] * 3, (0, 1, 2)),
     "cross_entropy_onehot": (lambda x, t: sf.nn.cross_entropy_onehot(x, t), [(X, normal), (X, normal)], 0),
+    "cross_entropy": (lambda x, t: sf.nn.cross_entropy(x, t), [(X, normal), ((8,), ids)], 0),
+    "take": (lambda t, i: sf.take(t, i), [((12, 4), normal), ((8, 3), ids)], 0),
+    "take vocab-parallel": (lambda t, i: sf.take(sf.shard(t, axis=0), i), [(X, normal), ((4, 2), ids)], 0),
+    "causal attention": (lambda q, k, v: sf.nn.attention(q, k, v, causal=True), [((2, 4, 6, 4), normal)] * 3,
+                         (0, 1, 2)),
 }
 
 # how each argument is placed, per mesh kind: replicated, or its first axis sharded

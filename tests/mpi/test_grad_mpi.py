@@ -44,3 +44,23 @@ def test_vjp_inside_and_outside_jit():
 
 def test_grad_outside_jit_on_sf_arrays_and_of_a_jitted_function():
     tg.test_grad_outside_jit_on_sf_arrays_and_of_a_jitted_function()
+
+
+@pytest.mark.parametrize("config", ["tp", "sp"] + (["dp x sp"] if NPROCS == 4 else []))
+def test_transformer_layer_gradients(config):
+    import test_transformer as tt
+
+    tt.test_layer_gradients_against_central_differences(config)
+
+
+@pytest.mark.parametrize("config", ["tp", "sp"] + (["dp x sp"] if NPROCS == 4 else []))
+def test_gpt_loss_and_gradients(config):
+    import test_transformer as tt
+
+    tt.test_gpt_loss_and_gradients(config)
+
+
+def test_gpt_sgd_steps_with_donated_parameters():
+    import test_transformer as tt
+
+    tt.test_gpt_sgd_steps_with_donated_parameters_lower_the_loss()
