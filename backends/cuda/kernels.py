@@ -138,13 +138,12 @@ _FUSED = {
 
 
 def _reduce_min(xp, x, _, o):
-    """min of the last axis as -max(-x) (exact, NaN kept): CuPy 14's min with out= over a
-    contiguous input fails inside its CUB path (TypeError comparing an array with a dtype, seen
-    on an H100 2026-12-05), while max with out= runs."""
-    if o.dtype.kind != "f":
-        return ELEMENTWISE[Op.REDUCE_MIN](xp, x, _, o)
-    xp.max(xp.negative(x), axis=-1, out=o)
-    xp.negative(o, out=o)
+    """min of the last axis as -max(-x) (exact, NaN kept), ~max(~x) for integers and booleans:
+    CuPy 14's min with out= over a contiguous input fails inside its CUB path (TypeError comparing
+    an array with a dtype, seen on an H100 2026-12-05, for floats and int32 alike), while max runs."""
+    flip = xp.negative if o.dtype.kind == "f" else xp.invert  # (~x = -x - 1 for integers: no overflow at the
+    xp.max(flip(x), axis=-1, out=o)                             # minimum; logical not for booleans)
+    flip(o, out=o)
 
 
 _CUPY = {Op.REDUCE_MIN: _reduce_min}  # CuPy's own form of an op, where NumPy's does not run there
