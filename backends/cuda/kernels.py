@@ -5,6 +5,7 @@ conversions of the preamble (round to nearest even, NaN kept quiet)."""
 from __future__ import annotations
 
 import cupy
+import numpy as np
 
 # fn(xp, x, y or scalar, out) keyed by Op, for any array module xp: the same ufunc calls on both backends
 from shardfuse.backends.elementwise_numpy import ELEMENTWISE
@@ -137,6 +138,65 @@ _FUSED = {
 }
 
 
+# The ops as one C expression each, over operands a, b and the scalar s, computed in type F (float;
+# double where a float64 takes part): the one-kernel form of a step where a bfloat16 takes part,
+# read and written as its uint16 bits inline (no float32 scratch buffers, one launch)
+_GELU_C = "(F)0.5 * a * ((F)1 + tanh((F)0.7978845608028654 * (a + (F)0.044715 * a * a * a)))"
+_SIGMOID_C = "(a >= 0 ? (F)1 / ((F)1 + exp(-a)) : exp(a) / ((F)1 + exp(a)))"
+INLINE = {
+    Op.ADD: "a + b", Op.SUB: "a - b", Op.MUL: "a * b", Op.DIV: "a / b", Op.NEG: "-a",
+    Op.SCALE: "a * s", Op.DIV_SCALAR: "a / s", Op.ADD_SCALAR: "a + s", Op.RDIV: "s / a",
+    Op.EXP: "exp(a)", Op.TANH: "tanh(a)", Op.SQRT: "sqrt(a)", Op.RSQRT: "(F)1 / sqrt(a)", Op.LOG: "log(a)",
+    Op.RELU: "((a > (F)0 || a != a) ? a : (F)0)", Op.GELU: _GELU_C, Op.SIGMOID: _SIGMOID_C,
+    Op.SILU: f"(a * {_SIGMOID_C})", Op.POW: "pow(a, s)", Op.RPOW: "pow(s, a)",
+    Op.MAXIMUM: "((a > b || a != a) ? a : b)", Op.MINIMUM: "((a < b || a != a) ? a : b)",
+    Op.MAXIMUM_SCALAR: "((a > s || a != a) ? a : s)", Op.MINIMUM_SCALAR: "((a < s || a != a) ? a : s)",
+    Op.LT: "a < b", Op.LE: "a <= b", Op.GT: "a > b", Op.GE: "a >= b", Op.EQ: "a == b", Op.NE: "a != b",
+    Op.LT_SCALAR: "a < s", Op.LE_SCALAR: "a <= s", Op.GT_SCALAR: "a > s", Op.GE_SCALAR: "a >= s",
+    Op.EQ_SCALAR: "a == s", Op.NE_SCALAR: "a != s",
+    Op.WHERE_THEN: "(a ? b : (F)-0.0)", Op.WHERE_ELSE: "(a ? (F)-0.0 : b)",
+    Op.FILL_THEN: "(a ? s : (F)-0.0)", Op.FILL_ELSE: "(a ? (F)-0.0 : s)", Op.FULL_LIKE: "s", Op.ASTYPE: "a",
+}
+_NUMPY_TYPES = {"float16": "float16", "float32": "float32", "float64": "float64", "int32": "int32",
+                "int64": "int64", "bool": "bool", "bfloat16": "uint16"}
+_C_TYPES = {"float16": "float16", "float32": "float", "float64": "double", "int32": "int", "int64": "long long"}
+
+
+def inline_source(op, in_dtypes, out_dtype, scalar):
+    """(parameters, outputs, body) of op's one-kernel form for these dtypes (see INLINE)."""
+    f = "double" if "float64" in (*in_dtypes, out_dtype) else "float"
+    params, body = [], []
+    for name, dt in zip("ab", in_dtypes):
+        params.append(f"{_NUMPY_TYPES[dt]} {name}_")
+        load = f"bf2f({name}_)" if dt == "bfloat16" else f"{name}_" if dt == "bool" else f"(F){name}_"
+        body.append(f"{'bool' if dt == 'bool' else 'F'} {name} = {load};")
+    if scalar is not None:
+        params.append("float64 s_")
+        body.append("F s = (F)s_;")
+    expr = INLINE[op]
+    if out_dtype == "bfloat16":
+        body.append(f"y = f2bf((float)({expr}));")
+    elif out_dtype == "bool":
+        body.append(f"y = ({expr}) != 0;" if op == Op.ASTYPE else f"y = {expr};")
+    else:
+        body.append(f"y = ({_C_TYPES[out_dtype]})({expr});")
+    return ", ".join(params), f"{_NUMPY_TYPES[out_dtype]} y", " ".join(body).replace("F", f)
+
+
+def _inline(kernels, op, refs, scalar):
+    """op's one-kernel form for the dtypes of refs (operands, then the result)."""
+    dtypes = tuple(r.dtype for r in refs)
+    key = ("inline", op, dtypes, scalar is not None)
+
+    def make():
+        params, out, body = inline_source(op, dtypes[:-1], dtypes[-1], scalar)
+        return cupy.ElementwiseKernel(params, out, body, f"sf_{op}_inline", preamble=BF16_PREAMBLE)
+    kern = kernels._get(key, make)
+    if scalar is None:
+        return kern
+    return lambda *views: kern(*views[:-1], np.float64(scalar), views[-1])
+
+
 def _reduce_min(xp, x, _, o):
     """min of the last axis as -max(-x) (exact, NaN kept), ~max(~x) for integers and booleans:
     CuPy 14's min with out= over a contiguous input fails inside its CUB path (TypeError comparing
@@ -173,6 +233,9 @@ def bind_elementwise(dev, kernels, op, a, b, out, stream, scalar=None):
     fn = _fused(kernels, op, out.dtype) if op in _FUSED else _keys(kernels, op, a, out, scalar) if op in _KEYS \
         else _CUPY.get(op, ELEMENTWISE[op])
     refs = (a, out) if b is None else (a, b, out)
+    if any(r.dtype == "bfloat16" for r in refs) and op in INLINE:
+        kern = _inline(kernels, op, refs, scalar)
+        return dev.per_device(refs, stream, lambda j, *views: kern(*views))
     if all(r.dtype != "bfloat16" for r in refs):
         if b is None:
             return dev.per_device(refs, stream, lambda j, x, o: fn(cupy, x, scalar, o))
