@@ -22,12 +22,13 @@ from shardfuse.visualize import visualize_sharding
 from shardfuse import nn
 from shardfuse.trace import stream, to_mesh
 from shardfuse.traced import ConcretizationError
+from shardfuse.shape_ops import concatenate, split, stack
 from shardfuse.traced_numpy import (exp, gelu, linear, log, logical_not, maximum, minimum, relu, rsqrt, sigmoid, silu,
                                     sqrt, tanh, where)
 
 __all__ = ["Array", "DeviceMesh", "Layout", "Partial", "Replicate", "Shard", "Plan", "TensorSpec", "from_local", "jit", "replicate", "shard", "stream", "to_mesh",
            "exp", "gelu", "linear", "relu", "tanh", "sqrt", "rsqrt", "log", "sigmoid", "silu", "maximum", "minimum",
-           "where", "logical_not", "nn", "visualize_sharding", "distribute",
+           "where", "logical_not", "concatenate", "split", "stack", "nn", "visualize_sharding", "distribute",
            "CollectiveTimeoutError", "ConcretizationError", "RankLeftError", "RankMismatchError"]
 
 try:

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from shardfuse.layout import Layout, mesh_axes
 from shardfuse.ops import Op
-from shardfuse import ops
+from shardfuse import ops, rules_shapes
 
 LINEAR_UNARY = {Op.NEG, Op.SCALE, Op.DIV_SCALAR, Op.TRANSPOSE}
 NONLINEAR_UNARY = set(ops.NONLINEAR_UNARY)
@@ -338,6 +338,8 @@ RULES = {
     Op.SET: dict(infer=_given, require=_as_is, axis_map=identity_axis_map),
     Op.VIEW: dict(infer=_given, require=_as_is, axis_map=_no_stream_map),
     Op.RESHAPE: dict(infer=reshape_infer, require=reshape_require, axis_map=reshape_axis_map),
+    Op.SLICE_ARRAY: rules_shapes.SLICE,
+    Op.CONCAT: rules_shapes.CONCAT,
     **{op: ELEMENTWISE for op in BINARY | LINEAR_UNARY - {Op.TRANSPOSE} | NONLINEAR_UNARY | ops.BINARY},
     **{op: dict(infer=last_axis_reduce_infer, require=last_axis_reduce_require, axis_map=identity_axis_map)
        for op in ops.LOCAL_REDUCTIONS},

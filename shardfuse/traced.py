@@ -20,6 +20,7 @@ from shardfuse.spec import check_axis, normalize_axis
 # is one line.  Filled by shardfuse.traced_numpy (imported with the package), which holds the
 # functions; this module holds the traced values and their methods.
 NUMPY: dict = {}
+INDEXING: dict = {}  # "getitem" -> x[key] on traced values: shardfuse.shape_ops fills it (it builds on this module)
 
 class Builder:
     """Collects the instructions of one traced function."""
@@ -54,10 +55,8 @@ class Traced:
     size = property(lambda self: math.prod(self.value.type.shape))
 
     def __getitem__(self, index):
-        raise NotImplementedError(
-            f"indexing {self.value.name}{list(self.shape)} inside sf.jit is not supported yet (x[...] on an sf.Array "
-            "outside jit is): reshape and reduce it inside (x.reshape(...), x.sum(axis)), or pass the part you need "
-            "as an argument")
+        """NumPy's basic indexing (ints, slices, '...', None), and table[ids] of a traced int array."""
+        return INDEXING["getitem"](self, index)
 
     def swapaxes(self, axis1, axis2):
         perm = list(range(self.ndim))
@@ -239,8 +238,8 @@ class Traced:
                                                 "np.exp, ...); outside, np.asarray(the jitted function's result)")
 
     def __iter__(self):
-        self._concrete("iteration", "there is no indexing inside sf.jit: work on whole axes (x.sum(axis), "
-                                    "x.reshape(...), x.T), or iterate over the result outside the jitted function")
+        self._concrete("iteration", "a loop over a traced value has no static length to Python: index it (x[0], "
+                                    "x[a:b]), split it (sf.split(x, n)), or work on whole axes (x.sum(axis), x.T)")
 
     def __contains__(self, item):  # (without it, Python turns the iteration's error into "not iterable")
         self.__iter__()
