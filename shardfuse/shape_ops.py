@@ -10,13 +10,15 @@ input into its box of one buffer.  sf.split is slices, so its pieces share one g
 """
 from __future__ import annotations
 
+import math
+
 import numpy as np
 
 from shardfuse import dtypes
 from shardfuse.ir import TensorType
 from shardfuse.ops import Op
 from shardfuse.spec import normalize_axis
-from shardfuse.traced import INDEXING, Traced, describe
+from shardfuse.traced import SHAPE_OPS, Traced, describe
 
 
 def _is_int(k) -> bool:
@@ -195,4 +197,45 @@ def np_stack(arrays, axis=0, out=None, *, dtype=None, casting="same_kind"):
 
 
 NUMPY_SHAPES = {np.concatenate: np_concatenate, np.stack: np_stack, np.split: split}
-INDEXING["getitem"] = getitem
+def broadcast_matmul(a: Traced, b: Traced) -> Traced:
+    """a @ b with NumPy's rules for 1-D operands (a unit axis added, then dropped) and for batch
+    axes that broadcast, as views around the one matmul the compiler has (a's batch axes are the
+    output's; b is 2-D or has the same ones): a batch axis only a has (b's extent 1) joins a's rows,
+    one only b has joins b's columns, so (b, 1, m, k) @ (1, h, k, n) is one (b*m, k) @ (k, h*n)
+    product, viewed back to (b, h, m, n).  Nothing is copied but what a view cannot give (printed)."""
+    x = a.reshape((1,) + a.shape) if a.ndim == 1 else a
+    y = b.reshape(b.shape + (1,)) if b.ndim == 1 else b
+    try:
+        batch = tuple(np.broadcast_shapes(x.shape[:-2], y.shape[:-2]))
+    except ValueError:
+        raise ValueError(f"matmul {describe(a)} @ {describe(b)}: the batch axes {x.shape[:-2]} and {y.shape[:-2]} do "
+                         "not broadcast (NumPy's rule: equal extents, or 1)") from None
+    nb, (m, k), n = len(batch), x.shape[-2:], y.shape[-1]
+    x = _view(x, (1,) * (nb + 2 - x.ndim) + x.shape)
+    y = _view(y, (1,) * (nb + 2 - y.ndim) + y.shape)
+    xb, yb = x.shape[:-2], y.shape[:-2]
+    shared = [i for i in range(nb) if xb[i] == yb[i] != 1]
+    only_x = [i for i in range(nb) if xb[i] != 1 and yb[i] == 1]
+    only_y = [i for i in range(nb) if yb[i] != 1 and xb[i] == 1]
+    size = {i: batch[i] for i in range(nb)}
+    lead = tuple(size[i] for i in shared)
+    units_x, units_y = ([i for i in range(nb) if i not in shared + only] for only in (only_x, only_y))  # extent 1
+    x = _view(_permuted(x, units_x + shared + only_x + [nb, nb + 1]), lead + (math.prod(size[i] for i in only_x) * m, k))
+    y = _view(_permuted(y, units_y + shared + [nb] + only_y + [nb + 1]), lead + (k, math.prod(size[i] for i in only_y) * n))
+    c = x @ y
+    order = shared + only_x + ["m"] + only_y + ["n"]
+    c = _view(c, lead + tuple(size[i] for i in only_x) + (m,) + tuple(size[i] for i in only_y) + (n,))
+    c = _permuted(c, [order.index(t) for t in sorted(shared + only_x + only_y) + ["m", "n"]])
+    keep = batch + ((m,) if a.ndim > 1 else ()) + ((n,) if b.ndim > 1 else ())
+    return _view(c, keep)
+
+
+def _view(v: Traced, shape) -> Traced:
+    return v if v.shape == tuple(shape) else v.reshape(tuple(shape))
+
+
+def _permuted(v: Traced, perm) -> Traced:
+    return v if list(perm) == list(range(v.ndim)) else v.transpose(perm)
+
+
+SHAPE_OPS.update(getitem=getitem, matmul=broadcast_matmul)

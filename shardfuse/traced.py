@@ -20,7 +20,9 @@ from shardfuse.spec import check_axis, normalize_axis
 # is one line.  Filled by shardfuse.traced_numpy (imported with the package), which holds the
 # functions; this module holds the traced values and their methods.
 NUMPY: dict = {}
-INDEXING: dict = {}  # "getitem" -> x[key] on traced values: shardfuse.shape_ops fills it (it builds on this module)
+# "getitem" (x[key]) and "matmul" (a @ b with NumPy's broadcasting) on traced values, written with the
+# ops below: shardfuse.shape_ops fills it (it builds on this module)
+SHAPE_OPS: dict = {}
 
 class Builder:
     """Collects the instructions of one traced function."""
@@ -56,7 +58,7 @@ class Traced:
 
     def __getitem__(self, index):
         """NumPy's basic indexing (ints, slices, '...', None), and table[ids] of a traced int array."""
-        return INDEXING["getitem"](self, index)
+        return SHAPE_OPS["getitem"](self, index)
 
     def swapaxes(self, axis1, axis2):
         perm = list(range(self.ndim))
@@ -107,13 +109,14 @@ class Traced:
                             "arrays (cuBLAS has no integer GEMM here); cast first: x.astype('float32')")
         self = a
         sa, sb, na, nb = self.shape, b.shape, self.value.name, b.value.name  # (the parameters' names for inputs)
-        if len(sa) < 2 or len(sb) < 2:
-            raise ValueError(f"matmul needs operands of at least 2 axes, got {na}{sa} and {nb}{sb}")
-        if sa[-1] != sb[-2]:
+        if not sa or not sb:
+            raise ValueError(f"matmul of a 0-d operand, {na}{sa} @ {nb}{sb} (NumPy refuses it too): write {na} * {nb}")
+        if sa[-1] != sb[-2 if len(sb) > 1 else 0]:
             raise ValueError(f"matmul {na} @ {nb}: contraction sizes differ: {na}{sa} has K={sa[-1]} on its last "
-                             f"axis, {nb}{sb} has K={sb[-2]} on its second-to-last axis")
-        if len(sb) > 2 and sb[:-2] != sa[:-2]:
-            raise ValueError(f"matmul {na} @ {nb}: batch axes differ: {na}{sa} and {nb}{sb}")
+                             f"axis, {nb}{sb} has K={sb[-2 if len(sb) > 1 else 0]} on its "
+                             f"{'second-to-last' if len(sb) > 1 else 'only'} axis")
+        if len(sa) < 2 or len(sb) < 2 or (len(sb) > 2 and sb[:-2] != sa[:-2]):
+            return SHAPE_OPS["matmul"](self, b)  # NumPy's 1-D operands and broadcast batch axes: views around one
         out = TensorType(sa[:-1] + (sb[-1],), self.dtype)
         return self.builder.emit(Op.MATMUL, (self, b), out, "c")
 
