@@ -18,6 +18,7 @@ from shardfuse import dtypes
 from shardfuse.ir import TensorType
 from shardfuse.ops import Op
 from shardfuse.spec import normalize_axis
+from shardfuse.trace import replicate
 from shardfuse.traced import SHAPE_OPS, Traced, describe
 
 
@@ -119,8 +120,8 @@ def concatenate(xs, axis=0):
     if (a := _outside(xs)) is not None:
         return a.one_op(_concatenate_of, (axis, *xs), "concatenate")
     xs = _traced_args(xs, "concatenate")
-    if axis is None:
-        return concatenate([v.reshape(-1) for v in xs], 0)
+    if axis is None:  # flattened first: whole on every device (a flattening cuts across a sharded inner axis)
+        return concatenate([v if v.ndim == 1 else _flat(v) for v in xs], 0)
     a = xs[0]
     if a.ndim == 0:
         raise ValueError(f"concatenate of 0-d arrays ({describe(a)}): zero-dimensional arrays cannot be concatenated")
@@ -228,6 +229,10 @@ def broadcast_matmul(a: Traced, b: Traced) -> Traced:
     c = _permuted(c, [order.index(t) for t in sorted(shared + only_x + only_y) + ["m", "n"]])
     keep = batch + ((m,) if a.ndim > 1 else ()) + ((n,) if b.ndim > 1 else ())
     return _view(c, keep)
+
+
+def _flat(v: Traced) -> Traced:
+    return replicate(v, mesh=v.builder.homes.get(v.value)).reshape(-1)
 
 
 def _view(v: Traced, shape) -> Traced:
