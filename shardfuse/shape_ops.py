@@ -243,4 +243,4 @@ def _permuted(v: Traced, perm) -> Traced:
     return v if list(perm) == list(range(v.ndim)) else v.transpose(perm)
 
 
-SHAPE_OPS.update(getitem=getitem, matmul=broadcast_matmul)
+SHAPE_OPS.update(getitem=getitem, broadcast_matmul=broadcast_matmul)

@@ -20,7 +20,7 @@ from shardfuse.spec import check_axis, normalize_axis
 # is one line.  Filled by shardfuse.traced_numpy (imported with the package), which holds the
 # functions; this module holds the traced values and their methods.
 NUMPY: dict = {}
-# "getitem" (x[key]) and "matmul" (a @ b with NumPy's broadcasting) on traced values, written with the
+# "getitem" (x[key]) and "broadcast_matmul" (a @ b with NumPy's broadcasting) on traced values, written with the
 # ops below: shardfuse.shape_ops fills it (it builds on this module)
 SHAPE_OPS: dict = {}
 
@@ -116,7 +116,7 @@ class Traced:
                              f"axis, {nb}{sb} has K={sb[-2 if len(sb) > 1 else 0]} on its "
                              f"{'second-to-last' if len(sb) > 1 else 'only'} axis")
         if len(sa) < 2 or len(sb) < 2 or (len(sb) > 2 and sb[:-2] != sa[:-2]):
-            return SHAPE_OPS["matmul"](self, b)  # NumPy's 1-D operands and broadcast batch axes: views around one
+            return SHAPE_OPS["broadcast_matmul"](self, b)  # NumPy's 1-D operands and broadcast batch axes: views around one
         out = TensorType(sa[:-1] + (sb[-1],), self.dtype)
         return self.builder.emit(Op.MATMUL, (self, b), out, "c")
 
