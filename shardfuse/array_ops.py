@@ -29,7 +29,6 @@ from shardfuse.ir import TensorType
 from shardfuse.layout import Layout
 from shardfuse.ops import Op
 from shardfuse.passes import compile_program
-from shardfuse.runtime import backend_of
 from shardfuse.spec import TensorSpec, check_divides
 from shardfuse.traced import NUMPY, Traced, reduced_axes, is_weak_scalar
 from shardfuse.shape_ops import NUMPY_SHAPES, expand_index, getitem as shape_getitem

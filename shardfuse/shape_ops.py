@@ -220,9 +220,10 @@ def broadcast_matmul(a: Traced, b: Traced) -> Traced:
     only_y = [i for i in range(nb) if yb[i] != 1 and xb[i] == 1]
     size = {i: batch[i] for i in range(nb)}
     lead = tuple(size[i] for i in shared)
+    rows, cols = (math.prod(size[i] for i in only) for only in (only_x, only_y))
     units_x, units_y = ([i for i in range(nb) if i not in shared + only] for only in (only_x, only_y))  # extent 1
-    x = _view(_permuted(x, units_x + shared + only_x + [nb, nb + 1]), lead + (math.prod(size[i] for i in only_x) * m, k))
-    y = _view(_permuted(y, units_y + shared + [nb] + only_y + [nb + 1]), lead + (k, math.prod(size[i] for i in only_y) * n))
+    x = _view(_permuted(x, units_x + shared + only_x + [nb, nb + 1]), lead + (rows * m, k))
+    y = _view(_permuted(y, units_y + shared + [nb] + only_y + [nb + 1]), lead + (k, cols * n))
     c = x @ y
     order = shared + only_x + ["m"] + only_y + ["n"]
     c = _view(c, lead + tuple(size[i] for i in only_x) + (m,) + tuple(size[i] for i in only_y) + (n,))

@@ -116,7 +116,7 @@ class Traced:
                              f"axis, {nb}{sb} has K={sb[-2 if len(sb) > 1 else 0]} on its "
                              f"{'second-to-last' if len(sb) > 1 else 'only'} axis")
         if len(sa) < 2 or len(sb) < 2 or (len(sb) > 2 and sb[:-2] != sa[:-2]):
-            return SHAPE_OPS["broadcast_matmul"](self, b)  # NumPy's 1-D operands and broadcast batch axes: views around one
+            return SHAPE_OPS["broadcast_matmul"](self, b)  # NumPy's 1-D operands, broadcast batch axes
         out = TensorType(sa[:-1] + (sb[-1],), self.dtype)
         return self.builder.emit(Op.MATMUL, (self, b), out, "c")
 
@@ -391,5 +391,5 @@ def unsupported(func, method="__call__", kwargs=()) -> str:
     return (f"{what} is not supported on traced shardfuse values (inside sf.jit); supported: "
             f"{', '.join(sorted(numpy_name(f) for f in NUMPY))} (np.dot: 2-D), the operators + - * / @ ** "
             "< <= > >= == != ~, x.sum / mean / max / min(axis, keepdims=), x.astype(dtype), x.T, x.reshape(...), "
-            "sf.relu, sf.gelu, sf.silu, sf.sigmoid, sf.rsqrt, sf.where; or compute it outside the jitted function "
-            "on its result")
+            "x[a:b, i, ..., None], sf.split / concatenate / stack, sf.relu, sf.gelu, sf.silu, sf.sigmoid, sf.rsqrt, "
+            "sf.where; or compute it outside the jitted function on its result")
