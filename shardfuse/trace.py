@@ -166,10 +166,15 @@ def _ring_stream(x: Traced, axis: int, chunks) -> Traced:
     return x
 
 
-def _has_product(builder, v) -> bool:
-    """Whether v is a matmul's product or an elementwise op of one."""
+def _has_product(builder, v, seen=None) -> bool:
+    """Whether v is a matmul's product or an elementwise op of one (each value looked at once: a
+    value seen again found none, else the search would have ended)."""
+    seen = set() if seen is None else seen
     i = builder.producer.get(v)
-    return i is not None and (i.op == Op.MATMUL or i.op in ELEMENTWISE and any(_has_product(builder, u) for u in i.ins))
+    if i is None or v in seen:
+        return False
+    seen.add(v)
+    return i.op == Op.MATMUL or i.op in ELEMENTWISE and any(_has_product(builder, u, seen) for u in i.ins)
 
 
 def input_names(fn, n: int) -> list:

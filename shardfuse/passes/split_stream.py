@@ -50,7 +50,7 @@ def _split_attrs(i, amap, k, n):
                          "supported: stream another axis, or the value before the op, or its consumer")
     if i.op == Op.SLICE_ARRAY:  # (an uncut axis: begin 0, step 1, for each axis it splits into)
         a = amap[0]
-        return {k: v[:a] + (v[a],) * n + v[a + 1:] for k, v in i.attrs.items()}
+        return {key: v[:a] + (v[a],) * n + v[a + 1:] for key, v in i.attrs.items()}
     if i.op == Op.CONCAT:
         ax = i.attrs["axis"]
         return {**i.attrs, "axis": ax + (n - 1 if ax > amap[0] else 0)}
