@@ -177,7 +177,18 @@ def split(x, indices_or_sections, axis=0):
         raise TypeError(f"sf.split takes a value inside sf.jit or an sf.Array, got {type(x).__name__}")
     ax = normalize_axis(axis, len(x.shape), x.shape)
     pieces = split_points(indices_or_sections, x.shape[ax], f"split of {describe(x)} along axis {ax}")
+    if not isinstance(x, Traced) and len(pieces) > 1:  # an sf.Array: the axis made whole once, not per piece
+        x = x.one_op(_whole_along, (x, ax), "split")
     return [x[(slice(None),) * ax + (slice(a, b),)] for a, b in pieces]
+
+
+def _whole_along(v: Traced, ax: int) -> Traced:
+    """v (an sf.Array's one-op plan input: its layout known) with axis ax whole, the others as they are."""
+    lay = v.value.type.layout
+    if lay.axes[ax] is None:
+        return v
+    return v.builder.emit(Op.SET, (v,), TensorType(v.shape, v.dtype, lay.with_axis(ax, None)), v.value.name,
+                          annotation=True)
 
 
 def _no_extras(what, out=None, dtype=None, casting="same_kind"):

@@ -12,6 +12,8 @@ import numpy as np
 import pytest
 
 import shardfuse as sf
+from shardfuse import array_ops
+from shardfuse.ops import Op
 from test_elementwise_ops import DTYPES, compare, mesh_of
 from test_slicing import LAYOUTS, random
 
@@ -203,3 +205,14 @@ def test_mistakes_are_refused_at_trace_time(expr, error, message):
 def test_split_of_a_plain_array_is_refused():
     with pytest.raises(TypeError, match=r"sf.split takes a value inside sf.jit or an sf.Array, got ndarray"):
         sf.split(np.ones(4), 2)
+
+
+def test_split_of_an_sf_array_gathers_its_axis_once():
+    mesh = sf.DeviceMesh(4, backend="numpy")  # (a fresh mesh: its one-op plans are this test's)
+    x = random((8, 12), "float64", np.random.default_rng(9))
+    pieces = sf.split(sf.shard(x, axis=1, mesh=mesh), 3, axis=1)
+    ops = [i.op for prog in array_ops.cached_programs(mesh) for i in prog.walk()]
+    assert ops.count(Op.ALLGATHER) == 1 and len(pieces) == 3  # the axis gathered once, then three local boxes
+    for got, want in zip(pieces, np.split(x, 3, axis=1)):
+        assert got.placements == (sf.Replicate(),)
+        compare(got.gather(), want, "float64")
