@@ -584,13 +584,13 @@ class Gen:
             return v
         if self.chance(30):
             a = self.pick(range(nd))
-            if self.chance(50):
+            if v.shape[a] < 2 or self.chance(50):  # (a split of an axis of extent 1 would leave an empty piece)
                 p = self.new_input(v.shape[:a] + (self.extent(),) + v.shape[a + 1:], pos=v.pos)
                 p = self.to_home(self.maybe_annotate(p, 40), v.home)
                 shape = v.shape[:a] + (v.shape[a] + p.shape[a],) + v.shape[a + 1:]
                 return self.emit(f"np.concatenate([{v.name}, {p.name}], axis={a - nd if self.chance(30) else a})",
                                  shape, pos=v.pos, home=v.home)
-            cut = self.pick(range(1, v.shape[a])) if v.shape[a] > 1 else 1
+            cut = self.pick(range(1, v.shape[a]))
             part = self.pick([0, 1])
             return self.emit(f"np.split({v.name}, [{cut}], axis={a})[{part}]",
                              v.shape[:a] + ((cut, v.shape[a] - cut)[part],) + v.shape[a + 1:], pos=v.pos, home=v.home)
