@@ -29,9 +29,9 @@ from shardfuse.ir import TensorType
 from shardfuse.layout import Layout
 from shardfuse.ops import Op
 from shardfuse.passes import compile_program
-from shardfuse.runtime import backend_of
 from shardfuse.spec import TensorSpec, check_divides
 from shardfuse.traced import NUMPY, Traced, reduced_axes, is_weak_scalar
+from shardfuse.shape_ops import NUMPY_SHAPES, expand_index, getitem as shape_getitem
 from shardfuse.traced_numpy import absolute
 
 MAX_PLANS = 256  # one-op plans kept per mesh (a plan holds its buffers)
@@ -184,52 +184,20 @@ def _gathered(x):
     return {k: _gathered(v) for k, v in x.items()} if isinstance(x, dict) else x
 
 
-def _index(key, shape) -> tuple:
-    """key as one int or slice per axis (ints in range, an Ellipsis expanded)."""
+def _hashable(key):
+    """An index as a cache key (a slice is unhashable before Python 3.12)."""
     key = key if isinstance(key, tuple) else (key,)
-    if sum(k is Ellipsis for k in key) > 1:
-        raise IndexError("an index can only have a single ellipsis ('...')")
-    if sum(k is not Ellipsis for k in key) > len(shape):
-        raise IndexError(f"too many indices for an sf.Array of shape {shape}: {len(key)} given")
-    if Ellipsis in key:
-        at = next(n for n, k in enumerate(key) if k is Ellipsis)
-        key = key[:at] + (slice(None),) * (len(shape) - len(key) + 1) + key[at + 1:]
-    key = key + (slice(None),) * (len(shape) - len(key))
-    out = []
-    for ax, (k, n) in enumerate(zip(key, shape)):
-        if isinstance(k, slice):
-            k.indices(n)  # a slice of non-ints fails here, as in NumPy
-        elif isinstance(k, (int, np.integer)) and not isinstance(k, (bool, np.bool_)):
-            if not -n <= k < n:
-                raise IndexError(f"index {k} is out of bounds for axis {ax} with size {n}")
-            k = int(k) % n
-        else:
-            raise TypeError(f"sf.Array indexing takes ints, slices and '...' (basic indexing), got "
-                            f"{type(k).__name__}; for other indexing gather first: np.asarray(x)[...]")
-        out.append(k)
-    return tuple(out)
+    return tuple((slice, k.start, k.stop, k.step) if isinstance(k, slice) else (type(k).__name__, k) for k in key)
 
 
 def getitem(x, key):
-    """x[key], basic indexing.  Axes the key selects from are first made whole on every device
-    (the one-op plan of a redistribute: an Allgather where such an axis is sharded, nothing where
-    none is), then each device slices its own piece (a copy); axes the key leaves whole keep their
-    sharding.  So ``x[..., j]`` of a row-sharded x stays row-sharded without communication, and
-    ``x[i]`` or ``x[a:b]`` of it is gathered to a replicated result."""
-    idx = _index(key, x.shape)
-    touched = {ax for ax, (k, n) in enumerate(zip(idx, x.shape))
-               if not isinstance(k, slice) or k.indices(n) != (0, n, 1)}
-    lay = x.sharding.placement()
-    whole = Layout(tuple(None if ax in touched else a for ax, a in enumerate(lay.axes)), mesh=lay.mesh)
-    if whole != lay:
-        x = reshard(x, whole)
-    local = tuple(k if ax in touched else slice(None) for ax, k in enumerate(idx))
-    keep = [ax for ax, k in enumerate(idx) if isinstance(k, slice)]
-    shape = tuple(len(range(*idx[ax].indices(x.shape[ax]))) for ax in keep)
-    layout = Layout(tuple(whole.axes[ax] for ax in keep), mesh=lay.mesh)
-    piece = layout.local_shape(shape, x.mesh)  # reshaped: CuPy's contiguous copy of a 0-d piece is 1-d
-    shards = [p.reshape(piece) for p in backend_of(x.mesh).to_device([s[local] for s in x.shards])]
-    return type(x)(x.mesh, shape, x.dtype_name, layout, shards)
+    """x[key], basic indexing, as inside sf.jit (shape_ops.getitem) in a one-op plan: axes the key
+    cuts are first made whole on every device (an Allgather where such an axis is sharded, printed
+    in the plan), then each device takes its box (a view, copied into the result); axes the key
+    leaves whole keep their sharding.  So ``x[..., j]`` of a row-sharded x stays row-sharded
+    without communication, and ``x[i]`` or ``x[a:b]`` of it is gathered to a replicated result."""
+    expand_index(key, x.shape, f"indexing an sf.Array of shape {x.shape}")  # (refused before any plan)
+    return run(lambda v: shape_getitem(v, key), (x,), ("getitem", _hashable(key)), "getitem")
 
 
 class ArrayOps:
@@ -277,14 +245,16 @@ class ArrayOps:
         return apply(fn, args, name)
 
     def __array_function__(self, func, types, args, kwargs):
-        """np.where, np.sum / mean / max / min (amax, amin) run as shardfuse ops; every other NumPy
-        function sees the gathered value (np.asarray(x)), as before."""
+        """np.where, np.sum / mean / max / min (amax, amin), np.concatenate / stack / split run as
+        shardfuse ops; every other NumPy function sees the gathered value (np.asarray(x)), as before."""
         if func is np.where and len(args) == 3 and not kwargs:
             return apply(NUMPY[np.where], args, "where")
         if func is np.take:  # (shardfuse.take: a one-op plan, the vocab-parallel lookup where the table is sharded)
             return NUMPY[np.take](*args, **kwargs)
         if func in _REDUCTIONS and isinstance(args[0], ArrayOps):
             return getattr(args[0], _REDUCTIONS[func].__name__)(*args[1:], **kwargs)
+        if func in NUMPY_SHAPES:  # np.concatenate, np.stack, np.split: one-op plans, as sf.concatenate's
+            return NUMPY_SHAPES[func](*args, **kwargs)
         return func(*_gathered(args), **_gathered(kwargs))
 
     def __neg__(self):

@@ -213,6 +213,11 @@ class Executable:
             perm = a["perm"]
             return replace(src, shape=tuple(src.shape[p] for p in perm), strides=tuple(src.strides[p] for p in perm))
         out_shape = local_shape(i.outs[0], self.mesh)
+        if op == Op.SLICE_ARRAY:  # the box's axes are whole on every device: its begin is local too
+            st = a.get("step", (1,) * len(src.shape))
+            offs = sum(b * s for b, s in zip(a["begin"], src.strides))
+            return replace(src, offsets=tuple(o + offs for o in src.offsets), shape=out_shape,
+                           strides=tuple(s * k for s, k in zip(src.strides, st)))
         if op == Op.SLICE:
             ax, idx = a["axis"], a["index"]
             ranks = self._ranks(i.outs[0], idx.ring) if idx.ring else [0] * self.ndev  # ring: (rank - i) % D

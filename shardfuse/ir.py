@@ -217,9 +217,9 @@ def _fmt(ins: Instr) -> str:
         if op in (Op.RECORD_EVENT, Op.WAIT_EVENT) and "index" in a:  # one event per loop step
             out, ins_s = f"{out}[{a['index']}]", f"{ins_s}[{a['index']}]"
         return _STREAM_FORMATS[op].format(out=out, ins=ins_s, stream=a.get("stream"))
-    if op in (Op.SLICE, Op.SHARD_SLICE, Op.VIEW, Op.SELECT, Op.TRANSPOSE):
+    if op in (Op.SLICE, Op.SHARD_SLICE, Op.VIEW, Op.SELECT, Op.TRANSPOSE, Op.SLICE_ARRAY):
         name = {Op.SLICE: "Slice", Op.SHARD_SLICE: "ShardSlice", Op.VIEW: "View", Op.SELECT: "Select",
-                Op.TRANSPOSE: "Transpose"}[op]
+                Op.TRANSPOSE: "Transpose", Op.SLICE_ARRAY: "SliceArray"}[op]
         extra = _attrs(a, skip=("shape", "when"))
         return f"{_typed(ins.outs[0])} = {name} {ins_s}" + (f", {extra}" if extra else "")
     if ins.into is not None:  # host-level compute and communication write into a buffer

@@ -81,6 +81,11 @@ class Op(StrEnum):
     SUM = "sum"
     TRANSPOSE = "transpose"  # also a host-level view
     TAKE = "take"  # take(table, ids, rows): rows ids of the table, zeros where this device holds none
+    # x[a:b, i, ...] of basic indexing, rank kept (an int index is an extent-1 box, then a reshape):
+    # the box at static `begin` (per axis) with the output's shape, `step` (per axis) where one is
+    # not 1; a sliced axis is whole on every device, so it is also a host-level view of the local piece
+    SLICE_ARRAY = "slice_array"
+    CONCAT = "concat"  # its inputs joined along `axis`: lowered to a Copy of each into a SliceArray of one buffer
     # host level: buffers and their views
     ALLOCATE = "allocate"
     SLICE = "slice"
@@ -120,7 +125,7 @@ ELEMENTWISE = BINARY | NONLINEAR_UNARY | LINEAR_UNARY | LOCAL_REDUCTIONS
 COLLECTIVES = frozenset({Op.ALLGATHER, Op.ALLREDUCE, Op.REDUCE_SCATTER, Op.ALLTOALL, Op.SENDRECV})
 COMMUNICATION = COLLECTIVES | {Op.TRANSFER}
 # Views: a new Ref of an existing buffer, no step.
-VIEWS = frozenset({Op.SLICE, Op.SELECT, Op.VIEW, Op.SHARD_SLICE, Op.TRANSPOSE})
+VIEWS = frozenset({Op.SLICE, Op.SELECT, Op.VIEW, Op.SHARD_SLICE, Op.TRANSPOSE, Op.SLICE_ARRAY})
 STREAM_OPS = frozenset({Op.GET_STREAM, Op.SET_STREAM, Op.SYNCHRONIZE, Op.RECORD_EVENT, Op.WAIT_EVENT})
 # Made only by lowering (a pass that builds them directly, like the ring, hands them on as they are).
 HOST_ONLY = frozenset({Op.ALLOCATE, Op.SELECT, Op.SENDRECV, Op.WAIT, Op.FOR}) | STREAM_OPS
@@ -128,4 +133,4 @@ HOST_ONLY = frozenset({Op.ALLOCATE, Op.SELECT, Op.SENDRECV, Op.WAIT, Op.FOR}) | 
 HOST = (VIEWS | COMMUNICATION | ELEMENTWISE | STREAM_OPS
         | {Op.ALLOCATE, Op.COPY, Op.WAIT, Op.MATMUL, Op.SUM, Op.TAKE, Op.FOR})
 # What tracing may record.
-ARRAY = ELEMENTWISE | {Op.SET, Op.RESHAPE, Op.MATMUL, Op.SUM, Op.TRANSPOSE, Op.TAKE}
+ARRAY = ELEMENTWISE | {Op.SET, Op.RESHAPE, Op.MATMUL, Op.SUM, Op.TRANSPOSE, Op.TAKE, Op.SLICE_ARRAY, Op.CONCAT}

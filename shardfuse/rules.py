@@ -16,7 +16,7 @@ from __future__ import annotations
 from shardfuse.layout import Layout, mesh_axes
 from shardfuse.ops import Op, Reduce
 from shardfuse.rules_take import TAKE
-from shardfuse import ops
+from shardfuse import ops, rules_shapes
 
 LINEAR_UNARY = {Op.NEG, Op.SCALE, Op.DIV_SCALAR, Op.TRANSPOSE}
 NONLINEAR_UNARY = set(ops.NONLINEAR_UNARY)
@@ -350,6 +350,8 @@ RULES = {
     Op.VIEW: dict(infer=_given, require=_as_is, axis_map=_no_stream_map),
     Op.RESHAPE: dict(infer=reshape_infer, require=reshape_require, axis_map=reshape_axis_map),
     Op.TAKE: TAKE,  # (shardfuse/rules_take.py: the vocab-parallel embedding)
+    Op.SLICE_ARRAY: rules_shapes.SLICE,
+    Op.CONCAT: rules_shapes.CONCAT,
     **{op: ELEMENTWISE for op in BINARY | LINEAR_UNARY - {Op.TRANSPOSE} | NONLINEAR_UNARY | ops.BINARY},
     **{op: dict(infer=last_axis_reduce_infer, require=last_axis_reduce_require, axis_map=identity_axis_map)
        for op in ops.LOCAL_REDUCTIONS},

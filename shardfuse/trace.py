@@ -11,7 +11,7 @@ from shardfuse.constants import captured
 from shardfuse.ir import Program, TensorType, Value
 from shardfuse.layout import Layout
 from shardfuse.mesh import STREAM, DeviceMesh
-from shardfuse.ops import Op
+from shardfuse.ops import ELEMENTWISE, Op
 from shardfuse.spec import check_divides, normalize_axis, normalize_over, resolve_chunks
 from shardfuse.traced import Builder, Traced
 
@@ -144,11 +144,38 @@ def stream(x: Traced, axis: int, chunks: int | str | None = None, algorithm: str
     normalize_axis(axis, x.ndim, x.shape)  # (an axis out of range is named before chunks=)
     chunks = resolve_chunks(chunks, algorithm)
     if algorithm == "ring":  # its chunks are the D shards: chunks=D may be said, and is checked once D is known
-        x = _annotate(x, axis, STREAM, None, algorithm)
-        if chunks is not None:
-            x.builder.producer[x.value].attrs["ring_chunks"] = chunks
-        return x
+        return _ring_stream(x, axis, chunks)
     return _annotate(x, axis, STREAM, chunks, None)
+
+
+def _ring_stream(x: Traced, axis: int, chunks) -> Traced:
+    """The ring streams a matmul's product.  Of an elementwise epilogue of one (sf.stream(x @ w.T + b,
+    axis=0, algorithm="ring"): a bias, an activation, ops of the product's shape whose other operands
+    do not depend on a product), the product is streamed and the epilogue applied to the streamed
+    result after the ring: the same values, the epilogue on the whole result (the collective
+    algorithm pipelines it with the chunks instead)."""
+    i = x.builder.producer.get(x.value)
+    if i is not None and i.op in ELEMENTWISE:
+        lead = [n for n, v in enumerate(i.ins) if v.type.shape == x.shape and _has_product(x.builder, v)]
+        if len(lead) == 1 and len([v for v in i.ins if _has_product(x.builder, v)]) == 1:
+            ins = [Traced(x.builder, v) for v in i.ins]
+            ins[lead[0]] = _ring_stream(ins[lead[0]], axis, chunks)
+            return x.builder.emit(i.op, ins, TensorType(x.shape, x.dtype), x.value.name, **i.attrs)
+    x = _annotate(x, axis, STREAM, None, "ring")
+    if chunks is not None:
+        x.builder.producer[x.value].attrs["ring_chunks"] = chunks
+    return x
+
+
+def _has_product(builder, v, seen=None) -> bool:
+    """Whether v is a matmul's product or an elementwise op of one (each value looked at once: a
+    value seen again found none, else the search would have ended)."""
+    seen = set() if seen is None else seen
+    i = builder.producer.get(v)
+    if i is None or v in seen:
+        return False
+    seen.add(v)
+    return i.op == Op.MATMUL or i.op in ELEMENTWISE and any(_has_product(builder, u, seen) for u in i.ins)
 
 
 def input_names(fn, n: int) -> list:

@@ -20,6 +20,9 @@ from shardfuse.spec import check_axis, normalize_axis
 # is one line.  Filled by shardfuse.traced_numpy (imported with the package), which holds the
 # functions; this module holds the traced values and their methods.
 NUMPY: dict = {}
+# "getitem" (x[key]) and "broadcast_matmul" (a @ b with NumPy's broadcasting) on traced values, written with the
+# ops below: shardfuse.shape_ops fills it (it builds on this module)
+SHAPE_OPS: dict = {}
 
 class Builder:
     """Collects the instructions of one traced function."""
@@ -60,10 +63,8 @@ class Traced:
     size = property(lambda self: math.prod(self.value.type.shape))
 
     def __getitem__(self, index):
-        raise NotImplementedError(
-            f"indexing {self.value.name}{list(self.shape)} inside sf.jit is not supported yet (x[...] on an sf.Array "
-            "outside jit is): reshape and reduce it inside (x.reshape(...), x.sum(axis)), or pass the part you need "
-            "as an argument")
+        """NumPy's basic indexing (ints, slices, '...', None), and table[ids] of a traced int array."""
+        return SHAPE_OPS["getitem"](self, index)
 
     def swapaxes(self, axis1, axis2):
         perm = list(range(self.ndim))
@@ -115,13 +116,14 @@ class Traced:
                             "arrays (cuBLAS has no integer GEMM here); cast first: x.astype('float32')")
         self = a
         sa, sb, na, nb = self.shape, b.shape, self.value.name, b.value.name  # (the parameters' names for inputs)
-        if len(sa) < 2 or len(sb) < 2:
-            raise ValueError(f"matmul needs operands of at least 2 axes, got {na}{sa} and {nb}{sb}")
-        if sa[-1] != sb[-2]:
+        if not sa or not sb:
+            raise ValueError(f"matmul of a 0-d operand, {na}{sa} @ {nb}{sb} (NumPy refuses it too): write {na} * {nb}")
+        if sa[-1] != sb[-2 if len(sb) > 1 else 0]:
             raise ValueError(f"matmul {na} @ {nb}: contraction sizes differ: {na}{sa} has K={sa[-1]} on its last "
-                             f"axis, {nb}{sb} has K={sb[-2]} on its second-to-last axis")
-        if len(sb) > 2 and sb[:-2] != sa[:-2]:
-            raise ValueError(f"matmul {na} @ {nb}: batch axes differ: {na}{sa} and {nb}{sb}")
+                             f"axis, {nb}{sb} has K={sb[-2 if len(sb) > 1 else 0]} on its "
+                             f"{'second-to-last' if len(sb) > 1 else 'only'} axis")
+        if len(sa) < 2 or len(sb) < 2 or (len(sb) > 2 and sb[:-2] != sa[:-2]):
+            return SHAPE_OPS["broadcast_matmul"](self, b)  # NumPy's 1-D operands, broadcast batch axes
         out = TensorType(sa[:-1] + (sb[-1],), self.dtype)
         return self.builder.emit(Op.MATMUL, (self, b), out, "c")
 
@@ -246,8 +248,8 @@ class Traced:
                                                 "np.exp, ...); outside, np.asarray(the jitted function's result)")
 
     def __iter__(self):
-        self._concrete("iteration", "there is no indexing inside sf.jit: work on whole axes (x.sum(axis), "
-                                    "x.reshape(...), x.T), or iterate over the result outside the jitted function")
+        self._concrete("iteration", "a loop over a traced value has no static length to Python: index it (x[0], "
+                                    "x[a:b]), split it (sf.split(x, n)), or work on whole axes (x.sum(axis), x.T)")
 
     def __contains__(self, item):  # (without it, Python turns the iteration's error into "not iterable")
         self.__iter__()
@@ -394,5 +396,5 @@ def unsupported(func, method="__call__", kwargs=()) -> str:
     return (f"{what} is not supported on traced shardfuse values (inside sf.jit); supported: "
             f"{', '.join(sorted(numpy_name(f) for f in NUMPY))} (np.dot: 2-D), the operators + - * / @ ** "
             "< <= > >= == != ~, x.sum / mean / max / min(axis, keepdims=), x.astype(dtype), x.T, x.reshape(...), "
-            "sf.relu, sf.gelu, sf.silu, sf.sigmoid, sf.rsqrt, sf.where; or compute it outside the jitted function "
-            "on its result")
+            "x[a:b, i, ..., None], sf.split / concatenate / stack, sf.relu, sf.gelu, sf.silu, sf.sigmoid, sf.rsqrt, "
+            "sf.where; or compute it outside the jitted function on its result")

@@ -15,6 +15,7 @@ import numpy as np
 from shardfuse import dtypes
 from shardfuse.ops import Op
 from shardfuse.spec import normalize_axis
+from shardfuse.shape_ops import NUMPY_SHAPES
 from shardfuse.traced import NUMPY, Traced, describe, is_scalar, is_weak_scalar
 
 
@@ -234,4 +235,5 @@ NUMPY.update({  # NumPy function or ufunc -> the same on traced values: adding a
     np.dot: _dot, np.transpose: _transpose, np.swapaxes: _swapaxes, np.reshape: _reshape, np.where: _where_numpy,
     np.sum: _reduction(Traced.sum), np.mean: _reduction(Traced.mean), np.max: _reduction(Traced.max),
     np.amax: _reduction(Traced.max), np.min: _reduction(Traced.min), np.amin: _reduction(Traced.min),
+    **NUMPY_SHAPES,  # np.concatenate, np.stack, np.split
 })

@@ -133,7 +133,8 @@ def test_over_defaults_to_the_mesh_last_axis_on_named_meshes():
     np.testing.assert_array_equal(out.gather(), 2 * x)
 
 
-def test_indexing_inside_jit_says_what_to_write():
+def test_indexing_inside_jit_says_what_to_write():  # (basic indexing runs: tests/test_slicing.py)
     m = sf.DeviceMesh(2)
-    with pytest.raises(NotImplementedError, match=r"indexing x\[4, 4\] inside sf.jit is not supported yet"):
-        sf.jit(lambda x: x[0], mesh=m)(np.ones((4, 4)))
+    with pytest.raises(ValueError, match=r"indexing x \(shape \(4, 4\), float64\): a negative step on axis 0 .* slice "
+                                         r"with a positive step"):
+        sf.jit(lambda x: x[::-1], mesh=m)(np.ones((4, 4)))

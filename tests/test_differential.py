@@ -576,7 +576,44 @@ class Gen:
         w = self.to_home(self.maybe_annotate(self.new_input((K, N)), 40), v.home)
         return self.emit(f"{v.name} @ {w.name}", v.shape[:-1] + (N,), home=v.home)
 
-    STEPS = ("annotate", "unary", "binary", "reduce", "transpose", "reshape", "matmul", "move")
+    def index(self, v: Val) -> Val:
+        """Issue 31 item 3: basic indexing (ints, slices, steps, '...', None), or np.concatenate /
+        np.split along a random axis."""
+        nd = len(v.shape)
+        if not nd:
+            return v
+        if self.chance(30):
+            a = self.pick(range(nd))
+            if v.shape[a] < 2 or self.chance(50):  # (a split of an axis of extent 1 would leave an empty piece)
+                p = self.new_input(v.shape[:a] + (self.extent(),) + v.shape[a + 1:], pos=v.pos)
+                p = self.to_home(self.maybe_annotate(p, 40), v.home)
+                shape = v.shape[:a] + (v.shape[a] + p.shape[a],) + v.shape[a + 1:]
+                return self.emit(f"np.concatenate([{v.name}, {p.name}], axis={a - nd if self.chance(30) else a})",
+                                 shape, pos=v.pos, home=v.home)
+            cut = self.pick(range(1, v.shape[a]))
+            part = self.pick([0, 1])
+            return self.emit(f"np.split({v.name}, [{cut}], axis={a})[{part}]",
+                             v.shape[:a] + ((cut, v.shape[a] - cut)[part],) + v.shape[a + 1:], pos=v.pos, home=v.home)
+        parts, shape = [], []
+        for n in v.shape:
+            form = self.pick(["all", "all", "int", "range", "step"])
+            if form == "int" and len(parts) < nd - 1:
+                parts.append(str(self.pick(range(-n, n))))
+            elif form in ("range", "step") and n > 1:
+                lo = self.pick(range(n - 1))
+                hi, step = self.pick(range(lo + 1, n + 1)), 2 if form == "step" else 1
+                parts.append(f"{lo}:{hi}" + (":2" if step == 2 else "") if self.chance(70) else f"{lo - n}:{hi}")
+                shape.append(len(range(lo, hi, step)))
+            else:
+                parts.append(":")
+                shape.append(n)
+        if self.chance(25):
+            at = self.pick(range(len(parts) + 1))
+            parts.insert(at, "None")
+            shape.insert(sum(p != "None" and not p.lstrip("-").isdigit() for p in parts[:at]), 1)
+        return self.emit(f"{v.name}[{', '.join(parts)}]", shape, pos=v.pos, home=v.home)
+
+    STEPS = ("annotate", "unary", "binary", "reduce", "transpose", "reshape", "matmul", "move", "index")
 
     def step(self, kind, v):
         return getattr(self, kind)(v)
@@ -773,7 +810,7 @@ def _elementwise_and_reductions(data):
     mesh_key, streams, dtype, seed = common_draws(data, ALL_MESHES, f32=10)
     g = Gen(data, mesh_key, dtype, streams)
     x = g.new_input(g.shape(g.pick([2, 1, 3])))
-    kinds = ["annotate", "unary", "binary", "annotate", "reduce", "transpose", "reshape", "binary"]
+    kinds = ["annotate", "unary", "binary", "annotate", "reduce", "transpose", "reshape", "binary", "index"]
     prog = g.body(x, kinds, g.draw(st.integers(1, 6), label="steps"))
     run_program(prog, seed, STATS["elementwise"])
 
@@ -785,7 +822,7 @@ def _matmul_chains(data):
     g = Gen(data, mesh_key, dtype, streams)
     x = g.maybe_annotate(g.new_input(g.shape(g.pick([2, 3]))), 50)
     cur = g.matmul(x)
-    kinds = ["annotate", "matmul", "annotate", "unary", "binary", "reduce", "transpose", "annotate"]
+    kinds = ["annotate", "matmul", "annotate", "unary", "binary", "reduce", "transpose", "annotate", "index"]
     prog = g.body(cur, kinds, g.draw(st.integers(0, 5), label="steps"))
     run_program(prog, seed, STATS["matmul"])
 

@@ -968,3 +968,56 @@ def test_issue31_cross_entropy_vocab_parallel(d, dtype):
     ce.check_cross_entropy(_tp_mesh(d), "vocab", dtype, np.random.default_rng(17), jit=False)
     if d == 4:
         ce.check_cross_entropy(_tp_mesh(4, (2, 2)), "tokens-dp-vocab-tp", dtype, np.random.default_rng(18))
+
+
+# ---- issue 31, item 3: shapes on the CuPy backend (tests/test_slicing.py's and test_split_concat.py's bodies) ----
+import test_slicing as sl  # noqa: E402
+import test_split_concat as sc  # noqa: E402
+
+SPECS31 = {"S0": ("DIDx",), "S1": (None, "DIDx"), "S2": (None, None, "DIDx"), "R": ()}
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("jit", [True, False], ids=["jit", "eager"])
+@pytest.mark.parametrize("spec", sorted(SPECS31))
+@pytest.mark.parametrize("name", sorted(sl.INDEXES))
+@pytest.mark.parametrize("mesh", [1, 4], indirect=True)
+def test_issue31_index(mesh, name, spec, jit, dtype):
+    """Boxes at offsets, strided boxes (steps) and new axes as views of CuPy pieces."""
+    sl.check_index(name, mesh, SPECS31[spec], dtype, jit, np.random.default_rng(0))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("spec", ["S0", "S1", "R"])
+@pytest.mark.parametrize("mesh", [1, 2, 4], indirect=True)
+def test_issue31_split_and_join(mesh, spec, dtype):
+    """Copies into boxes of one buffer (DMA where the box is rows at a pitch, else a kernel)."""
+    for name in sorted(sc.SPLITS):
+        sc.check_split(name, mesh, SPECS31[spec], dtype, True, np.random.default_rng(1))
+    for name in sorted(sc.JOINS):
+        sc.check_join(name, mesh, SPECS31[spec], dtype, True, np.random.default_rng(2), y_spec=SPECS31[spec][:1])
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("mesh", [1, 2, 4], indirect=True)
+def test_issue31_fused_qkv_split(mesh, dtype):
+    sc.check_qkv(mesh, dtype, np.random.default_rng(3))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("name", sorted(sl.MATMULS))
+@pytest.mark.parametrize("mesh", [1, 4], indirect=True)
+def test_issue31_broadcast_matmul(mesh, name, dtype):
+    """Transposed and merged views around one cuBLAS GEMM (staged where cuBLAS cannot read a view)."""
+    sl.check_matmul(name, mesh, dtype, True, np.random.default_rng(4))
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("mesh", [1, 2, 4], indirect=True)
+def test_issue31_strided_box_into_a_gemm_and_the_ring_with_a_bias(mesh, dtype):
+    d, rng = len(mesh.devices), np.random.default_rng(5)
+    x, w, b = randn(rng, (4 * d, 16), dtype), randn(rng, (6, 8), dtype), randn(rng, (6,), dtype)
+    f = sf.jit(lambda x, w: sf.shard(x, axis=0)[:, 1::2] @ w.T, mesh=mesh)  # a column stride of 2 into cuBLAS
+    check(f(x, w).gather(), f64(x)[:, 1::2] @ f64(w).T, dtype)
+    g = sf.jit(lambda x, w, b: sf.stream(sf.shard(x, axis=0)[:, :8] @ w.T + b, axis=0, algorithm="ring"), mesh=mesh)
+    check(g(x, w, b).gather(), f64(x)[:, :8] @ f64(w).T + f64(b), dtype)

@@ -89,3 +89,34 @@ def test_unknown_algorithm():
     f = sf.jit(lambda x: sf.stream(x, axis=0, algorithm="tree"), mesh=sf.DeviceMesh(2, backend="numpy"))
     with pytest.raises(ValueError, match=r"algorithm must be one of \('collective', 'ring'\), got 'tree'"):
         f.lower(sf.TensorSpec((8, 4)))
+
+
+def ring_with_bias(x, w, b):
+    return sf.stream(sf.shard(x, axis=0) @ w.T + b, axis=0, algorithm="ring")
+
+
+@pytest.mark.parametrize("d", [1, 2, 4])
+def test_ring_with_a_bias_inside_the_stream(d):
+    """sf.stream(x @ w.T + b, axis=0, algorithm="ring") (issue 31): the ring streams the product and
+    the bias is added to the whole result after it, as algorithm="collective" gives (its values)."""
+    mesh = sf.DeviceMesh(d, backend="numpy")
+    rng = fresh_rng(mesh)
+    x, w, b = rng.standard_normal((4 * d, 8)), rng.standard_normal((6, 8)), rng.standard_normal(6)
+    f = sf.jit(ring_with_bias, mesh=mesh)
+    plan = f.lower(x, w, b)
+    assert plan.collectives() == ({"sendrecv": d - 1} if d > 1 else {})
+    out = f(x, w, b)
+    assert out.sharding.placements(mesh) == ("R",)
+    assert_close(out.gather(), x @ w.T + b, "float64")
+    g = sf.jit(lambda x, w, b: sf.stream(sf.gelu(sf.shard(x, axis=0) @ w + b) * 2.0 - x[:, :1], axis=0,
+                                         algorithm="ring"), mesh=mesh)
+    h = x @ w.T + b
+    want = h * (1 + np.tanh(np.sqrt(2 / np.pi) * (h + 0.044715 * h ** 3))) - x[:, :1]
+    assert_close(g(x, w.T.copy(), b).gather(), want, "float64")
+
+
+def test_ring_of_a_sum_of_two_products_is_refused():
+    f = sf.jit(lambda x, w: sf.stream(sf.shard(x, axis=0) @ w + sf.shard(x, axis=0) @ w, axis=0, algorithm="ring"),
+               mesh=sf.DeviceMesh(2, backend="numpy"))
+    with pytest.raises(ValueError, match=r"algorithm='ring' streams the result of a matmul .* is no such result"):
+        f.lower(sf.TensorSpec((8, 4)), sf.TensorSpec((4, 4)))

@@ -66,6 +66,9 @@ def _walk(instrs, strides, mesh, namer):
             strides[i.outs[0]] = of(i.ins[0])[1:]
         elif i.op == Op.TRANSPOSE:
             strides[i.outs[0]] = tuple(of(i.ins[0])[p] for p in i.attrs["perm"])
+        elif i.op == Op.SLICE_ARRAY:
+            st = i.attrs.get("step", (1,) * len(of(i.ins[0])))
+            strides[i.outs[0]] = tuple(s * k for s, k in zip(of(i.ins[0]), st))
         elif i.op == Op.ALLOCATE:
             strides[i.outs[0]] = _allocated(i, mesh)
         elif i.op == Op.VIEW:

@@ -30,7 +30,7 @@ def _lower(instrs, namer, mesh, results=()):
     for i in instrs:
         if i.op == Op.FOR:
             out.append(replace(i, body=tuple(_lower(i.body, namer, mesh, i.attrs["results"]))))
-        elif i.op in (Op.SLICE, Op.VIEW, Op.TRANSPOSE) or i.op in HOST_ONLY or i.into is not None:
+        elif i.op in (Op.SLICE, Op.VIEW, Op.TRANSPOSE, Op.SLICE_ARRAY) or i.op in HOST_ONLY or i.into is not None:
             out.append(i)
         elif i.op == Op.RESHAPE:  # a view of the local piece (the rule kept shards whole)
             out.append(Instr(Op.VIEW, i.outs, i.ins, {"shape": i.attrs["shape"]}))
@@ -43,9 +43,24 @@ def _lower(instrs, namer, mesh, results=()):
                 steps[-1] = replace(steps[-1], outs=(view,))
                 steps += [Instr(Op.ALLOCATE, (y,)), Instr(Op.COPY, (), (view,), into=y)]
             out.extend(steps)
+        elif i.op == Op.CONCAT:
+            out += _lower_concat(i, namer)
         else:
             o = i.outs[0]
             out += [Instr(Op.ALLOCATE, (o,)), Instr(i.op, (), i.ins, i.attrs, into=o)]
+    return out
+
+
+def _lower_concat(i, namer):
+    """Allocate the result, then Copy each input into its box of it (a SliceArray view: the axis of a
+    concatenation is whole on every device, so a box's global offset is its local one)."""
+    y, ax, at = i.outs[0], i.attrs["axis"], 0
+    out = [Instr(Op.ALLOCATE, (y,))]
+    for x in i.ins:
+        box = Value(namer(f"{y.name}_{x.name}"), x.type.with_layout(y.type.layout))
+        begin = tuple(at if j == ax else 0 for j in range(y.type.ndim))
+        out += [Instr(Op.SLICE_ARRAY, (box,), (y,), {"begin": begin}), Instr(Op.COPY, (), (x,), into=box)]
+        at += x.type.shape[ax]
     return out
 
 

@@ -82,8 +82,9 @@ def _stream_extent(i):
     if i.op in HOST_ONLY or i.into is not None or not i.outs or _stream_axis(i.outs[0]) is None:
         return None
     k = _stream_axis(i.outs[0])
-    if i.op == Op.RESHAPE and rule(i.op, "axis_map")(i, k) == (None,):
-        return None  # a view that merges axes into the stream axis has no per-chunk input: made whole
+    cuts = i.op in (Op.RESHAPE, Op.SLICE_ARRAY, Op.CONCAT)
+    if cuts and all(a is None for a in rule(i.op, "axis_map")(i, k)):
+        return None  # a view that merges axes into the stream axis, or cuts it, has no per-chunk input: made whole
     return i.outs[0].type.shape[k]
 
 
@@ -184,7 +185,7 @@ def _make_loop(group, extent, used_later, namer):
                 body.append(Instr(Op.SLICE, (vc,), (v,), {"axis": a, "index": Idx("i")}))
                 ins.append(vc)
         oc = Value(namer(o.name + "_i"), _chunk_type(o, ko))
-        if i.op in (Op.TRANSPOSE, Op.RESHAPE) and o in used_later:
+        if i.op in (Op.TRANSPOSE, Op.RESHAPE, Op.SLICE_ARRAY) and o in used_later:
             # a view writes nothing: a chunk that leaves the loop is copied into its result
             view = Value(namer(o.name + "_view_i"), oc.type)
             body += [Instr(i.op, (view,), tuple(ins), i.attrs), Instr(Op.SET, (oc,), (view,))]

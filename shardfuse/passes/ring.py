@@ -33,7 +33,8 @@ def lower_ring(prog):
             o = i.outs[0]
             raise ValueError(f"algorithm='ring' streams the result of a matmul along its row (or batch) axis, "
                              f"where A's shards travel the ring; {o.name} = {i.op}(...) is no such result: stream "
-                             f"the matmul's output instead, sf.stream(a @ b, axis=0, algorithm='ring')")
+                             f"the matmul's output instead, sf.stream(a @ b, axis=0, algorithm='ring') (elementwise ops of "
+                             f"one product, such as + bias or sf.gelu, may wrap it inside the stream)")
     out = []
     for i in prog.instrs:
         if i in ring_sets:

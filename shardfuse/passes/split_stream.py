@@ -45,6 +45,15 @@ def _split_attrs(i, amap, k, n):
     if i.op == Op.SUM:
         ax = i.attrs["axis"]
         return {**i.attrs, "axis": ax + (n - 1 if ax > amap[0] else 0)}
+    if i.op in (Op.SLICE_ARRAY, Op.CONCAT) and amap[0] is None:
+        raise ValueError(f"sf.stream(..., chunks=) of {i.outs[0].name} along the axis its {i.op} cuts or joins is not "
+                         "supported: stream another axis, or the value before the op, or its consumer")
+    if i.op == Op.SLICE_ARRAY:  # (an uncut axis: begin 0, step 1, for each axis it splits into)
+        a = amap[0]
+        return {key: v[:a] + (v[a],) * n + v[a + 1:] for key, v in i.attrs.items()}
+    if i.op == Op.CONCAT:
+        ax = i.attrs["axis"]
+        return {**i.attrs, "axis": ax + (n - 1 if ax > amap[0] else 0)}
     if i.op == Op.RESHAPE:
         raise ValueError(f"sf.stream(..., chunks=) of {i.outs[0].name}, the result of a reshape, is not supported: "
                          "stream the value before the reshape, or its consumer")

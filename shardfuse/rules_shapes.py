@@ -1,0 +1,81 @@
+"""Sharding rules of the shape ops (slice_array, concatenate), registered in rules.RULES, the one
+rule table; the same three questions as every entry there (infer, require, axis_map).
+
+A sliced axis, and the axis of a concatenation, must be whole on every device: the box starts at
+a global index, and the pieces of a concatenation land at global offsets.  Every other axis keeps
+its sharding, so `x[..., 0:H]` of row-sharded x is local, and `x[:, 0:H]` of column-sharded x
+gathers the columns first (the Allgather a `set` before the op lowers to, printed in the plan).
+Both ops are linear: pending sums flow through them (a concatenation's only where every input
+pends the same ones), and are reduced where a consumer needs them whole.
+"""
+from __future__ import annotations
+
+from shardfuse.layout import Layout, mesh_axes
+
+
+def sliced_axes(ins) -> set:
+    """The axes a slice_array cuts (a box that does not cover the whole axis)."""
+    x, y = ins.ins[0].type.shape, ins.outs[0].type.shape
+    return {a for a, (b, n, m) in enumerate(zip(ins.attrs["begin"], x, y)) if b or n != m}
+
+
+def _whole(axes, cut, pending, stream=None):
+    """axes with the cut ones replicated, and none over a mesh axis that pends a sum (such a
+    mesh axis cannot also shard); an uncut stream axis keeps its own entry."""
+    return tuple(None if j in cut else a if j == stream or not set(mesh_axes(a)) & pending else None
+                 for j, a in enumerate(axes))
+
+
+def _produced(out, axes, pending):
+    return Layout(axes, tuple(sorted(set(out.partial) | pending)), out.chunks, out.stream)
+
+
+def _chunked(out, axes):
+    """What the inputs must hold: an output's stream axis is made chunk by chunk (rules._chunked)."""
+    return tuple(None if j == out.stream else a for j, a in enumerate(axes))
+
+
+def slice_infer(ins, lays):
+    (la,) = lays
+    return Layout(_whole(la.axes, sliced_axes(ins), set()), la.partial)
+
+
+def slice_require(ins, out, lays):
+    pending = set(lays[0].partial)
+    axes = _whole(out.axes, sliced_axes(ins), pending, out.stream)
+    return (Layout(_chunked(out, axes), lays[0].partial),), _produced(out, axes, pending)
+
+
+def slice_axis_map(ins, j):
+    return (None if j in sliced_axes(ins) else j,)
+
+
+def _concat_pending(lays) -> tuple:
+    """Pending sums that flow through a concatenation: only those every input pends alike."""
+    parts = {tuple(lay.partial) for lay in lays}
+    return parts.pop() if len(parts) == 1 else ()
+
+
+def concat_infer(ins, lays):
+    axis, axes, used = ins.attrs["axis"], [], set()
+    for j in range(ins.outs[0].type.ndim):
+        pick = next((lay.axes[j] for lay in lays if j != axis and lay.axes[j] is not None
+                     and not set(mesh_axes(lay.axes[j])) & used), None)
+        axes.append(pick)
+        used |= set(mesh_axes(pick))
+    pending = _concat_pending(lays)
+    return Layout(_whole(axes, set(), set(pending)), pending)
+
+
+def concat_require(ins, out, lays):
+    pending = _concat_pending(lays)
+    axes = _whole(out.axes, {ins.attrs["axis"]}, set(pending), out.stream)
+    return tuple(Layout(_chunked(out, axes), pending) for _ in lays), _produced(out, axes, set(pending))
+
+
+def concat_axis_map(ins, j):
+    return (None if j == ins.attrs["axis"] else j,) * len(ins.ins)
+
+
+SLICE = dict(infer=slice_infer, require=slice_require, axis_map=slice_axis_map)
+CONCAT = dict(infer=concat_infer, require=concat_require, axis_map=concat_axis_map)
