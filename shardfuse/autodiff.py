@@ -303,7 +303,48 @@ def _take(ins, xs, out, ct, instrs):
     return [d if len(rest) == 1 else d.reshape(table.shape), None, None]
 
 
+def _concat(ins, xs, out, ct, instrs):
+    """Each input's cotangent is its box of ct."""
+    from shardfuse.shape_ops import getitem
+
+    ax, at, res = ins.attrs["axis"], 0, []
+    for x in xs:
+        res.append(getitem(ct, (slice(None),) * ax + (slice(at, at + x.shape[ax]),)))
+        at += x.shape[ax]
+    return res
+
+
+def _slice_array(ins, xs, out, ct, instrs):
+    """x's cotangent: ct in its box, zeros around it (and between the elements a step skipped),
+    joined with concatenate axis by axis (no pad or scatter op)."""
+    from shardfuse.shape_ops import concatenate, getitem
+
+    (x,) = xs
+    begin, box = ins.attrs["begin"], out.shape
+    step = ins.attrs.get("step", (1,) * x.ndim)
+    cur = ct
+    for j in range(x.ndim):
+        n, b, s, k = x.shape[j], box[j], step[j], begin[j]
+        if s > 1:  # each element, then s - 1 zeros: positions k, k + s, ... once shifted by k
+            col = cur.reshape(cur.shape[:j + 1] + (1,) + cur.shape[j + 1:])
+            cur = concatenate([col] + [full_like(col, 0.0)] * (s - 1), j + 1)
+            cur = cur.reshape(cur.shape[:j] + (b * s,) + cur.shape[j + 2:])
+            b = min(b * s, n - k)
+            cur = getitem(cur, (slice(None),) * j + (slice(0, b),))
+        parts = [cur]
+        for lo, hi, where_ in ((0, k, 0), (k + b, n, 1)):
+            if hi > lo:  # zeros shaped as x's box on the axes not yet done, [lo, hi) on axis j
+                box_of = tuple(slice(None) if i < j else slice(lo, hi) if i == j else
+                               slice(begin[i], begin[i] + box[i] * step[i], step[i]) for i in range(x.ndim))
+                zeros = full_like(getitem(x, box_of), 0.0, ct.dtype)
+                parts.insert(0 if where_ == 0 else len(parts), zeros)
+        cur = concatenate(parts, j) if len(parts) > 1 else cur
+    return [cur]
+
+
 VJP = {
+    Op.CONCAT: _concat,
+    Op.SLICE_ARRAY: _slice_array,
     Op.TAKE: _take,
     Op.SET: _set,
     Op.MATMUL: _matmul,

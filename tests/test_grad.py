@@ -85,6 +85,12 @@ CASES = {
     "cross_entropy": (lambda x, t: sf.nn.cross_entropy(x, t), [(X, normal), ((8,), ids)], 0),
     "take": (lambda t, i: sf.take(t, i), [((12, 4), normal), ((8, 3), ids)], 0),
     "take vocab-parallel": (lambda t, i: sf.take(sf.shard(t, axis=0), i), [(X, normal), ((4, 2), ids)], 0),
+    "slicing": (lambda x: x[1:7, ::3] * x[2:8, -4:] + x[3, None, 2:6], [(X, normal)], 0),
+    "split and concatenate": (lambda x, y: sf.concatenate(sf.split(x, 3, axis=1)[::-1] + [y], axis=1),
+                              [(X, normal), ((8, 4), normal)], (0, 1)),
+    "stack": (lambda x, y: sf.stack([x, y * 2.0], axis=1), [(X, normal), (X, normal)], (0, 1)),
+    "fused qkv split": (lambda x, w: sf.split((x @ w).reshape(8, 2, 6), 3, axis=-1)[1] * 2.0,
+                        [(X, normal), ((12, 12), normal)], (0, 1)),
     "causal attention": (lambda q, k, v: sf.nn.attention(q, k, v, causal=True), [((2, 4, 6, 4), normal)] * 3,
                          (0, 1, 2)),
 }
