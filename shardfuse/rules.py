@@ -13,7 +13,7 @@ layout that differs from the wanted one is resolved by a `set` after the op.
 """
 from __future__ import annotations
 
-from shardfuse.layout import Layout, mesh_axes
+from shardfuse.layout import Layout, axis_entry, mesh_axes
 from shardfuse.ops import Op, Reduce
 from shardfuse.rules_take import TAKE
 from shardfuse import ops, rules_shapes
@@ -36,8 +36,9 @@ def _axes(lay):
 
 def _unshard(axes, pending, stream=None):
     """A mesh axis that holds pending sums cannot also shard an axis: such an output is made
-    unsharded there (its `set` reduce-scatters the sums instead); the stream axis keeps its own."""
-    return [a if j == stream else None if set(mesh_axes(a)) & set(pending) else a for j, a in enumerate(axes)]
+    unsharded over it there, keeping the entry's other mesh axes (its `set` reduce-scatters the
+    sums instead); the stream axis keeps its own."""
+    return [a if j == stream else _free(a, pending) for j, a in enumerate(axes)]
 
 
 def _names(entries) -> set:
@@ -84,15 +85,23 @@ def contraction_infer(ins, lays, labels=None):
     # The weight (last operand) decides first: on a tie its sharding wins, as in nvFuser.
     for labs, lay in reversed(list(zip(in_labels, lays))):
         for lab, a in zip(labs, _axes(lay)):
-            if lab in out_labels and a is not None and lab not in axes and not _names([a]) & used:
-                axes[lab] = a
-                used |= _names([a])
+            # an axis sharded over several mesh axes keeps those still free (tokens over (dp, tp) against a
+            # weight's columns over tp stay over dp: no gather across dp, no GEMM repeated on every dp rank)
+            keep = _free(a, used)
+            if lab in out_labels and keep is not None and lab not in axes:
+                axes[lab] = keep
+                used |= _names([keep])
     # the contraction runs sharded the way `require` picks (the first operand's sharding of it;
     # an operand sharded otherwise is resharded to match), so only those mesh axes pend sums
     contracted = _names([_contraction_axis(in_labels, out_labels, lays)[1]])
     carried = _linear_partials(ins.op, lays)
     partial = _union(contracted - used, *carried)
     return Layout(tuple(_unshard([axes.get(lab) for lab in out_labels], set(partial))), partial)
+
+
+def _free(entry, used):
+    """The mesh axes of `entry` not in `used` (None, one name or a tuple, as layouts write them)."""
+    return axis_entry(n for n in mesh_axes(entry) if n not in used) if entry is not None else None
 
 
 def _contraction_axis(in_labels, out_labels, lays):
@@ -302,10 +311,9 @@ def reshape_require(ins, out, lays):
     out_axes = _unshard(out.axes, set(lays[0].partial), out.stream)
     try:
         axes = _map_reshape(dst, [_chunked(out, j, a) for j, a in enumerate(out_axes)], src, _mesh_size(out), False)
-    except ValueError:  # no sharding of a replicated input gives this result's: reshape it whole,
-        moved = lays[0].mesh != out.mesh  # (an input from another mesh moves anyway: it may move whole)
-        if (lays[0].sharded_axes() and not moved) or lays[0].partial or out.stream is not None:  # then slice
-            raise  # the result locally (R -> S); other layouts keep the refusal
+    except ValueError:  # no sharding of the input gives this result's: the input whole (gathered where it is
+        if lays[0].partial or out.stream is not None:  # sharded: printed), reshaped, the result sliced locally
+            raise  # (R -> S); a pending sum or a stream split keeps the refusal
         whole = Layout.replicated(len(src)).on(out.mesh)
         return (whole,), reshape_infer(ins, [whole])
     return (Layout(tuple(axes), lays[0].partial),), Layout(tuple(out_axes), _union(out.partial, lays[0].partial),

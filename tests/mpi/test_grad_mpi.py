@@ -64,3 +64,10 @@ def test_gpt_sgd_steps_with_donated_parameters():
     import test_transformer as tt
 
     tt.test_gpt_sgd_steps_with_donated_parameters_lower_the_loss()
+
+
+@pytest.mark.skipif(NPROCS != 4, reason="the 2x2 dp x tp mesh's dp collectives need 4 processes")
+def test_tokens_over_dp_and_tp():
+    import test_dp_tp_propagation as t
+
+    t.test_tokens_over_dp_and_tp_communicate_over_tp_only()
