@@ -191,12 +191,30 @@ def main(argv=None):
     p.add_argument("--seed", type=int, default=None, help="random seed (default: fresh)")
     p.add_argument("--mlp", choices=["tp", "sp"], default=None,
                    help="run the tensor-parallel MLP block instead (tp: x replicated; sp: sequence parallel)")
-    p.add_argument("--hidden", type=int, default=64, help="MLP hidden size h (the block is h -> 4h -> h)")
+    p.add_argument("--layer", choices=["tp", "sp", "dp"], default=None,
+                   help="run sf.nn.transformer_layer instead (tp; sp: sequence parallel; dp: a 2 x D/2 dp x tp mesh "
+                   "with sp), checked against its float64 NumPy reference")
+    p.add_argument("--train", action="store_true", help="a 2-layer GPT: its float64 gradients against central "
+                   "differences, then --steps Adam steps in one jitted step with donated parameters")
+    p.add_argument("--hidden", type=int, default=64, help="hidden size h (MLP: h -> 4h -> h; --layer, --train)")
+    p.add_argument("--heads", type=int, default=4, help="attention heads (--layer, --train)")
+    p.add_argument("--steps", type=int, default=5, help="Adam steps (--train)")
+    p.add_argument("--lr", type=float, default=0.01, help="Adam's learning rate (--train)")
     p.add_argument("--json", action="store_true", help="print one JSON object (plan, collectives, seed, times, "
                    "error, passed, backend, devices) instead of the text")
     args = p.parse_args(argv)
-    for name in ("devices", "chunks", "m", "k", "n", "streams", "repeat", "hidden"):
+    for name in ("devices", "chunks", "m", "k", "n", "streams", "repeat", "hidden", "heads", "steps"):
         value = getattr(args, name)
         if value is not None and value < 1:
             p.error(f"--{name} must be a positive int, got {value}")
+    if sum((args.mlp is not None, args.layer is not None, args.train)) > 1:
+        p.error("--mlp, --layer and --train each choose a demo: give one of them")
+    if (args.layer or args.train) and args.json:
+        p.error("--json is for the seed and --mlp demos (--layer and --train print text)")
+    if not args.lr > 0:
+        p.error(f"--lr must be a positive float, got {args.lr}")
+    if args.layer or args.train:
+        from shardfuse.demo_model import layer_demo, train_demo
+
+        return train_demo(args) if args.train else layer_demo(args)
     return mlp_demo(args) if args.mlp else seed_demo(args)
