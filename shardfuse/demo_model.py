@@ -1,4 +1,5 @@
-"""`shardfuse demo --layer tp|sp|dp` and `shardfuse demo --train`: the transformer layer with
+"""`shardfuse demo` (the command's entry: the seed and --mlp demos are shardfuse/demo.py's), and its
+`--layer tp|sp|dp` and `--train`: the transformer layer with
 Megatron's shardings, checked against its float64 NumPy reference; a 2-layer GPT's gradients
 checked against central differences in float64, then a few Adam steps in one jitted step with
 donated parameters."""
@@ -8,6 +9,7 @@ import numpy as np
 
 import shardfuse as sf
 from shardfuse import tree
+from shardfuse.demo import TOLERANCE, default_devices, parse_args, relative_error, run, seeded_rng, speaker
 from shardfuse.dtypes import np_dtype
 from shardfuse.transformer import gpt_loss, gpt_reference, init_gpt, init_params, layer_reference, transformer_layer
 
@@ -18,8 +20,6 @@ GRAD_TOLERANCE = 1e-6  # central differences in float64: |numeric - analytic| <=
 
 def model_mesh(args, dp=False):
     """A 1-D mesh ("tp",) of all devices, or with dp a 2-D ("dp", "tp") mesh of 2 x devices/2."""
-    from shardfuse.demo import default_devices
-
     d = args.devices or default_devices(args.backend)
     if not dp:
         return sf.DeviceMesh((d,), ("tp",), backend=args.backend)
@@ -43,14 +43,12 @@ def layer_sizes(args, tp) -> tuple[int, int]:
 
 
 def layer_demo(args) -> int:
-    from shardfuse.demo import TOLERANCE, _seeded_rng, _speaker, relative_error
-
     mesh = model_mesh(args, dp=args.layer == "dp")
     tp = mesh.shape[-1]
-    say = _speaker(args, mesh)
+    say = speaker(args, mesh)
     b, s = layer_sizes(args, tp)
     kw = dict(LAYER_KW[args.layer], chunks=args.chunks)
-    rng, seed = _seeded_rng(args, mesh, say)
+    rng, seed = seeded_rng(args, mesh, say)
     dt = np_dtype(args.dtype)
     params = {k: v.astype(dt) for k, v in init_params(rng, args.hidden, "float64", scale=0.3).items()}
     x = rng.standard_normal((b, s, args.hidden)).astype(dt)
@@ -101,18 +99,16 @@ def gpt_task(rng, vocab, seq):
 
 
 def train_demo(args) -> int:
-    from shardfuse.demo import _seeded_rng, _speaker
-
     mesh = model_mesh(args)
     tp = mesh.shape[-1]
-    say = _speaker(args, mesh)
+    say = speaker(args, mesh)
     pieces = tp * args.chunks  # the sequence divides over tp x chunks (sp), the vocabulary over tp
     vocab, seq = 8 * tp, pieces * -(-16 // pieces)
     if args.hidden % args.heads or args.heads % tp:
         raise ValueError(f"--heads {args.heads} must divide --hidden {args.hidden} and be a multiple of the "
                          f"{tp} tensor-parallel devices")
     kw = {"tp": "tp", "sp": True, "chunks": args.chunks}
-    rng, seed = _seeded_rng(args, mesh, say)
+    rng, seed = seeded_rng(args, mesh, say)
     say(f"{mesh}, a 2-layer GPT (vocab {vocab}, hidden {args.hidden}, {args.heads} heads, seq {seq}, batch {BATCH}), "
         f"{', '.join(f'{k}={v}' for k, v in kw.items())}\n")
     ids, labels = gpt_task(rng, vocab, seq)
@@ -146,3 +142,11 @@ def train_steps(args, mesh, kw, vocab, seq, rng, ids, labels, say) -> list[float
         losses.append(float(loss))
         say(f"step {t}: loss {losses[-1]:.4f}")
     return losses
+
+
+def main(argv=None) -> int:
+    """`shardfuse demo [options]`: --layer and --train here, the seed and --mlp demos in demo.py."""
+    args = parse_args(argv)
+    if args.layer:
+        return layer_demo(args)
+    return train_demo(args) if args.train else run(args)

@@ -31,8 +31,10 @@ def test_demo_layer_checks_against_the_float64_reference(mode, devices, mesh, co
     assert "plan <lambda>(" in out and "FAILED" not in out
 
 
-def test_demo_train_checks_gradients_and_the_loss_falls(capsys):
-    assert main(["demo", "--train", "--devices", "2", "--steps", "4", "--lr", "0.02", *SMALL]) == 0
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_demo_train_checks_gradients_and_the_loss_falls(dtype, capsys):
+    """The gradient check is in float64 whatever --dtype; the steps train in --dtype."""
+    assert main(["demo", "--train", "--devices", "2", "--steps", "4", "--lr", "0.02", "--dtype", dtype, *SMALL]) == 0
     out = capsys.readouterr().out
     assert "a 2-layer GPT (vocab 16, hidden 16, 4 heads, seq 16, batch 2), tp=tp, sp=True, chunks=2" in out
     assert re.search(r"central difference \S+ -> OK", out), out
@@ -55,6 +57,8 @@ def test_demo_train_exits_1_when_the_gradient_check_fails(monkeypatch, capsys):
     (["--layer", "xp"], "argument --layer: invalid choice: 'xp'"),
     (["--train", "--json"], "--json is for the seed and --mlp demos"),
     (["--train", "--lr", "0"], "--lr must be a positive float, got 0.0"),
+    (["--train", "--m", "32"], "--train sizes its token task itself"),
+    (["--train", "--dtype", "float16"], "--train trains in float32, bfloat16 or float64"),
     (["--train", "--steps", "0"], "--steps must be a positive int, got 0"),
     (["--layer", "sp", "--heads", "0"], "--heads must be a positive int, got 0"),
 ])
