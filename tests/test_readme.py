@@ -86,5 +86,9 @@ def test_readme_training_block_claims(tmp_path, monkeypatch):
         params = {k: np.asarray(params[k], np.float64) - 0.1 * g[k] for k in g}
     for k in params:
         np.testing.assert_allclose(np.asarray(ns["params"][k]), params[k], rtol=1e-10, atol=1e-12)
+    _, at_end = _mse_gradient_float64(params, xs, ys)
+    for k in at_end:  # sf.grad outside jit, at the trained parameters
+        assert ns["grads_now"][k].placements == grads[k].placements
+        np.testing.assert_allclose(np.asarray(ns["grads_now"][k]), at_end[k], rtol=1e-9, atol=1e-12)
     text = str(ns["sgd_step"].lower(ns["params"], xs, ys))
     assert "Sub params_w1 <- params_w1, " in text and "Sub params_w2 <- params_w2, " in text
