@@ -27,7 +27,7 @@ def main(argv=None) -> int:
     argv = [a for a in argv if a != "--debug"]
     cmd, rest = argv[0], argv[1:]
     if cmd == "demo":
-        from shardfuse.demo import main as run
+        from shardfuse.demo_model import main as run
     elif cmd == "bench":
         from shardfuse.bench import main as run
     elif cmd == "profile":

@@ -1,4 +1,5 @@
-"""`shardfuse demo`: the seed's pipelined AllGather+GEMM, checked and timed."""
+"""`shardfuse demo`: the seed's pipelined AllGather+GEMM (or with --mlp the MLP block), checked and
+timed; its options (shardfuse/demo_model.py, the command's entry, runs --layer and --train)."""
 from __future__ import annotations
 
 import argparse
@@ -11,6 +12,9 @@ import shardfuse as sf
 from shardfuse.dtypes import np_dtype
 from shardfuse.runtime import backend_of
 
+DESCRIPTION = ("Run a case on the default mesh, print its plan and collectives and check it against float64 NumPy: "
+               "the seed's pipelined AllGather+GEMM (timed beside the unpipelined one), --mlp the MLP block, --layer "
+               "the transformer layer, --train a 2-layer GPT's gradients and a few Adam steps.")
 TOLERANCE = {"float64": 1e-10, "float32": 1e-4, "float16": 1e-2, "bfloat16": 2e-2}
 
 
@@ -56,7 +60,7 @@ def relative_error(got, ref):
     return float(np.linalg.norm(got.astype(np.float64) - ref) / np.linalg.norm(ref))
 
 
-def _seeded_rng(args, mesh, say):
+def seeded_rng(args, mesh, say):
     """Every process draws the same global inputs (same seed), as a replicated program would;
     the seed is printed, so a run can be repeated with --seed.  Returns (rng, seed)."""
     seed = args.seed if args.seed is not None else int(time.time_ns() % 2**31)
@@ -99,7 +103,7 @@ def rows_per_block(args, d) -> int:
     return args.m // (args.chunks * d)
 
 
-def _speaker(args, mesh):
+def speaker(args, mesh):
     """print on rank 0, unless --json (then one JSON object at the end instead)."""
     return print if mesh.rank == 0 and not args.json else (lambda *a, **k: None)
 
@@ -124,9 +128,9 @@ def mlp_demo(args):
 
     d = args.devices or default_devices(args.backend)
     mesh = sf.DeviceMesh(d, backend=args.backend)
-    say = _speaker(args, mesh)
+    say = speaker(args, mesh)
     tokens = args.chunks * d * rows_per_block(args, d)
-    rng, seed = _seeded_rng(args, mesh, say)
+    rng, seed = seeded_rng(args, mesh, say)
     inputs = [a.astype(np_dtype(args.dtype)) for a in mlp_inputs(rng, tokens, args.hidden)]
     specs = [sf.TensorSpec(a.shape, args.dtype) for a in inputs]
     pipelined = mlp_block(mesh, args.mlp, chunks=args.chunks, streams=args.streams)
@@ -147,7 +151,7 @@ def mlp_demo(args):
 def seed_demo(args):
     d = args.devices or default_devices(args.backend)
     mesh = sf.DeviceMesh(d, backend=args.backend)
-    say = _speaker(args, mesh)
+    say = speaker(args, mesh)
     shape_a, shape_b = (args.chunks, d, rows_per_block(args, d), args.k), (args.k, args.n)
     pipelined, unpipelined = seed_functions(mesh, args.streams)
     plan = pipelined.lower(sf.TensorSpec(shape_a, args.dtype), sf.TensorSpec(shape_b, args.dtype))
@@ -155,7 +159,7 @@ def seed_demo(args):
         "of A in the seed layout [S, D, m, K])\n")
     say(plan, "\n")
 
-    rng, seed = _seeded_rng(args, mesh, say)
+    rng, seed = seeded_rng(args, mesh, say)
     dt = np_dtype(args.dtype)
     a = rng.standard_normal(shape_a).astype(dt)
     b = rng.standard_normal(shape_b).astype(dt)
@@ -175,13 +179,14 @@ def seed_demo(args):
     return _emit(args, mesh, _result(args, mesh, plan, seed, err, collectives, times))
 
 
-def main(argv=None):
-    p = argparse.ArgumentParser(prog="shardfuse demo", description=__doc__)
+def parse_args(argv=None):
+    """`shardfuse demo`'s options, checked (a mistake exits 2 with one line)."""
+    p = argparse.ArgumentParser(prog="shardfuse demo", description=DESCRIPTION)
     p.add_argument("--devices", type=int, default=None, help="mesh size (default: all GPUs, else 4 CPU devices; "
                    "under mpiexec, one per process)")
     p.add_argument("--backend", choices=["numpy", "cupy"], default=None)
     p.add_argument("--chunks", type=int, default=8, help="S: chunks along the stream axis")
-    p.add_argument("--m", type=int, default=None, help="M, all of A's rows (with --mlp: tokens), as in shardfuse "
+    p.add_argument("--m", type=int, default=None, help="M, all of A's rows (with --mlp: tokens; --layer: tokens, batch 2 x seq), as in shardfuse "
                    "bench and simulate: a multiple of chunks x devices (default 64 x chunks x devices)")
     p.add_argument("--k", type=int, default=256)
     p.add_argument("--n", type=int, default=256)
@@ -191,12 +196,36 @@ def main(argv=None):
     p.add_argument("--seed", type=int, default=None, help="random seed (default: fresh)")
     p.add_argument("--mlp", choices=["tp", "sp"], default=None,
                    help="run the tensor-parallel MLP block instead (tp: x replicated; sp: sequence parallel)")
-    p.add_argument("--hidden", type=int, default=64, help="MLP hidden size h (the block is h -> 4h -> h)")
+    p.add_argument("--layer", choices=["tp", "sp", "dp"], default=None,
+                   help="run sf.nn.transformer_layer instead (tp; sp: sequence parallel; dp: a 2 x D/2 dp x tp mesh "
+                   "with sp), checked against its float64 NumPy reference")
+    p.add_argument("--train", action="store_true", help="a 2-layer GPT: its float64 gradients against central "
+                   "differences, then --steps Adam steps in one jitted step with donated parameters")
+    p.add_argument("--hidden", type=int, default=64, help="hidden size h (MLP: h -> 4h -> h; --layer, --train)")
+    p.add_argument("--heads", type=int, default=4, help="attention heads (--layer, --train)")
+    p.add_argument("--steps", type=int, default=5, help="Adam steps (--train)")
+    p.add_argument("--lr", type=float, default=0.01, help="Adam's learning rate (--train)")
     p.add_argument("--json", action="store_true", help="print one JSON object (plan, collectives, seed, times, "
                    "error, passed, backend, devices) instead of the text")
     args = p.parse_args(argv)
-    for name in ("devices", "chunks", "m", "k", "n", "streams", "repeat", "hidden"):
+    for name in ("devices", "chunks", "m", "k", "n", "streams", "repeat", "hidden", "heads", "steps"):
         value = getattr(args, name)
         if value is not None and value < 1:
             p.error(f"--{name} must be a positive int, got {value}")
+    if sum((args.mlp is not None, args.layer is not None, args.train)) > 1:
+        p.error("--mlp, --layer and --train each choose a demo: give one of them")
+    if (args.layer or args.train) and args.json:
+        p.error("--json is for the seed and --mlp demos (--layer and --train print text)")
+    if args.train and args.m is not None:
+        p.error("--train sizes its token task itself (vocabulary 8 x tp, a sequence of 16 or more tokens): drop --m")
+    if args.train and args.dtype == "float16":
+        p.error("--train trains in float32, bfloat16 or float64: float16's range needs loss scaling (Adam's second "
+                "moment and eps underflow to 0), which --train does not do")
+    if not args.lr > 0:
+        p.error(f"--lr must be a positive float, got {args.lr}")
+    return args
+
+
+def run(args) -> int:
+    """The seed demo, or with --mlp the MLP block's (demo_model.main runs --layer and --train)."""
     return mlp_demo(args) if args.mlp else seed_demo(args)

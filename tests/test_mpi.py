@@ -13,7 +13,7 @@ is killed if it runs over), so a hang fails the test instead of the run:
   keep `python -m mpi4py`, the old way, which must go on working beside shardfuse's hooks
   (tests/test_mpi_faults.py launches plain scripts);
 * `mpiexec -n 2 python -m shardfuse demo --repeat 1` and `mpiexec -n 4 shardfuse demo --repeat 1`
-  print OK, with one device per process.
+  print OK, with one device per process; so does `mpiexec -n 2 python -m shardfuse demo --train`.
 
 mpiexec is looked for next to sys.executable first (the `mpich` wheel puts it in the venv),
 then on PATH.  Skipped, with the reason, only when there is no mpiexec or no mpi4py.
@@ -174,3 +174,15 @@ def test_demo_console_script_under_mpiexec_4():
         pytest.skip(f"no shardfuse console script next to {sys.executable} (pip install -e .)")
     rc, out, secs = mpirun(4, ["demo", "--repeat", "1"], timeout=120, program=str(script))
     _check_demo("mpiexec -n 4 shardfuse demo --repeat 1", 4, rc, out, secs)
+
+
+def test_demo_train_under_mpiexec():
+    """`shardfuse demo --train` with one device per process: rank 0 prints the float64 gradient check
+    and the losses of the Adam steps, falling."""
+    rc, out, secs = mpirun(2, ["-m", "shardfuse", "demo", "--train", "--hidden", "16", "--chunks", "2", "--steps", "3"],
+                           timeout=120)
+    assert rc == 0, f"mpiexec -n 2 python -m shardfuse demo --train failed (exit {rc}, {secs:.0f} s):\n{tail(out)}"
+    assert out.count("a 2-layer GPT") == 1 and "DeviceMesh(tp=2" in out, tail(out)  # rank 0 prints
+    assert re.search(r"central difference \S+ -> OK", out) and "FAILED" not in out, tail(out)
+    losses = [float(v) for v in re.findall(r"step \d+: loss (\S+)", out)]
+    assert len(losses) == 3 and losses[-1] < losses[0], tail(out)

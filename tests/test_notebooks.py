@@ -10,7 +10,8 @@ NOTEBOOKS = sorted((Path(__file__).parent.parent / "notebooks").glob("*.ipynb"))
 
 def test_there_are_notebooks():
     names = {p.name for p in NOTEBOOKS}
-    assert {"01_tour.ipynb", "02_mlp_block.ipynb", "03_gpu_workstation.ipynb"} <= names, sorted(names)
+    assert {"01_tour.ipynb", "02_mlp_block.ipynb", "03_gpu_workstation.ipynb", "04_transformer_layer.ipynb",
+            "05_train.ipynb"} <= names, sorted(names)
 
 
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.name)
