@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import math
 
-from shardfuse import dtypes
+from shardfuse import dtypes, rules
 from shardfuse.ir import TensorType
 from shardfuse.layout import Layout, axis_entry, mesh_axes
 from shardfuse.ops import COMPARE, COMPARE_SCALAR, ELEMENTWISE, Op
@@ -84,15 +84,30 @@ def pin(ct: Traced, layout: Layout, name: str | None = None) -> Traced:
                            annotation=True)
 
 
+def whole(layout):
+    """The placement of layout with its pending sums made whole (what a cotangent may be pinned to:
+    a cotangent pinned as pending would be summed over the devices again)."""
+    return Layout(layout.axes, mesh=layout.mesh)
+
+
 def known_layout(builder, v):
-    """Where the forward states v lives: an input's layout, an annotation's placement, or that of
-    the operand an elementwise op keeps the shape of (its layout carries over); None if unstated."""
+    """Where the forward states v lives (its pending sums made whole): an input's layout, an
+    annotation's placement, what the rule of a view or a product infers from its operands' known
+    layouts, or that of the operand an elementwise op keeps the shape of; None if unstated."""
     for _ in range(64):
         p = builder.producer.get(v)
-        if p is None:
-            return v.type.layout.placement() if v.type.layout is not None else None
+        if p is None:  # (an input that arrives as pending sums: its cotangent is whole on each device)
+            return whole(v.type.layout) if v.type.layout is not None else None
         if p.op == Op.SET:
             return p.outs[0].type.layout.placement()
+        if p.op in (Op.TRANSPOSE, Op.RESHAPE, Op.MATMUL):  # (views and products: as propagation infers them)
+            lays = [known_layout(builder, i) for i in p.ins]
+            if any(lay is None or lay.mesh is not None for lay in lays):
+                return None
+            try:
+                return whole(rules.infer(p, lays, builder.mesh).on(None))
+            except ValueError:  # (a reshape no sharding maps: the compiler gathers, and says so)
+                return None
         same = [i for i in p.ins if i.type.shape == v.type.shape and p.op in ELEMENTWISE]
         if not same:
             return None

@@ -16,7 +16,7 @@ import inspect
 
 from shardfuse import tree
 from shardfuse.array import Array
-from shardfuse.autodiff import backward, differentiable, full_like, pin
+from shardfuse.autodiff import backward, differentiable, full_like, pin, whole
 from shardfuse.jit import Jitted
 from shardfuse.layout import Layout
 from shardfuse.ops import Op
@@ -81,7 +81,7 @@ class _Forward:
         (a weight sharded by the function keeps that sharding), else replicated, as JAX places a
         NumPy argument (so an update step returns each parameter in the layout it came in)."""
         if x.value.type.layout is not None:
-            return x.value.type.layout.placement()
+            return whole(x.value.type.layout)
         uses = [i for i in self.instrs if x.value in i.ins]
         stated = {i.outs[0].type.layout.placement() for i in uses if i.op == Op.SET and i.attrs.get("annotation")}
         if len(stated) == 1 and all(i.op == Op.SET for i in uses):

@@ -375,3 +375,18 @@ def test_seed_backward_exact(d):
     np.testing.assert_allclose(np.asarray(da), r @ b.T, rtol=1e-12)
     np.testing.assert_allclose(np.asarray(db), np.einsum("sdmk,sdmn->kn", a, r), rtol=1e-12)
     assert da.sharding.placement() == sf.shard(a, axis=1, mesh=mesh).sharding.placement()
+
+
+def test_a_moved_pending_product_gets_its_cotangent_whole():
+    """Found by tests/test_differential_grad.py: the cotangent of a product that pends a sum (a
+    contraction over a sharded axis), moved by sf.to_mesh, was pinned as pending too, so the
+    backward summed it over the devices again (a gradient D times too large)."""
+    mesh = mesh_of("1d")
+    rng = np.random.default_rng(12)
+    x0, x1, r = rng.standard_normal((4, 4)), rng.standard_normal((4, 2)), rng.standard_normal((4, 2))
+
+    def loss(x0, x1, r):
+        return (sf.to_mesh(sf.replicate(x0) @ x1, mesh) * r).sum()
+    d0, d1 = sf.jit(sf.grad(loss, argnums=(0, 1)), mesh=mesh)(x0, sf.shard(x1, axis=0, mesh=mesh), r)
+    np.testing.assert_allclose(np.asarray(d0), r @ x1.T, rtol=1e-12)
+    np.testing.assert_allclose(np.asarray(d1), x0.T @ r, rtol=1e-12)
