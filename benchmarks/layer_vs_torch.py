@@ -103,6 +103,27 @@ def sf_train_step(heads):
     return step
 
 
+def _free(args):
+    """Give back what the last measurement held (CuPy's pool, torch's cache) before the next."""
+    import gc
+
+    gc.collect()
+    if not args.cpu:
+        import cupy
+
+        cupy.get_default_memory_pool().free_all_blocks()
+        torch.cuda.empty_cache()
+
+
+def _attempt(errors, name, fn):
+    """fn(), or None with its error kept (an out-of-memory shows as such in the table)."""
+    try:
+        return fn()
+    except Exception as e:  # noqa: BLE001 (a benchmark reports, it does not stop)
+        errors[name] = f"{type(e).__name__}: {str(e).splitlines()[0][:200]}"
+        return None
+
+
 def run(args):
     dev = torch.device("cpu" if args.cpu else "cuda")
     rng = np.random.default_rng(0)
@@ -112,7 +133,7 @@ def run(args):
     x = torch.randn(args.batch, args.seq, args.hidden, device=dev, dtype=dt)
     mesh = sf.DeviceMesh(1, backend="numpy" if args.cpu else "cupy")
     stream = None if args.cpu else torch.cuda.current_stream()
-    rows = {}
+    rows, mem, errors = {}, {}, {}
 
     def peak(fn):
         if args.cpu:
@@ -124,30 +145,34 @@ def run(args):
         torch.cuda.synchronize()
         return torch.cuda.max_memory_allocated() / 2**30
 
-    ours = sf.jit(lambda p, x: transformer_layer(p, x, args.heads), mesh=mesh)
-    got = ours(params, x, stream=stream)
-    want = torch_layer_primitive(params, x, args.heads)
-    err = (torch.from_dlpack(got).float() - want.float()).norm() / want.float().norm()
-    rows["shardfuse eager"] = timed(lambda: ours(params, x, stream=stream), args.repeat)
-    rows_mem = {"shardfuse eager": _pool_gib(args)}
-    if args.graph:
-        ours_g = sf.jit(lambda p, x: transformer_layer(p, x, args.heads), mesh=mesh, graph=True)
-        rows["shardfuse graph"] = timed(lambda: ours_g(params, x, stream=stream), args.repeat)
     with torch.no_grad():
+        want = torch_layer_primitive(params, x, args.heads)
         for name, f in (("torch eager (same ops)", torch_layer_primitive), ("torch fused (SDPA)", torch_layer_fused)):
-            rows_mem[name] = peak(lambda: f(params, x, args.heads))
-            rows[name] = timed(lambda: f(params, x, args.heads), args.repeat)
+            mem[name] = _attempt(errors, name, lambda: peak(lambda: f(params, x, args.heads)))
+            rows[name] = _attempt(errors, name, lambda: timed(lambda: f(params, x, args.heads), args.repeat))
         if args.compile:
             compiled = torch.compile(torch_layer_primitive)
-            rows["torch.compile (same ops)"] = timed(lambda: compiled(params, x, args.heads), args.repeat, warmup=3)
+            rows["torch.compile (same ops)"] = _attempt(
+                errors, "torch.compile", lambda: timed(lambda: compiled(params, x, args.heads), args.repeat, warmup=3))
+    _free(args)
+    err = None
+    for name, graph in (("shardfuse eager", False),) + ((("shardfuse graph", True),) if args.graph else ()):
+        ours = sf.jit(lambda p, x: transformer_layer(p, x, args.heads), mesh=mesh, graph=graph)
+        got = _attempt(errors, name, lambda: ours(params, x, stream=stream))
+        if got is not None:
+            err = float((torch.from_dlpack(got).float() - want.float()).norm() / want.float().norm())
+            rows[name] = _attempt(errors, name, lambda: timed(lambda: ours(params, x, stream=stream), args.repeat))
+            mem[name] = _pool_gib(args)
+        del ours, got
+        _free(args)
     out = {"config": vars(args), "device": "cpu" if args.cpu else torch.cuda.get_device_name(), "forward_ms": rows,
-           "forward_peak_gib": rows_mem, "relative_error_vs_torch": float(err)}
+           "forward_peak_gib": mem, "relative_error_vs_torch": err, "errors": errors}
     if args.train:
-        out.update(train(args, params, x, mesh, stream))
+        out.update(train(args, params, x, mesh, stream, errors))
     return out
 
 
-def train(args, params, x, mesh, stream):
+def train(args, params, x, mesh, stream, errors):
     t = torch.randn_like(x)
     rows, mem = {}, {}
     tp = {k: v.clone().requires_grad_() for k, v in params.items()}
@@ -162,8 +187,10 @@ def train(args, params, x, mesh, stream):
         if not args.cpu:
             torch.cuda.synchronize()
             torch.cuda.reset_peak_memory_stats()
-        rows[name] = timed(lambda: torch_step(f), args.repeat)
+        rows[name] = _attempt(errors, "train " + name, lambda: timed(lambda: torch_step(f), args.repeat))
         mem[name] = None if args.cpu else torch.cuda.max_memory_allocated() / 2**30
+    del tp, opt
+    _free(args)
     step = sf.jit(sf_train_step(args.heads), mesh=mesh, donate_argnums=(0, 1, 2))
     state = [{k: v.clone() for k, v in params.items()}, {k: torch.zeros_like(v) for k, v in params.items()},
              {k: torch.zeros_like(v) for k, v in params.items()}]
@@ -171,7 +198,7 @@ def train(args, params, x, mesh, stream):
     def ours():
         p, m, v, loss = step(*state, x, t, stream=stream)
         state[:] = [p, m, v]
-    rows["shardfuse eager"] = timed(ours, args.repeat)
+    rows["shardfuse eager"] = _attempt(errors, "train shardfuse", lambda: timed(ours, args.repeat))
     mem["shardfuse eager"] = _pool_gib(args)
     return {"train_step_ms": rows, "train_peak_gib": mem}
 
@@ -206,7 +233,8 @@ def main():
         print(json.dumps(out))
         return
     print(f"{out['device']}  hidden={args.hidden} heads={args.heads} seq={args.seq} batch={args.batch} {args.dtype}")
-    print(f"relative error of shardfuse's forward vs torch eager: {out['relative_error_vs_torch']:.2e}")
+    rel = out["relative_error_vs_torch"]
+    print(f"relative error of shardfuse's forward vs torch eager: {'-' if rel is None else f'{rel:.2e}'}")
     for what in ("forward", "train_step"):
         if f"{what}_ms" not in out:
             continue
@@ -214,8 +242,10 @@ def main():
         base = out[f"{what}_ms"].get("torch eager (same ops)")
         for name, ms in out[f"{what}_ms"].items():
             gib = peaks.get(name)
-            print(f"  {what:10s} {name:26s} {ms:9.2f} ms  {ms / base:5.2f}x torch eager"
-                  + (f"  peak {gib:6.2f} GiB" if gib is not None else ""))
+            speed = "" if ms is None or not base else f"{ms:9.2f} ms  {ms / base:5.2f}x torch eager"
+            print(f"  {what:10s} {name:26s} {speed or 'failed':>34s}" + (f"  peak {gib:6.2f} GiB" if gib else ""))
+    for name, e in out["errors"].items():
+        print(f"  error: {name}: {e}")
 
 
 if __name__ == "__main__":
