@@ -14,23 +14,25 @@ import math
 import os
 from dataclasses import replace
 
-from shardfuse.backends.protocol import MAIN, Ref
 from shardfuse.dtypes import poison_value
 from shardfuse.ir import walk
+from shardfuse.steps import mesh_of
 from shardfuse.ops import Op
 from shardfuse.passes.reuse import live_ranges
 from shardfuse.strides import ordered_strides
 
 
-def slab_ref(exe, k, shape, dtype, order=None) -> Ref:
-    """Executable exe's Ref of a buffer (local shape `shape`, stored in `order`) in slab k."""
+def member_ref(slabs, new_slot, deferred, k, shape, dtype, order=None):
+    """The Ref of a buffer (local shape `shape`, stored in `order`) in slab k: slabs maps slab
+    numbers to their Ref (made here by new_slot(shape, dtype, None) for the first member), deferred
+    the executor's buffers to make once binding is done (the slab: as large as its largest member)."""
     n = math.prod(shape)
-    slot = exe.slabs.get(k)
-    if slot is None:
-        slot = exe.slabs[k] = exe._new_slot((n,), dtype, None).slot
-    size = exe._deferred.get(slot, ((0,), dtype))[0][0]
-    exe._deferred[slot] = ((max(n, size),), dtype)  # made in _allocate_used, if a step uses it
-    return Ref(slot, (0,) * exe.ndev, tuple(shape), ordered_strides(tuple(shape), order), dtype)
+    if k not in slabs:
+        slabs[k] = new_slot((n,), dtype, None)
+    slot = slabs[k].slot
+    size = deferred.get(slot, ((0,), dtype))[0][0]
+    deferred[slot] = ((max(n, size),), dtype)  # (made only if a step uses it, as any buffer)
+    return replace(slabs[k], shape=tuple(shape), strides=ordered_strides(tuple(shape), order))
 
 
 def poison_slabs(exe, prog):
@@ -49,9 +51,12 @@ def poison_slabs(exe, prog):
         while start > 0 and prog.instrs[start - 1].op == Op.RECORD_EVENT:
             start -= 1
         at = next((n for n, s in enumerate(exe.steps) if top[s.instr] >= start), None)
-        if at is not None:
+        mine = set(mesh_of(v, prog).devices)
+        here = tuple(j for j, d in enumerate(exe.backend.local_devices) if d in mine)
+        if at is not None and here:
             ref = exe.refs[v]
-            fill = exe.backend.bind_elementwise(Op.FULL_LIKE, ref, None, ref, MAIN, scalar=poison_value(ref.dtype))
+            fill = exe.backend.bind_elementwise(Op.FULL_LIKE, ref, None, ref, "main", scalar=poison_value(ref.dtype),
+                                                devices=here)
             fills.setdefault(at, []).append(fill)
     for n, before in fills.items():
         exe.steps[n] = replace(exe.steps[n], run=_after(before, exe.steps[n].run))
