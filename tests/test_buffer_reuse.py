@@ -13,43 +13,14 @@ import numpy as np
 import pytest
 
 import shardfuse as sf
-from cases import assert_close, fresh_rng, seed_case
+from cases import assert_close, check_lives_apart, fresh_rng, seed_case, slabs_of
 from shardfuse import tree
-from shardfuse.ir import unroll, walk
+from shardfuse.ir import walk
 from shardfuse.mlp import mlp_block, mlp_inputs, mlp_reference
-from shardfuse.ops import COMMUNICATION, VIEWS, Op
-from shardfuse.passes.allocate import view_bases
+from shardfuse.ops import COMMUNICATION, Op
 from shardfuse.passes.reuse import assign_slabs, live_ranges
 from shardfuse.plan import Plan
 from shardfuse.transformer import gpt_loss, gpt_reference, init_gpt, init_params, layer_reference
-
-
-def slabs_of(prog) -> dict:
-    """buffer -> its slab, as printed."""
-    return {i.outs[0]: i.attrs["slab"] for i in prog.instrs if i.op == Op.ALLOCATE and "slab" in i.attrs}
-
-
-def check_lives_apart(prog):
-    """Independently of the pass: over the steps one call issues (loops unrolled), every buffer's
-    first and last use (views included, communication until its Wait); slab-mates never overlap."""
-    base, comm, span = view_bases(prog), {}, {}
-    for k, (i, _) in enumerate(unroll(prog.instrs)):
-        if i.op in VIEWS or i.op == Op.ALLOCATE:
-            continue
-        if i.op in COMMUNICATION:
-            comm[i.outs[0]] = [base.get(v, v) for v in i.values()]
-        used = [b for h in i.ins for b in comm.get(h, ())] if i.op == Op.WAIT else \
-            [base.get(v, v) for v in (*i.values(), *i.outs)]
-        for b in used:
-            span[b] = (span.get(b, (k, k))[0], k)
-    members = {}
-    for v, s in slabs_of(prog).items():
-        members.setdefault(s, []).append(v)
-    for vs in members.values():
-        lives = sorted(span[v] for v in vs if v in span)
-        for (_, end), (start, _) in zip(lives, lives[1:]):
-            assert end < start, (vs, lives)
-    return members
 
 
 def shared(plan) -> bool:
