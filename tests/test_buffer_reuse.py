@@ -15,10 +15,10 @@ import pytest
 import shardfuse as sf
 from cases import assert_close, check_lives_apart, fresh_rng, seed_case, slabs_of
 from shardfuse import tree
-from shardfuse.ir import walk
+from shardfuse.ir import Instr, walk
 from shardfuse.mlp import mlp_block, mlp_inputs, mlp_reference
 from shardfuse.ops import COMMUNICATION, Op
-from shardfuse.passes.reuse import assign_slabs, live_ranges
+from shardfuse.passes.reuse import assign_slabs, live_ranges, reuse_buffers
 from shardfuse.plan import Plan
 from shardfuse.transformer import gpt_loss, gpt_reference, init_gpt, init_params, layer_reference
 
@@ -188,17 +188,10 @@ def test_reuse_off_prints_no_slab(monkeypatch):
 
 def test_a_stream_switch_outside_a_loop_turns_reuse_off():
     """Liveness assumes top-level work runs on the main stream; a plan that breaks that gets no slab."""
-    from shardfuse.passes.reuse import reuse_buffers
-
     prog = _chain().lower(np.zeros((2, 4))).program
     plain = prog.with_instrs([replace(i, attrs={k: v for k, v in i.attrs.items() if k != "slab"}) for i in prog.instrs],
                              "test")
     assert slabs_of(reuse_buffers(plain))
-    switched = plain.with_instrs([Instr_set_stream()] + list(plain.instrs), "test")
+    switched = plain.with_instrs([Instr(Op.SET_STREAM, attrs={"stream": "Stream(0)"})] + list(plain.instrs), "test")
     assert not slabs_of(reuse_buffers(switched))
 
-
-def Instr_set_stream():
-    from shardfuse.ir import Instr
-
-    return Instr(Op.SET_STREAM, attrs={"stream": "Stream(0)"})
