@@ -25,6 +25,7 @@ from shardfuse.backends.protocol import BoundPlan, Ref, block, rank_major, resha
 from shardfuse.ir import local_shape, walk
 from shardfuse.ops import COMMUNICATION, ELEMENTWISE, HOST, Op, VIEWS
 from shardfuse.passes.contiguity import comm_blocks
+from shardfuse.slabs import member_ref, poison_slabs
 from shardfuse.steps import event_key, index_of, issue_order, mesh_of
 from shardfuse.strides import ordered_strides
 
@@ -62,6 +63,7 @@ class Executable:
         self.pending: dict = {}  # comm handle -> its wait step
         self.blocked: dict = {}  # staging buffer stored as [D, ...] blocks -> (axis, D)
         self.pools: list = []  # per pool (Allocate with pool=n): its n entries, one slot each
+        self.slabs: dict = {}  # slab number (passes/reuse.py) -> the Ref of its slot, which its buffers view
         for v in prog.inputs:
             self.refs[v] = self._new_slot(local_shape(v, self.mesh), v.type.dtype, None)
         # where each local device's piece of a plain argument lies (its shape is checked per call)
@@ -78,6 +80,7 @@ class Executable:
             run = BIND[i.op](self, i, env, step.stream, here)
             if run is not None and here:
                 self.steps.append(replace(step, devices=tuple(local[j] for j in here), run=run))
+        poison_slabs(self, prog)
         self._allocate_used(prog)
         # per output: the slot whose per-call buffers are the output as they are (a call then makes
         # no view per device), else None
@@ -153,6 +156,9 @@ class Executable:
             # them `pool` pieces apart)
             self.refs[v] = tuple(self._allocate(shape, v.type.dtype, False) for _ in range(a["pool"]))
             self.pools.append(self.refs[v])
+        elif "slab" in a:  # storage shared with buffers whose lives do not overlap
+            self.refs[v] = member_ref(self.slabs, self._new_slot, self._deferred, a["slab"], shape, v.type.dtype,
+                                      a.get("order"))
         else:
             self.refs[v] = self._allocate(shape, v.type.dtype, a.get("per_call", False), a.get("order"))
 

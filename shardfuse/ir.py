@@ -205,6 +205,8 @@ def _fmt(ins: Instr) -> str:
     if op == Op.ALLOCATE:
         where = "per call" if a.get("per_call") else (
             "double buffer" if a.get("ring") else "one per stream" if a.get("pool") else "once")
+        if "slab" in a:  # storage shared with buffers whose lives do not overlap (passes/reuse.py)
+            where += f", in slab {a['slab']}"
         if a.get("order"):  # stored with the gathered axis first (see passes/fold.py)
             where += ", rank-major"
         if a.get("blocks"):  # a staging buffer stored as communication reads it (passes/contiguity.py)

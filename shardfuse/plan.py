@@ -12,6 +12,7 @@ from shardfuse.executor import Executable
 from shardfuse.interop import array_info
 from shardfuse.ir import Program, unroll
 from shardfuse.mesh import as_int
+from shardfuse.passes.reuse import memory
 from shardfuse.ops import COMMUNICATION, Op
 from shardfuse.rates import machine
 
@@ -53,6 +54,12 @@ class Plan:
                 key = i.attrs["kind"].lower() if i.op == Op.TRANSFER else str(i.op)
                 counts[key] = counts.get(key, 0) + 1
         return counts
+
+    def memory(self) -> dict:
+        """Bytes per device of the plan's buffers (passes/reuse.py, memory): `persistent` (made once:
+        scratch, pools, slabs), `unshared` (what those would be with no slab shared), `per_call`
+        (the outputs, made at every call).  Inputs are the caller's and not counted."""
+        return memory(self.program)
 
     def profile(self, *args, repeat: int = 1, nvtx: bool = False):
         """Run the plan `repeat` times and return its Timeline: every executed step with its

@@ -11,7 +11,10 @@ import os
 import numpy as np
 
 import shardfuse as sf
+from shardfuse.ir import unroll
 from shardfuse.layout import Layout
+from shardfuse.ops import COMMUNICATION, VIEWS, Op
+from shardfuse.passes.allocate import view_bases
 
 os.environ.setdefault("SHARDFUSE_POISON", "1")
 
@@ -279,3 +282,32 @@ def stage_collectives_case(mesh, dtype="float64"):
     out = stage(x, w)
     assert out.sharding.mesh == s1
     assert_close(out.gather(), (x.astype(np.float64) @ w).sum(1), dtype)
+
+
+# ---- buffer reuse (passes/reuse.py): checked apart from the pass, on any plan ----
+def slabs_of(prog) -> dict:
+    """buffer -> its slab, as printed."""
+    return {i.outs[0]: i.attrs["slab"] for i in prog.instrs if i.op == Op.ALLOCATE and "slab" in i.attrs}
+
+
+def check_lives_apart(prog):
+    """Independently of the pass: over the steps one call issues (loops unrolled), every buffer's
+    first and last use (views included, communication until its Wait); slab-mates never overlap."""
+    base, comm, span = view_bases(prog), {}, {}
+    for k, (i, _) in enumerate(unroll(prog.instrs)):
+        if i.op in VIEWS or i.op == Op.ALLOCATE:
+            continue
+        if i.op in COMMUNICATION:
+            comm[i.outs[0]] = [base.get(v, v) for v in i.values()]
+        used = [b for h in i.ins for b in comm.get(h, ())] if i.op == Op.WAIT else \
+            [base.get(v, v) for v in (*i.values(), *i.outs)]
+        for b in used:
+            span[b] = (span.get(b, (k, k))[0], k)
+    members = {}
+    for v, s in slabs_of(prog).items():
+        members.setdefault(s, []).append(v)
+    for vs in members.values():
+        lives = sorted(span[v] for v in vs if v in span)
+        for (_, end), (start, _) in zip(lives, lives[1:]):
+            assert end < start, (vs, lives)
+    return members

@@ -40,6 +40,7 @@ from hypothesis.errors import InvalidArgument, UnsatisfiedAssumption
 import shardfuse as sf
 import shardfuse.backends
 from shardfuse.placements import placements_of
+from cases import check_lives_apart
 
 try:
     from shardfuse.passes.verify import PlanError
@@ -755,9 +756,10 @@ def run_program(prog: Prog, seed: int, stats: Counter):
         event(f"refused: {category(e)}")
 
     try:
-        jitted.lower(*specs)
+        plan = jitted.lower(*specs)
     except Exception as e:
         return refused(e, "lower")
+    check_lives_apart(plan.program)  # no slab holds two values live at once (passes/reuse.py)
     try:
         out1 = as_tuple(jitted(*args))
     except Exception as e:

@@ -75,7 +75,7 @@ def run_gradient(prog: td.Prog, seed: int, stats: Counter):
     args = prog.place(inputs) + rs
     specs = [a.spec if isinstance(a, sf.Array) else sf.TensorSpec(np.shape(a), "float64") for a in args]
     try:
-        grad.lower(*specs)
+        plan = grad.lower(*specs)
     except Exception as e:  # noqa: BLE001
         if not td.deliberate(e):
             raise AssertionError(f"lowering the gradient raised {type(e).__name__}, not a clear refusal: {e}") from e
@@ -83,6 +83,7 @@ def run_gradient(prog: td.Prog, seed: int, stats: Counter):
         stats[f"refused: {td.category(e)}"] += 1
         event(f"gradient refused: {td.category(e)}")
         return
+    td.check_lives_apart(plan.program)  # no slab holds two values live at once (passes/reuse.py)
     grads = td.as_tuple(grad(*args))
     stats["ran"] += 1
     event("gradient ran")

@@ -147,7 +147,13 @@ def test_a_counting_backend_binds_and_runs_each_stage_on_its_devices():
     x, w0, w1 = inputs(np.random.default_rng(1))
     out = f(x, w0, w1)
     np.testing.assert_allclose(out.gather(), reference(x, w0, w1), rtol=2e-5, atol=1e-6)
-    # bound: positions of the local devices (all four are local here, so positions are ids)
+    # bound: positions of the local devices (all four are local here, so positions are ids); under
+    # SHARDFUSE_POISON a buffer that shares a slab is refilled with NaN where its life starts
+    # (shardfuse/slabs.py), on its stage's devices too: those fills are left out of the plan's steps
+    poison = [b for b in be.bound if b[0].startswith("full_like")]
+    assert all(devices in ((0, 1), (2, 3)) for _, devices in poison)
+    be.bound = [b for b in be.bound if b not in poison]
+    be.ran = [r for r in be.ran if not r[0].startswith("full_like")]
     assert be.bound == [("matmul#0", (0, 1)), ("gelu#1", (0, 1)), ("matmul#2", (2, 3)), ("gelu#3", (2, 3))]
     # run: one output view per device the step computes on, and none elsewhere
     assert sorted(be.ran) == [("gelu#1", 0), ("gelu#1", 1), ("gelu#3", 2), ("gelu#3", 3),

@@ -9,6 +9,7 @@ from shardfuse.passes.lower import lower_to_host
 from shardfuse.passes.pipeline import form_stream_loops, mark_stream_intermediates
 from shardfuse.passes.propagate import propagate_sharding
 from shardfuse.passes.reshard import insert_resharding
+from shardfuse.passes.reuse import reuse_buffers
 from shardfuse.passes.ring import lower_ring
 from shardfuse.passes.split_stream import split_stream_axes
 from shardfuse.passes.streams import assign_streams
@@ -29,6 +30,7 @@ PIPELINE = (
     stage_strided_views,
     donate_buffers,
     assign_streams,
+    reuse_buffers,
     verify,
 )
 

@@ -1,0 +1,135 @@
+"""reuse_buffers: buffers whose lifetimes do not overlap share storage (a slab), decided here and
+printed (`c = Allocate f32[8, 4]  (once, in slab 3)`), so that a plan holds about its largest live
+set, not the sum of all its intermediates (a training step's activations and gradients).
+
+Liveness is taken over the plan's top-level instructions as they run, streams included
+(so this pass runs after assign_streams):
+- a buffer lives from the first instruction that touches it (or a view of it) to the last one;
+- a collective (or a move between meshes) reads its send buffer and writes its receive buffer
+  until its Wait: the Wait touches both;
+- a loop counts as one instruction touching everything its body touches: a stream loop's workers
+  wait for an event the main stream records just before it, and the loop ends by joining them
+  back to the main stream (checked below), so outside loops all work runs on the main stream, in
+  order, and a later step on it never overtakes an earlier one;
+- two buffers share a slab only if one's last touch is strictly before the other's first (an
+  instruction reading one and writing the other does not make them share: a GEMM is not in place).
+Only top-level buffers made once are shared: per-call buffers (the outputs) go to the caller, and
+pools and double buffers are already shared by design.  Nothing a buffer holds at the end of a call
+is read by the next (outputs are per call), so sharing across calls is safe too.
+
+A slab holds one dtype (each member is a view of it from element 0, with the member's own shape:
+backends view a slab as any buffer, NumPy and CuPy alike, bfloat16's uint16 storage included);
+members are placed largest first, each into the smallest slab of its dtype whose members' lives
+it does not overlap (greedy by size).  SHARDFUSE_REUSE=0 turns the pass off (measuring).
+"""
+from __future__ import annotations
+
+import math
+import os
+from dataclasses import replace
+
+from shardfuse.dtypes import TABLE
+from shardfuse.ir import local_shape, walk
+from shardfuse.ops import COMMUNICATION, Op
+from shardfuse.passes.allocate import output_roots, view_bases
+
+
+def shareable(i) -> bool:
+    """A top-level Allocate this pass may place in a slab: made once, not a pool or double buffer."""
+    a = i.attrs
+    return i.op == Op.ALLOCATE and not (a.get("per_call") or a.get("pool") or a.get("ring"))
+
+
+def _streams_rejoin(prog) -> bool:
+    """Whether all top-level work runs on the main stream: no stream switch outside a loop, and
+    every loop that switches ends by switching back to main and joining every stream it used."""
+    for i in prog.instrs:
+        if i.op == Op.SET_STREAM:
+            return False
+        sets = [k for k, b in enumerate(i.body) if b.op == Op.SET_STREAM]
+        if i.op != Op.FOR or not sets:
+            continue
+        last, tail = i.body[sets[-1]], i.body[sets[-1] + 1:]
+        used = {i.body[k].attrs["stream"] for k in sets} - {"main"}
+        if (last.attrs.get("stream") != "main" or any(b.op != Op.SYNCHRONIZE for b in tail)
+                or not used <= {b.attrs["stream"] for b in tail}):
+            return False
+    return True
+
+
+def live_ranges(prog) -> dict:
+    """buffer -> (first, last): the top-level positions that touch it or a view of it, a
+    communication's buffers until its Wait."""
+    base = view_bases(prog)
+    comm = {}  # communication handle -> the buffers it reads and writes
+    for i in walk(prog.instrs):
+        if i.op in COMMUNICATION:
+            comm[i.outs[0]] = {base.get(v, v) for v in i.values()}
+    ranges = {}
+    for k, top in enumerate(prog.instrs):
+        touched = set()
+        for i in walk([top]):
+            if i.op == Op.WAIT:
+                touched.update(b for h in i.ins for b in comm.get(h, ()))
+            elif i.op != Op.ALLOCATE:
+                touched.update(base.get(v, v) for v in (*i.values(), *i.outs))
+        for b in touched:
+            first, _ = ranges.get(b, (k, k))
+            ranges[b] = (first, k)
+    return ranges
+
+
+def nbytes(v, mesh) -> int:
+    """Bytes of v's piece on one device."""
+    return math.prod(local_shape(v, mesh)) * TABLE[v.type.dtype].itemsize
+
+
+def assign_slabs(prog) -> dict:
+    """buffer -> slab number, for buffers that share a slab with at least one other."""
+    ranges = live_ranges(prog)
+    outs = output_roots(prog)
+    cands = [i.outs[0] for i in prog.instrs if shareable(i) and i.outs[0] in ranges and i.outs[0] not in outs]
+    order = {v: k for k, v in enumerate(cands)}
+    slabs = []  # (dtype, size in bytes, members)
+    for v in sorted(cands, key=lambda v: (-nbytes(v, prog.mesh), order[v])):
+        s, e = ranges[v]
+        fits = [sl for sl in slabs if sl[0] == v.type.dtype
+                and all(ranges[m][1] < s or e < ranges[m][0] for m in sl[2])]
+        if fits:
+            min(fits, key=lambda sl: sl[1])[2].append(v)
+        else:
+            slabs.append((v.type.dtype, nbytes(v, prog.mesh), [v]))
+    shared = [sl[2] for sl in slabs if len(sl[2]) > 1]
+    shared.sort(key=lambda members: min(order[m] for m in members))  # numbered as the plan first uses them
+    return {m: n for n, members in enumerate(shared) for m in members}
+
+
+def reuse_buffers(prog):
+    if os.environ.get("SHARDFUSE_REUSE", "1") == "0" or not _streams_rejoin(prog):
+        return prog.with_instrs(prog.instrs, "reuse_buffers")
+    slab = assign_slabs(prog)
+    out = [replace(i, attrs={**i.attrs, "slab": slab[i.outs[0]]}) if i.op == Op.ALLOCATE and i.outs[0] in slab
+           else i for i in prog.instrs]
+    return prog.with_instrs(out, "reuse_buffers")
+
+
+def memory(prog) -> dict:
+    """Bytes per device of a plan's persistent buffers (made once, pools and double buffers
+    counted in full, a slab once at its largest member): `persistent`, and `unshared`, what they
+    would be with no slab shared; `per_call`: the outputs' buffers, made at every call."""
+    fig = {"persistent": 0, "unshared": 0, "per_call": 0}
+    slab_size = {}
+    for i in walk(prog.instrs):
+        if i.op != Op.ALLOCATE:
+            continue
+        a, n = i.attrs, nbytes(i.outs[0], prog.mesh) * i.attrs.get("pool", 1)
+        if a.get("per_call"):
+            fig["per_call"] += n
+            continue
+        fig["unshared"] += n
+        if "slab" in a:
+            slab_size[a["slab"]] = max(slab_size.get(a["slab"], 0), n)
+        else:
+            fig["persistent"] += n
+    fig["persistent"] += sum(slab_size.values())
+    return fig
