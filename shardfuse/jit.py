@@ -18,7 +18,7 @@ from shardfuse.plan import Plan  # noqa: F401 (sf.jit's plans; shardfuse.jit.Pla
 from shardfuse.interop import array_info
 from shardfuse import tree
 from shardfuse.autochunks import compile_best
-from shardfuse.autodiff import drop_hints
+from shardfuse.autodiff_layouts import drop_hints
 from shardfuse.cost import Rates
 from shardfuse.rates import machine
 from shardfuse.mesh import DeviceMesh, as_int

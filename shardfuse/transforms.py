@@ -16,7 +16,8 @@ import inspect
 
 from shardfuse import tree
 from shardfuse.array import Array
-from shardfuse.autodiff import backward, differentiable, full_like, pin, whole
+from shardfuse.autodiff import backward, differentiable, full_like
+from shardfuse.autodiff_layouts import pin, whole
 from shardfuse.jit import Jitted
 from shardfuse.layout import Layout
 from shardfuse.ops import Op

@@ -1,0 +1,65 @@
+"""The layouts autodiff reads and states: where the forward says a value lives (`known_layout`),
+the pins that state a cotangent's layout (`pin`: an annotation, printed and verified as one), and
+the schedule hints sf.jit may drop (`drop_hints`).  Kept apart from the rules (shardfuse/autodiff.py)."""
+from __future__ import annotations
+
+from shardfuse import rules
+from shardfuse.ir import TensorType, Value, substitute
+from shardfuse.layout import Layout
+from shardfuse.ops import ELEMENTWISE, Op
+from shardfuse.traced import Traced
+
+
+def pin(ct: Traced, layout: Layout, name: str | None = None) -> Traced:
+    """ct annotated with `layout` (an annotation, so printed and verified as one); ct itself where
+    an annotation already pinned it there."""
+    p = ct.builder.producer.get(ct.value)
+    if p is not None and p.op == Op.SET and p.attrs.get("annotation") and p.outs[0].type.layout == layout:
+        return ct
+    return ct.builder.emit(Op.SET, (ct,), TensorType(ct.shape, ct.dtype, layout), name or ct.value.name,
+                           annotation=True)
+
+
+def whole(layout):
+    """The placement of layout with its pending sums made whole (what a cotangent may be pinned to:
+    a cotangent pinned as pending would be summed over the devices again)."""
+    return Layout(layout.axes, mesh=layout.mesh)
+
+
+def known_layout(builder, v):
+    """Where the forward states v lives (its pending sums made whole): an input's layout, an
+    annotation's placement, what the rule of a view or a product infers from its operands' known
+    layouts, or that of the operand an elementwise op keeps the shape of; None if unstated."""
+    for _ in range(64):
+        p = builder.producer.get(v)
+        if p is None:  # (an input that arrives as pending sums: its cotangent is whole on each device)
+            return whole(v.type.layout) if v.type.layout is not None else None
+        if p.op == Op.SET:
+            return p.outs[0].type.layout.placement()
+        if p.op in (Op.TRANSPOSE, Op.RESHAPE, Op.MATMUL):  # (views and products: as propagation infers them)
+            lays = [known_layout(builder, i) for i in p.ins]
+            if any(lay is None or lay.mesh is not None for lay in lays):
+                return None
+            try:
+                return whole(rules.infer(p, lays, builder.mesh).on(None))
+            except ValueError:  # (a reshape no sharding maps: the compiler gathers, and says so)
+                return None
+        same = [i for i in p.ins if i.type.shape == v.type.shape and p.op in ELEMENTWISE]
+        if not same:
+            return None
+        v = same[0]
+    return None
+
+
+def drop_hints(prog):
+    """prog with the schedule hints autodiff added taken out (each value keeps its placement):
+    what sf.jit compiles when a hint's split is one the passes refuse."""
+    mapping = {}
+    for i in prog.instrs:
+        if i.op == Op.SET and i.attrs.get("hint"):
+            o = i.outs[0]
+            mapping[o] = Value(o.name, o.type.with_layout(o.type.layout.placement()))
+    if not mapping:
+        return None
+    return prog.with_instrs(substitute(prog.instrs, mapping), "drop_hints",
+                            outputs=tuple(mapping.get(v, v) for v in prog.outputs))
