@@ -98,7 +98,7 @@ def local_pieces(x, dtype: str, layout: Layout, mesh, info=None, fenced=None, in
     be = backend_of(mesh)
     x = be.adopt(x, info, fenced)
     shape = tuple(x.shape)
-    if not shape:  # a 0-d array: each device holds it whole (a backend's contiguous copy may be 1-d)
+    if layout.ndim == 0:  # a 0-d array: each device holds it whole (CuPy's contiguous copy of one is 1-d)
         return [be.piece(x, j).reshape(()) for j in range(len(mesh.local_devices))]
     indices = indices or piece_indices(shape, layout, mesh)
     homes = be.ordinals or ()

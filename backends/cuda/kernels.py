@@ -201,6 +201,10 @@ def _reduce_min(xp, x, _, o):
     """min of the last axis as -max(-x) (exact, NaN kept), ~max(~x) for integers and booleans:
     CuPy 14's min with out= over a contiguous input fails inside its CUB path (TypeError comparing
     an array with a dtype, seen on an H100 2026-12-05, for floats and int32 alike), while max runs."""
+    from cupy._core import _accelerator
+
+    if not _accelerator.get_reduction_accelerators() and not _accelerator.get_routine_accelerators():
+        return xp.min(x, axis=-1, out=o)  # (CUB off, as while a graph is captured: CuPy's own kernel, no temporary)
     flip = xp.negative if o.dtype.kind == "f" else xp.invert  # (~x = -x - 1 for integers: no overflow at the
     xp.max(flip(x), axis=-1, out=o)                             # minimum; logical not for booleans)
     flip(o, out=o)
