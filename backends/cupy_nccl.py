@@ -156,6 +156,9 @@ class CupyNcclBackend:
     def bind_elementwise(self, op, a, b, out, stream, scalar=None, devices=None):
         return kernels.bind_elementwise(self.dev.on(devices), self.kernels, op, a, b, out, stream, scalar)
 
+    def bind_fused(self, expr, ins, out, stream, devices=None):
+        return kernels.bind_fused(self.dev.on(devices), self.kernels, expr, ins, out, stream)
+
     def bind_sum(self, a, axis, out, stream, scale=1.0, devices=None):
         return kernels.bind_sum(self.dev.on(devices), self.kernels, a, axis, out, stream, scale)
 

@@ -168,3 +168,16 @@ def take_rows(xp, table, ids, rows, vocab, out):
     picked = xp.take(table, xp.clip(loc, 0, table.shape[0] - 1), axis=0)
     mask = held.reshape(held.shape + (1,) * (table.ndim - 1))
     out[...] = xp.where(mask, picked, xp.zeros((), picked.dtype))
+
+
+def evaluate(xp, expr, operands, out, dtype_of):
+    """A fused step's ops.Expr, op by op into temporaries of each node's dtype (the last into out):
+    NumPy's results are those of the unfused steps.  dtype_of(name) -> the array module's dtype."""
+    def value(e, into=None):
+        if e.op is None:
+            return operands[e.arg]
+        args = [value(a) for a in e.args]
+        o = into if into is not None else xp.empty(out.shape, dtype_of(e.dtype))
+        ELEMENTWISE[e.op](xp, args[0], e.value if len(args) == 1 else args[1], o)
+        return o
+    value(expr, out)

@@ -11,7 +11,7 @@ import os
 
 import numpy as np
 
-from shardfuse.backends.elementwise_numpy import ELEMENTWISE, take_rows
+from shardfuse.backends.elementwise_numpy import ELEMENTWISE, evaluate, take_rows
 from shardfuse.dtypes import np_dtype, poison_value
 from shardfuse.ops import Reduce
 
@@ -92,6 +92,14 @@ class NumpyLocalBackend:
         def step(bufs):
             for j in js:
                 fn(np, view(bufs, a, j), scalar if b is None else view(bufs, b, j), view(bufs, out, j))
+        return step
+
+    def bind_fused(self, expr, ins, out, stream, devices=None):
+        js, view = self._on(devices), self.view
+
+        def step(bufs):
+            for j in js:
+                evaluate(np, expr, [view(bufs, r, j) for r in ins], view(bufs, out, j), np_dtype)
         return step
 
     def bind_sum(self, a, axis, out, stream, scale=1.0, devices=None):

@@ -16,7 +16,6 @@ import logging
 import threading
 from dataclasses import replace
 
-
 from shardfuse import faults
 from shardfuse.runtime import backend_of
 from shardfuse.pieces import check_args, local_pieces, piece_indices
@@ -381,6 +380,8 @@ BIND = {
     Op.MATMUL: Executable._bind_matmul,
     **{op: Executable._bind_elementwise for op in ELEMENTWISE},
     Op.SUM: Executable._bind_sum,
+    Op.FUSED: lambda self, i, env, stream, devices: self.backend.bind_fused(  # (passes/fuse.py)
+        i.attrs["expr"], [self.refs[v] for v in i.ins], self.refs[i.into], stream, devices=devices),
     Op.TAKE: Executable._bind_take,
     Op.COPY: Executable._bind_copy,
 }

@@ -8,6 +8,7 @@ as before; but no module other than this one spells an op as a string.
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
 from enum import StrEnum
 
 
@@ -80,6 +81,7 @@ class Op(StrEnum):
     REDUCE_MIN = "reduce_min"
     SUM = "sum"
     TRANSPOSE = "transpose"  # also a host-level view
+    FUSED = "fused"  # a chain of elementwise ops as one step (attrs["expr"]: an Expr; passes/fuse.py)
     TAKE = "take"  # take(table, ids, rows): rows ids of the table, zeros where this device holds none
     # x[a:b, i, ...] of basic indexing, rank kept (an int index is an extent-1 box, then a reshape):
     # the box at static `begin` (per axis) with the output's shape, `step` (per axis) where one is
@@ -131,6 +133,29 @@ STREAM_OPS = frozenset({Op.GET_STREAM, Op.SET_STREAM, Op.SYNCHRONIZE, Op.RECORD_
 HOST_ONLY = frozenset({Op.ALLOCATE, Op.SELECT, Op.SENDRECV, Op.WAIT, Op.FOR}) | STREAM_OPS
 # What a final plan may hold: the executor binds exactly these.
 HOST = (VIEWS | COMMUNICATION | ELEMENTWISE | STREAM_OPS
-        | {Op.ALLOCATE, Op.COPY, Op.WAIT, Op.MATMUL, Op.SUM, Op.TAKE, Op.FOR})
+        | {Op.ALLOCATE, Op.COPY, Op.WAIT, Op.MATMUL, Op.SUM, Op.TAKE, Op.FUSED, Op.FOR})
 # What tracing may record.
 ARRAY = ELEMENTWISE | {Op.SET, Op.RESHAPE, Op.MATMUL, Op.SUM, Op.TRANSPOSE, Op.TAKE, Op.SLICE_ARRAY, Op.CONCAT}
+
+
+@dataclass(frozen=True)
+class Expr:
+    """The computation of a fused step (Op.FUSED): an elementwise op of its arguments (Exprs) and
+    scalar `value`, each node's result in its own `dtype` (rounded there, as the unfused steps
+    were), or with op None the step's operand number `arg`.  Backends evaluate it (NumPy op by op,
+    CuPy as one generated kernel)."""
+
+    op: Op | None
+    dtype: str
+    args: tuple = ()
+    value: object = None
+    arg: int = -1
+
+    def __str__(self):
+        if self.op is None:
+            return f"#{self.arg}"
+        inner = [str(a) for a in self.args] + ([] if self.value is None else [repr(self.value)])
+        return f"{self.op}({', '.join(inner)})"
+
+    def ops(self) -> set:
+        return set() if self.op is None else {self.op}.union(*(a.ops() for a in self.args))

@@ -29,7 +29,7 @@ def kind_of(op) -> str:
         return "communication"
     if op == Op.MATMUL:
         return "gemm"
-    if op in ELEMENTWISE or op in (Op.SUM, Op.TAKE):
+    if op in ELEMENTWISE or op in (Op.SUM, Op.TAKE, Op.FUSED):
         return "compute"
     if op == Op.COPY:
         return "copies"

@@ -167,7 +167,7 @@ def test_3c_every_op_prints():
     a, b, y, buf = (Value(n, TensorType((4, 4), "float32", Layout.replicated(2))) for n in ("a", "b", "y", "buf"))
     attrs = {"var": "i", "extent": 2, "axis": 0, "to_axis": 1, "team": "DIDx", "stream": "main", "index": 0,
              "kind": "SendRecv", "shift": 1, "perm": (1, 0), "from": (0,), "to": (0,), "value": 2.0}
-    writes, bad = ops.COMMUNICATION | ops.ELEMENTWISE | {Op.MATMUL, Op.SUM, Op.COPY, Op.TAKE}, []  # host: into a buffer
+    writes, bad = ops.COMMUNICATION | ops.ELEMENTWISE | {Op.MATMUL, Op.SUM, Op.COPY, Op.TAKE, Op.FUSED}, []  # (into a buffer)
     for level, group in (("host", ops.HOST), ("array", ops.ARRAY)):
         for op in sorted(group):
             into = buf if level == "host" and op in writes else None
@@ -272,6 +272,8 @@ PRIVATE_ALLOWED = {
     ("shardfuse/interop.py", "_C"): "torch._C._cuda_getCurrentRawStream: torch's current stream without a Stream object",
     ("backends/cuda/graphs.py", "_accelerator"): "CuPy's CUB switch (CUPY_ACCELERATORS at run time): no public "
                                                  "API; CUB's temporaries are refused inside a graph capture",
+    ("backends/cuda/kernels.py", "_accelerator"): "whether CUB is off (a graph capture turned it off): CuPy's own "
+                                                  "min kernel then, which needs no temporary",
 }
 NAMEDTUPLE_API = {"_asdict", "_replace", "_fields", "_make", "_field_defaults",  # public despite the _
                   "_repr_html_", "_repr_png_", "_repr_svg_"}  # (and IPython's rich display protocol)
@@ -391,7 +393,7 @@ def test_8_ir_attributes_are_plain_data():
     from shardfuse.jit import trace
     from shardfuse.layout import Layout
     from shardfuse.passes import PIPELINE
-    ok_types, bad = (Op, Idx, Layout, Value, sf.DeviceMesh), []
+    ok_types, bad = (Op, ops.Expr, Idx, Layout, Value, sf.DeviceMesh), []
     for d in (1, 4):
         for name, f, args, _ in _golden(d):
             prog = trace(f.fn, f.mesh, [sf.TensorSpec(a.shape, "float64") for a in args], f.streams)

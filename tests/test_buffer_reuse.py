@@ -23,6 +23,13 @@ from shardfuse.plan import Plan
 from shardfuse.transformer import gpt_loss, gpt_reference, init_gpt, init_params, layer_reference
 
 
+
+@pytest.fixture(autouse=True)
+def _one_step_per_op(monkeypatch):
+    """These tests read the buffers of chains of elementwise steps: with fusion (passes/fuse.py) most
+    of them would not exist; tests/test_fusion.py checks the two together."""
+    monkeypatch.setenv("SHARDFUSE_FUSE", "0")
+
 def shared(plan) -> bool:
     m = plan.memory()
     return m["persistent"] < m["unshared"]

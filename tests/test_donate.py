@@ -31,7 +31,8 @@ def test_sgd_steps_write_the_weights_in_place_and_match_numpy():
     w0, x = rng.standard_normal((8, 4)), rng.standard_normal((16, 8))
     step = sf.jit(_sgd, mesh=MESH, donate_argnums=0)
     plan = step.lower(w0, x)
-    assert "Sub w <- w, " in str(plan) and plan.program.outputs[0] is plan.program.inputs[0]
+    assert "Fused w <- w, c_2, expr=sub(#0, scale(#1, 0.1))" in str(plan)  # (w - 0.1 * g: one step, in place)
+    assert plan.program.outputs[0] is plan.program.inputs[0]
     kept = w0.copy()
     w = step(w0, x)  # a plain array: the first step writes a copy, never the caller's array
     np.testing.assert_array_equal(w0, kept)
@@ -91,7 +92,7 @@ def test_pytree_parameters_donated_leaf_by_leaf():
     for k in params:
         np.testing.assert_allclose(np.asarray(p1[k]), np.asarray(p2[k]), rtol=1e-14)
     text = str(donating.lower(params, x))
-    assert "Sub p_b <- p_b, " in text and "Sub p_w <- p_w, " in text
+    assert "Fused p_b <- p_b, " in text and "Fused p_w <- p_w, " in text
 
 
 def test_refusals():

@@ -107,3 +107,21 @@ def test_torch_function_on_cuda_tensors_matches_torch_autograd():
     (z * z).sum().backward()
     for a, b in zip(ours, theirs):
         torch.testing.assert_close(a.grad, b.grad, rtol=1e-3, atol=1e-3)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16", "float16", "float64"])
+@pytest.mark.parametrize("name", ["softmax", "gelu and norm arithmetic"])
+def test_fused_kernels_against_the_unfused_plan(name, dtype, monkeypatch):
+    """passes/fuse.py's steps as one generated CuPy kernel each, against the unfused plan's result
+    (the same ops in the same dtypes: equal up to the kernels' own rounding, an ulp or so)."""
+    import test_fusion as tf
+
+    fn, make = tf.CASES[name]
+    args = make(np.random.default_rng(3), dtype)
+    mesh = cupy_mesh(2)
+    got = np.asarray(sf.jit(fn, mesh=mesh)(*args)).astype(np.float64)
+    assert "Fused " in str(sf.jit(fn, mesh=mesh).lower(*args))
+    monkeypatch.setenv("SHARDFUSE_FUSE", "0")
+    want = np.asarray(sf.jit(fn, mesh=mesh)(*args)).astype(np.float64)
+    tol = {"float64": 1e-14, "float32": 1e-6, "float16": 2e-3, "bfloat16": 1e-2}[dtype]
+    np.testing.assert_allclose(got, want, rtol=tol, atol=tol)

@@ -91,4 +91,4 @@ def test_readme_training_block_claims(tmp_path, monkeypatch):
         assert ns["grads_now"][k].placements == grads[k].placements
         np.testing.assert_allclose(np.asarray(ns["grads_now"][k]), at_end[k], rtol=1e-9, atol=1e-12)
     text = str(ns["sgd_step"].lower(ns["params"], xs, ys))
-    assert "Sub params_w1 <- params_w1, " in text and "Sub params_w2 <- params_w2, " in text
+    assert "Fused params_w1 <- params_w1, " in text and "Fused params_w2 <- params_w2, " in text  # w - lr * g, one step

@@ -197,6 +197,61 @@ def _inline(kernels, op, refs, scalar):
     return lambda *views: kern(*views[:-1], np.float64(scalar), views[-1])
 
 
+_HELD = {"float64": "double", "int32": "int", "int64": "long long", "bool": "bool"}  # (16/32-bit floats: float)
+_ROUND = {"bfloat16": "bf2f(f2bf((float)({})))", "float16": "(float)(float16)({})", "float32": "(float)({})",
+          "float64": "(double)({})", "int32": "(int)({})", "int64": "(long long)({})"}
+
+
+def _literal(v) -> str:
+    """A scalar as a C double literal (exact: repr round-trips; infinities and NaN by their bits)."""
+    v = float(v)
+    if v != v or v in (float("inf"), float("-inf")):
+        bits = {"inf": "0x7ff0000000000000LL", "-inf": "0xfff0000000000000LL"}.get(str(v), "0x7ff8000000000000LL")
+        return f"__longlong_as_double({bits})"
+    return repr(v)
+
+
+def fused_source(expr, in_dtypes, out_dtype):
+    """(parameters, output, body) of one kernel computing an ops.Expr: each node a C variable held
+    as float (double for float64, its own type for integers and booleans), rounded to its dtype as
+    the unfused step's result was; the INLINE expressions of the ops."""
+    lines, count = [], [0]
+
+    def node(e):
+        if e.op is None:
+            return f"bf2f(x{e.arg})" if e.dtype == "bfloat16" else f"x{e.arg}"
+        args = [(node(a), a.dtype) for a in e.args]
+        f = "double" if "float64" in (e.dtype, *(d for _, d in args)) else "float"
+        name = f"t{count[0]}"
+        count[0] += 1
+        scope = [f"bool {n} = {c};" if d == "bool" else f"{f} {n} = ({f})({c});" for n, (c, d) in zip("ab", args)]
+        if e.value is not None:
+            scope.append(f"{f} s = ({f}){_literal(e.value)};")
+        value = INLINE[e.op].replace("F", f)
+        if e.dtype == "bool":
+            value = f"(({value}) != 0)" if e.op == Op.ASTYPE else f"({value})"
+        else:
+            value = _ROUND[e.dtype].format(value)
+        lines.append(f"{_HELD.get(e.dtype, 'float')} {name}; {{ {' '.join(scope)} {name} = {value}; }}")
+        return name
+    last = node(expr)
+    store = f"f2bf((float){last})" if out_dtype == "bfloat16" else \
+        last if out_dtype == "bool" else f"({_C_TYPES[out_dtype]}){last}"
+    params = ", ".join(f"{_NUMPY_TYPES[d]} x{k}" for k, d in enumerate(in_dtypes))
+    return params, f"{_NUMPY_TYPES[out_dtype]} y", " ".join(lines) + f" y = {store};"
+
+
+def bind_fused(dev, kernels, expr, ins, out, stream):
+    """Step: out = expr(ins), one generated kernel (compiled once per expression and dtypes)."""
+    dtypes = tuple(r.dtype for r in ins)
+
+    def make():
+        params, outp, body = fused_source(expr, dtypes, out.dtype)
+        return cupy.ElementwiseKernel(params, outp, body, "sf_fused", preamble=BF16_PREAMBLE)
+    kern = kernels._get((Op.FUSED, expr, dtypes, out.dtype), make)
+    return dev.per_device((*ins, out), stream, lambda j, *views: kern(*views))
+
+
 def _reduce_min(xp, x, _, o):
     """min of the last axis as -max(-x) (exact, NaN kept), ~max(~x) for integers and booleans:
     CuPy 14's min with out= over a contiguous input fails inside its CUB path (TypeError comparing

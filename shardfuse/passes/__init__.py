@@ -5,6 +5,7 @@ from shardfuse.passes.contiguity import stage_strided_views
 from shardfuse.passes.cse import share_resharding
 from shardfuse.passes.donate import donate_buffers
 from shardfuse.passes.fold import fold_collectives
+from shardfuse.passes.fuse import fuse_elementwise
 from shardfuse.passes.lower import lower_to_host
 from shardfuse.passes.pipeline import form_stream_loops, mark_stream_intermediates
 from shardfuse.passes.propagate import propagate_sharding
@@ -28,6 +29,7 @@ PIPELINE = (
     allocate_buffers,
     fold_collectives,
     stage_strided_views,
+    fuse_elementwise,
     donate_buffers,
     assign_streams,
     reuse_buffers,

@@ -5,7 +5,7 @@ An output takes a donated input's buffer only where that is safe in the plan as 
 same type and layout (so the same pieces on the same devices), and every step that reads the
 input (a collective until its Wait) issued before the first step that writes the output, or
 that step itself when it is elementwise on the input's very elements (in place).  The plan then
-prints the output written into the input (`Sub w <- w, s`): the donation is visible, and an
+prints the output written into the input (`Sub w <- w, s`, or fused: `Fused w <- w, g, ...`): the donation is visible, and an
 output that could take no buffer stays in its own (JAX's donation is a hint too).
 """
 from __future__ import annotations
@@ -14,7 +14,7 @@ from shardfuse.ir import substitute
 from shardfuse.ops import COLLECTIVES, ELEMENTWISE, LOCAL_REDUCTIONS, Op
 from shardfuse.passes.allocate import view_bases
 
-IN_PLACE = ELEMENTWISE - LOCAL_REDUCTIONS  # each output element from the same element of each input
+IN_PLACE = ELEMENTWISE - LOCAL_REDUCTIONS | {Op.FUSED}  # each output element from the same element of each input
 
 
 def _touches(ins, values) -> bool:

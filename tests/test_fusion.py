@@ -1,0 +1,74 @@
+"""fuse_elementwise (issue 31 item 9): chains of elementwise steps as one step.  The plan prints
+each fused step with its expression; results equal the unfused plan's (SHARDFUSE_FUSE=0) bit for
+bit on NumPy devices (which evaluate a fused step op by op, each result in its own dtype) in every
+float dtype; an intermediate read twice, viewed, or returned is never fused away.
+tests/test_gpu_grad.py checks the CuPy kernels against the same."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import shardfuse as sf
+from shardfuse.dtypes import np_dtype
+
+MESH = sf.DeviceMesh((4,), ("tp",), backend="numpy")
+
+
+def softmax_chain(x, mask):
+    s = sf.where(mask, x * 0.125, -3.0e4)
+    return sf.nn.softmax(s.astype("float32")).astype(x.dtype)
+
+
+def gelu_norm_chain(x, b):
+    y = sf.gelu(x + b) * 2.0 - 1.0
+    return sf.rsqrt(y * y + 1.0) * np.maximum(y, 0.5) / (abs(x) + 1.0)
+
+
+CASES = {
+    "softmax": (softmax_chain, lambda r, dt: (r.standard_normal((8, 16)).astype(np_dtype(dt)),
+                                              np.tril(np.ones((8, 16), bool)))),
+    "gelu and norm arithmetic": (gelu_norm_chain, lambda r, dt: (r.standard_normal((8, 16)).astype(np_dtype(dt)),
+                                                                 r.standard_normal(16).astype(np_dtype(dt)))),
+}
+
+
+def _both(fn, args, monkeypatch):
+    fused = sf.jit(fn, mesh=MESH)
+    got, plan = fused(*args), fused.lower(*args)
+    monkeypatch.setenv("SHARDFUSE_FUSE", "0")
+    unfused = sf.jit(fn, mesh=MESH)
+    return got, plan, unfused(*args), unfused.lower(*args)
+
+
+@pytest.mark.parametrize("dtype", ["float64", "float32", "float16", "bfloat16"])
+@pytest.mark.parametrize("name", CASES)
+def test_fused_equals_unfused_bit_for_bit(name, dtype, monkeypatch):
+    fn, make = CASES[name]
+    args = make(np.random.default_rng(0), dtype)
+    got, plan, want, plain = _both(fn, args, monkeypatch)
+    np.testing.assert_array_equal(np.asarray(got).view(np.uint8), np.asarray(want).view(np.uint8))
+    steps = lambda p: sum(1 for i in p.program.instrs if i.into is not None)  # noqa: E731
+    assert "Fused " in str(plan) and steps(plan) < steps(plain), (steps(plan), steps(plain))
+
+
+def test_the_softmax_chain_prints_its_expressions(monkeypatch):
+    x, mask = CASES["softmax"][1](np.random.default_rng(1), "float32")
+    text = str(sf.jit(softmax_chain, mesh=MESH).lower(x, mask))
+    assert "expr=add(where_then(#0, scale(#1, 0.125)), fill_else(#0, -30000.0))" in text, text
+    assert "expr=exp(sub(#0, #1))" in text, text  # x - max, broadcast, then exp: one pass
+
+
+def test_shared_viewed_and_returned_intermediates_stay():
+    def f(x):
+        a = x * 2.0  # read twice: kept
+        b = a + 1.0  # returned: kept
+        c = (a * a).T  # viewed by the transpose: kept
+        return b, c * 3.0 + 1.0
+    x = np.random.default_rng(2).standard_normal((4, 8))
+    jf = sf.jit(f, mesh=MESH)
+    plan = jf.lower(x)
+    written = {i.into.name for i in plan.program.instrs if i.into is not None}
+    assert {"m", "a"} <= written, str(plan)  # x * 2.0 and its + 1.0 are buffers of their own
+    b, c = jf(x)
+    np.testing.assert_array_equal(np.asarray(b), x * 2.0 + 1.0)
+    np.testing.assert_allclose(np.asarray(c), ((x * 2.0) ** 2).T * 3.0 + 1.0, rtol=1e-15)
