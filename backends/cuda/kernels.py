@@ -198,7 +198,7 @@ def _inline(kernels, op, refs, scalar):
 
 
 _HELD = {"float64": "double", "int32": "int", "int64": "long long", "bool": "bool"}  # (16/32-bit floats: float)
-_ROUND = {"bfloat16": "bf2f(f2bf((float)({})))", "float16": "(float)(float16)({})", "float32": "(float)({})",
+_ROUND = {"bfloat16": "bf2f(f2bf((float)({})))", "float16": "(float)(float16)((float)({}))", "float32": "(float)({})",
           "float64": "(double)({})", "int32": "(int)({})", "int64": "(long long)({})"}
 
 
@@ -221,7 +221,8 @@ def fused_source(expr, in_dtypes, out_dtype):
         if e.op is None:
             return f"bf2f(x{e.arg})" if e.dtype == "bfloat16" else f"x{e.arg}"
         args = [(node(a), a.dtype) for a in e.args]
-        f = "double" if "float64" in (e.dtype, *(d for _, d in args)) else "float"
+        dts = (e.dtype, *(d for _, d in args))
+        f = "double" if {"float64", "int32", "int64"} & set(dts) else "float"  # (integers exact in double)
         name = f"t{count[0]}"
         count[0] += 1
         scope = [f"bool {n} = {c};" if d == "bool" else f"{f} {n} = ({f})({c});" for n, (c, d) in zip("ab", args)]

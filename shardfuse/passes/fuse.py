@@ -66,8 +66,14 @@ def _dedupe(expr, ins):
     return remap(expr), list(first)
 
 
+_FLOATS = {"float16", "bfloat16", "float32", "float64"}
+
+
 def _fusable(i) -> bool:
-    return i.into is not None and (i.op in FUSABLE or i.op == Op.FUSED)
+    """A step of the ops fused, on floats (and boolean conditions): integer chains stay op by op
+    (their arithmetic is exact in their own type; a fused kernel computes in floating point)."""
+    return (i.into is not None and (i.op in FUSABLE or i.op == Op.FUSED) and i.into.type.dtype in _FLOATS
+            and all(v.type.dtype in _FLOATS | {"bool"} for v in i.ins))
 
 
 def fuse_elementwise(prog):
