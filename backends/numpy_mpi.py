@@ -202,12 +202,7 @@ class NumpyMPIBackend(NumpyLocalBackend):
                 state["req"] = comm.Iallgather(self.MPI.IN_PLACE, _wire(r0))
             state["r"] = r
 
-        def wait(bufs):
-            faults.wait(state.pop("req"), what, comm)
-            r = state.pop("r")
-            for j in range(1, L):
-                r[j][...] = r[0]
-        return start, wait
+        return start, _copied_to_all(state, what, comm, L)
 
     def bind_allreduce(self, send, recv, team, stream, op=Reduce.SUM):
         """send, recv: [*S] per local device (contiguous); recv = sum (or max, min) over the team."""
@@ -231,14 +226,7 @@ class NumpyMPIBackend(NumpyLocalBackend):
             state["req"] = comm.Iallreduce(_buf(src), _buf(dst), self.MPI.SUM)
             state["r"] = r
 
-        def wait(bufs):
-            faults.wait(state.pop("req"), what, comm)
-            r = state.pop("r")
-            if not native:
-                r[0][...] = rbuf
-            for j in range(1, L):
-                r[j][...] = r[0]
-        return start, wait
+        return start, _copied_to_all(state, what, comm, L, None if native else rbuf)
 
     def _allreduce_extremum(self, comm, send, recv, team, op):
         """Allreduce with MPI.MAX / MIN of integers (a plan moves floats as order keys: MPI's float
@@ -254,12 +242,7 @@ class NumpyMPIBackend(NumpyLocalBackend):
             (np.maximum if op == Reduce.MAX else np.minimum).reduce(s, out=sbuf) if L > 1 else np.copyto(sbuf, s[0])
             state["req"], state["r"] = comm.Iallreduce(_buf(sbuf), _buf(r[0]), mpi_op), r
 
-        def wait(bufs):
-            faults.wait(state.pop("req"), what, comm)
-            r = state.pop("r")
-            for j in range(1, L):
-                r[j][...] = r[0]
-        return start, wait
+        return start, _copied_to_all(state, what, comm, L)
 
     def bind_reduce_scatter(self, send, recv, team, stream):
         """send: rank-major [D, *R] per local device (contiguous); recv: [*R] per local device,
@@ -380,3 +363,16 @@ class NumpyMPIBackend(NumpyLocalBackend):
         def wait(bufs):
             faults.wait(state.pop("reqs"), what, peers)
         return start, wait
+
+
+def _copied_to_all(state, what, comm, L, staged=None):
+    """The wait step of a collective whose result lands on this process' first device (through
+    `staged` where it arrives in another dtype): every other local device gets a copy."""
+    def wait(bufs):
+        faults.wait(state.pop("req"), what, comm)
+        r = state.pop("r")
+        if staged is not None:
+            r[0][...] = staged
+        for j in range(1, L):
+            r[j][...] = r[0]
+    return wait

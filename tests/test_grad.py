@@ -13,16 +13,9 @@ import numpy as np
 import pytest
 
 import shardfuse as sf
+from test_nn import mesh_of  # (the 1-D tp mesh and the 2x2 dp x tp mesh, NumPy devices)
 from shardfuse.mlp import mlp_block, mlp_inputs
 
-_MESHES: dict = {}
-
-
-def mesh_of(kind):
-    if kind not in _MESHES:
-        _MESHES[kind] = (sf.DeviceMesh((4,), ("tp",), backend="numpy") if kind == "1d"
-                         else sf.DeviceMesh((2, 2), ("dp", "tp"), backend="numpy"))
-    return _MESHES[kind]
 
 
 def pos(rng, shape):  # away from 0, for sqrt, log, 1/x

@@ -11,19 +11,12 @@ import numpy as np
 import pytest
 
 import shardfuse as sf
+from test_nn import mesh_of  # (the 1-D tp mesh and the 2x2 dp x tp mesh, NumPy devices)
 from shardfuse import tree
 from shardfuse.transformer import (gpt_loss, gpt_reference, init_gpt, init_params, layer_reference,
                                    transformer_layer)
 
 HEADS, HIDDEN, SEQ, BATCH = 4, 16, 8, 2
-_MESHES: dict = {}
-
-
-def mesh_of(kind):
-    if kind not in _MESHES:
-        _MESHES[kind] = (sf.DeviceMesh((4,), ("tp",), backend="numpy") if kind == "1d"
-                         else sf.DeviceMesh((2, 2), ("dp", "tp"), backend="numpy"))
-    return _MESHES[kind]
 
 
 CONFIGS = {  # name -> (mesh kind, keyword arguments, collectives of one forward)
