@@ -14,7 +14,6 @@ import numpy as np
 
 from shardfuse import dtypes
 from shardfuse.ops import Op
-from shardfuse.spec import normalize_axis
 from shardfuse.shape_ops import NUMPY_SHAPES
 from shardfuse.traced import NUMPY, Traced, describe, is_scalar, is_weak_scalar
 
