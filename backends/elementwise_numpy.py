@@ -170,14 +170,24 @@ def take_rows(xp, table, ids, rows, vocab, out):
     out[...] = xp.where(mask, picked, xp.zeros((), picked.dtype))
 
 
-def evaluate(xp, expr, operands, out, dtype_of):
-    """A fused step's ops.Expr, op by op into temporaries of each node's dtype (the last into out):
-    NumPy's results are those of the unfused steps.  dtype_of(name) -> the array module's dtype."""
-    def value(e, into=None):
+def schedule(expr, n_in):
+    """A fused step's ops.Expr over its n_in operands as a flat list, (op, argument slots, scalar,
+    dtype) per node, node k writing slot n_in + k (the last: the step's output).  Made once when the
+    step is bound."""
+    steps = []
+
+    def visit(e):
         if e.op is None:
-            return operands[e.arg]
-        args = [value(a) for a in e.args]
-        o = into if into is not None else xp.empty(out.shape, dtype_of(e.dtype))
-        ELEMENTWISE[e.op](xp, args[0], e.value if len(args) == 1 else args[1], o)
-        return o
-    value(expr, out)
+            return e.arg
+        slots = [visit(a) for a in e.args]
+        steps.append((e.op, slots, e.value, e.dtype))
+        return n_in + len(steps) - 1
+    visit(expr)
+    return steps
+
+
+def evaluate(xp, steps, slots):
+    """schedule()'s steps over `slots` (the operands, then a buffer per node, the last the output):
+    op by op, each node in its own dtype, so NumPy's results are those of the unfused steps."""
+    for k, (op, args, value, _) in enumerate(steps, len(slots) - len(steps)):
+        ELEMENTWISE[op](xp, slots[args[0]], value if len(args) == 1 else slots[args[1]], slots[k])

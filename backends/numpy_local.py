@@ -11,7 +11,7 @@ import os
 
 import numpy as np
 
-from shardfuse.backends.elementwise_numpy import ELEMENTWISE, evaluate, take_rows
+from shardfuse.backends.elementwise_numpy import ELEMENTWISE, evaluate, schedule, take_rows
 from shardfuse.dtypes import np_dtype, poison_value
 from shardfuse.ops import Reduce
 
@@ -96,10 +96,12 @@ class NumpyLocalBackend:
 
     def bind_fused(self, expr, ins, out, stream, devices=None):
         js, view = self._on(devices), self.view
+        steps = schedule(expr, len(ins))
+        temps = {j: [np.empty(out.shape, np_dtype(dt)) for *_, dt in steps[:-1]] for j in js}  # (one call at a time)
 
         def step(bufs):
             for j in js:
-                evaluate(np, expr, [view(bufs, r, j) for r in ins], view(bufs, out, j), np_dtype)
+                evaluate(np, steps, [view(bufs, r, j) for r in ins] + temps[j] + [view(bufs, out, j)])
         return step
 
     def bind_sum(self, a, axis, out, stream, scale=1.0, devices=None):

@@ -13,6 +13,7 @@ gradient summed over that axis), JAX's and DTensor's rule.
 from __future__ import annotations
 
 import inspect
+import weakref
 
 from shardfuse import tree
 from shardfuse.array import Array
@@ -172,14 +173,26 @@ def vjp(fn, *primals, has_aux=False):
     if _traced_leaves(primals):
         return _vjp_traced(fn, primals, has_aux)
     key = _mesh_options(fn, primals, "sf.vjp")
-    fwd = fn if isinstance(fn, Jitted) else Jitted(fn, *key)
+    fwd, pullback = _compiled_vjp(fn, has_aux, key)
     out = fwd(*primals)
-    pullback = Jitted(Pullback(fn, has_aux), *key)
 
     def vjp_fn(cotangent):
         grads = pullback(primals, cotangent)
         return grads if isinstance(grads, tuple) else (grads,)
     return (out[0], vjp_fn, out[1]) if has_aux else (out, vjp_fn)
+
+
+VJP_PLANS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # fn -> {(has_aux, mesh...): jitted pair}
+
+
+def _compiled_vjp(fn, has_aux, key):
+    """(fn's forward, its pullback) as sf.jit functions, made once per function and mesh (their
+    plans once per input specs), so sf.vjp in a loop compiles nothing after its first call."""
+    made = VJP_PLANS.setdefault(fn, {})
+    if (has_aux, key) not in made:
+        made[has_aux, key] = (fn if isinstance(fn, Jitted) else Jitted(fn, *key),
+                              Jitted(Pullback(fn, has_aux), *key))
+    return made[has_aux, key]
 
 
 def _vjp_traced(fn, primals, has_aux):

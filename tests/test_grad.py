@@ -383,3 +383,20 @@ def test_a_moved_pending_product_gets_its_cotangent_whole():
     d0, d1 = sf.jit(sf.grad(loss, argnums=(0, 1)), mesh=mesh)(x0, sf.shard(x1, axis=0, mesh=mesh), r)
     np.testing.assert_allclose(np.asarray(d0), r @ x1.T, rtol=1e-12)
     np.testing.assert_allclose(np.asarray(d1), x0.T @ r, rtol=1e-12)
+
+
+def test_vjp_outside_jit_compiles_once():
+    mesh = mesh_of("1d")
+    rng = np.random.default_rng(13)
+
+    def f(a):
+        return np.tanh(a) * 2.0
+    for _ in range(3):
+        a, ct = rng.standard_normal((8, 4)), rng.standard_normal((8, 4))
+        out, pull = sf.vjp(f, sf.replicate(a, mesh=mesh))
+        (da,) = pull(ct)
+        np.testing.assert_allclose(np.asarray(da), 2 * (1 - np.tanh(a) ** 2) * ct, rtol=1e-12)
+    from shardfuse.transforms import VJP_PLANS
+
+    (pair,) = VJP_PLANS[f].values()
+    assert all(len(j.cached_plans()) == 1 for j in pair)

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import cupy
 import numpy as np
+from cupy._core import _accelerator  # (whether CUB is off: see _reduce_min)
 
 # fn(xp, x, y or scalar, out) keyed by Op, for any array module xp: the same ufunc calls on both backends
 from shardfuse.backends.elementwise_numpy import ELEMENTWISE
@@ -257,8 +258,6 @@ def _reduce_min(xp, x, _, o):
     """min of the last axis as -max(-x) (exact, NaN kept), ~max(~x) for integers and booleans:
     CuPy 14's min with out= over a contiguous input fails inside its CUB path (TypeError comparing
     an array with a dtype, seen on an H100 2026-12-05, for floats and int32 alike), while max runs."""
-    from cupy._core import _accelerator
-
     if not _accelerator.get_reduction_accelerators() and not _accelerator.get_routine_accelerators():
         return xp.min(x, axis=-1, out=o)  # (CUB off, as while a graph is captured: CuPy's own kernel, no temporary)
     flip = xp.negative if o.dtype.kind == "f" else xp.invert  # (~x = -x - 1 for integers: no overflow at the
