@@ -25,7 +25,7 @@ def shard(x: Any, axis: int, over: str | tuple | None = None, mesh: DeviceMesh |
         return trace.shard(x, axis, over, mesh)
     if isinstance(x, Array):  # resharded by the annotation rule (Layout.sharded), as inside sf.jit
         _same_mesh(x, mesh, "sf.shard")
-        lay = x.sharding.placement()
+        lay = x.sharding
         if lay.mesh is not None:  # moved off its sub-mesh to the whole mesh: sharded there as this states only
             lay = Layout.replicated(x.ndim)
         lay = lay.sharded(normalize_axis(axis, x.ndim, x.shape), normalize_over(over, x.mesh))

@@ -13,16 +13,15 @@ from __future__ import annotations
 
 import logging
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
-from dataclasses import replace
-
-from shardfuse import faults
+from shardfuse import faults, schedule
 from shardfuse.cost import predict
-from shardfuse.ir import Value, substitute, unroll, walk
+from shardfuse.ir import unroll, walk
 from shardfuse.ops import COMMUNICATION, Op
 from shardfuse.passes import compile_program
 from shardfuse.passes.pipeline import MAX_STREAM_CHUNKS
+from shardfuse.schedule import scheduled
 
 log = logging.getLogger("shardfuse")
 MAX_AUTO_CHUNKS = min(16, MAX_STREAM_CHUNKS)  # more rarely pays: per-chunk steps and collective latency
@@ -110,22 +109,20 @@ def choose(ok: list, margin: float = AUTO_MARGIN) -> Candidate:
     return next(c for c in ok if c.total_s * (1 - margin) <= fastest)
 
 
-def _auto(v) -> bool:
-    lay = v.type.layout
-    return lay is not None and lay.chunks == "auto"
+def _auto(i) -> bool:
+    sched = schedule.of(i)
+    return sched is not None and sched.chunks == "auto"
 
 
 def auto_extents(prog) -> list:
     """The extent of every axis the traced program streams with chunks="auto"."""
-    return [v.type.shape[v.type.layout.stream_axis()] for i in walk(prog.instrs) for v in i.outs if _auto(v)]
+    return [i.outs[0].type.shape[schedule.axis_of(i)] for i in walk(prog.instrs) if _auto(i)]
 
 
 def with_chunks(prog, s: int):
     """The traced program with S = s wherever it says chunks="auto"."""
-    new = {v: Value(v.name, v.type.with_layout(replace(v.type.layout, chunks=s)))
-           for i in walk(prog.instrs) for v in i.outs if _auto(v)}
-    return prog.with_instrs(substitute(prog.instrs, new), f"chunks={s}",
-                            outputs=tuple(new.get(v, v) for v in prog.outputs))
+    return prog.with_instrs([replace(i, attrs=scheduled(i.attrs, replace(schedule.of(i), chunks=s))) if _auto(i) else i
+                             for i in prog.instrs], f"chunks={s}")
 
 
 def candidates_for(extents) -> list:

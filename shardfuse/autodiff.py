@@ -23,6 +23,8 @@ from shardfuse.autodiff_layouts import known_layout, pin
 from shardfuse.ir import TensorType
 from shardfuse.layout import Layout, axis_entry, mesh_axes
 from shardfuse.ops import COMPARE, COMPARE_SCALAR, Op
+from shardfuse import schedule
+from shardfuse.schedule import Schedule, scheduled
 from shardfuse.traced import Traced
 from shardfuse.traced_numpy import where
 
@@ -76,11 +78,9 @@ def _accumulate(grads, v, g: Traced):
 def _stream_of(out, instrs):
     """(stream axis, chunks) of the annotation that streams `out` in the forward, else None."""
     for i in instrs:
-        if i.op == Op.SET and i.ins and i.ins[0] is out:
-            lay = i.outs[0].type.layout
-            if lay.stream is not None:
-                chunks = lay.chunks if i.attrs.get("algorithm") != "ring" else i.attrs.get("ring_chunks")
-                return (lay.stream, chunks) if chunks is not None else None
+        sched = schedule.of(i) if i.op == Op.SET and i.ins and i.ins[0] is out else None
+        if sched is not None:
+            return (sched.axis, sched.chunks) if sched.chunks is not None else None
     return None
 
 
@@ -107,7 +107,7 @@ def _set(ins, xs, out, ct, instrs):
     (x,) = xs
     lay = out.value.type.layout
     if ins.attrs.get("annotation"):
-        ct = pin(ct, lay.placement())
+        ct = pin(ct, lay)
     if lay.mesh != _home(x) or not ins.attrs.get("annotation"):
         ct = pin(ct, known_layout(x.builder, x.value) or Layout.replicated(x.ndim).on(_home(x)))
     return [ct]
@@ -138,8 +138,8 @@ def _streamed_like(ins, a, b, da, out, instrs):
     shards = math.prod(a.builder.mesh.axis_size(n) for n in mesh_axes(lay.axes[axis]))
     if chunks == "auto" and shards > 1 or isinstance(chunks, int) and a.shape[axis] % (chunks * shards):
         return da
-    return a.builder.emit(Op.SET, (da,), TensorType(da.shape, da.dtype, lay.streamed(axis, chunks)), da.value.name,
-                          annotation=True, hint=True)
+    return a.builder.emit(Op.SET, (da,), TensorType(da.shape, da.dtype, lay), da.value.name,
+                          annotation=True, hint=True, **scheduled({}, Schedule(axis, chunks)))
 
 
 def _regathered(a: Traced, ct: Traced):

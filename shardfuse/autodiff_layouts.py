@@ -3,10 +3,13 @@ the pins that state a cotangent's layout (`pin`: an annotation, printed and veri
 the schedule hints sf.jit may drop (`drop_hints`).  Kept apart from the rules (shardfuse/autodiff.py)."""
 from __future__ import annotations
 
+from dataclasses import replace
+
 from shardfuse import rules
-from shardfuse.ir import TensorType, Value, substitute
+from shardfuse.ir import TensorType
 from shardfuse.layout import Layout
 from shardfuse.ops import ELEMENTWISE, Op
+from shardfuse.schedule import scheduled
 from shardfuse.traced import Traced
 
 
@@ -35,7 +38,7 @@ def known_layout(builder, v):
         if p is None:  # (an input that arrives as pending sums: its cotangent is whole on each device)
             return whole(v.type.layout) if v.type.layout is not None else None
         if p.op == Op.SET:
-            return p.outs[0].type.layout.placement()
+            return p.outs[0].type.layout
         if p.op in (Op.TRANSPOSE, Op.RESHAPE, Op.MATMUL):  # (views and products: as propagation infers them)
             lays = [known_layout(builder, i) for i in p.ins]
             if any(lay is None or lay.mesh is not None for lay in lays):
@@ -54,12 +57,7 @@ def known_layout(builder, v):
 def drop_hints(prog):
     """prog with the schedule hints autodiff added taken out (each value keeps its placement):
     what sf.jit compiles when a hint's split is one the passes refuse."""
-    mapping = {}
-    for i in prog.instrs:
-        if i.op == Op.SET and i.attrs.get("hint"):
-            o = i.outs[0]
-            mapping[o] = Value(o.name, o.type.with_layout(o.type.layout.placement()))
-    if not mapping:
+    if not any(i.op == Op.SET and i.attrs.get("hint") for i in prog.instrs):
         return None
-    return prog.with_instrs(substitute(prog.instrs, mapping), "drop_hints",
-                            outputs=tuple(mapping.get(v, v) for v in prog.outputs))
+    return prog.with_instrs([replace(i, attrs=scheduled(i.attrs, None)) if i.op == Op.SET and i.attrs.get("hint")
+                             else i for i in prog.instrs], "drop_hints")

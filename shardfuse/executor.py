@@ -90,7 +90,7 @@ class Executable:
         self._whole_outputs = [r.slot if made.get(r.slot) == r.shape and not any(r.offsets) and r.is_contiguous()
                                else None for r in (self.refs[v] for v in prog.outputs)]
         self._graph_outputs = None
-        self.accepted, self._out_layouts = set(), {}  # hot-path caches of layout checks
+        self.accepted = set()  # hot-path cache of layout checks
         # One call at a time: the plan's persistent buffers (gather pools, scratch) and its
         # graphs are shared by every call, so two threads issuing at once would write each
         # other's chunks.  A lock rather than per-thread buffers: it costs no memory, and on GPUs
@@ -353,10 +353,7 @@ class Executable:
             else:
                 ref = self.refs[v]
                 shards = [self.backend.view(bufs, ref, j) for j in range(self.ndev)]
-            lay = self._out_layouts.get(v)
-            if lay is None:
-                lay = self._out_layouts[v] = v.type.layout.placement()
-            outs.append((lay, shards, whole is not None))
+            outs.append((v.type.layout, shards, whole is not None))
         return outs
 
 

@@ -13,6 +13,7 @@ from dataclasses import dataclass, field, replace
 
 from shardfuse.layout import Layout, format_type
 from shardfuse.ops import Op
+from shardfuse.schedule import KEY as SCHEDULE
 
 @dataclass(frozen=True)
 class TensorType:
@@ -235,9 +236,16 @@ def _fmt(ins: Instr) -> str:
         extra = f", {_attrs(a, skip=('when',))}" if set(a) - {"when"} else ""
         lhs = f"{ins.outs[0].name} = " if ins.outs else ""
         return f"{lhs}{name} {ins.into.name} <- {rhs}{extra}"
-    # array-level (traced) ops
-    outs = ", ".join(_typed(v) for v in ins.outs)
-    extra = f", {_attrs(a)}" if a else ""
+    # array-level (traced) ops; a scheduled one marks its output's stream axis, with the chunks
+    sched = a.get(SCHEDULE)
+    outs = ", ".join(f"{v.name}: {format_type(v.type.shape, v.type.dtype, v.type.layout, sched and sched.axis)}"
+                     for v in ins.outs)
+    shown = {k: v for k, v in a.items() if k != SCHEDULE}
+    if sched is not None and sched.chunks is not None:
+        shown["chunks"] = sched.chunks
+    if sched is not None and sched.ring:
+        shown["algorithm"] = sched.algorithm
+    extra = f", {_attrs(shown)}" if shown else ""
     return f"{outs} = {op}({ins_s}{extra})"
 
 

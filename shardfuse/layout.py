@@ -1,13 +1,12 @@
-"""Layouts: how each axis of a global array is placed on the mesh and scheduled in time.
+"""Layouts: how each axis of a global array is placed on the mesh.
 
 A Layout gives, per tensor axis, one of: None (replicated), a mesh axis name (sharded over that
 mesh axis, e.g. "DIDx") or an ordered tuple of mesh axis names (sharded over all of them, the
 first the outermost, as JAX's `P(("dp", "tp"))`).  `partial` names mesh axes over which the
-local values are partial sums still to be reduced.  Apart from where it lives, the schedule:
-`stream`, the tensor axis produced chunk by chunk (printed `:Stream`, `:DIDx+Stream` where it
-is sharded too), and `chunks`, how many (sf.stream(chunks=)) until split_stream splits it.
-`sharding(mesh)` is where it lives alone (shardfuse/sharding.py); placements in DTensor's words
-(Shard(i) / Replicate() / Partial()) are derived from that.
+local values are partial sums still to be reduced.  When a value is produced (sf.stream) is no
+part of it: that is the producing instruction's Schedule (shardfuse/schedule.py).
+`sharding(mesh)` is the same on the mesh it lives on (shardfuse/sharding.py); placements in
+DTensor's words (Shard(i) / Replicate() / Partial()) are derived from that.
 """
 from __future__ import annotations
 
@@ -42,8 +41,6 @@ def shard_count(entry, mesh) -> int:
 class Layout:
     axes: tuple  # per tensor axis: None | mesh axis name | tuple of mesh axis names
     partial: tuple = ()  # mesh axes with a pending sum
-    chunks: int | str | None = None  # chunks of the stream axis until it is split (sf.stream(chunks=): int, "auto")
-    stream: int | None = None  # the tensor axis produced chunk by chunk (the schedule), or None
     mesh: object = None  # the sub-mesh the value lives on (None: the program's whole mesh)
     partial_op: str = Reduce.SUM  # how the pending values combine: "sum", or "max" / "min" (a max of a sharded axis)
 
@@ -70,13 +67,6 @@ class Layout:
                 return i
         return None
 
-    def stream_axis(self):
-        return self.stream
-
-    def streamed(self, i: int, chunks=None) -> "Layout":
-        """The same placement, produced chunk by chunk along tensor axis i."""
-        return replace(self, stream=i, chunks=chunks)
-
     def with_axis(self, i: int, what) -> "Layout":
         axes = list(self.axes)
         axes[i] = what
@@ -85,15 +75,11 @@ class Layout:
     def sharded(self, i: int, entry) -> "Layout":
         """The annotation rule: tensor axis i sharded over `entry` (None: replicated), each mesh axis
         it names moved off any other tensor axis (a mesh axis shards at most one); every other axis
-        keeps its sharding and the schedule (stream axis, chunks) stays.  Pending sums are resolved."""
+        keeps its sharding.  Pending sums are resolved."""
         names = set(mesh_axes(entry))
         axes = [axis_entry(n for n in mesh_axes(a) if n not in names) for a in self.axes]
         axes[i] = entry
         return replace(self, axes=tuple(axes), partial=())
-
-    def placement(self) -> "Layout":
-        """The layout without its schedule (stream axis, chunks): where data lives."""
-        return Layout(self.axes, self.partial, mesh=self.mesh, partial_op=self.partial_op)
 
     def on(self, mesh) -> "Layout":
         """The same layout on `mesh` (None: the program's whole mesh)."""
@@ -105,7 +91,7 @@ class Layout:
         return mesh if self.mesh is None else self.mesh
 
     def sharding(self, mesh) -> Sharding:
-        """Where the value lives (its schedule left out), on the mesh it lives on (see home)."""
+        """The same, on the mesh the value lives on (see home)."""
         return Sharding(self.home(mesh), tuple(mesh_axes(a) for a in self.axes), self.partial)
 
     def local_shape(self, shape, mesh) -> tuple:
@@ -120,20 +106,19 @@ def _entry_text(entry) -> str:
     return f"({','.join(entry)})" if isinstance(entry, tuple) else entry
 
 
-def format_type(shape, dtype, layout) -> str:
-    """`f32[8, 4:DIDx, 16, 32]`: extents, with the parallel type of non-serial axes."""
+def format_type(shape, dtype, layout, stream=None) -> str:
+    """`f32[8, 4:DIDx, 16, 32]`: extents, with the mesh axes of sharded axes; `stream`, the axis
+    the producing instruction's schedule streams (printed `:Stream`, `:DIDx+Stream` where sharded
+    too: nvFuser's parallel types)."""
     short = short_name(dtype)
     if layout is None:
         return f"{short}[{', '.join(map(str, shape))}] ?"
     dims = [str(n) if a is None else f"{n}:{_entry_text(a)}" for n, a in zip(shape, layout.axes)]
-    k = layout.stream
-    if k is not None:
-        dims[k] = f"{shape[k]}:{STREAM}" if layout.axes[k] is None else f"{dims[k]}+{STREAM}"
+    if stream is not None:
+        dims[stream] += f"+{STREAM}" if layout.axes[stream] is not None else f":{STREAM}"
     text = f"{short}[{', '.join(dims)}]"
     if layout.mesh is not None:
         text += f" @devices{layout.mesh.devices}"
-    if layout.chunks:
-        text += f" chunks={layout.chunks}"
     if layout.partial:
         op = "" if layout.partial_op == Reduce.SUM else f"{layout.partial_op}: "
         text += f" partial({op}{', '.join(layout.partial)})"

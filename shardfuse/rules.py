@@ -15,6 +15,7 @@ from __future__ import annotations
 
 from shardfuse.layout import Layout, axis_entry, mesh_axes
 from shardfuse.ops import Op, Reduce
+from shardfuse.schedule import axis_of
 from shardfuse.rules_take import TAKE
 from shardfuse import ops, rules_shapes
 
@@ -23,10 +24,11 @@ NONLINEAR_UNARY = set(ops.NONLINEAR_UNARY)
 BINARY = {Op.ADD, Op.SUB, Op.MUL, Op.DIV}
 
 
-def _chunked(out, j, a):
-    """What an output axis asks of the inputs: its stream axis is made chunk by chunk, each chunk
-    whole along it (the axis's own sharding is the schedule's, resolved when split_stream splits it)."""
-    return None if j == out.stream else a
+def _chunked(ins, j, a):
+    """What an output axis asks of the inputs: the stream axis of the instruction's schedule is
+    made chunk by chunk, each chunk whole along it (the axis's own sharding is the schedule's,
+    resolved when split_stream splits it)."""
+    return None if j == axis_of(ins) else a
 
 
 def _axes(lay):
@@ -122,12 +124,12 @@ def contraction_require(ins, out, lays, labels=None):
     # an input pending a sum only over K's mesh axis is reduce-scattered into that sharding first (over
     # more axes it stays refused: the output's propagated layout would still pend the others)
     carried = [() if c and set(c) <= _names([k]) else c for c in carried]
-    out_axes = _unshard(out.axes, set(_union(*carried)) | _names([k]), out.stream)
-    placed = dict(zip(out_labels, (_chunked(out, j, a) for j, a in enumerate(out_axes))))
+    out_axes = _unshard(out.axes, set(_union(*carried)) | _names([k]), axis_of(ins))
+    placed = dict(zip(out_labels, (_chunked(ins, j, a) for j, a in enumerate(out_axes))))
     if klab is not None:
         placed[klab] = k
     req = tuple(Layout(tuple(placed.get(lab) for lab in labs), carried[j]) for j, labs in enumerate(in_labels))
-    produced = Layout(tuple(out_axes), _union(out.partial, mesh_axes(k), *carried), out.chunks, out.stream)
+    produced = Layout(tuple(out_axes), _union(out.partial, mesh_axes(k), *carried))
     return req, produced
 
 
@@ -178,9 +180,9 @@ def elementwise_require(ins, out, lays):
     instead of one gather per operand."""
     carried = _linear_partials(ins.op, lays)
     pending = set(_union(*carried))
-    axes = _unshard(out.axes, pending, out.stream)
+    axes = _unshard(out.axes, pending, axis_of(ins))
     for j, a in enumerate(axes):
-        if a is not None or j == out.stream:
+        if a is not None or j == axis_of(ins):
             continue
         owners = {_axes(lay)[src] if lay.mesh == out.mesh else None
                   for lay, src in zip(lays, elementwise_axis_map(ins, j)) if src is not None}
@@ -196,9 +198,9 @@ def elementwise_require(ins, out, lays):
         for j, a in enumerate(axes):
             src = elementwise_axis_map(ins, j)[n]
             if src is not None:
-                in_axes[src] = _chunked(out, j, a)
+                in_axes[src] = _chunked(ins, j, a)
         req.append(Layout(tuple(in_axes), carried[n]))
-    produced = Layout(tuple(axes), _union(out.partial, *carried), out.chunks, out.stream)
+    produced = Layout(tuple(axes), _union(out.partial, *carried))
     return tuple(req), produced
 
 
@@ -212,14 +214,13 @@ def last_axis_reduce_infer(ins, lays):
 def last_axis_reduce_require(ins, out, lays):
     # (the input holds no pending sum: max and min do not commute with one)
     (lay,) = lays
-    last = _axes(lay)[-1] if lay.mesh == out.mesh and out.stream is None and lay.stream is None else None
+    last = _axes(lay)[-1] if lay.mesh == out.mesh and axis_of(ins) is None else None
     if last is None:  # the last axis whole (gathered where it is sharded and streamed)
-        return (Layout(tuple(out.axes) + (None,)),), Layout(tuple(out.axes), out.partial, out.chunks, out.stream)
+        return (Layout(tuple(out.axes) + (None,)),), Layout(tuple(out.axes), out.partial)
     pending = mesh_axes(last)
     out_axes = _unshard(out.axes, set(pending))
     kind = Reduce.MAX if ins.op == Op.REDUCE_MAX else Reduce.MIN
-    return (Layout(tuple(out_axes) + (last,)),), Layout(tuple(out_axes), tuple(pending), out.chunks,
-                                                       partial_op=kind)
+    return (Layout(tuple(out_axes) + (last,)),), Layout(tuple(out_axes), tuple(pending), partial_op=kind)
 
 
 # ---- transpose: a permuted view ------------------------------------------------------------
@@ -235,12 +236,11 @@ def transpose_infer(ins, lays):
 
 def transpose_require(ins, out, lays):
     perm = ins.attrs["perm"]
-    out_axes = _unshard(out.axes, set(lays[0].partial), out.stream)
+    out_axes = _unshard(out.axes, set(lays[0].partial), axis_of(ins))
     axes = [None] * len(perm)
     for j, p in enumerate(perm):
-        axes[p] = _chunked(out, j, out_axes[j])
-    return (Layout(tuple(axes), lays[0].partial),), Layout(tuple(out_axes), _union(out.partial, lays[0].partial),
-                                                          out.chunks, out.stream)
+        axes[p] = _chunked(ins, j, out_axes[j])
+    return (Layout(tuple(axes), lays[0].partial),), Layout(tuple(out_axes), _union(out.partial, lays[0].partial))
 
 
 # ---- reshape: a view, allowed where it does not cross a sharded axis boundary --------------
@@ -308,16 +308,15 @@ def reshape_infer(ins, lays):
 
 def reshape_require(ins, out, lays):
     src, dst = ins.ins[0].type.shape, ins.outs[0].type.shape
-    out_axes = _unshard(out.axes, set(lays[0].partial), out.stream)
+    out_axes = _unshard(out.axes, set(lays[0].partial), axis_of(ins))
     try:
-        axes = _map_reshape(dst, [_chunked(out, j, a) for j, a in enumerate(out_axes)], src, _mesh_size(out), False)
+        axes = _map_reshape(dst, [_chunked(ins, j, a) for j, a in enumerate(out_axes)], src, _mesh_size(out), False)
     except ValueError:  # no sharding of the input gives this result's: the input whole (gathered where it is
-        if lays[0].partial or out.stream is not None:  # sharded: printed), reshaped, the result sliced locally
+        if lays[0].partial or axis_of(ins) is not None:  # sharded: printed), reshaped, the result sliced locally
             raise  # (R -> S); a pending sum or a stream split keeps the refusal
         whole = Layout.replicated(len(src)).on(out.mesh)
         return (whole,), reshape_infer(ins, [whole])
-    return (Layout(tuple(axes), lays[0].partial),), Layout(tuple(out_axes), _union(out.partial, lays[0].partial),
-                                                          out.chunks, out.stream)
+    return (Layout(tuple(axes), lays[0].partial),), Layout(tuple(out_axes), _union(out.partial, lays[0].partial))
 
 
 def reshape_axis_map(ins, j):

@@ -10,6 +10,7 @@ pends the same ones), and are reduced where a consumer needs them whole.
 """
 from __future__ import annotations
 
+from shardfuse.schedule import axis_of
 from shardfuse.layout import Layout, mesh_axes
 
 
@@ -27,12 +28,13 @@ def _whole(axes, cut, pending, stream=None):
 
 
 def _produced(out, axes, pending):
-    return Layout(axes, tuple(sorted(set(out.partial) | pending)), out.chunks, out.stream)
+    return Layout(axes, tuple(sorted(set(out.partial) | pending)))
 
 
-def _chunked(out, axes):
-    """What the inputs must hold: an output's stream axis is made chunk by chunk (rules._chunked)."""
-    return tuple(None if j == out.stream else a for j, a in enumerate(axes))
+def _chunked(ins, axes):
+    """What the inputs must hold: the stream axis of the op's schedule is made chunk by chunk
+    (rules._chunked)."""
+    return tuple(None if j == axis_of(ins) else a for j, a in enumerate(axes))
 
 
 def slice_infer(ins, lays):
@@ -42,8 +44,8 @@ def slice_infer(ins, lays):
 
 def slice_require(ins, out, lays):
     pending = set(lays[0].partial)
-    axes = _whole(out.axes, sliced_axes(ins), pending, out.stream)
-    return (Layout(_chunked(out, axes), lays[0].partial),), _produced(out, axes, pending)
+    axes = _whole(out.axes, sliced_axes(ins), pending, axis_of(ins))
+    return (Layout(_chunked(ins, axes), lays[0].partial),), _produced(out, axes, pending)
 
 
 def slice_axis_map(ins, j):
@@ -69,8 +71,8 @@ def concat_infer(ins, lays):
 
 def concat_require(ins, out, lays):
     pending = _concat_pending(lays)
-    axes = _whole(out.axes, {ins.attrs["axis"]}, set(pending), out.stream)
-    return tuple(Layout(_chunked(out, axes), pending) for _ in lays), _produced(out, axes, set(pending))
+    axes = _whole(out.axes, {ins.attrs["axis"]}, set(pending), axis_of(ins))
+    return tuple(Layout(_chunked(ins, axes), pending) for _ in lays), _produced(out, axes, set(pending))
 
 
 def concat_axis_map(ins, j):

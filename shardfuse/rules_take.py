@@ -10,6 +10,7 @@ ReduceScatter where the output is sharded) -- never a gather of the table.
 """
 from __future__ import annotations
 
+from shardfuse.schedule import axis_of
 from shardfuse.layout import Layout, mesh_axes
 
 
@@ -45,12 +46,12 @@ def take_require(ins, out, lays):
     table = lays[0]
     pending = _pending(table, out.mesh)
     nid = ins.ins[1].type.ndim
-    out_axes = _free(out.axes, pending, out.stream)
-    asked = [None if j == out.stream else a for j, a in enumerate(out_axes)]  # (chunks of the stream axis)
+    out_axes = _free(out.axes, pending, axis_of(ins))
+    asked = [None if j == axis_of(ins) else a for j, a in enumerate(out_axes)]  # (chunks of the stream axis)
     vocab = table.axes[0] if pending else None
     req = (Layout((vocab,) + tuple(asked[nid:])), Layout(tuple(asked[:nid])), Layout((vocab,)))
     partial = tuple(sorted(set(out.partial) | set(pending)))
-    return req, Layout(tuple(out_axes), partial, out.chunks, out.stream)
+    return req, Layout(tuple(out_axes), partial)
 
 
 TAKE = dict(infer=take_infer, require=take_require, axis_map=take_axis_map)

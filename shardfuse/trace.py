@@ -12,6 +12,7 @@ from shardfuse.ir import Program, TensorType, Value
 from shardfuse.layout import Layout
 from shardfuse.mesh import STREAM, DeviceMesh
 from shardfuse.ops import ELEMENTWISE, Op
+from shardfuse.schedule import KEY as SCHEDULE, Schedule, scheduled
 from shardfuse.spec import check_divides, normalize_axis, normalize_over, resolve_chunks
 from shardfuse.traced import Builder, Traced
 
@@ -29,29 +30,29 @@ def _sub_mesh(builder, mesh):
     return mesh
 
 
-def _annotate(x: Traced, axis: int, what, chunks=None, algorithm=None, on=None) -> Traced:
+def _annotate(x: Traced, axis: int, what, chunks=None, algorithm="collective", on=None) -> Traced:
     """One annotation on x: a `set` whose output has the layout it states.  Annotations on one
     value compose into one `set` (values are pure: only the last layout counts), each placement
     restating the tensor axis it names (Layout.sharded: the mesh axes it names move there) and a
-    stream only scheduling: the same rule as sf.shard on an sf.Array outside jit."""
+    stream only scheduling (the set's Schedule): the same rule as sf.shard on an sf.Array outside jit."""
     ax = normalize_axis(axis, x.ndim, x.shape)
     base, layout, attrs = _annotated_so_far(x)
+    sched = attrs.get(SCHEDULE)
     if what == STREAM:
-        layout = _streamed(x, layout, ax, chunks)
+        sched = _streamed(x, layout, sched, ax, chunks, algorithm)
     else:
-        layout = _placed(x, layout, ax, what, _sub_mesh(x.builder, on))
-    if algorithm is not None:
-        attrs["algorithm"] = algorithm
-    return x.builder.emit(Op.SET, (base,), TensorType(x.shape, x.dtype, layout), base.value.name, **attrs)
+        layout = _placed(x, layout, sched, ax, what, _sub_mesh(x.builder, on))
+    return x.builder.emit(Op.SET, (base,), TensorType(x.shape, x.dtype, layout), base.value.name,
+                          **scheduled(attrs, sched))
 
 
 def _annotated_so_far(x: Traced):
     """(the value the annotation applies to, its layout as annotations have stated it so far, the
-    set's attributes).  A value an annotation made: that annotation's input and layout, so that
-    annotations compose.  Any other value starts replicated (on the sub-mesh it lives on, which
-    a stream keeps): a function's annotations state its layouts whatever layout its arguments
-    arrive in, which decides only the communication, and an op's result has no layout until the
-    compiler picks one."""
+    set's attributes, its schedule among them).  A value an annotation made: that annotation's
+    input, layout and schedule, so that annotations compose.  Any other value starts replicated
+    (on the sub-mesh it lives on): a function's annotations state its layouts whatever layout its
+    arguments arrive in, which decides only the communication, and an op's result has no layout
+    until the compiler picks one."""
     prev = x.builder.producer.get(x.value)
     if prev is not None and prev.attrs.get("annotation") and x.value not in x.builder.fresh:
         return Traced(x.builder, prev.ins[0]), prev.outs[0].type.layout, dict(prev.attrs)
@@ -59,25 +60,26 @@ def _annotated_so_far(x: Traced):
     return x, Layout.replicated(x.ndim).on(None if home == x.builder.mesh else home), {"annotation": True}
 
 
-def _streamed(x: Traced, layout: Layout, ax: int, chunks) -> Layout:
-    """layout with axis ax streamed: a schedule, so the value stays where it is (its sharding, its mesh)."""
+def _streamed(x: Traced, layout: Layout, sched, ax: int, chunks, algorithm) -> Schedule:
+    """The schedule streaming axis ax: the value stays where it is (its sharding, its mesh)."""
     name, shape, cur = x.value.name, x.shape, layout.axes[ax]
-    if layout.stream is not None:
-        raise ValueError(f"{name} already has a stream axis ({layout.stream})")
-    if chunks not in (None, "auto") and (chunks < 1 or shape[ax] % chunks):
-        raise ValueError(f"stream chunks={chunks} does not divide axis {ax} of extent {shape[ax]}")
-    if cur is not None and chunks is None:
+    if sched is not None:
+        raise ValueError(f"{name} already has a stream axis ({sched.axis})")
+    said = chunks if algorithm == "collective" else None  # (the ring's chunks are its D shards: checked when split)
+    if said not in (None, "auto") and (said < 1 or shape[ax] % said):
+        raise ValueError(f"stream chunks={said} does not divide axis {ax} of extent {shape[ax]}")
+    if cur is not None and said is None:
         raise ValueError(f"axis {ax} of {name}{shape} is sharded over {cur}: streaming it too needs chunks=")
-    return layout.streamed(ax, chunks)
+    return Schedule(ax, chunks, algorithm)
 
 
-def _placed(x: Traced, layout: Layout, ax: int, over, sub) -> Layout:
+def _placed(x: Traced, layout: Layout, sched, ax: int, over, sub) -> Layout:
     """layout with axis ax sharded over `over`, on `sub` (None: the program's whole mesh)."""
     if layout.mesh != sub:  # moved to another mesh: its sharding there is what this annotation states
-        layout = Layout((None,) * layout.ndim, chunks=layout.chunks, stream=layout.stream, mesh=sub)
+        layout = Layout((None,) * layout.ndim, mesh=sub)
     mesh = sub or x.builder.mesh
     over = normalize_over(over, mesh)  # an unknown mesh axis name fails first
-    if layout.stream == ax and layout.chunks is None:
+    if sched is not None and sched.axis == ax and sched.chunks is None:
         raise ValueError(f"axis {ax} of {x.value.name}{x.shape} is streamed without chunks=: it cannot be sharded "
                          "too")
     check_divides(x.shape, ax, over, mesh)
@@ -145,7 +147,7 @@ def stream(x: Traced, axis: int, chunks: int | str | None = None, algorithm: str
     chunks = resolve_chunks(chunks, algorithm)
     if algorithm == "ring":  # its chunks are the D shards: chunks=D may be said, and is checked once D is known
         return _ring_stream(x, axis, chunks)
-    return _annotate(x, axis, STREAM, chunks, None)
+    return _annotate(x, axis, STREAM, chunks)
 
 
 def _ring_stream(x: Traced, axis: int, chunks) -> Traced:
@@ -161,10 +163,7 @@ def _ring_stream(x: Traced, axis: int, chunks) -> Traced:
             ins = [Traced(x.builder, v) for v in i.ins]
             ins[lead[0]] = _ring_stream(ins[lead[0]], axis, chunks)
             return x.builder.emit(i.op, ins, TensorType(x.shape, x.dtype), x.value.name, **i.attrs)
-    x = _annotate(x, axis, STREAM, None, "ring")
-    if chunks is not None:
-        x.builder.producer[x.value].attrs["ring_chunks"] = chunks
-    return x
+    return _annotate(x, axis, STREAM, chunks, "ring")
 
 
 def _has_product(builder, v, seen=None) -> bool:

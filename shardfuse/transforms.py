@@ -85,7 +85,7 @@ class _Forward:
         if x.value.type.layout is not None:
             return whole(x.value.type.layout)
         uses = [i for i in self.instrs if x.value in i.ins]
-        stated = {i.outs[0].type.layout.placement() for i in uses if i.op == Op.SET and i.attrs.get("annotation")}
+        stated = {i.outs[0].type.layout for i in uses if i.op == Op.SET and i.attrs.get("annotation")}
         if len(stated) == 1 and all(i.op == Op.SET for i in uses):
             return stated.pop()
         return Layout.replicated(x.ndim)

@@ -200,7 +200,7 @@ def test_3e_verify_rejects_an_op_that_is_not_an_op():
     raise AssertionError(f"verify accepted Instr(op={str(i.op)!r}): a str, not an ops.Op")
 
 # ---- 4. layering --------------------------------------------------------------------------------
-BOTTOM = {f"shardfuse.{m}" for m in ("dtypes", "ops", "strides", "mesh", "placements", "sharding", "layout", "spec",
+BOTTOM = {f"shardfuse.{m}" for m in ("dtypes", "ops", "strides", "mesh", "placements", "sharding", "layout", "schedule", "spec",
                                     "faults", "fault_messages")}
 BOTTOM_THIRD_PARTY = {"numpy", "mpi4py", "ml_dtypes", "cupy"}  # besides the standard library (cupy: mesh.gpu_count)
 RUN_TIME = {f"shardfuse.{m}" for m in ("executor", "jit", "plan", "array", "api", "runtime")} | {"shardfuse"}  # (re-exports)
@@ -393,7 +393,8 @@ def test_8_ir_attributes_are_plain_data():
     from shardfuse.jit import trace
     from shardfuse.layout import Layout
     from shardfuse.passes import PIPELINE
-    ok_types, bad = (Op, ops.Expr, Idx, Layout, Value, sf.DeviceMesh), []
+    from shardfuse.schedule import Schedule
+    ok_types, bad = (Op, ops.Expr, Idx, Layout, Schedule, Value, sf.DeviceMesh), []
     for d in (1, 4):
         for name, f, args, _ in _golden(d):
             prog = trace(f.fn, f.mesh, [sf.TensorSpec(a.shape, "float64") for a in args], f.streams)
@@ -408,10 +409,7 @@ def test_8_ir_attributes_are_plain_data():
     assert not bad, _report("IR attributes that are not plain data, or programs that do not print", bad)
 
 # (file, attrs key) written into an instruction that was already made, each with its reason: to be emptied.
-ATTRS_WRITE_ALLOWED = {
-    ("shardfuse/trace.py", "ring_chunks"): "sf.stream(algorithm='ring', chunks=) sets it on the Set that _annotate "
-                                           "made (issue 30: give it to _annotate instead)",
-}
+ATTRS_WRITE_ALLOWED = {}  # (empty: the ring's chunks are the Schedule _annotate makes)
 
 def _attrs_writes(tree):
     """(node, key) for every write into `<expr>.attrs`: x.attrs[k] = / += / del, x.attrs.update(...) & co."""

@@ -105,7 +105,7 @@ def test_every_2d_reshard_runs_and_is_exact(shape):
     for src in specs:
         for dst in specs:
             out = sf.jit(placer(dst), mesh=mesh)(placed[src])
-            assert out.sharding.placement().axes == tuple(dst), (src, dst)
+            assert out.sharding.axes == tuple(dst), (src, dst)
             np.testing.assert_array_equal(out.gather(), X, err_msg=f"{src} -> {dst}")
 
 

@@ -49,11 +49,11 @@ def column(x, w):
 
 
 SEED = """\
-plan ag_matmul(a: f32[8, 4:DIDx, 16, 32], b: f32[32, 24]) -> (c: f32[8:Stream, 4, 16, 24])
+plan ag_matmul(a: f32[8, 4:DIDx, 16, 32], b: f32[32, 24]) -> (c: f32[8, 4, 16, 24])
   # mesh DIDx=4, streams=4
   main = GetCurrentStream
   a_gathered_pool = Allocate 4 x f32[1, 4, 16, 32]  (one per stream)
-  c = Allocate f32[8:Stream, 4, 16, 24]  (per call)
+  c = Allocate f32[8, 4, 16, 24]  (per call)
   entry = RecordEvent main
   For i in range(8):
     SetCurrentStream Stream(i % 4)
@@ -86,7 +86,7 @@ plan linear(x: f64[64:DIDx, 32], w: f64[32, 24]) -> (c: f64[64, 24])
   main = GetCurrentStream
   x_split: f64[4:DIDx, 2, 8, 32] = View x
   x_split_gathered_pool = Allocate 2 x f64[4, 1, 8, 32]  (one per stream)
-  c_split = Allocate f64[4, 2:Stream, 8, 24]  (per call)
+  c_split = Allocate f64[4, 2, 8, 24]  (per call)
   entry = RecordEvent main
   For i in range(2):
     SetCurrentStream Stream(i % 2)

@@ -7,9 +7,9 @@ are the collectives apart from the loop (each collective kind and team once, how
 repeat it); both run and agree with NumPy in float64 on random inputs.  On a 1-D mesh and on a
 2x2 ("dp", "tp") mesh.
 
-A stream annotation ALONE on an op's result (no placement stated) is pinned separately below: it
-starts from replicated today (README: "the first starts from replicated"), which is what the
-seed example `sf.stream(a @ b, axis=0)` relies on for its pipelined AllGather+GEMM.
+A stream annotation ALONE on an op's result (no placement stated) states replicated, as every
+first annotation inside jit does (the decision, pinned below): the seed example
+`sf.stream(a @ b, axis=0)` is the pipelined AllGather+GEMM because of it.
 """
 from __future__ import annotations
 
@@ -111,23 +111,13 @@ def test_a_stream_on_a_stated_placement_only_schedules(name):
     np.testing.assert_allclose(plain.gather(), ref(*args), rtol=1e-10, atol=1e-10)
 
 
-@pytest.mark.xfail(strict=True, reason="a stream annotation alone starts from replicated (README: 'the first starts "
-                   "from replicated'; the seed example sf.stream(a @ b, axis=0) relies on it for its AllGather); leaving "
-                   "its placement to propagation changes the seed, MLP and cost-model plans: a decision for the README")
-@pytest.mark.parametrize("kind", sorted(MESHES))
-def test_a_stream_alone_leaves_the_placement_to_propagation(kind):
-    """The new-user probe: sf.stream as the only annotation on an op's result replicates it."""
-    mesh = _mesh(kind)
-    x = np.random.default_rng(1).standard_normal((8, 4))
-    over = mesh.axis_names[0]
-    plain = sf.jit(lambda v: sf.exp(sf.shard(v, 0, over=over)), mesh=mesh)
-    streamed = sf.jit(lambda v: sf.stream(sf.exp(sf.shard(v, 0, over=over)), 0, chunks=2), mesh=mesh)
-    assert streamed(x).placements == plain(x).placements
-    assert _collectives(streamed.lower(x).program.instrs) == _collectives(plain.lower(x).program.instrs) == []
-
-
-def test_a_stream_alone_starts_from_replicated_today():
-    """What the seed example and the golden plans rely on (pinned until the README decides)."""
+def test_a_stream_alone_states_replicated():
+    """The decision (README, "Layout rule"): sf.stream as the only annotation on a value states, as
+    every first annotation inside jit does, the value's layout from replicated (nvFuser's: a tensor
+    with no DID axis is replicated), so the seed `sf.stream(a @ b, axis=0)` is the pipelined
+    AllGather+GEMM.  To stream a value where propagation would place it, state the placement
+    (the CASES above).  A new-user probe expected the placement to stay propagation's; leaving it
+    there would make the seed a local GEMM in chunks, which no user of the seed example wants."""
     mesh = _mesh("1d")
     x = np.random.default_rng(2).standard_normal((8, 4))
     f = sf.jit(lambda v: sf.stream(sf.exp(sf.shard(v, 0)), axis=0, chunks=2), mesh=mesh)
@@ -135,3 +125,5 @@ def test_a_stream_alone_starts_from_replicated_today():
     assert out.placements == (sf.Replicate(),)
     assert f.lower(x).collectives() == {"allgather": 2}
     np.testing.assert_allclose(out.gather(), np.exp(x), rtol=1e-12)
+    stated = sf.jit(lambda v: sf.stream(sf.shard(sf.exp(sf.shard(v, 0)), 0), axis=0, chunks=2), mesh=mesh)
+    assert stated(x).placements == (sf.Shard(0),) and stated.lower(x).collectives() == {}

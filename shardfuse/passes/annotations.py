@@ -2,8 +2,8 @@
 
 - An input whose spec has no layout takes its first annotation's placement (nvFuser's
   inputs carry their DID layout); an input with no annotation is replicated.
-- An annotation on the output of an op (used only there) becomes that output's layout,
-  so `sf.stream(a @ b, axis=0)` makes the matmul itself stream-parallel.
+- An annotation on the output of an op (used only there) becomes that output's layout, and
+  its schedule the op's: `sf.stream(a @ b, axis=0)` makes the matmul itself stream-parallel.
 - An annotation that changes nothing is dropped.
 What stays is a `set` that really moves data: a resharding for the later passes.
 """
@@ -14,6 +14,8 @@ from collections import Counter
 from shardfuse.ir import Value, substitute
 from shardfuse.layout import Layout
 from shardfuse.ops import Op
+from shardfuse import schedule
+from shardfuse.schedule import scheduled
 
 
 def _is_annotation(ins):
@@ -37,7 +39,7 @@ def fold_annotations(prog):
     for v in prog.inputs:
         if v.type.layout is None:
             first = next((i for i in live if _is_annotation(i) and i.ins[0] is v), None)
-            lay = first.outs[0].type.layout.placement() if first else Layout.replicated(v.type.ndim)
+            lay = first.outs[0].type.layout if first else Layout.replicated(v.type.ndim)
             mapping[v] = Value(v.name, v.type.with_layout(lay))
     inputs = tuple(mapping.get(v, v) for v in prog.inputs)
     instrs = substitute(live, mapping)
@@ -61,10 +63,9 @@ def fold_annotations(prog):
             ann = folded[i].outs[0]
             o = Value(i.outs[0].name, ann.type)
             alias[ann] = o
-            algo = {k: folded[i].attrs[k] for k in ("algorithm", "ring_chunks") if k in folded[i].attrs}
-            i = type(i)(i.op, (o,), i.ins, {**i.attrs, **algo})
+            i = type(i)(i.op, (o,), i.ins, scheduled(i.attrs, schedule.of(folded[i])))
         i = substitute([i], alias)[0]
-        if _is_annotation(i) and i.ins[0].type.layout == i.outs[0].type.layout:
+        if _is_annotation(i) and i.ins[0].type.layout == i.outs[0].type.layout and schedule.of(i) is None:
             alias[i.outs[0]] = i.ins[0]
             continue
         out.append(i)

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 from shardfuse.ir import substitute
 from shardfuse.ops import Op
+from shardfuse.schedule import is_ring
 
 SHARED_OPS = (Op.SET, Op.VIEW)
 
@@ -30,7 +31,7 @@ def _key(i):
 
 
 def share_resharding(prog):
-    ring_inputs = {v for i in prog.instrs if i.attrs.get("algorithm") == "ring" for v in i.ins}
+    ring_inputs = {v for i in prog.instrs if is_ring(i) for v in i.ins}
     outputs = set(prog.outputs)
     first, alias, out = {}, {}, []
     for i in prog.instrs:

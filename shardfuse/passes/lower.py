@@ -75,7 +75,7 @@ def _lower_set(x, y, namer, mesh):
                 *_lower_set(kx, ky, namer, mesh),
                 Instr(Op.ALLOCATE, (y,)), Instr(Op.FROM_ORDER_KEYS, (), (ky,), {"value": op}, into=y)]
     where = x.type.layout.mesh
-    steps = reshard_steps(x.type.layout.placement(), y.type.layout.placement(), x.type.layout.home(mesh), x.type.shape)
+    steps = reshard_steps(x.type.layout, y.type.layout, x.type.layout.home(mesh), x.type.shape)
     if not steps:  # only the schedule changes: a copy keeps y a buffer of its own
         return [Instr(Op.ALLOCATE, (y,)), Instr(Op.COPY, (), (x,), into=y)]
     out, cur = [], x
@@ -127,7 +127,7 @@ def _lower_move(x, y, namer, mesh):
     if dst.partial:  # (insert_resharding reduces sums before they move: each device would hold the whole sum)
         raise NotImplementedError(f"{y.name}: a pending sum moved between meshes ({dst.placements()})")
     if src.partial:  # reduce where the sums are, then move the smaller, whole value
-        whole = Value(namer(f"{x.name}_reduced"), x.type.with_layout(replace(x.type.layout.placement(), partial=())))
+        whole = Value(namer(f"{x.name}_reduced"), x.type.with_layout(replace(x.type.layout, partial=())))
         out += _lower_set(cur, whole, namer, mesh)
         cur = whole
 

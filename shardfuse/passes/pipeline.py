@@ -13,30 +13,28 @@ from __future__ import annotations
 
 from collections import Counter, defaultdict
 
-from shardfuse.ir import Idx, Instr, Namer, TensorType, Value, substitute, walk
+from dataclasses import replace
+
+from shardfuse.ir import Idx, Instr, Namer, TensorType, Value, walk
 
 from shardfuse.ops import HOST_ONLY, Op
 from shardfuse.rules import rule
+from shardfuse import schedule
+from shardfuse.schedule import Schedule, axis_of, scheduled
 
 
-def _stream_axis(v):
-    lay = v.type.layout
-    return lay.stream_axis() if lay is not None else None
-
-
-def _chunk_axis(o, users, retyped):
+def _chunk_axis(o, users, marked):
     """The axis of o that maps to the stream axis of every consumer of o, where all its
     consumers are stream-parallel, read o's chunks along one axis and have as many chunks
     (a value shared by several streamed consumers, share_resharding's gathered x of Q, K and V,
     is streamed for all of them at once); else None."""
     axes = set()
     for c in users:
-        co = retyped.get(c.outs[0], c.outs[0])
-        k = _stream_axis(co)
-        if k is None:
+        sched = marked.get(c) or schedule.of(c)
+        if sched is None:
             return None
-        amap = rule(c.op, "axis_map")(c, k)
-        axes.update((amap[p], co.type.shape[k]) for p, v in enumerate(c.ins) if v is o)
+        amap = rule(c.op, "axis_map")(c, sched.axis)
+        axes.update((amap[p], c.outs[0].type.shape[sched.axis]) for p, v in enumerate(c.ins) if v is o)
     if len(axes) != 1:
         return None
     ((j, extent),) = axes
@@ -49,15 +47,15 @@ def mark_stream_intermediates(prog):
         for v in dict.fromkeys(i.ins):
             consumers[v].append(i)
     outputs = set(prog.outputs)
-    retyped = {}
+    marked = {}  # instruction -> the schedule it is given
     for i in reversed(prog.instrs):
         if i.op == Op.VIEW or len(i.outs) != 1:
             continue
         o = i.outs[0]
         users = consumers[o]
-        if o in outputs or _stream_axis(o) is not None or not users:
+        if o in outputs or schedule.of(i) is not None or not users:
             continue
-        j = _chunk_axis(o, users, retyped)
+        j = _chunk_axis(o, users, marked)
         if j is None or o.type.layout.axes[j] is not None:
             continue
         # its own inputs must be whole along that axis: a chunk of a sharded axis cuts across
@@ -65,23 +63,22 @@ def mark_stream_intermediates(prog):
         if any(a is not None and v.type.layout.axes[a] is not None
                for v, a in zip(i.ins, rule(i.op, "axis_map")(i, j))):
             continue
-        retyped[o] = Value(o.name, o.type.with_layout(o.type.layout.streamed(j)))
-    instrs = substitute(prog.instrs, retyped)
-    return prog.with_instrs(instrs, "mark_stream_intermediates",
-                            outputs=tuple(retyped.get(v, v) for v in prog.outputs))
+        marked[i] = Schedule(j)
+    instrs = [replace(i, attrs=scheduled(i.attrs, marked[i])) if i in marked else i for i in prog.instrs]
+    return prog.with_instrs(instrs, "mark_stream_intermediates")
 
 
 def _chunk_type(v, axis):
     t = v.type
     shape = t.shape[:axis] + (1,) + t.shape[axis + 1:]
-    return TensorType(shape, t.dtype, t.layout.placement())
+    return TensorType(shape, t.dtype, t.layout)
 
 
 def _stream_extent(i):
     """Number of chunks of an array-level instruction whose output is stream-parallel, else None."""
-    if i.op in HOST_ONLY or i.into is not None or not i.outs or _stream_axis(i.outs[0]) is None:
+    k = axis_of(i)
+    if i.op in HOST_ONLY or i.into is not None or not i.outs or k is None:
         return None
-    k = _stream_axis(i.outs[0])
     cuts = i.op in (Op.RESHAPE, Op.SLICE_ARRAY, Op.CONCAT)
     if cuts and all(a is None for a in rule(i.op, "axis_map")(i, k)):
         return None  # a view that merges axes into the stream axis, or cuts it, has no per-chunk input: made whole
@@ -163,16 +160,16 @@ def _chunks_line_up(group, i):
     """Whether i can take chunk i of each value the group makes: its rule maps its stream axis to
     that value's stream axis (a re-stream along another axis of the same extent cannot: it waits
     for the whole value, in a loop of its own)."""
-    made = {o: _stream_axis(o) for j in group for o in j.outs}
-    amap = rule(i.op, "axis_map")(i, _stream_axis(i.outs[0]))
+    made = {o: axis_of(j) for j in group for o in j.outs}
+    amap = rule(i.op, "axis_map")(i, axis_of(i))
     return all(a == made[v] for v, a in zip(i.ins, amap) if v in made)
 
 
 def _make_loop(group, extent, used_later, namer):
     chunk, body, results = {}, [], {}
     for i in group:
-        o = i.outs[0]
-        ko = _stream_axis(o)
+        o, ko = i.outs[0], axis_of(i)
+        attrs = scheduled(i.attrs, None)  # (a chunk's step: the loop is the schedule)
         amap = rule(i.op, "axis_map")(i, ko)
         ins = []
         for v, a in zip(i.ins, amap):
@@ -188,9 +185,9 @@ def _make_loop(group, extent, used_later, namer):
         if i.op in (Op.TRANSPOSE, Op.RESHAPE, Op.SLICE_ARRAY) and o in used_later:
             # a view writes nothing: a chunk that leaves the loop is copied into its result
             view = Value(namer(o.name + "_view_i"), oc.type)
-            body += [Instr(i.op, (view,), tuple(ins), i.attrs), Instr(Op.SET, (oc,), (view,))]
+            body += [Instr(i.op, (view,), tuple(ins), attrs), Instr(Op.SET, (oc,), (view,))]
         else:
-            body.append(Instr(i.op, (oc,), tuple(ins), i.attrs))
+            body.append(Instr(i.op, (oc,), tuple(ins), attrs))
         chunk[o] = oc
         if o in used_later:
             results[oc] = (o, ko)

@@ -15,6 +15,7 @@ from collections import defaultdict
 from shardfuse.ir import Instr, Value, substitute
 from shardfuse.rules import infer, require
 from shardfuse.ops import Op
+from shardfuse import schedule
 
 
 def propagate_sharding(prog):
@@ -80,7 +81,7 @@ def _one_refinement(instrs, outputs, inferred, consumers, mesh):
     for p in reversed(instrs):
         for o in p.outs:
             lay = o.type.layout
-            if o not in inferred or o in outputs or lay.partial or lay.stream is not None or not consumers[o]:
+            if o not in inferred or o in outputs or lay.partial or schedule.of(p) is not None or not consumers[o]:
                 continue
             if any(c.op in (Op.SET, Op.VIEW) for c, _ in consumers[o]):
                 continue  # a reshard or a view states no requirement of its own
@@ -98,6 +99,6 @@ def _one_refinement(instrs, outputs, inferred, consumers, mesh):
             req, produced = require(trial, want, [v.type.layout for v in p.ins], mesh)
             if produced != want:
                 continue
-            if all(r == v.type.layout.placement() or _refines(r, v.type.layout.placement()) for r, v in zip(req, p.ins)):
+            if all(r == v.type.layout or _refines(r, v.type.layout) for r, v in zip(req, p.ins)):
                 return o, Value(o.name, o.type.with_layout(want))
     return None

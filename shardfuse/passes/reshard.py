@@ -13,6 +13,8 @@ from shardfuse.ir import Instr, Namer, Value, substitute
 from shardfuse.layout import Layout
 from shardfuse.rules import require
 from shardfuse.ops import Op
+from shardfuse import schedule
+from shardfuse.schedule import scheduled
 
 
 def _tag(src: Layout, dst: Layout) -> str:
@@ -28,7 +30,7 @@ def insert_resharding(prog):
     out, memo, alias = [], {}, {}
 
     def reshard(v, target: Layout):
-        if v.type.layout.placement() == target:
+        if v.type.layout == target:
             return v
         key = (v, target)
         if key not in memo:
@@ -55,7 +57,7 @@ def insert_resharding(prog):
         else:
             tmp = Value(namer(o.name + ("_partial" if produced.partial else "_local")), o.type.with_layout(produced))
             out.append(Instr(i.op, (tmp,), ins, i.attrs))
-            out.append(Instr(Op.SET, (o,), (tmp,)))
+            out.append(Instr(Op.SET, (o,), (tmp,), scheduled({}, schedule.of(i))))  # (resolved chunk by chunk too)
 
     outputs = []
     for v in prog.outputs:

@@ -14,6 +14,7 @@ from shardfuse.ir import Idx, Instr, Namer, TensorType, Value
 
 from shardfuse.rules import rule
 from shardfuse.ops import Op
+from shardfuse.schedule import axis_of, is_ring
 
 
 def lower_ring(prog):
@@ -22,14 +23,14 @@ def lower_ring(prog):
     ring_sets = set()
     blocks = {}
     for i in prog.instrs:
-        if i.op == Op.MATMUL and i.attrs.get("algorithm") == "ring":
+        if i.op == Op.MATMUL and is_ring(i):
             gathered = i.ins[0]
             s = producer.get(gathered)
             if s is None or s.op != Op.SET:
                 raise ValueError(f"algorithm='ring': {i.outs[0].name} needs its first operand gathered from shards")
             ring_sets.add(s)
             blocks[i] = _ring_block(i, s, prog, namer)
-        elif i.attrs.get("algorithm") == "ring":
+        elif is_ring(i):
             o = i.outs[0]
             raise ValueError(f"algorithm='ring' streams the result of a matmul along its row (or batch) axis, "
                              f"where A's shards travel the ring; {o.name} = {i.op}(...) is no such result: stream "
@@ -46,10 +47,10 @@ def lower_ring(prog):
 def _ring_block(mm, gather, prog, namer):
     c, b = mm.outs[0], mm.ins[1]
     a = gather.ins[0]
-    k = c.type.layout.stream_axis()
+    k = axis_of(mm)
     ka = rule(Op.MATMUL, "axis_map")(mm, k)[0]
     team = a.type.layout.axes[ka]
-    if team is None or a.type.layout.stream == ka:
+    if team is None:
         raise ValueError(f"algorithm='ring' streams axis {k} of {c.name}, but {a.name} is not sharded on axis {ka}")
     if c.type.layout.mesh is not None or a.type.layout.mesh is not None:
         raise ValueError(f"algorithm='ring' on a value of a sub-mesh ({c.name}) is not supported: use the default "
@@ -57,8 +58,8 @@ def _ring_block(mm, gather, prog, namer):
     if isinstance(team, tuple) and len(team) > 1:
         raise ValueError(f"algorithm='ring' passes the shards of {a.name} around one mesh axis, but its axis {ka} is "
                          f"sharded over several {team}: shard it over one, or use the default algorithm")
-    gathered, b_lay = mm.ins[0].type.layout.placement(), b.type.layout.placement()
-    if gathered != a.type.layout.placement().with_axis(ka, None) or b_lay.axes[-2] is not None \
+    gathered, b_lay = mm.ins[0].type.layout, b.type.layout
+    if gathered != a.type.layout.with_axis(ka, None) or b_lay.axes[-2] is not None \
             or b_lay.partial or c.type.layout.partial:
         raise ValueError(
             f"algorithm='ring' passes shards of A along the streamed axis {ka} and multiplies each by a B that is "
@@ -75,10 +76,10 @@ def _ring_block(mm, gather, prog, namer):
                          f"got {c.type.shape[k]}")
     comm, compute = 0, 1 % prog.streams
     block_shape = a.type.shape[:ka] + (a.type.shape[ka] // d,) + a.type.shape[ka + 1:]
-    block_type = TensorType(block_shape, a.type.dtype, a.type.layout.placement().with_axis(ka, None))
+    block_type = TensorType(block_shape, a.type.dtype, a.type.layout.with_axis(ka, None))
     pool = Value(namer(a.name + "_ring"), block_type)
     first, cur, nxt = (Value(namer(a.name + s), block_type) for s in ("_ring_0", "_i", "_next"))
-    chunk_type = TensorType(c.type.shape[:k] + (1,) + c.type.shape[k + 1:], c.type.dtype, c.type.layout.placement())
+    chunk_type = TensorType(c.type.shape[:k] + (1,) + c.type.shape[k + 1:], c.type.dtype, c.type.layout)
     c_i = Value(namer(c.name + "_i"), chunk_type)
     entry, arrived, done = Value(namer("entry"), "Event"), Value(namer("arrived"), "Event"), \
         Value(namer("done"), "Event")

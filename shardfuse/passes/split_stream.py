@@ -10,6 +10,8 @@ from shardfuse.ir import Instr, Namer, TensorType, Value, substitute
 from shardfuse.ops import ELEMENTWISE, Op
 from shardfuse.layout import Layout
 from shardfuse.rules import rule
+from shardfuse import schedule
+from shardfuse.schedule import scheduled
 
 
 def _split(shape, axes, ax, factors, new_axes):
@@ -50,7 +52,7 @@ def _split_attrs(i, amap, k, n):
                          "supported: stream another axis, or the value before the op, or its consumer")
     if i.op == Op.SLICE_ARRAY:  # (an uncut axis: begin 0, step 1, for each axis it splits into)
         a = amap[0]
-        return {key: v[:a] + (v[a],) * n + v[a + 1:] for key, v in i.attrs.items()}
+        return {key: v[:a] + (v[a],) * n + v[a + 1:] if isinstance(v, tuple) else v for key, v in i.attrs.items()}
     if i.op == Op.CONCAT:
         ax = i.attrs["axis"]
         return {**i.attrs, "axis": ax + (n - 1 if ax > amap[0] else 0)}
@@ -64,7 +66,7 @@ def _broadcast_view(v, ndim, k, n, namer, out):
     """A broadcast operand of an elementwise op whose axis k becomes n axes: NumPy aligns
     operands from the right, so it is viewed at the output's rank first, with n unit axes at k
     (else a (4, 2, 1) operand would meet the split axes of a (4, 2, 8) result, not its own)."""
-    lay = v.type.layout.placement()
+    lay = v.type.layout
     pad = ndim - v.type.ndim
     shape, axes = (1,) * pad + v.type.shape, (None,) * pad + lay.axes
     shape, axes = _split(shape, axes, k, (1,) * n, (None,) * n)
@@ -78,13 +80,13 @@ def split_stream_axes(prog):
     out, alias = [], {}
     for i in prog.instrs:
         i = substitute([i], alias)[0]
-        o = i.outs[0] if i.outs else None
-        lay = o.type.layout if o is not None else None
-        ring = i.attrs.get("algorithm") == "ring"
-        if lay is None or lay.stream_axis() is None:
+        sched = schedule.of(i)
+        if sched is None:
             out.append(i)
             continue
-        k, s = lay.stream_axis(), lay.chunks
+        o = i.outs[0]
+        lay, ring = o.type.layout, sched.ring
+        k, s = sched.axis, None if ring else sched.chunks
         amap = rule(i.op, "axis_map")(i, k)
         if not (s or ring) and not _sharded_inputs(i, amap):
             out.append(i)  # one chunk per index of an axis no input shards: the loop slices it directly
@@ -112,9 +114,9 @@ def split_stream_axes(prog):
         if ring:  # the ring's chunks are the shards: [D:Stream, m]
             if mesh_axis is None:
                 raise ValueError(f"algorithm='ring' streams {o.name} along axis {k}, but no input shards that axis")
-            if i.attrs.get("ring_chunks", d) != d:
+            if sched.chunks not in (None, d):
                 raise ValueError(f"algorithm='ring' streams {o.name} in one chunk per device of {mesh_axis}: chunks "
-                                 f"must be {d} (or omitted), got {i.attrs['ring_chunks']}")
+                                 f"must be {d} (or omitted), got {sched.chunks}")
             if extent == d:
                 out.append(i)
                 continue
@@ -132,7 +134,7 @@ def split_stream_axes(prog):
             if a is None:
                 new_ins.append(v)
                 continue
-            vl = v.type.layout.placement()  # a view for this op's chunks: the input's own schedule is not its
+            vl = v.type.layout  # a view for this op's chunks
             d_axis = vl.axes[a] if vl.axes[a] == mesh_axis else None  # only an input sharded there keeps it
             shp, axs = _split(v.type.shape, vl.axes, a, fac, ((d_axis,) + (None,) * (len(fac) - 1)) if mesh_axis
                               else (None, None))
@@ -142,10 +144,10 @@ def split_stream_axes(prog):
         # the split output: [D, S:Stream, m] (D sharded as the axis was), or [S:Stream, m]
         split_axes, stream = ((lay.axes[k], None, None), k + 1) if mesh_axis and not ring else ((None, None), k)
         shp, axs = _split(o.type.shape, lay.axes, k, fac, split_axes)
-        o_split = Value(namer(o.name + "_split"), TensorType(shp, o.type.dtype,
-                                                              Layout(axs, lay.partial, stream=stream, mesh=lay.mesh)))
-        out.append(Instr(i.op, (o_split,), tuple(new_ins), _split_attrs(i, amap, k, len(fac))))
-        o_back = Value(o.name, o.type.with_layout(lay.placement()))
+        o_split = Value(namer(o.name + "_split"), TensorType(shp, o.type.dtype, Layout(axs, lay.partial, mesh=lay.mesh)))
+        split = scheduled(_split_attrs(i, amap, k, len(fac)), sched.on_axis(stream))  # (one chunk per index of S)
+        out.append(Instr(i.op, (o_split,), tuple(new_ins), split))
+        o_back = Value(o.name, o.type)
         out.append(Instr(Op.VIEW, (o_back,), (o_split,), {"shape": o.type.shape}))
         alias[o] = o_back
     outputs = tuple(alias.get(v, v) for v in prog.outputs)
