@@ -1,6 +1,7 @@
 """The compiler: passes from program to program, run in this order."""
 from shardfuse.passes.allocate import allocate_buffers
 from shardfuse.passes.annotations import fold_annotations
+from shardfuse.passes.bucket import bucket_allreduces
 from shardfuse.passes.contiguity import stage_strided_views
 from shardfuse.passes.cse import share_resharding
 from shardfuse.passes.donate import donate_buffers
@@ -26,6 +27,7 @@ PIPELINE = (
     lower_ring,
     form_stream_loops,
     lower_to_host,
+    bucket_allreduces,
     allocate_buffers,
     fold_collectives,
     stage_strided_views,

@@ -1,0 +1,238 @@
+"""bucket_allreduces: gradients summed a bucket at a time (PyTorch DDP's and Megatron's gradient
+buckets), not one Allreduce each.
+
+With the batch sharded over a data-parallel axis and the weights replicated over it, every
+weight's gradient ends in an Allreduce of its own over that axis: many small collectives, each
+paying a whole one's latency.  This pass merges top-level Allreduces of one team (or one chain of
+teams: a bias replicated over dp and tp is summed over dp, then over tp), dtype and operator
+whose inputs do not depend on one another's results:
+
+- where each member's Allreduce stood, its input is copied into its box of one flat buffer
+  (`Copy x_packed <- x`, x_packed a view of a SliceArray of the bucket);
+- the bucket's Allreduce (printed `bucket=N`, N members) is issued right after the last member
+  is copied in;
+- its Wait, and the copies out (`Copy y <- y_summed`), go just before the first step that reads
+  a member's result (for gradients, usually the end of the plan), so a backend that runs
+  collectives asynchronously (MPI's Iallreduce) overlaps the bucket with the rest of the
+  backward.  On GPUs the bucket runs on the main stream in order with the GEMMs: fewer, larger
+  NCCL calls, no overlap yet.
+
+A bucket holds at most SHARDFUSE_BUCKET_MB megabytes of each device's inputs (DDP's
+bucket_cap_mb, default 25); SHARDFUSE_BUCKET_MB=0 turns the pass off.  An Allreduce sums
+elementwise, so every element is summed as before and results do not change.  Only top-level
+collectives are merged (a stream loop's are pipelined chunk by chunk already), over teams of
+more than one device (passes/fold.py makes the others views).
+"""
+from __future__ import annotations
+
+import os
+from collections import Counter
+from dataclasses import dataclass, field
+
+from shardfuse.ir import Instr, Namer, TensorType, Value, local_shape, walk
+from shardfuse.layout import Layout, shard_count
+from shardfuse.ops import Op, Reduce, VIEWS
+from shardfuse.passes.reuse import nbytes
+
+CAP_MB = 25  # DDP's default bucket_cap_mb
+
+
+def cap_bytes() -> int:
+    """The bucket size limit per device, from SHARDFUSE_BUCKET_MB (0: no bucketing)."""
+    raw = os.environ.get("SHARDFUSE_BUCKET_MB", "").strip()
+    try:
+        mb = float(raw) if raw else CAP_MB
+    except ValueError:
+        raise ValueError(f"SHARDFUSE_BUCKET_MB must be a number of megabytes (0: no bucketing), got {raw!r}") from None
+    return int(mb * 2 ** 20)
+
+
+@dataclass
+class _Unit:
+    """One value's reduction: its chain of (Allreduce, Wait), one per team, at top-level positions."""
+    start: int
+    end: int
+    steps: list
+    dropped: set  # the positions it replaces: its Allreduces, Waits and intermediate sums' Allocates
+    key: tuple  # (teams, operators, dtype, sub-mesh): what may share a bucket
+    nbytes: int
+
+    @property
+    def x(self):
+        return self.steps[0][0].ins[0]
+
+    @property
+    def y(self):
+        return self.steps[-1][0].into
+
+
+@dataclass
+class _Bucket:
+    key: tuple
+    units: list = field(default_factory=list)
+    aliases: set = field(default_factory=set)  # members' results and views of them
+    nbytes: int = 0
+    wait_at: int = -1  # the position its Wait and copies out go before
+
+
+def bucket_allreduces(prog):
+    cap = cap_bytes()
+    if cap <= 0:
+        return prog.with_instrs(prog.instrs, "bucket_allreduces")
+    buckets = _assign(prog.instrs, _units(prog), cap)
+    if not buckets:
+        return prog.with_instrs(prog.instrs, "bucket_allreduces")
+    return prog.with_instrs(_rewrite(prog, buckets), "bucket_allreduces")
+
+
+def _step_at(instrs, k, mesh):
+    """(Allreduce, its Wait) at positions k and k + 1, if it is one this pass may merge."""
+    if k + 1 >= len(instrs):
+        return None
+    a, w = instrs[k], instrs[k + 1]
+    if a.op != Op.ALLREDUCE or "when" in a.attrs or w.op != Op.WAIT or w.ins != a.outs:
+        return None
+    if shard_count(a.attrs["team"], a.ins[0].type.layout.home(mesh)) < 2:
+        return None
+    return a, w
+
+
+def _units(prog) -> dict:
+    """start position -> _Unit, for every mergeable Allreduce (with the ones chained after it
+    whose only reader is the next: dp then tp)."""
+    instrs, mesh = prog.instrs, prog.mesh
+    reads = Counter(v for i in walk(instrs) for v in i.ins) + Counter(prog.outputs)
+    alloc_at = {i.outs[0]: k for k, i in enumerate(instrs) if i.op == Op.ALLOCATE}
+    units, k = {}, 0
+    while k < len(instrs):
+        step = _step_at(instrs, k, mesh)
+        if step is None:
+            k += 1
+            continue
+        steps, dropped, end = [step], {k, k + 1}, k + 1
+        while True:
+            y, nxt = steps[-1][0].into, _step_at(instrs, end + 2, mesh)
+            alloc = instrs[end + 1] if end + 1 < len(instrs) else None
+            if not (nxt and alloc.op == Op.ALLOCATE and alloc.outs[0] is nxt[0].into and nxt[0].ins[0] is y
+                    and reads[y] == 1 and y in alloc_at):
+                break
+            steps.append(nxt)
+            dropped |= {alloc_at[y], end + 2, end + 3}
+            end += 3
+        x = step[0].ins[0]
+        key = (tuple(a.attrs["team"] for a, _ in steps), tuple(a.attrs.get("op", Reduce.SUM) for a, _ in steps),
+               x.type.dtype, x.type.layout.mesh)
+        units[k] = _Unit(k, end, steps, dropped, key, nbytes(x, mesh))
+        k = end + 1
+    return units
+
+
+def _assign(instrs, units, cap) -> list:
+    """The buckets of two or more members, each with the position its results are first needed
+    at.  A member joins the open bucket of its key unless that would pass the cap; a step that
+    reads a result of a bucket (or a view of one) closes it there, so no member's input can
+    depend on another's result."""
+    buckets, open_, pending, k = [], {}, [], 0
+    while k < len(instrs):
+        u, top = units.get(k), instrs[k]
+        if u is None and top.op in VIEWS:  # a view of a result is no read yet
+            for b in pending:
+                if top.ins[0] in b.aliases:
+                    b.aliases.add(top.outs[0])
+            k += 1
+            continue
+        reads = {u.x} if u else {v for i in walk([top]) for v in i.values()}
+        for b in [b for b in pending if b.aliases & reads]:
+            b.wait_at = k
+            pending.remove(b)
+            if open_.get(b.key) is b:
+                del open_[b.key]
+        if u is None:
+            k += 1
+            continue
+        b = open_.get(u.key)
+        if b is None or b.nbytes + u.nbytes > cap:
+            b = open_[u.key] = _Bucket(u.key)
+            buckets.append(b)
+            pending.append(b)
+        b.units.append(u)
+        b.aliases.add(u.y)
+        b.nbytes += u.nbytes
+        k = u.end + 1
+    for b in pending:
+        b.wait_at = len(instrs)
+    return [b for b in buckets if len(b.units) > 1]
+
+
+def _flats(b, mesh, namer) -> list:
+    """The bucket's flat buffers: what it sends, then the result of each team's Allreduce."""
+    teams, ops, dtype, sub = b.key
+    size = sum(_size(u.x, mesh) for u in b.units)
+    out = []
+    for j in range(len(teams) + 1):
+        lay = Layout((None,), partial=teams[j:], mesh=sub, partial_op=ops[j] if j < len(teams) else Reduce.SUM)
+        name = f"bucket_{'_'.join(teams)}" + ("_summed" if j == len(teams) else "" if j == 0 else f"_{teams[j - 1]}")
+        out.append(Value(namer(name), TensorType((size,), dtype, lay)))
+    return out
+
+
+def _size(v, mesh) -> int:
+    n = 1
+    for e in local_shape(v, mesh):
+        n *= e
+    return n
+
+
+def _box(flat, v, offset, size, suffix, namer) -> tuple:
+    """(v's box of the flat buffer, shaped as v's local piece; the two views that make it)."""
+    box = Value(namer(f"{v.name}_box"), TensorType((size,), flat.type.dtype, flat.type.layout))
+    shaped = Value(namer(f"{v.name}_{suffix}"), v.type)
+    return shaped, [Instr(Op.SLICE_ARRAY, (box,), (flat,), {"begin": (offset,)}),
+                    Instr(Op.VIEW, (shaped,), (box,), {"shape": v.type.shape})]
+
+
+def _issue(b, flats, namer) -> tuple:
+    """(the bucket's Allreduces, one per team, each but the last waited for; the last's handle)."""
+    teams, ops = b.key[0], b.key[1]
+    out, h = [], None
+    for j, (team, op) in enumerate(zip(teams, ops)):
+        if h is not None:
+            out.append(Instr(Op.WAIT, (), (h,)))
+        h = Value(namer("ar_bucket"), "Comm")
+        attrs = {"team": team, **({"op": op} if op != Reduce.SUM else {}), "bucket": len(b.units)}
+        out += [Instr(Op.ALLOCATE, (flats[j + 1],)), Instr(Op.ALLREDUCE, (h,), (flats[j],), attrs, into=flats[j + 1])]
+    return out, h
+
+
+def _rewrite(prog, buckets) -> list:
+    mesh, namer = prog.mesh, Namer.for_program(prog)
+    starts, drop, waits = {}, set(), {}
+    for b in sorted(buckets, key=lambda b: b.units[-1].start):  # (waited for in the order issued)
+        offset = 0
+        for u in b.units:
+            starts[u.start] = (b, u, offset)
+            drop |= u.dropped
+            offset += _size(u.x, mesh)
+        waits.setdefault(b.wait_at, []).append(b)
+    flats, handles, out = {}, {}, []
+    for k, top in enumerate(prog.instrs + (None,)):
+        for b in waits.get(k, ()):  # the results are needed from here on
+            out.append(Instr(Op.WAIT, (), (handles[id(b)],)))
+            for u in b.units:
+                shaped, views = _box(flats[id(b)][-1], u.y, starts[u.start][2], _size(u.x, mesh), "summed", namer)
+                out += views + [Instr(Op.COPY, (), (shaped,), into=u.y)]
+        if top is None:
+            break
+        if k in starts:  # a member: its input copied into the bucket where its Allreduce stood
+            b, u, offset = starts[k]
+            if u is b.units[0]:
+                flats[id(b)] = _flats(b, mesh, namer)
+                out.append(Instr(Op.ALLOCATE, (flats[id(b)][0],)))
+            shaped, views = _box(flats[id(b)][0], u.x, offset, _size(u.x, mesh), "packed", namer)
+            out += views + [Instr(Op.COPY, (), (u.x,), into=shaped)]
+            if u is b.units[-1]:  # the last input is in: issue the bucket now
+                issued, handles[id(b)] = _issue(b, flats[id(b)], namer)
+                out += issued
+        if k not in drop:
+            out.append(top)
+    return out

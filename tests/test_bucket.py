@@ -1,0 +1,126 @@
+"""Gradient bucketing (issue 32, training; shardfuse/passes/bucket.py): a data-parallel layer's
+gradients, one Allreduce each without bucketing, are summed in a few bucketed Allreduces, with
+bit-for-bit the same gradients (checked against float64 central differences too); the bucket is
+issued right after its last member is copied in and waited for where a result is first read; the
+size cap splits buckets; dependent Allreduces are never merged.  tests/mpi/test_bucket_mpi.py runs
+the layer's check under mpiexec."""
+from __future__ import annotations
+
+import re
+
+import numpy as np
+import pytest
+
+import shardfuse as sf
+from shardfuse.transformer import init_params, layer_reference, transformer_layer
+from test_nn import mesh_of  # (the 1-D tp mesh and the 2x2 dp x tp mesh, NumPy devices)
+
+HEADS, HIDDEN, SEQ, BATCH = 4, 16, 8, 4
+DP = {"dp": "dp"}
+DP_SP = {"tp": "tp", "sp": True, "dp": "dp", "chunks": 2}
+
+
+def directional(loss_np, params, grads, rng, eps=1e-6):
+    """(central difference of loss_np along a random direction of the params dict, <grads, direction>)."""
+    dirs = {k: rng.standard_normal(np.shape(v)) for k, v in params.items()}
+    at = lambda s: {k: v + s * dirs[k] for k, v in params.items()}  # noqa: E731
+    numeric = (loss_np(at(eps)) - loss_np(at(-eps))) / (2 * eps)
+    return numeric, sum(float(np.sum(grads[k] * dirs[k])) for k in params)
+
+
+def dp_mesh(backend="numpy"):
+    """Four devices, all data parallel (under mpiexec -n 2: two per process, one team)."""
+    return sf.DeviceMesh((4,), ("dp",), backend=backend)
+
+
+def layer_grads(mesh, kw, bucket_mb, monkeypatch, seed=0):
+    """(the plan, the gradients, the inputs) of the layer's loss sum(layer(p, x) * r), compiled
+    with SHARDFUSE_BUCKET_MB=bucket_mb (None: the default)."""
+    if bucket_mb is None:
+        monkeypatch.delenv("SHARDFUSE_BUCKET_MB", raising=False)
+    else:
+        monkeypatch.setenv("SHARDFUSE_BUCKET_MB", str(bucket_mb))
+    rng = np.random.default_rng(seed)
+    p = init_params(rng, HIDDEN, "float64", 0.3)
+    x, r = rng.standard_normal((BATCH, SEQ, HIDDEN)), rng.standard_normal((BATCH, SEQ, HIDDEN))
+    f = sf.jit(sf.grad(lambda p, x, r: (transformer_layer(p, x, HEADS, **kw) * r).sum()), mesh=mesh)
+    plan = f.lower(p, x, r)
+    grads = {k: np.asarray(g.gather() if hasattr(g, "gather") else g) for k, g in f(p, x, r).items()}
+    return plan, grads, (p, x, r)
+
+
+def check_dp_layer(mesh, kw, monkeypatch, before, after):
+    """`before` Allreduces without bucketing, `after` with it, the same gradients bit for bit, and
+    those gradients right (central differences of the float64 reference)."""
+    plan0, g0, _ = layer_grads(mesh, kw, 0, monkeypatch)
+    plan1, g1, (p, x, r) = layer_grads(mesh, kw, None, monkeypatch)
+    assert plan0.collectives()["allreduce"] == before and "bucket=" not in str(plan0)
+    assert plan1.collectives()["allreduce"] == after, str(plan1)
+    for k in g0:
+        np.testing.assert_array_equal(g1[k], g0[k], err_msg=k)
+    numeric, analytic = directional(lambda q: float((layer_reference(q, x, HEADS) * r).sum()), p, g1,
+                                     np.random.default_rng(1))
+    assert abs(numeric - analytic) <= 1e-6 * (1 + abs(numeric)), (numeric, analytic)
+    return plan1
+
+
+def test_data_parallel_layer_gradients_in_one_bucket(monkeypatch):
+    # the 13 parameters' gradients and the loss' own sum: 14 Allreduces; bucketed, the loss' (read
+    # at once, for the backward's seed) and one bucket of the 13 gradients
+    plan = check_dp_layer(dp_mesh(), DP, monkeypatch, before=14, after=2)
+    assert re.search(r"Allreduce bucket_dp_summed <- bucket_dp, team=dp, bucket=13\n", str(plan))
+
+
+def test_dp_x_sp_layer_gradients_in_chained_buckets(monkeypatch):
+    # weights replicated over dp: one bucket over dp; norms' and biases' gradients, replicated over
+    # dp and tp: one bucket summed over dp, then over tp (not 2 Allreduces per parameter)
+    plan = check_dp_layer(mesh_of("2d"), DP_SP, monkeypatch, before=22, after=6)
+    text = str(plan)
+    assert "team=dp, bucket=7" in text and "team=dp, bucket=6" in text and "team=tp, bucket=6" in text
+
+
+def test_bucket_issued_after_its_last_input_and_waited_for_where_read(monkeypatch):
+    plan, _, _ = layer_grads(mesh_of("2d"), DP_SP, None, monkeypatch)
+    lines = str(plan).splitlines()
+    issue = next(k for k, line in enumerate(lines) if "bucket=7" in line)
+    handle = lines[issue].split()[0]
+    wait = lines.index(f"  Wait {handle}")
+    last_in = [line for line in lines[:issue] if "= Allocate" not in line][-1]
+    assert re.match(r"\s+Copy \w+_packed <- ", last_in), last_in  # issued right after the last copy in
+    between = lines[issue + 1:wait]
+    assert any(re.search(r"(Matmul|Sum|Fused|Mul) ", line) for line in between), "the backward runs under it"
+    assert all("_summed" not in line or "bucket" in line for line in between)  # no result read before the Wait
+
+
+def test_size_cap_splits_buckets(monkeypatch):
+    # 5 KiB a bucket: the 4 KiB gradients of the 16 x 16 weights each fill one
+    mesh = dp_mesh()
+    _, g0, _ = layer_grads(mesh, DP, 0, monkeypatch)
+    plan, g1, _ = layer_grads(mesh, DP, 5 / 1024, monkeypatch)
+    n = plan.collectives()["allreduce"]
+    assert 2 < n < 14, n
+    for k in g0:
+        np.testing.assert_array_equal(g1[k], g0[k], err_msg=k)
+
+
+def test_independent_sums_share_one_allreduce_dependent_ones_do_not(monkeypatch):
+    monkeypatch.delenv("SHARDFUSE_BUCKET_MB", raising=False)
+    mesh = sf.DeviceMesh(4, backend="numpy")
+    x = np.random.default_rng(5).standard_normal((8, 6))
+
+    def rows(v):
+        return sf.shard(v, axis=0)
+    both = sf.jit(lambda v: (sf.replicate(rows(v).sum(0)), sf.replicate((rows(v) * rows(v)).sum(0))), mesh=mesh)
+    chain = sf.jit(lambda v: sf.replicate((rows(v) * sf.replicate(rows(v).sum(0))).sum(0)), mesh=mesh)
+    assert both.lower(x).collectives() == {"allreduce": 1}
+    assert chain.lower(x).collectives() == {"allreduce": 2}
+    s, q = both(x)
+    np.testing.assert_allclose(np.asarray(s), x.sum(0), rtol=1e-13)
+    np.testing.assert_allclose(np.asarray(q), (x * x).sum(0), rtol=1e-13)
+    np.testing.assert_allclose(np.asarray(chain(x)), (x * x.sum(0)).sum(0), rtol=1e-13)
+
+
+def test_bad_cap_is_refused(monkeypatch):
+    monkeypatch.setenv("SHARDFUSE_BUCKET_MB", "lots")
+    with pytest.raises(ValueError, match="SHARDFUSE_BUCKET_MB must be a number of megabytes"):
+        sf.jit(lambda v: v * 2.0, mesh=dp_mesh()).lower(np.ones((4, 2)))
