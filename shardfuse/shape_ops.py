@@ -2,7 +2,8 @@
 `x[None]`), `sf.split`, `sf.concatenate`, `sf.stack` (and np.split / np.concatenate / np.stack
 through traced.NUMPY).  Outside sf.jit each is the same op in a one-op plan (array_ops).
 
-An index is one `slice_array` (a box at static starts, rank kept: an int is a box of extent 1)
+An index is one `slice_array` (a box at static starts and steps, rank kept: an int is a box of
+extent 1; a negative step reads its axis backwards, a view with a negative stride, as NumPy's)
 then, where ints drop axes or None adds them, a reshape.  Both are views of each device's piece:
 the box's axes are whole on every device (rules_shapes: a sharded one is gathered first), the
 others keep their sharding.  A concatenation is one `concatenate`, lowered to a copy of each
@@ -50,10 +51,6 @@ def expand_index(key, shape, what):
         n = shape[ax]
         if isinstance(k, slice):
             start, stop, step = k.indices(n)  # (non-int bounds raise here, as NumPy's)
-            if step < 0:
-                raise ValueError(f"{what}: a negative step on axis {ax} ({k.start}:{k.stop}:{k.step}) would reverse it, "
-                                 "and shardfuse has no reversal: slice with a positive step (x[a:b:2]) and reverse "
-                                 "outside sf.jit, or pass the reversed array as an argument")
             k = (start, start + max(len(range(start, stop, step)), 0) * step, step)
         elif not -n <= k < n:
             raise IndexError(f"{what}: index {k} is out of bounds for axis {ax} with size {n}")
@@ -65,7 +62,7 @@ def expand_index(key, shape, what):
 
 
 def getitem(x: Traced, key):
-    """x[key], NumPy's basic indexing (a positive step too); a traced integer array is a lookup (take)."""
+    """x[key], NumPy's basic indexing (any step); a traced integer array is a lookup (take)."""
     if isinstance(key, Traced):
         from shardfuse.take import take  # (issue 31 item 4, alongside: table[ids])
         return take(x, key, axis=0)
@@ -76,7 +73,7 @@ def getitem(x: Traced, key):
     step = tuple(1 if _is_int(k) else k[2] for k in axes)
     box = tuple(1 if _is_int(k) else len(range(*k)) for k in axes)
     v = x
-    if box != x.shape:
+    if box != x.shape or any(begin) or any(s != 1 for s in step):  # (x[::-1] keeps its shape)
         attrs = {"begin": begin, **({"step": step} if any(s != 1 for s in step) else {})}
         v = x.builder.emit(Op.SLICE_ARRAY, (x,), TensorType(box, x.dtype), x.value.name + "_s", **attrs)
     shape = tuple(1 if k is None else len(range(*k)) for k in idx if not _is_int(k))
