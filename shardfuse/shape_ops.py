@@ -95,11 +95,19 @@ def _traced_args(xs, what):
     return xs
 
 
-def _outside(xs):
-    """The first sf.Array among xs where none is traced (outside sf.jit), else None."""
+def _outside(xs, what, min_ndim=0):
+    """The first sf.Array among xs where none is traced (outside sf.jit), else None; the others
+    must be arrays (plain ones are replicated), checked here so the refusal speaks of sf.Arrays."""
     if any(isinstance(v, Traced) for v in xs):
         return None
-    return next((v for v in xs if hasattr(type(v), "one_op")), None)
+    first = next((v for v in xs if hasattr(type(v), "one_op")), None)
+    bad = next((v for v in xs if len(getattr(v, "shape", ())) < min_ndim or not hasattr(v, "shape")), None)
+    if first is not None and bad is not None:
+        got = f"{type(bad).__name__} of shape {bad.shape}" if hasattr(bad, "shape") else f"{type(bad).__name__} {bad!r}"
+        raise (ValueError if hasattr(bad, "shape") else TypeError)(
+            f"np.{what} / sf.{what} of sf.Arrays: every item must be an array{' of rank >= 1' if min_ndim else ''} "
+            f"(an sf.Array, or a NumPy array, replicated), got {got}")
+    return first
 
 
 def _concatenate_of(axis, *xs):
@@ -115,7 +123,7 @@ def concatenate(xs, axis=0):
     in their promoted dtype.  The axis must be whole on every device (a sharded one is gathered
     first: the plan prints the Allgather); the other axes keep the first input's sharding."""
     xs = list(xs)
-    if (a := _outside(xs)) is not None:
+    if (a := _outside(xs, "concatenate", 0 if axis is None else 1)) is not None:
         return a.one_op(_concatenate_of, (axis, *xs), "concatenate")
     xs = _traced_args(xs, "concatenate")
     if axis is None:  # flattened first: whole on every device (a flattening cuts across a sharded inner axis)
@@ -141,7 +149,7 @@ def concatenate(xs, axis=0):
 def stack(xs, axis=0):
     """NumPy's stack: the arrays (one shape) joined along a new axis."""
     xs = list(xs)
-    if (a := _outside(xs)) is not None:
+    if (a := _outside(xs, "stack")) is not None:
         return a.one_op(_stack_of, (axis, *xs), "stack")
     xs = _traced_args(xs, "stack")
     shapes = {v.shape for v in xs}
