@@ -297,4 +297,7 @@ def spec_of(arg, mesh) -> TensorSpec:
             raise ValueError(f"argument is an sf.Array on {arg.mesh}, but the function is compiled for {mesh}")
         return arg.spec
     info = array_info(arg)
-    return TensorSpec(info.shape, info.dtype)
+    return TensorSpec(info.shape, info.dtype, weak=type(arg) in WEAK_TYPES)
+
+
+WEAK_TYPES = frozenset({bool, int, float})  # Python's scalars (not NumPy's, a subclass or not): weakly typed, as JAX's

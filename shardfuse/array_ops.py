@@ -29,8 +29,8 @@ from shardfuse.ir import TensorType
 from shardfuse.layout import Layout
 from shardfuse.ops import Op
 from shardfuse.passes import compile_program
-from shardfuse.spec import TensorSpec, check_divides
-from shardfuse.traced import NUMPY, Traced, reduced_axes, is_weak_scalar
+from shardfuse.spec import TensorSpec, check_divides, reduced_axes
+from shardfuse.traced import NUMPY, Traced, is_weak_scalar
 from shardfuse.shape_ops import NUMPY_SHAPES, expand_index, getitem as shape_getitem
 from shardfuse.traced_numpy import absolute
 

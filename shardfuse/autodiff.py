@@ -279,7 +279,7 @@ def _slice_array(ins, xs, out, ct, instrs):
     (x,) = xs
     begin, box = ins.attrs["begin"], out.shape
     step = ins.attrs.get("step", (1,) * x.ndim)
-    cur = ct
+    cur, begin, step = _forward_steps(ct, begin, box, step)
     for j in range(x.ndim):
         n, b, s, k = x.shape[j], box[j], step[j], begin[j]
         if s > 1:  # each element, then s - 1 zeros: positions k, k + s, ... once shifted by k
@@ -297,6 +297,18 @@ def _slice_array(ins, xs, out, ct, instrs):
                 parts.insert(0 if where_ == 0 else len(parts), zeros)
         cur = concatenate(parts, j) if len(parts) > 1 else cur
     return [cur]
+
+
+def _forward_steps(ct, begin, box, step):
+    """(ct, begin, step) of a slice with negative steps as the same elements read forwards: a
+    reversed axis's cotangent reversed back, from its lowest index (x[7::-2] is x[1:8:2] reversed)."""
+    from shardfuse.shape_ops import getitem
+
+    rev = [j for j, s in enumerate(step) if s < 0 and box[j] > 1]
+    if rev:
+        ct = getitem(ct, tuple(slice(None, None, -1) if j in rev else slice(None) for j in range(len(step))))
+    begin = tuple(k + (b - 1) * s if s < 0 and b else k for k, b, s in zip(begin, box, step))
+    return ct, begin, tuple(abs(s) for s in step)
 
 
 VJP = {

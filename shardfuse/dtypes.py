@@ -95,10 +95,23 @@ def weak_result(name: str, c) -> str:
     """The dtype of an op on an array of dtype `name` and a Python scalar c (NumPy 2 and JAX: a
     weak scalar keeps the array's dtype, unless it is of a higher kind: a float beside an integer
     array gives float64, an integer beside a bool array int64, as NumPy's defaults)."""
-    k = scalar_kind(c)
-    if k <= KINDS[name]:
+    return _weak_kind_result(name, scalar_kind(c))
+
+
+def _weak_kind_result(name: str, kind: int) -> str:
+    if kind <= KINDS[name]:
         return name
-    return "float64" if k == 2 else "int64"
+    return "float64" if kind == 2 else "int64"
+
+
+def promote_weak(a: str, a_weak: bool, b: str, b_weak: bool) -> str:
+    """promote_types where a side may be weak (a Python scalar passed to sf.jit, or computed from
+    one): against a strong array a weak side counts as a Python scalar of its kind, so float32 x
+    and a float argument give float32, as `x * 2.0` does; two weak sides, or two strong, promote."""
+    if a_weak == b_weak:
+        return promote_types(a, b)
+    strong, weak = (b, a) if a_weak else (a, b)
+    return _weak_kind_result(strong, KINDS[weak])
 
 
 def poison_value(name: str):
@@ -120,3 +133,14 @@ def order_key_dtype(dtype: str):
     if dtype in ("int32", "int64"):
         return None
     return "int64" if dtype == "float64" else "int32"
+
+
+def as_value(c, dtype: str):
+    """A scalar as the plan stores it beside an array of `dtype`: rounded to that dtype where NumPy 2
+    rounds a weak scalar (so that the kernels of every backend compare and pick the same value)."""
+    if dtype == "bool":
+        return bool(c)
+    if not is_float(dtype):
+        return int(c)
+    with np.errstate(over="ignore"):  # (1e5 is inf in float16, as NumPy 2 compares it)
+        return float(np_dtype(dtype).type(c)) if TABLE[dtype].itemsize < 8 else float(c)

@@ -121,12 +121,13 @@ def _check_subclass(x):
 
 def _from_python(x) -> np.ndarray:
     """A (nested) list, tuple or Python number as np.asarray makes it, checked: rectangular, and of
-    a float type (Python floats are float64; ints and bools are refused, not silently converted)."""
+    a float type (Python floats are float64; lists of ints and bools are refused, not silently
+    converted); a Python int or bool alone is int64 or bool (an sf.jit argument: weakly typed)."""
     try:
         a = np.asarray(x)
     except ValueError as e:  # ragged nesting
         raise ValueError(f"a {type(x).__name__} that is not a rectangular array of numbers: {e}") from None
-    if a.dtype.kind != "f":
+    if a.dtype.kind != "f" and not (type(x) in (int, bool) and a.dtype.kind in "bi"):
         raise TypeError(f"a {type(x).__name__} of {a.dtype} values (np.asarray gives {a.dtype}{list(a.shape)}): "
                         f"expected floats, of a dtype in {DTYPES}; pass e.g. np.asarray(x, dtype=np.float32)")
     return a

@@ -13,7 +13,7 @@ from collections import OrderedDict
 
 import numpy as np
 
-from shardfuse.array import Array, spec_of
+from shardfuse.array import WEAK_TYPES, Array, spec_of
 from shardfuse.plan import Plan  # noqa: F401 (sf.jit's plans; shardfuse.jit.Plan as before)
 from shardfuse.interop import array_info
 from shardfuse import tree
@@ -187,7 +187,8 @@ class Jitted:
         if kwargs:
             raise TypeError(f"{self.__name__}() takes its arrays positionally; got keyword argument(s) "
                             f"{', '.join(kwargs)} (a parameter with a default keeps it when not given)")
-        key = tuple((a.shape, a.dtype_name, a.sharding, a.mesh) if i is None else (i.shape, i.dtype)
+        key = tuple((a.shape, a.dtype_name, a.sharding, a.mesh) if i is None
+                    else (i.shape, i.dtype, type(a) in WEAK_TYPES)  # (2.0 and np.float64(2.0): weak or not)
                     for a, i in zip(args, infos))
         with self._tables:
             hit = self._dispatch.get(key)

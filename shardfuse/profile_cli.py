@@ -67,7 +67,8 @@ def main(argv=None) -> int:
         if args.png:
             timeline.plot(path=args.png)
         s = timeline.summary()
-        print(f"{mesh}: {s['steps']} steps over {args.repeat} call(s), {s['total_s'] * 1e3:.3f} ms; communication "
+        print(f"{mesh}: device {s['device']}: {s['steps']} steps over {args.repeat} call(s), "
+              f"{s['total_s'] * 1e3:.3f} ms; communication "
               f"{s['communication_s'] * 1e3:.3f} ms (exposed {s['exposed_communication_s'] * 1e3:.3f}), GEMMs "
               f"{s['gemm_s'] * 1e3:.3f} ms, overlap efficiency {s['overlap_efficiency']:.2f}")
         print(f"trace: {args.trace}" + (f", chart: {args.png}" if args.png else ""))

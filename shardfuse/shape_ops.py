@@ -2,7 +2,8 @@
 `x[None]`), `sf.split`, `sf.concatenate`, `sf.stack` (and np.split / np.concatenate / np.stack
 through traced.NUMPY).  Outside sf.jit each is the same op in a one-op plan (array_ops).
 
-An index is one `slice_array` (a box at static starts, rank kept: an int is a box of extent 1)
+An index is one `slice_array` (a box at static starts and steps, rank kept: an int is a box of
+extent 1; a negative step reads its axis backwards, a view with a negative stride, as NumPy's)
 then, where ints drop axes or None adds them, a reshape.  Both are views of each device's piece:
 the box's axes are whole on every device (rules_shapes: a sharded one is gathered first), the
 others keep their sharding.  A concatenation is one `concatenate`, lowered to a copy of each
@@ -50,10 +51,6 @@ def expand_index(key, shape, what):
         n = shape[ax]
         if isinstance(k, slice):
             start, stop, step = k.indices(n)  # (non-int bounds raise here, as NumPy's)
-            if step < 0:
-                raise ValueError(f"{what}: a negative step on axis {ax} ({k.start}:{k.stop}:{k.step}) would reverse it, "
-                                 "and shardfuse has no reversal: slice with a positive step (x[a:b:2]) and reverse "
-                                 "outside sf.jit, or pass the reversed array as an argument")
             k = (start, start + max(len(range(start, stop, step)), 0) * step, step)
         elif not -n <= k < n:
             raise IndexError(f"{what}: index {k} is out of bounds for axis {ax} with size {n}")
@@ -65,7 +62,7 @@ def expand_index(key, shape, what):
 
 
 def getitem(x: Traced, key):
-    """x[key], NumPy's basic indexing (a positive step too); a traced integer array is a lookup (take)."""
+    """x[key], NumPy's basic indexing (any step); a traced integer array is a lookup (take)."""
     if isinstance(key, Traced):
         from shardfuse.take import take  # (issue 31 item 4, alongside: table[ids])
         return take(x, key, axis=0)
@@ -76,7 +73,7 @@ def getitem(x: Traced, key):
     step = tuple(1 if _is_int(k) else k[2] for k in axes)
     box = tuple(1 if _is_int(k) else len(range(*k)) for k in axes)
     v = x
-    if box != x.shape:
+    if box != x.shape or any(begin) or any(s != 1 for s in step):  # (x[::-1] keeps its shape)
         attrs = {"begin": begin, **({"step": step} if any(s != 1 for s in step) else {})}
         v = x.builder.emit(Op.SLICE_ARRAY, (x,), TensorType(box, x.dtype), x.value.name + "_s", **attrs)
     shape = tuple(1 if k is None else len(range(*k)) for k in idx if not _is_int(k))
@@ -98,11 +95,19 @@ def _traced_args(xs, what):
     return xs
 
 
-def _outside(xs):
-    """The first sf.Array among xs where none is traced (outside sf.jit), else None."""
+def _outside(xs, what, min_ndim=0):
+    """The first sf.Array among xs where none is traced (outside sf.jit), else None; the others
+    must be arrays (plain ones are replicated), checked here so the refusal speaks of sf.Arrays."""
     if any(isinstance(v, Traced) for v in xs):
         return None
-    return next((v for v in xs if hasattr(type(v), "one_op")), None)
+    first = next((v for v in xs if hasattr(type(v), "one_op")), None)
+    bad = next((v for v in xs if len(getattr(v, "shape", ())) < min_ndim or not hasattr(v, "shape")), None)
+    if first is not None and bad is not None:
+        got = f"{type(bad).__name__} of shape {bad.shape}" if hasattr(bad, "shape") else f"{type(bad).__name__} {bad!r}"
+        raise (ValueError if hasattr(bad, "shape") else TypeError)(
+            f"np.{what} / sf.{what} of sf.Arrays: every item must be an array{' of rank >= 1' if min_ndim else ''} "
+            f"(an sf.Array, or a NumPy array, replicated), got {got}")
+    return first
 
 
 def _concatenate_of(axis, *xs):
@@ -118,7 +123,7 @@ def concatenate(xs, axis=0):
     in their promoted dtype.  The axis must be whole on every device (a sharded one is gathered
     first: the plan prints the Allgather); the other axes keep the first input's sharding."""
     xs = list(xs)
-    if (a := _outside(xs)) is not None:
+    if (a := _outside(xs, "concatenate", 0 if axis is None else 1)) is not None:
         return a.one_op(_concatenate_of, (axis, *xs), "concatenate")
     xs = _traced_args(xs, "concatenate")
     if axis is None:  # flattened first: whole on every device (a flattening cuts across a sharded inner axis)
@@ -144,7 +149,7 @@ def concatenate(xs, axis=0):
 def stack(xs, axis=0):
     """NumPy's stack: the arrays (one shape) joined along a new axis."""
     xs = list(xs)
-    if (a := _outside(xs)) is not None:
+    if (a := _outside(xs, "stack")) is not None:
         return a.one_op(_stack_of, (axis, *xs), "stack")
     xs = _traced_args(xs, "stack")
     shapes = {v.shape for v in xs}

@@ -69,11 +69,14 @@ def resolve_chunks(chunks, algorithm: str):
 
 @dataclass(frozen=True)
 class TensorSpec:
-    """Shape and dtype of a global array; `layout` None means "as the function annotates it"."""
+    """Shape and dtype of a global array; `layout` None means "as the function annotates it".
+    `weak`: a Python scalar's (JAX's weak type): beside an array it takes the array's dtype
+    where its kind (bool < int < float) is not higher, as a Python scalar constant does."""
 
     shape: tuple
     dtype: str = "float32"
     layout: Layout | None = None
+    weak: bool = False
 
     def __post_init__(self):
         shape = self.shape
@@ -87,8 +90,20 @@ class TensorSpec:
             raise type(e)(f"TensorSpec shape {tuple(self.shape)!r}: {e}") from None
         object.__setattr__(self, "shape", shape)
         object.__setattr__(self, "dtype", normalize_dtype(self.dtype))
+        if not isinstance(self.weak, bool) or (self.weak and shape != ()):
+            raise TypeError(f"TensorSpec weak= is True only for a Python scalar's 0-d spec (shape ()), got "
+                            f"weak={self.weak!r} with shape {shape}")
         if self.layout is not None and not isinstance(self.layout, Layout):
             raise TypeError(f"TensorSpec layout must be a Layout or None, got {type(self.layout).__name__}")
         if self.layout is not None and self.layout.ndim != len(shape):
             raise ValueError(f"TensorSpec layout {self.layout} has {self.layout.ndim} axes, the shape {shape} "
                              f"has {len(shape)}")
+
+
+def reduced_axes(axis, ndim: int, shape) -> tuple:
+    """The axes a reduction's axis= names, distinct and in range: every axis for None, one int, or a tuple."""
+    axes = tuple(range(ndim)) if axis is None else axis if isinstance(axis, tuple) else (axis,)
+    axes = tuple(normalize_axis(a, ndim, shape) for a in axes)
+    if len(set(axes)) != len(axes):
+        raise ValueError(f"duplicate value in axis={axis!r}")
+    return axes

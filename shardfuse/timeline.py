@@ -77,14 +77,17 @@ class Timeline:
         return len(self.events)
 
     def __repr__(self):
-        s = self.summary()
-        return (f"Timeline({self.plan_name!r}: {len(self.events)} steps, total {s['total_s'] * 1e3:.3f} ms, "
-                f"communication {s['communication_s'] * 1e3:.3f} ms, overlap efficiency {s['overlap_efficiency']:.2f})")
+        s, ranks = self.summary(), len({e.rank for e in self.events})
+        where = f" of {ranks} ranks" if ranks > 1 else ""  # (events: every rank's; the figures: one device's)
+        return (f"Timeline({self.plan_name!r}: {len(self.events)} steps{where}; device {s['device']}: {s['steps']} "
+                f"steps, total {s['total_s'] * 1e3:.3f} ms, communication {s['communication_s'] * 1e3:.3f} ms, "
+                f"overlap efficiency {s['overlap_efficiency']:.2f})")
 
     # ---- figures ----------------------------------------------------------------------------
     def summary(self, call: int | None = None) -> dict:
-        """Figures of one device: total_s, first start to last end; communication_s / gemm_s / ...:
-        the time during which some step of that kind runs (overlapping steps on other streams count
+        """Figures of one device: steps, the executed steps that ran on it (len(timeline) counts
+        every rank's); total_s, first start to last end; communication_s / gemm_s / ...: the time
+        during which some step of that kind runs (overlapping steps on other streams count
         once); exposed_communication_s: communication time when no GEMM or other compute runs on
         that device; overlap_efficiency = max(T_comm, T_compute) / T_total (1.0: perfect overlap).
         Communication hides only behind its own device's compute, and ranks' clocks are not
@@ -98,7 +101,7 @@ class Timeline:
                 per.setdefault((e.rank, d), []).append(e)
         figures, device = max(((_figures(ev), key) for key, ev in per.items()), key=lambda f: f[0]["total_s"],
                               default=(_figures([]), None))
-        return {"steps": len(events), **figures, "device": device}
+        return {"steps": len(per.get(device, ())), **figures, "device": device}  # (that device's, not all ranks')
 
     # ---- out ----------------------------------------------------------------------------------
     def to_chrome_trace(self, path=None) -> dict:

@@ -212,6 +212,7 @@ def trace(fn, mesh, specs, streams=4, name=None) -> Program:
     for pname, spec in zip(params, specs):
         v = Value(builder.namer(pname), TensorType(spec.shape, spec.dtype, spec.layout))
         builder.homes.update({v: spec.layout.mesh} if spec.layout is not None and spec.layout.mesh else {})
+        builder.weak.update({v} if spec.weak else set())
         inputs.append(v)
     result = fn(*(Traced(builder, v) for v in inputs))
     results = result if isinstance(result, tuple) else (result,)

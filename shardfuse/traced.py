@@ -13,8 +13,8 @@ import numpy as np
 from shardfuse import constants, dtypes
 from shardfuse.ir import Instr, Namer, TensorType, Value
 from shardfuse.mesh import as_int
-from shardfuse.ops import Op
-from shardfuse.spec import check_axis, normalize_axis
+from shardfuse.ops import ELEMENTWISE, Op
+from shardfuse.spec import check_axis, normalize_axis, reduced_axes
 
 # NumPy function or ufunc -> the same on traced values (and on sf.Array: array_ops): adding an op
 # is one line.  Filled by shardfuse.traced_numpy (imported with the package), which holds the
@@ -35,6 +35,7 @@ class Builder:
         self.homes: dict = {}  # value -> the sub-mesh it lives on, where known when traced
         self.fresh: set = set()  # sf.grad's primals: annotations do not compose through them (JAX's new tracers)
         self.constants: dict = {}  # id(a NumPy array met) -> (it, its value then, its input): shardfuse.constants
+        self.weak: set = set()  # values weakly typed as JAX's: Python scalar arguments, and elementwise ops of them
 
     def constant(self, x):
         """x as a value of this program where it is a NumPy array (shardfuse/constants.py); else x."""
@@ -45,6 +46,8 @@ class Builder:
         ins_ = Instr(op, (out,), tuple(t.value for t in ins), attrs)
         self.instrs.append(ins_)
         self.producer[out] = ins_
+        if ins and op in ELEMENTWISE and all(t.value in self.weak for t in ins):  # (JAX: weak in, weak out)
+            self.weak.add(out)
         lay, homes = getattr(out_type, "layout", None), {self.homes.get(t.value) for t in ins}
         home = lay.mesh if lay is not None else homes.pop() if len(homes) == 1 else None  # (propagation's rule)
         self.homes.update({out: home} if home is not None else {})
@@ -60,6 +63,7 @@ class Traced:
     shape = property(lambda self: self.value.type.shape)
     dtype = property(lambda self: self.value.type.dtype)
     ndim = property(lambda self: len(self.value.type.shape))
+    weak = property(lambda self: self.value in self.builder.weak)  # (a Python scalar argument's: spec.TensorSpec)
     size = property(lambda self: math.prod(self.value.type.shape))
 
     def __getitem__(self, index):
@@ -82,12 +86,12 @@ class Traced:
         return other
 
     def promote_with(self, other, what):
-        """(self, other) cast to their promoted dtype (dtypes.promote_types; float64 for the true
+        """(self, other) cast to their promoted dtype (dtypes.promote_weak; float64 for the true
         division of integers, as NumPy's)."""
         b = self._other(other, what)
-        dt = dtypes.promote_types(self.dtype, b.dtype)
+        dt = dtypes.promote_weak(self.dtype, self.weak, b.dtype, b.weak)
         dt = "float64" if what == Op.DIV and not dtypes.is_float(dt) else dt
-        return self.astype(dt), b.astype(dt)
+        return cast(self, dt), cast(b, dt)
 
     def with_scalar(self, c, to_float=False, rounded=False):
         """(self cast where the scalar's kind needs it, c as a value of that dtype): a Python scalar is
@@ -96,9 +100,9 @@ class Traced:
         name = np.dtype(c.dtype).name if isinstance(c, np.generic) else None
         dt = dtypes.promote_types(self.dtype, name) if name in dtypes.TABLE else dtypes.weak_result(self.dtype, c)
         dt = "float64" if to_float and not dtypes.is_float(dt) else dt
-        x = self.astype(dt)
+        x = cast(self, dt)
         if rounded:  # (a comparison's or maximum's scalar: NumPy 2 rounds it to x's dtype first)
-            return x, as_value(c, dt)
+            return x, dtypes.as_value(c, dt)
         return x, float(c) if dtypes.is_float(dt) else bool(c) if dt == "bool" else int(c)
 
     def elementwise_op(self, op, ins, dtype, **attrs):
@@ -179,7 +183,11 @@ class Traced:
         """x in another dtype (float16, bfloat16, float32, float64, int32, int64, bool), as NumPy's
         astype (floats to integers truncate toward zero); a cast to x's own dtype is x."""
         dt = dtypes.normalize_dtype(dtype)
-        return self if dt == self.dtype else self.unary_op(Op.ASTYPE, dt)
+        if dt == self.dtype and not self.weak:
+            return self
+        out = self.unary_op(Op.ASTYPE, dt)
+        self.builder.weak.discard(out.value)  # (a dtype stated is strong, as JAX's astype, even a weak value's own)
+        return out
 
     def __add__(self, other):
         return self._elementwise(other, Op.ADD)
@@ -344,20 +352,14 @@ _NUMBER = ("a number computed inside sf.jit is known only after the call: return
            "(np.asarray(result)); shapes are static (x.shape)")
 
 
+def cast(x: Traced, dtype: str) -> Traced:
+    """x in dtype for a promotion: weak where x is (astype states a dtype: strong)."""
+    return x if dtype == x.dtype else x.unary_op(Op.ASTYPE, dtype)
+
+
 def is_weak_scalar(x) -> bool:
     """A Python or NumPy scalar, bools included (comparisons, where, maximum)."""
     return is_scalar(x) or isinstance(x, (bool, np.bool_))
-
-
-def as_value(c, dtype: str):
-    """A scalar as the plan stores it beside an array of `dtype`: rounded to that dtype where NumPy 2
-    rounds a weak scalar (so that the kernels of every backend compare and pick the same value)."""
-    if dtype == "bool":
-        return bool(c)
-    if not dtypes.is_float(dtype):
-        return int(c)
-    with np.errstate(over="ignore"):  # (1e5 is inf in float16, as NumPy 2 compares it)
-        return float(dtypes.np_dtype(dtype).type(c)) if dtypes.TABLE[dtype].itemsize < 8 else float(c)
 
 
 SCALAR_OF = {Op.LT: Op.LT_SCALAR, Op.LE: Op.LE_SCALAR, Op.GT: Op.GT_SCALAR, Op.GE: Op.GE_SCALAR,
@@ -367,15 +369,6 @@ SCALAR_OF = {Op.LT: Op.LT_SCALAR, Op.LE: Op.LE_SCALAR, Op.GT: Op.GT_SCALAR, Op.G
 def is_scalar(x) -> bool:
     """A Python or NumPy real number (never a bool: True is not 1.0 here)."""
     return isinstance(x, (int, float, np.integer, np.floating)) and not isinstance(x, (bool, np.bool_))
-
-
-def reduced_axes(axis, ndim: int, shape) -> tuple:
-    """The axes a reduction's axis= names, distinct and in range: every axis for None, one int, or a tuple."""
-    axes = tuple(range(ndim)) if axis is None else axis if isinstance(axis, tuple) else (axis,)
-    axes = tuple(normalize_axis(a, ndim, shape) for a in axes)
-    if len(set(axes)) != len(axes):
-        raise ValueError(f"duplicate value in axis={axis!r}")
-    return axes
 
 
 def describe(v) -> str:

@@ -15,7 +15,7 @@ import numpy as np
 from shardfuse import dtypes
 from shardfuse.ops import Op
 from shardfuse.shape_ops import NUMPY_SHAPES
-from shardfuse.traced import NUMPY, Traced, describe, is_scalar, is_weak_scalar
+from shardfuse.traced import NUMPY, Traced, cast, describe, is_scalar, is_weak_scalar
 
 
 def _apply(fn, what, *args):
@@ -33,7 +33,7 @@ def _apply(fn, what, *args):
 
 def _floating(x):
     """x, cast to a float dtype first where it is an integer or bool array (NumPy's result of sqrt, log ...)."""
-    return x.astype(dtypes.float_result(x.dtype))
+    return cast(x, dtypes.float_result(x.dtype))  # (np.sqrt of a weak int: a weak float, as JAX's)
 
 
 def _math(op):

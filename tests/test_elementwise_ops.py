@@ -329,3 +329,36 @@ def test_numpy_scalars_are_strong_python_scalars_weak():
         got = sf.jit(fn, mesh=mesh)(x)
         assert got.dtype_name == want.dtype.name, (got.dtype_name, want.dtype)
         np.testing.assert_array_equal(got.gather(), want)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float16", "int32", "bool"])
+def test_python_scalar_arguments_are_weak_as_constants(dtype):
+    """A Python scalar passed to sf.jit is weakly typed (JAX's weak type): x op c gives the dtype
+    of x op a Python constant, NumPy 2's (float32 x * 2.5 is float32, int32 x + 3 is int32, int32 x
+    * 2.5 float64 as the constant's rule); a NumPy scalar stays strong.  One plan serves every value."""
+    mesh, rng = sf.DeviceMesh(2), np.random.default_rng(7)
+    x = (rng.uniform(0.5, 4.0, (4, 6)) * rng.choice([-1, 1], (4, 6))).astype(dtype)
+    f = sf.jit(lambda x, c: (x * c, x + c, x < c), mesh=mesh)
+    for c in (2.5, 3, True, -1.75, np.float64(2.5), np.float32(2.5), np.int64(3)):
+        const = sf.jit(lambda x: (x * c, x + c, x < c), mesh=mesh)(x)
+        for got, want_const, want in zip(f(x, c), const, (x * c, x + c, x < c)):
+            assert got.dtype_name == want_const.dtype_name == want.dtype.name, (dtype, repr(c), got.dtype_name)
+            np.testing.assert_array_equal(got.gather(), want)
+    assert f.cache_info()["plans"] == 6  # float, int, bool (weak) and the three NumPy scalars (strong)
+
+
+def test_weak_arguments_stay_weak_through_their_own_ops():
+    """Ops of weak values only are weak (c * 2.0, np.sqrt(n), c / (n + 1)); astype states a dtype
+    (strong, as JAX's), and so does a weak value meeting an array."""
+    mesh, x = sf.DeviceMesh(2), np.random.default_rng(8).standard_normal((4, 6)).astype(np.float32)
+    f = sf.jit(lambda x, c, n: x * (c * 2.0) - np.sqrt(n) / (c + n) + -c, mesh=mesh)
+    got = f(x, 1.5, 3)
+    assert got.dtype_name == "float32"
+    want = x.astype(np.float64) * 3.0 - np.sqrt(3.0) / 4.5 - 1.5
+    np.testing.assert_allclose(got.gather(), want, rtol=1e-6)
+    strong = sf.jit(lambda x, c: x * c.astype("float64"), mesh=mesh)
+    assert strong(x, 1.5).dtype_name == "float64"
+    plan = str(sf.jit(lambda x, c: x * c, mesh=mesh).lower(x, 1.5))
+    assert "(x: f32[4, 6], c: f64[])" in plan and "Astype" in plan, plan  # the cast of c is printed
+    with pytest.raises(TypeError, match=r"weak= is True only for a Python scalar's 0-d spec \(shape \(\)\)"):
+        sf.TensorSpec((2,), "float64", weak=True)

@@ -1,4 +1,4 @@
-"""Issue 31, item 3: basic indexing (ints, slices with negative and omitted bounds and positive steps,
+"""Issue 31, item 3: basic indexing (ints, slices with negative and omitted bounds and any step,
 '...', None) inside sf.jit and on sf.Arrays outside it, and matmul with NumPy's broadcasting
 (1-D operands, batch axes of extent 1 or missing), on a 1-D mesh of 4 and a 2x2 mesh, inputs
 sharded and replicated, against NumPy in float64 on fresh random inputs (buffers poisoned).
@@ -7,6 +7,8 @@ The case bodies (INDEXES, check_index, MATMULS, check_matmul) are shared: tests/
 under mpiexec and tests/test_gpu.py on the CuPy backend.
 """
 from __future__ import annotations
+
+from dataclasses import replace
 
 import numpy as np
 import pytest
@@ -26,6 +28,12 @@ INDEXES = {
     "x[...]": (Ellipsis,), "x[::2, 1:11:3]": (slice(None, None, 2), slice(1, 11, 3)),
     "x[4:, None, ..., 2:]": (slice(4, None), None, Ellipsis, slice(2, None)), "x[:, 5:99]": (slice(None), slice(5, 99)),
     "x[np.int64(2), :, -2]": (np.int64(2), slice(None), -2), "x[3:3]": (slice(3, 3),),
+    # negative steps (reversals), issue 31: a reversed sharded axis is gathered first, as any cut axis
+    "x[::-1]": (slice(None, None, -1),), "x[5:1:-2]": (slice(5, 1, -2),),
+    "x[..., ::-1]": (Ellipsis, slice(None, None, -1)),
+    "x[::-3, 10:2:-4, ::-1]": (slice(None, None, -3), slice(10, 2, -4), slice(None, None, -1)),
+    "x[-1::-2, None, 1]": (slice(-1, None, -2), None, 1), "x[1:5:-1]": (slice(1, 5, -1),),
+    "x[:, -2:-13:-5]": (slice(None), slice(-2, -13, -5)),
 }
 
 # layouts: name -> (mesh shape, spec of x per tensor axis)
@@ -84,6 +92,45 @@ def test_the_plan_prints_the_box():
     assert "  x_1_s: f32[8:DIDx, 4] = SliceArray x, begin=(0, 2), step=(1, 2)\n" in str(plan), str(plan)
 
 
+def test_a_reversal_is_a_view_of_a_whole_axis():
+    """x[::-1] is a SliceArray with a negative step (a view, as NumPy's): of an axis that is whole on
+    every device it stays local, and a reversed sharded axis is gathered first, as any cut axis."""
+    spec, mesh = sf.TensorSpec((8, 12), "float32"), mesh_of(4)
+    local = sf.jit(lambda x: sf.shard(x, axis=0)[:, ::-1] * 2.0, mesh=mesh).lower(spec)
+    assert local.collectives() == {}, str(local)
+    assert "  x_1_s: f32[8:DIDx, 12] = SliceArray x, begin=(0, 11), step=(1, -1)\n" in str(local), str(local)
+    rows = sf.jit(lambda x: sf.shard(x, axis=0)[7:1:-2] * 2.0, mesh=mesh).lower(spec)
+    assert rows.collectives() == {"allgather": 1}
+    assert "SliceArray x_gathered, begin=(7, 0), step=(-2, 1)\n" in str(rows), str(rows)
+    x = sf.shard(random((8, 12), "float64", np.random.default_rng(5)), axis=0, mesh=mesh)
+    assert x[:, ::-1].placements == (sf.Shard(0),) and x[::-1].placements == (sf.Replicate(),)
+
+
+def test_reversed_views_reach_gemms_and_collectives():
+    """A reversed view's strides are negative: a GEMM of it, a collective of it (staged contiguous,
+    printed) and a stream loop beside it give NumPy's values; cuBLAS is never handed a negative
+    batch stride (gemm_layout declines, so the GPU backend stages the operand)."""
+    mesh, rng = mesh_of(4), np.random.default_rng(6)
+    x, w = random((4, 8, 12), "float64", rng), random((12, 6), "float64", rng)
+
+    def f(x, w):
+        x = sf.shard(x, axis=1)
+        a = x[::-1, :, ::-1] @ w[::-1]  # batch, rows and contraction reversed
+        b = sf.replicate(x[..., ::-1])  # an Allgather of a reversed view
+        c = sf.stream(x[:, :, 10:1:-3] @ w[:3], axis=1, chunks=2)
+        return a, b, c
+
+    got = sf.jit(f, mesh=mesh)(x, w)
+    for g, want in zip(got, (x[::-1, :, ::-1] @ w[::-1], x[..., ::-1], x[:, :, 10:1:-3] @ w[:3])):
+        compare(g.gather(), want, "float64")
+    from shardfuse.backends.cuda.gemm_layout import gemm_layout
+    from shardfuse.backends.protocol import Ref
+    a, b, out = (Ref(k, (0,), s, st, "float32") for k, (s, st) in enumerate(
+        [((4, 6, 3), (-18, 3, 1)), ((3, 5), (5, 1)), ((4, 6, 5), (30, 5, 1))]))
+    assert gemm_layout(a, b, out) is None
+    assert gemm_layout(replace(a, strides=(18, 3, 1)), b, out) is not None
+
+
 @pytest.mark.parametrize("spec", [("DIDx",), (None, "DIDx")], ids=["S0", "S1"])
 def test_slices_inside_stream_loops_and_of_pending_sums(spec):
     mesh, rng = mesh_of(4), np.random.default_rng(2)
@@ -111,8 +158,6 @@ def test_a_stream_along_a_cut_axis_is_refused_or_made_whole():
 
 
 REFUSED = [
-    (lambda x: x[::-1], ValueError, r"indexing x \(shape \(8, 12\), float64\): a negative step on axis 0 \(None:None:-1\) "
-                                    r"would reverse it, .* slice with a positive step"),
     (lambda x: x[:, ::0], ValueError, r"slice step cannot be zero"),
     (lambda x: x[1.0], TypeError, r"an index takes ints, slices, '...' and None \(NumPy's basic indexing\), got float"),
     (lambda x: x[[0, 1]], TypeError, r"got list \[0, 1\]; for an integer array index pass a traced int array"),

@@ -216,3 +216,33 @@ def test_split_of_an_sf_array_gathers_its_axis_once():
     for got, want in zip(pieces, np.split(x, 3, axis=1)):
         assert got.placements == (sf.Replicate(),)
         compare(got.gather(), want, "float64")
+
+
+def test_numpy_joins_of_sf_arrays_outside_jit_run_as_shardfuse_ops():
+    """np.concatenate / np.stack of sf.Arrays (beside plain arrays, replicated) are one-op plans, as
+    sf.concatenate's: an sf.Array keeping the sharding of the axes not joined, no gather to the host."""
+    mesh = sf.DeviceMesh(4, backend="numpy")  # (a fresh mesh: its one-op plans are this test's)
+    rng = np.random.default_rng(10)
+    a, b = random((8, 12), "float64", rng), random((4, 12), "float64", rng)
+    xa, xb = sf.shard(a, axis=1, mesh=mesh), sf.shard(b, axis=1, mesh=mesh)
+    cases = [(np.concatenate([xa, xb]), np.concatenate([a, b])), (np.concatenate((xa, b)), np.concatenate([a, b])),
+             (np.concatenate([b, xa], axis=0), np.concatenate([b, a])), (np.stack([xa, a], -1), np.stack([a, a], -1))]
+    for got, want in cases:
+        assert isinstance(got, sf.Array) and got.shape == want.shape and got.placements != (sf.Replicate(),), got
+        compare(got.gather(), want, "float64")
+    ops = [i.op for prog in array_ops.cached_programs(mesh) for i in prog.walk()]
+    assert Op.ALLGATHER not in ops  # the joined axis 0 is whole already: no communication
+
+
+@pytest.mark.parametrize("expr, error, message", [
+    (lambda x: np.concatenate([x, 3.0]), TypeError, r"np.concatenate / sf.concatenate of sf.Arrays: every item must be an "
+                                                    r"array of rank >= 1 .*got float 3.0"),
+    (lambda x: np.concatenate([x, x.sum()]), ValueError, r"every item must be an array of rank >= 1 .*got Array of "
+                                                         r"shape \(\)"),
+    (lambda x: np.stack([x, "x"]), TypeError, r"np.stack / sf.stack of sf.Arrays: every item must be an array .*got str"),
+    (lambda x: np.concatenate([x, x], out=np.empty((16, 12))), TypeError, r"np.concatenate with out=, dtype= or "
+                                                                           r"casting= is not supported"),
+])
+def test_numpy_joins_of_sf_arrays_refuse_what_is_not_an_array(expr, error, message):
+    with pytest.raises(error, match=message):
+        expr(sf.shard(np.ones((8, 12)), axis=0, mesh=mesh_of(4)))

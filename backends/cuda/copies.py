@@ -43,8 +43,11 @@ def as_rows(ref):
         return (1, width, width)
     if width == 1:
         return None
-    # the remaining dims must nest into one pitch
+    # the remaining dims must nest into one pitch, a positive one (memcpy2D's pitches are unsigned;
+    # a reversed axis, x[::-1], has a negative stride: the copy kernel moves it)
     n, s = outer[-1]
+    if s <= 0:
+        return None
     rows = n
     for m, t in reversed(outer[:-1]):
         if t != rows * s:

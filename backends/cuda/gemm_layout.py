@@ -33,6 +33,8 @@ def gemm_layout(a, b, out):
         return [0] * pad + [0 if n == 1 else s for n, s in zip(ref.shape[:-2], ref.strides[:-2])]
 
     ba, bb, bo = batch(a), batch(b), batch(out)
+    if min(ba + bb + bo, default=0) < 0:  # a reversed batch axis (x[::-1]): the caller stages it contiguous
+        return None                       # rather than trust cuBLAS(Lt) batch strides below zero (untested)
     M, K = a.shape[-2:]
     N = out.shape[-1]
     if b.shape[-2] != K or b.shape[-1] != N or out.shape[-2] != M:

@@ -25,7 +25,8 @@ def mesh(request):
 
 @pytest.mark.parametrize("jit", [True, False], ids=["jit", "eager"])
 @pytest.mark.parametrize("spec", ["S0", "S1"])
-@pytest.mark.parametrize("name", ["x[3]", "x[..., 1]", "x[:, -5:-1]", "x[None, 1:3]", "x[::2, 1:11:3]", "x[1, 2, 3]"])
+@pytest.mark.parametrize("name", ["x[3]", "x[..., 1]", "x[:, -5:-1]", "x[None, 1:3]", "x[::2, 1:11:3]", "x[1, 2, 3]",
+                                  "x[::-1]", "x[5:1:-2]", "x[..., ::-1]", "x[::-3, 10:2:-4, ::-1]"])
 def test_index(mesh, name, spec, jit):
     sl.check_index(name, mesh, SPECS[spec], "float32", jit, np.random.default_rng(0))
 
