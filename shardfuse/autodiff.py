@@ -37,6 +37,14 @@ def full_like(x: Traced, value, dtype=None) -> Traced:
     return x.unary_op(Op.FULL_LIKE, dtype or x.dtype, value=value)
 
 
+def stop_gradient(x: Traced) -> Traced:
+    """x, held constant by sf.grad (jax.lax.stop_gradient), in every use of it.  softmax's max shift:
+    its true gradient is zero, and differentiating it would keep the [.., n] scores alive into the
+    backward (for the ties of the max) and add three passes over them."""
+    x.builder.no_gradient.add(x.value)
+    return x
+
+
 def differentiable(dtype: str) -> bool:
     return dtypes.is_float(dtype)
 
@@ -47,7 +55,7 @@ def backward(builder, instrs, wrt, outs, cts) -> list:
     active = {v for v in wrt if differentiable(v.type.dtype)}
     for ins in instrs:
         if ins.op not in NO_GRADIENT and any(v in active for v in ins.ins):
-            active.update(o for o in ins.outs if differentiable(o.type.dtype))
+            active.update(o for o in ins.outs if differentiable(o.type.dtype) and o not in builder.no_gradient)
     grads: dict = {}
     for o, c in zip(outs, cts):
         if o in active:

@@ -138,6 +138,26 @@ def unroll(instrs, env=None):
             yield ins, env
 
 
+def same_program(a: Program, b: Program) -> bool:
+    """Whether two programs are one plan, values compared by name and type (Values are equal only
+    to themselves): sf.jit compiles a plain array and a replicated sf.Array of one shape apart (their
+    specs differ) into the same program, which one plan, bound once, then serves."""
+    def key(x):
+        if isinstance(x, Value):
+            return "value", x.name, x.type
+        if isinstance(x, Instr):
+            return x.op, key(x.outs), key(x.ins), key(x.into), key(x.attrs), key(x.body)
+        if isinstance(x, dict):
+            return "dict", tuple((key(k), key(v)) for k, v in x.items())
+        return tuple(key(e) for e in x) if isinstance(x, (tuple, list)) else x
+
+    def constants(p):  # (NumPy arrays, captured when traced)
+        return [(c.dtype, c.shape, c.tobytes()) for c in p.constants]
+    return (key((a.name, a.streams, a.donated, a.inputs, a.outputs, a.instrs)) == key((b.name, b.streams, b.donated,
+                                                                                        b.inputs, b.outputs, b.instrs))
+            and a.mesh == b.mesh and constants(a) == constants(b))
+
+
 class Namer:
     """Fresh, readable value names: a, a_1, a_2 ..."""
 
@@ -207,7 +227,7 @@ def _fmt(ins: Instr) -> str:
         where = "per call" if a.get("per_call") else (
             "double buffer" if a.get("ring") else "one per stream" if a.get("pool") else "once")
         if "slab" in a:  # storage shared with buffers whose lives do not overlap (passes/reuse.py)
-            where += f", in slab {a['slab']}"
+            where += f", in slab {a['slab']}" + (f", in place of {a['in_place_of']}" if "in_place_of" in a else "")
         if a.get("order"):  # stored with the gathered axis first (see passes/fold.py)
             where += ", rank-major"
         if a.get("blocks"):  # a staging buffer stored as communication reads it (passes/contiguity.py)

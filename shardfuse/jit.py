@@ -25,6 +25,7 @@ from shardfuse.mesh import DeviceMesh, as_int
 from shardfuse.spec import TensorSpec
 from shardfuse.trace import input_names, trace
 from shardfuse.traced import Traced
+from shardfuse.ir import same_program
 from shardfuse.ops import Op
 
 
@@ -142,8 +143,13 @@ class Jitted:
             if plain is None:
                 raise
             prog, why = compile_best(plain, lambda: machine(self.mesh, self.rates))
-        plan = self._plans[specs] = Plan(prog, self.graph, why, self.rates)
-        plan.out_tree = fn.out_tree  # (the structure of fn's result, set as it was traced just now)
+        # a step called with plain arrays, then with its own results (replicated sf.Arrays): two specs,
+        # one program; one plan serves both, so its buffers are bound once (issue 32: not twice a step's)
+        plan = next((p for p in self._plans.values() if same_program(p.program, prog)), None)
+        if plan is None:
+            plan = Plan(prog, self.graph, why, self.rates)
+            plan.out_tree = fn.out_tree  # (the structure of fn's result, set as it was traced just now)
+        self._plans[specs] = plan
         if log.isEnabledFor(logging.INFO):
             loops = [i.attrs["extent"] for i in prog.instrs if i.op == Op.FOR]
             log.info("compiled plan %r for %s in %.1f ms: %d instructions, stream loops of %s chunks, "

@@ -26,6 +26,7 @@ import math
 
 import numpy as np
 
+from shardfuse.autodiff import stop_gradient
 from shardfuse.traced import Traced, describe
 from shardfuse.traced_numpy import exp, gelu, linear, log, maximum, minimum, rsqrt, silu, where
 
@@ -70,7 +71,7 @@ def softmax(x, axis=-1):
     their axis (keepdims), so they broadcast back.  Over a sharded axis the sum is an Allreduce of
     the reduced shape, and the max gathers that axis (until max reduces with an Allreduce)."""
     x, dtype = _widened(x)
-    e = exp(x - x.max(axis, keepdims=True))
+    e = exp(x - stop_gradient(x.max(axis, keepdims=True)))  # (the shift's gradient is zero)
     return (e / e.sum(axis, keepdims=True)).astype(dtype)
 
 
@@ -78,7 +79,7 @@ def softmax(x, axis=-1):
 def log_softmax(x, axis=-1):
     """x - max - log(sum(exp(x - max))) over `axis` (jax.nn.log_softmax)."""
     x, dtype = _widened(x)
-    s = x - x.max(axis, keepdims=True)
+    s = x - stop_gradient(x.max(axis, keepdims=True))  # (the shift's gradient is zero)
     return (s - log(exp(s).sum(axis, keepdims=True))).astype(dtype)
 
 

@@ -123,6 +123,11 @@ LINEAR_UNARY = frozenset({Op.NEG, Op.SCALE, Op.DIV_SCALAR})  # commute with a pe
 LOCAL_REDUCTIONS = frozenset({Op.REDUCE_MAX, Op.REDUCE_MIN})  # of the last axis, which must be whole
 # (a step per device like the elementwise ops: the executor binds these through bind_elementwise)
 ELEMENTWISE = BINARY | NONLINEAR_UNARY | LINEAR_UNARY | LOCAL_REDUCTIONS
+# Steps that may write their result over an operand of its shape (passes/reuse.py): every backend
+# reads element k of each operand before it writes element k (NumPy's where halves and fills write
+# the result first, the order keys in two passes); a fused step is in place when its last op is.
+IN_PLACE = ELEMENTWISE - LOCAL_REDUCTIONS - {Op.WHERE_THEN, Op.WHERE_ELSE, Op.FILL_THEN, Op.FILL_ELSE, Op.ORDER_KEYS,
+                                             Op.FROM_ORDER_KEYS}
 # Collectives: started by one step and completed by its Wait; each has a `team` (mesh axis).
 COLLECTIVES = frozenset({Op.ALLGATHER, Op.ALLREDUCE, Op.REDUCE_SCATTER, Op.ALLTOALL, Op.SENDRECV})
 COMMUNICATION = COLLECTIVES | {Op.TRANSFER}

@@ -5,8 +5,10 @@ done, as large as its largest member.  A call then costs nothing more than with 
 With SHARDFUSE_POISON=1 (tests) a member starts poisoned as a buffer of its own would: a fresh
 buffer is NaN, but a slab holds what its previous member left, which would hide an element a step
 never writes.  So the first step this process issues from where the member's life starts (see
-poison_slabs) first fills the member with poison, on the main stream.  Debugging only: without
-SHARDFUSE_POISON the steps are the plan's, as bound.
+poison_slabs) first fills the member with poison, on the main stream; but not a member written in
+place of a slab-mate (reuse.in_place_pairs, found again in the plan as bound: a plan that lost the
+step writing it in place gets its poison): that step reads the mate there, and writes every element.
+Debugging only: without SHARDFUSE_POISON the steps are the plan's, as bound.
 """
 from __future__ import annotations
 
@@ -18,7 +20,7 @@ from shardfuse.dtypes import poison_value
 from shardfuse.ir import walk
 from shardfuse.steps import mesh_of
 from shardfuse.ops import Op
-from shardfuse.passes.reuse import live_ranges
+from shardfuse.passes.reuse import in_place_pairs, live_ranges
 from shardfuse.strides import ordered_strides
 
 
@@ -40,11 +42,12 @@ def poison_slabs(exe, prog):
     if os.environ.get("SHARDFUSE_POISON") != "1" or not exe.slabs:
         return
     ranges = live_ranges(prog)
+    slab = {i.outs[0]: i.attrs["slab"] for i in prog.instrs if i.op == Op.ALLOCATE and "slab" in i.attrs}
+    over = {r for v, r in in_place_pairs(prog, ranges) if v in slab and slab.get(r) == slab[v]}
     top = {i: k for k, t in enumerate(prog.instrs) for i in walk([t])}
     fills = {}  # index into exe.steps -> the fills to run before it
-    for i in prog.instrs:
-        v = i.outs[0] if i.op == Op.ALLOCATE and "slab" in i.attrs else None
-        if v is None or v not in ranges:
+    for v in slab:
+        if v not in ranges or v in over:
             continue
         start = ranges[v][0]
         # a stream loop's workers wait for an event the main stream records just before it: fill before that

@@ -16,9 +16,8 @@ from shardfuse.mesh import as_int
 from shardfuse.ops import ELEMENTWISE, Op
 from shardfuse.spec import check_axis, normalize_axis, reduced_axes
 
-# NumPy function or ufunc -> the same on traced values (and on sf.Array: array_ops): adding an op
-# is one line.  Filled by shardfuse.traced_numpy (imported with the package), which holds the
-# functions; this module holds the traced values and their methods.
+# NumPy function or ufunc -> the same on traced values (and on sf.Array: array_ops): adding an op is one
+# line.  Filled by shardfuse.traced_numpy (imported with the package), which holds the functions.
 NUMPY: dict = {}
 # "getitem" (x[key]) and "broadcast_matmul" (a @ b with NumPy's broadcasting) on traced values, written with the
 # ops below: shardfuse.shape_ops fills it (it builds on this module)
@@ -34,6 +33,7 @@ class Builder:
         self.producer: dict = {}  # value -> the instruction that made it
         self.homes: dict = {}  # value -> the sub-mesh it lives on, where known when traced
         self.fresh: set = set()  # sf.grad's primals: annotations do not compose through them (JAX's new tracers)
+        self.no_gradient: set = set()  # values sf.grad holds constant (autodiff.stop_gradient)
         self.constants: dict = {}  # id(a NumPy array met) -> (it, its value then, its input): shardfuse.constants
         self.weak: set = set()  # values weakly typed as JAX's: Python scalar arguments, and elementwise ops of them
 

@@ -11,9 +11,9 @@ import os
 import numpy as np
 
 import shardfuse as sf
-from shardfuse.ir import unroll
+from shardfuse.ir import local_shape, unroll
 from shardfuse.layout import Layout
-from shardfuse.ops import COMMUNICATION, VIEWS, Op
+from shardfuse.ops import COMMUNICATION, ELEMENTWISE, VIEWS, Op
 from shardfuse.passes.allocate import view_bases
 
 os.environ.setdefault("SHARDFUSE_POISON", "1")
@@ -293,8 +293,8 @@ def slabs_of(prog) -> dict:
 def check_lives_apart(prog):
     """Independently of the pass: over the steps one call issues (loops unrolled), every buffer's
     first and last use (views included, communication until its Wait); slab-mates never overlap."""
-    base, comm, span = view_bases(prog), {}, {}
-    for k, (i, _) in enumerate(unroll(prog.instrs)):
+    base, comm, span, steps = view_bases(prog), {}, {}, list(unroll(prog.instrs))
+    for k, (i, _) in enumerate(steps):
         if i.op in VIEWS or i.op == Op.ALLOCATE:
             continue
         if i.op in COMMUNICATION:
@@ -306,8 +306,20 @@ def check_lives_apart(prog):
     members = {}
     for v, s in slabs_of(prog).items():
         members.setdefault(s, []).append(v)
+    printed = {i.outs[0]: i.attrs.get("in_place_of") for i in prog.instrs if i.op == Op.ALLOCATE}
     for vs in members.values():
-        lives = sorted(span[v] for v in vs if v in span)
-        for (_, end), (start, _) in zip(lives, lives[1:]):
-            assert end < start, (vs, lives)
+        lives = sorted((span[v], v) for v in vs if v in span)
+        for ((_, end), a), ((start, _), b) in zip(lives, lives[1:]):
+            # or they meet at one step that writes b over a, element for element (passes/reuse.py)
+            assert end < start or (end == start and printed[b] == a.name and _writes_over(steps[end][0], a, b, base, prog.mesh)), \
+                (vs, lives)
     return members
+
+
+def _writes_over(i, a, b, base, mesh) -> bool:
+    """Whether step i reads buffer a itself (no other view of it) and writes buffer b, of a's dtype and local shape, with an elementwise op that reads each element before writing it."""
+    op = i.attrs["expr"].op if i.op == Op.FUSED else i.op
+    return (i.into is b and a in i.ins and all(v is a for v in i.ins if base.get(v, v) is a)
+            and a.type.dtype == b.type.dtype and local_shape(a, mesh) == local_shape(b, mesh)
+            and op in ELEMENTWISE and op not in (Op.WHERE_THEN, Op.WHERE_ELSE, Op.FILL_THEN, Op.FILL_ELSE,
+                                                 Op.REDUCE_MAX, Op.REDUCE_MIN, Op.ORDER_KEYS, Op.FROM_ORDER_KEYS))

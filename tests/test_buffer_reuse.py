@@ -114,8 +114,9 @@ def _chain():
 
 
 def test_values_live_at_once_never_share():
-    """b is written after a, and a is read after that (a * b): they may not share; c, made once
-    both are dead, may take either's slab."""
+    """b is written after a, and a is read after that (a * b): they may not share; a * b may take
+    a's slab only written in place of it (the step reads a's element k before it writes its own),
+    and c, made once both are dead, either's slab."""
     f = sf.jit(lambda x: ((x * 2.0) * (x + 1.0) + 1.0) * 3.0 + x, mesh=sf.DeviceMesh(2, backend="numpy"))
     x = np.arange(8.0).reshape(2, 4)
     np.testing.assert_array_equal(f(x).gather(), ((x * 2.0) * (x + 1.0) + 1.0) * 3.0 + x)
@@ -123,7 +124,10 @@ def test_values_live_at_once_never_share():
     a, b, ab, c = [i.into for i in prog.instrs if i.into is not None][:4]
     slab = slabs_of(prog)
     assert a in slab and c in slab and slab[a] == slab[c]  # a is dead once a * b is computed
-    assert slab.get(b, -1) != slab.get(a, -2) and slab.get(ab, -1) not in (slab.get(a, -2), slab.get(b, -3))
+    assert slab.get(b, -1) != slab.get(a, -2)
+    over = {i.outs[0]: i.attrs.get("in_place_of") for i in prog.instrs if i.op == Op.ALLOCATE}
+    assert slab.get(ab, -1) not in (slab.get(a, -2), slab.get(b, -3)) or over[ab] in (a.name, b.name)
+    assert over[ab] == a.name and over[c] == ab.name  # (as planned: a dies at a * b, a * b at c)
     ranges = live_ranges(prog)
     assert ranges[a][1] >= ranges[b][0]  # (the overlap the plan has)
     check_lives_apart(prog)
@@ -161,10 +165,11 @@ def test_a_collective_keeps_its_buffers_until_its_wait():
 
 
 def test_poisoning_still_catches_an_element_never_written(monkeypatch):
-    """s and s_1 share slab 0 (s = x * 2 is dead once a = s + 1 is made).  A plan whose step writing
-    s_1 is lost would read s's old values there; with SHARDFUSE_POISON the slab is refilled with
-    NaN where s_1's life starts, so the loss shows.  (Without it, old values come out: the test
-    below checks that too, so the poisoning is what catches it.)"""
+    """s and s_1 share slab 0 (s = x * 2 is dead once a = s + 1 is made, in place of s, and s_1 = a * 3
+    is written in place of a).  A plan whose step writing s_1 is lost would read a's old values there;
+    with SHARDFUSE_POISON the slab is refilled with NaN where s_1's life starts (it is no longer
+    written in place, so it gets its poison), so the loss shows.  (Without it, old values come out:
+    the test below checks that too, so the poisoning is what catches it.)"""
     f, x = _chain(), np.arange(8.0).reshape(2, 4)
     prog = f.lower(x).program
     slab = slabs_of(prog)
@@ -175,7 +180,7 @@ def test_poisoning_still_catches_an_element_never_written(monkeypatch):
     assert np.isnan(Plan(broken)(x).gather()).all()
     monkeypatch.setenv("SHARDFUSE_POISON", "0")
     stale = Plan(broken)(x).gather()
-    np.testing.assert_array_equal(stale, np.exp(x * 2.0) + x)  # s's values, read as s_1's
+    np.testing.assert_array_equal(stale, np.exp(x * 2.0 + 1.0) + x)  # a's values, read as s_1's
 
 
 def test_buffers_live_at_the_end_of_a_call_are_not_shared():
@@ -190,7 +195,9 @@ def test_reuse_off_prints_no_slab(monkeypatch):
     plan = without_reuse(monkeypatch, lambda: _chain().lower(np.zeros((2, 4))))
     assert "slab" not in str(plan) and plan.memory()["persistent"] == plan.memory()["unshared"] == 4 * 64
     plan = _chain().lower(np.zeros((2, 4)))
-    assert str(plan).count("in slab 0") == 2 and plan.memory()["persistent"] == 2 * 64
+    # each step of the chain written in place of the one before: one buffer
+    assert str(plan).count("in slab 0") == 4 and str(plan).count("in place of") == 3
+    assert plan.memory()["persistent"] == 64
 
 
 def test_a_stream_switch_outside_a_loop_turns_reuse_off():

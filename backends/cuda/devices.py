@@ -177,11 +177,17 @@ class Devices:
         streams = [(j, self.stream(j, stream)) for j in js]
         ords = self.ordinals
         view = self.view
+        # equal Refs as one CuPy array: a step written in place of its operand (passes/reuse.py) passes
+        # the same object twice, and CuPy copies an input that overlaps an output unless it is that
+        # output (`inp is not out and may_share_bounds`: an allocation per call, refused in a capture)
+        distinct = list(dict.fromkeys(refs))
+        pick = [distinct.index(r) for r in refs]
 
         def step(bufs):
             for j, s in streams:
                 with cupy.cuda.Device(ords[j]), s:
-                    body(j, *[view(bufs, r, j) for r in refs])
+                    views = [view(bufs, r, j) for r in distinct]
+                    body(j, *[views[k] for k in pick])
         return step
 
     def on(self, devices):

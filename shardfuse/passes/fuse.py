@@ -9,6 +9,10 @@ element k of J's result: no broadcast of t).  The fused step reads the chain's o
 (which may broadcast) and writes J's buffer; its `expr` keeps each op's own result dtype, so every
 intermediate is rounded as the unfused step rounded it.  The plan prints it:
 `Fused a_8 <- c_3, const, f, expr=astype(add(where_then(#1, scale(#0, 0.088)), #2))`.
+
+An exact widening cast (bfloat16 or float16 to float32, ...) read by several such steps joins each
+of them (its operand read twice instead of a float32 copy written and held between its readers: a
+backward's cast of 16-bit attention gradients, read by two steps, held 2 GiB in the layer's step).
 """
 from __future__ import annotations
 
@@ -67,6 +71,12 @@ def _dedupe(expr, ins):
 
 
 _FLOATS = {"float16", "bfloat16", "float32", "float64"}
+_EXACT_CASTS = {("bfloat16", "float32"), ("float16", "float32"), ("bfloat16", "float64"), ("float16", "float64"),
+                ("float32", "float64")}
+
+
+def _widening(i) -> bool:
+    return i.op == Op.ASTYPE and (i.ins[0].type.dtype, i.into.type.dtype) in _EXACT_CASTS
 
 
 def _fusable(i) -> bool:
@@ -99,18 +109,23 @@ def fuse_elementwise(prog):
         if _fusable(i):
             while True:  # each operand a single-use chain produced: folded in (the operands renumber)
                 k = next((k for k, v in enumerate(i.ins) if v in producer and i.ins.count(v) == 1
-                          and reads[v] == 1 and v.type.shape == i.into.type.shape), None)
+                          and (reads[v] == 1 or _widening(instrs[producer[v]])) and v.type.shape == i.into.type.shape),
+                         None)
                 if k is None:
                     break
-                v, p = i.ins[k], producer.pop(i.ins[k])
+                v, p = i.ins[k], producer[i.ins[k]]
                 inner, inner_ins = _expr_of(instrs[p])
                 outer, outer_ins = _expr_of(i)
                 ins = outer_ins[:k] + outer_ins[k + 1:]
                 expr = _substitute(outer, k, inner, len(ins))
                 expr, ins = _dedupe(expr, ins + inner_ins)
                 i = instrs[n] = i.__class__(Op.FUSED, (), tuple(ins), {"expr": expr}, into=i.into)
-                instrs[p] = None
-                dropped.add(v)
+                # (a cast read by several steps: dropped once the last has taken it in)
+                if reads[v] == 1 or not any(v in j.ins for j in walk([j for j in instrs if j is not None])
+                                            if j is not instrs[p]):
+                    del producer[v]
+                    instrs[p] = None
+                    dropped.add(v)
             v = i.into
             if v in once and v not in viewed and v not in outputs:
                 producer[v] = n

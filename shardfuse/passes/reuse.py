@@ -11,8 +11,13 @@ Liveness is taken over the plan's top-level instructions as they run, streams in
   wait for an event the main stream records just before it, and the loop ends by joining them
   back to the main stream (checked below), so outside loops all work runs on the main stream, in
   order, and a later step on it never overtakes an earlier one;
-- two buffers share a slab only if one's last touch is strictly before the other's first (an
-  instruction reading one and writing the other does not make them share: a GEMM is not in place).
+- two buffers share a slab only if one's last touch is strictly before the other's first, or the
+  one instruction where they meet writes the second in place of the first (`in_place_pairs`): an
+  elementwise or fused step whose operand is that buffer itself (no view of it among its operands),
+  of the result's dtype, local shape and storage order, dying there; every backend reads element k
+  of such an operand before writing element k of the result (NumPy's ufuncs and a fused step's
+  last op with `out=`, CuPy's kernels), as XLA's buffer assignment shares an elementwise op's
+  operand.  A GEMM is never in place, nor where's halves (NumPy fills the result first).
 Only top-level buffers made once are shared: per-call buffers (the outputs) go to the caller, and
 pools and double buffers are already shared by design.  Nothing a buffer holds at the end of a call
 is read by the next (outputs are per call), so sharing across calls is safe too.
@@ -30,7 +35,7 @@ from dataclasses import replace
 
 from shardfuse.dtypes import TABLE
 from shardfuse.ir import local_shape, walk
-from shardfuse.ops import COMMUNICATION, Op
+from shardfuse.ops import COMMUNICATION, IN_PLACE, Op
 from shardfuse.passes.allocate import output_roots, view_bases
 
 
@@ -79,6 +84,26 @@ def live_ranges(prog) -> dict:
     return ranges
 
 
+def in_place_pairs(prog, ranges) -> set:
+    """{(operand, result)}: top-level buffers made once where instruction k, the operand's last
+    touch and the result's first, may write the result over the operand (module doc)."""
+    base = view_bases(prog)
+    made = {i.outs[0]: i.attrs for i in prog.instrs if shareable(i)}
+    pairs = set()
+    for k, i in enumerate(prog.instrs):
+        op = i.attrs["expr"].op if i.op == Op.FUSED else i.op
+        out = i.into
+        if op not in IN_PLACE or out not in made or ranges.get(out, (-1,))[0] != k:
+            continue
+        for v in set(i.ins):
+            if (v in made and ranges[v][1] == k and v.type.dtype == out.type.dtype
+                    and local_shape(v, prog.mesh) == local_shape(out, prog.mesh)
+                    and made[v].get("order") == made[out].get("order") and not (made[v].get("blocks") or made[out].get("blocks"))
+                    and all(u is v for u in i.ins if base.get(u, u) is v)):
+                pairs.add((v, out))
+    return pairs
+
+
 def nbytes(v, mesh) -> int:
     """Bytes of v's piece on one device."""
     return math.prod(local_shape(v, mesh)) * TABLE[v.type.dtype].itemsize
@@ -90,11 +115,13 @@ def assign_slabs(prog) -> dict:
     outs = output_roots(prog)
     cands = [i.outs[0] for i in prog.instrs if shareable(i) and i.outs[0] in ranges and i.outs[0] not in outs]
     order = {v: k for k, v in enumerate(cands)}
+    pairs = in_place_pairs(prog, ranges)
+
+    def apart(m, v):
+        return ranges[m][1] < ranges[v][0] or ranges[v][1] < ranges[m][0] or (m, v) in pairs or (v, m) in pairs
     slabs = []  # (dtype, size in bytes, members)
     for v in sorted(cands, key=lambda v: (-nbytes(v, prog.mesh), order[v])):
-        s, e = ranges[v]
-        fits = [sl for sl in slabs if sl[0] == v.type.dtype
-                and all(ranges[m][1] < s or e < ranges[m][0] for m in sl[2])]
+        fits = [sl for sl in slabs if sl[0] == v.type.dtype and all(apart(m, v) for m in sl[2])]
         if fits:
             min(fits, key=lambda sl: sl[1])[2].append(v)
         else:
@@ -108,8 +135,11 @@ def reuse_buffers(prog):
     if os.environ.get("SHARDFUSE_REUSE", "1") == "0" or not _streams_rejoin(prog):
         return prog.with_instrs(prog.instrs, "reuse_buffers")
     slab = assign_slabs(prog)
-    out = [replace(i, attrs={**i.attrs, "slab": slab[i.outs[0]]}) if i.op == Op.ALLOCATE and i.outs[0] in slab
-           else i for i in prog.instrs]
+    # printed: `d_2 = Allocate f32[8, 4]  (once, in slab 3, in place of d)`
+    over = {r: v.name for v, r in in_place_pairs(prog, live_ranges(prog)) if r in slab and slab.get(v) == slab[r]}
+    out = [replace(i, attrs={**i.attrs, "slab": slab[i.outs[0]], **({"in_place_of": over[i.outs[0]]}
+                                                                     if i.outs[0] in over else {})})
+           if i.op == Op.ALLOCATE and i.outs[0] in slab else i for i in prog.instrs]
     return prog.with_instrs(out, "reuse_buffers")
 
 

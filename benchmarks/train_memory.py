@@ -1,0 +1,73 @@
+"""The layer's training step as benchmarks/layer_vs_torch.py --train compiles it, planned on one NumPy
+device (CPU, nothing allocated): plan.memory() and its largest buffers, slab by slab (issue 32).
+
+    python benchmarks/train_memory.py                        # hidden 4096, 32 heads, seq 2048, batch 4, bf16
+    SHARDFUSE_FUSE=1 python benchmarks/train_memory.py       # fused chains, as the GPU row was measured
+    python benchmarks/train_memory.py --hidden 256 --seq 128  # every buffer / 256 (tests/test_train_memory.py)
+"""
+from __future__ import annotations
+
+import argparse
+
+import numpy as np
+
+import shardfuse as sf
+from shardfuse.ops import Op
+from shardfuse.passes.reuse import nbytes
+from shardfuse.transformer import PARAMS
+
+
+def train_step(heads, b1=0.9, b2=0.999, lr=1e-4, eps=1e-8):
+    """layer_vs_torch.sf_train_step: value_and_grad of the layer's squared error, then Adam."""
+    def step(p, m, v, x, t):
+        loss, g = sf.value_and_grad(lambda p: ((sf.nn.transformer_layer(p, x, heads) - t) ** 2).mean())(p)
+        m = {k: m[k] * b1 + g[k] * (1 - b1) for k in p}
+        v = {k: v[k] * b2 + g[k] * g[k] * (1 - b2) for k in p}
+        p = {k: p[k] - m[k] * (lr / (1 - b1)) / (np.sqrt(v[k] * (1 / (1 - b2))) + eps) for k in p}
+        return p, m, v, loss
+    return step
+
+
+def specs(hidden, seq, batch, dtype):
+    h = hidden
+    shapes = {"wq": (h, h), "wk": (h, h), "wv": (h, h), "wo": (h, h), "w1": (h, 4 * h), "w2": (4 * h, h), "b1": (4 * h,)}
+    p = {k: sf.TensorSpec(shapes.get(k, (h,)), dtype) for k in PARAMS}
+    x = sf.TensorSpec((batch, seq, h), dtype)
+    return p, dict(p), dict(p), x, x
+
+
+def slabs(prog):
+    """(bytes, slab or '-', members) of every buffer made once, largest first."""
+    groups, rows = {}, []
+    for i in prog.instrs:
+        if i.op == Op.ALLOCATE and not i.attrs.get("per_call"):
+            if "slab" in i.attrs:
+                groups.setdefault(i.attrs["slab"], []).append(i.outs[0])
+            else:
+                rows.append((nbytes(i.outs[0], prog.mesh) * i.attrs.get("pool", 1), "-", [i.outs[0]]))
+    rows += [(max(nbytes(v, prog.mesh) for v in vs), k, vs) for k, vs in groups.items()]
+    return sorted(rows, key=lambda r: -r[0])
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--hidden", type=int, default=4096)
+    ap.add_argument("--heads", type=int, default=32)
+    ap.add_argument("--seq", type=int, default=2048)
+    ap.add_argument("--batch", type=int, default=4)
+    ap.add_argument("--dtype", default="bfloat16")
+    ap.add_argument("--top", type=int, default=12, help="how many of the largest slabs to list")
+    args = ap.parse_args()
+    mesh = sf.DeviceMesh(1, backend="numpy")
+    plan = sf.jit(train_step(args.heads), mesh=mesh, donate_argnums=(0, 1, 2)).lower(
+        *specs(args.hidden, args.seq, args.batch, args.dtype))
+    m = plan.memory()
+    print(f"hidden={args.hidden} heads={args.heads} seq={args.seq} batch={args.batch} {args.dtype}: "
+          + ", ".join(f"{k} {v / 2**30:.3f} GiB" for k, v in m.items()))
+    for b, k, vs in slabs(plan.program)[:args.top]:
+        names = ", ".join(f"{v.name} {v.type.dtype}{list(v.type.shape)}" for v in vs)
+        print(f"  {b / 2**30:6.3f} GiB  slab {k}: {names[:160]}")
+
+
+if __name__ == "__main__":
+    main()
