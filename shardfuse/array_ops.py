@@ -95,7 +95,8 @@ def reshard(x, layout: Layout):
         check_divides(x.shape, ax, over, layout.home(x.mesh))  # (the reshard table's own refusal says less)
 
     def redistribute(v):
-        return v.builder.emit(Op.SET, (v,), TensorType(v.shape, v.dtype, layout), v.value.name, annotation=True)
+        lay = layout.on(layout.home(v.builder.mesh))  # (an sf.Array's layout, on the mesh it names)
+        return v.builder.emit(Op.SET, (v,), TensorType(v.shape, v.dtype, lay), v.value.name, annotation=True)
 
     return run(redistribute, (x,), (Op.SET, layout), "redistribute")
 

@@ -104,9 +104,8 @@ def _unbroadcast(ct: Traced, shape) -> Traced:
 
 
 def _home(x: Traced):
-    """The sub-mesh x lives on (None: the program's whole mesh)."""
-    home = x.builder.homes.get(x.value)
-    return None if home == x.builder.mesh else home
+    """The mesh x lives on: a sub-mesh, or the program's."""
+    return x.builder.homes.get(x.value) or x.builder.mesh
 
 
 def _set(ins, xs, out, ct, instrs):
@@ -141,7 +140,7 @@ def _streamed_like(ins, a, b, da, out, instrs):
         return da
     axis, chunks = streamed
     lay = known_layout(a.builder, a.value)
-    if axis >= out.ndim - 1 or lay is None or lay.mesh is not None or lay.partial:
+    if axis >= out.ndim - 1 or lay is None or lay.mesh != a.builder.mesh or lay.partial:
         return da
     shards = math.prod(a.builder.mesh.axis_size(n) for n in mesh_axes(lay.axes[axis]))
     if chunks == "auto" and shards > 1 or isinstance(chunks, int) and a.shape[axis] % (chunks * shards):
@@ -157,7 +156,7 @@ def _regathered(a: Traced, ct: Traced):
     itself the planner would move the larger operand (an AllToAll of dH, then a ReduceScatter).
     A mesh axis sharding the rows of both (data parallel) stays: the product pends a sum over it."""
     la, lc = known_layout(a.builder, a.value), known_layout(ct.builder, ct.value)
-    if la is None or lc is None or la.mesh is not None or lc.mesh is not None:
+    if la is None or lc is None or la.mesh != a.builder.mesh or lc.mesh != a.builder.mesh:
         return a, ct
     rows = lambda lay: {n for e in lay.axes[:-1] for n in mesh_axes(e)}  # noqa: E731
     last = lambda lay: set(mesh_axes(lay.axes[-1]))  # noqa: E731
@@ -166,7 +165,7 @@ def _regathered(a: Traced, ct: Traced):
         clash = rows(lay) & last(other)
         if clash:
             lay = Layout(tuple(axis_entry(n for n in mesh_axes(e) if n not in clash) for e in lay.axes[:-1])
-                         + (lay.axes[-1],))
+                         + (lay.axes[-1],), mesh=lay.mesh)
             x = pin(x, lay)
         out.append(x)
     return tuple(out)

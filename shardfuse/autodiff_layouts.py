@@ -41,10 +41,10 @@ def known_layout(builder, v):
             return p.outs[0].type.layout
         if p.op in (Op.TRANSPOSE, Op.RESHAPE, Op.MATMUL):  # (views and products: as propagation infers them)
             lays = [known_layout(builder, i) for i in p.ins]
-            if any(lay is None or lay.mesh is not None for lay in lays):
+            if any(lay is None or lay.mesh != builder.mesh for lay in lays):
                 return None
             try:
-                return whole(rules.infer(p, lays, builder.mesh).on(None))
+                return whole(rules.infer(p, lays, builder.mesh).on(builder.mesh))
             except ValueError:  # (a reshape no sharding maps: the compiler gathers, and says so)
                 return None
         same = [i for i in p.ins if i.type.shape == v.type.shape and p.op in ELEMENTWISE]

@@ -131,7 +131,7 @@ def communication_of(i, mesh) -> tuple:
     """(bytes, team size) of a communication instruction, as collective_time takes them."""
     if i.op == Op.TRANSFER:
         return _nbytes(i.ins[0], mesh), 2
-    d = i.ins[0].type.layout.home(mesh).axis_size(i.attrs["team"])
+    d = i.ins[0].type.layout.mesh.axis_size(i.attrs["team"])
     return _nbytes(i.into if i.op == Op.ALLGATHER else i.ins[0], mesh), d
 
 

@@ -353,7 +353,7 @@ class Executable:
             else:
                 ref = self.refs[v]
                 shards = [self.backend.view(bufs, ref, j) for j in range(self.ndev)]
-            outs.append((v.type.layout, shards, whole is not None))
+            outs.append((v.type.layout.held_by(self.prog.mesh), shards, whole is not None))
         return outs
 
 

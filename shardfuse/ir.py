@@ -200,8 +200,13 @@ def substitute(instrs, mapping: dict):
 
 # ---- printing: one instruction per line; a line that defines a value shows its type ----
 
-def _typed(v: Value) -> str:
-    return f"{v.name}: {v.type}"
+def _type_text(t, home=None) -> str:
+    """A value's type, a tensor's sub-mesh shown where it is not `home` (the program's mesh)."""
+    return format_type(t.shape, t.dtype, t.layout, home=home) if isinstance(t, TensorType) else str(t)
+
+
+def _typed(v: Value, home=None) -> str:
+    return f"{v.name}: {_type_text(v.type, home)}"
 
 
 def _attrs(a: dict, skip=()) -> str:
@@ -218,7 +223,7 @@ _STREAM_FORMATS = {
 }
 
 
-def _fmt(ins: Instr) -> str:
+def _fmt(ins: Instr, home=None) -> str:
     a, op = ins.attrs, ins.op
     ins_s = ", ".join(v.name for v in ins.ins)
     if op == Op.FOR:
@@ -234,7 +239,7 @@ def _fmt(ins: Instr) -> str:
             where += ", as {1} blocks of axis {0}".format(*a["blocks"])
         v = ins.outs[0]
         pool = f"{a['pool']} x " if a.get("pool") else ""
-        return f"{v.name} = Allocate {pool}{v.type}  ({where})"
+        return f"{v.name} = Allocate {pool}{_type_text(v.type, home)}  ({where})"
     if op in _STREAM_FORMATS:
         out = ins.outs[0].name if ins.outs else ""
         if op in (Op.RECORD_EVENT, Op.WAIT_EVENT) and "index" in a:  # one event per loop step
@@ -244,7 +249,7 @@ def _fmt(ins: Instr) -> str:
         name = {Op.SLICE: "Slice", Op.SHARD_SLICE: "ShardSlice", Op.VIEW: "View", Op.SELECT: "Select",
                 Op.TRANSPOSE: "Transpose", Op.SLICE_ARRAY: "SliceArray"}[op]
         extra = _attrs(a, skip=("shape", "when"))
-        return f"{_typed(ins.outs[0])} = {name} {ins_s}" + (f", {extra}" if extra else "")
+        return f"{_typed(ins.outs[0], home)} = {name} {ins_s}" + (f", {extra}" if extra else "")
     if ins.into is not None:  # host-level compute and communication write into a buffer
         name = {Op.MATMUL: "Matmul", Op.SUM: "Sum", Op.COPY: "Copy",
                 Op.ALLGATHER: "Allgather", Op.ALLREDUCE: "Allreduce", Op.REDUCE_SCATTER: "ReduceScatter", Op.ALLTOALL: "AllToAll",
@@ -258,7 +263,7 @@ def _fmt(ins: Instr) -> str:
         return f"{lhs}{name} {ins.into.name} <- {rhs}{extra}"
     # array-level (traced) ops; a scheduled one marks its output's stream axis, with the chunks
     sched = a.get(SCHEDULE)
-    outs = ", ".join(f"{v.name}: {format_type(v.type.shape, v.type.dtype, v.type.layout, sched and sched.axis)}"
+    outs = ", ".join(f"{v.name}: {format_type(v.type.shape, v.type.dtype, v.type.layout, sched and sched.axis, home)}"
                      for v in ins.outs)
     shown = {k: v for k, v in a.items() if k != SCHEDULE}
     if sched is not None and sched.chunks is not None:
@@ -269,24 +274,24 @@ def _fmt(ins: Instr) -> str:
     return f"{outs} = {op}({ins_s}{extra})"
 
 
-def format_instrs(instrs, indent: int = 1) -> list:
+def format_instrs(instrs, indent: int = 1, home=None) -> list:
     lines = []
     for ins in instrs:
         when = ins.attrs.get("when")
         guard = f"[{' '.join(map(str, when))}] " if when else ""
-        lines.append("  " * indent + guard + _fmt(ins))
-        lines.extend(format_instrs(ins.body, indent + 1))
+        lines.append("  " * indent + guard + _fmt(ins, home))
+        lines.extend(format_instrs(ins.body, indent + 1, home))
     return lines
 
 
 def format_program(prog: Program) -> str:
-    ins = ", ".join(_typed(v) for v in prog.inputs)
-    outs = ", ".join(_typed(v) for v in prog.outputs)
+    ins = ", ".join(_typed(v, prog.mesh) for v in prog.inputs)
+    outs = ", ".join(_typed(v, prog.mesh) for v in prog.outputs)
     mesh = " x ".join(f"{n}={s}" for n, s in zip(prog.mesh.axis_names, prog.mesh.shape))
     head = [f"plan {prog.name}({ins}) -> ({outs})", f"  # mesh {mesh}, streams={prog.streams}"]
     if prog.constants:
         names = ", ".join(v.name for v in prog.inputs[len(prog.inputs) - len(prog.constants):])
         head.append(f"  # constants: {names} (NumPy arrays captured when traced; the plan binds them at each call)")
-    body = format_instrs(prog.instrs)
+    body = format_instrs(prog.instrs, home=prog.mesh)
     tail = ["  return " + ", ".join(v.name for v in prog.outputs)]
     return "\n".join(head + body + tail)

@@ -86,9 +86,14 @@ class Layout:
         return replace(self, mesh=mesh)
 
     def home(self, mesh):
-        """The mesh the value lives on: its sub-mesh, else `mesh` (the program's).  The one place
-        where a layout's mesh None means the program's whole mesh."""
+        """The mesh the value lives on.  Inside the compiler every layout names its mesh; an
+        sf.Array's layout names only a sub-mesh, None meaning the array's own mesh `mesh` (the one
+        place that convention is read; `held_by` writes it)."""
         return mesh if self.mesh is None else self.mesh
+
+    def held_by(self, mesh) -> "Layout":
+        """The layout as an sf.Array on `mesh` states it: mesh None where it lives on `mesh` itself."""
+        return self.on(None) if self.mesh == mesh else self
 
     def sharding(self, mesh) -> Sharding:
         """The same, on the mesh the value lives on (see home)."""
@@ -106,10 +111,11 @@ def _entry_text(entry) -> str:
     return f"({','.join(entry)})" if isinstance(entry, tuple) else entry
 
 
-def format_type(shape, dtype, layout, stream=None) -> str:
+def format_type(shape, dtype, layout, stream=None, home=None) -> str:
     """`f32[8, 4:DIDx, 16, 32]`: extents, with the mesh axes of sharded axes; `stream`, the axis
     the producing instruction's schedule streams (printed `:Stream`, `:DIDx+Stream` where sharded
-    too: nvFuser's parallel types)."""
+    too: nvFuser's parallel types); `@devices(...)` where the value lives on another mesh than
+    `home` (the program's; None: its root mesh)."""
     short = short_name(dtype)
     if layout is None:
         return f"{short}[{', '.join(map(str, shape))}] ?"
@@ -117,7 +123,7 @@ def format_type(shape, dtype, layout, stream=None) -> str:
     if stream is not None:
         dims[stream] += f"+{STREAM}" if layout.axes[stream] is not None else f":{STREAM}"
     text = f"{short}[{', '.join(dims)}]"
-    if layout.mesh is not None:
+    if layout.mesh is not None and layout.mesh != (home or layout.mesh.root):
         text += f" @devices{layout.mesh.devices}"
     if layout.partial:
         op = "" if layout.partial_op == Reduce.SUM else f"{layout.partial_op}: "

@@ -160,7 +160,7 @@ def check_args(prog, args, backend, accepted: set, infos=None) -> list:
             if arg.shape != v.type.shape or arg.dtype_name != v.type.dtype:
                 raise ValueError(f"{v.name}: expected shape {v.type.shape} and dtype {v.type.dtype}, got an "
                                  f"sf.Array of shape {arg.shape} and dtype {arg.dtype_name}")
-            if arg.sharding != lay:
+            if arg.sharding != lay.held_by(prog.mesh):
                 raise ValueError(f"{v.name}: plan expects layout {lay.placements(prog.mesh)}, "
                                  f"got {arg.sharding.placements(prog.mesh)}")
             accepted.add(key)

@@ -369,17 +369,12 @@ def rule(op: str, what: str):
     return RULES[op][what]
 
 
-def _on_home(lay, mesh):
-    return lay.on(lay.home(mesh))
-
-
 def infer(instr, lays, mesh):
-    """The layout instr's rule infers for its output from its inputs' layouts, each on the mesh
-    it lives on (`mesh`, the program's, for a layout that names none)."""
-    return RULES[instr.op]["infer"](instr, [_on_home(lay, mesh) for lay in lays])
+    """The layout instr's rule infers for its output from its inputs' layouts (each names the mesh
+    it lives on)."""
+    return RULES[instr.op]["infer"](instr, list(lays))
 
 
 def require(instr, out, lays, mesh):
-    """(the input layouts instr's rule needs, the layout it then produces) for output layout `out`;
-    layouts on their meshes as in infer."""
-    return RULES[instr.op]["require"](instr, _on_home(out, mesh), [_on_home(lay, mesh) for lay in lays])
+    """(the input layouts instr's rule needs, the layout it then produces) for output layout `out`."""
+    return RULES[instr.op]["require"](instr, out, list(lays))

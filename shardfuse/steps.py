@@ -69,7 +69,7 @@ def stream_of(i, env, stream):
 def mesh_of(v, prog):
     """The mesh value v lives on: its sub-mesh (a pipeline stage), else the program's mesh.  (The one
     place the steps, and the executor through them, read a value's mesh.)"""
-    return v.type.layout.mesh or prog.mesh
+    return v.type.layout.mesh
 
 
 def devices_of(i, prog, started) -> tuple:
@@ -97,7 +97,7 @@ def issue_order(prog):
         if i.op in NO_STEP:
             yield i, env, None
             continue
-        text = format_instrs([i], indent=0)[0]
+        text = format_instrs([i], indent=0, home=prog.mesh)[0]
         where = ", ".join(f"{n}={v}" for n, v in env.items())
         yield i, env, PlanStep(k, f"{text}  [{where}]" if where else text, i.op, kind_of(i.op), stream, i, env,
                                devices_of(i, prog, started))

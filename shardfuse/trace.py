@@ -18,9 +18,9 @@ from shardfuse.traced import Builder, Traced
 
 
 def _sub_mesh(builder, mesh):
-    """None for the program's own mesh; a checked sub-mesh of it otherwise."""
+    """The mesh a value is placed on: the program's own (mesh=None), or a checked sub-mesh of it."""
     if mesh is None or mesh == builder.mesh:
-        return None
+        return builder.mesh
     if not isinstance(mesh, DeviceMesh):
         raise TypeError(f"mesh= must be an sf.DeviceMesh (the program's mesh or a sub-mesh of it), "
                         f"got {type(mesh).__name__}")
@@ -57,7 +57,7 @@ def _annotated_so_far(x: Traced):
     if prev is not None and prev.attrs.get("annotation") and x.value not in x.builder.fresh:
         return Traced(x.builder, prev.ins[0]), prev.outs[0].type.layout, dict(prev.attrs)
     home = x.builder.homes.get(x.value)
-    return x, Layout.replicated(x.ndim).on(None if home == x.builder.mesh else home), {"annotation": True}
+    return x, Layout.replicated(x.ndim).on(home or x.builder.mesh), {"annotation": True}
 
 
 def _streamed(x: Traced, layout: Layout, sched, ax: int, chunks, algorithm) -> Schedule:
@@ -74,15 +74,14 @@ def _streamed(x: Traced, layout: Layout, sched, ax: int, chunks, algorithm) -> S
 
 
 def _placed(x: Traced, layout: Layout, sched, ax: int, over, sub) -> Layout:
-    """layout with axis ax sharded over `over`, on `sub` (None: the program's whole mesh)."""
+    """layout with axis ax sharded over `over`, on `sub` (the program's mesh or a sub-mesh)."""
     if layout.mesh != sub:  # moved to another mesh: its sharding there is what this annotation states
         layout = Layout((None,) * layout.ndim, mesh=sub)
-    mesh = sub or x.builder.mesh
-    over = normalize_over(over, mesh)  # an unknown mesh axis name fails first
+    over = normalize_over(over, sub)  # an unknown mesh axis name fails first
     if sched is not None and sched.axis == ax and sched.chunks is None:
         raise ValueError(f"axis {ax} of {x.value.name}{x.shape} is streamed without chunks=: it cannot be sharded "
                          "too")
-    check_divides(x.shape, ax, over, mesh)
+    check_divides(x.shape, ax, over, sub)
     return layout.sharded(ax, over)
 
 
@@ -112,8 +111,8 @@ def to_mesh(x: Traced, mesh, axis: int | None = None, over: str | None = None):
     layout = Layout.replicated(x.ndim).on(sub)
     if axis is not None:
         ax = normalize_axis(axis, x.ndim, x.shape)
-        over = over or (sub or x.builder.mesh).axis_names[-1]
-        check_divides(x.shape, ax, over, sub or x.builder.mesh)
+        over = over or sub.axis_names[-1]
+        check_divides(x.shape, ax, over, sub)
         layout = layout.with_axis(ax, over)
     return x.builder.emit(Op.SET, (x,), TensorType(x.shape, x.dtype, layout), x.value.name + "_moved")
 
@@ -210,8 +209,9 @@ def trace(fn, mesh, specs, streams=4, name=None) -> Program:
     params = input_names(fn, len(specs))
     inputs = []
     for pname, spec in zip(params, specs):
-        v = Value(builder.namer(pname), TensorType(spec.shape, spec.dtype, spec.layout))
-        builder.homes.update({v: spec.layout.mesh} if spec.layout is not None and spec.layout.mesh else {})
+        lay = None if spec.layout is None else spec.layout.on(spec.layout.home(mesh))  # (an sf.Array's: see array.py)
+        v = Value(builder.namer(pname), TensorType(spec.shape, spec.dtype, lay))
+        builder.homes.update({v: lay.mesh} if lay is not None else {})
         builder.weak.update({v} if spec.weak else set())
         inputs.append(v)
     result = fn(*(Traced(builder, v) for v in inputs))

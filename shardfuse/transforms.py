@@ -88,7 +88,7 @@ class _Forward:
         stated = {i.outs[0].type.layout for i in uses if i.op == Op.SET and i.attrs.get("annotation")}
         if len(stated) == 1 and all(i.op == Op.SET for i in uses):
             return stated.pop()
-        return Layout.replicated(x.ndim)
+        return Layout.replicated(x.ndim).on(self.builder.mesh)
 
 
 def _check_primals(leaves, what, where):

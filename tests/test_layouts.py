@@ -48,8 +48,8 @@ def test_seed_function_on_an_input_already_sharded_on_the_stream_axis():
 
 def test_verify_refuses_a_slice_across_shards():
     mesh = _mesh()
-    x = Value("x", TensorType((16, 8), "float64", Layout(("DIDx", None))))
-    xi = Value("x_i", TensorType((1, 8), "float64", Layout(("DIDx", None))))
+    x = Value("x", TensorType((16, 8), "float64", Layout(("DIDx", None), mesh=mesh)))
+    xi = Value("x_i", TensorType((1, 8), "float64", Layout(("DIDx", None), mesh=mesh)))
     from shardfuse.ir import Program
 
     loop = Instr(Op.FOR, attrs={"var": "i", "extent": 16, "results": {}},

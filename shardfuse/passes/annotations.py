@@ -39,7 +39,7 @@ def fold_annotations(prog):
     for v in prog.inputs:
         if v.type.layout is None:
             first = next((i for i in live if _is_annotation(i) and i.ins[0] is v), None)
-            lay = first.outs[0].type.layout if first else Layout.replicated(v.type.ndim)
+            lay = first.outs[0].type.layout if first else Layout.replicated(v.type.ndim).on(prog.mesh)
             mapping[v] = Value(v.name, v.type.with_layout(lay))
     inputs = tuple(mapping.get(v, v) for v in prog.inputs)
     instrs = substitute(live, mapping)

@@ -92,7 +92,7 @@ def _step_at(instrs, k, mesh):
     a, w = instrs[k], instrs[k + 1]
     if a.op != Op.ALLREDUCE or "when" in a.attrs or w.op != Op.WAIT or w.ins != a.outs:
         return None
-    if shard_count(a.attrs["team"], a.ins[0].type.layout.home(mesh)) < 2:
+    if shard_count(a.attrs["team"], a.ins[0].type.layout.mesh) < 2:
         return None
     return a, w
 

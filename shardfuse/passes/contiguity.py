@@ -43,7 +43,7 @@ def comm_blocks(i, mesh) -> tuple:
                 (a["axis"], len(a["from"])) if a["kind"] == "Gather" else None)
     if i.op not in (Op.ALLGATHER, Op.REDUCE_SCATTER, Op.ALLTOALL):
         return None, None
-    d = shard_count(a["team"], i.ins[0].type.layout.home(mesh))
+    d = shard_count(a["team"], i.ins[0].type.layout.mesh)
     if i.op == Op.ALLGATHER:
         return None, (a["axis"], d)
     if i.op == Op.REDUCE_SCATTER:

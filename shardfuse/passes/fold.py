@@ -30,7 +30,7 @@ def fold_collectives(prog):
 
 
 def _team_size(i, prog):
-    return shard_count(i.attrs["team"], i.ins[0].type.layout.home(prog.mesh))
+    return shard_count(i.attrs["team"], i.ins[0].type.layout.mesh)
 
 
 def _fold(instrs, prog, ctx):

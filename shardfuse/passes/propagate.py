@@ -27,7 +27,7 @@ def propagate_sharding(prog):
         for o in i.outs:
             if o.type.layout is None:
                 lay = infer(Instr(i.op, i.outs, ins, i.attrs), [v.type.layout for v in ins], prog.mesh)
-                o2 = Value(o.name, o.type.with_layout(lay.on(_common_mesh(i, ins))))
+                o2 = Value(o.name, o.type.with_layout(lay.on(_common_mesh(i, ins, prog.mesh))))
                 inferred.add(o2)
             else:
                 o2 = o
@@ -39,15 +39,15 @@ def propagate_sharding(prog):
     return prog.with_instrs(out, "propagate_sharding", outputs=outputs)
 
 
-def _common_mesh(i, ins):
+def _common_mesh(i, ins, mesh):
     """An unannotated result lives where its operands live; operands on different sub-meshes
     need an explicit move (sf.shard / sf.replicate with mesh=)."""
     meshes = {v.type.layout.mesh for v in ins}
     if len(meshes) > 1:
-        names = ", ".join(f"{v.name} on {v.type.layout.mesh or 'the whole mesh'}" for v in ins)
+        names = ", ".join(f"{v.name} on {v.type.layout.mesh}" for v in ins)
         raise ValueError(f"{i.op}: operands live on different meshes ({names}); move one with "
                          f"sf.replicate(x, mesh=...) or sf.shard(x, ..., mesh=...)")
-    return meshes.pop() if meshes else None
+    return meshes.pop() if meshes else mesh
 
 
 def _refines(want, have) -> bool:
@@ -97,8 +97,8 @@ def _one_refinement(instrs, outputs, inferred, consumers, mesh):
             # the producer must make `want` from its inputs with local slices at most
             trial = Instr(p.op, (Value(o.name, o.type.with_layout(want)),), p.ins, p.attrs)
             req, produced = require(trial, want, [v.type.layout for v in p.ins], mesh)
-            if produced != want:
+            if produced.on(want.mesh) != want:  # (a rule's layouts name no mesh: the caller's is theirs)
                 continue
-            if all(r == v.type.layout or _refines(r, v.type.layout) for r, v in zip(req, p.ins)):
+            if all(r.on(v.type.layout.mesh) == v.type.layout or _refines(r, v.type.layout) for r, v in zip(req, p.ins)):
                 return o, Value(o.name, o.type.with_layout(want))
     return None

@@ -52,7 +52,7 @@ def _ring_block(mm, gather, prog, namer):
     team = a.type.layout.axes[ka]
     if team is None:
         raise ValueError(f"algorithm='ring' streams axis {k} of {c.name}, but {a.name} is not sharded on axis {ka}")
-    if c.type.layout.mesh is not None or a.type.layout.mesh is not None:
+    if c.type.layout.mesh != prog.mesh or a.type.layout.mesh != prog.mesh:
         raise ValueError(f"algorithm='ring' on a value of a sub-mesh ({c.name}) is not supported: use the default "
                          "algorithm there, or the ring on the whole mesh")
     if isinstance(team, tuple) and len(team) > 1:

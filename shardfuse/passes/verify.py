@@ -30,6 +30,7 @@ def _check_local_shape(v, prog):
     t = v.type
     if not hasattr(t, "layout") or t.layout is None:
         return
+    _check(t.layout.mesh is not None, f"{v.name}: {t}: a layout in the plan names no mesh")
     sh = t.layout.sharding(prog.mesh)
     both = {n for d in sh.dims for n in d} & set(sh.partial)
     _check(not both, f"{v.name}: {t}: mesh axis {sorted(both)} both shards it and pends a sum")
