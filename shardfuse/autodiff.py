@@ -13,6 +13,13 @@ annotated value is pinned to its placement.  A schedule moves across a matmul: t
 gradient of a streamed GEMM is streamed over the same axis and chunks (an AllGather+GEMM's
 backward is a GEMM+ReduceScatter pipelined as the forward was; TransformerEngine's and
 Megatron's sequence-parallel backward).
+
+The weight gradient of a matmul whose input the forward gathered needs that input gathered again
+(`_regathered`).  `remat="regather"` (the default, Megatron's and TransformerEngine's) gathers it
+again in the backward; `remat="keep"` marks that re-gather `keep=True`, and the compiler
+(passes/keep.py) has the stream loop that gathered it first (the forward's) keep each chunk, so
+the weight gradient reads that instead of gathering again (what a `jax.checkpoint` policy that
+saves the gathered input does).
 """
 from __future__ import annotations
 
@@ -49,9 +56,20 @@ def differentiable(dtype: str) -> bool:
     return dtypes.is_float(dtype)
 
 
-def backward(builder, instrs, wrt, outs, cts) -> list:
+REMAT = ("regather", "keep")  # what a weight gradient does with a gathered input: gather it again, keep it
+
+
+def check_remat(remat, what: str):
+    if remat not in REMAT:
+        raise ValueError(f"{what}(remat=...) must be 'regather' (the backward gathers a streamed matmul's input "
+                         f"again for its weight gradient: less memory) or 'keep' (it reads the gathered input "
+                         f"the forward kept: one Allgather fewer, the gathered input held), got {remat!r}")
+
+
+def backward(builder, instrs, wrt, outs, cts, remat="regather") -> list:
     """The cotangents of the values `wrt` (None where no path leads from them to `outs`), given
-    the cotangents `cts` (Traced) of `outs`, through `instrs` (the forward, as recorded)."""
+    the cotangents `cts` (Traced) of `outs`, through `instrs` (the forward, as recorded); `remat`:
+    whether a weight gradient gathers the forward's input again or reads the one it kept (REMAT)."""
     active = {v for v in wrt if differentiable(v.type.dtype)}
     for ins in instrs:
         if ins.op not in NO_GRADIENT and any(v in active for v in ins.ins):
@@ -70,7 +88,8 @@ def backward(builder, instrs, wrt, outs, cts) -> list:
                                       f"{ins.op}({', '.join(v.name for v in ins.ins)})); shardfuse differentiates "
                                       f"{', '.join(sorted(map(str, VJP)))}")
         ins_t = [Traced(builder, v) for v in ins.ins]
-        for v, g in zip(ins.ins, rule(ins, ins_t, Traced(builder, ins.outs[0]), ct, instrs)):
+        opts = {"keep": remat == "keep"} if ins.op == Op.MATMUL else {}  # (the one rule with a choice)
+        for v, g in zip(ins.ins, rule(ins, ins_t, Traced(builder, ins.outs[0]), ct, instrs, **opts)):
             if g is not None and v in active:
                 _accumulate(grads, v, g)
     return [grads.get(v) for v in wrt]
@@ -120,12 +139,12 @@ def _set(ins, xs, out, ct, instrs):
     return [ct]
 
 
-def _matmul(ins, xs, out, ct, instrs):
+def _matmul(ins, xs, out, ct, instrs, keep=False):
     a, b = xs
     da = _unbroadcast(ct @ b.swapaxes(-1, -2), a.shape)
     # every batch of a met the one b: a batched product summed over the batch axes (not one GEMM of
     # a reshaped to rows: merging a batch axis sharded over dp with rows sharded over tp is no layout)
-    a_, ct_ = _regathered(a, ct)
+    a_, ct_ = _regathered(a, ct, keep)
     db = _unbroadcast(a_.swapaxes(-1, -2) @ ct_, b.shape)
     return [_streamed_like(ins, a, b, da, out, instrs), db]
 
@@ -149,12 +168,15 @@ def _streamed_like(ins, a, b, da, out, instrs):
                           annotation=True, hint=True, **scheduled({}, Schedule(axis, chunks)))
 
 
-def _regathered(a: Traced, ct: Traced):
+def _regathered(a: Traced, ct: Traced, keep=False):
     """(a, ct) for the weight gradient a^T ct, the rows of one gathered where a mesh axis shards the
     rows of one and the columns of the other (the sequence-parallel case: x's tokens and dH's
     columns over tp).  Megatron and TransformerEngine gather the activation again there; left to
     itself the planner would move the larger operand (an AllToAll of dH, then a ReduceScatter).
-    A mesh axis sharding the rows of both (data parallel) stays: the product pends a sum over it."""
+    A mesh axis sharding the rows of both (data parallel) stays: the product pends a sum over it.
+    keep: each such gather is marked `keep=True`, for passes/keep.py to read what an earlier loop
+    gathered instead: the forward's AllGather+GEMM's of a, the backward's of ct (a row-parallel
+    dgrad gathers it chunk by chunk just before, as TransformerEngine's Userbuffers keeps dY)."""
     la, lc = known_layout(a.builder, a.value), known_layout(ct.builder, ct.value)
     if la is None or lc is None or la.mesh != a.builder.mesh or lc.mesh != a.builder.mesh:
         return a, ct
@@ -166,7 +188,7 @@ def _regathered(a: Traced, ct: Traced):
         if clash:
             lay = Layout(tuple(axis_entry(n for n in mesh_axes(e) if n not in clash) for e in lay.axes[:-1])
                          + (lay.axes[-1],), mesh=lay.mesh)
-            x = pin(x, lay)
+            x = pin(x, lay, keep=keep)
         out.append(x)
     return tuple(out)
 

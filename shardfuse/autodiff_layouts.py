@@ -13,14 +13,15 @@ from shardfuse.schedule import scheduled
 from shardfuse.traced import Traced
 
 
-def pin(ct: Traced, layout: Layout, name: str | None = None) -> Traced:
+def pin(ct: Traced, layout: Layout, name: str | None = None, keep: bool = False) -> Traced:
     """ct annotated with `layout` (an annotation, so printed and verified as one); ct itself where
-    an annotation already pinned it there."""
+    an annotation already pinned it there.  keep: the gather this pin makes may read what the
+    forward gathered (sf.grad's remat="keep", passes/keep.py)."""
     p = ct.builder.producer.get(ct.value)
     if p is not None and p.op == Op.SET and p.attrs.get("annotation") and p.outs[0].type.layout == layout:
         return ct
     return ct.builder.emit(Op.SET, (ct,), TensorType(ct.shape, ct.dtype, layout), name or ct.value.name,
-                           annotation=True)
+                           annotation=True, **({"keep": True} if keep else {}))
 
 
 def whole(layout):

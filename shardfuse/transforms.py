@@ -9,6 +9,12 @@ JAX runs grad eagerly.  Arguments and results are pytrees (a model's parameters 
 Each gradient has its primal's layout: the layout the argument arrived in (a weight sharded S(1)
 over tp gets a gradient S(1) over tp; a weight replicated over a data-parallel axis gets its
 gradient summed over that axis), JAX's and DTensor's rule.
+
+`remat=` chooses what the weight gradient of a streamed AllGather+GEMM reads: "regather" (the
+default) gathers the forward's input again in the backward, Megatron's choice (less memory);
+"keep" reads the input the forward gathered, kept chunk by chunk as its loop gathers it (one
+Allgather fewer per gathered input, that input held from the forward to the backward), what a
+`jax.checkpoint` policy that saves it does.
 """
 from __future__ import annotations
 
@@ -17,7 +23,7 @@ import weakref
 
 from shardfuse import tree
 from shardfuse.array import Array
-from shardfuse.autodiff import backward, differentiable, full_like
+from shardfuse.autodiff import backward, check_remat, differentiable, full_like
 from shardfuse.autodiff_layouts import pin, whole
 from shardfuse.jit import Jitted
 from shardfuse.layout import Layout
@@ -53,7 +59,8 @@ def _signature(fn):
 class _Forward:
     """A traced call of fn on primals made fresh values, its instructions kept for the backward."""
 
-    def __init__(self, fn, primals: tuple, wrt: list, what: str, has_aux: bool):
+    def __init__(self, fn, primals: tuple, wrt: list, what: str, has_aux: bool, remat: str = "regather"):
+        self.remat = remat
         self.builder = wrt[0].builder if wrt else _traced_leaves(primals)[0].builder
         self.wrt = wrt
         self.builder.fresh.update(x.value for x in wrt)
@@ -69,7 +76,8 @@ class _Forward:
 
     def cotangents(self, outs: list, cts: list) -> list:
         """The cotangent of each primal in wrt, in its input's layout (zeros where none reaches it)."""
-        grads = backward(self.builder, self.instrs, [x.value for x in self.wrt], [o.value for o in outs], cts)
+        grads = backward(self.builder, self.instrs, [x.value for x in self.wrt], [o.value for o in outs], cts,
+                         self.remat)
         res = []
         for x, g in zip(self.wrt, grads):
             g = full_like(x, 0.0) if g is None else g
@@ -104,14 +112,16 @@ def _check_primals(leaves, what, where):
 class _Grad:
     """sf.grad / sf.value_and_grad of fn."""
 
-    def __init__(self, fn, argnums, has_aux, with_value):
+    def __init__(self, fn, argnums, has_aux, with_value, remat):
+        self.what = "sf.value_and_grad" if with_value else "sf.grad"
+        check_remat(remat, self.what)
         if not callable(fn):
             raise TypeError(f"sf.grad differentiates a function, got {type(fn).__name__}")
         nums = (argnums,) if isinstance(argnums, int) else tuple(argnums)
         if not nums or not all(isinstance(n, int) and not isinstance(n, bool) for n in nums):
             raise TypeError(f"argnums must be an int or a tuple of ints, got {argnums!r}")
         self.fn, self.argnums, self.nums, self.has_aux, self.with_value = fn, argnums, nums, has_aux, with_value
-        self.what = "sf.value_and_grad" if with_value else "sf.grad"
+        self.remat = remat
         self.__name__ = f"{'value_and_grad' if with_value else 'grad'}_{_name(fn)}"
         self.__signature__ = _signature(fn)
         self._compiled: dict = {}  # (mesh, streams, graph) -> the sf.jit of this function
@@ -136,7 +146,7 @@ class _Grad:
         for k, (leaves, _) in zip(self.nums, trees):
             _check_primals(leaves, self.what, f"argument {k}")
             wrt += leaves
-        fwd = _Forward(self.fn, args, wrt, self.what, self.has_aux)
+        fwd = _Forward(self.fn, args, wrt, self.what, self.has_aux, self.remat)
         out = fwd.out
         if not isinstance(out, Traced) or out.shape != () or not differentiable(out.dtype):
             got = describe(out) if isinstance(out, Traced) else type(out).__name__
@@ -151,29 +161,33 @@ class _Grad:
         return (g, fwd.aux) if self.has_aux else g
 
 
-def grad(fn, argnums=0, has_aux=False):
+def grad(fn, argnums=0, has_aux=False, remat="regather"):
     """The gradient of fn (which returns a float scalar) with respect to argument `argnums` (an
     int, or a tuple of them: a tuple of gradients), as jax.grad: a function of fn's arguments
     returning gradients with the arguments' structure and layouts.  has_aux=True: fn returns
-    (loss, aux) and the result is (gradient, aux)."""
-    return _Grad(fn, argnums, has_aux, with_value=False)
+    (loss, aux) and the result is (gradient, aux).  remat="regather" (default): a streamed
+    AllGather+GEMM's weight gradient gathers its input again; "keep": it reads the input the
+    forward gathered (one Allgather fewer, more memory held; the module docstring)."""
+    return _Grad(fn, argnums, has_aux, with_value=False, remat=remat)
 
 
-def value_and_grad(fn, argnums=0, has_aux=False):
-    """(fn's value, its gradient), as jax.value_and_grad: one forward, one backward."""
-    return _Grad(fn, argnums, has_aux, with_value=True)
+def value_and_grad(fn, argnums=0, has_aux=False, remat="regather"):
+    """(fn's value, its gradient), as jax.value_and_grad: one forward, one backward; remat as sf.grad's."""
+    return _Grad(fn, argnums, has_aux, with_value=True, remat=remat)
 
 
-def vjp(fn, *primals, has_aux=False):
+def vjp(fn, *primals, has_aux=False, remat="regather"):
     """(fn(*primals), vjp_fn), as jax.vjp: vjp_fn(cotangent), the cotangent with the structure of
     fn's output, returns a tuple with a cotangent per primal (None for an integer or boolean one,
     where JAX gives float0 zeros).  Inside sf.jit the backward is
     appended to the program; outside, vjp_fn runs a plan that computes the forward again (the
-    primals are kept, never the activations)."""
+    primals are kept, never the activations).  remat as sf.grad's (outside jit: in the pullback's
+    plan, which computes the forward again)."""
+    check_remat(remat, "sf.vjp")
     if _traced_leaves(primals):
-        return _vjp_traced(fn, primals, has_aux)
+        return _vjp_traced(fn, primals, has_aux, remat)
     key = _mesh_options(fn, primals, "sf.vjp")
-    fwd, pullback = _compiled_vjp(fn, has_aux, key)
+    fwd, pullback = _compiled_vjp(fn, has_aux, key, remat)
     out = fwd(*primals)
 
     def vjp_fn(cotangent):
@@ -182,26 +196,26 @@ def vjp(fn, *primals, has_aux=False):
     return (out[0], vjp_fn, out[1]) if has_aux else (out, vjp_fn)
 
 
-VJP_PLANS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # fn -> {(has_aux, mesh...): jitted pair}
+VJP_PLANS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # fn -> {(has_aux, remat, mesh...): jitted pair}
 
 
-def _compiled_vjp(fn, has_aux, key):
+def _compiled_vjp(fn, has_aux, key, remat):
     """(fn's forward, its pullback) as sf.jit functions, made once per function and mesh (their
     plans once per input specs), so sf.vjp in a loop compiles nothing after its first call."""
     made = VJP_PLANS.setdefault(fn, {})
-    if (has_aux, key) not in made:
-        made[has_aux, key] = (fn if isinstance(fn, Jitted) else Jitted(fn, *key),
-                              Jitted(Pullback(fn, has_aux), *key))
-    return made[has_aux, key]
+    if (has_aux, remat, key) not in made:
+        made[has_aux, remat, key] = (fn if isinstance(fn, Jitted) else Jitted(fn, *key),
+                                     Jitted(Pullback(fn, has_aux, remat), *key))
+    return made[has_aux, remat, key]
 
 
-def _vjp_traced(fn, primals, has_aux):
+def _vjp_traced(fn, primals, has_aux, remat="regather"):
     leaves, in_tree = tree.flatten(primals)
     for x in leaves:
         if not isinstance(x, Traced):
             raise TypeError(f"sf.vjp: a primal is a {type(x).__name__}; it takes arrays (and pytrees of them)")
     wrt = [x for x in leaves if differentiable(x.dtype)]  # (integer and boolean primals: cotangent None)
-    fwd = _Forward(fn, primals, wrt, "sf.vjp", has_aux)
+    fwd = _Forward(fn, primals, wrt, "sf.vjp", has_aux, remat)
     out_leaves, out_tree = tree.flatten(fwd.out)
 
     def vjp_fn(cotangent):
@@ -222,10 +236,10 @@ def _vjp_traced(fn, primals, has_aux):
 class Pullback:
     """(primals, cotangent) -> vjp_fn(cotangent): what sf.vjp's vjp_fn compiles outside jit."""
 
-    def __init__(self, fn, has_aux):
-        self.fn, self.has_aux = fn, has_aux
+    def __init__(self, fn, has_aux, remat="regather"):
+        self.fn, self.has_aux, self.remat = fn, has_aux, remat
         self.__name__ = f"vjp_{_name(fn)}"
 
     def __call__(self, primals, cotangent):
-        return _vjp_traced(self.fn, tuple(primals), self.has_aux)[1](cotangent)
+        return _vjp_traced(self.fn, tuple(primals), self.has_aux, self.remat)[1](cotangent)
 

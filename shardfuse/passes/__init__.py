@@ -7,6 +7,7 @@ from shardfuse.passes.cse import share_resharding
 from shardfuse.passes.donate import donate_buffers
 from shardfuse.passes.fold import fold_collectives
 from shardfuse.passes.fuse import fuse_elementwise
+from shardfuse.passes.keep import keep_gathered_inputs
 from shardfuse.passes.lower import lower_to_host
 from shardfuse.passes.pipeline import form_stream_loops, mark_stream_intermediates
 from shardfuse.passes.propagate import propagate_sharding
@@ -27,6 +28,7 @@ PIPELINE = (
     lower_ring,
     form_stream_loops,
     lower_to_host,
+    keep_gathered_inputs,
     bucket_allreduces,
     allocate_buffers,
     fold_collectives,

@@ -37,6 +37,8 @@ def _lower(instrs, namer, mesh, results=()):
         elif i.op == Op.SET:
             y = i.outs[0]
             steps = _lower_set(i.ins[0], y, namer, mesh)
+            if i.attrs.get("keep"):  # (sf.grad's remat="keep": its gather may read the forward's, passes/keep.py)
+                steps = [replace(s, attrs={**s.attrs, "keep": True}) if s.op == Op.ALLGATHER else s for s in steps]
             if y in results and steps[-1].op == Op.SHARD_SLICE:
                 # a chunk that leaves its loop is written into its result; a ShardSlice only views
                 view = Value(namer(y.name + "_view"), y.type)
