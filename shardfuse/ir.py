@@ -190,9 +190,9 @@ def _attrs(a: dict, skip=()) -> str:
 
 _STREAM_FORMATS = {
     Op.GET_STREAM: "{out} = GetCurrentStream",
-    Op.SET_STREAM: "SetCurrentStream {stream}",
-    Op.SYNCHRONIZE: "Synchronize {stream}",
-    Op.RECORD_EVENT: "{out} = RecordEvent {stream}",
+    Op.SET_STREAM: "SetCurrentStream {stream!r}",
+    Op.SYNCHRONIZE: "Synchronize {stream!r}",
+    Op.RECORD_EVENT: "{out} = RecordEvent {stream!r}",
     Op.WAIT_EVENT: "WaitEvent {ins}",
     Op.WAIT: "Wait {ins}",
 }

@@ -164,8 +164,9 @@ def test_3a_no_op_name_strings_outside_ops():
 def test_3c_every_op_prints():
     from shardfuse.ir import Instr, TensorType, Value, format_instrs
     from shardfuse.layout import Layout
+    from shardfuse.streams import MAIN
     a, b, y, buf = (Value(n, TensorType((4, 4), "float32", Layout.replicated(2))) for n in ("a", "b", "y", "buf"))
-    attrs = {"var": "i", "extent": 2, "axis": 0, "to_axis": 1, "team": "DIDx", "stream": "main", "index": 0,
+    attrs = {"var": "i", "extent": 2, "axis": 0, "to_axis": 1, "team": "DIDx", "stream": MAIN, "index": 0,
              "kind": "SendRecv", "shift": 1, "perm": (1, 0), "from": (0,), "to": (0,), "value": 2.0}
     writes, bad = ops.COMMUNICATION | ops.ELEMENTWISE | {Op.MATMUL, Op.SUM, Op.COPY, Op.TAKE, Op.FUSED}, []  # (into a buffer)
     for level, group in (("host", ops.HOST), ("array", ops.ARRAY)):
@@ -200,7 +201,7 @@ def test_3e_verify_rejects_an_op_that_is_not_an_op():
     raise AssertionError(f"verify accepted Instr(op={str(i.op)!r}): a str, not an ops.Op")
 
 # ---- 4. layering --------------------------------------------------------------------------------
-BOTTOM = {f"shardfuse.{m}" for m in ("dtypes", "ops", "strides", "mesh", "placements", "sharding", "layout", "schedule", "spec",
+BOTTOM = {f"shardfuse.{m}" for m in ("dtypes", "ops", "strides", "mesh", "placements", "sharding", "layout", "schedule", "streams", "spec",
                                     "faults", "fault_messages")}
 BOTTOM_THIRD_PARTY = {"numpy", "mpi4py", "ml_dtypes", "cupy"}  # besides the standard library (cupy: mesh.gpu_count)
 RUN_TIME = {f"shardfuse.{m}" for m in ("executor", "jit", "plan", "array", "api", "runtime")} | {"shardfuse"}  # (re-exports)
@@ -394,7 +395,8 @@ def test_8_ir_attributes_are_plain_data():
     from shardfuse.layout import Layout
     from shardfuse.passes import PIPELINE
     from shardfuse.schedule import Schedule
-    ok_types, bad = (Op, ops.Expr, Idx, Layout, Schedule, Value, sf.DeviceMesh), []
+    from shardfuse.streams import Stream
+    ok_types, bad = (Op, ops.Expr, Idx, Layout, Schedule, Stream, Value, sf.DeviceMesh), []
     for d in (1, 4):
         for name, f, args, _ in _golden(d):
             prog = trace(f.fn, f.mesh, [sf.TensorSpec(a.shape, "float64") for a in args], f.streams)

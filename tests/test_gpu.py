@@ -23,7 +23,7 @@ NGPU = gpu_count()
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(NGPU == 0, reason="CuPy sees no GPU")]
 
 import shardfuse as sf  # noqa: E402
-from shardfuse.backends.protocol import Ref, contiguous_strides  # noqa: E402
+from shardfuse.backends.protocol import MAIN, Ref, contiguous_strides  # noqa: E402
 from shardfuse.dtypes import np_dtype  # noqa: E402
 from shardfuse.runtime import backend_of  # noqa: E402
 
@@ -334,7 +334,7 @@ def test_gemm_views(mesh, case, dtype):
     rc = Ref(2, (0,) * nd, osh, _strided(osh, oo), dtype)
     out = be.empty((int(np.prod(osh)),), dtype)
     bufs = [placed(a, ao), placed(b, bo), out]
-    step = be.bind_matmul(ra, rb, rc, "main")
+    step = be.bind_matmul(ra, rb, rc, MAIN)
     step(bufs)
     for j in range(nd):  # at D = 4 on one GPU the devices' GEMMs may be one batched call: every one
         check(be.to_host([be.view(bufs, rc, j)])[0], np.matmul(f64(a), f64(b)), dtype)
