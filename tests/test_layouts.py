@@ -53,7 +53,7 @@ def test_verify_refuses_a_slice_across_shards():
     xi = Value("x_i", TensorType((1, 8), "float64", Layout(("DIDx", None))))
     from shardfuse.ir import Program
 
-    loop = Instr(Op.FOR, attrs={"var": "i", "extent": 16, "results": {}},
+    loop = Instr(Op.FOR, attrs={"var": "i", "extent": 16},
                  body=(Instr(Op.SET_STREAM, attrs={"stream": Stream(0)}),
                        Instr(Op.SLICE, (xi,), (x,), {"axis": 0, "index": Idx("i")}),
                        Instr(Op.SET_STREAM, attrs={"stream": MAIN})))

@@ -108,7 +108,7 @@ def _ring_block(mm, gather, prog, namer):
         Instr(Op.SYNCHRONIZE, attrs={"stream": Stream(comm)}),
         Instr(Op.SYNCHRONIZE, attrs={"stream": Stream(compute)}),
     )
-    loop = Instr(Op.FOR, attrs={"var": "i", "extent": d, "results": {}, "scheduled": True}, body=body)
+    loop = Instr(Op.FOR, attrs={"var": "i", "extent": d, "scheduled": True}, body=body)
     return [
         Instr(Op.ALLOCATE, (pool,), attrs={"pool": 2, "ring": True}),
         Instr(Op.SELECT, (first,), (pool,), {"index": 0}),
