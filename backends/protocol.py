@@ -32,10 +32,11 @@ from typing import Callable, Protocol, Union, runtime_checkable
 from shardfuse import strides
 from shardfuse.strides import contiguous_strides, reshape_strides  # noqa: F401 (part of the protocol)
 from shardfuse.ops import Reduce
+from shardfuse.streams import MAIN, Stream  # noqa: F401 (part of the protocol)
 
 # ---- streams, teams, steps -------------------------------------------------------------------
-MAIN = "main"  # the stream the caller issues on (worker streams are ints 0 .. streams - 1)
-StreamId = Union[str, int]  # MAIN or a worker index
+# A step's stream is a streams.Stream: MAIN (the backend's own stream, fenced with the caller's)
+# or Stream(k), worker k of 0 .. streams - 1 (`stream.index`); compared by value, hashable.
 # A collective runs over a mesh axis of the program's mesh (its name), or, for a value on a
 # sub-mesh, (sub-mesh, axis name) on backends whose `submesh_teams` is True.
 Team = Union[str, tuple]

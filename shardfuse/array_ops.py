@@ -17,7 +17,6 @@ from __future__ import annotations
 import math
 import operator
 import threading
-from collections import OrderedDict
 
 import numpy as np
 
@@ -29,14 +28,15 @@ from shardfuse.ir import TensorType
 from shardfuse.layout import Layout
 from shardfuse.ops import Op
 from shardfuse.passes import compile_program
+from shardfuse.plan_cache import PlanCache
 from shardfuse.spec import TensorSpec, check_divides, reduced_axes
 from shardfuse.traced import NUMPY, Traced, is_weak_scalar
 from shardfuse.shape_ops import NUMPY_SHAPES, expand_index, getitem as shape_getitem
 from shardfuse.traced_numpy import absolute
 
 MAX_PLANS = 256  # one-op plans kept per mesh (a plan holds its buffers)
-STATS = {"compiled": 0, "reused": 0}  # across meshes: what cache_info() reports
-_LOCK = threading.Lock()  # the caches are shared by threads (each plan call takes its own lock)
+STATS = {"compiled": 0, "reused": 0}  # across meshes (every mesh's PlanCache counts here): cache_info()
+_LOCK = threading.Lock()  # every mesh's cache, shared by threads (each plan call takes its own lock)
 
 
 def cache_info() -> dict:
@@ -49,7 +49,22 @@ def cached_programs(mesh) -> list:
     plans = mesh.op_plan_cache
     if plans is None:
         return []
-    return [exe.prog for exe in plans.values()]
+    return [exe.prog for exe in plans.snapshot().values()]
+
+
+def _plans_of(mesh) -> PlanCache:
+    """The one-op plans of `mesh`: a PlanCache this module makes and alone fills, kept in the
+    mesh object's declared `op_plan_cache` rather than in a table here weakly keyed by the mesh.
+    A bound plan reaches its mesh (its program names it; its backend holds it), and Python has
+    no ephemerons: a WeakKeyDictionary's value that reaches its key keeps the key alive for ever
+    (a module-level table is always reachable), and a plan cannot hold its mesh weakly while its
+    backend and program hold it.  Kept on the mesh, mesh and plans are one cycle that the garbage
+    collector frees together (tests/test_architecture.py, test_9).  (mesh.py says the same.)"""
+    with _LOCK:
+        plans = mesh.op_plan_cache
+        if plans is None:
+            plans = mesh.op_plan_cache = PlanCache(MAX_PLANS, _LOCK, stats=STATS)
+        return plans
 
 
 def run(fn, args: tuple, key, name: str):
@@ -66,19 +81,8 @@ def run(fn, args: tuple, key, name: str):
                                   "sf.jit run on whole meshes there; jit on the whole mesh and place the value on the "
                                   "sub-mesh inside it (sf.to_mesh, or sf.shard / sf.replicate with mesh=)")
     specs = tuple(a.spec if isinstance(a, ArrayOps) else TensorSpec(*_shape_dtype(a)) for a in args)
-    with _LOCK:
-        plans = mesh.op_plan_cache  # on the mesh object: its plans die with it (mesh.py says why)
-        if plans is None:
-            plans = mesh.op_plan_cache = OrderedDict()
-        exe = plans.get((key, specs))
-        if exe is None:
-            exe = plans[key, specs] = Executable(compile_program(trace.trace(fn, mesh, specs, streams=1, name=name)))
-            STATS["compiled"] += 1
-            if len(plans) > MAX_PLANS:
-                plans.popitem(last=False)
-        else:
-            plans.move_to_end((key, specs))
-            STATS["reused"] += 1
+    exe = _plans_of(mesh).get((key, specs), lambda: Executable(
+        compile_program(trace.trace(fn, mesh, specs, streams=1, name=name))))
     ((lay, shards, whole),) = exe(*args, *exe.prog.constants)  # (constants: made from shapes alone, as np.arange(n))
     v = exe.prog.outputs[0]
     return type(arrays[0])(mesh, v.type.shape, v.type.dtype, lay, shards, whole)

@@ -21,7 +21,7 @@ from itertools import accumulate
 from shardfuse.dtypes import TABLE
 from shardfuse.ir import TensorType, local_shape
 from shardfuse.ops import COMMUNICATION, ELEMENTWISE, Op
-from shardfuse.steps import event_key, index_of, plan_steps
+from shardfuse.steps import event_key, plan_steps
 from shardfuse.timeline import Event, Timeline
 
 @dataclass(frozen=True)
@@ -162,7 +162,7 @@ class Step:
     """A plan step as the simulation sees it."""
 
     plan: object  # its steps.PlanStep
-    stream: object  # its stream ("main" or a worker index)
+    stream: object  # its stream (a resolved streams.Stream: MAIN or a numbered worker)
     engine: str | None
     work: float  # seconds on the engine
     host: float  # seconds of host time to issue it
@@ -185,7 +185,7 @@ def steps_of(prog, rates: Rates, local: int = 1, share: int = 1) -> list:
         elif i.op == Op.WAIT_EVENT:
             needs = (events[event_key(i.ins[0], i, env)],)
         elif i.op == Op.SYNCHRONIZE:  # the current stream waits for all that the worker was given
-            w = index_of(i.attrs["index"], env)
+            w = i.attrs["stream"].at(env)
             needs = (last[w],) if w in last else ()
         engine, work = work_of(i, prog.mesh, rates, share)
         host = 0.0 if i.op == Op.WAIT else HOST_COST[engine](rates) * local

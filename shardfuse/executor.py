@@ -175,7 +175,7 @@ class Executable:
         return self.backend.bind_wait_event(self.refs[event_key(i.ins[0], i, env)], stream)
 
     def _bind_synchronize(self, i, env, stream, devices):
-        return self.backend.bind_join(stream, index_of(i.attrs["index"], env))
+        return self.backend.bind_join(stream, i.attrs["stream"].at(env))
 
     def _bind_sendrecv(self, i, env, stream, devices):
         start, self.pending[i.outs[0]] = self.backend.bind_sendrecv(*self._comm_operands(i), self._team(i, i.attrs["team"]),

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import itertools
 from dataclasses import dataclass, field, replace
+from typing import NamedTuple
 
 from shardfuse.layout import Layout, format_type
 from shardfuse.ops import Op
@@ -66,16 +67,29 @@ class Idx:
         return v
 
 
+class LoopResult(NamedTuple):
+    """A chunk a stream loop makes that is used after it: chunk i is slice i of `whole` along `axis`."""
+
+    chunk: Value  # made in the loop's body
+    whole: Value  # the whole value, made by the loop (passes/pipeline.py) chunk by chunk
+    axis: int
+
+
 @dataclass(frozen=True, eq=False)
 class Instr:
     op: str
     outs: tuple = ()
     ins: tuple = ()
-    attrs: dict = field(default_factory=dict)
+    attrs: dict = field(default_factory=dict)  # plain data only (tests/test_architecture.py): no Values
     into: Value | None = None  # destination buffer of a host-level compute or collective
     body: tuple = ()  # for `for`
+    # For a `for` from form_stream_loops until allocate_buffers: the LoopResults, the whole values
+    # the loop makes.  allocate_buffers makes them explicit (an Allocate of the whole before the
+    # loop, a Slice of it per chunk) and empties this, so a plan's loops carry none.
+    results: tuple = ()
 
     def values(self):
+        """The values it reads or writes into (not those it makes: outs, and a loop's results)."""
         return self.ins + ((self.into,) if self.into is not None else ())
 
 
@@ -178,6 +192,7 @@ class Namer:
         names = {v.name for v in prog.inputs}
         for ins in prog.walk():
             names.update(v.name for v in ins.outs)
+            names.update(r.whole.name for r in ins.results)  # (a loop makes them: no instruction's outs)
         return Namer(names)
 
 
@@ -194,6 +209,7 @@ def substitute(instrs, mapping: dict):
             ins=tuple(sub(v) for v in ins.ins),
             into=sub(ins.into) if ins.into is not None else None,
             body=tuple(substitute(ins.body, mapping)),
+            results=tuple(LoopResult(sub(r.chunk), sub(r.whole), r.axis) for r in ins.results),
         ))
     return out
 
@@ -215,9 +231,9 @@ def _attrs(a: dict, skip=()) -> str:
 
 _STREAM_FORMATS = {
     Op.GET_STREAM: "{out} = GetCurrentStream",
-    Op.SET_STREAM: "SetCurrentStream {stream}",
-    Op.SYNCHRONIZE: "Synchronize {stream}",
-    Op.RECORD_EVENT: "{out} = RecordEvent {stream}",
+    Op.SET_STREAM: "SetCurrentStream {stream!r}",
+    Op.SYNCHRONIZE: "Synchronize {stream!r}",
+    Op.RECORD_EVENT: "{out} = RecordEvent {stream!r}",
     Op.WAIT_EVENT: "WaitEvent {ins}",
     Op.WAIT: "Wait {ins}",
 }

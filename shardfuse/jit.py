@@ -9,7 +9,6 @@ import logging
 import os
 import threading
 import time
-from collections import OrderedDict
 
 import numpy as np
 
@@ -22,6 +21,7 @@ from shardfuse.autodiff_layouts import drop_hints
 from shardfuse.cost import Rates
 from shardfuse.rates import machine
 from shardfuse.mesh import DeviceMesh, as_int
+from shardfuse.plan_cache import PlanCache
 from shardfuse.spec import TensorSpec
 from shardfuse.trace import input_names, trace
 from shardfuse.traced import Traced
@@ -72,9 +72,9 @@ class Jitted:
             raise TypeError(f"sf.jit rates= must be a shardfuse.cost.Rates or a name of cost.DEFAULTS, got "
                             f"{type(rates).__name__}")
         self.rates = rates  # for chunks="auto" and plan.explain(): None = calibrated, else built-in defaults
-        self._plans: OrderedDict = OrderedDict()  # input specs -> plan, least recently used first
-        self._dispatch: dict = {}  # argument key -> (input specs, plan) (see __call__)
         self._tables = threading.RLock()  # both tables, for threads calling at once (a call runs outside it)
+        self._plans = PlanCache(self.max_plans, self._tables, self._evicted)  # input specs -> plan
+        self._dispatch: dict = {}  # argument key -> (input specs, plan) (see __call__)
         self._trees: dict = {}  # arguments' pytree structure -> the sf.jit of fn as a function of their leaves
         functools.update_wrapper(self, fn, updated=())  # (not fn.__dict__: a FlatFunction's fields would shadow ours)
 
@@ -85,9 +85,9 @@ class Jitted:
     def cached_plans(self) -> dict:
         """The compiled plans kept, by input specs, least recently used first (a copy); for
         pytree arguments, by (their structure, the leaves' specs), each structure's apart."""
-        out = dict(self._plans)
+        out = self._plans.snapshot()
         for td, child in list(self._trees.items()):
-            out.update({(td, specs): plan for specs, plan in child._plans.items()})
+            out.update({(td, specs): plan for specs, plan in child._plans.snapshot().items()})
         return out
 
     def cache_info(self) -> dict:
@@ -124,10 +124,9 @@ class Jitted:
             return child
 
     def _lower(self, specs: tuple) -> Plan:
-        plan = self._plans.get(specs)
-        if plan is not None:
-            self._plans.move_to_end(specs)
-            return plan
+        return self._plans.get(specs, lambda: self._compile(specs))
+
+    def _compile(self, specs: tuple) -> Plan:
         t0 = time.perf_counter()
         fn = self.fn if isinstance(self.fn, tree.FlatFunction) else tree.FlatFunction(self.fn)
         traced = trace(fn, self.mesh, specs, self.streams)  # once per input signature, "auto" or not
@@ -145,26 +144,26 @@ class Jitted:
             prog, why = compile_best(plain, lambda: machine(self.mesh, self.rates))
         # a step called with plain arrays, then with its own results (replicated sf.Arrays): two specs,
         # one program; one plan serves both, so its buffers are bound once (issue 32: not twice a step's)
-        plan = next((p for p in self._plans.values() if same_program(p.program, prog)), None)
+        plan = next((p for p in self._plans.snapshot().values() if same_program(p.program, prog)), None)
         if plan is None:
             plan = Plan(prog, self.graph, why, self.rates)
             plan.out_tree = fn.out_tree  # (the structure of fn's result, set as it was traced just now)
-        self._plans[specs] = plan
         if log.isEnabledFor(logging.INFO):
             loops = [i.attrs["extent"] for i in prog.instrs if i.op == Op.FOR]
             log.info("compiled plan %r for %s in %.1f ms: %d instructions, stream loops of %s chunks, "
                      "collectives per call %s, %d folded into views", prog.name,
                      ", ".join(str(v.type) for v in prog.inputs), (time.perf_counter() - t0) * 1e3, len(prog.instrs),
                      loops or "no", plan.collectives() or "none", str(prog).count("folded="))
-        while len(self._plans) > self.max_plans:
-            _, old = self._plans.popitem(last=False)
-            log.info("plan cache of %s full (max_plans=%d): dropped the least recently used plan", self.__name__,
-                     self.max_plans)
-            for k in [k for k, (_, p) in self._dispatch.items() if p is old]:
-                del self._dispatch[k]
         if os.environ.get("SHARDFUSE_DUMP") == "plan":
             print(plan, flush=True)
         return plan
+
+    def _evicted(self, specs, old: Plan) -> None:
+        """The plan cache dropped `old`, its least recently used: the dispatch table forgets it."""
+        log.info("plan cache of %s full (max_plans=%d): dropped the least recently used plan", self.__name__,
+                 self.max_plans)
+        for k in [k for k, (_, p) in self._dispatch.items() if p is old]:
+            del self._dispatch[k]
 
     def __call__(self, *args: Any, stream: Any = None, **kwargs: Any) -> Any:
         """Run on the mesh.  stream=: the CUDA stream the caller issues on (CuPy or torch stream,
@@ -205,7 +204,7 @@ class Jitted:
                 if len(self._dispatch) > 4 * self.max_plans:  # cannot happen (a key names one specs): a backstop
                     self._dispatch.clear()
             else:
-                self._plans.move_to_end(hit[0])
+                self._plans.touch(hit[0])
         return hit[1](*args, stream=stream, infos=infos)
 
     def _refuse_numbers(self, args):

@@ -7,11 +7,14 @@ CuPy+NCCL when CuPy sees GPUs, NumPy otherwise.
 A mesh is geometry, compared, hashed and pickled by it.  Beside it, each mesh object holds the
 run-time state that must live exactly as long as that object, declared in `DeviceMesh.__init__`
 and filled on first use by the modules named there (this module imports none of them): its
-backend (streams, communicators, library handles) and its one-op plans.  They are kept on the
-mesh and not in those modules' tables weakly keyed by the mesh because they refer back to it
-(a backend holds its mesh, a plan's program names it): a WeakKeyDictionary value that reaches
-its key keeps the key alive for ever, and equal meshes would share one entry (under MPI making a
-backend is collective, so it must not depend on which equal mesh the garbage collector took).
+backend (streams, communicators, library handles) and its one-op plans (array_ops' PlanCache).
+They are kept on the mesh and not in those modules' tables weakly keyed by the mesh because they
+refer back to it (a backend holds its mesh, a plan's program and backend name it), and Python has
+no ephemerons: a WeakKeyDictionary value that reaches its key keeps the key alive for ever, and a
+bound plan cannot hold its mesh weakly while its program and backend hold it.  A weak table
+would also give equal meshes one entry (under MPI making a backend is collective, so it must not
+depend on which equal mesh the garbage collector took).  On the mesh, mesh and state form one
+cycle the garbage collector frees together.
 What depends on geometry alone is kept by geometry instead (pieces.py's placement memo).
 """
 from __future__ import annotations
@@ -139,7 +142,7 @@ class DeviceMesh:
         attribute is filled and read only by the module named beside it."""
         self.backend_cache = None  # runtime.backend_of: the backend of this mesh object
         self.submesh_backend_cache: dict = {}  # runtime.backend_of, on a root mesh: its sub-meshes' backends
-        self.op_plan_cache = None  # array_ops.run: the one-op plans of operations outside jit on this mesh
+        self.op_plan_cache = None  # array_ops: a PlanCache of the one-op plans of operations outside jit here
 
     @property
     def is_root(self) -> bool:

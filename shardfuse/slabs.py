@@ -21,6 +21,7 @@ from shardfuse.ir import walk
 from shardfuse.steps import mesh_of
 from shardfuse.ops import Op
 from shardfuse.passes.reuse import in_place_pairs, live_ranges
+from shardfuse.streams import MAIN
 from shardfuse.strides import ordered_strides
 
 
@@ -58,7 +59,7 @@ def poison_slabs(exe, prog):
         here = tuple(j for j, d in enumerate(exe.backend.local_devices) if d in mine)
         if at is not None and here:
             ref = exe.refs[v]
-            fill = exe.backend.bind_elementwise(Op.FULL_LIKE, ref, None, ref, "main", scalar=poison_value(ref.dtype),
+            fill = exe.backend.bind_elementwise(Op.FULL_LIKE, ref, None, ref, MAIN, scalar=poison_value(ref.dtype),
                                                 devices=here)
             fills.setdefault(at, []).append(fill)
     for n, before in fills.items():

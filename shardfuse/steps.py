@@ -18,6 +18,7 @@ from typing import Callable
 
 from shardfuse.ir import Instr, format_instrs, unroll
 from shardfuse.ops import COLLECTIVES, COMMUNICATION, ELEMENTWISE, VIEWS, Op
+from shardfuse.streams import MAIN, Stream
 
 KINDS = ("communication", "gemm", "compute", "copies", "stream")
 NO_STEP = VIEWS | {Op.ALLOCATE, Op.GET_STREAM, Op.SET_STREAM}
@@ -42,7 +43,7 @@ class PlanStep:
     text: str  # its line of print(plan), with its loop step
     op: Op
     kind: str  # kind_of(op)
-    stream: object  # "main" (backends.protocol.MAIN) or a worker stream's index
+    stream: Stream  # MAIN or a numbered worker (streams.py), resolved for its loop step
     instr: Instr
     env: dict  # the loop variables of this step
     devices: tuple  # the global ids of the devices it runs on (devices_of); once bound, this process' of them
@@ -61,9 +62,7 @@ def event_key(v, i, env):
 
 def stream_of(i, env, stream):
     """The stream the instructions after i issue on."""
-    if i.op != Op.SET_STREAM:
-        return stream
-    return index_of(i.attrs["index"], env) if "index" in i.attrs else i.attrs["stream"]
+    return i.attrs["stream"].at(env) if i.op == Op.SET_STREAM else stream
 
 
 def mesh_of(v, prog):
@@ -91,7 +90,7 @@ def devices_of(i, prog, started) -> tuple:
 
 def issue_order(prog):
     """(instruction, loop variables, PlanStep or None) for everything one call issues, in order."""
-    stream, k, started = "main", 0, {}
+    stream, k, started = MAIN, 0, {}
     for i, env in unroll(prog.instrs):
         stream = stream_of(i, env, stream)
         if i.op in NO_STEP:

@@ -19,7 +19,6 @@ Allgather fewer per gathered input, that input held from the forward to the back
 from __future__ import annotations
 
 import inspect
-import weakref
 
 from shardfuse import tree
 from shardfuse.array import Array
@@ -27,6 +26,7 @@ from shardfuse.autodiff import backward, check_remat, differentiable, full_like
 from shardfuse.autodiff_layouts import pin, whole
 from shardfuse.jit import Jitted
 from shardfuse.layout import Layout
+from shardfuse.plan_cache import PlanCache
 from shardfuse.ops import Op
 from shardfuse.traced import Traced, describe
 
@@ -196,17 +196,16 @@ def vjp(fn, *primals, has_aux=False, remat="regather"):
     return (out[0], vjp_fn, out[1]) if has_aux else (out, vjp_fn)
 
 
-VJP_PLANS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # fn -> {(has_aux, remat, mesh...): jitted pair}
+# (fn, has_aux, remat, (mesh, options)) -> (forward, pullback), jitted.  Bounded, not weakly keyed by
+# fn: the pair holds fn (and the mesh), so a WeakKeyDictionary's entry would keep its key alive for ever.
+VJP_PLANS = PlanCache(64)
 
 
 def _compiled_vjp(fn, has_aux, key, remat):
     """(fn's forward, its pullback) as sf.jit functions, made once per function and mesh (their
     plans once per input specs), so sf.vjp in a loop compiles nothing after its first call."""
-    made = VJP_PLANS.setdefault(fn, {})
-    if (has_aux, remat, key) not in made:
-        made[has_aux, remat, key] = (fn if isinstance(fn, Jitted) else Jitted(fn, *key),
-                                     Jitted(Pullback(fn, has_aux, remat), *key))
-    return made[has_aux, remat, key]
+    return VJP_PLANS.get((fn, has_aux, remat, key), lambda: (fn if isinstance(fn, Jitted) else Jitted(fn, *key),
+                                                              Jitted(Pullback(fn, has_aux, remat), *key)))
 
 
 def _vjp_traced(fn, primals, has_aux, remat="regather"):

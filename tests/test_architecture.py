@@ -164,8 +164,9 @@ def test_3a_no_op_name_strings_outside_ops():
 def test_3c_every_op_prints():
     from shardfuse.ir import Instr, TensorType, Value, format_instrs
     from shardfuse.layout import Layout
+    from shardfuse.streams import MAIN
     a, b, y, buf = (Value(n, TensorType((4, 4), "float32", Layout.replicated(2))) for n in ("a", "b", "y", "buf"))
-    attrs = {"var": "i", "extent": 2, "axis": 0, "to_axis": 1, "team": "DIDx", "stream": "main", "index": 0,
+    attrs = {"var": "i", "extent": 2, "axis": 0, "to_axis": 1, "team": "DIDx", "stream": MAIN, "index": 0,
              "kind": "SendRecv", "shift": 1, "perm": (1, 0), "from": (0,), "to": (0,), "value": 2.0}
     writes, bad = ops.COMMUNICATION | ops.ELEMENTWISE | {Op.MATMUL, Op.SUM, Op.COPY, Op.TAKE, Op.FUSED}, []  # (into a buffer)
     for level, group in (("host", ops.HOST), ("array", ops.ARRAY)):
@@ -200,7 +201,7 @@ def test_3e_verify_rejects_an_op_that_is_not_an_op():
     raise AssertionError(f"verify accepted Instr(op={str(i.op)!r}): a str, not an ops.Op")
 
 # ---- 4. layering --------------------------------------------------------------------------------
-BOTTOM = {f"shardfuse.{m}" for m in ("dtypes", "ops", "strides", "mesh", "placements", "sharding", "layout", "schedule", "spec",
+BOTTOM = {f"shardfuse.{m}" for m in ("dtypes", "ops", "strides", "mesh", "placements", "sharding", "layout", "schedule", "streams", "spec",
                                     "faults", "fault_messages")}
 BOTTOM_THIRD_PARTY = {"numpy", "mpi4py", "ml_dtypes", "cupy"}  # besides the standard library (cupy: mesh.gpu_count)
 RUN_TIME = {f"shardfuse.{m}" for m in ("executor", "jit", "plan", "array", "api", "runtime")} | {"shardfuse"}  # (re-exports)
@@ -389,14 +390,17 @@ def _plain(x, ok_types) -> bool:
     return (x is None or type(x) in (bool, int, float, str) or isinstance(x, ok_types)) and not callable(x)
 
 def test_8_ir_attributes_are_plain_data():
-    from shardfuse.ir import Idx, Value
+    """No Value inside attrs either: the values an instruction reads, writes or makes are its
+    fields (ins, into, outs, a loop's results), which substitute() renames and walks see."""
+    from shardfuse.ir import Idx
     from shardfuse.jit import trace
     from shardfuse.layout import Layout
     from shardfuse.passes import PIPELINE
     from shardfuse.schedule import Schedule
-    ok_types, bad = (Op, ops.Expr, Idx, Layout, Schedule, Value, sf.DeviceMesh), []
+    from shardfuse.streams import Stream
+    ok_types, bad = (Op, ops.Expr, Idx, Layout, Schedule, Stream, sf.DeviceMesh), []
     for d in (1, 4):
-        for name, f, args, _ in _golden(d):
+        for name, f, args in [(name, f, args) for name, f, args, _ in _golden(d)] + _ring_case(d):
             prog = trace(f.fn, f.mesh, [sf.TensorSpec(a.shape, "float64") for a in args], f.streams)
             for p in (None,) + tuple(PIPELINE):  # every stage, from the traced program to the plan
                 prog, where = (p(prog) if p else prog), f"{name} D={d} after {p.__name__ if p else 'trace'}"
@@ -407,6 +411,12 @@ def test_8_ir_attributes_are_plain_data():
                 except Exception as e:  # noqa: BLE001 (reported)
                     bad.append(f"{where}: printing raised {type(e).__name__}: {e}")
     assert not bad, _report("IR attributes that are not plain data, or programs that do not print", bad)
+
+def _ring_case(d: int) -> list:
+    """[(name, jitted function, arguments)]: the ring variant (a loop a pass schedules itself)."""
+    mesh = sf.DeviceMesh(d, backend="numpy")
+    ring = sf.jit(lambda x, w: sf.stream(sf.shard(x, axis=0) @ w, axis=0, chunks=d, algorithm="ring"), mesh=mesh)
+    return [("ring", ring, (np.ones((4 * d, 8)), np.ones((8, 4))))]
 
 # (file, attrs key) written into an instruction that was already made, each with its reason: to be emptied.
 ATTRS_WRITE_ALLOWED = {}  # (empty: the ring's chunks are the Schedule _annotate makes)
@@ -434,9 +444,7 @@ def test_8b_instructions_are_never_changed():
         rel = str(path.relative_to(ROOT))
         bad += [f"{_where(path, n)}: writes attrs[{key!r}] of a made instruction" for n, key in _attrs_writes(_tree(path))
                 if (rel, key) not in ATTRS_WRITE_ALLOWED]
-    mesh = sf.DeviceMesh(4, backend="numpy")
-    ring = sf.jit(lambda x, w: sf.stream(sf.shard(x, axis=0) @ w, axis=0, chunks=4, algorithm="ring"), mesh=mesh)
-    cases = [(name, f, args) for name, f, args, _ in _golden(4)] + [("ring", ring, (np.ones((16, 8)), np.ones((8, 4))))]
+    cases = [(name, f, args) for name, f, args, _ in _golden(4)] + _ring_case(4)
     for name, f, args in cases:
         prog = trace(f.fn, f.mesh, [sf.TensorSpec(a.shape, "float64") for a in args], f.streams)
         seen = []  # (stage, instruction, a copy of its attrs when the stage was made)

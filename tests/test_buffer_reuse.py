@@ -20,6 +20,7 @@ from shardfuse.mlp import mlp_block, mlp_inputs, mlp_reference
 from shardfuse.ops import COMMUNICATION, Op
 from shardfuse.passes.reuse import assign_slabs, live_ranges, reuse_buffers
 from shardfuse.plan import Plan
+from shardfuse.streams import Stream
 from shardfuse.transformer import gpt_loss, gpt_reference, init_gpt, init_params, layer_reference
 
 
@@ -206,6 +207,6 @@ def test_a_stream_switch_outside_a_loop_turns_reuse_off():
     plain = prog.with_instrs([replace(i, attrs={k: v for k, v in i.attrs.items() if k != "slab"}) for i in prog.instrs],
                              "test")
     assert slabs_of(reuse_buffers(plain))
-    switched = plain.with_instrs([Instr(Op.SET_STREAM, attrs={"stream": "Stream(0)"})] + list(plain.instrs), "test")
+    switched = plain.with_instrs([Instr(Op.SET_STREAM, attrs={"stream": Stream(0)})] + list(plain.instrs), "test")
     assert not slabs_of(reuse_buffers(switched))
 

@@ -23,7 +23,7 @@ NGPU = gpu_count()
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(NGPU == 0, reason="CuPy sees no GPU")]
 
 import shardfuse as sf  # noqa: E402
-from shardfuse.backends.protocol import Ref, contiguous_strides  # noqa: E402
+from shardfuse.backends.protocol import MAIN, Ref, Stream, contiguous_strides  # noqa: E402
 from shardfuse.dtypes import np_dtype  # noqa: E402
 from shardfuse.runtime import backend_of  # noqa: E402
 
@@ -334,7 +334,7 @@ def test_gemm_views(mesh, case, dtype):
     rc = Ref(2, (0,) * nd, osh, _strided(osh, oo), dtype)
     out = be.empty((int(np.prod(osh)),), dtype)
     bufs = [placed(a, ao), placed(b, bo), out]
-    step = be.bind_matmul(ra, rb, rc, "main")
+    step = be.bind_matmul(ra, rb, rc, MAIN)
     step(bufs)
     for j in range(nd):  # at D = 4 on one GPU the devices' GEMMs may be one batched call: every one
         check(be.to_host([be.view(bufs, rc, j)])[0], np.matmul(f64(a), f64(b)), dtype)
@@ -372,7 +372,7 @@ def test_nccl_error_aborts_and_names_the_step():
     be = backend_of(_nccl_mesh())
     send = Ref(0, (0,), (4, 8), (8, 1), "float32")
     recv = Ref(1, (0,), (1, 4, 8), (32, 8, 1), "float32")
-    start, wait = be.bind_allgather(send, recv, "DIDx", 0)
+    start, wait = be.bind_allgather(send, recv, "DIDx", Stream(0))
     assert wait is None  # issued on the step's own stream: the stream order is the wait
     x = randn(rng(), (4, 8), "float32")
     bufs = [be.to_device([x]), be.empty((1, 4, 8), "float32")]
@@ -384,7 +384,7 @@ def test_nccl_error_aborts_and_names_the_step():
     with pytest.raises(RuntimeError, match="NCCL allgather on team 'DIDx'"):
         start(bufs)
     assert not be._comms
-    start, _ = be.bind_allgather(send, recv, "DIDx", 0)
+    start, _ = be.bind_allgather(send, recv, "DIDx", Stream(0))
     bufs[1] = be.empty((1, 4, 8), "float32")
     start(bufs)
     be.synchronize()
@@ -456,7 +456,7 @@ def test_mixed_team_is_refused():
     send = Ref(0, (0,) * 3, (4,), (1,), "float32")
     recv = Ref(1, (0,) * 3, (3, 4), (4, 1), "float32")
     with pytest.raises(NotImplementedError, match=r"team \(0, 1, 2\) of mesh axis 'DIDx' has devices on GPUs"):
-        backend_of(mesh).bind_allgather(send, recv, "DIDx", 0)
+        backend_of(mesh).bind_allgather(send, recv, "DIDx", Stream(0))
 
 
 # ---- the caller's arrays: adopt and piece -------------------------------------------------------
@@ -924,7 +924,7 @@ def test_issue31_allreduce_max_min_called_directly(mesh, op, dtype):
     sref = Ref(0, (0,) * nd, (3, 5), contiguous_strides((3, 5)), dtype)
     rref = Ref(1, (0,) * nd, (3, 5), contiguous_strides((3, 5)), dtype)
     bufs = [be.to_device(sends), be.empty((3, 5), dtype)]
-    start, _ = be.bind_allreduce(sref, rref, "DIDx", 0, op=op)
+    start, _ = be.bind_allreduce(sref, rref, "DIDx", Stream(0), op=op)
     start(bufs)
     be.synchronize()
     want = (np.maximum if op == "max" else np.minimum).reduce(sends)

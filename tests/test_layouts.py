@@ -10,6 +10,7 @@ from cases import assert_close
 from shardfuse.ir import Idx, Instr, TensorType, Value
 from shardfuse.layout import Layout
 from shardfuse.passes.verify import PlanError, verify
+from shardfuse.streams import MAIN, Stream
 
 
 def _mesh(d=4):
@@ -52,10 +53,10 @@ def test_verify_refuses_a_slice_across_shards():
     xi = Value("x_i", TensorType((1, 8), "float64", Layout(("DIDx", None), mesh=mesh)))
     from shardfuse.ir import Program
 
-    loop = Instr(Op.FOR, attrs={"var": "i", "extent": 16, "results": {}},
-                 body=(Instr(Op.SET_STREAM, attrs={"stream": "Stream(0)", "index": 0}),
+    loop = Instr(Op.FOR, attrs={"var": "i", "extent": 16},
+                 body=(Instr(Op.SET_STREAM, attrs={"stream": Stream(0)}),
                        Instr(Op.SLICE, (xi,), (x,), {"axis": 0, "index": Idx("i")}),
-                       Instr(Op.SET_STREAM, attrs={"stream": "main"})))
+                       Instr(Op.SET_STREAM, attrs={"stream": MAIN})))
     prog = Program("bad", mesh, (x,), (x,), (loop,), 1, ("handmade",))
     with pytest.raises(PlanError, match="x_i.*extent 1 is sharded over DIDx"):
         verify(prog)

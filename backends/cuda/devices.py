@@ -105,11 +105,11 @@ class Devices:
     def gpu_stream(self, o, stream):
         if stream == MAIN:
             return self.main_of[o]
-        pool = self.workers_of[o]
-        while len(pool) <= stream:
+        pool, k = self.workers_of[o], stream.index  # (a streams.Stream: worker k)
+        while len(pool) <= k:
             with cupy.cuda.Device(o):
                 pool.append(cupy.cuda.Stream(non_blocking=True))
-        return pool[stream]
+        return pool[k]
 
     def stream(self, j, stream):
         return self.gpu_stream(self.ordinals[j], stream)

@@ -2,7 +2,7 @@
 backend's own cuBLAS GEMM step with no plan around it, bound on protocol Refs."""
 from __future__ import annotations
 
-from shardfuse.backends.protocol import Ref, contiguous_strides
+from shardfuse.backends.protocol import MAIN, Ref, contiguous_strides
 from shardfuse.bench.runner import Variant
 from shardfuse.dtypes import np_dtype
 
@@ -59,7 +59,7 @@ def _cublas_chunks(args, be, dtype, sets, c0, s, st, before):
     k, n = args.k, args.n
     rows = args.m // s
     steps = [be.bind_matmul(_ref(0, i * rows * k, (rows, k), dtype), _ref(1, 0, (k, n), dtype),
-                            _ref(2, i * rows * n, (rows, n), dtype), "main") for i in range(s)]
+                            _ref(2, i * rows * n, (rows, n), dtype), MAIN) for i in range(s)]
 
     def run():
         a, b = sets[st["r"] % len(sets)]

@@ -21,9 +21,8 @@ def view_bases(prog) -> dict:
     for i in walk(prog.instrs):
         if i.op in VIEWS:
             base[i.outs[0]] = base.get(i.ins[0], i.ins[0])
-        if i.op == Op.FOR:
-            for oc, (full, _) in i.attrs["results"].items():
-                base[oc] = full
+        for r in i.results:  # (a loop's, until this pass makes them Slices of the whole)
+            base[r.chunk] = r.whole
     return base
 
 
@@ -79,21 +78,22 @@ def hoist_allocations(loop, streams, roots, namer) -> list:
     then the loop; `roots`: the buffers program outputs are views of."""
     nstreams = min(streams, loop.attrs["extent"])
     pre, body = [], []
-    results = loop.attrs["results"]
+    results = {r.chunk: r for r in loop.results}
     for b in loop.body:
         if b.op != Op.ALLOCATE:
             body.append(b)
             continue
         oc = b.outs[0]
         if oc in results:
-            full, ax = results[oc]
+            full, ax = results[oc].whole, results[oc].axis
             pre.append(Instr(Op.ALLOCATE, (full,), attrs={"per_call": full in roots}))
             body.append(Instr(Op.SLICE, (oc,), (full,), {"axis": ax, "index": Idx("i")}))
         else:
             pool = Value(namer(oc.name.removesuffix("_i") + "_pool"), oc.type)
             pre.append(Instr(Op.ALLOCATE, (pool,), attrs={"pool": nstreams, **_kept(b.attrs, "blocks")}))
             body.append(Instr(Op.SELECT, (oc,), (pool,), {"index": Idx("i", nstreams)}))
-    return pre + [replace(loop, body=tuple(body))]
+    # the results are now the Allocate and Slices just made: the loop no longer carries them
+    return pre + [replace(loop, body=tuple(body), results=())]
 
 
 def _kept(attrs, *names) -> dict:

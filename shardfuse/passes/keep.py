@@ -23,7 +23,7 @@ from __future__ import annotations
 import math
 from dataclasses import replace
 
-from shardfuse.ir import Idx, Instr, Namer, TensorType, Value, local_shape
+from shardfuse.ir import Idx, Instr, LoopResult, Namer, TensorType, Value, local_shape
 from shardfuse.ops import Op
 from shardfuse.rules import infer
 
@@ -81,8 +81,9 @@ def _kept_buffer(how, loop, namer):
     if kind == "whole":
         return g.into
     xs, d = s[0].ins[0], g.into
-    if d in loop.attrs["results"]:
-        return loop.attrs["results"][d][0]
+    whole = next((r.whole for r in loop.results if r.chunk is d), None)
+    if whole is not None:
+        return whole
     return Value(namer(xs.name.removesuffix("_split") + "_kept"), TensorType(xs.type.shape, d.type.dtype, d.type.layout))
 
 
@@ -91,14 +92,14 @@ def _keeping(loop, how, full, namer, mesh):
     Allgather itself where that slice is contiguous, else copied there from the pool slot at the end
     of the chunk's step (on its stream, after the GEMM that reads the slot as before)."""
     _, g, s = how
-    d, ax, results = g.into, s.attrs["axis"], loop.attrs["results"]
-    if d in results:
+    d, ax = g.into, s.attrs["axis"]
+    if any(r.chunk is d for r in loop.results):
         return loop
     if math.prod(local_shape(full, mesh)[:ax]) == 1:
-        return replace(loop, attrs={**loop.attrs, "results": {**results, d: (full, ax)}})
+        return replace(loop, results=loop.results + (LoopResult(d, full, ax),))
     chunk = Value(namer(full.name + "_i"), d.type)
     body = loop.body + (Instr(Op.ALLOCATE, (chunk,)), Instr(Op.COPY, (), (d,), into=chunk))
-    return replace(loop, body=body, attrs={**loop.attrs, "results": {**results, chunk: (full, ax)}})
+    return replace(loop, body=body, results=loop.results + (LoopResult(chunk, full, ax),))
 
 
 def _viewed(g, full, mesh):
@@ -107,7 +108,7 @@ def _viewed(g, full, mesh):
     y = g.into
     view = Instr(Op.VIEW, (y,), (full,), {"shape": y.type.shape, "kept": f"allgather over {g.attrs['team']} "
                                                                           "(the forward's)"})
-    if y.type.layout.mesh is not None or full.type.layout.mesh is not None:
+    if y.type.layout.mesh != mesh or full.type.layout.mesh != mesh:
         return None
     try:
         same = infer(replace(view, op=Op.RESHAPE), [full.type.layout], mesh).on(None) == y.type.layout.on(None)

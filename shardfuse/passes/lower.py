@@ -29,7 +29,7 @@ def _lower(instrs, namer, mesh, results=()):
     out = []
     for i in instrs:
         if i.op == Op.FOR:
-            out.append(replace(i, body=tuple(_lower(i.body, namer, mesh, i.attrs["results"]))))
+            out.append(replace(i, body=tuple(_lower(i.body, namer, mesh, {r.chunk for r in i.results}))))
         elif i.op in (Op.SLICE, Op.VIEW, Op.TRANSPOSE, Op.SLICE_ARRAY) or i.op in HOST_ONLY or i.into is not None:
             out.append(i)
         elif i.op == Op.RESHAPE:  # a view of the local piece (the rule kept shards whole)

@@ -5,7 +5,7 @@ mark_stream_intermediates: a value made only to feed a stream-parallel op (the g
   so it is produced chunk by chunk instead of whole.
 form_stream_loops: each run of consecutive stream-parallel instructions becomes one `for`
   loop over the chunks; inputs from outside are sliced per chunk, results are written into
-  chunks of whole buffers (`results` maps chunk values to them).  Later streamed consumers of a
+  chunks of whole buffers (the loop's `results`, ir.LoopResult: chunk value, whole value, axis).  Later streamed consumers of a
   chunk the loop gathers for several of them join it (Q, K and V's GEMMs on the one Allgather of
   each chunk of x), with what lies between hoisted before the loop or deferred after it.
 """
@@ -15,7 +15,7 @@ from collections import Counter, defaultdict
 
 from dataclasses import replace
 
-from shardfuse.ir import Idx, Instr, Namer, TensorType, Value, walk
+from shardfuse.ir import Idx, Instr, LoopResult, Namer, TensorType, Value, walk
 
 from shardfuse.ops import HOST_ONLY, Op
 from shardfuse.rules import rule
@@ -166,7 +166,7 @@ def _chunks_line_up(group, i):
 
 
 def _make_loop(group, extent, used_later, namer):
-    chunk, body, results = {}, [], {}
+    chunk, body, results = {}, [], []
     for i in group:
         o, ko = i.outs[0], axis_of(i)
         attrs = scheduled(i.attrs, None)  # (a chunk's step: the loop is the schedule)
@@ -190,5 +190,5 @@ def _make_loop(group, extent, used_later, namer):
             body.append(Instr(i.op, (oc,), tuple(ins), attrs))
         chunk[o] = oc
         if o in used_later:
-            results[oc] = (o, ko)
-    return Instr(Op.FOR, attrs={"var": "i", "extent": extent, "results": results}, body=tuple(body))
+            results.append(LoopResult(oc, o, ko))
+    return Instr(Op.FOR, attrs={"var": "i", "extent": extent}, body=tuple(body), results=tuple(results))

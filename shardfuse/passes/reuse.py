@@ -37,6 +37,7 @@ from shardfuse.dtypes import TABLE
 from shardfuse.ir import local_shape, walk
 from shardfuse.ops import COMMUNICATION, IN_PLACE, Op
 from shardfuse.passes.allocate import output_roots, view_bases
+from shardfuse.streams import MAIN
 
 
 def shareable(i) -> bool:
@@ -55,8 +56,8 @@ def _streams_rejoin(prog) -> bool:
         if i.op != Op.FOR or not sets:
             continue
         last, tail = i.body[sets[-1]], i.body[sets[-1] + 1:]
-        used = {i.body[k].attrs["stream"] for k in sets} - {"main"}
-        if (last.attrs.get("stream") != "main" or any(b.op != Op.SYNCHRONIZE for b in tail)
+        used = {i.body[k].attrs["stream"] for k in sets} - {MAIN}
+        if (last.attrs.get("stream") != MAIN or any(b.op != Op.SYNCHRONIZE for b in tail)
                 or not used <= {b.attrs["stream"] for b in tail}):
             return False
     return True

@@ -15,6 +15,7 @@ from shardfuse.ir import Idx, Instr, Namer, TensorType, Value
 from shardfuse.rules import rule
 from shardfuse.ops import Op
 from shardfuse.schedule import axis_of, is_ring
+from shardfuse.streams import MAIN, Stream
 
 
 def lower_ring(prog):
@@ -88,7 +89,7 @@ def _ring_block(mm, gather, prog, namer):
     later, not_last = ("i", ">", 0), ("i", "<", d - 1)
 
     def on(stream):
-        return Instr(Op.SET_STREAM, attrs={"stream": f"Stream({stream})", "index": stream})
+        return Instr(Op.SET_STREAM, attrs={"stream": Stream(stream)})
 
     body = (
         on(comm), Instr(Op.WAIT_EVENT, ins=(entry,)),
@@ -97,22 +98,22 @@ def _ring_block(mm, gather, prog, namer):
         Instr(Op.SELECT, (nxt,), (pool,), {"index": Idx("i", 2, offset=1)}),
         Instr(Op.SENDRECV, (h,), (cur,), {"team": team, "shift": 1, "when": not_last}, into=nxt),
         Instr(Op.WAIT, ins=(h,), attrs={"when": not_last}),
-        Instr(Op.RECORD_EVENT, (arrived,), attrs={"stream": f"Stream({comm})", "index": step}),
+        Instr(Op.RECORD_EVENT, (arrived,), attrs={"stream": Stream(comm), "index": step}),
         on(compute), Instr(Op.WAIT_EVENT, ins=(entry,)),
         Instr(Op.WAIT_EVENT, ins=(arrived,), attrs={"index": Idx("i", offset=-1), "when": later}),
         Instr(Op.SLICE, (c_i,), (c,), {"axis": k, "index": Idx("i", d, ring=team)}),
         Instr(Op.MATMUL, (), (cur, b), into=c_i),
-        Instr(Op.RECORD_EVENT, (done,), attrs={"stream": f"Stream({compute})", "index": step}),
-        Instr(Op.SET_STREAM, attrs={"stream": "main"}),
-        Instr(Op.SYNCHRONIZE, attrs={"stream": f"Stream({comm})", "index": comm}),
-        Instr(Op.SYNCHRONIZE, attrs={"stream": f"Stream({compute})", "index": compute}),
+        Instr(Op.RECORD_EVENT, (done,), attrs={"stream": Stream(compute), "index": step}),
+        Instr(Op.SET_STREAM, attrs={"stream": MAIN}),
+        Instr(Op.SYNCHRONIZE, attrs={"stream": Stream(comm)}),
+        Instr(Op.SYNCHRONIZE, attrs={"stream": Stream(compute)}),
     )
-    loop = Instr(Op.FOR, attrs={"var": "i", "extent": d, "results": {}, "scheduled": True}, body=body)
+    loop = Instr(Op.FOR, attrs={"var": "i", "extent": d, "scheduled": True}, body=body)
     return [
         Instr(Op.ALLOCATE, (pool,), attrs={"pool": 2, "ring": True}),
         Instr(Op.SELECT, (first,), (pool,), {"index": 0}),
         Instr(Op.COPY, (), (a,), into=first),
         Instr(Op.ALLOCATE, (c,)),
-        Instr(Op.RECORD_EVENT, (entry,), attrs={"stream": "main"}),
+        Instr(Op.RECORD_EVENT, (entry,), attrs={"stream": MAIN}),
         loop,
     ]

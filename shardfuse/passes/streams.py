@@ -12,6 +12,7 @@ from dataclasses import replace
 
 from shardfuse.ir import Idx, Instr, Namer, Value
 from shardfuse.ops import Op
+from shardfuse.streams import MAIN, Stream
 
 
 def assign_streams(prog):
@@ -24,10 +25,10 @@ def assign_streams(prog):
             out.append(i)
             continue
         n = min(prog.streams, i.attrs["extent"])
-        worker = {"stream": f"Stream(i % {n})", "index": Idx("i", n)}
+        worker = {"stream": Stream(Idx("i", n))}
         entry = Value(namer("entry"), "Event")
-        out.append(Instr(Op.RECORD_EVENT, (entry,), attrs={"stream": "main"}))
+        out.append(Instr(Op.RECORD_EVENT, (entry,), attrs={"stream": MAIN}))
         body = ([Instr(Op.SET_STREAM, attrs=worker), Instr(Op.WAIT_EVENT, ins=(entry,))] + list(i.body)
-                + [Instr(Op.SET_STREAM, attrs={"stream": "main"}), Instr(Op.SYNCHRONIZE, attrs=worker)])
+                + [Instr(Op.SET_STREAM, attrs={"stream": MAIN}), Instr(Op.SYNCHRONIZE, attrs=worker)])
         out.append(replace(i, body=tuple(body)))
     return prog.with_instrs(out, "assign_streams")

@@ -10,6 +10,7 @@ from __future__ import annotations
 from shardfuse.ir import local_shape
 from shardfuse.layout import axis_entry
 from shardfuse.ops import COMMUNICATION, HOST, Op
+from shardfuse.streams import MAIN
 
 class PlanError(AssertionError):
     pass
@@ -78,7 +79,7 @@ def _check_block(instrs, defined, prog, top):
             body = i.body
             _check(body and body[0].op == Op.SET_STREAM, "a stream loop must start by picking its stream")
             last_set = [b for b in body if b.op == Op.SET_STREAM][-1]
-            _check(last_set.attrs["stream"] == "main", "a stream loop body must return to the main stream")
+            _check(last_set.attrs["stream"] == MAIN, "a stream loop body must return to the main stream")
             carried = {e for b in body if b.op == Op.RECORD_EVENT and "index" in b.attrs for e in b.outs}
             _check_block(body, defined | carried, prog, top=False)  # events of step i - 1 are in scope
         defined.update(i.outs)

@@ -16,7 +16,7 @@ import cases
 import shardfuse as sf
 import test_annotation_rule as annotation_rule
 import test_moves_between_meshes as moves
-from shardfuse.backends.protocol import Ref, contiguous_strides
+from shardfuse.backends.protocol import MAIN, Ref, contiguous_strides
 from shardfuse.runtime import backend_of
 
 COMM = MPI.COMM_WORLD
@@ -214,7 +214,7 @@ def test_start_is_nonblocking(mesh, op):
     rows = {"allgather": ((s, (D,) + s)), "allreduce": (s, s), "reduce_scatter": ((D,) + s, s)}
     sshape, rshape = rows[op]
     send, recv = _ref(0, sshape, "float64", L), _ref(1, rshape, "float64", L)
-    start, wait = getattr(be, f"bind_{op}")(send, recv, "DIDx", "main")
+    start, wait = getattr(be, f"bind_{op}")(send, recv, "DIDx", MAIN)
     assert wait is not None, "the MPI backend must split start and wait"
     sends = [np.full(sshape, float(d + 1)) for d in mesh.local_devices]
     recvs = [np.full(rshape, np.nan) for _ in mesh.local_devices]
