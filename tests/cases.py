@@ -323,3 +323,15 @@ def _writes_over(i, a, b, base, mesh) -> bool:
             and a.type.dtype == b.type.dtype and local_shape(a, mesh) == local_shape(b, mesh)
             and op in ELEMENTWISE and op not in (Op.WHERE_THEN, Op.WHERE_ELSE, Op.FILL_THEN, Op.FILL_ELSE,
                                                  Op.REDUCE_MAX, Op.REDUCE_MIN, Op.ORDER_KEYS, Op.FROM_ORDER_KEYS))
+
+
+def directional(loss_np, params, grads, rng, eps=1e-6):
+    """(central difference of loss_np along a random direction of params, <grads, direction>): a
+    gradient checked along one direction of every parameter at once (params and grads: pytrees)."""
+    from shardfuse import tree
+
+    leaves, td = tree.flatten(params)
+    dirs = [rng.standard_normal(np.shape(v)) for v in leaves]
+    at = lambda s: td.unflatten([v + s * d for v, d in zip(leaves, dirs)])  # noqa: E731
+    numeric = (loss_np(at(eps)) - loss_np(at(-eps))) / (2 * eps)
+    return numeric, sum(float(np.sum(np.asarray(g) * d)) for g, d in zip(tree.leaves(grads), dirs))

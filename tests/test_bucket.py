@@ -14,18 +14,11 @@ import pytest
 import shardfuse as sf
 from shardfuse.transformer import init_params, layer_reference, transformer_layer
 from test_nn import mesh_of  # (the 1-D tp mesh and the 2x2 dp x tp mesh, NumPy devices)
+from cases import directional
 
 HEADS, HIDDEN, SEQ, BATCH = 4, 16, 8, 4
 DP = {"dp": "dp"}
 DP_SP = {"tp": "tp", "sp": True, "dp": "dp", "chunks": 2}
-
-
-def directional(loss_np, params, grads, rng, eps=1e-6):
-    """(central difference of loss_np along a random direction of the params dict, <grads, direction>)."""
-    dirs = {k: rng.standard_normal(np.shape(v)) for k, v in params.items()}
-    at = lambda s: {k: v + s * dirs[k] for k, v in params.items()}  # noqa: E731
-    numeric = (loss_np(at(eps)) - loss_np(at(-eps))) / (2 * eps)
-    return numeric, sum(float(np.sum(grads[k] * dirs[k])) for k in params)
 
 
 def dp_mesh(backend="numpy"):

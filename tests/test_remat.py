@@ -15,6 +15,7 @@ import shardfuse as sf
 from test_nn import mesh_of  # (the 1-D tp mesh and the 2x2 dp x tp mesh, NumPy devices)
 from shardfuse import tree
 from shardfuse.mlp import mlp_inputs
+from cases import directional
 
 REMATS = ("regather", "keep")
 
@@ -155,15 +156,6 @@ def _loops_with_allgathers(plan):
     return [i for i in plan.program.instrs if i.op == "for" and any(b.op == "allgather" for b in i.body)]
 
 
-def _directional(loss_np, params, grads, rng, eps=1e-6):
-    """(central difference of loss_np along a random direction of params, <grads, direction>)."""
-    leaves, td = tree.flatten(params)
-    dirs = [rng.standard_normal(np.shape(v)) for v in leaves]
-    at = lambda s: td.unflatten([v + s * d for v, d in zip(leaves, dirs)])  # noqa: E731
-    numeric = (loss_np(at(eps)) - loss_np(at(-eps))) / (2 * eps)
-    return numeric, sum(float(np.sum(np.asarray(g) * d)) for g, d in zip(tree.leaves(grads), dirs))
-
-
 def _mlp_keep(chunks):
     from shardfuse.mlp import mlp_block
 
@@ -193,7 +185,7 @@ def test_transformer_layer_sequence_parallel(config):
                    mesh=mesh_of(kind))
         grads[remat], plans[remat] = f(p, x, r), f.lower(p, x, r)
     assert all(np.array_equal(np.asarray(grads["keep"][k]), np.asarray(grads["regather"][k])) for k in p)
-    numeric, analytic = _directional(lambda q: float((layer_reference(q, x, tt.HEADS) * r).sum()), p,
+    numeric, analytic = directional(lambda q: float((layer_reference(q, x, tt.HEADS) * r).sum()), p,
                                         grads["keep"], rng)
     assert abs(numeric - analytic) <= 1e-6 * (1 + abs(numeric)), (numeric, analytic)
     assert plans["keep"].collectives()["allgather"] == plans["regather"].collectives()["allgather"] - 4

@@ -15,6 +15,7 @@ from test_nn import mesh_of  # (the 1-D tp mesh and the 2x2 dp x tp mesh, NumPy 
 from shardfuse import tree
 from shardfuse.transformer import (gpt_loss, gpt_reference, init_gpt, init_params, layer_reference,
                                    transformer_layer)
+from cases import directional
 
 HEADS, HIDDEN, SEQ, BATCH = 4, 16, 8, 2
 
@@ -63,15 +64,6 @@ def test_layer_forward_mixed_precision(config, dtype, tol):
     assert got.dtype == np.float64 and np.linalg.norm(got - want) <= tol * np.linalg.norm(want)
 
 
-def _directional(loss_np, params, grads, rng, eps=1e-6):
-    """(central difference of loss_np along a random direction of params, <grads, direction>)."""
-    leaves, td = tree.flatten(params)
-    dirs = [rng.standard_normal(np.shape(v)) for v in leaves]
-    at = lambda s: td.unflatten([v + s * d for v, d in zip(leaves, dirs)])  # noqa: E731
-    numeric = (loss_np(at(eps)) - loss_np(at(-eps))) / (2 * eps)
-    return numeric, sum(float(np.sum(np.asarray(g) * d)) for g, d in zip(tree.leaves(grads), dirs))
-
-
 @pytest.mark.parametrize("config", ["tp", "sp", "dp x sp"])
 def test_layer_gradients_against_central_differences(config):
     kind, kw, _ = CONFIGS[config]
@@ -80,7 +72,7 @@ def test_layer_gradients_against_central_differences(config):
     r = rng.standard_normal(x.shape)
     grads = sf.jit(sf.grad(lambda p, x, r: (transformer_layer(p, x, HEADS, **kw) * r).sum()),
                    mesh=mesh_of(kind))(p, x, r)
-    numeric, analytic = _directional(lambda q: float((layer_reference(q, x, HEADS) * r).sum()), p, grads, rng)
+    numeric, analytic = directional(lambda q: float((layer_reference(q, x, HEADS) * r).sum()), p, grads, rng)
     assert abs(numeric - analytic) <= 1e-6 * (1 + abs(numeric)), (numeric, analytic)
 
 
@@ -101,7 +93,7 @@ def test_gpt_loss_and_gradients(config):
     f = sf.jit(sf.value_and_grad(lambda p, i, l: gpt_loss(p, i, l, HEADS, **kw)), mesh=mesh_of(kind))
     value, grads = f(p, ids, labels)
     np.testing.assert_allclose(float(value), gpt_reference(p, ids, labels, HEADS), rtol=1e-12)
-    numeric, analytic = _directional(lambda q: gpt_reference(q, ids, labels, HEADS), p, grads, rng)
+    numeric, analytic = directional(lambda q: gpt_reference(q, ids, labels, HEADS), p, grads, rng)
     assert abs(numeric - analytic) <= 1e-6 * (1 + abs(numeric)), (numeric, analytic)
     if kw.get("tp"):  # the vocabulary-parallel embedding's gradient stays sharded over the vocabulary
         assert grads["wte"].sharding.axes[0] == "tp"
