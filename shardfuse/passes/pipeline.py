@@ -128,7 +128,7 @@ def _join_sharers(instrs, k, group, s, uses):
     hoisted before the loop (the Allgather of wk), any other is deferred after it.  Returns
     (hoisted, group, deferred, rest); nothing moves if no consumer joins.  A loop or host-level
     instruction ends the search."""
-    shared = {o for j in group if j.op == Op.SET for o in j.outs if uses[o] > 1}
+    shared = {o for j in group for o in j.outs}
     joined, hoisted, deferred = list(group), [], []
     blocked = {o for j in group for o in j.outs}  # made in the loop or after it
     late = set()  # made by a deferred instruction
@@ -141,7 +141,7 @@ def _join_sharers(instrs, k, group, s, uses):
         if (_stream_extent(j) == s and deps & shared and not deps & late
                 and _chunks_line_up(joined, j)):
             joined.append(j)
-            shared.update(o for o in j.outs if j.op == Op.SET and uses[o] > 1)
+            shared.update(j.outs)
             blocked.update(j.outs)
             rest = n + 1
         elif _stream_extent(j) is None and not deps & blocked:

@@ -6,9 +6,12 @@ the seed's form: x viewed as [D, S, m, K] (D the sharded factor), the product co
 """
 from __future__ import annotations
 
+from collections import Counter
+from dataclasses import replace
+
 from shardfuse.ir import Instr, Namer, TensorType, Value, substitute
 from shardfuse.ops import ELEMENTWISE, Op
-from shardfuse.layout import Layout
+from shardfuse.layout import Layout, shard_count
 from shardfuse.rules import rule
 from shardfuse import schedule
 from shardfuse.schedule import scheduled
@@ -75,10 +78,70 @@ def _broadcast_view(v, ndim, k, n, namer, out):
     return vv
 
 
+def _splittable(p, a, chunks) -> bool:
+    """Whether split_stream takes p streamed along its output axis a in `chunks` (its checks, before
+    it would refuse): a matmul on a row or batch axis (rows only where B has no batch axes) or an
+    elementwise op, the axis sharded over one entry at most, on one mesh, dividing into the chunks."""
+    amap = rule(p.op, "axis_map")(p, a)
+    if p.op == Op.MATMUL and (amap[0] is None or amap[1] is None and p.ins[1].type.ndim > 2):
+        return False
+    o = p.outs[0]
+    entries = {v.type.layout.axes[b] for v, b in zip(p.ins, amap) if b is not None} | {o.type.layout.axes[a]}
+    entries.discard(None)
+    if p.op not in ELEMENTWISE | {Op.MATMUL} or len(entries) > 1 or len({v.type.layout.mesh for v in p.ins}) > 1:
+        return False
+    d = shard_count(entries.pop(), o.type.layout.mesh) if entries else 1
+    return not isinstance(chunks, int) or o.type.shape[a] % (d * chunks) == 0
+
+
+def stream_epilogue_producers(instrs, outputs) -> list:
+    """A streamed elementwise op (an epilogue: + bias, an activation) streams the op that makes its
+    operand too, where that operand is used only there: `sf.stream(relu(x @ w), axis=0)` puts the
+    GEMM in the loop beside its collectives, as nvFuser inlines a producer into its consumer's
+    stream loop (else the GEMM ran whole before the loop and nothing overlapped it).  Chains of
+    epilogues stream back to their GEMM.  The collective algorithm only (the ring streams its
+    product at trace time)."""
+    uses = Counter(v for i in instrs for v in i.ins)
+    uses.update(outputs)
+    producer = {o: i for i in instrs for o in i.outs}
+    given = {}  # instruction -> the schedule it is given
+    for i in reversed(instrs):
+        sched = given.get(i) or schedule.of(i)
+        if sched is None or sched.ring or i.op not in ELEMENTWISE:
+            continue
+        for v, a in zip(i.ins, rule(i.op, "axis_map")(i, sched.axis)):
+            p = producer.get(v)
+            if (a is not None and p is not None and uses[v] == 1 and schedule.of(p) is None and p not in given
+                    and v.type.shape[a] == i.outs[0].type.shape[sched.axis] and _splittable(p, a, sched.chunks)):
+                given[p] = sched.on_axis(a, sched.chunks)
+    return [replace(i, attrs=scheduled(i.attrs, given[i])) if i in given else i for i in instrs]
+
+
+def _split_input(i, v, a, k, fac, mesh_axis, made, namer, out):
+    """Operand v of i (its axis a maps to the stream axis k, split into `fac`) as i's chunks read it:
+    a view (appended to out), the split form its producer made, or v itself where no axis maps."""
+    o = i.outs[0]
+    if a is None and i.op in ELEMENTWISE and isinstance(v.type, TensorType):
+        v = _broadcast_view(v, o.type.ndim, k, len(fac), namer, out)
+    if a is None:
+        return v
+    vl = v.type.layout
+    d_axis = vl.axes[a] if vl.axes[a] == mesh_axis else None  # only an input sharded there keeps it
+    shp, axs = _split(v.type.shape, vl.axes, a, fac, ((d_axis,) + (None,) * (len(fac) - 1)) if mesh_axis
+                      else (None, None))
+    split_type = TensorType(shp, v.type.dtype, Layout(axs, vl.partial, mesh=vl.mesh))
+    if v in made and made[v].type == split_type:  # split the same way by its producer: read that, so the
+        return made[v]                             # two line up in one stream loop
+    vv = Value(namer(v.name + "_split"), split_type)
+    out.append(Instr(Op.VIEW, (vv,), (v,), {"shape": shp}))
+    return vv
+
+
 def split_stream_axes(prog):
     namer = Namer.for_program(prog)
     out, alias = [], {}
-    for i in prog.instrs:
+    made = {}  # a split op's result viewed back -> its split form
+    for i in stream_epilogue_producers(prog.instrs, prog.outputs):
         i = substitute([i], alias)[0]
         sched = schedule.of(i)
         if sched is None:
@@ -127,20 +190,7 @@ def split_stream_axes(prog):
         else:
             m = extent // (d * s)
             fac = (d, s, m) if mesh_axis else (s, m)
-        new_ins = []
-        for v, a in zip(i.ins, amap):
-            if a is None and i.op in ELEMENTWISE and isinstance(v.type, TensorType):
-                v = _broadcast_view(v, o.type.ndim, k, len(fac), namer, out)
-            if a is None:
-                new_ins.append(v)
-                continue
-            vl = v.type.layout  # a view for this op's chunks
-            d_axis = vl.axes[a] if vl.axes[a] == mesh_axis else None  # only an input sharded there keeps it
-            shp, axs = _split(v.type.shape, vl.axes, a, fac, ((d_axis,) + (None,) * (len(fac) - 1)) if mesh_axis
-                              else (None, None))
-            vv = Value(namer(v.name + "_split"), TensorType(shp, v.type.dtype, Layout(axs, vl.partial, mesh=vl.mesh)))
-            out.append(Instr(Op.VIEW, (vv,), (v,), {"shape": shp}))
-            new_ins.append(vv)
+        new_ins = [_split_input(i, v, a, k, fac, mesh_axis, made, namer, out) for v, a in zip(i.ins, amap)]
         # the split output: [D, S:Stream, m] (D sharded as the axis was), or [S:Stream, m]
         split_axes, stream = ((lay.axes[k], None, None), k + 1) if mesh_axis and not ring else ((None, None), k)
         shp, axs = _split(o.type.shape, lay.axes, k, fac, split_axes)
@@ -149,6 +199,6 @@ def split_stream_axes(prog):
         out.append(Instr(i.op, (o_split,), tuple(new_ins), split))
         o_back = Value(o.name, o.type)
         out.append(Instr(Op.VIEW, (o_back,), (o_split,), {"shape": o.type.shape}))
-        alias[o] = o_back
+        alias[o], made[o_back] = o_back, o_split
     outputs = tuple(alias.get(v, v) for v in prog.outputs)
     return prog.with_instrs(out, "split_stream_axes", outputs=outputs)
