@@ -23,6 +23,7 @@ from shardfuse.rates import machine
 from shardfuse.mesh import DeviceMesh, as_int
 from shardfuse.plan_cache import PlanCache
 from shardfuse.spec import TensorSpec
+from shardfuse.static_args import dynamic_position, split_static, static_names, with_static
 from shardfuse.trace import input_names, trace
 from shardfuse.traced import Traced
 from shardfuse.ir import same_program
@@ -40,7 +41,8 @@ class Jitted:
     """A function compiled for a mesh: one plan per input specs, the `max_plans` most recently
     used kept (a plan holds its buffers; an evicted one is compiled again when next needed)."""
 
-    def __init__(self, fn, mesh, streams=4, graph=False, max_plans=MAX_PLANS, rates=None, donate_argnums=()):
+    def __init__(self, fn, mesh, streams=4, graph=False, max_plans=MAX_PLANS, rates=None, donate_argnums=(),
+                 static_argnums=(), static_argnames=()):
         if not callable(fn):
             raise TypeError(f"sf.jit compiles a function, got {type(fn).__name__}")
         if mesh is None:
@@ -76,6 +78,8 @@ class Jitted:
         self._plans = PlanCache(self.max_plans, self._tables, self._evicted)  # input specs -> plan
         self._dispatch: dict = {}  # argument key -> (input specs, plan) (see __call__)
         self._trees: dict = {}  # arguments' pytree structure -> the sf.jit of fn as a function of their leaves
+        self._static = static_names(fn, static_argnums, static_argnames)  # (names of fn's static parameters)
+        self._statics = PlanCache(self.max_plans, self._tables)  # static values -> the sf.jit of fn with them
         functools.update_wrapper(self, fn, updated=())  # (not fn.__dict__: a FlatFunction's fields would shadow ours)
 
     def __repr__(self):
@@ -84,16 +88,31 @@ class Jitted:
 
     def cached_plans(self) -> dict:
         """The compiled plans kept, by input specs, least recently used first (a copy); for
-        pytree arguments, by (their structure, the leaves' specs), each structure's apart."""
+        pytree arguments, by (their structure, the leaves' specs), each structure's apart; with
+        static arguments, by (their values, ...)."""
         out = self._plans.snapshot()
         for td, child in list(self._trees.items()):
-            out.update({(td, specs): plan for specs, plan in child._plans.snapshot().items()})
+            out.update({(td, specs): plan for specs, plan in child.cached_plans().items()})
+        for key, child in self._statics.snapshot().items():
+            out.update({(key, specs): plan for specs, plan in child.cached_plans().items()})
         return out
+
+    def _with_static(self, key) -> "Jitted":
+        """The sf.jit of fn with its static parameters fixed to `key`'s values (made once per key)."""
+        def make():
+            donated = tuple(dynamic_position(self.fn, self._static, k) for k in self.donate_argnums)
+            return Jitted(with_static(self.fn, key), self.mesh, self.streams, self.graph, self.max_plans, self.rates,
+                          donated)
+        return self._statics.get(key, make)
 
     def cache_info(self) -> dict:
         """How many plans are kept and how many argument kinds map to them (both bounded by
         max_plans), like functools' cache_info."""
-        return {"plans": len(self._plans), "dispatch": len(self._dispatch), "max_plans": self.max_plans}
+        info = {"plans": len(self._plans), "dispatch": len(self._dispatch), "max_plans": self.max_plans}
+        if self._static:  # (each set of static values: its own jitted function and plans)
+            children = self._statics.snapshot().values()
+            info.update(plans=sum(len(c._plans) for c in children), static_values=len(children))
+        return info
 
     def lower(self, *specs: Any) -> Plan:
         """The plan for these inputs: TensorSpecs, (shape, dtype[, sharding]) tuples, or the
@@ -102,6 +121,9 @@ class Jitted:
             if isinstance(s, tuple) and len(s) >= 2 and all(isinstance(n, (int, np.integer)) for n in s):
                 raise TypeError(f"{self.__name__}.lower takes TensorSpecs, (shape, dtype[, sharding]) tuples or arrays; "
                                 f"got {s!r}: for a shape, write ({s!r}, 'float32')")
+        if self._static:  # (JAX's f.lower(x, 4): the static values where the function takes them)
+            key, specs, _ = split_static(self.fn, self._static, specs, {})
+            return self._with_static(key).lower(*specs)
         if any(tree.is_container(s) and not _is_spec_tuple(s) for s in specs):  # pytrees of specs or arrays
             leaves, in_tree = tree.flatten(specs, is_leaf=lambda x: x is not specs and _is_spec_tuple(x))
             return self._for_tree(in_tree).lower(*leaves)
@@ -172,6 +194,9 @@ class Jitted:
 
         Called on traced values, inside another sf.jit function, the function is inlined: traced
         into the caller's program (as JAX does); its streams= and graph= are the caller's then."""
+        if self._static and not any(isinstance(a, Traced) for a in tree.leaves((args, kwargs))):
+            key, args, kwargs = split_static(self.fn, self._static, args, kwargs)
+            return self._with_static(key)(*args, stream=stream, **kwargs)
         if kwargs and not any(isinstance(a, Traced) for a in (*args, *kwargs.values())):
             args = self._positional(args, kwargs)
             kwargs = {}
@@ -254,7 +279,7 @@ class Jitted:
     def _inline(self, args, kwargs, stream):
         """fn traced into the program of its traced arguments (a jitted function called inside
         another): the arguments go to fn as they are; Python values stay constants."""
-        builders = {a.builder for a in args if isinstance(a, Traced)}
+        builders = {a.builder for a in tree.leaves((args, kwargs)) if isinstance(a, Traced)}  # (pytrees too)
         name = self.__name__
         if len(builders) != 1:
             raise TypeError(f"{name}(): traced arguments of {len(builders)} different sf.jit functions")
@@ -279,18 +304,19 @@ class Jitted:
 
 @overload
 def jit(fn: Callable, *, mesh: DeviceMesh | None = None, streams: int = 4, graph: bool = False,
-        max_plans: int = MAX_PLANS, rates: Rates | str | None = None, donate_argnums=()) -> Jitted: ...
+        max_plans: int = MAX_PLANS, rates: Rates | str | None = None, donate_argnums=(), static_argnums=(),
+        static_argnames=()) -> Jitted: ...
 
 
 @overload
 def jit(fn: None = None, *, mesh: DeviceMesh | None = None, streams: int = 4, graph: bool = False,
-        max_plans: int = MAX_PLANS, rates: Rates | str | None = None,
-        donate_argnums=()) -> Callable[[Callable], Jitted]: ...
+        max_plans: int = MAX_PLANS, rates: Rates | str | None = None, donate_argnums=(), static_argnums=(),
+        static_argnames=()) -> Callable[[Callable], Jitted]: ...
 
 
 def jit(fn: Callable | None = None, *, mesh: DeviceMesh | None = None, streams: int = 4, graph: bool = False,
-        max_plans: int = MAX_PLANS, rates: Rates | str | None = None,
-        donate_argnums=()) -> Jitted | Callable[[Callable], Jitted]:
+        max_plans: int = MAX_PLANS, rates: Rates | str | None = None, donate_argnums=(), static_argnums=(),
+        static_argnames=()) -> Jitted | Callable[[Callable], Jitted]:
     """Compile `fn` for `mesh`: ``@sf.jit(mesh=mesh, streams=4)``.  `max_plans`: how many compiled
     plans (one per input shapes, dtypes and layouts) it keeps, the least recently used dropped.
     `rates`: what sf.stream(chunks="auto") and plan.explain() predict with (a cost.Rates, or
@@ -299,10 +325,12 @@ def jit(fn: Callable | None = None, *, mesh: DeviceMesh | None = None, streams: 
     buffers results may take, as JAX's: `new_w = w - lr * g` written into w's buffer (the plan
     prints it), and a donated sf.Array raises on any later use.  A result takes a donated buffer
     only where the plan has read it already; otherwise it gets its own, and no result ever
-    aliases an argument that was not donated."""
+    aliases an argument that was not donated.  `static_argnums` / `static_argnames`: parameters
+    that are Python values (hashable), as JAX's: each set of their values compiles its own plans."""
     if fn is None:
-        return lambda f: Jitted(f, mesh, streams, graph, max_plans, rates, donate_argnums)
-    return Jitted(fn, mesh, streams, graph, max_plans, rates, donate_argnums)
+        return lambda f: Jitted(f, mesh, streams, graph, max_plans, rates, donate_argnums, static_argnums,
+                                static_argnames)
+    return Jitted(fn, mesh, streams, graph, max_plans, rates, donate_argnums, static_argnums, static_argnames)
 
 
 def _is_spec_tuple(x) -> bool:
