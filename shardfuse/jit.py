@@ -107,11 +107,15 @@ class Jitted:
 
     def cache_info(self) -> dict:
         """How many plans are kept and how many argument kinds map to them (both bounded by
-        max_plans), like functools' cache_info."""
-        info = {"plans": len(self._plans), "dispatch": len(self._dispatch), "max_plans": self.max_plans}
-        if self._static:  # (each set of static values: its own jitted function and plans)
-            children = self._statics.snapshot().values()
-            info.update(plans=sum(len(c._plans) for c in children), static_values=len(children))
+        max_plans, per pytree structure), like functools' cache_info; the plans of pytree arguments and
+        of static values are kept by their own sf.jit functions, counted here too (as cached_plans
+        lists them)."""
+        trees, statics = list(self._trees.values()), list(self._statics.snapshot().values())
+        children = [c.cache_info() for c in trees + statics]
+        info = {"plans": len(self._plans) + sum(c["plans"] for c in children),
+                "dispatch": len(self._dispatch) + sum(c["dispatch"] for c in children), "max_plans": self.max_plans}
+        if self._static:
+            info["static_values"] = len(statics)
         return info
 
     def lower(self, *specs: Any) -> Plan:
@@ -223,6 +227,7 @@ class Jitted:
         with self._tables:
             hit = self._dispatch.get(key)
             if hit is None:
+                self._refuse_other_meshes(args)
                 specs = tuple(spec_of(a, self.mesh) for a in args)
                 plan = self._lower(specs)
                 hit = self._dispatch[key] = (specs, plan)
@@ -242,6 +247,14 @@ class Jitted:
                 raise TypeError(f"{self.__name__}(): argument {name} (position {k}) is a {type(a).__name__} holding "
                                 f"Python numbers ({numbers[0]!r}, ...): sf.jit takes arrays, and pytrees (dicts, lists, "
                                 f"tuples) of arrays; for one array write np.asarray({name})")
+
+    def _refuse_other_meshes(self, args):
+        """An sf.Array on another mesh, named by its parameter (as the other argument errors are)."""
+        for k, (name, a) in enumerate(zip(input_names(self.fn, len(args)), args)):
+            if isinstance(a, Array) and a.mesh != self.mesh:
+                raise ValueError(f"{self.__name__}(): argument {name} (position {k}) is an sf.Array on {a.mesh}, but "
+                                 f"the function is compiled for {self.mesh}: place it on that mesh (sf.distribute, "
+                                 "sf.shard(x, ..., mesh=)), or jit the function on its mesh")
 
     def _argument_error(self, args, error):
         """`error` (array_info's, for one of args) naming the parameter it is about."""

@@ -269,7 +269,7 @@ def reshape_groups(old, new):
     return groups
 
 
-def _map_reshape(src_shape, src_axes, dst_shape, mesh_size, forward):
+def _map_reshape(src_shape, src_axes, dst_shape, mesh_size, forward, gather_cut=False):
     out = [None] * len(dst_shape)
     pairs = reshape_groups(src_shape, dst_shape) if forward else \
         [(b, a) for a, b in reshape_groups(dst_shape, src_shape)]
@@ -281,6 +281,8 @@ def _map_reshape(src_shape, src_axes, dst_shape, mesh_size, forward):
         lead = next((k2 for k2 in gs if src_shape[k2] != 1), k)
         dst_lead = next((d for d in gd if dst_shape[d] != 1), gd[0] if gd else None)
         if len(sharded) > 1 or k != lead or dst_lead is None or dst_shape[dst_lead] % _count(m, mesh_size):
+            if gather_cut:  # the group's result is whole: reshape_require then asks for its input gathered
+                continue
             raise ValueError(f"reshape {tuple(src_shape)} -> {tuple(dst_shape)} crosses the boundary of axis {k}, "
                              f"sharded over {m}: only the outermost axis of a merged or split group may be sharded")
         out[dst_lead] = m
@@ -303,7 +305,12 @@ def _count(entry, mesh_size) -> int:
 def reshape_infer(ins, lays):
     (la,) = lays
     src, dst = ins.ins[0].type.shape, ins.outs[0].type.shape
-    return Layout(tuple(_map_reshape(src, _axes(la), dst, _mesh_size(la), True)), la.partial)
+    try:
+        return Layout(tuple(_map_reshape(src, _axes(la), dst, _mesh_size(la), True)), la.partial)
+    except ValueError:  # a sharded axis the reshape cuts across is gathered first (as reshape_require's
+        if la.partial or axis_of(ins) is not None:  # fallback; the README's rule), the other axes keep theirs;
+            raise  # a pending sum or a stream split keeps the refusal, as there
+        return Layout(tuple(_map_reshape(src, _axes(la), dst, _mesh_size(la), True, gather_cut=True)), la.partial)
 
 
 def reshape_require(ins, out, lays):

@@ -63,6 +63,10 @@ def expand_index(key, shape, what):
 
 def getitem(x: Traced, key):
     """x[key], NumPy's basic indexing (any step); a traced integer array is a lookup (take)."""
+    if isinstance(key, Traced) and key.dtype == "bool":  # (take's own refusal would speak of ids)
+        raise TypeError(f"indexing {describe(x)} with the boolean mask {describe(key)}: a masked selection has a "
+                        "shape known only from the mask's values, which sf.jit does not have; keep the shape "
+                        "with sf.where(mask, x, 0) (and a sum, or a count of mask.astype(...), where you need one)")
     if isinstance(key, Traced):
         from shardfuse.take import take  # (issue 31 item 4, alongside: table[ids])
         return take(x, key, axis=0)

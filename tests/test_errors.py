@@ -67,6 +67,11 @@ def test_array_on_another_mesh(mesh):
     with pytest.raises(ValueError, match=r"sf.Array on DeviceMesh\(DIDx=2, backend=numpy\), but the function "
                                          r"is compiled for DeviceMesh\(DIDx=4, backend=numpy\)"):
         sf.jit(seed, mesh=mesh)(a, np.ones((4, 4)))
+    # named by its parameter, as the README says errors are (from a new-user probe: it said "argument is")
+    with pytest.raises(ValueError, match=r"seed\(\): argument a \(position 0\) is an sf.Array on DeviceMesh\(DIDx=2"):
+        sf.jit(seed, mesh=mesh)(a, np.ones((4, 4)))
+    with pytest.raises(ValueError, match=r"argument p_a \(position 0\) is an sf.Array on DeviceMesh\(DIDx=2"):
+        sf.jit(lambda p, b: p["a"] @ b, mesh=mesh)({"a": a}, np.ones((4, 4)))
 
 
 def test_call_with_wrong_arity(mesh):

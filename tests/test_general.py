@@ -128,11 +128,21 @@ def test_reshape_keeps_outermost_sharding(d):
     assert_close(out.gather(), x.reshape(4, 2, 3, 8), "float64")
 
 
-def test_reshape_across_a_sharded_boundary_is_refused():
+def test_reshape_across_a_sharded_boundary_gathers_the_cut_axis():
+    """From a new-user probe: the README says a sharded axis a reshape cuts across is gathered
+    first, but a reshape whose result had no annotation was refused ('crosses the boundary')."""
     mesh = sf.DeviceMesh(2, backend="numpy")
+    x = np.random.default_rng(0).standard_normal((4, 6, 8))
     f = sf.jit(lambda x: sf.shard(x, axis=1).reshape(24, 8), mesh=mesh)
-    with pytest.raises(ValueError, match=r"reshape \(4, 6, 8\) -> \(24, 8\) crosses the boundary of axis 1"):
-        f.lower(sf.TensorSpec((4, 6, 8), "float64"))
+    assert f.lower(sf.TensorSpec((4, 6, 8), "float64")).collectives() == {"allgather": 1}
+    assert_close(f(x).gather(), x.reshape(24, 8), "float64")
+    mesh = sf.DeviceMesh((2, 2), ("dp", "tp"), backend="numpy")  # only the cut axis is gathered
+    f = sf.jit(lambda x: sf.shard(sf.shard(x, axis=1, over="tp"), axis=2, over="dp").reshape(24, 8), mesh=mesh)
+    out = f(x)
+    assert out.placements == (sf.Shard(1), sf.Replicate()) and f.lower(x).collectives() == {"allgather": 1}
+    assert_close(out.gather(), x.reshape(24, 8), "float64")
+    loss = lambda x: (sf.shard(x, axis=1, over="tp").reshape(24, 8) ** 2).sum()
+    assert_close(sf.jit(sf.grad(loss), mesh=mesh)(x).gather(), 2 * x, "float64")
     with pytest.raises(ValueError, match=r"cannot reshape \(4, 6\) \(24 elements\) to \(5, 5\)"):
         sf.jit(lambda x: x.reshape(5, 5), mesh=mesh).lower(sf.TensorSpec((4, 6)))
 

@@ -528,3 +528,14 @@ def test_inputs_under_mpiexec(nprocs, tmp_path):
     assert proc.returncode == 0, f"mpiexec -n {nprocs} failed (exit {proc.returncode}):\n{out[-6000:]}"
     for r in range(nprocs):
         assert f"INPUTS-OK rank {r}" in out, out[-6000:]
+
+
+def test_cache_info_counts_the_plans_of_pytree_arguments(mesh):
+    """From a new-user probe: a training step called with a dict of parameters reported
+    cache_info() == {'plans': 0, ...} after 60 calls (its plans are kept per pytree structure),
+    while cached_plans() listed them."""
+    f = sf.jit(lambda p, x: p["w"] * x, mesh=mesh)
+    x = np.ones((4,))
+    f({"w": x}, x)
+    f({"w": np.ones((8,))}, np.ones((8,)))
+    assert f.cache_info() == {"plans": 2, "dispatch": 2, "max_plans": MAX_PLANS} and len(f.cached_plans()) == 2

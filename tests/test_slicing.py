@@ -162,6 +162,7 @@ REFUSED = [
     (lambda x: x[1.0], TypeError, r"an index takes ints, slices, '...' and None \(NumPy's basic indexing\), got float"),
     (lambda x: x[[0, 1]], TypeError, r"got list \[0, 1\]; for an integer array index pass a traced int array"),
     (lambda x: x[np.array([True] * 8)], TypeError, r"got ndarray .* for a boolean mask use sf.where"),
+    (lambda x: x[x > 0], TypeError, r"boolean mask .*sf\.where\(mask, x, 0\)"),  # (a traced mask: was take's ids)
     (lambda x: x[0, 0, 0], IndexError, r"too many indices for an array of shape \(8, 12\): 3 given"),
     (lambda x: x[8], IndexError, r"index 8 is out of bounds for axis 0 with size 8"),
     (lambda x: x[:, -13], IndexError, r"index -13 is out of bounds for axis 1 with size 12"),
