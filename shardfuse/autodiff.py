@@ -283,7 +283,7 @@ def _take(ins, xs, out, ct, instrs):
 
 def _scatter_add(ins, xs, out, ct, instrs):
     """The values' cotangent: each position reads its id's row of ct (a lookup, take's rule)."""
-    values, ids, rows = xs
+    _, ids, rows = xs
     shape = ids.shape + ct.shape[1:]
     return [ct.builder.emit(Op.TAKE, (ct, ids, rows), TensorType(shape, ct.dtype), "e", vocab=ins.attrs["vocab"]),
             None, None]
