@@ -167,6 +167,9 @@ class CupyNcclBackend:
         return self.dev.on(devices).per_device((table, ids, rows, out), stream,
                                                lambda j, t, i, r, o: kern(t, i, r, t.shape[0], vocab, width, o))
 
+    def bind_scatter_add(self, values, ids, rows, out, stream, vocab, devices=None):
+        return kernels.bind_scatter_add(self.dev.on(devices), self.kernels, values, ids, rows, out, stream, vocab)
+
     def bind_copy(self, src, dst, stream, devices=None):
         return copies.bind_copy(self.dev, src, dst, stream, devices)
 

@@ -161,13 +161,34 @@ def take_rows(xp, table, ids, rows, vocab, out):
     lookup).  ids index as NumPy's (negative from the end of the vocabulary) and those outside
     [-vocab, vocab) are clamped to the first or last row, as JAX's indexing does; bfloat16 rows
     are moved as their bits."""
-    g = ids.astype(np.int64)
-    g = xp.clip(xp.where(g < 0, g + vocab, g), 0, vocab - 1)
-    loc = g - rows[0]
+    loc = global_ids(xp, ids, vocab) - rows[0]
     held = (loc >= 0) & (loc < table.shape[0])
     picked = xp.take(table, xp.clip(loc, 0, table.shape[0] - 1), axis=0)
     mask = held.reshape(held.shape + (1,) * (table.ndim - 1))
     out[...] = xp.where(mask, picked, xp.zeros((), picked.dtype))
+
+
+def global_ids(xp, ids, vocab):
+    """ids as row numbers: NumPy's negative ids from the end, those outside [-vocab, vocab) clamped."""
+    g = ids.astype(np.int64)
+    return xp.clip(xp.where(g < 0, g + vocab, g), 0, vocab - 1)
+
+
+def scatter_add_rows(values, ids, rows, vocab, out):
+    """out = the sum, per row this device holds (rows: their global numbers, consecutive), of the
+    values of the positions whose id is that row; zeros where none is (take_rows's transpose, the
+    embedding's gradient: the devices' outputs are the vocab-parallel gradient's pieces).  ids as
+    take_rows reads them; repeated ids accumulate (np.add.at), in float32 for 16-bit values (as
+    torch's embedding backward) and float32, in float64 for float64, then rounded once.  Every
+    element of out is written.  Shapes: out [rows.size, ...] or a chunk of it split along axis 0
+    (out.size = rows.size * width), values [*ids.shape, width elements]."""
+    nloc = rows.size  # (at least 1: a vocabulary axis is never empty)
+    width = out.size // nloc
+    loc = global_ids(np, ids, vocab).reshape(-1) - rows.reshape(-1)[0]
+    held = (loc >= 0) & (loc < nloc)
+    acc = np.zeros((nloc, width), np.float64 if out.dtype == np.float64 else np.float32)
+    np.add.at(acc, loc[held], values.reshape(loc.size, width)[held].astype(acc.dtype))
+    out[...] = acc.reshape(out.shape)
 
 
 def schedule(expr, n_in):

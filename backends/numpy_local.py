@@ -11,7 +11,7 @@ import os
 
 import numpy as np
 
-from shardfuse.backends.elementwise_numpy import ELEMENTWISE, evaluate, schedule, take_rows
+from shardfuse.backends.elementwise_numpy import ELEMENTWISE, evaluate, scatter_add_rows, schedule, take_rows
 from shardfuse.dtypes import np_dtype, poison_value
 from shardfuse.ops import Reduce
 
@@ -128,6 +128,15 @@ class NumpyLocalBackend:
         def step(bufs):
             for j in js:
                 take_rows(np, view(bufs, table, j), view(bufs, ids, j), view(bufs, rows, j), vocab, view(bufs, out, j))
+        return step
+
+    def bind_scatter_add(self, values, ids, rows, out, stream, vocab, devices=None):
+        js, view = self._on(devices), self.view
+
+        def step(bufs):
+            for j in js:
+                scatter_add_rows(view(bufs, values, j), view(bufs, ids, j), view(bufs, rows, j), vocab,
+                                 view(bufs, out, j))
         return step
 
     def bind_copy(self, src, dst, stream, devices=None):

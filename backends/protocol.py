@@ -114,6 +114,7 @@ class Backend(Protocol):
     def bind_sum(self, a, axis, out, stream, scale=1.0, devices=None): """Step: out = a.sum(axis) * scale, 16-bit summed in float32."""
     def bind_copy(self, src, dst, stream, devices=None): """Step: dst[...] = src (any strides)."""
     def bind_take(self, table, ids, rows, out, stream, vocab, devices=None): """Step: out = the table's rows ids (elementwise_numpy.take_rows)."""
+    def bind_scatter_add(self, values, ids, rows, out, stream, vocab, devices=None): """Step: out = zeros, then out[ids[t]] += values[t] (elementwise_numpy.scatter_add_rows)."""
 
     # streams and events
     def new_event(self, timing=False): """A fresh event handle (one per GPU; timing=True: usable by event_ms)."""

@@ -18,7 +18,7 @@ from shardfuse.layout import Layout
 from shardfuse.mesh import DeviceMesh
 from shardfuse.placements import Partial, Replicate, Shard
 from shardfuse.spec import TensorSpec
-from shardfuse.take import take
+from shardfuse.take import scatter_add, take
 from shardfuse.visualize import visualize_sharding
 from shardfuse import nn, transformer
 
@@ -33,7 +33,7 @@ from shardfuse.traced_numpy import (exp, gelu, linear, log, logical_not, maximum
 
 __all__ = ["Array", "DeviceMesh", "Layout", "Partial", "Replicate", "Shard", "Plan", "TensorSpec", "from_local", "jit", "replicate", "shard", "stream", "to_mesh",
            "exp", "gelu", "linear", "relu", "tanh", "sqrt", "rsqrt", "log", "sigmoid", "silu", "maximum", "minimum",
-           "where", "logical_not", take.__name__, "concatenate", "split", "stack", "nn", "grad", "value_and_grad",
+           "where", "logical_not", take.__name__, scatter_add.__name__, "concatenate", "split", "stack", "nn", "grad", "value_and_grad",
            "vjp", "torch_function", "visualize_sharding", "distribute",
            "CollectiveTimeoutError", "ConcretizationError", "RankLeftError", "RankMismatchError"]
 

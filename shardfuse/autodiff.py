@@ -32,6 +32,7 @@ from shardfuse.layout import Layout, axis_entry, mesh_axes
 from shardfuse.ops import COMPARE, COMPARE_SCALAR, Op
 from shardfuse import schedule
 from shardfuse.schedule import Schedule, scheduled
+from shardfuse.take import scatter_rows
 from shardfuse.traced import Traced
 from shardfuse.traced_numpy import where
 
@@ -269,24 +270,23 @@ def _unary(d):
 
 
 def _take(ins, xs, out, ct, instrs):
-    """The table's cotangent: each row the sum of the cotangents of the positions that took it,
-    as a one-hot [..., ids, vocab] matrix contracted with ct (a batched GEMM per leading axis of the
-    ids, summed; no scatter-add op yet: it holds tokens x vocabulary elements)."""
+    """The table's cotangent: each row the sum of the cotangents of the positions that took it, a
+    scatter-add (JAX's transpose of gather, PyTorch's embedding_dense_backward), no one-hot
+    [tokens, vocab] matrix.  Where the forward shards the table over its vocabulary, the rows are
+    pinned so: each device adds only the ids in its own rows (the vocab-parallel gradient)."""
     table, ids, rows = xs
-    n = ins.attrs["vocab"]
-    ids = where(ids < 0, ids + n, ids)  # NumPy's negative ids, then JAX's clamping (as the forward)
-    ids = ids.unary_op(Op.MAXIMUM_SCALAR, value=0).unary_op(Op.MINIMUM_SCALAR, value=n - 1)
-    rest = table.shape[1:]
-    width = math.prod(rest)
-    g = ct if len(rest) == 1 else ct.reshape(ids.shape + (width,))
-    if ids.ndim == 0:
-        hit, g = (ids.reshape(1, 1) == rows.reshape(1, n)).astype(ct.dtype), g.reshape(1, width)
-    else:
-        hit = (ids.reshape(ids.shape + (1,)) == rows).astype(ct.dtype)  # [..., ids, vocab]
-    d = hit.swapaxes(-1, -2) @ g  # [..., vocab, width]
-    if d.ndim > 2:
-        d = d.sum(axis=tuple(range(d.ndim - 2)))
-    return [d if len(rest) == 1 else d.reshape(table.shape), None, None]
+    lay = known_layout(table.builder, table.value)
+    if lay is not None and lay.mesh == table.builder.mesh and lay.axes[0] is not None:
+        rows = pin(rows, Layout((lay.axes[0],), mesh=lay.mesh))
+    return [scatter_rows(ct, ids, rows, ins.attrs["vocab"]), None, None]
+
+
+def _scatter_add(ins, xs, out, ct, instrs):
+    """The values' cotangent: each position reads its id's row of ct (a lookup, take's rule)."""
+    _, ids, rows = xs
+    shape = ids.shape + ct.shape[1:]
+    return [ct.builder.emit(Op.TAKE, (ct, ids, rows), TensorType(shape, ct.dtype), "e", vocab=ins.attrs["vocab"]),
+            None, None]
 
 
 def _concat(ins, xs, out, ct, instrs):
@@ -344,6 +344,7 @@ VJP = {
     Op.CONCAT: _concat,
     Op.SLICE_ARRAY: _slice_array,
     Op.TAKE: _take,
+    Op.SCATTER_ADD: _scatter_add,
     Op.SET: _set,
     Op.MATMUL: _matmul,
     Op.SUM: _sum,

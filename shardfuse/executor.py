@@ -198,9 +198,11 @@ class Executable:
         return self.backend.bind_sum(self.refs[i.ins[0]], i.attrs["axis"], self.refs[i.into], stream,
                                      i.attrs.get("factor", 1.0), devices=devices)
 
-    def _bind_take(self, i, env, stream, devices):
-        table, ids, rows = (self.refs[v] for v in i.ins)
-        return self.backend.bind_take(table, ids, rows, self.refs[i.into], stream, i.attrs["vocab"], devices=devices)
+    def _bind_rows(self, i, env, stream, devices):
+        """Take and ScatterAdd: (table or values, ids, rows) -> into, over a vocabulary of `vocab` rows."""
+        bind = self.backend.bind_take if i.op == Op.TAKE else self.backend.bind_scatter_add
+        a, ids, rows = (self.refs[v] for v in i.ins)
+        return bind(a, ids, rows, self.refs[i.into], stream, i.attrs["vocab"], devices=devices)
 
     def _bind_copy(self, i, env, stream, devices):
         """A copy into or out of a staging buffer stored in blocks sees the other side in blocks too."""
@@ -379,7 +381,8 @@ BIND = {
     Op.SUM: Executable._bind_sum,
     Op.FUSED: lambda self, i, env, stream, devices: self.backend.bind_fused(  # (passes/fuse.py)
         i.attrs["expr"], [self.refs[v] for v in i.ins], self.refs[i.into], stream, devices=devices),
-    Op.TAKE: Executable._bind_take,
+    Op.TAKE: Executable._bind_rows,
+    Op.SCATTER_ADD: Executable._bind_rows,
     Op.COPY: Executable._bind_copy,
 }
 assert set(BIND) == HOST - {Op.FOR}, set(BIND) ^ HOST  # loops are unrolled (ir.unroll)

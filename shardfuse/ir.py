@@ -269,7 +269,8 @@ def _fmt(ins: Instr, home=None) -> str:
     if ins.into is not None:  # host-level compute and communication write into a buffer
         name = {Op.MATMUL: "Matmul", Op.SUM: "Sum", Op.COPY: "Copy",
                 Op.ALLGATHER: "Allgather", Op.ALLREDUCE: "Allreduce", Op.REDUCE_SCATTER: "ReduceScatter", Op.ALLTOALL: "AllToAll",
-                Op.SENDRECV: "SendRecv", Op.TAKE: "Take", Op.ORDER_KEYS: "OrderKeys", Op.FROM_ORDER_KEYS: "FromOrderKeys"
+                Op.SENDRECV: "SendRecv", Op.TAKE: "Take", Op.SCATTER_ADD: "ScatterAdd",
+                Op.ORDER_KEYS: "OrderKeys", Op.FROM_ORDER_KEYS: "FromOrderKeys"
                 }.get(op, op.capitalize())
         rhs = " @ ".join(v.name for v in ins.ins) if op == Op.MATMUL else ins_s
         if op == Op.TRANSFER:  # a move between meshes, in nvFuser's words

@@ -83,6 +83,9 @@ class Op(StrEnum):
     TRANSPOSE = "transpose"  # also a host-level view
     FUSED = "fused"  # a chain of elementwise ops as one step (attrs["expr"]: an Expr; passes/fuse.py)
     TAKE = "take"  # take(table, ids, rows): rows ids of the table, zeros where this device holds none
+    # scatter_add(values, ids, rows): out[vocab, ...] = 0, then out[ids[t]] += values[t] for every
+    # position t (repeated ids accumulate) on the rows this device holds; take's transpose (its VJP)
+    SCATTER_ADD = "scatter_add"
     # x[a:b, i, ...] of basic indexing, rank kept (an int index is an extent-1 box, then a reshape):
     # the box at static `begin` (per axis) with the output's shape, `step` (per axis) where one is
     # not 1; a sliced axis is whole on every device, so it is also a host-level view of the local piece
@@ -138,9 +141,10 @@ STREAM_OPS = frozenset({Op.GET_STREAM, Op.SET_STREAM, Op.SYNCHRONIZE, Op.RECORD_
 HOST_ONLY = frozenset({Op.ALLOCATE, Op.SELECT, Op.SENDRECV, Op.WAIT, Op.FOR}) | STREAM_OPS
 # What a final plan may hold: the executor binds exactly these.
 HOST = (VIEWS | COMMUNICATION | ELEMENTWISE | STREAM_OPS
-        | {Op.ALLOCATE, Op.COPY, Op.WAIT, Op.MATMUL, Op.SUM, Op.TAKE, Op.FUSED, Op.FOR})
+        | {Op.ALLOCATE, Op.COPY, Op.WAIT, Op.MATMUL, Op.SUM, Op.TAKE, Op.SCATTER_ADD, Op.FUSED, Op.FOR})
 # What tracing may record.
-ARRAY = ELEMENTWISE | {Op.SET, Op.RESHAPE, Op.MATMUL, Op.SUM, Op.TRANSPOSE, Op.TAKE, Op.SLICE_ARRAY, Op.CONCAT}
+ARRAY = ELEMENTWISE | {Op.SET, Op.RESHAPE, Op.MATMUL, Op.SUM, Op.TRANSPOSE, Op.TAKE, Op.SCATTER_ADD, Op.SLICE_ARRAY,
+         Op.CONCAT}
 
 
 @dataclass(frozen=True)

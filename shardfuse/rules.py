@@ -16,7 +16,7 @@ from __future__ import annotations
 from shardfuse.layout import Layout, axis_entry, mesh_axes
 from shardfuse.ops import Op, Reduce
 from shardfuse.schedule import axis_of
-from shardfuse.rules_take import TAKE
+from shardfuse.rules_take import SCATTER_ADD, TAKE
 from shardfuse import ops, rules_shapes
 
 LINEAR_UNARY = {Op.NEG, Op.SCALE, Op.DIV_SCALAR, Op.TRANSPOSE}
@@ -364,6 +364,7 @@ RULES = {
     Op.VIEW: dict(infer=_given, require=_as_is, axis_map=_no_stream_map),
     Op.RESHAPE: dict(infer=reshape_infer, require=reshape_require, axis_map=reshape_axis_map),
     Op.TAKE: TAKE,  # (shardfuse/rules_take.py: the vocab-parallel embedding)
+    Op.SCATTER_ADD: SCATTER_ADD,  # (and its gradient)
     Op.SLICE_ARRAY: rules_shapes.SLICE,
     Op.CONCAT: rules_shapes.CONCAT,
     **{op: ELEMENTWISE for op in BINARY | LINEAR_UNARY - {Op.TRANSPOSE} | NONLINEAR_UNARY | ops.BINARY},

@@ -18,6 +18,9 @@ the table sharded along `axis` (the vocabulary), each device looks up the ids in
 writes zeros for the others; the result is a pending sum made whole by one Allreduce (or a
 ReduceScatter where the result is annotated sharded: sequence parallelism), never a gather of the
 table (shardfuse/rules_take.py).
+
+sf.scatter_add(ids, values, size) is take's transpose (JAX's `.at[ids].add`): the gradient of a
+lookup, and sf.grad's rule for take (shardfuse/autodiff.py) is one.
 """
 from __future__ import annotations
 
@@ -25,6 +28,7 @@ import functools
 
 import numpy as np
 
+from shardfuse import dtypes
 from shardfuse.ir import TensorType
 from shardfuse.ops import Op
 from shardfuse.spec import normalize_axis
@@ -77,6 +81,56 @@ def _take(table, ids, axis):
         return got
     k = ids.ndim  # the table's axes before `axis` go back in front of the ids' axes
     return got.transpose(tuple(range(k, k + axis)) + tuple(range(k)) + tuple(range(k + axis, got.ndim)))
+
+
+def scatter_add(ids, values, size):
+    """out[size, *values.shape[ids.ndim:]]: zeros, then out[ids[t]] += values[t] for every position
+    t of the ids (repeated ids accumulate), inside sf.jit and on sf.Arrays outside it.  JAX's
+    `jnp.zeros((size, ...)).at[ids].add(values)` (and `jax.ops.segment_sum(values, ids, size)`),
+    PyTorch's `index_put_(..., accumulate=True)`; the transpose of sf.take, so it is the gradient of
+    an embedding lookup (sf.grad of sf.take computes it, with no one-hot [tokens, vocab] matrix).
+
+        counts = sf.scatter_add(ids, np.ones(ids.shape), vocab)       # how often each id occurs
+        grad_table = sf.scatter_add(ids, grad_out, vocab)             # [vocab, hidden]
+
+    ids (int32 / int64, any shape) index as sf.take's: negative from the end, outside [-size, size)
+    clamped to the first or last row.  values are floats; float16 and bfloat16 are summed in float32
+    and rounded once.  Sharding: positions sharded (data / sequence parallel) make the result a
+    pending sum over those mesh axes (one Allreduce, or a ReduceScatter into a sharded result); a
+    result sharded over its first axis (sf.shard(..., axis=0)) has each device add only the ids in
+    its rows, no communication for that axis (shardfuse/rules_take.py)."""
+    if isinstance(size, bool) or not isinstance(size, (int, np.integer)) or size < 1:
+        raise TypeError(f"sf.scatter_add: size must be a positive int (the result's first extent), got {size!r}")
+    traced = next((a for a in (ids, values) if isinstance(a, Traced)), None)
+    if traced is not None:
+        return _scatter_add(traced.builder.constant(ids), traced.builder.constant(values), int(size))
+    for a in (ids, values):
+        if hasattr(type(a), "one_op"):  # sf.Array (array_ops.ArrayOps): a one-op plan
+            return a.one_op(_scatter_add, (ids, values, int(size)), str(Op.SCATTER_ADD))
+    raise TypeError(f"sf.scatter_add takes values inside an sf.jit function or sf.Arrays, got "
+                    f"{type(ids).__name__} and {type(values).__name__} (for NumPy arrays: np.add.at)")
+
+
+def _scatter_add(ids, values, size):
+    if not isinstance(ids, Traced) or not isinstance(values, Traced):
+        bad = ids if not isinstance(ids, Traced) else values
+        raise TypeError(f"sf.scatter_add(ids, values, size): both must be arrays, got {type(bad).__name__}")
+    if ids.dtype not in _INTS:
+        raise TypeError(f"sf.scatter_add: ids must be an integer array (int32 or int64), got {describe(ids)}")
+    if not dtypes.is_float(values.dtype):
+        raise TypeError(f"sf.scatter_add: values must be floats (float16, bfloat16, float32, float64), got "
+                        f"{describe(values)}; cast with values.astype('float32')")
+    if values.shape[:ids.ndim] != ids.shape:
+        raise ValueError(f"sf.scatter_add: values {describe(values)} must start with the ids' shape {ids.shape} "
+                         "(one value, or row of values, per id)")
+    return scatter_rows(values, ids, ids.builder.constant(_row_numbers(size)), size)
+
+
+def scatter_rows(values, ids, rows, n: int):
+    """The scatter_add step (Op.SCATTER_ADD) over the vocabulary `rows` (np.arange(n) as a value:
+    pinned sharded, the result's rows are, each device adding the ids in its own)."""
+    out = TensorType((n,) + values.shape[ids.ndim:], values.dtype)
+    return values.builder.emit(Op.SCATTER_ADD, (values, ids, rows), out, "scattered", vocab=n)
 
 
 def np_take(a, indices, axis=None, out=None, mode=None):

@@ -1,7 +1,8 @@
 """Gradients and donation on the CuPy backend (issue 32; run on the GPU machine by
 `pytest -m gpu`): the per-op gradients of tests/test_grad.py against central differences, the MLP
 block's and the seed's backward (pipelined) against NumPy's analytic gradients at D = 1, 2, 4, 8
-virtual devices, and an SGD step written into the donated weights' GPU buffers."""
+virtual devices, an SGD step written into the donated weights' GPU buffers, and the scatter-add
+(the embedding's gradient: atomicAdd kernels, not run on a GPU when written) against NumPy's."""
 from __future__ import annotations
 
 import numpy as np
@@ -26,7 +27,8 @@ def cupy_mesh(d, names=("tp",)):
 
 
 OPS = ["gelu", "silu", "rsqrt", "log", "where", "mul broadcast", "maximum", "max first keepdims", "mean",
-       "astype", "transpose", "matmul batch @ 2-D", "softmax", "layer_norm", "rms_norm", "attention"]
+       "astype", "transpose", "matmul batch @ 2-D", "softmax", "layer_norm", "rms_norm", "attention",
+       "take vocab-parallel", "take repeated ids", "scatter_add"]
 
 
 @pytest.mark.parametrize("placement", ["R", "S0"])
@@ -126,3 +128,32 @@ def test_fused_kernels_against_the_unfused_plan(name, dtype, monkeypatch):
     want = np.asarray(sf.jit(fn, mesh=mesh)(*args)).astype(np.float64)
     tol = {"float64": 1e-14, "float32": 1e-6, "float16": 2e-3, "bfloat16": 1e-2}[dtype]
     np.testing.assert_allclose(got, want, rtol=tol, atol=tol)
+
+
+@pytest.mark.parametrize("layout", ["replicated", "rows-tp", "positions-tp", "positions-tp-rows-tp"])
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16", "float16", "float64"])
+@pytest.mark.parametrize("d", [1, 2, 4])
+def test_scatter_add_matches_numpy(d, dtype, layout):
+    """backends/cuda/kernels.py's scatter-add (atomicAdd into float32, float64 for float64; 16-bit
+    rounded once) against the NumPy backend's on the same inputs, repeated and out-of-range ids
+    included, and against float64 (test_scatter_add.check_scatter); poisoned buffers (conftest)
+    fail where a row is left unwritten.  The order of the atomic adds is the GPU's: float32 sums
+    agree to rounding, not bit for bit."""
+    import test_scatter_add as sa
+    from shardfuse.dtypes import np_dtype
+
+    sa.check_scatter(cupy_mesh(d), layout, dtype, np.random.default_rng(d), ids_shape=(8, 16))
+    rng = np.random.default_rng(d + 10)
+    ids = sa.ids_with_repeats(rng, (8, 16))
+    values = (rng.standard_normal((8, 16, sa.H)) * 3).astype(np_dtype(dtype))
+    f = sa.scatter_fn(*(a if a == "tp" else None for a in sa.LAYOUTS[layout]))
+    got = np.asarray(sf.jit(f, mesh=cupy_mesh(d))(ids, values).gather(), np.float64)
+    want = np.asarray(sf.jit(f, mesh=sf.DeviceMesh(d, "tp", backend="numpy"))(ids, values).gather(), np.float64)
+    tol = {"float64": 1e-14, "float32": 1e-6, "float16": 1e-3, "bfloat16": 8e-3}[dtype]
+    np.testing.assert_allclose(got, want, rtol=tol, atol=4 * tol)
+
+
+@pytest.mark.parametrize("table_over, ids_over", [("tp", None), ("tp", "tp"), (None, "tp")], ids=str)
+def test_embedding_gradient_is_a_scatter_add(table_over, ids_over):
+    import test_scatter_add as sa
+    sa.check_embed_grad(cupy_mesh(4), table_over, ids_over, np.random.default_rng(5))

@@ -30,6 +30,10 @@ def ids(rng, shape):  # integer ids, negative ones too (NumPy's: from the end)
     return rng.integers(-8, 8, shape).astype(np.int32)
 
 
+def repeated_ids(rng, shape):  # ids, each drawn from three values: every row taken several times
+    return rng.choice(np.array([2, -1, 5], np.int32), shape)
+
+
 # name -> (function, [(shape, generator)], argnums); the loss is sum(fn(*args) * r)
 X, Y = (8, 12), (12,)
 CASES = {
@@ -78,6 +82,9 @@ CASES = {
     "cross_entropy": (lambda x, t: sf.nn.cross_entropy(x, t), [(X, normal), ((8,), ids)], 0),
     "take": (lambda t, i: sf.take(t, i), [((12, 4), normal), ((8, 3), ids)], 0),
     "take vocab-parallel": (lambda t, i: sf.take(sf.shard(t, axis=0), i), [(X, normal), ((4, 2), ids)], 0),
+    "take repeated ids": (lambda t, i: sf.take(sf.shard(t, axis=0), i), [(X, normal), ((12,), repeated_ids)], 0),
+    "take axis 1": (lambda t, i: sf.take(t, i, axis=1), [((4, 12), normal), ((5,), ids)], 0),
+    "scatter_add": (lambda i, v: sf.scatter_add(i, v * v, 8), [((8, 3), repeated_ids), ((8, 3, 4), normal)], 1),
     "slicing": (lambda x: x[1:7, ::3] * x[2:8, -4:] + x[3, None, 2:6], [(X, normal)], 0),
     "negative steps": (lambda x: sf.concatenate([x[::-1, 10:2:-2] * x[:, 3:7], x[7::-3, ::-3]], axis=0),
                        [(X, normal)], 0),

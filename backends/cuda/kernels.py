@@ -4,6 +4,8 @@ axis too) run in float32 scratch and round back once, sums reduce in float32, wi
 conversions of the preamble (round to nearest even, NaN kept quiet)."""
 from __future__ import annotations
 
+import math
+
 import cupy
 import numpy as np
 from cupy._core import _accelerator  # (whether CUB is off: see _reduce_min)
@@ -103,6 +105,24 @@ class Kernels:
             "long long r = i / width, c = i % width; long long g = (long long)ids[r]; if (g < 0) g += vocab;"
             " g = g < 0 ? 0 : (g >= vocab ? vocab - 1 : g); long long loc = g - rows[0];"
             " out = (loc >= 0 && loc < nloc) ? table[loc * width + c] : (T)0;", "sf_take"))
+
+    def scatter_add(self, values_dtype, acc_dtype):
+        """acc[loc * width + c] += values[r * width + c] for each position r whose id (as take reads
+        it) is a row this device holds (loc: its place among them), by atomicAdd on a float32
+        accumulator (float64 for float64; atomicAdd of float and double, no 16-bit atomics); values
+        read in their dtype (bfloat16 as its uint16 bits).  The adds land in the order the hardware
+        takes them, as PyTorch's index_put_ with accumulate: sums are not bitwise reproducible."""
+        def make():
+            t = {"bfloat16": "uint16"}.get(values_dtype, values_dtype)
+            acc = "double" if acc_dtype == "float64" else "float"
+            load = "bf2f(v)" if values_dtype == "bfloat16" else f"({acc})v"
+            return cupy.ElementwiseKernel(
+                f"{t} v, raw I ids, raw int64 rows, int64 nloc, int64 vocab, int64 width", f"raw {acc_dtype} acc",
+                "long long r = i / width, c = i % width; long long g = (long long)ids[r]; if (g < 0) g += vocab;"
+                " g = g < 0 ? 0 : (g >= vocab ? vocab - 1 : g); long long loc = g - rows[0];"
+                f" if (loc >= 0 && loc < nloc) atomicAdd(&acc[loc * width + c], {load});",
+                f"sf_scatter_add_{values_dtype}", preamble=BF16_PREAMBLE)
+        return self._get((Op.SCATTER_ADD, values_dtype, acc_dtype), make)
 
     def gather(self, n, vector):
         """One launch instead of 2n - 1 copies: block r (`units` elements) of each of n send
@@ -343,3 +363,25 @@ def bind_sum(dev, kernels, a, axis, out, stream, scale=1.0):
         cupy.sum(x, axis=axis, out=o)
         cupy.multiply(o, scale, out=o)
     return dev.per_device((a, out), stream, scaled)
+
+
+def bind_scatter_add(dev, kernels, values, ids, rows, out, stream, vocab):
+    """Step: out = zeros, then each position's values added into its id's row (Kernels.scatter_add;
+    elementwise_numpy.scatter_add_rows's semantics).  float32 and float64 accumulate in out itself;
+    float16 and bfloat16 in float32 scratch (made now: no allocation when the step runs, as a graph
+    capture needs), rounded into out once (as PyTorch's embedding backward accumulates)."""
+    nloc = math.prod(rows.shape)
+    width = math.prod(out.shape) // nloc
+    kern = kernels.scatter_add(values.dtype, "float64" if out.dtype == "float64" else "float32")
+    scratch = dev.f32_scratch(out) if out.dtype in ("float16", "bfloat16") else None
+    to16 = kernels.to_bf16() if out.dtype == "bfloat16" else None
+
+    def step(j, v, i, r, o):
+        acc = o if scratch is None else scratch[j]
+        acc.fill(0)  # (a memset on the step's stream: every element written, poisoned or not)
+        kern(v, i, r, nloc, vocab, width, acc)
+        if to16 is not None:
+            to16(acc, o)
+        elif scratch is not None:
+            cupy.copyto(o, acc)  # (float32 -> float16, rounded once)
+    return dev.per_device((values, ids, rows, out), stream, step)

@@ -1,7 +1,7 @@
 """Max / min over a sharded axis (an Allreduce with MPI.MAX / MIN of order keys), take and the
-vocab-parallel embedding, constants and cross-entropy under mpiexec: the case bodies of
-tests/test_extrema.py, test_take.py, test_constants.py and test_cross_entropy.py on the MPI
-backend.  Every rank runs every test in the same order (same seeds), so the collectives pair up."""
+vocab-parallel embedding, scatter_add and the embedding's gradient, constants and cross-entropy
+under mpiexec: the case bodies of tests/test_extrema.py, test_take.py, test_scatter_add.py,
+test_constants.py and test_cross_entropy.py on the MPI backend.  Every rank runs every test in the same order (same seeds), so the collectives pair up."""
 from __future__ import annotations
 
 import numpy as np
@@ -17,6 +17,26 @@ NPROCS = MPI.COMM_WORLD.Get_size()
 @pytest.fixture(params=sorted({4, NPROCS}), ids=lambda s: f"D{s}", scope="module")
 def mesh(request):
     return sf.DeviceMesh(request.param)
+
+
+@pytest.mark.parametrize("jit", [True, False], ids=["jit", "eager"])
+@pytest.mark.parametrize("layout", ["replicated", "positions-tp", "rows-tp", "positions-tp-rows-tp"])
+@pytest.mark.parametrize("dtype", ["float64", "bfloat16"])
+def test_scatter_add(mesh, layout, dtype, jit):
+    import test_scatter_add as sa
+    sa.check_scatter(sf.DeviceMesh(mesh.size, "tp"), layout, dtype, np.random.default_rng(1), jit=jit)
+
+
+@pytest.mark.parametrize("table_over, ids_over", [(None, "tp"), ("tp", None), ("tp", "tp")], ids=str)
+def test_embedding_gradient_is_a_scatter_add(mesh, table_over, ids_over):
+    import test_scatter_add as sa
+    sa.check_embed_grad(sf.DeviceMesh(mesh.size, "tp"), table_over, ids_over, np.random.default_rng(4))
+
+
+@pytest.mark.skipif(NPROCS == 2, reason="over dp under -n 2 each process' two devices lie in two dp teams")
+def test_embedding_gradient_data_parallel_vocab_parallel():
+    import test_scatter_add as sa
+    sa.check_embed_grad(sf.DeviceMesh((2, 2), ("dp", "tp")), "tp", "dp", np.random.default_rng(4))
 
 
 @pytest.mark.parametrize("jit", [True, False], ids=["jit", "eager"])

@@ -14,7 +14,8 @@ import test_grad as tg
 NPROCS = MPI.COMM_WORLD.Get_size()
 KINDS = ["1d", "2d"] if NPROCS == 4 else ["1d"]
 OPS = ["gelu", "log", "where", "mul broadcast", "max first keepdims", "mean", "reshape", "transpose",
-       "matmul batch @ 2-D", "softmax", "layer_norm", "attention"]
+       "matmul batch @ 2-D", "softmax", "layer_norm", "attention", "take vocab-parallel", "take repeated ids",
+       "scatter_add"]
 CASES = [(name, kind, p) for name in OPS for kind in KINDS for p in tg.PLACEMENTS[kind]]
 
 
