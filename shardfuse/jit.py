@@ -121,20 +121,32 @@ class Jitted:
     def lower(self, *specs: Any) -> Plan:
         """The plan for these inputs: TensorSpecs, (shape, dtype[, sharding]) tuples, or the
         arrays themselves (as JAX's .lower takes either)."""
+        target, specs = self._resolve(specs, "lower")
+        with target._tables:
+            return target._lower(specs)
+
+    def trace(self, *specs: Any):
+        """The traced program for these inputs, before any pass (JAX's make_jaxpr): the ops, the
+        layouts the annotations state and the schedules sf.stream asks for.  Printable."""
+        target, specs = self._resolve(specs, "trace")
+        fn = target.fn if isinstance(target.fn, tree.FlatFunction) else tree.FlatFunction(target.fn)
+        return trace(fn, target.mesh, specs, target.streams)
+
+    def _resolve(self, specs, what) -> tuple:
+        """(the sf.jit that compiles these inputs: this one, its static values' or its pytree
+        structure's, and their TensorSpecs) for lower(*specs) / trace(*specs)."""
         for s in specs:  # (a shape alone, (16, 8), would read 8 as a dtype)
             if isinstance(s, tuple) and len(s) >= 2 and all(isinstance(n, (int, np.integer)) for n in s):
-                raise TypeError(f"{self.__name__}.lower takes TensorSpecs, (shape, dtype[, sharding]) tuples or arrays; "
-                                f"got {s!r}: for a shape, write ({s!r}, 'float32')")
+                raise TypeError(f"{self.__name__}.{what} takes TensorSpecs, (shape, dtype[, sharding]) tuples or "
+                                f"arrays; got {s!r}: for a shape, write ({s!r}, 'float32')")
         if self._static:  # (JAX's f.lower(x, 4): the static values where the function takes them)
             key, specs, _ = split_static(self.fn, self._static, specs, {})
-            return self._with_static(key).lower(*specs)
+            return self._with_static(key)._resolve(specs, what)
         if any(tree.is_container(s) and not _is_spec_tuple(s) for s in specs):  # pytrees of specs or arrays
             leaves, in_tree = tree.flatten(specs, is_leaf=lambda x: x is not specs and _is_spec_tuple(x))
-            return self._for_tree(in_tree).lower(*leaves)
-        specs = tuple(s if isinstance(s, TensorSpec) else TensorSpec(*s) if isinstance(s, tuple)
-                      else spec_of(s, self.mesh) for s in specs)
-        with self._tables:
-            return self._lower(specs)
+            return self._for_tree(in_tree)._resolve(tuple(leaves), what)
+        return self, tuple(s if isinstance(s, TensorSpec) else TensorSpec(*s) if isinstance(s, tuple)
+                           else spec_of(s, self.mesh) for s in specs)
 
     def _for_tree(self, in_tree) -> "Jitted":
         """The sf.jit of fn as a function of the leaves of arguments of this structure (made once)."""

@@ -215,3 +215,17 @@ def test_verifier_rejects_array_level_ops(mesh):
     prog = Program("p", mesh, (), (), (Instr(Op.SET),))
     with pytest.raises(PlanError, match="not a host-level instruction"):
         verify(prog)
+
+
+def test_trace_shows_the_program_before_the_passes():
+    """f.trace(...) (JAX's make_jaxpr): the annotations as stated, the schedule on the instruction
+    sf.stream annotates; pytree and static arguments as lower takes them."""
+    mesh = sf.DeviceMesh(4, backend="numpy")
+    a, b = np.ones((16, 8)), np.ones((8, 4))
+    f = sf.jit(lambda a, b: sf.stream(sf.shard(a, 0) @ b, axis=0, chunks=2), mesh=mesh)
+    lines = str(f.trace(a, b)).splitlines()
+    assert "  a_1: f64[16:DIDx, 8] = set(a, annotation=True)" in lines
+    assert "  c_1: f64[16:Stream, 4] = set(c, annotation=True, chunks=2)" in lines
+    g = sf.jit(lambda p, k, x: x @ p["w"] * k, mesh=mesh, static_argnums=1)
+    text = str(g.trace({"w": b}, 3.0, a))
+    assert "matmul(x, p_w)" in text and "scale(c, value=3.0)" in text, text  # (the static value: a constant)
