@@ -45,7 +45,7 @@ def known_layout(builder, v):
             if any(lay is None or lay.mesh != builder.mesh for lay in lays):
                 return None
             try:
-                return whole(rules.infer(p, lays, builder.mesh).on(builder.mesh))
+                return whole(rules.infer(p, lays).on(builder.mesh))
             except ValueError:  # (a reshape no sharding maps: the compiler gathers, and says so)
                 return None
         same = [i for i in p.ins if i.type.shape == v.type.shape and p.op in ELEMENTWISE]

@@ -242,7 +242,7 @@ class Executable:
 
     def _ranks(self, v, team):
         """Each local device's position along mesh axis `team` of the mesh v lives on (0 outside it)."""
-        mesh = mesh_of(v, self.prog)
+        mesh = mesh_of(v)
         mi = mesh.axis_index(team)
         return [mesh.coords(d)[mi] if d in mesh.devices else 0 for d in self.backend.local_devices]
 
@@ -280,7 +280,7 @@ class Executable:
     def _team(self, i, name):
         """What a backend's collective runs over: a mesh axis name of the program's mesh, or
         (sub-mesh, axis name) for a value that lives on a sub-mesh (backends that can)."""
-        mesh = mesh_of(i.ins[0], self.prog)
+        mesh = mesh_of(i.ins[0])
         if mesh == self.mesh:
             return name
         if not self.backend.submesh_teams:

@@ -197,10 +197,11 @@ class Jitted:
         return plan
 
     def _evicted(self, specs, old: Plan) -> None:
-        """The plan cache dropped `old`, its least recently used: the dispatch table forgets it."""
+        """The plan cache dropped `old`, kept for `specs` and least recently used: the dispatch table
+        forgets the argument kinds of those specs (not of other specs the same plan serves)."""
         log.info("plan cache of %s full (max_plans=%d): dropped the least recently used plan", self.__name__,
                  self.max_plans)
-        for k in [k for k, (_, p) in self._dispatch.items() if p is old]:
+        for k in [k for k, (s, _) in self._dispatch.items() if s == specs]:
             del self._dispatch[k]
 
     def __call__(self, *args: Any, stream: Any = None, **kwargs: Any) -> Any:

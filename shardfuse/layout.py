@@ -87,8 +87,8 @@ class Layout:
 
     def home(self, mesh):
         """The mesh the value lives on.  Inside the compiler every layout names its mesh; an
-        sf.Array's layout names only a sub-mesh, None meaning the array's own mesh `mesh` (the one
-        place that convention is read; `held_by` writes it)."""
+        sf.Array's layout names only a sub-mesh, None meaning the array's own mesh `mesh` (`held_by`
+        writes that convention)."""
         return mesh if self.mesh is None else self.mesh
 
     def held_by(self, mesh) -> "Layout":

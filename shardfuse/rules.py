@@ -377,12 +377,12 @@ def rule(op: str, what: str):
     return RULES[op][what]
 
 
-def infer(instr, lays, mesh):
+def infer(instr, lays):
     """The layout instr's rule infers for its output from its inputs' layouts (each names the mesh
     it lives on)."""
     return RULES[instr.op]["infer"](instr, list(lays))
 
 
-def require(instr, out, lays, mesh):
+def require(instr, out, lays):
     """(the input layouts instr's rule needs, the layout it then produces) for output layout `out`."""
     return RULES[instr.op]["require"](instr, out, list(lays))

@@ -55,7 +55,7 @@ def poison_slabs(exe, prog):
         while start > 0 and prog.instrs[start - 1].op == Op.RECORD_EVENT:
             start -= 1
         at = next((n for n, s in enumerate(exe.steps) if top[s.instr] >= start), None)
-        mine = set(mesh_of(v, prog).devices)
+        mine = set(mesh_of(v).devices)
         here = tuple(j for j, d in enumerate(exe.backend.local_devices) if d in mine)
         if at is not None and here:
             ref = exe.refs[v]

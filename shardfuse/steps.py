@@ -65,9 +65,9 @@ def stream_of(i, env, stream):
     return i.attrs["stream"].at(env) if i.op == Op.SET_STREAM else stream
 
 
-def mesh_of(v, prog):
-    """The mesh value v lives on: its sub-mesh (a pipeline stage), else the program's mesh.  (The one
-    place the steps, and the executor through them, read a value's mesh.)"""
+def mesh_of(v):
+    """The mesh value v lives on (the program's or a sub-mesh: every layout in a plan names it).  (The
+    one place the steps, and the executor through them, read a value's mesh.)"""
     return v.type.layout.mesh
 
 
@@ -79,9 +79,9 @@ def devices_of(i, prog, started) -> tuple:
     if i.op == Op.TRANSFER:  # both ends of a move between meshes
         devices = tuple(dict.fromkeys(i.attrs["from"] + i.attrs["to"]))
     elif i.op in COLLECTIVES:  # every team of the mesh its operand lives on
-        devices = tuple(mesh_of(i.ins[0], prog).devices)
+        devices = tuple(mesh_of(i.ins[0]).devices)
     elif i.into is not None:  # compute and copies: where the result lives
-        return tuple(mesh_of(i.into, prog).devices)
+        return tuple(mesh_of(i.into).devices)
     else:  # events and joins: the streams of every device
         return tuple(prog.mesh.devices)
     started[i.outs[0]] = devices

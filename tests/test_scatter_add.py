@@ -193,3 +193,18 @@ def test_no_tokens_by_vocabulary_buffer_in_the_gradient_plan():
         assert not [s for s in sizes if VOCAB in s and TOKENS // 4 in s], sizes
         mib = plan.memory()["persistent"] / 2**20
         assert mib <= 4.5, (d, plan.memory())
+
+
+def test_streaming_the_rows_of_a_scatter_add_is_refused_clearly():
+    """(a review found an internal resharding error here) Streaming along the scattered rows is
+    refused with what to write; along the hidden axis it streams, as NumPy's."""
+    mesh = sf.DeviceMesh((2, 2), ("dp", "tp"), backend="numpy")
+    rng = np.random.default_rng(3)
+    ids, v = rng.integers(0, 8, (4, 6)).astype(np.int32), rng.standard_normal((4, 6, 4))
+    rows = sf.jit(lambda i, x: sf.stream(sf.scatter_add(i, x, 8), axis=0, chunks=2), mesh=mesh)
+    with pytest.raises(ValueError, match="scatter_add, along its rows is not supported"):
+        rows(ids, v)
+    hidden = sf.jit(lambda i, x: sf.stream(sf.scatter_add(i, x, 8), axis=1, chunks=2), mesh=mesh)
+    want = np.zeros((8, 4))
+    np.add.at(want, ids, v)
+    np.testing.assert_allclose(hidden(ids, v).gather(), want, rtol=1e-12, atol=1e-12)

@@ -111,7 +111,7 @@ def _viewed(g, full, mesh):
     if y.type.layout.mesh != mesh or full.type.layout.mesh != mesh:
         return None
     try:
-        same = infer(replace(view, op=Op.RESHAPE), [full.type.layout], mesh).on(None) == y.type.layout.on(None)
+        same = infer(replace(view, op=Op.RESHAPE), [full.type.layout]).on(None) == y.type.layout.on(None)
     except ValueError:  # (no sharding maps that reshape)
         return None
     return view if same else None

@@ -78,7 +78,7 @@ def _lower_set(x, y, namer, mesh):
                 Instr(Op.ALLOCATE, (y,)), Instr(Op.FROM_ORDER_KEYS, (), (ky,), {"value": op}, into=y)]
     where = x.type.layout.mesh
     steps = reshard_steps(x.type.layout, y.type.layout, x.type.layout.mesh, x.type.shape)
-    if not steps:  # only the schedule changes: a copy keeps y a buffer of its own
+    if not steps:  # equal layouts (a streamed `set` that moves nothing): a copy keeps y a buffer of its own
         return [Instr(Op.ALLOCATE, (y,)), Instr(Op.COPY, (), (x,), into=y)]
     out, cur = [], x
     for n, (kind, m, ax, to_ax, lay) in enumerate(steps):

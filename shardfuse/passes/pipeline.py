@@ -11,7 +11,7 @@ form_stream_loops: each run of consecutive stream-parallel instructions becomes 
 """
 from __future__ import annotations
 
-from collections import Counter, defaultdict
+from collections import defaultdict
 
 from dataclasses import replace
 
@@ -93,8 +93,6 @@ MAX_STREAM_CHUNKS = 1024
 def form_stream_loops(prog):
     namer = Namer.for_program(prog)
     instrs, out = list(prog.instrs), []
-    uses = Counter(v for j in prog.walk() for v in j.values())
-    uses.update(prog.outputs)
     k = 0
     while k < len(instrs):
         i = instrs[k]
@@ -112,7 +110,7 @@ def form_stream_loops(prog):
         while k < len(instrs) and _stream_extent(instrs[k]) == s and _chunks_line_up(group, instrs[k]):
             group.append(instrs[k])
             k += 1
-        hoisted, group, deferred, rest = _join_sharers(instrs, k, group, s, uses)
+        hoisted, group, deferred, rest = _join_sharers(instrs, k, group, s)
         out += hoisted
         instrs[k:rest] = deferred
         later = {v for j in walk(instrs[k:]) for v in j.values()} | set(prog.outputs)  # loop bodies too (the ring)
@@ -120,10 +118,10 @@ def form_stream_loops(prog):
     return prog.with_instrs(out, "form_stream_loops")
 
 
-def _join_sharers(instrs, k, group, s, uses):
-    """Later streamed consumers of a chunk the group gathers (a `set` whose result several
-    instructions read: share_resharding's one Allgather of x for Q, K and V) join its loop, so
-    that each takes the chunk that one collective brought.  Between the group and the last of
+def _join_sharers(instrs, k, group, s):
+    """Later streamed consumers of a chunk the group makes (share_resharding's one Allgather of x
+    for Q, K and V; a chunk's gather that a weight's whole gather separates from its GEMM) join its
+    loop, so that each takes the chunk that one collective brought.  Between the group and the last of
     them (instrs[k:rest]), an instruction the loop does not feed and that is not streamed is
     hoisted before the loop (the Allgather of wk), any other is deferred after it.  Returns
     (hoisted, group, deferred, rest); nothing moves if no consumer joins.  A loop or host-level

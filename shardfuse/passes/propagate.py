@@ -26,7 +26,7 @@ def propagate_sharding(prog):
         outs = []
         for o in i.outs:
             if o.type.layout is None:
-                lay = infer(Instr(i.op, i.outs, ins, i.attrs), [v.type.layout for v in ins], prog.mesh)
+                lay = infer(Instr(i.op, i.outs, ins, i.attrs), [v.type.layout for v in ins])
                 o2 = Value(o.name, o.type.with_layout(lay.on(_common_mesh(i, ins, prog.mesh))))
                 inferred.add(o2)
             else:
@@ -35,7 +35,7 @@ def propagate_sharding(prog):
             outs.append(o2)
         out.append(Instr(i.op, tuple(outs), ins, i.attrs))
     outputs = tuple(env[v] for v in prog.outputs)
-    out, outputs = _backward(out, outputs, inferred, prog.mesh)
+    out, outputs = _backward(out, outputs, inferred)
     return prog.with_instrs(out, "propagate_sharding", outputs=outputs)
 
 
@@ -57,18 +57,18 @@ def _refines(want, have) -> bool:
     return all(h is None or h == w for w, h in zip(want.axes, have.axes)) and want.axes != have.axes
 
 
-def _required(instr, n, mesh):
+def _required(instr, n):
     lays = [v.type.layout for v in instr.ins]
-    return require(instr, instr.outs[0].type.layout, lays, mesh)[0][n]
+    return require(instr, instr.outs[0].type.layout, lays)[0][n]
 
 
-def _backward(instrs, outputs, inferred, mesh):
+def _backward(instrs, outputs, inferred):
     while True:
         consumers = defaultdict(list)
         for i in instrs:
             for n, v in enumerate(i.ins):
                 consumers[v].append((i, n))
-        change = _one_refinement(instrs, outputs, inferred, consumers, mesh)
+        change = _one_refinement(instrs, outputs, inferred, consumers)
         if change is None:
             return instrs, outputs
         old, new = change
@@ -77,7 +77,7 @@ def _backward(instrs, outputs, inferred, mesh):
         outputs = tuple(new if v is old else v for v in outputs)
 
 
-def _one_refinement(instrs, outputs, inferred, consumers, mesh):
+def _one_refinement(instrs, outputs, inferred, consumers):
     for p in reversed(instrs):
         for o in p.outs:
             lay = o.type.layout
@@ -87,7 +87,7 @@ def _one_refinement(instrs, outputs, inferred, consumers, mesh):
                 continue  # a reshard or a view states no requirement of its own
             if any(c.outs and c.outs[0].type.layout.mesh != lay.mesh for c, _ in consumers[o]):
                 continue  # a consumer on another mesh: o moves there, and its sharding there need not divide here
-            wants = {_required(c, n, mesh) for c, n in consumers[o]}
+            wants = {_required(c, n) for c, n in consumers[o]}
             if len(wants) != 1:
                 continue
             want = wants.pop()
@@ -96,7 +96,7 @@ def _one_refinement(instrs, outputs, inferred, consumers, mesh):
             want = want.on(lay.mesh)
             # the producer must make `want` from its inputs with local slices at most
             trial = Instr(p.op, (Value(o.name, o.type.with_layout(want)),), p.ins, p.attrs)
-            req, produced = require(trial, want, [v.type.layout for v in p.ins], mesh)
+            req, produced = require(trial, want, [v.type.layout for v in p.ins])
             if produced.on(want.mesh) != want:  # (a rule's layouts name no mesh: the caller's is theirs)
                 continue
             if all(r.on(v.type.layout.mesh) == v.type.layout or _refines(r, v.type.layout) for r, v in zip(req, p.ins)):

@@ -49,7 +49,7 @@ def insert_resharding(prog):
         # pending sums are reduced where they are, before a move to another mesh: a sum is never moved
         i = replace(i, ins=tuple(reshard(v, Layout(v.type.layout.axes, mesh=v.type.layout.mesh))
                                  if v.type.layout.mesh != where and v.type.layout.partial else v for v in i.ins))
-        req, produced = require(i, o.type.layout, [v.type.layout for v in i.ins], prog.mesh)
+        req, produced = require(i, o.type.layout, [v.type.layout for v in i.ins])
         req, produced = [r.on(where) for r in req], produced.on(where)
         ins = tuple(reshard(v, r) for v, r in zip(i.ins, req))
         if produced == o.type.layout:

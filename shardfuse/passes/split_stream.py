@@ -59,6 +59,9 @@ def _split_attrs(i, amap, k, n):
     if i.op == Op.CONCAT:
         ax = i.attrs["axis"]
         return {**i.attrs, "axis": ax + (n - 1 if ax > amap[0] else 0)}
+    if i.op == Op.SCATTER_ADD and amap[2] is not None:  # (its rows: each chunk would scatter into a range)
+        raise ValueError(f"sf.stream(...) of {i.outs[0].name}, a scatter_add, along its rows is not supported: "
+                         "stream another axis, or its consumer")
     if i.op == Op.RESHAPE:
         raise ValueError(f"sf.stream(..., chunks=) of {i.outs[0].name}, the result of a reshape, is not supported: "
                          "stream the value before the reshape, or its consumer")
