@@ -119,23 +119,12 @@ def test_half_precision(mesh, dtype):
 MESHES_2D = [(2, 2), (2, 4), (4, 2), (1, 4), (4, 1)]
 
 
-def _supported(mesh, over):
-    """Whether every process' local devices lie in one team of `over` (what the backend needs)."""
-    L = len(mesh.local_devices)
-    per_team = {}
-    for t, team in enumerate(mesh.teams(over)):
-        for d in team:
-            per_team[d] = t
-    return all(len({per_team[d] for d in range(p * L, (p + 1) * L)}) == 1 for p in range(NPROCS))
-
-
 @pytest.mark.parametrize("shape", MESHES_2D, ids=lambda s: "x".join(map(str, s)))
 @pytest.mark.parametrize("over", ["DIDy", "DIDx"])
 def test_2d_mesh_collectives(shape, over):
     if np.prod(shape) % NPROCS:
         pytest.skip(f"a mesh of {shape} cannot be split over {NPROCS} processes")
-    mesh = sf.DeviceMesh(shape)
-    ok = _supported(mesh, over)
+    mesh = sf.DeviceMesh(shape)  # (under -n 2 a process' devices may lie in several teams of `over`)
     rng = cases.fresh_rng(mesh)
     n = mesh.axis_size(over)
     x = rng.standard_normal((2 * n, 3 * n, 2))
@@ -155,11 +144,7 @@ def test_2d_mesh_collectives(shape, over):
         (lambda: row_parallel(x2, w), x2 @ w),
     ]
     for run, ref in runs:
-        if ok:
-            cases.assert_close(run().gather(), ref, "float64")
-        else:
-            with pytest.raises(NotImplementedError, match="lie in .* different teams"):
-                run()
+        cases.assert_close(run().gather(), ref, "float64")
     assert all(COMM.allgather(True))  # every rank got here: nothing was left half-sent
 
 
@@ -176,9 +161,7 @@ def test_2d_mesh_both_axes():
     cases.assert_close(f(x).gather(), x, "float64")
 
 
-# 2-D meshes at -n 4 only: at -n 2 a process' two devices lie in two dp teams, which the MPI
-# backend's AllToAll refuses (one device per process always works)
-@pytest.mark.parametrize("name", sorted(n for n, c in annotation_rule.CASES.items() if len(c[0]) == 1 or NPROCS >= 4))
+@pytest.mark.parametrize("name", sorted(annotation_rule.CASES))
 def test_annotation_rule(name):
     """One annotation rule inside and outside sf.jit (issue 30): same placements, NumPy's values."""
     annotation_rule.rule_case(name)
@@ -336,11 +319,8 @@ def test_named_mesh_axes():
                mesh=mesh)
     rng = cases.fresh_rng(mesh)
     x, w = rng.standard_normal((4, 3)), rng.standard_normal((3, 6))
-    if _supported(mesh, "dp"):
-        cases.assert_close(f(x, w).gather(), x @ w, "float64")
-    else:  # -n 2: process 0 owns devices 0, 1, which are in two different dp teams
-        with pytest.raises(NotImplementedError, match="mesh axis 'dp'"):
-            f(x, w)
+    # (under -n 2 process 0 owns devices 0, 1, which are in two different dp teams)
+    cases.assert_close(f(x, w).gather(), x @ w, "float64")
     assert all(COMM.allgather(True))
 
 
@@ -408,12 +388,7 @@ def test_two_stage_pipeline():
 
 
 def test_collectives_inside_a_stage():
-    mesh = _mesh(4)
-    if len(mesh.local_devices) == 1:
-        cases.stage_collectives_case(mesh)
-    else:  # several devices per process: refused on every rank, before anything is sent
-        with pytest.raises(NotImplementedError, match="needs one device per process"):
-            cases.stage_collectives_case(mesh)
+    cases.stage_collectives_case(_mesh(4))  # (under -n 2: two devices of a process in one stage's team)
 
 
 def test_profile_gathers_every_ranks_steps():
@@ -453,9 +428,4 @@ def test_array_ops_outside_jit(mesh):
     (moves.pending_sum_moved_to_another_sub_mesh, ()), (moves.reshape_on_a_larger_sub_mesh_than_its_input, ()),
 ], ids=lambda v: getattr(v, "__name__", str(v)))
 def test_moves_between_meshes(body, args):
-    within = (moves.pending_sum_moved_to_another_sub_mesh, moves.reshape_on_a_sub_mesh_larger_than_the_mesh_axis)
-    if body in within and NPROCS < 4:  # (an Allreduce, or a reshape's Allgather, within a sub-mesh)
-        with pytest.raises(NotImplementedError, match="needs one device per process"):
-            body(sf.DeviceMesh, *args)
-        return
     body(sf.DeviceMesh, *args)

@@ -33,7 +33,6 @@ def test_embedding_gradient_is_a_scatter_add(mesh, table_over, ids_over):
     sa.check_embed_grad(sf.DeviceMesh(mesh.size, "tp"), table_over, ids_over, np.random.default_rng(4))
 
 
-@pytest.mark.skipif(NPROCS == 2, reason="over dp under -n 2 each process' two devices lie in two dp teams")
 def test_embedding_gradient_data_parallel_vocab_parallel():
     import test_scatter_add as sa
     sa.check_embed_grad(sf.DeviceMesh((2, 2), ("dp", "tp")), "tp", "dp", np.random.default_rng(4))
@@ -72,8 +71,7 @@ def test_take_vocab_parallel(mesh, layout, dtype, jit):
 def test_take_vocab_parallel_on_a_2d_mesh():
     import test_take as tk
     mesh = sf.DeviceMesh((2, 2), ("dp", "tp"))
-    # (over dp under -n 2 each process' two devices lie in two dp teams, which the MPI backend refuses)
-    for layout in ("vocab-batch-dp",) + (("vocab-both",) if NPROCS != 2 else ()):
+    for layout in ("vocab-batch-dp", "vocab-both"):  # (under -n 2 a process' devices lie in two dp teams)
         tk.check_take(mesh, layout, "float32", "int32", np.random.default_rng(2))
 
 
@@ -86,7 +84,5 @@ def test_cross_entropy_vocab_parallel(mesh, dtype, jit):
 
 def test_cross_entropy_tokens_over_dp_vocab_over_tp():
     import test_cross_entropy as ce
-    if NPROCS == 2:  # (dp teams span processes' devices under -n 2: the MPI backend refuses those)
-        pytest.skip("an Allreduce over dp with 2 devices per process in two dp teams: refused by the MPI backend")
     ce.check_cross_entropy(sf.DeviceMesh((2, 2), ("dp", "tp")), "tokens-dp-vocab-tp", "float32",
                            np.random.default_rng(4))

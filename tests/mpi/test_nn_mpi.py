@@ -1,18 +1,15 @@
 """sf.nn under mpiexec (the bodies of tests/test_nn.py on the NumPy-over-MPI backend): every
 function on a 1-D mesh of 4 (tp), replicated and with the reduced axis sharded, inside sf.jit and
-on sf.Arrays; the 2x2 dp x tp mesh under -n 4 (under -n 2 a process' two devices span dp, whose
-collectives need -n 4, README "Under mpiexec"); and the transformer block on both meshes (its
-Allreduces are over tp only).  Every rank runs every test in the same order, with the same seeds."""
+on sf.Arrays; the 2x2 dp x tp mesh (under -n 2 a process' two devices lie in two dp teams); and
+the transformer block on both meshes (its Allreduces are over tp only).  Every rank runs every test in the same order, with the same seeds."""
 from __future__ import annotations
 
 import numpy as np
 import pytest
-from mpi4py import MPI
 
 import test_nn as tn
 
-NPROCS = MPI.COMM_WORLD.Get_size()
-KINDS = ["1d", "2d"] if NPROCS == 4 else ["1d"]
+KINDS = ["1d", "2d"]
 
 
 SHARDED = [(name, kind, jit) for name in sorted(tn.CASES) for kind in KINDS for jit in (True, False)
