@@ -139,6 +139,9 @@ ELEMENTWISE = {
     Op.MINIMUM: lambda xp, x, y, o: xp.minimum(x, y, out=o),
     Op.MAXIMUM_SCALAR: lambda xp, x, s, o: xp.maximum(x, x.dtype.type(s), out=o),
     Op.MINIMUM_SCALAR: lambda xp, x, s, o: xp.minimum(x, x.dtype.type(s), out=o),
+    # (CuPy's floor_divide and remainder are NumPy's: Python's signs, 0 for an integer divided by 0)
+    Op.FLOOR_DIVIDE: lambda xp, x, y, o: xp.floor_divide(x, y, out=o),
+    Op.MOD: lambda xp, x, y, o: xp.remainder(x, y, out=o),
     **{op: _compare(op) for op in _TO_SCALAR},
     **{scalar: _compare_scalar(op) for op, scalar in _TO_SCALAR.items()},
     Op.LOGICAL_NOT: lambda xp, x, _, o: xp.logical_not(x, out=o),

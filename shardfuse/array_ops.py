@@ -1,7 +1,7 @@
 """Operations on sf.Array outside sf.jit, as on a jax.Array or a DTensor: ``x + y``, ``2 * x``,
 ``-x``, ``abs(x)``, ``x @ w``, ``x ** 2``, ``x < y`` (and ``==``: elementwise, as JAX's), ``np.exp(x)``,
-``np.sqrt(x)``, ``sf.where(c, x, y)``, ``x.astype(dtype)``, ``x.sum / mean / max / min(axis,
-keepdims=)``, ``len(x)``, ``x[i]``, ``x[a:b]``, ``x[..., j]``.
+``np.sqrt(x)``, ``sf.where(c, x, y)``, ``x.astype(dtype)``, ``x.sum / mean / max / min / var / std /
+argmax / argmin(axis, keepdims=)``, ``x.clip(lo, hi)``, ``x // y``, ``x % y``, ``len(x)``, ``x[i]``, ``x[a:b]``, ``x[..., j]``.
 
 Each op runs as a one-op plan: the op traced on the array's mesh exactly as sf.jit traces it,
 compiled once per op, scalar and input specs (shapes, dtypes, layouts), and kept on the mesh (the
@@ -26,6 +26,7 @@ from shardfuse.executor import Executable
 from shardfuse.interop import array_info
 from shardfuse.ir import TensorType
 from shardfuse.layout import Layout
+from shardfuse.numpy_methods import METHODS, NumpyMethods
 from shardfuse.ops import Op
 from shardfuse.passes import compile_program
 from shardfuse.plan_cache import PlanCache
@@ -205,8 +206,9 @@ def getitem(x, key):
     return run(lambda v: shape_getitem(v, key), (x,), ("getitem", _hashable(key)), "getitem")
 
 
-class ArrayOps:
-    """The operators, NumPy ufuncs, reductions and indexing of sf.Array (see the module docstring)."""
+class ArrayOps(NumpyMethods):
+    """The operators, NumPy ufuncs, reductions and indexing of sf.Array (see the module docstring);
+    x.var / std / clip / argmax / argmin as on traced values (numpy_methods.py), each a one-op plan."""
 
     __slots__ = ()
 
@@ -217,6 +219,8 @@ class ArrayOps:
     __matmul__, __rmatmul__ = _binary_methods(operator.matmul)
 
     __pow__, __rpow__ = _binary_methods(operator.pow)
+    __floordiv__, __rfloordiv__ = _binary_methods(operator.floordiv)
+    __mod__, __rmod__ = _binary_methods(operator.mod)
     # comparisons: elementwise boolean sf.Arrays, as jax.Array's (c < x is x > c: Python reflects)
     __lt__, __le__ = _binary_methods(operator.lt)[0], _binary_methods(operator.le)[0]
     __gt__, __ge__ = _binary_methods(operator.gt)[0], _binary_methods(operator.ge)[0]
@@ -256,6 +260,8 @@ class ArrayOps:
             return apply(NUMPY[np.where], args, "where")
         if func is np.take:  # (shardfuse.take: a one-op plan, the vocab-parallel lookup where the table is sharded)
             return NUMPY[np.take](*args, **kwargs)
+        if func in METHODS:  # (np.var, np.clip, np.argmax, ...: one-op plans, as the methods)
+            return NUMPY[func](*args, **kwargs)
         if func in _REDUCTIONS and isinstance(args[0], ArrayOps):
             return getattr(args[0], _REDUCTIONS[func].__name__)(*args[1:], **kwargs)
         if func in NUMPY_SHAPES:  # np.concatenate, np.stack, np.split: one-op plans, as sf.concatenate's
@@ -279,7 +285,8 @@ class ArrayOps:
                 what += f" with {', '.join(k + '=' for k in kwargs)}"
             raise TypeError(f"{what} on an sf.Array is not "
                             f"supported; shardfuse has {', '.join('np.' + u.__name__ for u in UFUNCS)}, the operators "
-                            "+ - * / @, abs(), x.sum(axis), x.mean(axis) and basic indexing (np.asarray(x): the "
+                            "+ - * / // % @, abs(), x.sum(axis), x.mean(axis), x.var / std / argmax / argmin(axis), x.clip and "
+                            "basic indexing (np.asarray(x): the "
                             "gathered NumPy value)")
         return binary(fn, *inputs) if ufunc.nin == 2 else unary(fn, inputs[0])
 

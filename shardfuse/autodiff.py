@@ -36,8 +36,9 @@ from shardfuse.take import scatter_rows
 from shardfuse.traced import Traced
 from shardfuse.traced_numpy import where
 
-# ops whose output carries no gradient to their inputs (boolean or constant results)
-NO_GRADIENT = COMPARE | COMPARE_SCALAR | {Op.LOGICAL_NOT, Op.FILL_THEN, Op.FILL_ELSE, Op.FULL_LIKE}
+# ops whose output carries no gradient to their inputs (boolean or constant results; floor division's
+# is piecewise constant: zero almost everywhere, as JAX's)
+NO_GRADIENT = COMPARE | COMPARE_SCALAR | {Op.LOGICAL_NOT, Op.FILL_THEN, Op.FILL_ELSE, Op.FULL_LIKE, Op.FLOOR_DIVIDE}
 
 
 def full_like(x: Traced, value, dtype=None) -> Traced:
@@ -356,6 +357,8 @@ VJP = {
     Op.SUB: _binary(lambda ct, a, b, y: ct, lambda ct, a, b, y: -ct),
     Op.MUL: _binary(lambda ct, a, b, y: ct * b, lambda ct, a, b, y: ct * a),
     Op.DIV: _binary(lambda ct, a, b, y: ct / b, lambda ct, a, b, y: -(ct * y) / b),
+    # x % y = x - floor(x / y) * y, floor's derivative zero (JAX's rem: dx = ct, dy = -ct * (x // y))
+    Op.MOD: _binary(lambda ct, a, b, y: ct, lambda ct, a, b, y: -(ct * (a // b))),
     Op.MAXIMUM: _binary_extremum(True),
     Op.MINIMUM: _binary_extremum(False),
     Op.MAXIMUM_SCALAR: _scalar_extremum(True),

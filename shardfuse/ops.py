@@ -49,6 +49,8 @@ class Op(StrEnum):
     MINIMUM = "minimum"
     MAXIMUM_SCALAR = "maximum_scalar"
     MINIMUM_SCALAR = "minimum_scalar"
+    FLOOR_DIVIDE = "floor_divide"  # x // y, NumPy's (floor of the quotient; integers stay integers)
+    MOD = "mod"  # x % y, NumPy's remainder (the sign of y)
     # comparisons: boolean results (x op y, or x op a Python scalar)
     LT = "less"
     LE = "less_equal"
@@ -117,7 +119,8 @@ class Op(StrEnum):
 
 COMPARE = frozenset({Op.LT, Op.LE, Op.GT, Op.GE, Op.EQ, Op.NE})
 COMPARE_SCALAR = frozenset({Op.LT_SCALAR, Op.LE_SCALAR, Op.GT_SCALAR, Op.GE_SCALAR, Op.EQ_SCALAR, Op.NE_SCALAR})
-BINARY = frozenset({Op.ADD, Op.SUB, Op.MUL, Op.DIV, Op.MAXIMUM, Op.MINIMUM, Op.WHERE_THEN, Op.WHERE_ELSE}) | COMPARE
+BINARY = frozenset({Op.ADD, Op.SUB, Op.MUL, Op.DIV, Op.MAXIMUM, Op.MINIMUM, Op.WHERE_THEN, Op.WHERE_ELSE,
+                    Op.FLOOR_DIVIDE, Op.MOD}) | COMPARE
 NONLINEAR_UNARY = frozenset({Op.EXP, Op.TANH, Op.RELU, Op.GELU, Op.ADD_SCALAR, Op.RDIV, Op.SQRT, Op.RSQRT, Op.LOG,
                              Op.SIGMOID, Op.SILU, Op.POW, Op.RPOW, Op.MAXIMUM_SCALAR, Op.MINIMUM_SCALAR,
                              Op.LOGICAL_NOT, Op.FILL_THEN, Op.FILL_ELSE, Op.ASTYPE, Op.FULL_LIKE, Op.ORDER_KEYS,

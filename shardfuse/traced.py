@@ -13,12 +13,10 @@ import numpy as np
 from shardfuse import constants, dtypes
 from shardfuse.ir import Instr, Namer, TensorType, Value
 from shardfuse.mesh import as_int
+from shardfuse.numpy_methods import NUMPY, NumpyMethods
 from shardfuse.ops import ELEMENTWISE, Op
 from shardfuse.spec import check_axis, normalize_axis, reduced_axes
 
-# NumPy function or ufunc -> the same on traced values (and on sf.Array: array_ops): adding an op is one
-# line.  Filled by shardfuse.traced_numpy (imported with the package), which holds the functions.
-NUMPY: dict = {}
 # "getitem" (x[key]) and "broadcast_matmul" (a @ b with NumPy's broadcasting) on traced values, written with the
 # ops below: shardfuse.shape_ops fills it (it builds on this module)
 SHAPE_OPS: dict = {}
@@ -54,8 +52,9 @@ class Builder:
         return Traced(self, out)
 
 
-class Traced:
-    """A value inside a traced function (global shape, like a JAX tracer)."""
+class Traced(NumpyMethods):
+    """A value inside a traced function (global shape, like a JAX tracer); x.var, x.clip, x.argmax,
+    x // y, x % y & co. are NumPy's functions of the NUMPY table (numpy_methods.py)."""
 
     def __init__(self, builder: Builder, value: Value):
         self.builder, self.value = builder, value
@@ -387,7 +386,8 @@ def unsupported(func, method="__call__", kwargs=()) -> str:
     what = numpy_name(func) + ("" if method == "__call__" else f".{method}")
     what += f" with {', '.join(k + '=' for k in kwargs)}" if kwargs else ""
     return (f"{what} is not supported on traced shardfuse values (inside sf.jit); supported: "
-            f"{', '.join(sorted(numpy_name(f) for f in NUMPY))} (np.dot: 2-D), the operators + - * / @ ** "
-            "< <= > >= == != ~, x.sum / mean / max / min(axis, keepdims=), x.astype(dtype), x.T, x.reshape(...), "
+            f"{', '.join(sorted(numpy_name(f) for f in NUMPY))} (np.dot: 2-D), the operators + - * / // % @ ** "
+            "< <= > >= == != ~, x.sum / mean / max / min / var / std / argmax / argmin(axis, keepdims=), x.clip, "
+            "x.astype(dtype), x.T, x.reshape(...), "
             "x[a:b, i, ..., None], sf.split / concatenate / stack, sf.relu, sf.gelu, sf.silu, sf.sigmoid, sf.rsqrt, "
             "sf.where; or compute it outside the jitted function on its result")

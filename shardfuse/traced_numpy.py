@@ -8,6 +8,7 @@ Python scalars), broadcasting, negative axes.
 """
 from __future__ import annotations
 
+import math
 import operator
 
 import numpy as np
@@ -15,6 +16,7 @@ import numpy as np
 from shardfuse import dtypes
 from shardfuse.ops import Op
 from shardfuse.shape_ops import NUMPY_SHAPES
+from shardfuse.spec import check_axis, normalize_axis, reduced_axes
 from shardfuse.traced import NUMPY, Traced, cast, describe, is_scalar, is_weak_scalar
 
 
@@ -106,6 +108,34 @@ def _extremum(op, scalar_op):
 
 
 maximum, minimum = _extremum(Op.MAXIMUM, Op.MAXIMUM_SCALAR), _extremum(Op.MINIMUM, Op.MINIMUM_SCALAR)
+
+
+def _floor_op(op, ufunc):
+    def fn(x, y):
+        return _apply(_floor_traced, str(op), x, y, op)
+    fn.__name__ = ufunc.__name__
+    fn.__doc__ = (f"np.{ufunc.__name__}(x, y) (x {'//' if op == Op.FLOOR_DIVIDE else '%'} y) elementwise, NumPy's: "
+                  "arrays (broadcast, promoted; integers stay integers) or an array and a scalar on either side.")
+    return fn
+
+
+def _floor_traced(a, b, op):
+    # a Python scalar becomes an array of the other operand's shape (a full_like, the dtype NumPy's
+    # weak scalar gives): one op serves x // 2 and 2 // x, and its sharding is the elementwise rule's
+    if is_weak_scalar(b):
+        a, c = a.with_scalar(b)
+        b = a.unary_op(Op.FULL_LIKE, value=c)
+    elif is_weak_scalar(a):
+        b, c = b.with_scalar(a)
+        a = b.unary_op(Op.FULL_LIKE, value=c)
+    else:
+        a, b = a.promote_with(b, op)
+    if a.dtype == "bool":  # (NumPy's result is int8, a dtype shardfuse lacks)
+        raise TypeError(f"{op} of boolean arrays: cast them first, x.astype('int32')")
+    return a.elementwise_op(op, (a, b), a.dtype)
+
+
+floor_divide, mod = _floor_op(Op.FLOOR_DIVIDE, np.floor_divide), _floor_op(Op.MOD, np.remainder)
 
 
 def where(c, x, y):
@@ -223,6 +253,89 @@ def _where_numpy(condition, *xy):
     return where(condition, *xy)
 
 
+# ---- statistics written with the ops above: their shardings, communication and gradients follow ----
+def var(a, axis=None, dtype=None, out=None, ddof=0, keepdims=False, *, correction=None, **rest):
+    """np.var / x.var: the mean of the squared deviations from the mean over `axis` (an int, a
+    tuple, None: all), times n / (n - ddof) (correction=, the array API's name for ddof), as
+    NumPy's (integers in float64; inf or NaN where n <= ddof).  Written as mean((x - mean(x))**2):
+    over a sharded axis each mean is a local sum and an Allreduce, and the gradient is theirs."""
+    _defaults_only("np.var", "np.var(x, axis, ddof=, keepdims=)", dtype=dtype, out=out, **rest)
+    return _apply(_var, "var", a, _axis_key(axis), ddof if correction is None else correction, bool(keepdims), False)
+
+
+def std(a, axis=None, dtype=None, out=None, ddof=0, keepdims=False, *, correction=None, **rest):
+    """np.std / x.std: sqrt(var(x, axis, ddof, keepdims)), as NumPy's."""
+    _defaults_only("np.std", "np.std(x, axis, ddof=, keepdims=)", dtype=dtype, out=out, **rest)
+    return _apply(_var, "std", a, _axis_key(axis), ddof if correction is None else correction, bool(keepdims), True)
+
+
+def _axis_key(axis):
+    """axis as a hashable value (a list to a tuple): outside jit it keys the one-op plan."""
+    return tuple(axis) if isinstance(axis, list) else axis
+
+
+def _var(x, axis, ddof, keepdims, root):
+    x = _floating(x)
+    n = math.prod(x.shape[a] for a in reduced_axes(axis, x.ndim, x.shape))
+    d = x - x.mean(axis, keepdims=True)
+    v = (d * d).mean(axis, keepdims=keepdims)
+    if ddof:  # (NumPy divides by max(n - ddof, 0): a positive sum over 0 is inf, 0 / 0 NaN, as mean * inf)
+        v = v * (n / (n - ddof) if n > ddof else math.inf)
+    return sqrt(v) if root else v
+
+
+_UNSET = object()  # (a bound not given, as NumPy's _NoValue: np.clip(x, lo) lacks a_max; None is no bound)
+
+
+def clip(a, a_min=_UNSET, a_max=_UNSET, out=None, *, min=_UNSET, max=_UNSET, **rest):  # noqa: A002 (NumPy's names)
+    """np.clip / x.clip: minimum(maximum(x, lo), hi) (jnp.clip's form: NaN kept, hi where lo > hi,
+    the gradient maximum's and minimum's); a bound None is no bound; bounds arrays or scalars."""
+    _defaults_only("np.clip", "np.clip(x, lo, hi)", out=out, **rest)
+    positional = (a_min, a_max) != (_UNSET, _UNSET)
+    if _UNSET in (a_min, a_max) if (min, max) == (_UNSET, _UNSET) else positional:  # (NumPy's refusals)
+        raise TypeError("np.clip takes both bounds, np.clip(x, lo, hi) (None: no bound), or min= / max= alone")
+    lo, hi = (a_min, a_max) if positional else (min, max)
+    return _apply(_clip, "clip", a, None if lo is _UNSET else lo, None if hi is _UNSET else hi)
+
+
+def _clip(x, lo, hi):
+    if lo is not None:
+        x = maximum(x, lo)
+    return x if hi is None else minimum(x, hi)
+
+
+def argmax(a, axis=None, out=None, *, keepdims=False):
+    """np.argmax / x.argmax: the index of the first largest element over `axis` (an int, or None:
+    of the flattened array), int64 as NumPy's; the first NaN where there is one."""
+    _defaults_only("np.argmax", "np.argmax(x, axis, keepdims=)", out=out)
+    return _apply(_arg_extremum, "argmax", a, axis, bool(keepdims), "max")
+
+
+def argmin(a, axis=None, out=None, *, keepdims=False):
+    """np.argmin / x.argmin: as argmax, of the first smallest element."""
+    _defaults_only("np.argmin", "np.argmin(x, axis, keepdims=)", out=out)
+    return _apply(_arg_extremum, "argmin", a, axis, bool(keepdims), "min")
+
+
+def _arg_extremum(x, axis, keepdims, kind):
+    """The least index where x equals its max (min) over the axis: the extremum first (over a
+    sharded axis each device's, then an Allreduce with max), then where(x == it, index, n).min(axis),
+    the index a constant that the axis's sharding slices, so each device's least index is already
+    global and one Allreduce with min combines them (NumPy's first occurrence).  NaN counts as the
+    extremum (NumPy's rule): where the extremum is NaN, x == it holds nowhere and x != x marks them."""
+    if axis is None:
+        flat = _arg_extremum(x.reshape(-1), 0, False, kind)
+        return flat.reshape((1,) * x.ndim) if keepdims else flat
+    ax = normalize_axis(check_axis(axis), x.ndim, x.shape)
+    n = x.shape[ax]
+    best = x.max(ax, keepdims=True) if kind == "max" else x.min(ax, keepdims=True)
+    index = x.builder.constant(np.arange(n, dtype=np.int64).reshape((n,) + (1,) * (x.ndim - ax - 1)))
+    found = where(x == best, index, n)
+    if dtypes.is_float(x.dtype):
+        found = where(x != x, index, found)
+    return found.min(ax, keepdims=keepdims)
+
+
 NUMPY.update({  # NumPy function or ufunc -> the same on traced values: adding an op is one line
     np.add: _binary("__add__", "__radd__"), np.subtract: _binary("__sub__", "__rsub__"),
     np.multiply: _binary("__mul__", "__rmul__"), np.divide: _binary("__truediv__", "__rtruediv__"),
@@ -234,5 +347,7 @@ NUMPY.update({  # NumPy function or ufunc -> the same on traced values: adding a
     np.dot: _dot, np.transpose: _transpose, np.swapaxes: _swapaxes, np.reshape: _reshape, np.where: _where_numpy,
     np.sum: _reduction(Traced.sum), np.mean: _reduction(Traced.mean), np.max: _reduction(Traced.max),
     np.amax: _reduction(Traced.max), np.min: _reduction(Traced.min), np.amin: _reduction(Traced.min),
+    np.var: var, np.std: std, np.clip: clip, np.argmax: argmax, np.argmin: argmin,
+    np.floor_divide: floor_divide, np.mod: mod,  # (np.remainder is np.mod)
     **NUMPY_SHAPES,  # np.concatenate, np.stack, np.split
 })

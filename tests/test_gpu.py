@@ -293,6 +293,34 @@ def test_means_whose_sums_overflow_and_division_by_small_scalars(mesh, dtype):
     np.testing.assert_allclose(got, f64(small) / 1e-5, rtol=8e-3)
 
 
+@pytest.mark.parametrize("dtype", DTYPES + ["int32", "int64"])
+def test_floor_divide_mod_argmax_var_clip(mesh, dtype):
+    # // and % run as CuPy's floor_divide and remainder (never fused; bfloat16 through float32 scratch),
+    # argmax over a sharded axis as an Allreduce-max then an Allreduce-min of int64 indices
+    r = rng()
+    ints = dtype.startswith("int")
+    x = (r.integers(1, 50, (8, 48)) * r.choice([-1, 1], (8, 48))).astype(dtype) if ints else \
+        (r.uniform(0.25, 4.0, (8, 48)) * r.choice([-1.0, 1.0], (8, 48))).astype(np_dtype(dtype))
+    y = ((np.abs(x) // 3 + 1 if ints else np.abs(x) + 0.5) * np.sign(x)[:, ::-1]).astype(x.dtype)  # (never zero)
+    xa, ya = (sf.shard(v, axis=1, mesh=mesh) for v in (x, y))
+    fd, md = sf.jit(lambda a, b: (a // b, a % 3), mesh=mesh)(xa, ya)
+    xf, yf = f64(x), f64(y)
+    if ints:
+        np.testing.assert_array_equal(np.asarray(fd.gather()), x // y)
+        np.testing.assert_array_equal(np.asarray(md.gather()), x % 3)
+    else:  # (in 16 bits a quotient near an integer may round across it: off by one, rarely)
+        got = f64(fd.gather())
+        assert np.all(np.abs(got - xf // yf) <= 1) and np.mean(got == xf // yf) > 0.95
+        np.testing.assert_allclose(f64(md.gather()), xf % 3, atol=8 * TOL[dtype] * 4)
+    am = sf.jit(lambda a: (a.argmax(1), np.argmin(a, axis=1)), mesh=mesh)(xa)
+    np.testing.assert_array_equal(np.asarray(am[0].gather()), x.argmax(1))
+    np.testing.assert_array_equal(np.asarray(am[1].gather()), x.argmin(1))
+    if not ints:
+        v, c = sf.jit(lambda a: (a.var(1, ddof=1), np.clip(a, -1.0, 2.0)), mesh=mesh)(xa)
+        np.testing.assert_allclose(f64(v.gather()), xf.var(1, ddof=1), rtol=TOL[dtype] * 10)
+        np.testing.assert_array_equal(f64(c.gather()), np.clip(xf, -1.0, 2.0))
+
+
 # ---- the backend's GEMM binding on strided views: transposes, batches, broadcast -------------------
 def _strided(shape, order):
     st, acc = [0] * len(shape), 1
