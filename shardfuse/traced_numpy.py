@@ -38,9 +38,15 @@ def _floating(x):
     return cast(x, dtypes.float_result(x.dtype))  # (np.sqrt of a weak int: a weak float, as JAX's)
 
 
+# The traced functions _apply runs are made once per op, not per call: outside jit they key the
+# one-op plan cache (array_ops.apply), and a new one per call compiled a new plan at every call.
+
 def _math(op):
+    def traced(v):
+        return _floating(v).unary_op(op)
+
     def fn(x):
-        return _apply(lambda v: _floating(v).unary_op(op), str(op), x)
+        return _apply(traced, str(op), x)
     fn.__name__ = str(op)
     return fn
 
@@ -56,14 +62,17 @@ sigmoid.__doc__ = "1 / (1 + e**-x) elementwise, without overflow for large |x| (
 silu.__doc__ = "x * sigmoid(x) elementwise (SiLU, swish: jax.nn.silu)."
 
 
+_unary = {op: (lambda op: lambda v: v.unary_op(op))(op) for op in (Op.RELU, Op.GELU)}  # (made once: see _math)
+
+
 def relu(x):
     """max(x, 0) elementwise."""
-    return _apply(lambda v: v.unary_op(Op.RELU), str(Op.RELU), x)
+    return _apply(_unary[Op.RELU], str(Op.RELU), x)
 
 
 def gelu(x):
     """GELU, tanh form (as in GPT-2 and Megatron)."""
-    return _apply(lambda v: v.unary_op(Op.GELU), str(Op.GELU), x)
+    return _apply(_unary[Op.GELU], str(Op.GELU), x)
 
 
 def linear(x, w, b=None):
@@ -92,15 +101,16 @@ def square(x):
 
 
 def _extremum(op, scalar_op):
+    def traced(a, b):
+        if is_weak_scalar(a):
+            a, b = b, a
+        if is_weak_scalar(b):
+            v, c = a.with_scalar(b, rounded=True)
+            return v.unary_op(scalar_op, value=c)
+        a, b = a.promote_with(b, op)
+        return a.elementwise_op(op, (a, b), a.dtype)
+
     def fn(x, y):
-        def traced(a, b):
-            if is_weak_scalar(a):
-                a, b = b, a
-            if is_weak_scalar(b):
-                v, c = a.with_scalar(b, rounded=True)
-                return v.unary_op(scalar_op, value=c)
-            a, b = a.promote_with(b, op)
-            return a.elementwise_op(op, (a, b), a.dtype)
         return _apply(traced, str(op), x, y)
     fn.__name__ = str(op)
     fn.__doc__ = f"np.{op}(x, y) elementwise: arrays (broadcast, promoted) or an array and a scalar; NaN propagates."
@@ -181,7 +191,11 @@ _REFLECT = {Op.LT: Op.GT, Op.LE: Op.GE, Op.GT: Op.LT, Op.GE: Op.LE, Op.EQ: Op.EQ
 
 def logical_not(x):
     """~x of a boolean array (np.logical_not; other dtypes count as x != 0)."""
-    return _apply(lambda v: ~(v if v.dtype == "bool" else v.astype("bool")), str(Op.LOGICAL_NOT), x)
+    return _apply(_logical_not, str(Op.LOGICAL_NOT), x)
+
+
+def _logical_not(v):
+    return ~(v if v.dtype == "bool" else v.astype("bool"))
 
 
 # ---- NumPy's functions on traced values ---------------------------------------------------------

@@ -206,3 +206,22 @@ def test_float_and_int_of_one_element_arrays_as_numpy():
     assert float(a.sum()) == 28.0 and int(a.sum()) == 28 and bool(a.sum())
     with pytest.raises(TypeError, match=r"float\(\) of an sf.Array of shape \(8,\): only one element converts"):
         float(a)
+
+
+def test_sf_functions_on_sf_arrays_compile_once():
+    """(a helper found it) sf.maximum / sf.relu / sf.sqrt / sf.gelu / sf.logical_not on sf.Arrays made
+    a new traced function per call, which keyed a new one-op plan: a compile at every call."""
+    from shardfuse import array_ops
+
+    mesh = sf.DeviceMesh(4, backend="numpy")
+    x = np.random.default_rng(4).standard_normal((8, 4))
+    a = sf.shard(x, axis=0, mesh=mesh)
+    for fn, ref in ((lambda v: sf.maximum(v, 0.0), lambda v: np.maximum(v, 0.0)), (sf.relu, lambda v: np.maximum(v, 0)),
+                    (lambda v: sf.sqrt(v * v), lambda v: np.sqrt(v * v)), (sf.exp, np.exp),
+                    (lambda v: sf.logical_not(v > 0), lambda v: ~(v > 0))):
+        fn(a)  # (compiled here)
+        before = array_ops.cache_info()["compiled"]
+        for _ in range(3):
+            got = fn(a)
+        assert array_ops.cache_info()["compiled"] == before, fn
+        np.testing.assert_allclose(np.asarray(got.gather(), dtype=float), ref(x).astype(float), rtol=1e-12)
