@@ -50,14 +50,20 @@ def take(table, ids, axis=0):
     if isinstance(axis, bool) or not isinstance(axis, (int, np.integer)):
         raise TypeError(f"sf.take: axis must be an int, got {axis!r} (for np.take's axis=None, take from "
                         "table.reshape(-1))")
-    traced = next((a for a in (table, ids) if isinstance(a, Traced)), None)
+    return _run(_take, Op.TAKE, (table, ids, int(axis)), "np.take")
+
+
+def _run(fn, op, args, numpy_name):
+    """fn(a, b, param) on traced values (NumPy arrays among a, b captured as constants), or as a
+    one-op plan where an sf.Array is among them (outside jit)."""
+    traced = next((a for a in args[:2] if isinstance(a, Traced)), None)
     if traced is not None:
-        return _take(traced.builder.constant(table), traced.builder.constant(ids), int(axis))
-    for a in (table, ids):
+        return fn(*(traced.builder.constant(a) for a in args[:2]), *args[2:])
+    for a in args[:2]:
         if hasattr(type(a), "one_op"):  # sf.Array (array_ops.ArrayOps): a one-op plan
-            return a.one_op(_take, (table, ids, int(axis)), str(Op.TAKE))
-    raise TypeError(f"sf.take takes values inside an sf.jit function or sf.Arrays, got "
-                    f"{type(table).__name__} and {type(ids).__name__} (for NumPy arrays: np.take)")
+            return a.one_op(fn, args, str(op))
+    raise TypeError(f"sf.{op} takes values inside an sf.jit function or sf.Arrays, got "
+                    f"{type(args[0]).__name__} and {type(args[1]).__name__} (for NumPy arrays: {numpy_name})")
 
 
 def _take(table, ids, axis):
@@ -101,14 +107,7 @@ def scatter_add(ids, values, size):
     its rows, no communication for that axis (shardfuse/rules_take.py)."""
     if isinstance(size, bool) or not isinstance(size, (int, np.integer)) or size < 1:
         raise TypeError(f"sf.scatter_add: size must be a positive int (the result's first extent), got {size!r}")
-    traced = next((a for a in (ids, values) if isinstance(a, Traced)), None)
-    if traced is not None:
-        return _scatter_add(traced.builder.constant(ids), traced.builder.constant(values), int(size))
-    for a in (ids, values):
-        if hasattr(type(a), "one_op"):  # sf.Array (array_ops.ArrayOps): a one-op plan
-            return a.one_op(_scatter_add, (ids, values, int(size)), str(Op.SCATTER_ADD))
-    raise TypeError(f"sf.scatter_add takes values inside an sf.jit function or sf.Arrays, got "
-                    f"{type(ids).__name__} and {type(values).__name__} (for NumPy arrays: np.add.at)")
+    return _run(_scatter_add, Op.SCATTER_ADD, (ids, values, int(size)), "np.add.at")
 
 
 def _scatter_add(ids, values, size):
