@@ -93,6 +93,8 @@ def _splittable(p, a, chunks) -> bool:
     entries.discard(None)
     if p.op not in ELEMENTWISE | {Op.MATMUL} or len(entries) > 1 or len({v.type.layout.mesh for v in p.ins}) > 1:
         return False
+    if o.type.layout.axes[a] is not None and chunks is None:  # (as sf.stream says: a sharded axis needs chunks=)
+        return False
     d = shard_count(entries.pop(), o.type.layout.mesh) if entries else 1
     return not isinstance(chunks, int) or o.type.shape[a] % (d * chunks) == 0
 
