@@ -60,3 +60,12 @@ def test_an_epilogue_gemm_the_split_would_refuse_stays_whole():
     f = sf.jit(lambda x, w, b: sf.stream(sf.shard(sf.shard(x, 0, over=("dp", "tp")) @ w, 0, over="dp") + b,
                                          axis=0, chunks=2), mesh=mesh)
     np.testing.assert_allclose(f(x, w, b).gather(), x @ w + b, rtol=1e-12, atol=1e-12)
+
+
+def test_a_sharded_producer_streams_only_with_chunks():
+    """(the long property profile found it) gelu(gelu(x) sharded on rows) streamed with no chunks=:
+    the inner gelu's rows are sharded, which sf.stream itself refuses to stream without chunks=; it
+    stays whole (its chunks would cut the shards), the outer streams, values as NumPy's."""
+    x = np.random.default_rng(0).standard_normal(4)
+    f = sf.jit(lambda v: sf.stream(sf.gelu(sf.shard(sf.gelu(v), 0)), 0), mesh=MESH, streams=1)
+    np.testing.assert_allclose(f(x).gather(), _gelu(_gelu(x)), rtol=1e-12, atol=1e-12)
