@@ -72,3 +72,22 @@ def test_shared_viewed_and_returned_intermediates_stay():
     b, c = jf(x)
     np.testing.assert_array_equal(np.asarray(b), x * 2.0 + 1.0)
     np.testing.assert_allclose(np.asarray(c), ((x * 2.0) ** 2).T * 3.0 + 1.0, rtol=1e-15)
+
+
+def test_a_float16_value_is_fused_only_into_a_kernel_that_stores_float16():
+    """(an H200 run: CuPy defines float16 in a kernel only where a parameter is float16) in
+    float64 -> float16 -> * 2 -> float64 the float16 product is stored, and the cast back is a step
+    of its own; every fused expression holding a float16 node writes float16."""
+    def nodes(e):
+        yield e
+        for a in e.args:
+            yield from nodes(a)
+
+    x = np.random.default_rng(3).standard_normal((4, 8))
+    trip = sf.jit(lambda v: (v.astype("float16") * 2.0).astype("float64"), mesh=MESH)
+    steps = [i for i in trip.lower(x).program.instrs if i.into is not None]
+    assert [(str(i.op), i.into.type.dtype) for i in steps] == [("fused", "float16"), ("astype", "float64")], steps
+    for i in steps:
+        if str(i.op) == "fused":
+            assert i.into.type.dtype == "float16" or all(n.dtype != "float16" for n in nodes(i.attrs["expr"]))
+    np.testing.assert_array_equal(np.asarray(trip(x)), (x.astype(np.float16) * np.float16(2.0)).astype(np.float64))

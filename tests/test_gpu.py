@@ -443,7 +443,7 @@ def _run_collective(mesh, kind, dtype, axis):
     rref = Ref(1, (0,) * nd, rshape, contiguous_strides(rshape), dtype)
     bufs = [be.to_device(sends), be.empty(rshape, dtype)]
     bind = getattr(be, f"bind_{kind}")
-    start, wait = bind(sref, rref, axis, 1, 0) if kind == "sendrecv" else bind(sref, rref, axis, 0)
+    start, wait = bind(sref, rref, axis, 1, Stream(0)) if kind == "sendrecv" else bind(sref, rref, axis, Stream(0))
     assert wait is None
     start(bufs)  # on worker stream 0
     be.synchronize()

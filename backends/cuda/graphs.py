@@ -4,6 +4,7 @@ next call overwrites them."""
 from __future__ import annotations
 
 import contextlib
+import gc
 
 from collections import OrderedDict
 
@@ -81,7 +82,7 @@ class GraphPlan:
         # thread-local capture: each GPU's main stream records its own graph, all in this thread
         mode = runtime.streamCaptureModeThreadLocal
         started = []
-        with cupy.cuda.using_allocator(keep), _without_cub():
+        with cupy.cuda.using_allocator(keep), _without_cub(), _without_collection():
             try:
                 for o, m in self._mains:
                     with cupy.cuda.Device(o):
@@ -107,6 +108,22 @@ class GraphPlan:
         self.captures += 1
         entry = self.graphs[key] = (graphs, held)
         return entry
+
+
+@contextlib.contextmanager
+def _without_collection():
+    """No Python garbage collection while capturing: a collected object's finalizer may call CUDA
+    (an earlier plan's graph destroyed: cudaGraphExecDestroy), which invalidates the capture (seen on
+    an H100 and an H200, 2026-12-05: test_graph_equals_eager failing at random parameters).  What
+    is garbage already goes first, as torch.cuda.graph does."""
+    gc.collect()
+    was = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if was:
+            gc.enable()
 
 
 @contextlib.contextmanager

@@ -88,6 +88,14 @@ def _fusable(i) -> bool:
             and all(v.type.dtype in _FLOATS | {"bool"} for v in i.ins))
 
 
+def _keeps_float16(v, i) -> bool:
+    """Whether operand v of i may be folded into i's kernel: a float16 value only into a kernel that
+    writes float16.  CuPy defines its float16 type in a kernel only where a parameter is float16
+    (an H200 run: "incomplete type float16" for a float64 -> float16 -> float64 round trip), so a
+    float16 value inside a chain must be one the kernel also stores."""
+    return v.type.dtype != "float16" or i.into.type.dtype == "float16"
+
+
 def enabled(mesh) -> bool:
     """SHARDFUSE_FUSE=1 / 0 turns fusion on / off; by default it is on for NumPy devices and off on
     GPUs, where the generated kernels have not yet passed the GPU test suite (BENCHMARKS.md, the
@@ -111,8 +119,8 @@ def fuse_elementwise(prog):
         if _fusable(i):
             while True:  # each operand a single-use chain produced: folded in (the operands renumber)
                 k = next((k for k, v in enumerate(i.ins) if v in producer and i.ins.count(v) == 1
-                          and (reads[v] == 1 or _widening(instrs[producer[v]])) and v.type.shape == i.into.type.shape),
-                         None)
+                          and (reads[v] == 1 or _widening(instrs[producer[v]])) and v.type.shape == i.into.type.shape
+                          and _keeps_float16(v, i)), None)
                 if k is None:
                     break
                 v, p = i.ins[k], producer[i.ins[k]]
