@@ -81,8 +81,7 @@ class Executable:
                 self.steps.append(replace(step, devices=tuple(local[j] for j in here), run=run))
         poison_slabs(self, prog)
         self._allocate_used(prog)
-        # per output: the slot whose per-call buffers are the output as they are (a call then makes
-        # no view per device), else None
+        # per output: the slot whose per-call buffers are the output as they are (no view per call), else None
         made = {slot: shape for slot, shape, _ in self.per_call}
         # inputs whose buffers outputs took (passes/donate.py): the output is the input's pieces
         self.donated = tuple(k for k, v in enumerate(prog.inputs) if v in set(prog.outputs))
@@ -90,6 +89,7 @@ class Executable:
         self._whole_outputs = [r.slot if made.get(r.slot) == r.shape and not any(r.offsets) and r.is_contiguous()
                                else None for r in (self.refs[v] for v in prog.outputs)]
         self._graph_outputs = None
+        self._out_layouts = [v.type.layout.held_by(prog.mesh) for v in prog.outputs]  # (as an sf.Array holds them)
         self.accepted = set()  # hot-path cache of layout checks
         # One call at a time: the plan's persistent buffers (gather pools, scratch) and its
         # graphs are shared by every call, so two threads issuing at once would write each
@@ -349,13 +349,13 @@ class Executable:
 
     def _outputs(self, bufs):
         outs = []
-        for v, whole in zip(self.prog.outputs, self._whole_outputs):
+        for v, whole, lay in zip(self.prog.outputs, self._whole_outputs, self._out_layouts):
             if whole is not None:
                 shards = list(bufs[whole])
             else:
                 ref = self.refs[v]
                 shards = [self.backend.view(bufs, ref, j) for j in range(self.ndev)]
-            outs.append((v.type.layout.held_by(self.prog.mesh), shards, whole is not None))
+            outs.append((lay, shards, whole is not None))
         return outs
 
 

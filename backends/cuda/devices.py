@@ -181,14 +181,20 @@ class Devices:
         # the same object twice, and CuPy copies an input that overlaps an output unless it is that
         # output (`inp is not out and may_share_bounds`: an allocation per call, refused in a capture)
         distinct = list(dict.fromkeys(refs))
+        if len(distinct) == len(refs):  # (the common case: no indirection per call)
+            def step(bufs):
+                for j, s in streams:
+                    with cupy.cuda.Device(ords[j]), s:
+                        body(j, *[view(bufs, r, j) for r in refs])
+            return step
         pick = [distinct.index(r) for r in refs]
 
-        def step(bufs):
+        def shared_step(bufs):
             for j, s in streams:
                 with cupy.cuda.Device(ords[j]), s:
                     views = [view(bufs, r, j) for r in distinct]
                     body(j, *[views[k] for k in pick])
-        return step
+        return shared_step
 
     def on(self, devices):
         """These devices as a step on local devices `devices` (positions j) sees them: per_device
