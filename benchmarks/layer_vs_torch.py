@@ -21,7 +21,7 @@ import torch
 import torch.nn.functional as F
 
 import shardfuse as sf
-from shardfuse.transformer import init_params, transformer_layer
+from shardfuse.transformer import adam_step, init_params, transformer_layer
 
 NAMES = ("ln1_w", "ln1_b", "wq", "wk", "wv", "wo", "bo", "ln2_w", "ln2_b", "w1", "b1", "w2", "b2")
 
@@ -89,19 +89,6 @@ def timed(fn, repeat, warmup=2):
 
 def _adam_torch(params):
     return torch.optim.Adam(list(params.values()), lr=1e-4, foreach=True)
-
-
-def sf_train_step(heads):
-    """One jitted step: value_and_grad of the layer's loss, then Adam written with shardfuse ops."""
-    b1, b2, lr, eps = 0.9, 0.999, 1e-4, 1e-8
-
-    def step(p, m, v, x, t):
-        loss, g = sf.value_and_grad(lambda p: ((transformer_layer(p, x, heads) - t) ** 2).mean())(p)
-        m = {k: m[k] * b1 + g[k] * (1 - b1) for k in p}
-        v = {k: v[k] * b2 + g[k] * g[k] * (1 - b2) for k in p}
-        p = {k: p[k] - m[k] * (lr / (1 - b1)) / (np.sqrt(v[k] * (1 / (1 - b2))) + eps) for k in p}
-        return p, m, v, loss
-    return step
 
 
 def _free(args):
@@ -192,7 +179,7 @@ def train(args, params, x, mesh, stream, errors):
         mem[name] = None if args.cpu else torch.cuda.max_memory_allocated() / 2**30
     del tp, opt
     _free(args)
-    step = sf.jit(sf_train_step(args.heads), mesh=mesh, donate_argnums=(0, 1, 2))
+    step = sf.jit(adam_step(args.heads), mesh=mesh, donate_argnums=(0, 1, 2))
     state = [{k: v.clone() for k, v in params.items()}, {k: torch.zeros_like(v) for k, v in params.items()},
              {k: torch.zeros_like(v) for k, v in params.items()}]
 

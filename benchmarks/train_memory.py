@@ -9,23 +9,11 @@ from __future__ import annotations
 
 import argparse
 
-import numpy as np
 
 import shardfuse as sf
 from shardfuse.ops import Op
 from shardfuse.passes.reuse import nbytes
-from shardfuse.transformer import PARAMS
-
-
-def train_step(heads, b1=0.9, b2=0.999, lr=1e-4, eps=1e-8):
-    """layer_vs_torch.sf_train_step: value_and_grad of the layer's squared error, then Adam."""
-    def step(p, m, v, x, t):
-        loss, g = sf.value_and_grad(lambda p: ((sf.nn.transformer_layer(p, x, heads) - t) ** 2).mean())(p)
-        m = {k: m[k] * b1 + g[k] * (1 - b1) for k in p}
-        v = {k: v[k] * b2 + g[k] * g[k] * (1 - b2) for k in p}
-        p = {k: p[k] - m[k] * (lr / (1 - b1)) / (np.sqrt(v[k] * (1 / (1 - b2))) + eps) for k in p}
-        return p, m, v, loss
-    return step
+from shardfuse.transformer import PARAMS, adam_step
 
 
 def specs(hidden, seq, batch, dtype):
@@ -59,7 +47,7 @@ def main():
     ap.add_argument("--top", type=int, default=12, help="how many of the largest slabs to list")
     args = ap.parse_args()
     mesh = sf.DeviceMesh(1, backend="numpy")
-    plan = sf.jit(train_step(args.heads), mesh=mesh, donate_argnums=(0, 1, 2)).lower(
+    plan = sf.jit(adam_step(args.heads), mesh=mesh, donate_argnums=(0, 1, 2)).lower(
         *specs(args.hidden, args.seq, args.batch, args.dtype))
     m = plan.memory()
     print(f"hidden={args.hidden} heads={args.heads} seq={args.seq} batch={args.batch} {args.dtype}: "

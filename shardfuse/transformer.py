@@ -115,6 +115,21 @@ def layer_reference(params, x, heads, mask=None, eps=1e-5):
 
 # ---- a GPT model: embeddings, L blocks, the final norm, the vocabulary head, the loss ---------------
 
+def adam_step(heads, b1=0.9, b2=0.999, lr=1e-4, eps=1e-8):
+    """One training step of the layer, to jit (donate the first three): value_and_grad of the
+    squared error of transformer_layer(p, x, heads) against t, then Adam written with shardfuse ops
+    (the step benchmarks/layer_vs_torch.py times against torch's, and its memory tests plan)."""
+    from shardfuse.transforms import value_and_grad
+
+    def step(p, m, v, x, t):
+        loss, g = value_and_grad(lambda p: ((transformer_layer(p, x, heads) - t) ** 2).mean())(p)
+        m = {k: m[k] * b1 + g[k] * (1 - b1) for k in p}
+        v = {k: v[k] * b2 + g[k] * g[k] * (1 - b2) for k in p}
+        p = {k: p[k] - m[k] * (lr / (1 - b1)) / (np.sqrt(v[k] * (1 / (1 - b2))) + eps) for k in p}
+        return p, m, v, loss
+    return step
+
+
 def init_gpt(rng, vocab, hidden, layers, seq, dtype="float32", scale=0.02):
     """GPT parameters: token and position embeddings, `layers` blocks, the final norm and an
     untied vocabulary head [hidden, vocab]."""

@@ -17,20 +17,14 @@ import pytest
 
 import shardfuse as sf
 from shardfuse.ops import Op
-from shardfuse.transformer import init_params, transformer_layer
+from shardfuse.transformer import adam_step, init_params
 
 ONE = sf.DeviceMesh(1, backend="numpy")
 
 
-def train_step(heads, b1=0.9, b2=0.999, lr=1e-4, eps=1e-8):
-    """benchmarks/layer_vs_torch.py's step: value_and_grad of the layer's squared error, then Adam."""
-    def step(p, m, v, x, t):
-        loss, g = sf.value_and_grad(lambda p: ((transformer_layer(p, x, heads) - t) ** 2).mean())(p)
-        m = {k: m[k] * b1 + g[k] * (1 - b1) for k in p}
-        v = {k: v[k] * b2 + g[k] * g[k] * (1 - b2) for k in p}
-        p = {k: p[k] - m[k] * (lr / (1 - b1)) / (np.sqrt(v[k] * (1 / (1 - b2))) + eps) for k in p}
-        return p, m, v, loss
-    return sf.jit(step, mesh=ONE, donate_argnums=(0, 1, 2))
+def train_step(heads):
+    """benchmarks/layer_vs_torch.py's step (shardfuse.transformer.adam_step), jitted with donation."""
+    return sf.jit(adam_step(heads), mesh=ONE, donate_argnums=(0, 1, 2))
 
 
 def state(rng, hidden, batch, seq, dtype="bfloat16"):
