@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import argparse
 
-
 import shardfuse as sf
 from shardfuse.ops import Op
 from shardfuse.passes.reuse import nbytes
