@@ -26,7 +26,7 @@ from __future__ import annotations
 import math
 
 from shardfuse import dtypes
-from shardfuse.autodiff_layouts import known_layout, pin
+from shardfuse.autodiff_layouts import known_layout, pin, rows_merge
 from shardfuse.ir import TensorType
 from shardfuse.layout import Layout, axis_entry, mesh_axes
 from shardfuse.ops import COMPARE, COMPARE_SCALAR, Op
@@ -144,10 +144,11 @@ def _set(ins, xs, out, ct, instrs):
 def _matmul(ins, xs, out, ct, instrs, keep=False):
     a, b = xs
     da = _unbroadcast(ct @ b.swapaxes(-1, -2), a.shape)
-    # every batch of a met the one b: a batched product summed over the batch axes (not one GEMM of
-    # a reshaped to rows: merging a batch axis sharded over dp with rows sharded over tp is no layout)
     a_, ct_ = _regathered(a, ct, keep)
-    db = _unbroadcast(a_.swapaxes(-1, -2) @ ct_, b.shape)
+    if rows_merge(a_, ct_, b):  # every batch of a met the one b: one GEMM over all rows
+        db = a_.reshape(-1, a.shape[-1]).swapaxes(-1, -2) @ ct_.reshape(-1, ct.shape[-1])
+    else:  # a batched product summed over the batch axes
+        db = _unbroadcast(a_.swapaxes(-1, -2) @ ct_, b.shape)
     return [_streamed_like(ins, a, b, da, out, instrs), db]
 
 

@@ -55,6 +55,21 @@ def known_layout(builder, v):
     return None
 
 
+def rows_merge(a: Traced, ct: Traced, b: Traced) -> bool:
+    """Whether the weight gradient of a 2-D b may be one GEMM of a's and ct's batch and row axes
+    merged into rows (Megatron's [s*b, h] view): no per-batch [..., K, N] products to sum, and a
+    GEMM with K = batch x rows.  Only where the merge is a view on every device: no axis but the
+    first sharded (a first axis sharded over dp stays sharded over dp when merged); merging a
+    batch axis sharded over dp with rows sharded over tp is no layout, and stays batched."""
+    if b.ndim != 2 or a.ndim < 3 or ct.ndim != a.ndim:
+        return False
+    if a.builder.mesh.size == 1:
+        return True
+    lays = (known_layout(a.builder, a.value), known_layout(ct.builder, ct.value))
+    return all(lay is not None and lay.mesh == a.builder.mesh and all(e is None for e in lay.axes[1:-1])
+               for lay in lays)
+
+
 def drop_hints(prog):
     """prog with the schedule hints autodiff added taken out (each value keeps its placement):
     what sf.jit compiles when a hint's split is one the passes refuse."""

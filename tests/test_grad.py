@@ -7,6 +7,7 @@ forms inside and outside jit, pytrees, has_aux, argnums, and its refusals.
 tests/mpi/test_grad_mpi.py runs the same checks under mpiexec."""
 from __future__ import annotations
 
+import re
 import zlib
 
 import numpy as np
@@ -249,6 +250,28 @@ def test_gradient_has_its_primals_layout():
     np.testing.assert_allclose(np.asarray(dw), xs.T @ np.ones((4, 4)) @ np.asarray(v).T, rtol=1e-12)
     np.testing.assert_allclose(np.asarray(dv), (xs @ np.asarray(w)).T @ np.ones((4, 4)), rtol=1e-12)
     assert "allreduce" in f.lower(w, v, x).collectives()  # the replicated weight's gradient: summed over dp
+
+
+@pytest.mark.parametrize("x_axes, w_axes, merged", [
+    ((None, None, None), (None, None), True),
+    (("dp", None, None), (None, None), True),  # a batch over dp merges with the rows: still over dp
+    (("dp", "tp", None), (None, "tp"), True),  # sequence parallel: x gathered over tp first
+    ((None, "dp", None), (None, None), False),  # rows over dp under a whole batch axis: no view
+])
+def test_weight_gradient_of_a_batched_input_is_one_gemm(x_axes, w_axes, merged):
+    """x [b, s, h] @ w [h, f]: dw is one GEMM of x's and dy's rows merged ([b*s, h]^T @ [b*s, f],
+    Megatron's view), not b per-batch [h, f] products and their sum, where the merge is a view."""
+    mesh = mesh_of("2d")
+    rng = np.random.default_rng(16)
+    xs, ws = rng.standard_normal((4, 6, 12)), rng.standard_normal((12, 8))
+    x, w = sf.distribute(xs, mesh, x_axes), sf.distribute(ws, mesh, w_axes)
+    f = sf.jit(sf.grad(lambda w, x: np.tanh(x @ w).sum()), mesh=mesh)
+    np.testing.assert_allclose(np.asarray(f(w, x)), xs.reshape(24, 12).T @ (1 - np.tanh(xs @ ws) ** 2).reshape(24, 8),
+                               rtol=1e-12)
+    text = str(f.lower(w, x))
+    per_batch = [ln for ln in text.splitlines() if "Allocate f64[4" in ln and ", 12, 8" in ln]
+    assert (not per_batch) == merged, text
+    assert bool(re.search(r"= Transpose x\w*_r, perm=\(1, 0\)", text)) == merged, text
 
 
 # ---- the API --------------------------------------------------------------------------------------
