@@ -52,6 +52,7 @@ def poison_slabs(exe, prog):
             continue
         start = ranges[v][0]
         # a stream loop's workers wait for an event the main stream records just before it: fill before that
+        # (a bucket's side stream waits for one too: live_ranges starts the buffers of its region there)
         while start > 0 and prog.instrs[start - 1].op == Op.RECORD_EVENT:
             start -= 1
         at = next((n for n, s in enumerate(exe.steps) if top[s.instr] >= start), None)

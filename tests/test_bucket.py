@@ -1,9 +1,11 @@
 """Gradient bucketing (issue 32, training; shardfuse/passes/bucket.py): a data-parallel layer's
 gradients, one Allreduce each without bucketing, are summed in a few bucketed Allreduces, with
 bit-for-bit the same gradients (checked against float64 central differences too); the bucket is
-issued right after its last member is copied in and waited for where a result is first read; the
-size cap splits buckets; dependent Allreduces are never merged.  tests/mpi/test_bucket_mpi.py runs
-the layer's check under mpiexec."""
+issued right after its last member is copied in, on a stream of its own (forked from main there,
+joined back right after its Wait), and waited for where a result is first read; the cost model
+predicts it running beside the backward's GEMMs; the size cap splits buckets; dependent Allreduces
+are never merged.  tests/mpi/test_bucket_mpi.py runs the layer's check under mpiexec,
+tests/test_gpu_grad.py a data-parallel step with buckets on GPUs."""
 from __future__ import annotations
 
 import re
@@ -12,6 +14,9 @@ import numpy as np
 import pytest
 
 import shardfuse as sf
+from shardfuse import cost
+from shardfuse.ops import STREAM_OPS, Op
+from shardfuse.passes.verify import PlanError, verify
 from shardfuse.transformer import init_params, layer_reference, transformer_layer
 from test_nn import mesh_of  # (the 1-D tp mesh and the 2x2 dp x tp mesh, NumPy devices)
 from cases import directional
@@ -72,17 +77,26 @@ def test_dp_x_sp_layer_gradients_in_chained_buckets(monkeypatch):
     assert "team=dp, bucket=7" in text and "team=dp, bucket=6" in text and "team=tp, bucket=6" in text
 
 
-def test_bucket_issued_after_its_last_input_and_waited_for_where_read(monkeypatch):
+def test_bucket_issued_after_its_last_input_on_its_stream_and_waited_for_where_read(monkeypatch):
     plan, _, _ = layer_grads(mesh_of("2d"), DP_SP, None, monkeypatch)
     lines = str(plan).splitlines()
     issue = next(k for k, line in enumerate(lines) if "bucket=7" in line)
     handle = lines[issue].split()[0]
+    # on the buckets' own stream (Stream(streams): sf.jit's default 4 workers are Stream(0..3)),
+    # which waits for main's last copy in; the plan goes back to main at once
+    assert lines[issue - 3:issue] == ["  ready = RecordEvent main", "  SetCurrentStream Stream(4)", "  WaitEvent ready"]
+    assert lines[issue + 1] == "  SetCurrentStream main"
     wait = lines.index(f"  Wait {handle}")
-    last_in = [line for line in lines[:issue] if "= Allocate" not in line][-1]
+    assert lines[wait + 1] == "  Synchronize Stream(4)"  # main joins it before anything reads a result
+    last_in = [line for line in lines[:issue - 3] if "= Allocate" not in line][-1]
     assert re.match(r"\s+Copy \w+_packed <- ", last_in), last_in  # issued right after the last copy in
-    between = lines[issue + 1:wait]
+    between = lines[issue + 2:wait]
     assert any(re.search(r"(Matmul|Sum|Fused|Mul) ", line) for line in between), "the backward runs under it"
     assert all("_summed" not in line or "bucket" in line for line in between)  # no result read before the Wait
+    # the chained bucket: over dp, then tp, both on the side stream, the first waited for there
+    dp = next(k for k, line in enumerate(lines) if "team=dp, bucket=6" in line)
+    assert lines[dp + 1] == f"  Wait {lines[dp].split()[0]}" and "team=tp, bucket=6" in lines[dp + 2]
+    assert lines[dp + 3] == "  SetCurrentStream main" and lines[dp - 1] == "  WaitEvent ready_1"
 
 
 def test_size_cap_splits_buckets(monkeypatch):
@@ -96,14 +110,63 @@ def test_size_cap_splits_buckets(monkeypatch):
         np.testing.assert_array_equal(g1[k], g0[k], err_msg=k)
 
 
+def _rows(v):
+    return sf.shard(v, axis=0)
+
+
+def two_sums(mesh):
+    """Two independent sums over the devices: one bucket of two."""
+    return sf.jit(lambda v: (sf.replicate(_rows(v).sum(0)), sf.replicate((_rows(v) * _rows(v)).sum(0))), mesh=mesh)
+
+
+# The bucket of two_sums on 4 devices: its Allreduce on the buckets' stream, forked from main after
+# the last copy in, joined back to main right after its Wait; slabs shared as without buckets.
+TWO_SUMS_PLAN = """\
+plan <lambda>(v: f64[8:DIDx, 6]) -> (s: f64[6], s_2: f64[6])
+  # mesh DIDx=4, streams=4
+  main = GetCurrentStream
+  s_partial = Allocate f64[6] partial(DIDx)  (once, in slab 0)
+  Sum s_partial <- v, axis=0
+  s = Allocate f64[6]  (per call)
+  bucket_DIDx = Allocate f64[12] partial(DIDx)  (once)
+  s_partial_box: f64[6] partial(DIDx) = SliceArray bucket_DIDx, begin=(0,)
+  s_partial_packed: f64[6] partial(DIDx) = View s_partial_box
+  Copy s_partial_packed <- s_partial
+  m = Allocate f64[8:DIDx, 6]  (once, in slab 0)
+  Mul m <- v, v
+  s_2_partial = Allocate f64[6] partial(DIDx)  (once)
+  Sum s_2_partial <- m, axis=0
+  s_2 = Allocate f64[6]  (per call)
+  s_2_partial_box: f64[6] partial(DIDx) = SliceArray bucket_DIDx, begin=(6,)
+  s_2_partial_packed: f64[6] partial(DIDx) = View s_2_partial_box
+  Copy s_2_partial_packed <- s_2_partial
+  bucket_DIDx_summed = Allocate f64[12]  (once, in slab 0)
+  ready = RecordEvent main
+  SetCurrentStream Stream(4)
+  WaitEvent ready
+  ar_bucket = Allreduce bucket_DIDx_summed <- bucket_DIDx, team=DIDx, bucket=2
+  SetCurrentStream main
+  Wait ar_bucket
+  Synchronize Stream(4)
+  s_box: f64[6] = SliceArray bucket_DIDx_summed, begin=(0,)
+  s_summed: f64[6] = View s_box
+  Copy s <- s_summed
+  s_2_box: f64[6] = SliceArray bucket_DIDx_summed, begin=(6,)
+  s_2_summed: f64[6] = View s_2_box
+  Copy s_2 <- s_2_summed
+  return s, s_2"""
+
+
+def test_the_plan_of_a_bucket_on_its_stream(monkeypatch):
+    monkeypatch.delenv("SHARDFUSE_BUCKET_MB", raising=False)
+    assert str(two_sums(sf.DeviceMesh(4, backend="numpy")).lower(np.zeros((8, 6)))) == TWO_SUMS_PLAN
+
+
 def test_independent_sums_share_one_allreduce_dependent_ones_do_not(monkeypatch):
     monkeypatch.delenv("SHARDFUSE_BUCKET_MB", raising=False)
     mesh = sf.DeviceMesh(4, backend="numpy")
     x = np.random.default_rng(5).standard_normal((8, 6))
-
-    def rows(v):
-        return sf.shard(v, axis=0)
-    both = sf.jit(lambda v: (sf.replicate(rows(v).sum(0)), sf.replicate((rows(v) * rows(v)).sum(0))), mesh=mesh)
+    rows, both = _rows, two_sums(mesh)
     chain = sf.jit(lambda v: sf.replicate((rows(v) * sf.replicate(rows(v).sum(0))).sum(0)), mesh=mesh)
     assert both.lower(x).collectives() == {"allreduce": 1}
     assert chain.lower(x).collectives() == {"allreduce": 2}
@@ -117,3 +180,29 @@ def test_bad_cap_is_refused(monkeypatch):
     monkeypatch.setenv("SHARDFUSE_BUCKET_MB", "lots")
     with pytest.raises(ValueError, match="SHARDFUSE_BUCKET_MB must be a number of megabytes"):
         sf.jit(lambda v: v * 2.0, mesh=dp_mesh()).lower(np.ones((4, 2)))
+
+
+def test_the_cost_model_runs_a_bucket_under_the_backward(monkeypatch):
+    """Predicted on an H200 (plans only: hidden 1024, 9 MB buckets, so the first bucket closes
+    before the attention's input gradients): the bucket's Allreduce on its own stream overlaps
+    GEMMs the main stream issues after it, and the call ends sooner than the same plan with its
+    stream steps dropped (everything in order on main, as before issue 32's fix)."""
+    monkeypatch.setenv("SHARDFUSE_BUCKET_MB", "9")
+    p = {k: sf.TensorSpec(v.shape, "float32") for k, v in init_params(np.random.default_rng(0), 1024).items()}
+    x = sf.TensorSpec((8, 512, 1024), "float32")
+    f = sf.jit(sf.grad(lambda p, x, r: (transformer_layer(p, x, 8, dp="dp") * r).sum()), mesh=dp_mesh())
+    prog = f.lower(p, x, x).program
+    pred = cost.predict(prog, cost.H200)
+    bucket = next(e for e in pred.events if "bucket=" in e.text)
+    under = [e for e in pred.events if e.kind == "gemm" and e.step > bucket.step and e.start < bucket.end]
+    assert bucket.stream == "4" and under and all(e.stream == "main" for e in under), bucket
+    in_order = prog.with_instrs([i for i in prog.instrs if i.op not in STREAM_OPS], "in order")
+    assert pred.total_s < cost.predict(in_order, cost.H200).total_s
+
+
+def test_verify_refuses_a_plan_left_on_the_side_stream(monkeypatch):
+    monkeypatch.delenv("SHARDFUSE_BUCKET_MB", raising=False)
+    prog = two_sums(sf.DeviceMesh(4, backend="numpy")).lower(np.zeros((8, 6))).program
+    back = max(k for k, i in enumerate(prog.instrs) if i.op == Op.SET_STREAM)
+    with pytest.raises(PlanError, match="must end on the main stream"):
+        verify(prog.with_instrs(prog.instrs[:back] + prog.instrs[back + 1:], "test"))

@@ -18,7 +18,7 @@ from shardfuse import tree
 from shardfuse.ir import Instr, walk
 from shardfuse.mlp import mlp_block, mlp_inputs, mlp_reference
 from shardfuse.ops import COMMUNICATION, Op
-from shardfuse.passes.reuse import assign_slabs, live_ranges, reuse_buffers
+from shardfuse.passes.reuse import assign_slabs, live_ranges, reuse_buffers, side_regions
 from shardfuse.plan import Plan
 from shardfuse.streams import Stream
 from shardfuse.transformer import gpt_loss, gpt_reference, init_gpt, init_params, layer_reference
@@ -73,11 +73,13 @@ def _training_step(mesh, **kw):
     return sf.jit(sf.value_and_grad(lambda p, x: (sf.nn.transformer_layer(p, x, 4, **kw) ** 2).mean()), mesh=mesh)
 
 
-@pytest.mark.parametrize("mesh_d, kw", [(1, {}), (4, {"tp": "DIDx"}), (4, {"tp": "DIDx", "sp": True, "chunks": 2})])
+@pytest.mark.parametrize("mesh_d, kw", [(1, {}), (4, {"tp": "DIDx"}), (4, {"tp": "DIDx", "sp": True, "chunks": 2}),
+                                        (4, {"dp": "DIDx"})])
 def test_a_transformer_training_step_shares_most_of_its_memory(monkeypatch, mesh_d, kw):
+    """(dp: its gradients summed in a bucket on a stream of its own, passes/bucket.py)"""
     mesh = sf.DeviceMesh(mesh_d, backend="numpy")
     rng = np.random.default_rng(5)
-    p, x = init_params(rng, 16, "float64", 0.3), rng.standard_normal((2, 8, 16))
+    p, x = init_params(rng, 16, "float64", 0.3), rng.standard_normal((4 if "dp" in kw else 2, 8, 16))
     f = _training_step(mesh, **kw)
     value, grads = f(p, x)
     np.testing.assert_allclose(float(value), (layer_reference(p, x, 4) ** 2).mean(), rtol=1e-12)
@@ -90,6 +92,8 @@ def test_a_transformer_training_step_shares_most_of_its_memory(monkeypatch, mesh
     assert "in slab" not in str(plan0) and plan0.memory()["persistent"] == plan.memory()["unshared"]
     m = plan.memory()
     assert m["unshared"] >= 3 * m["persistent"], m  # (a 64-wide layer: 4.3x; wider layers more)
+    text = str(plan)  # (tp's norms' and biases' gradients are bucketed too)
+    assert ("bucket=" in text) == ("SetCurrentStream Stream(4)" in text) and ("bucket=" in text or "dp" not in kw)
     check_lives_apart(plan.program)
 
 
@@ -210,3 +214,72 @@ def test_a_stream_switch_outside_a_loop_turns_reuse_off():
     switched = plain.with_instrs([Instr(Op.SET_STREAM, attrs={"stream": Stream(0)})] + list(plain.instrs), "test")
     assert not slabs_of(reuse_buffers(switched))
 
+
+
+def _bucket_plan():
+    """tests/test_bucket.py's two sums over 4 devices: one bucket, on its own stream."""
+    import test_bucket
+
+    return test_bucket.two_sums(sf.DeviceMesh(4, backend="numpy")).lower(np.zeros((8, 6))).program
+
+
+def test_a_bucket_on_its_stream_keeps_sharing_and_its_buffers_live_from_its_fork(monkeypatch):
+    """The bucket's region (passes/reuse.py, side_regions): the buffers it touches live from the
+    RecordEvent main makes before it (so a slab-mate's last step comes before the side stream's
+    wait, and SHARDFUSE_POISON fills on main before the fork), its send and receive buffers until
+    its Wait, right before main joins the side stream."""
+    monkeypatch.delenv("SHARDFUSE_BUCKET_MB", raising=False)
+    prog = _bucket_plan()
+    [(fork, back, joined)] = side_regions(prog.instrs)
+    assert [prog.instrs[k].op for k in (fork, fork + 1, fork + 2, back)] == \
+        [Op.RECORD_EVENT, Op.SET_STREAM, Op.WAIT_EVENT, Op.SET_STREAM]
+    ar = next(i for i in prog.instrs[fork:back] if i.op == Op.ALLREDUCE)
+    wait = next(k for k, i in enumerate(prog.instrs) if i.op == Op.WAIT and i.ins == ar.outs)
+    ranges = live_ranges(prog)
+    assert joined == wait and ranges[ar.into][0] == fork and ranges[ar.ins[0]][1] == wait and ranges[ar.into][1] > wait
+    assert ar.into in slabs_of(prog)  # it shares a slab with buffers dead before the fork
+    check_lives_apart(prog)
+
+
+def test_a_chained_bucket_keeps_its_first_buffers_until_main_joins_it(monkeypatch):
+    """dp x sp: a bucket summed over dp, then tp, both on the side stream, the first waited for
+    there.  That Wait is host order only: on the device the first Allreduce's buffers are known
+    free at main's join after the last Wait, so they live until then."""
+    import test_bucket
+    from test_nn import mesh_of
+
+    plan, _, _ = test_bucket.layer_grads(mesh_of("2d"), test_bucket.DP_SP, None, monkeypatch)
+    prog = plan.program
+    ranges = live_ranges(prog)
+    chained = [(f, j) for f, last, j in side_regions(prog.instrs)
+               if sum(i.op == Op.ALLREDUCE for i in prog.instrs[f:last]) == 2]
+    assert chained
+    for fork, joined in chained:
+        first_ar = next(i for i in prog.instrs[fork:] if i.op == Op.ALLREDUCE)
+        assert prog.instrs[joined + 1].op == Op.SYNCHRONIZE
+        assert ranges[first_ar.into][0] == fork and ranges[first_ar.ins[0]][0] < fork  # (copied in before)
+        assert ranges[first_ar.ins[0]][1] >= joined and ranges[first_ar.into][1] >= joined
+    check_lives_apart(prog)
+
+
+@pytest.mark.parametrize("change", ["join later", "join missing", "copy on the side stream", "no fork event"])
+def test_a_side_stream_region_of_another_shape_turns_reuse_off(change):
+    """Only the one shape passes/bucket.py makes is understood; any other top-level stream switch
+    gets no slab (as before issue 32)."""
+    prog = _bucket_plan()
+    instrs = [replace(i, attrs={k: v for k, v in i.attrs.items() if k != "slab"}) for i in prog.instrs]
+    plain = prog.with_instrs(instrs, "test")
+    assert slabs_of(reuse_buffers(plain))
+    sync = next(k for k, i in enumerate(instrs) if i.op == Op.SYNCHRONIZE)
+    fork = next(k for k, i in enumerate(instrs) if i.op == Op.RECORD_EVENT)
+    if change == "join later":
+        instrs.insert(sync + 4, instrs.pop(sync))  # after the first copy out
+    elif change == "join missing":
+        del instrs[sync]
+    elif change == "copy on the side stream":
+        copy = next(i for i in instrs if i.op == Op.COPY)
+        instrs.insert(fork + 3, copy)
+    else:
+        del instrs[fork]
+    changed = plain.with_instrs(instrs, "test")
+    assert side_regions(changed.instrs) is None and not slabs_of(reuse_buffers(changed))

@@ -1,7 +1,8 @@
 """Gradients and donation on the CuPy backend (issue 32; run on the GPU machine by
 `pytest -m gpu`): the per-op gradients of tests/test_grad.py against central differences, the MLP
 block's and the seed's backward (pipelined) against NumPy's analytic gradients at D = 1, 2, 4, 8
-virtual devices, an SGD step written into the donated weights' GPU buffers, and the scatter-add
+virtual devices, an SGD step written into the donated weights' GPU buffers, a data-parallel step
+whose gradient buckets run on their own stream (eager and as a CUDA graph), and the scatter-add
 (the embedding's gradient: atomicAdd kernels, not run on a GPU when written) against NumPy's."""
 from __future__ import annotations
 
@@ -87,6 +88,35 @@ def test_sgd_step_writes_the_donated_gpu_buffers():
         w = w_next
         want = want - 0.1 * (2 * x.T @ (x @ want) / 64)
     np.testing.assert_allclose(np.asarray(w), want, rtol=1e-4, atol=1e-5)
+
+
+def dp_sgd_step(p, x, r):
+    """A data-parallel training step: the layer's gradients (summed over dp in buckets), then SGD."""
+    from shardfuse.transformer import transformer_layer
+
+    g = sf.grad(lambda p, x, r: (transformer_layer(p, x, 4, dp="dp") * r).sum())(p, x, r)
+    return {k: p[k] - 0.1 * g[k] for k in p}
+
+
+@pytest.mark.parametrize("graph", [False, True])
+def test_data_parallel_step_with_buckets_on_their_stream(graph):
+    """The step on 2 virtual devices, its gradient buckets' Allreduces on a stream of their own
+    (passes/bucket.py, issue 32: forked from main after the last copy in, joined back before the
+    copies out), against the same step on NumPy devices; eager, and captured as a CUDA graph (the
+    fork joined back to main before the capture ends), replayed."""
+    from shardfuse.transformer import init_params
+
+    rng = np.random.default_rng(11)
+    p = init_params(rng, 16, "float64", 0.3)
+    x, r = rng.standard_normal((4, 8, 16)), rng.standard_normal((4, 8, 16))
+    want = sf.jit(dp_sgd_step, mesh=sf.DeviceMesh((2,), ("dp",), backend="numpy"))(p, x, r)
+    f = sf.jit(dp_sgd_step, mesh=cupy_mesh(2, ("dp",)), graph=graph)
+    text = str(f.lower(p, x, r))
+    assert "bucket=" in text and "SetCurrentStream Stream(4)" in text and "Synchronize Stream(4)" in text, text
+    for _ in range(2):  # (graph: captured, then replayed)
+        got = f(p, x, r)
+        for k in p:
+            np.testing.assert_allclose(got[k].gather(), want[k].gather(), rtol=1e-10, atol=1e-12, err_msg=k)
 
 
 def test_torch_function_on_cuda_tensors_matches_torch_autograd():

@@ -12,10 +12,30 @@ whose inputs do not depend on one another's results:
 - the bucket's Allreduce (printed `bucket=N`, N members) is issued right after the last member
   is copied in;
 - its Wait, and the copies out (`Copy y <- y_summed`), go just before the first step that reads
-  a member's result (for gradients, usually the end of the plan), so a backend that runs
-  collectives asynchronously (MPI's Iallreduce) overlaps the bucket with the rest of the
-  backward.  On GPUs the bucket runs on the main stream in order with the GEMMs: fewer, larger
-  NCCL calls, no overlap yet.
+  a member's result (for gradients, usually the end of the plan), so the bucket runs under the
+  rest of the backward.
+
+Where it runs beside the backward: MPI's Iallreduce progresses while the host issues the steps
+after it; on GPUs (NCCL, or a virtual-device team's kernels) a collective runs on the stream it is
+issued on, so the bucket goes on a communication stream of its own, as DDP's does (Stream(streams),
+see _rewrite: Stream(4) under sf.jit's default streams=4).  The main stream records `ready` after
+the last copy in; the side stream waits for it and runs the bucket's Allreduce (each team's, in
+turn), and the plan goes back to main at once, which issues the rest of the backward without
+waiting; at the wait point main joins the side stream (`Synchronize`) before the copies out:
+
+    bucket_dp_summed = Allocate f32[...]
+    ready = RecordEvent main
+    SetCurrentStream Stream(4)
+    WaitEvent ready
+    ar_bucket = Allreduce bucket_dp_summed <- bucket_dp, team=dp, bucket=13
+    SetCurrentStream main
+    ...                                  (the backward's GEMMs, on main, beside it)
+    Wait ar_bucket
+    Synchronize Stream(4)
+    Copy y <- y_summed
+
+passes/reuse.py knows this shape and keeps sharing buffers around it (its doc says why that is
+safe); on the NumPy backends the stream steps are nothing and steps run in issue order.
 
 A bucket holds at most SHARDFUSE_BUCKET_MB megabytes of each device's inputs (DDP's
 bucket_cap_mb, default 25); SHARDFUSE_BUCKET_MB=0 turns the pass off.  An Allreduce sums
@@ -33,6 +53,7 @@ from shardfuse.ir import Instr, Namer, TensorType, Value, local_shape, walk
 from shardfuse.layout import Layout, shard_count
 from shardfuse.ops import Op, Reduce, VIEWS
 from shardfuse.passes.reuse import nbytes
+from shardfuse.streams import MAIN, Stream
 
 CAP_MB = 25  # DDP's default bucket_cap_mb
 
@@ -191,21 +212,31 @@ def _box(flat, v, offset, size, suffix, namer) -> tuple:
                     Instr(Op.VIEW, (shaped,), (box,), {"shape": v.type.shape})]
 
 
-def _issue(b, flats, namer) -> tuple:
-    """(the bucket's Allreduces, one per team, each but the last waited for; the last's handle)."""
+def _issue(b, flats, side, namer) -> tuple:
+    """(the bucket issued on stream `side`: its buffers, the fork from main, its Allreduces, one per
+    team, each but the last waited for there, and the switch back to main; the last's handle)."""
     teams, ops = b.key[0], b.key[1]
-    out, h = [], None
+    ready = Value(namer("ready"), "Event")
+    out = [Instr(Op.ALLOCATE, (f,)) for f in flats[1:]]
+    out += [Instr(Op.RECORD_EVENT, (ready,), attrs={"stream": MAIN}), Instr(Op.SET_STREAM, attrs={"stream": side}),
+            Instr(Op.WAIT_EVENT, ins=(ready,))]
+    h = None
     for j, (team, op) in enumerate(zip(teams, ops)):
         if h is not None:
             out.append(Instr(Op.WAIT, (), (h,)))
         h = Value(namer("ar_bucket"), "Comm")
         attrs = {"team": team, **({"op": op} if op != Reduce.SUM else {}), "bucket": len(b.units)}
-        out += [Instr(Op.ALLOCATE, (flats[j + 1],)), Instr(Op.ALLREDUCE, (h,), (flats[j],), attrs, into=flats[j + 1])]
-    return out, h
+        out.append(Instr(Op.ALLREDUCE, (h,), (flats[j],), attrs, into=flats[j + 1]))
+    return out + [Instr(Op.SET_STREAM, attrs={"stream": MAIN})], h
 
 
 def _rewrite(prog, buckets) -> list:
     mesh, namer = prog.mesh, Namer.for_program(prog)
+    # The buckets' stream: the stream loops' workers are Stream(0) .. Stream(n - 1), n = min(streams,
+    # extent), and the ring's Stream(0) and Stream(1 % streams), so Stream(streams) is none of theirs
+    # (a bucket never queues behind a chunk of a loop issued after it, nor a chunk behind the
+    # bucket).  All buckets share it, in issue order, as DDP's one communication stream.
+    side = Stream(prog.streams)
     starts, drop, waits = {}, set(), {}
     for b in sorted(buckets, key=lambda b: b.units[-1].start):  # (waited for in the order issued)
         offset = 0
@@ -217,7 +248,8 @@ def _rewrite(prog, buckets) -> list:
     flats, handles, out = {}, {}, []
     for k, top in enumerate(prog.instrs + (None,)):
         for b in waits.get(k, ()):  # the results are needed from here on
-            out.append(Instr(Op.WAIT, (), (handles[id(b)],)))
+            # main joins the side stream right after the Wait (the shape passes/reuse.py relies on)
+            out += [Instr(Op.WAIT, (), (handles[id(b)],)), Instr(Op.SYNCHRONIZE, attrs={"stream": side})]
             for u in b.units:
                 shaped, views = _box(flats[id(b)][-1], u.y, starts[u.start][2], _size(u.x, mesh), "summed", namer)
                 out += views + [Instr(Op.COPY, (), (shaped,), into=u.y)]
@@ -231,7 +263,7 @@ def _rewrite(prog, buckets) -> list:
             shaped, views = _box(flats[id(b)][0], u.x, offset, _size(u.x, mesh), "packed", namer)
             out += views + [Instr(Op.COPY, (), (u.x,), into=shaped)]
             if u is b.units[-1]:  # the last input is in: issue the bucket now
-                issued, handles[id(b)] = _issue(b, flats[id(b)], namer)
+                issued, handles[id(b)] = _issue(b, flats[id(b)], side, namer)
                 out += issued
         if k not in drop:
             out.append(top)

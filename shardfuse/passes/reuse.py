@@ -11,6 +11,17 @@ Liveness is taken over the plan's top-level instructions as they run, streams in
   wait for an event the main stream records just before it, and the loop ends by joining them
   back to the main stream (checked below), so outside loops all work runs on the main stream, in
   order, and a later step on it never overtakes an earlier one;
+- but for a gradient bucket's region on its side stream (passes/bucket.py), of one shape only
+  (`side_regions`): `e = RecordEvent main`, `SetCurrentStream S`, `WaitEvent e`, then only
+  communication and Waits, `SetCurrentStream main`; each collective left running there is waited
+  for on main by a Wait right followed by `Synchronize S`.  A buffer touched in the region lives
+  from its RecordEvent to the last such Wait (a chained bucket's first Allreduce, waited for on the
+  side stream, is not known done on the device before main's join).  So a slab-mate of such a
+  buffer either dies before the RecordEvent, and the side stream waits for `e`, which main records
+  after that last touch; or it is first touched after the Wait, so on main after the join: either
+  way its steps and the side stream's never overlap.  (The main
+  stream's steps between the region and the Wait run beside the side stream, but everything
+  they touch is live beside the region's buffers, so shares no slab with them.)
 - two buffers share a slab only if one's last touch is strictly before the other's first, or the
   one instruction where they meet writes the second in place of the first (`in_place_pairs`): an
   elementwise or fused step whose operand is that buffer itself (no view of it among its operands),
@@ -46,12 +57,41 @@ def shareable(i) -> bool:
     return i.op == Op.ALLOCATE and not (a.get("per_call") or a.get("pool") or a.get("ring"))
 
 
+def side_regions(instrs):
+    """[(first, last, joined)]: the top-level positions of each side-stream region (module doc), its
+    RecordEvent, its switch back to main and the last Wait main joins the side stream after; None
+    where a top-level stream switch has another shape."""
+    out, k = [], 0
+    while k < len(instrs):
+        if instrs[k].op != Op.SET_STREAM:
+            k += 1
+            continue
+        side, rec = instrs[k].attrs["stream"], instrs[k - 1] if k else None
+        end = next((j for j in range(k + 1, len(instrs)) if instrs[j].op == Op.SET_STREAM), None)
+        body = instrs[k + 1:end] if end else ()
+        if (not isinstance(side.index, int) or rec is None or rec.op != Op.RECORD_EVENT or rec.attrs["stream"] != MAIN
+                or not body or instrs[end].attrs["stream"] != MAIN or body[0].op != Op.WAIT_EVENT or body[0].ins != rec.outs
+                or any(b.op not in COMMUNICATION and b.op != Op.WAIT or "when" in b.attrs for b in body[1:])):
+            return None
+        running = {b.outs[0] for b in body if b.op in COMMUNICATION} - {h for b in body if b.op == Op.WAIT for h in b.ins}
+        joined = end
+        for h in running:  # waited for on main, and main joins the side stream right there
+            w = next((j for j in range(end, len(instrs)) if instrs[j].op == Op.WAIT and h in instrs[j].ins), -1)
+            if not 0 < w < len(instrs) - 1 or instrs[w + 1].op != Op.SYNCHRONIZE or instrs[w + 1].attrs["stream"] != side:
+                return None
+            joined = max(joined, w)
+        out.append((k - 1, end, joined))
+        k = end + 1
+    return out
+
+
 def _streams_rejoin(prog) -> bool:
-    """Whether all top-level work runs on the main stream: no stream switch outside a loop, and
-    every loop that switches ends by switching back to main and joining every stream it used."""
+    """Whether all top-level work runs on the main stream but side-stream regions of the one shape
+    known (side_regions), and every loop that switches ends by switching back to main and joining
+    every stream it used."""
+    if side_regions(prog.instrs) is None:
+        return False
     for i in prog.instrs:
-        if i.op == Op.SET_STREAM:
-            return False
         sets = [k for k, b in enumerate(i.body) if b.op == Op.SET_STREAM]
         if i.op != Op.FOR or not sets:
             continue
@@ -65,8 +105,9 @@ def _streams_rejoin(prog) -> bool:
 
 def live_ranges(prog) -> dict:
     """buffer -> (first, last): the top-level positions that touch it or a view of it, a
-    communication's buffers until its Wait."""
+    communication's buffers until its Wait, a side-stream region's from its RecordEvent to its join."""
     base = view_bases(prog)
+    region = {k: (first, joined) for first, last, joined in side_regions(prog.instrs) or () for k in range(first, last + 1)}
     comm = {}  # communication handle -> the buffers it reads and writes
     for i in walk(prog.instrs):
         if i.op in COMMUNICATION:
@@ -79,9 +120,10 @@ def live_ranges(prog) -> dict:
                 touched.update(b for h in i.ins for b in comm.get(h, ()))
             elif i.op != Op.ALLOCATE:
                 touched.update(base.get(v, v) for v in (*i.values(), *i.outs))
+        lo, hi = region.get(k, (k, k))
         for b in touched:
-            first, _ = ranges.get(b, (k, k))
-            ranges[b] = (first, k)
+            first, last = ranges.get(b, (lo, hi))
+            ranges[b] = (first, max(last, hi))
     return ranges
 
 

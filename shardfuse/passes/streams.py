@@ -16,7 +16,8 @@ from shardfuse.streams import MAIN, Stream
 
 
 def assign_streams(prog):
-    if not any(i.op == Op.FOR for i in prog.instrs):
+    # (a plan with no loop may still switch streams at top level: a gradient bucket's, passes/bucket.py)
+    if not any(i.op in (Op.FOR, Op.SET_STREAM) for i in prog.instrs):
         return prog.with_instrs(prog.instrs, "assign_streams")
     namer = Namer.for_program(prog)
     out = [Instr(Op.GET_STREAM, (Value("main", "Stream"),))]

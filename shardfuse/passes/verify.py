@@ -85,5 +85,7 @@ def _check_block(instrs, defined, prog, top):
         defined.update(i.outs)
     _check(not pending, f"collectives never waited for: {sorted(v.name for v in pending)}")
     if top:
+        sets = [i for i in instrs if i.op == Op.SET_STREAM]
+        _check(not sets or sets[-1].attrs["stream"] == MAIN, "a plan that switches streams must end on the main stream")
         for v in prog.outputs:
             _check(v in defined, f"output {v.name} is never defined")

@@ -1,7 +1,8 @@
 """Gradient bucketing under mpiexec (tests/test_bucket.py's checks on the NumPy-over-MPI backend):
 the data-parallel layer's gradients in one bucketed Allreduce, bit for bit those of one Allreduce
 per parameter, and right against float64 central differences; the 2x2 dp x tp mesh's chained
-buckets (under -n 2 each process' two devices lie in two dp teams: one bucketed Allreduce per team)."""
+buckets (under -n 2 each process' two devices lie in two dp teams: one bucketed Allreduce per team);
+the bucket's plan, its Allreduce on a stream of its own, the same on every rank."""
 from __future__ import annotations
 
 import test_bucket as tb
@@ -18,3 +19,9 @@ def test_dp_x_sp_layer_gradients_in_chained_buckets(monkeypatch):
 
 def test_independent_sums_share_one_allreduce(monkeypatch):
     tb.test_independent_sums_share_one_allreduce_dependent_ones_do_not(monkeypatch)
+
+
+def test_the_plan_of_a_bucket_on_its_stream(monkeypatch):
+    """Every rank's plan: the bucket's Allreduce on its own stream (a no-op switch on NumPy devices,
+    where the Iallreduce runs while the host issues the steps after it)."""
+    tb.test_the_plan_of_a_bucket_on_its_stream(monkeypatch)
