@@ -15,7 +15,7 @@ backward is a GEMM+ReduceScatter pipelined as the forward was; TransformerEngine
 Megatron's sequence-parallel backward).
 
 The weight gradient of a matmul whose input the forward gathered needs that input gathered again
-(`_regathered`).  `remat="regather"` (the default, Megatron's and TransformerEngine's) gathers it
+(`autodiff_layouts.regathered`).  `remat="regather"` (the default, Megatron's and TransformerEngine's) gathers it
 again in the backward; `remat="keep"` marks that re-gather `keep=True`, and the compiler
 (passes/keep.py) has the stream loop that gathered it first (the forward's) keep each chunk, so
 the weight gradient reads that instead of gathering again (what a `jax.checkpoint` policy that
@@ -26,9 +26,10 @@ from __future__ import annotations
 import math
 
 from shardfuse import dtypes
-from shardfuse.autodiff_layouts import known_layout, pin, rows_merge
+from shardfuse.autodiff_layouts import known_layout, pin, regathered, rows_merge
+from shardfuse.custom_vjp import cotangents_of, rules_at
 from shardfuse.ir import TensorType
-from shardfuse.layout import Layout, axis_entry, mesh_axes
+from shardfuse.layout import Layout, mesh_axes
 from shardfuse.ops import COMPARE, COMPARE_SCALAR, Op
 from shardfuse import schedule
 from shardfuse.schedule import Schedule, scheduled
@@ -72,16 +73,22 @@ def backward(builder, instrs, wrt, outs, cts, remat="regather") -> list:
     """The cotangents of the values `wrt` (None where no path leads from them to `outs`), given
     the cotangents `cts` (Traced) of `outs`, through `instrs` (the forward, as recorded); `remat`:
     whether a weight gradient gathers the forward's input again or reads the one it kept (REMAT)."""
+    custom = rules_at(builder, instrs)  # (sf.custom_vjp calls: their bwd where each call ended)
     active = {v for v in wrt if differentiable(v.type.dtype)}
-    for ins in instrs:
-        if ins.op not in NO_GRADIENT and any(v in active for v in ins.ins):
+    for k, ins in [(-1, None)] + list(enumerate(instrs)):
+        if ins is not None and ins.op not in NO_GRADIENT and any(v in active for v in ins.ins):
             active.update(o for o in ins.outs if differentiable(o.type.dtype) and o not in builder.no_gradient)
+        for r in custom.get(k, ()):
+            if any(isinstance(a, Traced) and a.value in active for a in r.args):
+                active.update(o.value for o in r.outs if differentiable(o.dtype))
     grads: dict = {}
     for o, c in zip(outs, cts):
         if o in active:
             _accumulate(grads, o, c)
-    for ins in reversed(instrs):
-        ct = grads.pop(ins.outs[0], None) if ins.outs and ins.outs[0] not in wrt else None
+    for k, ins in reversed([(-1, None)] + list(enumerate(instrs))):
+        for r in custom.get(k, ()):
+            _custom(r, grads, active)
+        ct = grads.pop(ins.outs[0], None) if ins is not None and ins.outs and ins.outs[0] not in wrt else None
         if ct is None:
             continue
         rule = VJP.get(ins.op)
@@ -95,6 +102,17 @@ def backward(builder, instrs, wrt, outs, cts, remat="regather") -> list:
             if g is not None and v in active:
                 _accumulate(grads, v, g)
     return [grads.get(v) for v in wrt]
+
+
+def _custom(rule, grads, active):
+    """An sf.custom_vjp call: its outputs' cotangents (zeros where none arrived) through its bwd."""
+    cts = [grads.pop(o.value, None) for o in rule.outs]
+    if all(c is None for c in cts):
+        return
+    cts = [full_like(o, 0.0) if c is None else c for o, c in zip(rule.outs, cts)]
+    for x, g in zip(rule.args, cotangents_of(rule, cts)):
+        if g is not None and isinstance(x, Traced) and x.value in active:
+            _accumulate(grads, x.value, g)
 
 
 def _accumulate(grads, v, g: Traced):
@@ -144,7 +162,7 @@ def _set(ins, xs, out, ct, instrs):
 def _matmul(ins, xs, out, ct, instrs, keep=False):
     a, b = xs
     da = _unbroadcast(ct @ b.swapaxes(-1, -2), a.shape)
-    a_, ct_ = _regathered(a, ct, keep)
+    a_, ct_ = regathered(a, ct, keep)
     if rows_merge(a_, ct_, b):  # every batch of a met the one b: one GEMM over all rows
         db = a_.reshape(-1, a.shape[-1]).swapaxes(-1, -2) @ ct_.reshape(-1, ct.shape[-1])
     else:  # a batched product summed over the batch axes
@@ -169,31 +187,6 @@ def _streamed_like(ins, a, b, da, out, instrs):
         return da
     return a.builder.emit(Op.SET, (da,), TensorType(da.shape, da.dtype, lay), da.value.name,
                           annotation=True, hint=True, **scheduled({}, Schedule(axis, chunks)))
-
-
-def _regathered(a: Traced, ct: Traced, keep=False):
-    """(a, ct) for the weight gradient a^T ct, the rows of one gathered where a mesh axis shards the
-    rows of one and the columns of the other (the sequence-parallel case: x's tokens and dH's
-    columns over tp).  Megatron and TransformerEngine gather the activation again there; left to
-    itself the planner would move the larger operand (an AllToAll of dH, then a ReduceScatter).
-    A mesh axis sharding the rows of both (data parallel) stays: the product pends a sum over it.
-    keep: each such gather is marked `keep=True`, for passes/keep.py to read what an earlier loop
-    gathered instead: the forward's AllGather+GEMM's of a, the backward's of ct (a row-parallel
-    dgrad gathers it chunk by chunk just before, as TransformerEngine's Userbuffers keeps dY)."""
-    la, lc = known_layout(a.builder, a.value), known_layout(ct.builder, ct.value)
-    if la is None or lc is None or la.mesh != a.builder.mesh or lc.mesh != a.builder.mesh:
-        return a, ct
-    rows = lambda lay: {n for e in lay.axes[:-1] for n in mesh_axes(e)}  # noqa: E731
-    last = lambda lay: set(mesh_axes(lay.axes[-1]))  # noqa: E731
-    out = []
-    for x, lay, other in ((a, la, lc), (ct, lc, la)):
-        clash = rows(lay) & last(other)
-        if clash:
-            lay = Layout(tuple(axis_entry(n for n in mesh_axes(e) if n not in clash) for e in lay.axes[:-1])
-                         + (lay.axes[-1],), mesh=lay.mesh)
-            x = pin(x, lay, keep=keep)
-        out.append(x)
-    return tuple(out)
 
 
 def _sum(ins, xs, out, ct, instrs):

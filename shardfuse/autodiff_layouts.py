@@ -7,7 +7,7 @@ from dataclasses import replace
 
 from shardfuse import rules
 from shardfuse.ir import TensorType
-from shardfuse.layout import Layout
+from shardfuse.layout import Layout, axis_entry, mesh_axes
 from shardfuse.ops import ELEMENTWISE, Op
 from shardfuse.schedule import scheduled
 from shardfuse.traced import Traced
@@ -68,6 +68,31 @@ def rows_merge(a: Traced, ct: Traced, b: Traced) -> bool:
     lays = (known_layout(a.builder, a.value), known_layout(ct.builder, ct.value))
     return all(lay is not None and lay.mesh == a.builder.mesh and all(e is None for e in lay.axes[1:-1])
                for lay in lays)
+
+
+def regathered(a: Traced, ct: Traced, keep=False):
+    """(a, ct) for the weight gradient a^T ct, the rows of one gathered where a mesh axis shards the
+    rows of one and the columns of the other (the sequence-parallel case: x's tokens and dH's
+    columns over tp).  Megatron and TransformerEngine gather the activation again there; left to
+    itself the planner would move the larger operand (an AllToAll of dH, then a ReduceScatter).
+    A mesh axis sharding the rows of both (data parallel) stays: the product pends a sum over it.
+    keep: each such gather is marked `keep=True`, for passes/keep.py to read what an earlier loop
+    gathered instead: the forward's AllGather+GEMM's of a, the backward's of ct (a row-parallel
+    dgrad gathers it chunk by chunk just before, as TransformerEngine's Userbuffers keeps dY)."""
+    la, lc = known_layout(a.builder, a.value), known_layout(ct.builder, ct.value)
+    if la is None or lc is None or la.mesh != a.builder.mesh or lc.mesh != a.builder.mesh:
+        return a, ct
+    rows = lambda lay: {n for e in lay.axes[:-1] for n in mesh_axes(e)}  # noqa: E731
+    last = lambda lay: set(mesh_axes(lay.axes[-1]))  # noqa: E731
+    out = []
+    for x, lay, other in ((a, la, lc), (ct, lc, la)):
+        clash = rows(lay) & last(other)
+        if clash:
+            lay = Layout(tuple(axis_entry(n for n in mesh_axes(e) if n not in clash) for e in lay.axes[:-1])
+                         + (lay.axes[-1],), mesh=lay.mesh)
+            x = pin(x, lay, keep=keep)
+        out.append(x)
+    return tuple(out)
 
 
 def drop_hints(prog):

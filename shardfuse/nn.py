@@ -26,7 +26,7 @@ import math
 
 import numpy as np
 
-from shardfuse.autodiff import stop_gradient
+from shardfuse.custom_vjp import custom_vjp
 from shardfuse.traced import Traced, describe
 from shardfuse.traced_numpy import exp, gelu, linear, log, maximum, minimum, rsqrt, silu, where
 
@@ -69,18 +69,36 @@ def _widened(x):
 def softmax(x, axis=-1):
     """exp(x - max) / sum(exp(x - max)) over `axis` (jax.nn.softmax); the max and the sum keep
     their axis (keepdims), so they broadcast back.  Over a sharded axis the sum is an Allreduce of
-    the reduced shape, and the max gathers that axis (until max reduces with an Allreduce)."""
+    the reduced shape, and the max gathers that axis (until max reduces with an Allreduce).
+    Its gradient is written by hand (as jax.nn.softmax's custom_jvp): y * (g - sum(g * y)), so the
+    backward holds only the output y, not the exponentials too."""
     x, dtype = _widened(x)
-    e = exp(x - stop_gradient(x.max(axis, keepdims=True)))  # (the shift's gradient is zero)
-    return (e / e.sum(axis, keepdims=True)).astype(dtype)
+    return _with_rule(_softmax, lambda y, g: (y * (g - (g * y).sum(axis, keepdims=True)),), axis)(x).astype(dtype)
+
+
+def _softmax(x, axis):
+    e = exp(x - x.max(axis, keepdims=True))
+    return e / e.sum(axis, keepdims=True)
 
 
 @_one_plan
 def log_softmax(x, axis=-1):
-    """x - max - log(sum(exp(x - max))) over `axis` (jax.nn.log_softmax)."""
+    """x - max - log(sum(exp(x - max))) over `axis` (jax.nn.log_softmax); its gradient by hand,
+    g - exp(y) * sum(g), holds only the output y."""
     x, dtype = _widened(x)
-    s = x - stop_gradient(x.max(axis, keepdims=True))  # (the shift's gradient is zero)
-    return (s - log(exp(s).sum(axis, keepdims=True))).astype(dtype)
+    return _with_rule(_log_softmax, lambda y, g: (g - exp(y) * g.sum(axis, keepdims=True),), axis)(x).astype(dtype)
+
+
+def _log_softmax(x, axis):
+    s = x - x.max(axis, keepdims=True)
+    return s - log(exp(s).sum(axis, keepdims=True))
+
+
+def _with_rule(fn, bwd, axis):
+    """fn(x, axis) as an sf.custom_vjp function of x whose backward is bwd(y, g), y its output."""
+    f = custom_vjp(functools.partial(fn, axis=axis))
+    f.defvjp(lambda x: (lambda y: (y, y))(fn(x, axis)), bwd)
+    return f
 
 
 @_one_plan

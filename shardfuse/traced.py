@@ -32,6 +32,7 @@ class Builder:
         self.homes: dict = {}  # value -> the sub-mesh it lives on, where known when traced
         self.fresh: set = set()  # sf.grad's primals: annotations do not compose through them (JAX's new tracers)
         self.no_gradient: set = set()  # values sf.grad holds constant (autodiff.stop_gradient)
+        self.custom_rules: list = []  # the sf.custom_vjp calls traced under sf.grad (shardfuse.custom_vjp)
         self.constants: dict = {}  # id(a NumPy array met) -> (it, its value then, its input): shardfuse.constants
         self.weak: set = set()  # values weakly typed as JAX's: Python scalar arguments, and elementwise ops of them
 

@@ -1,0 +1,143 @@
+"""sf.custom_vjp (jax.custom_vjp's API): the hand-written backward is the one used, inside and
+outside jit, on sharded inputs, with pytrees; the forward alone runs the plain function; bad rules
+are refused with what was expected; sf.nn.softmax / log_softmax keep only their output."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import shardfuse as sf
+from test_nn import mesh_of  # (the 1-D tp mesh and the 2x2 dp x tp mesh, NumPy devices)
+
+
+def _scaled_tanh_rule():
+    """tanh whose backward is 3x the true one, so a test tells the rule from differentiation."""
+    calls = {"fun": 0, "fwd": 0}
+
+    @sf.custom_vjp
+    def f(x):
+        calls["fun"] += 1
+        return np.tanh(x)
+
+    def fwd(x):
+        calls["fwd"] += 1
+        y = np.tanh(x)
+        return y, y
+
+    f.defvjp(fwd, lambda y, g: (3.0 * g * (1.0 - y * y),))
+    return f, calls
+
+
+@pytest.mark.parametrize("kind, axes", [("1d", (None, None)), ("1d", ("tp", None)), ("2d", ("dp", "tp"))])
+def test_the_rule_is_what_grad_uses(kind, axes):
+    mesh = mesh_of(kind)
+    rng = np.random.default_rng(1)
+    xs, r = rng.standard_normal((8, 12)), rng.standard_normal((8, 12))
+    f, calls = _scaled_tanh_rule()
+    x = sf.distribute(xs, mesh, axes)
+    g = sf.jit(sf.grad(lambda x: (f(x) * r).sum()), mesh=mesh)(x)
+    np.testing.assert_allclose(np.asarray(g), 3.0 * r * (1 - np.tanh(xs) ** 2), rtol=1e-13)
+    assert g.sharding == x.sharding
+    assert calls["fwd"] >= 1
+
+
+def test_forward_alone_runs_the_function_not_fwd():
+    mesh = mesh_of("1d")
+    f, calls = _scaled_tanh_rule()
+    xs = np.random.default_rng(2).standard_normal((8, 4))
+    np.testing.assert_allclose(np.asarray(sf.jit(lambda x: f(x) * 2.0, mesh=mesh)(xs)), 2 * np.tanh(xs), rtol=1e-15)
+    assert calls == {"fun": 1, "fwd": 0}
+
+
+def test_outside_jit_on_sf_arrays_and_value_and_grad():
+    mesh = mesh_of("1d")
+    f, _ = _scaled_tanh_rule()
+    xs = np.random.default_rng(3).standard_normal((8, 4))
+    x = sf.shard(xs, axis=0, mesh=mesh)
+    value, g = sf.value_and_grad(lambda x: f(x).sum())(x)
+    np.testing.assert_allclose(float(value), np.tanh(xs).sum(), rtol=1e-13)
+    np.testing.assert_allclose(np.asarray(g), 3.0 * (1 - np.tanh(xs) ** 2), rtol=1e-13)
+
+
+def test_pytrees_none_cotangents_and_an_unused_output():
+    """Two arguments (a dict of two arrays, and an int array whose cotangent is None), two outputs
+    of which the loss reads one: the other's cotangent arrives as zeros."""
+    mesh = mesh_of("2d")
+    rng = np.random.default_rng(4)
+    p = {"a": rng.standard_normal((4, 6)), "b": rng.standard_normal((6,))}
+    ids = rng.integers(0, 4, (4,)).astype(np.int32)
+    seen = {}
+
+    @sf.custom_vjp
+    def f(p, ids):
+        return (p["a"] * p["b"], p["a"].sum(-1))
+
+    def bwd(res, cts):
+        a, b = res
+        ga, gs = cts
+        seen["zeros"] = gs  # the unused output's cotangent
+        return ({"a": ga * b + gs.reshape(4, 1), "b": (ga * a).sum(0)}, None)
+    f.defvjp(lambda p, ids: (f.fun(p, ids), (p["a"], p["b"])), bwd)
+
+    g = sf.jit(sf.grad(lambda p, ids: f(p, ids)[0].sum()), mesh=mesh)(p, ids)
+    np.testing.assert_allclose(np.asarray(g["a"]), np.broadcast_to(p["b"], (4, 6)), rtol=1e-14)
+    np.testing.assert_allclose(np.asarray(g["b"]), p["a"].sum(0), rtol=1e-14)
+    assert tuple(seen["zeros"].shape) == (4,)
+
+
+@pytest.mark.parametrize("bwd, match", [
+    (lambda y, g: g, "must return a tuple of 1 cotangent"),
+    (lambda y, g: (g, g), "must return a tuple of 1 cotangent"),
+    (lambda y, g: (g.sum(-1),), "cotangent of shape \\(8,\\) for an argument of shape \\(8, 4\\)"),
+    (lambda y, g: (1.0,), "must return arrays"),
+])
+def test_bad_rules_are_refused(bwd, match):
+    mesh = mesh_of("1d")
+
+    @sf.custom_vjp
+    def f(x):
+        return np.tanh(x)
+    f.defvjp(lambda x: (np.tanh(x), None), bwd)
+    with pytest.raises((TypeError, ValueError), match=match):
+        sf.jit(sf.grad(lambda x: f(x).sum()), mesh=mesh).lower(sf.TensorSpec((8, 4), "float64"))
+
+
+def test_no_rule_and_a_bad_fwd_are_refused():
+    mesh = mesh_of("1d")
+    spec = sf.TensorSpec((8, 4), "float64")
+
+    @sf.custom_vjp
+    def f(x):
+        return np.tanh(x)
+    with pytest.raises(TypeError, match="has no rule: call f.defvjp"):
+        sf.jit(sf.grad(lambda x: f(x).sum()), mesh=mesh).lower(spec)
+    f.defvjp(lambda x: np.tanh(x), lambda y, g: (g,))
+    with pytest.raises(TypeError, match="must return a pair \\(output, residuals\\)"):
+        sf.jit(sf.grad(lambda x: f(x).sum()), mesh=mesh).lower(spec)
+    with pytest.raises(TypeError, match="takes two functions"):
+        f.defvjp(None, None)
+
+
+@pytest.mark.parametrize("fn", [sf.nn.softmax, sf.nn.log_softmax])
+def test_softmax_backward_holds_only_its_output(fn):
+    """The exponentials die in the forward: the backward reads only softmax's output (the rule),
+    and the gradient is right against float64 central differences."""
+    mesh = mesh_of("1d")
+    rng = np.random.default_rng(5)
+    xs, r = rng.standard_normal((6, 10)), rng.standard_normal((6, 10))
+    loss = sf.jit(sf.grad(lambda x: (fn(x) * r).sum()), mesh=mesh)
+    g = np.asarray(loss(xs))
+
+    def value(x):
+        s = x - x.max(-1, keepdims=True)
+        ls = s - np.log(np.exp(s).sum(-1, keepdims=True))
+        return ((np.exp(ls) if fn is sf.nn.softmax else ls) * r).sum()
+    eps, want = 1e-6, np.zeros_like(xs)
+    for idx in np.ndindex(xs.shape):
+        d = np.zeros_like(xs)
+        d[idx] = eps
+        want[idx] = (value(xs + d) - value(xs - d)) / (2 * eps)
+    np.testing.assert_allclose(g, want, rtol=1e-7, atol=1e-9)
+    text = str(loss.lower(xs))
+    backward = text[text.index("Full_like"):]  # (the loss's seed cotangent: the backward starts there)
+    assert "Reduce_max" not in backward and " e," not in backward and " e " not in backward, text
