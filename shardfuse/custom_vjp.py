@@ -52,6 +52,9 @@ class CustomRule:
 
 
 class custom_vjp:  # noqa: N801 (JAX's name)
+    """A function with a hand-written backward: `f = sf.custom_vjp(fun)`, then `f.defvjp(fwd, bwd)`
+    (jax.custom_vjp's API; the module doc has an example)."""
+
     def __init__(self, fun: Callable):
         if not callable(fun):
             raise TypeError(f"sf.custom_vjp wraps a function, got {type(fun).__name__}")
