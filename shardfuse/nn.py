@@ -26,6 +26,7 @@ import math
 
 import numpy as np
 
+from shardfuse.autodiff import stop_gradient
 from shardfuse.custom_vjp import custom_vjp
 from shardfuse.traced import Traced, describe
 from shardfuse.traced_numpy import exp, gelu, linear, log, maximum, minimum, rsqrt, silu, where
@@ -197,7 +198,9 @@ def cross_entropy(logits, labels):
                          f"{tuple(logits.shape)}: one label per row of logits (the shape {tuple(logits.shape[:-1])})")
     x, _ = _widened(logits)
     n = x.shape[-1]
-    s = x - x.max(-1, keepdims=True)
+    # (the max shift held constant by sf.grad: with one target per row its terms cancel, so the
+    # backward neither compares the logits with their max nor keeps them for it)
+    s = x - stop_gradient(x.max(-1, keepdims=True))
     labels = minimum(maximum(where(labels < 0, labels + n, labels), 0), n - 1)
     hit = labels.reshape(tuple(labels.shape) + (1,)) == np.arange(n, dtype=labels.dtype)  # (a constant)
     target = where(hit, s, 0.0).sum(-1)

@@ -441,3 +441,13 @@ def test_vjp_outside_jit_compiles_once():
 
     (pair,) = [p for (g, *_), p in VJP_PLANS.snapshot().items() if g is f]
     assert all(len(j.cached_plans()) == 1 for j in pair)
+
+
+def test_cross_entropy_backward_never_compares_logits_with_their_max():
+    """The max shift of sf.nn.cross_entropy is held constant (its terms cancel with one label per
+    row): one comparison in the plan, the labels' with the vocabulary ids, none with the max."""
+    mesh = mesh_of("1d")
+    rng = np.random.default_rng(17)
+    x, labels = rng.standard_normal((8, 12)), rng.integers(0, 12, (8,)).astype(np.int32)
+    text = str(sf.jit(sf.grad(lambda x, i: sf.nn.cross_entropy(x, i)), mesh=mesh).lower(x, labels))
+    assert text.count(" = Allocate bool[") == 2, text  # (labels < 0, and labels == ids)
