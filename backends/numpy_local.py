@@ -66,9 +66,10 @@ class NumpyLocalBackend:
 
     def view(self, bufs, ref, j):
         base = bufs[ref.slot][j]
-        flat = base.reshape(-1)
-        item = flat.itemsize
-        return np.lib.stride_tricks.as_strided(flat[ref.offsets[j]:], ref.shape, [s * item for s in ref.strides])
+        strides = tuple(s * base.itemsize for s in ref.strides)
+        if not ref.offsets[j] and base.strides == strides and base.shape == tuple(ref.shape):
+            return base  # (the whole buffer: as_strided would cost a few microseconds for the same view)
+        return np.lib.stride_tricks.as_strided(base.reshape(-1)[ref.offsets[j]:], ref.shape, strides)
 
     def _views(self, bufs, ref):
         return [self.view(bufs, ref, j) for j in range(len(self.local_devices))]

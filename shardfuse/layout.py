@@ -83,7 +83,7 @@ class Layout:
 
     def on(self, mesh) -> "Layout":
         """The same layout on `mesh` (None: the program's whole mesh)."""
-        return replace(self, mesh=mesh)
+        return self if self.mesh is mesh else replace(self, mesh=mesh)
 
     def home(self, mesh):
         """The mesh the value lives on.  Inside the compiler every layout names its mesh; an

@@ -54,7 +54,7 @@ def _geometry(layout: Layout):
     sub = layout.mesh
     if sub is None:
         return layout
-    return layout.on(None), sub.shape, sub.axis_names, sub.devices
+    return layout.axes, layout.partial, layout.partial_op, sub.shape, sub.axis_names, sub.devices  # (no copy made)
 
 
 def local_indices(shape: tuple, layout: Layout, mesh) -> tuple:
