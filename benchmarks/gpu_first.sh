@@ -4,7 +4,7 @@
 # $OUT.tgz after each part, so a call cut short by the device's time limit still brings back what
 # finished.  The GPU tests are collected by their marker (`pytest -m gpu`: tests/test_gpu.py,
 # tests/test_gpu_interop.py and the dispatch tests of the CUDA code), never by a list of files.
-# Run from the repository root on the GPU machine (about 5 minutes); the last line is the verdict.
+# Run from the repository root on the GPU machine (about 7 minutes); the last line is the verdict.
 # Then, in a second call if wanted, `OUT=$OUT/sweeps bash benchmarks/h200_sweeps.sh` (the sweeps).
 # Output file names use letters, digits, '.', '_' and '-' only: others do not come back.
 set -u
@@ -24,6 +24,10 @@ tail -3 "$OUT/gpu_tests_new.txt"; save
 python3 -m pytest -q -p no:cacheprovider -m gpu $SKIP tests > "$OUT/gpu_tests.txt" 2>&1
 all_rc=$?
 tail -3 "$OUT/gpu_tests.txt"; save
+# and with one step per op (no fused chains), the path SHARDFUSE_FUSE=0 takes
+SHARDFUSE_FUSE=0 python3 -m pytest -q -p no:cacheprovider -m gpu $SKIP tests > "$OUT/gpu_tests_unfused.txt" 2>&1
+unfused_rc=$?
+tail -3 "$OUT/gpu_tests_unfused.txt"; save
 for case in "D=8 S=8" "D=2 S=8" "D=1 S=8"; do
   name=${case//=/}
   python3 benchmarks/step_cost.py "$case" > "$OUT/step_cost_${name// /_}.txt" 2>&1
@@ -38,5 +42,5 @@ verdict() { [ "$1" = 0 ] && echo pass || echo "FAIL (rc $1)"; }
 # (pytest's 5: nothing matched -k $NEW, which is no failure)
 [ "$new_rc" = 5 ] && new_rc=0
 echo "VERDICT $(cat "$OUT/gpu.txt" | tr '\n' ' '): new GPU tests $(verdict $new_rc); GPU suite $(verdict $all_rc)" \
-  "($(tail -1 "$OUT/gpu_tests.txt")); bench --host $(verdict $host_rc)" | tee "$OUT/verdict.txt"
+  "($(tail -1 "$OUT/gpu_tests.txt")); unfused $(verdict $unfused_rc); bench --host $(verdict $host_rc)" | tee "$OUT/verdict.txt"
 save

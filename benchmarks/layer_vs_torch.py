@@ -7,7 +7,7 @@ torch's allocator and CuPy's pool.  Prints one table; --json for one JSON object
 
     python benchmarks/layer_vs_torch.py                      # hidden 4096, 32 heads, seq 2048, batch 4, bf16
     python benchmarks/layer_vs_torch.py --batch 1 --train    # the training step too
-    SHARDFUSE_FUSE=1 python benchmarks/layer_vs_torch.py     # with fused elementwise chains (off on GPUs by default)
+    SHARDFUSE_FUSE=0 python benchmarks/layer_vs_torch.py     # one step per op (fused elementwise chains by default)
 """
 from __future__ import annotations
 

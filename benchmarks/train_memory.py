@@ -1,8 +1,8 @@
 """The layer's training step as benchmarks/layer_vs_torch.py --train compiles it, planned on one NumPy
 device (CPU, nothing allocated): plan.memory() and its largest buffers, slab by slab (issue 32).
 
-    python benchmarks/train_memory.py                        # hidden 4096, 32 heads, seq 2048, batch 4, bf16
-    SHARDFUSE_FUSE=1 python benchmarks/train_memory.py       # fused chains, as the GPU row was measured
+    python benchmarks/train_memory.py                        # hidden 4096, 32 heads, seq 2048, batch 4, bf16, fused
+    SHARDFUSE_FUSE=0 python benchmarks/train_memory.py       # one step per op
     python benchmarks/train_memory.py --hidden 256 --seq 128  # every buffer / 256 (tests/test_train_memory.py)
 """
 from __future__ import annotations

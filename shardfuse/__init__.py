@@ -27,6 +27,7 @@ from shardfuse.trace import stream, to_mesh
 from shardfuse.traced import ConcretizationError
 from shardfuse.transforms import grad, value_and_grad, vjp
 from shardfuse.custom_vjp import custom_vjp
+from shardfuse.checkpoint import checkpoint
 from shardfuse.torch_bridge import torch_function
 from shardfuse.shape_ops import concatenate, split, stack
 from shardfuse.traced_numpy import (exp, gelu, linear, log, logical_not, maximum, minimum, relu, rsqrt, sigmoid, silu,
@@ -35,7 +36,7 @@ from shardfuse.traced_numpy import (exp, gelu, linear, log, logical_not, maximum
 __all__ = ["Array", "DeviceMesh", "Layout", "Partial", "Replicate", "Shard", "Plan", "TensorSpec", "from_local", "jit", "replicate", "shard", "stream", "to_mesh",
            "exp", "gelu", "linear", "relu", "tanh", "sqrt", "rsqrt", "log", "sigmoid", "silu", "maximum", "minimum",
            "where", "logical_not", take.__name__, scatter_add.__name__, "concatenate", "split", "stack", "nn", "grad", "value_and_grad",
-           "vjp", "custom_vjp", "torch_function", "visualize_sharding", "distribute",
+           "vjp", "custom_vjp", "checkpoint", "torch_function", "visualize_sharding", "distribute",
            "CollectiveTimeoutError", "ConcretizationError", "RankLeftError", "RankMismatchError"]
 
 try:

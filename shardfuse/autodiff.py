@@ -27,7 +27,7 @@ import math
 
 from shardfuse import dtypes
 from shardfuse.autodiff_layouts import known_layout, pin, regathered, rows_merge
-from shardfuse.custom_vjp import cotangents_of, rules_at
+from shardfuse.custom_vjp import rules_at
 from shardfuse.ir import TensorType
 from shardfuse.layout import Layout, mesh_axes
 from shardfuse.ops import COMPARE, COMPARE_SCALAR, Op
@@ -105,12 +105,13 @@ def backward(builder, instrs, wrt, outs, cts, remat="regather") -> list:
 
 
 def _custom(rule, grads, active):
-    """An sf.custom_vjp call: its outputs' cotangents (zeros where none arrived) through its bwd."""
+    """An sf.custom_vjp (or sf.checkpoint) call: its outputs' cotangents (zeros where none arrived)
+    through its own backward."""
     cts = [grads.pop(o.value, None) for o in rule.outs]
     if all(c is None for c in cts):
         return
     cts = [full_like(o, 0.0) if c is None else c for o, c in zip(rule.outs, cts)]
-    for x, g in zip(rule.args, cotangents_of(rule, cts)):
+    for x, g in zip(rule.args, rule.cotangents(cts)):
         if g is not None and isinstance(x, Traced) and x.value in active:
             _accumulate(grads, x.value, g)
 

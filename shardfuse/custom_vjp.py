@@ -39,16 +39,14 @@ from shardfuse.traced import Traced
 
 @dataclass(eq=False)
 class CustomRule:
-    """One traced call of a custom_vjp function: where its backward goes and what it reads."""
+    """One traced call whose backward is not its ops' (an sf.custom_vjp function's, sf.checkpoint's):
+    where that backward goes and what it reads."""
 
     name: str
     args: list  # the call's argument leaves (Traced or not), in tree order
-    args_tree: Any
     outs: list  # the output leaves (Traced)
-    outs_tree: Any
-    residuals: Any
-    bwd: Callable
-    after: Any  # the last instruction recorded when the call returned (None: none yet); bwd runs there
+    after: Any  # the last instruction recorded when the call returned (None: none yet); the backward runs there
+    cotangents: Callable  # [the outputs' cotangents] -> [a cotangent or None per argument leaf]
 
 
 class custom_vjp:  # noqa: N801 (JAX's name)
@@ -86,8 +84,9 @@ class custom_vjp:  # noqa: N801 (JAX's name)
             raise TypeError(f"the fwd of sf.custom_vjp function {name} must return arrays computed from its "
                             f"arguments, got {', '.join(type(o).__name__ for o in outs)}")
         leaves, args_tree = tree.flatten(args)
-        builder.custom_rules.append(CustomRule(name, leaves, args_tree, outs, outs_tree, residuals, self.bwd,
-                                               builder.instrs[-1] if builder.instrs else None))
+        cotangents = functools.partial(_cotangents, name, leaves, args_tree, outs_tree, residuals, self.bwd)
+        builder.custom_rules.append(CustomRule(name, leaves, outs, builder.instrs[-1] if builder.instrs else None,
+                                               cotangents))
         return out
 
 
@@ -103,27 +102,27 @@ def rules_at(builder, instrs) -> dict:
     return out
 
 
-def cotangents_of(rule: CustomRule, cts: list) -> list:
+def _cotangents(name, args, args_tree, outs_tree, residuals, bwd, cts: list) -> list:
     """bwd's cotangent for each argument leaf of the call (None: none), given the outputs' (Traced,
     zeros where none arrived), checked against the arguments' shapes."""
-    got = rule.bwd(rule.residuals, rule.outs_tree.unflatten(cts))
-    n = len(rule.args_tree.children)
+    got = bwd(residuals, outs_tree.unflatten(cts))
+    n = len(args_tree.children)
     if not isinstance(got, tuple) or len(got) != n:
-        raise TypeError(f"the bwd of sf.custom_vjp function {rule.name} must return a tuple of {n} cotangent(s), "
+        raise TypeError(f"the bwd of sf.custom_vjp function {name} must return a tuple of {n} cotangent(s), "
                         f"one per argument, got {type(got).__name__}"
                         + (f" of {len(got)}" if isinstance(got, (tuple, list)) else ""))
     flat = []
-    for arg_tree, g in zip(rule.args_tree.children, got):
+    for arg_tree, g in zip(args_tree.children, got):
         leaves = [None] * arg_tree.num_leaves if g is None else tree.flatten(g)[0]
         if len(leaves) != arg_tree.num_leaves:
-            raise TypeError(f"the bwd of sf.custom_vjp function {rule.name} returned a cotangent of structure "
+            raise TypeError(f"the bwd of sf.custom_vjp function {name} returned a cotangent of structure "
                             f"{tree.flatten(g)[1]} for an argument of structure {arg_tree}")
         flat += leaves
-    for x, g in zip(rule.args, flat):
+    for x, g in zip(args, flat):
         if g is not None and not isinstance(g, Traced):
-            raise TypeError(f"the bwd of sf.custom_vjp function {rule.name} must return arrays computed from its "
+            raise TypeError(f"the bwd of sf.custom_vjp function {name} must return arrays computed from its "
                             f"residuals and cotangents (or None), got {type(g).__name__}")
         if g is not None and isinstance(x, Traced) and tuple(g.shape) != tuple(x.shape):
-            raise ValueError(f"the bwd of sf.custom_vjp function {rule.name} returned a cotangent of shape "
+            raise ValueError(f"the bwd of sf.custom_vjp function {name} returned a cotangent of shape "
                              f"{tuple(g.shape)} for an argument of shape {tuple(x.shape)}")
     return flat

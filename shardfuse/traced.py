@@ -33,6 +33,7 @@ class Builder:
         self.fresh: set = set()  # sf.grad's primals: annotations do not compose through them (JAX's new tracers)
         self.no_gradient: set = set()  # values sf.grad holds constant (autodiff.stop_gradient)
         self.custom_rules: list = []  # the sf.custom_vjp calls traced under sf.grad (shardfuse.custom_vjp)
+        self.recomputing = 0  # > 0 while sf.checkpoint's backward traces its function again
         self.constants: dict = {}  # id(a NumPy array met) -> (it, its value then, its input): shardfuse.constants
         self.weak: set = set()  # values weakly typed as JAX's: Python scalar arguments, and elementwise ops of them
 
@@ -41,6 +42,8 @@ class Builder:
         return Traced(self, constants.capture(self, x)) if constants.is_constant(x) else x
 
     def emit(self, op, ins, out_type, base, **attrs) -> "Traced":
+        if self.recomputing and op == Op.SET:  # (a resharding sf.checkpoint does again: never the forward's, shared)
+            attrs["recomputed"] = True
         out = Value(self.namer(base), out_type)
         ins_ = Instr(op, (out,), tuple(t.value for t in ins), attrs)
         self.instrs.append(ins_)

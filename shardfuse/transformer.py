@@ -140,19 +140,23 @@ def init_gpt(rng, vocab, hidden, layers, seq, dtype="float32", scale=0.02):
             "lnf_w": (1 + normal(hidden)).astype(dtype), "lnf_b": normal(hidden), "head": normal(hidden, vocab)}
 
 
-def gpt_loss(params, ids, labels, heads, *, tp=None, sp=False, dp=None, chunks=None):
+def gpt_loss(params, ids, labels, heads, *, tp=None, sp=False, dp=None, chunks=None, checkpoint=False):
     """The mean cross-entropy of a GPT on token ids [batch, seq] against labels [batch, seq].  With
     tp: the vocabulary-parallel embedding (each device looks up its rows, one Allreduce, or one
     ReduceScatter into the sequence shards with sp) and head (logits sharded over the vocabulary,
-    Megatron's vocab-parallel cross-entropy: three Allreduces of per-token values)."""
+    Megatron's vocab-parallel cross-entropy: three Allreduces of per-token values).  checkpoint=True:
+    each layer under sf.checkpoint (Megatron's full recompute): the backward computes a layer's
+    activations again instead of keeping every layer's."""
+    from shardfuse.checkpoint import checkpoint as recomputed
     from shardfuse.nn import cross_entropy
     from shardfuse.take import take
 
     p = params
     wte = trace.shard(p["wte"], axis=0, over=tp) if tp else p["wte"]
     x = take(wte, ids) + p["wpe"]
+    block = recomputed(transformer_layer) if checkpoint else transformer_layer
     for layer in p["layers"]:
-        x = transformer_layer(layer, x, heads, tp=tp, sp=sp, dp=dp, chunks=chunks)
+        x = block(layer, x, heads, tp=tp, sp=sp, dp=dp, chunks=chunks)
     x = layer_norm(x, p["lnf_w"], p["lnf_b"])
     logits = x @ (trace.shard(p["head"], axis=1, over=tp) if tp else p["head"])
     if tp:

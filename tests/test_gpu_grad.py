@@ -151,7 +151,7 @@ def test_fused_kernels_against_the_unfused_plan(name, dtype, monkeypatch):
     fn, make = tf.CASES[name]
     args = make(np.random.default_rng(3), dtype)
     mesh = cupy_mesh(2)
-    monkeypatch.setenv("SHARDFUSE_FUSE", "1")  # (off by default on GPUs until this suite passes with it)
+    monkeypatch.setenv("SHARDFUSE_FUSE", "1")
     got = np.asarray(sf.jit(fn, mesh=mesh)(*args)).astype(np.float64)
     assert "Fused " in str(sf.jit(fn, mesh=mesh).lower(*args))
     monkeypatch.setenv("SHARDFUSE_FUSE", "0")
@@ -193,3 +193,20 @@ def test_scatter_add_matches_numpy(d, dtype, layout):
 def test_embedding_gradient_is_a_scatter_add(table_over, ids_over):
     import test_scatter_add as sa
     sa.check_embed_grad(cupy_mesh(4), table_over, ids_over, np.random.default_rng(5))
+
+
+@pytest.mark.parametrize("d", [1, 2])
+def test_checkpointed_gpt_step_matches_numpy(d):
+    """sf.checkpoint on the GPU: a sequence-parallel GPT's value_and_grad with each layer recomputed
+    in the backward, against the same step on NumPy devices (float64)."""
+    from shardfuse import tree
+    from shardfuse.transformer import gpt_loss
+
+    import test_checkpoint as tc
+    params, ids, labels = tc.gpt_case(np.random.default_rng(7))
+    kw = {"tp": "tp", "sp": True, "chunks": 2} if d > 1 else {}
+    got = tc.checkpointed_step(cupy_mesh(d), True, **kw)(params, ids, labels)
+    want = sf.jit(sf.value_and_grad(lambda p, i, t: gpt_loss(p, i, t, 4, **kw)),
+                  mesh=sf.DeviceMesh((d,), ("tp",), backend="numpy"))(params, ids, labels)
+    for a, b in zip(tree.leaves(got), tree.leaves(want)):
+        np.testing.assert_allclose(np.asarray(a.gather()), np.asarray(b.gather()), rtol=1e-10, atol=1e-12)
