@@ -30,10 +30,14 @@ def whole(layout):
     return Layout(layout.axes, mesh=layout.mesh)
 
 
-def known_layout(builder, v):
+def known_layout(builder, v, strict=None):
     """Where the forward states v lives (its pending sums made whole): an input's layout, an
     annotation's placement, what the rule of a view or a product infers from its operands' known
-    layouts, or that of the operand an elementwise op keeps the shape of; None if unstated."""
+    layouts, or that of the operand an elementwise op keeps the shape of; None if unstated.
+    strict (a dict, the values already answered): where an elementwise op's operands of its shape
+    are known in different layouts, None (the compiler picks one of them: not knowable here)."""
+    if strict is not None and v in strict:
+        return strict[v]
     for _ in range(64):
         p = builder.producer.get(v)
         if p is None:  # (an input that arrives as pending sums: its cotangent is whole on each device)
@@ -51,6 +55,10 @@ def known_layout(builder, v):
         same = [i for i in p.ins if i.type.shape == v.type.shape and p.op in ELEMENTWISE]
         if not same:
             return None
+        if strict is not None and len(set(same)) > 1:
+            lays = {known_layout(builder, i, strict) for i in same}
+            strict[v] = lays.pop() if len(lays) == 1 else None
+            return strict[v]
         v = same[0]
     return None
 
@@ -59,15 +67,17 @@ def rows_merge(a: Traced, ct: Traced, b: Traced) -> bool:
     """Whether the weight gradient of a 2-D b may be one GEMM of a's and ct's batch and row axes
     merged into rows (Megatron's [s*b, h] view): no per-batch [..., K, N] products to sum, and a
     GEMM with K = batch x rows.  Only where the merge is a view on every device: no axis but the
-    first sharded (a first axis sharded over dp stays sharded over dp when merged); merging a
-    batch axis sharded over dp with rows sharded over tp is no layout, and stays batched."""
+    first sharded (a first axis sharded over dp stays sharded over dp when merged), and that one
+    sharded alike in both; merging a batch axis sharded over dp with rows sharded over tp is no
+    layout, and stays batched."""
     if b.ndim != 2 or a.ndim < 3 or ct.ndim != a.ndim:
         return False
     if a.builder.mesh.size == 1:
         return True
-    lays = (known_layout(a.builder, a.value), known_layout(ct.builder, ct.value))
+    memo: dict = {}
+    lays = (known_layout(a.builder, a.value, memo), known_layout(ct.builder, ct.value, memo))
     return all(lay is not None and lay.mesh == a.builder.mesh and all(e is None for e in lay.axes[1:-1])
-               for lay in lays)
+               for lay in lays) and lays[0].axes[0] == lays[1].axes[0]  # (rows split alike: no move of either)
 
 
 def regathered(a: Traced, ct: Traced, keep=False):

@@ -38,9 +38,12 @@ def checkpoint(fun: Callable) -> Callable:
         builder = traced[0].builder
         out = fun(*args, **kwargs)
         outs = tree.leaves(out)
-        if not all(isinstance(o, Traced) for o in outs):
+        if not outs or not all(isinstance(o, Traced) for o in outs):
             raise TypeError(f"sf.checkpoint: {getattr(fun, '__name__', 'the function')} must return arrays computed "
                             f"from its arguments, got {', '.join(type(o).__name__ for o in outs)}")
+        outs, outs_tree = tree.flatten(out)
+        outs = [o.reshape(o.shape) for o in outs]  # (values of this call's own: custom_vjp's reason)
+        out = outs_tree.unflatten(outs)
         leaves = tree.leaves((args, kwargs))
         builder.custom_rules.append(CustomRule(getattr(fun, "__name__", "checkpoint"), leaves, outs,
                                                builder.instrs[-1] if builder.instrs else None,

@@ -83,6 +83,10 @@ class custom_vjp:  # noqa: N801 (JAX's name)
         if not all(isinstance(o, Traced) for o in outs):
             raise TypeError(f"the fwd of sf.custom_vjp function {name} must return arrays computed from its "
                             f"arguments, got {', '.join(type(o).__name__ for o in outs)}")
+        # each output a value of this call's own (a view): an output that is an argument, or the
+        # same value twice, or another rule's output (a nested call) gets a cotangent of its own
+        outs = [o.reshape(o.shape) for o in outs]
+        out = outs_tree.unflatten(outs)
         leaves, args_tree = tree.flatten(args)
         cotangents = functools.partial(_cotangents, name, leaves, args_tree, outs_tree, residuals, self.bwd)
         builder.custom_rules.append(CustomRule(name, leaves, outs, builder.instrs[-1] if builder.instrs else None,

@@ -141,3 +141,40 @@ def test_softmax_backward_holds_only_its_output(fn):
     text = str(loss.lower(xs))
     backward = text[text.index("Full_like"):]  # (the loss's seed cotangent: the backward starts there)
     assert "Reduce_max" not in backward and " e," not in backward and " e " not in backward, text
+
+
+def test_outputs_are_values_of_the_call_own():
+    """An output that is the argument itself (JAX's clip_gradient pattern), one value returned
+    twice, a nested rule and a re-annotated output: each output's cotangent goes through this
+    call's bwd, and only its own."""
+    mesh = mesh_of("1d")
+    rng = np.random.default_rng(6)
+    xs, r = rng.standard_normal((4, 8)), rng.standard_normal((4, 8))
+    dt = 1 - np.tanh(xs) ** 2
+
+    @sf.custom_vjp
+    def half_grad(x):
+        return x
+    half_grad.defvjp(lambda x: (x, None), lambda res, g: (0.5 * g,))
+    g = sf.jit(sf.grad(lambda x: (half_grad(np.tanh(x)) * r).sum() + np.tanh(x).sum()), mesh=mesh)(xs)
+    np.testing.assert_allclose(np.asarray(g), (0.5 * r + 1) * dt, rtol=1e-13)
+
+    @sf.custom_vjp
+    def two(x):
+        y = np.tanh(x)
+        return y, y
+    two.defvjp(lambda x: (two.fun(x), np.tanh(x)), lambda y, g: (2.0 * g[0] + 3.0 * g[1],))
+    g = sf.jit(sf.grad(lambda x: (two(x)[0] * r).sum() + two(x)[1].sum()), mesh=mesh)(xs)
+    np.testing.assert_allclose(np.asarray(g), 2.0 * r + 3.0, rtol=1e-13)
+
+    def scaled_tanh(k, inner=np.tanh, annotate=lambda y: y):
+        @sf.custom_vjp
+        def f(x):
+            return annotate(inner(x))
+        f.defvjp(lambda x: (lambda y: (y, y))(annotate(inner(x))), lambda y, g: (k * g * (1 - y * y),))
+        return f
+    outer = scaled_tanh(7.0, inner=scaled_tanh(5.0))  # (the outer's rule, not the inner's)
+    sharded = scaled_tanh(3.0, annotate=lambda y: sf.shard(y, axis=0, over="tp"))
+    for f, k, again in ((outer, 7.0, lambda y: y), (sharded, 3.0, lambda y: sf.shard(y, axis=1, over="tp"))):
+        g = sf.jit(sf.grad(lambda x: (again(f(x)) * r).sum()), mesh=mesh)(xs)
+        np.testing.assert_allclose(np.asarray(g), k * r * dt, rtol=1e-12)

@@ -443,6 +443,32 @@ def test_vjp_outside_jit_compiles_once():
     assert all(len(j.cached_plans()) == 1 for j in pair)
 
 
+@pytest.mark.parametrize("x1_axes, x2_axes, out_axis", [
+    (("dp", None, None), (None, "tp", None), "dp"),  # x's operands known in two layouts: not knowable
+    (("dp", None, None), ("dp", None, None), "tp"),  # x's rows over dp, its cotangent's over tp
+])
+def test_weight_gradient_stays_batched_where_rows_are_not_known_alike(x1_axes, x2_axes, out_axis):
+    """The merged GEMM only where x's and the cotangent's layouts are known and split the rows
+    alike; else the per-batch products (no gathers of x to make a merge that is not a view)."""
+    mesh = mesh_of("2d")
+    rng = np.random.default_rng(18)
+    x1, x2, ws = rng.standard_normal((4, 6, 12)), rng.standard_normal((4, 6, 12)), rng.standard_normal((12, 8))
+
+    def put(v, axes):  # (annotated inside the function: what the backward knows of them)
+        for k, over in enumerate(axes):
+            v = sf.shard(v, axis=k, over=over) if over else v
+        return v
+
+    def loss(w, a, b):
+        return np.tanh(sf.shard(put(a, x1_axes) * put(b, x2_axes) @ w, axis=0, over=out_axis)).sum()
+    args = (ws, x1, x2)
+    f = sf.jit(sf.grad(loss), mesh=mesh)
+    x = x1 * x2
+    np.testing.assert_allclose(np.asarray(f(*args)), x.reshape(24, 12).T @ (1 - np.tanh(x @ ws) ** 2).reshape(24, 8),
+                               rtol=1e-12)
+    assert "perm=(1, 0)" not in str(f.lower(*args))  # (the merged GEMM's operand: [rows, k] transposed)
+
+
 def test_cross_entropy_backward_never_compares_logits_with_their_max():
     """The max shift of sf.nn.cross_entropy is held constant (its terms cancel with one label per
     row): one comparison in the plan, the labels' with the vocabulary ids, none with the max."""
