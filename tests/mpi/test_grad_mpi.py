@@ -2,7 +2,7 @@
 gradient per kind of op against central differences with inputs replicated and sharded, the MLP
 block's gradients against NumPy's analytic ones (tensor and sequence parallel; data parallel on
 the 2x2 mesh, where under -n 2 each process' two devices lie in two dp teams), gradients in their
-primals' layouts, and sf.vjp outside jit.  Every rank runs every test in the same order, with the same seeds."""
+primals' layouts, sf.vjp outside jit, sf.checkpoint and sf.custom_vjp.  Every rank runs every test in the same order, with the same seeds."""
 from __future__ import annotations
 
 import numpy as np
@@ -67,3 +67,16 @@ def test_tokens_over_dp_and_tp():
     import test_dp_tp_propagation as t
 
     t.test_tokens_over_dp_and_tp_communicate_over_tp_only()
+
+
+@pytest.mark.parametrize("kind, kw", [("1d", {"tp": "tp", "sp": True, "chunks": 2}),
+                                      ("2d", {"tp": "tp", "sp": True, "chunks": 2, "dp": "dp"})])
+def test_checkpointed_gpt_gradients_are_the_same_numbers(kind, kw):
+    import test_checkpoint as tc
+    tc.test_gradients_are_the_same_numbers(kind, kw)
+
+
+@pytest.mark.parametrize("kind, axes", [("1d", ("tp", None)), ("2d", ("dp", "tp"))])
+def test_custom_vjp_rule_is_what_grad_uses(kind, axes):
+    import test_custom_vjp as tcv
+    tcv.test_the_rule_is_what_grad_uses(kind, axes)
