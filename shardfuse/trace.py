@@ -15,6 +15,7 @@ from shardfuse.ops import ELEMENTWISE, Op
 from shardfuse.schedule import KEY as SCHEDULE, Schedule, scheduled
 from shardfuse.spec import check_divides, normalize_axis, normalize_over, resolve_chunks
 from shardfuse.traced import Builder, Traced
+from shardfuse.tree import FlatFunction
 
 
 def _sub_mesh(builder, mesh):
@@ -206,6 +207,7 @@ def input_names(fn, n: int) -> list:
 
 def trace(fn, mesh, specs, streams=4, name=None) -> Program:
     builder = Builder(mesh)
+    builder.entry = fn.fn if isinstance(fn, FlatFunction) else fn
     params = input_names(fn, len(specs))
     inputs = []
     for pname, spec in zip(params, specs):

@@ -34,6 +34,7 @@ class Builder:
         self.no_gradient: set = set()  # values sf.grad holds constant (autodiff.stop_gradient)
         self.custom_rules: list = []  # the sf.custom_vjp calls traced under sf.grad (shardfuse.custom_vjp)
         self.recomputing = 0  # > 0 while sf.checkpoint's backward traces its function again
+        self.entry = None  # the function sf.jit traces (shardfuse.trace), unwrapped from its pytree form
         self.constants: dict = {}  # id(a NumPy array met) -> (it, its value then, its input): shardfuse.constants
         self.weak: set = set()  # values weakly typed as JAX's: Python scalar arguments, and elementwise ops of them
 

@@ -24,6 +24,7 @@ from shardfuse import tree
 from shardfuse.array import Array
 from shardfuse.autodiff import backward, check_remat, differentiable, full_like
 from shardfuse.autodiff_layouts import pin, whole
+from shardfuse.ir import TensorType
 from shardfuse.jit import Jitted
 from shardfuse.layout import Layout
 from shardfuse.plan_cache import PlanCache
@@ -59,10 +60,11 @@ def _signature(fn):
 class _Forward:
     """A traced call of fn on primals made fresh values, its instructions kept for the backward."""
 
-    def __init__(self, fn, primals: tuple, wrt: list, what: str, has_aux: bool, remat: str = "regather"):
+    def __init__(self, fn, primals: tuple, wrt: list, what: str, has_aux: bool, remat: str = "regather",
+                 origins: list | None = None):
         self.remat = remat
         self.builder = wrt[0].builder if wrt else _traced_leaves(primals)[0].builder
-        self.wrt = wrt
+        self.wrt, self.origins = wrt, origins or wrt
         self.builder.fresh.update(x.value for x in wrt)
         start = len(self.builder.instrs)
         out = fn(*primals)
@@ -79,24 +81,31 @@ class _Forward:
         grads = backward(self.builder, self.instrs, [x.value for x in self.wrt], [o.value for o in outs], cts,
                          self.remat)
         res = []
-        for x, g in zip(self.wrt, grads):
+        for x, orig, g in zip(self.wrt, self.origins, grads):
             g = full_like(x, 0.0) if g is None else g
-            lay = self._layout_of(x) if self.builder.producer.get(x.value) is None else None
-            res.append(g if lay is None else pin(g, lay, "d" + x.value.name))
+            lay = self._layout_of(orig, x) if self.builder.producer.get(orig.value) is None else None
+            res.append(g if lay is None else pin(g, lay, "d" + orig.value.name))
         return res
 
-    def _layout_of(self, x):
+    def _layout_of(self, orig, x):
         """The layout of a program input's gradient: the layout it arrived in (an sf.Array's); for
         a plain array, the one the function states for it where every use is the same annotation
         (a weight sharded by the function keeps that sharding), else replicated, as JAX places a
         NumPy argument (so an update step returns each parameter in the layout it came in)."""
-        if x.value.type.layout is not None:
-            return whole(x.value.type.layout)
+        if orig.value.type.layout is not None:
+            return whole(orig.value.type.layout)
         uses = [i for i in self.instrs if x.value in i.ins]
         stated = {i.outs[0].type.layout for i in uses if i.op == Op.SET and i.attrs.get("annotation")}
         if len(stated) == 1 and all(i.op == Op.SET for i in uses):
             return stated.pop()
-        return Layout.replicated(x.ndim).on(self.builder.mesh)
+        return Layout.replicated(orig.ndim).on(self.builder.mesh)
+
+
+def _fresh(x: Traced) -> Traced:
+    """A primal as a value of its own (a view), as JAX's new tracer: inside a traced function the
+    differentiated function's uses of the primal are told from uses of the same array it closes
+    over (grad of lambda z: x * z at z = x is x, not 2x)."""
+    return x.builder.emit(Op.RESHAPE, (x,), TensorType(x.shape, x.dtype), x.value.name, shape=x.shape, primal=True)
 
 
 def _check_primals(leaves, what, where):
@@ -135,6 +144,11 @@ class _Grad:
             return jitted(*args)
         return self._traced(args)
 
+    def _nested(self, leaves) -> bool:
+        """Whether this gradient is taken inside a traced function (whose code may hold the primals
+        too), not as the function sf.jit traces (whose primals nothing else holds)."""
+        return bool(leaves) and leaves[0].builder.entry is not self
+
     def _traced(self, args):
         n = len(args)
         for k in self.nums:
@@ -142,11 +156,12 @@ class _Grad:
                 raise ValueError(f"{self.what}(argnums={self.argnums!r}): {_name(self.fn)} was given {n} "
                                  "argument(s)")
         trees = [tree.flatten(args[k]) for k in self.nums]
-        wrt = []
-        for k, (leaves, _) in zip(self.nums, trees):
+        wrt, origins, args = [], [], list(args)
+        for k, (leaves, td) in zip(self.nums, trees):
             _check_primals(leaves, self.what, f"argument {k}")
-            wrt += leaves
-        fwd = _Forward(self.fn, args, wrt, self.what, self.has_aux, self.remat)
+            fresh = [_fresh(x) for x in leaves] if self._nested(leaves) else leaves
+            wrt, origins, args[k] = wrt + fresh, origins + leaves, td.unflatten(fresh)
+        fwd = _Forward(self.fn, tuple(args), wrt, self.what, self.has_aux, self.remat, origins)
         out = fwd.out
         if not isinstance(out, Traced) or out.shape != () or not differentiable(out.dtype):
             got = describe(out) if isinstance(out, Traced) else type(out).__name__
@@ -208,13 +223,16 @@ def _compiled_vjp(fn, has_aux, key, remat):
                                                               Jitted(Pullback(fn, has_aux, remat), *key)))
 
 
-def _vjp_traced(fn, primals, has_aux, remat="regather"):
+def _vjp_traced(fn, primals, has_aux, remat="regather", nested=True):
     leaves, in_tree = tree.flatten(primals)
     for x in leaves:
         if not isinstance(x, Traced):
             raise TypeError(f"sf.vjp: a primal is a {type(x).__name__}; it takes arrays (and pytrees of them)")
-    wrt = [x for x in leaves if differentiable(x.dtype)]  # (integer and boolean primals: cotangent None)
-    fwd = _Forward(fn, primals, wrt, "sf.vjp", has_aux, remat)
+    origins = [x for x in leaves if differentiable(x.dtype)]  # (integer and boolean primals: cotangent None)
+    fresh = {id(x): _fresh(x) if nested else x for x in origins}
+    wrt = [fresh[id(x)] for x in origins]
+    primals = in_tree.unflatten([fresh.get(id(x), x) for x in leaves])
+    fwd = _Forward(fn, primals, wrt, "sf.vjp", has_aux, remat, origins)
     out_leaves, out_tree = tree.flatten(fwd.out)
 
     def vjp_fn(cotangent):
@@ -240,5 +258,5 @@ class Pullback:
         self.__name__ = f"vjp_{_name(fn)}"
 
     def __call__(self, primals, cotangent):
-        return _vjp_traced(self.fn, tuple(primals), self.has_aux, self.remat)[1](cotangent)
+        return _vjp_traced(self.fn, tuple(primals), self.has_aux, self.remat, nested=False)[1](cotangent)
 

@@ -477,3 +477,17 @@ def test_cross_entropy_backward_never_compares_logits_with_their_max():
     x, labels = rng.standard_normal((8, 12)), rng.integers(0, 12, (8,)).astype(np.int32)
     text = str(sf.jit(sf.grad(lambda x, i: sf.nn.cross_entropy(x, i)), mesh=mesh).lower(x, labels))
     assert text.count(" = Allocate bool[") == 2, text  # (labels < 0, and labels == ids)
+
+
+def test_a_primal_is_told_from_the_same_array_closed_over():
+    """Inside a traced function, grad of lambda z: sum(x * z) at z = x is x (JAX's new tracer), not
+    2x: the primal is a value of its own (a view); sf.vjp the same.  An annotation on that view
+    still states the input's layout (a training step's parameters: tests/test_transformer.py)."""
+    mesh = mesh_of("1d")
+    xs = np.random.default_rng(19).standard_normal((8, 4))
+    g = sf.jit(lambda x: sf.grad(lambda z: (x * z).sum())(x), mesh=mesh)(xs)
+    np.testing.assert_allclose(np.asarray(g), xs, rtol=1e-15)
+    ct = sf.jit(lambda x: sf.vjp(lambda z: x * z, x)[1](x * 0.0 + 1.0)[0], mesh=mesh)(xs)
+    np.testing.assert_allclose(np.asarray(ct), xs, rtol=1e-15)
+    step = sf.jit(lambda w: w - 0.5 * sf.grad(lambda v: (sf.shard(v, axis=0, over="tp") ** 2).sum())(w), mesh=mesh)
+    assert str(step.lower(xs)).startswith("plan <lambda>(w: f64[8:tp, 4])")
