@@ -73,22 +73,22 @@ def backward(builder, instrs, wrt, outs, cts, remat="regather") -> list:
     """The cotangents of the values `wrt` (None where no path leads from them to `outs`), given
     the cotangents `cts` (Traced) of `outs`, through `instrs` (the forward, as recorded); `remat`:
     whether a weight gradient gathers the forward's input again or reads the one it kept (REMAT)."""
-    custom = rules_at(builder, instrs)  # (sf.custom_vjp calls: their bwd where each call ended)
+    custom = rules_at(builder, instrs)  # (sf.custom_vjp / sf.checkpoint calls: their backward where each ended)
     active = {v for v in wrt if differentiable(v.type.dtype)}
-    for k, ins in [(-1, None)] + list(enumerate(instrs)):
-        if ins is not None and ins.op not in NO_GRADIENT and any(v in active for v in ins.ins):
+    for ins in instrs:
+        if ins.op not in NO_GRADIENT and any(v in active for v in ins.ins):
             active.update(o for o in ins.outs if differentiable(o.type.dtype) and o not in builder.no_gradient)
-        for r in custom.get(k, ()):
+        for r in custom.get(id(ins), ()):
             if any(isinstance(a, Traced) and a.value in active for a in r.args):
                 active.update(o.value for o in r.outs if differentiable(o.dtype))
     grads: dict = {}
     for o, c in zip(outs, cts):
         if o in active:
             _accumulate(grads, o, c)
-    for k, ins in reversed([(-1, None)] + list(enumerate(instrs))):
-        for r in custom.get(k, ()):
+    for ins in reversed(instrs):
+        for r in custom.get(id(ins), ()):
             _custom(r, grads, active)
-        ct = grads.pop(ins.outs[0], None) if ins is not None and ins.outs and ins.outs[0] not in wrt else None
+        ct = grads.pop(ins.outs[0], None) if ins.outs and ins.outs[0] not in wrt else None
         if ct is None:
             continue
         rule = VJP.get(ins.op)

@@ -21,7 +21,7 @@ from typing import Callable
 
 from shardfuse import tree
 from shardfuse.autodiff import backward
-from shardfuse.custom_vjp import CustomRule
+from shardfuse.custom_vjp import differentiated, record
 from shardfuse.traced import Traced
 
 
@@ -32,23 +32,12 @@ def checkpoint(fun: Callable) -> Callable:
 
     @functools.wraps(fun)
     def call(*args, **kwargs):
-        traced = [x for x in tree.leaves((args, kwargs)) if isinstance(x, Traced)]
-        if not traced or not traced[0].builder.fresh:  # no gradient traced here: the function itself
+        builder = differentiated((args, kwargs))
+        if builder is None:  # no gradient traced here: the function itself
             return fun(*args, **kwargs)
-        builder = traced[0].builder
-        out = fun(*args, **kwargs)
-        outs = tree.leaves(out)
-        if not outs or not all(isinstance(o, Traced) for o in outs):
-            raise TypeError(f"sf.checkpoint: {getattr(fun, '__name__', 'the function')} must return arrays computed "
-                            f"from its arguments, got {', '.join(type(o).__name__ for o in outs)}")
-        outs, outs_tree = tree.flatten(out)
-        outs = [o.reshape(o.shape) for o in outs]  # (values of this call's own: custom_vjp's reason)
-        out = outs_tree.unflatten(outs)
-        leaves = tree.leaves((args, kwargs))
-        builder.custom_rules.append(CustomRule(getattr(fun, "__name__", "checkpoint"), leaves, outs,
-                                               builder.instrs[-1] if builder.instrs else None,
-                                               functools.partial(_again, fun, args, kwargs, builder)))
-        return out
+        name = getattr(fun, "__name__", "checkpoint")
+        return record(builder, name, tree.leaves((args, kwargs)), fun(*args, **kwargs), f"sf.checkpoint: {name}",
+                      lambda _: functools.partial(_again, fun, args, kwargs, builder))
     return call
 
 

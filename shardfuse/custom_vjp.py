@@ -45,7 +45,7 @@ class CustomRule:
     name: str
     args: list  # the call's argument leaves (Traced or not), in tree order
     outs: list  # the output leaves (Traced)
-    after: Any  # the last instruction recorded when the call returned (None: none yet); the backward runs there
+    after: Any  # the last instruction recorded when the call returned (its outputs' views): the backward runs there
     cotangents: Callable  # [the outputs' cotangents] -> [a cotangent or None per argument leaf]
 
 
@@ -66,43 +66,52 @@ class custom_vjp:  # noqa: N801 (JAX's name)
         self.fwd, self.bwd = fwd, bwd
 
     def __call__(self, *args):
-        traced = [x for x in tree.leaves(args) if isinstance(x, Traced)]
-        if not traced or not traced[0].builder.fresh:  # no gradient traced here: the function itself
+        builder = differentiated(args)
+        if builder is None:  # no gradient traced here: the function itself
             return self.fun(*args)
         name = getattr(self.fun, "__name__", "custom_vjp")
         if self.fwd is None:
             raise TypeError(f"sf.custom_vjp function {name} is differentiated but has no rule: call "
                             f"{name}.defvjp(fwd, bwd) first")
-        builder = traced[0].builder
         res = self.fwd(*args)
         if not (isinstance(res, tuple) and len(res) == 2):
             raise TypeError(f"the fwd of sf.custom_vjp function {name} must return a pair (output, residuals), "
                             f"got {type(res).__name__}")
         out, residuals = res
-        outs, outs_tree = tree.flatten(out)
-        if not all(isinstance(o, Traced) for o in outs):
-            raise TypeError(f"the fwd of sf.custom_vjp function {name} must return arrays computed from its "
-                            f"arguments, got {', '.join(type(o).__name__ for o in outs)}")
-        # each output a value of this call's own (a view): an output that is an argument, or the
-        # same value twice, or another rule's output (a nested call) gets a cotangent of its own
-        outs = [o.reshape(o.shape) for o in outs]
-        out = outs_tree.unflatten(outs)
         leaves, args_tree = tree.flatten(args)
-        cotangents = functools.partial(_cotangents, name, leaves, args_tree, outs_tree, residuals, self.bwd)
-        builder.custom_rules.append(CustomRule(name, leaves, outs, builder.instrs[-1] if builder.instrs else None,
-                                               cotangents))
-        return out
+        return record(builder, name, leaves, out, f"the fwd of sf.custom_vjp function {name}",
+                      lambda outs_tree: functools.partial(_cotangents, name, leaves, args_tree, outs_tree, residuals,
+                                                          self.bwd))
+
+
+def differentiated(args):
+    """The builder of a call's traced arguments where sf.grad is tracing a gradient; None where the
+    call is the function itself (outside jit, or no gradient traced)."""
+    traced = [x for x in tree.leaves(args) if isinstance(x, Traced)]
+    return traced[0].builder if traced and traced[0].builder.fresh else None
+
+
+def record(builder, name, leaves, out, what, make_cotangents):
+    """out, each output a value of this call's own (a view), and the call's CustomRule recorded:
+    an output that is an argument, the same value twice, or another rule's output (a nested call)
+    gets a cotangent of its own.  make_cotangents(the outputs' tree) -> the rule's cotangents."""
+    outs, outs_tree = tree.flatten(out)
+    if not outs or not all(isinstance(o, Traced) for o in outs):
+        raise TypeError(f"{what} must return arrays computed from its arguments, got "
+                        f"{', '.join(type(o).__name__ for o in outs) or 'none'}")
+    outs = [o.reshape(o.shape) for o in outs]
+    builder.custom_rules.append(CustomRule(name, leaves, outs, builder.instrs[-1], make_cotangents(outs_tree)))
+    return outs_tree.unflatten(outs)
 
 
 def rules_at(builder, instrs) -> dict:
-    """position in instrs -> the custom rules of calls that ended after that instruction (-1: before
-    the first), for the calls whose outputs instrs made."""
-    pos = {id(i): k for k, i in enumerate(instrs)}
-    made = {o for i in instrs for o in i.outs}
+    """id(instruction) -> the custom rules of the calls that ended with it (their outputs' last
+    view), for the instructions in instrs."""
+    here = {id(i) for i in instrs}
     out: dict = {}
     for r in builder.custom_rules:
-        if any(o.value in made for o in r.outs):
-            out.setdefault(pos.get(id(r.after), -1), []).append(r)
+        if id(r.after) in here:
+            out.setdefault(id(r.after), []).append(r)
     return out
 
 
