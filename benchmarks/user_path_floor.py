@@ -1,0 +1,97 @@
+"""The user path's host time in graph mode, stage by stage, beside the floor of the CuPy calls any
+such path makes (issue 29, item 2: the target of 40 us per call at D = 1).
+
+`shardfuse bench --host`'s user path is `cupy.from_dlpack(f(sf.shard(a, axis=1, mesh=mesh), b))`
+on tiny shapes (the GPU idles; the host's issue time is all that is timed).  This times it built
+up one stage at a time, each the wall time per call of calls issued back to back (median of
+rounds), so the difference between two rows is what that stage adds:
+
+  plan alone         f(placed_a, placed_b): both placed once, before the loop
+  + sf.shard(a)      the activation placed on every call
+  + plain weight     b passed as the caller's array (the plan adopts it each call)
+  + export           cupy.from_dlpack of the result (the user path of bench --host)
+
+and, measured in the same run, the bare CuPy calls under it (a captured graph's launch, the
+four event calls that order the plan with the caller's stream, one cupy.from_dlpack), whose sum
+is the floor of any graph-mode call made through CuPy's Python API.
+
+    python benchmarks/user_path_floor.py [D] [S] [--calls 200] [--rounds 7]
+"""
+from __future__ import annotations
+
+import argparse
+
+import numpy as np
+
+import shardfuse as sf
+from shardfuse.bench import host
+
+
+def stages(mesh, s, calls, rounds, sync):
+    """{stage: us per call} for the graph-mode user path of `shardfuse bench --host` at (D, S)."""
+    import cupy
+
+    f, a, b = host.seed(mesh, s, graph=True)
+    placed_a, placed_b = sf.shard(a, axis=1, mesh=mesh), sf.replicate(b, mesh=mesh)
+    fns = {
+        "plan alone": lambda: f(placed_a, placed_b),
+        "+ sf.shard(a)": lambda: f(sf.shard(a, axis=1, mesh=mesh), placed_b),
+        "+ plain weight": lambda: f(sf.shard(a, axis=1, mesh=mesh), b),
+        "+ export (the user path)": lambda: cupy.from_dlpack(f(sf.shard(a, axis=1, mesh=mesh), b)),
+    }
+    return {name: host.per_call_us(fn, sync, calls, rounds) for name, fn in fns.items()}
+
+
+def floor(calls, rounds, sync):
+    """{bare CuPy call: us per call}: what a graph-mode call through CuPy's Python API cannot skip."""
+    import cupy
+    from cupy_backends.cuda.api import runtime
+
+    x = cupy.asarray(np.random.default_rng(0).standard_normal((host.K, host.N)).astype(np.float16))
+    # (cupy.matmul refuses a capture, FIELD-NOTES.md: a one-kernel graph; a launch costs about
+    # the same whatever the graph holds)
+    nop = cupy.RawKernel(r'extern "C" __global__ void nop(float* x) {}', "nop")
+    side = cupy.cuda.Stream(non_blocking=True)
+    with side:
+        side.begin_capture()
+        nop((1,), (1,), (x,), stream=side)
+        graph = side.end_capture()
+    ev = cupy.cuda.Event(disable_timing=True)
+    caller, plan = cupy.cuda.get_current_stream().ptr, side.ptr
+
+    def fences():  # the plan's stream waits for the caller's, then the caller's for the plan's
+        runtime.eventRecord(ev.ptr, caller)
+        runtime.streamWaitEvent(plan, ev.ptr, 0)
+        runtime.eventRecord(ev.ptr, plan)
+        runtime.streamWaitEvent(caller, ev.ptr, 0)
+
+    return {"Graph.launch": host.per_call_us(lambda: graph.launch(side), sync, calls, rounds),
+            "four event calls (fence in and out)": host.per_call_us(fences, sync, calls, rounds),
+            "cupy.from_dlpack(cupy array)": host.per_call_us(lambda: cupy.from_dlpack(x), sync, calls, rounds)}
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("d", nargs="?", type=int, default=1)
+    ap.add_argument("s", nargs="?", type=int, default=1)
+    ap.add_argument("--calls", type=int, default=200)
+    ap.add_argument("--rounds", type=int, default=7)
+    args = ap.parse_args()
+    mesh = sf.DeviceMesh(args.d, backend="cupy")
+    sync = host.sync_of("cupy")
+    print(f"graph-mode user path, D={args.d} S={args.s}, us per call (median of {args.rounds} x {args.calls} calls)")
+    prev = None
+    for name, us in stages(mesh, args.s, args.calls, args.rounds, sync).items():
+        print(f"  {name:32s} {us:8.1f}" + ("" if prev is None else f"   (+{us - prev:.1f})"))
+        prev = us
+    parts = floor(args.calls, args.rounds, sync)
+    print("bare CuPy calls under it:")
+    for name, us in parts.items():
+        print(f"  {name:36s} {us:8.1f}")
+    print(f"  {'floor (their sum)':36s} {sum(parts.values()):8.1f}")
+    for name, us in host.baselines("cupy", sync, args.calls, args.rounds).items():
+        print(f"{name}: {us:.1f} us per call")
+
+
+if __name__ == "__main__":
+    main()
