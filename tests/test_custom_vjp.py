@@ -3,6 +3,8 @@ outside jit, on sharded inputs, with pytrees; the forward alone runs the plain f
 are refused with what was expected; sf.nn.softmax / log_softmax keep only their output."""
 from __future__ import annotations
 
+import functools
+
 import numpy as np
 import pytest
 
@@ -178,3 +180,151 @@ def test_outputs_are_values_of_the_call_own():
     for f, k, again in ((outer, 7.0, lambda y: y), (sharded, 3.0, lambda y: sf.shard(y, axis=1, over="tp"))):
         g = sf.jit(sf.grad(lambda x: (again(f(x)) * r).sum()), mesh=mesh)(xs)
         np.testing.assert_allclose(np.asarray(g), k * r * dt, rtol=1e-12)
+
+
+# ---- nondiff_argnums (JAX's): static arguments that fwd takes in place and bwd takes first ----------
+
+def _central(value, xs: list, eps=1e-6) -> list:
+    """float64 central differences of value(*xs) (a float) with respect to each array in xs."""
+    out = []
+    for k, x in enumerate(xs):
+        g = np.zeros_like(x)
+        for idx in np.ndindex(x.shape):
+            hi, lo = [a.copy() for a in xs], [a.copy() for a in xs]
+            hi[k][idx] += eps
+            lo[k][idx] -= eps
+            g[idx] = (value(*hi) - value(*lo)) / (2 * eps)
+        out.append(g)
+    return out
+
+
+DERIVATIVE = {np.tanh: lambda x: 1 - np.tanh(x) ** 2, np.exp: np.exp}  # (what bwd knows of the callable)
+
+
+def _act_matmul(seen):
+    """act(x @ w) * scale with act (a callable) and scale (a float) nondiff, at positions 0 and 2:
+    bwd takes them first and returns cotangents for x and w only."""
+    @functools.partial(sf.custom_vjp, nondiff_argnums=(2, 0))  # (any order, as JAX's: sorted)
+    def f(act, x, scale, w):
+        return act(x @ w) * scale
+
+    def fwd(act, x, scale, w):
+        z = x @ w
+        return act(z) * scale, (x, w, z)
+
+    def bwd(act, scale, res, g):
+        seen.append((act, scale))
+        x, w, z = res
+        gz = g * scale * DERIVATIVE[act](z)
+        return gz @ w.T, x.T @ gz
+    f.defvjp(fwd, bwd)
+    return f
+
+
+@pytest.mark.parametrize("act, scale", [(np.tanh, 0.5), (np.exp, -3.0)])
+@pytest.mark.parametrize("where", ["jit", "outside jit"])
+def test_nondiff_callable_and_scale_gradients_against_central_differences(act, scale, where):
+    mesh = mesh_of("1d")
+    rng = np.random.default_rng([7, int(scale * 10) % 97, where == "jit"])
+    xs, ws, r = 0.5 * rng.standard_normal((8, 6)), rng.standard_normal((6, 4)), rng.standard_normal((8, 4))
+    seen = []
+    f = _act_matmul(seen)
+    loss = sf.grad(lambda x, w: (f(act, x, scale, w) * r).sum(), argnums=(0, 1))
+    if where == "jit":
+        gx, gw = sf.jit(loss, mesh=mesh)(xs, ws)
+    else:
+        gx, gw = loss(sf.shard(xs, axis=0, mesh=mesh), sf.replicate(ws, mesh=mesh))
+    want = _central(lambda x, w: float((act(x @ w) * scale * r).sum()), [xs, ws])
+    np.testing.assert_allclose(np.asarray(gx), want[0], rtol=1e-7, atol=1e-8)
+    np.testing.assert_allclose(np.asarray(gw), want[1], rtol=1e-7, atol=1e-8)
+    assert seen and all(s == (act, scale) for s in seen)  # (bwd got the Python values themselves)
+    np.testing.assert_allclose(np.asarray(sf.jit(lambda x, w: f(act, x, scale, w), mesh=mesh)(xs, ws)),
+                               act(xs @ ws) * scale, rtol=1e-13)  # (the forward alone: the function)
+
+
+def test_nondiff_numpy_array_gets_no_cotangent_and_a_traced_one_is_refused():
+    """A NumPy constant in a nondiff position is a static value (JAX accepts a concrete array
+    there and gives it no cotangent); a traced array is refused, as JAX refuses a Tracer."""
+    mesh = mesh_of("2d")
+    rng = np.random.default_rng(8)
+    xs, mask = rng.standard_normal((4, 6)), (rng.random((4, 6)) > 0.3).astype(np.float64)
+
+    @functools.partial(sf.custom_vjp, nondiff_argnums=(0,))
+    def masked_exp(m, x):
+        return np.exp(x) * m
+    masked_exp.defvjp(lambda m, x: (lambda y: (y, y))(np.exp(x) * m), lambda m, y, g: (g * y,))
+
+    g = sf.jit(sf.grad(lambda x: np.tanh(masked_exp(mask, x)).sum()), mesh=mesh)(sf.distribute(xs, mesh, ("dp", "tp")))
+    want, = _central(lambda x: float(np.tanh(np.exp(x) * mask).sum()), [xs])
+    np.testing.assert_allclose(np.asarray(g), want, rtol=1e-7, atol=1e-8)
+    for fn in (sf.grad(lambda x, m: masked_exp(m, x).sum()), lambda x, m: masked_exp(m, x)):
+        with pytest.raises(TypeError, match="argument 0 is in nondiff_argnums but holds a traced array.*"
+                                            "as an ordinary argument and have bwd return None"):
+            sf.jit(fn, mesh=mesh).lower(sf.TensorSpec((4, 6), "float64"), sf.TensorSpec((4, 6), "float64"))
+
+
+def test_nondiff_in_the_middle_with_pytrees():
+    """Pytrees on both sides of a nondiff config dict: fwd sees the arguments in place, bwd the
+    config first and returns a tuple of two cotangent trees (the params dict, the pair)."""
+    mesh = mesh_of("2d")
+    rng = np.random.default_rng(9)
+    p = {"w": rng.standard_normal((6, 5)), "b": rng.standard_normal((5,))}
+    pair = (rng.standard_normal((4, 6)), rng.standard_normal((4, 5)))
+    cfg = {"power": 3, "name": "cube"}
+
+    @functools.partial(sf.custom_vjp, nondiff_argnums=(1,))
+    def f(p, cfg, pair):
+        return (pair[0] @ p["w"] + p["b"]) ** cfg["power"] * pair[1]
+
+    def fwd(p, cfg, pair):
+        z = pair[0] @ p["w"] + p["b"]
+        return z ** cfg["power"] * pair[1], (p["w"], pair, z)
+
+    def bwd(cfg, res, g):
+        assert cfg == {"power": 3, "name": "cube"}
+        w, (x, s), z = res
+        gz = g * s * cfg["power"] * z ** (cfg["power"] - 1)
+        return {"w": x.T @ gz, "b": gz.sum(0)}, (gz @ w.T, g * z ** cfg["power"])
+    f.defvjp(fwd, bwd)
+
+    g_p, g_pair = sf.jit(sf.grad(lambda p, pair: f(p, cfg, pair).sum(), argnums=(0, 1)), mesh=mesh)(p, pair)
+
+    def value(w, b, x, s):
+        return float(((x @ w + b) ** 3 * s).sum())
+    want = _central(value, [p["w"], p["b"], *pair])
+    got = [g_p["w"], g_p["b"], *g_pair]
+    for a, b in zip(got, want):
+        np.testing.assert_allclose(np.asarray(a), b, rtol=1e-6, atol=1e-7)
+
+
+def test_bad_nondiff_argnums_are_refused():
+    def f(a, b):
+        return a * b
+    for bad, match in [(("0",), "positions are non-negative ints.*'0'"), ((True,), "non-negative ints.*True"),
+                       ((1.0,), "non-negative ints.*1.0"), ((-1,), "non-negative ints.*-1"),
+                       (None, "takes a tuple of argument positions, got NoneType")]:
+        with pytest.raises(TypeError, match=match):
+            sf.custom_vjp(f, nondiff_argnums=bad)
+    with pytest.raises(ValueError, match=r"nondiff_argnums=\(0, 2\)\): f has 2 positional parameter\(s\), so "
+                                         r"positions run 0..1"):
+        functools.partial(sf.custom_vjp, nondiff_argnums=(0, 2))(f)
+    assert sf.custom_vjp(f, nondiff_argnums=1).nondiff_argnums == (1,)
+    assert sf.custom_vjp(f, nondiff_argnums=[1, 0, 1]).nondiff_argnums == (0, 1)
+
+    def variadic(*xs):  # (how many arguments: known at the call only)
+        return xs[0]
+    v = sf.custom_vjp(variadic, nondiff_argnums=(3,))
+    with pytest.raises(TypeError, match=r"nondiff_argnums=\(3,\) but was called with 2 positional"):
+        v(np.ones(2), 2.0)
+
+
+def test_nondiff_bwd_returning_a_cotangent_for_a_nondiff_argument_is_refused():
+    mesh = mesh_of("1d")
+
+    @functools.partial(sf.custom_vjp, nondiff_argnums=(1,))
+    def f(x, k):
+        return x * k
+    f.defvjp(lambda x, k: (x * k, None), lambda k, res, g: (g * k, None))  # (one too many)
+    with pytest.raises(TypeError, match=r"tuple of 1 cotangent\(s\), one per differentiable argument \(none for "
+                                        r"nondiff_argnums\), got tuple of 2"):
+        sf.jit(sf.grad(lambda x: f(x, 2.0).sum()), mesh=mesh).lower(sf.TensorSpec((8, 4), "float64"))

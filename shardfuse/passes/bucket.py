@@ -34,6 +34,14 @@ waiting; at the wait point main joins the side stream (`Synchronize`) before the
     Synchronize Stream(4)
     Copy y <- y_summed
 
+A gradient alone in its bucket (the cap reached, a key of its own, DDP's bucket of one large
+layer) has nothing to merge with, so no flat buffer and no copies: its Allreduce, as it stands,
+goes on the same side stream the same way (fork, Allreduce, back to main; Wait and join where its
+result is first read), so it too runs under the rest of the backward instead of holding main up.
+Only where main has no work before that first read (the loss' sum, read at once to seed the
+backward; a last gradient with nothing after it) is it left on main, waited for at once, as
+before: a fork and a join would overlap nothing.
+
 passes/reuse.py knows this shape and keeps sharing buffers around it (its doc says why that is
 safe); on the NumPy backends the stream steps are nothing and steps run in issue order.
 
@@ -51,7 +59,7 @@ from dataclasses import dataclass, field
 
 from shardfuse.ir import Instr, Namer, TensorType, Value, local_shape, walk
 from shardfuse.layout import Layout, shard_count
-from shardfuse.ops import Op, Reduce, VIEWS
+from shardfuse.ops import COMMUNICATION, Op, Reduce, STREAM_OPS, VIEWS
 from shardfuse.passes.reuse import nbytes
 from shardfuse.streams import MAIN, Stream
 
@@ -149,10 +157,11 @@ def _units(prog) -> dict:
 
 
 def _assign(instrs, units, cap) -> list:
-    """The buckets of two or more members, each with the position its results are first needed
-    at.  A member joins the open bucket of its key unless that would pass the cap; a step that
-    reads a result of a bucket (or a view of one) closes it there, so no member's input can
-    depend on another's result."""
+    """The buckets, each with the position its results are first needed at: those of two or more
+    members, and those of one where work runs before that position (a lone Allreduce, issued as it
+    stands on the side stream).  A member joins the open bucket of its key unless that would pass
+    the cap; a step that reads a result of a bucket (or a view of one) closes it there, so no
+    member's input can depend on another's result."""
     buckets, open_, pending, k = [], {}, [], 0
     while k < len(instrs):
         u, top = units.get(k), instrs[k]
@@ -182,7 +191,17 @@ def _assign(instrs, units, cap) -> list:
         k = u.end + 1
     for b in pending:
         b.wait_at = len(instrs)
-    return [b for b in buckets if len(b.units) > 1]
+    return [b for b in buckets if len(b.units) > 1 or _work_beside(instrs, b.units[0], b.wait_at)]
+
+
+PASSIVE = VIEWS | STREAM_OPS | COMMUNICATION | {Op.ALLOCATE, Op.WAIT}  # no device work of their own
+
+
+def _work_beside(instrs, u, wait_at) -> bool:
+    """Whether main has work to run between u's Allreduce and its result's first read.  Where it has
+    none (the loss' sum, read at once to seed the backward) the side stream would only add a fork
+    and a join: u stays on main as it stands."""
+    return any(instrs[k].op not in PASSIVE for k in range(u.end + 1, wait_at))
 
 
 def _flats(b, mesh, namer) -> list:
@@ -212,14 +231,18 @@ def _box(flat, v, offset, size, suffix, namer) -> tuple:
                     Instr(Op.VIEW, (shaped,), (box,), {"shape": v.type.shape})]
 
 
+def _fork(side, namer) -> list:
+    """Main records `ready` and the side stream waits for it: what main wrote so far is done there."""
+    ready = Value(namer("ready"), "Event")
+    return [Instr(Op.RECORD_EVENT, (ready,), attrs={"stream": MAIN}), Instr(Op.SET_STREAM, attrs={"stream": side}),
+            Instr(Op.WAIT_EVENT, ins=(ready,))]
+
+
 def _issue(b, flats, side, namer) -> tuple:
     """(the bucket issued on stream `side`: its buffers, the fork from main, its Allreduces, one per
-    team, each but the last waited for there, and the switch back to main; the last's handle)."""
+    team, each but the last waited for there, and the switch back to main; the last one's Wait)."""
     teams, ops = b.key[0], b.key[1]
-    ready = Value(namer("ready"), "Event")
-    out = [Instr(Op.ALLOCATE, (f,)) for f in flats[1:]]
-    out += [Instr(Op.RECORD_EVENT, (ready,), attrs={"stream": MAIN}), Instr(Op.SET_STREAM, attrs={"stream": side}),
-            Instr(Op.WAIT_EVENT, ins=(ready,))]
+    out = [Instr(Op.ALLOCATE, (f,)) for f in flats[1:]] + _fork(side, namer)
     h = None
     for j, (team, op) in enumerate(zip(teams, ops)):
         if h is not None:
@@ -227,7 +250,17 @@ def _issue(b, flats, side, namer) -> tuple:
         h = Value(namer("ar_bucket"), "Comm")
         attrs = {"team": team, **({"op": op} if op != Reduce.SUM else {}), "bucket": len(b.units)}
         out.append(Instr(Op.ALLREDUCE, (h,), (flats[j],), attrs, into=flats[j + 1]))
-    return out + [Instr(Op.SET_STREAM, attrs={"stream": MAIN})], h
+    return out + [Instr(Op.SET_STREAM, attrs={"stream": MAIN})], Instr(Op.WAIT, (), (h,))
+
+
+def _issue_lone(u, instrs, side, namer) -> tuple:
+    """(a lone member issued on stream `side` as it stands: no flat buffer, so no copies in or out;
+    its chain's Allocates before the fork (a side region holds only communication and Waits), its
+    Allreduces, each but the last waited for there, and the switch back to main; the last's Wait)."""
+    out = [instrs[k] for k in range(u.start, u.end + 1) if instrs[k].op == Op.ALLOCATE] + _fork(side, namer)
+    for a, w in u.steps[:-1]:
+        out += [a, w]
+    return out + [u.steps[-1][0], Instr(Op.SET_STREAM, attrs={"stream": MAIN})], u.steps[-1][1]
 
 
 def _rewrite(prog, buckets) -> list:
@@ -242,20 +275,23 @@ def _rewrite(prog, buckets) -> list:
         offset = 0
         for u in b.units:
             starts[u.start] = (b, u, offset)
-            drop |= u.dropped
+            drop |= u.dropped if len(b.units) > 1 else set(range(u.start, u.end + 1))  # (lone: issued as it is)
             offset += _size(u.x, mesh)
         waits.setdefault(b.wait_at, []).append(b)
-    flats, handles, out = {}, {}, []
+    flats, joins, out = {}, {}, []
     for k, top in enumerate(prog.instrs + (None,)):
         for b in waits.get(k, ()):  # the results are needed from here on
             # main joins the side stream right after the Wait (the shape passes/reuse.py relies on)
-            out += [Instr(Op.WAIT, (), (handles[id(b)],)), Instr(Op.SYNCHRONIZE, attrs={"stream": side})]
-            for u in b.units:
+            out += [joins[id(b)], Instr(Op.SYNCHRONIZE, attrs={"stream": side})]
+            for u in b.units if len(b.units) > 1 else ():  # (a lone one summed into its own result)
                 shaped, views = _box(flats[id(b)][-1], u.y, starts[u.start][2], _size(u.x, mesh), "summed", namer)
                 out += views + [Instr(Op.COPY, (), (shaped,), into=u.y)]
         if top is None:
             break
-        if k in starts:  # a member: its input copied into the bucket where its Allreduce stood
+        if k in starts and len(starts[k][0].units) == 1:
+            issued, joins[id(starts[k][0])] = _issue_lone(starts[k][1], prog.instrs, side, namer)
+            out += issued
+        elif k in starts:  # a member: its input copied into the bucket where its Allreduce stood
             b, u, offset = starts[k]
             if u is b.units[0]:
                 flats[id(b)] = _flats(b, mesh, namer)
@@ -263,7 +299,7 @@ def _rewrite(prog, buckets) -> list:
             shaped, views = _box(flats[id(b)][0], u.x, offset, _size(u.x, mesh), "packed", namer)
             out += views + [Instr(Op.COPY, (), (u.x,), into=shaped)]
             if u is b.units[-1]:  # the last input is in: issue the bucket now
-                issued, handles[id(b)] = _issue(b, flats[id(b)], side, namer)
+                issued, joins[id(b)] = _issue(b, flats[id(b)], side, namer)
                 out += issued
         if k not in drop:
             out.append(top)

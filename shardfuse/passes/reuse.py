@@ -11,7 +11,7 @@ Liveness is taken over the plan's top-level instructions as they run, streams in
   wait for an event the main stream records just before it, and the loop ends by joining them
   back to the main stream (checked below), so outside loops all work runs on the main stream, in
   order, and a later step on it never overtakes an earlier one;
-- but for a gradient bucket's region on its side stream (passes/bucket.py), of one shape only
+- but for a gradient bucket's region (or a lone Allreduce's) on its side stream (passes/bucket.py), of one shape only
   (`side_regions`): `e = RecordEvent main`, `SetCurrentStream S`, `WaitEvent e`, then only
   communication and Waits, `SetCurrentStream main`; each collective left running there is waited
   for on main by a Wait right followed by `Synchronize S`.  A buffer touched in the region lives

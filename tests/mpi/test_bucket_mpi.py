@@ -2,7 +2,8 @@
 the data-parallel layer's gradients in one bucketed Allreduce, bit for bit those of one Allreduce
 per parameter, and right against float64 central differences; the 2x2 dp x tp mesh's chained
 buckets (under -n 2 each process' two devices lie in two dp teams: one bucketed Allreduce per team);
-the bucket's plan, its Allreduce on a stream of its own, the same on every rank."""
+the bucket's plan, its Allreduce on a stream of its own, the same on every rank; a lone Allreduce on
+that stream too, waited for where it is read."""
 from __future__ import annotations
 
 import test_bucket as tb
@@ -25,3 +26,17 @@ def test_the_plan_of_a_bucket_on_its_stream(monkeypatch):
     """Every rank's plan: the bucket's Allreduce on its own stream (a no-op switch on NumPy devices,
     where the Iallreduce runs while the host issues the steps after it)."""
     tb.test_the_plan_of_a_bucket_on_its_stream(monkeypatch)
+
+
+def test_a_lone_gradient_allreduce_runs_beside_the_rest_of_the_backward(monkeypatch):
+    """Its Iallreduce issued on the side stream (a no-op switch here) and waited for where the update
+    reads it: the same numbers as waited for at once, and right against central differences."""
+    tb.test_a_lone_gradient_allreduce_runs_beside_the_rest_of_the_backward(monkeypatch)
+
+
+def test_the_plan_of_a_lone_allreduce_on_the_side_stream(monkeypatch):
+    tb.test_the_plan_of_a_lone_allreduce_on_the_side_stream(monkeypatch)
+
+
+def test_size_cap_splits_buckets_lone_ones_on_the_side_stream(monkeypatch):
+    tb.test_size_cap_splits_buckets(monkeypatch)

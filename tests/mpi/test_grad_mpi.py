@@ -2,7 +2,7 @@
 gradient per kind of op against central differences with inputs replicated and sharded, the MLP
 block's gradients against NumPy's analytic ones (tensor and sequence parallel; data parallel on
 the 2x2 mesh, where under -n 2 each process' two devices lie in two dp teams), gradients in their
-primals' layouts, sf.vjp outside jit, sf.checkpoint and sf.custom_vjp.  Every rank runs every test in the same order, with the same seeds."""
+primals' layouts, sf.vjp outside jit, sf.checkpoint and sf.custom_vjp (nondiff_argnums too).  Every rank runs every test in the same order, with the same seeds."""
 from __future__ import annotations
 
 import numpy as np
@@ -80,3 +80,11 @@ def test_checkpointed_gpt_gradients_are_the_same_numbers(kind, kw):
 def test_custom_vjp_rule_is_what_grad_uses(kind, axes):
     import test_custom_vjp as tcv
     tcv.test_the_rule_is_what_grad_uses(kind, axes)
+
+
+@pytest.mark.parametrize("where", ["jit", "outside jit"])
+def test_custom_vjp_nondiff_argnums(where):
+    import test_custom_vjp as tcv
+    tcv.test_nondiff_callable_and_scale_gradients_against_central_differences(np.tanh, 0.5, where)
+    tcv.test_nondiff_numpy_array_gets_no_cotangent_and_a_traced_one_is_refused()
+    tcv.test_nondiff_in_the_middle_with_pytrees()
