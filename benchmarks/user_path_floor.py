@@ -11,6 +11,7 @@ rounds), so the difference between two rows is what that stage adds:
   + plain weight     b passed as the caller's array (the plan adopts it each call)
   + export           cupy.from_dlpack of the result (the user path of bench --host)
 
+then sf.shard(a) and the export each alone (on a result made once),
 and, measured in the same run, the bare CuPy calls under it (a captured graph's launch, the
 four event calls that order the plan with the caller's stream, one cupy.from_dlpack), whose sum
 is the floor of any graph-mode call made through CuPy's Python API.
@@ -39,7 +40,11 @@ def stages(mesh, s, calls, rounds, sync):
         "+ plain weight": lambda: f(sf.shard(a, axis=1, mesh=mesh), b),
         "+ export (the user path)": lambda: cupy.from_dlpack(f(sf.shard(a, axis=1, mesh=mesh), b)),
     }
-    return {name: host.per_call_us(fn, sync, calls, rounds) for name, fn in fns.items()}
+    out = {name: host.per_call_us(fn, sync, calls, rounds) for name, fn in fns.items()}
+    result = f(placed_a, placed_b)
+    alone = {"sf.shard(a)": lambda: sf.shard(a, axis=1, mesh=mesh),
+             "cupy.from_dlpack(result)": lambda: cupy.from_dlpack(result)}
+    return out, {name: host.per_call_us(fn, sync, calls, rounds) for name, fn in alone.items()}
 
 
 def floor(calls, rounds, sync):
@@ -81,9 +86,13 @@ def main():
     sync = host.sync_of("cupy")
     print(f"graph-mode user path, D={args.d} S={args.s}, us per call (median of {args.rounds} x {args.calls} calls)")
     prev = None
-    for name, us in stages(mesh, args.s, args.calls, args.rounds, sync).items():
+    built, alone = stages(mesh, args.s, args.calls, args.rounds, sync)
+    for name, us in built.items():
         print(f"  {name:32s} {us:8.1f}" + ("" if prev is None else f"   (+{us - prev:.1f})"))
         prev = us
+    print("each alone:")
+    for name, us in alone.items():
+        print(f"  {name:32s} {us:8.1f}")
     parts = floor(args.calls, args.rounds, sync)
     print("bare CuPy calls under it:")
     for name, us in parts.items():
