@@ -13,6 +13,7 @@ Same protocol as numpy_local.NumpyLocalBackend.  This class only assembles the C
 * gemm.py (and gemm_layout.py): cuBLASLt / cuBLAS GEMMs resolved at bind time, one handle and
   workspace per (GPU, stream).
 * kernels.py: elementwise ops and sums (bfloat16 through float32), the sum-of-n kernel.
+* fused.py: the generated kernels of fused chains and of their sums (passes/fuse.py).
 * copies.py: DMA and 2-D copies, and `piece`.
 * collectives.py: copies on one GPU or NCCL across GPUs, per team; moves between meshes
   (`bind_transfers`: copies on one GPU, cudaMemcpyPeerAsync between GPUs of this process,
@@ -30,7 +31,7 @@ import numpy as np
 
 import cupy
 
-from shardfuse.backends.cuda import collectives, copies, devices, gemm, kernels
+from shardfuse.backends.cuda import collectives, copies, devices, fused, gemm, kernels
 from shardfuse.backends.cuda.graphs import GraphPlan
 from shardfuse.interop import torch_view, array_info, to_cupy, to_numpy
 from shardfuse.dtypes import np_dtype
@@ -157,7 +158,10 @@ class CupyNcclBackend:
         return kernels.bind_elementwise(self.dev.on(devices), self.kernels, op, a, b, out, stream, scalar)
 
     def bind_fused(self, expr, ins, out, stream, devices=None):
-        return kernels.bind_fused(self.dev.on(devices), self.kernels, expr, ins, out, stream)
+        return fused.bind_fused(self.dev.on(devices), self.kernels, expr, ins, out, stream)
+
+    def bind_fused_sum(self, expr, ins, axis, out, stream, scale=1.0, devices=None):
+        return fused.bind_fused_sum(self.dev.on(devices), self.kernels, expr, ins, axis, out, stream, scale)
 
     def bind_sum(self, a, axis, out, stream, scale=1.0, devices=None):
         return kernels.bind_sum(self.dev.on(devices), self.kernels, a, axis, out, stream, scale)

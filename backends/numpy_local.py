@@ -18,6 +18,23 @@ from shardfuse.ops import Reduce
 POISON = os.environ.get("SHARDFUSE_POISON") == "1"  # fill new buffers with NaN (tests)
 
 
+def summer(dtype, axis, scale):
+    """fn(x, o): o = x.sum(axis) * scale into o of `dtype`, 16-bit values summed in float32 (as on
+    GPUs: NumPy sums bfloat16 in bfloat16), and scaled before they are rounded back (a float16 mean
+    whose sum would overflow does not)."""
+    acc = np.float64 if dtype == "float64" else np.int64 if dtype == "int64" else np.float32
+
+    def total(x, o):
+        if o.dtype == acc:  # (no temporary)
+            np.sum(x, axis=axis, out=o)
+            if scale != 1.0:
+                o *= scale
+            return
+        s = np.sum(x, axis=axis, dtype=acc)
+        o[...] = s if scale == 1.0 else s * scale
+    return total
+
+
 class NumpyLocalBackend:
     name = "numpy"
     ordinals = None  # host memory
@@ -106,21 +123,24 @@ class NumpyLocalBackend:
         return step
 
     def bind_sum(self, a, axis, out, stream, scale=1.0, devices=None):
-        """16-bit values summed in float32 (as on GPUs: NumPy sums bfloat16 in bfloat16), and scaled
-        before they are rounded back (a float16 mean whose sum would overflow does not)."""
-        acc = np.float64 if out.dtype == "float64" else np.int64 if out.dtype == "int64" else np.float32
-        js, view = self._on(devices), self.view
+        js, view, total = self._on(devices), self.view, summer(out.dtype, axis, scale)
 
         def step(bufs):
             for j in js:
-                x, o = view(bufs, a, j), view(bufs, out, j)
-                if o.dtype == acc:  # (no temporary)
-                    np.sum(x, axis=axis, out=o)
-                    if scale != 1.0:
-                        o *= scale
-                    continue
-                s = np.sum(x, axis=axis, dtype=acc)
-                o[...] = s if scale == 1.0 else s * scale
+                total(view(bufs, a, j), view(bufs, out, j))
+        return step
+
+    def bind_fused_sum(self, expr, ins, axis, out, stream, scale=1.0, devices=None):
+        """expr evaluated as bind_fused evaluates it, into a buffer of this step's own (made now),
+        then summed as bind_sum sums: bit for bit the unfused steps' result."""
+        js, view, total = self._on(devices), self.view, summer(out.dtype, axis, scale)
+        steps, shape = schedule(expr, len(ins)), np.broadcast_shapes(*(r.shape for r in ins))
+        temps = {j: [np.empty(shape, np_dtype(dt)) for *_, dt in steps] for j in js}  # (one call at a time)
+
+        def step(bufs):
+            for j in js:
+                evaluate(np, steps, [view(bufs, r, j) for r in ins] + temps[j])
+                total(temps[j][-1], view(bufs, out, j))
         return step
 
     def bind_take(self, table, ids, rows, out, stream, vocab, devices=None):

@@ -182,9 +182,6 @@ class Executable:
                                                                     i.attrs["shift"], stream)
         return start
 
-    def _bind_wait(self, i, env, stream, devices):
-        return self.pending.pop(i.ins[0])
-
     def _bind_matmul(self, i, env, stream, devices):
         x, y = (self.refs[v] for v in i.ins)
         return self.backend.bind_matmul(x, y, self.refs[i.into], stream, devices=devices)
@@ -195,8 +192,11 @@ class Executable:
         return self.backend.bind_elementwise(i.op, x, y, self.refs[i.into], stream, devices=devices, **scalar)
 
     def _bind_sum(self, i, env, stream, devices):
-        return self.backend.bind_sum(self.refs[i.ins[0]], i.attrs["axis"], self.refs[i.into], stream,
-                                     i.attrs.get("factor", 1.0), devices=devices)
+        """A Sum, or a FusedSum: the sum of the chain `expr` of its operands, never written (passes/fuse.py)."""
+        args = (i.attrs["axis"], self.refs[i.into], stream, i.attrs.get("factor", 1.0))
+        if i.op == Op.FUSED_SUM:
+            return self.backend.bind_fused_sum(i.attrs["expr"], [self.refs[v] for v in i.ins], *args, devices=devices)
+        return self.backend.bind_sum(self.refs[i.ins[0]], *args, devices=devices)
 
     def _bind_rows(self, i, env, stream, devices):
         """Take and ScatterAdd: (table or values, ids, rows) -> into, over a vocabulary of `vocab` rows."""
@@ -375,10 +375,10 @@ BIND = {
     Op.SENDRECV: Executable._bind_sendrecv,
     Op.TRANSFER: Executable._bind_transfer,
     **{op: Executable._bind_collective for op in (Op.ALLGATHER, Op.ALLREDUCE, Op.REDUCE_SCATTER, Op.ALLTOALL)},
-    Op.WAIT: Executable._bind_wait,
+    Op.WAIT: lambda self, i, env, stream, devices: self.pending.pop(i.ins[0]),  # (its collective's wait step)
     Op.MATMUL: Executable._bind_matmul,
     **{op: Executable._bind_elementwise for op in ELEMENTWISE},
-    Op.SUM: Executable._bind_sum,
+    **{op: Executable._bind_sum for op in (Op.SUM, Op.FUSED_SUM)},
     Op.FUSED: lambda self, i, env, stream, devices: self.backend.bind_fused(  # (passes/fuse.py)
         i.attrs["expr"], [self.refs[v] for v in i.ins], self.refs[i.into], stream, devices=devices),
     Op.TAKE: Executable._bind_rows,

@@ -84,6 +84,9 @@ class Op(StrEnum):
     SUM = "sum"
     TRANSPOSE = "transpose"  # also a host-level view
     FUSED = "fused"  # a chain of elementwise ops as one step (attrs["expr"]: an Expr; passes/fuse.py)
+    # the sum of a fused chain (attrs["expr"], over its operands) as a Sum sums (attrs "axis", "factor"):
+    # the chain's result is never written (passes/fuse.py)
+    FUSED_SUM = "fused_sum"
     TAKE = "take"  # take(table, ids, rows): rows ids of the table, zeros where this device holds none
     # scatter_add(values, ids, rows): out[vocab, ...] = 0, then out[ids[t]] += values[t] for every
     # position t (repeated ids accumulate) on the rows this device holds; take's transpose (its VJP)
@@ -144,7 +147,7 @@ STREAM_OPS = frozenset({Op.GET_STREAM, Op.SET_STREAM, Op.SYNCHRONIZE, Op.RECORD_
 HOST_ONLY = frozenset({Op.ALLOCATE, Op.SELECT, Op.SENDRECV, Op.WAIT, Op.FOR}) | STREAM_OPS
 # What a final plan may hold: the executor binds exactly these.
 HOST = (VIEWS | COMMUNICATION | ELEMENTWISE | STREAM_OPS
-        | {Op.ALLOCATE, Op.COPY, Op.WAIT, Op.MATMUL, Op.SUM, Op.TAKE, Op.SCATTER_ADD, Op.FUSED, Op.FOR})
+        | {Op.ALLOCATE, Op.COPY, Op.WAIT, Op.MATMUL, Op.SUM, Op.TAKE, Op.SCATTER_ADD, Op.FUSED, Op.FUSED_SUM, Op.FOR})
 # What tracing may record.
 ARRAY = ELEMENTWISE | {Op.SET, Op.RESHAPE, Op.MATMUL, Op.SUM, Op.TRANSPOSE, Op.TAKE, Op.SCATTER_ADD, Op.SLICE_ARRAY,
          Op.CONCAT}
@@ -152,7 +155,7 @@ ARRAY = ELEMENTWISE | {Op.SET, Op.RESHAPE, Op.MATMUL, Op.SUM, Op.TRANSPOSE, Op.T
 
 @dataclass(frozen=True)
 class Expr:
-    """The computation of a fused step (Op.FUSED): an elementwise op of its arguments (Exprs) and
+    """The computation of a fused step (Op.FUSED, Op.FUSED_SUM): an elementwise op of its arguments (Exprs) and
     scalar `value`, each node's result in its own `dtype` (rounded there, as the unfused steps
     were), or with op None the step's operand number `arg`.  Backends evaluate it (NumPy op by op,
     CuPy as one generated kernel)."""

@@ -30,7 +30,7 @@ def kind_of(op) -> str:
         return "communication"
     if op == Op.MATMUL:
         return "gemm"
-    if op in ELEMENTWISE or op in (Op.SUM, Op.TAKE, Op.SCATTER_ADD, Op.FUSED):
+    if op in ELEMENTWISE or op in (Op.SUM, Op.TAKE, Op.SCATTER_ADD, Op.FUSED, Op.FUSED_SUM):
         return "compute"
     if op == Op.COPY:
         return "copies"

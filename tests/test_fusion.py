@@ -91,3 +91,22 @@ def test_a_float16_value_is_fused_only_into_a_kernel_that_stores_float16():
         if str(i.op) == "fused":
             assert i.into.type.dtype == "float16" or all(n.dtype != "float16" for n in nodes(i.attrs["expr"]))
     np.testing.assert_array_equal(np.asarray(trip(x)), (x.astype(np.float16) * np.float16(2.0)).astype(np.float64))
+
+
+def test_a_value_read_beside_a_twice_taken_cast_stays_written(monkeypatch):
+    """A float16 product cast to float32 for two readers: the first reader takes the cast in and
+    so reads the product; the second's float16 result must not take the product in and drop it
+    (it did: the plan read an unwritten m, "m is used by fused before it is defined")."""
+    def f(a, b, d):
+        w = (a * b).astype("float32")
+        return w * d, ((w - 1.0) * 2.0).astype("float16")
+    r = np.random.default_rng(4)
+    a, b = (r.standard_normal((4, 8)).astype(np.float16) for _ in range(2))
+    d = r.standard_normal((4, 8)).astype(np.float32)
+    one = sf.DeviceMesh(1, backend="numpy")
+    plan = sf.jit(f, mesh=one).lower(a, b, d)
+    assert "  Mul m <- a, b\n" in str(plan), plan  # (the product: written once, read by both)
+    got = sf.jit(f, mesh=one)(a, b, d)
+    monkeypatch.setenv("SHARDFUSE_FUSE", "0")
+    for g, w in zip(got, sf.jit(f, mesh=one)(a, b, d)):
+        np.testing.assert_array_equal(np.asarray(g).view(np.uint8), np.asarray(w).view(np.uint8))

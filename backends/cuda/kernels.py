@@ -31,7 +31,8 @@ class Kernels:
     def __init__(self):
         self.cache = {}
 
-    def _get(self, key, make):
+    def cached(self, key, make):
+        """The kernel under `key`, made by make() at its first use."""
         kern = self.cache.get(key)
         if kern is None:
             kern = self.cache[key] = make()
@@ -40,21 +41,21 @@ class Kernels:
     def bf16_sum(self, to_float32=False):
         """The sum of bfloat16 (uint16 bits) in float32, rounded to bfloat16 once, or left in float32."""
         out, post = ("float32 y", "y = a") if to_float32 else ("uint16 y", "y = f2bf(a)")
-        return self._get((Op.SUM, to_float32), lambda: cupy.ReductionKernel(
+        return self.cached((Op.SUM, to_float32), lambda: cupy.ReductionKernel(
             "uint16 x", out, "bf2f(x)", "a + b", post, "0", f"sf_bf16_sum{'_f32' if to_float32 else ''}",
             reduce_type="float", preamble=BF16_PREAMBLE))
 
     def fused(self, op, f):
         """The one-kernel form of op (_FUSED), computed in C type f (float or double)."""
-        return self._get((op, f), lambda: cupy.ElementwiseKernel("T x", "T y", _FUSED[op].replace("F", f),
-                                                                 f"sf_{op}_{f}"))
+        return self.cached((op, f), lambda: cupy.ElementwiseKernel("T x", "T y", _FUSED[op].replace("F", f),
+                                                                   f"sf_{op}_{f}"))
 
     def to_f32(self):
-        return self._get("to_f32", lambda: cupy.ElementwiseKernel(
+        return self.cached("to_f32", lambda: cupy.ElementwiseKernel(
             "uint16 x", "float32 y", "y = bf2f(x)", "sf_bf16_to_f32", preamble=BF16_PREAMBLE))
 
     def to_bf16(self):
-        return self._get("to_bf16", lambda: cupy.ElementwiseKernel(
+        return self.cached("to_bf16", lambda: cupy.ElementwiseKernel(
             "float32 y", "uint16 x", "x = f2bf(y)", "sf_f32_to_bf16", preamble=BF16_PREAMBLE))
 
     def sum_of(self, dtype, n):
@@ -68,7 +69,7 @@ class Kernels:
             body += " y = f2bf(s);" if dtype == "bfloat16" else " y = s;"
             return cupy.ElementwiseKernel(", ".join(f"{t} x{i}" for i in range(n)), f"{t} y", body,
                                           f"sf_sum{n}_{dtype}", preamble=BF16_PREAMBLE)
-        return self._get(("sum_of", dtype, n), make)
+        return self.cached(("sum_of", dtype, n), make)
 
     def extremum_of(self, dtype, n, op):
         """y = max (op="max") or min of x0 ... x{n-1} elementwise, integers (order keys), one kernel."""
@@ -77,7 +78,7 @@ class Kernels:
             body = "y = x0;" + "".join(f" y = {f}(y, x{i});" for i in range(1, n))
             return cupy.ElementwiseKernel(", ".join(f"{dtype} x{i}" for i in range(n)), f"{dtype} y", body,
                                           f"sf_{op}{n}_{dtype}")
-        return self._get(("extremum_of", dtype, n, op), make)
+        return self.cached(("extremum_of", dtype, n, op), make)
 
     def order_keys(self, op, x_dtype, keys_dtype, decode=False):
         """Floats (or bools) to the order keys of backends/extrema.py, or (decode) back, in one kernel
@@ -95,12 +96,12 @@ class Kernels:
             body = "y = x;" if x_dtype == "bool" else \
                 f"{f} v = ({f})x; {k} b = {bits}(v); y = v != v ? {nan_key} : (b < 0 ? (b ^ {m}) : b);"
             return cupy.ElementwiseKernel(f"{x_dtype} x", f"{keys_dtype} y", body, f"sf_keys_{op}_{x_dtype}")
-        return self._get((Op.ORDER_KEYS, op, x_dtype, keys_dtype, decode), make)
+        return self.cached((Op.ORDER_KEYS, op, x_dtype, keys_dtype, decode), make)
 
     def take(self):
         """out = table[ids] for the rows this device holds, zeros elsewhere (elementwise_numpy.take_rows's
         semantics), one kernel over the output (no temporaries: graph capture refuses allocations)."""
-        return self._get(Op.TAKE, lambda: cupy.ElementwiseKernel(
+        return self.cached(Op.TAKE, lambda: cupy.ElementwiseKernel(
             "raw T table, raw I ids, raw int64 rows, int64 nloc, int64 vocab, int64 width", "T out",
             "long long r = i / width, c = i % width; long long g = (long long)ids[r]; if (g < 0) g += vocab;"
             " g = g < 0 ? 0 : (g >= vocab ? vocab - 1 : g); long long loc = g - rows[0];"
@@ -122,7 +123,7 @@ class Kernels:
                 " g = g < 0 ? 0 : (g >= vocab ? vocab - 1 : g); long long loc = g - rows[0];"
                 f" if (loc >= 0 && loc < nloc) atomicAdd(&acc[loc * width + c], {load});",
                 f"sf_scatter_add_{values_dtype}", preamble=BF16_PREAMBLE)
-        return self._get((Op.SCATTER_ADD, values_dtype, acc_dtype), make)
+        return self.cached((Op.SCATTER_ADD, values_dtype, acc_dtype), make)
 
     def gather(self, n, vector):
         """One launch instead of 2n - 1 copies: block r (`units` elements) of each of n send
@@ -145,7 +146,7 @@ extern "C" __global__ void sf_gather{n}_{int(vector)}({ptrs}, unsigned long long
     }}
 }}"""
             return cupy.RawKernel(src, f"sf_gather{n}_{int(vector)}")
-        return self._get(("gather", n, vector), make)
+        return self.cached(("gather", n, vector), make)
 
 
 # One kernel each where NumPy's form is a composition (F: the type computed in, float for 16- and
@@ -178,9 +179,10 @@ INLINE = {
     Op.WHERE_THEN: "(a ? b : (F)-0.0)", Op.WHERE_ELSE: "(a ? (F)-0.0 : b)",
     Op.FILL_THEN: "(a ? s : (F)-0.0)", Op.FILL_ELSE: "(a ? (F)-0.0 : s)", Op.FULL_LIKE: "s", Op.ASTYPE: "a",
 }
-_NUMPY_TYPES = {"float16": "float16", "float32": "float32", "float64": "float64", "int32": "int32",
-                "int64": "int64", "bool": "bool", "bfloat16": "uint16"}
-_C_TYPES = {"float16": "float16", "float32": "float", "float64": "double", "int32": "int", "int64": "long long"}
+# each dtype's type name as a kernel parameter (bfloat16 as its uint16 bits), and its C type
+PARAM_TYPES = {"float16": "float16", "float32": "float32", "float64": "float64", "int32": "int32",
+               "int64": "int64", "bool": "bool", "bfloat16": "uint16"}
+C_TYPES = {"float16": "float16", "float32": "float", "float64": "double", "int32": "int", "int64": "long long"}
 
 
 def inline_source(op, in_dtypes, out_dtype, scalar):
@@ -188,7 +190,7 @@ def inline_source(op, in_dtypes, out_dtype, scalar):
     f = "double" if "float64" in (*in_dtypes, out_dtype) else "float"
     params, body = [], []
     for name, dt in zip("ab", in_dtypes):
-        params.append(f"{_NUMPY_TYPES[dt]} {name}_")
+        params.append(f"{PARAM_TYPES[dt]} {name}_")
         load = f"bf2f({name}_)" if dt == "bfloat16" else f"{name}_" if dt == "bool" else f"(F){name}_"
         body.append(f"{'bool' if dt == 'bool' else 'F'} {name} = {load};")
     if scalar is not None:
@@ -200,8 +202,8 @@ def inline_source(op, in_dtypes, out_dtype, scalar):
     elif out_dtype == "bool":
         body.append(f"y = ({expr}) != 0;" if op == Op.ASTYPE else f"y = {expr};")
     else:
-        body.append(f"y = ({_C_TYPES[out_dtype]})({expr});")
-    return ", ".join(params), f"{_NUMPY_TYPES[out_dtype]} y", " ".join(body).replace("F", f)
+        body.append(f"y = ({C_TYPES[out_dtype]})({expr});")
+    return ", ".join(params), f"{PARAM_TYPES[out_dtype]} y", " ".join(body).replace("F", f)
 
 
 def _inline(kernels, op, refs, scalar):
@@ -212,66 +214,10 @@ def _inline(kernels, op, refs, scalar):
     def make():
         params, out, body = inline_source(op, dtypes[:-1], dtypes[-1], scalar)
         return cupy.ElementwiseKernel(params, out, body, f"sf_{op}_inline", preamble=BF16_PREAMBLE)
-    kern = kernels._get(key, make)
+    kern = kernels.cached(key, make)
     if scalar is None:
         return kern
     return lambda *views: kern(*views[:-1], np.float64(scalar), views[-1])
-
-
-_HELD = {"float64": "double", "int32": "int", "int64": "long long", "bool": "bool"}  # (16/32-bit floats: float)
-_ROUND = {"bfloat16": "bf2f(f2bf((float)({})))", "float16": "(float)(float16)((float)({}))", "float32": "(float)({})",
-          "float64": "(double)({})", "int32": "(int)({})", "int64": "(long long)({})"}
-
-
-def _literal(v) -> str:
-    """A scalar as a C double literal (exact: repr round-trips; infinities and NaN by their bits)."""
-    v = float(v)
-    if v != v or v in (float("inf"), float("-inf")):
-        bits = {"inf": "0x7ff0000000000000LL", "-inf": "0xfff0000000000000LL"}.get(str(v), "0x7ff8000000000000LL")
-        return f"__longlong_as_double({bits})"
-    return repr(v)
-
-
-def fused_source(expr, in_dtypes, out_dtype):
-    """(parameters, output, body) of one kernel computing an ops.Expr: each node a C variable held
-    as float (double for float64, its own type for integers and booleans), rounded to its dtype as
-    the unfused step's result was; the INLINE expressions of the ops."""
-    lines, count = [], [0]
-
-    def node(e):
-        if e.op is None:
-            return f"bf2f(x{e.arg})" if e.dtype == "bfloat16" else f"x{e.arg}"
-        args = [(node(a), a.dtype) for a in e.args]
-        dts = (e.dtype, *(d for _, d in args))
-        f = "double" if {"float64", "int32", "int64"} & set(dts) else "float"  # (integers exact in double)
-        name = f"t{count[0]}"
-        count[0] += 1
-        scope = [f"bool {n} = {c};" if d == "bool" else f"{f} {n} = ({f})({c});" for n, (c, d) in zip("ab", args)]
-        if e.value is not None:
-            scope.append(f"{f} s = ({f}){_literal(e.value)};")
-        value = INLINE[e.op].replace("F", f)
-        if e.dtype == "bool":
-            value = f"(({value}) != 0)" if e.op == Op.ASTYPE else f"({value})"
-        else:
-            value = _ROUND[e.dtype].format(value)
-        lines.append(f"{_HELD.get(e.dtype, 'float')} {name}; {{ {' '.join(scope)} {name} = {value}; }}")
-        return name
-    last = node(expr)
-    store = f"f2bf((float){last})" if out_dtype == "bfloat16" else \
-        last if out_dtype == "bool" else f"({_C_TYPES[out_dtype]}){last}"
-    params = ", ".join(f"{_NUMPY_TYPES[d]} x{k}" for k, d in enumerate(in_dtypes))
-    return params, f"{_NUMPY_TYPES[out_dtype]} y", " ".join(lines) + f" y = {store};"
-
-
-def bind_fused(dev, kernels, expr, ins, out, stream):
-    """Step: out = expr(ins), one generated kernel (compiled once per expression and dtypes)."""
-    dtypes = tuple(r.dtype for r in ins)
-
-    def make():
-        params, outp, body = fused_source(expr, dtypes, out.dtype)
-        return cupy.ElementwiseKernel(params, outp, body, "sf_fused", preamble=BF16_PREAMBLE)
-    kern = kernels._get((Op.FUSED, expr, dtypes, out.dtype), make)
-    return dev.per_device((*ins, out), stream, lambda j, *views: kern(*views))
 
 
 def _reduce_min(xp, x, _, o):

@@ -13,11 +13,22 @@ intermediate is rounded as the unfused step rounded it.  The plan prints it:
 An exact widening cast (bfloat16 or float16 to float32, ...) read by several such steps joins each
 of them (its operand read twice instead of a float32 copy written and held between its readers: a
 backward's cast of 16-bit attention gradients, read by two steps, held 2 GiB in the layer's step).
+
+A Sum of floats joins the chain that writes its operand t on the same conditions (t made once for
+that step alone, read once, by the Sum): one FusedSum step (Op.FUSED_SUM) that evaluates the
+chain per element and sums it as the Sum did (its axis and factor; 16-bit values summed in
+float32), so t is never written.  softmax's backward wrote g * y, a float32 [batch, heads, seq,
+seq] buffer (2 GiB in the layer's step), only to sum it; a norm wrote x.astype(float32) and
+(x - mean)^2 for its means.  The chain's operands broadcast to t's shape (backends make the
+chain's values of that shape from them).  The plan prints it:
+`FusedSum s_38 <- d, c_14, axis=3, expr=mul(astype(#1), #0)`.
 """
 from __future__ import annotations
 
 import os
 from collections import Counter
+
+import numpy as np
 
 from shardfuse.ir import walk
 from shardfuse.ops import ELEMENTWISE, LOCAL_REDUCTIONS, Expr, Op, VIEWS
@@ -103,6 +114,28 @@ def enabled(mesh) -> bool:
     return os.environ.get("SHARDFUSE_FUSE") != "0"
 
 
+def _joined(i, k, made):
+    """Step i with its operand k replaced by the chain of `made`, the step that wrote it: one Fused step."""
+    inner, inner_ins = _expr_of(made)
+    outer, outer_ins = _expr_of(i)
+    ins = outer_ins[:k] + outer_ins[k + 1:]
+    expr, ins = _dedupe(_substitute(outer, k, inner, len(ins)), ins + inner_ins)
+    return i.__class__(Op.FUSED, (), tuple(ins), {"expr": expr}, into=i.into)
+
+
+def _summed(i, made):
+    """Sum i of the result of `made` as one FusedSum step: made's chain, summed as i sums (its attrs)."""
+    expr, ins = _dedupe(*_expr_of(made))
+    return i.__class__(Op.FUSED_SUM, i.outs, tuple(ins), {**i.attrs, "expr": expr}, into=i.into)
+
+
+def _sums_whole(i, made) -> bool:
+    """Whether i is a Sum of floats that may take in the chain of `made`: the chain's operands broadcast
+    to the summed shape (backends make the chain's result of that shape, from the operands alone)."""
+    return (i.op == Op.SUM and i.into.type.dtype in _FLOATS and i.ins[0].type.dtype == i.into.type.dtype
+            and tuple(np.broadcast_shapes(*(v.type.shape for v in made.ins))) == i.ins[0].type.shape)
+
+
 def fuse_elementwise(prog):
     if not enabled(prog.mesh):  # (one step per op: to compare, or to read)
         return prog.with_instrs(prog.instrs, "fuse_elementwise")
@@ -114,29 +147,40 @@ def fuse_elementwise(prog):
     instrs = list(prog.instrs)
     producer = {}  # buffer -> index in instrs of the fusable step that writes it
     dropped = set()
+
+    def takes(v, i) -> bool:
+        """Whether step i may take in the chain that wrote its operand v (the module doc's conditions)."""
+        return (v in producer and i.ins.count(v) == 1 and (reads[v] == 1 or _widening(instrs[producer[v]]))
+                and _keeps_float16(v, i))
+
+    def taken(v):
+        """v's chain was taken in by a reader: its step is dropped once no other step reads v (a cast
+        read by several steps: once the last has taken it).  While it stays, the reader reads the
+        chain's operands beside it: counted, so no later step takes them in and drops them (a
+        float16 product cast to float32 for two readers was taken into a float16 result and
+        dropped while the other reader still read it: a plan that read an unwritten value)."""
+        p = producer[v]
+        if reads[v] == 1 or not any(v in j.ins for j in walk([j for j in instrs if j is not None]) if j is not instrs[p]):
+            del producer[v]
+            instrs[p] = None
+            dropped.add(v)
+        else:
+            reads.update(instrs[p].ins)
+
     for n, i in enumerate(instrs):
         if _fusable(i):
             while True:  # each operand a single-use chain produced: folded in (the operands renumber)
-                k = next((k for k, v in enumerate(i.ins) if v in producer and i.ins.count(v) == 1
-                          and (reads[v] == 1 or _widening(instrs[producer[v]])) and v.type.shape == i.into.type.shape
-                          and _keeps_float16(v, i)), None)
+                k = next((k for k, v in enumerate(i.ins) if takes(v, i) and v.type.shape == i.into.type.shape), None)
                 if k is None:
                     break
-                v, p = i.ins[k], producer[i.ins[k]]
-                inner, inner_ins = _expr_of(instrs[p])
-                outer, outer_ins = _expr_of(i)
-                ins = outer_ins[:k] + outer_ins[k + 1:]
-                expr = _substitute(outer, k, inner, len(ins))
-                expr, ins = _dedupe(expr, ins + inner_ins)
-                i = instrs[n] = i.__class__(Op.FUSED, (), tuple(ins), {"expr": expr}, into=i.into)
-                # (a cast read by several steps: dropped once the last has taken it in)
-                if reads[v] == 1 or not any(v in j.ins for j in walk([j for j in instrs if j is not None])
-                                            if j is not instrs[p]):
-                    del producer[v]
-                    instrs[p] = None
-                    dropped.add(v)
+                v = i.ins[k]
+                i = instrs[n] = _joined(i, k, instrs[producer[v]])
+                taken(v)
             v = i.into
             if v in once and v not in viewed and v not in outputs:
                 producer[v] = n
+        elif i.op == Op.SUM and takes(i.ins[0], i) and _sums_whole(i, instrs[producer[i.ins[0]]]):
+            instrs[n] = _summed(i, instrs[producer[i.ins[0]]])
+            taken(i.ins[0])
     out = [i for i in instrs if i is not None and not (i.op == Op.ALLOCATE and i.outs[0] in dropped)]
     return prog.with_instrs(out, "fuse_elementwise")
