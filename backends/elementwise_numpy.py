@@ -145,6 +145,8 @@ ELEMENTWISE = {
     **{op: _compare(op) for op in _TO_SCALAR},
     **{scalar: _compare_scalar(op) for op, scalar in _TO_SCALAR.items()},
     Op.LOGICAL_NOT: lambda xp, x, _, o: xp.logical_not(x, out=o),
+    **{op: _compare(op) for op in (Op.BITWISE_AND, Op.BITWISE_OR, Op.BITWISE_XOR)},  # (their ufuncs' names too)
+    Op.INVERT: lambda xp, x, _, o: xp.invert(x, out=o),
     Op.WHERE_THEN: _then,
     Op.WHERE_ELSE: _else,
     Op.FILL_THEN: _fill_then,

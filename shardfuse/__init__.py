@@ -32,10 +32,12 @@ from shardfuse.torch_bridge import torch_function
 from shardfuse.shape_ops import concatenate, split, stack
 from shardfuse.traced_numpy import (exp, gelu, linear, log, logical_not, maximum, minimum, relu, rsqrt, sigmoid, silu,
                                     sqrt, tanh, where)
+from shardfuse.logical import logical_and, logical_or, logical_xor  # (and np.bitwise_*, np.any / all: NUMPY)
+from shardfuse import numpy_shapes  # noqa: F401 (np.ravel, np.squeeze, np.expand_dims, np.ones_like, ...: NUMPY)
 
 __all__ = ["Array", "DeviceMesh", "Layout", "Partial", "Replicate", "Shard", "Plan", "TensorSpec", "from_local", "jit", "replicate", "shard", "stream", "to_mesh",
            "exp", "gelu", "linear", "relu", "tanh", "sqrt", "rsqrt", "log", "sigmoid", "silu", "maximum", "minimum",
-           "where", "logical_not", take.__name__, scatter_add.__name__, "concatenate", "split", "stack", "nn", "grad", "value_and_grad",
+           "where", "logical_not", "logical_and", "logical_or", "logical_xor", take.__name__, scatter_add.__name__, "concatenate", "split", "stack", "nn", "grad", "value_and_grad",
            "vjp", "custom_vjp", "checkpoint", "torch_function", "visualize_sharding", "distribute",
            "CollectiveTimeoutError", "ConcretizationError", "RankLeftError", "RankMismatchError"]
 

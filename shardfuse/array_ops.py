@@ -10,7 +10,9 @@ sf.jit, and a result has the layout sharding propagation gives it there: ``x + y
 arrays is S(0) with no communication; ``a @ b`` contracting a sharded axis is all-reduced to a
 replicated result.  Plain arrays (NumPy, CuPy, torch) beside an sf.Array are replicated global
 values, as in a call of a jitted function.  Every op is one plan call: a loop of many small ops
-runs faster as one sf.jit function.  Under mpiexec every op is collective.
+runs faster as one sf.jit function.  Under mpiexec every op is collective.  NumPy's functions
+that shardfuse has (np.transpose, np.reshape, np.ones_like, ...) are such ops too; any other is
+refused (a TypeError), never run on a silently gathered copy: np.asarray(x) gathers explicitly.
 """
 from __future__ import annotations
 
@@ -26,13 +28,14 @@ from shardfuse.executor import Executable
 from shardfuse.interop import array_info
 from shardfuse.ir import TensorType
 from shardfuse.layout import Layout
-from shardfuse.numpy_methods import METHODS, NumpyMethods
+from shardfuse.numpy_methods import NumpyMethods
 from shardfuse.ops import Op
 from shardfuse.passes import compile_program
 from shardfuse.plan_cache import PlanCache
 from shardfuse.spec import TensorSpec, check_divides, reduced_axes
-from shardfuse.traced import NUMPY, Traced, is_weak_scalar
-from shardfuse.shape_ops import NUMPY_SHAPES, expand_index, getitem as shape_getitem
+from shardfuse.traced import NUMPY, Traced, is_weak_scalar, numpy_name
+from shardfuse.shape_ops import array_index, expand_index, getitem as shape_getitem
+from shardfuse.take import take
 from shardfuse.traced_numpy import absolute
 
 MAX_PLANS = 256  # one-op plans kept per mesh (a plan holds its buffers)
@@ -159,7 +162,6 @@ def _binary_methods(fn):
 
 _REDUCTIONS = {np.sum: Traced.sum, np.mean: Traced.mean, np.max: Traced.max, np.amax: Traced.max, np.min: Traced.min,
                np.amin: Traced.min}
-UFUNCS = [u for u in NUMPY if isinstance(u, np.ufunc)]  # those sf.Array runs: as on traced values (traced.NUMPY)
 
 
 def reduce(x, axis, method, out, dtype=None, keepdims=False, **rest):
@@ -181,13 +183,13 @@ def reduce(x, axis, method, out, dtype=None, keepdims=False, **rest):
     return run(reduction, (x,), (Op.SUM, axes, what, keepdims), what)
 
 
-def _gathered(x):
-    """x with every sf.Array in it (in lists, tuples and dicts too) as its gathered NumPy value."""
-    if isinstance(x, ArrayOps):
-        return np.asarray(x)
-    if isinstance(x, (list, tuple)):
-        return type(x)(_gathered(v) for v in x)
-    return {k: _gathered(v) for k, v in x.items()} if isinstance(x, dict) else x
+def unsupported_function(func) -> str:
+    """What a NumPy function shardfuse lacks says when it meets an sf.Array (outside sf.jit)."""
+    name = numpy_name(func)
+    return (f"{name} is not supported on sf.Arrays: shardfuse runs NumPy's functions it has as sharded ops "
+            f"(supported: {', '.join(sorted(numpy_name(f) for f in NUMPY if not isinstance(f, np.ufunc)))}) and never "
+            f"gathers silently; for NumPy's result on the global value write {name}(np.asarray(x), ...) or "
+            f"{name}(x.gather(), ...) (a host copy on every process: collective under mpiexec)")
 
 
 def _hashable(key):
@@ -197,12 +199,18 @@ def _hashable(key):
 
 
 def getitem(x, key):
-    """x[key], basic indexing, as inside sf.jit (shape_ops.getitem) in a one-op plan: axes the key
+    """x[key], as inside sf.jit (shape_ops.getitem) in a one-op plan (an integer array in the key,
+    NumPy's or an sf.Array: sf.take's lookup along its axis).  Basic indexing: axes the key
     cuts are first made whole on every device (an Allgather where such an axis is sharded, printed
     in the plan), then each device takes its box (a view, copied into the result); axes the key
     leaves whole keep their sharding.  So ``x[..., j]`` of a row-sharded x stays row-sharded
     without communication, and ``x[i]`` or ``x[a:b]`` of it is gathered to a replicated result."""
-    expand_index(key, x.shape, f"indexing an sf.Array of shape {x.shape}")  # (refused before any plan)
+    what = f"indexing an sf.Array of shape {x.shape}"
+    found = array_index(key, x.shape, what)
+    if found is not None:  # x[ids], x[:, ids] with a NumPy or sf.Array of ids: np.take's lookup, as inside jit
+        basic, axis, ids = found
+        return take(x if all(k is Ellipsis or k == slice(None) for k in basic) else getitem(x, basic), ids, axis)
+    expand_index(key, x.shape, what)  # (refused before any plan)
     return run(lambda v: shape_getitem(v, key), (x,), ("getitem", _hashable(key)), "getitem")
 
 
@@ -221,6 +229,9 @@ class ArrayOps(NumpyMethods):
     __pow__, __rpow__ = _binary_methods(operator.pow)
     __floordiv__, __rfloordiv__ = _binary_methods(operator.floordiv)
     __mod__, __rmod__ = _binary_methods(operator.mod)
+    __and__, __rand__ = _binary_methods(operator.and_)  # (logical of booleans, bitwise of integers: logical.py)
+    __or__, __ror__ = _binary_methods(operator.or_)
+    __xor__, __rxor__ = _binary_methods(operator.xor)
     # comparisons: elementwise boolean sf.Arrays, as jax.Array's (c < x is x > c: Python reflects)
     __lt__, __le__ = _binary_methods(operator.lt)[0], _binary_methods(operator.le)[0]
     __gt__, __ge__ = _binary_methods(operator.gt)[0], _binary_methods(operator.ge)[0]
@@ -254,19 +265,16 @@ class ArrayOps(NumpyMethods):
         return apply(fn, args, name)
 
     def __array_function__(self, func, types, args, kwargs):
-        """np.where, np.sum / mean / max / min (amax, amin), np.concatenate / stack / split run as
-        shardfuse ops; every other NumPy function sees the gathered value (np.asarray(x)), as before."""
-        if func is np.where and len(args) == 3 and not kwargs:
-            return apply(NUMPY[np.where], args, "where")
-        if func is np.take:  # (shardfuse.take: a one-op plan, the vocab-parallel lookup where the table is sharded)
-            return NUMPY[np.take](*args, **kwargs)
-        if func in METHODS:  # (np.var, np.clip, np.argmax, ...: one-op plans, as the methods)
-            return NUMPY[func](*args, **kwargs)
+        """NumPy's functions shardfuse has (the NUMPY table: np.where, np.sum, np.transpose,
+        np.reshape, np.expand_dims, np.dot, np.concatenate, np.ones_like, np.take, ...) run as
+        one-op plans, as inside sf.jit, and return sf.Arrays; any other is refused, never silently
+        gathered (under mpiexec that is a collective): np.asarray(x) or x.gather() give NumPy's value."""
         if func in _REDUCTIONS and isinstance(args[0], ArrayOps):
             return getattr(args[0], _REDUCTIONS[func].__name__)(*args[1:], **kwargs)
-        if func in NUMPY_SHAPES:  # np.concatenate, np.stack, np.split: one-op plans, as sf.concatenate's
-            return NUMPY_SHAPES[func](*args, **kwargs)
-        return func(*_gathered(args), **_gathered(kwargs))
+        fn = NUMPY.get(func)
+        if fn is None:
+            raise TypeError(unsupported_function(func))
+        return fn(*args, **kwargs)
 
     def __neg__(self):
         return unary(operator.neg, self)
@@ -283,11 +291,10 @@ class ArrayOps(NumpyMethods):
                 what += f".{method}"
             if kwargs:
                 what += f" with {', '.join(k + '=' for k in kwargs)}"
-            raise TypeError(f"{what} on an sf.Array is not "
-                            f"supported; shardfuse has {', '.join('np.' + u.__name__ for u in UFUNCS)}, the operators "
-                            "+ - * / // % @, abs(), x.sum(axis), x.mean(axis), x.var / std / argmax / argmin(axis), x.clip and "
-                            "basic indexing (np.asarray(x): the "
-                            "gathered NumPy value)")
+            ufuncs = ", ".join("np." + u.__name__ for u in NUMPY if isinstance(u, np.ufunc))
+            raise TypeError(f"{what} on an sf.Array is not supported; shardfuse has {ufuncs}, the operators "
+                            "+ - * / // % @ & | ^ ~, abs(), x.sum(axis), x.mean(axis), x.var / std / argmax / argmin(axis), "
+                            "x.clip and indexing (np.asarray(x): the gathered NumPy value)")
         return binary(fn, *inputs) if ufunc.nin == 2 else unary(fn, inputs[0])
 
     def sum(self, axis=None, dtype=None, out=None, keepdims=False, **rest):
@@ -305,6 +312,8 @@ class ArrayOps(NumpyMethods):
     def min(self, axis=None, out=None, keepdims=False, **rest):
         """The smallest element over `axis`, as a one-op plan (a sharded axis is gathered first)."""
         return reduce(self, axis, Traced.min, out, None, keepdims, **rest)
+
+    size = property(lambda self: math.prod(self.shape))  # (the number of elements, as NumPy's)
 
     def __len__(self):
         if not self.shape:

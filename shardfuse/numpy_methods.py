@@ -20,7 +20,7 @@ def _method(func):
     def method(self, *args, **kwargs):
         return NUMPY[func](self, *args, **kwargs)
     method.__name__ = func.__name__
-    method.__doc__ = f"np.{func.__name__}(x, ...) as NumPy's method (see shardfuse.traced_numpy.{func.__name__})."
+    method.__doc__ = f"np.{func.__name__}(x, ...) as NumPy's method (its function of the NUMPY table)."
     return method
 
 
@@ -32,8 +32,9 @@ def _operator(func, reflected=False):
 
 
 class NumpyMethods:
-    """x.var / std / clip / argmax / argmin and x // y, x % y, as NumPy's ndarray methods and
-    operators: its function of the table."""
+    """x.var / std / clip / argmax / argmin / any / all / ravel / flatten / squeeze / copy / dot and
+    x // y, x % y, x & y, x | y, x ^ y, ~x, as NumPy's ndarray methods and operators: each its
+    function of the table; NumPy's other methods raise an AttributeError saying what there is."""
 
     __slots__ = ()
     var, std, argmax, argmin = (_method(f) for f in (np.var, np.std, np.argmax, np.argmin))
@@ -44,3 +45,35 @@ class NumpyMethods:
 
     __floordiv__, __rfloordiv__ = _operator(np.floor_divide), _operator(np.floor_divide, reflected=True)
     __mod__, __rmod__ = _operator(np.mod), _operator(np.mod, reflected=True)
+    # & | ^ ~: logical of booleans, bitwise of integers (shardfuse/logical.py)
+    __and__, __rand__ = _operator(np.bitwise_and), _operator(np.bitwise_and, reflected=True)
+    __or__, __ror__ = _operator(np.bitwise_or), _operator(np.bitwise_or, reflected=True)
+    __xor__, __rxor__ = _operator(np.bitwise_xor), _operator(np.bitwise_xor, reflected=True)
+    __invert__ = _method(np.invert)
+    any, all = _method(np.any), _method(np.all)  # (np.any(x, axis, out, keepdims): NumPy's method order)
+    ravel, flatten, squeeze, copy, dot = (_method(f) for f in (np.ravel, np.ravel, np.squeeze, np.copy, np.dot))
+
+    def prod(self, *args, **kwargs):
+        """Not supported (NumPy's x.prod): the error says what to write instead."""
+        raise NotImplementedError(f"x.prod / np.prod of a {type(self).__name__}: shardfuse has no product "
+                                  "reduction; for positive x write np.exp(np.log(x).sum(axis)), for a few factors "
+                                  "multiply slices (x[..., 0] * x[..., 1]), or outside sf.jit take np.prod of the "
+                                  "gathered NumPy value, np.prod(x.gather())")
+
+    def __getattr__(self, name):
+        """Only reached for a name neither class has: NumPy's array methods that shardfuse lacks
+        raise an AttributeError saying what it has instead (any other name: Python's own error)."""
+        if name.startswith("__") or not hasattr(np.ndarray, name):
+            return object.__getattribute__(self, name)  # (Python's error, or a property's own)
+        inside = type(self).__name__ == "Traced"
+        where = ("on traced values (inside sf.jit); compute it outside the jitted function, on its result"
+                 if inside else "on sf.Arrays; for NumPy's result on the gathered value write np.asarray(x)."
+                 f"{name} (a host copy on every process: collective under mpiexec)")
+        raise AttributeError(f"'{type(self).__name__}' object has no attribute '{name}': NumPy's x.{name} is not "
+                             f"supported {where}. Supported: {SUPPORTED_METHODS}")
+
+
+SUPPORTED_METHODS = ("x.shape / ndim / size / dtype, x.sum / mean / max / min / any / all / var / std / argmax / "
+                     "argmin(axis, keepdims=), x.clip, x.astype(dtype), x.reshape / ravel / flatten / squeeze / "
+                     "transpose / swapaxes / T, x.copy(), x.dot(y), x[...], the operators + - * / // % ** @ "
+                     "< <= > >= == != & | ^ ~")

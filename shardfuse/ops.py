@@ -65,6 +65,12 @@ class Op(StrEnum):
     EQ_SCALAR = "equal_scalar"
     NE_SCALAR = "not_equal_scalar"
     LOGICAL_NOT = "logical_not"
+    # NumPy's bitwise ufuncs, of booleans (logical and / or / xor: masks) and integers alike; the
+    # operands are of one dtype (tracing casts; a Python scalar is a full_like first)
+    BITWISE_AND = "bitwise_and"
+    BITWISE_OR = "bitwise_or"
+    BITWISE_XOR = "bitwise_xor"
+    INVERT = "invert"  # ~x of integers (of booleans: LOGICAL_NOT)
     # where(c, x, y) is the sum of two halves, each exact with the other's zero (-0.0 for floats:
     # x + -0.0 is x for every x, -0.0 and NaN included); the backend protocol passes two operands
     WHERE_THEN = "where_then"  # where(c, x, 0)
@@ -123,11 +129,11 @@ class Op(StrEnum):
 COMPARE = frozenset({Op.LT, Op.LE, Op.GT, Op.GE, Op.EQ, Op.NE})
 COMPARE_SCALAR = frozenset({Op.LT_SCALAR, Op.LE_SCALAR, Op.GT_SCALAR, Op.GE_SCALAR, Op.EQ_SCALAR, Op.NE_SCALAR})
 BINARY = frozenset({Op.ADD, Op.SUB, Op.MUL, Op.DIV, Op.MAXIMUM, Op.MINIMUM, Op.WHERE_THEN, Op.WHERE_ELSE,
-                    Op.FLOOR_DIVIDE, Op.MOD}) | COMPARE
+                    Op.FLOOR_DIVIDE, Op.MOD, Op.BITWISE_AND, Op.BITWISE_OR, Op.BITWISE_XOR}) | COMPARE
 NONLINEAR_UNARY = frozenset({Op.EXP, Op.TANH, Op.RELU, Op.GELU, Op.ADD_SCALAR, Op.RDIV, Op.SQRT, Op.RSQRT, Op.LOG,
                              Op.SIGMOID, Op.SILU, Op.POW, Op.RPOW, Op.MAXIMUM_SCALAR, Op.MINIMUM_SCALAR,
                              Op.LOGICAL_NOT, Op.FILL_THEN, Op.FILL_ELSE, Op.ASTYPE, Op.FULL_LIKE, Op.ORDER_KEYS,
-                             Op.FROM_ORDER_KEYS}) | COMPARE_SCALAR
+                             Op.FROM_ORDER_KEYS, Op.INVERT}) | COMPARE_SCALAR
 LINEAR_UNARY = frozenset({Op.NEG, Op.SCALE, Op.DIV_SCALAR})  # commute with a pending sum
 LOCAL_REDUCTIONS = frozenset({Op.REDUCE_MAX, Op.REDUCE_MIN})  # of the last axis, which must be whole
 # (a step per device like the elementwise ops: the executor binds these through bind_elementwise)

@@ -33,9 +33,10 @@ def expand_index(key, shape, what):
     key = key if isinstance(key, tuple) else (key,)
     for k in key:
         if not (k is None or k is Ellipsis or isinstance(k, slice) or _is_int(k)):
-            raise TypeError(f"{what}: an index takes ints, slices, '...' and None (NumPy's basic indexing), got "
-                            f"{type(k).__name__} {k!r}; for an integer array index pass a traced int array "
-                            "(table[ids], sf.take), for a boolean mask use sf.where(mask, x, 0)")
+            raise TypeError(f"{what}: an index takes ints, slices, '...', None (NumPy's basic indexing) and one "
+                            f"integer array (x[ids], x[:, ids]), got {type(k).__name__} {k!r}"
+                            + ("; write a list of indices as an array, np.array([...]) (as JAX asks)"
+                               if isinstance(k, list) else ""))
     if sum(k is Ellipsis for k in key) > 1:
         raise IndexError(f"{what}: an index can only have a single ellipsis ('...')")
     used = sum(k is not None and k is not Ellipsis for k in key)
@@ -61,16 +62,45 @@ def expand_index(key, shape, what):
     return tuple(out)
 
 
+def _is_array(k) -> bool:
+    return isinstance(k, (Traced, np.ndarray)) or hasattr(type(k), "one_op")  # (one_op: an sf.Array)
+
+
+def array_index(key, shape, what):
+    """(the key's basic part, axis, ids) where the key holds an integer array (a traced one, a NumPy
+    array or an sf.Array) alone or beside slices and '...': x[ids], x[:, ids], x[1:, ids], x[..., ids]
+    are np.take(x[basic part], ids, axis), as NumPy's and JAX's indexing with one array; None where
+    the key holds no array.  Other mixes are refused, saying what to write."""
+    key = key if isinstance(key, tuple) else (key,)
+    arrays = [n for n, k in enumerate(key) if _is_array(k)]
+    if not arrays:
+        return None
+    n, ids = arrays[0], key[arrays[0]]
+    if str(ids.dtype) == "bool":  # (take's own refusal would speak of ids)
+        raise TypeError(f"{what} with a boolean mask ({describe(ids)}): a masked selection has a shape known only "
+                        "from the mask's values, which a compiled plan does not have; keep the shape with "
+                        "sf.where(mask, x, 0) (and a sum, or a count of mask.astype(...), where you need one)")
+    if len(arrays) > 1 or any(not (k is Ellipsis or isinstance(k, slice)) for j, k in enumerate(key) if j != n):
+        raise TypeError(f"{what}: an integer array index is supported alone or beside slices and '...' (x[ids], "
+                        "x[:, ids], x[..., ids]: one lookup along that axis, np.take's), not beside ints, None or "
+                        "another array; index in two steps (x[i][:, ids]), or write sf.take(x, ids, axis=...)")
+    used = sum(k is not Ellipsis for k in key)
+    if used > len(shape) or used < len(key) - 1:
+        raise IndexError(f"{what}: too many indices for an array of shape {shape}, or more than one '...'")
+    ellipsis = next((j for j, k in enumerate(key) if k is Ellipsis), len(key))
+    axis = n if ellipsis > n else n - 1 + len(shape) - used  # ('...' before it: the axes it stands for)
+    return key[:n] + (slice(None),) + key[n + 1:], axis, ids
+
+
 def getitem(x: Traced, key):
-    """x[key], NumPy's basic indexing (any step); a traced integer array is a lookup (take)."""
-    if isinstance(key, Traced) and key.dtype == "bool":  # (take's own refusal would speak of ids)
-        raise TypeError(f"indexing {describe(x)} with the boolean mask {describe(key)}: a masked selection has a "
-                        "shape known only from the mask's values, which sf.jit does not have; keep the shape "
-                        "with sf.where(mask, x, 0) (and a sum, or a count of mask.astype(...), where you need one)")
-    if isinstance(key, Traced):
-        from shardfuse.take import take  # (issue 31 item 4, alongside: table[ids])
-        return take(x, key, axis=0)
+    """x[key], NumPy's basic indexing (any step); an integer array among slices is a lookup (take)."""
     what = f"indexing {describe(x)}"
+    found = array_index(key, x.shape, what)
+    if found is not None:
+        from shardfuse.take import take  # (issue 31 item 4, alongside: table[ids])
+        basic, axis, ids = found
+        whole = all(k is Ellipsis or k == slice(None) for k in basic)
+        return take(x if whole else getitem(x, basic), ids, axis)
     idx = expand_index(key, x.shape, what)
     axes = [k for k in idx if k is not None]
     begin = tuple(k if _is_int(k) else k[0] for k in axes)

@@ -165,15 +165,12 @@ class Traced(NumpyMethods):
     __ne__ = lambda self, other: self._compare(other, Op.NE)  # noqa: E731
     __hash__ = object.__hash__  # (a dict key by identity)
 
-    def __invert__(self):
-        if self.dtype != "bool":
-            raise TypeError(f"~ of {describe(self)}: shardfuse has ~ of boolean arrays only (logical not)")
-        return self.unary_op(Op.LOGICAL_NOT)
-
     def __pow__(self, other):
         if not is_scalar(other):
-            raise TypeError(f"x ** y with {type(other).__name__} y inside sf.jit: shardfuse has powers by a Python "
-                            "scalar (x ** 2, x ** 0.5); for array exponents write np.exp(y * np.log(x))")
+            raise TypeError(f"x ** y with y {'an array' if isinstance(other, Traced) else type(other).__name__} "
+                            "(inside sf.jit or on sf.Arrays): "
+                            "shardfuse has powers by a Python scalar (x ** 2, x ** 0.5); for array exponents "
+                            "write np.exp(y * np.log(x))")
         x, c = self.with_scalar(other)
         return x.unary_op(Op.POW, value=c)
 
@@ -391,8 +388,8 @@ def unsupported(func, method="__call__", kwargs=()) -> str:
     what = numpy_name(func) + ("" if method == "__call__" else f".{method}")
     what += f" with {', '.join(k + '=' for k in kwargs)}" if kwargs else ""
     return (f"{what} is not supported on traced shardfuse values (inside sf.jit); supported: "
-            f"{', '.join(sorted(numpy_name(f) for f in NUMPY))} (np.dot: 2-D), the operators + - * / // % @ ** "
-            "< <= > >= == != ~, x.sum / mean / max / min / var / std / argmax / argmin(axis, keepdims=), x.clip, "
-            "x.astype(dtype), x.T, x.reshape(...), "
+            f"{', '.join(sorted(numpy_name(f) for f in NUMPY))} (np.dot: 1-D and 2-D), the operators + - * / // % @ ** "
+            "< <= > >= == != & | ^ ~, x.sum / mean / max / min / any / all / var / std / argmax / argmin(axis, "
+            "keepdims=), x.clip, x.astype(dtype), x.T, x.reshape / ravel / squeeze(...), "
             "x[a:b, i, ..., None], sf.split / concatenate / stack, sf.relu, sf.gelu, sf.silu, sf.sigmoid, sf.rsqrt, "
             "sf.where; or compute it outside the jitted function on its result")

@@ -33,6 +33,9 @@ def _apply(fn, what, *args):
                     f"{', '.join(type(a).__name__ for a in args)}")
 
 
+apply_op = _apply  # (public: the other modules of NumPy's functions, logical.py and numpy_shapes.py)
+
+
 def _floating(x):
     """x, cast to a float dtype first where it is an integer or bool array (NumPy's result of sqrt, log ...)."""
     return cast(x, dtypes.float_result(x.dtype))  # (np.sqrt of a weak int: a weak float, as JAX's)
@@ -224,13 +227,13 @@ def _defaults_only(what: str, takes: str, **given):
 
 def _dot(a, b, out=None):
     _defaults_only("np.dot", "np.dot(a, b)", out=out)
-    if is_scalar(a) or is_scalar(b):
+    if is_scalar(a) or is_scalar(b) or 0 in (getattr(a, "ndim", None), getattr(b, "ndim", None)):
         return a * b
-    if getattr(a, "ndim", None) == 2 and getattr(b, "ndim", None) == 2:
-        return a @ b
-    raise TypeError(f"np.dot of {describe(a)} and {describe(b)} inside sf.jit: shardfuse runs np.dot as a matmul "
-                    "of 2-D operands only (NumPy's dot of other ranks is no matmul); write a @ b (a matmul, "
-                    "batched over leading axes), reshaping 1-D operands to 2-D first")
+    if getattr(a, "ndim", None) in (1, 2) and getattr(b, "ndim", None) in (1, 2):
+        return a @ b  # (NumPy's dot of 1-D and 2-D operands is their matmul)
+    raise TypeError(f"np.dot of {describe(a)} and {describe(b)} inside sf.jit (and on sf.Arrays): shardfuse runs "
+                    "np.dot as a matmul of 1-D and 2-D operands only (NumPy's dot of higher ranks is no matmul); "
+                    "write a @ b (a matmul, batched over leading axes)")
 
 
 def _transpose(a, axes=None):
@@ -263,7 +266,8 @@ def _reduction(method):
 def _where_numpy(condition, *xy):
     if len(xy) != 2:
         raise TypeError("np.where(condition) with one argument (the indices of true elements) has no static shape: "
-                        "inside sf.jit write np.where(condition, x, y)")
+                        "inside sf.jit write np.where(condition, x, y); outside it, on an sf.Array, "
+                        "np.nonzero(np.asarray(condition)) (the gathered value)")
     return where(condition, *xy)
 
 

@@ -135,6 +135,6 @@ def test_over_defaults_to_the_mesh_last_axis_on_named_meshes():
 
 def test_indexing_inside_jit_says_what_to_write():  # (basic indexing runs: tests/test_slicing.py)
     m = sf.DeviceMesh(2)
-    with pytest.raises(TypeError, match=r"indexing x \(shape \(4, 4\), float64\): an index takes ints, slices, .* "
-                                        r"for a boolean mask use sf.where"):
+    with pytest.raises(TypeError, match=r"indexing x \(shape \(4, 4\), float64\) with a boolean mask .* "
+                                        r"sf.where\(mask, x, 0\)"):
         sf.jit(lambda x: x[np.array([True, False, True, True])], mesh=m)(np.ones((4, 4)))

@@ -159,9 +159,10 @@ def test_a_stream_along_a_cut_axis_is_refused_or_made_whole():
 
 REFUSED = [
     (lambda x: x[:, ::0], ValueError, r"slice step cannot be zero"),
-    (lambda x: x[1.0], TypeError, r"an index takes ints, slices, '...' and None \(NumPy's basic indexing\), got float"),
-    (lambda x: x[[0, 1]], TypeError, r"got list \[0, 1\]; for an integer array index pass a traced int array"),
-    (lambda x: x[np.array([True] * 8)], TypeError, r"got ndarray .* for a boolean mask use sf.where"),
+    (lambda x: x[1.0], TypeError, r"an index takes ints, slices, '...', None \(NumPy's basic indexing\) and one "
+                                  r"integer array \(x\[ids\], x\[:, ids\]\), got float"),
+    (lambda x: x[[0, 1]], TypeError, r"got list \[0, 1\]; write a list of indices as an array, np.array"),
+    (lambda x: x[np.array([True] * 8)], TypeError, r"with a boolean mask \(ndarray\): .*sf.where\(mask, x, 0\)"),
     (lambda x: x[x > 0], TypeError, r"boolean mask .*sf\.where\(mask, x, 0\)"),  # (a traced mask: was take's ids)
     (lambda x: x[0, 0, 0], IndexError, r"too many indices for an array of shape \(8, 12\): 3 given"),
     (lambda x: x[8], IndexError, r"index 8 is out of bounds for axis 0 with size 8"),

@@ -1,0 +1,113 @@
+"""NumPy's shape functions and x-shaped constants, inside sf.jit and on sf.Arrays outside it:
+np.ravel / x.ravel / x.flatten, np.squeeze / x.squeeze, np.expand_dims, np.copy / x.copy,
+np.ones_like / np.zeros_like / np.full_like, np.shape / np.ndim / np.size.
+
+Each is written with an op shardfuse has, so its sharding is that op's: ravel, squeeze and
+expand_dims are reshapes (a view where no sharded axis is cut; a cut one is gathered first,
+printed), a copy is a new value (outside jit: new buffers, the sharding kept), and the *_like
+constants are `full_like` steps with the input's sharding (no communication; a pending sum is
+made whole first, as for every nonlinear op).  On sf.Arrays each call is a one-op plan.
+"""
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+from shardfuse import dtypes
+from shardfuse.ops import Op
+from shardfuse.spec import normalize_axis, reduced_axes
+from shardfuse.traced import NUMPY, describe, is_weak_scalar
+from shardfuse.traced_numpy import apply_op
+
+
+def _order_c(what, order, allowed=("C",)):
+    if order not in allowed:
+        raise TypeError(f"{what}(..., order={order!r}) is not supported on shardfuse values (inside sf.jit and on "
+                        "sf.Arrays): they are read in C order; write it without order=")
+
+
+def ravel(a, order="C"):
+    """np.ravel / x.ravel / x.flatten: x.reshape(-1), C order (a sharded inner axis is gathered first)."""
+    _order_c("np.ravel", order, ("C", "K", "A"))
+    return a.reshape(-1)
+
+
+def squeeze(a, axis=None):
+    """np.squeeze / x.squeeze: the axes of extent 1 removed (all of them, or those `axis` names,
+    each of extent 1, as NumPy's), a reshape."""
+    if axis is None:
+        axes = tuple(k for k, n in enumerate(a.shape) if n == 1)
+    else:
+        axes = reduced_axes(tuple(axis) if isinstance(axis, list) else axis, len(a.shape), a.shape)
+        bad = [k for k in axes if a.shape[k] != 1]
+        if bad:
+            raise ValueError(f"squeeze of {describe(a)}: cannot select an axis to squeeze out which has size not "
+                             f"equal to one (axis {bad[0]} has extent {a.shape[bad[0]]})")
+    return a.reshape(tuple(n for k, n in enumerate(a.shape) if k not in axes))
+
+
+def expand_dims(a, axis):
+    """np.expand_dims: axes of extent 1 inserted at `axis` (an int or a tuple, placed in the result
+    as NumPy places them), a reshape."""
+    axes = axis if isinstance(axis, (tuple, list)) else (axis,)
+    ndim = len(a.shape) + len(axes)
+    where = sorted(normalize_axis(k, ndim, a.shape) for k in axes)
+    if len(set(where)) != len(where):
+        raise ValueError(f"np.expand_dims: repeated axis in axis={axis!r}")
+    rest = iter(a.shape)
+    return a.reshape(tuple(1 if k in where else next(rest) for k in range(ndim)))
+
+
+def _copy_traced(v):
+    return v.reshape(v.shape)  # (a new value: inside jit, annotations of it start afresh, as x[:]'s)
+
+
+def copy(a, order="K", subok=False):
+    """np.copy / x.copy: the same values as a new array (outside jit new buffers, the sharding
+    kept: a donated original leaves the copy intact)."""
+    _order_c("np.copy", order, ("C", "K", "A"))
+    return apply_op(_copy_traced, np.copy.__name__, a)
+
+
+def _full_traced(v, value, dtype):
+    dt = dtype or v.dtype
+    c = float(value) if dtypes.is_float(dt) else bool(value) if dt == "bool" else int(value)
+    return v.unary_op(Op.FULL_LIKE, dt, value=c)
+
+
+def full_like(a, fill_value, dtype=None, order="K", subok=True, shape=None, *, device=None):
+    """np.full_like: an array of a's shape, sharding and dtype (or `dtype`) holding `fill_value`
+    (a scalar) in every element, as NumPy's (cast to the dtype)."""
+    if shape is not None or device is not None:
+        raise TypeError("np.*_like with shape= or device= is not supported on shardfuse values (inside sf.jit and on "
+                        "sf.Arrays): the result has the input's shape and sharding; write np.ones_like(x), or make "
+                        "the array outside and pass it in")
+    _order_c("np.full_like", order, ("C", "K", "A"))
+    if not is_weak_scalar(fill_value):
+        raise TypeError(f"np.full_like: fill_value must be a Python or NumPy scalar inside sf.jit and on sf.Arrays, got "
+                        f"{type(fill_value).__name__}; for an array write np.where(True, value, x) or x * 0 + value")
+    dt = None if dtype is None else dtypes.normalize_dtype(dtype)
+    return apply_op(_full_traced, np.full_like.__name__, a, fill_value, dt)
+
+
+def ones_like(a, dtype=None, order="K", subok=True, shape=None, *, device=None):
+    """np.ones_like: np.full_like(a, 1, dtype)."""
+    return full_like(a, 1, dtype, order, subok, shape, device=device)
+
+
+def zeros_like(a, dtype=None, order="K", subok=True, shape=None, *, device=None):
+    """np.zeros_like: np.full_like(a, 0, dtype)."""
+    return full_like(a, 0, dtype, order, subok, shape, device=device)
+
+
+def size(a, axis=None):
+    """np.size: the number of elements (of one axis, with axis=), known without the values."""
+    return math.prod(a.shape) if axis is None else a.shape[normalize_axis(axis, len(a.shape), a.shape)]
+
+
+NUMPY.update({
+    np.ravel: ravel, np.squeeze: squeeze, np.expand_dims: expand_dims, np.copy: copy,
+    np.full_like: full_like, np.ones_like: ones_like, np.zeros_like: zeros_like,
+    np.shape: lambda a: tuple(a.shape), np.ndim: lambda a: len(a.shape), np.size: size,
+})

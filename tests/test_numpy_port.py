@@ -1,0 +1,239 @@
+"""A new user porting from NumPy / JAX (probe): the array methods that map onto shardfuse's ops
+(x.any / all / ravel / flatten / squeeze / copy / dot, sf.Array.size), a NumPy method shardfuse lacks
+saying what there is instead; integer-array indexing as np.take (x[ids], x[:, ids], x[..., ids] with
+a NumPy, traced or sf.Array index, inside sf.jit and out); NumPy's functions on an sf.Array outside
+jit returning sharded sf.Arrays where shardfuse has the op (np.transpose, np.reshape, np.expand_dims,
+np.ones_like, np.dot, ...) and refused otherwise, never silently gathered; and the wording of two
+refusals.  Against NumPy in float64 on fresh random non-zero inputs.
+
+The case bodies (METHODS, INDEXES, check_method, check_index) are shared with
+tests/test_gpu_numpy_port.py and tests/mpi/test_logical_mpi.py.
+"""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import shardfuse as sf
+import test_elementwise_ops as ew
+
+
+def nonzero(rng, shape):
+    return rng.uniform(0.25, 2.0, shape) * rng.choice([-1.0, 1.0], shape)
+
+
+# name -> (fn(x) on a traced value or an sf.Array, its NumPy reference); x: ew.SHAPE (8, 12)
+METHODS = {
+    "x.any()": (lambda x: (x > 1.8).any(), lambda x: (x > 1.8).any()),
+    "x.all(1)": (lambda x: (x > -1.8).all(1), lambda x: (x > -1.8).all(1)),
+    "x.ravel()": (lambda x: x.ravel(), lambda x: x.ravel()),
+    "x.flatten() * 2": (lambda x: x.flatten() * 2, lambda x: x.flatten() * 2),
+    "x[:, None].squeeze()": (lambda x: x[:, None].squeeze(), lambda x: x[:, None].squeeze()),
+    "x[None, :, None].squeeze(0)": (lambda x: x[None, :, None].squeeze(0), lambda x: x[None, :, None].squeeze(0)),
+    "x.copy()": (lambda x: x.copy(), lambda x: x.copy()),
+    "x.dot(x.T)": (lambda x: x.dot(x.T), lambda x: x.dot(x.T)),
+    "x[0].dot(x[1])": (lambda x: x[0].dot(x[1]), lambda x: x[0].dot(x[1])),
+    "x * x.size": (lambda x: x * x.size, lambda x: x * x.size),
+    "np.transpose axes": (lambda x: np.transpose(x, (1, 0)), lambda x: np.transpose(x, (1, 0))),
+    "np.reshape": (lambda x: np.reshape(x, (4, 24)), lambda x: np.reshape(x, (4, 24))),
+    "np.expand_dims": (lambda x: np.expand_dims(x, 0), lambda x: np.expand_dims(x, 0)),
+    "np.expand_dims -1": (lambda x: np.expand_dims(x, -1), lambda x: np.expand_dims(x, -1)),
+    "np.squeeze": (lambda x: np.squeeze(np.expand_dims(x, 1)), lambda x: np.squeeze(np.expand_dims(x, 1))),
+    "np.ravel": (lambda x: np.ravel(x), lambda x: np.ravel(x)),
+    "np.ones_like": (lambda x: np.ones_like(x), lambda x: np.ones_like(x)),
+    "np.zeros_like int32": (lambda x: np.zeros_like(x, dtype=np.int32), lambda x: np.zeros_like(x, dtype=np.int32)),
+    "np.full_like": (lambda x: np.full_like(x, -1.5) + x, lambda x: np.full_like(x, -1.5) + x),
+    "np.copy": (lambda x: np.copy(x), lambda x: np.copy(x)),
+    "np.dot 1-D": (lambda x: np.dot(x[:, 0], x[:, 1]), lambda x: np.dot(x[:, 0], x[:, 1])),
+    "np.dot 2-D 1-D": (lambda x: np.dot(x, x[0]), lambda x: np.dot(x, x[0])),
+    "np.any": (lambda x: np.any(x > 1.5, axis=0), lambda x: np.any(x > 1.5, axis=0)),
+}
+
+
+def check_method(name, mesh, spec, jit, rng):
+    """METHODS[name] on x placed with spec (a spec per axis), in sf.jit or outside: an sf.Array with
+    NumPy's values and dtype."""
+    fn, ref = METHODS[name]
+    x = nonzero(rng, ew.SHAPE)
+    xa = sf.distribute(x, mesh, spec)
+    got = sf.jit(fn, mesh=mesh)(xa) if jit else fn(xa)
+    want = np.asarray(ref(x))
+    assert isinstance(got, sf.Array), (name, type(got))
+    assert got.dtype == want.dtype, (name, got.dtype, want.dtype)
+    ew.compare(got.gather(), want, "float64", name)
+
+
+SPECS = {"R": (None, None), "S0": ("DIDx", None), "S1": (None, "DIDx")}
+
+
+@pytest.mark.parametrize("jit", [True, False], ids=["jit", "eager"])
+@pytest.mark.parametrize("spec", sorted(SPECS))
+@pytest.mark.parametrize("name", sorted(METHODS))
+def test_method(name, spec, jit):
+    check_method(name, ew.mesh_of(4), SPECS[spec], jit, np.random.default_rng(31))
+
+
+def test_numpy_functions_on_an_sf_array_keep_it_sharded():
+    """Outside jit, as the methods: np.transpose of an S(0) array is S(1), np.ones_like keeps S(0),
+    np.reshape / np.expand_dims keep the rows sharded; none of them communicates."""
+    mesh = ew.mesh_of(4)
+    a = sf.shard(nonzero(np.random.default_rng(32), ew.SHAPE), axis=0, mesh=mesh)
+    assert np.transpose(a).placements == (sf.Shard(1),)
+    assert np.transpose(a, (1, 0)).placements == (sf.Shard(1),)
+    for f in (np.ones_like, np.zeros_like, np.copy, lambda v: np.full_like(v, 2), lambda v: np.reshape(v, (8, 3, 4))):
+        assert f(a).placements == (sf.Shard(0),), f
+    assert np.expand_dims(a, -1).placements == (sf.Shard(0),)
+    assert np.shape(a) == (8, 12) and np.ndim(a) == 2 and np.size(a) == 96 and a.size == 96
+
+
+@pytest.mark.parametrize("fn, name", [
+    (lambda a: np.einsum("ij->ji", a), "np.einsum"), (lambda a: np.tensordot(a, a.T, 1), "np.tensordot"),
+    (lambda a: np.cumsum(a), "np.cumsum"), (lambda a: np.linalg.norm(a), "np.linalg.norm"),
+    (lambda a: np.prod(a), "np.prod"), (lambda a: np.sort(a), "np.sort"),
+])
+def test_numpy_functions_shardfuse_lacks_are_refused_never_gathered(fn, name):
+    a = sf.shard(nonzero(np.random.default_rng(33), ew.SHAPE), axis=0, mesh=ew.mesh_of(4))
+    with pytest.raises(TypeError, match=rf"^{name} is not supported on sf.Arrays: .*supported: .*np.transpose.*; for "
+                                        rf"NumPy's result on the global value write {name}\(np.asarray\(x\), ...\) or "
+                                        rf"{name}\(x.gather\(\), ...\)"):
+        fn(a)
+
+
+def test_explicit_conversions_still_gather():
+    x = nonzero(np.random.default_rng(34), ew.SHAPE)
+    a = sf.shard(x, axis=0, mesh=ew.mesh_of(4))
+    for got in (np.asarray(a), np.array(a), np.asarray(a, dtype=np.float32), a.gather(), np.cumsum(np.asarray(a))):
+        assert type(got) is np.ndarray
+    np.testing.assert_array_equal(np.asarray(a), x)
+    np.testing.assert_array_equal(np.linalg.norm(a.gather()), np.linalg.norm(x))
+
+
+def test_a_copy_survives_the_donation_of_its_original():
+    mesh = ew.mesh_of(4)
+    x = nonzero(np.random.default_rng(35), ew.SHAPE)
+    a = sf.shard(x, axis=0, mesh=mesh) * 1.0  # (a plan's result: donatable)
+    b, c = a.copy(), np.copy(a)
+    out = sf.jit(lambda v: v * 2.0, mesh=mesh, donate_argnums=0)(a)
+    np.testing.assert_array_equal(out.gather(), 2 * x)
+    np.testing.assert_array_equal(b.gather(), x)
+    np.testing.assert_array_equal(c.gather(), x)
+
+
+def test_numpy_methods_shardfuse_lacks_say_what_there_is():
+    mesh = ew.mesh_of(4)
+    a = sf.shard(nonzero(np.random.default_rng(36), ew.SHAPE), axis=0, mesh=mesh)
+    with pytest.raises(AttributeError, match=r"'Array' object has no attribute 'cumsum': NumPy's x.cumsum is not "
+                                             r"supported on sf.Arrays; .*np.asarray\(x\).cumsum .*Supported: .*any / all"):
+        a.cumsum(0)
+    with pytest.raises(AttributeError, match=r"'Traced' object has no attribute 'argsort': .*inside sf.jit.*Supported"):
+        sf.jit(lambda v: v.argsort(), mesh=mesh)(a)
+    for f in (lambda v: v.prod(0), lambda v: np.prod(v) if not isinstance(v, sf.Array) else v.prod()):
+        with pytest.raises(NotImplementedError, match=r"no product reduction; .*np.exp\(np.log\(x\).sum\(axis\)\)"):
+            f(a)
+    with pytest.raises(NotImplementedError, match=r"no product reduction"):
+        sf.jit(lambda v: v.prod(), mesh=mesh)(a)
+    with pytest.raises(AttributeError, match=r"^'Array' object has no attribute 'no_such_thing'$"):
+        a.no_such_thing  # noqa: B018 (not NumPy's: Python's own error)
+    with pytest.raises(AttributeError, match=r"lives in host memory"):  # (a property's own AttributeError kept)
+        a.__cuda_array_interface__  # noqa: B018
+    assert not hasattr(a, "one_op_of_nothing") and hasattr(a, "one_op")
+
+
+# name -> (fn(x, ids) with a NumPy / traced / sf.Array index, NumPy's, ids shape, the indexed axis); x: (8, 12)
+INDEXES = {
+    "x[ids]": (lambda x, i: x[i], lambda x, i: x[i], (5,), 0),
+    "x[ids 2-D]": (lambda x, i: x[i], lambda x, i: x[i], (2, 3), 0),
+    "x[:, ids]": (lambda x, i: x[:, i], lambda x, i: x[:, i], (7,), 1),
+    "x[..., ids]": (lambda x, i: x[..., i], lambda x, i: x[..., i], (3,), 1),
+    "x[2:6, ids]": (lambda x, i: x[2:6, i], lambda x, i: x[2:6, i], (4,), 1),
+    "x[ids, ::2]": (lambda x, i: x[i, ::2], lambda x, i: x[i, ::2], (4,), 0),
+    "x[ids 0-d]": (lambda x, i: x[i], lambda x, i: x[i], (), 0),
+}
+
+
+def ids_for(rng, name, dtype="int64"):
+    """Valid ids (negative ones too: from the end, as NumPy's) along the case's indexed axis."""
+    _, _, shape, axis = INDEXES[name]
+    n = ew.SHAPE[axis]
+    return rng.integers(-n, n, shape).astype(dtype)
+
+
+def check_index(name, mesh, spec, how, rng):
+    """INDEXES[name]: ids a NumPy constant inside jit ("numpy"), a traced argument ("traced"), or
+    outside jit a NumPy array ("eager numpy") or an sf.Array ("eager sf")."""
+    fn, ref, _, _ = INDEXES[name]
+    x, ids = nonzero(rng, ew.SHAPE), ids_for(rng, name)
+    xa = sf.distribute(x, mesh, spec)
+    if how == "numpy":
+        got = sf.jit(lambda v: fn(v, ids), mesh=mesh)(xa)
+    elif how == "traced":
+        got = sf.jit(fn, mesh=mesh)(xa, ids)
+    else:
+        got = fn(xa, ids if how == "eager numpy" else sf.replicate(ids, mesh=mesh))
+    assert isinstance(got, sf.Array), (name, how, type(got))
+    np.testing.assert_array_equal(got.gather(), ref(x, ids), err_msg=f"{name} {how}")
+
+
+@pytest.mark.parametrize("how", ["numpy", "traced", "eager numpy", "eager sf"])
+@pytest.mark.parametrize("spec", sorted(SPECS))
+@pytest.mark.parametrize("name", sorted(INDEXES))
+def test_integer_array_index(name, spec, how):
+    check_index(name, ew.mesh_of(4), SPECS[spec], how, np.random.default_rng(37))
+
+
+def test_the_gradient_of_an_integer_array_index_is_a_scatter_add():
+    rng = np.random.default_rng(38)
+    x, w = nonzero(rng, ew.SHAPE), nonzero(rng, (8, 5))
+    ids = np.array([3, -1, 3, 0, 7])
+
+    def loss(x, w):
+        return ((x[:, ids] * w) ** 2).sum()
+    g = sf.jit(sf.grad(loss), mesh=ew.mesh_of(4))(sf.shard(x, axis=1, mesh=ew.mesh_of(4)), w)
+    want = np.zeros_like(x)
+    np.add.at(want.T, ids, (2 * x[:, ids] * w * w).T)
+    np.testing.assert_allclose(g.gather(), want, rtol=1e-12)
+    eps, d = 1e-6, rng.standard_normal(x.shape)
+    central = (loss(x + eps * d, w) - loss(x - eps * d, w)) / (2 * eps)
+    np.testing.assert_allclose((g.gather() * d).sum(), central, rtol=1e-6)
+
+
+@pytest.mark.parametrize("index, error, message", [
+    (lambda i: (i, i), TypeError, r"alone or beside slices and '...' .*sf.take\(x, ids, axis=...\)"),
+    (lambda i: (0, i), TypeError, r"not beside ints, None or another array; index in two steps"),
+    (lambda i: (None, i), TypeError, r"not beside ints, None"),
+    (lambda i: i > 0, TypeError, r"with a boolean mask .*sf.where\(mask, x, 0\)"),
+    (lambda i: [0, 1], TypeError, r"write a list of indices as an array, np.array"),
+    (lambda i: (slice(None), slice(None), i), IndexError, r"too many indices"),
+    (lambda i: i.astype("float64"), TypeError, r"ids must be an integer array"),
+])
+def test_index_refusals_say_what_is_supported(index, error, message):
+    mesh, x, ids = ew.mesh_of(4), np.ones(ew.SHAPE), np.array([0, 3])
+    with pytest.raises(error, match=message):  # a NumPy index inside jit
+        sf.jit(lambda v: v[index(ids)], mesh=mesh)(x)
+    if not isinstance(index(ids), list):
+        with pytest.raises(error, match=message):  # a traced one
+            sf.jit(lambda v, i: v[index(i)], mesh=mesh)(x, ids)
+    with pytest.raises(error, match=message):  # outside jit
+        sf.replicate(x, mesh=mesh)[index(ids)]
+    with pytest.raises(TypeError) as e:  # (outside jit the message speaks of no traced value)
+        sf.replicate(x, mesh=mesh)[1.5]
+    assert "traced" not in str(e.value), e.value
+
+
+def test_a_traced_int_used_as_a_shape_says_to_make_it_static():
+    mesh, x = ew.mesh_of(4), np.ones(ew.SHAPE)
+    with pytest.raises(TypeError, match=r"an extent must be an int, got Traced\(n: i64\[\] \?\) \(Traced\); a Python "
+                                        r"int passed to a jitted function is traced .*static_argnums=.*static_argnames="):
+        sf.jit(lambda v, n: v.reshape(n, -1), mesh=mesh)(x, 4)
+    np.testing.assert_array_equal(sf.jit(lambda v, n: v.reshape(n, -1), mesh=mesh, static_argnums=1)(x, 4).gather(),
+                                  x.reshape(4, -1))
+
+
+def test_x_to_an_array_power_is_worded_for_both_sides_of_jit():
+    mesh, x = ew.mesh_of(4), nonzero(np.random.default_rng(39), ew.SHAPE)
+    message = r"^x \*\* y with y an array \(inside sf.jit or on sf.Arrays\): .*np.exp\(y \* np.log\(x\)\)"
+    with pytest.raises(TypeError, match=message):
+        sf.jit(lambda v: v ** v, mesh=mesh)(x)
+    a = sf.shard(x, axis=0, mesh=mesh)
+    with pytest.raises(TypeError, match=message):
+        a ** a
