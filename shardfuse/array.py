@@ -121,9 +121,15 @@ class Array(Placed, ArrayOps):  # operators, ufuncs, reductions, indexing: array
     def gather(self) -> np.ndarray:
         """The global value, on every process (a host copy).
 
-        Collective: under mpiexec every process must call it (the pieces are all-gathered over
-        MPI), in the same order as its other collectives; a process that skips it leaves the
-        others waiting."""
+        A value that every process holds whole (replicated over its mesh: a loss, a plan's
+        replicated result) is read from this process' own piece, with no communication, as JAX
+        reads a fully replicated array: ``if mesh.rank == 0: print(float(loss))`` is fine, and so
+        are np.asarray, int() and bool() of one.  Otherwise collective: under mpiexec every
+        process must call it (the pieces are all-gathered over MPI), in the same order as its
+        other collectives; a process that skips it leaves the others waiting."""
+        k = self._whole_here()
+        if k is not None:  # (decided alike on every rank: from the layout and the mesh alone)
+            return backend_of(self.mesh).to_host(self.shards[:k + 1])[k].astype(self.dtype, copy=False)
         pieces = list(zip(self.mesh.local_devices, backend_of(self.mesh).to_host(self.shards)))
         if self.mesh.nprocs > 1:  # (with the deadline; a rank at another step raises RankMismatchError)
             what = f"gather() of an sf.Array {self.dtype_name}{list(self.shape)} {self.placements}"
@@ -140,6 +146,18 @@ class Array(Placed, ArrayOps):  # operators, ufuncs, reductions, indexing: array
                 continue  # a replica: device 0 of that mesh axis holds the same data
             out[device_index(self.shape, lay, mesh, d)] += piece
         return out
+
+    def _whole_here(self):
+        """Where every process holds the whole value (no axis sharded, no partial sums, a device of
+        every process in the mesh it lives on): the position among this process' devices of its
+        first piece, which is the value; else None."""
+        lay, mesh = self.sharding, self.sharding.home(self.mesh)
+        if lay.sharded_axes() or lay.partial:
+            return None
+        per = mesh.root.size // mesh.nprocs  # (rank p owns devices [p * per, (p + 1) * per))
+        if len({d // per for d in mesh.devices}) < mesh.nprocs:
+            return None
+        return next(k for k, d in enumerate(self.mesh.local_devices) if d in mesh.devices)
 
     def __reduce__(self):
         """Pickled small: the mesh by its constructor arguments, this process' pieces as NumPy

@@ -22,7 +22,7 @@ import threading
 
 import numpy as np
 
-from shardfuse import trace
+from shardfuse import constants, trace
 from shardfuse.dtypes import normalize_dtype, np_dtype
 from shardfuse.executor import Executable
 from shardfuse.interop import array_info
@@ -73,7 +73,11 @@ def _plans_of(mesh) -> PlanCache:
 
 def run(fn, args: tuple, key, name: str):
     """fn(*args) as a one-op plan on the mesh of the sf.Arrays among args (plain arrays:
-    replicated inputs), compiled once per key and input specs; the result an sf.Array."""
+    replicated inputs), compiled once per key and input specs; the result an sf.Array.  Inside a
+    traced function, traced into it instead: the sf.Arrays are its constants (shardfuse.constants)."""
+    builder = constants.active()
+    if builder is not None:
+        return fn(*(builder.constant(a) for a in args))
     arrays = [a for a in args if isinstance(a, ArrayOps)]
     mesh = arrays[0].mesh
     for b in arrays[1:]:
@@ -104,7 +108,7 @@ def reshard(x, layout: Layout):
 
     def redistribute(v):
         lay = layout.on(layout.home(v.builder.mesh))  # (an sf.Array's layout, on the mesh it names)
-        return v.builder.emit(Op.SET, (v,), TensorType(v.shape, v.dtype, lay), v.value.name, annotation=True)
+        return v.builder.emit(Op.SET, (v,), TensorType(v.shape, v.dtype_name, lay), v.value.name, annotation=True)
 
     return run(redistribute, (x,), (Op.SET, layout), "redistribute")
 
@@ -337,7 +341,7 @@ class ArrayOps(NumpyMethods):
                                      "element converts; use np.asarray(x) (the gathered value)"))
 
     def _one_element(self, error, message):
-        """The value of a one-element array, gathered (a collective under mpiexec), as NumPy's."""
+        """The value of a one-element array, gathered (a collective under mpiexec unless replicated), as NumPy's."""
         if math.prod(self.shape) != 1:
             raise error(message)
         return self.gather().reshape(())

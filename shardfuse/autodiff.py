@@ -44,7 +44,7 @@ NO_GRADIENT = COMPARE | COMPARE_SCALAR | {Op.LOGICAL_NOT, Op.FILL_THEN, Op.FILL_
 
 def full_like(x: Traced, value, dtype=None) -> Traced:
     """An array of x's shape (and layout, as propagation places it) holding `value`."""
-    return x.unary_op(Op.FULL_LIKE, dtype or x.dtype, value=value)
+    return x.unary_op(Op.FULL_LIKE, dtype or x.dtype_name, value=value)
 
 
 def stop_gradient(x: Traced) -> Traced:
@@ -80,7 +80,7 @@ def backward(builder, instrs, wrt, outs, cts, remat="regather") -> list:
             active.update(o for o in ins.outs if differentiable(o.type.dtype) and o not in builder.no_gradient)
         for r in custom.get(id(ins), ()):
             if any(isinstance(a, Traced) and a.value in active for a in r.args):
-                active.update(o.value for o in r.outs if differentiable(o.dtype))
+                active.update(o.value for o in r.outs if differentiable(o.dtype_name))
     grads: dict = {}
     for o, c in zip(outs, cts):
         if o in active:
@@ -186,7 +186,7 @@ def _streamed_like(ins, a, b, da, out, instrs):
     shards = math.prod(a.builder.mesh.axis_size(n) for n in mesh_axes(lay.axes[axis]))
     if chunks == "auto" and shards > 1 or isinstance(chunks, int) and a.shape[axis] % (chunks * shards):
         return da
-    return a.builder.emit(Op.SET, (da,), TensorType(da.shape, da.dtype, lay), da.value.name,
+    return a.builder.emit(Op.SET, (da,), TensorType(da.shape, da.dtype_name, lay), da.value.name,
                           annotation=True, hint=True, **scheduled({}, Schedule(axis, chunks)))
 
 
@@ -196,14 +196,14 @@ def _sum(ins, xs, out, ct, instrs):
     factor = ins.attrs.get("factor")
     g = ct * factor if factor is not None else ct
     g = g.reshape(x.shape[:ax] + (1,) + x.shape[ax + 1:])
-    return [full_like(x, 0.0, g.dtype) + g]
+    return [full_like(x, 0.0, g.dtype_name) + g]
 
 
 def _reduce_extremum(ins, xs, out, ct, instrs):
     """Ties share the cotangent equally (JAX's rule for max and min)."""
     (x,) = xs
     keep = x.shape[:-1] + (1,)
-    hit = (x == out.reshape(keep)).astype(x.dtype)
+    hit = (x == out.reshape(keep)).astype(x.dtype_name)
     share = (ct / hit.sum(axis=-1)).reshape(keep)
     return [hit * share]
 
@@ -212,7 +212,7 @@ def _binary_extremum(first_wins):
     def rule(ins, xs, out, ct, instrs):
         a, b = xs
         wins = (a > b) if first_wins else (a < b)
-        w = wins.astype(ct.dtype) + (a == b).astype(ct.dtype) * 0.5
+        w = wins.astype(ct.dtype_name) + (a == b).astype(ct.dtype_name) * 0.5
         return [_unbroadcast(ct * w, a.shape), _unbroadcast(ct * (1.0 - w), b.shape)]
     return rule
 
@@ -222,7 +222,7 @@ def _scalar_extremum(first_wins):
         (x,) = xs
         c = ins.attrs["value"]
         wins = (x > c) if first_wins else (x < c)
-        return [ct * (wins.astype(ct.dtype) + (x == c).astype(ct.dtype) * 0.5)]
+        return [ct * (wins.astype(ct.dtype_name) + (x == c).astype(ct.dtype_name) * 0.5)]
     return rule
 
 
@@ -244,13 +244,13 @@ def _silu(ins, xs, out, ct, instrs):
 def _pow(ins, xs, out, ct, instrs):
     (x,) = xs
     c = ins.attrs["value"]
-    return [full_like(x, 0.0, ct.dtype) if c == 0 else ct * (x ** (c - 1) * c)]
+    return [full_like(x, 0.0, ct.dtype_name) if c == 0 else ct * (x ** (c - 1) * c)]
 
 
 def _where_half(op):
     def rule(ins, xs, out, ct, instrs):
         c, x = xs
-        return [None, _unbroadcast(c.elementwise_op(op, (c, ct), ct.dtype), x.shape)]
+        return [None, _unbroadcast(c.elementwise_op(op, (c, ct), ct.dtype_name), x.shape)]
     return rule
 
 
@@ -281,7 +281,7 @@ def _scatter_add(ins, xs, out, ct, instrs):
     """The values' cotangent: each position reads its id's row of ct (a lookup, take's rule)."""
     _, ids, rows = xs
     shape = ids.shape + ct.shape[1:]
-    return [ct.builder.emit(Op.TAKE, (ct, ids, rows), TensorType(shape, ct.dtype), "e", vocab=ins.attrs["vocab"]),
+    return [ct.builder.emit(Op.TAKE, (ct, ids, rows), TensorType(shape, ct.dtype_name), "e", vocab=ins.attrs["vocab"]),
             None, None]
 
 
@@ -318,7 +318,7 @@ def _slice_array(ins, xs, out, ct, instrs):
             if hi > lo:  # zeros shaped as x's box on the axes not yet done, [lo, hi) on axis j
                 box_of = tuple(slice(None) if i < j else slice(lo, hi) if i == j else
                                slice(begin[i], begin[i] + box[i] * step[i], step[i]) for i in range(x.ndim))
-                zeros = full_like(getitem(x, box_of), 0.0, ct.dtype)
+                zeros = full_like(getitem(x, box_of), 0.0, ct.dtype_name)
                 parts.insert(0 if where_ == 0 else len(parts), zeros)
         cur = concatenate(parts, j) if len(parts) > 1 else cur
     return [cur]
@@ -376,7 +376,8 @@ VJP = {
     Op.SILU: _silu,
     Op.POW: _pow,
     Op.RPOW: _unary(lambda ct, x, y, c: ct * y * (math.log(c) if c > 0 else math.nan)),
-    Op.ASTYPE: lambda ins, xs, out, ct, instrs: [ct.astype(xs[0].dtype) if differentiable(xs[0].dtype) else None],
+    Op.ASTYPE: lambda ins, xs, out, ct, instrs: [ct.astype(xs[0].dtype_name) if differentiable(xs[0].dtype_name)
+                                                 else None],
 }
 
 

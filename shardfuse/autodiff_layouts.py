@@ -20,7 +20,7 @@ def pin(ct: Traced, layout: Layout, name: str | None = None, keep: bool = False)
     p = ct.builder.producer.get(ct.value)
     if p is not None and p.op == Op.SET and p.attrs.get("annotation") and p.outs[0].type.layout == layout:
         return ct
-    return ct.builder.emit(Op.SET, (ct,), TensorType(ct.shape, ct.dtype, layout), name or ct.value.name,
+    return ct.builder.emit(Op.SET, (ct,), TensorType(ct.shape, ct.dtype_name, layout), name or ct.value.name,
                            annotation=True, **({"keep": True} if keep else {}))
 
 

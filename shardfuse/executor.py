@@ -308,7 +308,7 @@ class Executable:
         """Under mpiexec, at every call: every rank calls this plan (one that picked another, e.g. for
         a short last batch, would pair their collectives silently): else RankMismatchError on all."""
         if self.mesh.nprocs > 1:
-            faults.agree(self.agreement, f"plan {self.prog.name!r} (a call)")
+            faults.agree(self.agreement, f"plan {self.prog.name!r}{faults.A_CALL}")
 
     def run(self, args, infos, stream, issue=None):
         """One call, with self.lock held: place the inputs, issue the steps (or issue(bufs)), return the outputs."""

@@ -47,32 +47,56 @@ def ranks_text(ranks) -> str:
     return ", ".join(map(str, ranks))
 
 
+A_CALL = " (a call)"  # how executor.check_ranks labels a plan's check at a call, apart from its binding's
+
+
 def describe_mismatch(texts: list, what: str) -> str:
     """The same message on every rank: which ranks hold which text, and the first line where
-    each group's text differs from rank 0's.  Each text's first line says what the rank is
-    checking (a plan, a mesh's backend): ranks at different ones are told that instead."""
+    each group's text differs from rank 0's, with the inputs that differ where the plans' do.
+    Each text's first line says what the rank is checking (a plan, a mesh's backend): ranks at
+    different ones are told that instead; but a rank calling a plan it compiled before and one
+    compiling a new plan of the same function (a short last batch on one rank) are told how
+    the two plans differ."""
     heads: dict = {}
     for r, t in enumerate(texts):
         heads.setdefault(t.split("\n", 1)[0], []).append(r)
+    if len(heads) > 1 and len({h.removesuffix(A_CALL) for h in heads}) == 1:  # one plan: called, or compiled
+        what = next(iter(heads)).removesuffix(A_CALL)
+        how = "; ".join(f"rank(s) {ranks_text(rs)} " + ("call the plan compiled at an earlier call"
+                                                        if h.endswith(A_CALL) else "compile a new plan for this call")
+                        for h, rs in heads.items())
+        if len({t.split("\n", 1)[-1] for t in texts}) == 1:  # (the same plan compiled again: a cache dropped it)
+            return (f"the ranks are at different steps of {what} (found before its first collective): {how}, the same "
+                    "plan (one rank's plan cache dropped it: every rank must make the same calls, in the same order)")
+        return _versions(texts, what, f"{what} differs between the ranks at this call (found before its first "
+                                      f"collective): {how}; the plans")
     if len(heads) > 1:
         return ("the ranks reached different collective steps (found before any of them communicated): "
                 + "; ".join(f"rank(s) {ranks_text(rs)} at {h}" for h, rs in heads.items())
                 + "\nevery rank must make the same shardfuse calls in the same order; the first use of a mesh "
                 "(placing an array on it with sf.shard, sf.replicate or sf.from_local, or a call) sets up its "
                 "backend, which every rank must do too")
+    return _versions(texts, what)
+
+
+def _versions(texts: list, what: str, lead: str = "") -> str:
+    """Which ranks hold which version of `what` (the texts after their first line), the first line
+    where each differs from rank 0's, and the plan inputs whose types differ; after `lead` if given."""
     texts = [t.split("\n", 1)[1] if "\n" in t else "" for t in texts]
     groups: dict = {}
     for r, t in enumerate(texts):
         groups.setdefault(t, []).append(r)
     ref = texts[0].splitlines()
-    lines = [f"the ranks compiled different versions of {what} (found before its first collective): "
-             + "; ".join(f"version {chr(65 + i)} on rank(s) {ranks_text(rs)}" for i, rs in enumerate(groups.values()))]
+    lead = lead or f"the ranks compiled different versions of {what} (found before its first collective)"
+    lines = [f"{lead}: " + "; ".join(f"version {chr(65 + i)} on rank(s) {ranks_text(rs)}"
+                                      for i, rs in enumerate(groups.values()))]
     for t, rs in list(groups.items())[1:]:
         other = t.splitlines()
         k = next((i for i, (a, b) in enumerate(zip(ref, other)) if a != b), min(len(ref), len(other)))
         lines.append(f"first difference between rank 0 and rank {rs[0]}, line {k + 1}:")
         lines.append(f"  rank 0: {ref[k] if k < len(ref) else '(end of text)'}")
         lines.append(f"  rank {rs[0]}: {other[k] if k < len(other) else '(end of text)'}")
+        lines.extend(_inputs_differ(ref, other, rs[0]))
     lines.append("every rank must call the same function with the same shapes, dtypes, shardings, chunks, "
                  "algorithms and mesh, in the same order")
     return "\n".join(lines)
@@ -111,3 +135,31 @@ def unread(fd: int) -> int:
         return struct.unpack("i", fcntl.ioctl(fd, termios.FIONREAD, b"\0\0\0\0"))[0]
     except (OSError, ValueError):
         return 0
+
+
+def _inputs_differ(ref: list, other: list, rank: int) -> list:
+    """A line naming the plan inputs (`x: f64[8:DIDx, 6]`) whose types differ between rank 0's plan
+    text and `rank`'s: the argument shapes, dtypes or layouts the calls passed.  None where the
+    headers cannot be read as plans of the same inputs."""
+    a, b = (_plan_inputs(t) for t in (ref, other))
+    if a is None or b is None or [n for n, _ in a] != [n for n, _ in b]:
+        return []
+    diff = [f"{n}: {t} on rank 0, {u} on rank {rank}" for (n, t), (_, u) in zip(a, b) if t != u]
+    return [f"  the inputs differ: {'; '.join(diff)}"] if diff else []
+
+
+def _plan_inputs(lines: list):
+    """[(name, type)] of the first `plan name(x: f64[8, 6], ...) -> (...)` line, or None."""
+    head = next((s for s in lines if s.startswith("plan ") and "(" in s and ") -> (" in s), None)
+    if head is None:
+        return None
+    inner, parts, depth, cur = head[head.index("(") + 1:head.rindex(") -> (")], [], 0, ""
+    for ch in inner:  # (split at the commas outside brackets: f64[8:DIDx, 6])
+        depth += (ch in "[(") - (ch in "])")
+        if ch == "," and depth == 0:
+            parts.append(cur.strip())
+            cur = ""
+        else:
+            cur += ch
+    parts.append(cur.strip()) if cur.strip() else None
+    return [tuple(p.split(": ", 1)) if ": " in p else (p, "") for p in parts]

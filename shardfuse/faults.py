@@ -32,7 +32,7 @@ import threading
 import time
 import traceback
 
-from shardfuse.fault_messages import binding, describe_mismatch, emit, ranks_text, step_name  # noqa: F401 (binding, step_name: used as faults.*)
+from shardfuse.fault_messages import A_CALL, binding, describe_mismatch, emit, ranks_text, step_name  # noqa: F401 (A_CALL, binding, step_name: used as faults.*)
 
 TIMEOUT_ENV = "SHARDFUSE_TIMEOUT"
 DEFAULT_TIMEOUT = 600.0

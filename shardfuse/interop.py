@@ -123,6 +123,9 @@ def _from_python(x) -> np.ndarray:
     """A (nested) list, tuple or Python number as np.asarray makes it, checked: rectangular, and of
     a float type (Python floats are float64; lists of ints and bools are refused, not silently
     converted); a Python int or bool alone is int64 or bool (an sf.jit argument: weakly typed)."""
+    if type(x) is int and not -2**63 <= x < 2**63:  # (np.asarray would make it uint64 or object)
+        raise OverflowError(f"the Python int {x} is out of bounds for int64, the widest integer dtype shardfuse has "
+                            "(NumPy 2 raises OverflowError too)")
     try:
         a = np.asarray(x)
     except ValueError as e:  # ragged nesting

@@ -103,9 +103,12 @@ class Program:
     streams: int = 4
     history: tuple = ()  # the passes that produced this program, in order
     donated: tuple = ()  # indices of inputs whose buffers outputs may take (sf.jit's donate_argnums)
-    # NumPy arrays captured while tracing (shardfuse/constants.py): the last len(constants) inputs,
+    # NumPy arrays and sf.Arrays captured while tracing (shardfuse/constants.py): the last len(constants) inputs,
     # bound by the plan at each call after the function's arguments
     constants: tuple = field(default=(), compare=False, repr=False)
+    # (input index, integer dtype) per Python int argument that a promotion narrows (trace.weak_bounds):
+    # the plan checks at each call that the value fits, as NumPy 2 and JAX raise OverflowError
+    weak_bounds: tuple = field(default=(), compare=False, repr=False)
 
     def with_instrs(self, instrs, by: str, **changes) -> "Program":
         return replace(self, instrs=tuple(instrs), history=self.history + (by,), **changes)
@@ -165,8 +168,9 @@ def same_program(a: Program, b: Program) -> bool:
             return "dict", tuple((key(k), key(v)) for k, v in x.items())
         return tuple(key(e) for e in x) if isinstance(x, (tuple, list)) else x
 
-    def constants(p):  # (NumPy arrays, captured when traced)
-        return [(c.dtype, c.shape, c.tobytes()) for c in p.constants]
+    def constants(p):  # (captured when traced: NumPy arrays by value, sf.Arrays by identity)
+        return [("sf.Array", id(c)) if hasattr(c, "sharding") else (c.dtype, c.shape, c.tobytes())
+                for c in p.constants]
     return (key((a.name, a.streams, a.donated, a.inputs, a.outputs, a.instrs)) == key((b.name, b.streams, b.donated,
                                                                                         b.inputs, b.outputs, b.instrs))
             and a.mesh == b.mesh and constants(a) == constants(b))
@@ -308,7 +312,8 @@ def format_program(prog: Program) -> str:
     head = [f"plan {prog.name}({ins}) -> ({outs})", f"  # mesh {mesh}, streams={prog.streams}"]
     if prog.constants:
         names = ", ".join(v.name for v in prog.inputs[len(prog.inputs) - len(prog.constants):])
-        head.append(f"  # constants: {names} (NumPy arrays captured when traced; the plan binds them at each call)")
+        what = "arrays" if any(hasattr(c, "sharding") for c in prog.constants) else "NumPy arrays"  # (sf.Arrays too)
+        head.append(f"  # constants: {names} ({what} captured when traced; the plan binds them at each call)")
     body = format_instrs(prog.instrs, home=prog.mesh)
     tail = ["  return " + ", ".join(v.name for v in prog.outputs)]
     return "\n".join(head + body + tail)

@@ -227,7 +227,7 @@ class Jitted:
         # hot path: the plan for these argument kinds, found by a cheap key (no TensorSpec built)
         try:
             infos = tuple(None if isinstance(a, Array) else array_info(a) for a in args)
-        except (TypeError, ValueError) as e:
+        except (TypeError, ValueError, OverflowError) as e:
             if any(isinstance(a, Traced) for a in args):
                 return self._inline(args, kwargs, stream)
             raise self._argument_error(args, e) from None
@@ -323,8 +323,9 @@ class Jitted:
                 continue
             if isinstance(a, Array) or hasattr(a, "__array__") or hasattr(a, "__dlpack__") \
                     or hasattr(a, "__cuda_array_interface__"):
-                raise TypeError(f"{name}() called inside a traced function on a {type(a).__name__}: arrays are not "
-                                "captured as constants (NumPy arrays are); make it an input of the outer sf.jit function")
+                raise TypeError(f"{name}() called inside a traced function on a {type(a).__name__}: such arrays are "
+                                "not captured as constants (NumPy arrays and sf.Arrays are); make it an input of the outer "
+                                "sf.jit function")
         return self.fn(*args, **kwargs)
 
 

@@ -27,7 +27,7 @@ _SYMBOL = {Op.BITWISE_AND: "&", Op.BITWISE_OR: "|", Op.BITWISE_XOR: "^"}
 
 
 def _refuse_floats(v, what):
-    if v.dtype != "bool" and v.dtype not in _INTS:
+    if v.dtype_name != "bool" and v.dtype_name not in _INTS:
         raise TypeError(f"{what} of {describe(v)}: & | ^ ~ are NumPy's bitwise ops, of booleans (logical) and "
                         "integers only, as NumPy's; compare first (x > 0), or use np.logical_and / or / xor / not, "
                         "which read any value as x != 0")
@@ -49,7 +49,7 @@ def _bitwise_traced(a, b, op):
     else:
         a, b = a.promote_with(b, op)
     _refuse_floats(a, what)
-    return a.elementwise_op(op, (a, b), a.dtype)
+    return a.elementwise_op(op, (a, b), a.dtype_name)
 
 
 def _bitwise(op, ufunc):
@@ -67,7 +67,7 @@ bitwise_and, bitwise_or, bitwise_xor = (_bitwise(op, u) for op, u in (
 
 def _invert_traced(v):
     _refuse_floats(v, "~x (np.invert)")
-    return v.unary_op(Op.LOGICAL_NOT if v.dtype == "bool" else Op.INVERT)
+    return v.unary_op(Op.LOGICAL_NOT if v.dtype_name == "bool" else Op.INVERT)
 
 
 def invert(x):
@@ -76,7 +76,7 @@ def invert(x):
 
 
 def _as_bool(v):
-    if not isinstance(v, Traced) or v.dtype == "bool":  # (a scalar, or what _bitwise_traced refuses)
+    if not isinstance(v, Traced) or v.dtype_name == "bool":  # (a scalar, or what _bitwise_traced refuses)
         return v
     return v.astype("bool")  # (x != 0, NaN true: NumPy's)
 

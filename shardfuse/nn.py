@@ -63,7 +63,7 @@ def _one_plan(fn):
 
 def _widened(x):
     """x in the dtype it is normalised in (float32 for 16-bit floats), and its own dtype."""
-    return x.astype(_WIDENED.get(x.dtype, x.dtype)), x.dtype
+    return x.astype(_WIDENED.get(x.dtype_name, x.dtype_name)), x.dtype_name
 
 
 @_one_plan
@@ -134,7 +134,7 @@ def _swap_last_two(t):
 def _attention(q, k, v, mask):
     scores = (q @ _swap_last_two(k)) * (1.0 / math.sqrt(q.shape[-1]))
     if mask is not None:  # (a NumPy mask inside sf.jit is a constant of the program)
-        scores = where(mask, scores, _MASKED[scores.dtype]) if mask.dtype == "bool" else scores + mask
+        scores = where(mask, scores, _MASKED[scores.dtype_name]) if mask.dtype == "bool" else scores + mask
     return softmax(scores, -1) @ v
 
 
@@ -208,4 +208,4 @@ def cross_entropy(logits, labels):
 
 
 def _int_array(v) -> bool:
-    return isinstance(v, Traced) and v.dtype in ("int32", "int64")
+    return isinstance(v, Traced) and v.dtype_name in ("int32", "int64")

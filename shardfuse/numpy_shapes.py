@@ -71,7 +71,7 @@ def copy(a, order="K", subok=False):
 
 
 def _full_traced(v, value, dtype):
-    dt = dtype or v.dtype
+    dt = dtype or v.dtype_name
     c = float(value) if dtypes.is_float(dt) else bool(value) if dt == "bool" else int(value)
     return v.unary_op(Op.FULL_LIKE, dt, value=c)
 

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import threading
 
+import numpy as np
+
 from shardfuse import tree
 from shardfuse.array import Array
 from shardfuse.autochunks import explain_plan
@@ -27,7 +29,7 @@ class Plan:
         self._binding = threading.Lock()  # threads' first calls bind it once (binding may communicate)
         self._why, self._rates = explanation, rates  # chunks="auto"'s choice; the rates given to sf.jit
         self.out_tree = None  # the structure of the function's result where it is a pytree (tree.FlatFunction)
-        self._const_infos = tuple(array_info(c) for c in program.constants)
+        self._const_infos = tuple(None if isinstance(c, Array) else array_info(c) for c in program.constants)
 
     def __str__(self):
         return str(self.program)
@@ -107,6 +109,8 @@ class Plan:
         took), sf.Arrays out (in the function's result structure)."""
         if any(tree.is_container(a) for a in args):
             args = tuple(tree.leaves(args))
+        if self.program.weak_bounds:  # (Python int arguments an int32 promotion narrows: before any work)
+            self.check_bounds(args)
         if self.program.constants:  # (the arrays captured when traced: the last inputs)
             args, infos = args + self.program.constants, None if infos is None else infos + self._const_infos
         exe = self.executable
@@ -122,6 +126,19 @@ class Plan:
         if self.out_tree is not None:
             return self.out_tree.unflatten(arrays)
         return arrays[0] if len(arrays) == 1 else arrays
+
+    def check_bounds(self, args):
+        """A Python int argument that a promotion casts to a narrower dtype (int32 x + s) must fit it:
+        OverflowError naming it, as NumPy 2 and JAX raise for such a scalar, before any communication
+        (every rank passes the same value, so every rank raises)."""
+        for k, dtype in self.program.weak_bounds:
+            a, info = args[k], np.iinfo(dtype)
+            if isinstance(a, int) and not info.min <= a <= info.max:
+                name = self.program.inputs[k].name
+                raise OverflowError(f"{self.program.name}(): argument {name} is the Python int {a}, out of bounds for "
+                                    f"{dtype}, the dtype it is promoted to beside {dtype} arrays (NumPy 2 and JAX "
+                                    f"raise OverflowError too); for an int64 result pass np.int64({name}), or cast "
+                                    "the arrays first")
 
     def _check_donated(self, args, donated):
         """A donated argument passed in another position too would be read after the result wrote it."""

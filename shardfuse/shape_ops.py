@@ -109,11 +109,11 @@ def getitem(x: Traced, key):
     v = x
     if box != x.shape or any(begin) or any(s != 1 for s in step):  # (x[::-1] keeps its shape)
         attrs = {"begin": begin, **({"step": step} if any(s != 1 for s in step) else {})}
-        v = x.builder.emit(Op.SLICE_ARRAY, (x,), TensorType(box, x.dtype), x.value.name + "_s", **attrs)
+        v = x.builder.emit(Op.SLICE_ARRAY, (x,), TensorType(box, x.dtype_name), x.value.name + "_s", **attrs)
     shape = tuple(1 if k is None else len(range(*k)) for k in idx if not _is_int(k))
     if shape != v.shape or v is x:  # ints drop their axes, None adds one: a view (x[:] a new value, as
         # NumPy's view and JAX's: an annotation of it starts afresh instead of composing with x's)
-        v = v.builder.emit(Op.RESHAPE, (v,), TensorType(shape, v.dtype), v.value.name + "_r", shape=shape)
+        v = v.builder.emit(Op.RESHAPE, (v,), TensorType(shape, v.dtype_name), v.value.name + "_r", shape=shape)
     return v
 
 
@@ -121,11 +121,14 @@ def _traced_args(xs, what):
     xs = list(xs)
     if not xs:
         raise ValueError(f"{what} needs at least one array to join")
+    first = next((v for v in xs if isinstance(v, Traced)), None)
+    xs = [first.builder.constant(v) for v in xs] if first is not None else xs  # (NumPy arrays, sf.Arrays: constants)
     traced = [v for v in xs if isinstance(v, Traced)]
     if len(traced) != len(xs) or any(v.builder is not traced[0].builder for v in traced):
         bad = next(v for v in xs if not isinstance(v, Traced) or v.builder is not traced[0].builder)
         raise TypeError(f"{what}: every array must be a value of the traced function, got {type(bad).__name__}; "
-                        "arrays are not captured as constants: make them inputs of the function")
+                        "NumPy arrays and sf.Arrays are captured as constants, other arrays are not: make them "
+                        "inputs of the function")
     return xs
 
 
@@ -170,9 +173,9 @@ def concatenate(xs, axis=0):
         if v.ndim != a.ndim or any(m != n for j, (m, n) in enumerate(zip(v.shape, a.shape)) if j != ax):
             raise ValueError(f"concatenate along axis {ax}: every array must have the shape of the first, {a.shape}, "
                              f"but on that axis; got {describe(v)}")
-    dt = a.dtype
+    dt = a.dtype_name
     for v in xs[1:]:
-        dt = dtypes.promote_types(dt, v.dtype)
+        dt = dtypes.promote_types(dt, v.dtype_name)
     xs = [v.astype(dt) for v in xs]
     if len(xs) == 1:
         return xs[0]
@@ -227,7 +230,7 @@ def _whole_along(v: Traced, ax: int) -> Traced:
     lay = v.value.type.layout
     if lay.axes[ax] is None:
         return v
-    return v.builder.emit(Op.SET, (v,), TensorType(v.shape, v.dtype, lay.with_axis(ax, None)), v.value.name,
+    return v.builder.emit(Op.SET, (v,), TensorType(v.shape, v.dtype_name, lay.with_axis(ax, None)), v.value.name,
                           annotation=True)
 
 

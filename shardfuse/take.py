@@ -70,7 +70,7 @@ def _take(table, ids, axis):
     if not isinstance(table, Traced) or not isinstance(ids, Traced):
         bad = table if not isinstance(table, Traced) else ids
         raise TypeError(f"sf.take(table, ids): both must be arrays, got {type(bad).__name__}")
-    if ids.dtype not in _INTS:
+    if ids.dtype_name not in _INTS:
         raise TypeError(f"sf.take: ids must be an integer array (int32 or int64), got {describe(ids)}; "
                         "cast with ids.astype('int32') if its values are whole numbers")
     if table.ndim == 0:
@@ -81,7 +81,7 @@ def _take(table, ids, axis):
         raise ValueError(f"sf.take from {describe(table)} along axis {axis} of extent 0: there is nothing to take")
     moved = table if axis == 0 else table.transpose((axis,) + tuple(a for a in range(table.ndim) if a != axis))
     rows = table.builder.constant(_row_numbers(n))
-    out = TensorType(ids.shape + moved.shape[1:], table.dtype)
+    out = TensorType(ids.shape + moved.shape[1:], table.dtype_name)
     got = table.builder.emit(Op.TAKE, (moved, ids, rows), out, "e", vocab=n)
     if axis == 0:
         return got
@@ -114,9 +114,9 @@ def _scatter_add(ids, values, size):
     if not isinstance(ids, Traced) or not isinstance(values, Traced):
         bad = ids if not isinstance(ids, Traced) else values
         raise TypeError(f"sf.scatter_add(ids, values, size): both must be arrays, got {type(bad).__name__}")
-    if ids.dtype not in _INTS:
+    if ids.dtype_name not in _INTS:
         raise TypeError(f"sf.scatter_add: ids must be an integer array (int32 or int64), got {describe(ids)}")
-    if not dtypes.is_float(values.dtype):
+    if not dtypes.is_float(values.dtype_name):
         raise TypeError(f"sf.scatter_add: values must be floats (float16, bfloat16, float32, float64), got "
                         f"{describe(values)}; cast with values.astype('float32')")
     if values.shape[:ids.ndim] != ids.shape:
@@ -128,7 +128,7 @@ def _scatter_add(ids, values, size):
 def scatter_rows(values, ids, rows, n: int):
     """The scatter_add step (Op.SCATTER_ADD) over the vocabulary `rows` (np.arange(n) as a value:
     pinned sharded, the result's rows are, each device adding the ids in its own)."""
-    out = TensorType((n,) + values.shape[ids.ndim:], values.dtype)
+    out = TensorType((n,) + values.shape[ids.ndim:], values.dtype_name)
     return values.builder.emit(Op.SCATTER_ADD, (values, ids, rows), out, "scattered", vocab=n)
 
 

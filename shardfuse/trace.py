@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import inspect
 
-from shardfuse.constants import captured
+from shardfuse.constants import captured, tracing
 from shardfuse.ir import Program, TensorType, Value
 from shardfuse.layout import Layout
 from shardfuse.mesh import STREAM, DeviceMesh
@@ -43,7 +43,7 @@ def _annotate(x: Traced, axis: int, what, chunks=None, algorithm="collective", o
         sched = _streamed(x, layout, sched, ax, chunks, algorithm)
     else:
         layout = _placed(x, layout, sched, ax, what, _sub_mesh(x.builder, on))
-    return x.builder.emit(Op.SET, (base,), TensorType(x.shape, x.dtype, layout), base.value.name,
+    return x.builder.emit(Op.SET, (base,), TensorType(x.shape, x.dtype_name, layout), base.value.name,
                           **scheduled(attrs, sched))
 
 
@@ -98,7 +98,7 @@ def replicate(x, mesh=None):
     """Annotate x as replicated on every device (DTensor's Replicate()): forces the gathers.
     With mesh= (a sub-mesh of the program's), replicated on that sub-mesh's devices.
     (sf.replicate on a concrete array is shardfuse.api.replicate.)"""
-    out = TensorType(x.shape, x.dtype, Layout.replicated(x.ndim).on(_sub_mesh(x.builder, mesh)))
+    out = TensorType(x.shape, x.dtype_name, Layout.replicated(x.ndim).on(_sub_mesh(x.builder, mesh)))
     return x.builder.emit(Op.SET, (x,), out, x.value.name, annotation=True)
 
 
@@ -115,7 +115,7 @@ def to_mesh(x: Traced, mesh, axis: int | None = None, over: str | None = None):
         over = over or sub.axis_names[-1]
         check_divides(x.shape, ax, over, sub)
         layout = layout.with_axis(ax, over)
-    return x.builder.emit(Op.SET, (x,), TensorType(x.shape, x.dtype, layout), x.value.name + "_moved")
+    return x.builder.emit(Op.SET, (x,), TensorType(x.shape, x.dtype_name, layout), x.value.name + "_moved")
 
 
 ALGORITHMS = ("collective", "ring")
@@ -162,7 +162,7 @@ def _ring_stream(x: Traced, axis: int, chunks) -> Traced:
         if len(lead) == 1 and len([v for v in i.ins if _has_product(x.builder, v)]) == 1:
             ins = [Traced(x.builder, v) for v in i.ins]
             ins[lead[0]] = _ring_stream(ins[lead[0]], axis, chunks)
-            return x.builder.emit(i.op, ins, TensorType(x.shape, x.dtype), x.value.name, **i.attrs)
+            return x.builder.emit(i.op, ins, TensorType(x.shape, x.dtype_name), x.value.name, **i.attrs)
     return _annotate(x, axis, STREAM, chunks, "ring")
 
 
@@ -216,11 +216,23 @@ def trace(fn, mesh, specs, streams=4, name=None) -> Program:
         builder.homes.update({v: lay.mesh} if lay is not None else {})
         builder.weak.update({v} if spec.weak else set())
         inputs.append(v)
-    result = fn(*(Traced(builder, v) for v in inputs))
+    with tracing(builder):  # (an op on an sf.Array inside fn is traced, the array a constant: array_ops.run)
+        result = fn(*(Traced(builder, v) for v in inputs))
     results = result if isinstance(result, tuple) else (result,)
     for r in results:
         if not isinstance(r, Traced):
             raise TypeError(f"{fn.__name__} must return traced values, got {type(r).__name__}")
     const_inputs, const_arrays = captured(builder)  # (NumPy arrays met: inputs bound by the plan itself)
     return Program(name or fn.__name__, mesh, tuple(inputs) + const_inputs, tuple(r.value for r in results),
-                   tuple(builder.instrs), streams, ("trace",), constants=const_arrays)
+                   tuple(builder.instrs), streams, ("trace",), constants=const_arrays,
+                   weak_bounds=weak_bounds(builder, inputs))
+
+
+def weak_bounds(builder, inputs) -> tuple:
+    """(input index, dtype) for each Python int argument (weak int64) that a promotion casts to int32
+    (int32 x + s keeps int32, as NumPy 2 and JAX): the value is known only at the call, which checks
+    that it fits (Plan.check_bounds), where the cast would wrap it silently.  An explicit
+    s.astype("int32") is strong (its output not weak) and wraps as NumPy's astype does."""
+    ints = {v: k for k, v in enumerate(inputs) if v in builder.weak and v.type.dtype == "int64"}
+    return tuple(sorted({(ints[i.ins[0]], "int32") for i in builder.instrs if i.op == Op.ASTYPE and i.ins[0] in ints
+                         and i.outs[0] in builder.weak and i.outs[0].type.dtype == "int32"}))

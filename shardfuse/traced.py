@@ -65,7 +65,8 @@ class Traced(NumpyMethods):
         self.builder, self.value = builder, value
 
     shape = property(lambda self: self.value.type.shape)
-    dtype = property(lambda self: self.value.type.dtype)
+    dtype = property(lambda self: dtypes.np_dtype(self.value.type.dtype))  # (a NumPy dtype, as a JAX tracer's)
+    dtype_name = property(lambda self: self.value.type.dtype)  # (its name, as the IR and dtypes.py keep it)
     ndim = property(lambda self: len(self.value.type.shape))
     weak = property(lambda self: self.value in self.builder.weak)  # (a Python scalar argument's: spec.TensorSpec)
     size = property(lambda self: math.prod(self.value.type.shape))
@@ -93,7 +94,7 @@ class Traced(NumpyMethods):
         """(self, other) cast to their promoted dtype (dtypes.promote_weak; float64 for the true
         division of integers, as NumPy's)."""
         b = self._other(other, what)
-        dt = dtypes.promote_weak(self.dtype, self.weak, b.dtype, b.weak)
+        dt = dtypes.promote_weak(self.dtype_name, self.weak, b.dtype_name, b.weak)
         dt = "float64" if what == Op.DIV and not dtypes.is_float(dt) else dt
         return cast(self, dt), cast(b, dt)
 
@@ -102,7 +103,7 @@ class Traced(NumpyMethods):
         weak, as in NumPy 2 and JAX (x * 2.0 keeps float16; int32 x * 0.5 is float64); a NumPy scalar
         is not (float32 x * np.float64(3) is float64, as NumPy 2's and JAX's)."""
         name = np.dtype(c.dtype).name if isinstance(c, np.generic) else None
-        dt = dtypes.promote_types(self.dtype, name) if name in dtypes.TABLE else dtypes.weak_result(self.dtype, c)
+        dt = dtypes.promote_types(self.dtype_name, name) if name in dtypes.TABLE else dtypes.weak_result(self.dtype_name, c)
         dt = "float64" if to_float and not dtypes.is_float(dt) else dt
         x = cast(self, dt)
         if rounded:  # (a comparison's or maximum's scalar: NumPy 2 rounds it to x's dtype first)
@@ -119,9 +120,9 @@ class Traced(NumpyMethods):
 
     def __matmul__(self, other):
         a, b = self.promote_with(other, Op.MATMUL)  # (f32 @ f64: f64, as NumPy and JAX)
-        if not dtypes.is_float(a.dtype):
-            raise TypeError(f"matmul {self.value.name} @ {b.value.name} of {a.dtype} values: shardfuse multiplies float "
-                            "arrays (cuBLAS has no integer GEMM here); cast first: x.astype('float32')")
+        if not dtypes.is_float(a.dtype_name):
+            raise TypeError(f"matmul {self.value.name} @ {b.value.name} of {a.dtype_name} values: shardfuse multiplies "
+                            "float arrays (cuBLAS has no integer GEMM here); cast first: x.astype('float32')")
         self = a
         sa, sb, na, nb = self.shape, b.shape, self.value.name, b.value.name  # (the parameters' names for inputs)
         if not sa or not sb:
@@ -132,7 +133,7 @@ class Traced(NumpyMethods):
                              f"{'second-to-last' if len(sb) > 1 else 'only'} axis")
         if len(sa) < 2 or len(sb) < 2 or (len(sb) > 2 and sb[:-2] != sa[:-2]):
             return SHAPE_OPS["broadcast_matmul"](self, b)  # NumPy's 1-D operands, broadcast batch axes
-        out = TensorType(sa[:-1] + (sb[-1],), self.dtype)
+        out = TensorType(sa[:-1] + (sb[-1],), self.dtype_name)
         return self.builder.emit(Op.MATMUL, (self, b), out, "c")
 
     def _elementwise(self, other, op):
@@ -142,10 +143,10 @@ class Traced(NumpyMethods):
                 return x.unary_op(Op.SCALE, value=c) if op == Op.MUL else x.unary_op(Op.DIV_SCALAR, value=c)
             return x.unary_op(Op.ADD_SCALAR, value=c if op == Op.ADD else -c)
         a, b = self.promote_with(other, op)
-        return a.elementwise_op(op, (a, b), a.dtype)
+        return a.elementwise_op(op, (a, b), a.dtype_name)
 
     def unary_op(self, op, dtype=None, **attrs):
-        return self.builder.emit(op, (self,), TensorType(self.shape, dtype or self.dtype), op[0], **attrs)
+        return self.builder.emit(op, (self,), TensorType(self.shape, dtype or self.dtype_name), op[0], **attrs)
 
     def _compare(self, other, op):
         """x op y elementwise, a boolean array (JAX's and NumPy's ==, not Python's identity)."""
@@ -184,7 +185,7 @@ class Traced(NumpyMethods):
         """x in another dtype (float16, bfloat16, float32, float64, int32, int64, bool), as NumPy's
         astype (floats to integers truncate toward zero); a cast to x's own dtype is x."""
         dt = dtypes.normalize_dtype(dtype)
-        if dt == self.dtype and not self.weak:
+        if dt == self.dtype_name and not self.weak:
             return self
         out = self.unary_op(Op.ASTYPE, dt)
         self.builder.weak.discard(out.value)  # (a dtype stated is strong, as JAX's astype, even a weak value's own)
@@ -296,11 +297,11 @@ class Traced(NumpyMethods):
     def _reduce(self, axis, kind, keepdims=False):
         axes = reduced_axes(axis, self.ndim, self.shape)
         summed = kind in (Op.SUM, "mean")
-        v = self.astype("int64" if kind == Op.SUM else "float64") if summed and not dtypes.is_float(self.dtype) \
+        v = self.astype("int64" if kind == Op.SUM else "float64") if summed and not dtypes.is_float(self.dtype_name) \
             else self  # (NumPy's dtypes of integer sums and means)
         for ax in sorted(axes, reverse=True):  # the last first: no renumbering
             n, attrs = v.shape[ax], {}
-            out = TensorType(v.shape[:ax] + v.shape[ax + 1:], v.dtype)
+            out = TensorType(v.shape[:ax] + v.shape[ax + 1:], v.dtype_name)
             if summed:
                 if kind == "mean":
                     attrs["factor"] = 1.0 / n if n else math.nan
@@ -322,7 +323,7 @@ class Traced(NumpyMethods):
             or tuple(reversed(range(self.ndim)))  # (negative axes count from the end, as NumPy's)
         if sorted(perm) != list(range(self.ndim)):
             raise ValueError(f"transpose: {perm} is not a permutation of the {self.ndim} axes of {self.shape}")
-        out = TensorType(tuple(self.shape[p] for p in perm), self.dtype)
+        out = TensorType(tuple(self.shape[p] for p in perm), self.dtype_name)
         return self.builder.emit(Op.TRANSPOSE, (self,), out, self.value.name + "_t", perm=tuple(perm))
 
     T = property(lambda self: self.transpose())
@@ -339,7 +340,7 @@ class Traced(NumpyMethods):
             shape = tuple(size // known if s == -1 else s for s in shape)
         if int(np.prod(shape)) != size or any(s < 1 for s in shape):
             raise ValueError(f"cannot reshape {self.shape} ({size} elements) to {shape}")
-        out = TensorType(tuple(int(s) for s in shape), self.dtype)
+        out = TensorType(tuple(int(s) for s in shape), self.dtype_name)
         return self.builder.emit(Op.RESHAPE, (self,), out, self.value.name + "_r", shape=out.shape)
 
 
@@ -355,7 +356,7 @@ _NUMBER = ("a number computed inside sf.jit is known only after the call: return
 
 def cast(x: Traced, dtype: str) -> Traced:
     """x in dtype for a promotion: weak where x is (astype states a dtype: strong)."""
-    return x if dtype == x.dtype else x.unary_op(Op.ASTYPE, dtype)
+    return x if dtype == x.dtype_name else x.unary_op(Op.ASTYPE, dtype)
 
 
 def is_weak_scalar(x) -> bool:
@@ -374,7 +375,7 @@ def is_scalar(x) -> bool:
 
 def describe(v) -> str:
     """A traced value as the tracer knows it: its name, shape and dtype."""
-    return f"{v.value.name} (shape {v.shape}, {v.dtype})" if isinstance(v, Traced) else type(v).__name__
+    return f"{v.value.name} (shape {v.shape}, {v.dtype_name})" if isinstance(v, Traced) else type(v).__name__
 
 
 def numpy_name(f) -> str:

@@ -38,7 +38,7 @@ apply_op = _apply  # (public: the other modules of NumPy's functions, logical.py
 
 def _floating(x):
     """x, cast to a float dtype first where it is an integer or bool array (NumPy's result of sqrt, log ...)."""
-    return cast(x, dtypes.float_result(x.dtype))  # (np.sqrt of a weak int: a weak float, as JAX's)
+    return cast(x, dtypes.float_result(x.dtype_name))  # (np.sqrt of a weak int: a weak float, as JAX's)
 
 
 # The traced functions _apply runs are made once per op, not per call: outside jit they key the
@@ -111,7 +111,7 @@ def _extremum(op, scalar_op):
             v, c = a.with_scalar(b, rounded=True)
             return v.unary_op(scalar_op, value=c)
         a, b = a.promote_with(b, op)
-        return a.elementwise_op(op, (a, b), a.dtype)
+        return a.elementwise_op(op, (a, b), a.dtype_name)
 
     def fn(x, y):
         return _apply(traced, str(op), x, y)
@@ -143,9 +143,9 @@ def _floor_traced(a, b, op):
         a = b.unary_op(Op.FULL_LIKE, value=c)
     else:
         a, b = a.promote_with(b, op)
-    if a.dtype == "bool":  # (NumPy's result is int8, a dtype shardfuse lacks)
+    if a.dtype_name == "bool":  # (NumPy's result is int8, a dtype shardfuse lacks)
         raise TypeError(f"{op} of boolean arrays: cast them first, x.astype('int32')")
-    return a.elementwise_op(op, (a, b), a.dtype)
+    return a.elementwise_op(op, (a, b), a.dtype_name)
 
 
 floor_divide, mod = _floor_op(Op.FLOOR_DIVIDE, np.floor_divide), _floor_op(Op.MOD, np.remainder)
@@ -162,16 +162,16 @@ def where(c, x, y):
 def _where(c, x, y):
     if not isinstance(c, Traced):
         raise TypeError(f"sf.where: the condition must be an array inside sf.jit, got {type(c).__name__}")
-    c = c if c.dtype == "bool" else c.astype("bool")
+    c = c if c.dtype_name == "bool" else c.astype("bool")
     for v in (x, y):
         if not (isinstance(v, Traced) or is_weak_scalar(v)):
             raise TypeError(f"sf.where: x and y must be arrays or Python scalars, got {type(v).__name__}")
     arrays = [v for v in (x, y) if isinstance(v, Traced)]
     if len(arrays) == 2:
         x, y = x.promote_with(y, "where")
-        dt = x.dtype
+        dt = x.dtype_name
     elif arrays:
-        dt = arrays[0].with_scalar(y if arrays[0] is x else x)[0].dtype
+        dt = arrays[0].with_scalar(y if arrays[0] is x else x)[0].dtype_name
     else:
         dt = np.result_type(x, y).name  # (two Python scalars: NumPy's default dtypes)
     halves = []
@@ -198,7 +198,7 @@ def logical_not(x):
 
 
 def _logical_not(v):
-    return ~(v if v.dtype == "bool" else v.astype("bool"))
+    return ~(v if v.dtype_name == "bool" else v.astype("bool"))
 
 
 # ---- NumPy's functions on traced values ---------------------------------------------------------
@@ -349,7 +349,7 @@ def _arg_extremum(x, axis, keepdims, kind):
     best = x.max(ax, keepdims=True) if kind == "max" else x.min(ax, keepdims=True)
     index = x.builder.constant(np.arange(n, dtype=np.int64).reshape((n,) + (1,) * (x.ndim - ax - 1)))
     found = where(x == best, index, n)
-    if dtypes.is_float(x.dtype):
+    if dtypes.is_float(x.dtype_name):
         found = where(x != x, index, found)
     return found.min(ax, keepdims=keepdims)
 

@@ -105,7 +105,7 @@ def _fresh(x: Traced) -> Traced:
     """A primal as a value of its own (a view), as JAX's new tracer: inside a traced function the
     differentiated function's uses of the primal are told from uses of the same array it closes
     over (grad of lambda z: x * z at z = x is x, not 2x)."""
-    return x.builder.emit(Op.RESHAPE, (x,), TensorType(x.shape, x.dtype), x.value.name, shape=x.shape, primal=True)
+    return x.builder.emit(Op.RESHAPE, (x,), TensorType(x.shape, x.dtype_name), x.value.name, shape=x.shape, primal=True)
 
 
 def _check_primals(leaves, what, where):
@@ -113,9 +113,9 @@ def _check_primals(leaves, what, where):
         if not isinstance(x, Traced):
             raise TypeError(f"{what}: {where} holds a {type(x).__name__}; gradients are taken with respect to arrays "
                             "(pass it as an array, or leave it out of argnums)")
-        if not differentiable(x.dtype):
-            raise TypeError(f"{what}: {where} is {describe(x)} of dtype {x.dtype}: gradients are taken with respect "
-                            "to float arrays only (as JAX's); leave integer and boolean arguments out of argnums")
+        if not differentiable(x.dtype_name):
+            raise TypeError(f"{what}: {where} is {describe(x)} of dtype {x.dtype_name}: gradients are taken with "
+                            "respect to float arrays only (as JAX's); leave integer and boolean arguments out of argnums")
 
 
 class _Grad:
@@ -163,7 +163,7 @@ class _Grad:
             wrt, origins, args[k] = wrt + fresh, origins + leaves, td.unflatten(fresh)
         fwd = _Forward(self.fn, tuple(args), wrt, self.what, self.has_aux, self.remat, origins)
         out = fwd.out
-        if not isinstance(out, Traced) or out.shape != () or not differentiable(out.dtype):
+        if not isinstance(out, Traced) or out.shape != () or not differentiable(out.dtype_name):
             got = describe(out) if isinstance(out, Traced) else type(out).__name__
             raise TypeError(f"{self.what}: {_name(self.fn)} must return a float scalar (shape ()), got {got}; for "
                             "other outputs use sf.vjp")
@@ -228,7 +228,7 @@ def _vjp_traced(fn, primals, has_aux, remat="regather", nested=True):
     for x in leaves:
         if not isinstance(x, Traced):
             raise TypeError(f"sf.vjp: a primal is a {type(x).__name__}; it takes arrays (and pytrees of them)")
-    origins = [x for x in leaves if differentiable(x.dtype)]  # (integer and boolean primals: cotangent None)
+    origins = [x for x in leaves if differentiable(x.dtype_name)]  # (integer and boolean primals: cotangent None)
     fresh = {id(x): _fresh(x) if nested else x for x in origins}
     wrt = [fresh[id(x)] for x in origins]
     primals = in_tree.unflatten([fresh.get(id(x), x) for x in leaves])
@@ -241,12 +241,12 @@ def _vjp_traced(fn, primals, has_aux, remat="regather", nested=True):
             raise ValueError(f"vjp_fn: the cotangent must have the structure of {_name(fn)}'s output {out_tree}, "
                              f"got {ct_tree}")
         for o, c in zip(out_leaves, cts):
-            if not isinstance(c, Traced) or c.shape != o.shape or c.dtype != o.dtype:
+            if not isinstance(c, Traced) or c.shape != o.shape or c.dtype_name != o.dtype_name:
                 got = describe(c) if isinstance(c, Traced) else type(c).__name__
                 raise ValueError(f"vjp_fn: the cotangent of {describe(o)} must be an array of shape {o.shape} and "
-                                 f"dtype {o.dtype}, got {got}")
+                                 f"dtype {o.dtype_name}, got {got}")
         grads = iter(fwd.cotangents(out_leaves, cts))
-        return tuple(in_tree.unflatten([next(grads) if differentiable(x.dtype) else None for x in leaves]))
+        return tuple(in_tree.unflatten([next(grads) if differentiable(x.dtype_name) else None for x in leaves]))
     return (fwd.out, vjp_fn, fwd.aux) if has_aux else (fwd.out, vjp_fn)
 
 

@@ -303,9 +303,11 @@ def test_pickle_made_by_another_process_is_refused(mesh):
 
 # ---- 8. gather is collective -------------------------------------------------------------------
 def test_gather_says_it_is_collective():
-    assert "Collective: under mpiexec every process must call it" in sf.Array.gather.__doc__
+    assert "Otherwise collective: under mpiexec every\n        process must call it" in sf.Array.gather.__doc__
+    assert "with no communication" in sf.Array.gather.__doc__  # (a replicated value: read locally)
     readme = (ROOT / "README.md").read_text()
-    assert "c.gather()                              # the global result, on every process (collective" in readme
+    assert "c.gather()                              # the global result, on every process (read locally" in readme
+    assert "a sharded value's `gather()` is collective" in readme
 
 
 # ---- 3. a jitted function called inside another is inlined ---------------------------------------
@@ -337,8 +339,10 @@ def test_inlining_refusals(mesh):
                                          r"called inside a function traced for DeviceMesh\(DIDx=4"):
         sf.jit(lambda a: inner(a), mesh=mesh).lower(T((4, 4)))
     add = sf.jit(lambda a, b: a + b, mesh=mesh)
-    with pytest.raises(TypeError, match="called inside a traced function on a Array: arrays are not captured"):
-        sf.jit(lambda a: add(a, sf.replicate(np.ones((4, 4), np.float32), mesh=mesh)), mesh=mesh).lower(T((4, 4)))
+    on_other = sf.replicate(np.ones((4, 4), np.float32), mesh=other)  # (on the same mesh: a constant, test_constants)
+    with pytest.raises(ValueError, match="a closed-over sf.Array becomes a constant of the program only on the "
+                                         "program's mesh"):
+        sf.jit(lambda a: add(a, on_other), mesh=mesh).lower(T((4, 4)))
     with pytest.raises(TypeError, match="stream= is for calls on arrays"):
         sf.jit(lambda a: add(a, a, stream=1), mesh=mesh).lower(T((4, 4)))
     np.testing.assert_array_equal(add(np.ones(4), b=np.ones(4)).gather(), 2 * np.ones(4))  # bound as in Python

@@ -115,6 +115,30 @@ def test_a_rank_calling_another_compiled_plan_raises_at_that_call():
     np.testing.assert_allclose(f(x8, w).gather(), x8 @ w)  # nothing half-sent: the next call runs
 
 
+def test_a_short_last_batch_on_one_rank_names_the_inputs_that_differ():
+    """The README's case: every rank has the plan for 16 rows; then rank BAD passes 8 (a short
+    last batch) and compiles a new plan while the others call the cached one.  The message said
+    only "rank(s) 0 at plan 'f' (a call); rank(s) 1 at plan 'f'"; now it names the difference, as
+    when every rank compiles afresh."""
+    others = ", ".join(str(r) for r in range(NPROCS) if r != BAD)
+    f, x16, w = _natural(sf.DeviceMesh(4), rows=16)
+    f(x16, w)
+    for fresh in (False, True):
+        if fresh:  # a new function: every rank compiles its plan at this call
+            f, x16, w = _natural(sf.DeviceMesh(4), rows=16)
+        with pytest.raises(sf.RankMismatchError) as err:
+            f(x16[:8] if RANK == BAD else x16, w)
+        msg = str(err.value)
+        assert COMM.allgather(msg) == [msg] * NPROCS, "every rank must raise the very same message"
+        assert f"the inputs differ: x: f64[16:DIDx, 6] on rank 0, f64[8:DIDx, 6] on rank {BAD}" in msg, msg
+        assert f"  rank {BAD}: plan f(x: f64[8:DIDx, 6], w: f64[6, 3])" in msg, msg
+        if not fresh:
+            assert (f"plan 'f' differs between the ranks at this call (found before its first collective): rank(s) "
+                    f"{others} call the plan compiled at an earlier call; rank(s) {BAD} compile a new plan for this "
+                    "call") in msg, msg
+        np.testing.assert_allclose(f(x16, w).gather(), x16 @ w)  # nothing half-sent: the next call runs
+
+
 def test_ranks_at_different_steps_of_gather_from_local_and_profile_raise_the_same_error():
     mesh = sf.DeviceMesh(4)
     piece = np.arange(4.0 * 4).reshape(4, 4)
@@ -124,7 +148,7 @@ def test_ranks_at_different_steps_of_gather_from_local_and_profile_raise_the_sam
     plan = f.lower(x, w)
     with pytest.raises(sf.RankMismatchError, match="gathering the profile"):  # paired its data with a plan's
         plan.profile(x, w, repeat=2 if RANK == 0 else 1)
-    c = f(x, w)
+    c = sf.shard(f(x, w), axis=0)  # (sharded: its gather is collective; a replicated value's is read locally)
     with pytest.raises(sf.RankMismatchError, match=r"gather\(\) of an sf.Array"):
         c.gather() if RANK == BAD else f(x, w)
     np.testing.assert_allclose(c.gather(), x @ w)
