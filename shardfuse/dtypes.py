@@ -43,6 +43,11 @@ _DTYPE_NAMES: dict = {}  # dtype object -> name (np.dtype(...).name costs micros
 def normalize_dtype(dtype) -> str:
     name = dtype if isinstance(dtype, str) else _DTYPE_NAMES.get(dtype)
     if name is None:
+        if hasattr(dtype, "shape") and not isinstance(dtype, (type, np.dtype)):
+            # (np.dtype() reads any object's .dtype: an array, a traced value or an sf.Array would pass as
+            # its dtype, where NumPy's own functions refuse it)
+            raise TypeError(f"a dtype was expected, got an array ({type(dtype).__name__}): Cannot construct a "
+                            "dtype from an array")
         name = np.dtype(dtype).name
         if name in DTYPES:
             _DTYPE_NAMES[dtype] = name

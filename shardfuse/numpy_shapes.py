@@ -87,9 +87,6 @@ def full_like(a, fill_value, dtype=None, order="K", subok=True, shape=None, *, d
     if not is_weak_scalar(fill_value):
         raise TypeError(f"np.full_like: fill_value must be a Python or NumPy scalar inside sf.jit and on sf.Arrays, got "
                         f"{type(fill_value).__name__}; for an array write np.where(True, value, x) or x * 0 + value")
-    if hasattr(dtype, "shape") and not isinstance(dtype, (type, np.dtype)):  # (np.dtype() would read an array's .dtype, as NumPy's own call refuses)
-        raise TypeError(f"np.full_like: dtype must be a dtype, got an array ({type(dtype).__name__}); as NumPy's: "
-                        "Cannot construct a dtype from an array")
     dt = None if dtype is None else dtypes.normalize_dtype(dtype)
     return apply_op(_full_traced, np.full_like.__name__, a, fill_value, dt)
 

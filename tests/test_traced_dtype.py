@@ -94,3 +94,20 @@ def test_bfloat16_and_weak_scalars_and_gradients(mesh):
     g = sf.jit(sf.grad(loss), mesh=mesh)(w)
     assert dtypes_seen and all(d == np.float64 and isinstance(d, np.dtype) for d in dtypes_seen)
     np.testing.assert_allclose(g.gather(), 4.0 * w, rtol=1e-12)
+
+
+@pytest.mark.parametrize("call", ["astype", "zeros_like", "ones_like eager"])
+def test_an_array_is_no_dtype(mesh, call):
+    """np.dtype() reads any object's .dtype, so with .dtype a NumPy dtype an array passed where a dtype
+    goes would pass as its dtype; NumPy refuses it ("Cannot construct a dtype from an array"), and so
+    does shardfuse (the review found astype(b) and np.zeros_like(a, b) silently taking b's dtype)."""
+    x = RNG().standard_normal((4, 3))
+    y = RNG().integers(1, 9, (4, 3)).astype(np.int32)
+    with pytest.raises(TypeError, match="dtype from an array"):
+        if call == "astype":
+            sf.jit(lambda a, b: a.astype(b), mesh=mesh)(x, y)
+        elif call == "zeros_like":
+            sf.jit(lambda a, b: np.zeros_like(a, b), mesh=mesh)(x, y)
+        else:
+            np.ones_like(sf.shard(x, axis=0, mesh=mesh), sf.shard(y, axis=0, mesh=mesh))
+    assert sf.jit(lambda a: a.astype(np.int32), mesh=mesh)(x).dtype == np.int32
