@@ -20,7 +20,7 @@ import numpy as np
 from shardfuse.ops import Op
 from shardfuse.spec import reduced_axes
 from shardfuse.traced import NUMPY, Traced, describe, is_weak_scalar
-from shardfuse.traced_numpy import apply_op
+from shardfuse.traced_numpy import apply_op, scalar_operands
 
 _INTS = ("int32", "int64")
 _SYMBOL = {Op.BITWISE_AND: "&", Op.BITWISE_OR: "|", Op.BITWISE_XOR: "^"}
@@ -34,20 +34,12 @@ def _refuse_floats(v, what):
 
 
 def _bitwise_traced(a, b, op):
-    # a Python scalar becomes an array of the other operand's shape (a full_like in the dtype NumPy's
-    # weak scalar gives), as for x // 2: one op serves mask & True and True & mask
+    # (one op serves mask & True and True & mask, as x // 2 and 2 // x)
     what = f"x {_SYMBOL[op]} y (np.{op})"
-    if is_weak_scalar(b):
-        a, c = a.with_scalar(b)
-        b = a.unary_op(Op.FULL_LIKE, value=c)
-    elif is_weak_scalar(a):
-        b, c = b.with_scalar(a)
-        a = b.unary_op(Op.FULL_LIKE, value=c)
-    elif not isinstance(a, Traced) or not isinstance(b, Traced):
+    if not (is_weak_scalar(a) or is_weak_scalar(b)) and not (isinstance(a, Traced) and isinstance(b, Traced)):
         bad = b if isinstance(a, Traced) else a
         raise TypeError(f"{what}: an array or a Python scalar was expected, got {type(bad).__name__}")
-    else:
-        a, b = a.promote_with(b, op)
+    a, b = scalar_operands(a, b, op)
     _refuse_floats(a, what)
     return a.elementwise_op(op, (a, b), a.dtype_name)
 

@@ -132,17 +132,21 @@ def _floor_op(op, ufunc):
     return fn
 
 
-def _floor_traced(a, b, op):
-    # a Python scalar becomes an array of the other operand's shape (a full_like, the dtype NumPy's
-    # weak scalar gives): one op serves x // 2 and 2 // x, and its sharding is the elementwise rule's
+def scalar_operands(a, b, op):
+    """(a, b) as two arrays of one dtype for a binary op: a Python scalar on either side becomes an
+    array of the other operand's shape (a full_like, in the dtype NumPy's weak scalar gives), so one
+    op serves x // 2 and 2 // x and its sharding is the elementwise rule's; two arrays promoted."""
     if is_weak_scalar(b):
         a, c = a.with_scalar(b)
-        b = a.unary_op(Op.FULL_LIKE, value=c)
-    elif is_weak_scalar(a):
+        return a, a.unary_op(Op.FULL_LIKE, value=c)
+    if is_weak_scalar(a):
         b, c = b.with_scalar(a)
-        a = b.unary_op(Op.FULL_LIKE, value=c)
-    else:
-        a, b = a.promote_with(b, op)
+        return b.unary_op(Op.FULL_LIKE, value=c), b
+    return a.promote_with(b, op)
+
+
+def _floor_traced(a, b, op):
+    a, b = scalar_operands(a, b, op)
     if a.dtype_name == "bool":  # (NumPy's result is int8, a dtype shardfuse lacks)
         raise TypeError(f"{op} of boolean arrays: cast them first, x.astype('int32')")
     return a.elementwise_op(op, (a, b), a.dtype_name)
