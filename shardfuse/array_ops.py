@@ -213,7 +213,7 @@ def getitem(x, key):
     found = array_index(key, x.shape, what)
     if found is not None:  # x[ids], x[:, ids] with a NumPy or sf.Array of ids: np.take's lookup, as inside jit
         basic, axis, ids = found
-        return take(x if all(k is Ellipsis or k == slice(None) for k in basic) else getitem(x, basic), ids, axis)
+        return take(x if basic is None else getitem(x, basic), ids, axis)
     expand_index(key, x.shape, what)  # (refused before any plan)
     return run(lambda v: shape_getitem(v, key), (x,), ("getitem", _hashable(key)), "getitem")
 

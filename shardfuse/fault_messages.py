@@ -161,5 +161,6 @@ def _plan_inputs(lines: list):
             cur = ""
         else:
             cur += ch
-    parts.append(cur.strip()) if cur.strip() else None
+    if cur.strip():
+        parts.append(cur.strip())
     return [tuple(p.split(": ", 1)) if ": " in p else (p, "") for p in parts]

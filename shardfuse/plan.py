@@ -30,6 +30,8 @@ class Plan:
         self._why, self._rates = explanation, rates  # chunks="auto"'s choice; the rates given to sf.jit
         self.out_tree = None  # the structure of the function's result where it is a pytree (tree.FlatFunction)
         self._const_infos = tuple(None if isinstance(c, Array) else array_info(c) for c in program.constants)
+        # (input, dtype, its least and greatest value) per Python int argument a promotion narrows
+        self._bounds = tuple((k, dt, int(np.iinfo(dt).min), int(np.iinfo(dt).max)) for k, dt in program.weak_bounds)
 
     def __str__(self):
         return str(self.program)
@@ -109,7 +111,7 @@ class Plan:
         took), sf.Arrays out (in the function's result structure)."""
         if any(tree.is_container(a) for a in args):
             args = tuple(tree.leaves(args))
-        if self.program.weak_bounds:  # (Python int arguments an int32 promotion narrows: before any work)
+        if self._bounds:  # (Python int arguments an int32 promotion narrows: before any work)
             self.check_bounds(args)
         if self.program.constants:  # (the arrays captured when traced: the last inputs)
             args, infos = args + self.program.constants, None if infos is None else infos + self._const_infos
@@ -131,9 +133,9 @@ class Plan:
         """A Python int argument that a promotion casts to a narrower dtype (int32 x + s) must fit it:
         OverflowError naming it, as NumPy 2 and JAX raise for such a scalar, before any communication
         (every rank passes the same value, so every rank raises)."""
-        for k, dtype in self.program.weak_bounds:
-            a, info = args[k], np.iinfo(dtype)
-            if isinstance(a, int) and not info.min <= a <= info.max:
+        for k, dtype, least, greatest in self._bounds:
+            a = args[k]
+            if isinstance(a, int) and not least <= a <= greatest:
                 name = self.program.inputs[k].name
                 raise OverflowError(f"{self.program.name}(): argument {name} is the Python int {a}, out of bounds for "
                                     f"{dtype}, the dtype it is promoted to beside {dtype} arrays (NumPy 2 and JAX "

@@ -67,10 +67,10 @@ def _is_array(k) -> bool:
 
 
 def array_index(key, shape, what):
-    """(the key's basic part, axis, ids) where the key holds an integer array (a traced one, a NumPy
-    array or an sf.Array) alone or beside slices and '...': x[ids], x[:, ids], x[1:, ids], x[..., ids]
-    are np.take(x[basic part], ids, axis), as NumPy's and JAX's indexing with one array; None where
-    the key holds no array.  Other mixes are refused, saying what to write."""
+    """(the key's basic part, None where it cuts nothing; axis; ids) where the key holds an integer
+    array (a traced one, a NumPy array or an sf.Array) alone or beside slices and '...': x[ids],
+    x[:, ids], x[1:, ids], x[..., ids] are np.take(x[basic part], ids, axis), as NumPy's and JAX's
+    indexing with one array; None where the key holds no array.  Other mixes are refused, saying what to write."""
     key = key if isinstance(key, tuple) else (key,)
     arrays = [n for n, k in enumerate(key) if _is_array(k)]
     if not arrays:
@@ -89,7 +89,8 @@ def array_index(key, shape, what):
         raise IndexError(f"{what}: too many indices for an array of shape {shape}, or more than one '...'")
     ellipsis = next((j for j, k in enumerate(key) if k is Ellipsis), len(key))
     axis = n if ellipsis > n else n - 1 + len(shape) - used  # ('...' before it: the axes it stands for)
-    return key[:n] + (slice(None),) + key[n + 1:], axis, ids
+    basic = key[:n] + (slice(None),) + key[n + 1:]
+    return (None if all(k is Ellipsis or k == slice(None) for k in basic) else basic), axis, ids
 
 
 def getitem(x: Traced, key):
@@ -99,8 +100,7 @@ def getitem(x: Traced, key):
     if found is not None:
         from shardfuse.take import take  # (issue 31 item 4, alongside: table[ids])
         basic, axis, ids = found
-        whole = all(k is Ellipsis or k == slice(None) for k in basic)
-        return take(x if whole else getitem(x, basic), ids, axis)
+        return take(x if basic is None else getitem(x, basic), ids, axis)
     idx = expand_index(key, x.shape, what)
     axes = [k for k in idx if k is not None]
     begin = tuple(k if _is_int(k) else k[0] for k in axes)
