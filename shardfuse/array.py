@@ -11,6 +11,7 @@ from shardfuse import faults
 from shardfuse.array_ops import ArrayOps, reshard
 from shardfuse.interop import array_info, check_input, stream_ptr
 from shardfuse.layout import Layout, layout_of
+from shardfuse.mesh import DeviceMesh
 from shardfuse.dtypes import normalize_dtype, np_dtype
 from shardfuse.pieces import Placed, device_index, global_layout, local_indices, local_pieces
 from shardfuse.spec import TensorSpec, check_axis, check_divides, normalize_axis
@@ -41,7 +42,7 @@ class Array(Placed, ArrayOps):  # operators, ufuncs, reductions, indexing: array
     global NumPy value; collective) or ``.to_local()`` (this process' piece) instead."""
 
     def __init__(self, mesh, shape, dtype, layout: Layout, shards: list, pieces_contiguous: bool = False,
-                 owned: bool = False):
+                 owned: bool = False, fenced: int | None = None):
         self.dtype_name = normalize_dtype(dtype)
         self.mesh, self.shape, self.dtype = mesh, tuple(shape), np_dtype(self.dtype_name)
         self.sharding, self.shards = layout, shards
@@ -49,6 +50,7 @@ class Array(Placed, ArrayOps):  # operators, ufuncs, reductions, indexing: array
         # a plan's result: a buffer per device that nothing else views, which a plan that it is donated
         # to may write (pieces placed from a caller's array may view it, or share one buffer per GPU)
         self.owned = owned
+        self.fenced = fenced  # a plan's result: the caller's stream that already waits for it (its call's)
 
     ndim = property(lambda self: len(self.shape))
 
@@ -207,7 +209,7 @@ class Array(Placed, ArrayOps):  # operators, ufuncs, reductions, indexing: array
         """DLPack export of the whole value (see _whole_piece).  The consumer's stream (DLPack's
         `stream`: None, 1 legacy default, 2 per-thread default, or a pointer) waits for the plan."""
         piece = self._whole_piece("__dlpack__")
-        if stream is not None:
+        if stream is not None and {1: 0}.get(stream, stream) != self.fenced:
             backend_of(self.mesh).fence_out({1: 0}.get(stream, stream))
         if piece.dtype != self.dtype:  # bfloat16 held as its uint16 bits (CuPy has no bfloat16)
             try:
@@ -228,7 +230,9 @@ class Array(Placed, ArrayOps):  # operators, ufuncs, reductions, indexing: array
         if self.dtype_name == "bfloat16":
             raise AttributeError("__cuda_array_interface__ has no bfloat16 type; use __dlpack__ (torch) or to_local()")
         piece = self._whole_piece("__cuda_array_interface__")
-        backend_of(self.mesh).fence_out(stream_ptr())  # the consumer reads on the current stream
+        consumer = stream_ptr()  # the consumer reads on the current stream
+        if consumer != self.fenced:
+            backend_of(self.mesh).fence_out(consumer)
         return piece.__cuda_array_interface__
 
     def full_array(self) -> "Array":
@@ -240,8 +244,6 @@ class Array(Placed, ArrayOps):  # operators, ufuncs, reductions, indexing: array
 
 
 def _check_mesh(mesh, what):
-    from shardfuse.mesh import DeviceMesh
-
     if not isinstance(mesh, DeviceMesh):
         raise TypeError(f"{what}: mesh= must be an sf.DeviceMesh, got {type(mesh).__name__}")
 

@@ -58,11 +58,20 @@ def normalize_dtype(dtype) -> str:
 
 def np_dtype(name: str):
     """The NumPy dtype for a dtype name; bfloat16 comes from ml_dtypes."""
-    if name == "bfloat16":
-        import ml_dtypes
+    got = _NP_DTYPES.get(name)
+    if got is None:  # (remembered: every sf.Array made asks)
+        if name == "bfloat16":
+            import ml_dtypes
 
-        return np.dtype(ml_dtypes.bfloat16)
-    return np.dtype(name)
+            got = np.dtype(ml_dtypes.bfloat16)
+        else:
+            got = np.dtype(name)
+        if name in DTYPES:
+            _NP_DTYPES[name] = got
+    return got
+
+
+_NP_DTYPES: dict = {}  # name -> NumPy dtype, for names of DTYPES
 
 
 FLOATS = ("float16", "bfloat16", "float32", "float64")

@@ -18,7 +18,7 @@ from dataclasses import replace
 
 from shardfuse import faults
 from shardfuse.runtime import backend_of
-from shardfuse.pieces import check_args, local_pieces, piece_indices
+from shardfuse.pieces import check_args, local_pieces, placement
 from shardfuse.interop import stream_ptr
 from shardfuse.backends.protocol import BoundPlan, Ref, block, rank_major, reshape_strides
 from shardfuse.ir import local_shape, walk
@@ -66,7 +66,7 @@ class Executable:
         for v in prog.inputs:
             self.refs[v] = self._new_slot(local_shape(v, self.mesh), v.type.dtype, None)
         # where each local device's piece of a plain argument lies (its shape is checked per call)
-        self._input_pieces = [piece_indices(v.type.shape, v.type.layout, self.mesh) for v in prog.inputs]
+        self._input_pieces = [placement(v.type.shape, v.type.layout, self.mesh) for v in prog.inputs]
         self._deferred: dict = {}  # slot -> (physical shape, dtype): the program's own persistent buffers
         local = tuple(backend.local_devices)
         for i, env, step in issue_order(prog):
@@ -294,15 +294,18 @@ class Executable:
             *self._comm_operands(i), self._team(i, i.attrs["team"]), stream, **op)
         return start
 
-    # ---- running ----------------------------------------------------------------------
     def __call__(self, *args, stream=None, infos=None):
-        """Run the plan.  On GPUs the plan's main stream first waits (device-side) for
-        the caller's stream (stream=, or CuPy's current stream), and that stream then waits for
-        the plan's outputs: the caller's work before and after the call is ordered with it."""
-        infos = check_args(self.prog, args, self.backend, self.accepted, infos)
+        """Run the plan (call_checked, after check_args)."""
+        return self.call_checked(args, check_args(self.prog, args, self.backend, self.accepted, infos), stream)[0]
+
+    def call_checked(self, args, infos, stream):
+        """A call on checked arguments (check_args' infos): (the outputs, the caller's stream pointer
+        they are fenced to, None on host devices).  On GPUs the plan's main stream waits for the
+        caller's stream (stream=, or CuPy's current one), which then waits for the plan's outputs."""
         self.check_ranks()
+        caller = None if self.backend.ordinals is None else stream_ptr(stream)
         with self.lock:
-            return self.run(args, infos, stream)
+            return self.run(args, infos, caller), caller
 
     def check_ranks(self):
         """Under mpiexec, at every call: every rank calls this plan (one that picked another, e.g. for
@@ -310,12 +313,11 @@ class Executable:
         if self.mesh.nprocs > 1:
             faults.agree(self.agreement, f"plan {self.prog.name!r}{faults.A_CALL}")
 
-    def run(self, args, infos, stream, issue=None):
-        """One call, with self.lock held: place the inputs, issue the steps (or issue(bufs)), return the outputs."""
+    def run(self, args, infos, caller, issue=None):
+        """One call, with self.lock held: place the inputs, issue the steps (or issue(bufs)), return
+        the outputs; fenced with the caller's stream (a pointer on GPUs, else None)."""
         be = self.backend
-        caller = None
-        if be.ordinals is not None:  # steps run on GPU streams: fenced with the caller's
-            caller = stream_ptr(stream)
+        if caller is not None:
             be.fence_in(caller)
         bufs = list(self.slot_templates)
         for k, (arg, v, info) in enumerate(zip(args, self.prog.inputs, infos)):
@@ -323,14 +325,12 @@ class Executable:
                 bufs[k] = arg.shards if arg.pieces_contiguous else [be.ascontiguous(s) for s in arg.shards]
             else:
                 bufs[k] = local_pieces(arg, v.type.dtype, v.type.layout, self.mesh, info, fenced=caller,
-                                       indices=self._input_pieces[k])
+                                       where=self._input_pieces[k])
             if k in self.donated and not (info is None and arg.owned):
                 # a caller's array (maybe viewed, or one buffer for a GPU's devices): the result writes a copy
                 bufs[k] = [be.copy(p) for p in bufs[k]]
         if self.graph is not None:
-            # Graph mode: the captured plan writes plan-owned output buffers (the next call
-            # overwrites them); the backend keeps one graph per set of input buffers it has seen.
-            static = self.graph(bufs)
+            static = self.graph(bufs)  # writes plan-owned outputs (the next call overwrites them)
             if self._graph_outputs is None:
                 self._graph_outputs = self._outputs(static)
             outs = self._graph_outputs

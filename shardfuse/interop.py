@@ -13,7 +13,8 @@ default stream unless the caller set another), which is also PyTorch's default.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+import functools
+from typing import NamedTuple
 
 import numpy as np
 
@@ -23,8 +24,7 @@ from shardfuse.strides import contiguous_strides
 _DL_CPU, _DL_CUDA, _DL_CUDA_HOST, _DL_CUDA_MANAGED = 1, 2, 3, 13
 
 
-@dataclass(frozen=True)
-class ArrayInfo:
+class ArrayInfo(NamedTuple):  # (a tuple: made on every call of the hot path, ~5x cheaper than a frozen dataclass)
     shape: tuple
     dtype: str  # canonical name: float16, bfloat16, float32, float64
     device: int | None  # CUDA ordinal, None for host memory
@@ -36,8 +36,15 @@ class ArrayInfo:
         return f"{self.kind} array {self.dtype}{list(self.shape)} on {where}"
 
 
+_KINDS: dict = {}  # type -> its top-level module's name (split on every call costs a microsecond)
+
+
 def _module(x) -> str:
-    return type(x).__module__.split(".")[0]
+    t = type(x)
+    kind = _KINDS.get(t)
+    if kind is None:
+        kind = _KINDS[t] = t.__module__.split(".")[0]
+    return kind
 
 
 def _is_torch(x) -> bool:
@@ -66,8 +73,8 @@ def array_info(x) -> ArrayInfo:
         if type(x) is not np.ndarray:
             _check_subclass(x)
         return ArrayInfo(x.shape, normalize_dtype(x.dtype), None, x.flags.c_contiguous, "numpy")
-    if kind == "cupy":
-        return ArrayInfo(tuple(x.shape), normalize_dtype(x.dtype), x.device.id, x.flags.c_contiguous, "cupy")
+    if kind == "cupy":  # (the memory pointer's device id: .device makes a Device object)
+        return ArrayInfo(x.shape, normalize_dtype(x.dtype), x.data.device_id, x.flags.c_contiguous, "cupy")
     if kind == "torch":
         where = x.device
         if where.type not in ("cuda", "cpu"):
@@ -264,13 +271,19 @@ def to_numpy(x) -> np.ndarray:
     return _native(np.asarray(x))
 
 
+@functools.cache
+def _cupy_streams():
+    """CuPy's stream module, imported once (an import statement costs on every call)."""
+    import cupy
+
+    return cupy.cuda
+
+
 def stream_ptr(stream=None) -> int:
     """The raw CUDA stream pointer of a CuPy stream, a torch stream, a `__cuda_stream__` object or
     an int; None: CuPy's current stream."""
     if stream is None:
-        import cupy
-
-        return cupy.cuda.get_current_stream().ptr
+        return _cupy_streams().get_current_stream().ptr
     if isinstance(stream, int):
         return stream
     proto = getattr(stream, "__cuda_stream__", None)

@@ -35,6 +35,7 @@ log = logging.getLogger("shardfuse")  # compile decisions (plans built, evicted)
 
 MAX_PLANS = 64  # compiled plans a jitted function keeps by default (the least recently used go)
 _NUMBERS = (bool, int, float, complex, np.generic)  # Python and NumPy scalars: not arrays, as pytree leaves
+_GENERAL = (dict, list, tuple, Traced)  # arguments the hot path leaves to the general one (pytrees, inlining)
 
 
 class Jitted:
@@ -211,44 +212,64 @@ class Jitted:
 
         Called on traced values, inside another sf.jit function, the function is inlined: traced
         into the caller's program (as JAX does); its streams= and graph= are the caller's then."""
+        if not (kwargs or self._static):  # hot path: the plan for these argument kinds, by a cheap key
+            infos, key = self._dispatch_key(args)
+            if key is not None:
+                with self._tables:  # (another thread may evict the plan between the lookup and the touch)
+                    hit = self._dispatch.get(key)
+                    if hit is not None:
+                        self._plans.touch(hit[0])
+                if hit is None:
+                    hit = self._first_call(key, args, infos)
+                return hit[1].run_flat(args, stream, infos, checked=True)
         if self._static and not any(isinstance(a, Traced) for a in tree.leaves((args, kwargs))):
             key, args, kwargs = split_static(self.fn, self._static, args, kwargs)
             return self._with_static(key)(*args, stream=stream, **kwargs)
-        if kwargs and not any(isinstance(a, Traced) for a in (*args, *kwargs.values())):
+        if any(isinstance(a, Traced) for a in tree.leaves((args, kwargs))):
+            return self._inline(args, kwargs, stream)
+        if kwargs:
             args = self._positional(args, kwargs)
-            kwargs = {}
         if any(isinstance(a, (dict, list, tuple)) or a is None for a in args):  # pytrees of arrays
-            if any(isinstance(a, Traced) for a in tree.leaves(args)):
-                return self._inline(args, kwargs, stream)
             leaves, in_tree = tree.flatten(args)
             if any(isinstance(x, _NUMBERS) for x in leaves):
                 self._refuse_numbers(args)
             return self._for_tree(in_tree)(*leaves, stream=stream)
-        # hot path: the plan for these argument kinds, found by a cheap key (no TensorSpec built)
-        try:
-            infos = tuple(None if isinstance(a, Array) else array_info(a) for a in args)
-        except (TypeError, ValueError, OverflowError) as e:
-            if any(isinstance(a, Traced) for a in args):
-                return self._inline(args, kwargs, stream)
-            raise self._argument_error(args, e) from None
-        if kwargs:
-            raise TypeError(f"{self.__name__}() takes its arrays positionally; got keyword argument(s) "
-                            f"{', '.join(kwargs)} (a parameter with a default keeps it when not given)")
-        key = tuple((a.shape, a.dtype_name, a.sharding, a.mesh) if i is None
-                    else (i.shape, i.dtype, type(a) in WEAK_TYPES)  # (2.0 and np.float64(2.0): weak or not)
-                    for a, i in zip(args, infos))
+        return self(*args, stream=stream)
+
+    def _dispatch_key(self, args) -> tuple:
+        """(infos, key) of flat array arguments: array_info of each plain one (None for an
+        sf.Array), and the dispatch table's key; (None, None) for pytrees and traced values."""
+        infos, key = [], []
+        for a in args:
+            if isinstance(a, Array):
+                infos.append(None)
+                key.append((a.shape, a.dtype_name, a.sharding, a.mesh))
+                continue
+            if a is None or isinstance(a, _GENERAL):
+                return None, None
+            try:
+                i = array_info(a)
+            except (TypeError, ValueError, OverflowError) as e:
+                raise self._argument_error(args, e) from None
+            infos.append(i)
+            # (2.0 and np.float64(2.0): weak or not; the device and contiguity as checked once)
+            key.append((i.shape, i.dtype, type(a) in WEAK_TYPES, i.device, i.contiguous))
+        return tuple(infos), tuple(key)
+
+    def _first_call(self, key, args, infos) -> tuple:
+        """The dispatch table's entry for a new key: the plan for the arguments' specs (compiled
+        or kept), with the arguments checked against it once; calls with the same key skip that."""
         with self._tables:
             hit = self._dispatch.get(key)
             if hit is None:
                 self._refuse_other_meshes(args)
                 specs = tuple(spec_of(a, self.mesh) for a in args)
                 plan = self._lower(specs)
+                plan.check(args, infos)
                 hit = self._dispatch[key] = (specs, plan)
                 if len(self._dispatch) > 4 * self.max_plans:  # cannot happen (a key names one specs): a backstop
                     self._dispatch.clear()
-            else:
-                self._plans.touch(hit[0])
-        return hit[1](*args, stream=stream, infos=infos)
+            return hit
 
     def _refuse_numbers(self, args):
         """Pytree arguments hold arrays: a list of Python numbers is data meant as one array (NumPy

@@ -47,6 +47,14 @@ class Layout:
     def __post_init__(self):  # (no pending values, no operator: layouts without them compare equal)
         if not self.partial and self.partial_op != Reduce.SUM:
             object.__setattr__(self, "partial_op", Reduce.SUM)
+        # hashed once: every call's dispatch key and check hold its arguments' layouts
+        object.__setattr__(self, "_hash", hash((self.axes, self.partial, self.mesh, self.partial_op)))
+
+    def __hash__(self):
+        return self._hash
+
+    def __reduce__(self):  # (by its fields: a str hash differs between processes, so _hash is made anew)
+        return Layout, (self.axes, self.partial, self.mesh, self.partial_op)
 
     @staticmethod
     def replicated(ndim: int) -> "Layout":

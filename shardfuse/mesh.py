@@ -117,6 +117,7 @@ class DeviceMesh:
         self.backend_name = backend
         self.devices = tuple(range(self.size))  # global device ids, in mesh order
         self.root = self  # the mesh a program runs on; a sub-mesh points at it
+        self._hash = hash(self._key())
         self._empty_run_time_state()
         _LIVE_MESHES[(self.shape, self.axis_names, self.backend_name, self.nprocs)] = self
 
@@ -137,6 +138,7 @@ class DeviceMesh:
         sub.shape, sub.axis_names, sub.size = (len(devices),), axis_names, len(devices)
         sub.nprocs, sub.rank, sub.backend_name = self.nprocs, self.rank, self.backend_name
         sub.devices, sub.root = devices, self.root
+        sub._hash = hash(sub._key())
         sub.local_devices = tuple(d for d in devices if d in self.root.local_devices)
         sub._empty_run_time_state()
         return sub
@@ -184,10 +186,10 @@ class DeviceMesh:
         return (self.shape, self.axis_names, self.backend_name, self.devices)
 
     def __eq__(self, other):
-        return isinstance(other, DeviceMesh) and self._key() == other._key()
+        return self is other or (isinstance(other, DeviceMesh) and self._key() == other._key())
 
-    def __hash__(self):
-        return hash(self._key())
+    def __hash__(self):  # (made once, by the constructors: every call's dispatch key holds its arguments' meshes)
+        return self._hash
 
     def __repr__(self):
         dims = ", ".join(f"{n}={s}" for n, s in zip(self.axis_names, self.shape))

@@ -89,20 +89,26 @@ def split_axis(shape: tuple, layout: Layout, mesh):
     return _memo(mesh, ("split", shape, _geometry(layout)), make)
 
 
-def local_pieces(x, dtype: str, layout: Layout, mesh, info=None, fenced=None, indices=None):
+def placement(shape: tuple, layout: Layout, mesh) -> tuple:
+    """(piece_indices, split_axis) of a global array of this shape: what local_pieces cuts it by
+    (remembered, one lookup: a plan and sf.shard ask on every call)."""
+    return _memo(mesh, ("placement", shape, _geometry(layout)),
+                 lambda: (piece_indices(shape, layout, mesh), split_axis(shape, layout, mesh)))
+
+
+def local_pieces(x, dtype: str, layout: Layout, mesh, info=None, fenced=None, where=None):
     """This process' pieces of a global array x (one per local device), each contiguous on its
     device.  x is any array the backend can adopt: device arrays stay on the device (a piece is
     a zero-copy view where the layout allows, a device-side copy otherwise).  `fenced`: a
-    stream the backend's streams already wait for (see the backends' adopt); `indices`: x's
-    piece_indices when the caller has them (a plan, from its input types)."""
+    stream the backend's streams already wait for (see the backends' adopt); `where`: x's
+    placement() when the caller has it (a plan, from its input types)."""
     be = backend_of(mesh)
     x = be.adopt(x, info, fenced)
     shape = tuple(x.shape)
     if layout.ndim == 0:  # a 0-d array: each device holds it whole (CuPy's contiguous copy of one is 1-d)
         return [be.piece(x, j).reshape(()) for j in range(len(mesh.local_devices))]
-    indices = indices or piece_indices(shape, layout, mesh)
+    indices, ax = where or placement(shape, layout, mesh)
     homes = be.ordinals or ()
-    ax = split_axis(shape, layout, mesh)
     if ax is not None and len(set(homes)) <= 1 and x.flags.c_contiguous:
         # Devices of one GPU (or NumPy's) holding consecutive blocks of an inner axis: one copy
         # with that axis moved outermost, each device's piece a contiguous view of it, instead of

@@ -15,6 +15,7 @@ from shardfuse.interop import array_info
 from shardfuse.ir import Program, unroll
 from shardfuse.mesh import as_int
 from shardfuse.passes.reuse import memory
+from shardfuse.pieces import check_args
 from shardfuse.ops import COMMUNICATION, Op
 from shardfuse.rates import machine
 
@@ -32,6 +33,7 @@ class Plan:
         self._const_infos = tuple(None if isinstance(c, Array) else array_info(c) for c in program.constants)
         # (input, dtype, its least and greatest value) per Python int argument a promotion narrows
         self._bounds = tuple((k, dt, int(np.iinfo(dt).min), int(np.iinfo(dt).max)) for k, dt in program.weak_bounds)
+        self._out_types = tuple((v.type.shape, v.type.dtype) for v in program.outputs)
 
     def __str__(self):
         return str(self.program)
@@ -111,6 +113,18 @@ class Plan:
         took), sf.Arrays out (in the function's result structure)."""
         if any(tree.is_container(a) for a in args):
             args = tuple(tree.leaves(args))
+        return self.run_flat(args, stream, infos)
+
+    def check(self, args, infos) -> None:
+        """Every argument (flat: the pytrees' leaves) against the plan's inputs, before any work."""
+        if self.program.constants:
+            args, infos = args + self.program.constants, infos + self._const_infos
+        exe = self.executable
+        check_args(self.program, args, exe.backend, exe.accepted, infos)
+
+    def run_flat(self, args, stream=None, infos=None, checked=False):
+        """The plan on flat arguments.  checked: sf.jit's dispatch table has checked arguments of
+        these kinds against this plan (check) and gives their `infos`: not checked again."""
         if self._bounds:  # (Python int arguments an int32 promotion narrows: before any work)
             self.check_bounds(args)
         if self.program.constants:  # (the arrays captured when traced: the last inputs)
@@ -118,13 +132,15 @@ class Plan:
         exe = self.executable
         if exe.donated:
             self._check_donated(args, exe.donated)
-        outs = exe(*args, stream=stream, infos=infos)
-        prog = self.program
+        if not checked:
+            infos = check_args(self.program, args, exe.backend, exe.accepted, infos)
+        outs, fenced = exe.call_checked(args, infos, stream)
         for k in exe.donated:
             if isinstance(args[k], Array):
-                args[k].donated(f"{prog.name}")
-        arrays = tuple(Array(prog.mesh, v.type.shape, v.type.dtype, lay, shards, whole, owned=not self.graph)
-                       for v, (lay, shards, whole) in zip(prog.outputs, outs))
+                args[k].donated(f"{self.program.name}")
+        mesh, owned = self.program.mesh, not self.graph
+        arrays = tuple(Array(mesh, shape, dtype, lay, shards, whole, owned, fenced)
+                       for (shape, dtype), (lay, shards, whole) in zip(self._out_types, outs))
         if self.out_tree is not None:
             return self.out_tree.unflatten(arrays)
         return arrays[0] if len(arrays) == 1 else arrays

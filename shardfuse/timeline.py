@@ -18,6 +18,7 @@ import time
 from dataclasses import asdict, dataclass
 
 from shardfuse.backends.protocol import MAIN
+from shardfuse.interop import stream_ptr
 from shardfuse.steps import KINDS
 
 COLORS = {"communication": "tab:orange", "gemm": "tab:blue", "compute": "tab:green", "copies": "tab:gray",
@@ -256,7 +257,7 @@ def _gpu_call(exe, args, infos, call, ref, push, pop):
                 post(bufs)
             finally:
                 pop()
-    exe.run(args, infos, None, issue=issue)
+    exe.run(args, infos, stream_ptr(None), issue=issue)  # (fenced with CuPy's current stream)
     be.synchronize()
     gpus = list(be.ordinals) if be.ordinals else [None]
     order = sorted(set(gpus), key=gpus.index)

@@ -96,7 +96,7 @@ def piece(dev, x, j):
     """x (a CuPy array of this process, e.g. a slice of adopt's result) as a C-contiguous
     buffer on local device j: x itself when it already is one there (zero copy), else a
     device-side copy on main of j's GPU (a peer copy from another GPU)."""
-    o, src = dev.ordinals[j], x.device.id
+    o, src = dev.ordinals[j], x.data.device_id  # (not x.device: a Device object made per call)
     if src == o:
         if x.flags.c_contiguous:
             return x
