@@ -13,7 +13,7 @@ from shardfuse.interop import array_info, check_input, stream_ptr
 from shardfuse.layout import Layout, layout_of
 from shardfuse.mesh import DeviceMesh
 from shardfuse.dtypes import normalize_dtype, np_dtype
-from shardfuse.pieces import Placed, device_index, global_layout, local_indices, local_pieces
+from shardfuse.pieces import Placed, device_index, global_placement, local_indices, local_pieces
 from shardfuse.spec import TensorSpec, check_axis, check_divides, normalize_axis
 from shardfuse.runtime import backend_of
 
@@ -99,8 +99,9 @@ class Array(Placed, ArrayOps):  # operators, ufuncs, reductions, indexing: array
             axis = check_axis(axis)  # before the memo, whose keys cannot tell True from 1
         info = array_info(x)
         check_input(info, backend_of(mesh), what)
-        layout = global_layout(info.shape, mesh, axis, over)
-        return cls(mesh, info.shape, info.dtype, layout, local_pieces(x, info.dtype, layout, mesh, info), True)
+        layout, where = global_placement(info.shape, mesh, axis, over)
+        return cls(mesh, info.shape, info.dtype, layout, local_pieces(x, info.dtype, layout, mesh, info, where=where),
+                   True)
 
     @classmethod
     def from_layout(cls, x, mesh, layout: Layout, what: str = "sf.distribute"):

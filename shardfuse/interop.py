@@ -68,11 +68,11 @@ def _torch_dtype(t) -> str:
 def array_info(x) -> ArrayInfo:
     """Shape, dtype, device and contiguity of a call argument, without touching its data.
     Raises ValueError / TypeError naming what was expected for anything shardfuse cannot take."""
-    kind = _module(x)
     if isinstance(x, np.ndarray):
         if type(x) is not np.ndarray:
             _check_subclass(x)
         return ArrayInfo(x.shape, normalize_dtype(x.dtype), None, x.flags.c_contiguous, "numpy")
+    kind = _module(x)
     if kind == "cupy":  # (the memory pointer's device id: .device makes a Device object)
         return ArrayInfo(x.shape, normalize_dtype(x.dtype), x.data.device_id, x.flags.c_contiguous, "cupy")
     if kind == "torch":

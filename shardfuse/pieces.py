@@ -134,9 +134,9 @@ def local_pieces(x, dtype: str, layout: Layout, mesh, info=None, fenced=None, wh
     return out
 
 
-def global_layout(shape: tuple, mesh, axis: int | None, over: str) -> Layout:
-    """The layout of a global array of this shape sharded on `axis` over mesh axis `over`
-    (replicated for axis None), checked."""
+def global_placement(shape: tuple, mesh, axis: int | None, over: str) -> tuple:
+    """(layout, placement) of a global array of this shape sharded on `axis` over mesh axis `over`
+    (replicated for axis None), checked; remembered, one lookup per sf.shard call."""
     def make():
         layout = Layout.replicated(len(shape))
         if axis is not None:
@@ -144,7 +144,7 @@ def global_layout(shape: tuple, mesh, axis: int | None, over: str) -> Layout:
             layout = layout.with_axis(ax, normalize_over(over, mesh))
             for a, name in layout.sharded_axes().items():
                 check_divides(shape, a, name, mesh)
-        return layout
+        return layout, placement(shape, layout, mesh)
     return _memo(mesh, ("layout", shape, axis, tuple(over) if isinstance(over, list) else over), make)
 
 
