@@ -2,7 +2,8 @@
 such path makes (issue 29, item 2: the target of 40 us per call at D = 1).
 
 `shardfuse bench --host`'s user path is `cupy.from_dlpack(f(sf.shard(a, axis=1, mesh=mesh), b))`
-on tiny shapes (the GPU idles; the host's issue time is all that is timed).  This times it built
+on tiny shapes (the GPU idles; the host's issue time is all that is timed), on CuPy arrays and,
+where torch sees the GPU, on torch tensors (torch.from_dlpack out).  This times it built
 up one stage at a time, each the wall time per call of calls issued back to back (median of
 rounds), so the difference between two rows is what that stage adds:
 
@@ -28,22 +29,28 @@ import shardfuse as sf
 from shardfuse.bench import host
 
 
-def stages(mesh, s, calls, rounds, sync):
-    """{stage: us per call} for the graph-mode user path of `shardfuse bench --host` at (D, S)."""
+def stages(mesh, s, calls, rounds, sync, torch_arrays=False):
+    """{stage: us per call} for the graph-mode user path of `shardfuse bench --host` at (D, S),
+    on CuPy arrays (exported with cupy.from_dlpack) or torch tensors (torch.from_dlpack)."""
     import cupy
 
     f, a, b = host.seed(mesh, s, graph=True)
+    export = cupy.from_dlpack
+    if torch_arrays:
+        import torch
+
+        a, b, export = torch.from_dlpack(a), torch.from_dlpack(b), torch.from_dlpack
     placed_a, placed_b = sf.shard(a, axis=1, mesh=mesh), sf.replicate(b, mesh=mesh)
     fns = {
         "plan alone": lambda: f(placed_a, placed_b),
         "+ sf.shard(a)": lambda: f(sf.shard(a, axis=1, mesh=mesh), placed_b),
         "+ plain weight": lambda: f(sf.shard(a, axis=1, mesh=mesh), b),
-        "+ export (the user path)": lambda: cupy.from_dlpack(f(sf.shard(a, axis=1, mesh=mesh), b)),
+        "+ export (the user path)": lambda: export(f(sf.shard(a, axis=1, mesh=mesh), b)),
     }
     out = {name: host.per_call_us(fn, sync, calls, rounds) for name, fn in fns.items()}
     result = f(placed_a, placed_b)
     alone = {"sf.shard(a)": lambda: sf.shard(a, axis=1, mesh=mesh),
-             "cupy.from_dlpack(result)": lambda: cupy.from_dlpack(result)}
+             f"{export.__module__.split('.')[0]}.from_dlpack(result)": lambda: export(result)}
     return out, {name: host.per_call_us(fn, sync, calls, rounds) for name, fn in alone.items()}
 
 
@@ -84,15 +91,18 @@ def main():
     args = ap.parse_args()
     mesh = sf.DeviceMesh(args.d, backend="cupy")
     sync = host.sync_of("cupy")
-    print(f"graph-mode user path, D={args.d} S={args.s}, us per call (median of {args.rounds} x {args.calls} calls)")
-    prev = None
-    built, alone = stages(mesh, args.s, args.calls, args.rounds, sync)
-    for name, us in built.items():
-        print(f"  {name:32s} {us:8.1f}" + ("" if prev is None else f"   (+{us - prev:.1f})"))
-        prev = us
-    print("each alone:")
-    for name, us in alone.items():
-        print(f"  {name:32s} {us:8.1f}")
+    kinds = [False] + ([True] if host.torch_on_gpu() else [])
+    for torch_arrays in kinds:
+        print(f"graph-mode user path on {'torch tensors' if torch_arrays else 'CuPy arrays'}, D={args.d} S={args.s}, "
+              f"us per call (median of {args.rounds} x {args.calls} calls)")
+        prev = None
+        built, alone = stages(mesh, args.s, args.calls, args.rounds, sync, torch_arrays)
+        for name, us in built.items():
+            print(f"  {name:32s} {us:8.1f}" + ("" if prev is None else f"   (+{us - prev:.1f})"))
+            prev = us
+        print("each alone:")
+        for name, us in alone.items():
+            print(f"  {name:32s} {us:8.1f}")
     parts = floor(args.calls, args.rounds, sync)
     print("bare CuPy calls under it:")
     for name, us in parts.items():
