@@ -192,6 +192,32 @@ def test_call_is_ordered_with_the_callers_stream(mesh, graph):
         _check_rowsums([cupy.asnumpy(p).astype(np.float64) for p in got], value, b)
 
 
+@pytest.mark.parametrize("graph", [False, True])
+@pytest.mark.parametrize("reader", ["the caller's stream", "another stream"])
+def test_an_exported_result_is_ordered_after_its_call(graph, reader):
+    """The input is written late on the caller's stream; the result is exported with
+    cupy.from_dlpack and copied at once on `reader`.  The call's own fence orders the caller's
+    stream (its export is not fenced again: the result remembers that stream); another stream
+    is fenced by the export (DLPack's stream argument).  Unordered, the copy reads the poisoned
+    output before the plan wrote it."""
+    mesh = sf.DeviceMesh(1, backend="cupy")
+    f = seed(mesh, graph=graph)
+    b = rng().standard_normal((64, 32)).astype(np.float32)
+    w = sf.replicate(cupy.asarray(b), mesh=mesh)
+    caller, other = cupy.cuda.Stream(non_blocking=True), cupy.cuda.Stream(non_blocking=True)
+    for value in (1.5, -0.75):
+        with caller:
+            a = cupy.full((16, 64), np.nan, np.float32)
+        _spin_fill(a, value, caller)
+        out = f(a, w, stream=caller)
+        assert out.fenced == caller.ptr
+        s = caller if reader == "the caller's stream" else other
+        with s:
+            got = cupy.from_dlpack(out).copy()
+        s.synchronize()
+        _check_rowsums([cupy.asnumpy(got).astype(np.float64)], value, b)
+
+
 @pytest.mark.parametrize("how", ["stream=", "torch's current stream"])
 def test_late_producer_on_a_torch_stream(mesh, how):
     """A tensor written late on a torch side stream.  "stream=": passed as a CuPy view with

@@ -180,3 +180,38 @@ def test_pieces_shardfuse_placed_are_taken_without_asking_each_one(monkeypatch):
     strided = sf.Array(mesh, (8, 6), "float64", placed.sharding, [p[:, ::-1][:, ::-1] for p in placed.shards])
     np.testing.assert_allclose(f(strided).gather(), 2 * x, rtol=1e-12)
     assert len(asked) == 4  # pieces from elsewhere: each made contiguous as before
+
+
+def test_arguments_of_one_kind_are_checked_against_the_plan_once(monkeypatch):
+    """sf.jit's dispatch key holds what the argument check reads (shape, dtype, layout and mesh of
+    an sf.Array; shape, dtype, device and contiguity of a plain array): a call with a key seen
+    before is not checked again, one with a new key is, and a bad one still raises every time."""
+    from shardfuse import plan as plan_module
+
+    mesh = sf.DeviceMesh(2, backend="numpy")
+    f = sf.jit(lambda a, b: sf.shard(a, axis=0) @ b, mesh=mesh)
+    rng = np.random.default_rng(11)
+    a, b = rng.standard_normal((4, 3)), rng.standard_normal((3, 5))
+    checks, real = [], plan_module.check_args
+    monkeypatch.setattr(plan_module, "check_args", lambda *args: checks.append(1) or real(*args))
+    for _ in range(3):
+        np.testing.assert_allclose(f(sf.shard(a, 0, mesh=mesh), b).gather(), a @ b, rtol=1e-12)
+    assert len(checks) == 1
+    np.testing.assert_allclose(f(sf.shard(a, 0, mesh=mesh), np.asfortranarray(b)).gather(), a @ b, rtol=1e-12)
+    assert len(checks) == 2  # a non-contiguous weight: another key, checked once
+    np.testing.assert_allclose(f(sf.replicate(a, mesh=mesh), b).gather(), a @ b, rtol=1e-12)
+    other = sf.shard(a, 0, mesh=sf.DeviceMesh(2, ("tp",), backend="numpy"))
+    for _ in range(2):
+        with pytest.raises(ValueError, match="compiled for"):
+            f(other, b)
+
+
+def test_a_result_remembers_the_stream_its_call_fenced():
+    """A result read on the stream its call already ordered (the caller's) needs no second fence
+    when exported; on NumPy devices there are no streams: nothing is remembered."""
+    mesh = sf.DeviceMesh(2, backend="numpy")
+    x = np.random.default_rng(2).standard_normal((4, 3))
+    y = sf.jit(lambda v: v * 2.0, mesh=mesh)(x)
+    assert y.fenced is None
+    np.testing.assert_allclose(np.from_dlpack(sf.jit(lambda v: v + 1.0, mesh=sf.DeviceMesh(1, backend="numpy"))(x)),
+                               x + 1.0, rtol=1e-12)
