@@ -76,10 +76,12 @@ def array_info(x) -> ArrayInfo:
     if kind == "cupy":  # (the memory pointer's device id: .device makes a Device object)
         return ArrayInfo(x.shape, normalize_dtype(x.dtype), x.data.device_id, x.flags.c_contiguous, "cupy")
     if kind == "torch":
-        where = x.device
-        if where.type not in ("cuda", "cpu"):
-            raise ValueError(f"a torch tensor on {where}: shardfuse takes CPU or CUDA tensors")
-        dev = where.index if where.type == "cuda" else None
+        if x.is_cuda:  # (get_device: no torch.device object made)
+            dev = x.get_device()
+        elif x.device.type == "cpu":
+            dev = None
+        else:
+            raise ValueError(f"a torch tensor on {x.device}: shardfuse takes CPU or CUDA tensors")
         return ArrayInfo(tuple(x.shape), normalize_dtype(_torch_dtype(x)), dev, x.is_contiguous(), "torch")
     if kind in ("jax", "jaxlib"):
         devices = list(x.devices())
@@ -203,10 +205,15 @@ _READY: dict = {}  # GPU ordinal -> a reusable cupy Event (a wait takes the even
 def _torch_stream_ptr(dev: int) -> int:
     """torch's current stream on GPU dev, as a raw pointer (torch's private accessor costs well
     under a microsecond, torch.cuda.current_stream about ten)."""
+    return _torch_stream_getter()(dev)
+
+
+@functools.cache
+def _torch_stream_getter():
     import torch
 
     raw = getattr(torch._C, "_cuda_getCurrentRawStream", None)
-    return raw(dev) if raw is not None else torch.cuda.current_stream(dev).cuda_stream
+    return raw if raw is not None else lambda dev: torch.cuda.current_stream(dev).cuda_stream
 
 
 def torch_view(t, consumer: int | None = None, fenced: int | None = None):
@@ -216,8 +223,7 @@ def torch_view(t, consumer: int | None = None, fenced: int | None = None):
     device-side, for torch's current stream, where torch code has queued the tensor's writes;
     not when torch's current stream is `fenced` (a call's caller stream, which the call's main
     streams already wait for)."""
-    import cupy
-
+    cupy = _cupy()
     shape, store = tuple(t.shape), TABLE[_torch_dtype(t)].bits
     if 0 in shape:
         return cupy.empty(shape, store)
@@ -272,18 +278,18 @@ def to_numpy(x) -> np.ndarray:
 
 
 @functools.cache
-def _cupy_streams():
-    """CuPy's stream module, imported once (an import statement costs on every call)."""
+def _cupy():
+    """CuPy, imported once (an import statement costs on every call of the hot path)."""
     import cupy
 
-    return cupy.cuda
+    return cupy
 
 
 def stream_ptr(stream=None) -> int:
     """The raw CUDA stream pointer of a CuPy stream, a torch stream, a `__cuda_stream__` object or
     an int; None: CuPy's current stream."""
     if stream is None:
-        return _cupy_streams().get_current_stream().ptr
+        return _cupy().cuda.get_current_stream().ptr
     if isinstance(stream, int):
         return stream
     proto = getattr(stream, "__cuda_stream__", None)
