@@ -212,13 +212,13 @@ class Array(Placed, ArrayOps):  # operators, ufuncs, reductions, indexing: array
         piece = self._whole_piece("__dlpack__")
         if stream is not None and {1: 0}.get(stream, stream) != self.fenced:
             backend_of(self.mesh).fence_out({1: 0}.get(stream, stream))
-        if piece.dtype != self.dtype:  # bfloat16 held as its uint16 bits (CuPy has no bfloat16)
+        if self.dtype_name == "bfloat16":  # (CuPy holds its uint16 bits; NumPy's DLPack has no bfloat16)
             try:
                 import torch
             except ImportError:
-                raise TypeError("__dlpack__ of a bfloat16 sf.Array on the cupy backend needs torch (CuPy has "
-                                "no bfloat16); use to_local() for the uint16 bits") from None
-            return torch.from_dlpack(piece).view(torch.bfloat16).__dlpack__(**kwargs)
+                raise TypeError("__dlpack__ of a bfloat16 sf.Array needs torch (neither CuPy's nor NumPy's DLPack "
+                                "has bfloat16); use to_local() for the array itself") from None
+            return torch.from_dlpack(piece.view(np.uint16)).view(torch.bfloat16).__dlpack__(**kwargs)
         return piece.__dlpack__(**kwargs)
 
     def __dlpack_device__(self):
@@ -275,33 +275,41 @@ class AddressableShard(tuple):
 
 
 def from_local(local_piece, axis: int, over: str | None = None, mesh=None):
-    """SPMD construction: each process passes its own piece (covering its local devices).  A
-    device array stays on the device: each local device's part is a zero-copy view where it can be."""
+    """SPMD construction (JAX's make_array_from_process_local_data): each process passes its own
+    piece of the global array, cut on `axis` over mesh axis `over` (default the last).  The piece
+    holds, in order, the blocks of the positions along `over` that the process' devices have (on
+    a dp x tp mesh with over="dp", one rank's batch; processes at the same positions pass the same
+    data), and each device takes the block of its position: the value is sharded on `over` and
+    replicated over the other mesh axes.  A device array stays on the device (zero-copy views
+    where it can)."""
     if mesh is None:
         raise ValueError("sf.from_local needs mesh=")
     _check_mesh(mesh, "sf.from_local")
     info = array_info(local_piece)
     check_input(info, backend_of(mesh), "sf.from_local")
     ax = normalize_axis(axis, len(info.shape), info.shape)
-    if len(mesh.shape) != 1:
-        raise NotImplementedError("sf.from_local supports 1-D meshes for now")
     over = mesh.axis_names[-1] if over is None else over
-    mesh.axis_index(over)
+    if not isinstance(over, str):
+        raise TypeError(f"sf.from_local: over= names one mesh axis of {mesh.axis_names}, got {over!r}")
+    k = mesh.axis_index(over)
     if mesh.nprocs > 1:  # every rank's piece, axis and mesh axis must agree: else each builds another array
         seen = faults.allgather_object((info.shape, info.dtype, ax, over), "sf.from_local")
         if len(set(seen)) != 1:
             raise ValueError("sf.from_local: processes passed pieces of different shapes/dtypes or different axis=/over=: "
                              + ", ".join(f"rank {r}: {s} {d} axis={a} over={o!r}" for r, (s, d, a, o) in enumerate(seen)))
-    L = len(mesh.local_devices)
-    if info.shape[ax] % L:
-        raise ValueError(f"local piece axis {ax} of extent {info.shape[ax]} cannot be split over {L} local devices")
+    position = [mesh.coords(d)[k] for d in mesh.local_devices]  # each local device's position along `over`
+    held = sorted(set(position))
+    if info.shape[ax] % len(held):
+        raise ValueError(f"sf.from_local: local piece axis {ax} of extent {info.shape[ax]} cannot be cut into the "
+                         f"{len(held)} block(s) of this process' positions {held} along mesh axis {over!r}")
+    n = info.shape[ax] // len(held)
     shape = list(info.shape)
-    shape[ax] *= mesh.nprocs
+    shape[ax] = n * mesh.shape[k]
     layout = Layout.replicated(len(shape)).with_axis(ax, over)
     be = backend_of(mesh)
     x = be.adopt(local_piece, info)
-    n = info.shape[ax] // L
-    parts = [be.piece(x[(slice(None),) * ax + (slice(j * n, (j + 1) * n),)], j) for j in range(L)]
+    blocks = [held.index(p) for p in position]
+    parts = [be.piece(x[(slice(None),) * ax + (slice(b * n, (b + 1) * n),)], j) for j, b in enumerate(blocks)]
     return Array(mesh, shape, info.dtype, layout, parts, True)
 
 

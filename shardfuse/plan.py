@@ -163,5 +163,6 @@ class Plan:
         for k in donated:
             for j, a in enumerate(args):
                 if j != k and a is args[k]:
-                    raise ValueError(f"{self.program.name}(): argument {k} is donated (donate_argnums) and also passed "
-                                     f"as argument {j}: its buffer would be overwritten while read; pass a copy")
+                    names = self.program.inputs[k].name, self.program.inputs[j].name  # (leaves of pytrees: state_0)
+                    raise ValueError(f"{self.program.name}(): input {names[0]} is donated (donate_argnums) and also "
+                                     f"passed as input {names[1]}: its buffer would be overwritten while read; pass a copy")

@@ -99,8 +99,11 @@ def test_refusals():
     rng = np.random.default_rng(4)
     w = sf.jit(lambda w: w + 0.0, mesh=MESH)(rng.standard_normal((8, 4)))
     step = sf.jit(lambda a, b: a - 0.1 * b, mesh=MESH, donate_argnums=0)
-    with pytest.raises(ValueError, match="donated .* also passed as argument 1"):
+    with pytest.raises(ValueError, match="input a is donated .* also passed as input b"):
         step(w, w)
+    pair = sf.jit(lambda state, g: (state[0] - g, state[1]), mesh=MESH, donate_argnums=0)
+    with pytest.raises(ValueError, match=r"input state_0 is donated .* also passed as input state_1"):
+        pair((w, w), np.ones((8, 4)))  # named by the pytree leaves' inputs, not by flat positions
     with pytest.raises(ValueError, match="names argument 3"):
         sf.jit(lambda a: a * 2.0, mesh=MESH, donate_argnums=3)(np.ones(4))
     with pytest.raises(TypeError, match="donate_argnums"):
