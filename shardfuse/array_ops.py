@@ -340,6 +340,12 @@ class ArrayOps(NumpyMethods):
         return int(self._one_element(TypeError, f"int() of an sf.Array of shape {self.shape}: only one "
                                      "element converts; use np.asarray(x) (the gathered value)"))
 
+    def item(self):
+        """The one element as a Python scalar, as NumPy's and torch's x.item() (`loss.item()`): read
+        as float() reads it (locally where replicated, else gathered: collective under mpiexec)."""
+        return self._one_element(ValueError, f"item() of an sf.Array of shape {self.shape}: can only convert an "
+                                 "array of size 1 to a Python scalar; use np.asarray(x) (the gathered value)").item()
+
     def _one_element(self, error, message):
         """The value of a one-element array, gathered (a collective under mpiexec unless replicated), as NumPy's."""
         if math.prod(self.shape) != 1:

@@ -176,11 +176,16 @@ def cross_entropy_onehot(logits, targets):
 
 
 @_one_plan
-def cross_entropy(logits, labels):
+def cross_entropy(logits, labels, ignore_index=None):
     """The mean over tokens of -log_softmax(logits)[label] (torch's F.cross_entropy with integer
     targets, optax's softmax_cross_entropy_with_integer_labels): logits [..., vocab], labels [...]
     int32 / int64.  Labels index as sf.take's (negative from the end; outside [-vocab, vocab)
     clamped to the first or last class).
+
+    ignore_index (a Python int, None: none): tokens whose label equals it count for nothing, and
+    the mean is over the others (torch's ignore_index; NaN where every token is ignored, as
+    torch's).  torch's default is -100, shardfuse's None: pass ignore_index=-100 for labels padded
+    as torch's, else -100 reads as a class id counted from the end.
 
     Written as Megatron's vocab-parallel cross-entropy (tensor_parallel/cross_entropy.py): per token
     the max of the logits, log(sum(exp(logits - max))) and the target's logit (the logits where
@@ -201,10 +206,14 @@ def cross_entropy(logits, labels):
     # (the max shift held constant by sf.grad: with one target per row its terms cancel, so the
     # backward neither compares the logits with their max nor keeps them for it)
     s = x - stop_gradient(x.max(-1, keepdims=True))
+    kept = None if ignore_index is None else labels != int(ignore_index)
     labels = minimum(maximum(where(labels < 0, labels + n, labels), 0), n - 1)
     hit = labels.reshape(tuple(labels.shape) + (1,)) == np.arange(n, dtype=labels.dtype)  # (a constant)
     target = where(hit, s, 0.0).sum(-1)
-    return (log(exp(s).sum(-1)) - target).mean()
+    per_token = log(exp(s).sum(-1)) - target
+    if kept is None:
+        return per_token.mean()
+    return where(kept, per_token, 0.0).sum() / kept.astype(per_token.dtype_name).sum()
 
 
 def _int_array(v) -> bool:

@@ -1,6 +1,6 @@
 """NumPy's shape functions and x-shaped constants, inside sf.jit and on sf.Arrays outside it:
-np.ravel / x.ravel / x.flatten, np.squeeze / x.squeeze, np.expand_dims, np.copy / x.copy,
-np.ones_like / np.zeros_like / np.full_like, np.shape / np.ndim / np.size.
+np.ravel / x.ravel / x.flatten, np.squeeze / x.squeeze, np.expand_dims, np.moveaxis, np.copy / x.copy,
+np.tril / np.triu (a constant mask and a where), np.ones_like / np.zeros_like / np.full_like, np.shape / np.ndim / np.size.
 
 Each is written with an op shardfuse has, so its sharding is that op's: ravel, squeeze and
 expand_dims are reshapes (a view where no sharded axis is cut; a cut one is gathered first,
@@ -18,7 +18,7 @@ from shardfuse import dtypes
 from shardfuse.ops import Op
 from shardfuse.spec import normalize_axis, reduced_axes
 from shardfuse.traced import NUMPY, describe, is_weak_scalar
-from shardfuse.traced_numpy import apply_op
+from shardfuse.traced_numpy import apply_op, where
 
 
 def _order_c(what, order, allowed=("C",)):
@@ -106,7 +106,39 @@ def size(a, axis=None):
     return math.prod(a.shape) if axis is None else a.shape[normalize_axis(axis, len(a.shape), a.shape)]
 
 
+def moveaxis(a, source, destination):
+    """np.moveaxis: the axes `source` moved to `destination` (ints or sequences of them), the others
+    kept in order, as NumPy's; a transpose (each axis keeps its sharding)."""
+    n = len(a.shape)
+
+    def axes(v):
+        return [normalize_axis(k, n, a.shape) for k in (v if isinstance(v, (tuple, list)) else (v,))]
+    src, dst = axes(source), axes(destination)
+    if len(src) != len(dst):
+        raise ValueError("np.moveaxis: `source` and `destination` arguments must have the same number of elements")
+    if len(set(src)) != len(src) or len(set(dst)) != len(dst):
+        raise ValueError(f"np.moveaxis: repeated axis in source={source!r} or destination={destination!r}")
+    order = [k for k in range(n) if k not in src]
+    for d, s in sorted(zip(dst, src)):
+        order.insert(d, s)
+    return a.transpose(tuple(order))
+
+
+def _band(keep):
+    """np.tril / np.triu: where(np.tril(ones) / np.triu(ones), m, 0) over the last two axes, as
+    NumPy's (the mask a constant, replicated: no communication whatever m's sharding)."""
+    def band(m, k=0):
+        if len(m.shape) < 2:
+            raise ValueError(f"np.{keep.__name__} of {describe(m)}: shardfuse's needs at least 2 dimensions "
+                             "(NumPy's makes a 1-D input a square matrix first)")
+        mask = keep(np.ones(m.shape[-2:], bool), int(k))
+        return where(mask, m, False if m.dtype == np.bool_ else 0)
+    band.__name__ = keep.__name__
+    return band
+
+
 NUMPY.update({
+    np.moveaxis: moveaxis, np.tril: _band(np.tril), np.triu: _band(np.triu),
     np.ravel: ravel, np.squeeze: squeeze, np.expand_dims: expand_dims, np.copy: copy,
     np.full_like: full_like, np.ones_like: ones_like, np.zeros_like: zeros_like,
     np.shape: lambda a: tuple(a.shape), np.ndim: lambda a: len(a.shape), np.size: size,

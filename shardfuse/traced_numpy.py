@@ -79,9 +79,11 @@ def gelu(x):
 
 
 def linear(x, w, b=None):
-    """x @ w (+ b): a dense layer."""
-    if not isinstance(x, Traced):
-        raise TypeError(f"sf.linear takes values inside an sf.jit function, got {type(x).__name__}")
+    """x @ w (+ b): a dense layer (on sf.Arrays outside jit, one plan)."""
+    return _apply(_linear, "linear", x, w, b)
+
+
+def _linear(x, w, b):
     y = x @ w
     return y if b is None else y + b
 
@@ -291,6 +293,24 @@ def std(a, axis=None, dtype=None, out=None, ddof=0, keepdims=False, *, correctio
     return _apply(_var, "std", a, _axis_key(axis), ddof if correction is None else correction, bool(keepdims), True)
 
 
+def norm(x, ord=None, axis=None, keepdims=False):  # noqa: A002 (NumPy's name)
+    """np.linalg.norm with ord None (or 2 of a vector, "fro" of a matrix): sqrt(sum(x * x)) over
+    `axis` (None: every element), integers in float64, as NumPy's; over a sharded axis the sum is
+    an Allreduce.  Other orders are refused."""
+    axes = _axis_key(axis)
+    rank = x.ndim if axes is None else 1 if isinstance(axes, int) else len(axes)
+    if not (ord is None or (ord == 2 and rank == 1) or (ord == "fro" and rank == 2)):
+        raise TypeError(f"np.linalg.norm(..., ord={ord!r}) over {rank} axes is not supported inside sf.jit and on "
+                        "sf.Arrays: shardfuse has the 2-norm and the Frobenius norm (ord=None); write the others "
+                        "with the ops (np.abs(x).max(axis), np.abs(x).sum(axis))")
+    return _apply(_norm, "linalg.norm", x, axes, bool(keepdims))
+
+
+def _norm(x, axis, keepdims):
+    x = _floating(x)
+    return sqrt((x * x).sum(axis, keepdims=keepdims))
+
+
 def _axis_key(axis):
     """axis as a hashable value (a list to a tuple): outside jit it keys the one-op plan."""
     return tuple(axis) if isinstance(axis, list) else axis
@@ -371,5 +391,6 @@ NUMPY.update({  # NumPy function or ufunc -> the same on traced values: adding a
     np.amax: _reduction(Traced.max), np.min: _reduction(Traced.min), np.amin: _reduction(Traced.min),
     np.var: var, np.std: std, np.clip: clip, np.argmax: argmax, np.argmin: argmin,
     np.floor_divide: floor_divide, np.mod: mod,  # (np.remainder is np.mod)
+    np.linalg.norm: norm,
     **NUMPY_SHAPES,  # np.concatenate, np.stack, np.split
 })

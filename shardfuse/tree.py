@@ -157,6 +157,8 @@ class FlatFunction:
     def __call__(self, *leaves):
         out = self.fn(*(leaves if self.in_tree is None else self.in_tree.unflatten(leaves)))
         outs, td = flatten(out)
-        self.out_tree = None if td is LEAF or is_flat(td) else td
+        # (a tuple of one leaf keeps its structure: f returning (x,) gives (x,), as JAX's jit does,
+        # not x; a plan returns a bare tuple of its outputs only where there are several)
+        self.out_tree = None if td is LEAF or (is_flat(td) and len(td.children) != 1) else td
         return outs[0] if td is LEAF else tuple(outs)
 

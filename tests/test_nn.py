@@ -124,7 +124,7 @@ CASES = {
              True),
     "linear": (lambda x, w, b: nn.linear(x, w, b), lambda x, w, b: x @ w + b,
                lambda r: [signed(r, (T, E)), signed(r, (E, 12)), signed(r, 12)],
-               lambda s: [s, (s[1], None), (None,)], ROW_LAYOUTS, False),  # (sf.linear: inside sf.jit only)
+               lambda s: [s, (s[1], None), (None,)], ROW_LAYOUTS, True),
     "cross_entropy_onehot": (lambda x, t: nn.cross_entropy_onehot(x, t), np_cross_entropy, onehot_targets,
                              lambda s: [s, s], ROW_LAYOUTS, True),
     "attention": (lambda q, k, v: nn.attention(q, k, v), np_attention, qkv, lambda s: _same(s, 3), HEAD_LAYOUTS,

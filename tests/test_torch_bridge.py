@@ -80,3 +80,42 @@ def test_adam_steps_agree_with_torch():
 def test_refuses_non_tensors():
     with pytest.raises(TypeError, match="takes torch tensors"):
         sf.torch_function(sf.jit(lambda x: x * 2.0, mesh=MESH))(np.ones(4))
+
+
+def test_a_dict_of_parameters_matches_torch_autograd():
+    """A user's port keeps its parameters as one dict of tensors (sf.jit's pytrees): the bridge takes
+    and returns pytrees, and each leaf gets its gradient."""
+    g = torch.Generator().manual_seed(4)
+    params = {"w1": torch.randn(8, 32, dtype=torch.float64, generator=g), "b1": torch.randn(32, dtype=torch.float64,
+              generator=g), "w2": torch.randn(32, 8, dtype=torch.float64, generator=g)}
+    for t in params.values():
+        t.requires_grad_()
+    twins = {k: t.detach().clone().requires_grad_() for k, t in params.items()}
+    x = torch.randn(16, 8, dtype=torch.float64, generator=g)
+
+    def model(p, x):
+        h = sf.gelu(x @ sf.shard(p["w1"], axis=1) + sf.shard(p["b1"], axis=0))
+        return {"y": h @ sf.shard(p["w2"], axis=0), "h_sum": h.sum()}
+    out = sf.torch_function(sf.jit(model, mesh=MESH))(params, x)
+    assert set(out) == {"y", "h_sum"}
+    h = torch.nn.functional.gelu(x @ twins["w1"] + twins["b1"], approximate="tanh")
+    torch.testing.assert_close(out["y"], h @ twins["w2"], rtol=1e-12, atol=1e-12)
+    ((out["y"] ** 2).sum() + out["h_sum"]).backward()
+    (((h @ twins["w2"]) ** 2).sum() + h.sum()).backward()
+    for k in params:
+        torch.testing.assert_close(params[k].grad, twins[k].grad, rtol=1e-10, atol=1e-10)
+
+
+def test_bfloat16_results_on_numpy_devices():
+    """NumPy's DLPack has no bfloat16: the bridge hands torch the bits, so bfloat16 works as on GPUs."""
+    g = torch.Generator().manual_seed(5)
+    x = torch.randn(8, 6, generator=g).bfloat16()
+    w = torch.randn(6, 4, generator=g).bfloat16().requires_grad_()
+    y = sf.torch_function(sf.jit(lambda x, w: sf.shard(x, axis=0) @ w, mesh=MESH))(x, w)
+    assert y.dtype == torch.bfloat16
+    want = x.double() @ w.detach().double()
+    torch.testing.assert_close(y.double(), want, rtol=2e-2, atol=2e-2)
+    r = torch.randn(8, 4, generator=g).bfloat16()
+    (y.double() * r.double()).sum().backward()
+    assert w.grad.dtype == torch.bfloat16
+    torch.testing.assert_close(w.grad.double(), x.double().T @ r.double(), rtol=2e-2, atol=5e-2)

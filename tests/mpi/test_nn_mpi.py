@@ -13,7 +13,7 @@ KINDS = ["1d", "2d"]
 
 
 SHARDED = [(name, kind, jit) for name in sorted(tn.CASES) for kind in KINDS for jit in (True, False)
-           if jit or tn.CASES[name][5]]  # (sf.linear: inside sf.jit only)
+           if jit or tn.CASES[name][5]]
 
 
 @pytest.mark.parametrize("name, kind, jit", SHARDED, ids=[f"{n}-{k}-{'jit' if j else 'eager'}" for n, k, j in SHARDED])
