@@ -9,8 +9,6 @@ Arguments and results may be pytrees of tensors (a model's parameters as one dic
 """
 from __future__ import annotations
 
-import numpy as np
-
 from shardfuse import tree
 from shardfuse.jit import Jitted
 from shardfuse.transforms import Pullback
@@ -20,10 +18,7 @@ def _tensor(x, torch):
     """An sf.Array result as a torch tensor (DLPack, no copy, where this process holds it whole)."""
     if x.sharding.partial or any(tuple(s.shape) != x.shape for s in x.shards):
         x = x.full_array()
-    piece = x.to_local()
-    if x.dtype_name == "bfloat16" and isinstance(piece, np.ndarray):  # (NumPy's DLPack has no bfloat16: its bits)
-        return torch.from_numpy(piece.view(np.uint16)).view(torch.bfloat16)
-    return torch.from_dlpack(x)
+    return torch.from_dlpack(x)  # (bfloat16 too: sf.Array.__dlpack__ hands torch its bits)
 
 
 def torch_function(fn, mesh=None):
