@@ -12,7 +12,7 @@ from shardfuse.array_ops import ArrayOps, reshard
 from shardfuse.interop import array_info, check_input, stream_ptr
 from shardfuse.layout import Layout, layout_of
 from shardfuse.mesh import DeviceMesh
-from shardfuse.dtypes import normalize_dtype, np_dtype
+from shardfuse.dtypes import dtype_pair
 from shardfuse.pieces import Placed, device_index, global_placement, local_indices, local_pieces
 from shardfuse.spec import TensorSpec, check_axis, check_divides, normalize_axis
 from shardfuse.runtime import backend_of
@@ -43,8 +43,8 @@ class Array(Placed, ArrayOps):  # operators, ufuncs, reductions, indexing: array
 
     def __init__(self, mesh, shape, dtype, layout: Layout, shards: list, pieces_contiguous: bool = False,
                  owned: bool = False, fenced: int | None = None):
-        self.dtype_name = normalize_dtype(dtype)
-        self.mesh, self.shape, self.dtype = mesh, tuple(shape), np_dtype(self.dtype_name)
+        self.dtype_name, self.dtype = dtype_pair(dtype)
+        self.mesh, self.shape = mesh, tuple(shape)
         self.sharding, self.shards = layout, shards
         self.pieces_contiguous = pieces_contiguous  # placed by shardfuse, or whole plan buffers: taken as they are
         # a plan's result: a buffer per device that nothing else views, which a plan that it is donated

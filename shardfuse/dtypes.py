@@ -74,6 +74,20 @@ def np_dtype(name: str):
 _NP_DTYPES: dict = {}  # name -> NumPy dtype, for names of DTYPES
 
 
+def dtype_pair(dtype) -> tuple:
+    """(normalize_dtype(dtype), its NumPy dtype), remembered per dtype given: every sf.Array made asks."""
+    got = _PAIRS.get(dtype) if isinstance(dtype, (str, np.dtype, type)) else None
+    if got is None:
+        name = normalize_dtype(dtype)
+        got = (name, np_dtype(name))
+        if isinstance(dtype, (str, np.dtype, type)):
+            _PAIRS[dtype] = got
+    return got
+
+
+_PAIRS: dict = {}  # dtype as given (a name, a NumPy dtype or scalar type) -> (name, NumPy dtype)
+
+
 FLOATS = ("float16", "bfloat16", "float32", "float64")
 KINDS = {"bool": 0, "int32": 1, "int64": 1, **{f: 2 for f in FLOATS}}  # bool < integer < floating
 
