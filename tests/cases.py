@@ -182,6 +182,23 @@ def from_local_case(mesh, dtype="float64"):
     assert_close(f(arr).gather(), x.astype(np.float64), dtype)
 
 
+def from_local_2d_case(mesh, over):
+    """SPMD input on a 2-D mesh (JAX's make_array_from_process_local_data): each process passes
+    the blocks of its devices' positions along `over`, in order; the value is sharded on `over`
+    and replicated over the other mesh axis, and every device holds its position's block."""
+    k = mesh.axis_index(over)
+    x = np.random.default_rng(7).standard_normal((2 * mesh.shape[k], 3))  # (the same on every rank)
+    held = sorted({mesh.coords(d)[k] for d in mesh.local_devices})
+    arr = sf.from_local(np.concatenate([x[2 * p:2 * p + 2] for p in held]), axis=0, over=over, mesh=mesh)
+    assert arr.shape == x.shape
+    assert arr.sharding.placements(mesh) == tuple("S(0)" if n == over else "R" for n in mesh.axis_names)
+    for d, piece in zip(mesh.local_devices, arr.shards):
+        p = mesh.coords(d)[k]
+        np.testing.assert_array_equal(piece, x[2 * p:2 * p + 2])
+    f = sf.jit(lambda v: sf.replicate(v * 2.0), mesh=mesh)
+    np.testing.assert_allclose(f(arr).gather(), 2 * x, rtol=1e-15)
+
+
 # ---- the resharding table, one entry per row: (source, target, what the plan must insert) ----
 RESHARD_TABLE = {
     "S(0)->R": ({"allgather": 1}, lambda x: sf.replicate(sf.shard(x, axis=0) * 2.0), lambda x: 2 * x),

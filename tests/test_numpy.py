@@ -2,7 +2,7 @@
 import pytest
 
 import shardfuse as sf
-from cases import (allgather_case, allreduce_case, from_local_case, natural_case, reduce_scatter_case,
+from cases import (allgather_case, allreduce_case, from_local_2d_case, from_local_case, natural_case, reduce_scatter_case,
                    seed_case, slice_case, unpipelined_case)
 
 DEVICES = [1, 2, 3, 4]
@@ -66,6 +66,12 @@ def test_from_local(d):
     from_local_case(mesh(d))
 
 
+@pytest.mark.parametrize("shape", [(2, 2), (2, 3), (3, 2)])
+@pytest.mark.parametrize("over", ["dp", "tp"])
+def test_from_local_on_a_2d_mesh(shape, over):
+    from_local_2d_case(sf.DeviceMesh(shape, ("dp", "tp"), backend="numpy"), over)
+
+
 def test_results_identical_across_stream_counts():
     import numpy as np
 
@@ -113,3 +119,16 @@ def test_one_device_plan_keeps_no_gathered_copy():
         rng = np.random.default_rng()
         a, b = rng.standard_normal((4, d, 3, 5)).astype("float32"), rng.standard_normal((5, 7)).astype("float32")
         np.testing.assert_allclose(f(a, b).gather(), a.astype(np.float64) @ b, rtol=1e-4, atol=1e-4)
+
+
+def test_from_local_refusals_on_a_2d_mesh():
+    import numpy as np
+
+    mesh = sf.DeviceMesh((2, 2), ("dp", "tp"), backend="numpy")
+    with pytest.raises(ValueError, match=r"extent 3 cannot be cut into the 2 block\(s\) of this process' positions "
+                                         r"\[0, 1\] along mesh axis 'dp'"):
+        sf.from_local(np.ones((3, 4)), axis=0, over="dp", mesh=mesh)
+    with pytest.raises(TypeError, match="over= names one mesh axis"):
+        sf.from_local(np.ones((4, 4)), axis=0, over=("dp", "tp"), mesh=mesh)
+    with pytest.raises(ValueError, match="unknown mesh axis 'pp'"):
+        sf.from_local(np.ones((4, 4)), axis=0, over="pp", mesh=mesh)

@@ -89,6 +89,11 @@ def test_from_local(mesh, dtype):
     cases.from_local_case(mesh, dtype)
 
 
+@pytest.mark.parametrize("over", ["dp", "tp"])
+def test_from_local_on_a_2d_mesh(over):
+    cases.from_local_2d_case(sf.DeviceMesh((2, 2), ("dp", "tp")), over)
+
+
 def test_repeated_calls_reuse_the_binding(mesh):
     """One plan called several times (persistent staging buffers, fresh requests each call)."""
     for _ in range(3):
