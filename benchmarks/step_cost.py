@@ -16,6 +16,7 @@ import numpy as np
 
 import shardfuse as sf
 from shardfuse.bench import host
+from shardfuse.interop import stream_ptr
 from shardfuse.pieces import check_args
 
 
@@ -77,7 +78,7 @@ def main():
             sync()
 
     with exe.lock:
-        exe.run(placed, infos, None, issue=timed)
+        exe.run(placed, infos, stream_ptr(None) if args.backend == "cupy" else None, issue=timed)
     print(f"{args.case} ({args.layout} layout): {len(exe.steps)} steps; a whole eager call {host.per_call_us(call, sync, 50, 5):.1f} us")
     for kind, us in sorted(per_kind.items(), key=lambda kv: -sum(kv[1])):
         print(f"  {kind:<48} x{len(us):<3} {np.median(us):6.1f} us each, {sum(us):7.1f} us in all")

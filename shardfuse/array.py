@@ -42,7 +42,7 @@ class Array(Placed, ArrayOps):  # operators, ufuncs, reductions, indexing: array
     global NumPy value; collective) or ``.to_local()`` (this process' piece) instead."""
 
     def __init__(self, mesh, shape, dtype, layout: Layout, shards: list, pieces_contiguous: bool = False,
-                 owned: bool = False, fenced: int | None = None):
+                 owned: bool = False, fenced=None):
         self.dtype_name, self.dtype = dtype_pair(dtype)
         self.mesh, self.shape = mesh, tuple(shape)
         self.sharding, self.shards = layout, shards
@@ -50,7 +50,7 @@ class Array(Placed, ArrayOps):  # operators, ufuncs, reductions, indexing: array
         # a plan's result: a buffer per device that nothing else views, which a plan that it is donated
         # to may write (pieces placed from a caller's array may view it, or share one buffer per GPU)
         self.owned = owned
-        self.fenced = fenced  # a plan's result: the caller's stream that already waits for it (its call's)
+        self.fenced = fenced  # a plan's result: its call's interop.Fence (the stream that already waits for it)
 
     ndim = property(lambda self: len(self.shape))
 
@@ -210,7 +210,7 @@ class Array(Placed, ArrayOps):  # operators, ufuncs, reductions, indexing: array
         """DLPack export of the whole value (see _whole_piece).  The consumer's stream (DLPack's
         `stream`: None, 1 legacy default, 2 per-thread default, or a pointer) waits for the plan."""
         piece = self._whole_piece("__dlpack__")
-        if stream is not None and {1: 0}.get(stream, stream) != self.fenced:
+        if stream is not None and stream != -1 and not (self.fenced and self.fenced.covers(stream)):  # (-1: no sync)
             backend_of(self.mesh).fence_out({1: 0}.get(stream, stream))
         if self.dtype_name == "bfloat16":  # (CuPy holds its uint16 bits; NumPy's DLPack has no bfloat16)
             try:
@@ -232,7 +232,7 @@ class Array(Placed, ArrayOps):  # operators, ufuncs, reductions, indexing: array
             raise AttributeError("__cuda_array_interface__ has no bfloat16 type; use __dlpack__ (torch) or to_local()")
         piece = self._whole_piece("__cuda_array_interface__")
         consumer = stream_ptr()  # the consumer reads on the current stream
-        if consumer != self.fenced:
+        if not (self.fenced and self.fenced.covers(consumer)):
             backend_of(self.mesh).fence_out(consumer)
         return piece.__cuda_array_interface__
 
@@ -292,13 +292,18 @@ def from_local(local_piece, axis: int, over: str | None = None, mesh=None):
     if not isinstance(over, str):
         raise TypeError(f"sf.from_local: over= names one mesh axis of {mesh.axis_names}, got {over!r}")
     k = mesh.axis_index(over)
-    if mesh.nprocs > 1:  # every rank's piece, axis and mesh axis must agree: else each builds another array
-        seen = faults.allgather_object((info.shape, info.dtype, ax, over), "sf.from_local")
-        if len(set(seen)) != 1:
-            raise ValueError("sf.from_local: processes passed pieces of different shapes/dtypes or different axis=/over=: "
-                             + ", ".join(f"rank {r}: {s} {d} axis={a} over={o!r}" for r, (s, d, a, o) in enumerate(seen)))
     position = [mesh.coords(d)[k] for d in mesh.local_devices]  # each local device's position along `over`
     held = sorted(set(position))
+    if mesh.nprocs > 1:  # every rank's piece, axis, mesh axis and count of positions must agree: else each
+        # builds another array (a mesh axis that process boundaries cut unevenly gives ranks different counts)
+        seen = faults.allgather_object((info.shape, info.dtype, ax, over, len(held)), "sf.from_local")
+        if len(set(seen)) != 1:
+            raise ValueError("sf.from_local: processes passed pieces of different shapes/dtypes or different axis=/over=, "
+                             f"or hold different numbers of positions along {over!r}: " + ", ".join(
+                                 f"rank {r}: {s} {d} axis={a} over={o!r} positions={n}"
+                                 for r, (s, d, a, o, n) in enumerate(seen)))
+    if not held:
+        raise ValueError(f"sf.from_local: this process holds no device of {mesh}")
     if info.shape[ax] % len(held):
         raise ValueError(f"sf.from_local: local piece axis {ax} of extent {info.shape[ax]} cannot be cut into the "
                          f"{len(held)} block(s) of this process' positions {held} along mesh axis {over!r}")

@@ -19,7 +19,7 @@ from dataclasses import replace
 from shardfuse import faults
 from shardfuse.runtime import backend_of
 from shardfuse.pieces import check_args, local_pieces, placement
-from shardfuse.interop import stream_ptr
+from shardfuse.interop import Fence, stream_identity, stream_ptr
 from shardfuse.backends.protocol import BoundPlan, Ref, block, rank_major, reshape_strides
 from shardfuse.ir import local_shape, walk
 from shardfuse.ops import COMMUNICATION, ELEMENTWISE, HOST, Op, VIEWS
@@ -88,13 +88,12 @@ class Executable:
         made.update({self.refs[prog.inputs[k]].slot: self.refs[prog.inputs[k]].shape for k in self.donated})
         self._whole_outputs = [r.slot if made.get(r.slot) == r.shape and not any(r.offsets) and r.is_contiguous()
                                else None for r in (self.refs[v] for v in prog.outputs)]
-        self._graph_outputs = None
+        self._graph_outputs, self.calls = None, 0  # (calls run: graph-mode outputs hold until the next)
         self._out_layouts = [v.type.layout.held_by(prog.mesh) for v in prog.outputs]  # (as an sf.Array holds them)
         self.accepted = set()  # hot-path cache of layout checks
-        # One call at a time: the plan's persistent buffers (gather pools, scratch) and its
-        # graphs are shared by every call, so two threads issuing at once would write each
-        # other's chunks.  A lock rather than per-thread buffers: it costs no memory, and on GPUs
-        # it is held only while the host issues (the kernels run after it is released).
+        # One call at a time: the plan's persistent buffers (gather pools, scratch) and its graphs
+        # are shared by every call, so two threads issuing at once would write each other's chunks.
+        # A lock, not per-thread buffers: no memory, and held only while the host issues.
         self.lock = threading.Lock()
         self.graph = backend.capture(self.bound_plan()) if graph else None
         log.info("bound plan %r on %s: %d steps%s", prog.name, backend.name, len(self.steps), " (graphs)" * graph)
@@ -305,11 +304,11 @@ class Executable:
         self.check_ranks()
         caller = None if self.backend.ordinals is None else stream_ptr(stream)
         with self.lock:
-            return self.run(args, infos, caller), caller
+            outs = self.run(args, infos, caller)
+            return outs, None if caller is None else Fence(stream_identity(caller), self.calls, self.graph and self)
 
     def check_ranks(self):
-        """Under mpiexec, at every call: every rank calls this plan (one that picked another, e.g. for
-        a short last batch, would pair their collectives silently): else RankMismatchError on all."""
+        """Under mpiexec, every call: every rank calls this very plan, else RankMismatchError on all."""
         if self.mesh.nprocs > 1:
             faults.agree(self.agreement, f"plan {self.prog.name!r}{faults.A_CALL}")
 
@@ -317,6 +316,7 @@ class Executable:
         """One call, with self.lock held: place the inputs, issue the steps (or issue(bufs)), return
         the outputs; fenced with the caller's stream (a pointer on GPUs, else None)."""
         be = self.backend
+        self.calls += 1
         if caller is not None:
             be.fence_in(caller)
         bufs = list(self.slot_templates)

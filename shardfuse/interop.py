@@ -14,6 +14,7 @@ default stream unless the caller set another), which is also PyTorch's default.
 from __future__ import annotations
 
 import functools
+import threading
 from typing import NamedTuple
 
 import numpy as np
@@ -283,6 +284,29 @@ def _cupy():
     import cupy
 
     return cupy
+
+
+def stream_identity(ptr: int):
+    """What a raw stream pointer names: itself, but the legacy default stream (0, DLPack's 1) is one
+    per GPU and the per-thread default stream (2) one per GPU and thread: named with those."""
+    if ptr in (0, 1):
+        return 0, _cupy().cuda.runtime.getDevice()
+    if ptr == 2:
+        return 2, _cupy().cuda.runtime.getDevice(), threading.get_ident()
+    return ptr
+
+
+class Fence(NamedTuple):
+    """Where a call left its outputs ordered: the caller's stream (its stream_identity) waits for
+    them.  For outputs the plan's next call overwrites (graph mode), also the plan's executable
+    and its count of calls then: the ordering holds only until its next call."""
+    stream: object
+    calls: int
+    exe: object = None
+
+    def covers(self, consumer: int) -> bool:
+        """Whether a read on stream `consumer` (a pointer) is already ordered after the outputs."""
+        return self.stream == stream_identity(consumer) and (self.exe is None or self.exe.calls == self.calls)
 
 
 def stream_ptr(stream=None) -> int:

@@ -219,8 +219,7 @@ class Jitted:
                     hit = self._dispatch.get(key)
                     if hit is not None:
                         self._plans.touch(hit[0])
-                if hit is None:
-                    hit = self._first_call(key, args, infos)
+                hit = hit or self._first_call(key, args, infos)
                 return hit[1].run_flat(args, stream, infos, checked=True)
         if self._static and not any(isinstance(a, Traced) for a in tree.leaves((args, kwargs))):
             key, args, kwargs = split_static(self.fn, self._static, args, kwargs)
@@ -250,26 +249,29 @@ class Jitted:
             try:
                 i = array_info(a)
             except (TypeError, ValueError, OverflowError) as e:
+                if any(isinstance(v, Traced) for v in args):  # (a Python value beside traced ones: inlined)
+                    return None, None
                 raise self._argument_error(args, e) from None
-            infos.append(i)
-            # (2.0 and np.float64(2.0): weak or not; the device and contiguity as checked once)
+            infos.append(i)  # (the key: 2.0 and np.float64(2.0) weak or not; device and contiguity as checked)
             key.append((i.shape, i.dtype, type(a) in WEAK_TYPES, i.device, i.contiguous))
         return tuple(infos), tuple(key)
 
     def _first_call(self, key, args, infos) -> tuple:
-        """The dispatch table's entry for a new key: the plan for the arguments' specs (compiled
-        or kept), with the arguments checked against it once; calls with the same key skip that."""
+        """The dispatch entry (specs, plan) of a new key, its arguments checked against the plan once."""
         with self._tables:
             hit = self._dispatch.get(key)
-            if hit is None:
-                self._refuse_other_meshes(args)
-                specs = tuple(spec_of(a, self.mesh) for a in args)
-                plan = self._lower(specs)
-                plan.check(args, infos)
-                hit = self._dispatch[key] = (specs, plan)
-                if len(self._dispatch) > 4 * self.max_plans:  # cannot happen (a key names one specs): a backstop
+            if hit is not None:
+                return hit
+            self._refuse_other_meshes(args)
+            specs = tuple(spec_of(a, self.mesh) for a in args)
+            plan = self._lower(specs)
+        plan.check(args, infos)  # (binds the plan on its first call: outside the tables' lock)
+        with self._tables:
+            if self._plans.holds(specs):  # (not evicted meanwhile by another thread)
+                if len(self._dispatch) > 64 * self.max_plans:  # (keys of one specs differ in contiguity: bounded)
                     self._dispatch.clear()
-            return hit
+                self._dispatch[key] = (specs, plan)
+        return specs, plan
 
     def _refuse_numbers(self, args):
         """Pytree arguments hold arrays: a list of Python numbers is data meant as one array (NumPy

@@ -51,6 +51,11 @@ class PlanCache:
             self.plans.move_to_end(key)
             self.stats["reused"] += 1
 
+    def holds(self, key) -> bool:
+        """Whether a plan is kept for `key` now."""
+        with self.lock:
+            return key in self.plans
+
     def snapshot(self) -> dict:
         """key -> plan, least recently used first (a copy)."""
         with self.lock:

@@ -218,6 +218,31 @@ def test_an_exported_result_is_ordered_after_its_call(graph, reader):
         _check_rowsums([cupy.asnumpy(got).astype(np.float64)], value, b)
 
 
+def test_a_graph_result_exported_after_the_next_call_waits_for_it():
+    """Graph mode: the next call overwrites a call's outputs.  Call 1 on stream S, call 2 on
+    stream T with its input written late on T, then call 1's result exported on S: S must wait
+    for call 2 (the export fences again, as the result's call is no longer the plan's last), so
+    it reads call 2's values, whole, never a mix."""
+    mesh = sf.DeviceMesh(1, backend="cupy")
+    f = seed(mesh, graph=True)
+    b = rng().standard_normal((64, 32)).astype(np.float32)
+    w = sf.replicate(cupy.asarray(b), mesh=mesh)
+    s, t = cupy.cuda.Stream(non_blocking=True), cupy.cuda.Stream(non_blocking=True)
+    with s:
+        a1 = cupy.full((16, 64), 1.5, np.float32)
+    with t:
+        a2 = cupy.full((16, 64), np.nan, np.float32)
+    s.synchronize()
+    t.synchronize()
+    out1 = f(a1, w, stream=s)
+    _spin_fill(a2, -0.75, t)
+    f(a2, w, stream=t)
+    with s:
+        got = cupy.from_dlpack(out1).copy()
+    s.synchronize()
+    _check_rowsums([cupy.asnumpy(got).astype(np.float64)], -0.75, b)
+
+
 @pytest.mark.parametrize("how", ["stream=", "torch's current stream"])
 def test_late_producer_on_a_torch_stream(mesh, how):
     """A tensor written late on a torch side stream.  "stream=": passed as a CuPy view with

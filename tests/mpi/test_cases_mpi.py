@@ -94,6 +94,20 @@ def test_from_local_on_a_2d_mesh(over):
     cases.from_local_2d_case(sf.DeviceMesh((2, 2), ("dp", "tp")), over)
 
 
+def test_from_local_where_processes_hold_different_counts_of_positions():
+    """A (3, 4) mesh cut by process boundaries: under -n 4 rank 0 holds one dp position and the
+    others two (every rank refuses, naming each rank's count); under -n 2 both hold two (1 of
+    them shared), which places the value (no plan runs on it: its dp teams are split unevenly
+    over the processes, which the MPI backend refuses, README)."""
+    mesh = sf.DeviceMesh((3, 4), ("dp", "tp"))
+    counts = COMM.allgather(len({mesh.coords(d)[0] for d in mesh.local_devices}))
+    if len(set(counts)) > 1:
+        with pytest.raises(ValueError, match=r"hold different numbers of positions along 'dp'.*positions=1"):
+            sf.from_local(np.ones((2, 3)), axis=0, over="dp", mesh=mesh)
+    else:
+        cases.from_local_2d_case(mesh, "dp", run_plan=False)
+
+
 def test_repeated_calls_reuse_the_binding(mesh):
     """One plan called several times (persistent staging buffers, fresh requests each call)."""
     for _ in range(3):
