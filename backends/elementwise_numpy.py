@@ -9,6 +9,8 @@ floats with a scalar exponent, and the compositions (sigmoid, silu, rsqrt), run 
 round once, as the existing scalar ops do."""
 from __future__ import annotations
 
+import math
+
 import numpy as np
 
 from shardfuse.backends import extrema
@@ -80,6 +82,22 @@ def _sigmoid(xp, x, _):
     return xp.where(x >= 0, 1 / (1 + e), e / (1 + e))
 
 
+# NumPy has no erf: math's, element by element, in float64 (glibc's, within an ulp), rounded once into
+# the output (16- and 32-bit values too).  NumPy only: the CuPy backend has its own kernels (kernels._FUSED).
+_ERF, _ERFC = np.frompyfunc(math.erf, 1, 1), np.frompyfunc(math.erfc, 1, 1)
+
+
+def _erf(xp, x, _, o):
+    o[...] = _ERF(x.astype(np.float64)).astype(np.float64)
+
+
+def _gelu_erf(xp, x, _, o):
+    """The exact GELU, x * Phi(x), as 0.5 x erfc(-x / sqrt 2) (jax.nn.gelu(approximate=False)'s form:
+    no cancellation in 1 + erf(x / sqrt 2) for negative x), in float64, rounded once into o."""
+    v = x.astype(np.float64)
+    o[...] = 0.5 * v * _ERFC(v * -0.7071067811865476).astype(np.float64)
+
+
 def _scalar(fn, reflected=False):
     def run(xp, x, s, o):
         if x.dtype.itemsize == 2 and x.dtype.kind != "b":  # 16-bit floats: in float32, rounded once
@@ -132,6 +150,19 @@ ELEMENTWISE = {
     Op.LOG: lambda xp, x, _, o: xp.log(x, out=o),
     Op.RSQRT: _in32(lambda xp, x, _: 1 / xp.sqrt(x)),
     Op.SIGMOID: _in32(_sigmoid),
+    Op.SIN: lambda xp, x, _, o: xp.sin(x, out=o),
+    Op.COS: lambda xp, x, _, o: xp.cos(x, out=o),
+    Op.LOG1P: lambda xp, x, _, o: xp.log1p(x, out=o),
+    Op.EXPM1: lambda xp, x, _, o: xp.expm1(x, out=o),
+    Op.ERF: _erf,
+    Op.GELU_ERF: _gelu_erf,
+    Op.SIGN: _in32(lambda xp, x, _: xp.sign(x)),  # (16-bit through float32: ml_dtypes' sign(-0.0) is -0.0)
+    Op.FLOOR: lambda xp, x, _, o: xp.floor(x, out=o),
+    Op.CEIL: lambda xp, x, _, o: xp.ceil(x, out=o),
+    Op.ROUND: lambda xp, x, _, o: xp.rint(x, out=o),  # (halves to even: np.round's decimals=0 is rint)
+    Op.ISNAN: lambda xp, x, _, o: xp.isnan(x, out=o),
+    Op.ISINF: lambda xp, x, _, o: xp.isinf(x, out=o),
+    Op.ISFINITE: lambda xp, x, _, o: xp.isfinite(x, out=o),
     Op.SILU: _in32(lambda xp, x, _: x * _sigmoid(xp, x, _)),
     Op.POW: lambda xp, x, s, o: _scalar(xp.power)(xp, x, s, o),
     Op.RPOW: lambda xp, x, s, o: _scalar(xp.power, reflected=True)(xp, x, s, o),

@@ -30,6 +30,7 @@ from shardfuse.autodiff_layouts import known_layout, pin, regathered, rows_merge
 from shardfuse.custom_vjp import rules_at
 from shardfuse.ir import TensorType
 from shardfuse.layout import Layout, mesh_axes
+from shardfuse.numpy_math import NO_GRADIENT as MATH_NO_GRADIENT, VJP as MATH_VJP
 from shardfuse.ops import COMPARE, COMPARE_SCALAR, Op
 from shardfuse import schedule
 from shardfuse.schedule import Schedule, scheduled
@@ -40,6 +41,7 @@ from shardfuse.traced_numpy import where
 # ops whose output carries no gradient to their inputs (boolean or constant results; floor division's
 # is piecewise constant: zero almost everywhere, as JAX's)
 NO_GRADIENT = COMPARE | COMPARE_SCALAR | {Op.LOGICAL_NOT, Op.FILL_THEN, Op.FILL_ELSE, Op.FULL_LIKE, Op.FLOOR_DIVIDE}
+NO_GRADIENT |= MATH_NO_GRADIENT  # (sign, floor, ceil, round; isnan & co.: shardfuse/numpy_math.py)
 
 
 def full_like(x: Traced, value, dtype=None) -> Traced:
@@ -378,6 +380,7 @@ VJP = {
     Op.RPOW: _unary(lambda ct, x, y, c: ct * y * (math.log(c) if c > 0 else math.nan)),
     Op.ASTYPE: lambda ins, xs, out, ct, instrs: [ct.astype(xs[0].dtype_name) if differentiable(xs[0].dtype_name)
                                                  else None],
+    **MATH_VJP,  # sin, cos, log1p, expm1, erf, the exact GELU (shardfuse/numpy_math.py)
 }
 
 

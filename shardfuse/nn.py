@@ -29,7 +29,8 @@ import numpy as np
 from shardfuse.autodiff import stop_gradient
 from shardfuse.custom_vjp import custom_vjp
 from shardfuse.traced import Traced, describe
-from shardfuse.traced_numpy import exp, gelu, linear, log, maximum, minimum, rsqrt, silu, where
+from shardfuse.numpy_math import gelu
+from shardfuse.traced_numpy import exp, linear, log, maximum, minimum, rsqrt, silu, where
 
 __all__ = ["softmax", "log_softmax", "layer_norm", "rms_norm", "linear", "attention", "cross_entropy",
            "cross_entropy_onehot",

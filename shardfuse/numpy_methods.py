@@ -53,6 +53,10 @@ class NumpyMethods:
     any, all = _method(np.any), _method(np.all)  # (np.any(x, axis, out, keepdims): NumPy's method order)
     ravel, flatten, squeeze, copy, dot = (_method(f) for f in (np.ravel, np.ravel, np.squeeze, np.copy, np.dot))
 
+    def round(self, decimals=0, out=None):
+        """np.round(x) as NumPy's method: to integers, halves to even (decimals=0 only)."""
+        return NUMPY[np.round](self, decimals, out)
+
     def prod(self, *args, **kwargs):
         """Not supported (NumPy's x.prod): the error says what to write instead."""
         raise NotImplementedError(f"x.prod / np.prod of a {type(self).__name__}: shardfuse has no product "
@@ -78,6 +82,6 @@ class NumpyMethods:
 
 
 SUPPORTED_METHODS = ("x.shape / ndim / size / dtype, x.sum / mean / max / min / any / all / var / std / argmax / "
-                     "argmin(axis, keepdims=), x.clip, x.astype(dtype), x.reshape / ravel / flatten / squeeze / "
+                     "argmin(axis, keepdims=), x.clip, x.round(), x.astype(dtype), x.reshape / ravel / flatten / squeeze / "
                      "transpose / swapaxes / T, x.copy(), x.dot(y), x[...], the operators + - * / // % ** @ "
                      "< <= > >= == != & | ^ ~")

@@ -51,6 +51,20 @@ class Op(StrEnum):
     MINIMUM_SCALAR = "minimum_scalar"
     FLOOR_DIVIDE = "floor_divide"  # x // y, NumPy's (floor of the quotient; integers stay integers)
     MOD = "mod"  # x % y, NumPy's remainder (the sign of y)
+    # NumPy's unary math (shardfuse/numpy_math.py): results in the input's dtype, or boolean (ISNAN ...)
+    SIN = "sin"
+    COS = "cos"
+    LOG1P = "log1p"
+    EXPM1 = "expm1"
+    ERF = "erf"  # jax.lax.erf, scipy.special.erf
+    GELU_ERF = "gelu_erf"  # the exact GELU, x * Phi(x) = 0.5 x erfc(-x / sqrt 2) (GELU: the tanh form)
+    SIGN = "sign"  # NumPy's: -1, 0 or 1 (0 for -0.0), NaN for NaN
+    FLOOR = "floor"
+    CEIL = "ceil"
+    ROUND = "round"  # to the nearest integer, halves to even (np.round with decimals=0, np.rint)
+    ISNAN = "isnan"
+    ISINF = "isinf"
+    ISFINITE = "isfinite"
     # comparisons: boolean results (x op y, or x op a Python scalar)
     LT = "less"
     LE = "less_equal"
@@ -133,7 +147,9 @@ BINARY = frozenset({Op.ADD, Op.SUB, Op.MUL, Op.DIV, Op.MAXIMUM, Op.MINIMUM, Op.W
 NONLINEAR_UNARY = frozenset({Op.EXP, Op.TANH, Op.RELU, Op.GELU, Op.ADD_SCALAR, Op.RDIV, Op.SQRT, Op.RSQRT, Op.LOG,
                              Op.SIGMOID, Op.SILU, Op.POW, Op.RPOW, Op.MAXIMUM_SCALAR, Op.MINIMUM_SCALAR,
                              Op.LOGICAL_NOT, Op.FILL_THEN, Op.FILL_ELSE, Op.ASTYPE, Op.FULL_LIKE, Op.ORDER_KEYS,
-                             Op.FROM_ORDER_KEYS, Op.INVERT}) | COMPARE_SCALAR
+                             Op.FROM_ORDER_KEYS, Op.INVERT, Op.SIN, Op.COS, Op.LOG1P, Op.EXPM1, Op.ERF,
+                             Op.GELU_ERF, Op.SIGN, Op.FLOOR, Op.CEIL, Op.ROUND, Op.ISNAN, Op.ISINF,
+                             Op.ISFINITE}) | COMPARE_SCALAR
 LINEAR_UNARY = frozenset({Op.NEG, Op.SCALE, Op.DIV_SCALAR})  # commute with a pending sum
 LOCAL_REDUCTIONS = frozenset({Op.REDUCE_MAX, Op.REDUCE_MIN})  # of the last axis, which must be whole
 # (a step per device like the elementwise ops: the executor binds these through bind_elementwise)

@@ -65,17 +65,12 @@ sigmoid.__doc__ = "1 / (1 + e**-x) elementwise, without overflow for large |x| (
 silu.__doc__ = "x * sigmoid(x) elementwise (SiLU, swish: jax.nn.silu)."
 
 
-_unary = {op: (lambda op: lambda v: v.unary_op(op))(op) for op in (Op.RELU, Op.GELU)}  # (made once: see _math)
+_relu = lambda v: v.unary_op(Op.RELU)  # noqa: E731 (made once: see _math; sf.gelu is in numpy_math.py)
 
 
 def relu(x):
     """max(x, 0) elementwise."""
-    return _apply(_unary[Op.RELU], str(Op.RELU), x)
-
-
-def gelu(x):
-    """GELU, tanh form (as in GPT-2 and Megatron)."""
-    return _apply(_unary[Op.GELU], str(Op.GELU), x)
+    return _apply(_relu, str(Op.RELU), x)
 
 
 def linear(x, w, b=None):

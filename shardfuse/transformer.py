@@ -21,7 +21,7 @@ import numpy as np
 
 from shardfuse import trace
 from shardfuse.nn import attention, layer_norm
-from shardfuse.traced_numpy import gelu
+from shardfuse.numpy_math import gelu
 
 PARAMS = ("ln1_w", "ln1_b", "wq", "wk", "wv", "wo", "bo", "ln2_w", "ln2_b", "w1", "b1", "w2", "b2")
 

@@ -47,6 +47,18 @@ CASES = {
     "sqrt": (np.sqrt, [(X, pos)], 0),
     "rsqrt": (sf.rsqrt, [(X, pos)], 0),
     "log": (np.log, [(X, pos)], 0),
+    "sin": (np.sin, [(X, normal)], 0),
+    "cos": (sf.cos, [(X, normal)], 0),
+    "log1p": (np.log1p, [(X, pos)], 0),
+    "expm1": (np.expm1, [(X, normal)], 0),
+    "erf": (sf.erf, [(X, normal)], 0),
+    "gelu exact": (lambda x: sf.nn.gelu(x * 2.0, approximate=False), [(X, normal)], 0),
+    "reciprocal": (np.reciprocal, [(X, pos)], 0),
+    # piecewise constant (zero gradient, as JAX's: the product rule leaves them as factors), and boolean tests
+    "sign floor ceil round (no gradient)": (lambda x: (np.sign(x) + np.floor(x * 2.0) + np.ceil(x) + np.round(x * 3.0)
+                                                       + x.round()) * x, [(X, normal)], 0),
+    "isnan isinf isfinite (no gradient)": (lambda x: sf.where(np.isfinite(x) & ~np.isnan(x) & ~np.isinf(x), x * x, 0.0)
+                                           + np.isnan(x) * x, [(X, normal)], 0),
     "pow 3": (lambda x: x ** 3, [(X, normal)], 0),
     "pow 0.5": (lambda x: x ** 0.5, [(X, pos)], 0),
     "rpow": (lambda x: 2.0 ** x, [(X, normal)], 0),

@@ -157,6 +157,11 @@ _FUSED = {
     Op.RSQRT: "y = (T)((F)1 / sqrt((F)x))",
     # (NumPy's form makes temporaries: an allocation inside a CUDA graph capture is refused)
     Op.GELU: "F v = (F)x; y = (T)((F)0.5 * v * ((F)1 + tanh((F)0.7978845608028654 * (v + (F)0.044715 * v * v * v))))",
+    # (CuPy has no erf outside cupyx.scipy.special; CUDA's erf / erfc, in F, rounded once as NumPy's are)
+    Op.ERF: "y = (T)erf((F)x)",
+    Op.GELU_ERF: "F v = (F)x; y = (T)((F)0.5 * v * erfc(-v * (F)0.7071067811865476))",
+    # NumPy's sign: 0 for -0.0 and NaN for NaN (integers too: T is their type, the result -1, 0 or 1)
+    Op.SIGN: "F v = (F)x; y = (T)(v > (F)0 ? (F)1 : (v < (F)0 ? (F)-1 : (v == (F)0 ? (F)0 : v)))",
 }
 
 
@@ -165,6 +170,13 @@ _FUSED = {
 # read and written as its uint16 bits inline (no float32 scratch buffers, one launch)
 _GELU_C = "(F)0.5 * a * ((F)1 + tanh((F)0.7978845608028654 * (a + (F)0.044715 * a * a * a)))"
 _SIGMOID_C = "(a >= 0 ? (F)1 / ((F)1 + exp(-a)) : exp(a) / ((F)1 + exp(a)))"
+# (isinf / isfinite by arithmetic: a - a is NaN for an infinity and for NaN, 0 for every finite a)
+_MATH_C = {
+    Op.SIN: "sin(a)", Op.COS: "cos(a)", Op.LOG1P: "log1p(a)", Op.EXPM1: "expm1(a)", Op.ERF: "erf(a)",
+    Op.GELU_ERF: "((F)0.5 * a * erfc(-a * (F)0.7071067811865476))", Op.FLOOR: "floor(a)", Op.CEIL: "ceil(a)",
+    Op.ROUND: "rint(a)", Op.SIGN: "(a > (F)0 ? (F)1 : (a < (F)0 ? (F)-1 : (a == (F)0 ? (F)0 : a)))",
+    Op.ISNAN: "(a != a)", Op.ISINF: "(a == a && a - a != a - a)", Op.ISFINITE: "(a - a == a - a)",
+}
 INLINE = {
     Op.ADD: "a + b", Op.SUB: "a - b", Op.MUL: "a * b", Op.DIV: "a / b", Op.NEG: "-a",
     Op.SCALE: "a * s", Op.DIV_SCALAR: "a / s", Op.ADD_SCALAR: "a + s", Op.RDIV: "s / a",
@@ -178,6 +190,7 @@ INLINE = {
     Op.EQ_SCALAR: "a == s", Op.NE_SCALAR: "a != s",
     Op.WHERE_THEN: "(a ? b : (F)-0.0)", Op.WHERE_ELSE: "(a ? (F)-0.0 : b)",
     Op.FILL_THEN: "(a ? s : (F)-0.0)", Op.FILL_ELSE: "(a ? (F)-0.0 : s)", Op.FULL_LIKE: "s", Op.ASTYPE: "a",
+    **_MATH_C,
 }
 # each dtype's type name as a kernel parameter (bfloat16 as its uint16 bits), and its C type
 PARAM_TYPES = {"float16": "float16", "float32": "float32", "float64": "float64", "int32": "int32",
