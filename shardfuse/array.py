@@ -147,7 +147,10 @@ class Array(Placed, ArrayOps):  # operators, ufuncs, reductions, indexing: array
                 continue  # outside the value's sub-mesh
             if any(mesh.coords(d)[r] for r in replicas):
                 continue  # a replica: device 0 of that mesh axis holds the same data
-            out[device_index(self.shape, lay, mesh, d)] += piece
+            if lay.partial:  # pending sums: the pieces add up
+                out[device_index(self.shape, lay, mesh, d)] += piece
+            else:  # disjoint pieces, placed as they are (a sum into zeros would turn -0.0 into +0.0)
+                out[device_index(self.shape, lay, mesh, d)] = piece
         return out
 
     def _whole_here(self):

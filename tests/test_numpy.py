@@ -132,3 +132,13 @@ def test_from_local_refusals_on_a_2d_mesh():
         sf.from_local(np.ones((4, 4)), axis=0, over=("dp", "tp"), mesh=mesh)
     with pytest.raises(ValueError, match="unknown mesh axis 'pp'"):
         sf.from_local(np.ones((4, 4)), axis=0, over="pp", mesh=mesh)
+
+
+def test_gather_keeps_the_sign_of_zero():
+    import numpy as np
+
+    mesh = sf.DeviceMesh((2, 2), ("dp", "tp"), backend="numpy")
+    x = np.array([[-0.0, 1.0, -0.0, 2.0], [3.0, -0.0, 4.0, -0.0]])
+    for axis in (0, 1):
+        got = sf.shard(x, axis=axis, over="tp", mesh=mesh).gather()
+        np.testing.assert_array_equal(np.signbit(got), np.signbit(x))
