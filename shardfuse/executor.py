@@ -298,9 +298,9 @@ class Executable:
         return self.call_checked(args, check_args(self.prog, args, self.backend, self.accepted, infos), stream)[0]
 
     def call_checked(self, args, infos, stream):
-        """A call on checked arguments (check_args' infos): (the outputs, the caller's stream pointer
-        they are fenced to, None on host devices).  On GPUs the plan's main stream waits for the
-        caller's stream (stream=, or CuPy's current one), which then waits for the plan's outputs."""
+        """A call on checked arguments (check_args' infos): (the outputs, their interop.Fence, None on
+        host devices).  On GPUs the plan's main stream waits for the caller's stream (stream=, or
+        CuPy's current one), which then waits for the plan's outputs: the Fence names that stream."""
         self.check_ranks()
         caller = None if self.backend.ordinals is None else stream_ptr(stream)
         with self.lock:
