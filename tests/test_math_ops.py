@@ -147,7 +147,7 @@ def test_halves_to_even_signed_zeros_nans_and_infinities_as_numpy(dtype, jit):
     x = SPECIAL.astype(np_dtype(dtype))
     xa = sf.shard(x, axis=0, mesh=mesh)
     for fn in (np.round, np.rint, np.floor, np.ceil, np.sign, np.isnan, np.isinf, np.isfinite, lambda v: v.round()):
-        # (replicated, then read: Array.gather of a sharded value adds the pieces into zeros, making -0.0 +0.0)
+        # (replicated, then read; gather() of the sharded value keeps -0.0 too, tests/test_numpy.py)
         got = np.asarray(sf.replicate((sf.jit(fn, mesh=mesh) if jit else fn)(xa)).gather())
         want = fn(x.astype(np.float32)).astype(got.dtype) if dtype == "bfloat16" else fn(x)  # (ml_dtypes' sign: -0)
         assert got.dtype == want.dtype, (fn, got.dtype, want.dtype)
