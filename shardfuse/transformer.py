@@ -17,6 +17,8 @@ Parameters are one dict (a pytree): see `init_params`.  x is [batch, seq, hidden
 """
 from __future__ import annotations
 
+import math
+
 import numpy as np
 
 from shardfuse import trace
@@ -43,10 +45,11 @@ def causal_mask(seq):
 
 
 def transformer_layer(params, x, heads, *, causal=True, mask=None, tp=None, sp=False, dp=None, chunks=None,
-                      eps=1e-5):
+                      eps=1e-5, approximate=True):
     """One pre-norm transformer block on x [batch, seq, hidden]: causal self-attention (GPT's), or
     with mask= [seq, seq] booleans (True: attend) and causal=False.  heads divides hidden (and,
-    with tp, the heads divide over tp)."""
+    with tp, the heads divide over tp).  approximate: the MLP's GELU (sf.gelu's: True the tanh
+    form of GPT-2 and Megatron, False the exact erf form of torch.nn.GELU())."""
     p = params
     if sp and tp is None:
         raise ValueError("transformer_layer(sp=True) shards the sequence over the tensor-parallel axis: give tp=")
@@ -83,11 +86,11 @@ def transformer_layer(params, x, heads, *, causal=True, mask=None, tp=None, sp=F
     o = attention(q, k, v, causal=causal, mask=mask).transpose(0, 2, 1, 3).reshape(b, s, h)
     x = x + (row_parallel(o, p["wo"]) + p["bo"])
     y = layer_norm(x, p["ln2_w"], p["ln2_b"], eps)
-    z = gelu(column_parallel(y, p["w1"]) + col(p["b1"], axis=0))
+    z = gelu(column_parallel(y, p["w1"]) + col(p["b1"], axis=0), approximate=approximate)
     return x + (row_parallel(z, p["w2"]) + p["b2"])
 
 
-def layer_reference(params, x, heads, mask=None, eps=1e-5):
+def layer_reference(params, x, heads, mask=None, eps=1e-5, approximate=True):
     """The same block in float64 NumPy (the tests' and the demo's reference)."""
     p = {k: np.asarray(v, np.float64) for k, v in params.items()}
     x = np.asarray(x, np.float64)
@@ -109,7 +112,10 @@ def layer_reference(params, x, heads, mask=None, eps=1e-5):
     o = ((e / e.sum(-1, keepdims=True)) @ v).transpose(0, 2, 1, 3).reshape(b, s, h)
     x = x + o @ p["wo"] + p["bo"]
     g = ln(x, p["ln2_w"], p["ln2_b"]) @ p["w1"] + p["b1"]
-    g = 0.5 * g * (1 + np.tanh(np.sqrt(2 / np.pi) * (g + 0.044715 * g ** 3)))
+    if approximate:
+        g = 0.5 * g * (1 + np.tanh(np.sqrt(2 / np.pi) * (g + 0.044715 * g ** 3)))
+    else:  # (x Phi(x); NumPy has no erf)
+        g = 0.5 * g * np.vectorize(math.erfc)(-g / np.sqrt(2.0))
     return x + g @ p["w2"] + p["b2"]
 
 

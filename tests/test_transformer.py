@@ -48,6 +48,19 @@ def test_layer_forward_float64_and_its_collectives(config):
     assert f.lower(p, x).collectives() == CONFIGS[config][2]
 
 
+@pytest.mark.parametrize("config", ["tp", "sp"])
+def test_layer_with_the_exact_gelu(config):
+    """approximate=False: torch.nn.GELU()'s exact erf form in the MLP (a straight port of a torch
+    layer), against the reference's; it differs from the default tanh form's result."""
+    kind, kw, _ = CONFIGS[config]
+    p, x = _inputs(np.random.default_rng(4))
+    p = {k: v * 3 if k in ("w1", "b1") else v for k, v in p.items()}  # (GELU's inputs out where the forms differ)
+    f = sf.jit(lambda p, x: transformer_layer(p, x, HEADS, approximate=False, **kw), mesh=mesh_of(kind))
+    exact = layer_reference(p, x, HEADS, approximate=False)
+    np.testing.assert_allclose(np.asarray(f(p, x)), exact, rtol=1e-12, atol=1e-12)
+    assert np.abs(exact - layer_reference(p, x, HEADS)).max() > 1e-6
+
+
 @pytest.mark.parametrize("dtype, tol", [("float32", 2e-5), ("bfloat16", 3e-2)])
 @pytest.mark.parametrize("config", ["tp", "sp"])
 def test_layer_forward_mixed_precision(config, dtype, tol):
