@@ -65,7 +65,7 @@ class Executable:
         self.slabs: dict = {}  # slab number (passes/reuse.py) -> the Ref of its slot, which its buffers view
         for v in prog.inputs:
             self.refs[v] = self._new_slot(local_shape(v, self.mesh), v.type.dtype, None)
-        # where each local device's piece of a plain argument lies (its shape is checked per call)
+        # where each local device's piece of a plain argument lies (its shape checked before the call)
         self._input_pieces = [placement(v.type.shape, v.type.layout, self.mesh) for v in prog.inputs]
         self._deferred: dict = {}  # slot -> (physical shape, dtype): the program's own persistent buffers
         local = tuple(backend.local_devices)

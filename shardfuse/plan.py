@@ -80,7 +80,7 @@ class Plan:
         repeat = as_int(repeat, "plan.profile repeat=", minimum=1)  # (0 would profile nothing, silently)
         if any(tree.is_container(a) for a in args):  # the jitted function's pytrees: their leaves
             args = tuple(tree.leaves(args))
-        exe, args = self.executable, args + self.program.constants  # (the constants: bound by the plan)
+        exe, args = self.executable, self._with_constants(args, None)[0]  # (the constants: bound by the plan)
         timeline = Timeline.from_records(exe, profile_steps(exe, args, repeat, nvtx), rank=self.program.mesh.rank)
         mesh = self.program.mesh
         if mesh.nprocs > 1:
@@ -115,10 +115,15 @@ class Plan:
             args = tuple(tree.leaves(args))
         return self.run_flat(args, stream, infos)
 
+    def _with_constants(self, args, infos) -> tuple:
+        """The arguments and their infos followed by the arrays captured when traced (the last inputs)."""
+        if not self.program.constants:
+            return args, infos
+        return args + self.program.constants, None if infos is None else infos + self._const_infos
+
     def check(self, args, infos) -> None:
         """Every argument (flat: the pytrees' leaves) against the plan's inputs, before any work."""
-        if self.program.constants:
-            args, infos = args + self.program.constants, infos + self._const_infos
+        args, infos = self._with_constants(args, infos)
         exe = self.executable
         check_args(self.program, args, exe.backend, exe.accepted, infos)
 
@@ -127,8 +132,7 @@ class Plan:
         these kinds against this plan (check) and gives their `infos`: not checked again."""
         if self._bounds:  # (Python int arguments an int32 promotion narrows: before any work)
             self.check_bounds(args)
-        if self.program.constants:  # (the arrays captured when traced: the last inputs)
-            args, infos = args + self.program.constants, None if infos is None else infos + self._const_infos
+        args, infos = self._with_constants(args, infos)
         exe = self.executable
         if exe.donated:
             self._check_donated(args, exe.donated)

@@ -23,6 +23,7 @@ import shardfuse as sf  # noqa: E402
 import test_elementwise_ops as ew  # noqa: E402
 import test_logical as lg  # noqa: E402
 import test_numpy_port as port  # noqa: E402
+import test_user_port as up  # noqa: E402
 from shardfuse.dtypes import np_dtype  # noqa: E402
 
 _MESHES: dict = {}
@@ -101,3 +102,19 @@ def test_copies_constants_and_indexes_of_16_bit_values(dtype):
                       (a[:, ids], x[:, ids]), (np.expand_dims(a, 1).squeeze(1), x), (a.ravel(), x.ravel())):
         assert got.dtype == want.dtype, (got.dtype, want.dtype)
         np.testing.assert_array_equal(np.asarray(got.gather()).astype(np.float64), want.astype(np.float64))
+
+
+# ---- the user-port functions (tests/test_user_port.py) on the CuPy backend: np.linalg.norm,
+# np.tril / triu, np.moveaxis, sf.linear, their gradients, cross_entropy(ignore_index=), item() ----
+@pytest.mark.parametrize("jit", [True, False], ids=["jit", "eager"])
+@pytest.mark.parametrize("name", sorted(up.CASES))
+def test_user_port_functions(name, jit):
+    up.check(name, sf.DeviceMesh(*up.DPTP, backend="cupy"), jit, np.random.default_rng(3))
+
+
+@pytest.mark.parametrize("case", ["gradients of norm and tril", "cross_entropy ignore_index", "item"])
+def test_user_port_cases(case):
+    assert up.mesh_2d().backend_name == "cupy"  # (the default backend where CuPy sees a GPU)
+    {"gradients of norm and tril": up.test_gradients_of_norm_and_tril,
+     "cross_entropy ignore_index": lambda: up.test_cross_entropy_ignore_index_is_torchs(True),
+     "item": up.test_item_of_a_loss}[case]()
