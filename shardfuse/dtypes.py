@@ -76,12 +76,14 @@ _NP_DTYPES: dict = {}  # name -> NumPy dtype, for names of DTYPES
 
 def dtype_pair(dtype) -> tuple:
     """(normalize_dtype(dtype), its NumPy dtype), remembered per dtype given: every sf.Array made asks."""
-    got = _PAIRS.get(dtype) if isinstance(dtype, (str, np.dtype, type)) else None
-    if got is None:
-        name = normalize_dtype(dtype)
-        got = (name, np_dtype(name))
-        if isinstance(dtype, (str, np.dtype, type)):
-            _PAIRS[dtype] = got
+    try:
+        return _PAIRS[dtype]  # (the hot path: a name or dtype seen before)
+    except (KeyError, TypeError):  # (TypeError: unhashable, e.g. a list given as a dtype)
+        pass
+    name = normalize_dtype(dtype)
+    got = (name, np_dtype(name))
+    if isinstance(dtype, (str, np.dtype, type)):
+        _PAIRS[dtype] = got
     return got
 
 

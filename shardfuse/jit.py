@@ -215,11 +215,11 @@ class Jitted:
         if not (kwargs or self._static):  # hot path: the plan for these argument kinds, by a cheap key
             infos, key = self._dispatch_key(args)
             if key is not None:
-                with self._tables:  # (another thread may evict the plan between the lookup and the touch)
-                    hit = self._dispatch.get(key)
-                    if hit is not None:
-                        self._plans.touch(hit[0])
-                hit = hit or self._first_call(key, args, infos)
+                hit = self._dispatch.get(key)  # (one dict read: atomic, no lock; touch takes the tables' lock)
+                if hit is None:
+                    hit = self._first_call(key, args, infos)
+                else:
+                    self._plans.touch(hit[0])
                 return hit[1].run_flat(args, stream, infos, checked=True)
         if self._static and not any(isinstance(a, Traced) for a in tree.leaves((args, kwargs))):
             key, args, kwargs = split_static(self.fn, self._static, args, kwargs)
@@ -227,7 +227,7 @@ class Jitted:
         if any(isinstance(a, Traced) for a in tree.leaves((args, kwargs))):
             return self._inline(args, kwargs, stream)
         if kwargs:
-            args = self._positional(args, kwargs)
+            args = self.positional(args, kwargs)
         if any(isinstance(a, (dict, list, tuple)) or a is None for a in args):  # pytrees of arrays
             leaves, in_tree = tree.flatten(args)
             if any(isinstance(x, _NUMBERS) for x in leaves):
@@ -303,7 +303,7 @@ class Jitted:
                 return type(error)(f"{self.__name__}(): argument {names[k]} (position {k}): {error}")
         return error
 
-    def _positional(self, args, kwargs) -> tuple:
+    def positional(self, args, kwargs) -> tuple:
         """Arrays given by keyword, bound as Python binds them, as the positional arguments the
         plan takes (its inputs are the leading parameters given; later ones keep their defaults)."""
         try:

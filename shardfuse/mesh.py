@@ -83,6 +83,19 @@ def gpu_count() -> int:
         return 0
 
 
+class Geometry(tuple):
+    """(shape, axis names, devices, this process' devices) of a mesh, hashed once: the key of what
+    is remembered per mesh geometry (pieces.py), looked up on every call, holding no mesh."""
+
+    def __new__(cls, fields):
+        self = super().__new__(cls, fields)
+        self.hashed = tuple.__hash__(self)
+        return self
+
+    def __hash__(self):
+        return self.hashed
+
+
 class DeviceMesh:
     """A logical grid of devices, e.g. ``DeviceMesh(4)`` or ``DeviceMesh((2, 4), ("dp", "tp"))``.
 
@@ -118,6 +131,7 @@ class DeviceMesh:
         self.devices = tuple(range(self.size))  # global device ids, in mesh order
         self.root = self  # the mesh a program runs on; a sub-mesh points at it
         self._hash = hash(self._key())
+        self.geometry = Geometry((self.shape, self.axis_names, self.devices, self.local_devices))
         self._empty_run_time_state()
         _LIVE_MESHES[(self.shape, self.axis_names, self.backend_name, self.nprocs)] = self
 
@@ -140,6 +154,7 @@ class DeviceMesh:
         sub.devices, sub.root = devices, self.root
         sub._hash = hash(sub._key())
         sub.local_devices = tuple(d for d in devices if d in self.root.local_devices)
+        sub.geometry = Geometry((sub.shape, sub.axis_names, sub.devices, sub.local_devices))
         sub._empty_run_time_state()
         return sub
 

@@ -39,7 +39,7 @@ def _memo(mesh, key, make):
     lookup).  What is remembered here depends on the mesh's geometry alone, so it is keyed by
     that geometry and holds no mesh object: this table keeps no mesh (nor its GPU streams,
     handles and workspaces) alive, and equal meshes share their entries."""
-    key = (mesh.shape, mesh.axis_names, mesh.devices, mesh.local_devices) + key
+    key = (mesh.geometry,) + key
     got = _MEMO.get(key, _UNSEEN)
     if got is _UNSEEN:  # (not None: split_axis remembers None)
         got = make()  # raises for bad input: nothing is remembered then

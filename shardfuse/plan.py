@@ -132,8 +132,9 @@ class Plan:
         these kinds against this plan (check) and gives their `infos`: not checked again."""
         if self._bounds:  # (Python int arguments an int32 promotion narrows: before any work)
             self.check_bounds(args)
-        args, infos = self._with_constants(args, infos)
-        exe = self.executable
+        if self.program.constants:
+            args, infos = self._with_constants(args, infos)
+        exe = self._exe or self.executable
         if exe.donated:
             self._check_donated(args, exe.donated)
         if not checked:

@@ -48,7 +48,8 @@ class PlanCache:
         """A use of the plan kept for `key` found another way (sf.jit's dispatch table): it is
         now the most recently used."""
         with self.lock:
-            self.plans.move_to_end(key)
+            if key in self.plans:  # (another thread may have evicted it since it was found)
+                self.plans.move_to_end(key)
             self.stats["reused"] += 1
 
     def holds(self, key) -> bool:

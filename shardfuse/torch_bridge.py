@@ -25,8 +25,9 @@ def torch_function(fn, mesh=None):
     """fn (an sf.jit function, or a function and mesh=) as a function of torch tensors whose
     result records one autograd node: `loss = sf.torch_function(layer)(x, w); loss.backward()`
     gives w.grad from the compiled backward.  Takes tensors and pytrees of them (dicts, lists,
-    tuples: `f(params, x)` with params a dict of tensors) and returns a tensor, or the pytree of
-    tensors fn returns; integer and boolean inputs get no gradient."""
+    tuples: `f(params, x)` with params a dict of tensors), positionally or by keyword
+    (`f(params, x=x)`), and returns a tensor, or the pytree of tensors fn returns; integer and
+    boolean inputs get no gradient."""
     import torch
 
     jitted = fn if isinstance(fn, Jitted) else Jitted(fn, mesh)
@@ -57,7 +58,9 @@ def torch_function(fn, mesh=None):
             return (None, None) + tuple(_tensor(g, torch) if t.is_floating_point() else None
                                         for g, t in zip(res, primals))
 
-    def call(*args):
+    def call(*args, **kwargs):
+        if kwargs:  # (bound to the jitted function's parameters, as sf.jit binds them)
+            args = jitted.positional(args, kwargs)
         tensors, in_tree = tree.flatten(args)
         for path, t in zip(tree.leaf_paths(in_tree, "argument"), tensors):
             if not isinstance(t, torch.Tensor):

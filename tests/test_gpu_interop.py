@@ -218,6 +218,29 @@ def test_an_exported_result_is_ordered_after_its_call(graph, reader):
         _check_rowsums([cupy.asnumpy(got).astype(np.float64)], value, b)
 
 
+def test_an_export_makes_no_other_stream_wait():
+    """cupy.from_dlpack of a result on a non-default stream S orders S after the plan and nothing
+    else: the legacy default stream stays free while S is held up by a late kernel.  (The piece's
+    own DLPack export, asked with no stream, once made the legacy stream wait for CuPy's current
+    one: a device-side sync the consumer never asked for.)"""
+    mesh = sf.DeviceMesh(1, backend="cupy")
+    f = seed(mesh)
+    b = rng().standard_normal((64, 32)).astype(np.float32)
+    w = sf.replicate(cupy.asarray(b), mesh=mesh)
+    a = cupy.ones((16, 64), np.float32)
+    s = cupy.cuda.Stream(non_blocking=True)
+    out = f(a, w, stream=s)
+    _spin_fill(cupy.empty(1, np.float32), 1.0, s, ms=500)  # S busy for about half a second
+    with s:
+        got = cupy.from_dlpack(out)
+    free = cupy.cuda.Event(disable_timing=True)
+    free.record(cupy.cuda.Stream.null)
+    free.synchronize()
+    assert not s.done, "the legacy default stream waited for the consumer's stream"
+    s.synchronize()
+    _check_rowsums([cupy.asnumpy(got).astype(np.float64)], 1.0, b)
+
+
 def test_a_graph_result_exported_after_the_next_call_waits_for_it():
     """Graph mode: the next call overwrites a call's outputs.  Call 1 on stream S, call 2 on
     stream T with its input written late on T, then call 1's result exported on S: S must wait

@@ -46,6 +46,18 @@ def test_mlp_2d_data_and_tensor_parallel(mode):
     assert_close(out.gather(), mlp_reference(*args), "float64")
 
 
+@pytest.mark.parametrize("mode", ["tp", "sp"])
+def test_mlp_exact_gelu_matches_torch_nn_gelu(mode):
+    """approximate=False: torch.nn.GELU()'s erf form, against the float64 reference (whose two
+    forms differ by far more than the tolerance, so the option cannot pass unread)."""
+    mesh = sf.DeviceMesh(2, backend="numpy")
+    args = mlp_inputs(fresh_rng(mesh), tokens=8, hidden=4)
+    args[0] = args[0] * 3  # (where the two forms differ by ~1e-3)
+    exact, tanh = mlp_reference(*args, approximate=False), mlp_reference(*args)
+    assert np.abs(exact - tanh).max() > 1e-4
+    assert_close(mlp_block(mesh, mode, approximate=False)(*args).gather(), exact, "float64")
+
+
 def test_mlp_sp_pipelines_both_ends():
     mesh = sf.DeviceMesh(4, backend="numpy")
     plan = mlp_block(mesh, "sp", chunks=2).lower(*specs(mlp_inputs(np.random.default_rng(), 16, 8)))

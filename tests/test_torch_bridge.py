@@ -119,3 +119,26 @@ def test_bfloat16_results_on_numpy_devices():
     (y.double() * r.double()).sum().backward()
     assert w.grad.dtype == torch.bfloat16
     torch.testing.assert_close(w.grad.double(), x.double().T @ r.double(), rtol=2e-2, atol=5e-2)
+
+
+def test_keyword_arguments_bind_as_in_sf_jit():
+    """f(x, w=w) and f(w=w, x=x) are f(x, w): same result and gradients; a keyword-only
+    parameter is refused with sf.jit's message."""
+    def f(x, w):
+        return np.tanh(sf.shard(x, axis=0) @ w).sum()
+    fn = sf.torch_function(sf.jit(f, mesh=MESH))
+    g = torch.Generator().manual_seed(3)
+    x0 = torch.randn(8, 6, dtype=torch.float64, generator=g)
+    w0 = torch.randn(6, 4, dtype=torch.float64, generator=g)
+    grads = []
+    for call in (lambda x, w: fn(x, w), lambda x, w: fn(x, w=w), lambda x, w: fn(w=w, x=x)):
+        x, w = x0.clone().requires_grad_(), w0.clone().requires_grad_()
+        call(x, w).backward()
+        grads.append((x.grad, w.grad))
+    x, w = x0.clone().requires_grad_(), w0.clone().requires_grad_()
+    torch.tanh(x @ w).sum().backward()
+    for gx, gw in grads:
+        torch.testing.assert_close(gx, x.grad, rtol=1e-12, atol=1e-12)
+        torch.testing.assert_close(gw, w.grad, rtol=1e-12, atol=1e-12)
+    with pytest.raises(TypeError, match="unexpected keyword argument 'v'"):
+        fn(x0, v=w0)

@@ -49,8 +49,7 @@ class GraphPlan:
         self.captures = 0
 
     def __call__(self, bufs):
-        n = self.n_inputs
-        key = tuple(x.data.ptr for k in range(n) for x in bufs[k])
+        key = tuple([x.data.ptr for b in bufs[:self.n_inputs] for x in b])
         entry = self.graphs.get(key)
         if entry is None:
             entry = self._capture(bufs, key)
