@@ -8,10 +8,14 @@ Each rule answers three questions about an array-level instruction:
 Contractions (matmul) are driven by an einsum description ("...mk,kn->...mn"), elementwise ops
 by NumPy broadcasting.  A contraction over a sharded axis is computed locally and produces
 pending sums (Partial); ops that are linear in an input let its pending sums flow through, so
-the reduction happens once, on the smallest tensor, where a consumer needs it.  A produced
+the reduction happens once, on the smallest tensor, where a consumer needs it (not into a
+contraction whose output the other operand shards over the same mesh axis, where the input is the
+smaller: reduced before it, so the other operand is not gathered).  A produced
 layout that differs from the wanted one is resolved by a `set` after the op.
 """
 from __future__ import annotations
+
+import math
 
 from shardfuse.layout import Layout, axis_entry, mesh_axes
 from shardfuse.ops import Op, Reduce
@@ -96,9 +100,21 @@ def contraction_infer(ins, lays, labels=None):
     # the contraction runs sharded the way `require` picks (the first operand's sharding of it;
     # an operand sharded otherwise is resharded to match), so only those mesh axes pend sums
     contracted = _names([_contraction_axis(in_labels, out_labels, lays)[1]])
-    carried = _linear_partials(ins.op, lays)
+    carried = _reduced_first(ins, _linear_partials(ins.op, lays), used)
     partial = _union(contracted - used, *carried)
     return Layout(tuple(_unshard([axes.get(lab) for lab in out_labels], set(partial))), partial)
+
+
+def _reduced_first(ins, carried, sharding):
+    """Pending sums an input would carry into an output sharded over those mesh axes (`sharding`):
+    the output could not be sharded there, so the other operand would be gathered and the whole
+    product computed on every device and reduced after.  Reduced before the op instead where the
+    input is no larger than the product and the other operands together (a column-parallel GEMM
+    after a vocab-parallel embedding: one Allreduce of the activations, no weight gathered)."""
+    def size(v):
+        return math.prod(v.type.shape)
+    total = size(ins.outs[0]) + sum(size(v) for v in ins.ins)
+    return [() if set(c) & sharding and 2 * size(v) <= total else c for c, v in zip(carried, ins.ins)]
 
 
 def _free(entry, used):
@@ -124,6 +140,7 @@ def contraction_require(ins, out, lays, labels=None):
     # an input pending a sum only over K's mesh axis is reduce-scattered into that sharding first (over
     # more axes it stays refused: the output's propagated layout would still pend the others)
     carried = [() if c and set(c) <= _names([k]) else c for c in carried]
+    carried = _reduced_first(ins, carried, _names(out.axes))
     out_axes = _unshard(out.axes, set(_union(*carried)) | _names([k]), axis_of(ins))
     placed = dict(zip(out_labels, (_chunked(ins, j, a) for j, a in enumerate(out_axes))))
     if klab is not None:
@@ -202,6 +219,17 @@ def elementwise_require(ins, out, lays):
         req.append(Layout(tuple(in_axes), carried[n]))
     produced = Layout(tuple(axes), _union(out.partial, *carried))
     return tuple(req), produced
+
+
+def shape_only_require(ins, out, lays):
+    """full_like reads its input for the shape alone: an input pending sums is taken as it is (no
+    Allreduce made only to be overwritten: autodiff's zeros and ones of a partial value), where
+    its pieces have the shape the output's pieces need."""
+    req, produced = elementwise_require(ins, out, lays)
+    lay, want = lays[0], req[0]
+    if lay.partial and not set(lay.partial) & _names(want.axes):  # (a partial input is on the output's mesh)
+        want = Layout(want.axes, lay.partial, partial_op=lay.partial_op)
+    return (want,), produced
 
 
 # ---- max / min of the last axis: local; where that axis is sharded, each device's maximum of its
@@ -368,6 +396,7 @@ RULES = {
     Op.SLICE_ARRAY: rules_shapes.SLICE,
     Op.CONCAT: rules_shapes.CONCAT,
     **{op: ELEMENTWISE for op in BINARY | LINEAR_UNARY - {Op.TRANSPOSE} | NONLINEAR_UNARY | ops.BINARY},
+    Op.FULL_LIKE: dict(ELEMENTWISE, require=shape_only_require),
     **{op: dict(infer=last_axis_reduce_infer, require=last_axis_reduce_require, axis_map=identity_axis_map)
        for op in ops.LOCAL_REDUCTIONS},
 }

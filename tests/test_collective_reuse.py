@@ -268,3 +268,47 @@ def _unshared_count(f, mesh, specs) -> int:
     for p in PIPELINE:
         prog = prog if p is share_resharding else p(prog)
     return sum(1 for i, _ in unroll(prog.instrs) if i.op in COMMUNICATION)
+
+
+def test_gradient_seeds_and_broadcasts_read_partial_values_for_their_shape_only():
+    """A sum over a sharded axis pends its sum; sf.grad never returns it, and the backward's seed
+    (ones) and sum-broadcasts (zeros of the forward's partial values, plus the cotangent) read
+    those values for their shape alone: no Allreduce is made only to be overwritten.  With the
+    value returned, one Allreduce, of the loss.  Gradients against the closed form, float64."""
+    mesh = sf.DeviceMesh((2,), ("tp",), backend="numpy")
+
+    def loss(x):
+        return (sf.shard(x, 1, "tp") ** 3).sum(-1).sum(1).sum()
+    x = np.random.default_rng(11).standard_normal((3, 4, 5))
+    grad, both = sf.jit(sf.grad(loss), mesh=mesh), sf.jit(sf.value_and_grad(loss), mesh=mesh)
+    assert grad.lower(x).collectives() == {}
+    assert both.lower(x).collectives() == {"allreduce": 1}
+    np.testing.assert_allclose(grad(x).gather(), 3 * x ** 2, rtol=1e-13, atol=1e-13)
+    value, g = both(x)
+    np.testing.assert_allclose(value.gather(), (x ** 3).sum(), rtol=1e-13)
+    np.testing.assert_allclose(g.gather(), 3 * x ** 2, rtol=1e-13, atol=1e-13)
+
+
+@pytest.mark.parametrize("between", ["norm", "scale, norm", "scale"])
+def test_vocab_parallel_embedding_is_reduced_once_for_the_norm_and_the_weights(between):
+    """Megatron's vocab-parallel embedding: the lookup pends a sum over tp.  The norm needs it
+    reduced; the norm's scaling is linear in it and would carry the sum on, into a column-parallel
+    GEMM that then gathers its weight.  One Allreduce of the lookup feeds both instead, and the GEMM
+    stays column parallel.  With only a linear op between ("scale"), the sum is reduced before the
+    GEMM (the activation is smaller than the product and the weight), not carried into it."""
+    mesh = sf.DeviceMesh((2,), ("tp",), backend="numpy")
+    rng = np.random.default_rng(12)
+    emb, w, ids = rng.standard_normal((8, 4)), rng.standard_normal((4, 6)), rng.integers(0, 8, (5,))
+
+    def f(emb, w, ids):
+        e = sf.take(sf.shard(emb, axis=0, over="tp"), ids)
+        e = e * 2.0 if "scale" in between else e
+        e = sf.nn.rms_norm(e, None) if "norm" in between else e
+        return e @ sf.shard(w, axis=1, over="tp")
+    jf = sf.jit(f, mesh=mesh)
+    assert jf.lower(emb, w, ids).collectives() == {"allreduce": 1}
+    out = jf(emb, w, ids)
+    assert out.sharding.placements(mesh) == ("S(1)",)
+    e = emb[ids] * (2.0 if "scale" in between else 1.0)
+    e = e / np.sqrt((e * e).mean(-1, keepdims=True) + 1e-6) if "norm" in between else e
+    np.testing.assert_allclose(out.gather(), e @ w, rtol=1e-13, atol=1e-13)

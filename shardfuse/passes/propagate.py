@@ -7,21 +7,37 @@ being equal) is produced that way from the start, provided its producer can do s
 local slices only: the work is split instead of done whole and sliced afterwards.
 Annotated values keep exactly their annotation.  Both sweeps go in program order, so the
 result is deterministic.
+A value pending sums that one consumer needs reduced while another would carry the sums on is
+reduced once, right after it is made, for all of them (a forward sweep again, until none is left).
 """
 from __future__ import annotations
 
 from collections import defaultdict
 
-from shardfuse.ir import Instr, Value, substitute
+from shardfuse.ir import Instr, Namer, Value, substitute
+from shardfuse.layout import Layout
 from shardfuse.rules import infer, require
-from shardfuse.ops import Op
+from shardfuse.ops import Op, Reduce
 from shardfuse import schedule
 
 
 def propagate_sharding(prog):
+    instrs, outputs, namer = list(prog.instrs), prog.outputs, Namer.for_program(prog)
+    for _ in range(len(instrs) + 1):  # (each round reduces values no earlier round did: bounded)
+        out, out_values, inferred = _forward(prog, instrs, outputs)
+        once = _reduced_once(out, out_values)
+        if not once:
+            break
+        instrs, outputs = _with_reductions(instrs, outputs, once, namer)
+    out, out_values = _backward(out, out_values, inferred)
+    return prog.with_instrs(out, "propagate_sharding", outputs=out_values)
+
+
+def _forward(prog, instrs, outputs):
+    """Each unannotated value gets the layout its op's rule infers from its inputs' layouts."""
     env = {v: v for v in prog.inputs}
     out, inferred = [], set()
-    for i in prog.instrs:
+    for i in instrs:
         ins = tuple(env[v] for v in i.ins)
         outs = []
         for o in i.outs:
@@ -34,9 +50,45 @@ def propagate_sharding(prog):
             env[o] = o2
             outs.append(o2)
         out.append(Instr(i.op, tuple(outs), ins, i.attrs))
-    outputs = tuple(env[v] for v in prog.outputs)
-    out, outputs = _backward(out, outputs, inferred)
-    return prog.with_instrs(out, "propagate_sharding", outputs=outputs)
+    return out, tuple(env[v] for v in outputs), inferred
+
+
+def _reduced_once(instrs, outputs) -> dict:
+    """{name: its layout with the pending sums reduced} of each value pending sums that one
+    consumer (or the program's result) needs reduced where it is, while another would carry the
+    sums on: every consumer then reads the one reduced copy (Megatron's single Allreduce after a
+    vocab-parallel embedding, not a second one after the norm and every weight gathered for it)."""
+    consumers = defaultdict(list)
+    for i in instrs:
+        for n, v in enumerate(i.ins):
+            if i.op not in (Op.SET, Op.VIEW):  # (a reshard or a view states no requirement of its own)
+                consumers[v].append((i, n))
+    found = {}
+    for i in instrs:
+        for o in i.outs:
+            lay = o.type.layout
+            if not lay.partial or lay.partial_op != Reduce.SUM or not consumers[o]:
+                continue
+            wants = [_required(c, n) for c, n in consumers[o]]
+            whole = [not w.partial and w.axes == lay.axes for w in wants]
+            if (o in outputs or any(whole)) and not all(whole):
+                found[o.name] = Layout(lay.axes, mesh=lay.mesh)
+    return found
+
+
+def _with_reductions(instrs, outputs, once, namer):
+    """The program with `set(v) -> v_reduced` after each value named in `once`, read by all of
+    v's consumers (and the program's results) instead of v."""
+    out, mapping = [], {}
+    for i in instrs:
+        i = substitute([i], mapping)[0]
+        out.append(i)
+        for o in i.outs:
+            if o.name in once:
+                r = Value(namer(f"{o.name}_reduced"), o.type.with_layout(once[o.name]))
+                out.append(Instr(Op.SET, (r,), (o,)))
+                mapping[o] = r
+    return out, tuple(mapping.get(v, v) for v in outputs)
 
 
 def _common_mesh(i, ins, mesh):
