@@ -366,6 +366,7 @@ RULES = {
     Op.TAKE: TAKE,  # (shardfuse/rules_take.py: the vocab-parallel embedding)
     Op.SCATTER_ADD: SCATTER_ADD,  # (and its gradient)
     Op.SLICE_ARRAY: rules_shapes.SLICE,
+    Op.CUMSUM: rules_shapes.SCAN,  # (its last axis whole, pending sums flow through)
     Op.CONCAT: rules_shapes.CONCAT,
     **{op: ELEMENTWISE for op in BINARY | LINEAR_UNARY - {Op.TRANSPOSE} | NONLINEAR_UNARY | ops.BINARY},
     **{op: dict(infer=last_axis_reduce_infer, require=last_axis_reduce_require, axis_map=identity_axis_map)
