@@ -93,11 +93,11 @@ def round(a, decimals=0, out=None):  # noqa: A001 (NumPy's name)
     if out is not None:
         raise TypeError("np.round with out= is not supported on shardfuse values (inside sf.jit and on sf.Arrays): "
                         "write y = np.round(x, decimals), a new value")
-    d = as_decimals(decimals)
+    d = _decimals(decimals)
     return _round(a) if d == 0 else apply_op(_round_decimals, str(Op.ROUND), a, d)
 
 
-def as_decimals(decimals) -> int:
+def _decimals(decimals) -> int:
     """np.round's decimals as a Python int (NumPy's: an integer; a float or a bool is refused)."""
     if isinstance(decimals, bool) or not isinstance(decimals, (int, np.integer)):
         raise TypeError(f"np.round: decimals must be an integer, got {type(decimals).__name__} {decimals!r}")
@@ -153,8 +153,9 @@ def cumsum(a, axis=None, dtype=None, out=None):
     NumPy's dtype (integers and booleans in int64; dtype= casts first, as NumPy accumulates in it);
     float16 and bfloat16 are summed in float32 and each prefix rounded once (as their sums).  One
     step along a whole axis: another axis keeps its sharding (no communication), and an axis that is
-    sharded is gathered first (an Allgather, printed in the plan; the flattening of axis=None gathers
-    every axis but the first), as a sliced one is.  The gradient is the reversed cumsum."""
+    sharded is gathered first (an Allgather, printed in the plan; so is the one axis of axis=None's
+    flattened value), as a sliced one is: there is no scan across devices.  The gradient is the
+    reversed cumsum."""
     if out is not None:
         raise TypeError("np.cumsum with out= is not supported on shardfuse values (inside sf.jit and on sf.Arrays): "
                         "write y = np.cumsum(x, axis), a new value")
@@ -171,12 +172,12 @@ def _cumsum(v, axis, dtype):
         v, axis = v.reshape(-1), 0
     ax = normalize_axis(axis, v.ndim, v.shape)
     if ax == v.ndim - 1:
-        return running_sum(v)
+        return _running_sum(v)
     perm = [k for k in range(v.ndim) if k != ax] + [ax]  # (the summed axis last: a view)
-    return running_sum(v.transpose(perm)).transpose([perm.index(k) for k in range(v.ndim)])
+    return _running_sum(v.transpose(perm)).transpose([perm.index(k) for k in range(v.ndim)])
 
 
-def running_sum(v):
+def _running_sum(v):
     """The cumsum of v's last axis: one step (ops.LOCAL_SCANS)."""
     return v.unary_op(Op.CUMSUM)
 
@@ -227,7 +228,7 @@ VJP = {
     Op.ERF: _times(lambda x, y: (-(x * x)).unary_op(Op.EXP) * (2 / math.sqrt(math.pi))),
     Op.GELU_ERF: _times(_gelu_erf),
     # d/dx_k of sum_i ct_i y_i is the sum of ct_i over i >= k: the cumsum of ct read backwards
-    Op.CUMSUM: lambda ins, xs, out, ct, instrs: [running_sum(ct[..., ::-1])[..., ::-1]],
+    Op.CUMSUM: lambda ins, xs, out, ct, instrs: [_running_sum(ct[..., ::-1])[..., ::-1]],
 }
 # piecewise constant (zero almost everywhere, as JAX's), or boolean
 NO_GRADIENT = frozenset({Op.SIGN, Op.FLOOR, Op.CEIL, Op.TRUNC, Op.ROUND, Op.ISNAN, Op.ISINF, Op.ISFINITE})
