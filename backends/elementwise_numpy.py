@@ -133,6 +133,15 @@ def _astype(xp, x, _, o):
 
 
 
+def _cumsum(xp, x, _, o):
+    """The running sum of the last axis (np.cumsum), in order: 16-bit floats summed in float32 and each
+    prefix rounded once (as their sums); other dtypes in their own (NumPy's)."""
+    if x.dtype.itemsize == 2:
+        o[...] = xp.cumsum(x.astype(np.float32), axis=-1)
+    else:
+        xp.cumsum(x, axis=-1, out=o)
+
+
 def _compare(op):  # (a comparison Op's value is its ufunc's name: Op.LT is "less")
     return lambda xp, x, y, o: getattr(xp, op)(x, y, out=o)
 
@@ -160,6 +169,7 @@ ELEMENTWISE = {
     Op.FLOOR: lambda xp, x, _, o: xp.floor(x, out=o),
     Op.CEIL: lambda xp, x, _, o: xp.ceil(x, out=o),
     Op.ROUND: lambda xp, x, _, o: xp.rint(x, out=o),  # (halves to even: np.round's decimals=0 is rint)
+    Op.TRUNC: lambda xp, x, _, o: xp.trunc(x, out=o),
     Op.ISNAN: lambda xp, x, _, o: xp.isnan(x, out=o),
     Op.ISINF: lambda xp, x, _, o: xp.isinf(x, out=o),
     Op.ISFINITE: lambda xp, x, _, o: xp.isfinite(x, out=o),
@@ -188,6 +198,7 @@ ELEMENTWISE = {
     Op.FROM_ORDER_KEYS: extrema.from_keys,
     Op.REDUCE_MAX: lambda xp, x, _, o: xp.max(x, axis=-1, out=o),
     Op.REDUCE_MIN: lambda xp, x, _, o: xp.min(x, axis=-1, out=o),
+    Op.CUMSUM: _cumsum,  # (NumPy only: the CuPy backend has its own kernel, kernels.Kernels.cumsum)
 }
 
 

@@ -32,7 +32,7 @@ def _operator(func, reflected=False):
 
 
 class NumpyMethods:
-    """x.var / std / clip / argmax / argmin / any / all / ravel / flatten / squeeze / copy / dot and
+    """x.var / std / clip / argmax / argmin / any / all / ravel / flatten / squeeze / copy / dot / cumsum and
     x // y, x % y, x & y, x | y, x ^ y, ~x, as NumPy's ndarray methods and operators: each its
     function of the table; NumPy's other methods raise an AttributeError saying what there is."""
 
@@ -52,9 +52,10 @@ class NumpyMethods:
     __invert__ = _method(np.invert)
     any, all = _method(np.any), _method(np.all)  # (np.any(x, axis, out, keepdims): NumPy's method order)
     ravel, flatten, squeeze, copy, dot = (_method(f) for f in (np.ravel, np.ravel, np.squeeze, np.copy, np.dot))
+    cumsum = _method(np.cumsum)  # (x.cumsum(axis=None, dtype=None): NumPy's method order)
 
     def round(self, decimals=0, out=None):
-        """np.round(x) as NumPy's method: to integers, halves to even (decimals=0 only)."""
+        """np.round(x, decimals) as NumPy's method: halves to even."""
         return NUMPY[np.round](self, decimals, out)
 
     def prod(self, *args, **kwargs):
@@ -82,6 +83,6 @@ class NumpyMethods:
 
 
 SUPPORTED_METHODS = ("x.shape / ndim / size / dtype, x.sum / mean / max / min / any / all / var / std / argmax / "
-                     "argmin(axis, keepdims=), x.clip, x.round(), x.astype(dtype), x.reshape / ravel / flatten / squeeze / "
+                     "argmin(axis, keepdims=), x.cumsum(axis), x.clip, x.round(decimals), x.astype(dtype), x.reshape / ravel / flatten / squeeze / "
                      "transpose / swapaxes / T, x.copy(), x.dot(y), x[...], the operators + - * / // % ** @ "
                      "< <= > >= == != & | ^ ~")

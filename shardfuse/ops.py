@@ -62,6 +62,7 @@ class Op(StrEnum):
     FLOOR = "floor"
     CEIL = "ceil"
     ROUND = "round"  # to the nearest integer, halves to even (np.round with decimals=0, np.rint)
+    TRUNC = "trunc"  # toward zero (np.trunc; -0.0 for -0.5, as NumPy's)
     ISNAN = "isnan"
     ISINF = "isinf"
     ISFINITE = "isfinite"
@@ -102,6 +103,9 @@ class Op(StrEnum):
     REDUCE_MAX = "reduce_max"
     REDUCE_MIN = "reduce_min"
     SUM = "sum"
+    # the running sum of the last axis (np.cumsum: tracing transposes the summed axis there), which
+    # must be whole; 16-bit floats summed in float32: bound and costed as an elementwise step
+    CUMSUM = "cumsum"
     TRANSPOSE = "transpose"  # also a host-level view
     FUSED = "fused"  # a chain of elementwise ops as one step (attrs["expr"]: an Expr; passes/fuse.py)
     # the sum of a fused chain (attrs["expr"], over its operands) as a Sum sums (attrs "axis", "factor"):
@@ -148,17 +152,18 @@ NONLINEAR_UNARY = frozenset({Op.EXP, Op.TANH, Op.RELU, Op.GELU, Op.ADD_SCALAR, O
                              Op.SIGMOID, Op.SILU, Op.POW, Op.RPOW, Op.MAXIMUM_SCALAR, Op.MINIMUM_SCALAR,
                              Op.LOGICAL_NOT, Op.FILL_THEN, Op.FILL_ELSE, Op.ASTYPE, Op.FULL_LIKE, Op.ORDER_KEYS,
                              Op.FROM_ORDER_KEYS, Op.INVERT, Op.SIN, Op.COS, Op.LOG1P, Op.EXPM1, Op.ERF,
-                             Op.GELU_ERF, Op.SIGN, Op.FLOOR, Op.CEIL, Op.ROUND, Op.ISNAN, Op.ISINF,
-                             Op.ISFINITE}) | COMPARE_SCALAR
+                             Op.GELU_ERF, Op.SIGN, Op.FLOOR, Op.CEIL, Op.ROUND, Op.TRUNC, Op.ISNAN,
+                             Op.ISINF, Op.ISFINITE}) | COMPARE_SCALAR
 LINEAR_UNARY = frozenset({Op.NEG, Op.SCALE, Op.DIV_SCALAR})  # commute with a pending sum
 LOCAL_REDUCTIONS = frozenset({Op.REDUCE_MAX, Op.REDUCE_MIN})  # of the last axis, which must be whole
+LOCAL_SCANS = frozenset({Op.CUMSUM})  # along the last axis, which must be whole; the result of the input's shape
 # (a step per device like the elementwise ops: the executor binds these through bind_elementwise)
-ELEMENTWISE = BINARY | NONLINEAR_UNARY | LINEAR_UNARY | LOCAL_REDUCTIONS
+ELEMENTWISE = BINARY | NONLINEAR_UNARY | LINEAR_UNARY | LOCAL_REDUCTIONS | LOCAL_SCANS
 # Steps that may write their result over an operand of its shape (passes/reuse.py): every backend
 # reads element k of each operand before it writes element k (NumPy's where halves and fills write
 # the result first, the order keys in two passes); a fused step is in place when its last op is.
-IN_PLACE = ELEMENTWISE - LOCAL_REDUCTIONS - {Op.WHERE_THEN, Op.WHERE_ELSE, Op.FILL_THEN, Op.FILL_ELSE, Op.ORDER_KEYS,
-                                             Op.FROM_ORDER_KEYS}
+IN_PLACE = ELEMENTWISE - LOCAL_REDUCTIONS - LOCAL_SCANS - {Op.WHERE_THEN, Op.WHERE_ELSE, Op.FILL_THEN, Op.FILL_ELSE,
+                                                           Op.ORDER_KEYS, Op.FROM_ORDER_KEYS}
 # Collectives: started by one step and completed by its Wait; each has a `team` (mesh axis).
 COLLECTIVES = frozenset({Op.ALLGATHER, Op.ALLREDUCE, Op.REDUCE_SCATTER, Op.ALLTOALL, Op.SENDRECV})
 COMMUNICATION = COLLECTIVES | {Op.TRANSFER}

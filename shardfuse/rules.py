@@ -394,6 +394,7 @@ RULES = {
     Op.TAKE: TAKE,  # (shardfuse/rules_take.py: the vocab-parallel embedding)
     Op.SCATTER_ADD: SCATTER_ADD,  # (and its gradient)
     Op.SLICE_ARRAY: rules_shapes.SLICE,
+    Op.CUMSUM: rules_shapes.SCAN,  # (its last axis whole, pending sums flow through)
     Op.CONCAT: rules_shapes.CONCAT,
     **{op: ELEMENTWISE for op in BINARY | LINEAR_UNARY - {Op.TRANSPOSE} | NONLINEAR_UNARY | ops.BINARY},
     Op.FULL_LIKE: dict(ELEMENTWISE, require=shape_only_require),

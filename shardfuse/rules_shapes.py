@@ -1,11 +1,13 @@
-"""Sharding rules of the shape ops (slice_array, concatenate), registered in rules.RULES, the one
-rule table; the same three questions as every entry there (infer, require, axis_map).
+"""Sharding rules of the shape ops (slice_array, concatenate) and of the scan (cumsum of the last
+axis), registered in rules.RULES, the one rule table; the same three questions as every entry
+there (infer, require, axis_map).
 
-A sliced axis, and the axis of a concatenation, must be whole on every device: the box starts at
-a global index, and the pieces of a concatenation land at global offsets.  Every other axis keeps
-its sharding, so `x[..., 0:H]` of row-sharded x is local, and `x[:, 0:H]` of column-sharded x
-gathers the columns first (the Allgather a `set` before the op lowers to, printed in the plan).
-Both ops are linear: pending sums flow through them (a concatenation's only where every input
+A sliced axis, the axis of a concatenation and the axis a cumsum runs along must be whole on
+every device: the box starts at a global index, the pieces of a concatenation land at global
+offsets, and a running sum carries over from the shards before.  Every other axis keeps its
+sharding, so `x[..., 0:H]` of row-sharded x is local, and `x[:, 0:H]` of column-sharded x gathers
+the columns first (the Allgather a `set` before the op lowers to, printed in the plan).  The
+three ops are linear: pending sums flow through them (a concatenation's only where every input
 pends the same ones), and are reduced where a consumer needs them whole.
 """
 from __future__ import annotations
@@ -37,19 +39,26 @@ def _chunked(ins, axes):
     return tuple(None if j == axis_of(ins) else a for j, a in enumerate(axes))
 
 
-def slice_infer(ins, lays):
-    (la,) = lays
-    return Layout(_whole(la.axes, sliced_axes(ins), set()), la.partial)
+def scanned_axes(ins) -> set:
+    """The axis a cumsum runs along: its last."""
+    return {ins.outs[0].type.ndim - 1}
 
 
-def slice_require(ins, out, lays):
-    pending = set(lays[0].partial)
-    axes = _whole(out.axes, sliced_axes(ins), pending, axis_of(ins))
-    return (Layout(_chunked(ins, axes), lays[0].partial),), _produced(out, axes, pending)
+def _cut_rule(cut):
+    """The rule of a unary op whose axes cut(ins) must be whole (gathered where sharded), the others
+    kept as they are, pending sums flowing through: slice_array's and cumsum's."""
+    def infer(ins, lays):
+        (la,) = lays
+        return Layout(_whole(la.axes, cut(ins), set()), la.partial)
 
+    def require(ins, out, lays):
+        pending = set(lays[0].partial)
+        axes = _whole(out.axes, cut(ins), pending, axis_of(ins))
+        return (Layout(_chunked(ins, axes), lays[0].partial),), _produced(out, axes, pending)
 
-def slice_axis_map(ins, j):
-    return (None if j in sliced_axes(ins) else j,)
+    def axis_map(ins, j):
+        return (None if j in cut(ins) else j,)
+    return dict(infer=infer, require=require, axis_map=axis_map)
 
 
 def _concat_pending(lays) -> tuple:
@@ -79,5 +88,6 @@ def concat_axis_map(ins, j):
     return (None if j == ins.attrs["axis"] else j,) * len(ins.ins)
 
 
-SLICE = dict(infer=slice_infer, require=slice_require, axis_map=slice_axis_map)
+SLICE = _cut_rule(sliced_axes)
+SCAN = _cut_rule(scanned_axes)
 CONCAT = dict(infer=concat_infer, require=concat_require, axis_map=concat_axis_map)

@@ -1,6 +1,7 @@
 """NumPy's unary math (shardfuse/numpy_math.py) on the CuPy backend: np.sin / cos / log1p / expm1,
-sf.erf, the exact GELU, np.sign / floor / ceil / round / rint / x.round(), np.isnan / isinf / isfinite
-and np.reciprocal (tests/test_math_ops.py's bodies) on 1, 2 x 2 and 4 devices (virtual devices sharing
+sf.erf, the exact GELU, np.sign / floor / ceil / trunc / round / rint / x.round(), np.isnan / isinf /
+isfinite and np.reciprocal, np.round(x, decimals) and np.cumsum (kernels.Kernels.cumsum: one thread
+per row, strided views read in place) (tests/test_math_ops.py's bodies) on 1, 2 x 2 and 4 devices (virtual devices sharing
 a GPU where there are fewer), inside sf.jit, as a CUDA graph and eagerly on sf.Arrays, in float16,
 bfloat16, float32, float64, int32, int64 and bool, against NumPy in float64; chains of them fused
 (one generated kernel, backends/cuda/fused.py) and unfused (SHARDFUSE_FUSE=0: CuPy's ufuncs,
@@ -68,7 +69,8 @@ def test_halves_to_even_signed_zeros_nans_and_infinities(dtype, graph):
     round / floor / ceil of -0.5 and -0.0; +0.0 from sign), NaN where NumPy has NaN."""
     mesh = cupy_mesh(4)
     x = mo.SPECIAL.astype(np_dtype(dtype))
-    fns = (np.round, np.rint, np.floor, np.ceil, np.sign, np.isnan, np.isinf, np.isfinite, lambda v: v.round())
+    fns = (np.round, np.rint, np.floor, np.ceil, np.trunc, np.sign, np.isnan, np.isinf, np.isfinite,
+           lambda v: v.round())
     # (replicated, then read; gather() of the sharded value keeps -0.0 too, tests/test_numpy.py)
     f = sf.jit(lambda v: tuple(sf.replicate(fn(v)) for fn in fns), mesh=mesh, graph=graph)
     for k, (fn, g) in enumerate(zip(fns, f(sf.shard(x, axis=0, mesh=mesh)))):
@@ -160,3 +162,38 @@ def test_gradients_match_the_numpy_backends(dtype, fuse, monkeypatch):
         assert g.dtype == np_dtype(dtype)
         np.testing.assert_allclose(np.asarray(g.gather()).astype(np.float64), np.asarray(w.gather()), rtol=tol,
                                    atol=tol)
+
+
+@pytest.mark.parametrize("graph", [False, True], ids=["stream", "graph"])
+@pytest.mark.parametrize("dtype", ew.DTYPES + ("int32", "int64"))
+@pytest.mark.parametrize("decimals", [2, -1])
+def test_round_with_decimals_bit_for_bit(decimals, dtype, graph):
+    mo.check_round(cupy_mesh(4), ("DIDx", None), dtype, decimals, True, np.random.default_rng(38), graph=graph)
+    mo.check_round(cupy_mesh((2, 2)), ("DIDy", "DIDx"), dtype, decimals, False, np.random.default_rng(39))
+
+
+@pytest.mark.parametrize("jit", [True, False], ids=["jit", "eager"])
+@pytest.mark.parametrize("axis", [0, 1, None])
+@pytest.mark.parametrize("layout", ["1d R", "1d S0", "1d S1", "2d S0 S1", "2d S(0,1)"])
+def test_cumsum_on_every_layout(layout, axis, jit):
+    """Along axis 0 the Cumsum step reads a transposed (strided) view of each device's piece."""
+    shape, spec, _ = ew.LAYOUTS[layout]
+    mo.check_cumsum(cupy_mesh(shape), spec, "float64", axis, jit, np.random.default_rng(40))
+
+
+@pytest.mark.parametrize("graph", [False, True], ids=["stream", "graph"])
+@pytest.mark.parametrize("dtype", ew.DTYPES + mo.INT_DTYPES)
+@pytest.mark.parametrize("axis", [0, 1])
+def test_cumsum_in_every_dtype(axis, dtype, graph):
+    mo.check_cumsum(cupy_mesh(4), ("DIDx", None), dtype, axis, True, np.random.default_rng(41), graph=graph)
+    mo.check_cumsum(cupy_mesh(4), (None, "DIDx", None), dtype, axis, True, np.random.default_rng(42),
+                    shape=(4, 8, 6), graph=graph)
+
+
+def test_cumsum_gradient_matches_the_numpy_backends():
+    rng = np.random.default_rng(43)
+    x, r = rng.standard_normal((8, 16)), rng.standard_normal((8, 16))
+    loss = lambda v: (np.cumsum(v, 0) * r + np.cumsum(v, 1) * r).sum()  # noqa: E731
+    want = sf.jit(sf.grad(loss), mesh=mo.mesh_of(4))(sf.shard(x, axis=0, mesh=mo.mesh_of(4)))
+    got = sf.jit(sf.grad(loss), mesh=cupy_mesh(4))(sf.shard(x, axis=0, mesh=cupy_mesh(4)))
+    np.testing.assert_allclose(np.asarray(got.gather()), np.asarray(want.gather()), rtol=1e-12, atol=1e-12)

@@ -117,6 +117,22 @@ CASES = {
     "argmax (no gradient)": (lambda x: x * x.argmax(axis=1, keepdims=True).astype("float64"), [(X, normal)], 0),
     "causal attention": (lambda q, k, v: sf.nn.attention(q, k, v, causal=True), [((2, 4, 6, 4), normal)] * 3,
                          (0, 1, 2)),
+    # what a torch / JAX port met as missing (shardfuse/numpy_einsum.py, shardfuse/numpy_math.py)
+    "cumsum": (lambda x: np.cumsum(x, 0) * x + np.cumsum(x, axis=-1) + x.cumsum().reshape(X), [(X, normal)], 0),
+    "cumsum of a 3-D value": (lambda x: np.cumsum(x.reshape(4, 2, 12), 1), [(X, normal)], 0),
+    "trunc round decimals (no gradient)": (lambda x: (np.trunc(x * 3.0) + np.round(x, 1) + x.round(-1)) * x,
+                                           [(X, normal)], 0),
+    "einsum bsh,hd->bsd": (lambda x, w: np.einsum("bsh,hd->bsd", x.reshape(4, 2, 12), w),
+                           [(X, normal), ((12, 4), normal)], (0, 1)),
+    "einsum bhqd,bhkd->bhqk": (lambda q, k: np.einsum("bhqd,bhkd->bhqk", q, k), [((4, 2, 6, 4), normal)] * 2, (0, 1)),
+    "einsum bsd,bsh->dh": (lambda x, y: np.einsum("bsd,bsh->dh", x.reshape(4, 2, 12), y),
+                           [(X, normal), ((4, 2, 4), normal)], (0, 1)),
+    "einsum three operands": (lambda x, w, v: np.einsum("...c,cd,de->...e", x, w, v),
+                              [(X, normal), ((12, 4), normal), ((4, 8), normal)], (0, 1, 2)),
+    "einsum product and sum": (lambda x, y: np.einsum("ij,j->i", x, y)[:, None] * np.einsum("ij,ij->j", x, x),
+                               [(X, normal), (Y, normal)], (0, 1)),
+    "tensordot": (lambda x, w: np.tensordot(x.reshape(4, 2, 12), w, ([1, 2], [1, 0])),
+                  [(X, normal), ((12, 2, 4), normal)], (0, 1)),
 }
 
 # how each argument is placed, per mesh kind: replicated, or its first axis sharded

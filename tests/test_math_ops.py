@@ -1,13 +1,16 @@
 """NumPy's unary math (shardfuse/numpy_math.py): np.sin / cos / log1p / expm1, sf.erf, np.sign /
-floor / ceil / round / around / rint / x.round(), np.isnan / isinf / isfinite, np.reciprocal and
+floor / ceil / trunc / round / around / rint / x.round(), np.isnan / isinf / isfinite, np.reciprocal and
 sf.gelu(approximate=False), inside sf.jit and on sf.Arrays outside it, on a 1-D mesh of 4 and a 2x2
 mesh with sharded axes, against NumPy in float64 (math.erf / math.erfc for erf and the exact GELU)
 on fresh random inputs, with NumPy's result dtypes for float16, bfloat16, float32, float64, int32,
 int64 and bool inputs; round half to even, sign of -0.0 and NaN, the tests of NaN and infinities;
-fused chains bit for bit the unfused steps on NumPy devices; the refusals.
+fused chains bit for bit the unfused steps on NumPy devices; the refusals.  np.round(x, decimals)
+with decimals != 0 bit for bit NumPy's in the same dtype; np.cumsum / x.cumsum along every axis (and
+flattened) of every layout, NumPy's dtypes, the sharded axis gathered and nothing else moved.
 
-The case bodies (MATH, check_math, check_dtype, CHAIN) are shared: tests/mpi/test_math_mpi.py runs
-them under mpiexec and tests/test_gpu_math_ops.py on the CuPy backend.  Gradients: tests/test_grad.py.
+The case bodies (MATH, check_math, check_dtype, CHAIN, check_round, check_cumsum) are shared:
+tests/mpi/test_math_mpi.py runs them under mpiexec and tests/test_gpu_math_ops.py on the CuPy
+backend.  Gradients: tests/test_grad.py.
 """
 from __future__ import annotations
 
@@ -50,6 +53,7 @@ MATH = {
     "np.sign": (np.sign, np.sign, False, True),
     "np.floor": (np.floor, np.floor, False, True),
     "np.ceil": (np.ceil, np.ceil, False, True),
+    "np.trunc": (np.trunc, np.trunc, False, True),
     "np.round": (np.round, np.round, False, True),
     "np.around": (np.around, np.around, False, True),
     "x.round()": (lambda x: x.round(), lambda x: x.round(), False, True),
@@ -147,7 +151,8 @@ def test_halves_to_even_signed_zeros_nans_and_infinities_as_numpy(dtype, jit):
     mesh = mesh_of(4)
     x = SPECIAL.astype(np_dtype(dtype))
     xa = sf.shard(x, axis=0, mesh=mesh)
-    for fn in (np.round, np.rint, np.floor, np.ceil, np.sign, np.isnan, np.isinf, np.isfinite, lambda v: v.round()):
+    for fn in (np.round, np.rint, np.floor, np.ceil, np.trunc, np.sign, np.isnan, np.isinf, np.isfinite,
+               lambda v: v.round()):
         # (replicated, then read; gather() of the sharded value keeps -0.0 too, tests/test_numpy.py)
         got = np.asarray(sf.replicate((sf.jit(fn, mesh=mesh) if jit else fn)(xa)).gather())
         want = fn(x.astype(np.float32)).astype(got.dtype) if dtype == "bfloat16" else fn(x)  # (ml_dtypes' sign: -0)
@@ -268,10 +273,12 @@ def test_refusals_say_what_to_write():
     mesh = mesh_of(4)
     xa = sf.shard(np.ones((8, 4)), axis=0, mesh=mesh)
     ia = sf.shard(np.ones((8, 4), np.int32), axis=0, mesh=mesh)
-    with pytest.raises(TypeError, match=r"np.round with decimals=2 .* write np.round\(x \* 10.0\*\*d\)"):
-        np.round(xa, 2)
-    with pytest.raises(TypeError, match=r"np.round with decimals=1"):
-        sf.jit(lambda v: v.round(1), mesh=mesh)(xa)
+    with pytest.raises(TypeError, match=r"np.round with out= is not supported .* write y = np.round\(x, decimals\)"):
+        np.round(xa, 2, out=xa)
+    with pytest.raises(TypeError, match=r"np.round of the boolean array .* decimals=1: NumPy refuses it too"):
+        sf.jit(lambda v: (v > 0).round(1), mesh=mesh)(xa)
+    with pytest.raises(TypeError, match=r"np.round: decimals must be an integer, got float 1.5"):
+        np.round(xa, 1.5)
     with pytest.raises(TypeError, match=r"np.reciprocal of .*int32.*write 1 / x"):
         np.reciprocal(ia)
     with pytest.raises(TypeError, match=r"np.sign of the boolean array"):
@@ -280,3 +287,144 @@ def test_refusals_say_what_to_write():
         sf.gelu(xa, approximate="exact")
     with pytest.raises(TypeError, match=r"np.arcsin on an sf.Array is not supported; shardfuse has .*np.sin"):
         np.arcsin(xa)
+
+
+# ---- np.round(x, decimals) ------------------------------------------------------------------------------
+def check_round(mesh, spec, dtype, decimals, jit, rng, graph=False):
+    """np.round(x, decimals) (and x.round(decimals)) placed with spec, in sf.jit (as a CUDA graph) or
+    outside: NumPy's dtype and NumPy's values in the same dtype, bit for bit (the same steps: x * 10**d,
+    rint, / 10**d; integers through float64)."""
+    x = inputs(False, dtype, rng) * (np_dtype(dtype).type(7) if dtype in INT_DTYPES else 1)
+    xa = sf.distribute(x, mesh, spec)
+    fns = (lambda v: np.round(v, decimals), lambda v: v.round(decimals))
+    for fn in fns:
+        got = sf.jit(fn, mesh=mesh, graph=graph)(xa) if jit else fn(xa)
+        want = np.round(x, decimals)
+        assert got.dtype == want.dtype and got.sharding == xa.sharding, (dtype, got.dtype, got.sharding)
+        g = np.asarray(got.gather())
+        np.testing.assert_array_equal(g.view(np.uint8), want.view(np.uint8), err_msg=f"{dtype} {decimals}")
+
+
+ROUND_DTYPES = ew.DTYPES + ("int32", "int64")
+
+
+@pytest.mark.parametrize("decimals", [2, 1, -1])
+@pytest.mark.parametrize("dtype", ROUND_DTYPES)
+def test_round_with_decimals_is_numpys_bit_for_bit(dtype, decimals):
+    check_round(mesh_of(4), ("DIDx", None), dtype, decimals, True, np.random.default_rng(41))
+    check_round(mesh_of((2, 2)), ("DIDy", "DIDx"), dtype, decimals, False, np.random.default_rng(42))
+
+
+def test_round_with_decimals_of_halves_and_large_decimals():
+    """Values whose scaled form is a half (2.675 * 100 is 267.5 in float64: NumPy's 2.68) and decimals past
+    1e8, where NumPy's power of ten is multiplied up, on sharded and replicated layouts."""
+    mesh = mesh_of(4)
+    x = np.array([2.675, 0.125, 0.375, -0.125, -2.5, 1.005, 123.456, -0.05, 1250.0, 1350.0, 25.0, -35.0])
+    for d in (2, 1, 3, 10, -1, -2, -3):
+        for spec in (("DIDx",), (None,)):
+            got = sf.jit(lambda v, d=d: np.round(v, d), mesh=mesh)(sf.distribute(x, mesh, spec))
+            np.testing.assert_array_equal(np.asarray(got.gather()).view(np.uint8), np.round(x, d).view(np.uint8))
+
+
+# ---- np.cumsum ------------------------------------------------------------------------------------------
+def check_cumsum(mesh, spec, dtype, axis, jit, rng, shape=ew.SHAPE, method=False, graph=False):
+    """np.cumsum(x, axis) (x.cumsum(axis)) placed with spec, in sf.jit (as a CUDA graph) or outside:
+    NumPy's dtype and values (against float64; integers exactly), the summed axis whole in the result
+    and every other axis sharded as it was."""
+    x = inputs(False, dtype, rng, shape)
+    xa = sf.distribute(x, mesh, spec)
+    fn = (lambda v: v.cumsum(axis)) if method else (lambda v: np.cumsum(v, axis))
+    got = sf.jit(fn, mesh=mesh, graph=graph)(xa) if jit else fn(xa)
+    want_dtype = np.dtype(np.int64) if dtype in INT_DTYPES else np_dtype(dtype)
+    assert got.dtype == want_dtype == np.cumsum(x[:1]).dtype, (dtype, got.dtype)
+    want = np.cumsum(x.astype(np.float64), axis)
+    if axis is not None:
+        ax = axis % x.ndim
+        assert got.sharding.axes == tuple(None if k == ax else a for k, a in enumerate(xa.sharding.axes)), got.sharding
+    g = np.asarray(got.gather())
+    if g.dtype.kind in "biu":
+        np.testing.assert_array_equal(g, want)
+    else:  # (the error of a running sum grows with its length: the tolerance times the count)
+        n = x.size if axis is None else x.shape[axis]
+        np.testing.assert_allclose(g.astype(np.float64), want, rtol=TOL[dtype], atol=TOL[dtype] * n)
+
+
+@pytest.mark.parametrize("jit", [True, False], ids=["jit", "eager"])
+@pytest.mark.parametrize("axis", [0, 1, -1, None])
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_cumsum_on_every_layout(layout, axis, jit):
+    shape, spec, _ = ew.LAYOUTS[layout]
+    check_cumsum(mesh_of(shape), spec, "float64", axis, jit, np.random.default_rng(43))
+
+
+@pytest.mark.parametrize("dtype", ew.DTYPES + INT_DTYPES)
+def test_cumsum_in_every_dtype(dtype):
+    check_cumsum(mesh_of(4), ("DIDx", None), dtype, 1, True, np.random.default_rng(44))
+    check_cumsum(mesh_of((2, 2)), ("DIDy", "DIDx"), dtype, 0, False, np.random.default_rng(45), method=True)
+
+
+@pytest.mark.parametrize("axis", [0, 1, 2])
+@pytest.mark.parametrize("spec", [("DIDy", "DIDx", None), (None, "DIDy", "DIDx"), (("DIDy", "DIDx"), None, None)])
+def test_cumsum_of_a_3d_value(spec, axis):
+    check_cumsum(mesh_of((2, 2)), spec, "float64", axis, True, np.random.default_rng(46), shape=(4, 4, 6))
+
+
+def test_cumsum_gathers_only_its_own_axis_where_sharded():
+    """Along an axis no device splits: one local step, no communication; along a sharded one: one
+    Allgather of it, printed, before the Cumsum step; the other axes keep their sharding."""
+    mesh = mesh_of((2, 2))
+    x = np.random.default_rng(47).standard_normal((8, 12))
+    xa = sf.distribute(x, mesh, ("DIDy", "DIDx"))
+    along_rows = sf.jit(lambda v: np.cumsum(v, 1), mesh=mesh)
+    plan = along_rows.lower(sf.distribute(x, mesh, ("DIDy", None)))
+    assert plan.collectives() == {} and "  Cumsum " in str(plan), plan
+    plan = along_rows.lower(xa)
+    text = str(plan)
+    assert plan.collectives() == {"allgather": 1} and text.index("Allgather") < text.index("Cumsum"), text
+    assert along_rows(xa).sharding.axes == ("DIDy", None)
+    assert sf.jit(lambda v: np.cumsum(v, 0), mesh=mesh)(xa).sharding.axes == (None, "DIDx")
+
+
+def test_cumsum_dtype_argument_and_a_pending_sum():
+    mesh = mesh_of(4)
+    rng = np.random.default_rng(48)
+    x, w = rng.standard_normal((8, 16)), rng.standard_normal((16, 12))
+    i = rng.integers(-9, 9, (8, 12)).astype(np.int32)
+    ia = sf.shard(i, axis=0, mesh=mesh)
+    for dt in (np.int32, np.int64, np.float32, "float64"):
+        got = np.cumsum(ia, 1, dtype=dt)
+        assert got.dtype == np.cumsum(i, 1, dtype=dt).dtype
+        np.testing.assert_array_equal(np.asarray(got.gather()), np.cumsum(i, 1, dtype=dt))
+    # a contraction over a sharded axis pends sums: the running sum passes them through (it is linear)
+    f = sf.jit(lambda x, w: np.cumsum(sf.shard(x, axis=1) @ sf.shard(w, axis=0), 1), mesh=mesh)
+    assert f.lower(x, w).collectives() == {"allreduce": 1}
+    np.testing.assert_allclose(np.asarray(f(x, w)), np.cumsum(x @ w, 1), rtol=1e-12, atol=1e-12)
+
+
+def test_cumsum_is_never_streamed_along_its_axis():
+    """A stream schedule along the summed axis would sum each chunk alone: the compiler refuses it where
+    it is stated with chunks, and makes the running sum whole before the loop where an epilogue's
+    schedule would reach it; streamed along another axis it runs chunk by chunk."""
+    mesh = mesh_of(4)
+    x = np.random.default_rng(49).standard_normal((8, 12))
+    with pytest.raises(ValueError, match=r"sf.stream\(..., chunks=\) of \w+ along the axis its cumsum sums along"):
+        sf.jit(lambda v: sf.stream(np.cumsum(v * 2.0, 1), axis=1, chunks=2), mesh=mesh)(x)
+    scaled, plain = np.cumsum(x * 2.0, 1) * 3.0, np.cumsum(x * 2.0, 1)
+    for f, want in ((lambda v: sf.stream(np.cumsum(v * 2.0, 1) * 3.0, axis=1, chunks=2), scaled),
+                    (lambda v: sf.stream(np.cumsum(v * 2.0, 1) * 3.0, axis=0, chunks=2), scaled),
+                    (lambda v: sf.stream(np.cumsum(v * 2.0, 1), axis=0, chunks=4), plain),
+                    (lambda v: sf.stream(np.cumsum(v * 2.0, 1), axis=1), plain)):
+        np.testing.assert_allclose(np.asarray(sf.jit(f, mesh=mesh)(x)), want, rtol=1e-13, atol=1e-13)
+
+
+def test_cumsum_refusals():
+    mesh = mesh_of(4)
+    xa = sf.shard(np.ones((8, 4)), axis=0, mesh=mesh)
+    with pytest.raises(TypeError, match=r"np.cumsum with out= is not supported .* write y = np.cumsum\(x, axis\)"):
+        np.cumsum(xa, 0, out=xa)
+    with pytest.raises(TypeError, match=r"dtype=bool\) \(a running logical or\) is not supported"):
+        sf.jit(lambda v: np.cumsum(v, 0, dtype=bool), mesh=mesh)(xa)
+    with pytest.raises(ValueError, match=r"axis 2 out of range for a 2-D value"):
+        xa.cumsum(2)
+    with pytest.raises(TypeError, match=r"axis"):
+        np.cumsum(xa, (0, 1))

@@ -87,6 +87,12 @@ RUNS = {
     "np.expand_dims": lambda x, y, w: np.expand_dims(x, (0, -1)),
     "np.squeeze": lambda x, y, w: np.squeeze(x[None, :, None], axis=(0, 2)),
     "np.ravel": lambda x, y, w: np.ravel(x),
+    # what a torch / JAX port met as missing (tests/test_einsum.py, tests/test_math_ops.py)
+    "np.einsum": lambda x, y, w: np.einsum("ij,jk->ik", x, w),
+    "np.tensordot": lambda x, y, w: np.tensordot(x, w, 1),
+    "np.cumsum": lambda x, y, w: np.cumsum(x, 0),
+    "np.trunc": lambda x, y, w: np.trunc(x * 3.0),
+    "np.round decimals": lambda x, y, w: np.round(x, 3),
 }
 
 # NumPy calls shardfuse refuses (each with what to write instead)
@@ -96,11 +102,11 @@ REFUSED = {
     "np.concatenate dtype=": lambda x, y, w: np.concatenate([x, y], dtype=np.float32),
     "np.arcsin": lambda x, y, w: np.arcsin(x),
     "np.max out=": lambda x, y, w: np.max(x, out=x),
-    "np.einsum": lambda x, y, w: np.einsum("ij,jk->ik", x, w),
+    "np.einsum ii": lambda x, y, w: np.einsum("ii->i", x[:6]),
     "np.linalg.det": lambda x, y, w: np.linalg.det(x),
-    "np.tensordot": lambda x, y, w: np.tensordot(x, w, 1),
+    "np.kron": lambda x, y, w: np.kron(x, w),
     "np.power of arrays": lambda x, y, w: np.power(x, y),
-    "np.cumsum": lambda x, y, w: np.cumsum(x, 0),
+    "np.cumprod": lambda x, y, w: np.cumprod(x, 0),
     "np.zeros_like shape=": lambda x, y, w: np.zeros_like(x, shape=(2, 3)),
     "np.prod": lambda x, y, w: np.prod(x),
     "np.add.reduce": lambda x, y, w: np.add.reduce(x),
@@ -124,9 +130,10 @@ def test_any_other_numpy_function_is_refused_with_what_to_write(name):
 
 
 def test_the_refusals_name_the_function_and_the_supported_ones():
-    with pytest.raises(TypeError, match=r"^np\.cumsum is not supported on traced shardfuse values \(inside "
-                                        r"sf\.jit\); supported: .*np\.clip.*np\.concatenate.*np\.dot.*np\.sum"):
-        _on_traced(lambda x, y, w: np.cumsum(x, 0))(X, Y, W)
+    with pytest.raises(TypeError, match=r"^np\.cumprod is not supported on traced shardfuse values \(inside "
+                                        r"sf\.jit\); supported: .*np\.clip.*np\.concatenate.*np\.cumsum.*np\.dot.*"
+                                        r"np\.einsum.*np\.sum.*np\.tensordot"):
+        _on_traced(lambda x, y, w: np.cumprod(x, 0))(X, Y, W)
     with pytest.raises(TypeError, match=r"^np\.linalg\.det is not supported"):
         _on_traced(lambda x, y, w: np.linalg.det(x))(X, Y, W)
     with pytest.raises(TypeError, match=r"np\.dot of \w+ \(shape \(2, 4, 6\), float64\) and w \(shape \(6, 4\), "

@@ -7,7 +7,9 @@ mesh with the axes sharded:
   rows of it);
 - sf.torch_function took only flat tensors (not a dict of parameters) and failed on bfloat16 results;
 - sf.nn.cross_entropy had no ignore_index (torch's padded labels, -100, read as a class);
-- np.linalg.norm, np.tril / np.triu, np.moveaxis, x.item() and sf.linear on sf.Arrays were missing.
+- np.linalg.norm, np.tril / np.triu, np.moveaxis, x.item() and sf.linear on sf.Arrays were missing;
+- then np.einsum, np.tensordot, np.cumsum, np.trunc and np.round(x, decimals) were (their own tests:
+  tests/test_einsum.py, tests/test_math_ops.py).
 
 The case bodies are shared with tests/mpi/test_user_port_mpi.py (the sharded axes across ranks).
 """
@@ -43,6 +45,16 @@ CASES = {
     "moveaxis": (lambda x: np.moveaxis(x, 0, -1), lambda x: np.moveaxis(x, 0, -1), ("dp", "tp")),
     "linear": (lambda x: sf.linear(x, W, B), lambda x: x @ W + B, ("dp", None)),
     "nn.linear": (lambda x: sf.nn.linear(x, W), lambda x: x @ W, (None, "tp")),
+    "einsum sh,hd->sd": (lambda x: np.einsum("sh,hd->sd", x, W), lambda x: x @ W, ("dp", "tp")),
+    "einsum ij,kj->ik": (lambda x: np.einsum("ij,kj->ik", x, x), lambda x: x @ x.T, ("dp", "tp")),
+    "einsum implicit ...j,j": (lambda x: np.einsum("...j,j", x, W[:, 0]), lambda x: x @ W[:, 0], ("tp", "dp")),
+    "tensordot": (lambda x: np.tensordot(x, W, 1), lambda x: x @ W, (None, "tp")),
+    "tensordot axes=2": (lambda x: np.tensordot(x, x, 2), lambda x: np.tensordot(x, x, 2), ("dp", "tp")),
+    "cumsum axis 0": (lambda x: np.cumsum(x, 0), lambda x: np.cumsum(x, 0), ("dp", "tp")),
+    "cumsum axis 1": (lambda x: x.cumsum(1), lambda x: np.cumsum(x, 1), ("dp", None)),
+    "cumsum flattened": (lambda x: np.cumsum(x), lambda x: np.cumsum(x), ("tp", "dp")),
+    "trunc": (lambda x: np.trunc(x * 3.0), lambda x: np.trunc(x * 3.0), ("dp", "tp")),
+    "round decimals": (lambda x: np.round(x, 2) + x.round(-1), lambda x: np.round(x, 2) + x.round(-1), ("tp", None)),
 }
 _RNG = np.random.default_rng(11)
 W, B = _RNG.standard_normal((12, 6)), _RNG.standard_normal(6)

@@ -98,6 +98,17 @@ class Kernels:
             return cupy.ElementwiseKernel(f"{x_dtype} x", f"{keys_dtype} y", body, f"sf_keys_{op}_{x_dtype}")
         return self.cached((Op.ORDER_KEYS, op, x_dtype, keys_dtype, decode), make)
 
+    def cumsum(self, dtype):
+        """y = the running sum of x's last axis (n elements a row), one thread per row, in order: float16
+        and float32 summed in float (double for float64, long long for integers), each prefix rounded
+        once, as elementwise_numpy's cumsum; no temporaries (a graph capture refuses allocations).  x
+        may be a strided view: a raw array's x[k] is its k-th element in C order, strides honoured."""
+        acc = {"float64": "double", "int32": "long long", "int64": "long long"}.get(dtype, "float")
+        return self.cached((Op.CUMSUM, dtype), lambda: cupy.ElementwiseKernel(
+            "raw T x, int64 n", "raw T y",
+            f"{acc} s = 0; for (long long k = i * n; k < i * n + n; ++k) {{ s += ({acc})x[k]; y[k] = (T)s; }}",
+            f"sf_cumsum_{dtype}"))
+
     def take(self):
         """out = table[ids] for the rows this device holds, zeros elsewhere (elementwise_numpy.take_rows's
         semantics), one kernel over the output (no temporaries: graph capture refuses allocations)."""
@@ -174,7 +185,8 @@ _SIGMOID_C = "(a >= 0 ? (F)1 / ((F)1 + exp(-a)) : exp(a) / ((F)1 + exp(a)))"
 _MATH_C = {
     Op.SIN: "sin(a)", Op.COS: "cos(a)", Op.LOG1P: "log1p(a)", Op.EXPM1: "expm1(a)", Op.ERF: "erf(a)",
     Op.GELU_ERF: "((F)0.5 * a * erfc(-a * (F)0.7071067811865476))", Op.FLOOR: "floor(a)", Op.CEIL: "ceil(a)",
-    Op.ROUND: "rint(a)", Op.SIGN: "(a > (F)0 ? (F)1 : (a < (F)0 ? (F)-1 : (a == (F)0 ? (F)0 : a)))",
+    Op.ROUND: "rint(a)", Op.TRUNC: "trunc(a)",
+    Op.SIGN: "(a > (F)0 ? (F)1 : (a < (F)0 ? (F)-1 : (a == (F)0 ? (F)0 : a)))",
     Op.ISNAN: "(a != a)", Op.ISINF: "(a == a && a - a != a - a)", Op.ISFINITE: "(a - a == a - a)",
 }
 INLINE = {
@@ -264,12 +276,22 @@ def _keys(kernels, op, a, out, reduce_op):
     return lambda xp, x, _, o: kern(x, o)
 
 
+def _cumsum(kernels, dtype):
+    """The cumsum step's fn: Kernels.cumsum over the rows of the last axis (bfloat16 in float32 scratch)."""
+    kern = kernels.cumsum("float32" if dtype == "bfloat16" else dtype)
+
+    def run(xp, x, _, o):
+        if x.size:
+            kern(x, x.shape[-1], o, size=x.size // x.shape[-1])
+    return run
+
+
 def bind_elementwise(dev, kernels, op, a, b, out, stream, scalar=None):
     """Step: out = op(a[, b]) (op an Op of ops.ELEMENTWISE).  bfloat16 operands are read through
     float32 scratch and a bfloat16 result written through it (made now: no allocation when the
     step runs), so comparisons, casts and max of bfloat16 see numbers, not their bits."""
     fn = _fused(kernels, op, out.dtype) if op in _FUSED else _keys(kernels, op, a, out, scalar) if op in _KEYS \
-        else _CUPY.get(op, ELEMENTWISE[op])
+        else _cumsum(kernels, out.dtype) if op == Op.CUMSUM else _CUPY.get(op, ELEMENTWISE[op])
     refs = (a, out) if b is None else (a, b, out)
     if any(r.dtype == "bfloat16" for r in refs) and op in INLINE:
         kern = _inline(kernels, op, refs, scalar)

@@ -11,10 +11,10 @@ output that could take no buffer stays in its own (JAX's donation is a hint too)
 from __future__ import annotations
 
 from shardfuse.ir import substitute
-from shardfuse.ops import COLLECTIVES, ELEMENTWISE, LOCAL_REDUCTIONS, Op
+from shardfuse.ops import COLLECTIVES, ELEMENTWISE, LOCAL_REDUCTIONS, LOCAL_SCANS, Op
 from shardfuse.passes.allocate import view_bases
 
-IN_PLACE = ELEMENTWISE - LOCAL_REDUCTIONS | {Op.FUSED}  # each output element from the same element of each input
+IN_PLACE = ELEMENTWISE - LOCAL_REDUCTIONS - LOCAL_SCANS | {Op.FUSED}  # each output element from the same element of each input
 
 
 def _touches(ins, values) -> bool:

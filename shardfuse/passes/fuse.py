@@ -31,15 +31,15 @@ from collections import Counter
 import numpy as np
 
 from shardfuse.ir import walk
-from shardfuse.ops import ELEMENTWISE, LOCAL_REDUCTIONS, Expr, Op, VIEWS
+from shardfuse.ops import ELEMENTWISE, LOCAL_REDUCTIONS, LOCAL_SCANS, Expr, Op, VIEWS
 
-# every elementwise op but the reductions of the last axis (an element of theirs reads a row) and
+# every elementwise op but the reductions and scans of the last axis (an element of theirs reads a row) and
 # the order keys of max / min Allreduces (they come with their collective), and floor division and
 # remainder: NumPy's float forms (fmod, then a correction of the quotient) have no C expression in
 # CuPy's fused kernels here, so they stay their backends' own ufuncs (floor_divide, remainder).  NumPy's
 # unary math (sin, erf, gelu_erf, floor, round, sign, ...) fuses as exp does; the boolean ones (isnan,
 # isinf, isfinite), as comparisons, never join a chain: _fusable takes steps with float results only
-FUSABLE = ELEMENTWISE - LOCAL_REDUCTIONS - {Op.ORDER_KEYS, Op.FROM_ORDER_KEYS, Op.FLOOR_DIVIDE, Op.MOD}
+FUSABLE = ELEMENTWISE - LOCAL_REDUCTIONS - LOCAL_SCANS - {Op.ORDER_KEYS, Op.FROM_ORDER_KEYS, Op.FLOOR_DIVIDE, Op.MOD}
 
 
 def _leaf_exprs(ins):

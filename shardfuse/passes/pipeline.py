@@ -79,9 +79,11 @@ def _stream_extent(i):
     k = axis_of(i)
     if i.op in HOST_ONLY or i.into is not None or not i.outs or k is None:
         return None
-    cuts = i.op in (Op.RESHAPE, Op.SLICE_ARRAY, Op.CONCAT)
+    # a view that merges axes into the stream axis, or cuts it, and a cumsum along it have no per-chunk
+    # input: made whole
+    cuts = i.op in (Op.RESHAPE, Op.SLICE_ARRAY, Op.CONCAT, Op.CUMSUM)
     if cuts and all(a is None for a in rule(i.op, "axis_map")(i, k)):
-        return None  # a view that merges axes into the stream axis, or cuts it, has no per-chunk input: made whole
+        return None
     return i.outs[0].type.shape[k]
 
 

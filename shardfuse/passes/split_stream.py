@@ -10,7 +10,7 @@ from collections import Counter
 from dataclasses import replace
 
 from shardfuse.ir import Instr, Namer, TensorType, Value, substitute
-from shardfuse.ops import ELEMENTWISE, Op
+from shardfuse.ops import ELEMENTWISE, LOCAL_SCANS, Op
 from shardfuse.layout import Layout, shard_count
 from shardfuse.rules import rule
 from shardfuse import schedule
@@ -50,8 +50,9 @@ def _split_attrs(i, amap, k, n):
     if i.op == Op.SUM:
         ax = i.attrs["axis"]
         return {**i.attrs, "axis": ax + (n - 1 if ax > amap[0] else 0)}
-    if i.op in (Op.SLICE_ARRAY, Op.CONCAT) and amap[0] is None:
-        raise ValueError(f"sf.stream(..., chunks=) of {i.outs[0].name} along the axis its {i.op} cuts or joins is not "
+    if i.op in (Op.SLICE_ARRAY, Op.CONCAT, Op.CUMSUM) and amap[0] is None:
+        how = "sums along" if i.op == Op.CUMSUM else "cuts or joins"
+        raise ValueError(f"sf.stream(..., chunks=) of {i.outs[0].name} along the axis its {i.op} {how} is not "
                          "supported: stream another axis, or the value before the op, or its consumer")
     if i.op == Op.SLICE_ARRAY:  # (an uncut axis: begin 0, step 1, for each axis it splits into)
         a = amap[0]
@@ -87,6 +88,8 @@ def _splittable(p, a, chunks) -> bool:
     elementwise op, the axis sharded over one entry at most, on one mesh, dividing into the chunks."""
     amap = rule(p.op, "axis_map")(p, a)
     if p.op == Op.MATMUL and (amap[0] is None or amap[1] is None and p.ins[1].type.ndim > 2):
+        return False
+    if p.op in LOCAL_SCANS and amap[0] is None:  # (a running sum along the stream axis: made whole before)
         return False
     o = p.outs[0]
     entries = {v.type.layout.axes[b] for v, b in zip(p.ins, amap) if b is not None} | {o.type.layout.axes[a]}

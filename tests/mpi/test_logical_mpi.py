@@ -2,8 +2,8 @@
 under mpiexec (the bodies of tests/test_logical.py and tests/test_numpy_port.py on the MPI backend):
 any / all over an axis sharded across ranks are Allreduces with max / min that cross processes, and
 a NumPy function shardfuse lacks is refused on every rank before any communication (it used to
-gather, a collective hidden in np.cumsum(x)).  Every rank runs every test in the same order (same
-seeds), so the collectives pair up."""
+gather, a collective hidden in np.cumsum(x), which now runs as shardfuse's op).  Every rank runs
+every test in the same order (same seeds), so the collectives pair up."""
 from __future__ import annotations
 
 import numpy as np
@@ -46,7 +46,7 @@ def test_integer_array_index(mesh, name, how):
 
 def test_an_unsupported_numpy_function_is_refused_on_every_rank_without_communicating(mesh):
     a = sf.shard(np.arange(96.0).reshape(8, 12) + 1, axis=0, mesh=mesh)
-    for f in (np.cumsum, np.linalg.det, lambda v: np.einsum("ij->ji", v)):
+    for f in (np.cumprod, np.linalg.det, lambda v: np.kron(v, v)):
         with pytest.raises(TypeError, match=r"is not supported on sf.Arrays"):
             f(a)
-    np.testing.assert_array_equal(np.cumsum(a.gather()), np.cumsum(np.arange(96.0) + 1))  # (then a collective: paired)
+    np.testing.assert_array_equal(np.cumprod(a.gather()), np.cumprod(np.arange(96.0) + 1))  # (then a collective: paired)

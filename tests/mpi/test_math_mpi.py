@@ -1,6 +1,7 @@
 """NumPy's unary math (shardfuse/numpy_math.py) under mpiexec: the bodies of tests/test_math_ops.py
 on the NumPy-over-MPI backend, on sharded axes of 1-D and 2x2 meshes (under -n 2 each process holds
-two devices), and gradients of sin, erf and the exact GELU with inputs sharded.  Every rank runs
+two devices), np.round(x, decimals) and np.cumsum along sharded and unsharded axes, and gradients of
+sin, erf, the exact GELU and cumsum with inputs sharded.  Every rank runs
 every test in the same order (same seeds), so the collectives pair up."""
 from __future__ import annotations
 
@@ -14,7 +15,7 @@ import test_math_ops as mo
 
 NPROCS = MPI.COMM_WORLD.Get_size()
 SIZES = sorted({4, NPROCS})
-OPS = ["np.sin", "sf.erf", "gelu exact", "np.log1p", "np.round", "np.sign", "np.isnan", "np.floor"]
+OPS = ["np.sin", "sf.erf", "gelu exact", "np.log1p", "np.round", "np.sign", "np.isnan", "np.floor", "np.trunc"]
 
 
 @pytest.fixture(params=SIZES, ids=lambda s: f"D{s}", scope="module")
@@ -40,7 +41,21 @@ def test_halves_to_even_and_nans():
     mo.test_halves_to_even_signed_zeros_nans_and_infinities_as_numpy("float32", True)
 
 
-@pytest.mark.parametrize("name", ["sin", "erf", "gelu exact", "sign floor ceil round (no gradient)"])
+@pytest.mark.parametrize("jit", [True, False], ids=["jit", "eager"])
+@pytest.mark.parametrize("axis", [0, 1, None])
+@pytest.mark.parametrize("spec", [("DIDx", None), (None, "DIDx")], ids=["S0", "S1"])
+def test_cumsum_along_sharded_and_unsharded_axes(mesh, spec, axis, jit):
+    mo.check_cumsum(mesh, spec, "float64", axis, jit, np.random.default_rng(23))
+
+
+@pytest.mark.parametrize("dtype", ["float32", "int32"])
+def test_cumsum_and_round_decimals_on_a_2x2_mesh(dtype):
+    mo.check_cumsum(mo.mesh_of((2, 2)), ("DIDy", "DIDx"), dtype, 1, True, np.random.default_rng(24))
+    mo.check_round(mo.mesh_of((2, 2)), ("DIDy", "DIDx"), dtype, -1, False, np.random.default_rng(25))
+    mo.check_round(mo.mesh_of((2, 2)), ("DIDx", "DIDy"), dtype, 2, True, np.random.default_rng(26))
+
+
+@pytest.mark.parametrize("name", ["sin", "erf", "gelu exact", "sign floor ceil round (no gradient)", "cumsum"])
 @pytest.mark.parametrize("kind, placement", [("1d", "S0"), ("2d", "S01")])
 def test_gradient_against_central_differences(name, kind, placement):
     tg.check_case(name, tg.mesh_of(kind), placement, tg.seed_of(name, kind, placement))
