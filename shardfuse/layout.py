@@ -32,6 +32,18 @@ def axis_entry(names):
     return None if not names else names[0] if len(names) == 1 else names
 
 
+def free_axes(entry, used):
+    """The mesh axes of `entry` not in `used` (None, one name or a tuple, as layouts write them)."""
+    return axis_entry(n for n in mesh_axes(entry) if n not in used) if entry is not None else None
+
+
+def unshard(axes, pending, stream=None) -> list:
+    """A mesh axis that holds pending sums cannot also shard an axis: such an output is made
+    unsharded over it there, keeping the entry's other mesh axes (its `set` reduce-scatters the
+    sums instead); the stream axis keeps its own."""
+    return [a if j == stream else free_axes(a, pending) for j, a in enumerate(axes)]
+
+
 def shard_count(entry, mesh) -> int:
     """How many pieces an axis with this entry is cut into on `mesh`."""
     return math.prod(mesh.axis_size(n) for n in mesh_axes(entry))

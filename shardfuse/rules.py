@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import math
 
-from shardfuse.layout import Layout, axis_entry, mesh_axes
+from shardfuse.layout import Layout, free_axes, mesh_axes, unshard
 from shardfuse.ops import Op, Reduce
 from shardfuse.schedule import axis_of
 from shardfuse.rules_take import SCATTER_ADD, TAKE
@@ -38,13 +38,6 @@ def _chunked(ins, j, a):
 def _axes(lay):
     """Where each axis of an input lives (a stream axis that is also sharded counts as sharded)."""
     return lay.axes
-
-
-def _unshard(axes, pending, stream=None):
-    """A mesh axis that holds pending sums cannot also shard an axis: such an output is made
-    unsharded over it there, keeping the entry's other mesh axes (its `set` reduce-scatters the
-    sums instead); the stream axis keeps its own."""
-    return [a if j == stream else _free(a, pending) for j, a in enumerate(axes)]
 
 
 def _names(entries) -> set:
@@ -93,7 +86,7 @@ def contraction_infer(ins, lays, labels=None):
         for lab, a in zip(labs, _axes(lay)):
             # an axis sharded over several mesh axes keeps those still free (tokens over (dp, tp) against a
             # weight's columns over tp stay over dp: no gather across dp, no GEMM repeated on every dp rank)
-            keep = _free(a, used)
+            keep = free_axes(a, used)
             if lab in out_labels and keep is not None and lab not in axes:
                 axes[lab] = keep
                 used |= _names([keep])
@@ -102,7 +95,7 @@ def contraction_infer(ins, lays, labels=None):
     contracted = _names([_contraction_axis(in_labels, out_labels, lays)[1]])
     carried = _reduced_first(ins, _linear_partials(ins.op, lays), used)
     partial = _union(contracted - used, *carried)
-    return Layout(tuple(_unshard([axes.get(lab) for lab in out_labels], set(partial))), partial)
+    return Layout(tuple(unshard([axes.get(lab) for lab in out_labels], set(partial))), partial)
 
 
 def _reduced_first(ins, carried, sharding):
@@ -115,11 +108,6 @@ def _reduced_first(ins, carried, sharding):
         return math.prod(v.type.shape)
     total = size(ins.outs[0]) + sum(size(v) for v in ins.ins)
     return [() if set(c) & sharding and 2 * size(v) <= total else c for c, v in zip(carried, ins.ins)]
-
-
-def _free(entry, used):
-    """The mesh axes of `entry` not in `used` (None, one name or a tuple, as layouts write them)."""
-    return axis_entry(n for n in mesh_axes(entry) if n not in used) if entry is not None else None
 
 
 def _contraction_axis(in_labels, out_labels, lays):
@@ -141,7 +129,7 @@ def contraction_require(ins, out, lays, labels=None):
     # more axes it stays refused: the output's propagated layout would still pend the others)
     carried = [() if c and set(c) <= _names([k]) else c for c in carried]
     carried = _reduced_first(ins, carried, _names(out.axes))
-    out_axes = _unshard(out.axes, set(_union(*carried)) | _names([k]), axis_of(ins))
+    out_axes = unshard(out.axes, set(_union(*carried)) | _names([k]), axis_of(ins))
     placed = dict(zip(out_labels, (_chunked(ins, j, a) for j, a in enumerate(out_axes))))
     if klab is not None:
         placed[klab] = k
@@ -188,7 +176,7 @@ def elementwise_infer(ins, lays):
         axes.append(pick)
         used |= _names([pick])
     partial = _union(*_linear_partials(ins.op, lays))
-    return Layout(tuple(_unshard(axes, set(partial))), partial)
+    return Layout(tuple(unshard(axes, set(partial))), partial)
 
 
 def elementwise_require(ins, out, lays):
@@ -197,7 +185,7 @@ def elementwise_require(ins, out, lays):
     instead of one gather per operand."""
     carried = _linear_partials(ins.op, lays)
     pending = set(_union(*carried))
-    axes = _unshard(out.axes, pending, axis_of(ins))
+    axes = unshard(out.axes, pending, axis_of(ins))
     for j, a in enumerate(axes):
         if a is not None or j == axis_of(ins):
             continue
@@ -246,7 +234,7 @@ def last_axis_reduce_require(ins, out, lays):
     if last is None:  # the last axis whole (gathered where it is sharded and streamed)
         return (Layout(tuple(out.axes) + (None,)),), Layout(tuple(out.axes), out.partial)
     pending = mesh_axes(last)
-    out_axes = _unshard(out.axes, set(pending))
+    out_axes = unshard(out.axes, set(pending))
     kind = Reduce.MAX if ins.op == Op.REDUCE_MAX else Reduce.MIN
     return (Layout(tuple(out_axes) + (last,)),), Layout(tuple(out_axes), tuple(pending), partial_op=kind)
 
@@ -264,101 +252,11 @@ def transpose_infer(ins, lays):
 
 def transpose_require(ins, out, lays):
     perm = ins.attrs["perm"]
-    out_axes = _unshard(out.axes, set(lays[0].partial), axis_of(ins))
+    out_axes = unshard(out.axes, set(lays[0].partial), axis_of(ins))
     axes = [None] * len(perm)
     for j, p in enumerate(perm):
         axes[p] = _chunked(ins, j, out_axes[j])
     return (Layout(tuple(axes), lays[0].partial),), Layout(tuple(out_axes), _union(out.partial, lays[0].partial))
-
-
-# ---- reshape: a view, allowed where it does not cross a sharded axis boundary --------------
-
-def reshape_groups(old, new):
-    """Pairs (old axes, new axes) of runs whose extents multiply to the same number."""
-    groups, i, j = [], 0, 0
-    while i < len(old) or j < len(new):
-        gi, gj = [i] if i < len(old) else [], [j] if j < len(new) else []
-        po = old[i] if i < len(old) else 1
-        pn = new[j] if j < len(new) else 1
-        i, j = i + bool(gi), j + bool(gj)
-        while po != pn:
-            if po < pn:
-                gi.append(i)
-                po *= old[i]
-                i += 1
-            else:
-                gj.append(j)
-                pn *= new[j]
-                j += 1
-        while i < len(old) and old[i] == 1 and (j >= len(new) or new[j] != 1):  # stray unit axes
-            gi.append(i)
-            i += 1
-        groups.append((gi, gj))
-    return groups
-
-
-def _map_reshape(src_shape, src_axes, dst_shape, mesh_size, forward, gather_cut=False):
-    out = [None] * len(dst_shape)
-    pairs = reshape_groups(src_shape, dst_shape) if forward else \
-        [(b, a) for a, b in reshape_groups(dst_shape, src_shape)]
-    for gs, gd in pairs:
-        sharded = [(k, src_axes[k]) for k in gs if src_axes[k] is not None]
-        if not sharded:
-            continue
-        k, m = sharded[0]
-        lead = next((k2 for k2 in gs if src_shape[k2] != 1), k)
-        dst_lead = next((d for d in gd if dst_shape[d] != 1), gd[0] if gd else None)
-        if len(sharded) > 1 or k != lead or dst_lead is None or dst_shape[dst_lead] % _count(m, mesh_size):
-            if gather_cut:  # the group's result is whole: reshape_require then asks for its input gathered
-                continue
-            raise ValueError(f"reshape {tuple(src_shape)} -> {tuple(dst_shape)} crosses the boundary of axis {k}, "
-                             f"sharded over {m}: only the outermost axis of a merged or split group may be sharded")
-        out[dst_lead] = m
-    return out
-
-
-def _mesh_size(lay):
-    """Mesh axis name -> its size on the mesh the value lives on (infer and require give every
-    layout its mesh)."""
-    return lay.mesh.axis_size
-
-
-def _count(entry, mesh_size) -> int:
-    n = 1
-    for name in mesh_axes(entry):
-        n *= mesh_size(name)
-    return n
-
-
-def reshape_infer(ins, lays):
-    (la,) = lays
-    src, dst = ins.ins[0].type.shape, ins.outs[0].type.shape
-    try:
-        return Layout(tuple(_map_reshape(src, _axes(la), dst, _mesh_size(la), True)), la.partial)
-    except ValueError:  # a sharded axis the reshape cuts across is gathered first (as reshape_require's
-        if la.partial or axis_of(ins) is not None:  # fallback; the README's rule), the other axes keep theirs;
-            raise  # a pending sum or a stream split keeps the refusal, as there
-        return Layout(tuple(_map_reshape(src, _axes(la), dst, _mesh_size(la), True, gather_cut=True)), la.partial)
-
-
-def reshape_require(ins, out, lays):
-    src, dst = ins.ins[0].type.shape, ins.outs[0].type.shape
-    out_axes = _unshard(out.axes, set(lays[0].partial), axis_of(ins))
-    try:
-        axes = _map_reshape(dst, [_chunked(ins, j, a) for j, a in enumerate(out_axes)], src, _mesh_size(out), False)
-    except ValueError:  # no sharding of the input gives this result's: the input whole (gathered where it is
-        if lays[0].partial or axis_of(ins) is not None:  # sharded: printed), reshaped, the result sliced locally
-            raise  # (R -> S); a pending sum or a stream split keeps the refusal
-        whole = Layout.replicated(len(src)).on(out.mesh)
-        return (whole,), reshape_infer(ins, [whole])
-    return (Layout(tuple(axes), lays[0].partial),), Layout(tuple(out_axes), _union(out.partial, lays[0].partial))
-
-
-def reshape_axis_map(ins, j):
-    for gs, gd in reshape_groups(ins.ins[0].type.shape, ins.outs[0].type.shape):
-        if gd == [j] and len(gs) == 1:
-            return (gs[0],)
-    return (None,)
 
 
 # ---- set and view: layouts are given, nothing is required of the input ---------------------
@@ -390,7 +288,7 @@ RULES = {
     Op.TRANSPOSE: dict(infer=transpose_infer, require=transpose_require, axis_map=transpose_axis_map),
     Op.SET: dict(infer=_given, require=_as_is, axis_map=identity_axis_map),
     Op.VIEW: dict(infer=_given, require=_as_is, axis_map=_no_stream_map),
-    Op.RESHAPE: dict(infer=reshape_infer, require=reshape_require, axis_map=reshape_axis_map),
+    Op.RESHAPE: rules_shapes.RESHAPE,
     Op.TAKE: TAKE,  # (shardfuse/rules_take.py: the vocab-parallel embedding)
     Op.SCATTER_ADD: SCATTER_ADD,  # (and its gradient)
     Op.SLICE_ARRAY: rules_shapes.SLICE,
