@@ -238,8 +238,10 @@ class Traced(NumpyMethods):
 
     def __bool__(self):
         self._concrete("bool()", "Python's if / while / and / or / not need a concrete value: decide the branch "
-                                 "outside the jitted function (a parameter with a default stays a Python value), "
-                                 "or compute both sides and combine them arithmetically (sf.relu, *, +)")
+                                 "outside the jitted function (a parameter with a default stays a Python value, "
+                                 "and sf.jit(..., static_argnums= / static_argnames=) keeps a flag one, compiling "
+                                 "a plan per value, as JAX does), or compute both sides and combine them "
+                                 "(np.where, sf.relu, *, +)")
 
     def __int__(self):
         self._concrete("int()", _NUMBER)
