@@ -250,6 +250,7 @@ class Array(Placed, ArrayOps):  # operators, ufuncs, reductions, indexing: array
 
 
 def check_mesh(mesh, what):
+    """mesh is an sf.DeviceMesh, else a TypeError naming `what` took it."""
     if not isinstance(mesh, DeviceMesh):
         raise TypeError(f"{what}: mesh= must be an sf.DeviceMesh, got {type(mesh).__name__}")
 

@@ -215,14 +215,14 @@ def _positional_up_to(sig, last: int):
 
 
 def _python_value(v) -> bool:
-    """Whether a keyword argument is a Python value (a number, string, None, or a tuple of them),
+    """Whether a keyword argument is a Python value (a Python number, string, None, or a tuple of them),
     which eager sf.grad fixes into the function it compiles, as JAX's eager grad sees it: a head
     count or `causal=True` stays a Python value (one plan per value)."""
     try:
         hash(v)
     except TypeError:
         return False
-    return all(x is None or isinstance(x, (bool, int, float, complex, str)) for x in tree.leaves(v))
+    return all(x is None or type(x) in (bool, int, float, complex, str) for x in tree.leaves(v))  # (NumPy's: arrays)
 
 
 class Keywords:
