@@ -46,18 +46,19 @@ def from_local(local_piece, axis=None, over=None, mesh=None, placements=None):
     if mesh.nprocs > 1:  # every rank's piece, layout and count of blocks must agree: else each builds another
         # array (a mesh axis that process boundaries cut unevenly gives ranks different counts)
         seen = faults.allgather_object((info.shape, info.dtype, layout.axes, counts, box), "sf.from_local")
-        if len(set(seen)) != 1:
-            along = ", ".join(repr(n) for i in axes for n in sh.dims[i])
+        if len(set(seen)) != 1:  # (the same message on every rank: from what all of them sent)
+            along = ", ".join(repr(n) for a in seen[0][2] for n in mesh_axes(a))
             raise ValueError("sf.from_local: processes passed pieces of different shapes/dtypes or different axis=/over=, "
                              f"or hold different numbers of positions along {along}: " + ", ".join(
-                                 f"rank {r}: {s} {d} layout={a} positions={n[0] if len(n) == 1 else n}"
+                                 f"rank {r}: {s} {d} {_cut(a)} positions={n[0] if len(n) == 1 else n}"
                                  + ("" if b else " (not a box)") for r, (s, d, a, n, b) in enumerate(seen)))
     if not blocks:
         raise ValueError(f"sf.from_local: this process holds no device of {mesh}")
     if not box:
-        raise ValueError(f"sf.from_local: this process' devices {mesh.local_devices} hold blocks {sorted(set(blocks))} "
-                         f"of axes {axes}, not a box of them: its part of the value is no one array; use "
-                         "sf.distribute on the global value, or a layout whose blocks each process holds as a box")
+        raise ValueError(f"sf.from_local: this process' devices {mesh.local_devices} hold blocks "
+                         f"{sorted(set(blocks))} of axes {axes}, not a box of them: its part of the value is no one "
+                         "array; use sf.distribute on the global value, or a layout whose blocks each process holds "
+                         "as a box")
     size = {}
     for j, i in enumerate(axes):
         if info.shape[i] % counts[j]:
@@ -76,6 +77,14 @@ def from_local(local_piece, axis=None, over=None, mesh=None, placements=None):
             idx[i] = slice(p * size[i], (p + 1) * size[i])
         parts.append(be.piece(x[tuple(idx)], j))
     return Array(mesh, shape, info.dtype, layout, parts, True)
+
+
+def _cut(axes: tuple) -> str:
+    """A layout's sharded axes as from_local's arguments state them: axis=0 over='dp'."""
+    cut = [(i, a) for i, a in enumerate(axes) if a is not None]
+    if len(cut) == 1:
+        return f"axis={cut[0][0]} over={cut[0][1]!r}"
+    return f"axis={tuple(i for i, _ in cut)} over={tuple(a for _, a in cut)}"
 
 
 def _local_layout(axis, over, placements, shape, mesh) -> Layout:

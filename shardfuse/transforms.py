@@ -167,14 +167,16 @@ class _Grad:
         n = len(args)
         if all(-n <= k < n for k in self.nums):
             return
-        params = [p for p in self.fn_signature.parameters.values() if p.kind in (P.POSITIONAL_ONLY, P.POSITIONAL_OR_KEYWORD)]
+        params = [p for p in self.fn_signature.parameters.values()
+                  if p.kind in (P.POSITIONAL_ONLY, P.POSITIONAL_OR_KEYWORD)]
         named = [params[k].name for k in self.nums if 0 <= k < len(params) and params[k].name in kwargs]
         hint = (f"; {', '.join(named)} given by keyword: pass {'it' if len(named) == 1 else 'them'} positionally"
                 if named else "")
+        least = max(k if k >= 0 else -k - 1 for k in self.nums) + 1
         raise TypeError(f"{self.what}(argnums={self.argnums!r}) of {_name(self.fn)}: differentiating with respect to "
-                        f"argnums={self.argnums!r} requires at least {max(k if k >= 0 else -k - 1 for k in self.nums) + 1} "
-                        f"positional arguments to be passed by the caller, but got only {n} (as JAX's: argnums index "
-                        f"positional arguments, keyword arguments are never differentiated){hint}")
+                        f"argnums={self.argnums!r} requires at least {least} positional arguments to be passed by the "
+                        f"caller, but got only {n} (as JAX's: argnums index positional arguments, keyword arguments "
+                        f"are never differentiated){hint}")
 
     def _nested(self, leaves) -> bool:
         """Whether this gradient is taken inside a traced function (whose code may hold the primals
