@@ -11,12 +11,13 @@
 from importlib.metadata import PackageNotFoundError, version as _version
 
 from shardfuse.api import distribute, replicate, shard
-from shardfuse.array import Array, from_local
+from shardfuse.array import Array
+from shardfuse.spmd import from_local
 from shardfuse.faults import CollectiveTimeoutError, RankLeftError, RankMismatchError
 from shardfuse.jit import Plan, jit
 from shardfuse.layout import Layout
 from shardfuse.mesh import DeviceMesh
-from shardfuse.placements import Partial, Replicate, Shard
+from shardfuse.placements import Partial, Replicate, Shard, StridedShard
 from shardfuse.spec import TensorSpec
 from shardfuse.take import scatter_add, take
 from shardfuse.visualize import visualize_sharding
@@ -37,7 +38,7 @@ from shardfuse.logical import logical_and, logical_or, logical_xor  # (and np.bi
 from shardfuse import numpy_shapes  # noqa: F401 (np.ravel, np.squeeze, np.expand_dims, np.ones_like, ...: NUMPY)
 from shardfuse import numpy_einsum  # noqa: F401 (np.einsum, np.tensordot: NUMPY)
 
-__all__ = ["Array", "DeviceMesh", "Layout", "Partial", "Replicate", "Shard", "Plan", "TensorSpec", "from_local", "jit", "replicate", "shard", "stream", "to_mesh",
+__all__ = ["Array", "DeviceMesh", "Layout", "Partial", "Replicate", "Shard", "StridedShard", "Plan", "TensorSpec", "from_local", "jit", "replicate", "shard", "stream", "to_mesh",
            "exp", "gelu", "linear", "relu", "tanh", "sqrt", "rsqrt", "log", "sigmoid", "silu", "maximum", "minimum",
            "where", "logical_not", "logical_and", "logical_or", "logical_xor", take.__name__, scatter_add.__name__, "concatenate", "split", "stack", *(f.__name__ for f in (sin, cos, log1p, expm1, erf)), "nn", "grad", "value_and_grad",
            "vjp", "custom_vjp", "checkpoint", "torch_function", "visualize_sharding", "distribute",

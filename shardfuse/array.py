@@ -94,7 +94,7 @@ class Array(Placed, ArrayOps):  # operators, ufuncs, reductions, indexing: array
         """x placed on mesh: sharded on `axis` over mesh axis `over`, or replicated (axis None)."""
         if mesh is None:
             raise ValueError(f"{what} on a concrete array needs mesh=")
-        _check_mesh(mesh, what)
+        check_mesh(mesh, what)
         if axis is not None:
             axis = check_axis(axis)  # before the memo, whose keys cannot tell True from 1
         info = array_info(x)
@@ -106,7 +106,7 @@ class Array(Placed, ArrayOps):  # operators, ufuncs, reductions, indexing: array
     @classmethod
     def from_layout(cls, x, mesh, layout: Layout, what: str = "sf.distribute"):
         """x (a global array) placed on mesh with this layout (checked: each sharded extent divides)."""
-        _check_mesh(mesh, what)
+        check_mesh(mesh, what)
         info = array_info(x)
         check_input(info, backend_of(mesh), what)
         if layout.ndim != len(info.shape):
@@ -249,7 +249,8 @@ class Array(Placed, ArrayOps):  # operators, ufuncs, reductions, indexing: array
         return reshard(self, Layout.replicated(self.ndim))
 
 
-def _check_mesh(mesh, what):
+def check_mesh(mesh, what):
+    """mesh is an sf.DeviceMesh, else a TypeError naming `what` took it."""
     if not isinstance(mesh, DeviceMesh):
         raise TypeError(f"{what}: mesh= must be an sf.DeviceMesh, got {type(mesh).__name__}")
 
@@ -277,50 +278,6 @@ class AddressableShard(tuple):
 
     def __repr__(self):
         return f"AddressableShard(device={self.device}, index={self.index}, shape={tuple(self.data.shape)})"
-
-
-def from_local(local_piece, axis: int, over: str | None = None, mesh=None):
-    """SPMD construction (JAX's make_array_from_process_local_data): each process passes its own
-    piece of the global array, cut on `axis` over mesh axis `over` (default the last).  The piece
-    holds, in order, the blocks of the positions along `over` that the process' devices have (on
-    a dp x tp mesh with over="dp", one rank's batch; processes at the same positions pass the same
-    data), and each device takes the block of its position: the value is sharded on `over` and
-    replicated over the other mesh axes.  A device array stays on the device (zero-copy views
-    where it can)."""
-    if mesh is None:
-        raise ValueError("sf.from_local needs mesh=")
-    _check_mesh(mesh, "sf.from_local")
-    info = array_info(local_piece)
-    check_input(info, backend_of(mesh), "sf.from_local")
-    ax = normalize_axis(axis, len(info.shape), info.shape)
-    over = mesh.axis_names[-1] if over is None else over
-    if not isinstance(over, str):
-        raise TypeError(f"sf.from_local: over= names one mesh axis of {mesh.axis_names}, got {over!r}")
-    k = mesh.axis_index(over)
-    position = [mesh.coords(d)[k] for d in mesh.local_devices]  # each local device's position along `over`
-    held = sorted(set(position))
-    if mesh.nprocs > 1:  # every rank's piece, axis, mesh axis and count of positions must agree: else each
-        # builds another array (a mesh axis that process boundaries cut unevenly gives ranks different counts)
-        seen = faults.allgather_object((info.shape, info.dtype, ax, over, len(held)), "sf.from_local")
-        if len(set(seen)) != 1:
-            raise ValueError("sf.from_local: processes passed pieces of different shapes/dtypes or different axis=/over=, "
-                             f"or hold different numbers of positions along {over!r}: " + ", ".join(
-                                 f"rank {r}: {s} {d} axis={a} over={o!r} positions={n}"
-                                 for r, (s, d, a, o, n) in enumerate(seen)))
-    if not held:
-        raise ValueError(f"sf.from_local: this process holds no device of {mesh}")
-    if info.shape[ax] % len(held):
-        raise ValueError(f"sf.from_local: local piece axis {ax} of extent {info.shape[ax]} cannot be cut into the "
-                         f"{len(held)} block(s) of this process' positions {held} along mesh axis {over!r}")
-    n = info.shape[ax] // len(held)
-    shape = list(info.shape)
-    shape[ax] = n * mesh.shape[k]
-    layout = Layout.replicated(len(shape)).with_axis(ax, over)
-    be = backend_of(mesh)
-    x = be.adopt(local_piece, info)
-    blocks = [held.index(p) for p in position]
-    parts = [be.piece(x[(slice(None),) * ax + (slice(b * n, (b + 1) * n),)], j) for j, b in enumerate(blocks)]
-    return Array(mesh, shape, info.dtype, layout, parts, True)
 
 
 def replicated(x, mesh) -> Array:

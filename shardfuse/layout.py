@@ -167,13 +167,14 @@ def layout_of(placements, ndim: int, mesh) -> "Layout":
         if len(items) != len(mesh.axis_names):
             raise ValueError(f"placements {tuple(map(str, items))}: one per mesh axis of {mesh} "
                              f"({len(mesh.axis_names)}), got {len(items)}")
-        for name, p in zip(mesh.axis_names, items):
+        for name, p in reversed(list(zip(mesh.axis_names, items))):  # (a StridedShard places its axis among later ones)
             if isinstance(p, Partial):
                 raise ValueError("Partial() is no placement of a whole value (it is what a contraction leaves pending)")
             if isinstance(p, Shard):
                 if not -ndim <= p.dim < ndim:
                     raise ValueError(f"Shard({p.dim}) of a value of {ndim} axes")
-                axes[p.dim % ndim] += (name,)
+                d = p.dim % ndim
+                axes[d] = _strided_insert(axes[d], name, getattr(p, "split_factor", 1), mesh, p)
     else:
         if len(items) > ndim:
             raise ValueError(f"spec {items}: {len(items)} entries for a value of {ndim} axes")
@@ -190,3 +191,13 @@ def layout_of(placements, ndim: int, mesh) -> "Layout":
     if len(used) != len(set(used)):
         raise ValueError(f"{items}: a mesh axis shards two tensor axes")
     return Layout(tuple(axis_entry(a) if a else None for a in axes))
+
+
+def _strided_insert(later: tuple, name: str, split: int, mesh, p) -> tuple:
+    """`later` (the mesh axes after `name` in the mesh's order that shard the same tensor axis, outermost
+    first) with `name` placed below the leading ones whose sizes multiply to split (1: outermost)."""
+    for k in range(len(later) + 1):
+        if math.prod(mesh.axis_size(n) for n in later[:k]) == split:
+            return later[:k] + (name,) + later[k:]
+    raise ValueError(f"{p!r} on mesh axis {name!r}: split_factor must be the product of the sizes of leading mesh "
+                     f"axes among {later} (the later mesh axes sharding dim {p.dim}, outermost first), got {split}")

@@ -11,7 +11,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from shardfuse.placements import Partial, Replicate, Shard
+from shardfuse.placements import Partial, Replicate, Shard, StridedShard
 
 
 @dataclass(frozen=True)
@@ -60,9 +60,17 @@ class Sharding:
         return b
 
     def placements(self) -> tuple:
-        """DTensor's placements, one per mesh axis in the mesh's order: Shard(i), Partial() or Replicate()."""
+        """DTensor's placements, one per mesh axis in the mesh's order: Shard(i), Partial() or
+        Replicate(); StridedShard(i, split_factor) where mesh axes later in the mesh's order shard
+        axis i outside of this one (their sizes' product: see shardfuse/placements.py)."""
         out = []
-        for name in self.mesh.axis_names:
+        names = self.mesh.axis_names
+        for k, name in enumerate(names):
             dim = self.axis_of(name)
-            out.append(Shard(dim) if dim is not None else Partial() if name in self.partial else Replicate())
+            if dim is None:
+                out.append(Partial() if name in self.partial else Replicate())
+                continue
+            order = self.dims[dim]
+            split = math.prod(self.mesh.axis_size(n) for n in order[:order.index(name)] if n in names[k + 1:])
+            out.append(Shard(dim) if split == 1 else StridedShard(dim, split))
         return tuple(out)

@@ -31,6 +31,8 @@ from shardfuse.plan_cache import PlanCache
 from shardfuse.ops import Op
 from shardfuse.traced import Traced, describe
 
+P = inspect.Parameter
+
 
 def _traced_leaves(args) -> list:
     return [x for x in tree.leaves(args) if isinstance(x, Traced)]
@@ -61,13 +63,14 @@ class _Forward:
     """A traced call of fn on primals made fresh values, its instructions kept for the backward."""
 
     def __init__(self, fn, primals: tuple, wrt: list, what: str, has_aux: bool, remat: str = "regather",
-                 origins: list | None = None):
+                 origins: list | None = None, kwargs: dict | None = None):
         self.remat = remat
-        self.builder = wrt[0].builder if wrt else _traced_leaves(primals)[0].builder
+        kwargs = kwargs or {}
+        self.builder = wrt[0].builder if wrt else _traced_leaves((primals, kwargs))[0].builder
         self.wrt, self.origins = wrt, origins or wrt
         self.builder.fresh.update(x.value for x in wrt)
         start = len(self.builder.instrs)
-        out = fn(*primals)
+        out = fn(*primals, **kwargs)
         if has_aux:
             if not (isinstance(out, tuple) and len(out) == 2):
                 raise TypeError(f"{what}(has_aux=True): {_name(fn)} must return a pair (output, aux), got "
@@ -132,36 +135,63 @@ class _Grad:
         self.fn, self.argnums, self.nums, self.has_aux, self.with_value = fn, argnums, nums, has_aux, with_value
         self.remat = remat
         self.__name__ = f"{'value_and_grad' if with_value else 'grad'}_{_name(fn)}"
-        self.__signature__ = _signature(fn)
-        self._compiled: dict = {}  # (mesh, streams, graph) -> the sf.jit of this function
+        self.fn_signature = _signature(fn)
+        self.__signature__ = _positional_up_to(self.fn_signature, max(nums))
+        self._compiled = PlanCache(64)  # (mesh, streams, graph[, keyword names and values]) -> the sf.jit of this
 
-    def __call__(self, *args):
-        if not _traced_leaves(args):
-            key = _mesh_options(self.fn, args, self.what)
-            jitted = self._compiled.get(key)
-            if jitted is None:
-                jitted = self._compiled[key] = Jitted(self, *key)
-            return jitted(*args)
-        return self._traced(args)
+    def __repr__(self):
+        return f"{self.what}({_name(self.fn)}, argnums={self.argnums!r})"
+
+    def __call__(self, *args, **kwargs):
+        """fn's gradient at these arguments: those at argnums differentiated, keyword arguments
+        passed to fn as they are and never differentiated (JAX's rule)."""
+        self._check_call(args, kwargs)
+        if _traced_leaves((args, kwargs)):
+            return self._traced(args, kwargs)
+        key = _mesh_options(self.fn, (args, kwargs), self.what)
+        if not kwargs:
+            return self._compiled.get(key, lambda: Jitted(self, *key))(*args)
+        arrays = [k for k, v in kwargs.items() if not _python_value(v)]
+        fixed = tuple((k, type(v), v) for k, v in kwargs.items() if k not in arrays)
+        jitted = self._compiled.get(key + (len(args), tuple(arrays), fixed),
+                                    lambda: Jitted(Keywords(self, len(args), arrays, fixed), *key))
+        return jitted(*args, *(kwargs[k] for k in arrays))
+
+    def _check_call(self, args, kwargs):
+        """Python's binding of fn's arguments, and JAX's rule that argnums index the positional
+        arguments given (a parameter in argnums given by keyword is refused, never differentiated)."""
+        try:
+            self.fn_signature.bind(*args, **kwargs)
+        except TypeError as e:
+            raise TypeError(f"{self.__name__}(): {e}") from None
+        n = len(args)
+        if all(-n <= k < n for k in self.nums):
+            return
+        params = [p for p in self.fn_signature.parameters.values()
+                  if p.kind in (P.POSITIONAL_ONLY, P.POSITIONAL_OR_KEYWORD)]
+        named = [params[k].name for k in self.nums if 0 <= k < len(params) and params[k].name in kwargs]
+        hint = (f"; {', '.join(named)} given by keyword: pass {'it' if len(named) == 1 else 'them'} positionally"
+                if named else "")
+        least = max(k if k >= 0 else -k - 1 for k in self.nums) + 1
+        raise TypeError(f"{self.what}(argnums={self.argnums!r}) of {_name(self.fn)}: differentiating with respect to "
+                        f"argnums={self.argnums!r} requires at least {least} positional arguments to be passed by the "
+                        f"caller, but got only {n} (as JAX's: argnums index positional arguments, keyword arguments "
+                        f"are never differentiated){hint}")
 
     def _nested(self, leaves) -> bool:
         """Whether this gradient is taken inside a traced function (whose code may hold the primals
         too), not as the function sf.jit traces (whose primals nothing else holds)."""
-        return bool(leaves) and leaves[0].builder.entry is not self
+        entry = leaves[0].builder.entry if leaves else None
+        return bool(leaves) and entry is not self and not (isinstance(entry, Keywords) and entry.grad is self)
 
-    def _traced(self, args):
-        n = len(args)
-        for k in self.nums:
-            if not -n <= k < n:
-                raise ValueError(f"{self.what}(argnums={self.argnums!r}): {_name(self.fn)} was given {n} "
-                                 "argument(s)")
+    def _traced(self, args, kwargs):
         trees = [tree.flatten(args[k]) for k in self.nums]
         wrt, origins, args = [], [], list(args)
         for k, (leaves, td) in zip(self.nums, trees):
             _check_primals(leaves, self.what, f"argument {k}")
             fresh = [_fresh(x) for x in leaves] if self._nested(leaves) else leaves
             wrt, origins, args[k] = wrt + fresh, origins + leaves, td.unflatten(fresh)
-        fwd = _Forward(self.fn, tuple(args), wrt, self.what, self.has_aux, self.remat, origins)
+        fwd = _Forward(self.fn, tuple(args), wrt, self.what, self.has_aux, self.remat, origins, kwargs)
         out = fwd.out
         if not isinstance(out, Traced) or out.shape != () or not differentiable(out.dtype_name):
             got = describe(out) if isinstance(out, Traced) else type(out).__name__
@@ -174,6 +204,45 @@ class _Grad:
         if self.with_value:
             return value, g
         return (g, fwd.aux) if self.has_aux else g
+
+
+def _positional_up_to(sig, last: int):
+    """sig with its parameters up to position `last` positional-only: a gradient function takes the
+    arguments it differentiates positionally (so sf.jit binding keywords refuses them, as JAX does)."""
+    params = list(sig.parameters.values())
+    if last < 0 or any(p.kind == P.VAR_POSITIONAL for p in params[:last + 1]):
+        return sig
+    head = [p.replace(kind=P.POSITIONAL_ONLY) if p.kind == P.POSITIONAL_OR_KEYWORD else p for p in params[:last + 1]]
+    return sig.replace(parameters=head + params[last + 1:])
+
+
+def _python_value(v) -> bool:
+    """Whether a keyword argument is a Python value (a Python number, string, None, or a tuple of them),
+    which eager sf.grad fixes into the function it compiles, as JAX's eager grad sees it: a head
+    count or `causal=True` stays a Python value (one plan per value)."""
+    try:
+        hash(v)
+    except TypeError:
+        return False
+    return all(x is None or type(x) in (bool, int, float, complex, str) for x in tree.leaves(v))  # (NumPy's: arrays)
+
+
+class Keywords:
+    """A gradient function called outside jit with keyword arguments, as the function of positional
+    arguments that sf.jit compiles: the keyword arguments that are arrays follow the positional
+    ones as inputs (never differentiated), the Python values are fixed."""
+
+    def __init__(self, grad: _Grad, nargs: int, arrays: list, fixed: tuple):
+        self.grad, self.nargs, self.arrays, self.fixed = grad, nargs, list(arrays), {k: v for k, _, v in fixed}
+        params = [p for p in grad.fn_signature.parameters.values() if p.kind in (P.POSITIONAL_ONLY,
+                                                                                  P.POSITIONAL_OR_KEYWORD)]
+        names = [p.name for p in params[:nargs]] + [f"arg{k}" for k in range(len(params), nargs)]
+        self.__name__ = grad.__name__
+        self.__signature__ = inspect.Signature([P(n, P.POSITIONAL_ONLY) for n in names + self.arrays])
+
+    def __call__(self, *flat):
+        args, arrays = flat[:self.nargs], flat[self.nargs:]
+        return self.grad(*args, **dict(zip(self.arrays, arrays)), **self.fixed)
 
 
 def grad(fn, argnums=0, has_aux=False, remat="regather"):

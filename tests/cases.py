@@ -9,6 +9,7 @@ from __future__ import annotations
 import os
 
 import numpy as np
+import pytest
 
 import shardfuse as sf
 from shardfuse.ir import local_shape, unroll
@@ -199,6 +200,53 @@ def from_local_2d_case(mesh, over, run_plan=True):
     if run_plan:
         f = sf.jit(lambda v: sf.replicate(v * 2.0), mesh=mesh)
         np.testing.assert_allclose(f(arr).gather(), 2 * x, rtol=1e-15)
+
+
+# (from_local's arguments, the same layout as sf.distribute's placements) on a ("dp", "tp") mesh
+FROM_LOCAL_2AXES = {
+    "axes (0, 1) over (dp, tp)": ({"axis": (0, 1), "over": ("dp", "tp")}, [sf.Shard(0), sf.Shard(1)]),
+    "axes (1, 0) over (dp, tp)": ({"axis": (1, 0), "over": ("dp", "tp")}, [sf.Shard(1), sf.Shard(0)]),
+    "axis 0 over (dp, tp)": ({"axis": 0, "over": ("dp", "tp")}, [sf.Shard(0), sf.Shard(0)]),
+    "axis 0 over (tp, dp)": ({"axis": 0, "over": ("tp", "dp")}, [sf.StridedShard(0, split_factor=2), sf.Shard(0)]),
+    "spec ((tp, dp), None)": ({"placements": (("tp", "dp"), None)}, [sf.StridedShard(0, 2), sf.Shard(0)]),
+}
+
+
+def local_part(x, ref):
+    """The piece this process passes to sf.from_local for the layout of `ref` (an sf.Array of x):
+    along each axis, the blocks its devices hold, in order."""
+    rows = [sorted({(s.index[i].start, s.index[i].stop) for s in ref.addressable_shards}) for i in range(x.ndim)]
+    return x[np.ix_(*[np.concatenate([np.arange(a, b) for a, b in r]) for r in rows])]
+
+
+def from_local_2axes_case(mesh, case):
+    """sf.from_local of a value sharded on two tensor axes (or one over two mesh axes, in either
+    order): the same layout as sf.distribute with DTensor's placements (and DTensor's call form
+    from_local(piece, mesh, placements)), every device holding its own distinct block."""
+    kwargs, placements = FROM_LOCAL_2AXES[case]
+    x = np.arange(8.0 * 12).reshape(8, 12)  # (distinct values: every block differs; the same on every rank)
+    ref = sf.distribute(x, mesh, placements)
+    piece = local_part(x, ref)
+    for arr in (sf.from_local(piece, mesh=mesh, **kwargs), sf.from_local(piece, mesh, placements)):
+        assert arr.shape == x.shape and arr.sharding == ref.sharding
+        assert arr.placements == tuple(placements)
+        for s, r in zip(arr.addressable_shards, ref.addressable_shards):
+            assert s.index == r.index
+            np.testing.assert_array_equal(s.data, x[s.index])
+        np.testing.assert_array_equal(arr.gather(), x)
+    f = sf.jit(lambda v: sf.replicate(v * 2.0), mesh=mesh)
+    np.testing.assert_array_equal(f(arr).gather(), 2 * x)
+
+
+def from_local_partial_sums_case(mesh):
+    """What from_local's refusal of Partial() says to do: the partial sums stacked on a new axis
+    sharded over that mesh axis, summed (an all-reduce)."""
+    parts = np.arange(2 * 4 * 3.0).reshape(2, 4, 3) ** 2  # partial sum p on dp position p
+    with pytest.raises(ValueError, match=r"Partial\(\) placements .* are not supported: stack .*\.sum\(0\)"):
+        sf.from_local(parts[0], mesh, [sf.Partial(), sf.Replicate()])
+    held = sorted({mesh.coords(d)[0] for d in mesh.local_devices})
+    total = sf.from_local(parts[held], axis=0, over="dp", mesh=mesh).sum(0)
+    np.testing.assert_array_equal(total.gather(), parts.sum(0))
 
 
 # ---- the resharding table, one entry per row: (source, target, what the plan must insert) ----

@@ -40,7 +40,9 @@ CASES = {
     "inner-first tuple, dp moves": ((2, 2), ("dp", "tp"), (8, 4), [("shard", 0, ("tp", "dp")), ("shard", 1, "dp")],
                                     (S(1), S(0))),
     "a tuple takes both": ((2, 2), ("dp", "tp"), (4, 8), [("shard", 0, "dp"), ("shard", 1, ("tp", "dp"))],
-                           (S(1), S(1))),
+                           (sf.StridedShard(1, split_factor=2), S(1))),  # (tp outermost: DTensor's _StridedShard)
+    "a tuple in mesh order": ((2, 2), ("dp", "tp"), (4, 8), [("shard", 0, "tp"), ("shard", 1, ("dp", "tp"))],
+                              (S(1), S(1))),
     "replicate restarts": ((2, 2), ("dp", "tp"), (4, 4),
                            [("shard", 0, "dp"), ("shard", 1, "tp"), ("replicate",), ("shard", 1, "dp")], (S(1), R)),
     "3-D over 2-D": ((2, 2), ("dp", "tp"), (2, 4, 6), [("shard", 0, "dp"), ("shard", 2, "tp"), ("shard", 1, "dp")],

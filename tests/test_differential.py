@@ -40,6 +40,7 @@ from hypothesis.errors import InvalidArgument, UnsatisfiedAssumption
 import shardfuse as sf
 import shardfuse.backends
 from shardfuse.placements import placements_of
+from shardfuse.sharding import Sharding
 from cases import check_lives_apart
 
 try:
@@ -699,11 +700,16 @@ def _check_output(got_arr, ref, val: Val, prog: Prog, what: str):
         lives = got_arr.sharding.home(prog.mesh)     # lives where its inputs do: a plain input where it is first annotated)
         assert lives.devices == mesh.devices, f"{what}: lives on devices {lives.devices}, the program put it on {mesh}"
     if val.chain is not None:  # the layout rule: an annotated value has exactly the stated layout
-        # a tuple `over` shards the dim over each of its mesh axes: (S(0), S(0))
-        want = tuple(next((sf.Shard(a) for a, o in val.chain.sharded if name in over_axes(o)), sf.Replicate())
-                     for name in mesh.axis_names)
-        got = placements_of(got_arr.sharding, mesh)
-        assert got == want, f"{what}: placements {tuple(map(str, got))}, the annotations state {tuple(map(str, want))}"
+        # a tuple `over` shards the dim over each of its mesh axes, in its order (outermost first): placements
+        # (S(0), S(0)) in the mesh's order, (_S(0, 2), S(0)) in the other (DTensor's _StridedShard)
+        dims = [()] * got_arr.ndim
+        for a, o in val.chain.sharded:
+            dims[a] = over_axes(o)
+        want = Sharding(mesh, tuple(dims))
+        have = got_arr.sharding.sharding(mesh)
+        assert have.dims == want.dims and placements_of(got_arr.sharding, mesh) == want.placements(), \
+            f"{what}: placements {tuple(map(str, have.placements()))}, the annotations state " \
+            f"{tuple(map(str, want.placements()))}"
 
 
 def as_tuple(x):

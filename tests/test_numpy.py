@@ -128,8 +128,8 @@ def test_from_local_refusals_on_a_2d_mesh():
     with pytest.raises(ValueError, match=r"extent 3 cannot be cut into the 2 block\(s\) of this process' positions "
                                          r"\[0, 1\] along mesh axis 'dp'"):
         sf.from_local(np.ones((3, 4)), axis=0, over="dp", mesh=mesh)
-    with pytest.raises(TypeError, match="over= names one mesh axis"):
-        sf.from_local(np.ones((4, 4)), axis=0, over=("dp", "tp"), mesh=mesh)
+    with pytest.raises(ValueError, match="over= takes a mesh axis name or a tuple of distinct ones"):
+        sf.from_local(np.ones((4, 4)), axis=0, over=("dp", "dp"), mesh=mesh)
     with pytest.raises(ValueError, match="unknown mesh axis 'pp'"):
         sf.from_local(np.ones((4, 4)), axis=0, over="pp", mesh=mesh)
 

@@ -108,6 +108,25 @@ def test_from_local_where_processes_hold_different_counts_of_positions():
         cases.from_local_2d_case(mesh, "dp", run_plan=False)
 
 
+@pytest.mark.parametrize("case", list(cases.FROM_LOCAL_2AXES))
+def test_from_local_on_two_tensor_axes(case):
+    """Under -n 2 a rank holds (dp, tp0) and (dp, tp1): two blocks along tp (or, tp outermost, the
+    blocks dp and dp + 2 of one axis); under -n 4 one block each."""
+    cases.from_local_2axes_case(sf.DeviceMesh((2, 2), ("dp", "tp")), case)
+
+
+def test_from_local_partial_sums_are_refused_and_the_way_round_works():
+    cases.from_local_partial_sums_case(sf.DeviceMesh((2, 2), ("dp", "tp")))
+
+
+def test_from_local_where_a_process_holds_no_box_of_blocks():
+    """A (3, 4) mesh cut by process boundaries, both axes sharded: a rank's devices hold blocks that
+    are no box of them (under -n 2: dp 0 whole and half of dp 1); every rank refuses alike."""
+    mesh = sf.DeviceMesh((3, 4), ("dp", "tp"))
+    with pytest.raises(ValueError, match=r"not a box|different numbers of positions along 'dp', 'tp'"):
+        sf.from_local(np.ones((4, 8)), axis=(0, 1), over=("dp", "tp"), mesh=mesh)
+
+
 def test_repeated_calls_reuse_the_binding(mesh):
     """One plan called several times (persistent staging buffers, fresh requests each call)."""
     for _ in range(3):

@@ -2,13 +2,14 @@
 gradient per kind of op against central differences with inputs replicated and sharded, the MLP
 block's gradients against NumPy's analytic ones (tensor and sequence parallel; data parallel on
 the 2x2 mesh, where under -n 2 each process' two devices lie in two dp teams), gradients in their
-primals' layouts, sf.vjp outside jit, sf.checkpoint and sf.custom_vjp (nondiff_argnums too).  Every rank runs every test in the same order, with the same seeds."""
+primals' layouts, keyword arguments (never differentiated), sf.vjp outside jit, sf.checkpoint and sf.custom_vjp (nondiff_argnums too).  Every rank runs every test in the same order, with the same seeds."""
 from __future__ import annotations
 
 import numpy as np
 import pytest
 
 import test_grad as tg
+import test_grad_keywords as tk
 
 KINDS = ["1d", "2d"]
 OPS = ["gelu", "log", "where", "mul broadcast", "max first keepdims", "mean", "reshape", "transpose",
@@ -33,6 +34,16 @@ def test_mlp_block_gradients_data_parallel():
 
 def test_gradient_has_its_primals_layout():
     tg.test_gradient_has_its_primals_layout()
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_keywords_are_passed_and_never_differentiated(kind):
+    tk.test_keywords_outside_jit_are_passed_and_never_differentiated(kind)
+
+
+def test_keywords_inside_jit():
+    tk.test_keywords_inside_jit()
+    tk.test_a_keyword_holding_the_primal_is_a_constant()
 
 
 def test_vjp_inside_and_outside_jit():
