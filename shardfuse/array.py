@@ -216,7 +216,9 @@ class Array(Placed, ArrayOps):  # operators, ufuncs, reductions, indexing: array
         if stream is not None and stream != -1 and not (self.fenced and self.fenced.covers(stream)):  # (-1: no sync)
             backend_of(self.mesh).fence_out({1: 0}.get(stream, stream))
         if stream is not None and type(piece) is not np.ndarray:  # (NumPy's own takes stream=None only)
-            kwargs["stream"] = -1  # ordered above: the piece's export orders no stream after CuPy's current one
+            # a plan's result is ordered above (its pieces are the plan's); a placed caller's array is the
+            # caller's, written on CuPy's current stream: the consumer's stream waits for that one too
+            kwargs["stream"] = -1 if self.fenced is not None else stream
         if self.dtype_name == "bfloat16":  # (CuPy holds its uint16 bits; NumPy's DLPack has no bfloat16)
             try:
                 import torch

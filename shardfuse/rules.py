@@ -128,7 +128,12 @@ def contraction_require(ins, out, lays, labels=None):
     # an input pending a sum only over K's mesh axis is reduce-scattered into that sharding first (over
     # more axes it stays refused: the output's propagated layout would still pend the others)
     carried = [() if c and set(c) <= _names([k]) else c for c in carried]
-    carried = _reduced_first(ins, carried, _names(out.axes))
+    # (reduced first only over a mesh axis an operand already shards an output axis by, as wanted:
+    # carrying the sums on would gather that operand)
+    wanted = dict(zip(out_labels, out.axes))
+    held = _names(a for labs, lay in zip(in_labels, lays) for lab, a in zip(labs, lay.axes)
+                  if lab in wanted and a is not None and set(mesh_axes(a)) & _names([wanted[lab]]))
+    carried = _reduced_first(ins, carried, held & _names([wanted[lab] for lab in wanted]))
     out_axes = unshard(out.axes, set(_union(*carried)) | _names([k]), axis_of(ins))
     placed = dict(zip(out_labels, (_chunked(ins, j, a) for j, a in enumerate(out_axes))))
     if klab is not None:

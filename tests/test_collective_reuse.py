@@ -312,3 +312,56 @@ def test_vocab_parallel_embedding_is_reduced_once_for_the_norm_and_the_weights(b
     e = emb[ids] * (2.0 if "scale" in between else 1.0)
     e = e / np.sqrt((e * e).mean(-1, keepdims=True) + 1e-6) if "norm" in between else e
     np.testing.assert_allclose(out.gather(), e @ w, rtol=1e-13, atol=1e-13)
+
+
+TP2 = sf.DeviceMesh((2,), ("tp",), backend="numpy")
+
+
+def _check_tp2(f, args, want, *refs):
+    jf = sf.jit(f, mesh=TP2)
+    assert jf.lower(*args).collectives() == want, str(jf.lower(*args))
+    for got, ref in zip(tree.leaves(jf(*args)), refs):
+        np.testing.assert_allclose(got.gather(), ref, rtol=1e-12, atol=1e-12)
+
+
+def test_an_annotated_output_of_a_partial_input_is_reduce_scattered_not_its_input():
+    """u pends a sum; u @ wc is annotated rows-over-tp, which wc's columns do not give: the output's
+    reduce-scatter (and wc's gather) is the smaller move, the input's Allreduce is not made."""
+    rng = np.random.default_rng(13)
+    x, wr, wc = rng.standard_normal((8, 8)), rng.standard_normal((8, 8)), rng.standard_normal((8, 4))
+
+    def f(x, wr, wc):
+        u = sf.shard(x, 1, "tp") @ sf.shard(wr, 0, "tp")
+        return sf.shard(u @ sf.shard(wc, 1, "tp"), 0, "tp")
+    _check_tp2(f, (x, wr, wc), {"allgather": 1, "reduce_scatter": 1}, x @ wr @ wc)
+    rs = [line for line in str(sf.jit(f, mesh=TP2).lower(x, wr, wc)).splitlines() if "ReduceScatter" in line]
+    assert "_partial, team=tp" in rs[0], rs  # (the product's pending sums, not u's)
+
+
+def test_a_row_parallel_weights_gradient_reduce_scatters_the_small_product():
+    """dW of a column-parallel weight after a row-parallel one: the [K, K] product is reduce-scattered,
+    the [M, K] activation gradient is not all-reduced for it."""
+    rng = np.random.default_rng(14)
+    x, w0, w1 = rng.standard_normal((64, 8)), rng.standard_normal((8, 8)), rng.standard_normal((8, 8))
+
+    def loss(w0, w1, x):
+        return (np.tanh(x @ sf.shard(w0, 0, "tp")) @ sf.shard(w1, 1, "tp")).sum()
+    h = np.tanh(x @ w0)
+    dz = (np.ones((64, 8)) @ w1.T) * (1 - h ** 2)
+    _check_tp2(sf.grad(loss, argnums=(0, 1)), (w0, w1, x), {"allreduce": 1, "reduce_scatter": 1},
+           x.T @ dz, h.T @ np.ones((64, 8)))
+
+
+def test_chained_partial_values_reduced_in_one_round_leave_no_stale_gather():
+    """u and o = u @ wc both pend sums and both are needed reduced: reducing u leaves o whole (and
+    sharded by wc's columns), so o's reduction from the same round is dropped, not lowered to a
+    gather of the now sharded o."""
+    rng = np.random.default_rng(15)
+    x, wr, wc = rng.standard_normal((64, 8)), rng.standard_normal((8, 8)), rng.standard_normal((8, 2))
+
+    def f(x, wr, wc):
+        u = sf.shard(x, 1, "tp") @ sf.shard(wr, 0, "tp")
+        o = u @ sf.shard(wc, 1, "tp")
+        return np.tanh(u), np.tanh(o), (o * 3).sum(0)
+    u = x @ wr
+    _check_tp2(f, (x, wr, wc), {"allreduce": 1}, np.tanh(u), np.tanh(u @ wc), (u @ wc * 3).sum(0))

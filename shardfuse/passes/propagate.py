@@ -13,9 +13,9 @@ reduced once, right after it is made, for all of them (a forward sweep again, un
 from __future__ import annotations
 
 from collections import defaultdict
+from dataclasses import replace
 
 from shardfuse.ir import Instr, Namer, Value, substitute
-from shardfuse.layout import Layout
 from shardfuse.rules import infer, require
 from shardfuse.ops import Op, Reduce
 from shardfuse import schedule
@@ -29,6 +29,7 @@ def propagate_sharding(prog):
         if not once:
             break
         instrs, outputs = _with_reductions(instrs, outputs, once, namer)
+    out, out_values = _without_idle_reductions(out, out_values)
     out, out_values = _backward(out, out_values, inferred)
     return prog.with_instrs(out, "propagate_sharding", outputs=out_values)
 
@@ -41,7 +42,9 @@ def _forward(prog, instrs, outputs):
         ins = tuple(env[v] for v in i.ins)
         outs = []
         for o in i.outs:
-            if o.type.layout is None:
+            if i.attrs.get("reduced_once"):  # (this pass' own set: its source, reduced, as inferred now)
+                o2 = Value(o.name, o.type.with_layout(replace(ins[0].type.layout, partial=())))
+            elif o.type.layout is None:
                 lay = infer(Instr(i.op, i.outs, ins, i.attrs), [v.type.layout for v in ins])
                 o2 = Value(o.name, o.type.with_layout(lay.on(_common_mesh(i, ins, prog.mesh))))
                 inferred.add(o2)
@@ -54,7 +57,7 @@ def _forward(prog, instrs, outputs):
 
 
 def _reduced_once(instrs, outputs) -> dict:
-    """{name: its layout with the pending sums reduced} of each value pending sums that one
+    """The names of the values pending sums that one
     consumer (or the program's result) needs reduced where it is, while another would carry the
     sums on: every consumer then reads the one reduced copy (Megatron's single Allreduce after a
     vocab-parallel embedding, not a second one after the norm and every weight gathered for it)."""
@@ -72,22 +75,37 @@ def _reduced_once(instrs, outputs) -> dict:
             wants = [_required(c, n) for c, n in consumers[o]]
             whole = [not w.partial and w.axes == lay.axes for w in wants]
             if (o in outputs or any(whole)) and not all(whole):
-                found[o.name] = Layout(lay.axes, mesh=lay.mesh)
+                found[o.name] = True
     return found
 
 
 def _with_reductions(instrs, outputs, once, namer):
     """The program with `set(v) -> v_reduced` after each value named in `once`, read by all of
-    v's consumers (and the program's results) instead of v."""
+    v's consumers (and the program's results) instead of v.  Its layout is left to the next
+    forward sweep: v's as inferred then, without pending sums (a value upstream reduced in the same
+    round may leave v whole, and the set a plain copy of the name)."""
     out, mapping = [], {}
     for i in instrs:
         i = substitute([i], mapping)[0]
         out.append(i)
         for o in i.outs:
             if o.name in once:
-                r = Value(namer(f"{o.name}_reduced"), o.type.with_layout(once[o.name]))
-                out.append(Instr(Op.SET, (r,), (o,)))
+                r = Value(namer(f"{o.name}_reduced"), o.type)
+                out.append(Instr(Op.SET, (r,), (o,), {"reduced_once": True}))
                 mapping[o] = r
+    return out, tuple(mapping.get(v, v) for v in outputs)
+
+
+def _without_idle_reductions(instrs, outputs):
+    """This pass' sets whose source a later round left whole are dropped, their readers reading
+    the source (lowered, such a set would be a copy)."""
+    out, mapping = [], {}
+    for i in instrs:
+        i = substitute([i], mapping)[0]
+        if i.attrs.get("reduced_once") and i.ins[0].type.layout == i.outs[0].type.layout:
+            mapping[i.outs[0]] = i.ins[0]
+        else:
+            out.append(i)
     return out, tuple(mapping.get(v, v) for v in outputs)
 
 
