@@ -133,6 +133,14 @@ def _astype(xp, x, _, o):
 
 
 
+def _power(xp, x, y, o):
+    """x ** y of two float arrays: 16-bit ones in float32, rounded once into o (as the scalar powers)."""
+    if x.dtype.itemsize == 2:
+        o[...] = xp.power(x.astype(np.float32), y.astype(np.float32))
+    else:
+        xp.power(x, y, out=o)
+
+
 def _cumsum(xp, x, _, o):
     """The running sum of the last axis (np.cumsum), in order: 16-bit floats summed in float32 and each
     prefix rounded once (as their sums); other dtypes in their own (NumPy's)."""
@@ -176,6 +184,7 @@ ELEMENTWISE = {
     Op.SILU: _in32(lambda xp, x, _: x * _sigmoid(xp, x, _)),
     Op.POW: lambda xp, x, s, o: _scalar(xp.power)(xp, x, s, o),
     Op.RPOW: lambda xp, x, s, o: _scalar(xp.power, reflected=True)(xp, x, s, o),
+    Op.POWER: _power,
     Op.MAXIMUM: lambda xp, x, y, o: xp.maximum(x, y, out=o),
     Op.MINIMUM: lambda xp, x, y, o: xp.minimum(x, y, out=o),
     Op.MAXIMUM_SCALAR: lambda xp, x, s, o: xp.maximum(x, x.dtype.type(s), out=o),

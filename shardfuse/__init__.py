@@ -37,6 +37,7 @@ from shardfuse.numpy_math import cos, erf, expm1, gelu, log1p, sin  # (and np.si
 from shardfuse.logical import logical_and, logical_or, logical_xor  # (and np.bitwise_*, np.any / all: NUMPY)
 from shardfuse import numpy_shapes  # noqa: F401 (np.ravel, np.squeeze, np.expand_dims, np.ones_like, ...: NUMPY)
 from shardfuse import numpy_einsum  # noqa: F401 (np.einsum, np.tensordot: NUMPY)
+from shardfuse import numpy_broadcast  # noqa: F401 (np.broadcast_to, np.repeat, np.tile, np.outer, np.power, ...: NUMPY)
 
 __all__ = ["Array", "DeviceMesh", "Layout", "Partial", "Replicate", "Shard", "StridedShard", "Plan", "TensorSpec", "from_local", "jit", "replicate", "shard", "stream", "to_mesh",
            "exp", "gelu", "linear", "relu", "tanh", "sqrt", "rsqrt", "log", "sigmoid", "silu", "maximum", "minimum",

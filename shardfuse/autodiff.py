@@ -30,6 +30,7 @@ from shardfuse.autodiff_layouts import known_layout, pin, regathered, rows_merge
 from shardfuse.custom_vjp import rules_at
 from shardfuse.ir import TensorType
 from shardfuse.layout import Layout, mesh_axes
+from shardfuse.numpy_broadcast import VJP as BROADCAST_VJP, unbroadcast
 from shardfuse.numpy_math import NO_GRADIENT as MATH_NO_GRADIENT, VJP as MATH_VJP
 from shardfuse.ops import COMPARE, COMPARE_SCALAR, Op
 from shardfuse import schedule
@@ -136,15 +137,6 @@ def _stream_of(out, instrs):
 
 # ---- the rules: rule(instr, inputs, output, ct, forward instrs) -> a cotangent (or None) per input -----
 
-def _unbroadcast(ct: Traced, shape) -> Traced:
-    """ct summed over the axes broadcasting added or stretched, to `shape`."""
-    if ct.shape == tuple(shape):
-        return ct
-    lead = ct.ndim - len(shape)
-    axes = tuple(range(lead)) + tuple(lead + i for i, n in enumerate(shape) if n == 1 and ct.shape[lead + i] != 1)
-    return ct.sum(axis=axes).reshape(shape) if axes else ct.reshape(shape)
-
-
 def _home(x: Traced):
     """The mesh x lives on: a sub-mesh, or the program's."""
     return x.builder.homes.get(x.value) or x.builder.mesh
@@ -164,12 +156,12 @@ def _set(ins, xs, out, ct, instrs):
 
 def _matmul(ins, xs, out, ct, instrs, keep=False):
     a, b = xs
-    da = _unbroadcast(ct @ b.swapaxes(-1, -2), a.shape)
+    da = unbroadcast(ct @ b.swapaxes(-1, -2), a.shape)
     a_, ct_ = regathered(a, ct, keep)
     if rows_merge(a_, ct_, b):  # every batch of a met the one b: one GEMM over all rows
         db = a_.reshape(-1, a.shape[-1]).swapaxes(-1, -2) @ ct_.reshape(-1, ct.shape[-1])
     else:  # a batched product summed over the batch axes
-        db = _unbroadcast(a_.swapaxes(-1, -2) @ ct_, b.shape)
+        db = unbroadcast(a_.swapaxes(-1, -2) @ ct_, b.shape)
     return [_streamed_like(ins, a, b, da, out, instrs), db]
 
 
@@ -215,7 +207,7 @@ def _binary_extremum(first_wins):
         a, b = xs
         wins = (a > b) if first_wins else (a < b)
         w = wins.astype(ct.dtype_name) + (a == b).astype(ct.dtype_name) * 0.5
-        return [_unbroadcast(ct * w, a.shape), _unbroadcast(ct * (1.0 - w), b.shape)]
+        return [unbroadcast(ct * w, a.shape), unbroadcast(ct * (1.0 - w), b.shape)]
     return rule
 
 
@@ -252,14 +244,14 @@ def _pow(ins, xs, out, ct, instrs):
 def _where_half(op):
     def rule(ins, xs, out, ct, instrs):
         c, x = xs
-        return [None, _unbroadcast(c.elementwise_op(op, (c, ct), ct.dtype_name), x.shape)]
+        return [None, unbroadcast(c.elementwise_op(op, (c, ct), ct.dtype_name), x.shape)]
     return rule
 
 
 def _binary(da, db):
     def rule(ins, xs, out, ct, instrs):
         a, b = xs
-        return [_unbroadcast(da(ct, a, b, out), a.shape), _unbroadcast(db(ct, a, b, out), b.shape)]
+        return [unbroadcast(da(ct, a, b, out), a.shape), unbroadcast(db(ct, a, b, out), b.shape)]
     return rule
 
 
@@ -380,6 +372,7 @@ VJP = {
     Op.RPOW: _unary(lambda ct, x, y, c: ct * y * (math.log(c) if c > 0 else math.nan)),
     Op.ASTYPE: lambda ins, xs, out, ct, instrs: [ct.astype(xs[0].dtype_name) if differentiable(xs[0].dtype_name)
                                                  else None],
+    **BROADCAST_VJP,  # x ** y of two arrays (shardfuse/numpy_broadcast.py)
     **MATH_VJP,  # sin, cos, log1p, expm1, erf, the exact GELU (shardfuse/numpy_math.py)
 }
 

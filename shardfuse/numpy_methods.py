@@ -53,6 +53,12 @@ class NumpyMethods:
     any, all = _method(np.any), _method(np.all)  # (np.any(x, axis, out, keepdims): NumPy's method order)
     ravel, flatten, squeeze, copy, dot = (_method(f) for f in (np.ravel, np.ravel, np.squeeze, np.copy, np.dot))
     cumsum = _method(np.cumsum)  # (x.cumsum(axis=None, dtype=None): NumPy's method order)
+    repeat = _method(np.repeat)  # (x.repeat(repeats, axis=None): an int count)
+
+    @property
+    def mT(self):  # noqa: N802 (NumPy's name)
+        """The last two axes swapped (NumPy 2's x.mT, np.matrix_transpose; torch's x.mT): a transpose."""
+        return NUMPY[np.matrix_transpose](self)
 
     def round(self, decimals=0, out=None):
         """np.round(x, decimals) as NumPy's method: halves to even."""
@@ -75,7 +81,8 @@ class NumpyMethods:
         if name.startswith("__") or not hasattr(np.ndarray, name):
             return object.__getattribute__(self, name)  # (Python's error, or a property's own)
         inside = type(self).__name__ == "Traced"
-        where = ("on traced values (inside sf.jit); compute it outside the jitted function, on its result"
+        where = ("on traced values (inside sf.jit); write it with the methods and NumPy functions shardfuse has "
+                 "(np.* of the supported list in a TypeError's message), or apply it to the jitted function's result"
                  if inside else "on sf.Arrays; for NumPy's result on the gathered value write np.asarray(x)."
                  f"{name} (a host copy on every process: collective under mpiexec)")
         raise AttributeError(f"'{type(self).__name__}' object has no attribute '{name}': NumPy's x.{name} is not "
@@ -83,6 +90,6 @@ class NumpyMethods:
 
 
 SUPPORTED_METHODS = ("x.shape / ndim / size / dtype, x.sum / mean / max / min / any / all / var / std / argmax / "
-                     "argmin(axis, keepdims=), x.cumsum(axis), x.clip, x.round(decimals), x.astype(dtype), x.reshape / ravel / flatten / squeeze / "
-                     "transpose / swapaxes / T, x.copy(), x.dot(y), x[...], the operators + - * / // % ** @ "
-                     "< <= > >= == != & | ^ ~")
+                     "argmin(axis, keepdims=), x.cumsum(axis), x.repeat(n, axis), x.clip, x.round(decimals), "
+                     "x.astype(dtype), x.reshape / ravel / flatten / squeeze / transpose / swapaxes / T / mT, "
+                     "x.copy(), x.dot(y), x[...], the operators + - * / // % ** @ < <= > >= == != & | ^ ~")

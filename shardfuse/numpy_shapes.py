@@ -1,5 +1,6 @@
 """NumPy's shape functions and x-shaped constants, inside sf.jit and on sf.Arrays outside it:
-np.ravel / x.ravel / x.flatten, np.squeeze / x.squeeze, np.expand_dims, np.moveaxis, np.copy / x.copy,
+np.ravel / x.ravel / x.flatten, np.squeeze / x.squeeze, np.expand_dims, np.moveaxis, np.matrix_transpose /
+x.mT, np.take_along_axis (a comparison with np.arange and a sum, as sf.nn.cross_entropy's), np.copy / x.copy,
 np.tril / np.triu (a constant mask and a where), np.ones_like / np.zeros_like / np.full_like, np.shape / np.ndim / np.size.
 
 Each is written with an op shardfuse has, so its sharding is that op's: ravel, squeeze and
@@ -17,8 +18,8 @@ import numpy as np
 from shardfuse import dtypes
 from shardfuse.ops import Op
 from shardfuse.spec import normalize_axis, reduced_axes
-from shardfuse.traced import NUMPY, describe, is_weak_scalar
-from shardfuse.traced_numpy import apply_op, where
+from shardfuse.traced import NUMPY, Traced, cast, describe, is_weak_scalar
+from shardfuse.traced_numpy import apply_op, maximum, minimum, where
 
 
 def _order_c(what, order, allowed=("C",)):
@@ -137,7 +138,62 @@ def _band(keep):
     return band
 
 
+def matrix_transpose(x):
+    """np.matrix_transpose / x.mT: the last two axes swapped (a transpose: each axis keeps its sharding)."""
+    if len(x.shape) < 2:
+        raise ValueError(f"np.matrix_transpose / x.mT of {describe(x) if isinstance(x, Traced) else x.shape}: the "
+                         "array must have at least 2 dimensions (as NumPy's)")
+    return x.swapaxes(-1, -2)
+
+
+def take_along_axis(arr, indices, axis=-1):
+    """np.take_along_axis as NumPy's: out[..., j, ...] = arr[..., indices[..., j, ...], ...] along `axis`
+    (None: of the flattened array, with 1-D indices), indices int32 / int64 of arr's rank, the other
+    axes broadcast; negative indices count from the end and those outside [-n, n) are clamped to the
+    first or last element, as sf.take's (NumPy raises).  The cross-entropy's target gather,
+    np.take_along_axis(logp, labels[..., None], -1), as sf.nn.cross_entropy picks the target: no
+    gather of the array, each index compared with np.arange(n) (a constant) and where(hit, arr, 0)
+    summed along the axis.  It costs k * n elements per row (k the indices' extent along the axis, n
+    arr's): one pass over arr for one index per row; a large k (a permutation from np.argsort) is k
+    passes, better done outside on gathered NumPy arrays.  With the axis sharded each device sums its
+    part and one Allreduce of the [.., k] result combines them; other axes keep their sharding.  The
+    gradient (of arr) is the where's and the sum's: the cotangent at the picked elements."""
+    return apply_op(_take_along_axis, "take_along_axis", arr, indices, axis)
+
+
+def _take_along_axis(arr, ids, axis):
+    if not (isinstance(arr, Traced) and isinstance(ids, Traced) and ids.dtype_name in ("int32", "int64")):
+        raise TypeError(f"np.take_along_axis of {describe(arr)} at {describe(ids)}: arr must be an array and indices "
+                        "an integer array (int32 or int64) inside sf.jit and on sf.Arrays")
+    if axis is None:
+        if ids.ndim != 1:
+            raise ValueError(f"np.take_along_axis(..., axis=None): indices {describe(ids)} must be 1-D (as NumPy's)")
+        arr, axis = arr.reshape(-1), 0
+    if ids.ndim != arr.ndim:
+        raise ValueError(f"np.take_along_axis: indices {describe(ids)} and arr {describe(arr)} must have the same "
+                         "number of dimensions (as NumPy's: write indices[..., None] for one index per row)")
+    ax = normalize_axis(axis, arr.ndim, arr.shape)
+    n, k = arr.shape[ax], ids.shape[ax]
+    try:
+        np.broadcast_shapes(arr.shape[:ax] + arr.shape[ax + 1:], ids.shape[:ax] + ids.shape[ax + 1:])
+    except ValueError:
+        raise ValueError(f"np.take_along_axis: the axes other than {ax} of {describe(arr)} and {describe(ids)} do "
+                         "not broadcast") from None
+    perm = [j for j in range(arr.ndim) if j != ax] + [ax]  # (the axis last: a transpose, a view)
+    a, i = (v if ax == arr.ndim - 1 else v.transpose(perm) for v in (arr, ids))
+    i = minimum(maximum(where(i < 0, i + n, i), 0), n - 1)
+    every = np.arange(n, dtype=ids.dtype)  # (a constant: the axis's sharding slices it)
+    zero = False if arr.dtype_name == "bool" else 0
+    if k == 1:
+        picked = where(i == every, a, zero).sum(-1, keepdims=True)
+    else:  # [.., k, n]: each of the k indices compared with every element of its row
+        picked = where(i.reshape(i.shape + (1,)) == every, a.reshape(a.shape[:-1] + (1, n)), zero).sum(-1)
+    picked = cast(picked, arr.dtype_name) if arr.dtype_name != "bool" else picked > 0
+    return picked if ax == arr.ndim - 1 else picked.transpose([perm.index(j) for j in range(arr.ndim)])
+
+
 NUMPY.update({
+    np.matrix_transpose: matrix_transpose, np.take_along_axis: take_along_axis,
     np.moveaxis: moveaxis, np.tril: _band(np.tril), np.triu: _band(np.triu),
     np.ravel: ravel, np.squeeze: squeeze, np.expand_dims: expand_dims, np.copy: copy,
     np.full_like: full_like, np.ones_like: ones_like, np.zeros_like: zeros_like,

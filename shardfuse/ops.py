@@ -45,6 +45,7 @@ class Op(StrEnum):
     SILU = "silu"  # x * sigmoid(x)
     POW = "pow"  # x ** a Python scalar
     RPOW = "rpow"  # a Python scalar ** x
+    POWER = "power"  # x ** y of two float arrays (np.power; NumPy's NaN for a negative x and a non-integral y)
     MAXIMUM = "maximum"
     MINIMUM = "minimum"
     MAXIMUM_SCALAR = "maximum_scalar"
@@ -147,7 +148,7 @@ class Op(StrEnum):
 COMPARE = frozenset({Op.LT, Op.LE, Op.GT, Op.GE, Op.EQ, Op.NE})
 COMPARE_SCALAR = frozenset({Op.LT_SCALAR, Op.LE_SCALAR, Op.GT_SCALAR, Op.GE_SCALAR, Op.EQ_SCALAR, Op.NE_SCALAR})
 BINARY = frozenset({Op.ADD, Op.SUB, Op.MUL, Op.DIV, Op.MAXIMUM, Op.MINIMUM, Op.WHERE_THEN, Op.WHERE_ELSE,
-                    Op.FLOOR_DIVIDE, Op.MOD, Op.BITWISE_AND, Op.BITWISE_OR, Op.BITWISE_XOR}) | COMPARE
+                    Op.FLOOR_DIVIDE, Op.MOD, Op.POWER, Op.BITWISE_AND, Op.BITWISE_OR, Op.BITWISE_XOR}) | COMPARE
 NONLINEAR_UNARY = frozenset({Op.EXP, Op.TANH, Op.RELU, Op.GELU, Op.ADD_SCALAR, Op.RDIV, Op.SQRT, Op.RSQRT, Op.LOG,
                              Op.SIGMOID, Op.SILU, Op.POW, Op.RPOW, Op.MAXIMUM_SCALAR, Op.MINIMUM_SCALAR,
                              Op.LOGICAL_NOT, Op.FILL_THEN, Op.FILL_ELSE, Op.ASTYPE, Op.FULL_LIKE, Op.ORDER_KEYS,

@@ -166,20 +166,11 @@ class Traced(NumpyMethods):
     __ne__ = lambda self, other: self._compare(other, Op.NE)  # noqa: E731
     __hash__ = object.__hash__  # (a dict key by identity)
 
-    def __pow__(self, other):
-        if not is_scalar(other):
-            raise TypeError(f"x ** y with y {'an array' if isinstance(other, Traced) else type(other).__name__} "
-                            "(inside sf.jit or on sf.Arrays): "
-                            "shardfuse has powers by a Python scalar (x ** 2, x ** 0.5); for array exponents "
-                            "write np.exp(y * np.log(x))")
-        x, c = self.with_scalar(other)
-        return x.unary_op(Op.POW, value=c)
+    def __pow__(self, other):  # x ** y: np.power's (shardfuse/numpy_broadcast.py), a scalar or an array y
+        return NUMPY[np.power](self, other)
 
     def __rpow__(self, other):  # c ** x
-        if not is_scalar(other):
-            return NotImplemented
-        x, c = self.with_scalar(other)
-        return x.unary_op(Op.RPOW, value=c)
+        return NUMPY[np.power](other, self) if is_scalar(other) else NotImplemented
 
     def astype(self, dtype):
         """x in another dtype (float16, bfloat16, float32, float64, int32, int64, bool), as NumPy's

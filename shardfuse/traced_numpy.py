@@ -88,13 +88,6 @@ def absolute(x):
     return abs(x)
 
 
-def power(x, c):
-    """x ** c for a Python scalar c (np.power(x, c)); c ** x for a scalar x."""
-    if is_scalar(x):
-        return c.__rpow__(x)
-    return x ** c
-
-
 def square(x):
     """x ** 2 elementwise (np.square)."""
     return x ** 2
@@ -377,7 +370,7 @@ NUMPY.update({  # NumPy function or ufunc -> the same on traced values: adding a
     np.add: _binary("__add__", "__radd__"), np.subtract: _binary("__sub__", "__rsub__"),
     np.multiply: _binary("__mul__", "__rmul__"), np.divide: _binary("__truediv__", "__rtruediv__"),
     np.matmul: _binary("__matmul__", None), np.negative: operator.neg, np.absolute: absolute,
-    np.exp: exp, np.tanh: tanh, np.sqrt: sqrt, np.log: log, np.power: power, np.square: square,
+    np.exp: exp, np.tanh: tanh, np.sqrt: sqrt, np.log: log, np.square: square,  # (np.power: numpy_broadcast.py)
     np.maximum: maximum, np.minimum: minimum, np.logical_not: logical_not,
     np.less: _compare(Op.LT), np.less_equal: _compare(Op.LE), np.greater: _compare(Op.GT),
     np.greater_equal: _compare(Op.GE), np.equal: _compare(Op.EQ), np.not_equal: _compare(Op.NE),

@@ -6,7 +6,10 @@ a GPU where there are fewer), inside sf.jit, as a CUDA graph and eagerly on sf.A
 bfloat16, float32, float64, int32, int64 and bool, against NumPy in float64; chains of them fused
 (one generated kernel, backends/cuda/fused.py) and unfused (SHARDFUSE_FUSE=0: CuPy's ufuncs,
 kernels._FUSED's one-kernel forms, and kernels.INLINE's for bfloat16), sums of them (FusedSum), halves
-to even, signed zeros, NaN and infinities, and gradients against the NumPy backend's.  Skipped, with
+to even, signed zeros, NaN and infinities, and gradients against the NumPy backend's; a Llama port's
+np.broadcast_to / repeat / tile / outer / logaddexp / take_along_axis / x.mT and x ** y of two arrays
+(Op.POWER: CuPy's power, kernels.INLINE's pow(a, b) fused and for bfloat16) (tests/test_broadcast_ops.py's
+bodies).  Skipped, with
 one line saying why, where CuPy is missing or sees no GPU."""
 from __future__ import annotations
 
@@ -25,6 +28,7 @@ pytestmark = [pytest.mark.gpu, pytest.mark.skipif(gpu_count() == 0, reason="CuPy
 
 import shardfuse as sf  # noqa: E402
 import test_elementwise_ops as ew  # noqa: E402
+import test_broadcast_ops as bo  # noqa: E402
 import test_math_ops as mo  # noqa: E402
 from shardfuse.dtypes import np_dtype  # noqa: E402
 
@@ -197,3 +201,39 @@ def test_cumsum_gradient_matches_the_numpy_backends():
     want = sf.jit(sf.grad(loss), mesh=mo.mesh_of(4))(sf.shard(x, axis=0, mesh=mo.mesh_of(4)))
     got = sf.jit(sf.grad(loss), mesh=cupy_mesh(4))(sf.shard(x, axis=0, mesh=cupy_mesh(4)))
     np.testing.assert_allclose(np.asarray(got.gather()), np.asarray(want.gather()), rtol=1e-12, atol=1e-12)
+
+
+# ---- a Llama port's functions (tests/test_broadcast_ops.py's bodies) ----------------------------------------
+@pytest.mark.parametrize("jit", [True, False], ids=["jit", "eager"])
+@pytest.mark.parametrize("layout", ["1d R", "1d first", "2d first two"])
+@pytest.mark.parametrize("name", sorted(bo.CASES))
+def test_broadcast_ops_on_every_layout(name, layout, jit):
+    shape, spec_of = bo.LAYOUTS[layout]
+    bo.check(name, cupy_mesh(shape), spec_of, jit, np.random.default_rng(41))
+
+
+@pytest.mark.parametrize("dtype", bo.DTYPES)
+@pytest.mark.parametrize("name", sorted(bo.DTYPE_CASES))
+def test_broadcast_ops_in_every_dtype(name, dtype):
+    if name == "power" and dtype in ("int32", "bool"):
+        pytest.skip("refused at trace time (tests/test_broadcast_ops.py checks the refusal)")
+    bo.check_dtype(name, dtype, cupy_mesh(4))
+
+
+@pytest.mark.parametrize("dtype", ew.DTYPES)
+def test_power_and_logaddexp_fused_and_unfused(dtype, monkeypatch):
+    bo.check_fused(dtype, cupy_mesh(4), monkeypatch)
+
+
+@pytest.mark.parametrize("name", ["power of arrays", "power by a 0-d array", "logaddexp", "take_along_axis",
+                                  "repeat and tile", "broadcast_to", "outer"])
+def test_broadcast_ops_gradients_match_the_numpy_backends(name):
+    import test_grad as tg
+
+    fn, gens, argnums = tg.CASES[name]
+    rng = np.random.default_rng(42)
+    xs = [g(rng, s) for s, g in gens]
+    r = rng.standard_normal(np.shape(np.asarray(sf.jit(fn, mesh=cupy_mesh(4))(*xs))))
+    grads = [sf.jit(sf.grad(tg.loss_of(fn), argnums=argnums), mesh=m)(*xs, r) for m in (cupy_mesh(4), mo.mesh_of(4))]
+    for g, want in zip(*(g if isinstance(g, tuple) else (g,) for g in grads)):
+        np.testing.assert_allclose(np.asarray(g), np.asarray(want), rtol=1e-12, atol=1e-13)

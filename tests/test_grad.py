@@ -133,6 +133,18 @@ CASES = {
                                [(X, normal), (Y, normal)], (0, 1)),
     "tensordot": (lambda x, w: np.tensordot(x.reshape(4, 2, 12), w, ([1, 2], [1, 0])),
                   [(X, normal), ((12, 2, 4), normal)], (0, 1)),
+    # a Llama port's (shardfuse/numpy_broadcast.py, shardfuse/numpy_shapes.py)
+    "broadcast_to": (lambda x: np.broadcast_to(x[:, None, :], (8, 3, 12)) * np.arange(3.0)[:, None], [(X, normal)], 0),
+    "repeat and tile": (lambda x: np.repeat(x, 2, axis=0) * np.tile(x, (2, 1))
+                        + np.tile(x.repeat(3, 1)[:, ::3], (2, 1)), [(X, normal)], 0),
+    "repeat_kv": (lambda k: np.repeat(k.reshape(4, 2, 12), 3, axis=1), [(X, normal)], 0),
+    "outer": (lambda x, y: np.outer(x.sum(1), y), [(X, normal), (Y, normal)], (0, 1)),
+    "logaddexp": (lambda x, y: np.logaddexp(x, y) + np.logaddexp(x, 0.3), [(X, normal), (Y, normal)], (0, 1)),
+    "power of arrays": (lambda x, y: x ** y + np.power(2.5, y), [(X, pos), (Y, normal)], (0, 1)),
+    "power by a 0-d array": (lambda x, t: x ** t, [(X, pos), ((), normal)], (0, 1)),
+    "take_along_axis": (lambda x, i: np.take_along_axis(x, i, 1) + np.take_along_axis(x, i[:, :1], -1),
+                        [(X, normal), ((8, 3), ids)], 0),
+    "mT": (lambda x: x.mT @ np.matrix_transpose(x.reshape(4, 2, 12)).reshape(12, 8).mT, [(X, normal)], 0),
 }
 
 # how each argument is placed, per mesh kind: replicated, or its first axis sharded
@@ -140,7 +152,7 @@ PLACEMENTS = {"1d": {"R": None, "S0": ("tp",)}, "2d": {"R": None, "S0": ("dp",),
 
 
 def placed(a, mesh, spec):
-    if spec is None or a.shape[0] % np.prod([mesh.axis_size(n) for n in np.atleast_1d(spec[0])]):
+    if spec is None or a.ndim == 0 or a.shape[0] % np.prod([mesh.axis_size(n) for n in np.atleast_1d(spec[0])]):
         return sf.distribute(a, mesh, (None,) * a.ndim)
     return sf.distribute(a, mesh, tuple(spec) + (None,) * (a.ndim - len(spec)))
 

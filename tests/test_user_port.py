@@ -9,7 +9,9 @@ mesh with the axes sharded:
 - sf.nn.cross_entropy had no ignore_index (torch's padded labels, -100, read as a class);
 - np.linalg.norm, np.tril / np.triu, np.moveaxis, x.item() and sf.linear on sf.Arrays were missing;
 - then np.einsum, np.tensordot, np.cumsum, np.trunc and np.round(x, decimals) were (their own tests:
-  tests/test_einsum.py, tests/test_math_ops.py).
+  tests/test_einsum.py, tests/test_math_ops.py);
+- then, for a Llama script, np.broadcast_to, np.repeat (GQA's repeat_kv), np.tile, np.outer, np.logaddexp,
+  x ** y of arrays, x.mT and np.take_along_axis were (tests/test_broadcast_ops.py).
 
 The case bodies are shared with tests/mpi/test_user_port_mpi.py (the sharded axes across ranks).
 """
@@ -55,9 +57,27 @@ CASES = {
     "cumsum flattened": (lambda x: np.cumsum(x), lambda x: np.cumsum(x), ("tp", "dp")),
     "trunc": (lambda x: np.trunc(x * 3.0), lambda x: np.trunc(x * 3.0), ("dp", "tp")),
     "round decimals": (lambda x: np.round(x, 2) + x.round(-1), lambda x: np.round(x, 2) + x.round(-1), ("tp", None)),
+    # a Llama port's (tests/test_broadcast_ops.py)
+    "repeat_kv": (lambda x: np.repeat(x.reshape(2, 4, 12), 3, axis=1), lambda x: np.repeat(x.reshape(2, 4, 12), 3, 1),
+                  ("dp", "tp")),
+    "repeat flattened": (lambda x: x.repeat(2), lambda x: x.repeat(2), ("tp", None)),
+    "tile": (lambda x: np.tile(x, (2, 1)), lambda x: np.tile(x, (2, 1)), (None, "tp")),
+    "broadcast_to": (lambda x: np.broadcast_to(x[:, None], (8, 4, 12)), lambda x: np.broadcast_to(x[:, None], (8, 4, 12)),
+                     ("dp", "tp")),
+    "outer": (lambda x: np.outer(x[:, 0], x[0]), lambda x: np.outer(x[:, 0], x[0]), ("dp", "tp")),
+    "logaddexp": (lambda x: np.logaddexp(x, x.mT[:, :1].mT), lambda x: np.logaddexp(x, x.mT[:, :1].mT),
+                  ("dp", "tp")),
+    "power of arrays": (lambda x: np.abs(x) ** x[0] + x ** np.round(x), lambda x: np.abs(x) ** x[0] + x ** np.round(x),
+                        ("tp", "dp")),
+    "mT": (lambda x: x.reshape(2, 4, 12).mT, lambda x: x.reshape(2, 4, 12).mT, ("dp", "tp")),
+    "take_along_axis vocab sharded": (lambda x: np.take_along_axis(x, LABELS[:8, None], -1),
+                                      lambda x: np.take_along_axis(x, LABELS[:8, None], -1), ("dp", "tp")),
+    "take_along_axis axis 0": (lambda x: np.take_along_axis(x, LABELS[None] % 8, 0),
+                               lambda x: np.take_along_axis(x, LABELS[None] % 8, 0), ("dp", "tp")),
 }
 _RNG = np.random.default_rng(11)
 W, B = _RNG.standard_normal((12, 6)), _RNG.standard_normal(6)
+LABELS = _RNG.integers(-12, 12, 12)
 
 
 def check(name, mesh, jit, rng):

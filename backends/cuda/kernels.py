@@ -194,7 +194,7 @@ INLINE = {
     Op.SCALE: "a * s", Op.DIV_SCALAR: "a / s", Op.ADD_SCALAR: "a + s", Op.RDIV: "s / a",
     Op.EXP: "exp(a)", Op.TANH: "tanh(a)", Op.SQRT: "sqrt(a)", Op.RSQRT: "(F)1 / sqrt(a)", Op.LOG: "log(a)",
     Op.RELU: "((a > (F)0 || a != a) ? a : (F)0)", Op.GELU: _GELU_C, Op.SIGMOID: _SIGMOID_C,
-    Op.SILU: f"(a * {_SIGMOID_C})", Op.POW: "pow(a, s)", Op.RPOW: "pow(s, a)",
+    Op.SILU: f"(a * {_SIGMOID_C})", Op.POW: "pow(a, s)", Op.RPOW: "pow(s, a)", Op.POWER: "pow(a, b)",
     Op.MAXIMUM: "((a > b || a != a) ? a : b)", Op.MINIMUM: "((a < b || a != a) ? a : b)",
     Op.MAXIMUM_SCALAR: "((a > s || a != a) ? a : s)", Op.MINIMUM_SCALAR: "((a < s || a != a) ? a : s)",
     Op.LT: "a < b", Op.LE: "a <= b", Op.GT: "a > b", Op.GE: "a >= b", Op.EQ: "a == b", Op.NE: "a != b",

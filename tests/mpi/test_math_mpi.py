@@ -1,7 +1,8 @@
 """NumPy's unary math (shardfuse/numpy_math.py) under mpiexec: the bodies of tests/test_math_ops.py
 on the NumPy-over-MPI backend, on sharded axes of 1-D and 2x2 meshes (under -n 2 each process holds
 two devices), np.round(x, decimals) and np.cumsum along sharded and unsharded axes, and gradients of
-sin, erf, the exact GELU and cumsum with inputs sharded.  Every rank runs
+sin, erf, the exact GELU, cumsum, np.logaddexp, x ** y of arrays, np.take_along_axis, np.repeat / np.tile,
+np.broadcast_to and np.outer with inputs sharded.  Every rank runs
 every test in the same order (same seeds), so the collectives pair up."""
 from __future__ import annotations
 
@@ -55,7 +56,9 @@ def test_cumsum_and_round_decimals_on_a_2x2_mesh(dtype):
     mo.check_round(mo.mesh_of((2, 2)), ("DIDx", "DIDy"), dtype, 2, True, np.random.default_rng(26))
 
 
-@pytest.mark.parametrize("name", ["sin", "erf", "gelu exact", "sign floor ceil round (no gradient)", "cumsum"])
+@pytest.mark.parametrize("name", ["sin", "erf", "gelu exact", "sign floor ceil round (no gradient)", "cumsum",
+                                  "logaddexp", "power of arrays", "power by a 0-d array", "take_along_axis",
+                                  "repeat and tile", "broadcast_to", "outer"])
 @pytest.mark.parametrize("kind, placement", [("1d", "S0"), ("2d", "S01")])
 def test_gradient_against_central_differences(name, kind, placement):
     tg.check_case(name, tg.mesh_of(kind), placement, tg.seed_of(name, kind, placement))

@@ -1,6 +1,7 @@
 """The user-port fixes under mpiexec (the bodies of tests/test_user_port.py on the NumPy-over-MPI
 backend, the 2x2 dp x tp mesh): np.linalg.norm / tril / triu / moveaxis / sf.linear / einsum /
-tensordot / cumsum / trunc / round(x, decimals) with their sharded axes across ranks, cross-entropy with ignored labels (the kept-token count an Allreduce
+tensordot / cumsum / trunc / round(x, decimals), and a Llama port's broadcast_to / repeat / tile / outer /
+logaddexp / x ** y / x.mT / take_along_axis, with their sharded axes across ranks, cross-entropy with ignored labels (the kept-token count an Allreduce
 over dp), a tuple of one result, and x.item() of a replicated loss (read locally on every rank).
 Every rank runs every test in the same order, with the same seeds."""
 from __future__ import annotations
