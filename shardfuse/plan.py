@@ -164,10 +164,12 @@ class Plan:
                                     "the arrays first")
 
     def _check_donated(self, args, donated):
-        """A donated argument passed in another position too would be read after the result wrote it."""
+        """A donated argument passed in another position too would be read after the result wrote it
+        (an sf.Array's own buffers; a caller's plain array is copied for the result to write, as JAX
+        copies each host leaf it places)."""
         for k in donated:
             for j, a in enumerate(args):
-                if j != k and a is args[k]:
+                if j != k and a is args[k] and isinstance(a, Array):
                     names = self.program.inputs[k].name, self.program.inputs[j].name  # (leaves of pytrees: state_0)
                     raise ValueError(f"{self.program.name}(): input {names[0]} is donated (donate_argnums) and also "
                                      f"passed as input {names[1]}: its buffer would be overwritten while read; pass a copy")

@@ -60,13 +60,15 @@ def einsum_labels(ins):
     return (la, lb), batch + ("m", "n")
 
 
-def _linear_partials(op, lays):
+def _linear_partials(ins, lays):
     """Pending sums that may flow through this op, per input (the rest must be reduced first)."""
-    parts = [tuple(l.partial) for l in lays]
+    op, parts = ins.op, [tuple(l.partial) for l in lays]
     if any(lay.partial_op != Reduce.SUM for lay in lays):  # (pending maxima flow through no op)
         return [()] * len(parts)
     if op in LINEAR_UNARY or op == Op.SUM or op == Op.RESHAPE:
         return parts
+    if op == Op.ADD_SCALAR and ins.attrs.get("value") == 0:  # (Python's sum() starts at 0: x + 0 on every
+        return parts  # device's piece sums to the sum + 0, signed zeros included)
     if op in (Op.ADD, Op.SUB):  # P + P stays P only when every operand pends the same sums
         return parts if len(set(parts)) == 1 else [()] * len(parts)
     if op in (Op.MUL, Op.MATMUL):  # linear in one operand while the others are whole
@@ -93,7 +95,7 @@ def contraction_infer(ins, lays, labels=None):
     # the contraction runs sharded the way `require` picks (the first operand's sharding of it;
     # an operand sharded otherwise is resharded to match), so only those mesh axes pend sums
     contracted = _names([_contraction_axis(in_labels, out_labels, lays)[1]])
-    carried = _reduced_first(ins, _linear_partials(ins.op, lays), used)
+    carried = _reduced_first(ins, _linear_partials(ins, lays), used)
     partial = _union(contracted - used, *carried)
     return Layout(tuple(unshard([axes.get(lab) for lab in out_labels], set(partial))), partial)
 
@@ -124,7 +126,7 @@ def contraction_require(ins, out, lays, labels=None):
     if any(lay.mesh != out.mesh for lay in lays):  # inputs move to the output's mesh whole
         klab, k = None, None
     # Keep the contraction local (then reduce after) rather than reshard the inputs' other axes.
-    carried = _linear_partials(ins.op, lays)
+    carried = _linear_partials(ins, lays)
     # an input pending a sum only over K's mesh axis is reduce-scattered into that sharding first (over
     # more axes it stays refused: the output's propagated layout would still pend the others)
     carried = [() if c and set(c) <= _names([k]) else c for c in carried]
@@ -180,7 +182,7 @@ def elementwise_infer(ins, lays):
                 break
         axes.append(pick)
         used |= _names([pick])
-    partial = _union(*_linear_partials(ins.op, lays))
+    partial = _union(*_linear_partials(ins, lays))
     return Layout(tuple(unshard(axes, set(partial))), partial)
 
 
@@ -188,7 +190,7 @@ def elementwise_require(ins, out, lays):
     """Inputs in the output's layout -- except that an axis every operand already shards the
     same way stays sharded: the op runs where the data is and one gather of the result follows,
     instead of one gather per operand."""
-    carried = _linear_partials(ins.op, lays)
+    carried = _linear_partials(ins, lays)
     pending = set(_union(*carried))
     axes = unshard(out.axes, pending, axis_of(ins))
     for j, a in enumerate(axes):

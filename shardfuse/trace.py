@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import inspect
 
+import numpy as np
+
 from shardfuse.constants import captured, tracing
 from shardfuse.ir import Program, TensorType, Value
 from shardfuse.layout import Layout
@@ -218,7 +220,10 @@ def trace(fn, mesh, specs, streams=4, name=None) -> Program:
         inputs.append(v)
     with tracing(builder):  # (an op on an sf.Array inside fn is traced, the array a constant: array_ops.run)
         result = fn(*(Traced(builder, v) for v in inputs))
-    results = result if isinstance(result, tuple) else (result,)
+        results = result if isinstance(result, tuple) else (result,)
+        # a Python or NumPy number returned (a learning rate in an aux dict): a 0-d array of it, as JAX returns
+        results = tuple(builder.constant(np.asarray(r)) if isinstance(r, (bool, int, float, np.generic)) else r
+                        for r in results)
     for r in results:
         if not isinstance(r, Traced):
             raise TypeError(f"{fn.__name__} must return traced values, got {type(r).__name__}")

@@ -365,3 +365,18 @@ def test_chained_partial_values_reduced_in_one_round_leave_no_stale_gather():
         return np.tanh(u), np.tanh(o), (o * 3).sum(0)
     u = x @ wr
     _check_tp2(f, (x, wr, wc), {"allreduce": 1}, np.tanh(u), np.tanh(u @ wc), (u @ wc * 3).sum(0))
+
+
+def test_pythons_sum_starting_at_zero_keeps_one_allreduce():
+    """optax's global norm, sqrt(sum(sum(g ** 2) for g in grads)): Python's sum() starts at 0, and
+    0 + a pending sum is still that pending sum (x + 0 on every device's piece sums to the sum + 0,
+    signed zeros included): one Allreduce for the four gradients, not one each."""
+    rng = np.random.default_rng(16)
+    gs = [rng.standard_normal((4, 6)) for _ in range(4)]
+
+    def norm(*g):
+        return np.sqrt(sum((sf.shard(x, 1, "tp") ** 2).sum() for x in g))
+    _check_tp2(norm, gs, {"allreduce": 1}, np.sqrt(sum((x ** 2).sum() for x in gs)))
+    zeros = -0.0 * gs[0]
+    got = float(sf.jit(lambda x: (sf.shard(x, 1, "tp")).sum() + 0, mesh=TP2)(zeros))
+    assert got == 0.0 and np.copysign(1, got) == np.copysign(1, zeros.sum() + 0)

@@ -104,6 +104,10 @@ def test_refusals():
     pair = sf.jit(lambda state, g: (state[0] - g, state[1]), mesh=MESH, donate_argnums=0)
     with pytest.raises(ValueError, match=r"input state_0 is donated .* also passed as input state_1"):
         pair((w, w), np.ones((8, 4)))  # named by the pytree leaves' inputs, not by flat positions
+    z = rng.standard_normal((8, 4))  # a plain array in two donated leaves: each is copied for its result, as in JAX
+    first, second = pair((z, z), np.ones((8, 4)))
+    np.testing.assert_array_equal(np.asarray(first), z - 1)
+    np.testing.assert_array_equal(np.asarray(second), z)
     with pytest.raises(ValueError, match="names argument 3"):
         sf.jit(lambda a: a * 2.0, mesh=MESH, donate_argnums=3)(np.ones(4))
     with pytest.raises(TypeError, match="donate_argnums"):

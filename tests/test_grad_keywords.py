@@ -122,3 +122,18 @@ def test_a_wrong_call_says_what_python_says():
     with pytest.raises(TypeError, match=r"^grad_loss\(\): got an unexpected keyword argument 'ids'$"):
         sf.grad(loss)(w, X, T, ids=X)
     assert repr(sf.value_and_grad(loss, argnums=(0, 1))) == "sf.value_and_grad(loss, argnums=(0, 1))"
+
+
+def test_python_numbers_returned_come_back_as_0d_arrays():
+    """A jitted function (or has_aux's aux) returning a Python or NumPy number gives a 0-d array of
+    it, as JAX returns one (a learning rate reported beside the loss)."""
+    mesh = sf.DeviceMesh(2, backend="numpy")
+    x = np.random.default_rng(5).standard_normal((4, 2))
+    total, lr, step, flag = sf.jit(lambda x: (sf.shard(x, 0).sum(), 0.1, 3, np.float32(2.5)), mesh=mesh)(x)
+    np.testing.assert_allclose(float(total), x.sum(), rtol=1e-13)
+    assert (float(lr), int(step), float(flag)) == (0.1, 3, 2.5)
+    assert (lr.dtype_name, step.dtype_name, flag.dtype_name) == ("float64", "int64", "float32")
+    f = sf.jit(sf.value_and_grad(lambda x: ((sf.shard(x, 0) ** 2).sum(), {"lr": 0.1}), has_aux=True), mesh=mesh)
+    (value, aux), g = f(x)
+    assert float(aux["lr"]) == 0.1
+    np.testing.assert_allclose(g.gather(), 2 * x, rtol=1e-13)
