@@ -5,6 +5,8 @@ Global-view semantics, as in JAX and DTensor: `.shape` is the global shape and `
 """
 from __future__ import annotations
 
+import math
+
 import numpy as np
 
 from shardfuse import faults
@@ -186,14 +188,26 @@ class Array(Placed, ArrayOps):  # operators, ufuncs, reductions, indexing: array
                 for d, idx, data in zip(self.mesh.local_devices, indices, self.shards) if idx is not None]
 
     def to_local(self):
-        """This process' one piece (DTensor's to_local), a backend-native array, no copy.  Where
-        the process holds several devices' pieces, only a value they all hold whole has one."""
+        """This process' piece (DTensor's to_local), a backend-native array: no copy where the process
+        holds one piece (or replicas of one).  Where its devices hold several pieces that tile a box
+        (two tp blocks of a process under `mpiexec -n 2` on a 2x2 mesh), the box, assembled in a new
+        array: what sf.from_local takes back from this process."""
         shards = self.addressable_shards
         if len(shards) == 1 or (shards and self._held_whole(shards)):  # replicas: any one is the value
             return shards[0].data
-        distinct = len({tuple((i.start, i.stop) for i in s.index) for s in shards})  # (replicas hold the same)
-        raise ValueError(f"to_local(): this process holds {distinct} different pieces of {self!r} on "
-                         f"{len(shards)} devices {[s.device for s in shards]}; use addressable_shards")
+        pieces = {tuple((i.start, i.stop) for i in s.index): s.data for s in shards}  # (replicas hold the same)
+        lo = [min(b[a][0] for b in pieces) for a in range(self.ndim)]
+        hi = [max(b[a][1] for b in pieces) for a in range(self.ndim)]
+        if self.sharding.partial or sum(math.prod(e - s for s, e in b) for b in pieces) != math.prod(
+                e - s for s, e in zip(lo, hi)):
+            raise ValueError(f"to_local(): this process holds {len(pieces)} different pieces of {self!r} on "
+                             f"{len(shards)} devices {[s.device for s in shards]} that do not tile one box "
+                             "(or pend sums); use addressable_shards")
+        first = next(iter(pieces.values()))
+        box = (_cupy_of(first) or np).empty(tuple(e - s for s, e in zip(lo, hi)), first.dtype)
+        for b, data in pieces.items():
+            box[tuple(slice(s - o, e - o) for (s, e), o in zip(b, lo))] = data
+        return box
 
     def _held_whole(self, shards) -> bool:
         return not self.sharding.partial and all(tuple(s.data.shape) == self.shape for s in shards)
@@ -249,6 +263,16 @@ class Array(Placed, ArrayOps):  # operators, ufuncs, reductions, indexing: array
         if not self.sharding.sharded_axes() and not self.sharding.partial and self.sharding.mesh is None:
             return self
         return reshard(self, Layout.replicated(self.ndim))
+
+
+def _cupy_of(x):
+    """CuPy where x is a CuPy array (its box is made on the current device; assignment copies
+    between GPUs), else None."""
+    if isinstance(x, np.ndarray):
+        return None
+    import cupy
+
+    return cupy
 
 
 def check_mesh(mesh, what):

@@ -234,6 +234,12 @@ def from_local_2axes_case(mesh, case):
             assert s.index == r.index
             np.testing.assert_array_equal(s.data, x[s.index])
         np.testing.assert_array_equal(arr.gather(), x)
+    try:  # to_local: this process' blocks as the one box they tile, what from_local took
+        local = arr.to_local()
+    except ValueError as e:  # (blocks dp and dp + 2 of one axis, under -n 2: no box)
+        assert "do not tile one box" in str(e) and mesh.nprocs > 1, e
+    else:
+        np.testing.assert_array_equal(local, piece)
     f = sf.jit(lambda v: sf.replicate(v * 2.0), mesh=mesh)
     np.testing.assert_array_equal(f(arr).gather(), 2 * x)
 

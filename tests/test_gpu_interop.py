@@ -316,3 +316,16 @@ def test_bad_device_inputs_fail_before_any_work():
 
     with pytest.raises(ValueError, match=r"on GPU 0, but this process' devices are on GPUs \[1\]"):
         check_input(array_info(a), OtherGPUs(), "a")
+
+
+def test_to_local_of_several_pieces_is_their_box_on_the_gpu(mesh):
+    """Pieces of several virtual devices: to_local assembles the box they tile in a new CuPy array
+    (what sf.from_local takes back); one piece is returned as it is."""
+    x = cupy.asarray(rng().standard_normal((8 * mesh.size, 6)).astype(np.float32))
+    arr = sf.shard(x, axis=0, mesh=mesh)
+    local = arr.to_local()
+    assert isinstance(local, cupy.ndarray)
+    np.testing.assert_array_equal(cupy.asnumpy(local), cupy.asnumpy(x))
+    assert (local.data.ptr == arr.addressable_shards[0].data.data.ptr) == (mesh.size == 1)
+    back = sf.from_local(local, axis=0, mesh=mesh)
+    np.testing.assert_array_equal(back.gather(), cupy.asnumpy(x))
