@@ -135,7 +135,7 @@ def contraction_require(ins, out, lays, labels=None):
     wanted = dict(zip(out_labels, out.axes))
     held = _names(a for labs, lay in zip(in_labels, lays) for lab, a in zip(labs, lay.axes)
                   if lab in wanted and a is not None and set(mesh_axes(a)) & _names([wanted[lab]]))
-    carried = _reduced_first(ins, carried, held & _names([wanted[lab] for lab in wanted]))
+    carried = _reduced_first(ins, carried, held)
     out_axes = unshard(out.axes, set(_union(*carried)) | _names([k]), axis_of(ins))
     placed = dict(zip(out_labels, (_chunked(ins, j, a) for j, a in enumerate(out_axes))))
     if klab is not None:

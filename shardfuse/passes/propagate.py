@@ -56,17 +56,17 @@ def _forward(prog, instrs, outputs):
     return out, tuple(env[v] for v in outputs), inferred
 
 
-def _reduced_once(instrs, outputs) -> dict:
-    """The names of the values pending sums that one
-    consumer (or the program's result) needs reduced where it is, while another would carry the
-    sums on: every consumer then reads the one reduced copy (Megatron's single Allreduce after a
-    vocab-parallel embedding, not a second one after the norm and every weight gathered for it)."""
+def _reduced_once(instrs, outputs) -> set:
+    """The names of the values pending sums that one consumer (or the program's result) needs
+    reduced where it is, while another would carry the sums on: every consumer then reads the one
+    reduced copy (Megatron's single Allreduce after a vocab-parallel embedding, not a second one
+    after the norm and every weight gathered for it)."""
     consumers = defaultdict(list)
     for i in instrs:
         for n, v in enumerate(i.ins):
             if i.op not in (Op.SET, Op.VIEW):  # (a reshard or a view states no requirement of its own)
                 consumers[v].append((i, n))
-    found = {}
+    found = set()
     for i in instrs:
         for o in i.outs:
             lay = o.type.layout
@@ -75,7 +75,7 @@ def _reduced_once(instrs, outputs) -> dict:
             wants = [_required(c, n) for c, n in consumers[o]]
             whole = [not w.partial and w.axes == lay.axes for w in wants]
             if (o in outputs or any(whole)) and not all(whole):
-                found[o.name] = True
+                found.add(o.name)
     return found
 
 
