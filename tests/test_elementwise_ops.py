@@ -147,10 +147,11 @@ def check_reduction(name, mesh, layout_x, dtype, jit, rng):
 _MESHES: dict = {}
 
 
-def mesh_of(shape):
-    if shape not in _MESHES:
-        _MESHES[shape] = sf.DeviceMesh(shape, backend="numpy")
-    return _MESHES[shape]
+def mesh_of(shape, backend="numpy"):
+    """One mesh per shape and backend, made once (the GPU tests' CuPy meshes too)."""
+    if (shape, backend) not in _MESHES:
+        _MESHES[shape, backend] = sf.DeviceMesh(shape, backend=backend)
+    return _MESHES[shape, backend]
 
 
 @pytest.mark.parametrize("jit", [True, False], ids=["jit", "eager"])

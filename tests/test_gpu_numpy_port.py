@@ -26,13 +26,8 @@ import test_numpy_port as port  # noqa: E402
 import test_user_port as up  # noqa: E402
 from shardfuse.dtypes import np_dtype  # noqa: E402
 
-_MESHES: dict = {}
-
-
 def cupy_mesh(shape):
-    if shape not in _MESHES:
-        _MESHES[shape] = sf.DeviceMesh(shape, backend="cupy")
-    return _MESHES[shape]
+    return ew.mesh_of(shape, "cupy")
 
 
 @pytest.mark.parametrize("jit", [True, False], ids=["jit", "eager"])
