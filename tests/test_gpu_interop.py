@@ -329,3 +329,19 @@ def test_to_local_of_several_pieces_is_their_box_on_the_gpu(mesh):
     assert (local.data.ptr == arr.addressable_shards[0].data.data.ptr) == (mesh.size == 1)
     back = sf.from_local(local, axis=0, mesh=mesh)
     np.testing.assert_array_equal(back.gather(), cupy.asnumpy(x))
+
+
+def test_pieces_of_one_copy_give_their_addresses_without_views():
+    # sf.shard on virtual devices of one GPU along an inner axis: the graph's key reads the pieces'
+    # addresses (pointers()) without making a CuPy view each; they are the views' own addresses,
+    # and a replay on them computes what the eager plan does
+    mesh = sf.DeviceMesh(4, backend="cupy")
+    x = cupy.asarray(np.random.default_rng(9).standard_normal((2, 8, 16)).astype(np.float32))
+    w = cupy.asarray(np.random.default_rng(10).standard_normal((16, 4)).astype(np.float32))
+    placed = sf.shard(x, axis=1, mesh=mesh)
+    pointers = placed.shards.pointers()
+    assert pointers == [p.data.ptr for p in placed.shards]
+    f = sf.jit(lambda a, b: sf.shard(a, axis=1) @ b, mesh=mesh, graph=True)
+    for _ in range(2):
+        got = f(sf.shard(x, axis=1, mesh=mesh), w).gather()
+        np.testing.assert_allclose(got, cupy.asnumpy(x) @ cupy.asnumpy(w), rtol=1e-5, atol=1e-5)

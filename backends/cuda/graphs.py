@@ -49,7 +49,11 @@ class GraphPlan:
         self.captures = 0
 
     def __call__(self, bufs):
-        key = tuple([x.data.ptr for b in bufs[:self.n_inputs] for x in b])
+        key = []
+        for b in bufs[:self.n_inputs]:  # (pieces.SplitViews give their addresses without making views)
+            pointers = getattr(b, "pointers", None)
+            key += pointers() if pointers is not None else [x.data.ptr for x in b]
+        key = tuple(key)
         entry = self.graphs.get(key)
         if entry is None:
             entry = self._capture(bufs, key)
