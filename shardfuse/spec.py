@@ -98,6 +98,14 @@ class TensorSpec:
         if self.layout is not None and self.layout.ndim != len(shape):
             raise ValueError(f"TensorSpec layout {self.layout} has {self.layout.ndim} axes, the shape {shape} "
                              f"has {len(shape)}")
+        # hashed once: sf.jit's plan cache is keyed by a tuple of specs, one per argument leaf
+        object.__setattr__(self, "_hash", hash((shape, self.dtype, self.layout, self.weak)))
+
+    def __hash__(self):
+        return self._hash
+
+    def __reduce__(self):  # (by its fields: a str hash differs between processes, so _hash is made anew)
+        return TensorSpec, (self.shape, self.dtype, self.layout, self.weak)
 
 
 def reduced_axes(axis, ndim: int, shape) -> tuple:

@@ -10,7 +10,7 @@ with no leaves, and anything that is not a tuple, list, dict or None is a leaf.
 from __future__ import annotations
 
 import inspect
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Callable
 
 
@@ -22,6 +22,16 @@ class TreeDef:
     kind: Any
     children: tuple = ()
     meta: tuple = ()
+    hashed: int = field(init=False, compare=False, repr=False)  # (sf.jit keys its plans by it)
+
+    def __post_init__(self):
+        object.__setattr__(self, "hashed", hash((self.kind, self.children, self.meta)))
+
+    def __hash__(self):
+        return self.hashed
+
+    def __reduce__(self):  # (by its fields: a str hash differs between processes, so it is made anew)
+        return TreeDef, (self.kind, self.children, self.meta)
 
     @property
     def num_leaves(self) -> int:
@@ -69,11 +79,64 @@ def _is_namedtuple(x) -> bool:
     return isinstance(x, tuple) and hasattr(type(x), "_fields")
 
 
+_STRUCTURES: dict = {}  # a pytree's signature (see _walk) -> its TreeDef
+MAX_STRUCTURES = 1024  # kept before the table starts over
+
+
 def flatten(tree, is_leaf: Callable | None = None) -> tuple[list, TreeDef]:
     """(leaves, structure) of a pytree, leaves in JAX's order (dicts by sorted key); is_leaf(x)
-    True makes x a leaf whatever it is (as jax.tree_util's is_leaf)."""
+    True makes x a leaf whatever it is (as jax.tree_util's is_leaf).
+
+    sf.jit flattens its arguments on every call: a model's parameters are hundreds of leaves.  The
+    structure is read as a flat signature (tokens in C-hashable tuples) and its TreeDef built only
+    the first time it is seen, then looked up: the same TreeDef object each call, its hash kept."""
     leaves: list = []
-    return leaves, _flatten(tree, leaves, is_leaf)
+    if is_leaf is not None:
+        return leaves, _flatten(tree, leaves, is_leaf)
+    signature: list = []
+    _walk(tree, leaves, signature)
+    key = tuple(signature)
+    td = _STRUCTURES.get(key)
+    if td is None:
+        td = _flatten(tree, [], None)
+        if len(_STRUCTURES) >= MAX_STRUCTURES:
+            _STRUCTURES.clear()
+        _STRUCTURES[key] = td
+    return leaves, td
+
+
+def _walk(x, leaves, signature) -> None:
+    """x's leaves appended to `leaves`, and its structure to `signature` in preorder: 0 a leaf, 1
+    None, ("t" | "l" | a namedtuple class, length) a sequence, ("d", keys, their types) a dict (the
+    types: {1: x} and {True: x} have equal keys but are rebuilt with their own)."""
+    if isinstance(x, dict):
+        keys = _sorted_keys(x)
+        signature.append(("d", keys, tuple(map(type, keys))))
+        children = [x[k] for k in keys]
+    elif isinstance(x, (tuple, list)):
+        kind = "l" if isinstance(x, list) else type(x) if hasattr(type(x), "_fields") else "t"
+        signature.append((kind, len(x)))
+        children = x
+    elif x is None:
+        signature.append(1)
+        return
+    else:
+        leaves.append(x)
+        signature.append(0)
+        return
+    for c in children:
+        if c is None or isinstance(c, (dict, tuple, list)):
+            _walk(c, leaves, signature)
+        else:  # (a leaf without a call: most children are)
+            leaves.append(c)
+            signature.append(0)
+
+
+def _sorted_keys(x: dict) -> tuple:
+    try:
+        return tuple(sorted(x))
+    except TypeError:
+        raise TypeError(f"a dict in a pytree needs sortable keys, got {list(x)!r}") from None
 
 
 def _flatten(x, leaves, is_leaf=None) -> TreeDef:
@@ -83,10 +146,7 @@ def _flatten(x, leaves, is_leaf=None) -> TreeDef:
     if x is None:
         return TreeDef("none")
     if isinstance(x, dict):
-        try:
-            keys = tuple(sorted(x))
-        except TypeError:
-            raise TypeError(f"a dict in a pytree needs sortable keys, got {list(x)!r}") from None
+        keys = _sorted_keys(x)
         return TreeDef("dict", tuple(_flatten(x[k], leaves, is_leaf) for k in keys), keys)
     if _is_namedtuple(x):
         return TreeDef(type(x), tuple(_flatten(c, leaves, is_leaf) for c in x))
@@ -97,7 +157,9 @@ def _flatten(x, leaves, is_leaf=None) -> TreeDef:
 
 
 def leaves(tree) -> list:
-    return flatten(tree)[0]
+    out: list = []
+    _walk(tree, out, [])
+    return out
 
 
 def tree_map(fn: Callable, tree, *rest) -> Any:

@@ -43,3 +43,25 @@ def test_tree_map_over_matching_structures():
 def test_dict_keys_must_sort():
     with pytest.raises(TypeError, match="sortable keys"):
         tree.flatten({1: 0, "a": 1})
+
+
+def test_a_structure_seen_before_is_the_same_treedef_and_keeps_its_own_keys():
+    # sf.jit flattens its arguments every call: a structure is looked up by its signature, so the
+    # second flatten returns the very TreeDef of the first (its hash kept), and structures that
+    # only look alike stay apart: {1: x} and {True: x}, a tuple and a namedtuple, [] and None
+    import pickle
+
+    a = {"l0": {"w": 1, "b": 2}, "l1": {"w": 3, "b": 4}}
+    td = tree.flatten(a)[1]
+    assert tree.flatten({"l1": {"b": 5, "w": 6}, "l0": {"w": 7, "b": 8}})[1] is td
+    assert list(tree.flatten({1: 0})[1].unflatten([9])) == [1]
+    assert list(tree.flatten({True: 0})[1].unflatten([9])) == [True]
+    assert type(list(tree.flatten({True: 0})[1].unflatten([9]))[0]) is bool
+    assert isinstance(tree.flatten(Pair(1, 2))[1].unflatten([3, 4]), Pair)
+    assert type(tree.flatten((1, 2))[1].unflatten([3, 4])) is tuple
+    assert tree.flatten([[], None])[1].unflatten([]) == [[], None]
+    assert tree.flatten([None, []])[1].unflatten([]) == [None, []]
+    assert tree.flatten([[1], 2])[1] != tree.flatten([1, [2]])[1]
+    back = pickle.loads(pickle.dumps(td))
+    assert back == td and hash(back) == hash(td) and {back: 1}[td] == 1
+    assert tree.leaves(a) == [2, 1, 4, 3]
