@@ -23,7 +23,7 @@ from shardfuse.rates import machine
 from shardfuse.mesh import DeviceMesh, as_int
 from shardfuse.plan_cache import PlanCache
 from shardfuse.spec import TensorSpec
-from shardfuse.static_args import dynamic_position, split_static, static_names, with_static
+from shardfuse.static_args import donated_positions, dynamic_position, split_static, static_names, with_static
 from shardfuse.trace import input_names, trace
 from shardfuse.traced import Traced
 from shardfuse.ir import same_program
@@ -43,7 +43,7 @@ class Jitted:
     used kept (a plan holds its buffers; an evicted one is compiled again when next needed)."""
 
     def __init__(self, fn, mesh, streams=4, graph=False, max_plans=MAX_PLANS, rates=None, donate_argnums=(),
-                 static_argnums=(), static_argnames=()):
+                 static_argnums=(), static_argnames=(), donate_argnames=()):
         if not callable(fn):
             raise TypeError(f"sf.jit compiles a function, got {type(fn).__name__}")
         if mesh is None:
@@ -66,7 +66,7 @@ class Jitted:
                 f"whole mesh {mesh.root} and place values on the sub-mesh inside the function "
                 "(sf.shard(x, axis, mesh=sub), sf.replicate(x, mesh=sub), sf.to_mesh)")
         self.fn, self.mesh, self.streams, self.graph = fn, mesh, int(streams), bool(graph)
-        self.donate_argnums = _argnums(donate_argnums)
+        self.donate_argnums = donated_positions(fn, donate_argnums, donate_argnames)
         if self.donate_argnums and self.graph:
             raise NotImplementedError("sf.jit(donate_argnums=..., graph=True): a CUDA graph writes the buffers it "
                                       "captured, so its results cannot take the arguments' buffers; use graph=False")
@@ -355,18 +355,18 @@ class Jitted:
 @overload
 def jit(fn: Callable, *, mesh: DeviceMesh | None = None, streams: int = 4, graph: bool = False,
         max_plans: int = MAX_PLANS, rates: Rates | str | None = None, donate_argnums=(), static_argnums=(),
-        static_argnames=()) -> Jitted: ...
+        static_argnames=(), donate_argnames=()) -> Jitted: ...
 
 
 @overload
 def jit(fn: None = None, *, mesh: DeviceMesh | None = None, streams: int = 4, graph: bool = False,
         max_plans: int = MAX_PLANS, rates: Rates | str | None = None, donate_argnums=(), static_argnums=(),
-        static_argnames=()) -> Callable[[Callable], Jitted]: ...
+        static_argnames=(), donate_argnames=()) -> Callable[[Callable], Jitted]: ...
 
 
 def jit(fn: Callable | None = None, *, mesh: DeviceMesh | None = None, streams: int = 4, graph: bool = False,
         max_plans: int = MAX_PLANS, rates: Rates | str | None = None, donate_argnums=(), static_argnums=(),
-        static_argnames=()) -> Jitted | Callable[[Callable], Jitted]:
+        static_argnames=(), donate_argnames=()) -> Jitted | Callable[[Callable], Jitted]:
     """Compile `fn` for `mesh`: ``@sf.jit(mesh=mesh, streams=4)``.  `max_plans`: how many compiled
     plans (one per input shapes, dtypes and layouts) it keeps, the least recently used dropped.
     `rates`: what sf.stream(chunks="auto") and plan.explain() predict with (a cost.Rates, or
@@ -375,12 +375,14 @@ def jit(fn: Callable | None = None, *, mesh: DeviceMesh | None = None, streams: 
     buffers results may take, as JAX's: `new_w = w - lr * g` written into w's buffer (the plan
     prints it), and a donated sf.Array raises on any later use.  A result takes a donated buffer
     only where the plan has read it already; otherwise it gets its own, and no result ever
-    aliases an argument that was not donated.  `static_argnums` / `static_argnames`: parameters
+    aliases an argument that was not donated; `donate_argnames` names them instead (JAX's, the two
+    may be combined).  `static_argnums` / `static_argnames`: parameters
     that are Python values (hashable), as JAX's: each set of their values compiles its own plans."""
     if fn is None:
         return lambda f: Jitted(f, mesh, streams, graph, max_plans, rates, donate_argnums, static_argnums,
-                                static_argnames)
-    return Jitted(fn, mesh, streams, graph, max_plans, rates, donate_argnums, static_argnums, static_argnames)
+                                static_argnames, donate_argnames)
+    return Jitted(fn, mesh, streams, graph, max_plans, rates, donate_argnums, static_argnums, static_argnames,
+                  donate_argnames)
 
 
 def _is_spec_tuple(x) -> bool:
@@ -389,12 +391,3 @@ def _is_spec_tuple(x) -> bool:
             and all(isinstance(n, (int, np.integer)) for n in np.atleast_1d(x[0]).tolist() if x[0] != ())
             and isinstance(x[1], (str, np.dtype, type)))
 
-
-def _argnums(nums) -> tuple:
-    """donate_argnums as a sorted tuple of argument positions."""
-    nums = (nums,) if isinstance(nums, (int, np.integer)) and not isinstance(nums, bool) else nums
-    try:
-        out = tuple(sorted({as_int(k, "donate_argnums", minimum=0) for k in nums}))
-    except TypeError:
-        raise TypeError(f"donate_argnums must be an int or a tuple of ints, got {nums!r}") from None
-    return out

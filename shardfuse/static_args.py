@@ -8,6 +8,10 @@ from __future__ import annotations
 import functools
 import inspect
 
+import numpy as np
+
+from shardfuse.mesh import as_int
+
 P = inspect.Parameter
 
 
@@ -105,3 +109,23 @@ def dynamic_position(fn, names: tuple, k: int) -> int:
         raise ValueError(f"donate_argnums names argument {k} ({params[k].name}), which is static: only arrays "
                          "are donated")
     return k - sum(p.name in names for p in params[:k])
+
+
+def donated_positions(fn, argnums, argnames) -> tuple:
+    """donate_argnums and donate_argnames (JAX's) as one sorted tuple of argument positions: a name
+    is a positional parameter of fn (sf.jit passes arrays by position)."""
+    nums = (argnums,) if isinstance(argnums, (int, np.integer)) and not isinstance(argnums, bool) else argnums
+    try:
+        out = {as_int(k, "donate_argnums", minimum=0) for k in nums}
+    except TypeError:
+        raise TypeError(f"donate_argnums must be an int or a tuple of ints, got {argnums!r}") from None
+    names = (argnames,) if isinstance(argnames, str) else tuple(argnames)
+    if names:
+        params = list(inspect.signature(fn).parameters.values())
+        positional = [p.name for p in params if p.kind in (P.POSITIONAL_ONLY, P.POSITIONAL_OR_KEYWORD)]
+        for n in names:
+            if not isinstance(n, str) or n not in positional:
+                raise ValueError(f"donate_argnames={argnames!r}: {n!r} names no positional parameter of "
+                                 f"{getattr(fn, '__name__', 'the function')} (it has {', '.join(positional)})")
+            out.add(positional.index(n))
+    return tuple(sorted(out))

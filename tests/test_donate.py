@@ -112,3 +112,24 @@ def test_refusals():
         sf.jit(lambda a: a * 2.0, mesh=MESH, donate_argnums=3)(np.ones(4))
     with pytest.raises(TypeError, match="donate_argnums"):
         sf.jit(lambda a: a, mesh=MESH, donate_argnums="w")
+
+
+def test_donate_argnames_names_the_arguments_donated():
+    # JAX's donate_argnames: resolved to positions once; combined with donate_argnums
+    mesh = sf.DeviceMesh(2, backend="numpy")
+
+    def step(w, g, lr):
+        return w - lr * g
+
+    f = sf.jit(step, mesh=mesh, donate_argnames="w")
+    assert f.donate_argnums == (0,)
+    rng = np.random.default_rng(31)
+    w = sf.shard(rng.standard_normal((4, 2)), axis=0, mesh=mesh)
+    g = rng.standard_normal((4, 2))
+    want = w.gather() - 0.1 * g
+    np.testing.assert_allclose(f(w, g, 0.1).gather(), want, rtol=1e-15)
+    with pytest.raises(RuntimeError, match="donated"):
+        w.gather()
+    assert sf.jit(step, mesh=mesh, donate_argnums=1, donate_argnames=("w",)).donate_argnums == (0, 1)
+    with pytest.raises(ValueError, match="names no positional parameter of step"):
+        sf.jit(step, mesh=mesh, donate_argnames="x")
