@@ -13,10 +13,11 @@ Counter-based (shardfuse/random_bits.py): the bits of element i of a result are 
 and of i, its flat index in the global array, alone.  So any sharding of a result holds the same
 values, each device computing its own piece with no communication
 (`sf.shard(sf.random.normal(key, (B, V)), axis=1, over="tp")` issues no collective), and a draw is
-the same on every mesh, inside jit and outside it, and under any number of MPI ranks.  Integer
-results (bits, randint, bernoulli) and uniform are exact, so bit-identical on every backend too;
-normal and gumbel (and categorical, through gumbel) pass through log / sqrt / cos, whose last bit
-may differ between NumPy and CUDA.  Not cryptographic.
+the same on every mesh, inside jit and outside it, and under any number of MPI ranks.  bits,
+randint, bernoulli and uniform on [0, 1) are exact integer arithmetic and exact casts, so
+bit-identical on every backend too; uniform on another range rounds a multiply and an add (a GPU
+kernel may fuse them), and normal and gumbel (and categorical, through gumbel) pass through log /
+sqrt / cos, whose last bit may differ between NumPy and CUDA.  Not cryptographic.
 
 Keys are NumPy int64 arrays of shape (2,) holding two 32-bit words (shardfuse has no uint32;
 `np.asarray(key).astype(np.uint32)` is JAX's layout).  They are arguments of jitted functions like
@@ -146,8 +147,8 @@ def fold_in(key, data):
     0-d integer array (a step counter or a rank passed to a jitted function)."""
     if isinstance(data, bool) or not (isinstance(data, (int, np.integer)) or getattr(data, "shape", None) == ()):
         raise TypeError(f"sf.random.fold_in: data must be an int or a 0-d integer array, got {data!r}")
-    if isinstance(data, (int, np.integer)):
-        data = _word(data)
+    if isinstance(data, (int, np.integer)) or isinstance(data, np.ndarray) and data.dtype.kind in "iu":
+        data = _word(data)  # (a host integer of any width: its low 32 bits, as JAX's uint32 data)
     elif np.dtype(data.dtype).name not in ("int32", "int64"):
         raise TypeError(f"sf.random.fold_in: data must be an integer, got dtype {np.dtype(data.dtype).name}")
     return apply_keyed(_fold_in, "random.fold_in", None, check_key(key, "fold_in"), data)

@@ -144,6 +144,7 @@ def test_same_key_same_values_and_new_keys_differ():
     same_bits(a, sf.random.split(KEY, 2)[0])
     assert not np.array_equal(sf.random.uniform(a, (50,)), sf.random.uniform(b, (50,)))
     same_bits(sf.random.fold_in(KEY, 2**32 + 3), sf.random.fold_in(KEY, 3))  # (data: its low 32 bits, as JAX's)
+    same_bits(sf.random.fold_in(KEY, np.array(3, np.uint32)), sf.random.fold_in(KEY, np.int64(3)))
     same_bits(sf.random.split(KEY.astype(np.int32), 3)[2], sf.random.split(KEY, 3)[2])  # (int32, uint32 keys)
     same_bits(sf.random.uniform(KEY.astype(np.uint32), (9,)), sf.random.uniform(KEY, (9,)))
     assert sf.random.PRNGKey is sf.random.key
