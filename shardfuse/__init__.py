@@ -21,7 +21,7 @@ from shardfuse.placements import Partial, Replicate, Shard, StridedShard
 from shardfuse.spec import TensorSpec
 from shardfuse.take import scatter_add, take
 from shardfuse.visualize import visualize_sharding
-from shardfuse import nn, transformer
+from shardfuse import nn, random, transformer
 
 nn.transformer_layer = transformer.transformer_layer  # (sf.nn's block; in its own module: it is built from sf.nn)
 from shardfuse.trace import stream, to_mesh
@@ -41,7 +41,7 @@ from shardfuse import numpy_broadcast  # noqa: F401 (np.broadcast_to, np.repeat,
 
 __all__ = ["Array", "DeviceMesh", "Layout", "Partial", "Replicate", "Shard", "StridedShard", "Plan", "TensorSpec", "from_local", "jit", "replicate", "shard", "stream", "to_mesh",
            "exp", "gelu", "linear", "relu", "tanh", "sqrt", "rsqrt", "log", "sigmoid", "silu", "maximum", "minimum",
-           "where", "logical_not", "logical_and", "logical_or", "logical_xor", take.__name__, scatter_add.__name__, "concatenate", "split", "stack", *(f.__name__ for f in (sin, cos, log1p, expm1, erf)), "nn", "grad", "value_and_grad",
+           "where", "logical_not", "logical_and", "logical_or", "logical_xor", take.__name__, scatter_add.__name__, "concatenate", "split", "stack", *(f.__name__ for f in (sin, cos, log1p, expm1, erf)), "nn", "random", "grad", "value_and_grad",
            "vjp", "custom_vjp", "checkpoint", "torch_function", "visualize_sharding", "distribute",
            "CollectiveTimeoutError", "ConcretizationError", "RankLeftError", "RankMismatchError"]
 

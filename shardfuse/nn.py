@@ -28,7 +28,7 @@ import numpy as np
 
 from shardfuse.autodiff import stop_gradient
 from shardfuse.custom_vjp import custom_vjp
-from shardfuse.traced import Traced, describe
+from shardfuse.traced import Traced, describe, is_scalar
 from shardfuse.numpy_math import gelu
 from shardfuse.traced_numpy import exp, linear, log, maximum, minimum, rsqrt, silu, where
 
@@ -219,3 +219,34 @@ def cross_entropy(logits, labels, ignore_index=None):
 
 def _int_array(v) -> bool:
     return isinstance(v, Traced) and v.dtype_name in ("int32", "int64")
+
+
+def dropout(key, x, rate):
+    """Inverted dropout (torch.nn.functional.dropout in training, flax's Dropout): each element of x
+    zeroed with probability `rate` and the others scaled by 1 / (1 - rate), so E[result] = x; the
+    mask is sf.random.bernoulli(key, 1 - rate, x.shape) (counter-based: computed where x's pieces
+    lie, with no communication, the same on every mesh).  rate 0 returns x, rate 1 zeros.  Inside
+    sf.jit, and outside it on sf.Arrays (one plan) or NumPy arrays (on the host); its gradient is
+    the same mask, scaled (sf.grad).  Pass a fresh key per step (sf.random.fold_in(key, step))."""
+    from shardfuse import random
+
+    if not is_scalar(rate) or not 0.0 <= float(rate) <= 1.0:
+        raise ValueError(f"sf.nn.dropout: rate must be a number in [0, 1], got {rate!r}")
+    if not (hasattr(x, "shape") and hasattr(x, "dtype")) or np.dtype(x.dtype).kind != "f" and \
+            np.dtype(x.dtype).name != "bfloat16":
+        raise TypeError(f"sf.nn.dropout: x must be a float array, got {describe(x)}")
+    if float(rate) == 0.0:
+        return x
+    return random.apply_keyed(_dropout, "nn.dropout", None, random.check_key(key, "nn.dropout"), x, float(rate))
+
+
+def _dropout(key, x, rate):
+    from shardfuse import random
+
+    if rate == 1.0:
+        return np.zeros_like(x)
+    keep = random.bernoulli(key, 1.0 - rate, tuple(x.shape))
+    return np.where(keep, x / (1.0 - rate), 0)
+
+
+__all__ += [dropout.__name__]

@@ -35,6 +35,8 @@ def test_readme_python_blocks_run_as_written(tmp_path, monkeypatch):
     assert (tmp_path / "trace.json").exists() and ns["tl"].summary()["steps"] == len(ns["tl"])
     np.testing.assert_allclose(ns["c"].gather(), ns["np_a"].astype(np.float64) @ ns["np_b"], rtol=1e-4, atol=1e-4)
     assert any("{'allgather': 4, 'reduce_scatter': 4}" in text for text in printed)
+    assert any("{'allreduce': 2}\n{}\n" in text for text in printed)  # sf.random's block: a sampled decode step, dropout
+    assert [t.shape for t in ns["tokens"]] == [(4,)] * 3 and not all((t == ns["tokens"][0]).all() for t in ns["tokens"])
     x, w1, b1, w2, b2 = (ns[k] for k in ("x", "w1", "b1", "w2", "b2"))
     h = x @ w1 + b1
     gelu = 0.5 * h * (1 + np.tanh(np.sqrt(2 / np.pi) * (h + 0.044715 * h ** 3)))
