@@ -67,19 +67,23 @@ def loop_dtypes(op, a, b) -> tuple:
     scalars, in NumPy's order (c - x: the scalar first).  NumPy's refusal, or a dtype shardfuse lacks,
     is a TypeError that says what was expected."""
     ufunc = UFUNCS.get(op, np.add)
-    what = f"np.{ufunc.__name__}({describe(a)}, {describe(b)})" if op in UFUNCS else \
-        f"{op} of {describe(a)} and {describe(b)}"
     try:
         t1, t2, out = _resolve(ufunc, numpy_operand(a), numpy_operand(b))
     except TypeError as e:
-        raise TypeError(f"{what}: NumPy 2 refuses it (np.{ufunc.__name__}: {e}); cast first, e.g. "
+        raise TypeError(f"{_call(op, ufunc, a, b)}: NumPy 2 refuses it (np.{ufunc.__name__}: {e}); cast first, e.g. "
                         "x.astype('int32') or x.astype('float32')") from None
-    bad = [t for t in (t1, t2, out) if t not in dtypes.TABLE]
-    if bad or t1 != t2:
+    if t1 != t2 or not {t1, out} <= dtypes.TABLE.keys():
         why = " (NumPy's dtype of such ops of boolean operands)" if out == "int8" else ""
-        raise TypeError(f"{what}: NumPy 2 computes it in {t1} and {t2}, giving {out}{why}, a dtype shardfuse lacks "
-                        f"(it has {', '.join(dtypes.DTYPES)}); cast an operand first, e.g. x.astype('int32')")
+        raise TypeError(f"{_call(op, ufunc, a, b)}: NumPy 2 computes it in {t1} and {t2}, giving {out}{why}, a dtype "
+                        f"shardfuse lacks (it has {', '.join(dtypes.DTYPES)}); cast an operand first, e.g. "
+                        "x.astype('int32')")
     return t1, out
+
+
+def _call(op, ufunc, a, b) -> str:
+    if op in UFUNCS:
+        return f"np.{ufunc.__name__}({describe(a)}, {describe(b)})"
+    return f"{op} of {describe(a)} and {describe(b)}"
 
 
 def beyond(c, dtype: str) -> bool:
