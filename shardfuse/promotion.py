@@ -7,9 +7,9 @@ takes the array's dtype unless it is of a higher kind: int32 x * 0.5 is float64,
 float16), a Python bool is a bool; a NumPy scalar and a 0-d array are strong, as any array (float32 x -
 np.float64(0.5) is float64); a traced value made from a Python scalar argument of sf.jit is weak, as
 JAX's.  So `0.5 - int_array` is float64, `1.0 - mask` float64, `3 / int_array` float64, and where NumPy
-refuses (`mask - mask`, `x & 1.5`) or answers in a dtype shardfuse lacks (int8 for `mask // mask`), the
-TypeError comes here, at trace time, before anything runs.  No table of our own: a new dtype pair is
-NumPy's answer (bfloat16's through ml_dtypes).
+refuses (`mask - mask`, `True - mask`) or answers in a dtype shardfuse lacks (int8 for `mask // mask`),
+the TypeError comes here, at trace time, before anything runs (& | ^ of floats: logical.py's, saying
+what to write).  No table of our own: a new dtype pair is NumPy's answer (bfloat16's through ml_dtypes).
 """
 from __future__ import annotations
 
