@@ -101,7 +101,9 @@ def is_float(name: str) -> bool:
 def promote_types(a: str, b: str) -> str:
     """The dtype of an op on arrays of dtypes a and b: as jnp.promote_types among floats (float16
     and bfloat16 meet at float32), as NumPy 2 otherwise (bool < int32 < int64; an integer beside a
-    float gives float64 as NumPy's int32 + float32 does, and a larger float's own type)."""
+    float gives float64 as NumPy's int32 + float32 does, and a larger float's own type): NumPy 2's
+    result_type of two arrays of these dtypes, bfloat16's by ml_dtypes.  (Operators with scalars and
+    weak values ask NumPy itself: shardfuse.promotion.)"""
     if a == b:
         return a
     if is_float(a) and is_float(b):
@@ -112,36 +114,6 @@ def promote_types(a: str, b: str) -> str:
         f, other = (a, b) if is_float(a) else (b, a)
         return f if other == "bool" else "float64"
     return max(a, b, key=lambda t: (KINDS[t], TABLE[t].itemsize))
-
-
-def scalar_kind(c) -> int:
-    """0, 1 or 2 for a Python / NumPy bool, integer or float (a weak scalar's kind)."""
-    if isinstance(c, (bool, np.bool_)):
-        return 0
-    return 1 if isinstance(c, (int, np.integer)) else 2
-
-
-def weak_result(name: str, c) -> str:
-    """The dtype of an op on an array of dtype `name` and a Python scalar c (NumPy 2 and JAX: a
-    weak scalar keeps the array's dtype, unless it is of a higher kind: a float beside an integer
-    array gives float64, an integer beside a bool array int64, as NumPy's defaults)."""
-    return _weak_kind_result(name, scalar_kind(c))
-
-
-def _weak_kind_result(name: str, kind: int) -> str:
-    if kind <= KINDS[name]:
-        return name
-    return "float64" if kind == 2 else "int64"
-
-
-def promote_weak(a: str, a_weak: bool, b: str, b_weak: bool) -> str:
-    """promote_types where a side may be weak (a Python scalar passed to sf.jit, or computed from
-    one): against a strong array a weak side counts as a Python scalar of its kind, so float32 x
-    and a float argument give float32, as `x * 2.0` does; two weak sides, or two strong, promote."""
-    if a_weak == b_weak:
-        return promote_types(a, b)
-    strong, weak = (b, a) if a_weak else (a, b)
-    return _weak_kind_result(strong, KINDS[weak])
 
 
 def poison_value(name: str):

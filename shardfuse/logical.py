@@ -39,7 +39,7 @@ def _bitwise_traced(a, b, op):
     if not (is_weak_scalar(a) or is_weak_scalar(b)) and not (isinstance(a, Traced) and isinstance(b, Traced)):
         bad = b if isinstance(a, Traced) else a
         raise TypeError(f"{what}: an array or a Python scalar was expected, got {type(bad).__name__}")
-    a, b = scalar_operands(a, b, op)
+    a, b = scalar_operands(a, b, Op.ADD)  # (NumPy's promotion: np.bitwise_*'s dtypes, but for floats)
     _refuse_floats(a, what)
     return a.elementwise_op(op, (a, b), a.dtype_name)
 

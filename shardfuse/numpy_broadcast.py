@@ -23,7 +23,7 @@ from shardfuse import dtypes
 from shardfuse.mesh import as_int
 from shardfuse.ops import Op
 from shardfuse.spec import normalize_axis
-from shardfuse.traced import NUMPY, Traced, cast, describe, is_scalar
+from shardfuse.traced import NUMPY, Traced, cast, describe, is_weak_scalar
 from shardfuse.traced_numpy import apply_op, maximum, scalar_operands, where
 
 
@@ -157,27 +157,35 @@ def power(x1, x2):
     with the scalar baked in), a scalar base (2.0 ** x), or two arrays broadcast, such as a traced
     0-d learning-rate exponent (lr * decay ** t): one elementwise step of floats (NumPy's dtypes,
     weak Python scalar arguments kept weak; 16-bit floats in float32, rounded once), NaN for a
-    negative x and a non-integral y, as NumPy's.  Integer arrays with an array exponent are refused
-    (NumPy's integer power raises for a negative exponent, which a compiled plan cannot)."""
+    negative x and a non-integral y, as NumPy's.  An integer array exponent is refused, of an integer
+    array or of a scalar base (NumPy's integer power raises for a negative exponent, which a compiled
+    plan cannot), and so is a negative scalar exponent of integers, as NumPy refuses it."""
     return apply_op(_power, str(Op.POWER), x1, x2)
 
 
 def _power(a, b):
-    if isinstance(a, Traced) and is_scalar(b):
-        x, c = a.with_scalar(b)
+    if isinstance(a, Traced) and is_weak_scalar(b):
+        x, c = a.with_scalar(b, Op.POWER)
+        if c < 0 and not dtypes.is_float(x.dtype_name):
+            raise ValueError(f"x ** {b!r} of {describe(a)}: integers to negative integer powers are not allowed "
+                             "(NumPy's ValueError); write x.astype('float64') ** c")
         return x.unary_op(Op.POW, value=c)
-    if isinstance(b, Traced) and is_scalar(a):
-        x, c = b.with_scalar(a)
+    if isinstance(b, Traced) and is_weak_scalar(a):
+        x, c = b.with_scalar(a, Op.POWER, reflected=True)
+        if not dtypes.is_float(x.dtype_name) and b.dtype_name != "bool":  # (a bool exponent is never negative)
+            raise TypeError(f"{a!r} ** x of the integer array {describe(b)}: shardfuse's integer powers take a "
+                            "scalar exponent (NumPy's raise for a negative one, which a compiled plan cannot); "
+                            "write c ** x.astype('float64')")
         return x.unary_op(Op.RPOW, value=c)
     if not (isinstance(a, Traced) and isinstance(b, Traced)):
         raise TypeError(f"x ** y of {describe(a)} and {describe(b)} (inside sf.jit or on sf.Arrays): shardfuse's "
-                        "powers take arrays and real Python or NumPy scalars (for a bool exponent write int(y))")
-    x, y = a.promote_with(b, Op.POWER)
-    if not dtypes.is_float(x.dtype_name):
+                        "powers take arrays and real Python or NumPy scalars")
+    if not any(dtypes.is_float(v.dtype_name) for v in (a, b)):  # (before NumPy's int8 of two booleans)
         raise TypeError(f"x ** y of {describe(a)} and the array {describe(b)} (inside sf.jit and on sf.Arrays): "
-                        f"shardfuse's power of two arrays is of floats ({x.dtype_name} here; NumPy's integer power "
+                        f"shardfuse's power of two arrays is of floats ({a.dtype_name} here; NumPy's integer power "
                         "raises for a negative exponent, which a compiled plan cannot); write "
                         "x.astype('float64') ** y, or a Python int exponent (x ** 2)")
+    x, y = a.promote_with(b, Op.POWER)
     return x.elementwise_op(Op.POWER, (x, y), x.dtype_name)
 
 

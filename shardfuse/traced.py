@@ -10,7 +10,7 @@ import math
 
 import numpy as np
 
-from shardfuse import constants, dtypes
+from shardfuse import constants, dtypes, promotion
 from shardfuse.ir import Instr, Namer, TensorType, Value
 from shardfuse.mesh import as_int
 from shardfuse.numpy_methods import NUMPY, NumpyMethods
@@ -91,24 +91,19 @@ class Traced(NumpyMethods):
         return other
 
     def promote_with(self, other, what):
-        """(self, other) cast to their promoted dtype (dtypes.promote_weak; float64 for the true
-        division of integers, as NumPy's)."""
+        """(self, other) cast to the dtype NumPy 2 computes `what` of them in (promotion.loop_dtypes:
+        NEP 50, a weak value as a Python scalar; float64 for the true division of integers)."""
         b = self._other(other, what)
-        dt = dtypes.promote_weak(self.dtype_name, self.weak, b.dtype_name, b.weak)
-        dt = "float64" if what == Op.DIV and not dtypes.is_float(dt) else dt
+        dt = promotion.loop_dtypes(what, self, b)[0]
         return cast(self, dt), cast(b, dt)
 
-    def with_scalar(self, c, to_float=False, rounded=False):
-        """(self cast where the scalar's kind needs it, c as a value of that dtype): a Python scalar is
-        weak, as in NumPy 2 and JAX (x * 2.0 keeps float16; int32 x * 0.5 is float64); a NumPy scalar
-        is not (float32 x * np.float64(3) is float64, as NumPy 2's and JAX's)."""
-        name = np.dtype(c.dtype).name if isinstance(c, np.generic) else None
-        dt = dtypes.promote_types(self.dtype_name, name) if name in dtypes.TABLE else dtypes.weak_result(self.dtype_name, c)
-        dt = "float64" if to_float and not dtypes.is_float(dt) else dt
-        x = cast(self, dt)
-        if rounded:  # (a comparison's or maximum's scalar: NumPy 2 rounds it to x's dtype first)
-            return x, dtypes.as_value(c, dt)
-        return x, float(c) if dtypes.is_float(dt) else bool(c) if dt == "bool" else int(c)
+    def with_scalar(self, c, what=Op.ADD, rounded=False, reflected=False):
+        """(self cast to the dtype NumPy 2 computes `what` of it and the scalar c in, c as a value of that
+        dtype; reflected: c op x): a Python scalar is weak, as in NumPy 2 and JAX (x * 2.0 keeps float16;
+        int32 x * 0.5 is float64); a NumPy scalar is not (float32 x * np.float64(3) is float64).
+        `rounded`: c rounded to that dtype first, as NumPy 2 rounds it (a comparison's, maximum's)."""
+        dt = promotion.loop_dtypes(what, *((c, self) if reflected else (self, c)))[0]
+        return cast(self, dt), promotion.scalar_value(c, dt, rounded)
 
     def elementwise_op(self, op, ins, dtype, **attrs):
         try:
@@ -136,12 +131,18 @@ class Traced(NumpyMethods):
         out = TensorType(sa[:-1] + (sb[-1],), self.dtype_name)
         return self.builder.emit(Op.MATMUL, (self, b), out, "c")
 
-    def _elementwise(self, other, op):
-        if is_weak_scalar(other):  # x op c: a scalar op on x (c the same on every device)
-            x, c = self.with_scalar(other, to_float=op == Op.DIV)
+    def _elementwise(self, other, op, reflected=False):
+        if is_weak_scalar(other):  # x op c, c op x: a scalar step on x (c the same on every device)
+            x, c = self.with_scalar(other, op, reflected=reflected)
+            if reflected and op == Op.DIV:
+                return x.unary_op(Op.RDIV, value=c)
+            if reflected and op == Op.SUB:  # c - x as -x + c: exact (in NumPy's dtype: bool refused)
+                return x.unary_op(Op.NEG).unary_op(Op.ADD_SCALAR, value=c)
             if op in (Op.MUL, Op.DIV):
                 return x.unary_op(Op.SCALE, value=c) if op == Op.MUL else x.unary_op(Op.DIV_SCALAR, value=c)
-            return x.unary_op(Op.ADD_SCALAR, value=c if op == Op.ADD else -c)
+            return x.unary_op(Op.ADD_SCALAR, value=c if op == Op.ADD else promotion.negated(c, x.dtype_name))
+        if reflected:
+            return NotImplemented
         a, b = self.promote_with(other, op)
         return a.elementwise_op(op, (a, b), a.dtype_name)
 
@@ -151,7 +152,9 @@ class Traced(NumpyMethods):
     def _compare(self, other, op):
         """x op y elementwise, a boolean array (JAX's and NumPy's ==, not Python's identity)."""
         if is_weak_scalar(other):
-            x, c = self.with_scalar(other, rounded=True)
+            if promotion.beyond(other, promotion.loop_dtypes(op, self, other)[0]):  # (as NumPy 2: as 0 compares)
+                return self.unary_op(Op.FULL_LIKE, "bool", value=promotion.COMPARE[op](0, other))
+            x, c = self.with_scalar(other, op, rounded=True)
             return x.unary_op(SCALAR_OF[op], "bool", value=c)
         if not isinstance(other, Traced) and not constants.is_constant(other):
             return NotImplemented
@@ -170,7 +173,7 @@ class Traced(NumpyMethods):
         return NUMPY[np.power](self, other)
 
     def __rpow__(self, other):  # c ** x
-        return NUMPY[np.power](other, self) if is_scalar(other) else NotImplemented
+        return NUMPY[np.power](other, self) if is_weak_scalar(other) else NotImplemented
 
     def astype(self, dtype):
         """x in another dtype (float16, bfloat16, float32, float64, int32, int64, bool), as NumPy's
@@ -191,20 +194,16 @@ class Traced(NumpyMethods):
     def __mul__(self, other):
         return self._elementwise(other, Op.MUL)
 
-    __radd__, __rmul__ = __add__, __mul__  # (c + x, c * x: reflected only for scalars; both commute)
+    __radd__, __rmul__ = __add__, __mul__  # (c + x, c * x: both commute, and so do their dtypes)
 
     def __truediv__(self, other):
         return self._elementwise(other, Op.DIV)
 
     def __rsub__(self, other):  # c - x
-        if not is_scalar(other):
-            return NotImplemented
-        return (-self).unary_op(Op.ADD_SCALAR, value=float(other))
+        return self._elementwise(other, Op.SUB, reflected=True)
 
     def __rtruediv__(self, other):  # c / x
-        if not is_scalar(other):
-            return NotImplemented
-        return self.unary_op(Op.RDIV, value=float(other))
+        return self._elementwise(other, Op.DIV, reflected=True)
 
     # NumPy on traced values: a function or ufunc shardfuse has runs as its op (the NUMPY table),
     # any other is refused naming what to write instead (never an ndarray made of traced values)
@@ -262,10 +261,13 @@ class Traced(NumpyMethods):
             raise TypeError(f"len() of the 0-d traced value {describe(self)} (as NumPy: len() of unsized object)")
         return self.shape[0]
 
-    def __abs__(self):  # relu(x) + relu(-x), exact (one of the two is zero)
-        return self.unary_op(Op.RELU) + (-self).unary_op(Op.RELU)
+    def __abs__(self):  # relu(x) + relu(-x), exact (one of the two is zero); booleans are their own
+        return self if self.dtype_name == "bool" else self.unary_op(Op.RELU) + (-self).unary_op(Op.RELU)
 
     def __neg__(self):
+        if self.dtype_name == "bool":
+            raise TypeError(f"-x of the boolean array {describe(self)}: NumPy 2 refuses it (the numpy boolean "
+                            "negative is not supported); write ~x for a logical not, or -x.astype('int32')")
         return self.unary_op(Op.NEG)
 
     def sum(self, axis=None, keepdims=False):

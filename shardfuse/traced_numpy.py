@@ -3,7 +3,7 @@ table `traced.NUMPY`, filled here, that `Traced.__array_ufunc__` / `__array_func
 sf.Array (shardfuse/array_ops.py) look NumPy's functions up in.
 
 The sf.* functions take traced values inside sf.jit and sf.Arrays outside it (each op there a
-one-op plan, array_ops.apply); NumPy's semantics: dtype promotion (dtypes.promote_types, weak
+one-op plan, array_ops.apply); NumPy's semantics: dtype promotion (NumPy 2's own, shardfuse.promotion: weak
 Python scalars), broadcasting, negative axes.
 """
 from __future__ import annotations
@@ -98,7 +98,7 @@ def _extremum(op, scalar_op):
         if is_weak_scalar(a):
             a, b = b, a
         if is_weak_scalar(b):
-            v, c = a.with_scalar(b, rounded=True)
+            v, c = a.with_scalar(b, op, rounded=True)
             return v.unary_op(scalar_op, value=c)
         a, b = a.promote_with(b, op)
         return a.elementwise_op(op, (a, b), a.dtype_name)
@@ -124,13 +124,13 @@ def _floor_op(op, ufunc):
 
 def scalar_operands(a, b, op):
     """(a, b) as two arrays of one dtype for a binary op: a Python scalar on either side becomes an
-    array of the other operand's shape (a full_like, in the dtype NumPy's weak scalar gives), so one
+    array of the other operand's shape (a full_like, in the dtype NumPy 2 computes op in), so one
     op serves x // 2 and 2 // x and its sharding is the elementwise rule's; two arrays promoted."""
     if is_weak_scalar(b):
-        a, c = a.with_scalar(b)
+        a, c = a.with_scalar(b, op)
         return a, a.unary_op(Op.FULL_LIKE, value=c)
     if is_weak_scalar(a):
-        b, c = b.with_scalar(a)
+        b, c = b.with_scalar(a, op, reflected=True)
         return b.unary_op(Op.FULL_LIKE, value=c), b
     return a.promote_with(b, op)
 

@@ -1,0 +1,118 @@
+"""The dtypes of binary ops on traced values (and so on sf.Arrays): NumPy 2's, asked of NumPy itself.
+
+Every binary operator and its reflected form (x + c and c + x, x - c and c - x, /, //, %, **, the
+comparisons, & | ^) and np.maximum / np.minimum / np.where compute in the dtype NumPy's own type
+resolution picks for their ufunc (`ufunc.resolve_dtypes`, NEP 50): a Python int / float is weak (it
+takes the array's dtype unless it is of a higher kind: int32 x * 0.5 is float64, float16 x * 2.0 stays
+float16), a Python bool is a bool; a NumPy scalar and a 0-d array are strong, as any array (float32 x -
+np.float64(0.5) is float64); a traced value made from a Python scalar argument of sf.jit is weak, as
+JAX's.  So `0.5 - int_array` is float64, `1.0 - mask` float64, `3 / int_array` float64, and where NumPy
+refuses (`mask - mask`, `True - mask`) or answers in a dtype shardfuse lacks (int8 for `mask // mask`),
+the TypeError comes here, at trace time, before anything runs (& | ^ of floats: logical.py's, saying
+what to write).  No table of our own: a new dtype pair is NumPy's answer (bfloat16's through ml_dtypes).
+"""
+from __future__ import annotations
+
+import functools
+import operator
+
+import numpy as np
+
+from shardfuse import dtypes
+from shardfuse.ops import Op
+
+# the ufunc whose type resolution an op follows (the others: np.add's, which is NumPy's plain promotion)
+UFUNCS = {
+    Op.ADD: np.add, Op.SUB: np.subtract, Op.MUL: np.multiply, Op.DIV: np.true_divide,
+    Op.FLOOR_DIVIDE: np.floor_divide, Op.MOD: np.remainder, Op.POWER: np.power,
+    Op.MAXIMUM: np.maximum, Op.MINIMUM: np.minimum,
+    Op.LT: np.less, Op.LE: np.less_equal, Op.GT: np.greater, Op.GE: np.greater_equal, Op.EQ: np.equal,
+    Op.NE: np.not_equal,
+}  # (& | ^: np.add's promotion, then logical.py refuses floats, as NumPy's bitwise ufuncs, saying what to write)
+# Python's comparison of a scalar beyond an integer dtype's range with 0 (which any element compares as)
+COMPARE = {Op.LT: operator.lt, Op.LE: operator.le, Op.GT: operator.gt, Op.GE: operator.ge, Op.EQ: operator.eq,
+           Op.NE: operator.ne}
+_WEAK = (np.dtype(bool), int, float)  # a weak value of kind bool, integer, float as NumPy's resolution takes it
+
+
+def numpy_operand(x):
+    """x as `ufunc.resolve_dtypes` takes it: a Python int or float as its type (weak), a Python or
+    NumPy bool as bool, a NumPy scalar as its dtype (strong); a traced value (it has `dtype_name`
+    and `weak`) as its dtype, or where weak as the Python type of its kind."""
+    if hasattr(x, "dtype_name"):
+        return _WEAK[dtypes.KINDS[x.dtype_name]] if x.weak else dtypes.np_dtype(x.dtype_name)
+    if isinstance(x, (bool, np.bool_)):
+        return np.dtype(bool)
+    if isinstance(x, np.generic):
+        return x.dtype
+    if isinstance(x, (int, float, complex)):
+        return int if isinstance(x, int) else float if isinstance(x, float) else complex
+    raise TypeError(f"an array or a Python / NumPy scalar was expected, got {type(x).__name__}")
+
+
+def describe(x) -> str:
+    """An operand in a message: a traced value's name and dtype (weak: from a Python scalar), a scalar's type and value."""
+    if hasattr(x, "dtype_name"):
+        return f"{x.value.name} ({x.dtype_name}{', weak' if x.weak else ''})"
+    return f"the {'Python' if type(x).__module__ == 'builtins' else 'NumPy'} scalar {x!r}"
+
+
+@functools.lru_cache(maxsize=1024)
+def _resolve(ufunc, a, b) -> tuple:
+    return tuple(t.name for t in ufunc.resolve_dtypes((a, b, None)))
+
+
+def loop_dtypes(op, a, b) -> tuple:
+    """(the dtype NumPy 2 computes `op` of a and b in, the result's dtype), a and b traced values or
+    scalars, in NumPy's order (c - x: the scalar first).  NumPy's refusal, or a dtype shardfuse lacks,
+    is a TypeError that says what was expected."""
+    ufunc = UFUNCS.get(op, np.add)
+    try:
+        t1, t2, out = _resolve(ufunc, numpy_operand(a), numpy_operand(b))
+    except TypeError as e:
+        raise TypeError(f"{_call(op, ufunc, a, b)}: NumPy 2 refuses it (np.{ufunc.__name__}: {e}); cast first, e.g. "
+                        "x.astype('int32') or x.astype('float32')") from None
+    if t1 != t2 or not {t1, out} <= dtypes.TABLE.keys():
+        why = " (NumPy's dtype of such ops of boolean operands)" if out == "int8" else ""
+        raise TypeError(f"{_call(op, ufunc, a, b)}: NumPy 2 computes it in {t1} and {t2}, giving {out}{why}, a dtype "
+                        f"shardfuse lacks (it has {', '.join(dtypes.DTYPES)}); cast an operand first, e.g. "
+                        "x.astype('int32')")
+    return t1, out
+
+
+def _call(op, ufunc, a, b) -> str:
+    if op in UFUNCS:
+        return f"np.{ufunc.__name__}({describe(a)}, {describe(b)})"
+    return f"{op} of {describe(a)} and {describe(b)}"
+
+
+def beyond(c, dtype: str) -> bool:
+    """Whether c is a Python int beyond the range of the integer dtype `dtype` (NumPy 2: an OverflowError
+    for arithmetic; a comparison is decided as if by 0, every element the same way)."""
+    if dtypes.is_float(dtype) or dtype == "bool" or isinstance(c, (bool, np.generic)) or not isinstance(c, int):
+        return False
+    info = np.iinfo(dtype)
+    return not info.min <= c <= info.max
+
+
+def scalar_value(c, dtype: str, rounded=False):
+    """c as the plan stores it beside a value of `dtype` (the dtype NumPy computes in): a bool, an int or
+    a float; `rounded`: a float rounded to `dtype` first, as NumPy 2 rounds it (comparisons, maximum).
+    A Python int beyond an integer dtype's range raises NumPy 2's OverflowError."""
+    if beyond(c, dtype):
+        raise OverflowError(f"Python integer {c} out of bounds for {dtype} (NumPy 2 raises too: NEP 50 casts a "
+                            "Python int to the array's dtype); write it as an array of a wider dtype, or a float")
+    if dtype == "bool":
+        return bool(c)
+    if not dtypes.is_float(dtype):
+        return int(c)
+    return dtypes.as_value(c, dtype) if rounded else float(c)
+
+
+def negated(c, dtype: str):
+    """-c for x - c as x + (-c): an integer's in the dtype's two's complement (-(-2**63) wraps to itself, as
+    NumPy's x - c does)."""
+    if dtypes.is_float(dtype):
+        return -c
+    bits = 8 * dtypes.TABLE[dtype].itemsize
+    return (-c + 2 ** (bits - 1)) % 2 ** bits - 2 ** (bits - 1)
