@@ -362,7 +362,6 @@ class Executable:
 def _no_step(self, i, env, stream, devices):  # stream switches (steps.issue_order follows them)
     return None
 
-
 # Every host-level Op's binder (tests/test_architecture.py checks that the keys are ops.HOST).
 BIND = {
     Op.ALLOCATE: Executable._bind_allocate,
@@ -379,8 +378,9 @@ BIND = {
     Op.MATMUL: Executable._bind_matmul,
     **{op: Executable._bind_elementwise for op in ELEMENTWISE},
     **{op: Executable._bind_sum for op in (Op.SUM, Op.FUSED_SUM)},
-    Op.FUSED: lambda self, i, env, stream, devices: self.backend.bind_fused(  # (passes/fuse.py)
-        i.attrs["expr"], [self.refs[v] for v in i.ins], self.refs[i.into], stream, devices=devices),
+    **dict.fromkeys((Op.FUSED, Op.FUSED_ROWS), lambda self, i, env, stream, devices: (  # (passes/fuse.py, fuse_rows.py)
+        self.backend.bind_fused if i.op == Op.FUSED else self.backend.bind_fused_rows)(
+        i.attrs["expr"], [self.refs[v] for v in i.ins], self.refs[i.into], stream, devices=devices)),
     Op.TAKE: Executable._bind_rows,
     Op.SCATTER_ADD: Executable._bind_rows,
     Op.COPY: Executable._bind_copy,

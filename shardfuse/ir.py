@@ -271,7 +271,7 @@ def _fmt(ins: Instr, home=None) -> str:
         extra = _attrs(a, skip=("shape", "when"))
         return f"{_typed(ins.outs[0], home)} = {name} {ins_s}" + (f", {extra}" if extra else "")
     if ins.into is not None:  # host-level compute and communication write into a buffer
-        name = {Op.MATMUL: "Matmul", Op.SUM: "Sum", Op.FUSED_SUM: "FusedSum", Op.COPY: "Copy",
+        name = {Op.MATMUL: "Matmul", Op.SUM: "Sum", Op.FUSED_SUM: "FusedSum", Op.FUSED_ROWS: "FusedRows", Op.COPY: "Copy",
                 Op.ALLGATHER: "Allgather", Op.ALLREDUCE: "Allreduce", Op.REDUCE_SCATTER: "ReduceScatter", Op.ALLTOALL: "AllToAll",
                 Op.SENDRECV: "SendRecv", Op.TAKE: "Take", Op.SCATTER_ADD: "ScatterAdd",
                 Op.ORDER_KEYS: "OrderKeys", Op.FROM_ORDER_KEYS: "FromOrderKeys"
