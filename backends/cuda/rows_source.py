@@ -21,7 +21,9 @@ import math
 from shardfuse.backends.cuda.csource import BF16_PREAMBLE, INLINE, literal
 from shardfuse.ops import Op
 
-_KIND = {Op.REDUCE_MAX: "max", Op.REDUCE_MIN: "min", Op.SUM: "sum"}
+# per reduction node: (its combine, its block reduction, the start of a row's value)
+_KIND = {Op.REDUCE_MAX: ("sf_max", "block_max", float("-inf")), Op.REDUCE_MIN: ("sf_min", "block_min", float("inf")),
+         Op.SUM: ("sf_add", "block_sum", 0.0)}
 _PTR = {"bfloat16": "unsigned short", "float16": "unsigned short", "float32": "float", "float64": "double",
         "bool": "bool"}
 _LOAD = {"bfloat16": "bf2f({})", "float16": "h2f({})"}
@@ -145,14 +147,14 @@ def source(expr, in_dtypes, in_layouts, out) -> tuple:
         accs, steps = [], []
         for j, e in enumerate(nodes):
             acc = "double" if e.dtype == "float64" else "float"
-            start = "0" if _KIND[e.op] == "sum" else literal(float("-inf") if e.op == Op.REDUCE_MAX else float("inf"))
-            accs.append(f"{acc} acc{level}_{j} = ({acc}){start};")
+            combine, _, start = _KIND[e.op]
+            accs.append(f"{acc} acc{level}_{j} = ({acc}){literal(start)};")
             v = emit(e.args[0])
-            steps.append(f"acc{level}_{j} = sf_{'add' if _KIND[e.op] == 'sum' else _KIND[e.op]}(acc{level}_{j}, ({acc})({v}));")
+            steps.append(f"acc{level}_{j} = {combine}(acc{level}_{j}, ({acc})({v}));")
         body += accs + [f"for (long long c = threadIdx.x; c < {n}LL; c += blockDim.x) {{ {' '.join(emit.lines + steps)} }}"]
         for j, e in enumerate(nodes):
             acc = "double" if e.dtype == "float64" else "float"
-            total = f"block_{_KIND[e.op]}(acc{level}_{j}, red)"
+            total = f"{_KIND[e.op][1]}(acc{level}_{j}, red)"
             if e.value is not None:
                 total = f"({total} * ({acc}){literal(e.value)})"
             name = f"r{len(known)}"
