@@ -164,8 +164,8 @@ class CupyNcclBackend:
     def bind_fused_sum(self, expr, ins, axis, out, stream, scale=1.0, devices=None):
         return fused.bind_fused_sum(self.dev.on(devices), self.kernels, expr, ins, axis, out, stream, scale)
 
-    def bind_fused_rows(self, expr, ins, out, stream, devices=None):
-        return fused.bind_fused_rows(self.dev.on(devices), self.kernels, expr, ins, out, stream)
+    def bind_fused_rows(self, expr, ins, out, stream, devices=None, more=(), more_outs=()):
+        return fused.bind_fused_rows(self.dev.on(devices), self.kernels, expr, ins, out, stream, more, more_outs)
 
     def bind_sum(self, a, axis, out, stream, scale=1.0, devices=None):
         return kernels.bind_sum(self.dev.on(devices), self.kernels, a, axis, out, stream, scale)

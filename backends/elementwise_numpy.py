@@ -287,11 +287,12 @@ def summer(dtype, axis, scale):
     return total
 
 
-def row_schedule(expr, in_shapes):
-    """A FusedRows step's ops.Expr (passes/fuse_rows.py) as schedule()'s flat list, each equal node
-    once, with each node's shape: (op, argument slots, scalar, dtype, shape) per node, node k
-    writing slot len(in_shapes) + k (the last: the result).  A reduction node has its argument's
-    shape with the last axis kept as 1; an elementwise one the broadcast of its arguments'."""
+def row_schedule(exprs, in_shapes):
+    """A FusedRows step's ops.Exprs (passes/fuse_rows.py: its expr, then those of its further
+    results) as schedule()'s flat list, each equal node once, with each node's shape: ((op, argument
+    slots, scalar, dtype, shape) per node, node k writing slot len(in_shapes) + k; the slot of each
+    Expr's result).  A reduction node has its argument's shape with the last axis kept as 1; an
+    elementwise one the broadcast of its arguments'."""
     steps, slot_of, shapes = [], {}, list(in_shapes)
 
     def visit(e):
@@ -305,8 +306,8 @@ def row_schedule(expr, in_shapes):
             shapes.append(shape)
             slot_of[e] = len(shapes) - 1
         return slot_of[e]
-    visit(expr)
-    return steps
+    roots = [visit(e) for e in exprs]
+    return steps, roots
 
 
 def _row_sum(xp, x, factor, o):

@@ -127,18 +127,20 @@ class NumpyLocalBackend:
                 total(temps[j][-1], view(bufs, out, j))
         return step
 
-    def bind_fused_rows(self, expr, ins, out, stream, devices=None):
-        """expr evaluated op by op on whole arrays (elementwise_numpy.row_schedule), each reduction as
-        the unfused step reduces, into buffers of this step's own (made now), the last copied into
-        out: bit for bit the unfused steps' result."""
-        js, view = self._on(devices), self.view
-        steps = row_schedule(expr, [r.shape for r in ins])
+    def bind_fused_rows(self, expr, ins, out, stream, devices=None, more=(), more_outs=()):
+        """expr (and each of more) evaluated op by op on whole arrays (elementwise_numpy.row_schedule),
+        each reduction as the unfused step reduces, into buffers of this step's own (made now), the
+        results copied into out (and more_outs): bit for bit the unfused steps' results."""
+        js, view, outs = self._on(devices), self.view, (out, *more_outs)
+        steps, roots = row_schedule((expr, *more), [r.shape for r in ins])
         temps = {j: [np.empty(shape, np_dtype(dt)) for *_, dt, shape in steps] for j in js}  # (one call at a time)
 
         def step(bufs):
             for j in js:
-                evaluate_rows(np, steps, [view(bufs, r, j) for r in ins] + temps[j])
-                view(bufs, out, j)[...] = temps[j][-1].reshape(out.shape)
+                slots = [view(bufs, r, j) for r in ins] + temps[j]
+                evaluate_rows(np, steps, slots)
+                for r, k in zip(outs, roots):
+                    view(bufs, r, j)[...] = slots[k].reshape(r.shape)
         return step
 
     def bind_take(self, table, ids, rows, out, stream, vocab, devices=None):

@@ -277,6 +277,9 @@ def _fmt(ins: Instr, home=None) -> str:
                 Op.ORDER_KEYS: "OrderKeys", Op.FROM_ORDER_KEYS: "FromOrderKeys"
                 }.get(op, op.capitalize())
         rhs = " @ ".join(v.name for v in ins.ins) if op == Op.MATMUL else ins_s
+        if op == Op.FUSED_ROWS and "more" in a:  # a row group that writes more values (passes/fuse_rows.py), each an Expr
+            more = {**a, "more": f"({', '.join(map(str, a['more']))})"}
+            return f"{name} {', '.join(v.name for v in (ins.into, *ins.outs))} <- {rhs}, {_attrs(more, skip=('when',))}"
         if op == Op.TRANSFER:  # a move between meshes, in nvFuser's words
             name, a = a["kind"], {k: v for k, v in a.items() if k != "kind"}
         extra = f", {_attrs(a, skip=('when',))}" if set(a) - {"when"} else ""

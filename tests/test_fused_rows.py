@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 
 import shardfuse as sf
+from shardfuse.dtypes import np_dtype
 from shardfuse.ops import Op
 from test_fused_sum import fresh_rng, fused_and_unfused, leaves, randn
 
@@ -60,7 +61,8 @@ def rms_norm_bwd(x, w, v):
 
 
 # float64 NumPy references -------------------------------------------------------------------------
-def _np_softmax(s):
+def np_softmax(s):
+    """softmax over the last axis, float64 NumPy."""
     e = np.exp(s - s.max(-1, keepdims=True))
     return e / e.sum(-1, keepdims=True)
 
@@ -103,9 +105,9 @@ def _np_log_softmax(x):
 
 
 REFERENCE = {
-    softmax_fwd: lambda x, m: [_np_softmax(_np_masked(x, m))],
+    softmax_fwd: lambda x, m: [np_softmax(_np_masked(x, m))],
     log_softmax_fwd: lambda x, m: [_np_log_softmax(_np_masked(x, m, -3e4))],
-    softmax_bwd: lambda x, v: [(lambda y, g: y * (g - (g * y).sum(-1, keepdims=True)))(_np_softmax(x), _cotangent(x, v))],
+    softmax_bwd: lambda x, v: [(lambda y, g: y * (g - (g * y).sum(-1, keepdims=True)))(np_softmax(x), _cotangent(x, v))],
     log_softmax_bwd: lambda x, v: [(lambda y, g: g - np.exp(y) * g.sum(-1, keepdims=True))(_np_log_softmax(x),
                                                                                          _cotangent(x, v))],
     layer_norm_fwd: lambda x, w, b: [_np_layer_norm(x, w, b)],
@@ -266,3 +268,50 @@ def test_kernel_sources_one_kernel_per_group_and_cached():
     again = rows_source.source(step.attrs["expr"], ("bool", "bfloat16"), shapes,
                                ("bfloat16", (2, 4, 8, 16), (512, 128, 16, 1)))
     assert again[0] is src  # (cached: the same text object)
+
+
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+def test_the_float32_softmax_kept_for_the_backward_and_its_cast_are_one_step(dtype, monkeypatch):
+    """In sf.grad a 16-bit softmax writes its float32 y (the backward reads it) and y cast back for
+    the next GEMM: both results of one FusedRows (`FusedRows d, a <- ..., more=(astype(...))`), no
+    Astype step reading y again; the loss (through the cast) and the gradient (through y) equal the
+    unfused plan's bit for bit."""
+    r, seed = fresh_rng()
+    x, v = make_args(softmax_bwd, r, dtype, (2, 4, 8, 16))
+    fn = sf.value_and_grad(lambda x, v: (sf.nn.softmax(x) @ v).sum())
+    got, plan, want, _ = fused_and_unfused(fn, (x, v), monkeypatch)
+    (fwd,) = [i for i in fused_rows(plan) if "more" in i.attrs]
+    assert [o.type.dtype for o in (fwd.into, *fwd.outs)] == ["float32", dtype], plan
+    assert str(fwd.attrs["more"][0]).startswith("astype(div(exp("), plan
+    assert not any(i.op == Op.ASTYPE and i.into.type.shape == x.shape for i in plan.program.instrs), plan
+    for g, w in zip(got, want):
+        np.testing.assert_array_equal(g.reshape(-1).view(np.uint8), w.reshape(-1).view(np.uint8), err_msg=f"seed {seed}")
+
+
+def test_the_layer_training_step_equals_the_unfused_plan():
+    """The layer's training step (forward, backward, Adam; bfloat16, small) with its row groups (the
+    norms' and softmax's, some writing two results) gives the unfused plan's parameters, moments and
+    loss bit for bit."""
+    import os
+
+    from shardfuse.transformer import adam_step, init_params
+
+    hidden, heads, seq, batch = 32, 2, 8, 2
+    r, seed = fresh_rng()
+    p = {k: a.astype(np_dtype("bfloat16")) for k, a in init_params(r, hidden).items()}
+    x, t = randn(r, (batch, seq, hidden), "bfloat16"), randn(r, (batch, seq, hidden), "bfloat16")
+    mesh = sf.DeviceMesh(1, backend="numpy")
+    results = []
+    for fuse in ("1", "0"):
+        os.environ["SHARDFUSE_FUSE"] = fuse
+        try:
+            step = sf.jit(adam_step(heads), mesh=mesh)
+            zeros = {k: np.zeros_like(a) for k, a in p.items()}
+            if fuse == "1":
+                assert sum(i.op == Op.FUSED_ROWS for i in step.lower(p, zeros, zeros, x, t).program.instrs) >= 5
+            *trees, loss = step(p, zeros, dict(zeros), x, t)
+            results.append([np.asarray(tree[k]) for tree in trees for k in sorted(tree)] + [np.asarray(loss)])
+        finally:
+            del os.environ["SHARDFUSE_FUSE"]
+    for g, w in zip(*results):
+        np.testing.assert_array_equal(g.reshape(-1).view(np.uint8), w.reshape(-1).view(np.uint8), err_msg=f"seed {seed}")

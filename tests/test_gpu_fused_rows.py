@@ -95,3 +95,20 @@ def test_row_groups_in_a_captured_graph(dtype, monkeypatch):
     r, seed = tfr.fresh_rng()
     for fn in (tfr.softmax_fwd, tfr.softmax_bwd, tfr.layer_norm_fwd):
         check(fn, tfr.make_args(fn, r, dtype, (2, 4, 8, 2048)), cupy_mesh(4), dtype, seed, monkeypatch, graph=True)
+
+
+@pytest.mark.parametrize("d", [1, 4])
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+def test_a_group_writing_two_results(dtype, d, monkeypatch):
+    """sf.value_and_grad of a 16-bit softmax: one kernel writes the float32 y (the backward's) and its
+    cast (the GEMM's); the loss reads the cast, the gradient y: both against the unfused plan."""
+    r, seed = tfr.fresh_rng()
+    x, v = tfr.make_args(tfr.softmax_bwd, r, dtype, (2, 4, 8, 2048))
+    fn = sf.value_and_grad(lambda x, v: (sf.nn.softmax(x) @ v).sum())
+
+    def reference(x, v):
+        return [(tfr.np_softmax(x) @ v).sum(), tfr.REFERENCE[tfr.softmax_bwd](x, v)[0]]
+    check(fn, (x, v), cupy_mesh(d), dtype, seed, monkeypatch, groups=2, reference=reference)
+    monkeypatch.setenv("SHARDFUSE_FUSE", "1")
+    plan = sf.jit(fn, mesh=cupy_mesh(d)).lower(x, v)
+    assert any("more" in i.attrs for i in plan.program.walk() if i.op == Op.FUSED_ROWS), plan

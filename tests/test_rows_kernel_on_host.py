@@ -59,12 +59,12 @@ def compiled(sources, tmp_path):
     return ctypes.CDLL(str(lib))
 
 
-def run_on_host(lib, name, expr, arrays, out_dtype, out_shape):
-    """The kernel over contiguous arrays; its result (of out_shape, zeros never written: poisoned)."""
-    out = np.full(out_shape, np.nan, np_dtype(out_dtype))
-    ptrs = [np.ascontiguousarray(a) for a in arrays] + [out]
+def run_on_host(lib, name, arrays, results):
+    """The kernel over contiguous arrays; its results ((dtype, shape) each: NaN where never written)."""
+    outs = [np.full(shape, np.nan, np_dtype(dt)) for dt, shape in results]
+    ptrs = [np.ascontiguousarray(a) for a in arrays] + outs
     getattr(lib, name)(*[ctypes.c_void_p(a.ctypes.data) for a in ptrs])
-    return out
+    return outs
 
 
 def groups(fn, args):
@@ -89,24 +89,29 @@ def test_kernels_on_the_host_equal_numpy(fn, dtype, n, tmp_path):
     r, seed = tfr.fresh_rng()
     steps = groups(fn, tfr.make_args(fn, r, dtype, (2, 3, n)))
     assert len(steps) == tfr.CASES[fn] or (n == 1 and steps), steps  # (rows of 1: a norm's backward groups apart)
-    made = []
+    made, more_seen = [], 0
     for i in steps:
         layouts = tuple((v.type.shape, contiguous_strides(v.type.shape)) for v in i.ins)
-        out = (i.into.type.dtype, i.into.type.shape, contiguous_strides(i.into.type.shape))
-        src, name, threads, rows = rows_source.source(i.attrs["expr"], tuple(v.type.dtype for v in i.ins), layouts, out)
+        results = [(v.type.dtype, v.type.shape) for v in (i.into, *i.outs)]
+        exprs = (i.attrs["expr"], *i.attrs.get("more", ()))
+        specs = [(dt, shape, contiguous_strides(shape)) for dt, shape in results]
+        src, name, threads, rows = rows_source.source(exprs[0], tuple(v.type.dtype for v in i.ins), layouts, specs[0],
+                                                      tuple(zip(exprs[1:], specs[1:])))
         assert rows == 6 and threads == rows_source.threads_for(n)
-        made.append((i, src, name))
-    lib = compiled([s for _, s, _ in made], tmp_path)
-    for i, _, name in made:
+        made.append((i, src, name, results, exprs))
+        more_seen += len(exprs) - 1
+    if fn in (tfr.softmax_bwd, tfr.log_softmax_bwd) and dtype in ("float16", "bfloat16"):
+        assert more_seen, "the forward's float32 y and its cast: one step writing both"
+    lib = compiled([s for _, s, *_ in made], tmp_path)
+    for i, _, name, results, exprs in made:
         arrays = [operand(r, v) for v in i.ins]
-        got = run_on_host(lib, name, i.attrs["expr"], [a.view(_STORAGE.get(v.type.dtype, a.dtype)) for a, v in
-                                                           zip(arrays, i.ins)], i.into.type.dtype, i.into.type.shape)
-        sched = row_schedule(i.attrs["expr"], [a.shape for a in arrays])
+        got = run_on_host(lib, name, arrays, results)
+        sched, roots = row_schedule(exprs, [a.shape for a in arrays])
         slots = arrays + [np.empty(shape, np_dtype(dt)) for *_, dt, shape in sched]
         evaluate_rows(np, sched, slots)
-        want = slots[-1].reshape(i.into.type.shape).astype(np.float64)
-        got64 = got.astype(np.float64)
-        assert np.array_equal(np.isnan(got64), np.isnan(want)), f"seed {seed}: NaN where NumPy has none ({i})"
-        ok = ~np.isnan(want)
-        err = np.linalg.norm(got64[ok] - want[ok]) / max(np.linalg.norm(want[ok]), 1e-300)
-        assert err <= TOL[dtype], f"seed {seed}: {err:.2e} from NumPy's evaluation ({dtype}, n={n}):\n{i}"
+        for g, k, (_, shape) in zip(got, roots, results):
+            want, g64 = slots[k].reshape(shape).astype(np.float64), g.astype(np.float64)
+            assert np.array_equal(np.isnan(g64), np.isnan(want)), f"seed {seed}: NaN where NumPy has none ({i})"
+            ok = ~np.isnan(want)
+            err = np.linalg.norm(g64[ok] - want[ok]) / max(np.linalg.norm(want[ok]), 1e-300)
+            assert err <= TOL[dtype], f"seed {seed}: {err:.2e} from NumPy's evaluation ({dtype}, n={n}):\n{i}"

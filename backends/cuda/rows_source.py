@@ -121,26 +121,10 @@ def threads_for(n) -> int:
     return min(512, max(32, 1 << max(0, math.ceil(math.log2(max(1, -(-n // 4)))))))
 
 
-@functools.lru_cache(maxsize=512)
-def source(expr, in_dtypes, in_layouts, out) -> tuple:
-    """(CUDA source, kernel name, threads per block, rows) of the FusedRows step expr over operands of
-    in_dtypes with in_layouts ((shape, strides) each, in elements), writing out = (dtype, shape,
-    strides): per element where its shape is the rows', else one value per row."""
-    out_dtype, out_shape, out_strides = out
-    width = max(len(sh) for sh, _ in in_layouts)
-    row = tuple(max(sh[k - width + len(sh)] if k >= width - len(sh) else 1 for sh, _ in in_layouts) for k in range(width))
-    n, lead = row[-1], row[:-1]
-    ins = [_aligned(sh, st, row) for sh, st in in_layouts]
-    per_element = tuple(out_shape) == row
-    y = _aligned(out_shape, out_strides, row) if len(out_shape) == len(row) else tuple(out_strides) + (0,)
-    levels = _levels(expr)
-    body = ["long long rem = row, ix;"] + [f"long long o{k} = 0;" for k in range(len(ins))] + ["long long oy = 0;"]
-    for d in reversed(range(len(lead))):
-        if lead[d] == 1:
-            continue
-        adds = "".join(f" o{k} += ix * {s[d]}LL;" for k, s in enumerate(ins) if s[d]) + (f" oy += ix * {y[d]}LL;" if y[d] else "")
-        body.append(f"ix = rem % {lead[d]}LL; rem /= {lead[d]}LL;{adds}")
-    known, cols = {}, [s[-1] for s in ins]
+def _sweeps(levels, in_dtypes, cols, n) -> tuple:
+    """(statements, {reduction node: its per-row variable}): one strided sweep of the row per level,
+    accumulating that level's reductions, each then combined over the block and rounded."""
+    body, known = [], {}
     for level in range(1, max(levels.values(), default=0) + 1):
         nodes = [e for e, lv in levels.items() if lv == level]
         emit = _Emitter(in_dtypes, cols, known)
@@ -160,16 +144,53 @@ def source(expr, in_dtypes, in_layouts, out) -> tuple:
             name = f"r{len(known)}"
             body.append(f"{'double' if e.dtype == 'float64' else 'float'} {name} = {_round(e.dtype, acc, total)};")
             known[e] = name
-    emit = _Emitter(in_dtypes, cols, known)
-    v = emit(expr)
-    store = _STORE[out_dtype].format(v)
-    if per_element:
-        body.append(f"for (long long c = threadIdx.x; c < {n}LL; c += blockDim.x) {{ {' '.join(emit.lines)} "
-                    f"y[oy + c * {y[-1]}LL] = {store}; }}")
-    else:
-        body.append(f"if (threadIdx.x == 0) {{ const long long c = 0; {' '.join(emit.lines)} y[oy] = {store}; }}")
+    return body, known
+
+
+def _stores(results, in_dtypes, cols, known, n) -> list:
+    """The statements writing each result ((Expr, dtype, per element?, column stride), result k into
+    y{k} at its row offset oy{k}): those per element in one last sweep, those per row by thread 0."""
+    body = []
+    for each in (True, False):
+        emit = _Emitter(in_dtypes, cols, known)
+        stores = [f"y{k}[oy{k}{f' + c * {cs}LL' if each else ''}] = {_STORE[dt].format(emit(e))};"
+                  for k, (e, dt, per_element, cs) in enumerate(results) if per_element == each]
+        if stores and each:
+            body.append(f"for (long long c = threadIdx.x; c < {n}LL; c += blockDim.x) {{ {' '.join(emit.lines + stores)} }}")
+        elif stores:
+            body.append(f"if (threadIdx.x == 0) {{ const long long c = 0; {' '.join(emit.lines + stores)} }}")
+    return body
+
+
+@functools.lru_cache(maxsize=512)
+def source(expr, in_dtypes, in_layouts, out, more=()) -> tuple:
+    """(CUDA source, kernel name, threads per block, rows) of the FusedRows step expr over operands of
+    in_dtypes with in_layouts ((shape, strides) each, in elements), writing out = (dtype, shape,
+    strides): per element where its shape is the rows', else one value per row; and each of `more`
+    ((Expr, (dtype, shape, strides)) each: the step's further results) likewise."""
+    width = max(len(sh) for sh, _ in in_layouts)
+    row = tuple(max(sh[k - width + len(sh)] if k >= width - len(sh) else 1 for sh, _ in in_layouts) for k in range(width))
+    n, lead = row[-1], row[:-1]
+    ins = [_aligned(sh, st, row) for sh, st in in_layouts]
+    outs = [(expr, out), *more]
+    ys = [_aligned(shape, st, row) if len(shape) == len(row) else tuple(st) + (0,) for _, (_, shape, st) in outs]
+    levels = {}
+    for e, _ in outs:
+        _levels(e, levels)
+    body = ["long long rem = row, ix;"] + [f"long long o{k} = 0;" for k in range(len(ins))]
+    body += [f"long long oy{k} = 0;" for k in range(len(ys))]
+    for d in reversed(range(len(lead))):
+        if lead[d] == 1:
+            continue
+        adds = "".join(f" o{k} += ix * {s[d]}LL;" for k, s in enumerate(ins) if s[d])
+        adds += "".join(f" oy{k} += ix * {y[d]}LL;" for k, y in enumerate(ys) if y[d])
+        body.append(f"ix = rem % {lead[d]}LL; rem /= {lead[d]}LL;{adds}")
+    cols = [s[-1] for s in ins]
+    sweeps, known = _sweeps(levels, in_dtypes, cols, n)
+    results = [(e, dt, tuple(shape) == row, y[-1]) for (e, (dt, shape, _)), y in zip(outs, ys)]
+    body += sweeps + _stores(results, in_dtypes, cols, known, n)
     params = [f"const {_PTR[d]}* __restrict__ x{k}" for k, d in enumerate(in_dtypes)]
-    params.append(f"{_PTR[out_dtype]}* __restrict__ y")
+    params += [f"{_PTR[dt]}* __restrict__ y{k}" for k, (_, (dt, _, _)) in enumerate(outs)]
     rows = math.prod(lead)
     text = (f"extern \"C\" __global__ void NAME({', '.join(params)}) {{\n    __shared__ double red[32];\n"
             f"    for (long long row = blockIdx.x; row < {rows}LL; row += gridDim.x) {{\n        "

@@ -17,8 +17,19 @@ joined through the values between them: a value joins its writer to its readers 
 buffer made once for that step (not an output, not viewed but for a reduction's keepdims View, the
 same conditions fuse_elementwise uses) and every step that reads it is such a step.  A group holds
 a reduction, and exactly one of its values is read outside it (or returned): the step writes that
-one.  R's last axis is whole on every device: over a sharded axis the reduction's result goes to an
-Allreduce, which reads it outside any group, so such a softmax stays as it was (and stays right).
+one, where its step was (every other step of the group came before it, reading what was ready
+there).  Where values would join two such groups into one that writes two values (a residual that
+a norm reads and a later add too), the earliest value read by several of its steps joins nothing
+and the groups are made again (the residual is then an operand of the norm's group).  R's last axis
+is whole on every device: over a sharded axis the reduction's result goes to an Allreduce, which
+reads it outside any group, so such a softmax stays as it was (and stays right).
+
+A group's step also writes the results of the elementwise steps after it that read its value (or a
+view of it of its shape) and otherwise only what is ready where the group runs, or what a step of
+theirs alone writes from such values (a weight's cast): `more`, their Exprs, and the step's `outs`,
+their buffers (made before it).  In a training step a 16-bit softmax keeps its float32 y for the
+backward and casts y for the next GEMM: one pass writes both.  Printed:
+`FusedRows d, a_8 <- mask, scores, expr=div(...), more=(astype(div(...)))`.
 
 The step's `expr` is the group as one ops.Expr over the group's operands: each node keeps its own
 dtype (rounded as the unfused step rounded it), a reduction node is one value per row (16-bit sums
@@ -81,43 +92,56 @@ class _Groups:
         self.parent[self.find(a)] = self.find(b)
 
 
-def _internal(prog, instrs, role):
-    """{value: (writer, readers)}: the values that join their writer to their readers (module doc),
-    and {keepdims view: the reduction's value} for the views read in place of a reduction's result."""
-    readers, writes = defaultdict(list), defaultdict(int)
-    for k, top in enumerate(instrs):
-        for i in walk([top]):
-            for v in i.ins:
-                readers[v].append((k, i is top))
-            if i.into is not None:
-                writes[i.into] += 1
-    once = {i.outs[0] for i in instrs if i.op == Op.ALLOCATE and not any(i.attrs.get(a) for a in (
-        "per_call", "pool", "blocks", "order", "ring"))}
-    views = defaultdict(list)
-    for k, i in enumerate(instrs):
-        if i.op in VIEWS:
-            views[i.ins[0]].append((k, i))
-    outputs = set(prog.outputs)
+class _Facts:
+    """Who reads, writes and views each value of the top-level program (the pass's questions)."""
 
-    def members(v):
+    def __init__(self, prog, instrs):
+        self.readers, self.writers = defaultdict(list), defaultdict(list)  # value -> [(position, top-level?)], [position]
+        for k, top in enumerate(instrs):
+            for i in walk([top]):
+                for v in i.ins:
+                    self.readers[v].append((k, i is top))
+                if i.into is not None:
+                    self.writers[i.into].append(k)
+        self.once = {i.outs[0] for i in instrs if i.op == Op.ALLOCATE and not any(i.attrs.get(a) for a in (
+            "per_call", "pool", "blocks", "order", "ring"))}
+        self.allocs = {i.outs[0]: k for k, i in enumerate(instrs) if i.op == Op.ALLOCATE}
+        self.defined = {v: k for k, i in enumerate(instrs) for v in i.outs}  # (buffers, views: the instruction)
+        self.views = defaultdict(list)
+        for k, i in enumerate(instrs):
+            if i.op in VIEWS:
+                self.views[i.ins[0]].append((k, i))
+        self.outputs = set(prog.outputs)
+        self.base = view_bases(prog)
+
+    def ready(self, v, at) -> bool:
+        """Whether v holds its value before position `at`: an input, or defined (a view made) before it
+        and every write of its buffer before it."""
+        return self.defined.get(v, -1) < at and all(k < at for k in self.writers.get(self.base.get(v, v), []))
+
+    def members(self, v, role):
         """The positions of v's readers when all are top-level steps of a group's kinds, else None."""
-        got = readers.get(v, [])
-        if not got or v in outputs or views.get(v) or not all(top and k in role for k, top in got):
+        got = self.readers.get(v, [])
+        if not got or v in self.outputs or self.views.get(v) or not all(top and k in role for k, top in got):
             return None
         return [k for k, _ in got]
 
+
+def _internal(facts, instrs, role):
+    """{value: (writer, readers)}: the values that join their writer to their readers (module doc),
+    and {keepdims view: the reduction's value} for the views read in place of a reduction's result."""
     inner, kept = {}, {}
     for k, i in enumerate(instrs):
         v = i.into
-        if k not in role or v not in once or writes[v] != 1 or v in outputs:
+        if k not in role or v not in facts.once or len(facts.writers[v]) != 1 or v in facts.outputs:
             continue
         if role[k] == _MAP:
-            got = members(v)
+            got = facts.members(v, role)
         else:  # a reduction's result: read only through keepdims views, each read only by group steps
-            vs = [j for _, j in views.get(v, [])]
-            keepdims = len(readers[v]) == len(vs) and all(j.op == Op.VIEW and j.outs[0].type.shape == v.type.shape + (1,)
-                                                          for j in vs)
-            found = [members(j.outs[0]) for j in vs] if keepdims else [None]
+            vs = [j for _, j in facts.views.get(v, [])]
+            keepdims = len(facts.readers[v]) == len(vs) and all(
+                j.op == Op.VIEW and j.outs[0].type.shape == v.type.shape + (1,) for j in vs)
+            found = [facts.members(j.outs[0], role) for j in vs] if keepdims else [None]
             got = None if not vs or None in found else [m for f in found for m in f]
             if got:
                 kept.update({j.outs[0]: v for j in vs})
@@ -126,37 +150,77 @@ def _internal(prog, instrs, role):
     return inner, kept
 
 
-def _group_expr(instrs, members, root, inner, kept):
-    """(Expr of the root over the group's operands, the operands): each member a node, once."""
-    operands, memo = [], {}
+def _absorbable(facts, instrs, role, u, reader, root, used):
+    """The position of the map step that writes u for `reader` alone, its operands ready at root, else None."""
+    w = facts.writers.get(u, [])
+    ok = (len(w) == 1 and role.get(w[0]) == _MAP and root < w[0] and w[0] not in used and u in facts.once
+          and facts.readers[u] == [(reader, True)] and not facts.views.get(u) and u not in facts.outputs
+          and all(facts.ready(x, root) for x in instrs[w[0]].ins))
+    return w[0] if ok else None
 
-    def leaf(v):
-        src = kept.get(v, v)
-        if src in inner and inner[src][0] in members:
-            return node(inner[src][0])
-        if v not in operands:
-            operands.append(v)
-        return Expr(None, v.type.dtype, arg=operands.index(v))
 
-    def remap(e, ins):
+def _trailing(facts, instrs, role, root, exprs, used) -> list:
+    """[(position, its value, its Expr, absorbed positions)]: the elementwise steps after the group that
+    read its value y (or a view of it of y's shape) and otherwise what is ready where the group runs
+    (or what a step of theirs alone writes from such values): the group writes them too.  softmax's
+    float32 y that the backward keeps, and its cast to bfloat16 for the next GEMM: one step."""
+    y, out = instrs[root].into, []
+    if len(facts.writers[y]) != 1:
+        return out
+    for p in range(root + 1, len(instrs)):
+        z = instrs[p]
+        if role.get(p) != _MAP or p in used:
+            continue
+        reads_y = {u for u in z.ins if facts.base.get(u, u) is y and u.type.shape == y.type.shape}
+        absorbed = {u: _absorbable(facts, instrs, role, u, p, root, used) for u in z.ins
+                    if u not in reads_y and not facts.ready(u, root)}
+        v = z.into
+        if (not reads_y or None in absorbed.values() or len(facts.writers[v]) != 1 or v not in facts.allocs
+                or v.type.shape != y.type.shape or v.type.layout != y.type.layout):
+            continue
+        exprs.alias = {u: exprs.node(root) for u in reads_y}
+        exprs.alias.update({u: exprs.remap(*expr_of(instrs[k])) for u, k in absorbed.items()})
+        out.append((p, v, exprs.remap(*expr_of(z)), set(absorbed.values())))
+        used |= {p, *absorbed.values()}
+    exprs.alias = {}
+    return out
+
+
+class _Exprs:
+    """A group's Exprs over its operands (numbered in the order first read): each member a node, once."""
+
+    def __init__(self, instrs, members, inner, kept):
+        self.instrs, self.members, self.inner, self.kept = instrs, members, inner, kept
+        self.operands, self.memo, self.alias = [], {}, {}  # alias: a value read as an Expr (a trailing step's)
+
+    def leaf(self, v):
+        if v in self.alias:
+            return self.alias[v]
+        src = self.kept.get(v, v)
+        if src in self.inner and self.inner[src][0] in self.members:
+            return self.node(self.inner[src][0])
+        if v not in self.operands:
+            self.operands.append(v)
+        return Expr(None, v.type.dtype, arg=self.operands.index(v))
+
+    def remap(self, e, ins):
         if e.op is None:
-            return leaf(ins[e.arg])
-        return Expr(e.op, e.dtype, tuple(remap(a, ins) for a in e.args), e.value)
+            return self.leaf(ins[e.arg])
+        return Expr(e.op, e.dtype, tuple(self.remap(a, ins) for a in e.args), e.value)
 
-    def node(k):
-        if k not in memo:
-            i = instrs[k]
+    def node(self, k):
+        if k not in self.memo:
+            i = self.instrs[k]
             dt = i.into.type.dtype
             factor = i.attrs.get("factor", 1.0)
             if i.op in LOCAL_REDUCTIONS:
-                memo[k] = Expr(i.op, dt, (leaf(i.ins[0]),))
+                self.memo[k] = Expr(i.op, dt, (self.leaf(i.ins[0]),))
             elif i.op in (Op.SUM, Op.FUSED_SUM):
-                arg = leaf(i.ins[0]) if i.op == Op.SUM else remap(i.attrs["expr"], i.ins)
-                memo[k] = Expr(Op.SUM, dt, (arg,), None if factor == 1.0 else factor)
+                arg = self.leaf(i.ins[0]) if i.op == Op.SUM else self.remap(i.attrs["expr"], i.ins)
+                self.memo[k] = Expr(Op.SUM, dt, (arg,), None if factor == 1.0 else factor)
             else:
-                memo[k] = remap(*expr_of(i))
-        return memo[k]
-    return node(root), operands
+                self.memo[k] = self.remap(*expr_of(i))
+        return self.memo[k]
 
 
 def _valid(prog, instrs, members, root, operands, role):
@@ -215,23 +279,32 @@ def fuse_rows(prog):
     if not enabled(prog.mesh):  # (one step per op: to compare, or to read)
         return prog.with_instrs(prog.instrs, "fuse_rows")
     instrs = list(prog.instrs)
+    facts = _Facts(prog, instrs)
     role = {k: r for k, i in enumerate(instrs) if (r := _role(i)) is not None}
-    inner, kept = _internal(prog, instrs, role)
-    by_root, inner = _components(instrs, role, inner)
-    drop, replace_at = set(), {}
-    for members in by_root:
+    inner, kept = _internal(facts, instrs, role)
+    found, inner = _components(instrs, role, inner)
+    groups = []
+    for members in found:
         outs = [k for k in members if instrs[k].into not in inner]
         if len(members) < 2 or len(outs) != 1 or not any(role[k] == _REDUCE for k in members):
             continue
-        root = outs[0]
-        expr, operands = _group_expr(instrs, members, root, inner, kept)
-        if not _valid(prog, instrs, members, root, operands, role):
-            continue
+        exprs = _Exprs(instrs, members, inner, kept)
+        expr = exprs.node(outs[0])
+        if _valid(prog, instrs, members, outs[0], exprs.operands, role):
+            groups.append((members, outs[0], exprs, expr))
+    used = {k for members, *_ in groups for k in members}
+    drop, place = set(), {}
+    for members, root, exprs, expr in groups:
+        more = _trailing(facts, instrs, role, root, exprs, used)
         i = instrs[root]
-        replace_at[root] = i.__class__(Op.FUSED_ROWS, i.outs, tuple(operands), {"expr": expr}, into=i.into)
-        dead = {instrs[k].into for k in members if k != root}
-        drop |= {k for k in members if k != root}
-        drop |= {k for k, j in enumerate(instrs) if (j.op == Op.ALLOCATE and j.outs[0] in dead)
-                 or (j.op == Op.VIEW and kept.get(j.outs[0]) in dead)}
-    out = [replace_at.get(k, i) for k, i in enumerate(instrs) if k not in drop]
+        attrs = {"expr": expr, **({"more": tuple(e for _, _, e, _ in more)} if more else {})}
+        moved = [facts.allocs[v] for p, v, _, _ in more if facts.allocs[v] > root]  # (made before the step writes them)
+        place[root] = [instrs[k] for k in moved] + [i.__class__(
+            Op.FUSED_ROWS, tuple(v for _, v, _, _ in more), tuple(exprs.operands), attrs, into=i.into)]
+        gone = ({k for k in members if k != root} | {p for p, *_ in more}
+                | {k for *_, absorbed in more for k in absorbed})
+        dead = {instrs[k].into for k in gone} - {v for _, v, _, _ in more}
+        drop |= gone | set(moved) | {k for k, j in enumerate(instrs) if (j.op == Op.ALLOCATE and j.outs[0] in dead)
+                                     or (j.op == Op.VIEW and kept.get(j.outs[0]) in dead)}
+    out = [j for k, i in enumerate(instrs) if k not in drop or k in place for j in place.get(k, [i])]
     return prog.with_instrs(out, "fuse_rows")
