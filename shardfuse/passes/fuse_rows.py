@@ -24,11 +24,12 @@ and the groups are made again (the residual is then an operand of the norm's gro
 is whole on every device: over a sharded axis the reduction's result goes to an Allreduce, which
 reads it outside any group, so such a softmax stays as it was (and stays right).
 
-A group's step also writes the results of the elementwise steps after it that read its value (or a
-view of it of its shape) and otherwise only what is ready where the group runs, or what a step of
-theirs alone writes from such values (a weight's cast): `more`, their Exprs, and the step's `outs`,
-their buffers (made before it).  In a training step a 16-bit softmax keeps its float32 y for the
-backward and casts y for the next GEMM: one pass writes both.  Printed:
+A group's step also writes the results of the elementwise steps after it, of the rows' shape or one
+value per row, that read a value the step computes (its result, or such a step's) and otherwise only
+what is ready where the group runs, or what a step of theirs alone writes from such values (a
+weight's cast): `more`, their Exprs, and the step's `outs`, their buffers (made before it).  In a
+training step a 16-bit softmax keeps its float32 y for the backward and casts y for the next GEMM:
+one pass writes both; a norm's rsqrt and x-hat, both kept for the backward, likewise.  Printed:
 `FusedRows d, a_8 <- mask, scores, expr=div(...), more=(astype(div(...)))`.
 
 The step's `expr` is the group as one ops.Expr over the group's operands: each node keeps its own
@@ -159,28 +160,35 @@ def _absorbable(facts, instrs, role, u, reader, root, used):
     return w[0] if ok else None
 
 
-def _trailing(facts, instrs, role, root, exprs, used) -> list:
+def _trailing(prog, facts, instrs, role, root, exprs, used, row) -> list:
     """[(position, its value, its Expr, absorbed positions)]: the elementwise steps after the group that
-    read its value y (or a view of it of y's shape) and otherwise what is ready where the group runs
-    (or what a step of theirs alone writes from such values): the group writes them too.  softmax's
-    float32 y that the backward keeps, and its cast to bfloat16 for the next GEMM: one step."""
+    read a value the group's step computes (its result y, a step taken before, or a view of one of its
+    shape) and otherwise what is ready where the group runs (or what a step of theirs alone writes
+    from such values), each of the rows' shape or one value per row: the group writes them too.
+    softmax's float32 y that the backward keeps and its cast for the next GEMM; a norm's rsqrt, x-hat
+    and its affine output: one step."""
     y, out = instrs[root].into, []
     if len(facts.writers[y]) != 1:
         return out
+    known = {y: exprs.node(root)}  # the values the step computes, as Exprs
+    local_row = tuple(np.broadcast_shapes(*(local_shape(v, prog.mesh) for v in exprs.operands)))
     for p in range(root + 1, len(instrs)):
         z = instrs[p]
         if role.get(p) != _MAP or p in used:
             continue
-        reads_y = {u for u in z.ins if facts.base.get(u, u) is y and u.type.shape == y.type.shape}
+        reads = {u: known[facts.base.get(u, u)] for u in z.ins
+                 if facts.base.get(u, u) in known and u.type.shape == facts.base.get(u, u).type.shape}
         absorbed = {u: _absorbable(facts, instrs, role, u, p, root, used) for u in z.ins
-                    if u not in reads_y and not facts.ready(u, root)}
+                    if u not in reads and not facts.ready(u, root)}
         v = z.into
-        if (not reads_y or None in absorbed.values() or len(facts.writers[v]) != 1 or v not in facts.allocs
-                or v.type.shape != y.type.shape or v.type.layout != y.type.layout):
+        if (not reads or None in absorbed.values() or len(facts.writers[v]) != 1 or v not in facts.allocs
+                or v.type.shape not in (row, row[:-1] + (1,)) or v.type.layout is None or v.type.layout.partial
+                or local_shape(v, prog.mesh) not in (local_row, local_row[:-1] + (1,))):
             continue
-        exprs.alias = {u: exprs.node(root) for u in reads_y}
+        exprs.alias = dict(reads)
         exprs.alias.update({u: exprs.remap(*expr_of(instrs[k])) for u, k in absorbed.items()})
-        out.append((p, v, exprs.remap(*expr_of(z)), set(absorbed.values())))
+        known[v] = exprs.remap(*expr_of(z))
+        out.append((p, v, known[v], set(absorbed.values())))
         used |= {p, *absorbed.values()}
     exprs.alias = {}
     return out
@@ -295,7 +303,8 @@ def fuse_rows(prog):
     used = {k for members, *_ in groups for k in members}
     drop, place = set(), {}
     for members, root, exprs, expr in groups:
-        more = _trailing(facts, instrs, role, root, exprs, used)
+        row = next(reduced_shape(instrs[k]) for k in members if role[k] == _REDUCE)
+        more = _trailing(prog, facts, instrs, role, root, exprs, used, row)
         i = instrs[root]
         attrs = {"expr": expr, **({"more": tuple(e for _, _, e, _ in more)} if more else {})}
         moved = [facts.allocs[v] for p, v, _, _ in more if facts.allocs[v] > root]  # (made before the step writes them)
