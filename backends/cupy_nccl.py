@@ -13,7 +13,8 @@ Same protocol as numpy_local.NumpyLocalBackend.  This class only assembles the C
 * gemm.py (and gemm_layout.py): cuBLASLt / cuBLAS GEMMs resolved at bind time, one handle and
   workspace per (GPU, stream).
 * kernels.py: elementwise ops and sums (bfloat16 through float32), the sum-of-n kernel.
-* fused.py: the generated kernels of fused chains and of their sums (passes/fuse.py).
+* fused.py: the generated kernels of fused chains and of their sums (passes/fuse.py), and of
+  row groups (passes/fuse_rows.py; their source: rows_source.py).
 * copies.py: DMA and 2-D copies, and `piece`.
 * collectives.py: copies on one GPU or NCCL across GPUs, per team; moves between meshes
   (`bind_transfers`: copies on one GPU, cudaMemcpyPeerAsync between GPUs of this process,
@@ -162,6 +163,9 @@ class CupyNcclBackend:
 
     def bind_fused_sum(self, expr, ins, axis, out, stream, scale=1.0, devices=None):
         return fused.bind_fused_sum(self.dev.on(devices), self.kernels, expr, ins, axis, out, stream, scale)
+
+    def bind_fused_rows(self, expr, ins, out, stream, devices=None, more=(), more_outs=()):
+        return fused.bind_fused_rows(self.dev.on(devices), self.kernels, expr, ins, out, stream, more, more_outs)
 
     def bind_sum(self, a, axis, out, stream, scale=1.0, devices=None):
         return kernels.bind_sum(self.dev.on(devices), self.kernels, a, axis, out, stream, scale)

@@ -268,3 +268,63 @@ def evaluate(xp, steps, slots):
     op by op, each node in its own dtype, so NumPy's results are those of the unfused steps."""
     for k, (op, args, value, _) in enumerate(steps, len(slots) - len(steps)):
         ELEMENTWISE[op](xp, slots[args[0]], value if len(args) == 1 else slots[args[1]], slots[k])
+
+
+def summer(dtype, axis, scale):
+    """fn(x, o): o = x.sum(axis) * scale into o of `dtype`, 16-bit values summed in float32 (as on
+    GPUs: NumPy sums bfloat16 in bfloat16), and scaled before they are rounded back (a float16 mean
+    whose sum would overflow does not)."""
+    acc = np.float64 if dtype == "float64" else np.int64 if dtype == "int64" else np.float32
+
+    def total(x, o):
+        if o.dtype == acc:  # (no temporary)
+            np.sum(x, axis=axis, out=o)
+            if scale != 1.0:
+                o *= scale
+            return
+        s = np.sum(x, axis=axis, dtype=acc)
+        o[...] = s if scale == 1.0 else s * scale
+    return total
+
+
+def row_schedule(exprs, in_shapes):
+    """A FusedRows step's ops.Exprs (passes/fuse_rows.py: its expr, then those of its further
+    results) as schedule()'s flat list, each equal node once, with each node's shape: ((op, argument
+    slots, scalar, dtype, shape) per node, node k writing slot len(in_shapes) + k; the slot of each
+    Expr's result).  A reduction node has its argument's shape with the last axis kept as 1; an
+    elementwise one the broadcast of its arguments'."""
+    steps, slot_of, shapes = [], {}, list(in_shapes)
+
+    def visit(e):
+        if e.op is None:
+            return e.arg
+        if e not in slot_of:
+            slots = [visit(a) for a in e.args]
+            shape = shapes[slots[0]][:-1] + (1,) if e.op in ROW_REDUCTIONS else \
+                tuple(np.broadcast_shapes(*(shapes[k] for k in slots)))
+            steps.append((e.op, slots, e.value, e.dtype, shape))
+            shapes.append(shape)
+            slot_of[e] = len(shapes) - 1
+        return slot_of[e]
+    roots = [visit(e) for e in exprs]
+    return steps, roots
+
+
+def _row_sum(xp, x, factor, o):
+    summer(o.dtype.name, -1, 1.0 if factor is None else factor)(x, o[..., 0])
+
+
+# a FusedRows step's reduction nodes: the result [..., 1], as the unfused steps reduce into [...]
+ROW_REDUCTIONS = {
+    Op.REDUCE_MAX: lambda xp, x, _, o: ELEMENTWISE[Op.REDUCE_MAX](xp, x, None, o[..., 0]),
+    Op.REDUCE_MIN: lambda xp, x, _, o: ELEMENTWISE[Op.REDUCE_MIN](xp, x, None, o[..., 0]),
+    Op.SUM: _row_sum,
+}
+
+
+def evaluate_rows(xp, steps, slots):
+    """row_schedule()'s steps over `slots` (the operands, then a buffer per node of its shape): op by
+    op, each node in its own dtype and each reduction as the unfused step reduces (summer's sums)."""
+    for k, (op, args, value, *_) in enumerate(steps, len(slots) - len(steps)):
+        fn = ROW_REDUCTIONS.get(op) or ELEMENTWISE[op]
+        fn(xp, slots[args[0]], value if len(args) == 1 else slots[args[1]], slots[k])

@@ -11,28 +11,12 @@ import os
 
 import numpy as np
 
-from shardfuse.backends.elementwise_numpy import ELEMENTWISE, evaluate, scatter_add_rows, schedule, take_rows
+from shardfuse.backends.elementwise_numpy import (ELEMENTWISE, evaluate, evaluate_rows, row_schedule,
+                                                  scatter_add_rows, schedule, summer, take_rows)
 from shardfuse.dtypes import np_dtype, poison_value
 from shardfuse.ops import Reduce
 
 POISON = os.environ.get("SHARDFUSE_POISON") == "1"  # fill new buffers with NaN (tests)
-
-
-def summer(dtype, axis, scale):
-    """fn(x, o): o = x.sum(axis) * scale into o of `dtype`, 16-bit values summed in float32 (as on
-    GPUs: NumPy sums bfloat16 in bfloat16), and scaled before they are rounded back (a float16 mean
-    whose sum would overflow does not)."""
-    acc = np.float64 if dtype == "float64" else np.int64 if dtype == "int64" else np.float32
-
-    def total(x, o):
-        if o.dtype == acc:  # (no temporary)
-            np.sum(x, axis=axis, out=o)
-            if scale != 1.0:
-                o *= scale
-            return
-        s = np.sum(x, axis=axis, dtype=acc)
-        o[...] = s if scale == 1.0 else s * scale
-    return total
 
 
 class NumpyLocalBackend:
@@ -141,6 +125,22 @@ class NumpyLocalBackend:
             for j in js:
                 evaluate(np, steps, [view(bufs, r, j) for r in ins] + temps[j])
                 total(temps[j][-1], view(bufs, out, j))
+        return step
+
+    def bind_fused_rows(self, expr, ins, out, stream, devices=None, more=(), more_outs=()):
+        """expr (and each of more) evaluated op by op on whole arrays (elementwise_numpy.row_schedule),
+        each reduction as the unfused step reduces, into buffers of this step's own (made now), the
+        results copied into out (and more_outs): bit for bit the unfused steps' results."""
+        js, view, outs = self._on(devices), self.view, (out, *more_outs)
+        steps, roots = row_schedule((expr, *more), [r.shape for r in ins])
+        temps = {j: [np.empty(shape, np_dtype(dt)) for *_, dt, shape in steps] for j in js}  # (one call at a time)
+
+        def step(bufs):
+            for j in js:
+                slots = [view(bufs, r, j) for r in ins] + temps[j]
+                evaluate_rows(np, steps, slots)
+                for r, k in zip(outs, roots):
+                    view(bufs, r, j)[...] = slots[k].reshape(r.shape)
         return step
 
     def bind_take(self, table, ids, rows, out, stream, vocab, devices=None):

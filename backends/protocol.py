@@ -113,6 +113,7 @@ class Backend(Protocol):
     def bind_fused(self, expr, ins, out, stream, devices=None): """Step: out = expr(ins), an ops.Expr of elementwise ops: one pass."""
     def bind_sum(self, a, axis, out, stream, scale=1.0, devices=None): """Step: out = a.sum(axis) * scale, 16-bit summed in float32."""
     def bind_fused_sum(self, expr, ins, axis, out, stream, scale=1.0, devices=None): """Step: out = expr(ins).sum(axis) * scale, as bind_sum sums; expr's result (its operands' broadcast shape) never written."""
+    def bind_fused_rows(self, expr, ins, out, stream, devices=None, more=(), more_outs=()): """Step: out = expr(ins), an ops.Expr whose reduction nodes reduce the last axis, keeping it (passes/fuse_rows.py), and more_outs[k] = more[k](ins): one pass per row."""
     def bind_copy(self, src, dst, stream, devices=None): """Step: dst[...] = src (any strides)."""
     def bind_take(self, table, ids, rows, out, stream, vocab, devices=None): """Step: out = the table's rows ids (elementwise_numpy.take_rows)."""
     def bind_scatter_add(self, values, ids, rows, out, stream, vocab, devices=None): """Step: out = zeros, then out[ids[t]] += values[t] (elementwise_numpy.scatter_add_rows)."""

@@ -150,8 +150,8 @@ def work_of(i, mesh, rates: Rates, share: int = 1) -> tuple:
         # (S = 1 was the fastest at almost every sweep point), so they queue on the compute engine.
         engine = "compute" if share > 1 and not rates.serial else "comm"
         return engine, collective_time(i.op, nbytes, d, rates)
-    if i.op in ELEMENTWISE or i.op in (Op.SUM, Op.COPY, Op.TAKE, Op.SCATTER_ADD, Op.FUSED, Op.FUSED_SUM):
-        nbytes = sum(_nbytes(v, mesh) for v in i.values() if isinstance(v.type, TensorType))
+    if i.op in ELEMENTWISE or i.op in (Op.SUM, Op.COPY, Op.TAKE, Op.SCATTER_ADD, Op.FUSED, Op.FUSED_SUM, Op.FUSED_ROWS):
+        nbytes = sum(_nbytes(v, mesh) for v in (*i.values(), *i.outs) if isinstance(v.type, TensorType))  # (FusedRows' more)
         return "compute", share * nbytes / rates.mem_bw
     return None, 0.0
 

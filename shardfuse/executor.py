@@ -21,6 +21,7 @@ from shardfuse.runtime import backend_of
 from shardfuse.pieces import check_args, local_pieces, placement
 from shardfuse.interop import Fence, stream_identity, stream_ptr
 from shardfuse.backends.protocol import BoundPlan, Ref, block, rank_major, reshape_strides
+from shardfuse.fused_steps import bind_fused
 from shardfuse.ir import local_shape, walk
 from shardfuse.ops import COMMUNICATION, ELEMENTWISE, HOST, Op, VIEWS
 from shardfuse.passes.contiguity import comm_blocks
@@ -379,8 +380,7 @@ BIND = {
     Op.MATMUL: Executable._bind_matmul,
     **{op: Executable._bind_elementwise for op in ELEMENTWISE},
     **{op: Executable._bind_sum for op in (Op.SUM, Op.FUSED_SUM)},
-    Op.FUSED: lambda self, i, env, stream, devices: self.backend.bind_fused(  # (passes/fuse.py)
-        i.attrs["expr"], [self.refs[v] for v in i.ins], self.refs[i.into], stream, devices=devices),
+    **dict.fromkeys((Op.FUSED, Op.FUSED_ROWS), bind_fused),  # (passes/fuse.py, passes/fuse_rows.py)
     Op.TAKE: Executable._bind_rows,
     Op.SCATTER_ADD: Executable._bind_rows,
     Op.COPY: Executable._bind_copy,

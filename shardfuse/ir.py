@@ -271,12 +271,15 @@ def _fmt(ins: Instr, home=None) -> str:
         extra = _attrs(a, skip=("shape", "when"))
         return f"{_typed(ins.outs[0], home)} = {name} {ins_s}" + (f", {extra}" if extra else "")
     if ins.into is not None:  # host-level compute and communication write into a buffer
-        name = {Op.MATMUL: "Matmul", Op.SUM: "Sum", Op.FUSED_SUM: "FusedSum", Op.COPY: "Copy",
+        name = {Op.MATMUL: "Matmul", Op.SUM: "Sum", Op.FUSED_SUM: "FusedSum", Op.FUSED_ROWS: "FusedRows", Op.COPY: "Copy",
                 Op.ALLGATHER: "Allgather", Op.ALLREDUCE: "Allreduce", Op.REDUCE_SCATTER: "ReduceScatter", Op.ALLTOALL: "AllToAll",
                 Op.SENDRECV: "SendRecv", Op.TAKE: "Take", Op.SCATTER_ADD: "ScatterAdd",
                 Op.ORDER_KEYS: "OrderKeys", Op.FROM_ORDER_KEYS: "FromOrderKeys"
                 }.get(op, op.capitalize())
         rhs = " @ ".join(v.name for v in ins.ins) if op == Op.MATMUL else ins_s
+        if op == Op.FUSED_ROWS and "more" in a:  # a row group that writes more values (passes/fuse_rows.py), each an Expr
+            more = {**a, "more": f"({', '.join(map(str, a['more']))})"}
+            return f"{name} {', '.join(v.name for v in (ins.into, *ins.outs))} <- {rhs}, {_attrs(more, skip=('when',))}"
         if op == Op.TRANSFER:  # a move between meshes, in nvFuser's words
             name, a = a["kind"], {k: v for k, v in a.items() if k != "kind"}
         extra = f", {_attrs(a, skip=('when',))}" if set(a) - {"when"} else ""

@@ -112,6 +112,10 @@ class Op(StrEnum):
     # the sum of a fused chain (attrs["expr"], over its operands) as a Sum sums (attrs "axis", "factor"):
     # the chain's result is never written (passes/fuse.py)
     FUSED_SUM = "fused_sum"
+    # a group of steps that work row by row over the last axis (elementwise ones, and reductions of the
+    # last axis with keepdims) as one step: attrs["expr"], an Expr whose reduction nodes (REDUCE_MAX,
+    # REDUCE_MIN, SUM with its factor) hold one value per row (passes/fuse_rows.py)
+    FUSED_ROWS = "fused_rows"
     TAKE = "take"  # take(table, ids, rows): rows ids of the table, zeros where this device holds none
     # scatter_add(values, ids, rows): out[vocab, ...] = 0, then out[ids[t]] += values[t] for every
     # position t (repeated ids accumulate) on the rows this device holds; take's transpose (its VJP)
@@ -175,7 +179,8 @@ STREAM_OPS = frozenset({Op.GET_STREAM, Op.SET_STREAM, Op.SYNCHRONIZE, Op.RECORD_
 HOST_ONLY = frozenset({Op.ALLOCATE, Op.SELECT, Op.SENDRECV, Op.WAIT, Op.FOR}) | STREAM_OPS
 # What a final plan may hold: the executor binds exactly these.
 HOST = (VIEWS | COMMUNICATION | ELEMENTWISE | STREAM_OPS
-        | {Op.ALLOCATE, Op.COPY, Op.WAIT, Op.MATMUL, Op.SUM, Op.TAKE, Op.SCATTER_ADD, Op.FUSED, Op.FUSED_SUM, Op.FOR})
+        | {Op.ALLOCATE, Op.COPY, Op.WAIT, Op.MATMUL, Op.SUM, Op.TAKE, Op.SCATTER_ADD, Op.FUSED, Op.FUSED_SUM, Op.FUSED_ROWS,
+           Op.FOR})
 # What tracing may record.
 ARRAY = ELEMENTWISE | {Op.SET, Op.RESHAPE, Op.MATMUL, Op.SUM, Op.TRANSPOSE, Op.TAKE, Op.SCATTER_ADD, Op.SLICE_ARRAY,
          Op.CONCAT}
@@ -183,10 +188,12 @@ ARRAY = ELEMENTWISE | {Op.SET, Op.RESHAPE, Op.MATMUL, Op.SUM, Op.TRANSPOSE, Op.T
 
 @dataclass(frozen=True)
 class Expr:
-    """The computation of a fused step (Op.FUSED, Op.FUSED_SUM): an elementwise op of its arguments (Exprs) and
-    scalar `value`, each node's result in its own `dtype` (rounded there, as the unfused steps
-    were), or with op None the step's operand number `arg`.  Backends evaluate it (NumPy op by op,
-    CuPy as one generated kernel)."""
+    """The computation of a fused step (Op.FUSED, Op.FUSED_SUM, Op.FUSED_ROWS): an elementwise op of its
+    arguments (Exprs) and scalar `value`, each node's result in its own `dtype` (rounded there, as the
+    unfused steps were), or with op None the step's operand number `arg`.  In a FusedRows step a node
+    may also reduce its argument over the last axis, keeping it (REDUCE_MAX, REDUCE_MIN, or SUM times
+    `value`, its factor): one value per row.  Equal Exprs are one value (backends compute it once).
+    Backends evaluate it (NumPy op by op, CuPy as one generated kernel)."""
 
     op: Op | None
     dtype: str

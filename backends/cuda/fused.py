@@ -7,21 +7,13 @@ from __future__ import annotations
 
 import cupy
 
-from shardfuse.backends.cuda.kernels import BF16_PREAMBLE, C_TYPES, INLINE, PARAM_TYPES
+from shardfuse.backends.cuda import rows_source
+from shardfuse.backends.cuda.csource import BF16_PREAMBLE, C_TYPES, INLINE, PARAM_TYPES, literal
 from shardfuse.ops import Op
 
 _HELD = {"float64": "double", "int32": "int", "int64": "long long", "bool": "bool"}  # (16/32-bit floats: float)
 _ROUND = {"bfloat16": "bf2f(f2bf((float)({})))", "float16": "(float)(float16)((float)({}))", "float32": "(float)({})",
           "float64": "(double)({})", "int32": "(int)({})", "int64": "(long long)({})"}
-
-
-def _literal(v) -> str:
-    """A scalar as a C double literal (exact: repr round-trips; infinities and NaN by their bits)."""
-    v = float(v)
-    if v != v or v in (float("inf"), float("-inf")):
-        bits = {"inf": "0x7ff0000000000000LL", "-inf": "0xfff0000000000000LL"}.get(str(v), "0x7ff8000000000000LL")
-        return f"__longlong_as_double({bits})"
-    return repr(v)
 
 
 def expr_code(expr):
@@ -40,7 +32,7 @@ def expr_code(expr):
         count[0] += 1
         scope = [f"bool {n} = {c};" if d == "bool" else f"{f} {n} = ({f})({c});" for n, (c, d) in zip("ab", args)]
         if e.value is not None:
-            scope.append(f"{f} s = ({f}){_literal(e.value)};")
+            scope.append(f"{f} s = ({f}){literal(e.value)};")
         value = INLINE[e.op].replace("F", f)
         if e.dtype == "bool":
             value = f"(({value}) != 0)" if e.op == Op.ASTYPE else f"({value})"
@@ -85,7 +77,7 @@ def fused_sum_source(expr, in_dtypes, out_dtype, scale):
     params = ", ".join(f"{PARAM_TYPES[d]} x{k}" for k, d in enumerate(in_dtypes))
     # (statements where CuPy takes an expression: a lambda called in place, reading this element's operands)
     value = f"([&]() -> {acc} {{ {body} return ({acc}){last}; }})()"
-    total = "a" if scale == 1.0 else f"(a * ({acc}){_literal(scale)})"
+    total = "a" if scale == 1.0 else f"(a * ({acc}){literal(scale)})"
     store = f"f2bf({total})" if out_dtype == "bfloat16" else f"({C_TYPES[out_dtype]})({total})"
     return params, f"{PARAM_TYPES[out_dtype]} y", value, f"y = {store}", acc
 
@@ -101,3 +93,20 @@ def bind_fused_sum(dev, kernels, expr, ins, axis, out, stream, scale=1.0):
                                     preamble=BF16_PREAMBLE)
     kern = kernels.cached((Op.FUSED_SUM, expr, dtypes, out.dtype, scale), make)
     return dev.per_device((*ins, out), stream, lambda j, *views: kern(*views, axis=axis))
+
+
+def bind_fused_rows(dev, kernels, expr, ins, out, stream, more=(), more_outs=()):
+    """Step: out = expr(ins) of a FusedRows step, and more_outs[k] = more[k](ins), one generated kernel
+    (backends/cuda/rows_source.py): a block per row, made once per group, dtypes and layout (the Refs'
+    shapes and strides, the same on every device; only their offsets differ, and the views carry
+    them as pointers)."""
+    layouts = tuple((tuple(r.shape), tuple(r.strides)) for r in ins)
+    spec = lambda r: (r.dtype, tuple(r.shape), tuple(r.strides))  # noqa: E731
+    src, name, threads, rows = rows_source.source(expr, tuple(r.dtype for r in ins), layouts, spec(out),
+                                                  tuple((e, spec(r)) for e, r in zip(more, more_outs)))
+    refs = (*ins, out, *more_outs)
+    if rows == 0 or any(0 in shape for shape, _ in layouts):  # (nothing to compute: no launch)
+        return dev.per_device(refs, stream, lambda j, *views: None)
+    kern = kernels.cached((Op.FUSED_ROWS, src), lambda: cupy.RawKernel(src, name))
+    grid = (min(rows, 2**31 - 1),)  # (a block per row; past the grid's limit each block takes several)
+    return dev.per_device(refs, stream, lambda j, *views: kern(grid, (threads,), views))

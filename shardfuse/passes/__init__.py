@@ -7,6 +7,7 @@ from shardfuse.passes.cse import share_resharding
 from shardfuse.passes.donate import donate_buffers
 from shardfuse.passes.fold import fold_collectives
 from shardfuse.passes.fuse import fuse_elementwise
+from shardfuse.passes.fuse_rows import fuse_rows
 from shardfuse.passes.keep import keep_gathered_inputs
 from shardfuse.passes.lower import lower_to_host
 from shardfuse.passes.pipeline import form_stream_loops, mark_stream_intermediates
@@ -34,6 +35,7 @@ PIPELINE = (
     fold_collectives,
     stage_strided_views,
     fuse_elementwise,
+    fuse_rows,
     donate_buffers,
     assign_streams,
     reuse_buffers,

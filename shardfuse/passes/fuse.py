@@ -38,7 +38,7 @@ from shardfuse.ops import ELEMENTWISE, LOCAL_REDUCTIONS, LOCAL_SCANS, Expr, Op, 
 # remainder: NumPy's float forms (fmod, then a correction of the quotient) have no C expression in
 # CuPy's fused kernels here, so they stay their backends' own ufuncs (floor_divide, remainder).  NumPy's
 # unary math (sin, erf, gelu_erf, floor, round, sign, ...) fuses as exp does; the boolean ones (isnan,
-# isinf, isfinite), as comparisons, never join a chain: _fusable takes steps with float results only
+# isinf, isfinite), as comparisons, never join a chain: fusable takes steps with float results only
 FUSABLE = ELEMENTWISE - LOCAL_REDUCTIONS - LOCAL_SCANS - {Op.ORDER_KEYS, Op.FROM_ORDER_KEYS, Op.FLOOR_DIVIDE, Op.MOD}
 
 
@@ -47,7 +47,7 @@ def _leaf_exprs(ins):
     return tuple(Expr(None, v.type.dtype, arg=k) for k, v in enumerate(ins)), list(ins)
 
 
-def _expr_of(i):
+def expr_of(i):
     """(Expr, operands) of a step: its own fused expression, or one op of its operands."""
     if i.op == Op.FUSED:
         return i.attrs["expr"], list(i.ins)
@@ -85,7 +85,7 @@ def _dedupe(expr, ins):
     return remap(expr), list(first)
 
 
-_FLOATS = {"float16", "bfloat16", "float32", "float64"}
+FLOATS = {"float16", "bfloat16", "float32", "float64"}
 _EXACT_CASTS = {("bfloat16", "float32"), ("float16", "float32"), ("bfloat16", "float64"), ("float16", "float64"),
                 ("float32", "float64")}
 
@@ -94,11 +94,11 @@ def _widening(i) -> bool:
     return i.op == Op.ASTYPE and (i.ins[0].type.dtype, i.into.type.dtype) in _EXACT_CASTS
 
 
-def _fusable(i) -> bool:
+def fusable(i) -> bool:
     """A step of the ops fused, on floats (and boolean conditions): integer chains stay op by op
     (their arithmetic is exact in their own type; a fused kernel computes in floating point)."""
-    return (i.into is not None and (i.op in FUSABLE or i.op == Op.FUSED) and i.into.type.dtype in _FLOATS
-            and all(v.type.dtype in _FLOATS | {"bool"} for v in i.ins))
+    return (i.into is not None and (i.op in FUSABLE or i.op == Op.FUSED) and i.into.type.dtype in FLOATS
+            and all(v.type.dtype in FLOATS | {"bool"} for v in i.ins))
 
 
 def _keeps_float16(v, i) -> bool:
@@ -118,8 +118,8 @@ def enabled(mesh) -> bool:
 
 def _joined(i, k, made):
     """Step i with its operand k replaced by the chain of `made`, the step that wrote it: one Fused step."""
-    inner, inner_ins = _expr_of(made)
-    outer, outer_ins = _expr_of(i)
+    inner, inner_ins = expr_of(made)
+    outer, outer_ins = expr_of(i)
     ins = outer_ins[:k] + outer_ins[k + 1:]
     expr, ins = _dedupe(_substitute(outer, k, inner, len(ins)), ins + inner_ins)
     return i.__class__(Op.FUSED, (), tuple(ins), {"expr": expr}, into=i.into)
@@ -127,14 +127,14 @@ def _joined(i, k, made):
 
 def _summed(i, made):
     """Sum i of the result of `made` as one FusedSum step: made's chain, summed as i sums (its attrs)."""
-    expr, ins = _dedupe(*_expr_of(made))
+    expr, ins = _dedupe(*expr_of(made))
     return i.__class__(Op.FUSED_SUM, i.outs, tuple(ins), {**i.attrs, "expr": expr}, into=i.into)
 
 
 def _sums_whole(i, made) -> bool:
     """Whether i is a Sum of floats that may take in the chain of `made`: the chain's operands broadcast
     to the summed shape (backends make the chain's result of that shape, from the operands alone)."""
-    return (i.op == Op.SUM and i.into.type.dtype in _FLOATS and i.ins[0].type.dtype == i.into.type.dtype
+    return (i.op == Op.SUM and i.into.type.dtype in FLOATS and i.ins[0].type.dtype == i.into.type.dtype
             and tuple(np.broadcast_shapes(*(v.type.shape for v in made.ins))) == i.ins[0].type.shape)
 
 
@@ -170,7 +170,7 @@ def fuse_elementwise(prog):
             reads.update(instrs[p].ins)
 
     for n, i in enumerate(instrs):
-        if _fusable(i):
+        if fusable(i):
             while True:  # each operand a single-use chain produced: folded in (the operands renumber)
                 k = next((k for k, v in enumerate(i.ins) if takes(v, i) and v.type.shape == i.into.type.shape), None)
                 if k is None:
