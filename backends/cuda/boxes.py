@@ -1,0 +1,62 @@
+"""DynamicSlice and DynamicUpdateSlice on GPUs: a box copied at starts that live on the device.
+
+One generated kernel per (rank, starts, extents), one thread per element of the box: each thread
+reads the run-time starts from their device buffers (no device-to-host read: the step stays
+asynchronous and may be captured in a CUDA graph), wraps a negative one and clamps it so that the
+box fits (elementwise_numpy.box_slices's rule, jax.lax's), and moves its one element between the box
+of the larger array and the box-shaped one, strides honoured on both sides (a raw CuPy array indexed
+with a multi-index).  Elements are moved as they are: any dtype, bfloat16 as its uint16 bits, no
+temporaries.  An update of the whole of a 0-d array is a plain copy."""
+from __future__ import annotations
+
+import math
+
+import cupy
+
+
+def _source(box, outer, inner, update) -> str:
+    """The kernel's body: `box` per axis a static start or None (read from s{k}_[0], in order); outer and
+    inner the extents of the array holding the box and of the box; update: dst[box] = src, else
+    dst = src[box]."""
+    nd, lines, k = len(box), ["long long k = i;"], 0
+    for d in reversed(range(nd)):  # the element's place in the box, C order
+        lines.append(f"long long a{d} = k % {inner[d]}LL; k /= {inner[d]}LL;")
+    for d, s in enumerate(box):
+        if s is None:
+            hi = outer[d] - inner[d]
+            lines.append(f"long long s{d} = (long long)s{k}_[0]; if (s{d} < 0) s{d} += {outer[d]}LL;"
+                         f" s{d} = s{d} < 0 ? 0 : (s{d} > {hi}LL ? {hi}LL : s{d});")
+            k += 1
+        else:  # (static: wrapped and clamped when traced)
+            lines.append(f"long long s{d} = {int(s)}LL;")
+    at = ", ".join(f"(ptrdiff_t)a{d}" for d in range(nd))
+    moved = ", ".join(f"(ptrdiff_t)(a{d} + s{d})" for d in range(nd))
+    lines.append(f"ptrdiff_t in_box[{nd}] = {{{at}}}; ptrdiff_t in_outer[{nd}] = {{{moved}}};")
+    lines.append("dst[in_outer] = src[in_box];" if update else "dst[in_box] = src[in_outer];")
+    return " ".join(lines)
+
+
+def kernel(kernels, box, outer, inner, update, start_dtypes):
+    """The box-copy kernel (Kernels.cached: compiled at its first use) of these starts and extents; the
+    starts' dtypes (int32 / int64) are spelled out (CuPy's type placeholders are single letters)."""
+    def make():
+        starts = "".join(f", raw {dt} s{k}_" for k, dt in enumerate(start_dtypes))
+        return cupy.ElementwiseKernel(f"raw T src{starts}", "raw T dst", _source(box, outer, inner, update),
+                                      f"sf_{'update' if update else 'dynamic'}_slice{len(box)}")
+    return kernels.cached(("box", tuple(box), tuple(outer), tuple(inner), update, tuple(start_dtypes)), make)
+
+
+def bind_box(dev, kernels, src, starts, out, box, stream, update):
+    """Step: update: out's box = src (bind_update_slice); else out = src's box (bind_dynamic_slice).  The
+    0-d starts are viewed as (1,) arrays (views: nothing is allocated when the step runs)."""
+    outer, inner = (out.shape, src.shape) if update else (src.shape, out.shape)
+    n = math.prod(inner)
+    if not box:  # (0-d: the box is the whole array)
+        return dev.per_device((src, out), stream, lambda j, x, o: cupy.copyto(o, x))
+    kern = kernel(kernels, box, outer, inner, update, [s.dtype for s in starts])
+
+    def step(j, x, *rest):
+        *s, o = rest
+        if n:
+            kern(x, *(v.reshape(1) for v in s), o, size=n)
+    return dev.per_device((src, *starts, out), stream, step)
