@@ -64,9 +64,6 @@ def _start(x, j, k, size, what):
 
 def _starts(x, starts, sizes, what):
     """(static starts per axis, None for the dynamic ones; their 0-d traced ints in axis order)."""
-    if isinstance(starts, Traced) and starts.ndim == 1:  # (a 1-D array of starts, JAX's other form)
-        starts = [starts[j] for j in range(starts.shape[0])]
-    starts = list(starts) if isinstance(starts, (tuple, list, np.ndarray)) else [starts]
     if len(starts) != x.ndim:
         raise ValueError(f"{what}: {len(starts)} start indices for {describe(x)}: one per axis ({x.ndim})")
     for j, (n, b) in enumerate(zip(x.shape, sizes)):
@@ -117,7 +114,10 @@ def _sizes(sizes, what) -> tuple:
     return tuple(int(b) for b in sizes)
 
 
-def _as_list(starts):
+def _as_list(starts) -> list:
+    """The starts one per axis: a sequence, or a 1-D array of them (JAX's other form: its elements)."""
+    if getattr(starts, "ndim", None) == 1:
+        return [starts[j] for j in range(starts.shape[0])]
     return list(starts) if isinstance(starts, (tuple, list)) else [starts]
 
 
