@@ -13,27 +13,7 @@ import math
 
 import cupy
 
-
-def _source(box, outer, inner, update) -> str:
-    """The kernel's body: `box` per axis a static start or None (read from s{k}_[0], in order); outer and
-    inner the extents of the array holding the box and of the box; update: dst[box] = src, else
-    dst = src[box]."""
-    nd, lines, k = len(box), ["long long k = i;"], 0
-    for d in reversed(range(nd)):  # the element's place in the box, C order
-        lines.append(f"long long a{d} = k % {inner[d]}LL; k /= {inner[d]}LL;")
-    for d, s in enumerate(box):
-        if s is None:
-            hi = outer[d] - inner[d]
-            lines.append(f"long long s{d} = (long long)s{k}_[0]; if (s{d} < 0) s{d} += {outer[d]}LL;"
-                         f" s{d} = s{d} < 0 ? 0 : (s{d} > {hi}LL ? {hi}LL : s{d});")
-            k += 1
-        else:  # (static: wrapped and clamped when traced)
-            lines.append(f"long long s{d} = {int(s)}LL;")
-    at = ", ".join(f"(ptrdiff_t)a{d}" for d in range(nd))
-    moved = ", ".join(f"(ptrdiff_t)(a{d} + s{d})" for d in range(nd))
-    lines.append(f"ptrdiff_t in_box[{nd}] = {{{at}}}; ptrdiff_t in_outer[{nd}] = {{{moved}}};")
-    lines.append("dst[in_outer] = src[in_box];" if update else "dst[in_box] = src[in_outer];")
-    return " ".join(lines)
+from shardfuse.backends.cuda.box_source import source
 
 
 def kernel(kernels, box, outer, inner, update, start_dtypes):
@@ -41,7 +21,7 @@ def kernel(kernels, box, outer, inner, update, start_dtypes):
     starts' dtypes (int32 / int64) are spelled out (CuPy's type placeholders are single letters)."""
     def make():
         starts = "".join(f", raw {dt} s{k}_" for k, dt in enumerate(start_dtypes))
-        return cupy.ElementwiseKernel(f"raw T src{starts}", "raw T dst", _source(box, outer, inner, update),
+        return cupy.ElementwiseKernel(f"raw T src{starts}", "raw T dst", source(box, outer, inner, update),
                                       f"sf_{'update' if update else 'dynamic'}_slice{len(box)}")
     return kernels.cached(("box", tuple(box), tuple(outer), tuple(inner), update, tuple(start_dtypes)), make)
 
