@@ -11,7 +11,7 @@ as a static slice's cut axis is (rules_shapes.SLICE).  The starts are 0-d: repli
 are made whole first (the result's box and the rest of x come from different operands).
 
 Neither op is chunked by a stream loop (axis_map maps no axis): a loop that would run through one
-ends before it, and the op waits for the whole value.
+ends before it, and the op waits for the whole value; sf.stream of their result is refused.
 """
 from __future__ import annotations
 
@@ -39,6 +39,9 @@ def infer(ins, lays):
 
 def require(ins, out, lays):
     cut, stream = cut_axes(ins), axis_of(ins)
+    if stream is not None:
+        raise ValueError(f"sf.stream(...) of {ins.outs[0].name}, a {ins.op}, is not supported: stream the values "
+                         "it reads, or its consumer")
     axes = tuple(None if j in cut else a for j, a in enumerate(out.axes))
     asked = Layout(tuple(None if j == stream else a for j, a in enumerate(axes)))
     starts = len(ins.ins) - _arrays(ins)

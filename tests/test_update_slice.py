@@ -319,3 +319,19 @@ def test_errors_say_what_to_write():
         sf.shard(x, axis=0, mesh=mesh)[1] = 0.0
     with pytest.raises(TypeError, match="sf.Arrays"):
         sf.dynamic_update_slice(x, x[:1], (0, 0))
+    fails(lambda c, t: sf.stream(sf.dynamic_update_slice(c, c[:, :1], (0, t)), axis=0, chunks=2), x, 1,
+          match="stream the values it reads")
+
+
+def test_eager_starts_share_one_plan():
+    """Outside jit a Python int start is an operand of the one-op plan: every t runs the same plan."""
+    from shardfuse import array_ops
+
+    mesh, rng = mesh_of("tp2"), np.random.default_rng(9)
+    x, k = rng.standard_normal((4, 6, 3)), rng.standard_normal((4, 1, 3))
+    xs = sf.shard(x, axis=0, mesh=mesh)
+    sf.dynamic_update_slice(xs, k, (0, 0, 0))
+    compiled = array_ops.cache_info()["compiled"]
+    for t in range(1, 5):
+        exact(sf.dynamic_update_slice(xs, k, (0, t, 0)), ref_update(x, k, (0, t, 0)))
+    assert array_ops.cache_info()["compiled"] == compiled

@@ -17,15 +17,14 @@ HERE = sorted(k for k, (shape, _, _) in us.LAYOUTS.items() if math.prod(shape) %
 
 
 @pytest.mark.parametrize("jit", [True, False], ids=["jit", "eager"])
-@pytest.mark.parametrize("t", [0, 3, us.M - 1, us.M + 5, -1])
+@pytest.mark.parametrize("t", [0, us.M + 5, -1])
 @pytest.mark.parametrize("layout", HERE)
 def test_update(layout, t, jit):
     us.check_update(layout, "float64", "int64", t, jit, np.random.default_rng(t + 10), backend=None)
 
 
-@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-def test_update_dtypes(dtype):
-    us.check_update("dp2xtp2", dtype, "int32", 2, True, np.random.default_rng(1), backend=None)
+def test_update_bfloat16_int32_starts():
+    us.check_update("dp2xtp2", "bfloat16", "int32", 2, True, np.random.default_rng(1), backend=None)
 
 
 @pytest.mark.parametrize("layout", HERE)
