@@ -33,11 +33,13 @@ def _arrays(ins) -> int:
 
 
 def infer(ins, lays):
+    """x's layout with the cut axes whole (no pending sums)."""
     cut = cut_axes(ins)
     return Layout(tuple(None if j in cut else a for j, a in enumerate(lays[0].axes)))
 
 
 def require(ins, out, lays):
+    """x and the update in the output's layout with the cut axes whole; the starts replicated."""
     cut, stream = cut_axes(ins), axis_of(ins)
     if stream is not None:
         raise ValueError(f"sf.stream(...) of {ins.outs[0].name}, a {ins.op}, is not supported: stream the values "
@@ -49,6 +51,7 @@ def require(ins, out, lays):
 
 
 def axis_map(ins, j):
+    """No axis: a stream loop never runs through the op (the module's docstring)."""
     return (None,) * len(ins.ins)
 
 
