@@ -13,6 +13,7 @@ Same protocol as numpy_local.NumpyLocalBackend.  This class only assembles the C
 * gemm.py (and gemm_layout.py): cuBLASLt / cuBLAS GEMMs resolved at bind time, one handle and
   workspace per (GPU, stream).
 * kernels.py: elementwise ops and sums (bfloat16 through float32), the sum-of-n kernel.
+* boxes.py: dynamic_slice and dynamic_update_slice, a kernel reading its starts on the device.
 * fused.py: the generated kernels of fused chains and of their sums (passes/fuse.py), and of
   row groups (passes/fuse_rows.py; their source: rows_source.py).
 * copies.py: DMA and 2-D copies, and `piece`.
@@ -32,7 +33,7 @@ import numpy as np
 
 import cupy
 
-from shardfuse.backends.cuda import collectives, copies, devices, fused, gemm, kernels
+from shardfuse.backends.cuda import boxes, collectives, copies, devices, fused, gemm, kernels
 from shardfuse.backends.cuda.graphs import GraphPlan
 from shardfuse.interop import torch_view, array_info, to_cupy, to_numpy
 from shardfuse.dtypes import np_dtype
@@ -177,6 +178,12 @@ class CupyNcclBackend:
 
     def bind_scatter_add(self, values, ids, rows, out, stream, vocab, devices=None):
         return kernels.bind_scatter_add(self.dev.on(devices), self.kernels, values, ids, rows, out, stream, vocab)
+
+    def bind_dynamic_slice(self, operand, starts, out, box, stream, devices=None):
+        return boxes.bind_box(self.dev.on(devices), self.kernels, operand, starts, out, box, stream, update=False)
+
+    def bind_update_slice(self, update, starts, out, box, stream, devices=None):
+        return boxes.bind_box(self.dev.on(devices), self.kernels, update, starts, out, box, stream, update=True)
 
     def bind_copy(self, src, dst, stream, devices=None):
         return copies.bind_copy(self.dev, src, dst, stream, devices)

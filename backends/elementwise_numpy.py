@@ -224,6 +224,18 @@ def take_rows(xp, table, ids, rows, vocab, out):
     out[...] = xp.where(mask, picked, xp.zeros((), picked.dtype))
 
 
+def box_slices(box, starts, outer, inner) -> tuple:
+    """The slices of the box of extents `inner` in an array of extents `outer`: `box` per axis a start,
+    or None for the next of `starts` (0-d integer arrays, read now); as jax.lax.dynamic_slice places
+    it: a negative start counts from the end, then it is clamped so that the box fits."""
+    it, out = iter(starts), []
+    for s, n, b in zip(box, outer, inner):
+        s = int(next(it)) if s is None else s
+        s = min(max(s + n if s < 0 else s, 0), n - b)
+        out.append(slice(s, s + b))
+    return tuple(out)
+
+
 def global_ids(xp, ids, vocab):
     """ids as row numbers: NumPy's negative ids from the end, those outside [-vocab, vocab) clamped."""
     g = ids.astype(np.int64)

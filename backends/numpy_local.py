@@ -11,7 +11,7 @@ import os
 
 import numpy as np
 
-from shardfuse.backends.elementwise_numpy import (ELEMENTWISE, evaluate, evaluate_rows, row_schedule,
+from shardfuse.backends.elementwise_numpy import (ELEMENTWISE, box_slices, evaluate, evaluate_rows, row_schedule,
                                                   scatter_add_rows, schedule, summer, take_rows)
 from shardfuse.dtypes import np_dtype, poison_value
 from shardfuse.ops import Reduce
@@ -158,6 +158,24 @@ class NumpyLocalBackend:
             for j in js:
                 scatter_add_rows(view(bufs, values, j), view(bufs, ids, j), view(bufs, rows, j), vocab,
                                  view(bufs, out, j))
+        return step
+
+    def bind_dynamic_slice(self, operand, starts, out, box, stream, devices=None):
+        js, view = self._on(devices), self.view
+
+        def step(bufs):
+            for j in js:
+                x, o = view(bufs, operand, j), view(bufs, out, j)
+                o[...] = x[box_slices(box, [view(bufs, s, j) for s in starts], x.shape, o.shape)]
+        return step
+
+    def bind_update_slice(self, update, starts, out, box, stream, devices=None):
+        js, view = self._on(devices), self.view
+
+        def step(bufs):
+            for j in js:
+                u, o = view(bufs, update, j), view(bufs, out, j)
+                o[box_slices(box, [view(bufs, s, j) for s in starts], o.shape, u.shape)] = u
         return step
 
     def bind_copy(self, src, dst, stream, devices=None):

@@ -117,6 +117,8 @@ class Backend(Protocol):
     def bind_copy(self, src, dst, stream, devices=None): """Step: dst[...] = src (any strides)."""
     def bind_take(self, table, ids, rows, out, stream, vocab, devices=None): """Step: out = the table's rows ids (elementwise_numpy.take_rows)."""
     def bind_scatter_add(self, values, ids, rows, out, stream, vocab, devices=None): """Step: out = zeros, then out[ids[t]] += values[t] (elementwise_numpy.scatter_add_rows)."""
+    def bind_dynamic_slice(self, operand, starts, out, box, stream, devices=None): """Step: out = operand's box of out's extents at `box` (per axis a start, or None: the next of the 0-d `starts`, read on the device when it runs; elementwise_numpy.box_slices)."""
+    def bind_update_slice(self, update, starts, out, box, stream, devices=None): """Step: out's box of update's extents at `box` (as bind_dynamic_slice's) = update; the rest of out untouched."""
 
     # streams and events
     def new_event(self, timing=False): """A fresh event handle (one per GPU; timing=True: usable by event_ms)."""

@@ -33,7 +33,7 @@ from shardfuse.ops import Op
 from shardfuse.passes import compile_program
 from shardfuse.plan_cache import PlanCache
 from shardfuse.spec import TensorSpec, check_divides, reduced_axes
-from shardfuse.traced import NUMPY, Traced, is_weak_scalar, numpy_name
+from shardfuse.traced import NUMPY, SHAPE_OPS, Traced, is_weak_scalar, numpy_name
 from shardfuse.shape_ops import array_index, expand_index, getitem as shape_getitem
 from shardfuse.take import take
 from shardfuse.traced_numpy import absolute
@@ -326,6 +326,11 @@ class ArrayOps(NumpyMethods):
 
     def __getitem__(self, key):
         return getitem(self, key)
+
+    at = property(lambda self: SHAPE_OPS["at"](self))  # x.at[idx].set(v), as inside jit (shardfuse/update_slice.py)
+
+    def __setitem__(self, key, value):  # (sf.Arrays are immutable: the error says what to write)
+        SHAPE_OPS["setitem"](self, key, value)
 
     def __bool__(self):
         """As NumPy: the truth of a one-element array (gathered: collective), ambiguous otherwise."""

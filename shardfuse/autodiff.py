@@ -38,6 +38,7 @@ from shardfuse.schedule import Schedule, scheduled
 from shardfuse.take import scatter_rows
 from shardfuse.traced import Traced
 from shardfuse.traced_numpy import where
+from shardfuse.update_slice import VJP as UPDATE_SLICE_VJP
 
 # ops whose output carries no gradient to their inputs (boolean or constant results; floor division's
 # is piecewise constant: zero almost everywhere, as JAX's)
@@ -374,6 +375,7 @@ VJP = {
                                                  else None],
     **BROADCAST_VJP,  # x ** y of two arrays (shardfuse/numpy_broadcast.py)
     **MATH_VJP,  # sin, cos, log1p, expm1, erf, the exact GELU (shardfuse/numpy_math.py)
+    **UPDATE_SLICE_VJP,  # dynamic_update_slice, dynamic_slice (shardfuse/update_slice.py)
 }
 
 

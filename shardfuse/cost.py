@@ -150,6 +150,9 @@ def work_of(i, mesh, rates: Rates, share: int = 1) -> tuple:
         # (S = 1 was the fastest at almost every sweep point), so they queue on the compute engine.
         engine = "compute" if share > 1 and not rates.serial else "comm"
         return engine, collective_time(i.op, nbytes, d, rates)
+    if i.op in (Op.DYNAMIC_SLICE, Op.DYNAMIC_UPDATE_SLICE):  # the box read and written, not its whole buffer
+        box = i.ins[0] if i.op == Op.DYNAMIC_UPDATE_SLICE else i.into
+        return "compute", share * 2 * _nbytes(box, mesh) / rates.mem_bw
     if i.op in ELEMENTWISE or i.op in (Op.SUM, Op.COPY, Op.TAKE, Op.SCATTER_ADD, Op.FUSED, Op.FUSED_SUM, Op.FUSED_ROWS):
         nbytes = sum(_nbytes(v, mesh) for v in (*i.values(), *i.outs) if isinstance(v.type, TensorType))  # (FusedRows' more)
         return "compute", share * nbytes / rates.mem_bw

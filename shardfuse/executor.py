@@ -21,6 +21,7 @@ from shardfuse.runtime import backend_of
 from shardfuse.pieces import check_args, local_pieces, placement
 from shardfuse.interop import Fence, stream_identity, stream_ptr
 from shardfuse.backends.protocol import BoundPlan, Ref, block, rank_major, reshape_strides
+from shardfuse.bind_indexed import INDEXED
 from shardfuse.fused_steps import bind_fused
 from shardfuse.ir import local_shape, walk
 from shardfuse.ops import COMMUNICATION, ELEMENTWISE, HOST, Op, VIEWS
@@ -197,12 +198,6 @@ class Executable:
         if i.op == Op.FUSED_SUM:
             return self.backend.bind_fused_sum(i.attrs["expr"], [self.refs[v] for v in i.ins], *args, devices=devices)
         return self.backend.bind_sum(self.refs[i.ins[0]], *args, devices=devices)
-
-    def _bind_rows(self, i, env, stream, devices):
-        """Take and ScatterAdd: (table or values, ids, rows) -> into, over a vocabulary of `vocab` rows."""
-        bind = self.backend.bind_take if i.op == Op.TAKE else self.backend.bind_scatter_add
-        a, ids, rows = (self.refs[v] for v in i.ins)
-        return bind(a, ids, rows, self.refs[i.into], stream, i.attrs["vocab"], devices=devices)
 
     def _bind_copy(self, i, env, stream, devices):
         """A copy into or out of a staging buffer stored in blocks sees the other side in blocks too."""
@@ -381,8 +376,7 @@ BIND = {
     **{op: Executable._bind_elementwise for op in ELEMENTWISE},
     **{op: Executable._bind_sum for op in (Op.SUM, Op.FUSED_SUM)},
     **dict.fromkeys((Op.FUSED, Op.FUSED_ROWS), bind_fused),  # (passes/fuse.py, passes/fuse_rows.py)
-    Op.TAKE: Executable._bind_rows,
-    Op.SCATTER_ADD: Executable._bind_rows,
+    **INDEXED,  # Take, ScatterAdd, DynamicSlice, DynamicUpdateSlice (shardfuse/bind_indexed.py)
     Op.COPY: Executable._bind_copy,
 }
 assert set(BIND) == HOST - {Op.FOR}, set(BIND) ^ HOST  # loops are unrolled (ir.unroll)

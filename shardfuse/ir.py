@@ -274,6 +274,7 @@ def _fmt(ins: Instr, home=None) -> str:
         name = {Op.MATMUL: "Matmul", Op.SUM: "Sum", Op.FUSED_SUM: "FusedSum", Op.FUSED_ROWS: "FusedRows", Op.COPY: "Copy",
                 Op.ALLGATHER: "Allgather", Op.ALLREDUCE: "Allreduce", Op.REDUCE_SCATTER: "ReduceScatter", Op.ALLTOALL: "AllToAll",
                 Op.SENDRECV: "SendRecv", Op.TAKE: "Take", Op.SCATTER_ADD: "ScatterAdd",
+                Op.DYNAMIC_SLICE: "DynamicSlice", Op.DYNAMIC_UPDATE_SLICE: "DynamicUpdateSlice",
                 Op.ORDER_KEYS: "OrderKeys", Op.FROM_ORDER_KEYS: "FromOrderKeys"
                 }.get(op, op.capitalize())
         rhs = " @ ".join(v.name for v in ins.ins) if op == Op.MATMUL else ins_s

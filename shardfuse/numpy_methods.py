@@ -74,10 +74,6 @@ class NumpyMethods:
     def __getattr__(self, name):
         """Only reached for a name neither class has: NumPy's array methods that shardfuse lacks
         raise an AttributeError saying what it has instead (any other name: Python's own error)."""
-        if name == "at":  # (JAX's functional updates: a JAX user's first try)
-            raise AttributeError(f"'{type(self).__name__}' object has no attribute 'at': JAX's x.at[idx].set / .add "
-                                 "updates are not supported; write np.where(mask, value, x) (mask a boolean array of "
-                                 "x's shape) for .set, or sf.scatter_add(ids, values, size) for .add of rows")
         if name.startswith("__") or not hasattr(np.ndarray, name):
             return object.__getattribute__(self, name)  # (Python's error, or a property's own)
         inside = type(self).__name__ == "Traced"

@@ -125,6 +125,12 @@ class Op(StrEnum):
     # not 1; a sliced axis is whole on every device, so it is also a host-level view of the local piece
     SLICE_ARRAY = "slice_array"
     CONCAT = "concat"  # its inputs joined along `axis`: lowered to a Copy of each into a SliceArray of one buffer
+    # dynamic_slice(x, *starts): the box of x at run-time starts (0-d int operands; `box` per axis: a static
+    # start, or None for the next operand), negative from the end then clamped so it fits, as JAX's;
+    # dynamic_update_slice(x, update, *starts): x with that box replaced by update, lowered to a Copy of x
+    # into the result (none where x is donated: passes/donate.py) then a step that writes only the box
+    DYNAMIC_SLICE = "dynamic_slice"
+    DYNAMIC_UPDATE_SLICE = "dynamic_update_slice"
     # host level: buffers and their views
     ALLOCATE = "allocate"
     SLICE = "slice"
@@ -184,6 +190,9 @@ HOST = (VIEWS | COMMUNICATION | ELEMENTWISE | STREAM_OPS
 # What tracing may record.
 ARRAY = ELEMENTWISE | {Op.SET, Op.RESHAPE, Op.MATMUL, Op.SUM, Op.TRANSPOSE, Op.TAKE, Op.SCATTER_ADD, Op.SLICE_ARRAY,
          Op.CONCAT}
+# the update-slice ops (shardfuse/update_slice.py): traced, and host steps writing into their buffer
+HOST |= {Op.DYNAMIC_SLICE, Op.DYNAMIC_UPDATE_SLICE}
+ARRAY |= {Op.DYNAMIC_SLICE, Op.DYNAMIC_UPDATE_SLICE}
 
 
 @dataclass(frozen=True)

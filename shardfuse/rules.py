@@ -21,6 +21,7 @@ from shardfuse.layout import Layout, free_axes, mesh_axes, unshard
 from shardfuse.ops import Op, Reduce
 from shardfuse.schedule import axis_of
 from shardfuse.rules_take import SCATTER_ADD, TAKE
+from shardfuse.rules_update import UPDATE_SLICE
 from shardfuse import ops, rules_shapes
 
 LINEAR_UNARY = {Op.NEG, Op.SCALE, Op.DIV_SCALAR, Op.TRANSPOSE}
@@ -301,6 +302,8 @@ RULES = {
     Op.SLICE_ARRAY: rules_shapes.SLICE,
     Op.CUMSUM: rules_shapes.SCAN,  # (its last axis whole, pending sums flow through)
     Op.CONCAT: rules_shapes.CONCAT,
+    Op.DYNAMIC_UPDATE_SLICE: UPDATE_SLICE,  # (shardfuse/rules_update.py: a cut axis whole, the others kept)
+    Op.DYNAMIC_SLICE: UPDATE_SLICE,
     **{op: ELEMENTWISE for op in BINARY | LINEAR_UNARY - {Op.TRANSPOSE} | NONLINEAR_UNARY | ops.BINARY},
     Op.FULL_LIKE: dict(ELEMENTWISE, require=shape_only_require),
     **{op: dict(infer=last_axis_reduce_infer, require=last_axis_reduce_require, axis_map=identity_axis_map)

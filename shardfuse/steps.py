@@ -30,7 +30,8 @@ def kind_of(op) -> str:
         return "communication"
     if op == Op.MATMUL:
         return "gemm"
-    if op in ELEMENTWISE or op in (Op.SUM, Op.TAKE, Op.SCATTER_ADD, Op.FUSED, Op.FUSED_SUM, Op.FUSED_ROWS):
+    if op in ELEMENTWISE or op in (Op.SUM, Op.TAKE, Op.SCATTER_ADD, Op.FUSED, Op.FUSED_SUM, Op.FUSED_ROWS,
+                                   Op.DYNAMIC_SLICE, Op.DYNAMIC_UPDATE_SLICE):
         return "compute"
     if op == Op.COPY:
         return "copies"

@@ -338,6 +338,13 @@ class Traced(NumpyMethods):
         out = TensorType(tuple(int(s) for s in shape), self.dtype_name)
         return self.builder.emit(Op.RESHAPE, (self,), out, self.value.name + "_r", shape=out.shape)
 
+    # JAX's functional updates, x.at[idx].set(v) / .add(v) / .get(), and x[idx] = v's refusal saying so:
+    # shardfuse/update_slice.py
+    at = property(lambda self: SHAPE_OPS["at"](self))
+
+    def __setitem__(self, key, value):
+        SHAPE_OPS["setitem"](self, key, value)
+
 
 class ConcretizationError(TypeError):
     """A traced value used where Python needs its numbers (bool(), int(), float(), np.asarray,

@@ -170,7 +170,8 @@ def test_3c_every_op_prints():
     attrs = {"var": "i", "extent": 2, "axis": 0, "to_axis": 1, "team": "DIDx", "stream": MAIN, "index": 0,
              "kind": "SendRecv", "shift": 1, "perm": (1, 0), "from": (0,), "to": (0,), "value": 2.0}
     writes = ops.COMMUNICATION | ops.ELEMENTWISE | {Op.MATMUL, Op.SUM, Op.COPY, Op.TAKE, Op.SCATTER_ADD, Op.FUSED,
-                                                          Op.FUSED_SUM, Op.FUSED_ROWS}
+                                                          Op.FUSED_SUM, Op.FUSED_ROWS, Op.DYNAMIC_SLICE,
+                                                          Op.DYNAMIC_UPDATE_SLICE}
     bad = []  # (writes: the host ops that write into a buffer)
     for level, group in (("host", ops.HOST), ("array", ops.ARRAY)):
         for op in sorted(group):

@@ -4,7 +4,8 @@ JAX's), so that an update step `w - lr * g` holds one copy of the weights, not t
 An output takes a donated input's buffer only where that is safe in the plan as it runs: the
 same type and layout (so the same pieces on the same devices), and every step that reads the
 input (a collective until its Wait) issued before the first step that writes the output, or
-that step itself when it is elementwise on the input's very elements (in place).  The plan then
+that step itself when it is elementwise on the input's very elements (in place); a copy of the input
+into the output that comes first (a dynamic_update_slice's) is dropped, not counted.  The plan then
 prints the output written into the input (`Sub w <- w, s`, or fused: `Fused w <- w, g, ...`): the donation is visible, and an
 output that could take no buffer stays in its own (JAX's donation is a hint too).
 """
@@ -32,6 +33,13 @@ def _writes(ins, values) -> bool:
     return (ins.into is not None and ins.into in values) or any(_writes(b, values) for b in ins.body)
 
 
+def _copies(i, inp, root) -> bool:
+    """Whether i is `Copy root <- inp`: the copy of its operand a dynamic_update_slice's result starts
+    from (passes/lower.py).  Where root takes inp's buffer, which holds those values already, it is
+    dropped, and the update writes only its box into the donated buffer (XLA's in-place update)."""
+    return i.op == Op.COPY and i.into is root and i.ins == (inp,)
+
+
 def _safe(prog, inp, root, base) -> bool:
     read_as = {inp} | {v for v, b in base.items() if b == inp}
     written_as = {root} | {v for v, b in base.items() if b == root}
@@ -39,11 +47,14 @@ def _safe(prog, inp, root, base) -> bool:
     for k, i in enumerate(prog.instrs):
         if i.op == Op.WAIT:
             waits.update({h: k for h in i.ins})
-    first_write = next((k for k, i in enumerate(prog.instrs) if _writes(i, written_as)), None)
-    if first_write is None:
+    writes = [k for k, i in enumerate(prog.instrs) if _writes(i, written_as)]
+    copied = writes[0] if writes and _copies(prog.instrs[writes[0]], inp, root) else None
+    writes = writes[1:] if copied is not None else writes  # (that copy is dropped: donate_buffers)
+    if not writes:
         return False
+    first_write = writes[0]
     for k, i in enumerate(prog.instrs):
-        if not _reads(i, read_as) or i.op in (Op.SLICE, Op.VIEW, Op.TRANSPOSE, Op.SHARD_SLICE, Op.SELECT):
+        if k == copied or not _reads(i, read_as) or i.op in (Op.SLICE, Op.VIEW, Op.TRANSPOSE, Op.SHARD_SLICE, Op.SELECT):
             continue
         last = max([k] + [waits.get(o, k) for o in i.outs if i.op in COLLECTIVES])
         if last < first_write:
@@ -76,6 +87,7 @@ def donate_buffers(prog):
                 break
     if not mapping:
         return prog.with_instrs(prog.instrs, "donate_buffers")
-    instrs = substitute([i for i in prog.instrs if not (i.op == Op.ALLOCATE and i.outs[0] in mapping)], mapping)
+    instrs = substitute([i for i in prog.instrs if not (i.op == Op.ALLOCATE and i.outs[0] in mapping
+                                                         or _copies(i, mapping.get(i.into), i.into))], mapping)
     outputs = tuple(mapping.get(v, v) for v in prog.outputs)
     return prog.with_instrs(instrs, "donate_buffers", outputs=outputs)

@@ -47,6 +47,10 @@ def _lower(instrs, namer, mesh, results=()):
             out.extend(steps)
         elif i.op == Op.CONCAT:
             out += _lower_concat(i, namer)
+        elif i.op == Op.DYNAMIC_UPDATE_SLICE:  # x copied into the result, then the box written (no copy
+            o = i.outs[0]  # where x is donated: passes/donate.py)
+            out += [Instr(Op.ALLOCATE, (o,)), Instr(Op.COPY, (), i.ins[:1], into=o),
+                    Instr(i.op, (), i.ins[1:], i.attrs, into=o)]
         else:
             o = i.outs[0]
             out += [Instr(Op.ALLOCATE, (o,)), Instr(i.op, (), i.ins, i.attrs, into=o)]

@@ -1,0 +1,273 @@
+"""sf.dynamic_update_slice and sf.dynamic_slice (jax.lax's), and JAX's x.at[idx].set / .add / .get,
+inside sf.jit and on sf.Arrays outside it: a box of an array written or read at start indices
+known only when the plan runs (a traced int), so one plan serves every decode step of a KV cache.
+
+    @sf.jit(mesh=mesh, donate_argnums=0)
+    def step(cache, k, t):                     # cache [batch, heads, max_len, hd], k [batch, heads, 1, hd]
+        return sf.dynamic_update_slice(cache, k, (0, 0, t, 0))   # or cache.at[:, :, t].set(k[:, :, 0])
+
+Semantics (jax.lax's, allow_negative_indices=True): one start index per axis, a Python int or a 0-d
+int32 / int64 value; a negative start counts from the end of its axis, then every start is clamped
+so that the box fits (an update never lands partly outside).  The update is cast to the operand's
+dtype (as NumPy's and JAX's `.at[].set` cast).  x.at[idx] takes ints, 0-d traced ints and slices of
+step 1 (an int drops its axis, as x[idx] does); .set(v) broadcasts v to x[idx]'s shape.  Unlike
+JAX's `.at` (which drops an out-of-range update), an index out of range is clamped here too.
+
+Sharding (shardfuse/rules_update.py): an axis the box covers whole keeps its sharding, so a cache
+with heads over tp and batch over dp is updated locally on every device, no communication; an
+axis the box cuts (the sequence axis) must be whole on every device, and where it is sharded it
+is gathered first (an Allgather the plan prints), as a static slice's.
+
+Cost: the plan copies the operand into the result, then writes only the box (`Copy c <- cache`,
+`DynamicUpdateSlice c <- k, t`); with the operand donated the copy is gone (passes/donate.py) and
+each call writes the update's bytes into the donated buffer, in place.  Gradients: the operand's
+cotangent is ct with the box zeroed, the update's the box of ct; a dynamic_slice's is a
+dynamic_update_slice of zeros.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from shardfuse.ir import TensorType
+from shardfuse.ops import Op
+from shardfuse.traced import SHAPE_OPS, Traced, cast, describe
+
+_INTS = ("int32", "int64")
+
+
+def _is_int(k) -> bool:
+    return isinstance(k, (int, np.integer)) and not isinstance(k, (bool, np.bool_))
+
+
+def _static(k):
+    """k as a Python int where it is a Python or NumPy int or a 0-d NumPy int array, else None."""
+    if isinstance(k, np.ndarray) and k.ndim == 0 and k.dtype.kind in "iu":
+        k = k[()]
+    return int(k) if _is_int(k) else None
+
+
+def _start(x, j, k, size, what):
+    """(static start or None, the traced 0-d int or None) of axis j for a box of `size` (wrapped, clamped)."""
+    n = x.shape[j]
+    s = _static(k)
+    if s is None and not (isinstance(k, Traced) and k.ndim == 0 and k.dtype_name in _INTS):
+        raise TypeError(f"{what}: start index {j} must be a Python int or a 0-d int32 / int64 value, got "
+                        f"{describe(k) if isinstance(k, Traced) else repr(k)}"
+                        + ("; cast it with .astype('int32')" if isinstance(k, Traced) and k.ndim == 0 else ""))
+    if size == n:  # (the box covers the axis: clamping leaves 0 whatever the start)
+        return 0, None
+    if s is None:
+        return None, k
+    s = s + n if s < 0 else s
+    return min(max(s, 0), n - size), None
+
+
+def _starts(x, starts, sizes, what):
+    """(static starts per axis, None for the dynamic ones; their 0-d traced ints in axis order)."""
+    if len(starts) != x.ndim:
+        raise ValueError(f"{what}: {len(starts)} start indices for {describe(x)}: one per axis ({x.ndim})")
+    for j, (n, b) in enumerate(zip(x.shape, sizes)):
+        if not _is_int(b) or not 0 <= b <= n:
+            raise ValueError(f"{what}: the box's extent {b!r} on axis {j} must be between 0 and {n} ({describe(x)})")
+    got = [_start(x, j, k, sizes[j], what) for j, k in enumerate(starts)]
+    return tuple(s for s, _ in got), [t for _, t in got if t is not None]
+
+
+def _dispatch(fn, args, what):
+    """fn(*args) on traced values (NumPy arrays captured), or as a one-op plan where an sf.Array is
+    among them (outside jit: a Python int start becomes an int64 operand, so every start shares a plan)."""
+    traced = next((a for a in args if isinstance(a, Traced)), None)
+    if traced is not None:
+        return fn(*(traced.builder.constant(a) for a in args))
+    arrays = [a for a in args if hasattr(type(a), "one_op")]  # sf.Arrays (array_ops.ArrayOps); a tuple arg is static
+    if not arrays:
+        raise TypeError(f"{what} takes values inside an sf.jit function or sf.Arrays, got "
+                        f"{', '.join(type(a).__name__ for a in args[:2])}")
+    return arrays[0].one_op(fn, tuple(np.asarray(a, np.int64) if _is_int(a) else a for a in args), what)
+
+
+def _update(x, u, *starts):
+    what = "sf.dynamic_update_slice"
+    u = x.builder.constant(u)
+    if not isinstance(x, Traced) or not isinstance(u, Traced):
+        raise TypeError(f"{what}(operand, update, start_indices): operand and update must be arrays, got "
+                        f"{describe(x)} and {describe(u)}")
+    if u.ndim != x.ndim:
+        raise ValueError(f"{what}: the update {describe(u)} must have the operand's rank ({describe(x)}); "
+                         "add its unit axes (u[:, :, None]) or write x.at[...].set(u)")
+    static, dyn = _starts(x, starts, u.shape, what)
+    return _emit_update(x, cast(u, x.dtype_name), dyn, static)
+
+
+def _slice(x, sizes, *starts):  # (module-level, as every fn given to _dispatch: one-op plans are cached by it)
+    what = "sf.dynamic_slice"
+    if not isinstance(x, Traced):
+        raise TypeError(f"{what}(operand, start_indices, slice_sizes): operand must be an array, got {describe(x)}")
+    static, dyn = _starts(x, starts, sizes, what)
+    return _emit_slice(x, sizes, dyn, static)
+
+
+def _sizes(sizes, what) -> tuple:
+    sizes = tuple(sizes) if isinstance(sizes, (tuple, list)) else (sizes,)
+    if not all(_is_int(b) for b in sizes):
+        raise TypeError(f"{what}: slice_sizes must be Python ints (static: a plan's shapes are), got {sizes!r}")
+    return tuple(int(b) for b in sizes)
+
+
+def _as_list(starts) -> list:
+    """The starts one per axis: a sequence, or a 1-D array of them (JAX's other form: its elements)."""
+    if getattr(starts, "ndim", None) == 1:
+        return [starts[j] for j in range(starts.shape[0])]
+    return list(starts) if isinstance(starts, (tuple, list)) else [starts]
+
+
+def dynamic_update_slice(operand, update, start_indices):
+    """operand with the box at `start_indices` replaced by `update` (jax.lax.dynamic_update_slice):
+    one start per axis (Python ints or 0-d int values, negative from the end), clamped so that the
+    update fits; see the module's docstring for sharding and cost (donate the operand)."""
+    return _dispatch(_update, (operand, update, *_as_list(start_indices)), "sf.dynamic_update_slice")
+
+
+def dynamic_slice(operand, start_indices, slice_sizes):
+    """The box of `operand` of extents `slice_sizes` (static ints) at `start_indices` (jax.lax.dynamic_slice):
+    starts as dynamic_update_slice's, clamped so that the box fits."""
+    sizes = _sizes(slice_sizes, "sf.dynamic_slice")
+    return _dispatch(_slice, (operand, sizes, *_as_list(start_indices)), "sf.dynamic_slice")
+
+
+# ---- x.at[idx] ------------------------------------------------------------------------------
+
+def _parse(x, key, what):
+    """(static description per axis, the key's index values in order): ("i",) an index (an int or a
+    traced 0-d int, the axis dropped) or ("s", start, stop) a slice of step 1."""
+    key = key if isinstance(key, tuple) else (key,)
+    if sum(k is Ellipsis for k in key) > 1:
+        raise IndexError(f"{what}: an index can only have a single ellipsis ('...')")
+    used = sum(k is not Ellipsis for k in key)
+    if used > x.ndim:
+        raise IndexError(f"{what}: too many indices for {describe(x)}: {used} given")
+    at = next((n for n, k in enumerate(key) if k is Ellipsis), len(key))
+    key = key[:at] + (slice(None),) * (x.ndim - used) + key[at + 1:]
+    desc, values = [], []
+    for j, k in enumerate(key):
+        if isinstance(k, slice):
+            start, stop, step = k.indices(x.shape[j])
+            if step != 1:
+                raise IndexError(f"{what}: a slice of step {step} on axis {j}: .at[] updates a box (slices of step 1)")
+            desc.append(("s", start, max(stop, start)))
+        elif _static(k) is not None or isinstance(k, Traced) or hasattr(type(k), "one_op"):
+            desc.append(("i",))
+            values.append(k)
+        else:
+            raise TypeError(f"{what}: .at[] takes ints, 0-d int values, slices of step 1 and '...', got "
+                            f"{describe(k) if isinstance(k, Traced) else repr(k)} on axis {j}; for rows at an "
+                            "array of ids write sf.scatter_add (.add) or sf.where (.set)")
+    return tuple(desc), values
+
+
+def _box(desc, values):
+    """(starts, box sizes, the indexed shape x[idx] has) of a parsed key."""
+    starts, sizes, shape, it = [], [], [], iter(values)
+    for d in desc:
+        if d[0] == "i":
+            starts.append(next(it))
+            sizes.append(1)
+        else:
+            starts.append(d[1])
+            sizes.append(d[2] - d[1])
+            shape.append(d[2] - d[1])
+    return starts, tuple(sizes), tuple(shape)
+
+
+def _at_get(x, desc, *values):
+    starts, sizes, shape = _box(desc, values)
+    return _slice(x, sizes, *starts).reshape(shape)
+
+
+def _at_set(x, desc, v, *values):
+    from shardfuse.numpy_broadcast import broadcast_to  # (it builds on traced_numpy, which this module does not need)
+
+    starts, sizes, shape = _box(desc, values)
+    if isinstance(v, Traced) or isinstance(v, np.ndarray):
+        v = broadcast_to(cast(x.builder.constant(v), x.dtype_name), shape)
+    else:  # a Python or NumPy scalar: a constant box of it (bound at each call, the box's size)
+        v = x.builder.constant(np.full(shape, v, dtype=x.dtype))
+    return _update(x, v.reshape(sizes), *starts)
+
+
+def _at_add(x, desc, v, *values):
+    return _at_set(x, desc, _at_get(x, desc, *values) + v, *values)
+
+
+class At:
+    """x.at (JAX's): x.at[idx].set(v), .add(v) and .get() as new values (see the module's docstring)."""
+
+    def __init__(self, x):
+        self.x = x
+
+    def __getitem__(self, key):
+        return AtIndex(self.x, key)
+
+
+class AtIndex:
+    """x.at[idx]: .set(v) (a dynamic_update_slice), .add(v) (x[idx] + v set back), .get() (a dynamic_slice)."""
+
+    def __init__(self, x, key):
+        self.x = x
+        self.desc, self.values = _parse(x, key, "x.at[...]")
+
+    def set(self, v):
+        """x with x[idx] replaced by v (broadcast to x[idx]'s shape, cast to x's dtype)."""
+        return _dispatch(_at_set, (self.x, self.desc, v, *self.values), "x.at[...].set")
+
+    def add(self, v):
+        """x with v added to x[idx]."""
+        return _dispatch(_at_add, (self.x, self.desc, v, *self.values), "x.at[...].add")
+
+    def get(self):
+        """x[idx] (indices clamped, as every .at index is)."""
+        return _dispatch(_at_get, (self.x, self.desc, *self.values), "x.at[...].get")
+
+
+def refuse_setitem(x, key, value):
+    """x[key] = value: shardfuse's values are immutable (as JAX's arrays); the error says what to write."""
+    raise TypeError(f"'{type(x).__name__}' object does not support item assignment: shardfuse values are "
+                    "immutable, as JAX's arrays; write x = x.at[idx].set(value) (ints, traced 0-d ints and slices "
+                    "in idx) or x = sf.dynamic_update_slice(x, update, start_indices), and donate x "
+                    "(sf.jit(..., donate_argnums=...)) so that the update is written in place of x")
+
+
+SHAPE_OPS["at"] = At  # (Traced.at and sf.Array.at)
+SHAPE_OPS["setitem"] = refuse_setitem
+
+
+# ---- gradients (merged into autodiff's VJP table) ---------------------------------------------
+
+def _emit_update(x, u, idx, starts):
+    return x.builder.emit(Op.DYNAMIC_UPDATE_SLICE, (x, u, *idx), TensorType(x.shape, x.dtype_name), x.value.name,
+                          starts=starts)
+
+
+def _emit_slice(x, sizes, idx, starts):
+    if not idx:  # (every start known: a static slice, a view)
+        return SHAPE_OPS["getitem"](x, tuple(slice(s, s + b) for s, b in zip(starts, sizes)))
+    return x.builder.emit(Op.DYNAMIC_SLICE, (x, *idx), TensorType(tuple(sizes), x.dtype_name), x.value.name + "_ds",
+                          starts=starts)
+
+
+def _update_vjp(ins, xs, out, ct, instrs):
+    """The operand's cotangent: ct with the box zeroed; the update's: the box of ct (the same starts)."""
+    _, u, *idx = xs
+    zeros = u.unary_op(Op.FULL_LIKE, ct.dtype_name, value=0.0)
+    starts = ins.attrs["starts"]
+    return [_emit_update(ct, zeros, idx, starts), _emit_slice(ct, u.shape, idx, starts)] + [None] * len(idx)
+
+
+def _slice_vjp(ins, xs, out, ct, instrs):
+    """The operand's cotangent: zeros with ct written in the box (a dynamic_update_slice)."""
+    x, *idx = xs
+    zeros = x.unary_op(Op.FULL_LIKE, ct.dtype_name, value=0.0)
+    return [_emit_update(zeros, ct, idx, ins.attrs["starts"])] + [None] * len(idx)
+
+
+VJP = {Op.DYNAMIC_UPDATE_SLICE: _update_vjp, Op.DYNAMIC_SLICE: _slice_vjp}

@@ -1,0 +1,337 @@
+"""sf.dynamic_update_slice, sf.dynamic_slice and x.at[idx].set / .add / .get (shardfuse/update_slice.py):
+a serving KV cache [batch, heads, max_len, head_dim] written at a traced step t.
+
+Values against NumPy in float64 on fresh random inputs (buffers poisoned: conftest), inside jit and
+eager, on a 1-D tp mesh and a dp x tp mesh (batch over dp, heads over tp), t at the start, the middle,
+the end and out of range (negative from the end, then clamped, as jax.lax's); int32 and int64 starts;
+float32 / bfloat16 / float16 data (a copy: exact).  The plans: no communication where the cut axis is
+unsharded, the operand copied then the box written, and with donation one step that writes the update
+into the donated buffer, whose addresses stay the same call after call (a decode loop); the gradients
+against central differences.  tests/mpi/test_update_slice_mpi.py runs the bodies under mpiexec,
+tests/test_gpu_update_slice.py on a GPU.
+
+The donated decode plan (heads over tp), as printed:
+
+    plan step(cache: f64[2, 4:tp, 6, 3], k: f64[2, 4:tp, 1, 3], t: i64[]) -> (cache: f64[2, 4:tp, 6, 3])
+      # mesh tp=2, streams=4
+      DynamicUpdateSlice cache <- k, t, starts=(0, 0, None, 0)
+      return cache
+"""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import shardfuse as sf
+from shardfuse.dtypes import np_dtype
+from shardfuse.ops import Op
+from shardfuse.steps import plan_steps
+
+B, NH, M, HD = 2, 4, 6, 3
+# mesh shape, axis names, the cache's spec (one entry per tensor axis)
+LAYOUTS = {"tp2": ((2,), ("tp",), (None, "tp", None, None)),
+           "dp2xtp2": ((2, 2), ("dp", "tp"), ("dp", "tp", None, None))}
+STARTS = [0, 3, M - 1, M + 5, -1, -M - 3]  # first, middle, last, past the end, from the end, before the start
+_MESHES: dict = {}
+
+
+def mesh_of(layout, backend="numpy"):
+    """One mesh per layout and backend (None: the default one, MPI's under mpiexec)."""
+    if (layout, backend) not in _MESHES:
+        shape, names, _ = LAYOUTS[layout]
+        _MESHES[layout, backend] = sf.DeviceMesh(shape, names, **({"backend": backend} if backend else {}))
+    return _MESHES[layout, backend]
+
+
+def ref_update(x, u, starts):
+    """jax.lax.dynamic_update_slice in NumPy: a negative start from the end, then clamped to fit."""
+    s = [min(max(k + n if k < 0 else k, 0), n - b) for k, n, b in zip(starts, x.shape, u.shape)]
+    y = x.copy()
+    y[tuple(slice(a, a + b) for a, b in zip(s, u.shape))] = u
+    return y
+
+
+def ref_slice(x, starts, sizes):
+    s = [min(max(k + n if k < 0 else k, 0), n - b) for k, n, b in zip(starts, x.shape, sizes)]
+    return x[tuple(slice(a, a + b) for a, b in zip(s, sizes))]
+
+
+def data(rng, shape, dtype):
+    return rng.standard_normal(shape).astype(np_dtype(dtype))
+
+
+def exact(got, want):
+    np.testing.assert_array_equal(np.asarray(got).astype(np.float64), np.asarray(want).astype(np.float64))
+
+
+def check_update(layout, dtype, idx_dtype, t, jit, rng, backend="numpy"):
+    """cache[:, :, t] = k (k [B, NH, 1, HD]) as dynamic_update_slice; the result keeps the cache's layout."""
+    mesh, spec = mesh_of(layout, backend), LAYOUTS[layout][2]
+    c, k = data(rng, (B, NH, M, HD), dtype), data(rng, (B, NH, 1, HD), dtype)
+    cd, kd, tt = sf.distribute(c, mesh, spec), sf.distribute(k, mesh, spec), np.asarray(t, idx_dtype)
+    if jit:
+        f = sf.jit(lambda c, k, t: sf.dynamic_update_slice(c, k, (0, 0, t, 0)), mesh=mesh)
+        assert f.lower(cd, kd, tt).collectives() == {}  # (each device writes its own piece)
+        out = f(cd, kd, tt)
+    else:
+        out = sf.dynamic_update_slice(cd, kd, (0, 0, tt, 0))
+    assert out.sharding.axes == spec and out.dtype == np_dtype(dtype)
+    exact(out, ref_update(c, k, (0, 0, t, 0)))
+
+
+def check_slice_and_at(layout, dtype, t, jit, rng, backend="numpy"):
+    """dynamic_slice of two positions, and x.at[:, :, t].set / .add / .get (k [B, NH, HD], t's axis dropped)."""
+    mesh, spec = mesh_of(layout, backend), LAYOUTS[layout][2]
+    c, k = data(rng, (B, NH, M, HD), dtype), data(rng, (B, NH, HD), dtype)
+    cd, kd, tt = sf.distribute(c, mesh, spec), sf.distribute(k, mesh, spec[:2] + (None,)), np.asarray(t)
+
+    def fn(c, k, t):
+        return (sf.dynamic_slice(c, (0, 0, t, 0), (B, NH, 2, HD)), c.at[:, :, t].set(k), c.at[:, :, t].add(k),
+                c.at[:, :, t].get(), c.at[1, :, t].set(2.0))
+    got = sf.jit(fn, mesh=mesh)(cd, kd, tt) if jit else fn(cd, kd, tt)
+    w = min(max(t + M if t < 0 else t, 0), M - 1)
+    added = c.copy()
+    added[:, :, w] = (c[:, :, w].astype(np.float64) + k).astype(c.dtype)
+    two = c.copy()
+    two[1, :, w] = 2.0
+    for g, want in zip(got, (ref_slice(c, (0, 0, t, 0), (B, NH, 2, HD)), ref_update(c, k[:, :, None], (0, 0, t, 0)),
+                             added, c[:, :, w], two)):
+        exact(g, want)
+
+
+def check_strided(layout, dtype, t, rng, backend="numpy"):
+    """Strided operands: the update a slice of a fused QKV projection (a view, the last axis strided), the
+    slice read from a transposed cache (a view with the cut axis last)."""
+    mesh, spec = mesh_of(layout, backend), LAYOUTS[layout][2]
+    c, y = data(rng, (B, NH, M, HD), dtype), data(rng, (B, NH, 1, 3 * HD), dtype)
+
+    def fn(c, y, t):
+        _, k, _ = sf.split(y, 3, axis=-1)
+        c = sf.dynamic_update_slice(c, k, (0, 0, t, 0))
+        return c, sf.dynamic_slice(c.transpose(0, 1, 3, 2), (0, 0, 0, t - 1), (B, NH, HD, 2))
+    new, got = sf.jit(fn, mesh=mesh)(sf.distribute(c, mesh, spec), sf.distribute(y, mesh, spec), t)
+    want = ref_update(c, y[..., HD:2 * HD], (0, 0, t, 0))
+    exact(new, want)
+    exact(got, ref_slice(want.transpose(0, 1, 3, 2), (0, 0, 0, t - 1), (B, NH, HD, 2)))
+
+
+def decode(mesh, donate=True):
+    """A decode step: write k at t, then read the cache (an attention-like contraction with q)."""
+    def step(cache, k, q, t):
+        cache = sf.dynamic_update_slice(cache, k, (0, 0, t, 0))
+        return cache, (cache * q).sum(-1)
+    return sf.jit(step, mesh=mesh, donate_argnums=0 if donate else ())
+
+
+def addresses(a):
+    return [s.__array_interface__["data"][0] if isinstance(s, np.ndarray) else s.data.ptr for s in a.shards]
+
+
+def check_decode_loop(layout, rng, steps=5, backend="numpy", dtype="float64"):
+    """Several donated steps against NumPy; from the second call on the cache stays in the same buffers
+    (the first copies the caller's array, as any donated plain argument)."""
+    mesh, spec = mesh_of(layout, backend), LAYOUTS[layout][2]
+    c = np.zeros((B, NH, M, HD), np_dtype(dtype))
+    f, cache, seen = decode(mesh), sf.distribute(c, mesh, spec), []
+    for t in range(steps):
+        k, q = data(rng, (B, NH, 1, HD), dtype), data(rng, (B, NH, 1, HD), dtype)
+        cache, s = f(cache, sf.distribute(k, mesh, spec), sf.distribute(q, mesh, spec), 2 + t)
+        c = ref_update(c, k, (0, 0, 2 + t, 0))
+        exact(cache, c)
+        np.testing.assert_allclose(np.asarray(s).astype(np.float64), (c.astype(np.float64) * q).sum(-1),
+                                   rtol=1e-12 if dtype == "float64" else 2e-2, atol=0 if dtype == "float64" else 2e-2)
+        seen.append(addresses(cache))
+    assert all(a == seen[1] for a in seen[1:]), seen
+
+
+def loss_of(w):
+    def loss(c, k, t):
+        y = sf.dynamic_update_slice(c, k * k, (0, 0, t, 0))
+        z = sf.dynamic_slice(y, (0, 0, t - 1, 0), (B, NH, 2, HD))
+        return (y * w).sum() + (z * z).sum() + (y.at[:, :, t + 1].get() ** 3).sum()
+    return loss
+
+
+def check_grad(layout, rng, t=3, backend="numpy"):
+    """sf.grad through dynamic_update_slice, dynamic_slice and .at[].get against central differences."""
+    mesh, spec = mesh_of(layout, backend), LAYOUTS[layout][2]
+    c, k, w = (rng.standard_normal(s) for s in ((B, NH, M, HD), (B, NH, 1, HD), (B, NH, M, HD)))
+    gc, gk = sf.jit(sf.grad(loss_of(w), argnums=(0, 1)), mesh=mesh)(sf.distribute(c, mesh, spec),
+                                                                     sf.distribute(k, mesh, spec), t)
+
+    def ref(c, k):
+        y = ref_update(c, k * k, (0, 0, t, 0))
+        return (y * w).sum() + (y[:, :, t - 1:t + 1] ** 2).sum() + (y[:, :, t + 1] ** 3).sum()
+    for x, g, f in ((c, gc, lambda d: ref(c + d, k)), (k, gk, lambda d: ref(c, k + d))):
+        num = np.zeros_like(x)
+        for idx in np.ndindex(x.shape):
+            d = np.zeros_like(x)
+            d[idx] = 1e-6
+            num[idx] = (f(d) - f(-d)) / 2e-6
+        np.testing.assert_allclose(np.asarray(g), num, rtol=1e-6, atol=1e-6)
+
+
+# ---- values ------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("jit", [True, False], ids=["jit", "eager"])
+@pytest.mark.parametrize("idx_dtype", ["int32", "int64"])
+@pytest.mark.parametrize("t", STARTS)
+@pytest.mark.parametrize("layout", sorted(LAYOUTS))
+def test_update(layout, t, idx_dtype, jit):
+    check_update(layout, "float64", idx_dtype, t, jit, np.random.default_rng(t + 10))
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16", "float16"])
+@pytest.mark.parametrize("layout", sorted(LAYOUTS))
+def test_update_dtypes(layout, dtype):
+    check_update(layout, dtype, "int32", 3, True, np.random.default_rng(1))
+
+
+@pytest.mark.parametrize("jit", [True, False], ids=["jit", "eager"])
+@pytest.mark.parametrize("t", [0, 3, M - 1, M + 2, -2])
+@pytest.mark.parametrize("layout", sorted(LAYOUTS))
+def test_slice_and_at(layout, t, jit):
+    check_slice_and_at(layout, "float64", t, jit, np.random.default_rng(2))
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16", "float16"])
+def test_slice_and_at_dtypes(dtype):
+    check_slice_and_at("dp2xtp2", dtype, 4, True, np.random.default_rng(3))
+
+
+@pytest.mark.parametrize("t", [0, 3, M + 1])
+@pytest.mark.parametrize("layout", sorted(LAYOUTS))
+def test_strided_operands(layout, t):
+    check_strided(layout, "float32", t, np.random.default_rng(t))
+
+
+@pytest.mark.parametrize("layout", sorted(LAYOUTS))
+def test_decode_loop_donated(layout):
+    check_decode_loop(layout, np.random.default_rng(4))
+
+
+@pytest.mark.parametrize("layout", sorted(LAYOUTS))
+def test_grad(layout):
+    check_grad(layout, np.random.default_rng(5))
+
+
+def test_static_starts_and_whole_axes():
+    """Python int starts (clamped when traced), an update covering whole axes, a 1-D array of starts."""
+    mesh, rng = mesh_of("tp2"), np.random.default_rng(6)
+    x, u = rng.standard_normal((5, 4, 6)), rng.standard_normal((2, 4, 3))
+    f = sf.jit(lambda x, u, s: (sf.dynamic_update_slice(x, u, (4, 9, -2)), sf.dynamic_update_slice(x, u, s),
+                                sf.dynamic_slice(x, (1, 0, -1), (3, 4, 2))), mesh=mesh)
+    a, b, c = f(sf.shard(x, axis=1, mesh=mesh), u, np.array([-1, 0, 2], np.int32))
+    exact(a, ref_update(x, u, (4, 9, -2)))
+    exact(b, ref_update(x, u, (-1, 0, 2)))
+    exact(c, ref_slice(x, (1, 0, -1), (3, 4, 2)))
+    assert a.sharding.axes == (None, "tp", None)  # (axis 1 covered whole: it keeps its sharding)
+
+
+# ---- plans -------------------------------------------------------------------------------
+
+def cache_writes(plan, shape):
+    """The steps that write a buffer of the cache's shape, as (op, text)."""
+    return [(s.op, s.text) for s in plan_steps(plan.program) if s.instr.into is not None
+            and s.instr.into.type.shape == shape]
+
+
+def step(cache, k, t):
+    return sf.dynamic_update_slice(cache, k, (0, 0, t, 0))
+
+
+def test_donated_plan_writes_only_the_update():
+    mesh, spec = mesh_of("tp2"), LAYOUTS["tp2"][2]
+    args = (sf.distribute(np.zeros((B, NH, M, HD)), mesh, spec), sf.distribute(np.zeros((B, NH, 1, HD)), mesh, spec), 3)
+    plan = sf.jit(step, mesh=mesh, donate_argnums=0).lower(*args)
+    assert str(plan).splitlines() == [
+        "plan step(cache: f64[2, 4:tp, 6, 3], k: f64[2, 4:tp, 1, 3], t: i64[]) -> (cache: f64[2, 4:tp, 6, 3])",
+        "  # mesh tp=2, streams=4",
+        "  DynamicUpdateSlice cache <- k, t, starts=(0, 0, None, 0)",
+        "  return cache"]
+    assert cache_writes(plan, (B, NH, M, HD)) == [(Op.DYNAMIC_UPDATE_SLICE,
+                                                   "DynamicUpdateSlice cache <- k, t, starts=(0, 0, None, 0)")]
+    # without donation: one copy of the cache, then the small write (XLA's)
+    plain = sf.jit(step, mesh=mesh).lower(*args)
+    assert str(plain).splitlines()[2:] == [
+        "  cache_1 = Allocate f64[2, 4:tp, 6, 3]  (per call)",
+        "  Copy cache_1 <- cache",
+        "  DynamicUpdateSlice cache_1 <- k, t, starts=(0, 0, None, 0)",
+        "  return cache_1"]
+    # the cost model charges the update's bytes, not the cache's
+    assert plan.predict().total_s < plain.predict().total_s
+
+
+def test_decode_plan_has_no_whole_cache_elementwise_step():
+    """The decode step of a model (the write, then a read of the cache): only the update step and the
+    reading contraction touch the cache."""
+    mesh = mesh_of("dp2xtp2")
+    spec = LAYOUTS["dp2xtp2"][2]
+    args = [sf.distribute(np.zeros(s), mesh, spec) for s in ((B, NH, M, HD), (B, NH, 1, HD), (B, NH, 1, HD))]
+    plan = decode(mesh).lower(*args, 3)
+    assert cache_writes(plan, (B, NH, M, HD)) == [(Op.DYNAMIC_UPDATE_SLICE,
+                                                   "DynamicUpdateSlice cache <- k, t, starts=(0, 0, None, 0)")]
+    assert plan.collectives() == {}
+    assert not [s for s in plan_steps(plan.program) if s.op == Op.COPY]
+
+
+def test_donation_refused_where_the_old_value_is_read_after():
+    """The old cache read after the update: the result keeps a buffer of its own (and the values are right)."""
+    mesh, rng = mesh_of("tp2"), np.random.default_rng(7)
+    c, k = rng.standard_normal((B, NH, M, HD)), rng.standard_normal((B, NH, 1, HD))
+    f = sf.jit(lambda c, k, t: (sf.dynamic_update_slice(c, k, (0, 0, t, 0)), c * 2.0), mesh=mesh, donate_argnums=0)
+    new, old = f(sf.distribute(c, mesh, LAYOUTS["tp2"][2]), k, 1)
+    exact(new, ref_update(c, k, (0, 0, 1, 0)))
+    exact(old, c * 2.0)
+
+
+def test_sharded_cut_axis_is_gathered():
+    """The sequence axis sharded: gathered first (an Allgather the plan prints), then written."""
+    mesh, rng = mesh_of("tp2"), np.random.default_rng(8)
+    c, k = rng.standard_normal((B, NH, M, HD)), rng.standard_normal((B, NH, 1, HD))
+    f = sf.jit(lambda c, k, t: sf.dynamic_update_slice(c, k, (0, 0, t, 0)), mesh=mesh)
+    cs = sf.distribute(c, mesh, (None, None, "tp", None))
+    assert f.lower(cs, k, 4).collectives() == {"allgather": 1}
+    exact(f(cs, k, 4), ref_update(c, k, (0, 0, 4, 0)))
+
+
+# ---- errors --------------------------------------------------------------------------------
+
+def test_errors_say_what_to_write():
+    mesh = mesh_of("tp2")
+    x = np.zeros((4, 6))
+
+    def fails(fn, *args, match):
+        with pytest.raises((TypeError, ValueError, IndexError), match=match):
+            sf.jit(fn, mesh=mesh)(*args)
+    fails(lambda x, u: sf.dynamic_update_slice(x, u, (0, 0)), x, np.zeros(6), match="rank")
+    fails(lambda x, t: sf.dynamic_update_slice(x, x[:1], (t, 0)), x, 1.5, match="0-d int32 / int64")
+    fails(lambda x: sf.dynamic_update_slice(x, x[:1], (0,)), x, match="one per axis")
+    fails(lambda x, t: sf.dynamic_slice(x, (t, 0), (5, 6)), x, 1, match="between 0 and 4")
+    fails(lambda x: x.at[::2].set(1.0), x, match="step 2")
+    fails(lambda x: x.at[np.array([0, 1])].set(1.0), x, match="scatter_add")
+
+    def assign(x, t):
+        x[t] = 1.0
+        return x
+    fails(assign, x, 1, match=r"x.at\[idx\].set\(value\).*donate")
+    with pytest.raises(TypeError, match="sf.dynamic_update_slice"):
+        sf.shard(x, axis=0, mesh=mesh)[1] = 0.0
+    with pytest.raises(TypeError, match="sf.Arrays"):
+        sf.dynamic_update_slice(x, x[:1], (0, 0))
+    fails(lambda c, t: sf.stream(sf.dynamic_update_slice(c, c[:, :1], (0, t)), axis=0, chunks=2), x, 1,
+          match="stream the values it reads")
+
+
+def test_eager_starts_share_one_plan():
+    """Outside jit a Python int start is an operand of the one-op plan: every t runs the same plan."""
+    from shardfuse import array_ops
+
+    mesh, rng = mesh_of("tp2"), np.random.default_rng(9)
+    x, k = rng.standard_normal((4, 6, 3)), rng.standard_normal((4, 1, 3))
+    xs = sf.shard(x, axis=0, mesh=mesh)
+    sf.dynamic_update_slice(xs, k, (0, 0, 0))
+    compiled = array_ops.cache_info()["compiled"]
+    for t in range(1, 5):
+        exact(sf.dynamic_update_slice(xs, k, (0, t, 0)), ref_update(x, k, (0, t, 0)))
+    assert array_ops.cache_info()["compiled"] == compiled
