@@ -235,3 +235,21 @@ def test_gradients_of_reflected_scalar_ops():
     g32 = sf.grad(lambda x: ((np.float64(1.0) - x) * r).sum())(sf.shard(x.astype(np.float32), axis=0, mesh=mesh))
     assert g32.dtype == np.float32  # (through float64, as NumPy promotes; the cotangent cast back)
     np.testing.assert_allclose(np.asarray(g32), -r.astype(np.float32), rtol=1e-6)
+
+
+def test_a_weak_scalar_takes_the_arrays_dtype_whatever_numpy_and_ml_dtypes_resolve():
+    # NEP 50 applied before asking NumPy: ml_dtypes 0.6 with NumPy 2.5 resolves bfloat16 * 0.5 in
+    # float32 (a GPU machine's versions, 2026-12-06: the transformer layer's GEMMs went float32)
+    import ml_dtypes
+
+    from shardfuse import promotion
+
+    bf16, f16, i32 = np.dtype(ml_dtypes.bfloat16), np.dtype(np.float16), np.dtype(np.int32)
+    assert promotion._strong(bf16, float) == (bf16, bf16)
+    assert promotion._strong(float, bf16) == (bf16, bf16)
+    assert promotion._strong(f16, int) == (f16, f16)
+    assert promotion._strong(i32, int) == (i32, i32)
+    assert promotion._strong(i32, float) == (i32, np.dtype(np.float64))
+    assert promotion._strong(np.dtype(bool), int) == (np.dtype(bool), np.dtype(np.int64))
+    assert promotion._strong(int, float) == (np.dtype(np.int64), np.dtype(np.float64))
+    assert promotion._strong(bf16, np.dtype(np.float32)) == (bf16, np.dtype(np.float32))

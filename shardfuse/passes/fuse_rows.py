@@ -41,6 +41,7 @@ SHARDFUSE_FUSE=0 turns it off with fuse_elementwise.
 """
 from __future__ import annotations
 
+import os
 from collections import defaultdict
 
 import numpy as np
@@ -284,7 +285,8 @@ def _components(instrs, role, inner) -> tuple:
 
 
 def fuse_rows(prog):
-    if not enabled(prog.mesh):  # (one step per op: to compare, or to read)
+    # (SHARDFUSE_FUSE=0: one step per op; SHARDFUSE_FUSE_ROWS=0: chains fused, no row groups: to compare)
+    if not enabled(prog.mesh) or os.environ.get("SHARDFUSE_FUSE_ROWS") == "0":
         return prog.with_instrs(prog.instrs, "fuse_rows")
     instrs = list(prog.instrs)
     facts = _Facts(prog, instrs)
