@@ -36,7 +36,7 @@ def cupy_mesh(d):
     return _MESHES[d]
 
 
-def check(fn, args, mesh, dtype, seed, monkeypatch, groups=None, reference=None, **jit):
+def check(fn, args, mesh, dtype, seed, monkeypatch, groups=None, reference=None, absolute=False, **jit):
     """fn fused on the GPU: `groups` FusedRows steps (tfr.CASES[fn] unless given), every element
     written, near the unfused plan's result and float64 NumPy's (tfr.REFERENCE)."""
     monkeypatch.setenv("SHARDFUSE_FUSE", "1")
@@ -48,10 +48,12 @@ def check(fn, args, mesh, dtype, seed, monkeypatch, groups=None, reference=None,
     monkeypatch.setenv("SHARDFUSE_FUSE", "0")
     want = tfs.leaves(sf.jit(fn, mesh=mesh, **jit)(*args))
     ref = (reference or tfr.REFERENCE[fn])(*[np.asarray(a, np.float64) for a in args])
+    err = (lambda g, w: float(np.linalg.norm(np.asarray(g, np.float64) - np.asarray(w, np.float64)))) if absolute \
+        else tfr.rel
     for g, w, f in zip(got, want, ref):
         assert not np.any(np.isnan(g.astype(np.float64))), f"seed {seed}: unwritten (poisoned) elements"
-        assert tfr.rel(g, w) <= TOL[dtype], f"seed {seed}: {tfr.rel(g, w):.2e} from the unfused plan ({dtype})"
-        assert tfr.rel(g, f) <= tfr.TOL[dtype], f"seed {seed}: {tfr.rel(g, f):.2e} from float64 NumPy ({dtype})"
+        assert err(g, w) <= TOL[dtype], f"seed {seed}: {err(g, w):.2e} from the unfused plan ({dtype})"
+        assert err(g, f) <= tfr.TOL[dtype], f"seed {seed}: {err(g, f):.2e} from float64 NumPy ({dtype})"
 
 
 @pytest.mark.parametrize("n", [1, 7, 33, 1000, 2048, 5000])
@@ -63,7 +65,11 @@ def test_row_groups_against_the_unfused_plan_and_float64(fn, dtype, d, n, monkey
     monkeypatch.setenv("SHARDFUSE_FUSE", "1")  # (also under benchmarks/gpu_first.sh's SHARDFUSE_FUSE=0 run)
     groups = None if n > 1 else sum(i.op == Op.FUSED_ROWS for i in tfr.fused_rows(
         sf.jit(fn, mesh=tfr.MESH).lower(*tfr.make_args(fn, r, dtype, (2, 3, n)))))  # (rows of 1: as NumPy groups them)
-    check(fn, tfr.make_args(fn, r, dtype, (2, 3, n)), cupy_mesh(d), dtype, seed, monkeypatch, groups=groups)
+    # a norm's gradient over a row of one is eps-sized and all cancellation (x / |x| is constant): its
+    # rounding noise has no meaningful relative size, so it is held to the tolerance in absolute terms
+    absolute = n == 1 and "norm_bwd" in fn.__name__
+    check(fn, tfr.make_args(fn, r, dtype, (2, 3, n)), cupy_mesh(d), dtype, seed, monkeypatch, groups=groups,
+          absolute=absolute)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
