@@ -153,10 +153,12 @@ def test_fused_kernels_against_the_unfused_plan(name, dtype, monkeypatch):
     mesh = cupy_mesh(2)
     monkeypatch.setenv("SHARDFUSE_FUSE", "1")
     got = np.asarray(sf.jit(fn, mesh=mesh)(*args)).astype(np.float64)
-    assert "Fused " in str(sf.jit(fn, mesh=mesh).lower(*args))
+    assert "Fused" in str(sf.jit(fn, mesh=mesh).lower(*args))  # (a Fused or, over rows, a FusedRows step)
     monkeypatch.setenv("SHARDFUSE_FUSE", "0")
     want = np.asarray(sf.jit(fn, mesh=mesh)(*args)).astype(np.float64)
-    tol = {"float64": 1e-14, "float32": 1e-6, "float16": 2e-3, "bfloat16": 1e-2}[dtype]
+    # (the softmax case computes in float32 whatever its input: a row group sums in its own order, so
+    # float32's tolerance holds there; the other chains keep their dtype)
+    tol = {"float64": 1e-14 if name != "softmax" else 1e-6, "float32": 1e-6, "float16": 2e-3, "bfloat16": 1e-2}[dtype]
     np.testing.assert_allclose(got, want, rtol=tol, atol=tol)
 
 

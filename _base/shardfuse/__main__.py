@@ -1,0 +1,5 @@
+import sys
+
+from shardfuse.cli import main
+
+sys.exit(main())

@@ -1,0 +1,65 @@
+"""sf.shard and sf.replicate: one name for both worlds.  Inside an sf.jit function they annotate
+a traced value (shardfuse.trace); on a concrete array they place it on a mesh and return an
+sf.Array (shardfuse.array)."""
+from __future__ import annotations
+
+from typing import Any
+
+from shardfuse import trace
+from shardfuse.traced import Traced
+from shardfuse.array import Array, replicated
+from shardfuse.layout import Layout, layout_of
+from shardfuse.mesh import DeviceMesh
+from shardfuse.spec import normalize_axis, normalize_over
+
+
+def shard(x: Any, axis: int, over: str | tuple | None = None, mesh: DeviceMesh | None = None) -> Any:
+    """Place `axis` of x across the devices of mesh axis `over` (default: the mesh's last axis,
+    DIDx on an unnamed mesh), or of several mesh axes (``over=("dp", "tp")``: the first
+    outermost, as JAX's ``P(("dp", "tp"))``).
+
+    In a traced function this annotates a value (mesh=: a sub-mesh, a pipeline stage, the value
+    moves to); on a concrete global array it returns an `sf.Array` holding this process' pieces
+    (give `mesh`)."""
+    if isinstance(x, Traced):
+        return trace.shard(x, axis, over, mesh)
+    if isinstance(x, Array):  # resharded by the annotation rule (Layout.sharded), as inside sf.jit
+        _same_mesh(x, mesh, "sf.shard")
+        lay = x.sharding
+        if lay.mesh is not None:  # moved off its sub-mesh to the whole mesh: sharded there as this states only
+            lay = Layout.replicated(x.ndim)
+        lay = lay.sharded(normalize_axis(axis, x.ndim, x.shape), normalize_over(over, x.mesh))
+        return x.redistribute(list(lay.axes))
+    return Array.from_global(x, mesh, axis, over)
+
+
+def replicate(x: Any, mesh: DeviceMesh | None = None) -> Any:
+    """Replicated on every device (DTensor's Replicate()).  In a traced function this annotates
+    x and forces the gathers (mesh=: a sub-mesh of the program's, replicated on its devices).
+    On a concrete array (NumPy, CuPy, torch, JAX) with mesh=, returns an `sf.Array` that every
+    device of mesh holds whole: place a weight once and pass it to every call."""
+    if isinstance(x, Traced):
+        return trace.replicate(x, mesh)
+    if isinstance(x, Array):
+        _same_mesh(x, mesh, "sf.replicate")
+        return x.full_array()
+    return replicated(x, mesh)
+
+
+def distribute(x: Any, mesh: DeviceMesh, placements: Any) -> Array:
+    """x placed on mesh by DTensor-style placements (one `sf.Shard(dim)` / `sf.Replicate()` per
+    mesh axis: DTensor's distribute_tensor) or a JAX-style spec (one entry per tensor axis: None, a
+    mesh axis name or a tuple of them: JAX's device_put with NamedSharding(mesh, P(...))).  On an
+    sf.Array of that mesh, the same as x.redistribute(placements)."""
+    if isinstance(x, Array):
+        _same_mesh(x, mesh, "sf.distribute")
+        return x.redistribute(placements)
+    from shardfuse.interop import array_info
+
+    return Array.from_layout(x, mesh, layout_of(placements, len(array_info(x).shape), mesh))
+
+
+def _same_mesh(x: Array, mesh, what: str) -> None:
+    if mesh is not None and mesh != x.mesh:
+        raise ValueError(f"{what}: the sf.Array lives on {x.mesh}, not {mesh}; move values between meshes inside "
+                         "sf.jit with sf.to_mesh")

@@ -1,0 +1,353 @@
+"""Operations on sf.Array outside sf.jit, as on a jax.Array or a DTensor: ``x + y``, ``2 * x``,
+``-x``, ``abs(x)``, ``x @ w``, ``x ** 2``, ``x < y`` (and ``==``: elementwise, as JAX's), ``np.exp(x)``,
+``np.sqrt(x)``, ``sf.where(c, x, y)``, ``x.astype(dtype)``, ``x.sum / mean / max / min / var / std /
+argmax / argmin(axis, keepdims=)``, ``x.clip(lo, hi)``, ``x // y``, ``x % y``, ``len(x)``, ``x[i]``, ``x[a:b]``, ``x[..., j]``.
+
+Each op runs as a one-op plan: the op traced on the array's mesh exactly as sf.jit traces it,
+compiled once per op, scalar and input specs (shapes, dtypes, layouts), and kept on the mesh (the
+least recently used of MAX_PLANS dropped).  So the collectives are those the op issues inside
+sf.jit, and a result has the layout sharding propagation gives it there: ``x + y`` of two S(0)
+arrays is S(0) with no communication; ``a @ b`` contracting a sharded axis is all-reduced to a
+replicated result.  Plain arrays (NumPy, CuPy, torch) beside an sf.Array are replicated global
+values, as in a call of a jitted function.  Every op is one plan call: a loop of many small ops
+runs faster as one sf.jit function.  Under mpiexec every op is collective.  NumPy's functions
+that shardfuse has (np.transpose, np.reshape, np.ones_like, ...) are such ops too; any other is
+refused (a TypeError), never run on a silently gathered copy: np.asarray(x) gathers explicitly.
+"""
+from __future__ import annotations
+
+import math
+import operator
+import threading
+
+import numpy as np
+
+from shardfuse import constants, trace
+from shardfuse.dtypes import normalize_dtype, np_dtype
+from shardfuse.executor import Executable
+from shardfuse.interop import array_info
+from shardfuse.ir import TensorType
+from shardfuse.layout import Layout
+from shardfuse.numpy_methods import NumpyMethods
+from shardfuse.ops import Op
+from shardfuse.passes import compile_program
+from shardfuse.plan_cache import PlanCache
+from shardfuse.spec import TensorSpec, check_divides, reduced_axes
+from shardfuse.traced import NUMPY, Traced, is_weak_scalar, numpy_name
+from shardfuse.shape_ops import array_index, expand_index, getitem as shape_getitem
+from shardfuse.take import take
+from shardfuse.traced_numpy import absolute
+
+MAX_PLANS = 256  # one-op plans kept per mesh (a plan holds its buffers)
+STATS = {"compiled": 0, "reused": 0}  # across meshes (every mesh's PlanCache counts here): cache_info()
+_LOCK = threading.Lock()  # every mesh's cache, shared by threads (each plan call takes its own lock)
+
+
+def cache_info() -> dict:
+    """How many one-op plans were compiled and how many calls reused one (like functools')."""
+    return dict(STATS, max_plans=MAX_PLANS)
+
+
+def cached_programs(mesh) -> list:
+    """The one-op plans kept for `mesh` (programs, least recently used first)."""
+    plans = mesh.op_plan_cache
+    if plans is None:
+        return []
+    return [exe.prog for exe in plans.snapshot().values()]
+
+
+def _plans_of(mesh) -> PlanCache:
+    """The one-op plans of `mesh`: a PlanCache this module makes and alone fills, kept in the
+    mesh object's declared `op_plan_cache` rather than in a table here weakly keyed by the mesh.
+    A bound plan reaches its mesh (its program names it; its backend holds it), and Python has
+    no ephemerons: a WeakKeyDictionary's value that reaches its key keeps the key alive for ever
+    (a module-level table is always reachable), and a plan cannot hold its mesh weakly while its
+    backend and program hold it.  Kept on the mesh, mesh and plans are one cycle that the garbage
+    collector frees together (tests/test_architecture.py, test_9).  (mesh.py says the same.)"""
+    with _LOCK:
+        plans = mesh.op_plan_cache
+        if plans is None:
+            plans = mesh.op_plan_cache = PlanCache(MAX_PLANS, _LOCK, stats=STATS)
+        return plans
+
+
+def run(fn, args: tuple, key, name: str):
+    """fn(*args) as a one-op plan on the mesh of the sf.Arrays among args (plain arrays:
+    replicated inputs), compiled once per key and input specs; the result an sf.Array.  Inside a
+    traced function, traced into it instead: the sf.Arrays are its constants (shardfuse.constants)."""
+    builder = constants.active()
+    if builder is not None:
+        return fn(*(builder.constant(a) for a in args))
+    arrays = [a for a in args if isinstance(a, ArrayOps)]
+    mesh = arrays[0].mesh
+    for b in arrays[1:]:
+        if b.mesh != mesh:
+            raise ValueError(f"{name}: the operands live on different meshes, {mesh} and {b.mesh}; place both on "
+                             "one mesh (sf.distribute), or move one inside sf.jit with sf.to_mesh")
+    if mesh.nprocs > 1 and not mesh.is_root:  # (every rank alike, before any communication)
+        raise NotImplementedError(f"{name} of an sf.Array placed on the sub-mesh {mesh} under MPI: operations outside "
+                                  "sf.jit run on whole meshes there; jit on the whole mesh and place the value on the "
+                                  "sub-mesh inside it (sf.to_mesh, or sf.shard / sf.replicate with mesh=)")
+    specs = tuple(a.spec if isinstance(a, ArrayOps) else TensorSpec(*_shape_dtype(a)) for a in args)
+    exe = _plans_of(mesh).get((key, specs), lambda: Executable(
+        compile_program(trace.trace(fn, mesh, specs, streams=1, name=name))))
+    ((lay, shards, whole),) = exe(*args, *exe.prog.constants)  # (constants: made from shapes alone, as np.arange(n))
+    v = exe.prog.outputs[0]
+    return type(arrays[0])(mesh, v.type.shape, v.type.dtype, lay, shards, whole)
+
+
+def _shape_dtype(a) -> tuple:
+    info = array_info(a)
+    return info.shape, info.dtype
+
+
+def reshard(x, layout: Layout):
+    """x with `layout` on its mesh (redistribute, full_array, indexing): a one-op `set`."""
+    for ax, over in layout.sharded_axes().items():
+        check_divides(x.shape, ax, over, layout.home(x.mesh))  # (the reshard table's own refusal says less)
+
+    def redistribute(v):
+        lay = layout.on(layout.home(v.builder.mesh))  # (an sf.Array's layout, on the mesh it names)
+        return v.builder.emit(Op.SET, (v,), TensorType(v.shape, v.dtype_name, lay), v.value.name, annotation=True)
+
+    return run(redistribute, (x,), (Op.SET, layout), "redistribute")
+
+
+def _is_operand(a) -> bool:
+    return isinstance(a, ArrayOps) or any(hasattr(a, k) for k in ("__array__", "__dlpack__", "__cuda_array_interface__"))
+
+
+def binary(fn, a, b):
+    """fn(a, b) (an operator), one operand an sf.Array; the other an sf.Array, a plain array or
+    a scalar (baked into the plan, as inside sf.jit: each new value compiles once)."""
+    name = fn.__name__
+    if is_weak_scalar(b) and fn is not operator.matmul:  # (keyed with its type: 1, 1.0 and True differ)
+        return run(lambda x: fn(x, b), (a,), (fn, 1, type(b).__name__, b), name)
+    if is_weak_scalar(a) and fn is not operator.matmul:
+        return run(lambda x: fn(a, x), (b,), (fn, 0, type(a).__name__, a), name)
+    if not (_is_operand(a) and _is_operand(b)):
+        return NotImplemented
+    # a plain array beside an sf.Array on a sub-mesh is replicated on that sub-mesh, not the whole
+    sub = next((v.sharding.mesh for v in (a, b) if isinstance(v, ArrayOps) and v.sharding.mesh), None)
+    if sub is not None and not (isinstance(a, ArrayOps) and isinstance(b, ArrayOps)):
+        plain = 1 if isinstance(a, ArrayOps) else 0  # which operand is the plain array
+
+        def on_sub(x, y):
+            if plain == 1:
+                y = trace.replicate(y, mesh=sub)
+            else:
+                x = trace.replicate(x, mesh=sub)
+            return fn(x, y)
+        return run(on_sub, (a, b), (fn, "on_sub_mesh", plain), name)
+    return run(lambda x, y: fn(x, y), (a, b), (fn,), name)
+
+
+def unary(fn, x):
+    return run(lambda v: fn(v), (x,), (fn,), fn.__name__)
+
+
+def apply(fn, args, name):
+    """fn(*args) as a one-op plan (sf.where, sf.sqrt, ... on sf.Arrays): sf.Arrays and plain arrays
+    among args are its inputs; anything else (scalars, dtypes, axes) is baked in, and keyed."""
+    pos = [k for k, a in enumerate(args) if _is_operand(a)]
+    consts = tuple((k, type(a).__name__, a) for k, a in enumerate(args) if k not in pos)
+
+    def traced(*values):
+        full = list(args)
+        for k, v in zip(pos, values):
+            full[k] = v
+        return fn(*full)
+    return run(traced, tuple(args[k] for k in pos), (fn, tuple(pos), consts), name)
+
+
+def _binary_methods(fn):
+    return (lambda self, other: binary(fn, self, other)), (lambda self, other: binary(fn, other, self))
+
+
+_REDUCTIONS = {np.sum: Traced.sum, np.mean: Traced.mean, np.max: Traced.max, np.amax: Traced.max, np.min: Traced.min,
+               np.amin: Traced.min}
+
+
+def reduce(x, axis, method, out, dtype=None, keepdims=False, **rest):
+    """x.sum / mean / max / min(axis, keepdims=) (method: Traced's), the traced reduction of each axis."""
+    what = method.__name__
+    if out is not None:
+        raise TypeError("sf.Array reductions return a new sf.Array: out= is not supported")
+    if dtype is not None:
+        raise TypeError(f"sf.Array.{what} keeps the array's dtype (16-bit sums accumulate in float32): dtype= is not "
+                        "supported")
+    if rest:
+        raise TypeError(f"sf.Array.{what} with {', '.join(k + '=' for k in rest)} is not supported")
+    axes = tuple(sorted(reduced_axes(axis, x.ndim, x.shape)))  # (one plan per set of axes)
+    keepdims = bool(keepdims)
+
+    def reduction(v):  # (a mean of means: each scaled before it is rounded)
+        return method(v, axes, keepdims=keepdims)
+
+    return run(reduction, (x,), (Op.SUM, axes, what, keepdims), what)
+
+
+def unsupported_function(func) -> str:
+    """What a NumPy function shardfuse lacks says when it meets an sf.Array (outside sf.jit)."""
+    name = numpy_name(func)
+    return (f"{name} is not supported on sf.Arrays: shardfuse runs NumPy's functions it has as sharded ops "
+            f"(supported: {', '.join(sorted(numpy_name(f) for f in NUMPY if not isinstance(f, np.ufunc)))}) and never "
+            f"gathers silently; for NumPy's result on the global value write {name}(np.asarray(x), ...) or "
+            f"{name}(x.gather(), ...) (a host copy on every process: collective under mpiexec)")
+
+
+def _hashable(key):
+    """An index as a cache key (a slice is unhashable before Python 3.12)."""
+    key = key if isinstance(key, tuple) else (key,)
+    return tuple((slice, k.start, k.stop, k.step) if isinstance(k, slice) else (type(k).__name__, k) for k in key)
+
+
+def getitem(x, key):
+    """x[key], as inside sf.jit (shape_ops.getitem) in a one-op plan (an integer array in the key,
+    NumPy's or an sf.Array: sf.take's lookup along its axis).  Basic indexing: axes the key
+    cuts are first made whole on every device (an Allgather where such an axis is sharded, printed
+    in the plan), then each device takes its box (a view, copied into the result); axes the key
+    leaves whole keep their sharding.  So ``x[..., j]`` of a row-sharded x stays row-sharded
+    without communication, and ``x[i]`` or ``x[a:b]`` of it is gathered to a replicated result."""
+    what = f"indexing an sf.Array of shape {x.shape}"
+    found = array_index(key, x.shape, what)
+    if found is not None:  # x[ids], x[:, ids] with a NumPy or sf.Array of ids: np.take's lookup, as inside jit
+        basic, axis, ids = found
+        return take(x if basic is None else getitem(x, basic), ids, axis)
+    expand_index(key, x.shape, what)  # (refused before any plan)
+    return run(lambda v: shape_getitem(v, key), (x,), ("getitem", _hashable(key)), "getitem")
+
+
+class ArrayOps(NumpyMethods):
+    """The operators, NumPy ufuncs, reductions and indexing of sf.Array (see the module docstring);
+    x.var / std / clip / argmax / argmin as on traced values (numpy_methods.py), each a one-op plan."""
+
+    __slots__ = ()
+
+    __add__, __radd__ = _binary_methods(operator.add)
+    __sub__, __rsub__ = _binary_methods(operator.sub)
+    __mul__, __rmul__ = _binary_methods(operator.mul)
+    __truediv__, __rtruediv__ = _binary_methods(operator.truediv)
+    __matmul__, __rmatmul__ = _binary_methods(operator.matmul)
+
+    __pow__, __rpow__ = _binary_methods(operator.pow)
+    __floordiv__, __rfloordiv__ = _binary_methods(operator.floordiv)
+    __mod__, __rmod__ = _binary_methods(operator.mod)
+    __and__, __rand__ = _binary_methods(operator.and_)  # (logical of booleans, bitwise of integers: logical.py)
+    __or__, __ror__ = _binary_methods(operator.or_)
+    __xor__, __rxor__ = _binary_methods(operator.xor)
+    # comparisons: elementwise boolean sf.Arrays, as jax.Array's (c < x is x > c: Python reflects)
+    __lt__, __le__ = _binary_methods(operator.lt)[0], _binary_methods(operator.le)[0]
+    __gt__, __ge__ = _binary_methods(operator.gt)[0], _binary_methods(operator.ge)[0]
+    __eq__, __ne__ = _binary_methods(operator.eq)[0], _binary_methods(operator.ne)[0]
+    __hash__ = object.__hash__  # (still a dict key / set member by identity)
+
+    def __invert__(self):
+        return unary(operator.invert, self)
+
+    def astype(self, dtype):
+        """This array in another dtype (float16, bfloat16, float32, float64, int32, int64, bool): a
+        local cast on every device, the sharding kept."""
+        return apply(lambda v, dt: v.astype(dt), (self, np_dtype(normalize_dtype(dtype)).name), "x.astype")
+
+    def transpose(self, *axes):
+        """The axes permuted (NumPy's x.transpose; no axes: reversed), the sharding moving with them:
+        a view on every device, no communication."""
+        return apply(lambda v, *a: v.transpose(*a), (self, *axes), "x.transpose")
+
+    T = property(lambda self: self.transpose())
+
+    def swapaxes(self, axis1, axis2):
+        return apply(lambda v, a, b: v.swapaxes(a, b), (self, axis1, axis2), "x.swapaxes")
+
+    def reshape(self, *shape):
+        """NumPy's x.reshape, as inside sf.jit (refused where it would cross a sharded axis's boundary)."""
+        return apply(lambda v, *s: v.reshape(*s), (self, *shape), "x.reshape")
+
+    def one_op(self, fn, args, name):
+        """fn(*args) as a one-op plan (sf.where, sf.sqrt, ... outside sf.jit): see apply."""
+        return apply(fn, args, name)
+
+    def __array_function__(self, func, types, args, kwargs):
+        """NumPy's functions shardfuse has (the NUMPY table: np.where, np.sum, np.transpose,
+        np.reshape, np.expand_dims, np.dot, np.concatenate, np.ones_like, np.take, ...) run as
+        one-op plans, as inside sf.jit, and return sf.Arrays; any other is refused, never silently
+        gathered (under mpiexec that is a collective): np.asarray(x) or x.gather() give NumPy's value."""
+        if func in _REDUCTIONS and isinstance(args[0], ArrayOps):
+            return getattr(args[0], _REDUCTIONS[func].__name__)(*args[1:], **kwargs)
+        fn = NUMPY.get(func)
+        if fn is None:
+            raise TypeError(unsupported_function(func))
+        return fn(*args, **kwargs)
+
+    def __neg__(self):
+        return unary(operator.neg, self)
+
+    def __abs__(self):
+        return unary(absolute, self)
+
+    def __array_ufunc__(self, ufunc, method, *inputs, **kwargs):
+        """np.exp(x), np.add(x, y), ...: the ufuncs shardfuse has ops for; others are refused."""
+        fn = NUMPY.get(ufunc) if method == "__call__" and not kwargs else None
+        if fn is None:
+            what = f"np.{ufunc.__name__}"
+            if method != "__call__":
+                what += f".{method}"
+            if kwargs:
+                what += f" with {', '.join(k + '=' for k in kwargs)}"
+            ufuncs = ", ".join("np." + u.__name__ for u in NUMPY if isinstance(u, np.ufunc))
+            raise TypeError(f"{what} on an sf.Array is not supported; shardfuse has {ufuncs}, the operators "
+                            "+ - * / // % @ & | ^ ~, abs(), x.sum(axis), x.mean(axis), x.var / std / argmax / argmin(axis), "
+                            "x.clip and indexing (np.asarray(x): the gathered NumPy value)")
+        return binary(fn, *inputs) if ufunc.nin == 2 else unary(fn, inputs[0])
+
+    def sum(self, axis=None, dtype=None, out=None, keepdims=False, **rest):
+        """The sum over `axis` (an int, a tuple of them, or None: all), as a one-op plan."""
+        return reduce(self, axis, Traced.sum, out, dtype, keepdims, **rest)
+
+    def mean(self, axis=None, dtype=None, out=None, keepdims=False, **rest):
+        """The mean over `axis` (an int, a tuple of them, or None: all), as a one-op plan."""
+        return reduce(self, axis, Traced.mean, out, dtype, keepdims, **rest)
+
+    def max(self, axis=None, out=None, keepdims=False, **rest):
+        """The largest element over `axis`, as a one-op plan (a sharded axis is gathered first)."""
+        return reduce(self, axis, Traced.max, out, None, keepdims, **rest)
+
+    def min(self, axis=None, out=None, keepdims=False, **rest):
+        """The smallest element over `axis`, as a one-op plan (a sharded axis is gathered first)."""
+        return reduce(self, axis, Traced.min, out, None, keepdims, **rest)
+
+    size = property(lambda self: math.prod(self.shape))  # (the number of elements, as NumPy's)
+
+    def __len__(self):
+        if not self.shape:
+            raise TypeError("len() of a 0-d sf.Array")
+        return self.shape[0]
+
+    def __getitem__(self, key):
+        return getitem(self, key)
+
+    def __bool__(self):
+        """As NumPy: the truth of a one-element array (gathered: collective), ambiguous otherwise."""
+        return bool(self._one_element(ValueError, f"the truth value of an sf.Array of shape {self.shape} is "
+                                      "ambiguous; use np.asarray(x).any() or .all() (the gathered value)"))
+
+    def __float__(self):
+        return float(self._one_element(TypeError, f"float() of an sf.Array of shape {self.shape}: only one "
+                                       "element converts; use np.asarray(x) (the gathered value)"))
+
+    def __int__(self):
+        return int(self._one_element(TypeError, f"int() of an sf.Array of shape {self.shape}: only one "
+                                     "element converts; use np.asarray(x) (the gathered value)"))
+
+    def item(self):
+        """The one element as a Python scalar, as NumPy's and torch's x.item() (`loss.item()`): read
+        as float() reads it (locally where replicated, else gathered: collective under mpiexec)."""
+        return self._one_element(ValueError, f"item() of an sf.Array of shape {self.shape}: can only convert an "
+                                 "array of size 1 to a Python scalar; use np.asarray(x) (the gathered value)").item()
+
+    def _one_element(self, error, message):
+        """The value of a one-element array, gathered (a collective under mpiexec unless replicated), as NumPy's."""
+        if math.prod(self.shape) != 1:
+            raise error(message)
+        return self.gather().reshape(())

@@ -1,0 +1,114 @@
+"""The layouts autodiff reads and states: where the forward says a value lives (`known_layout`),
+the pins that state a cotangent's layout (`pin`: an annotation, printed and verified as one), and
+the schedule hints sf.jit may drop (`drop_hints`).  Kept apart from the rules (shardfuse/autodiff.py)."""
+from __future__ import annotations
+
+from dataclasses import replace
+
+from shardfuse import rules
+from shardfuse.ir import TensorType
+from shardfuse.layout import Layout, axis_entry, mesh_axes
+from shardfuse.ops import ELEMENTWISE, Op
+from shardfuse.schedule import scheduled
+from shardfuse.traced import Traced
+
+
+def pin(ct: Traced, layout: Layout, name: str | None = None, keep: bool = False) -> Traced:
+    """ct annotated with `layout` (an annotation, so printed and verified as one); ct itself where
+    an annotation already pinned it there.  keep: the gather this pin makes may read what the
+    forward gathered (sf.grad's remat="keep", passes/keep.py)."""
+    p = ct.builder.producer.get(ct.value)
+    if p is not None and p.op == Op.SET and p.attrs.get("annotation") and p.outs[0].type.layout == layout:
+        return ct
+    return ct.builder.emit(Op.SET, (ct,), TensorType(ct.shape, ct.dtype_name, layout), name or ct.value.name,
+                           annotation=True, **({"keep": True} if keep else {}))
+
+
+def whole(layout):
+    """The placement of layout with its pending sums made whole (what a cotangent may be pinned to:
+    a cotangent pinned as pending would be summed over the devices again)."""
+    return Layout(layout.axes, mesh=layout.mesh)
+
+
+def known_layout(builder, v, strict=None):
+    """Where the forward states v lives (its pending sums made whole): an input's layout, an
+    annotation's placement, what the rule of a view or a product infers from its operands' known
+    layouts, or that of the operand an elementwise op keeps the shape of; None if unstated.
+    strict (a dict, the values already answered): where an elementwise op's operands of its shape
+    are known in different layouts, None (the compiler picks one of them: not knowable here)."""
+    if strict is not None and v in strict:
+        return strict[v]
+    for _ in range(64):
+        p = builder.producer.get(v)
+        if p is None:  # (an input that arrives as pending sums: its cotangent is whole on each device)
+            return whole(v.type.layout) if v.type.layout is not None else None
+        if p.op == Op.SET:
+            return p.outs[0].type.layout
+        if p.op in (Op.TRANSPOSE, Op.RESHAPE, Op.MATMUL):  # (views and products: as propagation infers them)
+            lays = [known_layout(builder, i) for i in p.ins]
+            if any(lay is None or lay.mesh != builder.mesh for lay in lays):
+                return None
+            try:
+                return whole(rules.infer(p, lays).on(builder.mesh))
+            except ValueError:  # (a reshape no sharding maps: the compiler gathers, and says so)
+                return None
+        same = [i for i in p.ins if i.type.shape == v.type.shape and p.op in ELEMENTWISE]
+        if not same:
+            return None
+        if strict is not None and len(set(same)) > 1:
+            lays = {known_layout(builder, i, strict) for i in same}
+            strict[v] = lays.pop() if len(lays) == 1 else None
+            return strict[v]
+        v = same[0]
+    return None
+
+
+def rows_merge(a: Traced, ct: Traced, b: Traced) -> bool:
+    """Whether the weight gradient of a 2-D b may be one GEMM of a's and ct's batch and row axes
+    merged into rows (Megatron's [s*b, h] view): no per-batch [..., K, N] products to sum, and a
+    GEMM with K = batch x rows.  Only where the merge is a view on every device: no axis but the
+    first sharded (a first axis sharded over dp stays sharded over dp when merged), and that one
+    sharded alike in both; merging a batch axis sharded over dp with rows sharded over tp is no
+    layout, and stays batched."""
+    if b.ndim != 2 or a.ndim < 3 or ct.ndim != a.ndim:
+        return False
+    if a.builder.mesh.size == 1:
+        return True
+    memo: dict = {}
+    lays = (known_layout(a.builder, a.value, memo), known_layout(ct.builder, ct.value, memo))
+    return all(lay is not None and lay.mesh == a.builder.mesh and all(e is None for e in lay.axes[1:-1])
+               for lay in lays) and lays[0].axes[0] == lays[1].axes[0]  # (rows split alike: no move of either)
+
+
+def regathered(a: Traced, ct: Traced, keep=False):
+    """(a, ct) for the weight gradient a^T ct, the rows of one gathered where a mesh axis shards the
+    rows of one and the columns of the other (the sequence-parallel case: x's tokens and dH's
+    columns over tp).  Megatron and TransformerEngine gather the activation again there; left to
+    itself the planner would move the larger operand (an AllToAll of dH, then a ReduceScatter).
+    A mesh axis sharding the rows of both (data parallel) stays: the product pends a sum over it.
+    keep: each such gather is marked `keep=True`, for passes/keep.py to read what an earlier loop
+    gathered instead: the forward's AllGather+GEMM's of a, the backward's of ct (a row-parallel
+    dgrad gathers it chunk by chunk just before, as TransformerEngine's Userbuffers keeps dY)."""
+    la, lc = known_layout(a.builder, a.value), known_layout(ct.builder, ct.value)
+    if la is None or lc is None or la.mesh != a.builder.mesh or lc.mesh != a.builder.mesh:
+        return a, ct
+    rows = lambda lay: {n for e in lay.axes[:-1] for n in mesh_axes(e)}  # noqa: E731
+    last = lambda lay: set(mesh_axes(lay.axes[-1]))  # noqa: E731
+    out = []
+    for x, lay, other in ((a, la, lc), (ct, lc, la)):
+        clash = rows(lay) & last(other)
+        if clash:
+            lay = Layout(tuple(axis_entry(n for n in mesh_axes(e) if n not in clash) for e in lay.axes[:-1])
+                         + (lay.axes[-1],), mesh=lay.mesh)
+            x = pin(x, lay, keep=keep)
+        out.append(x)
+    return tuple(out)
+
+
+def drop_hints(prog):
+    """prog with the schedule hints autodiff added taken out (each value keeps its placement):
+    what sf.jit compiles when a hint's split is one the passes refuse."""
+    if not any(i.op == Op.SET and i.attrs.get("hint") for i in prog.instrs):
+        return None
+    return prog.with_instrs([replace(i, attrs=scheduled(i.attrs, None)) if i.op == Op.SET and i.attrs.get("hint")
+                             else i for i in prog.instrs], "drop_hints")

@@ -1,0 +1,103 @@
+"""The generated kernels of passes/fuse.py's steps: a Fused step (an ops.Expr over its operands)
+as one ElementwiseKernel, a FusedSum (the sum of such an Expr) as one ReductionKernel, so the
+chain's result is never written.  Each Expr node is a C variable rounded to its own dtype as the
+unfused step's result was (bfloat16 through its uint16 bits, kernels.BF16_PREAMBLE); a sum
+accumulates in float (double for float64) and is scaled there, as kernels.bind_sum sums."""
+from __future__ import annotations
+
+import cupy
+
+from shardfuse.backends.cuda.kernels import BF16_PREAMBLE, C_TYPES, INLINE, PARAM_TYPES
+from shardfuse.ops import Op
+
+_HELD = {"float64": "double", "int32": "int", "int64": "long long", "bool": "bool"}  # (16/32-bit floats: float)
+_ROUND = {"bfloat16": "bf2f(f2bf((float)({})))", "float16": "(float)(float16)((float)({}))", "float32": "(float)({})",
+          "float64": "(double)({})", "int32": "(int)({})", "int64": "(long long)({})"}
+
+
+def _literal(v) -> str:
+    """A scalar as a C double literal (exact: repr round-trips; infinities and NaN by their bits)."""
+    v = float(v)
+    if v != v or v in (float("inf"), float("-inf")):
+        bits = {"inf": "0x7ff0000000000000LL", "-inf": "0xfff0000000000000LL"}.get(str(v), "0x7ff8000000000000LL")
+        return f"__longlong_as_double({bits})"
+    return repr(v)
+
+
+def expr_code(expr):
+    """(statements, name of the result) computing an ops.Expr over operands x0, x1, ...: each node
+    a C variable held as float (double for float64, its own type for integers and booleans),
+    rounded to its dtype as the unfused step's result was; the INLINE expressions of the ops."""
+    lines, count = [], [0]
+
+    def node(e):
+        if e.op is None:
+            return f"bf2f(x{e.arg})" if e.dtype == "bfloat16" else f"x{e.arg}"
+        args = [(node(a), a.dtype) for a in e.args]
+        dts = (e.dtype, *(d for _, d in args))
+        f = "double" if {"float64", "int32", "int64"} & set(dts) else "float"  # (integers exact in double)
+        name = f"t{count[0]}"
+        count[0] += 1
+        scope = [f"bool {n} = {c};" if d == "bool" else f"{f} {n} = ({f})({c});" for n, (c, d) in zip("ab", args)]
+        if e.value is not None:
+            scope.append(f"{f} s = ({f}){_literal(e.value)};")
+        value = INLINE[e.op].replace("F", f)
+        if e.dtype == "bool":
+            value = f"(({value}) != 0)" if e.op == Op.ASTYPE else f"({value})"
+        else:
+            value = _ROUND[e.dtype].format(value)
+        lines.append(f"{_HELD.get(e.dtype, 'float')} {name}; {{ {' '.join(scope)} {name} = {value}; }}")
+        return name
+    last = node(expr)
+    return " ".join(lines), last
+
+
+def fused_source(expr, in_dtypes, out_dtype):
+    """(parameters, output, body) of one ElementwiseKernel computing an ops.Expr (expr_code)."""
+    body, last = expr_code(expr)
+    store = f"f2bf((float){last})" if out_dtype == "bfloat16" else \
+        last if out_dtype == "bool" else f"({C_TYPES[out_dtype]}){last}"
+    params = ", ".join(f"{PARAM_TYPES[d]} x{k}" for k, d in enumerate(in_dtypes))
+    return params, f"{PARAM_TYPES[out_dtype]} y", body + f" y = {store};"
+
+
+def bind_fused(dev, kernels, expr, ins, out, stream):
+    """Step: out = expr(ins), one generated kernel (compiled once per expression and dtypes)."""
+    dtypes = tuple(r.dtype for r in ins)
+
+    def make():
+        params, outp, body = fused_source(expr, dtypes, out.dtype)
+        return cupy.ElementwiseKernel(params, outp, body, "sf_fused", preamble=BF16_PREAMBLE)
+    kern = kernels.cached((Op.FUSED, expr, dtypes, out.dtype), make)
+    return dev.per_device((*ins, out), stream, lambda j, *views: kern(*views))
+
+
+def fused_sum_source(expr, in_dtypes, out_dtype, scale):
+    """(in_params, out_params, map_expr, post_map_expr, reduce_type) of one ReductionKernel: expr of
+    each element as expr_code computes it (its result rounded to its dtype, as the unfused chain
+    stored it), summed in float (double for float64), scaled there and rounded once into
+    out_dtype, as bind_sum does (bfloat16's sum: kernels.bf16_sum, then a float32 multiply)."""
+    body, last = expr_code(expr)
+    acc = "double" if out_dtype == "float64" else "float"
+    # (operands x0, x1, ..., result y: for one operand over trailing contiguous axes CuPy runs its CUB
+    # kernel, which renames x0 -> in0 in map_expr and y -> out0 in post_map_expr by text replacement;
+    # neither name occurs there otherwise: no literal, op or variable name holds "x0", nor "y")
+    params = ", ".join(f"{PARAM_TYPES[d]} x{k}" for k, d in enumerate(in_dtypes))
+    # (statements where CuPy takes an expression: a lambda called in place, reading this element's operands)
+    value = f"([&]() -> {acc} {{ {body} return ({acc}){last}; }})()"
+    total = "a" if scale == 1.0 else f"(a * ({acc}){_literal(scale)})"
+    store = f"f2bf({total})" if out_dtype == "bfloat16" else f"({C_TYPES[out_dtype]})({total})"
+    return params, f"{PARAM_TYPES[out_dtype]} y", value, f"y = {store}", acc
+
+
+def bind_fused_sum(dev, kernels, expr, ins, axis, out, stream, scale=1.0):
+    """Step: out = expr(ins).sum(axis) * scale, one generated reduction kernel (the operands broadcast
+    as CuPy broadcasts a ReductionKernel's inputs; no buffer of expr's result, no scratch)."""
+    dtypes = tuple(r.dtype for r in ins)
+
+    def make():
+        params, outp, value, post, acc = fused_sum_source(expr, dtypes, out.dtype, scale)
+        return cupy.ReductionKernel(params, outp, value, "a + b", post, "0", "sf_fused_sum", reduce_type=acc,
+                                    preamble=BF16_PREAMBLE)
+    kern = kernels.cached((Op.FUSED_SUM, expr, dtypes, out.dtype, scale), make)
+    return dev.per_device((*ins, out), stream, lambda j, *views: kern(*views, axis=axis))

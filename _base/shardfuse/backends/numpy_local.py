@@ -1,0 +1,276 @@
+"""NumPy devices in one process: every local device is a set of NumPy buffers.
+
+Collectives are done in memory across the local devices of each team.  Streams and events
+are trivial here (steps run in issue order, which is a valid schedule of any plan), but the
+plan and the executor are the same ones the GPU backend runs.
+"""
+from __future__ import annotations
+
+import functools
+import os
+
+import numpy as np
+
+from shardfuse.backends.elementwise_numpy import ELEMENTWISE, evaluate, scatter_add_rows, schedule, take_rows
+from shardfuse.dtypes import np_dtype, poison_value
+from shardfuse.ops import Reduce
+
+POISON = os.environ.get("SHARDFUSE_POISON") == "1"  # fill new buffers with NaN (tests)
+
+
+def summer(dtype, axis, scale):
+    """fn(x, o): o = x.sum(axis) * scale into o of `dtype`, 16-bit values summed in float32 (as on
+    GPUs: NumPy sums bfloat16 in bfloat16), and scaled before they are rounded back (a float16 mean
+    whose sum would overflow does not)."""
+    acc = np.float64 if dtype == "float64" else np.int64 if dtype == "int64" else np.float32
+
+    def total(x, o):
+        if o.dtype == acc:  # (no temporary)
+            np.sum(x, axis=axis, out=o)
+            if scale != 1.0:
+                o *= scale
+            return
+        s = np.sum(x, axis=axis, dtype=acc)
+        o[...] = s if scale == 1.0 else s * scale
+    return total
+
+
+class NumpyLocalBackend:
+    name = "numpy"
+    ordinals = None  # host memory
+
+    def __init__(self, mesh):
+        self.mesh = mesh
+        self.local_devices = mesh.local_devices
+        self.local_index = {d: j for j, d in enumerate(self.local_devices)}
+
+    # ---- buffers ----------------------------------------------------------------------
+    def empty(self, shape, dtype):
+        dt = np_dtype(dtype)
+        if POISON:
+            return [np.full(shape, poison_value(dtype), dt) for _ in self.local_devices]
+        return [np.empty(shape, dt) for _ in self.local_devices]
+
+    def to_device(self, pieces):
+        return [np.array(p, copy=True) for p in pieces]
+
+    def to_host(self, bufs):
+        return [np.array(b, copy=True) for b in bufs]
+
+    def ascontiguous(self, x):
+        return np.ascontiguousarray(x)
+
+    def copy(self, x):
+        return np.array(x, copy=True, order="C")
+
+    # ---- the caller's arrays and streams ------------------------------------------------
+    def adopt(self, x, info=None, fenced=None):
+        """A whole call argument as a host array (device arrays are copied: these devices live
+        in host memory).  NumPy arrays are not copied.  (`fenced`: no streams here.)"""
+        from shardfuse.interop import to_numpy
+
+        return to_numpy(x)
+
+    def piece(self, x, j):
+        """x as local device j's contiguous buffer: x itself when it already is one (no copy)."""
+        return np.ascontiguousarray(x)
+
+    def fence_in(self, stream_ptr):
+        """Steps run on the host in issue order: nothing to wait for."""
+
+    def fence_out(self, stream_ptr):
+        """Every call has finished when it returns: nothing to order."""
+
+    def view(self, bufs, ref, j):
+        base = bufs[ref.slot][j]
+        strides = tuple(s * base.itemsize for s in ref.strides)
+        if not ref.offsets[j] and base.strides == strides and base.shape == tuple(ref.shape):
+            return base  # (the whole buffer: as_strided would cost a few microseconds for the same view)
+        return np.lib.stride_tricks.as_strided(base.reshape(-1)[ref.offsets[j]:], ref.shape, strides)
+
+    def _views(self, bufs, ref):
+        return [self.view(bufs, ref, j) for j in range(len(self.local_devices))]
+
+    def _on(self, devices):
+        """The positions j a compute step runs on (protocol: None is every local device)."""
+        return tuple(range(len(self.local_devices))) if devices is None else tuple(devices)
+
+    # ---- compute: each step on its devices only ------------------------------------------
+    def bind_matmul(self, a, b, out, stream, devices=None):
+        js, view = self._on(devices), self.view
+
+        def step(bufs):
+            for j in js:
+                np.matmul(view(bufs, a, j), view(bufs, b, j), out=view(bufs, out, j))
+        return step
+
+    def bind_elementwise(self, op, a, b, out, stream, scalar=None, devices=None):
+        fn, js, view = ELEMENTWISE[op], self._on(devices), self.view
+
+        def step(bufs):
+            for j in js:
+                fn(np, view(bufs, a, j), scalar if b is None else view(bufs, b, j), view(bufs, out, j))
+        return step
+
+    def bind_fused(self, expr, ins, out, stream, devices=None):
+        js, view = self._on(devices), self.view
+        steps = schedule(expr, len(ins))
+        temps = {j: [np.empty(out.shape, np_dtype(dt)) for *_, dt in steps[:-1]] for j in js}  # (one call at a time)
+
+        def step(bufs):
+            for j in js:
+                evaluate(np, steps, [view(bufs, r, j) for r in ins] + temps[j] + [view(bufs, out, j)])
+        return step
+
+    def bind_sum(self, a, axis, out, stream, scale=1.0, devices=None):
+        js, view, total = self._on(devices), self.view, summer(out.dtype, axis, scale)
+
+        def step(bufs):
+            for j in js:
+                total(view(bufs, a, j), view(bufs, out, j))
+        return step
+
+    def bind_fused_sum(self, expr, ins, axis, out, stream, scale=1.0, devices=None):
+        """expr evaluated as bind_fused evaluates it, into a buffer of this step's own (made now),
+        then summed as bind_sum sums: bit for bit the unfused steps' result."""
+        js, view, total = self._on(devices), self.view, summer(out.dtype, axis, scale)
+        steps, shape = schedule(expr, len(ins)), np.broadcast_shapes(*(r.shape for r in ins))
+        temps = {j: [np.empty(shape, np_dtype(dt)) for *_, dt in steps] for j in js}  # (one call at a time)
+
+        def step(bufs):
+            for j in js:
+                evaluate(np, steps, [view(bufs, r, j) for r in ins] + temps[j])
+                total(temps[j][-1], view(bufs, out, j))
+        return step
+
+    def bind_take(self, table, ids, rows, out, stream, vocab, devices=None):
+        js, view = self._on(devices), self.view
+
+        def step(bufs):
+            for j in js:
+                take_rows(np, view(bufs, table, j), view(bufs, ids, j), view(bufs, rows, j), vocab, view(bufs, out, j))
+        return step
+
+    def bind_scatter_add(self, values, ids, rows, out, stream, vocab, devices=None):
+        js, view = self._on(devices), self.view
+
+        def step(bufs):
+            for j in js:
+                scatter_add_rows(view(bufs, values, j), view(bufs, ids, j), view(bufs, rows, j), vocab,
+                                 view(bufs, out, j))
+        return step
+
+    def bind_copy(self, src, dst, stream, devices=None):
+        js, view = self._on(devices), self.view
+
+        def step(bufs):
+            for j in js:
+                view(bufs, dst, j)[...] = view(bufs, src, j)
+        return step
+
+    # ---- streams: steps run in issue order, so ordering needs no work --------------------
+    def new_event(self, timing=False):
+        return None
+
+    def event_ms(self, start, end):
+        raise NotImplementedError("the NumPy backends run steps on the host: time them with host clocks")
+
+    def bind_record(self, event, stream):
+        return None
+
+    def bind_wait_event(self, event, stream):
+        return None
+
+    def bind_join(self, waiter, waitee):
+        return None
+
+    def describe(self) -> dict:
+        """What reports print about this backend."""
+        return {"backend": self.name, "devices": len(self.local_devices), "numpy": np.__version__,
+                "processes": self.mesh.nprocs}
+
+    def memory_stats(self) -> dict:
+        """Nothing is held beside the plans' buffers (no workspaces or library handles)."""
+        return {"workspace_bytes": 0, "handles": 0}
+
+    def stream(self, j=0):
+        """Steps run on the host, in issue order: there is no stream."""
+        return None
+
+    def synchronize(self):
+        pass
+
+    def capture(self, plan):
+        raise NotImplementedError("graph mode needs the cupy backend")
+
+    # ---- collectives: (start, wait); in memory, across the local devices of each team ------
+    submesh_teams = True  # collectives may run within a sub-mesh: team = (sub-mesh, axis name)
+
+    def _local_teams(self, team):
+        mesh, name = team if isinstance(team, tuple) else (self.mesh, team)
+        return [[self.local_index[d] for d in t] for t in mesh.teams(name)]
+
+    def bind_allgather(self, send, recv, team, stream):
+        teams = self._local_teams(team)
+
+        def start(bufs):
+            s, r = self._views(bufs, send), self._views(bufs, recv)
+            for t in teams:
+                for j in t:
+                    for rank, q in enumerate(t):
+                        r[j][rank] = s[q]
+        return start, None
+
+    def bind_allreduce(self, send, recv, team, stream, op=Reduce.SUM):
+        teams = self._local_teams(team)
+
+        def start(bufs):
+            s, r = self._views(bufs, send), self._views(bufs, recv)
+            for t in teams:
+                total = sum(s[q].astype(np.float64) for q in t) if op == Reduce.SUM else \
+                    functools.reduce(np.maximum if op == Reduce.MAX else np.minimum, [s[q] for q in t])
+                for j in t:
+                    r[j][...] = total
+        return start, None
+
+    def bind_transfers(self, pairs, stream):
+        """Point-to-point copies (src device, send ref, dst device, recv ref), all local here."""
+        idx = self.local_index
+
+        def start(bufs):
+            for s, sref, d, rref in pairs:
+                self.view(bufs, rref, idx[d])[...] = self.view(bufs, sref, idx[s])
+        return start, None
+
+    def bind_sendrecv(self, send, recv, team, shift, stream):
+        teams = self._local_teams(team)
+
+        def start(bufs):  # rank r sends to r + shift, receives from r - shift
+            s, r = self._views(bufs, send), self._views(bufs, recv)
+            for t in teams:
+                blocks = [s[q].copy() for q in t]
+                for rank, j in enumerate(t):
+                    r[j][...] = blocks[(rank - shift) % len(t)]
+        return start, None
+
+    def bind_alltoall(self, send, recv, team, stream):
+        teams = self._local_teams(team)
+
+        def start(bufs):
+            s, r = self._views(bufs, send), self._views(bufs, recv)  # both [D, ...]: block per peer
+            for t in teams:
+                for rank, j in enumerate(t):
+                    for peer, q in enumerate(t):
+                        r[j][peer] = s[q][rank]
+        return start, None
+
+    def bind_reduce_scatter(self, send, recv, team, stream):
+        teams = self._local_teams(team)
+
+        def start(bufs):
+            s, r = self._views(bufs, send), self._views(bufs, recv)  # send: [D, *recv]
+            for t in teams:
+                total = sum(s[q].astype(np.float64) for q in t)
+                for rank, j in enumerate(t):
+                    r[j][...] = total[rank]
+        return start, None

@@ -1,0 +1,400 @@
+"""The one executor: binds a plan to a backend once, then runs it as a flat list of steps.
+
+Binding resolves everything that does not change between calls: loops are unrolled, every
+view (chunk slice, pool slot, shard slice, reshape) becomes a `Ref` (slot, per-device element
+offsets, shape, strides), the stream of every step is fixed, persistent buffers and events
+are created.  A call then only places its inputs, allocates its outputs and runs the steps.
+The steps are exactly the plan's (steps.issue_order: one per printed instruction that issues
+work; none is added here, no staging copy either: passes/contiguity.py prints those), each on
+the devices steps.devices_of gives it: this process leaves out the compute steps of a pipeline
+stage it holds no device of, and runs the others on its devices of their stage only.
+Backends see Refs, streams and local devices, never the IR.
+"""
+from __future__ import annotations
+
+import logging
+import threading
+from dataclasses import replace
+
+from shardfuse import faults
+from shardfuse.runtime import backend_of
+from shardfuse.pieces import check_args, local_pieces, placement
+from shardfuse.interop import Fence, stream_identity, stream_ptr
+from shardfuse.backends.protocol import BoundPlan, Ref, block, rank_major, reshape_strides
+from shardfuse.ir import local_shape, walk
+from shardfuse.ops import COMMUNICATION, ELEMENTWISE, HOST, Op, VIEWS
+from shardfuse.passes.contiguity import comm_blocks
+from shardfuse.slabs import member_ref, poison_slabs
+from shardfuse.steps import event_key, index_of, issue_order, mesh_of
+from shardfuse.strides import ordered_strides
+
+log = logging.getLogger("shardfuse")
+
+
+class Executable:
+    def __init__(self, prog, backend=None, graph: bool = False):
+        """Bind prog to `backend` (default: its mesh's, made after the plan check, so ranks that
+        disagree fail on the plan, not inside the backend's own setup)."""
+        mesh = prog.mesh
+        if mesh.nprocs > 1:
+            # Under mpiexec every rank must run this very plan, or its collectives pair with
+            # other ones (a hang, or garbage).  Checked before binding, which already
+            # communicates (sub-communicators, NCCL ids), and again at every call (check_ranks):
+            # different shapes, dtypes, chunks, functions, algorithms or meshes print different texts.
+            self.agreement = (f"mesh {mesh!r} shape={mesh.shape} axes={mesh.axis_names} devices={mesh.devices} "
+                              f"processes={mesh.nprocs} graph={graph}\n{prog}")
+            faults.agree(self.agreement, f"plan {prog.name!r}")  # (and each call checks, labelled apart)
+        with faults.binding(prog.name):
+            self._init(prog, backend_of(mesh) if backend is None else backend, graph)
+
+    def _init(self, prog, backend, graph):
+        self.prog, self.backend, self.mesh = prog, backend, prog.mesh
+        self.ndev = len(backend.local_devices)
+        self.refs: dict = {}
+        self.slot_templates: list = []  # per slot: None (input / per call) or persistent buffers
+        self.per_call: list = []  # (slot, shape, dtype)
+        # The plan's steps that this backend runs, in issue order: steps.PlanStep records with
+        # `run` (the backend's callable) and `devices` (this process' of the step's) filled in.
+        # Steps a backend has nothing to do for (NumPy's events) and steps on none of this
+        # process' devices (another pipeline stage's) are left out; `index` is each one's place
+        # in the plan's list, as the cost model and a profile number them.
+        self.steps: list = []
+        self.pending: dict = {}  # comm handle -> its wait step
+        self.blocked: dict = {}  # staging buffer stored as [D, ...] blocks -> (axis, D)
+        self.pools: list = []  # per pool (Allocate with pool=n): its n entries, one slot each
+        self.slabs: dict = {}  # slab number (passes/reuse.py) -> the Ref of its slot, which its buffers view
+        for v in prog.inputs:
+            self.refs[v] = self._new_slot(local_shape(v, self.mesh), v.type.dtype, None)
+        # where each local device's piece of a plain argument lies (its shape checked before the call)
+        self._input_pieces = [placement(v.type.shape, v.type.layout, self.mesh) for v in prog.inputs]
+        self._deferred: dict = {}  # slot -> (physical shape, dtype): the program's own persistent buffers
+        local = tuple(backend.local_devices)
+        for i, env, step in issue_order(prog):
+            if step is None:  # allocations, views, stream switches: no step
+                BIND[i.op](self, i, env, None, ())
+                continue
+            here = tuple(j for j, d in enumerate(local) if d in step.devices)  # positions j
+            if not here and i.op not in BOUND_EVERYWHERE:
+                continue  # a compute step of another pipeline stage: nothing to do on this process
+            run = BIND[i.op](self, i, env, step.stream, here)
+            if run is not None and here:
+                self.steps.append(replace(step, devices=tuple(local[j] for j in here), run=run))
+        poison_slabs(self, prog)
+        self._allocate_used(prog)
+        # per output: the slot whose per-call buffers are the output as they are (no view per call), else None
+        made = {slot: shape for slot, shape, _ in self.per_call}
+        # inputs whose buffers outputs took (passes/donate.py): the output is the input's pieces
+        self.donated = tuple(k for k, v in enumerate(prog.inputs) if v in set(prog.outputs))
+        made.update({self.refs[prog.inputs[k]].slot: self.refs[prog.inputs[k]].shape for k in self.donated})
+        self._whole_outputs = [r.slot if made.get(r.slot) == r.shape and not any(r.offsets) and r.is_contiguous()
+                               else None for r in (self.refs[v] for v in prog.outputs)]
+        self._graph_outputs, self.calls = None, 0  # (calls run: graph-mode outputs hold until the next)
+        self._out_layouts = [v.type.layout.held_by(prog.mesh) for v in prog.outputs]  # (as an sf.Array holds them)
+        self.accepted = set()  # hot-path cache of layout checks
+        # One call at a time: the plan's persistent buffers (gather pools, scratch) and its graphs
+        # are shared by every call, so two threads issuing at once would write each other's chunks.
+        # A lock, not per-thread buffers: no memory, and held only while the host issues.
+        self.lock = threading.Lock()
+        self.graph = backend.capture(self.bound_plan()) if graph else None
+        log.info("bound plan %r on %s: %d steps%s", prog.name, backend.name, len(self.steps), " (graphs)" * graph)
+
+    def bound_plan(self) -> BoundPlan:
+        """What a backend may see of this bound plan (graph capture): its steps and slots."""
+        inputs = tuple((self.refs[v].shape, self.refs[v].dtype) for v in self.prog.inputs)
+        return BoundPlan(tuple(s.run for s in self.steps), tuple(self.slot_templates), inputs, tuple(self.per_call))
+
+    # ---- slots ------------------------------------------------------------------------
+    def _new_slot(self, shape, dtype, buffers, order=None) -> Ref:
+        slot = len(self.slot_templates)
+        self.slot_templates.append(buffers)
+        return Ref(slot, (0,) * self.ndev, tuple(shape), ordered_strides(tuple(shape), order), dtype)
+
+    def _allocate(self, shape, dtype, per_call: bool, order=None) -> Ref:
+        """A slot for one of the program's buffers: made every call (per_call), or once, after
+        binding, if a step still uses it (see _allocate_used)."""
+        phys_shape = tuple(shape[o] for o in order) if order else tuple(shape)
+        ref = self._new_slot(shape, dtype, None, order)
+        if per_call:
+            self.per_call.append((ref.slot, phys_shape, dtype))
+        else:
+            self._deferred[ref.slot] = (phys_shape, dtype)
+        return ref
+
+    def _allocate_used(self, prog):
+        """The program's own persistent buffers, made once binding is done and only where a step
+        still uses them."""
+        used = {self.refs[v].slot for v in prog.outputs}
+        for i in walk(prog.instrs):
+            if i.op in VIEWS or i.op == Op.ALLOCATE:
+                continue
+            for v in (*i.values(), *i.outs):
+                ref = self.refs.get(v)
+                if isinstance(ref, Ref):
+                    used.add(ref.slot)
+        for pool in self.pools:  # a pool's entries serve the iterations in turn: all or none
+            if any(r.slot in used for r in pool):
+                used.update(r.slot for r in pool)
+        for slot, (shape, dtype) in self._deferred.items():
+            if slot in used:
+                self.slot_templates[slot] = self.backend.empty(shape, dtype)
+
+    # ---- binding: each binder returns the instruction's step (None: it issues nothing) ----
+    # `devices`: the positions j of the local devices the step runs on (steps.devices_of), which
+    # compute steps and copies pass on; communication has its team, stream steps all devices.
+    def _bind_allocate(self, i, env, stream, devices):
+        v, a = i.outs[0], i.attrs
+        shape = local_shape(v, self.mesh)
+        if a.get("blocks"):  # a staging buffer stored as communication reads or writes it: [D, ...]
+            self.blocked[v] = ax, d = a["blocks"]
+            shape = (d,) + shape[:ax] + (shape[ax] // d,) + shape[ax + 1:]
+        if a.get("pool"):
+            # one buffer per pool entry (Select picks one at bind time), each laid out by the
+            # backend as any buffer: the devices of one GPU one piece apart, so their GEMMs on a
+            # pool entry can be one batched call (a (pool,) + shape buffer per device would put
+            # them `pool` pieces apart)
+            self.refs[v] = tuple(self._allocate(shape, v.type.dtype, False) for _ in range(a["pool"]))
+            self.pools.append(self.refs[v])
+        elif "slab" in a:  # storage shared with buffers whose lives do not overlap
+            self.refs[v] = member_ref(self.slabs, self._new_slot, self._deferred, a["slab"], shape, v.type.dtype,
+                                      a.get("order"))
+        else:
+            self.refs[v] = self._allocate(shape, v.type.dtype, a.get("per_call", False), a.get("order"))
+
+    def _bind_view(self, i, env, stream, devices):
+        self.refs[i.outs[0]] = self._view(i, env)
+        if i.ins[0] in self.blocked:  # (a pool's slot)
+            self.blocked[i.outs[0]] = self.blocked[i.ins[0]]
+
+    def _bind_record(self, i, env, stream, devices):
+        key = event_key(i.outs[0], i, env)
+        self.refs[key] = self.backend.new_event()
+        return self.backend.bind_record(self.refs[key], stream)
+
+    def _bind_wait_event(self, i, env, stream, devices):
+        return self.backend.bind_wait_event(self.refs[event_key(i.ins[0], i, env)], stream)
+
+    def _bind_synchronize(self, i, env, stream, devices):
+        return self.backend.bind_join(stream, i.attrs["stream"].at(env))
+
+    def _bind_sendrecv(self, i, env, stream, devices):
+        start, self.pending[i.outs[0]] = self.backend.bind_sendrecv(*self._comm_operands(i), self._team(i, i.attrs["team"]),
+                                                                    i.attrs["shift"], stream)
+        return start
+
+    def _bind_matmul(self, i, env, stream, devices):
+        x, y = (self.refs[v] for v in i.ins)
+        return self.backend.bind_matmul(x, y, self.refs[i.into], stream, devices=devices)
+
+    def _bind_elementwise(self, i, env, stream, devices):
+        x, y = (self.refs[v] for v in i.ins) if len(i.ins) == 2 else (self.refs[i.ins[0]], None)
+        scalar = {"scalar": i.attrs["value"]} if "value" in i.attrs else {}
+        return self.backend.bind_elementwise(i.op, x, y, self.refs[i.into], stream, devices=devices, **scalar)
+
+    def _bind_sum(self, i, env, stream, devices):
+        """A Sum, or a FusedSum: the sum of the chain `expr` of its operands, never written (passes/fuse.py)."""
+        args = (i.attrs["axis"], self.refs[i.into], stream, i.attrs.get("factor", 1.0))
+        if i.op == Op.FUSED_SUM:
+            return self.backend.bind_fused_sum(i.attrs["expr"], [self.refs[v] for v in i.ins], *args, devices=devices)
+        return self.backend.bind_sum(self.refs[i.ins[0]], *args, devices=devices)
+
+    def _bind_rows(self, i, env, stream, devices):
+        """Take and ScatterAdd: (table or values, ids, rows) -> into, over a vocabulary of `vocab` rows."""
+        bind = self.backend.bind_take if i.op == Op.TAKE else self.backend.bind_scatter_add
+        a, ids, rows = (self.refs[v] for v in i.ins)
+        return bind(a, ids, rows, self.refs[i.into], stream, i.attrs["vocab"], devices=devices)
+
+    def _bind_copy(self, i, env, stream, devices):
+        """A copy into or out of a staging buffer stored in blocks sees the other side in blocks too."""
+        src, dst = i.ins[0], i.into
+        blocks = self.blocked.get(src) or self.blocked.get(dst)
+        return self.backend.bind_copy(self._in_blocks(src, blocks), self._in_blocks(dst, blocks), stream,
+                                      devices=devices)
+
+    def _view(self, i, env) -> Ref:
+        op, a = i.op, i.attrs
+        src = self.refs[i.ins[0]]
+        if op == Op.SELECT:  # an entry of a pool (_bind_allocate)
+            return src[index_of(a["index"], env)]
+        if op == Op.TRANSPOSE:
+            perm = a["perm"]
+            return replace(src, shape=tuple(src.shape[p] for p in perm), strides=tuple(src.strides[p] for p in perm))
+        out_shape = local_shape(i.outs[0], self.mesh)
+        if op == Op.SLICE_ARRAY:  # the box's axes are whole on every device: its begin is local too
+            st = a.get("step", (1,) * len(src.shape))
+            offs = sum(b * s for b, s in zip(a["begin"], src.strides))
+            return replace(src, offsets=tuple(o + offs for o in src.offsets), shape=out_shape,
+                           strides=tuple(s * k for s, k in zip(src.strides, st)))
+        if op == Op.SLICE:
+            ax, idx = a["axis"], a["index"]
+            ranks = self._ranks(i.outs[0], idx.ring) if idx.ring else [0] * self.ndev  # ring: (rank - i) % D
+            offs = tuple(o + idx.eval(env, r) * out_shape[ax] * src.strides[ax] for o, r in zip(src.offsets, ranks))
+            return replace(src, offsets=offs, shape=out_shape)
+        if op == Op.SHARD_SLICE:
+            ax = a["axis"]
+            offs = tuple(o + r * out_shape[ax] * src.strides[ax]
+                         for o, r in zip(src.offsets, self._ranks(i.outs[0], a["team"])))
+            return replace(src, offsets=offs, shape=out_shape)
+        strides = reshape_strides(src.shape, src.strides, out_shape)
+        if strides is None:
+            raise NotImplementedError(f"View {i.outs[0].name}: {src.shape} -> {out_shape} needs a copy")
+        return replace(src, shape=out_shape, strides=strides)
+
+    def _ranks(self, v, team):
+        """Each local device's position along mesh axis `team` of the mesh v lives on (0 outside it)."""
+        mesh = mesh_of(v)
+        mi = mesh.axis_index(team)
+        return [mesh.coords(d)[mi] if d in mesh.devices else 0 for d in self.backend.local_devices]
+
+    def _in_blocks(self, v, blocks) -> Ref:
+        """v as its [D, ...] view where blocks = (axis, D) says it holds D blocks (a staging
+        buffer stored in blocks already is one)."""
+        ref = self.refs[v]
+        return rank_major(ref, *blocks) if blocks is not None and v not in self.blocked else ref
+
+    def _comm_operands(self, i) -> tuple:
+        """(send, recv) of communication i as it reads and writes them: contiguous (the plan stages)."""
+        refs = [self._in_blocks(v, b) for v, b in zip((i.ins[0], i.into), comm_blocks(i, self.mesh))]
+        for v, ref in zip((i.ins[0], i.into), refs):
+            if not ref.is_contiguous():  # (backends move contiguous views only)
+                raise RuntimeError(f"{i.op} {v.name}: a strided view {ref.shape}, strides {ref.strides}, reached "
+                                   "communication unstaged (passes/contiguity.py stages every one, printed)")
+        return refs
+
+    def _bind_transfer(self, i, env, stream, devices):
+        """A move between meshes as point-to-point copies: (src device, send, dst device, recv)."""
+        a, kind = i.attrs, i.attrs["kind"]
+        frm, to = a["from"], a["to"]
+        send, recv = self._comm_operands(i)
+        if kind == "Scatter":  # block q of the root's whole value goes to destination q
+            pairs = [(frm[0], block(send, q), d, recv) for q, d in enumerate(to)]
+        elif kind == "Gather":  # source p's piece lands in block p of the root's whole value
+            pairs = [(s, send, to[0], block(recv, p)) for p, s in enumerate(frm)]
+        elif kind == "Broadcast":
+            pairs = [(frm[0], send, d, recv) for d in to]
+        else:  # SendRecv: device p to device p
+            pairs = list(zip(frm, [send] * len(frm), to, [recv] * len(to)))
+        start, self.pending[i.outs[0]] = self.backend.bind_transfers(pairs, stream)
+        return start
+
+    def _team(self, i, name):
+        """What a backend's collective runs over: a mesh axis name of the program's mesh, or
+        (sub-mesh, axis name) for a value that lives on a sub-mesh (backends that can)."""
+        mesh = mesh_of(i.ins[0])
+        if mesh == self.mesh:
+            return name
+        if not self.backend.submesh_teams:
+            raise NotImplementedError(f"{i.op} of {i.ins[0].name} inside the sub-mesh {mesh}: the {self.backend.name} "
+                                      "backend does not run collectives within a sub-mesh yet (moves between meshes work)")
+        return (mesh, name)
+
+    def _bind_collective(self, i, env, stream, devices):
+        op = {"op": i.attrs["op"]} if "op" in i.attrs else {}  # (an Allreduce's max / min)
+        start, self.pending[i.outs[0]] = COLLECTIVE_BINDERS[i.op](self.backend)(
+            *self._comm_operands(i), self._team(i, i.attrs["team"]), stream, **op)
+        return start
+
+    def __call__(self, *args, stream=None, infos=None):
+        """Run the plan (call_checked, after check_args)."""
+        return self.call_checked(args, check_args(self.prog, args, self.backend, self.accepted, infos), stream)[0]
+
+    def call_checked(self, args, infos, stream):
+        """A call on checked arguments (check_args' infos): (the outputs, their interop.Fence, None on
+        host devices).  On GPUs the plan's main stream waits for the caller's stream (stream=, or
+        CuPy's current one), which then waits for the plan's outputs: the Fence names that stream."""
+        self.check_ranks()
+        caller = None if self.backend.ordinals is None else stream_ptr(stream)
+        with self.lock:
+            outs = self.run(args, infos, caller)
+            return outs, None if caller is None else Fence(stream_identity(caller), self.calls, self.graph and self)
+
+    def check_ranks(self):
+        """Under mpiexec, every call: every rank calls this very plan, else RankMismatchError on all."""
+        if self.mesh.nprocs > 1:
+            faults.agree(self.agreement, f"plan {self.prog.name!r}{faults.A_CALL}")
+
+    def run(self, args, infos, caller, issue=None):
+        """One call, with self.lock held: place the inputs, issue the steps (or issue(bufs)), return
+        the outputs; fenced with the caller's stream (a pointer on GPUs, else None)."""
+        be = self.backend
+        self.calls += 1
+        if caller is not None:
+            be.fence_in(caller)
+        bufs = list(self.slot_templates)
+        for k, (arg, v, info) in enumerate(zip(args, self.prog.inputs, infos)):
+            if info is None:  # an sf.Array: its pieces are already placed
+                bufs[k] = arg.shards if arg.pieces_contiguous else [be.ascontiguous(s) for s in arg.shards]
+            else:
+                bufs[k] = local_pieces(arg, v.type.dtype, v.type.layout, self.mesh, info, fenced=caller,
+                                       where=self._input_pieces[k])
+            if k in self.donated and not (info is None and arg.owned):
+                # a caller's array (maybe viewed, or one buffer for a GPU's devices): the result writes a copy
+                bufs[k] = [be.copy(p) for p in bufs[k]]
+        if self.graph is not None:
+            static = self.graph(bufs)  # writes plan-owned outputs (the next call overwrites them)
+            if self._graph_outputs is None:
+                self._graph_outputs = self._outputs(static)
+            outs = self._graph_outputs
+        else:
+            for slot, shape, dtype in self.per_call:
+                bufs[slot] = be.empty(shape, dtype)
+            if issue is None:
+                for step in self.steps:
+                    step.run(bufs)
+            else:
+                issue(bufs)
+            outs = self._outputs(bufs)
+        if caller is not None:
+            be.fence_out(caller)
+        return outs
+
+    def _outputs(self, bufs):
+        outs = []
+        for v, whole, lay in zip(self.prog.outputs, self._whole_outputs, self._out_layouts):
+            if whole is not None:
+                shards = list(bufs[whole])
+            else:
+                ref = self.refs[v]
+                shards = [self.backend.view(bufs, ref, j) for j in range(self.ndev)]
+            outs.append((lay, shards, whole is not None))
+        return outs
+
+
+def _no_step(self, i, env, stream, devices):  # stream switches (steps.issue_order follows them)
+    return None
+
+
+# Every host-level Op's binder (tests/test_architecture.py checks that the keys are ops.HOST).
+BIND = {
+    Op.ALLOCATE: Executable._bind_allocate,
+    **{op: Executable._bind_view for op in VIEWS},
+    Op.GET_STREAM: _no_step,
+    Op.SET_STREAM: _no_step,
+    Op.RECORD_EVENT: Executable._bind_record,
+    Op.WAIT_EVENT: Executable._bind_wait_event,
+    Op.SYNCHRONIZE: Executable._bind_synchronize,
+    Op.SENDRECV: Executable._bind_sendrecv,
+    Op.TRANSFER: Executable._bind_transfer,
+    **{op: Executable._bind_collective for op in (Op.ALLGATHER, Op.ALLREDUCE, Op.REDUCE_SCATTER, Op.ALLTOALL)},
+    Op.WAIT: lambda self, i, env, stream, devices: self.pending.pop(i.ins[0]),  # (its collective's wait step)
+    Op.MATMUL: Executable._bind_matmul,
+    **{op: Executable._bind_elementwise for op in ELEMENTWISE},
+    **{op: Executable._bind_sum for op in (Op.SUM, Op.FUSED_SUM)},
+    Op.FUSED: lambda self, i, env, stream, devices: self.backend.bind_fused(  # (passes/fuse.py)
+        i.attrs["expr"], [self.refs[v] for v in i.ins], self.refs[i.into], stream, devices=devices),
+    Op.TAKE: Executable._bind_rows,
+    Op.SCATTER_ADD: Executable._bind_rows,
+    Op.COPY: Executable._bind_copy,
+}
+assert set(BIND) == HOST - {Op.FOR}, set(BIND) ^ HOST  # loops are unrolled (ir.unroll)
+
+# Communication is bound on every process, also where it holds none of the step's devices: setting
+# up a team may be collective (an MPI split), and the backend knows where there is nothing to do.
+BOUND_EVERYWHERE = COMMUNICATION | {Op.WAIT}
+
+# The backend method each collective binds through (send, recv, team, stream).
+COLLECTIVE_BINDERS = {
+    Op.ALLGATHER: lambda be: be.bind_allgather,
+    Op.ALLREDUCE: lambda be: be.bind_allreduce,
+    Op.REDUCE_SCATTER: lambda be: be.bind_reduce_scatter,
+    Op.ALLTOALL: lambda be: be.bind_alltoall,
+}

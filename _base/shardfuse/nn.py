@@ -1,0 +1,221 @@
+"""sf.nn: the functions of a transformer layer, written with shardfuse's ops (as jax.nn and
+torch.nn.functional), so that their shardings come from the ops' rules and nothing else.
+
+    import numpy as np, shardfuse as sf
+    mesh = sf.DeviceMesh((2, 2), ("dp", "tp"))
+
+    @sf.jit(mesh=mesh)
+    def attend(q, k, v, mask):                       # [batch, heads, seq, head_dim]
+        q, k, v = (sf.shard(sf.shard(t, axis=0, over="dp"), axis=1, over="tp") for t in (q, k, v))
+        return sf.nn.attention(q, k, v, mask=mask)   # heads sharded: no communication
+
+Inside sf.jit each function adds its ops to the traced program.  Outside it, on sf.Arrays (and
+plain arrays beside them, replicated), each call is one plan, compiled once per input specs and
+kept on the mesh as the one-op plans of array ops are (`Array.one_op`): `sf.nn.softmax(x)` of an
+sf.Array is one plan call, not five.
+
+16-bit inputs (float16, bfloat16) of softmax, log_softmax, layer_norm and rms_norm are computed in
+float32 and the result cast back to the input's dtype (as torch's kernels and Megatron's
+fp32 softmax do); other dtypes are computed in their own.
+"""
+from __future__ import annotations
+
+import functools
+import inspect
+import math
+
+import numpy as np
+
+from shardfuse.autodiff import stop_gradient
+from shardfuse.custom_vjp import custom_vjp
+from shardfuse.traced import Traced, describe
+from shardfuse.numpy_math import gelu
+from shardfuse.traced_numpy import exp, linear, log, maximum, minimum, rsqrt, silu, where
+
+__all__ = ["softmax", "log_softmax", "layer_norm", "rms_norm", "linear", "attention", "cross_entropy",
+           "cross_entropy_onehot",
+           *(f.__name__ for f in (gelu, silu))]  # (the ops' names by reference: an op name is never a string here)
+
+_WIDENED = {"float16": "float32", "bfloat16": "float32"}  # 16-bit values are normalised in float32
+# The score a masked-out position gets: finite, so a row with every position masked is uniform
+# rather than NaN (jax.nn.dot_product_attention's choice, 0.7 of the dtype's largest magnitude).
+_MASKED = {"float16": -0.7 * 65504.0, "bfloat16": -0.7 * 3.3895313892515355e38,
+           "float32": -0.7 * float(np.finfo(np.float32).max), "float64": -0.7 * float(np.finfo(np.float64).max)}
+
+
+def _one_plan(fn):
+    """fn as it is on traced values (inside sf.jit); on sf.Arrays the whole of fn as one plan."""
+    signature = inspect.signature(fn)
+
+    @functools.wraps(fn)
+    def call(*args, **kwargs):
+        bound = signature.bind(*args, **kwargs)
+        bound.apply_defaults()
+        args = bound.args
+        if any(isinstance(a, Traced) for a in args):
+            return fn(*args)
+        for a in args:
+            if hasattr(type(a), "one_op"):  # sf.Array (array_ops.ArrayOps)
+                return a.one_op(fn, args, f"nn.{fn.__name__}")
+        raise TypeError(f"sf.nn.{fn.__name__} takes values inside an sf.jit function or sf.Arrays, got "
+                        f"{', '.join(type(a).__name__ for a in args)}")
+    return call
+
+
+def _widened(x):
+    """x in the dtype it is normalised in (float32 for 16-bit floats), and its own dtype."""
+    return x.astype(_WIDENED.get(x.dtype_name, x.dtype_name)), x.dtype_name
+
+
+@_one_plan
+def softmax(x, axis=-1):
+    """exp(x - max) / sum(exp(x - max)) over `axis` (jax.nn.softmax); the max and the sum keep
+    their axis (keepdims), so they broadcast back.  Over a sharded axis the sum is an Allreduce of
+    the reduced shape, and the max gathers that axis (until max reduces with an Allreduce).
+    Its gradient is written by hand (as jax.nn.softmax's custom_jvp): y * (g - sum(g * y)), so the
+    backward holds only the output y, not the exponentials too."""
+    x, dtype = _widened(x)
+    return _with_rule(_softmax, lambda y, g: (y * (g - (g * y).sum(axis, keepdims=True)),), axis)(x).astype(dtype)
+
+
+def _softmax(x, axis):
+    e = exp(x - x.max(axis, keepdims=True))
+    return e / e.sum(axis, keepdims=True)
+
+
+@_one_plan
+def log_softmax(x, axis=-1):
+    """x - max - log(sum(exp(x - max))) over `axis` (jax.nn.log_softmax); its gradient by hand,
+    g - exp(y) * sum(g), holds only the output y."""
+    x, dtype = _widened(x)
+    return _with_rule(_log_softmax, lambda y, g: (g - exp(y) * g.sum(axis, keepdims=True),), axis)(x).astype(dtype)
+
+
+def _log_softmax(x, axis):
+    s = x - x.max(axis, keepdims=True)
+    return s - log(exp(s).sum(axis, keepdims=True))
+
+
+def _with_rule(fn, bwd, axis):
+    """fn(x, axis) as an sf.custom_vjp function of x whose backward is bwd(y, g), y its output."""
+    f = custom_vjp(functools.partial(fn, axis=axis))
+    f.defvjp(lambda x: (lambda y: (y, y))(fn(x, axis)), bwd)
+    return f
+
+
+@_one_plan
+def layer_norm(x, weight, bias, eps=1e-5):
+    """(x - mean) / sqrt(var + eps) * weight + bias over the last axis (torch's F.layer_norm with
+    normalized_shape the last extent; the biased variance).  weight and bias are [hidden] arrays,
+    or None for none.  A hidden axis sharded over a mesh axis is reduced with Allreduces of
+    [tokens]-sized values."""
+    x, dtype = _widened(x)
+    d = x - x.mean(-1, keepdims=True)
+    y = d * rsqrt((d * d).mean(-1, keepdims=True) + eps)
+    y = y if weight is None else y * weight
+    y = y if bias is None else y + bias
+    return y.astype(dtype)
+
+
+@_one_plan
+def rms_norm(x, weight, eps=1e-6):
+    """x / sqrt(mean(x**2) + eps) * weight over the last axis (RMSNorm, as in LLaMA); weight a
+    [hidden] array or None."""
+    x, dtype = _widened(x)
+    y = x * rsqrt((x * x).mean(-1, keepdims=True) + eps)
+    y = y if weight is None else y * weight
+    return y.astype(dtype)
+
+
+def _swap_last_two(t):
+    return t.transpose(tuple(range(t.ndim - 2)) + (t.ndim - 1, t.ndim - 2))
+
+
+@_one_plan
+def _attention(q, k, v, mask):
+    scores = (q @ _swap_last_two(k)) * (1.0 / math.sqrt(q.shape[-1]))
+    if mask is not None:  # (a NumPy mask inside sf.jit is a constant of the program)
+        scores = where(mask, scores, _MASKED[scores.dtype_name]) if mask.dtype == "bool" else scores + mask
+    return softmax(scores, -1) @ v
+
+
+def attention(q, k, v, causal=False, mask=None):
+    """Scaled dot-product attention, softmax(q @ k^T / sqrt(head_dim) + mask) @ v, over
+    [batch, heads, seq, head_dim] operands (any leading axes, the same on q, k and v).
+
+    mask broadcasts against the scores [..., seq_q, seq_k]: a boolean array (True: attend, as
+    jax.nn.dot_product_attention; a masked score becomes a large negative number, so a row with
+    nothing to attend to is uniform, not NaN) or a float array added to the scores.  The softmax
+    of 16-bit scores runs in float32.  With heads (or batch) sharded over a mesh axis and
+    sequence and head_dim whole, nothing is communicated.
+
+    causal=True builds np.tril(np.ones((seq_q, seq_k), bool)) as the mask: outside sf.jit it is
+    passed as a replicated array, inside sf.jit it is a constant of the program (shardfuse/constants.py)."""
+    if causal:
+        if mask is not None:
+            raise ValueError("sf.nn.attention: give causal=True or mask=, not both (fold the causal mask into yours: "
+                             "mask & np.tril(np.ones((seq_q, seq_k), bool)))")
+        mask = np.tril(np.ones((q.shape[-2], k.shape[-2]), bool))
+    return _attention(q, k, v, mask)
+
+
+@_one_plan
+def cross_entropy_onehot(logits, targets):
+    """The mean over tokens of -sum(targets * log_softmax(logits)) over the last (vocabulary)
+    axis, for one-hot targets of the logits' shape (or any rows that sum to 1: soft labels).
+    For integer labels: cross_entropy.
+
+    Written as Megatron's vocab-parallel cross-entropy: per token log(sum(exp(logits - max))) minus
+    the target's logit (minus max), so no [tokens, vocabulary] log_softmax is formed; with the
+    vocabulary sharded the sum of exponentials and the target logit are Allreduces of [tokens]
+    values, and so is the max (an Allreduce with op=max).  The result is a 0-d array of the
+    logits' dtype (float32 for 16-bit logits)."""
+    x, _ = _widened(logits)
+    s = x - x.max(-1, keepdims=True)
+    target = (targets * s).sum(-1)
+    return (log(exp(s).sum(-1)) - target).mean()
+
+
+@_one_plan
+def cross_entropy(logits, labels, ignore_index=None):
+    """The mean over tokens of -log_softmax(logits)[label] (torch's F.cross_entropy with integer
+    targets, optax's softmax_cross_entropy_with_integer_labels): logits [..., vocab], labels [...]
+    int32 / int64.  Labels index as sf.take's (negative from the end; outside [-vocab, vocab)
+    clamped to the first or last class).
+
+    ignore_index (a Python int, None: none): tokens whose label equals it count for nothing, and
+    the mean is over the others (torch's ignore_index; NaN where every token is ignored, as
+    torch's).  torch's default is -100, shardfuse's None: pass ignore_index=-100 for labels padded
+    as torch's, else -100 reads as a class id counted from the end.
+
+    Written as Megatron's vocab-parallel cross-entropy (tensor_parallel/cross_entropy.py): per token
+    the max of the logits, log(sum(exp(logits - max))) and the target's logit (the logits where
+    the vocabulary ids, a constant np.arange(vocab), equal the label, summed), so that with the
+    vocabulary sharded over a mesh axis each is one Allreduce of [tokens] values (max, sum of
+    exponentials, target logit) and the logits are never gathered.  The result is a 0-d array of
+    the logits' dtype (float32 for 16-bit logits, computed in float32)."""
+    if isinstance(logits, Traced):  # (NumPy labels inside sf.jit: a constant of the program)
+        labels = logits.builder.constant(labels)
+    if not _int_array(labels):
+        raise TypeError(f"sf.nn.cross_entropy: labels must be an integer array (int32 or int64) of class ids, got "
+                        f"{describe(labels)}; for one-hot or soft targets use cross_entropy_onehot")
+    if tuple(labels.shape) != tuple(logits.shape[:-1]):
+        raise ValueError(f"sf.nn.cross_entropy: labels of shape {tuple(labels.shape)} for logits of shape "
+                         f"{tuple(logits.shape)}: one label per row of logits (the shape {tuple(logits.shape[:-1])})")
+    x, _ = _widened(logits)
+    n = x.shape[-1]
+    # (the max shift held constant by sf.grad: with one target per row its terms cancel, so the
+    # backward neither compares the logits with their max nor keeps them for it)
+    s = x - stop_gradient(x.max(-1, keepdims=True))
+    kept = None if ignore_index is None else labels != int(ignore_index)
+    labels = minimum(maximum(where(labels < 0, labels + n, labels), 0), n - 1)
+    hit = labels.reshape(tuple(labels.shape) + (1,)) == np.arange(n, dtype=labels.dtype)  # (a constant)
+    target = where(hit, s, 0.0).sum(-1)
+    per_token = log(exp(s).sum(-1)) - target
+    if kept is None:
+        return per_token.mean()
+    return where(kept, per_token, 0.0).sum() / kept.astype(per_token.dtype_name).sum()
+
+
+def _int_array(v) -> bool:
+    return isinstance(v, Traced) and v.dtype_name in ("int32", "int64")

@@ -1,0 +1,234 @@
+"""NumPy's unary math on traced values and sf.Arrays: np.sin / cos / log1p / expm1 (also sf.sin & co.),
+sf.erf (jax.lax.erf, scipy.special.erf), np.sign / floor / ceil / trunc / rint / round / around
+(x.round(decimals)), np.isnan / isinf / isfinite, np.reciprocal, np.cumsum (x.cumsum) and sf.gelu
+(sf.nn.gelu) with its tanh and exact forms; their entries of the NUMPY table, and their derivatives
+(`VJP`, merged into autodiff.VJP: one rule per op beside the op, as JAX keeps one per primitive).
+
+Dtypes are NumPy 2's: sin, cos, log1p, expm1, erf and gelu of integers are float64 (of booleans
+float16), as np.exp's; sign keeps integers (of booleans it is refused, as NumPy refuses it); floor,
+ceil, trunc and round of integers are the integers themselves, in their dtype (of booleans: floor,
+ceil and trunc keep them, round gives float16, as NumPy's); isnan, isinf and isfinite are boolean (of
+integers and booleans constant, as NumPy's); cumsum of integers and booleans is int64.  Each op but
+cumsum is one elementwise step, so every layout passes through (the elementwise rule) and a pending
+sum is made whole first; on sf.Arrays each call is a one-op plan.
+
+Gradients: sign, floor, ceil, trunc and round have none (zero almost everywhere, as JAX's), nor have
+the boolean tests; cumsum's is the reversed cumsum of the cotangent.
+"""
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+from shardfuse import dtypes
+from shardfuse.ops import Op
+from shardfuse.spec import normalize_axis
+from shardfuse.traced import NUMPY, cast, describe
+from shardfuse.traced_numpy import apply_op
+
+_SQRT_HALF = 0.7071067811865476  # 1 / sqrt(2)
+
+
+def _floating(v):
+    """v, cast to NumPy's float result dtype first where it is an integer or bool array."""
+    return cast(v, dtypes.float_result(v.dtype_name))
+
+
+def _function(op, traced, doc):
+    """The public function of a traced one (made once: outside jit it keys the one-op plan cache)."""
+    def fn(x):
+        return apply_op(traced, str(op), x)
+    fn.__name__, fn.__doc__ = str(op), doc
+    return fn
+
+
+def _of_floats(op):
+    return lambda v: _floating(v).unary_op(op)
+
+
+sin = _function(Op.SIN, _of_floats(Op.SIN), "sin elementwise (np.sin(x) works too).")
+cos = _function(Op.COS, _of_floats(Op.COS), "cos elementwise (np.cos(x) works too).")
+log1p = _function(Op.LOG1P, _of_floats(Op.LOG1P), "log(1 + x) elementwise, accurate for small x (np.log1p).")
+expm1 = _function(Op.EXPM1, _of_floats(Op.EXPM1), "e**x - 1 elementwise, accurate for small x (np.expm1).")
+erf = _function(Op.ERF, _of_floats(Op.ERF), "The error function elementwise (jax.lax.erf, scipy.special.erf; "
+                                             "NumPy has none), integers in float64.")
+
+
+def _sign(v):
+    if v.dtype_name == "bool":
+        raise TypeError(f"np.sign of the boolean array {describe(v)}: NumPy has no sign of booleans; "
+                        "cast it first, x.astype('int32')")
+    return v.unary_op(Op.SIGN)
+
+
+def _whole(op):
+    """floor / ceil / trunc / round: an op of floats; integers are whole already (NumPy 2 keeps their dtype)."""
+    def traced(v):
+        if dtypes.is_float(v.dtype_name):
+            return v.unary_op(op)
+        if op == Op.ROUND and v.dtype_name == "bool":  # (NumPy's rint of booleans is float16)
+            return v.astype("float16")
+        return v
+    return traced
+
+
+sign = _function(Op.SIGN, _sign, "NumPy's sign elementwise: -1, 0 or 1 in x's dtype (0 for -0.0), NaN for NaN.")
+floor = _function(Op.FLOOR, _whole(Op.FLOOR), "np.floor elementwise (integers: themselves, in their dtype).")
+ceil = _function(Op.CEIL, _whole(Op.CEIL), "np.ceil elementwise (integers: themselves, in their dtype).")
+trunc = _function(Op.TRUNC, _whole(Op.TRUNC), "np.trunc elementwise: toward zero (integers: themselves, in their "
+                                               "dtype).")
+_round = _function(Op.ROUND, _whole(Op.ROUND), "np.round with decimals=0: halves to even.")
+rint = _function(Op.ROUND, _of_floats(Op.ROUND), "np.rint elementwise: halves to even (integers in float64, "
+                                                  "as NumPy's).")
+
+
+def round(a, decimals=0, out=None):  # noqa: A001 (NumPy's name)
+    """np.round / np.around / x.round(decimals) as NumPy's: halves to even (0.5 -> 0, 1.5 -> 2, -2.5 ->
+    -2).  decimals=0: integers are themselves.  Other decimals d are NumPy's composition, in x's dtype:
+    rint(x * 10**d) / 10**d, or rint(x / 10**-d) * 10**-d for d < 0 (so np.round(2.675, 2) is 2.68 where
+    2.675 * 100 rounds to 267.5, as NumPy's; float16 x * 10**d may overflow, as NumPy's does); integers
+    with d < 0 through float64 and back (np.round(25, -1) is 20), with d > 0 themselves; booleans with
+    d != 0 are refused, as NumPy refuses them."""
+    if out is not None:
+        raise TypeError("np.round with out= is not supported on shardfuse values (inside sf.jit and on sf.Arrays): "
+                        "write y = np.round(x, decimals), a new value")
+    d = _decimals(decimals)
+    return _round(a) if d == 0 else apply_op(_round_decimals, str(Op.ROUND), a, d)
+
+
+def _decimals(decimals) -> int:
+    """np.round's decimals as a Python int (NumPy's: an integer; a float or a bool is refused)."""
+    if isinstance(decimals, bool) or not isinstance(decimals, (int, np.integer)):
+        raise TypeError(f"np.round: decimals must be an integer, got {type(decimals).__name__} {decimals!r}")
+    return int(decimals)
+
+
+def _power_of_ten(n):
+    """10.0**n as NumPy's round computes it (exact to 1e22; beyond, multiplied up by 10 as NumPy's)."""
+    p = 10.0 ** min(n, 8)
+    for _ in range(n - 8):
+        p *= 10.0
+    return p
+
+
+def _round_decimals(v, d):
+    if v.dtype_name == "bool":
+        raise TypeError(f"np.round of the boolean array {describe(v)} with decimals={d}: NumPy refuses it too "
+                        "(its float64 product cannot be cast back to bool); cast it first, x.astype('float32')")
+    f = _power_of_ten(abs(d))
+    if not dtypes.is_float(v.dtype_name):
+        return v if d > 0 else ((v.astype("float64") / f).unary_op(Op.ROUND) * f).astype(v.dtype_name)
+    return (v * f).unary_op(Op.ROUND) / f if d > 0 else (v / f).unary_op(Op.ROUND) * f
+
+
+def _test(op, constant):
+    """isnan / isinf / isfinite: boolean; of integers and booleans `constant` everywhere, as NumPy's."""
+    def traced(v):
+        if dtypes.is_float(v.dtype_name):
+            return v.unary_op(op, "bool")
+        return v.unary_op(Op.FULL_LIKE, "bool", value=constant)
+    return traced
+
+
+isnan = _function(Op.ISNAN, _test(Op.ISNAN, False), "np.isnan elementwise: a boolean array.")
+isinf = _function(Op.ISINF, _test(Op.ISINF, False), "np.isinf elementwise (either sign): a boolean array.")
+isfinite = _function(Op.ISFINITE, _test(Op.ISFINITE, True), "np.isfinite elementwise: a boolean array.")
+
+
+def _reciprocal(v):
+    if not dtypes.is_float(v.dtype_name):
+        raise TypeError(f"np.reciprocal of {describe(v)}: NumPy's reciprocal of integers is an integer (0 but for "
+                        "1 and -1); write 1 / x (float64) or cast x to a float dtype first")
+    return 1.0 / v
+
+
+def reciprocal(x):
+    """1 / x elementwise (np.reciprocal) of floats, in x's dtype; integers are refused (NumPy's is integral)."""
+    return apply_op(_reciprocal, "reciprocal", x)
+
+
+def cumsum(a, axis=None, dtype=None, out=None):
+    """np.cumsum / x.cumsum: the running sum along `axis` (None: of the flattened array, as NumPy's), in
+    NumPy's dtype (integers and booleans in int64; dtype= casts first, as NumPy accumulates in it);
+    float16 and bfloat16 are summed in float32 and each prefix rounded once (as their sums).  One
+    step along a whole axis: another axis keeps its sharding (no communication), and an axis that is
+    sharded is gathered first (an Allgather, printed in the plan; so is the one axis of axis=None's
+    flattened value), as a sliced one is: there is no scan across devices.  The gradient is the
+    reversed cumsum."""
+    if out is not None:
+        raise TypeError("np.cumsum with out= is not supported on shardfuse values (inside sf.jit and on sf.Arrays): "
+                        "write y = np.cumsum(x, axis), a new value")
+    dt = None if dtype is None else dtypes.normalize_dtype(dtype)
+    if dt == "bool":
+        raise TypeError("np.cumsum(..., dtype=bool) (a running logical or) is not supported on shardfuse values: "
+                        "write np.cumsum(x, axis) > 0")
+    return apply_op(_cumsum, str(Op.CUMSUM), a, axis, dt)
+
+
+def _cumsum(v, axis, dtype):
+    v = v.astype(dtype) if dtype else v if dtypes.is_float(v.dtype_name) else v.astype("int64")
+    if axis is None:
+        v, axis = v.reshape(-1), 0
+    ax = normalize_axis(axis, v.ndim, v.shape)
+    if ax == v.ndim - 1:
+        return _running_sum(v)
+    perm = [k for k in range(v.ndim) if k != ax] + [ax]  # (the summed axis last: a view)
+    return _running_sum(v.transpose(perm)).transpose([perm.index(k) for k in range(v.ndim)])
+
+
+def _running_sum(v):
+    """The cumsum of v's last axis: one step (ops.LOCAL_SCANS)."""
+    return v.unary_op(Op.CUMSUM)
+
+
+_GELU = {True: _of_floats(Op.GELU), False: _of_floats(Op.GELU_ERF)}  # (made once: see _function)
+_APPROXIMATE = {True: True, False: False, "tanh": True, "none": False}  # (JAX's bools, torch's strings)
+
+
+def gelu(x, approximate=True):
+    """GELU elementwise (sf.gelu, sf.nn.gelu).  approximate=True (the default, jax.nn.gelu's, and what
+    sf.gelu always computed): the tanh form of GPT-2 and Megatron, 0.5 x (1 + tanh(sqrt(2/pi) (x +
+    0.044715 x^3))), which is torch.nn.functional.gelu(x, approximate='tanh').  approximate=False (or
+    'none', torch's default; torch.nn.GELU() and BERT's erf form): the exact x * Phi(x), computed as
+    0.5 x erfc(-x / sqrt 2) as jax.nn.gelu(x, approximate=False).  torch's strings 'tanh' and 'none'
+    are accepted too.  Note the defaults differ: jax.nn.gelu is tanh, torch's GELU is exact."""
+    try:
+        tanh_form = _APPROXIMATE[approximate]
+    except (KeyError, TypeError):
+        raise ValueError(f"sf.gelu(approximate={approximate!r}): expected True / 'tanh' (the tanh form) or "
+                         "False / 'none' (the exact erf form)") from None
+    return apply_op(_GELU[tanh_form], str(Op.GELU if tanh_form else Op.GELU_ERF), x)
+
+
+NUMPY.update({
+    np.sin: sin, np.cos: cos, np.log1p: log1p, np.expm1: expm1, np.sign: sign, np.floor: floor, np.ceil: ceil,
+    np.rint: rint, np.round: round, np.around: round, np.isnan: isnan, np.isinf: isinf, np.isfinite: isfinite,
+    np.reciprocal: reciprocal, np.trunc: trunc, np.cumsum: cumsum,
+})
+
+
+# ---- derivatives: rule(instruction, inputs, output, cotangent, instrs) -> input cotangents, as autodiff's ----
+def _times(d):
+    """The rule of an op whose derivative at x is d(x, y) (y its result): the cotangent times it."""
+    return lambda ins, xs, out, ct, instrs: [ct * d(xs[0], out)]
+
+
+def _gelu_erf(x, y):
+    """d/dx x Phi(x) = Phi(x) + x phi(x): 0.5 (1 + erf(x / sqrt 2)) + x e^(-x^2 / 2) / sqrt(2 pi)."""
+    phi = (-(x * x * 0.5)).unary_op(Op.EXP) * (1 / math.sqrt(2 * math.pi))
+    return (x * _SQRT_HALF).unary_op(Op.ERF) * 0.5 + 0.5 + x * phi
+
+
+VJP = {
+    Op.SIN: _times(lambda x, y: x.unary_op(Op.COS)),
+    Op.COS: _times(lambda x, y: -x.unary_op(Op.SIN)),
+    Op.LOG1P: lambda ins, xs, out, ct, instrs: [ct / (xs[0] + 1.0)],
+    Op.EXPM1: _times(lambda x, y: y + 1.0),
+    Op.ERF: _times(lambda x, y: (-(x * x)).unary_op(Op.EXP) * (2 / math.sqrt(math.pi))),
+    Op.GELU_ERF: _times(_gelu_erf),
+    # d/dx_k of sum_i ct_i y_i is the sum of ct_i over i >= k: the cumsum of ct read backwards
+    Op.CUMSUM: lambda ins, xs, out, ct, instrs: [_running_sum(ct[..., ::-1])[..., ::-1]],
+}
+# piecewise constant (zero almost everywhere, as JAX's), or boolean
+NO_GRADIENT = frozenset({Op.SIGN, Op.FLOOR, Op.CEIL, Op.TRUNC, Op.ROUND, Op.ISNAN, Op.ISINF, Op.ISFINITE})

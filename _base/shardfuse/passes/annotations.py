@@ -1,0 +1,76 @@
+"""fold_annotations: turn annotation `set`s into the layouts of the values they annotate.
+
+- An input whose spec has no layout takes its first annotation's placement (nvFuser's
+  inputs carry their DID layout), also one on the view sf.grad makes of it as a primal inside a
+  traced function (transforms._fresh: a training step's value_and_grad states its parameters'
+  layouts so); an input with no annotation is replicated.
+- An annotation on the output of an op (used only there) becomes that output's layout, and
+  its schedule the op's: `sf.stream(a @ b, axis=0)` makes the matmul itself stream-parallel.
+- An annotation that changes nothing is dropped.
+What stays is a `set` that really moves data: a resharding for the later passes.
+"""
+from __future__ import annotations
+
+from collections import Counter
+
+from shardfuse.ir import Value, substitute
+from shardfuse.layout import Layout
+from shardfuse.ops import Op
+from shardfuse import schedule
+from shardfuse.schedule import scheduled
+
+
+def _is_annotation(ins):
+    return ins.op == Op.SET and ins.attrs.get("annotation")
+
+
+def _drop_dead(instrs, outputs):
+    """All array-level ops are pure: drop those whose results nobody uses (e.g. an annotation
+    that a later one on the same value replaced)."""
+    live, out = set(outputs), []
+    for i in reversed(instrs):
+        if any(o in live for o in i.outs):
+            out.append(i)
+            live.update(i.ins)
+    return out[::-1]
+
+
+def fold_annotations(prog):
+    live = _drop_dead(prog.instrs, prog.outputs)
+    mapping = {}
+    primal = {i.outs[0]: i.ins[0] for i in live if i.op == Op.RESHAPE and i.attrs.get("primal")}
+    for v in prog.inputs:
+        if v.type.layout is None:
+            first = next((i for i in live if _is_annotation(i) and primal.get(i.ins[0], i.ins[0]) is v), None)
+            lay = first.outs[0].type.layout if first else Layout.replicated(v.type.ndim).on(prog.mesh)
+            mapping[v] = Value(v.name, v.type.with_layout(lay))
+    inputs = tuple(mapping.get(v, v) for v in prog.inputs)
+    instrs = substitute(live, mapping)
+
+    uses = Counter(v for i in instrs for v in i.ins)
+    uses.update(prog.outputs)
+    producer = {o: i for i in instrs for o in i.outs}
+    folded = {}  # producing instr -> annotation set folded into it
+    for i in instrs:
+        if _is_annotation(i):
+            p = producer.get(i.ins[0])
+            if p is not None and not _is_annotation(p) and p.outs[0].type.layout is None and uses[i.ins[0]] == 1:
+                folded[p] = i
+
+    out, alias = [], {}
+    skip = set(folded.values())
+    for i in instrs:
+        if i in skip:
+            continue
+        if i in folded:  # the op's own value, with the annotated layout
+            ann = folded[i].outs[0]
+            o = Value(i.outs[0].name, ann.type)
+            alias[ann] = o
+            i = type(i)(i.op, (o,), i.ins, scheduled(i.attrs, schedule.of(folded[i])))
+        i = substitute([i], alias)[0]
+        if _is_annotation(i) and i.ins[0].type.layout == i.outs[0].type.layout and schedule.of(i) is None:
+            alias[i.outs[0]] = i.ins[0]
+            continue
+        out.append(i)
+    outputs = tuple(alias.get(mapping.get(v, v), mapping.get(v, v)) for v in prog.outputs)
+    return prog.with_instrs(out, "fold_annotations", inputs=inputs, outputs=outputs)

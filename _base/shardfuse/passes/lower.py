@@ -1,0 +1,172 @@
+"""lower_to_host: array-level instructions become host-level ones that write into buffers.
+
+Each `set` (a resharding) becomes the steps of DTensor's case table that `reshard_steps`
+(passes/reshard_plan.py) plans: Allgather, ShardSlice, Allreduce, ReduceScatter, AllToAll.
+A `set` between two meshes (pipeline stages: `mesh.submesh(...)`) moves data point to point,
+with nvFuser's names: SendRecv (same placement, same size: device p to device p), Broadcast
+(replicated, from the source's first device), Scatter (replicated -> sharded), Gather (sharded ->
+the destination's first device, then Broadcast or Scatter within the destination).
+and becomes those steps, each collective followed by its Wait.  Compute ops become
+`Allocate` + `<Op> out <- inputs`.
+"""
+from __future__ import annotations
+
+from dataclasses import replace
+
+from shardfuse.dtypes import order_key_dtype as key_dtype
+from shardfuse.ir import Instr, Namer, Value
+from shardfuse.layout import Layout
+from shardfuse.passes.reshard_plan import reshard_steps
+from shardfuse.ops import HOST_ONLY, Op, Reduce
+
+
+def lower_to_host(prog):
+    namer = Namer.for_program(prog)
+    return prog.with_instrs(_lower(prog.instrs, namer, prog.mesh), "lower_to_host")
+
+
+def _lower(instrs, namer, mesh, results=()):
+    out = []
+    for i in instrs:
+        if i.op == Op.FOR:
+            out.append(replace(i, body=tuple(_lower(i.body, namer, mesh, {r.chunk for r in i.results}))))
+        elif i.op in (Op.SLICE, Op.VIEW, Op.TRANSPOSE, Op.SLICE_ARRAY) or i.op in HOST_ONLY or i.into is not None:
+            out.append(i)
+        elif i.op == Op.RESHAPE:  # a view of the local piece (the rule kept shards whole)
+            out.append(Instr(Op.VIEW, i.outs, i.ins, {"shape": i.attrs["shape"]}))
+        elif i.op == Op.SET:
+            y = i.outs[0]
+            steps = _lower_set(i.ins[0], y, namer, mesh)
+            if i.attrs.get("keep"):  # (sf.grad's remat="keep": its gather may read the forward's, passes/keep.py)
+                steps = [replace(s, attrs={**s.attrs, "keep": True}) if s.op == Op.ALLGATHER else s for s in steps]
+            if y in results and steps[-1].op == Op.SHARD_SLICE:
+                # a chunk that leaves its loop is written into its result; a ShardSlice only views
+                view = Value(namer(y.name + "_view"), y.type)
+                steps[-1] = replace(steps[-1], outs=(view,))
+                steps += [Instr(Op.ALLOCATE, (y,)), Instr(Op.COPY, (), (view,), into=y)]
+            out.extend(steps)
+        elif i.op == Op.CONCAT:
+            out += _lower_concat(i, namer)
+        else:
+            o = i.outs[0]
+            out += [Instr(Op.ALLOCATE, (o,)), Instr(i.op, (), i.ins, i.attrs, into=o)]
+    return out
+
+
+def _lower_concat(i, namer):
+    """Allocate the result, then Copy each input into its box of it (a SliceArray view: the axis of a
+    concatenation is whole on every device, so a box's global offset is its local one)."""
+    y, ax, at = i.outs[0], i.attrs["axis"], 0
+    out = [Instr(Op.ALLOCATE, (y,))]
+    for x in i.ins:
+        box = Value(namer(f"{y.name}_{x.name}"), x.type.with_layout(y.type.layout))
+        begin = tuple(at if j == ax else 0 for j in range(y.type.ndim))
+        out += [Instr(Op.SLICE_ARRAY, (box,), (y,), {"begin": begin}), Instr(Op.COPY, (), (x,), into=box)]
+        at += x.type.shape[ax]
+    return out
+
+
+def _lower_set(x, y, namer, mesh):
+    if x.type.layout.mesh != y.type.layout.mesh:
+        return _lower_move(x, y, namer, mesh)
+    op = x.type.layout.partial_op
+    if op != Reduce.SUM and key_dtype(x.type.dtype):  # pending maxima of floats: moved as integer keys
+        kx = Value(namer(f"{x.name}_keys"), replace(x.type, dtype=key_dtype(x.type.dtype)))
+        ky = Value(namer(f"{y.name}_keys"), replace(y.type, dtype=kx.type.dtype))
+        return [Instr(Op.ALLOCATE, (kx,)), Instr(Op.ORDER_KEYS, (), (x,), {"value": op}, into=kx),
+                *_lower_set(kx, ky, namer, mesh),
+                Instr(Op.ALLOCATE, (y,)), Instr(Op.FROM_ORDER_KEYS, (), (ky,), {"value": op}, into=y)]
+    where = x.type.layout.mesh
+    steps = reshard_steps(x.type.layout, y.type.layout, x.type.layout.mesh, x.type.shape)
+    if not steps:  # equal layouts (a streamed `set` that moves nothing): a copy keeps y a buffer of its own
+        return [Instr(Op.ALLOCATE, (y,)), Instr(Op.COPY, (), (x,), into=y)]
+    out, cur = [], x
+    for n, (kind, m, ax, to_ax, lay) in enumerate(steps):
+        lay = lay.on(where)
+        last = n == len(steps) - 1
+        nxt = y if last else Value(namer(f"{x.name}_{kind}"), x.type.with_layout(lay))
+        if kind == Op.SHARD_SLICE:
+            out.append(Instr(Op.SHARD_SLICE, (nxt,), (cur,), {"axis": ax, "team": m}))
+        else:
+            h = Value(namer({Op.ALLGATHER: "ag", Op.ALLREDUCE: "ar", Op.REDUCE_SCATTER: "rs", Op.ALLTOALL: "a2a"}[kind]),
+                      "Comm")
+            attrs = {"team": m} if ax is None else {"team": m, "axis": ax}
+            if kind == Op.ALLREDUCE and x.type.layout.partial_op != Reduce.SUM:  # (printed: Allreduce ..., op=max)
+                attrs["op"] = x.type.layout.partial_op
+            if to_ax is not None:
+                attrs["to_axis"] = to_ax
+            out += [Instr(Op.ALLOCATE, (nxt,)), Instr(kind, (h,), (cur,), attrs, into=nxt), Instr(Op.WAIT, (), (h,))]
+        cur = nxt
+    return out
+
+
+def _sharded_axis(sh):
+    axes = [i for i, d in enumerate(sh.dims) if d]
+    if len(axes) > 1:
+        raise NotImplementedError(f"moving a value sharded on several axes ({tuple(map(str, sh.placements()))}) "
+                                  "between meshes is not supported yet: replicate one of them first")
+    return axes[0] if axes else None
+
+
+def _holders(sh, ax) -> list:
+    """Per block of tensor axis ax (None: the whole value), in block order, the devices holding
+    it: a value sharded over some mesh axes is replicated over the others, and over a tuple of
+    mesh axes its blocks follow the tuple's order, not the devices' (Sharding.block)."""
+    held: dict = {}
+    for d in sh.mesh.devices:
+        held.setdefault(0 if ax is None else sh.block(ax, d), []).append(d)
+    return [held[b] for b in range(len(held))]
+
+
+def _lower_move(x, y, namer, mesh):
+    """x on one mesh -> y on another: Allreduce pending sums at the source, then point to point:
+    block p of x's holders to the devices of y holding block p (same sharding), else gathered
+    onto y's first device and spread from there (Scatter where every device of y holds a block
+    of its own, else Broadcast and each device's local slice)."""
+    out, cur = [], x
+    src, dst = x.type.layout.sharding(mesh), y.type.layout.sharding(mesh)
+    s_ax, d_ax = _sharded_axis(src), _sharded_axis(dst)  # (refused before any step)
+    if dst.partial:  # (insert_resharding reduces sums before they move: each device would hold the whole sum)
+        raise NotImplementedError(f"{y.name}: a pending sum moved between meshes ({dst.placements()})")
+    if src.partial:  # reduce where the sums are, then move the smaller, whole value
+        whole = Value(namer(f"{x.name}_reduced"), x.type.with_layout(replace(x.type.layout, partial=())))
+        out += _lower_set(cur, whole, namer, mesh)
+        cur = whole
+
+    def move(kind, frm, to, target, axis=None):
+        h = Value(namer(kind.lower()), "Comm")
+        attrs = {"kind": kind, "from": tuple(frm), "to": tuple(to)}
+        if axis is not None:
+            attrs["axis"] = axis
+        out.extend([Instr(Op.ALLOCATE, (target,)), Instr(Op.TRANSFER, (h,), (cur,), attrs, into=target),
+                    Instr(Op.WAIT, (), (h,))])
+        return target
+
+    A, B = src.mesh.devices, dst.mesh.devices
+    have, want = _holders(src, s_ax), _holders(dst, d_ax)
+    if s_ax is None and d_ax is None:
+        move("SendRecv", A, B, y) if len(A) == len(B) else move("Broadcast", A[:1], B, y)
+        return out
+    if s_ax == d_ax and len(have) == len(want):  # block p from a holder of it to each device that wants it
+        frm = [have[b][j % len(have[b])] for b, devs in enumerate(want) for j in range(len(devs))]
+        move("SendRecv", frm, [d for devs in want for d in devs], y, s_ax)
+        return out
+    if s_ax is not None:  # gather onto the destination's first device
+        root = mesh.root.submesh(B[:1])
+        done = d_ax is None and len(B) == 1
+        gathered = y if done else \
+            Value(namer(f"{x.name}_gathered"), y.type.with_layout(Layout((None,) * y.type.ndim, mesh=root)))
+        cur = move("Gather", [devs[0] for devs in have], B[:1], gathered, s_ax)
+        if done:
+            return out
+        A = B[:1]
+    if d_ax is None:
+        move("Broadcast", A[:1], B, y)
+    elif all(len(devs) == 1 for devs in want):  # every device of y holds a block of its own
+        move("Scatter", A[:1], [devs[0] for devs in want], y, d_ax)
+    else:  # replicated on y's mesh, then each device keeps its block (a local slice)
+        whole = Value(namer(f"{x.name}_whole"),
+                      y.type.with_layout(Layout((None,) * y.type.ndim, mesh=y.type.layout.mesh)))
+        cur = move("Broadcast", A[:1], B, whole)
+        out += _lower_set(cur, y, namer, mesh)
+    return out

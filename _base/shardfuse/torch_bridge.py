@@ -1,0 +1,74 @@
+"""sf.torch_function: a jitted function as a function of torch tensors with one autograd node,
+for users who train in PyTorch (torch is optional: imported when this is called).
+
+The forward runs the function's plan; the node's backward runs the plan of its vjp (sf.vjp's
+pullback, compiled once per input specs: it computes the forward again rather than keeping the
+activations, the least memory).  Tensors go in without a copy where the layout allows (CUDA
+tensors are read on the caller's current stream) and results come back through DLPack.
+Arguments and results may be pytrees of tensors (a model's parameters as one dict), as sf.jit's.
+"""
+from __future__ import annotations
+
+from shardfuse import tree
+from shardfuse.jit import Jitted
+from shardfuse.transforms import Pullback
+
+
+def _tensor(x, torch):
+    """An sf.Array result as a torch tensor (DLPack, no copy, where this process holds it whole)."""
+    if x.sharding.partial or any(tuple(s.shape) != x.shape for s in x.shards):
+        x = x.full_array()
+    return torch.from_dlpack(x)  # (bfloat16 too: sf.Array.__dlpack__ hands torch its bits)
+
+
+def torch_function(fn, mesh=None):
+    """fn (an sf.jit function, or a function and mesh=) as a function of torch tensors whose
+    result records one autograd node: `loss = sf.torch_function(layer)(x, w); loss.backward()`
+    gives w.grad from the compiled backward.  Takes tensors and pytrees of them (dicts, lists,
+    tuples: `f(params, x)` with params a dict of tensors), positionally or by keyword
+    (`f(params, x=x)`), and returns a tensor, or the pytree of tensors fn returns; integer and
+    boolean inputs get no gradient."""
+    import torch
+
+    jitted = fn if isinstance(fn, Jitted) else Jitted(fn, mesh)
+    pullback = Jitted(Pullback(jitted.fn, False), jitted.mesh, jitted.streams)
+
+    def stream_of(tensors):
+        cuda = [t for t in tensors if t.is_cuda]
+        return torch.cuda.current_stream(cuda[0].device) if cuda else None
+
+    class Node(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, in_tree, result, *tensors):
+            out = jitted(*in_tree.unflatten(tensors), stream=stream_of(tensors))
+            ctx.save_for_backward(*tensors)
+            outs, result["tree"] = tree.flatten(out)
+            outs = tuple(_tensor(o, torch) for o in outs)
+            ctx.in_tree, ctx.out_tree = in_tree, result["tree"]
+            ctx.output_shapes = [(o.shape, o.dtype, o.device) for o in outs]  # (zeros for unused results)
+            return outs
+
+        @staticmethod
+        def backward(ctx, *grads):
+            primals = ctx.saved_tensors
+            cts = [torch.zeros(s, dtype=d, device=dev) if g is None else g.contiguous()
+                   for g, (s, d, dev) in zip(grads, ctx.output_shapes)]
+            res = pullback(ctx.in_tree.unflatten(primals), ctx.out_tree.unflatten(cts), stream=stream_of(primals))
+            res, _ = tree.flatten(res, is_leaf=lambda g: g is None)  # (an integer input's cotangent: None)
+            return (None, None) + tuple(_tensor(g, torch) if t.is_floating_point() else None
+                                        for g, t in zip(res, primals))
+
+    def call(*args, **kwargs):
+        if kwargs:  # (bound to the jitted function's parameters, as sf.jit binds them)
+            args = jitted.positional(args, kwargs)
+        tensors, in_tree = tree.flatten(args)
+        for path, t in zip(tree.leaf_paths(in_tree, "argument"), tensors):
+            if not isinstance(t, torch.Tensor):
+                raise TypeError(f"sf.torch_function({jitted.__name__}): {path.replace('_', ' ', 1)} is a "
+                                f"{type(t).__name__}; it takes torch tensors (and pytrees of them)")
+        result = {}
+        outs = Node.apply(in_tree, result, *tensors)
+        return result["tree"].unflatten(outs)
+
+    call.__name__ = f"torch_{jitted.__name__}"
+    return call

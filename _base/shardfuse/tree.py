@@ -1,0 +1,164 @@
+"""Pytrees, as JAX has them: nested tuples, lists, dicts and namedtuples of arrays (a model's
+parameters as one dict), flattened into a list of leaves and a `TreeDef` that rebuilds the
+same structure around other leaves.  sf.jit takes and returns them (`FlatFunction`: the user's
+function as one of leaves, which is what tracing sees); everything below jit sees leaves.
+
+JAX's conventions, so a model ported from JAX meets no surprise: a dict's leaves come in sorted
+key order (and a rebuilt dict has its keys in that order, as jax.tree_util's), None is a node
+with no leaves, and anything that is not a tuple, list, dict or None is a leaf.
+"""
+from __future__ import annotations
+
+import inspect
+from dataclasses import dataclass
+from typing import Any, Callable
+
+
+@dataclass(frozen=True)
+class TreeDef:
+    """The structure of a pytree: `kind` is "leaf", "none", "tuple", "list", "dict" or a
+    namedtuple class; `meta` a dict's keys in sorted order."""
+
+    kind: Any
+    children: tuple = ()
+    meta: tuple = ()
+
+    @property
+    def num_leaves(self) -> int:
+        return 1 if self.kind == "leaf" else sum(c.num_leaves for c in self.children)
+
+    def unflatten(self, leaves) -> Any:
+        leaves = list(leaves)
+        if len(leaves) != self.num_leaves:
+            raise ValueError(f"this tree structure holds {self.num_leaves} leaves, got {len(leaves)}")
+        return self._build(iter(leaves))
+
+    def _build(self, it):
+        if self.kind == "leaf":
+            return next(it)
+        if self.kind == "none":
+            return None
+        built = [c._build(it) for c in self.children]
+        if self.kind == "dict":
+            return dict(zip(self.meta, built))
+        if self.kind == "tuple":
+            return tuple(built)
+        if self.kind == "list":
+            return built
+        return self.kind(*built)  # a namedtuple
+
+    def __str__(self):
+        if self.kind == "leaf":
+            return "*"
+        if self.kind == "none":
+            return "None"
+        inner = ", ".join(map(str, self.children))
+        if self.kind == "dict":
+            return "{" + ", ".join(f"{k!r}: {c}" for k, c in zip(self.meta, self.children)) + "}"
+        if self.kind == "tuple":
+            return f"({inner}{',' if len(self.children) == 1 else ''})"
+        if self.kind == "list":
+            return f"[{inner}]"
+        return f"{self.kind.__name__}({inner})"
+
+
+LEAF = TreeDef("leaf")
+
+
+def _is_namedtuple(x) -> bool:
+    return isinstance(x, tuple) and hasattr(type(x), "_fields")
+
+
+def flatten(tree, is_leaf: Callable | None = None) -> tuple[list, TreeDef]:
+    """(leaves, structure) of a pytree, leaves in JAX's order (dicts by sorted key); is_leaf(x)
+    True makes x a leaf whatever it is (as jax.tree_util's is_leaf)."""
+    leaves: list = []
+    return leaves, _flatten(tree, leaves, is_leaf)
+
+
+def _flatten(x, leaves, is_leaf=None) -> TreeDef:
+    if is_leaf is not None and is_leaf(x):
+        leaves.append(x)
+        return LEAF
+    if x is None:
+        return TreeDef("none")
+    if isinstance(x, dict):
+        try:
+            keys = tuple(sorted(x))
+        except TypeError:
+            raise TypeError(f"a dict in a pytree needs sortable keys, got {list(x)!r}") from None
+        return TreeDef("dict", tuple(_flatten(x[k], leaves, is_leaf) for k in keys), keys)
+    if _is_namedtuple(x):
+        return TreeDef(type(x), tuple(_flatten(c, leaves, is_leaf) for c in x))
+    if isinstance(x, (tuple, list)):
+        return TreeDef("tuple" if isinstance(x, tuple) else "list", tuple(_flatten(c, leaves, is_leaf) for c in x))
+    leaves.append(x)
+    return LEAF
+
+
+def leaves(tree) -> list:
+    return flatten(tree)[0]
+
+
+def tree_map(fn: Callable, tree, *rest) -> Any:
+    """fn applied to each leaf (and the matching leaves of `rest`, which must have tree's structure)."""
+    xs, td = flatten(tree)
+    others = []
+    for r in rest:
+        ys, rd = flatten(r)
+        if rd != td:
+            raise ValueError(f"tree_map: structures differ: {td} and {rd}")
+        others.append(ys)
+    return td.unflatten(fn(*args) for args in zip(xs, *others))
+
+
+def is_container(x) -> bool:
+    """Whether x is a pytree node rather than a leaf (None, a dict, list, tuple or namedtuple)."""
+    return x is None or isinstance(x, (dict, list, tuple))
+
+
+def is_flat(td: TreeDef) -> bool:
+    """A tuple of leaves: the arguments (or results) of a function that takes (returns) arrays."""
+    return td.kind == "tuple" and all(c is LEAF for c in td.children)
+
+
+def leaf_paths(td: TreeDef, prefix: str) -> list:
+    """A name per leaf: prefix, then each dict key, namedtuple field or position on its path,
+    joined by '_' (params['w1'] -> params_w1, xs[2].b -> xs_2_b)."""
+    if td.kind == "leaf":
+        return [prefix]
+    if td.kind == "dict":
+        keys = [str(k) for k in td.meta]
+    elif td.kind in ("tuple", "list", "none"):
+        keys = [str(i) for i in range(len(td.children))]
+    else:
+        keys = list(td.kind._fields)
+    return [n for k, c in zip(keys, td.children) for n in leaf_paths(c, f"{prefix}_{k}")]
+
+
+class FlatFunction:
+    """fn, which takes one pytree per parameter and returns a pytree, as a function of the
+    leaves of its arguments (structure in_tree) that returns a leaf or a tuple of leaves: what
+    tracing sees.  Each call records the structure of fn's result in out_tree (None where fn
+    returned a leaf or a tuple of leaves: nothing to rebuild).  Its signature names the leaves
+    after their parameters and paths, so plans print params_w1, not an index."""
+
+    def __init__(self, fn: Callable, in_tree: TreeDef | None = None, params: list | None = None):
+        """in_tree None: fn's arguments are arrays, passed as they are (fn's own signature)."""
+        self.fn, self.in_tree, self.out_tree = fn, in_tree, None
+        self.__name__ = getattr(fn, "__name__", type(fn).__name__)
+        if in_tree is None:
+            self.__signature__ = inspect.signature(fn)
+            return
+        names = [n for p, c in zip(params, in_tree.children) for n in leaf_paths(c, p)]
+        P = inspect.Parameter
+        self.__signature__ = inspect.Signature([P(n, P.POSITIONAL_ONLY) for n in names])
+
+    def __call__(self, *leaves):
+        out = self.fn(*(leaves if self.in_tree is None else self.in_tree.unflatten(leaves)))
+        outs, td = flatten(out)
+        # (a tuple of one leaf keeps its structure: f returning (x,) gives (x,), as JAX's jit does,
+        # not x; a plan returns a bare tuple of its outputs only where there are several)
+        self.out_tree = None if td is LEAF or (is_flat(td) and len(td.children) != 1) else td
+        return outs[0] if td is LEAF else tuple(outs)
+
