@@ -53,7 +53,7 @@ def numpy_operand(x):
 _DEFAULTS = {int: np.dtype(np.int64), float: np.dtype(np.float64)}  # a weak scalar beside no array
 
 
-def _strong(a, b) -> tuple:
+def strong_operands(a, b) -> tuple:
     """NEP 50's rule for a weak operand (the Python type int or float) made explicit: the other
     operand's dtype where that is of the same kind or higher (int beside float16, float beside
     bfloat16), else its kind's default dtype.  NumPy's own resolution of a weak float beside an
@@ -87,7 +87,7 @@ def loop_dtypes(op, a, b) -> tuple:
     is a TypeError that says what was expected."""
     ufunc = UFUNCS.get(op, np.add)
     try:
-        t1, t2, out = _resolve(ufunc, *_strong(numpy_operand(a), numpy_operand(b)))
+        t1, t2, out = _resolve(ufunc, *strong_operands(numpy_operand(a), numpy_operand(b)))
     except TypeError as e:
         raise TypeError(f"{_call(op, ufunc, a, b)}: NumPy 2 refuses it (np.{ufunc.__name__}: {e}); cast first, e.g. "
                         "x.astype('int32') or x.astype('float32')") from None

@@ -1,5 +1,0 @@
-import sys
-
-from shardfuse.cli import main
-
-sys.exit(main())
