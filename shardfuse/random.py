@@ -243,7 +243,9 @@ def _bernoulli(key, p, shape):
 
 def randint(key, shape, minval, maxval, dtype="int32", *, mesh=None):
     """Integers in [minval, maxval) (jax.random.randint; Python ints), int32 or int64: 63 random
-    bits per element reduced mod (maxval - minval), a bias below 2**-31 (none for powers of two)."""
+    bits per element reduced mod the span (maxval - minval): a bias below span / 2**63, so below
+    2**-31 for spans up to 2**32 (every int32 range) and none for powers of two; an int64 span near
+    2**62 is strongly biased (low values up to twice as likely)."""
     dt = dtypes.normalize_dtype(dtype)
     if dt not in ("int32", "int64"):
         raise TypeError(f"sf.random.randint: dtype must be int32 or int64, got {dt}")

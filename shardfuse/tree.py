@@ -111,7 +111,7 @@ def _walk(x, leaves, signature) -> None:
     types: {1: x} and {True: x} have equal keys but are rebuilt with their own)."""
     if isinstance(x, dict):
         keys = _sorted_keys(x)
-        signature.append(("d", keys, tuple(map(type, keys))))
+        signature.append(("d", keys, tuple(map(_key_type, keys))))
         children = [x[k] for k in keys]
     elif isinstance(x, (tuple, list)):
         kind = "l" if isinstance(x, list) else type(x) if hasattr(type(x), "_fields") else "t"
@@ -130,6 +130,11 @@ def _walk(x, leaves, signature) -> None:
         else:  # (a leaf without a call: most children are)
             leaves.append(c)
             signature.append(0)
+
+
+def _key_type(k):
+    """A dict key's type, through tuple keys ((1,) and (True,) are equal keys of other types)."""
+    return (tuple, tuple(map(_key_type, k))) if type(k) is tuple else type(k)
 
 
 def _sorted_keys(x: dict) -> tuple:

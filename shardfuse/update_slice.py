@@ -196,6 +196,8 @@ def _at_set(x, desc, v, *values):
 
 
 def _at_add(x, desc, v, *values):
+    # the update in the array's dtype first, as JAX's .at[].add (int32 -3 plus 0.5 is -3, not -2)
+    v = v.astype(x.dtype_name) if isinstance(v, Traced) else np.asarray(v, dtype=x.dtype)
     return _at_set(x, desc, _at_get(x, desc, *values) + v, *values)
 
 

@@ -317,3 +317,23 @@ def test_the_layer_training_step_equals_the_unfused_plan():
             del os.environ["SHARDFUSE_FUSE"]
     for g, w in zip(*results):
         np.testing.assert_array_equal(g.reshape(-1).view(np.uint8), w.reshape(-1).view(np.uint8), err_msg=f"seed {seed}")
+
+
+def test_a_transposed_view_of_the_groups_result_is_not_read_as_the_result():
+    # the review of 2026-12-06: softmax(x).T * 2 of square rows was written as y * 2 (a transpose has
+    # the result's shape, not its elements where they are); a reshape of the same shape may join
+    rng = np.random.default_rng(41)
+    mesh = sf.DeviceMesh(2, backend="numpy")
+
+    def softmax64(a):
+        e = np.exp(a - a.max(-1, keepdims=True))
+        return e / e.sum(-1, keepdims=True)
+    x = rng.standard_normal((8, 8)).astype(np.float32)
+    got = np.asarray(sf.jit(lambda x: sf.nn.softmax(x).T * 2.0, mesh=mesh)(x))
+    np.testing.assert_allclose(got, softmax64(x.astype(np.float64)).T * 2, rtol=1e-6, atol=1e-7)
+    x3 = rng.standard_normal((4, 4, 4)).astype(np.float32)
+    got = sf.jit(lambda x: np.swapaxes(sf.nn.softmax(sf.shard(x, axis=0)), 1, 2) + 1.0, mesh=mesh)(x3).gather()
+    np.testing.assert_allclose(got, np.swapaxes(softmax64(x3.astype(np.float64)), 1, 2) + 1, rtol=1e-6, atol=1e-7)
+    f = sf.jit(lambda x: sf.nn.softmax(x).reshape(8, 8) * 2.0, mesh=mesh)
+    np.testing.assert_allclose(np.asarray(f(x)), softmax64(x.astype(np.float64)) * 2, rtol=1e-6, atol=1e-7)
+    assert str(f.lower(x)).count("FusedRows") == 1

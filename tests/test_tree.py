@@ -65,3 +65,10 @@ def test_a_structure_seen_before_is_the_same_treedef_and_keeps_its_own_keys():
     back = pickle.loads(pickle.dumps(td))
     assert back == td and hash(back) == hash(td) and {back: 1}[td] == 1
     assert tree.leaves(a) == [2, 1, 4, 3]
+
+
+def test_tuple_keys_of_other_types_are_other_structures():
+    # (1,) == (True,) as keys: the signature holds their types through tuples (the review of 2026-12-06)
+    first = tree.flatten({(1,): 0})[1]
+    other = tree.flatten({(True,): 0})[1]
+    assert type(list(other.unflatten([5]))[0][0]) is bool and type(list(first.unflatten([5]))[0][0]) is int

@@ -335,3 +335,13 @@ def test_eager_starts_share_one_plan():
     for t in range(1, 5):
         exact(sf.dynamic_update_slice(xs, k, (0, t, 0)), ref_update(x, k, (0, t, 0)))
     assert array_ops.cache_info()["compiled"] == compiled
+
+
+def test_at_add_casts_the_update_to_the_arrays_dtype_first():
+    # JAX's .at[].add: int32 -3 plus 0.5 stays -3 (0.5 cast to int32 first), not trunc(-2.5) = -2
+    mesh = sf.DeviceMesh(2, backend="numpy")
+    a = np.array([[-3, 4], [5, -6]], np.int32)
+    got = np.asarray(sf.jit(lambda a: a.at[0, 0].add(0.5), mesh=mesh)(a))
+    assert got.dtype == np.int32 and got.tolist() == [[-3, 4], [5, -6]]
+    got = np.asarray(sf.jit(lambda a: a.at[1, 1].add(2), mesh=mesh)(a))
+    assert got.tolist() == [[-3, 4], [5, -4]]

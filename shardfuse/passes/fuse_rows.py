@@ -116,6 +116,17 @@ class _Facts:
         self.outputs = set(prog.outputs)
         self.base = view_bases(prog)
 
+    def same_elements(self, u, instrs) -> bool:
+        """Whether u holds its buffer's elements in the buffer's own order: the buffer itself, or views
+        of it that are all reshapes (Op.VIEW).  A transpose of square rows has the buffer's shape too,
+        but not its elements where they are (the review of 2026-12-06: softmax(x).T * 2 read as y * 2)."""
+        while u in self.base:
+            k = self.defined.get(u)
+            if k is None or instrs[k].op != Op.VIEW:
+                return False
+            u = instrs[k].ins[0]
+        return True
+
     def ready(self, v, at) -> bool:
         """Whether v holds its value before position `at`: an input, or defined (a view made) before it
         and every write of its buffer before it."""
@@ -178,7 +189,8 @@ def _trailing(prog, facts, instrs, role, root, exprs, used, row) -> list:
         if role.get(p) != _MAP or p in used:
             continue
         reads = {u: known[facts.base.get(u, u)] for u in z.ins
-                 if facts.base.get(u, u) in known and u.type.shape == facts.base.get(u, u).type.shape}
+                 if facts.base.get(u, u) in known and u.type.shape == facts.base.get(u, u).type.shape
+                 and facts.same_elements(u, instrs)}
         absorbed = {u: _absorbable(facts, instrs, role, u, p, root, used) for u in z.ins
                     if u not in reads and not facts.ready(u, root)}
         v = z.into
