@@ -117,14 +117,20 @@ def _is_operand(a) -> bool:
     return isinstance(a, ArrayOps) or any(hasattr(a, k) for k in ("__array__", "__dlpack__", "__cuda_array_interface__"))
 
 
+def constant_key(c):
+    """A constant baked into a one-op plan, as a key: floats by their bits (-0.0 and 0.0 compare equal
+    but are other plans; NaN, unequal to itself, would never find its plan), anything else as it is."""
+    return float(c).hex() if isinstance(c, (float, np.floating)) else c
+
+
 def binary(fn, a, b):
     """fn(a, b) (an operator), one operand an sf.Array; the other an sf.Array, a plain array or
     a scalar (baked into the plan, as inside sf.jit: each new value compiles once)."""
     name = fn.__name__
     if is_weak_scalar(b) and fn is not operator.matmul:  # (keyed with its type: 1, 1.0 and True differ)
-        return run(lambda x: fn(x, b), (a,), (fn, 1, type(b).__name__, b), name)
+        return run(lambda x: fn(x, b), (a,), (fn, 1, type(b).__name__, constant_key(b)), name)
     if is_weak_scalar(a) and fn is not operator.matmul:
-        return run(lambda x: fn(a, x), (b,), (fn, 0, type(a).__name__, a), name)
+        return run(lambda x: fn(a, x), (b,), (fn, 0, type(a).__name__, constant_key(a)), name)
     if not (_is_operand(a) and _is_operand(b)):
         return NotImplemented
     # a plain array beside an sf.Array on a sub-mesh is replicated on that sub-mesh, not the whole
@@ -150,7 +156,7 @@ def apply(fn, args, name):
     """fn(*args) as a one-op plan (sf.where, sf.sqrt, ... on sf.Arrays): sf.Arrays and plain arrays
     among args are its inputs; anything else (scalars, dtypes, axes) is baked in, and keyed."""
     pos = [k for k, a in enumerate(args) if _is_operand(a)]
-    consts = tuple((k, type(a).__name__, a) for k, a in enumerate(args) if k not in pos)
+    consts = tuple((k, type(a).__name__, constant_key(a)) for k, a in enumerate(args) if k not in pos)
 
     def traced(*values):
         full = list(args)

@@ -225,3 +225,13 @@ def test_sf_functions_on_sf_arrays_compile_once():
             got = fn(a)
         assert array_ops.cache_info()["compiled"] == before, fn
         np.testing.assert_allclose(np.asarray(got.gather(), dtype=float), ref(x).astype(float), rtol=1e-12)
+
+
+def test_a_baked_constant_is_keyed_by_its_bits():
+    # -0.0 == 0.0, but x + -0.0 keeps a negative zero where x + 0.0 does not: two plans (the review of
+    # 2026-12-06); NaN, unequal to itself, still finds its plan
+    mesh = sf.DeviceMesh(2, backend="numpy")
+    a = sf.shard(np.array([-0.0, 1.0, -0.0, 2.0]), axis=0, mesh=mesh)
+    assert not np.signbit((a + 0.0).gather()).any()
+    assert np.signbit((a + -0.0).gather()).tolist() == np.signbit(np.array([-0.0, 1.0, -0.0, 2.0]) + -0.0).tolist()
+    assert np.isnan((a + float("nan")).gather()).all() and np.isnan((a + float("nan")).gather()).all()
