@@ -21,19 +21,12 @@ pytestmark = [pytest.mark.gpu, pytest.mark.skipif(gpu_count() == 0, reason="CuPy
 import shardfuse as sf  # noqa: E402
 import test_fused_rows as tfr  # noqa: E402
 import test_fused_sum as tfs  # noqa: E402
+from test_gpu_fused_sum import cupy_mesh  # noqa: E402
 from shardfuse.ops import Op  # noqa: E402
 
 DTYPES = ["float32", "float16", "bfloat16", "float64"]
 # relative (norm) error against the unfused plan on the same GPU (other summation orders only)
 TOL = {"float64": 1e-12, "float32": 1e-5, "float16": 3e-3, "bfloat16": 2e-2}
-_MESHES: dict = {}
-
-
-def cupy_mesh(d):
-    """One CuPy mesh of d devices per size (virtual devices of one GPU where there is one)."""
-    if d not in _MESHES:
-        _MESHES[d] = sf.DeviceMesh((d,), ("tp",), backend="cupy")
-    return _MESHES[d]
 
 
 def check(fn, args, mesh, dtype, seed, monkeypatch, groups=None, reference=None, absolute=False, **jit):
