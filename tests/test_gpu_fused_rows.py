@@ -1,6 +1,6 @@
 """passes/fuse_rows.py's FusedRows on the CuPy backend (run on the GPU machine by `pytest -m gpu`):
-each group is one generated RawKernel (backends/cuda/rows_source.py), a block per row, a sweep
-per reduction level with a block reduction.  tests/test_fused_rows.py's cases (softmax and
+each group is one generated RawKernel (backends/cuda/rows_source.py), a block per row (a warp per
+row where rows are many and short), a sweep per reduction level with a reduction over its threads.  tests/test_fused_rows.py's cases (softmax and
 log_softmax with the attention prologue and the cast back, layer_norm and rms_norm, forward and
 backward in sf.grad) in float32, float16, bfloat16 and float64, at D = 1 and D = 4 virtual devices,
 with rows of 1, 7, 33, 1000, 2048 and 5000 elements (none a multiple of a block's threads but
@@ -63,6 +63,21 @@ def test_row_groups_against_the_unfused_plan_and_float64(fn, dtype, d, n, monkey
     absolute = n == 1 and "norm_bwd" in fn.__name__
     check(fn, tfr.make_args(fn, r, dtype, (2, 3, n)), cupy_mesh(d), dtype, seed, monkeypatch, groups=groups,
           absolute=absolute)
+
+
+@pytest.mark.parametrize("n", [7, 1000, 4096])
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("fn", list(tfr.CASES), ids=lambda f: f.__name__)
+def test_many_rows_take_a_warp_each(fn, dtype, n, monkeypatch):
+    """4096 rows of up to 4096 elements: a warp per row, eight rows to a block (the kernels above, of
+    six rows, take a block per row), at D = 1 and on 4 virtual devices."""
+    from shardfuse.backends.cuda import rows_source
+
+    assert 4 * 1024 >= rows_source.WARP_ROWS_FROM and n <= rows_source.WARP_ROW_MAX  # (the premise)
+    r, seed = tfr.fresh_rng()
+    args = tfr.make_args(fn, r, dtype, (4, 1024, n))
+    check(fn, args, cupy_mesh(1), dtype, seed, monkeypatch)
+    check(fn, args, cupy_mesh(4), dtype, seed, monkeypatch, graph=True)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)

@@ -1,9 +1,10 @@
 """The CUDA source of FusedRows steps (backends/cuda/rows_source.py) run on the host: the kernel's
 text, its device preamble included (block reductions, bfloat16's bits), is compiled as C++20 by the
 machine's g++ and run by one host thread per CUDA thread of a block of two warps (HOST_THREADS; on a
-GPU rows_source.threads_for gives 32 to 512), with __syncthreads as a barrier of those threads and a
-warp shuffle as a write, a barrier and a read of the partner's slot; one block takes every row in
-turn (gridDim 1).  float16 goes through _Float16 where the device uses PTX's cvt.rn.  Each result is
+GPU rows_source.threads_for gives 32 to 512, or 256 for eight rows of a warp each), with
+__syncthreads as a barrier of those threads and a warp shuffle as a write, a barrier of the warp and
+a read of the partner's slot; one block takes every row in turn (gridDim 1), each kernel built both
+ways (a block per row, and a warp per row: two rows at a time, each warp its own).  float16 goes through _Float16 where the device uses PTX's cvt.rn.  Each result is
 compared with the NumPy backend's evaluation of the same expressions (elementwise_numpy.row_schedule).
 What this checks without a GPU: each operand's offsets from the row index and its broadcast strides,
 the strided sweeps per reduction level and the block reductions over several warps, every node's
@@ -30,6 +31,7 @@ HOST = r"""
 #include <barrier>
 #include <cmath>
 #include <cstring>
+#include <memory>
 #include <thread>
 #include <vector>
 using namespace std;
@@ -37,19 +39,23 @@ struct Dim { unsigned x; };
 static thread_local Dim threadIdx = {0};
 static Dim blockIdx = {0}, blockDim = {32}, gridDim = {1};
 static std::barrier<>* sf_bar = nullptr;
+static std::barrier<>* sf_warp_bar[32];
 static double sf_lanes[1024];
 #define __global__
 #define __device__
 #define __restrict__
 #define __shared__ static
 static inline void __syncthreads() { sf_bar->arrive_and_wait(); }
-template <typename T> static T __shfl_xor_sync(unsigned, T v, int o) {
+template <typename T> static T sf_shuffle(T v, unsigned from) {  // (the warp's own barrier: warps of a
+    std::barrier<>* bar = sf_warp_bar[threadIdx.x >> 5];       // block may take different rows)
     sf_lanes[threadIdx.x] = (double)v;
-    __syncthreads();
-    T r = (T)sf_lanes[threadIdx.x ^ o];
-    __syncthreads();
+    bar->arrive_and_wait();
+    T r = (T)sf_lanes[from];
+    bar->arrive_and_wait();
     return r;
 }
+template <typename T> static T __shfl_xor_sync(unsigned, T v, int o) { return sf_shuffle(v, threadIdx.x ^ o); }
+template <typename T> static T __shfl_sync(unsigned, T v, int lane) { return sf_shuffle(v, (threadIdx.x & ~31u) + lane); }
 static inline float __uint_as_float(unsigned u) { float f; memcpy(&f, &u, 4); return f; }
 static inline unsigned __float_as_uint(float f) { unsigned u; memcpy(&u, &f, 4); return u; }
 static inline double __longlong_as_double(long long v) { double d; memcpy(&d, &v, 8); return d; }
@@ -69,6 +75,8 @@ def launcher(text, name) -> str:
     types = [p.split("* __restrict__")[0] for p in params]
     args = ", ".join(f"({t}*)a[{k}]" for k, t in enumerate(types))
     return (f'extern "C" void launch_{name}(void** a, int threads) {{ std::barrier<> bar(threads); sf_bar = &bar; '
+            f"std::vector<std::unique_ptr<std::barrier<>>> warps; for (int w = 0; w < threads / 32; ++w) "
+            f"{{ warps.emplace_back(new std::barrier<>(32)); sf_warp_bar[w] = warps.back().get(); }} "
             f"blockDim.x = threads; std::vector<std::thread> ts; for (int t = 0; t < threads; ++t) "
             f"ts.emplace_back([=] {{ threadIdx.x = t; {name}({args}); }}); for (auto& th : ts) th.join(); }}")
 
@@ -77,7 +85,7 @@ def compiled(kernels, tmp_path):
     """The kernels ((source, name) each, their CUDA preamble left out) and their launchers, one library."""
     texts = [(src[len(rows_source.PREAMBLE):], name) for src, name in kernels]
     cpp = tmp_path / "rows.cpp"
-    cpp.write_text(HOST + "\n".join(t + "\n" + launcher(t, name) for t, name in texts))
+    cpp.write_text(HOST + "\n" + "\n".join(t + "\n" + launcher(t, name) for t, name in texts))
     lib = tmp_path / "rows.so"
     subprocess.run(["g++", "-std=c++20", "-O0", "-pthread", "-shared", "-fPIC", "-o", str(lib), str(cpp)], check=True,
                    capture_output=True)
@@ -107,8 +115,9 @@ def _with_rows(shape, n):
 
 
 def kernels_of(fn, dtype, r):
-    """{n: [(step, source, name, threads, results, exprs)]} of fn's FusedRows steps (planned over rows
-    [2, 3, ROW]) for rows of each length n in LENGTHS: an Expr holds no shape, so one plan serves."""
+    """{n: [(step, layouts, source, name, results, exprs)]} of fn's FusedRows steps (planned over rows
+    [2, 3, ROW]) for rows of each length n in LENGTHS, each as a block per row and as a warp per row:
+    an Expr holds no shape, so one plan serves."""
     plan = sf.jit(fn, mesh=sf.DeviceMesh(1, backend="numpy")).lower(*tfr.make_args(fn, r, dtype, (2, 3, ROW)))
     steps = [i for i in plan.program.walk() if i.op == Op.FUSED_ROWS]
     assert len(steps) == tfr.CASES[fn], plan
@@ -120,10 +129,11 @@ def kernels_of(fn, dtype, r):
             results = [(v.type.dtype, _with_rows(v.type.shape, n)) for v in (i.into, *i.outs)]
             exprs = (i.attrs["expr"], *i.attrs.get("more", ()))
             specs = [(dt, shape, contiguous_strides(shape)) for dt, shape in results]
-            src, name, threads, rows = rows_source.source(exprs[0], tuple(v.type.dtype for v in i.ins), layouts,
-                                                          specs[0], tuple(zip(exprs[1:], specs[1:])))
-            assert rows == 6 and threads == rows_source.threads_for(n)
-            out[n].append((i, layouts, src, name, results, exprs))
+            for warp in (False, True):  # (a block per row, and a warp per row: rows_source's two shapes)
+                src, name, threads, blocks = rows_source.source(exprs[0], tuple(v.type.dtype for v in i.ins), layouts,
+                                                                specs[0], tuple(zip(exprs[1:], specs[1:])), warp=warp)
+                assert (blocks, threads) == ((1, rows_source.WARP_BLOCK) if warp else (6, rows_source.threads_for(n)))
+                out[n].append((i, layouts, src, name, results, exprs))
     return out
 
 

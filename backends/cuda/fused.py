@@ -97,16 +97,15 @@ def bind_fused_sum(dev, kernels, expr, ins, axis, out, stream, scale=1.0):
 
 def bind_fused_rows(dev, kernels, expr, ins, out, stream, more=(), more_outs=()):
     """Step: out = expr(ins) of a FusedRows step, and more_outs[k] = more[k](ins), one generated kernel
-    (backends/cuda/rows_source.py): a block per row, made once per group, dtypes and layout (the Refs'
+    (backends/cuda/rows_source.py): a warp or a block per row, made once per group, dtypes and layout (the Refs'
     shapes and strides, the same on every device; only their offsets differ, and the views carry
     them as pointers)."""
     layouts = tuple((tuple(r.shape), tuple(r.strides)) for r in ins)
     spec = lambda r: (r.dtype, tuple(r.shape), tuple(r.strides))  # noqa: E731
-    src, name, threads, rows = rows_source.source(expr, tuple(r.dtype for r in ins), layouts, spec(out),
-                                                  tuple((e, spec(r)) for e, r in zip(more, more_outs)))
+    src, name, threads, blocks = rows_source.source(expr, tuple(r.dtype for r in ins), layouts, spec(out),
+                                                    tuple((e, spec(r)) for e, r in zip(more, more_outs)))
     refs = (*ins, out, *more_outs)
-    if rows == 0 or any(0 in shape for shape, _ in layouts):  # (nothing to compute: no launch)
+    if blocks == 0 or any(0 in shape for shape, _ in layouts):  # (nothing to compute: no launch)
         return dev.per_device(refs, stream, lambda j, *views: None)
     kern = kernels.cached((Op.FUSED_ROWS, src), lambda: cupy.RawKernel(src, name))
-    grid = (min(rows, 2**31 - 1),)  # (a block per row; past the grid's limit each block takes several)
-    return dev.per_device(refs, stream, lambda j, *views: kern(grid, (threads,), views))
+    return dev.per_device(refs, stream, lambda j, *views: kern((blocks,), (threads,), views))

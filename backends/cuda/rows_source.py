@@ -1,9 +1,10 @@
-"""The CUDA source of a FusedRows step (passes/fuse_rows.py): one kernel per group, one thread
-block per row (rows: the product of the leading axes).  Each reduction level is one sweep of the
-row in a strided loop (every elementwise node recomputed from the operands in each sweep: a row of
-a few thousand elements stays in L1 / L2) ending in a block reduction (warp shuffles, then one
-value per warp in shared memory, combined by every thread in the same order, so all threads hold
-the same bits); the last sweep writes the result.  Operands broadcast by strides: each operand's
+"""The CUDA source of a FusedRows step (passes/fuse_rows.py): one kernel per group, a warp per row
+where rows are many and at most a few thousand elements long, else a thread block per row (rows:
+the product of the leading axes).  Each reduction level is one sweep of the row in a strided loop
+(every elementwise node recomputed from the operands in each sweep: a row of a few thousand
+elements stays in L1 / L2) ending in a reduction over the row's threads (warp shuffles; in a block,
+then one value per warp in shared memory, combined by every thread in the same order; either way
+all threads hold the same bits); the last sweep writes the result.  Operands broadcast by strides: each operand's
 offset in a row comes from the row's leading indices and its own strides (0 on a broadcast axis),
 baked into the source with the shapes, so a kernel is made per group, dtypes and layout.
 
@@ -21,9 +22,13 @@ import math
 from shardfuse.backends.cuda.csource import BF16_PREAMBLE, INLINE, literal
 from shardfuse.ops import Op
 
-# per reduction node: (its combine, its block reduction, the start of a row's value)
-_KIND = {Op.REDUCE_MAX: ("sf_max", "block_max", float("-inf")), Op.REDUCE_MIN: ("sf_min", "block_min", float("inf")),
-         Op.SUM: ("sf_add", "block_sum", 0.0)}
+# per reduction node: (its combine, its reduction over a row's threads (block_ or warp_), the start of a row's value)
+_KIND = {Op.REDUCE_MAX: ("sf_max", "max", float("-inf")), Op.REDUCE_MIN: ("sf_min", "min", float("inf")),
+         Op.SUM: ("sf_add", "sum", 0.0)}
+# rows up to this long take a warp each (eight rows per block of 256 threads) where there are at least
+# WARP_ROWS_FROM of them: no __syncthreads, and each lane keeps n / 32 loads in flight per sweep (a block
+# per row of 2048 elements, 4 per thread, was bound by latency: 9x slower than memory on an H100)
+WARP_ROW_MAX, WARP_ROWS_FROM, WARP_BLOCK = 4096, 1024, 256
 _PTR = {"bfloat16": "unsigned short", "float16": "unsigned short", "float32": "float", "float64": "double",
         "bool": "bool"}
 _LOAD = {"bfloat16": "bf2f({})", "float16": "h2f({})"}
@@ -51,6 +56,15 @@ template <typename T> __device__ T NAME(T v, double* red) { \
 SF_BLOCK_REDUCE(block_sum, sf_add)
 SF_BLOCK_REDUCE(block_max, sf_max)
 SF_BLOCK_REDUCE(block_min, sf_min)
+/* a row of one warp: lane 0's value to every lane (max of +0 and -0 depends on the order) */
+#define SF_WARP_REDUCE(NAME, OP) \
+template <typename T> __device__ T NAME(T v) { \
+    for (int o = 16; o > 0; o >>= 1) v = OP(v, (T)__shfl_xor_sync(0xffffffffu, v, o)); \
+    return (T)__shfl_sync(0xffffffffu, v, 0); \
+}
+SF_WARP_REDUCE(warp_sum, sf_add)
+SF_WARP_REDUCE(warp_max, sf_max)
+SF_WARP_REDUCE(warp_min, sf_min)
 """
 
 
@@ -121,9 +135,13 @@ def threads_for(n) -> int:
     return min(512, max(32, 1 << max(0, math.ceil(math.log2(max(1, -(-n // 4)))))))
 
 
-def _sweeps(levels, in_dtypes, cols, n) -> tuple:
+# a sweep of the row by its threads (lane: the thread's place among them; TEAM: their number)
+_SWEEP = "#pragma unroll 4\nfor (long long c = lane; c < {n}LL; c += TEAM) {{ {body} }}"
+
+
+def _sweeps(levels, in_dtypes, cols, n, warp) -> tuple:
     """(statements, {reduction node: its per-row variable}): one strided sweep of the row per level,
-    accumulating that level's reductions, each then combined over the block and rounded."""
+    accumulating that level's reductions, each then combined over the row's threads and rounded."""
     body, known = [], {}
     for level in range(1, max(levels.values(), default=0) + 1):
         nodes = [e for e, lv in levels.items() if lv == level]
@@ -135,10 +153,10 @@ def _sweeps(levels, in_dtypes, cols, n) -> tuple:
             accs.append(f"{acc} acc{level}_{j} = ({acc}){literal(start)};")
             v = emit(e.args[0])
             steps.append(f"acc{level}_{j} = {combine}(acc{level}_{j}, ({acc})({v}));")
-        body += accs + [f"for (long long c = threadIdx.x; c < {n}LL; c += blockDim.x) {{ {' '.join(emit.lines + steps)} }}"]
+        body += accs + [_SWEEP.format(n=n, body=" ".join(emit.lines + steps))]
         for j, e in enumerate(nodes):
             acc = "double" if e.dtype == "float64" else "float"
-            total = f"{_KIND[e.op][1]}(acc{level}_{j}, red)"
+            total = f"warp_{_KIND[e.op][1]}(acc{level}_{j})" if warp else f"block_{_KIND[e.op][1]}(acc{level}_{j}, red)"
             if e.value is not None:
                 total = f"({total} * ({acc}){literal(e.value)})"
             name = f"r{len(known)}"
@@ -156,18 +174,20 @@ def _stores(results, in_dtypes, cols, known, n) -> list:
         stores = [f"y{k}[oy{k}{f' + c * {cs}LL' if each else ''}] = {_STORE[dt].format(emit(e))};"
                   for k, (e, dt, per_element, cs) in enumerate(results) if per_element == each]
         if stores and each:
-            body.append(f"for (long long c = threadIdx.x; c < {n}LL; c += blockDim.x) {{ {' '.join(emit.lines + stores)} }}")
+            body.append(_SWEEP.format(n=n, body=" ".join(emit.lines + stores)))
         elif stores:
-            body.append(f"if (threadIdx.x == 0) {{ const long long c = 0; {' '.join(emit.lines + stores)} }}")
+            body.append(f"if (lane == 0) {{ const long long c = 0; {' '.join(emit.lines + stores)} }}")
     return body
 
 
 @functools.lru_cache(maxsize=512)
-def source(expr, in_dtypes, in_layouts, out, more=()) -> tuple:
-    """(CUDA source, kernel name, threads per block, rows) of the FusedRows step expr over operands of
-    in_dtypes with in_layouts ((shape, strides) each, in elements), writing out = (dtype, shape,
+def source(expr, in_dtypes, in_layouts, out, more=(), warp=None) -> tuple:
+    """(CUDA source, kernel name, threads per block, blocks) of the FusedRows step expr over operands
+    of in_dtypes with in_layouts ((shape, strides) each, in elements), writing out = (dtype, shape,
     strides): per element where its shape is the rows', else one value per row; and each of `more`
-    ((Expr, (dtype, shape, strides)) each: the step's further results) likewise."""
+    ((Expr, (dtype, shape, strides)) each: the step's further results) likewise.  A row takes a
+    warp where `warp` (by default: rows of at most WARP_ROW_MAX, at least WARP_ROWS_FROM of them),
+    else a block of threads_for(n) threads."""
     width = max(len(sh) for sh, _ in in_layouts)
     row = tuple(max(sh[k - width + len(sh)] if k >= width - len(sh) else 1 for sh, _ in in_layouts) for k in range(width))
     n, lead = row[-1], row[:-1]
@@ -186,14 +206,21 @@ def source(expr, in_dtypes, in_layouts, out, more=()) -> tuple:
         adds += "".join(f" oy{k} += ix * {y[d]}LL;" for k, y in enumerate(ys) if y[d])
         body.append(f"ix = rem % {lead[d]}LL; rem /= {lead[d]}LL;{adds}")
     cols = [s[-1] for s in ins]
-    sweeps, known = _sweeps(levels, in_dtypes, cols, n)
+    rows = math.prod(lead)
+    if warp is None:
+        warp = n <= WARP_ROW_MAX and rows >= WARP_ROWS_FROM
+    sweeps, known = _sweeps(levels, in_dtypes, cols, n, warp)
     results = [(e, dt, tuple(shape) == row, y[-1]) for (e, (dt, shape, _)), y in zip(outs, ys)]
     body += sweeps + _stores(results, in_dtypes, cols, known, n)
     params = [f"const {_PTR[d]}* __restrict__ x{k}" for k, d in enumerate(in_dtypes)]
     params += [f"{_PTR[dt]}* __restrict__ y{k}" for k, (_, (dt, _, _)) in enumerate(outs)]
-    rows = math.prod(lead)
-    text = (f"extern \"C\" __global__ void NAME({', '.join(params)}) {{\n    __shared__ double red[32];\n"
-            f"    for (long long row = blockIdx.x; row < {rows}LL; row += gridDim.x) {{\n        "
-            + "\n        ".join(body) + "\n    }\n}\n")
+    # (a thread's row and place in it: by blockDim, so any whole number of warps per block runs it)
+    team = "32" if warp else "(int)blockDim.x"
+    text = (f"#define TEAM {team}\nextern \"C\" __global__ void NAME({', '.join(params)}) {{\n"
+            f"{'' if warp else '    __shared__ double red[32];'}\n    const int lane = threadIdx.x % TEAM, per = blockDim.x / TEAM;\n"
+            f"    for (long long row = (long long)blockIdx.x * per + threadIdx.x / TEAM; row < {rows}LL;"
+            f" row += (long long)gridDim.x * per) {{\n        " + "\n        ".join(body) + "\n    }\n}\n#undef TEAM\n")
     name = "sf_rows_" + hashlib.sha1(text.encode()).hexdigest()[:16]
-    return PREAMBLE + text.replace("NAME", name, 1), name, threads_for(n), rows
+    threads = WARP_BLOCK if warp else threads_for(n)
+    blocks = min(-(-rows // (threads // 32 if warp else 1)), 2**31 - 1)  # (past the grid's limit a block takes several)
+    return PREAMBLE + text.replace("NAME", name, 1), name, threads, blocks
