@@ -26,6 +26,7 @@ import math
 
 import numpy as np
 
+from shardfuse import dtypes
 from shardfuse.autodiff import stop_gradient
 from shardfuse.custom_vjp import custom_vjp
 from shardfuse.traced import Traced, describe, is_scalar
@@ -246,6 +247,9 @@ def _dropout(key, x, rate):
     if rate == 1.0:
         return np.zeros_like(x)
     keep = random.bernoulli(key, 1.0 - rate, tuple(x.shape))
+    dt = np.dtype(x.dtype)
+    if dtypes.is_float(dt.name):  # (as NEP 50 takes x / (1 - rate): the factor rounded to x's dtype, on any ml_dtypes)
+        return np.where(keep, x / dt.type(1.0 - rate), dt.type(0))
     return np.where(keep, x / (1.0 - rate), 0)
 
 

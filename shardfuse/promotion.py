@@ -114,9 +114,10 @@ def beyond(c, dtype: str) -> bool:
     return not info.min <= c <= info.max
 
 
-def scalar_value(c, dtype: str, rounded=False):
+def scalar_value(c, dtype: str):
     """c as the plan stores it beside a value of `dtype` (the dtype NumPy computes in): a bool, an int or
-    a float; `rounded`: a float rounded to `dtype` first, as NumPy 2 rounds it (comparisons, maximum).
+    a float rounded to `dtype` first, as NumPy 2 rounds a weak scalar (float16 x * 0.1 multiplies by
+    float16(0.1); the kernels of every backend then use the same value).
     A Python int beyond an integer dtype's range raises NumPy 2's OverflowError."""
     if beyond(c, dtype):
         raise OverflowError(f"Python integer {c} out of bounds for {dtype} (NumPy 2 raises too: NEP 50 casts a "
@@ -125,7 +126,7 @@ def scalar_value(c, dtype: str, rounded=False):
         return bool(c)
     if not dtypes.is_float(dtype):
         return int(c)
-    return dtypes.as_value(c, dtype) if rounded else float(c)
+    return dtypes.as_value(c, dtype)
 
 
 def negated(c, dtype: str):

@@ -138,10 +138,12 @@ def grid(ws: list, dtype: str, half: bool = False):
         ints = ws[0] // const(1 << (32 - m))
     else:  # (m - 27 high bits of one word, 27 of the other: < 2**53, exact in float64)
         ints = (ws[0] // const(1 << (59 - m))) * (1 << 27) + ws[1] // const(1 << 5)
-    u = ints.astype(np_dtype(dtype))
+    dt = np_dtype(dtype)
+    u = ints.astype(dt)
+    # (scalars of the dtype: NumPy with ml_dtypes 0.6 takes bfloat16 * a Python float to float32)
     if half:
-        u = u + 0.5
-    return u * 2.0 ** -m
+        u = u + dt.type(0.5)
+    return u * dt.type(2.0 ** -m)
 
 
 def inside(value: float, dtype: str, up: bool) -> float:

@@ -97,13 +97,13 @@ class Traced(NumpyMethods):
         dt = promotion.loop_dtypes(what, self, b)[0]
         return cast(self, dt), cast(b, dt)
 
-    def with_scalar(self, c, what=Op.ADD, rounded=False, reflected=False):
+    def with_scalar(self, c, what=Op.ADD, reflected=False):
         """(self cast to the dtype NumPy 2 computes `what` of it and the scalar c in, c as a value of that
-        dtype; reflected: c op x): a Python scalar is weak, as in NumPy 2 and JAX (x * 2.0 keeps float16;
-        int32 x * 0.5 is float64); a NumPy scalar is not (float32 x * np.float64(3) is float64).
-        `rounded`: c rounded to that dtype first, as NumPy 2 rounds it (a comparison's, maximum's)."""
+        dtype, rounded to it as NumPy 2 and JAX round a weak scalar (float16 x * 0.1 multiplies by
+        float16(0.1)); reflected: c op x): a Python scalar is weak, as in NumPy 2 and JAX (x * 2.0 keeps
+        float16; int32 x * 0.5 is float64); a NumPy scalar is not (float32 x * np.float64(3) is float64)."""
         dt = promotion.loop_dtypes(what, *((c, self) if reflected else (self, c)))[0]
-        return cast(self, dt), promotion.scalar_value(c, dt, rounded)
+        return cast(self, dt), promotion.scalar_value(c, dt)
 
     def elementwise_op(self, op, ins, dtype, **attrs):
         try:
@@ -154,7 +154,7 @@ class Traced(NumpyMethods):
         if is_weak_scalar(other):
             if promotion.beyond(other, promotion.loop_dtypes(op, self, other)[0]):  # (as NumPy 2: as 0 compares)
                 return self.unary_op(Op.FULL_LIKE, "bool", value=promotion.COMPARE[op](0, other))
-            x, c = self.with_scalar(other, op, rounded=True)
+            x, c = self.with_scalar(other, op)
             return x.unary_op(SCALAR_OF[op], "bool", value=c)
         if not isinstance(other, Traced) and not constants.is_constant(other):
             return NotImplemented
@@ -371,8 +371,11 @@ SCALAR_OF = {Op.LT: Op.LT_SCALAR, Op.LE: Op.LE_SCALAR, Op.GT: Op.GT_SCALAR, Op.G
 
 
 def is_scalar(x) -> bool:
-    """A Python or NumPy real number (never a bool: True is not 1.0 here)."""
-    return isinstance(x, (int, float, np.integer, np.floating)) and not isinstance(x, (bool, np.bool_))
+    """A Python or NumPy real number (never a bool: True is not 1.0 here), ml_dtypes' bfloat16 too (a
+    NumPy scalar type outside np.floating)."""
+    if isinstance(x, (int, float, np.integer, np.floating)):
+        return not isinstance(x, (bool, np.bool_))
+    return isinstance(x, np.generic) and type(x).__name__ == "bfloat16"
 
 
 def describe(v) -> str:

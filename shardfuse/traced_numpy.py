@@ -98,7 +98,7 @@ def _extremum(op, scalar_op):
         if is_weak_scalar(a):
             a, b = b, a
         if is_weak_scalar(b):
-            v, c = a.with_scalar(b, op, rounded=True)
+            v, c = a.with_scalar(b, op)
             return v.unary_op(scalar_op, value=c)
         a, b = a.promote_with(b, op)
         return a.elementwise_op(op, (a, b), a.dtype_name)

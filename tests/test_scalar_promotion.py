@@ -33,8 +33,9 @@ OPS = {"+": operator.add, "-": operator.sub, "*": operator.mul, "/": operator.tr
 UFUNCS = {u.__name__: u for u in (np.add, np.subtract, np.multiply, np.true_divide, np.floor_divide, np.remainder,
                                    np.power, np.less, np.greater_equal, np.equal, np.not_equal, np.bitwise_and,
                                    np.bitwise_or, np.bitwise_xor, np.maximum, np.minimum)}
-SCALARS = {"int": 3, "float": 2.5, "bool": True, "np.float64": np.float64(0.5), "np.float32": np.float32(1.5),
-           "np.int64": np.int64(3), "0-d float64": np.array(2.5), "0-d int32": np.array(3, np.int32)}
+SCALARS = {"int": 3, "float": 2.5, "float 0.1": 0.1, "bool": True, "np.float64": np.float64(0.5), "np.float32": np.float32(1.5),
+           "np.int64": np.int64(3), "0-d float64": np.array(2.5), "0-d int32": np.array(3, np.int32),
+           "bfloat16": ml_dtypes.bfloat16(1.5)}
 DTYPES = ["int32", "int64", "bool", "float16", "float32", "bfloat16", "float64"]
 SHARDFUSE_DTYPES = {"float16", "bfloat16", "float32", "float64", "int32", "int64", "bool"}
 
