@@ -10,8 +10,10 @@ Semantics (jax.lax's, allow_negative_indices=True): one start index per axis, a 
 int32 / int64 value; a negative start counts from the end of its axis, then every start is clamped
 so that the box fits (an update never lands partly outside).  The update is cast to the operand's
 dtype (as NumPy's and JAX's `.at[].set` cast).  x.at[idx] takes ints, 0-d traced ints and slices of
-step 1 (an int drops its axis, as x[idx] does); .set(v) broadcasts v to x[idx]'s shape.  Unlike
-JAX's `.at` (which drops an out-of-range update), an index out of range is clamped here too.
+step 1 (an int drops its axis, as x[idx] does); .set(v) broadcasts v to x[idx]'s shape.  As JAX's
+`.at`: an index in [-n, n) counts negative ones from the end; .set / .add at an index outside it
+drop the update (x comes back unchanged; a traced index: the box written back with its own values),
+and .get clamps it (as JAX's x[idx] and .get() do).
 
 Sharding (shardfuse/rules_update.py): an axis the box covers whole keeps its sharding, so a cache
 with heads over tp and batch over dp is updated locally on every device, no communication; an
@@ -184,15 +186,36 @@ def _at_get(x, desc, *values):
     return _slice(x, sizes, *starts).reshape(shape)
 
 
+def _in_range(x, desc, values):
+    """Whether every index of the key lies in [-n, n) of its axis: False where a Python int does not,
+    else True, or a traced 0-d bool where some index is traced."""
+    ok = True
+    for j, k in zip([j for j, d in enumerate(desc) if d[0] == "i"], values):
+        n, s = x.shape[j], _static(k)
+        if s is not None and not -n <= s < n:
+            return False
+        if s is None:
+            inside = (k >= -n) & (k < n)
+            ok = inside if ok is True else ok & inside
+    return ok
+
+
 def _at_set(x, desc, v, *values):
-    from shardfuse.numpy_broadcast import broadcast_to  # (it builds on traced_numpy, which this module does not need)
+    from shardfuse.numpy_broadcast import broadcast_to  # (they build on traced_numpy, which this module does not need)
+    from shardfuse.traced_numpy import where
 
     starts, sizes, shape = _box(desc, values)
-    if isinstance(v, Traced) or isinstance(v, np.ndarray):
+    ok = _in_range(x, desc, values)
+    if ok is False:  # (JAX drops the update: the box, clamped, written back as it is)
+        v = _slice(x, sizes, *starts)
+    elif isinstance(v, Traced) or isinstance(v, np.ndarray):
         v = broadcast_to(cast(x.builder.constant(v), x.dtype_name), shape)
     else:  # a Python or NumPy scalar: a constant box of it (bound at each call, the box's size)
         v = x.builder.constant(np.full(shape, v, dtype=x.dtype))
-    return _update(x, v.reshape(sizes), *starts)
+    v = v.reshape(sizes)
+    if ok is not True and ok is not False:  # (a traced index out of range: its box's own values)
+        v = where(ok, v, _slice(x, sizes, *starts))
+    return _update(x, v, *starts)
 
 
 def _at_add(x, desc, v, *values):
@@ -219,11 +242,12 @@ class AtIndex:
         self.desc, self.values = _parse(x, key, "x.at[...]")
 
     def set(self, v):
-        """x with x[idx] replaced by v (broadcast to x[idx]'s shape, cast to x's dtype)."""
+        """x with x[idx] replaced by v (broadcast to x[idx]'s shape, cast to x's dtype); x itself where
+        an index is out of range (JAX's: the update dropped)."""
         return _dispatch(_at_set, (self.x, self.desc, v, *self.values), "x.at[...].set")
 
     def add(self, v):
-        """x with v added to x[idx]."""
+        """x with v added to x[idx] (nothing added where an index is out of range, as JAX drops it)."""
         return _dispatch(_at_add, (self.x, self.desc, v, *self.values), "x.at[...].add")
 
     def get(self):

@@ -89,13 +89,13 @@ def check_slice_and_at(layout, dtype, t, jit, rng, backend="numpy"):
         return (sf.dynamic_slice(c, (0, 0, t, 0), (B, NH, 2, HD)), c.at[:, :, t].set(k), c.at[:, :, t].add(k),
                 c.at[:, :, t].get(), c.at[1, :, t].set(2.0))
     got = sf.jit(fn, mesh=mesh)(cd, kd, tt) if jit else fn(cd, kd, tt)
-    w = min(max(t + M if t < 0 else t, 0), M - 1)
-    added = c.copy()
-    added[:, :, w] = (c[:, :, w].astype(np.float64) + k).astype(c.dtype)
-    two = c.copy()
-    two[1, :, w] = 2.0
-    for g, want in zip(got, (ref_slice(c, (0, 0, t, 0), (B, NH, 2, HD)), ref_update(c, k[:, :, None], (0, 0, t, 0)),
-                             added, c[:, :, w], two)):
+    w = min(max(t + M if t < 0 else t, 0), M - 1)  # (.get clamps, as JAX's)
+    put, added, two = c.copy(), c.copy(), c.copy()
+    if -M <= t < M:  # (JAX's .set / .add drop an update out of range: c unchanged)
+        put[:, :, t] = k
+        added[:, :, t] = (c[:, :, t].astype(np.float64) + k).astype(c.dtype)
+        two[1, :, t] = 2.0
+    for g, want in zip(got, (ref_slice(c, (0, 0, t, 0), (B, NH, 2, HD)), put, added, c[:, :, w], two)):
         exact(g, want)
 
 
@@ -188,7 +188,7 @@ def test_update_dtypes(layout, dtype):
 
 
 @pytest.mark.parametrize("jit", [True, False], ids=["jit", "eager"])
-@pytest.mark.parametrize("t", [0, 3, M - 1, M + 2, -2])
+@pytest.mark.parametrize("t", [0, 3, M - 1, M, M + 2, -2, -M, -M - 1])
 @pytest.mark.parametrize("layout", sorted(LAYOUTS))
 def test_slice_and_at(layout, t, jit):
     check_slice_and_at(layout, "float64", t, jit, np.random.default_rng(2))
@@ -345,3 +345,21 @@ def test_at_add_casts_the_update_to_the_arrays_dtype_first():
     assert got.dtype == np.int32 and got.tolist() == [[-3, 4], [5, -6]]
     got = np.asarray(sf.jit(lambda a: a.at[1, 1].add(2), mesh=mesh)(a))
     assert got.tolist() == [[-3, 4], [5, -4]]
+
+
+def test_at_set_and_add_drop_an_update_out_of_range_as_jax():
+    """JAX's .at: .set / .add at a Python int or a traced index outside [-n, n) leave x as it was
+    (the update dropped); inside it a negative index counts from the end; .get clamps."""
+    mesh = sf.DeviceMesh(2, backend="numpy")
+    a = np.random.default_rng(5).standard_normal((4, 3))
+    for i in (4, 9, -5):
+        exact(sf.jit(lambda a: a.at[i].set(7.0), mesh=mesh)(a), a)
+        exact(sf.jit(lambda a: a.at[1, i].add(7.0), mesh=mesh)(a), a)
+        exact(sf.jit(lambda a, t: a.at[t, 1].set(7.0), mesh=mesh)(a, np.int32(i)), a)
+        exact(sf.distribute(a, mesh, ("DIDx", None)).at[i].add(1.0), a)
+    want = a.copy()
+    want[-4] = 7.0
+    exact(sf.jit(lambda a, t: a.at[t].set(7.0), mesh=mesh)(a, np.int64(-4)), want)
+    exact(sf.jit(lambda a, t: a.at[t].get(), mesh=mesh)(a, np.int32(9)), a[3])
+    grad = sf.jit(sf.grad(lambda a, t: (a.at[t].set(a[0] * 2.0) ** 2).sum()), mesh=mesh)
+    exact(grad(a, np.int32(6)), 2 * a)  # (dropped: a's cotangent is 2a, nothing from the update)
