@@ -1,6 +1,8 @@
 """How close the layer's elementwise steps come to the GPU's memory bandwidth: each case one
 sf.jit step on one GPU (plan.profile's CUDA-event time of its kernel) beside torch doing the same
-on the same tensors (CUDA events), with the bytes each must move and the rate that makes.  The
+on the same tensors (CUDA events), with the bytes each must move and the rate that makes; and
+each Fused step's kernel both ways, as CuPy's ElementwiseKernel (before flat_source) and as
+flat_source's RawKernel, on the same arrays.  The
 cases are the MLP's of benchmarks/layer_profile.py at the layer's sizes (tokens 8192, ffn 16384):
 the bias add (a broadcast operand), a same-shape add, the tanh GELU chain, and a row of the
 forward's fused bias + GELU.
@@ -45,6 +47,48 @@ def torch_ms(fn, args, repeat=20):
     return float(np.median(times))
 
 
+def kernel_ms(run, repeat=20):
+    """Median CUDA-event time of run() on CuPy's current stream."""
+    import cupy
+
+    run()
+    start, end = cupy.cuda.Event(), cupy.cuda.Event()
+    times = []
+    for _ in range(repeat):
+        start.record()
+        run()
+        end.record()
+        end.synchronize()
+        times.append(cupy.cuda.get_elapsed_time(start, end))
+    return float(np.median(times))
+
+
+def old_and_new(step):
+    """(ms of the Fused step as CuPy's ElementwiseKernel of fused.fused_source, as flat_source's
+    RawKernel) on fresh operands of its shapes and dtypes, the same arrays for both."""
+    import cupy
+
+    from shardfuse.backends.cuda import csource, flat_source, fused
+    from shardfuse.dtypes import np_dtype
+
+    expr, dtypes = step.attrs["expr"], tuple(v.type.dtype for v in step.ins)
+    def operand(v):  # (bfloat16 as its bits: CuPy has no bfloat16)
+        a = cupy.random.standard_normal(v.type.shape, dtype=cupy.float32)
+        if v.type.dtype == "bfloat16":
+            return (a.view(cupy.uint32) >> 16).astype(cupy.uint16)
+        return a < 0.5 if v.type.dtype == "bool" else a.astype(np_dtype(v.type.dtype))
+    ins = [operand(v) for v in step.ins]
+    out_dt = step.into.type.dtype
+    out = cupy.empty(step.into.type.shape, cupy.uint16 if out_dt in ("bfloat16",) else np_dtype(out_dt))
+    params, outp, body = fused.fused_source(expr, dtypes, out_dt)
+    old = cupy.ElementwiseKernel(params, outp, body, "sf_fused", preamble=csource.BF16_PREAMBLE)
+    src, name, threads, blocks = flat_source.source(
+        expr, dtypes, tuple((a.shape, tuple(s // a.itemsize for s in a.strides)) for a in ins),
+        (out_dt, out.shape, tuple(s // out.itemsize for s in out.strides)))
+    new = cupy.RawKernel(src, name)
+    return kernel_ms(lambda: old(*ins, out)), kernel_ms(lambda: new((blocks,), (threads,), (*ins, out)))
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--tokens", type=int, default=8192)
@@ -68,7 +112,10 @@ def main():
         ms = per_call[len(per_call) // 2] * 1e3
         tm = torch_ms(torch_fn, ins)
         print(f"  {name:22s} shardfuse {ms:7.3f} ms ({moved / ms / 1e9:5.2f} TB/s)   torch {tm:7.3f} ms "
-              f"({moved / tm / 1e9:5.2f} TB/s)   {' | '.join(sorted({e.text[:60] for e in steps}))}")
+              f"({moved / tm / 1e9:5.2f} TB/s)   {' | '.join(sorted({e.text[:70] for e in steps}))}")
+        for step in (i for i in plan.program.walk() if i.op == sf.ops.Op.FUSED):
+            old, new = old_and_new(step)
+            print(f"      Fused step: ElementwiseKernel {old:7.3f} ms, flat RawKernel {new:7.3f} ms")
 
 
 if __name__ == "__main__":

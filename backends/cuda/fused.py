@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import cupy
 
-from shardfuse.backends.cuda import rows_source
+from shardfuse.backends.cuda import flat_source, rows_source
 from shardfuse.backends.cuda.csource import BF16_PREAMBLE, C_TYPES, INLINE, PARAM_TYPES, literal
 from shardfuse.ops import Op
 
@@ -54,8 +54,18 @@ def fused_source(expr, in_dtypes, out_dtype):
 
 
 def bind_fused(dev, kernels, expr, ins, out, stream):
-    """Step: out = expr(ins), one generated kernel (compiled once per expression and dtypes)."""
+    """Step: out = expr(ins), one generated kernel: a result of one axis or more by flat_source (its
+    shapes and strides baked in; compiled once per expression, dtypes and layout), a 0-d one by an
+    ElementwiseKernel (compiled once per expression and dtypes)."""
     dtypes = tuple(r.dtype for r in ins)
+    if out.shape:
+        layouts = tuple((tuple(r.shape), tuple(r.strides)) for r in ins)
+        src, name, threads, blocks = flat_source.source(expr, dtypes, layouts,
+                                                        (out.dtype, tuple(out.shape), tuple(out.strides)))
+        if blocks == 0:  # (nothing to compute: no launch)
+            return dev.per_device((*ins, out), stream, lambda j, *views: None)
+        flat = kernels.cached((Op.FUSED, src), lambda: cupy.RawKernel(src, name))
+        return dev.per_device((*ins, out), stream, lambda j, *views: flat((blocks,), (threads,), views))
 
     def make():
         params, outp, body = fused_source(expr, dtypes, out.dtype)

@@ -29,10 +29,10 @@ _KIND = {Op.REDUCE_MAX: ("sf_max", "max", float("-inf")), Op.REDUCE_MIN: ("sf_mi
 # WARP_ROWS_FROM of them: no __syncthreads, and each lane keeps n / 32 loads in flight per sweep (a block
 # per row of 2048 elements, 4 per thread, was bound by latency: 9x slower than memory on an H100)
 WARP_ROW_MAX, WARP_ROWS_FROM, WARP_BLOCK = 4096, 1024, 256
-_PTR = {"bfloat16": "unsigned short", "float16": "unsigned short", "float32": "float", "float64": "double",
+PTR = {"bfloat16": "unsigned short", "float16": "unsigned short", "float32": "float", "float64": "double",
         "bool": "bool"}
 _LOAD = {"bfloat16": "bf2f({})", "float16": "h2f({})"}
-_STORE = {"bfloat16": "f2bf((float)({}))", "float16": "f2h((float)({}))", "float32": "(float)({})",
+STORE = {"bfloat16": "f2bf((float)({}))", "float16": "f2h((float)({}))", "float32": "(float)({})",
           "float64": "(double)({})", "bool": "({})"}
 
 PREAMBLE = BF16_PREAMBLE + r"""
@@ -94,7 +94,7 @@ def _levels(expr, out=None) -> dict:
     return out
 
 
-class _Emitter:
+class Emitter:
     """C statements for nodes at column c of the current row, each equal node once (memo)."""
 
     def __init__(self, in_dtypes, col_strides, known):
@@ -124,7 +124,7 @@ class _Emitter:
         return name
 
 
-def _aligned(shape, strides, row) -> tuple:
+def aligned(shape, strides, row) -> tuple:
     """Strides (elements) of an operand along each axis of the row shape: 0 where it broadcasts."""
     pad = len(row) - len(shape)
     return tuple(0 if k < pad or shape[k - pad] == 1 else strides[k - pad] for k in range(len(row)))
@@ -145,7 +145,7 @@ def _sweeps(levels, in_dtypes, cols, n, warp) -> tuple:
     body, known = [], {}
     for level in range(1, max(levels.values(), default=0) + 1):
         nodes = [e for e, lv in levels.items() if lv == level]
-        emit = _Emitter(in_dtypes, cols, known)
+        emit = Emitter(in_dtypes, cols, known)
         accs, steps = [], []
         for j, e in enumerate(nodes):
             acc = "double" if e.dtype == "float64" else "float"
@@ -170,8 +170,8 @@ def _stores(results, in_dtypes, cols, known, n) -> list:
     y{k} at its row offset oy{k}): those per element in one last sweep, those per row by thread 0."""
     body = []
     for each in (True, False):
-        emit = _Emitter(in_dtypes, cols, known)
-        stores = [f"y{k}[oy{k}{f' + c * {cs}LL' if each else ''}] = {_STORE[dt].format(emit(e))};"
+        emit = Emitter(in_dtypes, cols, known)
+        stores = [f"y{k}[oy{k}{f' + c * {cs}LL' if each else ''}] = {STORE[dt].format(emit(e))};"
                   for k, (e, dt, per_element, cs) in enumerate(results) if per_element == each]
         if stores and each:
             body.append(_SWEEP.format(n=n, body=" ".join(emit.lines + stores)))
@@ -191,9 +191,9 @@ def source(expr, in_dtypes, in_layouts, out, more=(), warp=None) -> tuple:
     width = max(len(sh) for sh, _ in in_layouts)
     row = tuple(max(sh[k - width + len(sh)] if k >= width - len(sh) else 1 for sh, _ in in_layouts) for k in range(width))
     n, lead = row[-1], row[:-1]
-    ins = [_aligned(sh, st, row) for sh, st in in_layouts]
+    ins = [aligned(sh, st, row) for sh, st in in_layouts]
     outs = [(expr, out), *more]
-    ys = [_aligned(shape, st, row) if len(shape) == len(row) else tuple(st) + (0,) for _, (_, shape, st) in outs]
+    ys = [aligned(shape, st, row) if len(shape) == len(row) else tuple(st) + (0,) for _, (_, shape, st) in outs]
     levels = {}
     for e, _ in outs:
         _levels(e, levels)
@@ -212,8 +212,8 @@ def source(expr, in_dtypes, in_layouts, out, more=(), warp=None) -> tuple:
     sweeps, known = _sweeps(levels, in_dtypes, cols, n, warp)
     results = [(e, dt, tuple(shape) == row, y[-1]) for (e, (dt, shape, _)), y in zip(outs, ys)]
     body += sweeps + _stores(results, in_dtypes, cols, known, n)
-    params = [f"const {_PTR[d]}* __restrict__ x{k}" for k, d in enumerate(in_dtypes)]
-    params += [f"{_PTR[dt]}* __restrict__ y{k}" for k, (_, (dt, _, _)) in enumerate(outs)]
+    params = [f"const {PTR[d]}* __restrict__ x{k}" for k, d in enumerate(in_dtypes)]
+    params += [f"{PTR[dt]}* __restrict__ y{k}" for k, (_, (dt, _, _)) in enumerate(outs)]
     # (a thread's row and place in it: by blockDim, so any whole number of warps per block runs it)
     team = "32" if warp else "(int)blockDim.x"
     text = (f"#define TEAM {team}\nextern \"C\" __global__ void NAME({', '.join(params)}) {{\n"
