@@ -261,16 +261,19 @@ def scatter_add_rows(values, ids, rows, vocab, out):
 
 def schedule(expr, n_in):
     """A fused step's ops.Expr over its n_in operands as a flat list, (op, argument slots, scalar,
-    dtype) per node, node k writing slot n_in + k (the last: the step's output).  Made once when the
-    step is bound."""
-    steps = []
+    dtype) per node, node k writing slot n_in + k (the last: the step's output), each equal node once
+    (a chain taken in at two reads of its value, tanh(u) * tanh(u), is computed once).  Made once
+    when the step is bound."""
+    steps, memo = [], {}
 
     def visit(e):
         if e.op is None:
             return e.arg
-        slots = [visit(a) for a in e.args]
-        steps.append((e.op, slots, e.value, e.dtype))
-        return n_in + len(steps) - 1
+        if e not in memo:
+            slots = [visit(a) for a in e.args]
+            steps.append((e.op, slots, e.value, e.dtype))
+            memo[e] = n_in + len(steps) - 1
+        return memo[e]
     visit(expr)
     return steps
 

@@ -371,11 +371,10 @@ SCALAR_OF = {Op.LT: Op.LT_SCALAR, Op.LE: Op.LE_SCALAR, Op.GT: Op.GT_SCALAR, Op.G
 
 
 def is_scalar(x) -> bool:
-    """A Python or NumPy real number (never a bool: True is not 1.0 here), ml_dtypes' bfloat16 too (a
-    NumPy scalar type outside np.floating)."""
+    """A Python or NumPy real number (never a bool: True is not 1.0 here), ml_dtypes' bfloat16 too."""
     if isinstance(x, (int, float, np.integer, np.floating)):
         return not isinstance(x, (bool, np.bool_))
-    return isinstance(x, np.generic) and type(x).__name__ == "bfloat16"
+    return isinstance(x, np.generic) and type(x).__name__ == "bfloat16"  # (outside np.floating)
 
 
 def describe(v) -> str:

@@ -20,11 +20,13 @@ def expr_code(expr):
     """(statements, name of the result) computing an ops.Expr over operands x0, x1, ...: each node
     a C variable held as float (double for float64, its own type for integers and booleans),
     rounded to its dtype as the unfused step's result was; the INLINE expressions of the ops."""
-    lines, count = [], [0]
+    lines, count, memo = [], [0], {}  # (each equal node once)
 
     def node(e):
         if e.op is None:
             return f"bf2f(x{e.arg})" if e.dtype == "bfloat16" else f"x{e.arg}"
+        if e in memo:
+            return memo[e]
         args = [(node(a), a.dtype) for a in e.args]
         dts = (e.dtype, *(d for _, d in args))
         f = "double" if {"float64", "int32", "int64"} & set(dts) else "float"  # (integers exact in double)
@@ -39,6 +41,7 @@ def expr_code(expr):
         else:
             value = _ROUND[e.dtype].format(value)
         lines.append(f"{_HELD.get(e.dtype, 'float')} {name}; {{ {' '.join(scope)} {name} = {value}; }}")
+        memo[e] = name
         return name
     last = node(expr)
     return " ".join(lines), last

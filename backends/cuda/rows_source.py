@@ -22,9 +22,10 @@ import math
 from shardfuse.backends.cuda.csource import BF16_PREAMBLE, INLINE, literal
 from shardfuse.ops import Op
 
-# per reduction node: (its combine, its reduction over a row's threads (block_ or warp_), the start of a row's value)
-_KIND = {Op.REDUCE_MAX: ("sf_max", "max", float("-inf")), Op.REDUCE_MIN: ("sf_min", "min", float("inf")),
-         Op.SUM: ("sf_add", "sum", 0.0)}
+# per reduction node: (its combine, its reductions over a row's threads: (a block's, a warp's), the start of a row's value)
+_KIND = {Op.REDUCE_MAX: ("sf_max", ("block_max", "warp_max"), float("-inf")),
+         Op.REDUCE_MIN: ("sf_min", ("block_min", "warp_min"), float("inf")),
+         Op.SUM: ("sf_add", ("block_sum", "warp_sum"), 0.0)}
 # rows up to this long take a warp each (eight rows per block of 256 threads) where there are at least
 # WARP_ROWS_FROM of them: no __syncthreads, and each lane keeps n / 32 loads in flight per sweep (a block
 # per row of 2048 elements, 4 per thread, was bound by latency: 9x slower than memory on an H100)
@@ -156,7 +157,8 @@ def _sweeps(levels, in_dtypes, cols, n, warp) -> tuple:
         body += accs + [_SWEEP.format(n=n, body=" ".join(emit.lines + steps))]
         for j, e in enumerate(nodes):
             acc = "double" if e.dtype == "float64" else "float"
-            total = f"warp_{_KIND[e.op][1]}(acc{level}_{j})" if warp else f"block_{_KIND[e.op][1]}(acc{level}_{j}, red)"
+            block, lanes = _KIND[e.op][1]
+            total = f"{lanes}(acc{level}_{j})" if warp else f"{block}(acc{level}_{j}, red)"
             if e.value is not None:
                 total = f"({total} * ({acc}){literal(e.value)})"
             name = f"r{len(known)}"

@@ -116,16 +116,19 @@ def enabled(mesh) -> bool:
     return os.environ.get("SHARDFUSE_FUSE") != "0"
 
 
-def _joined(i, k, made):
-    """Step i with its operand k replaced by the chain of `made`, the step that wrote it: one Fused step."""
+def _joined(i, v, made):
+    """Step i with its operand v (each read of it: i's operands are deduplicated first, so x * x of a
+    chain's x takes the chain in once) replaced by the chain of `made`, the step that wrote it: one
+    Fused step."""
     inner, inner_ins = expr_of(made)
-    outer, outer_ins = expr_of(i)
+    outer, outer_ins = _dedupe(*expr_of(i))
+    k = outer_ins.index(v)
     ins = outer_ins[:k] + outer_ins[k + 1:]
     expr, ins = _dedupe(_substitute(outer, k, inner, len(ins)), ins + inner_ins)
     return i.__class__(Op.FUSED, (), tuple(ins), {"expr": expr}, into=i.into)
 
 
-def _summed(i, made):
+def _summed(i, _, made):
     """Sum i of the result of `made` as one FusedSum step: made's chain, summed as i sums (its attrs)."""
     expr, ins = _dedupe(*expr_of(made))
     return i.__class__(Op.FUSED_SUM, i.outs, tuple(ins), {**i.attrs, "expr": expr}, into=i.into)
@@ -141,7 +144,8 @@ def _sums_whole(i, made) -> bool:
 def fuse_elementwise(prog):
     if not enabled(prog.mesh):  # (one step per op: to compare, or to read)
         return prog.with_instrs(prog.instrs, "fuse_elementwise")
-    reads = Counter(v for i in walk(prog.instrs) for v in i.values() if v is not i.into)
+    # the steps that read each value (a step reading it twice, x * x, counts once), kept as steps join
+    reads = Counter(v for i in walk(prog.instrs) for v in set(i.ins) if v is not i.into)
     viewed = {i.ins[0] for i in walk(prog.instrs) if i.op in VIEWS}
     once = {i.outs[0] for i in prog.instrs if i.op == Op.ALLOCATE and not i.attrs.get("per_call")
             and not i.attrs.get("pool") and not i.attrs.get("blocks") and not i.attrs.get("order")}
@@ -152,37 +156,45 @@ def fuse_elementwise(prog):
 
     def takes(v, i) -> bool:
         """Whether step i may take in the chain that wrote its operand v (the module doc's conditions)."""
-        return (v in producer and i.ins.count(v) == 1 and (reads[v] == 1 or _widening(instrs[producer[v]]))
-                and _keeps_float16(v, i))
+        return v in producer and (reads[v] == 1 or _widening(instrs[producer[v]])) and _keeps_float16(v, i)
 
     def taken(v):
-        """v's chain was taken in by a reader: its step is dropped once no other step reads v (a cast
-        read by several steps: once the last has taken it).  While it stays, the reader reads the
-        chain's operands beside it: counted, so no later step takes them in and drops them (a
-        float16 product cast to float32 for two readers was taken into a float16 result and
+        """v's chain was taken in by a reader: its step is dropped (True) once no other step reads v
+        (a cast read by several steps: once the last has taken it).  While it stays, the reader reads
+        the chain's operands beside it: join counts them, so no later step takes them in and drops
+        them (a float16 product cast to float32 for two readers was taken into a float16 result and
         dropped while the other reader still read it: a plan that read an unwritten value)."""
         p = producer[v]
         if reads[v] == 1 or not any(v in j.ins for j in walk([j for j in instrs if j is not None]) if j is not instrs[p]):
             del producer[v]
             instrs[p] = None
             dropped.add(v)
-        else:
-            reads.update(instrs[p].ins)
+            return True
+        return False
+
+    def join(n, i, v, make=_joined):
+        """instrs[n] = make(i, v, the step that wrote i's operand v): the chain taken in, each value's
+        readers recounted (the new step reads once what i and a dropped producer read; a producer
+        that stays still reads its operands, so they count for both)."""
+        made = instrs[producer[v]]
+        new = instrs[n] = make(i, v, made)
+        gone = taken(v)
+        for w in (set(i.ins) | set(made.ins) | set(new.ins)) - {v}:
+            reads[w] += (w in new.ins) - (w in i.ins) - (gone and w in made.ins)
+        reads[v] -= 1
+        return new
 
     for n, i in enumerate(instrs):
         if fusable(i):
             while True:  # each operand a single-use chain produced: folded in (the operands renumber)
-                k = next((k for k, v in enumerate(i.ins) if takes(v, i) and v.type.shape == i.into.type.shape), None)
-                if k is None:
+                v = next((v for v in dict.fromkeys(i.ins) if takes(v, i) and v.type.shape == i.into.type.shape), None)
+                if v is None:
                     break
-                v = i.ins[k]
-                i = instrs[n] = _joined(i, k, instrs[producer[v]])
-                taken(v)
+                i = join(n, i, v)
             v = i.into
             if v in once and v not in viewed and v not in outputs:
                 producer[v] = n
         elif i.op == Op.SUM and takes(i.ins[0], i) and _sums_whole(i, instrs[producer[i.ins[0]]]):
-            instrs[n] = _summed(i, instrs[producer[i.ins[0]]])
-            taken(i.ins[0])
+            join(n, i, i.ins[0], _summed)
     out = [i for i in instrs if i is not None and not (i.op == Op.ALLOCATE and i.outs[0] in dropped)]
     return prog.with_instrs(out, "fuse_elementwise")
