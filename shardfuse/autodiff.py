@@ -33,7 +33,7 @@ from shardfuse.layout import Layout, mesh_axes
 from shardfuse.numpy_broadcast import VJP as BROADCAST_VJP, unbroadcast
 from shardfuse.numpy_math import NO_GRADIENT as MATH_NO_GRADIENT, VJP as MATH_VJP
 from shardfuse.ops import COMPARE, COMPARE_SCALAR, Op
-from shardfuse import schedule
+from shardfuse import schedule, tree
 from shardfuse.schedule import Schedule, scheduled
 from shardfuse.take import scatter_rows
 from shardfuse.traced import Traced
@@ -51,12 +51,17 @@ def full_like(x: Traced, value, dtype=None) -> Traced:
     return x.unary_op(Op.FULL_LIKE, dtype or x.dtype_name, value=value)
 
 
-def stop_gradient(x: Traced) -> Traced:
-    """x, held constant by sf.grad (jax.lax.stop_gradient), in every use of it.  softmax's max shift:
-    its true gradient is zero, and differentiating it would keep the [.., n] scores alive into the
-    backward (for the ties of the max) and add three passes over them."""
-    x.builder.no_gradient.add(x.value)
-    return x
+def stop_gradient(x):
+    """x as a value sf.grad holds constant (jax.lax.stop_gradient): a view of x (no copy) through which
+    no gradient flows, while x's other uses keep theirs (grad of w -> stop_gradient(w) * w is w);
+    a pytree's leaves each; outside a traced function x itself.  softmax's max shift: its true
+    gradient is zero, and differentiating it would keep the [.., n] scores alive into the backward
+    (for the ties of the max) and add three passes over them."""
+    if not isinstance(x, Traced):
+        return tree.tree_map(stop_gradient, x) if tree.is_container(x) else x
+    held = x.builder.emit(Op.RESHAPE, (x,), TensorType(x.shape, x.dtype_name), x.value.name + "_sg", shape=x.shape)
+    x.builder.no_gradient.add(held.value)
+    return held
 
 
 def differentiable(dtype: str) -> bool:

@@ -33,8 +33,8 @@ from shardfuse.traced import Traced, describe, is_scalar
 from shardfuse.numpy_math import gelu
 from shardfuse.traced_numpy import exp, linear, log, maximum, minimum, rsqrt, silu, where
 
-__all__ = ["softmax", "log_softmax", "layer_norm", "rms_norm", "linear", "attention", "cross_entropy",
-           "cross_entropy_onehot",
+__all__ = ["softmax", "log_softmax", "logsumexp", "one_hot", "layer_norm", "rms_norm", "linear", "attention",
+           "cross_entropy", "cross_entropy_onehot", "stop_gradient",
            *(f.__name__ for f in (gelu, silu))]  # (the ops' names by reference: an op name is never a string here)
 
 _WIDENED = {"float16": "float32", "bfloat16": "float32"}  # 16-bit values are normalised in float32
@@ -216,6 +216,39 @@ def cross_entropy(logits, labels, ignore_index=None):
     if kept is None:
         return per_token.mean()
     return where(kept, per_token, 0.0).sum() / kept.astype(per_token.dtype_name).sum()
+
+
+@_one_plan
+def logsumexp(x, axis=None, keepdims=False):
+    """log(sum(exp(x))) over `axis` (None: every axis) without overflow (jax.nn.logsumexp): the max
+    (held constant by sf.grad; 0 where it is not finite, so a row of -inf gives -inf, not NaN)
+    shifted out and added back.  16-bit values in float32, the result cast back."""
+    x, dtype = _widened(x)
+    m = x.max(axis, keepdims=True)
+    m = stop_gradient(where(np.isfinite(m), m, 0.0))
+    out = log(exp(x - m).sum(axis, keepdims=True)) + m
+    if not keepdims:
+        out = out.reshape(tuple(n for k, n in enumerate(out.shape) if axis is not None and k not in
+                                {a % out.ndim for a in (axis if isinstance(axis, tuple) else (axis,))}))
+    return out.astype(dtype)
+
+
+def one_hot(x, num_classes, dtype="float32", axis=-1):
+    """jax.nn.one_hot: x (integer class ids, traced or an sf.Array) as 1.0 at each id along a new
+    axis of num_classes entries (last by default), 0.0 elsewhere; an id outside [0, num_classes)
+    gives a row of zeros.  The ids are compared with a constant np.arange(num_classes)."""
+    if not _int_array(x) and not (hasattr(type(x), "one_op") and np.dtype(x.dtype).kind in "iu"):
+        raise TypeError(f"sf.nn.one_hot: x must be integer class ids (int32 or int64), got {describe(x)}")
+    if not isinstance(num_classes, (int, np.integer)) or isinstance(num_classes, bool) or num_classes < 1:
+        raise ValueError(f"sf.nn.one_hot: num_classes must be a positive int, got {num_classes!r}")
+    return _one_hot(x, int(num_classes), np.dtype(dtype).name if not isinstance(dtype, str) else dtype, axis)
+
+
+@_one_plan
+def _one_hot(x, n, dtype, axis):
+    hit = x.reshape(tuple(x.shape) + (1,)) == np.arange(n, dtype=x.dtype)  # (a constant)
+    hit = hit.astype(dtype)
+    return hit if axis in (-1, hit.ndim - 1) else np.moveaxis(hit, -1, axis)
 
 
 def _int_array(v) -> bool:

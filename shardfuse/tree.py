@@ -9,6 +9,7 @@ with no leaves, and anything that is not a tuple, list, dict or None is a leaf.
 """
 from __future__ import annotations
 
+import functools
 import inspect
 from dataclasses import dataclass, field
 from typing import Any, Callable
@@ -161,22 +162,45 @@ def _flatten(x, leaves, is_leaf=None) -> TreeDef:
     return LEAF
 
 
-def leaves(tree) -> list:
+def leaves(tree, is_leaf: Callable | None = None) -> list:
+    """The leaves of a pytree in JAX's order (jax.tree_util.tree_leaves)."""
+    if is_leaf is not None:
+        return flatten(tree, is_leaf)[0]
     out: list = []
     _walk(tree, out, [])
     return out
 
 
-def tree_map(fn: Callable, tree, *rest) -> Any:
-    """fn applied to each leaf (and the matching leaves of `rest`, which must have tree's structure)."""
-    xs, td = flatten(tree)
+def tree_map(fn: Callable, tree, *rest, is_leaf: Callable | None = None) -> Any:
+    """fn applied to each leaf (and the matching leaves of `rest`, which must have tree's structure);
+    is_leaf as flatten's (jax.tree_util.tree_map)."""
+    xs, td = flatten(tree, is_leaf)
     others = []
     for r in rest:
-        ys, rd = flatten(r)
+        ys, rd = flatten(r, is_leaf)
         if rd != td:
             raise ValueError(f"tree_map: structures differ: {td} and {rd}")
         others.append(ys)
     return td.unflatten(fn(*args) for args in zip(xs, *others))
+
+
+def tree_structure(tree, is_leaf: Callable | None = None) -> TreeDef:
+    """The TreeDef of a pytree (jax.tree_util.tree_structure)."""
+    return flatten(tree, is_leaf)[1]
+
+
+def tree_unflatten(treedef: TreeDef, leaves) -> Any:
+    """The pytree of structure treedef holding `leaves` in order (jax.tree_util.tree_unflatten)."""
+    return treedef.unflatten(leaves)
+
+
+def tree_reduce(fn: Callable, tree, *initializer, is_leaf: Callable | None = None) -> Any:
+    """functools.reduce(fn, the leaves[, initializer]) (jax.tree_util.tree_reduce)."""
+    return functools.reduce(fn, flatten(tree, is_leaf)[0], *initializer)
+
+
+# jax.tree_util's names for the two above (sf.tree.tree_leaves(params), sf.tree.tree_flatten(params))
+tree_leaves, tree_flatten = leaves, flatten
 
 
 def is_container(x) -> bool:

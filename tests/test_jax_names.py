@@ -1,0 +1,80 @@
+"""The names a JAX user reaches for (a new user's probe, 2026-12-06): sf.stop_gradient (a value of
+its own: the input's other uses keep their gradient, as jax.lax.stop_gradient), sf.nn.logsumexp
+and sf.nn.one_hot (jax.nn's), and jax.tree_util's names in sf.tree; against float64 NumPy on
+fresh random inputs, sharded over a dp x tp mesh."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import shardfuse as sf
+
+MESH = sf.DeviceMesh((2, 2), ("dp", "tp"), backend="numpy")
+
+
+def rng():
+    return np.random.default_rng()
+
+
+def grad_of(fn, *args):
+    return np.asarray(sf.jit(sf.grad(fn), mesh=MESH)(*args))
+
+
+def test_stop_gradient_holds_only_the_value_it_returns():
+    w = rng().standard_normal((4, 6))
+    np.testing.assert_allclose(grad_of(lambda w: (sf.stop_gradient(w) * w).sum(), w), w, rtol=1e-14)
+    np.testing.assert_allclose(grad_of(lambda w: (sf.stop_gradient(w * 2) * (w * 2)).sum(), w), 4 * w, rtol=1e-14)
+    np.testing.assert_array_equal(grad_of(lambda w: (sf.stop_gradient(w) ** 2).sum() + 0 * w.sum(), w), 0 * w)
+    tree = sf.jit(lambda d: sf.stop_gradient(d), mesh=MESH)({"a": w, "b": [w * 3]})
+    np.testing.assert_array_equal(np.asarray(tree["b"][0]), w * 3)
+    assert sf.stop_gradient(w) is w  # (outside a traced function: x itself)
+
+
+@pytest.mark.parametrize("axis, keepdims", [(None, False), (-1, False), (0, True), ((0, 1), False)])
+def test_logsumexp_values_and_gradient(axis, keepdims):
+    x = 30 * rng().standard_normal((4, 6))  # (exp of it overflows float64 without the shift)
+    x[1] = -np.inf  # (a row of -inf: -inf, not NaN, where the axis is the rows')
+
+    def ref(x):
+        m = np.max(x, axis=axis, keepdims=True)
+        m = np.where(np.isfinite(m), m, 0.0)
+        with np.errstate(divide="ignore"):
+            out = np.log(np.exp(x - m).sum(axis=axis, keepdims=True)) + m
+        return out if keepdims else np.squeeze(out, axis=axis) if axis is not None else out.reshape(())
+
+    def placed(x):
+        return sf.shard(sf.shard(x, axis=0, over="dp"), axis=1, over="tp")
+    got = np.asarray(sf.jit(lambda x: sf.nn.logsumexp(placed(x), axis, keepdims), mesh=MESH)(x))
+    np.testing.assert_allclose(got, ref(x), rtol=1e-13)
+    y = rng().standard_normal((4, 6))  # (finite: the gradient is softmax over the axis)
+    g = grad_of(lambda y: sf.nn.logsumexp(placed(y), axis, keepdims).sum(), y)
+    e = np.exp(y - np.max(y, axis=axis, keepdims=True))
+    np.testing.assert_allclose(g, e / e.sum(axis=axis, keepdims=True), rtol=1e-12)
+
+
+@pytest.mark.parametrize("axis", [-1, 0, 1])
+def test_one_hot_as_jax(axis):
+    ids = rng().integers(-2, 7, (4, 6)).astype(np.int32)  # (some outside [0, 5): rows of zeros)
+    want = np.moveaxis((ids[..., None] == np.arange(5)).astype(np.float32), -1, axis)
+    got = sf.jit(lambda i: sf.nn.one_hot(sf.shard(i, axis=0, over="dp"), 5, axis=axis), mesh=MESH)(ids)
+    assert got.dtype == np.float32
+    np.testing.assert_array_equal(np.asarray(got), want)
+    np.testing.assert_array_equal(np.asarray(sf.nn.one_hot(sf.distribute(ids, MESH, ("dp", None)), 5, "bfloat16",
+                                                           axis=axis)).astype(np.float32), want)
+    with pytest.raises(TypeError, match="integer class ids"):
+        sf.jit(lambda x: sf.nn.one_hot(x, 5), mesh=MESH)(ids.astype(np.float32))
+    with pytest.raises(ValueError, match="positive int"):
+        sf.jit(lambda i: sf.nn.one_hot(i, 0), mesh=MESH)(ids)
+
+
+def test_tree_util_names():
+    params = {"w": [1, 2], "b": (3, {"c": 4})}
+    leaves, td = sf.tree.tree_flatten(params)
+    assert leaves == sf.tree.tree_leaves(params) == [3, 4, 1, 2]
+    assert sf.tree.tree_structure(params) == td and sf.tree.tree_unflatten(td, leaves) == params
+    assert sf.tree.tree_reduce(lambda a, b: a + b, params) == 10
+    assert sf.tree.tree_reduce(lambda a, b: a + b, params, 100) == 110
+    pairs = {"a": (1, 2), "b": (3, 4)}
+    leaf = lambda x: isinstance(x, tuple)  # noqa: E731
+    assert sf.tree.tree_map(lambda t: t[0] * t[1], pairs, is_leaf=leaf) == {"a": 2, "b": 12}
+    assert sf.tree.tree_leaves(pairs, is_leaf=leaf) == [(1, 2), (3, 4)]
