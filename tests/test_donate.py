@@ -4,6 +4,8 @@ later use; a caller's plain array or placed array is never written; a result tha
 donated buffer safely gets its own; pytrees donate all their leaves."""
 from __future__ import annotations
 
+import warnings
+
 import numpy as np
 import pytest
 
@@ -67,9 +69,10 @@ def test_a_result_written_before_the_argument_is_last_read_keeps_its_own_buffer(
     rng = np.random.default_rng(2)
     w0 = rng.standard_normal((8, 4))
     jf = sf.jit(f, mesh=MESH, donate_argnums=0)
-    plan = jf.lower(w0)
-    assert not set(plan.program.outputs) & set(plan.program.inputs)
-    y, s = jf(sf.jit(lambda w: w + 0.0, mesh=MESH)(w0))
+    with pytest.warns(UserWarning, match=r"donated buffers were not usable: w: f64\[8, 4\] \(read after"):
+        plan = jf.lower(w0)
+        assert not set(plan.program.outputs) & set(plan.program.inputs)
+        y, s = jf(sf.jit(lambda w: w + 0.0, mesh=MESH)(w0))
     np.testing.assert_allclose(np.asarray(y), 2 * w0, rtol=1e-15)
     np.testing.assert_allclose(float(s), (w0 * w0).sum(), rtol=1e-12)
 
@@ -133,3 +136,17 @@ def test_donate_argnames_names_the_arguments_donated():
     assert sf.jit(step, mesh=mesh, donate_argnums=1, donate_argnames=("w",)).donate_argnums == (0, 1)
     with pytest.raises(ValueError, match="names no positional parameter of step"):
         sf.jit(step, mesh=mesh, donate_argnames="x")
+
+
+def test_a_donation_no_result_can_take_is_warned_with_the_reason():
+    """JAX's "Some donated buffers were not usable": a float32 weight minus a NumPy float64 learning
+    rate is float64 (NumPy 2's promotion), so no result can take the weight's buffer: said once, at
+    compile time, with the dtypes; the weight stays usable.  A Python float keeps float32: no warning."""
+    w = sf.replicate(np.ones((4, 8), np.float32), mesh=MESH)
+    step = sf.jit(lambda w, lr: w - lr * w, mesh=MESH, donate_argnums=0)
+    with pytest.warns(UserWarning, match=r"w: f32\[4, 8\] .*results of its shape are float64.*Python float"):
+        assert step(w, np.float64(0.5)).dtype == np.float64
+    np.testing.assert_array_equal(np.asarray(w), 1.0)  # (not donated: still usable)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert step(w, 0.5).dtype == np.float32

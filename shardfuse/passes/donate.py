@@ -11,6 +11,8 @@ output that could take no buffer stays in its own (JAX's donation is a hint too)
 """
 from __future__ import annotations
 
+import warnings
+
 from shardfuse.ir import substitute
 from shardfuse.ops import COLLECTIVES, ELEMENTWISE, LOCAL_REDUCTIONS, LOCAL_SCANS, Op
 from shardfuse.passes.allocate import view_bases
@@ -85,9 +87,31 @@ def donate_buffers(prog):
                 mapping[root] = inp
                 taken.add(inp)
                 break
+    _warn_unused(prog, taken)
     if not mapping:
         return prog.with_instrs(prog.instrs, "donate_buffers")
     instrs = substitute([i for i in prog.instrs if not (i.op == Op.ALLOCATE and i.outs[0] in mapping
                                                          or _copies(i, mapping.get(i.into), i.into))], mapping)
     outputs = tuple(mapping.get(v, v) for v in prog.outputs)
     return prog.with_instrs(instrs, "donate_buffers", outputs=outputs)
+
+
+def _warn_unused(prog, taken):
+    """JAX's "Some donated buffers were not usable", once per plan: each donated input no result
+    took, and why (no result of its dtype, shape and layout: a float32 weight minus a NumPy float64
+    learning rate is float64, as NumPy 2 promotes it; or one that is, but the input is read after
+    the result is written)."""
+    unused = [prog.inputs[k] for k in prog.donated if prog.inputs[k] not in taken]
+    if not unused:
+        return
+    results = {v.type for v in prog.outputs}
+
+    def why(v):
+        if v.type in results:
+            return f"{v.name}: {v.type} (read after the result of its type is written)"
+        other = sorted({r.type.dtype for r in prog.outputs if r.type.shape == v.type.shape} - {v.type.dtype})
+        hint = (f"; the results of its shape are {', '.join(other)} (NumPy 2 promotes {v.type.dtype} with a NumPy "
+                f"{other[0]} scalar or array to {other[0]}: pass a Python float, or cast)") if other else ""
+        return f"{v.name}: {v.type} (no result of this dtype, shape and layout{hint})"
+    warnings.warn(f"{prog.name}: some donated buffers were not usable: {'; '.join(map(why, unused))}.  Those inputs "
+                  "keep their buffers (and stay usable); their results take new ones", UserWarning, stacklevel=2)
