@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from shardfuse import trace
+from shardfuse import trace, tree
 from shardfuse.traced import Traced
 from shardfuse.array import Array, replicated
 from shardfuse.layout import Layout, layout_of
@@ -46,17 +46,32 @@ def replicate(x: Any, mesh: DeviceMesh | None = None) -> Any:
     return replicated(x, mesh)
 
 
-def distribute(x: Any, mesh: DeviceMesh, placements: Any) -> Array:
+def distribute(x: Any, mesh: DeviceMesh, placements: Any) -> Any:
     """x placed on mesh by DTensor-style placements (one `sf.Shard(dim)` / `sf.Replicate()` per
-    mesh axis: DTensor's distribute_tensor) or a JAX-style spec (one entry per tensor axis: None, a
-    mesh axis name or a tuple of them: JAX's device_put with NamedSharding(mesh, P(...))).  On an
-    sf.Array of that mesh, the same as x.redistribute(placements)."""
+    mesh axis: DTensor's distribute_tensor), a JAX-style spec (one entry per tensor axis: None, a
+    mesh axis name or a tuple of them: JAX's device_put with NamedSharding(mesh, P(...))) or a
+    Layout (a plan's input_layouts / output_layouts).  On an sf.Array of that mesh, the same as
+    x.redistribute(placements).  Inside sf.jit, a traced value annotated with that whole layout
+    (JAX's with_sharding_constraint: axes not named replicated).  A pytree x: each leaf, with
+    placements one for all or a pytree of Layouts of x's structure (`plan.output_layouts`)."""
+    if isinstance(x, Traced):
+        return trace.constrain(x, placements, mesh)
+    if tree.is_container(x):
+        if tree.leaves(placements, is_leaf=_is_layout) and all(map(_is_layout, tree.leaves(placements, _is_layout))):
+            return tree.tree_map(lambda v, p: distribute(v, mesh, p), x, placements, is_leaf=_is_layout)
+        return tree.tree_map(lambda v: distribute(v, mesh, placements), x)
+    if isinstance(placements, Layout):
+        placements = list(placements.axes)
     if isinstance(x, Array):
         _same_mesh(x, mesh, "sf.distribute")
         return x.redistribute(placements)
     from shardfuse.interop import array_info
 
     return Array.from_layout(x, mesh, layout_of(placements, len(array_info(x).shape), mesh))
+
+
+def _is_layout(p) -> bool:
+    return isinstance(p, Layout)
 
 
 def _same_mesh(x: Array, mesh, what: str) -> None:

@@ -21,7 +21,7 @@ from shardfuse.autodiff_layouts import drop_hints
 from shardfuse.cost import Rates
 from shardfuse.rates import machine
 from shardfuse.mesh import DeviceMesh, as_int
-from shardfuse.plan_cache import PlanCache
+from shardfuse.plan_cache import PlanCache, serving_plan
 from shardfuse.spec import TensorSpec
 from shardfuse.static_args import donated_positions, dynamic_position, split_static, static_names, with_static
 from shardfuse.trace import input_names, trace
@@ -163,7 +163,7 @@ class Jitted:
             return child
 
     def _lower(self, specs: tuple) -> Plan:
-        return self._plans.get(specs, lambda: self._compile(specs))
+        return self._plans.get(specs, lambda: serving_plan(self._plans.snapshot(), specs) or self._compile(specs))
 
     def _compile(self, specs: tuple) -> Plan:
         t0 = time.perf_counter()

@@ -51,6 +51,22 @@ class Plan:
                 f"{folded} one-device collective(s) folded into views"
                 f"<pre style='font-size:smaller'>{html.escape(text)}</pre></div>")
 
+    @property
+    def input_layouts(self) -> tuple:
+        """The Layout each argument leaf is taken in, in order (JAX's compiled.input_shardings): a plain
+        array is placed so; an sf.Array in another layout selects another plan."""
+        return tuple(v.type.layout for v in self.program.inputs)
+
+    @property
+    def output_layouts(self):
+        """The Layout of each result, in the result's structure (JAX's compiled.output_shardings): a
+        training step's state comes back in these (its weights sharded as its annotations say), so
+        `sf.distribute(w0, mesh, layout)` places a first state the steady-state plan takes at once."""
+        layouts = tuple(v.type.layout for v in self.program.outputs)
+        if self.out_tree is not None:
+            return self.out_tree.unflatten(layouts)
+        return layouts[0] if len(layouts) == 1 else layouts  # (as a call returns its arrays)
+
     def collectives(self) -> dict[str, int]:
         """How many collectives of each kind one call issues: the plan's communication steps as
         the executor binds them (ir.unroll: loops unrolled, guards applied)."""

@@ -11,6 +11,7 @@ passes its lock, so both change together, and `on_evict` to forget an evicted pl
 """
 from __future__ import annotations
 
+import dataclasses
 import threading
 from collections import OrderedDict
 from typing import Any, Callable
@@ -68,3 +69,27 @@ class PlanCache:
     def info(self) -> dict:
         """How many plans are kept, the bound, and the counts (like functools' cache_info)."""
         return {"plans": len(self.plans), "max_plans": self.max_plans, **self.stats}
+
+
+def serving_plan(cached: dict, specs: tuple):
+    """A plan of `cached` ({argument specs: plan}, sf.jit's) that serves `specs` as they are, or None:
+    one compiled for plain arrays (specs without a layout) where each of `specs` is the same but
+    for a layout, and that layout is the one the plan chose for that input.  A training step called
+    with NumPy arrays, then with its own results (sf.Arrays in the layouts its plan gave them), so
+    compiles once; a fresh compile for the second specs would trace the same function again with
+    those layouts stated (seconds for a model) into the plan it already has."""
+    for known, plan in cached.items():
+        inputs, mesh = plan.program.inputs, plan.program.mesh
+        if len(known) != len(specs) or len(inputs) != len(specs):
+            continue
+        if all(s == k or (k.layout is None and s.layout is not None and _same(s.layout, v.type.layout, mesh)
+                          and (s.shape, s.dtype, s.weak) == (k.shape, k.dtype, k.weak))
+               for s, k, v in zip(specs, known, inputs)):
+            return plan
+    return None
+
+
+def _same(a, b, mesh) -> bool:
+    """Layouts equal, a mesh of None being the program's whole mesh (an sf.Array's spec says None)."""
+    whole = lambda lay: lay if lay.mesh is not mesh else dataclasses.replace(lay, mesh=None)  # noqa: E731
+    return a == b or (b is not None and whole(a) == whole(b))

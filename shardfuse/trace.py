@@ -11,7 +11,7 @@ import numpy as np
 
 from shardfuse.constants import captured, tracing
 from shardfuse.ir import Program, TensorType, Value
-from shardfuse.layout import Layout
+from shardfuse.layout import Layout, layout_of
 from shardfuse.mesh import STREAM, DeviceMesh
 from shardfuse.ops import ELEMENTWISE, Op
 from shardfuse.schedule import KEY as SCHEDULE, Schedule, scheduled
@@ -101,6 +101,21 @@ def replicate(x, mesh=None):
     With mesh= (a sub-mesh of the program's), replicated on that sub-mesh's devices.
     (sf.replicate on a concrete array is shardfuse.api.replicate.)"""
     out = TensorType(x.shape, x.dtype_name, Layout.replicated(x.ndim).on(_sub_mesh(x.builder, mesh)))
+    return x.builder.emit(Op.SET, (x,), out, x.value.name, annotation=True)
+
+
+def constrain(x: Traced, placements, mesh=None) -> Traced:
+    """x annotated with a whole layout (sf.distribute inside sf.jit, JAX's with_sharding_constraint):
+    each tensor axis sharded as `placements` (DTensor-style, a JAX-style spec or a Layout) state,
+    the others replicated; on mesh= (a sub-mesh) as sf.replicate(x, mesh=) places it."""
+    sub = _sub_mesh(x.builder, mesh)
+    axes = placements.axes if isinstance(placements, Layout) else layout_of(placements, x.ndim, sub).axes
+    if len(axes) != x.ndim:
+        raise ValueError(f"sf.distribute: a layout of {len(axes)} axes for {x.value.name}{x.shape}")
+    for ax, names in enumerate(axes):
+        if names is not None:
+            check_divides(x.shape, ax, names, sub)
+    out = TensorType(x.shape, x.dtype_name, Layout(tuple(axes)).on(sub))
     return x.builder.emit(Op.SET, (x,), out, x.value.name, annotation=True)
 
 

@@ -1,0 +1,100 @@
+"""A training loop's state and its layouts (a new user's probe, 2026-12-06): a step called with NumPy
+arrays, then with its own replicated results, traces once (plan_cache.serving_plan); a
+tensor-parallel step returns its weights sharded, and plan.output_layouts says how, so
+sf.distribute places a first state the steady-state plan takes; sf.distribute inside sf.jit states
+a whole layout (JAX's with_sharding_constraint).  NumPy devices, values against float64 NumPy."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import shardfuse as sf
+from shardfuse.layout import Layout
+
+MESH = sf.DeviceMesh((2, 2), ("dp", "tp"), backend="numpy")
+
+
+def rng():
+    return np.random.default_rng()
+
+
+def _dp_step(w, x):
+    g = sf.grad(lambda w: ((sf.shard(x, axis=0, over="dp") @ w) ** 2).mean())(w)
+    return w - 0.1 * g
+
+
+def _tp_step(params, x):
+    def loss(p):
+        h = sf.shard(x, axis=0, over="dp") @ sf.shard(p["w1"], axis=1, over="tp")
+        return ((h @ sf.shard(p["w2"], axis=0, over="tp")) ** 2).mean()
+    g = sf.grad(loss)(params)
+    return sf.tree.tree_map(lambda w, d: w - 0.1 * d, params, g)
+
+
+def _tp_reference(params, x):
+    w1, w2 = params["w1"], params["w2"]
+    h = x @ w1
+    y = h @ w2
+    dy = 2 * y / y.size
+    return {"w1": w1 - 0.1 * x.T @ (dy @ w2.T), "w2": w2 - 0.1 * h.T @ dy}
+
+
+def test_a_replicated_state_comes_back_into_the_same_plan_without_tracing_again():
+    traced = []
+
+    def step(w, x):
+        traced.append(1)
+        return _dp_step(w, x)
+    f = sf.jit(step, mesh=MESH, donate_argnums=0)
+    w, x = rng().standard_normal((8, 4)), rng().standard_normal((16, 8))
+    want = w
+    for _ in range(3):
+        want = want - 0.1 * 2 * x.T @ (x @ want) / (16 * 4)
+    w = f(f(f(w, x), x), x)
+    np.testing.assert_allclose(np.asarray(w), want, rtol=1e-12)
+    assert len(traced) == 1 and len({id(p) for p in f.cached_plans().values()}) == 1
+
+
+def test_a_tensor_parallel_state_placed_as_the_step_returns_it_compiles_once():
+    params = {"w1": rng().standard_normal((8, 12)), "w2": rng().standard_normal((12, 6))}
+    x = rng().standard_normal((16, 8))
+    f = sf.jit(_tp_step, mesh=MESH, donate_argnums=0)
+    layouts = f.lower(params, x).output_layouts
+    assert layouts["w1"].axes == (None, "tp") and layouts["w2"].axes == ("tp", None)
+    g = sf.jit(_tp_step, mesh=MESH, donate_argnums=0)  # (a fresh function: its first plan is the steady one)
+    state = sf.distribute(params, MESH, layouts)
+    assert state["w1"].sharding.axes == (None, "tp") and state["w2"].sharding.axes == ("tp", None)
+    want = params
+    for _ in range(3):
+        state, want = g(state, x), _tp_reference(want, x)
+    for k in want:
+        np.testing.assert_allclose(np.asarray(state[k]), want[k], rtol=1e-12)
+    assert g.cache_info()["plans"] == 1
+    plan = next(iter(g.cached_plans().values()))
+    assert [lay.axes for lay in plan.input_layouts] == [(None, "tp"), ("tp", None), ("dp", None)]
+    assert "Allgather" not in str(plan)  # (the weights stay sharded: nothing gathers them)
+
+
+def test_distribute_inside_jit_states_the_whole_layout():
+    x = rng().standard_normal((8, 4))
+    f = sf.jit(lambda x: sf.distribute(sf.shard(x * 2, axis=0, over="dp"), MESH, (None, "tp")), mesh=MESH)
+    y = f(x)
+    assert y.sharding.axes == (None, "tp")  # (the dp annotation before it replaced: axes not named replicate)
+    np.testing.assert_allclose(np.asarray(y), 2 * x, rtol=1e-15)
+    z = sf.jit(lambda x: sf.distribute(x, MESH, [sf.Shard(1), sf.Shard(0)]), mesh=MESH)(x)
+    assert z.sharding.axes == ("tp", "dp")
+    with pytest.raises(ValueError, match="does not divide"):
+        sf.jit(lambda x: sf.distribute(x, MESH, (None, ("dp", "tp"))), mesh=MESH)(rng().standard_normal((8, 6)))
+    with pytest.raises(ValueError, match="unknown mesh axis"):
+        sf.jit(lambda x: sf.distribute(x, MESH, ("x", None)), mesh=MESH)(x)
+
+
+def test_distribute_takes_a_layout_and_pytrees():
+    x = rng().standard_normal((8, 4))
+    one = sf.distribute(x, MESH, Layout((None, "tp")))
+    assert one.sharding.axes == (None, "tp")
+    tree = sf.distribute({"a": x, "b": [x, x]}, MESH, ("dp", None))  # (one spec for every leaf)
+    assert all(leaf.sharding.axes == ("dp", None) for leaf in sf.tree.tree_leaves(tree))
+    each = sf.distribute({"a": x, "b": x}, MESH, {"a": Layout(("dp", None)), "b": Layout((None, "tp"))})
+    assert each["a"].sharding.axes == ("dp", None) and each["b"].sharding.axes == (None, "tp")
+    np.testing.assert_array_equal(np.asarray(each["b"]), x)
