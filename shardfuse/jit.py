@@ -274,12 +274,13 @@ class Jitted:
         return specs, plan
 
     def _refuse_numbers(self, args):
-        """Pytree arguments hold arrays: a list of Python numbers is data meant as one array (NumPy
-        would read it so), which sf.jit does not guess; say what to write."""
+        """A list or tuple of numbers only is data meant as one array (NumPy would read it so), which
+        sf.jit does not guess: say what to write.  Numbers beside arrays or in a dict (an optimizer
+        state's step count) are leaves, as in JAX: a Python number a weak 0-d value, a NumPy one 0-d."""
         names = input_names(self.fn, len(args))
         for k, (name, a) in enumerate(zip(names, args)):
             numbers = [x for x in tree.leaves(a) if isinstance(x, _NUMBERS)]
-            if numbers and tree.is_container(a):
+            if numbers and isinstance(a, (list, tuple)) and len(numbers) == len(tree.leaves(a)):
                 raise TypeError(f"{self.__name__}(): argument {name} (position {k}) is a {type(a).__name__} holding "
                                 f"Python numbers ({numbers[0]!r}, ...): sf.jit takes arrays, and pytrees (dicts, lists, "
                                 f"tuples) of arrays; for one array write np.asarray({name})")

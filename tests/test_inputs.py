@@ -198,7 +198,7 @@ def test_matrix_lists_and_nan_through_gelu_and_sum(mesh, sharded, axis):
 
 def test_a_tuple_of_arrays_is_a_pytree_and_a_list_of_numbers_is_refused(mesh):
     """As in JAX, a tuple or list argument is a pytree (NumPy would stack arrays into one [2, 4, 4]
-    argument, or read numbers as one array): its arrays are leaves; Python numbers in it are
+    argument, or read numbers as one array): its arrays are leaves; a list of numbers only is
     refused, saying how to pass one array."""
     x = rng().standard_normal((4, 4))
     f = sf.jit(lambda ab, c: ab[0] @ ab[1] + c, mesh=mesh)
@@ -210,6 +210,20 @@ def test_a_tuple_of_arrays_is_a_pytree_and_a_list_of_numbers_is_refused(mesh):
                                             r"np.asarray\(a\)"):
             g(arg, np.eye(2))
     np.testing.assert_array_equal(g(np.asarray([[1.0, 2.0], [3.0, 4.0]]), np.eye(2)).gather(), [[1, 2], [3, 4]])
+
+
+def test_numbers_beside_arrays_in_a_pytree_are_leaves_as_in_jax(mesh):
+    """An optimizer state {"count": 0, "mu": w} (optax's): the Python int a weak 0-d leaf, a NumPy
+    scalar a 0-d leaf of its dtype; a new count value is a new argument value, not a new plan."""
+    w = rng().standard_normal((4, 2))
+    f = sf.jit(lambda s: {"count": s["count"] + 1, "mu": s["mu"] * s["n"], "n": s["n"] * 2}, mesh=mesh)
+    for count in (0, 7):
+        out = f({"count": count, "mu": w, "n": np.int32(3)})
+        assert int(out["count"]) == count + 1 and out["n"].dtype == np.int32 and int(out["n"]) == 6
+        np.testing.assert_array_equal(np.asarray(out["mu"]), w * 3)
+    assert f.cache_info()["plans"] == 1
+    g = sf.jit(lambda ab: ab[0] + ab[1], mesh=mesh)
+    np.testing.assert_array_equal(np.asarray(g((w, 2.5))), w + 2.5)
 
 
 @pytest.mark.filterwarnings(MATRIX_WARNING)
