@@ -246,13 +246,31 @@ def _reshape(a, shape, order="C", *, copy=None):  # (copy= changes nothing: trac
 
 
 def _reduction(method):
-    """np.sum / mean / max / min (amax, amin) of a traced value: its method, axis= and keepdims= as NumPy's."""
+    """np.sum / mean / max / min (amax, amin) of a traced value: its method, axis= and keepdims= as
+    NumPy's; for sum and mean also dtype= (x cast to it first: NumPy's accumulator and result dtype)
+    and where= (a mask broadcast to x: sum of the elements it keeps; mean over them, NaN where it
+    keeps none, as NumPy's)."""
     name = method.__name__
+    summed = name in ("sum", "mean")
 
-    def call(a, axis=None, dtype=None, out=None, keepdims=False, **rest):
-        _defaults_only(f"np.{name}", f"np.{name}(x, axis, keepdims=...) or x.{name}(axis, keepdims=...), a new value",
-                       dtype=dtype, out=out, **rest)
-        return method(a, axis, keepdims=keepdims)
+    def call(a, axis=None, dtype=None, out=None, keepdims=False, where=None, **rest):
+        takes = f"np.{name}(x, axis, keepdims=...) or x.{name}(axis, keepdims=...), a new value"
+        _defaults_only(f"np.{name}", takes, out=out, **rest, **({} if summed else {"dtype": dtype, "where": where}))
+        if dtype is not None:
+            a = a.astype(np.dtype(dtype).name if not isinstance(dtype, str) else dtype)
+        if where is None or where is True:
+            return method(a, axis, keepdims=keepdims)
+        kept = where if isinstance(where, Traced) else a.builder.constant(np.asarray(where, dtype=bool))
+        if name == "sum":
+            return _where(kept, a, 0).sum(axis, keepdims=keepdims)
+        from shardfuse.numpy_broadcast import broadcast_to  # (it builds on this module)
+
+        # (NumPy's mean: integers in float64, 16-bit floats in float32, each rounded once to the result)
+        out_dt = a.dtype_name if dtypes.is_float(a.dtype_name) else "float64"
+        work = "float64" if out_dt == "float64" else "float32"
+        total = _where(kept, a.astype(work), 0).sum(axis, keepdims=keepdims)
+        count = broadcast_to(kept, a.shape).astype(work).sum(axis, keepdims=keepdims)
+        return (total / count).astype(out_dt)
     call.__name__ = name
     return call
 

@@ -78,3 +78,25 @@ def test_tree_util_names():
     leaf = lambda x: isinstance(x, tuple)  # noqa: E731
     assert sf.tree.tree_map(lambda t: t[0] * t[1], pairs, is_leaf=leaf) == {"a": 2, "b": 12}
     assert sf.tree.tree_leaves(pairs, is_leaf=leaf) == [(1, 2), (3, 4)]
+
+
+@pytest.mark.parametrize("dtype", ["float64", "float16", "int32"])
+def test_numpy_sum_and_mean_take_dtype_and_where(dtype):
+    """np.sum / np.mean with dtype= (the accumulator and result) and where= (a masked token mean:
+    NaN where a row keeps nothing), as NumPy's, x sharded; max refuses where= (NumPy needs initial=)."""
+    r = rng()
+    x = (4 * r.standard_normal((4, 6))).astype(dtype)
+    m = r.random((4, 6)) < 0.5
+    m[2] = False
+    fns = {"sum where": lambda x, m: np.sum(x, where=m, axis=1), "mean where": lambda x, m: np.mean(x, where=m, axis=1),
+           "mean where row": lambda x, m: np.mean(x, where=m[0]), "sum dtype": lambda x, m: np.sum(x, dtype=np.float32),
+           "mean dtype": lambda x, m: np.mean(x, axis=0, dtype="float64")}
+    for name, fn in fns.items():
+        got = sf.jit(lambda x, m: fn(sf.shard(x, axis=0, over="dp"), m), mesh=MESH)(x, m)
+        with np.errstate(invalid="ignore", divide="ignore"):
+            want = np.asarray(fn(x, m))
+        assert got.dtype == want.dtype, (name, got.dtype, want.dtype)
+        rtol = {"float16": 1e-3, "float32": 1e-5}.get(want.dtype.name, 1e-12)  # (sums in another order)
+        np.testing.assert_allclose(np.asarray(got).astype(np.float64), want.astype(np.float64), rtol=rtol, err_msg=name)
+    with pytest.raises(TypeError, match="np.max with where= is not supported"):
+        sf.jit(lambda x, m: np.max(x, where=m), mesh=MESH)(x, m)
