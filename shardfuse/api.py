@@ -21,6 +21,9 @@ def shard(x: Any, axis: int, over: str | tuple | None = None, mesh: DeviceMesh |
     In a traced function this annotates a value (mesh=: a sub-mesh, a pipeline stage, the value
     moves to); on a concrete global array it returns an `sf.Array` holding this process' pieces
     (give `mesh`)."""
+    if isinstance(axis, (tuple, list)):  # (a JAX-style spec or placements: sf.distribute's argument)
+        raise TypeError(f"sf.shard(x, axis, over=...) takes one tensor axis, got {axis!r}: for a whole layout "
+                        f"(JAX's PartitionSpec, DTensor's placements) write sf.distribute(x, mesh, {axis!r})")
     if isinstance(x, Traced):
         return trace.shard(x, axis, over, mesh)
     if isinstance(x, Array):  # resharded by the annotation rule (Layout.sharded), as inside sf.jit

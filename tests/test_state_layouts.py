@@ -98,3 +98,11 @@ def test_distribute_takes_a_layout_and_pytrees():
     each = sf.distribute({"a": x, "b": x}, MESH, {"a": Layout(("dp", None)), "b": Layout((None, "tp"))})
     assert each["a"].sharding.axes == ("dp", None) and each["b"].sharding.axes == (None, "tp")
     np.testing.assert_array_equal(np.asarray(each["b"]), x)
+
+
+def test_shard_given_a_whole_spec_says_to_write_distribute():
+    x = rng().standard_normal((4, 4))
+    with pytest.raises(TypeError, match=r"takes one tensor axis.*sf.distribute\(x, mesh, \(None, 'tp'\)\)"):
+        sf.jit(lambda w: sf.shard(w, (None, "tp")), mesh=MESH)(x)
+    with pytest.raises(TypeError, match="sf.distribute"):
+        sf.shard(x, [sf.Replicate(), sf.Shard(0)], mesh=MESH)
