@@ -1,46 +1,64 @@
 #!/bin/bash
-# The first call of a GPU session (issue 29): every GPU test, then the host-cost floors and the
-# `shardfuse bench --host` table, each written under $OUT (default ./gpu_first) and archived in
-# $OUT.tgz after each part, so a call cut short by the device's time limit still brings back what
-# finished.  The GPU tests are collected by their marker (`pytest -m gpu`: tests/test_gpu.py,
-# tests/test_gpu_interop.py and the dispatch tests of the CUDA code), never by a list of files.
-# Run from the repository root on the GPU machine (about 7 minutes); the last line is the verdict.
-# Then, in a second call if wanted, `OUT=$OUT/sweeps bash benchmarks/h200_sweeps.sh` (the sweeps).
+# The first calls of a GPU session (issue 29): every GPU test, the unfused run, then the host-cost
+# floors, `shardfuse bench --host` and the layer against torch, each written under $OUT (default
+# ./gpu_first) and archived in $OUT.tgz after each part, so a call cut short by the device's time
+# limit still brings back what finished.  The GPU tests are collected by their marker (`pytest -m
+# gpu`: tests/test_gpu*.py and the dispatch tests of the CUDA code), never by a list of files.
+# Run from the repository root on the GPU machine; the last line is the verdict.
+#
+# The whole run is longer than one device call (600 s): the GPU suite alone took 310 s on an H100
+# (2026-12-06).  PART picks one part per call, each under 600 s there:
+#   PART=tests   bash benchmarks/gpu_first.sh   # GPU tests never run before (NEW), then the whole -m gpu suite
+#   PART=unfused bash benchmarks/gpu_first.sh   # the suite again with SHARDFUSE_FUSE=0 (one step per op)
+#   PART=bench   bash benchmarks/gpu_first.sh   # step_cost floors, bench --host, layer_vs_torch --train
+# PART=all (the default) runs the three in turn, for a machine without the limit.
 # Output file names use letters, digits, '.', '_' and '-' only: others do not come back.
 set -u
 OUT=${OUT:-gpu_first}
+PART=${PART:-all}
 NEW=${NEW:-natural_layout}  # -k expression: GPU tests never run before, run first in their own process
 mkdir -p "$OUT"
 python3 -m pip install -q --no-deps --no-build-isolation -e . > "$OUT/install.txt" 2>&1
 save() { tar -czf "${OUT%/}.tgz" -C "$OUT" .; }
+verdict() { [ "$1" = 0 ] && echo pass || echo "FAIL (rc $1)"; }
 nvidia-smi --query-gpu=name,driver_version --format=csv,noheader > "$OUT/gpu.txt" 2>&1
-# tests of code never yet run on a GPU first, in their own process: a misaligned address is a
-# sticky CUDA error that would fail every later test of the same process
 # (tests/test_notebooks.py holds no GPU test and needs nbformat, which the GPU machine lacks)
 SKIP="--ignore=tests/test_notebooks.py"
-python3 -m pytest -q -x -p no:cacheprovider -m gpu $SKIP -k "$NEW" tests > "$OUT/gpu_tests_new.txt" 2>&1
-new_rc=$?
-tail -3 "$OUT/gpu_tests_new.txt"; save
-python3 -m pytest -q -p no:cacheprovider -m gpu $SKIP tests > "$OUT/gpu_tests.txt" 2>&1
-all_rc=$?
-tail -3 "$OUT/gpu_tests.txt"; save
-# and with one step per op (no fused chains), the path SHARDFUSE_FUSE=0 takes
-SHARDFUSE_FUSE=0 python3 -m pytest -q -p no:cacheprovider -m gpu $SKIP tests > "$OUT/gpu_tests_unfused.txt" 2>&1
-unfused_rc=$?
-tail -3 "$OUT/gpu_tests_unfused.txt"; save
-for case in "D=8 S=8" "D=2 S=8" "D=1 S=8"; do
-  name=${case//=/}
-  python3 benchmarks/step_cost.py "$case" > "$OUT/step_cost_${name// /_}.txt" 2>&1
-  python3 benchmarks/step_cost.py "$case" --layout natural > "$OUT/step_cost_natural_${name// /_}.txt" 2>&1
-done
-save
-python3 -m shardfuse bench --host --backend cupy --no-progress > "$OUT/host.txt" 2>&1
-host_rc=$?
-cat "$OUT/host.txt"; save
+line="$(tr '\n' ' ' < "$OUT/gpu.txt")$(git log --oneline -1 2>/dev/null | cut -c1-12):"
+
+if [ "$PART" = all ] || [ "$PART" = tests ]; then
+  # tests of code never yet run on a GPU first, in their own process: a misaligned address is a
+  # sticky CUDA error that would fail every later test of the same process
+  python3 -m pytest -q -x -p no:cacheprovider -m gpu $SKIP -k "$NEW" tests > "$OUT/gpu_tests_new.txt" 2>&1
+  new_rc=$?
+  [ "$new_rc" = 5 ] && new_rc=0  # (pytest's 5: nothing matched -k $NEW, which is no failure)
+  tail -3 "$OUT/gpu_tests_new.txt"; save
+  python3 -m pytest -q -rf --durations=10 -p no:cacheprovider -m gpu $SKIP tests > "$OUT/gpu_tests.txt" 2>&1
+  all_rc=$?
+  grep -E "^FAILED|^ERROR" "$OUT/gpu_tests.txt" | head -20; tail -1 "$OUT/gpu_tests.txt"; save
+  line="$line new GPU tests $(verdict $new_rc); GPU suite $(verdict $all_rc) ($(tail -1 "$OUT/gpu_tests.txt"));"
+fi
+if [ "$PART" = all ] || [ "$PART" = unfused ]; then
+  SHARDFUSE_FUSE=0 python3 -m pytest -q -rf -p no:cacheprovider -m gpu $SKIP tests > "$OUT/gpu_tests_unfused.txt" 2>&1
+  unfused_rc=$?
+  grep -E "^FAILED|^ERROR" "$OUT/gpu_tests_unfused.txt" | head -20; tail -1 "$OUT/gpu_tests_unfused.txt"; save
+  line="$line unfused $(verdict $unfused_rc) ($(tail -1 "$OUT/gpu_tests_unfused.txt"));"
+fi
+if [ "$PART" = all ] || [ "$PART" = bench ]; then
+  for case in "D=8 S=8" "D=2 S=8" "D=1 S=8"; do
+    name=${case//=/}
+    python3 benchmarks/step_cost.py "$case" > "$OUT/step_cost_${name// /_}.txt" 2>&1
+    python3 benchmarks/step_cost.py "$case" --layout natural > "$OUT/step_cost_natural_${name// /_}.txt" 2>&1
+  done
+  save
+  python3 -m shardfuse bench --host --backend cupy --no-progress > "$OUT/host.txt" 2>&1
+  host_rc=$?
+  cat "$OUT/host.txt"; save
+  python3 benchmarks/layer_vs_torch.py --repeat 5 --train > "$OUT/layer_vs_torch.txt" 2>&1
+  layer_rc=$?
+  grep -v Warning "$OUT/layer_vs_torch.txt" | tail -9; save
+  line="$line bench --host $(verdict $host_rc); layer_vs_torch $(verdict $layer_rc);"
+fi
 echo "all outputs: ${OUT%/}.tgz"
-verdict() { [ "$1" = 0 ] && echo pass || echo "FAIL (rc $1)"; }
-# (pytest's 5: nothing matched -k $NEW, which is no failure)
-[ "$new_rc" = 5 ] && new_rc=0
-echo "VERDICT $(cat "$OUT/gpu.txt" | tr '\n' ' '): new GPU tests $(verdict $new_rc); GPU suite $(verdict $all_rc)" \
-  "($(tail -1 "$OUT/gpu_tests.txt")); unfused $(verdict $unfused_rc); bench --host $(verdict $host_rc)" | tee "$OUT/verdict.txt"
+echo "VERDICT ($PART) $line" | tee "$OUT/verdict.txt"
 save
