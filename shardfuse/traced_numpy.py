@@ -250,8 +250,7 @@ def _reduction(method):
     NumPy's; for sum and mean also dtype= (x cast to it first: NumPy's accumulator and result dtype)
     and where= (a mask broadcast to x: sum of the elements it keeps; mean over them, NaN where it
     keeps none, as NumPy's)."""
-    name = method.__name__
-    summed = name in ("sum", "mean")
+    name, summed = method.__name__, method in (Traced.sum, Traced.mean)
 
     def call(a, axis=None, dtype=None, out=None, keepdims=False, where=None, **rest):
         takes = f"np.{name}(x, axis, keepdims=...) or x.{name}(axis, keepdims=...), a new value"
@@ -261,15 +260,14 @@ def _reduction(method):
         if where is None or where is True:
             return method(a, axis, keepdims=keepdims)
         kept = where if isinstance(where, Traced) else a.builder.constant(np.asarray(where, dtype=bool))
-        if name == "sum":
+        if method is Traced.sum:
             return _where(kept, a, 0).sum(axis, keepdims=keepdims)
-        from shardfuse.numpy_broadcast import broadcast_to  # (it builds on this module)
-
         # (NumPy's mean: integers in float64, 16-bit floats in float32, each rounded once to the result)
         out_dt = a.dtype_name if dtypes.is_float(a.dtype_name) else "float64"
         work = "float64" if out_dt == "float64" else "float32"
         total = _where(kept, a.astype(work), 0).sum(axis, keepdims=keepdims)
-        count = broadcast_to(kept, a.shape).astype(work).sum(axis, keepdims=keepdims)
+        ones = a.unary_op(Op.FULL_LIKE, work, value=1.0)  # (the mask counted over a's shape)
+        count = _where(kept, ones, 0).sum(axis, keepdims=keepdims)
         return (total / count).astype(out_dt)
     call.__name__ = name
     return call
