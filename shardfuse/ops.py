@@ -8,7 +8,8 @@ as before; but no module other than this one spells an op as a string.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+import struct
+from dataclasses import dataclass, field
 from enum import StrEnum
 
 
@@ -195,7 +196,12 @@ HOST |= {Op.DYNAMIC_SLICE, Op.DYNAMIC_UPDATE_SLICE}
 ARRAY |= {Op.DYNAMIC_SLICE, Op.DYNAMIC_UPDATE_SLICE}
 
 
-@dataclass(frozen=True)
+def _value_key(v):
+    """A scalar as Exprs compare it: a float by its bits (0.0 and -0.0 apart, a NaN equal to itself)."""
+    return ("float", struct.pack("<d", v)) if isinstance(v, float) else v
+
+
+@dataclass(frozen=True, eq=False)
 class Expr:
     """The computation of a fused step (Op.FUSED, Op.FUSED_SUM, Op.FUSED_ROWS): an elementwise op of its
     arguments (Exprs) and scalar `value`, each node's result in its own `dtype` (rounded there, as the
@@ -209,6 +215,22 @@ class Expr:
     args: tuple = ()
     value: object = None
     arg: int = -1
+    key: tuple = field(init=False, repr=False)  # (compared by it, made once, hashed once: a node's hash is
+    hashed: int = field(init=False, repr=False)  # O(1), not its tree's)
+
+    def __post_init__(self):
+        key = (self.op, self.dtype, self.args, _value_key(self.value), self.arg)
+        object.__setattr__(self, "key", key)
+        object.__setattr__(self, "hashed", hash(key))
+
+    def __eq__(self, other):
+        return self is other or (isinstance(other, Expr) and self.hashed == other.hashed and self.key == other.key)
+
+    def __hash__(self):
+        return self.hashed
+
+    def __reduce__(self):  # (by its fields: a str hash differs between processes, so the key is made anew)
+        return Expr, (self.op, self.dtype, self.args, self.value, self.arg)
 
     def __str__(self):
         if self.op is None:

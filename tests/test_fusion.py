@@ -111,3 +111,37 @@ def test_a_value_read_beside_a_twice_taken_cast_stays_written(monkeypatch):
     monkeypatch.setenv("SHARDFUSE_FUSE", "0")
     for g, w in zip(got, sf.jit(f, mesh=one)(a, b, d)):
         np.testing.assert_array_equal(np.asarray(g).view(np.uint8), np.asarray(w).view(np.uint8))
+
+
+def test_a_chain_read_twice_joins_and_the_tree_stays_bounded(monkeypatch):
+    """t * t takes t's chain in at both reads (the GELU backward's tanh(u) * tanh(u)); t = t * t
+    repeated would double the expression per step, so a join stops at MAX_NODES nodes (a review's
+    case: sixteen squarings took 17 s to compile and printed 917k characters)."""
+    from shardfuse.ops import Op
+    from shardfuse.passes.fuse import MAX_NODES, expr_nodes
+
+    def squarings(t):
+        for _ in range(16):
+            t = t * t
+        return t
+
+    def tanh_squared(u):
+        t = np.tanh(u * 0.5)
+        return (1.0 - t * t) * u
+    x = np.full((4, 8), 1.0001)
+    for fn, steps in ((squarings, None), (tanh_squared, 1)):
+        got, plan, want, _ = _both(fn, (x,), monkeypatch)
+        np.testing.assert_array_equal(got.gather(), want.gather())
+        fused = [i for i in plan.program.walk() if i.op == Op.FUSED]
+        assert all(expr_nodes(i.attrs["expr"], {}) <= MAX_NODES for i in fused), plan
+        if steps is not None:
+            assert len([i for i in plan.program.walk() if i.op in (Op.FUSED, Op.TANH)]) == steps, plan
+
+
+def test_signed_zero_scalars_are_different_nodes():
+    """x * -0.0 and x * 0.0 are two nodes (1 / (x * -0.0) is -inf): Exprs compare floats by their bits."""
+    f = sf.jit(lambda x: 1.0 / (x * -0.0) + 1.0 / (x * 0.0), mesh=MESH)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        np.testing.assert_array_equal(f(np.array([1.0, 2.0, -3.0, 4.0])).gather(), np.full(4, np.nan))
+        g = sf.jit(lambda x: 1.0 / (x * -0.0) - 1.0 / (x * 0.0), mesh=MESH)
+        np.testing.assert_array_equal(g(np.array([1.0, 2.0, -3.0, 4.0])).gather(), [-np.inf, -np.inf, np.inf, -np.inf])

@@ -86,6 +86,17 @@ def _dedupe(expr, ins):
 
 
 FLOATS = {"float16", "bfloat16", "float32", "float64"}
+# A chain read at several places of its reader's expression is pasted in at each (tanh(u) * tanh(u)):
+# the expression is a tree, so t = t * t repeated would double it per step.  Backends compute equal
+# nodes once; the tree itself (printed, hashed, compiled) is held to this many nodes.
+MAX_NODES = 128
+
+
+def expr_nodes(expr, sizes: dict) -> int:
+    """The nodes of expr's tree (sizes: a memo shared by the pass; equal subtrees hash in O(1))."""
+    if expr not in sizes:
+        sizes[expr] = 1 + sum(expr_nodes(a, sizes) for a in expr.args)
+    return sizes[expr]
 _EXACT_CASTS = {("bfloat16", "float32"), ("float16", "float32"), ("bfloat16", "float64"), ("float16", "float64"),
                 ("float32", "float64")}
 
@@ -152,7 +163,7 @@ def fuse_elementwise(prog):
     outputs = set(prog.outputs)
     instrs = list(prog.instrs)
     producer = {}  # buffer -> index in instrs of the fusable step that writes it
-    dropped = set()
+    dropped, sizes = set(), {}
 
     def takes(v, i) -> bool:
         """Whether step i may take in the chain that wrote its operand v (the module doc's conditions)."""
@@ -175,9 +186,13 @@ def fuse_elementwise(prog):
     def join(n, i, v, make=_joined):
         """instrs[n] = make(i, v, the step that wrote i's operand v): the chain taken in, each value's
         readers recounted (the new step reads once what i and a dropped producer read; a producer
-        that stays still reads its operands, so they count for both)."""
+        that stays still reads its operands, so they count for both).  None where the joined
+        expression would pass MAX_NODES (nothing changed)."""
         made = instrs[producer[v]]
-        new = instrs[n] = make(i, v, made)
+        new = make(i, v, made)
+        if expr_nodes(new.attrs["expr"], sizes) > MAX_NODES:
+            return None
+        instrs[n] = new
         gone = taken(v)
         for w in (set(i.ins) | set(made.ins) | set(new.ins)) - {v}:
             reads[w] += (w in new.ins) - (w in i.ins) - (gone and w in made.ins)
@@ -187,10 +202,11 @@ def fuse_elementwise(prog):
     for n, i in enumerate(instrs):
         if fusable(i):
             while True:  # each operand a single-use chain produced: folded in (the operands renumber)
-                v = next((v for v in dict.fromkeys(i.ins) if takes(v, i) and v.type.shape == i.into.type.shape), None)
-                if v is None:
+                joined = next((j for v in dict.fromkeys(i.ins) if takes(v, i) and v.type.shape == i.into.type.shape
+                               and (j := join(n, i, v)) is not None), None)
+                if joined is None:
                     break
-                i = join(n, i, v)
+                i = joined
             v = i.into
             if v in once and v not in viewed and v not in outputs:
                 producer[v] = n
