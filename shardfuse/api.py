@@ -57,10 +57,17 @@ def distribute(x: Any, mesh: DeviceMesh, placements: Any) -> Any:
     x.redistribute(placements).  Inside sf.jit, a traced value annotated with that whole layout
     (JAX's with_sharding_constraint: axes not named replicated).  A pytree x: each leaf, with
     placements one for all or a pytree of Layouts of x's structure (`plan.output_layouts`)."""
+    if isinstance(placements, Layout):
+        if placements.partial:
+            raise ValueError(f"sf.distribute: {placements} pends sums over {placements.partial}: no placement of a "
+                             "whole value (a plan's layouts of its results never pend them)")
+        if placements.mesh is not None and placements.mesh != mesh:  # (a sub-mesh's layout: placed there)
+            mesh = placements.mesh
     if isinstance(x, Traced):
         return trace.constrain(x, placements, mesh)
     if tree.is_container(x):
-        if tree.leaves(placements, is_leaf=_is_layout) and all(map(_is_layout, tree.leaves(placements, _is_layout))):
+        layouts = tree.leaves(placements, is_leaf=_is_layout)
+        if layouts and all(map(_is_layout, layouts)):
             return tree.tree_map(lambda v, p: distribute(v, mesh, p), x, placements, is_leaf=_is_layout)
         return tree.tree_map(lambda v: distribute(v, mesh, placements), x)
     if isinstance(placements, Layout):

@@ -325,8 +325,8 @@ def _var(x, axis, ddof, keepdims, root):
     n = math.prod(x.shape[a] for a in reduced_axes(axis, x.ndim, x.shape))
     d = x - x.mean(axis, keepdims=True)
     v = (d * d).mean(axis, keepdims=keepdims)
-    if ddof:  # (NumPy divides by max(n - ddof, 0): a positive sum over 0 is inf, 0 / 0 NaN, as mean * inf)
-        v = v * (n / (n - ddof) if n > ddof else math.inf)
+    if ddof:  # (NumPy divides by max(n - ddof, 0): a positive sum over 0 is inf, 0 / 0 NaN, as mean * inf;
+        v = v.unary_op(Op.SCALE, value=n / (n - ddof) if n > ddof else math.inf)  # the factor not rounded)
     return sqrt(v) if root else v
 
 

@@ -206,12 +206,12 @@ def _at_set(x, desc, v, *values):
 
     starts, sizes, shape = _box(desc, values)
     ok = _in_range(x, desc, values)
-    if ok is False:  # (JAX drops the update: the box, clamped, written back as it is)
-        v = _slice(x, sizes, *starts)
-    elif isinstance(v, Traced) or isinstance(v, np.ndarray):
+    if isinstance(v, Traced) or isinstance(v, np.ndarray):  # (checked against x[idx]'s shape either way, as JAX)
         v = broadcast_to(cast(x.builder.constant(v), x.dtype_name), shape)
     else:  # a Python or NumPy scalar: a constant box of it (bound at each call, the box's size)
         v = x.builder.constant(np.full(shape, v, dtype=x.dtype))
+    if ok is False:  # (JAX drops the update: the box, clamped, written back as it is)
+        v = _slice(x, sizes, *starts)
     v = v.reshape(sizes)
     if ok is not True and ok is not False:  # (a traced index out of range: its box's own values)
         v = where(ok, v, _slice(x, sizes, *starts))

@@ -150,3 +150,21 @@ def test_a_donation_no_result_can_take_is_warned_with_the_reason():
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         assert step(w, 0.5).dtype == np.float32
+
+
+def test_a_donated_leaf_returned_as_it_is_takes_its_buffer_and_the_reasons_are_right():
+    """A frozen leaf of a donated state, returned unchanged, is the result itself (no copy, no
+    warning); of two donated inputs with one result of their type, the other is warned about with
+    that reason, not as read after the result is written."""
+    m = sf.DeviceMesh(2, backend="numpy")
+    f = sf.jit(lambda s, g: {"w": s["w"] - g, "frozen": s["frozen"]}, mesh=m, donate_argnums=0)
+    frozen = sf.replicate(np.arange(3, dtype=np.float32), mesh=m)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        out = f({"w": sf.replicate(np.ones(4, np.float32), mesh=m), "frozen": frozen}, np.ones(4, np.float32))
+    np.testing.assert_array_equal(np.asarray(out["frozen"]), [0, 1, 2])
+    assert "Copy" not in str(f.lower({"w": np.ones(4, np.float32), "frozen": np.ones(3, np.float32)},
+                                     np.ones(4, np.float32)))
+    g = sf.jit(lambda a, b: a + b, mesh=m, donate_argnums=(0, 1))
+    with pytest.warns(UserWarning, match=r"b: f64\[4\] \(each result of its type takes another donated input"):
+        g(np.ones(4), np.ones(4))

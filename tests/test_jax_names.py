@@ -100,3 +100,11 @@ def test_numpy_sum_and_mean_take_dtype_and_where(dtype):
         np.testing.assert_allclose(np.asarray(got).astype(np.float64), want.astype(np.float64), rtol=rtol, err_msg=name)
     with pytest.raises(TypeError, match="np.max with where= is not supported"):
         sf.jit(lambda x, m: np.max(x, where=m), mesh=MESH)(x, m)
+
+
+def test_var_with_ddof_in_float16_as_numpy():
+    """The n / (n - ddof) factor is applied as it is, not rounded to float16 as a user's Python float
+    beside a float16 array is (rounded twice it gave 1.498 where NumPy gives 1.497)."""
+    x = np.random.default_rng(1).standard_normal((4, 10)).astype(np.float16)
+    got = sf.jit(lambda x: np.var(sf.shard(x, axis=0, over="dp"), axis=1, ddof=1), mesh=MESH)(x)
+    np.testing.assert_array_equal(np.asarray(got), np.var(x, axis=1, ddof=1))

@@ -106,3 +106,16 @@ def test_shard_given_a_whole_spec_says_to_write_distribute():
         sf.jit(lambda w: sf.shard(w, (None, "tp")), mesh=MESH)(x)
     with pytest.raises(TypeError, match="sf.distribute"):
         sf.shard(x, [sf.Replicate(), sf.Shard(0)], mesh=MESH)
+
+
+def test_distribute_of_a_sub_mesh_layout_places_there_and_a_partial_layout_is_refused():
+    sub = MESH.submesh([0, 1])
+    x = rng().standard_normal((4, 2))
+    a = sf.distribute(x, MESH, Layout(("tp", None), mesh=sub))
+    assert a.mesh == sub and a.sharding.axes == ("tp", None)
+    np.testing.assert_array_equal(np.asarray(a), x)
+    y = sf.jit(lambda x: sf.distribute(x * 2, MESH, Layout(("tp", None), mesh=sub)), mesh=MESH)(x)
+    assert y.sharding.mesh == sub and y.sharding.axes == ("tp", None)
+    np.testing.assert_array_equal(np.asarray(y), 2 * x)
+    with pytest.raises(ValueError, match="pends sums over"):
+        sf.distribute(x, MESH, Layout(("dp", None), partial=("tp",)))

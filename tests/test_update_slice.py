@@ -363,3 +363,10 @@ def test_at_set_and_add_drop_an_update_out_of_range_as_jax():
     exact(sf.jit(lambda a, t: a.at[t].get(), mesh=mesh)(a, np.int32(9)), a[3])
     grad = sf.jit(sf.grad(lambda a, t: (a.at[t].set(a[0] * 2.0) ** 2).sum()), mesh=mesh)
     exact(grad(a, np.int32(6)), 2 * a)  # (dropped: a's cotangent is 2a, nothing from the update)
+
+
+def test_an_update_out_of_range_is_still_checked_against_the_boxes_shape():
+    mesh = sf.DeviceMesh(2, backend="numpy")
+    for i in (1, 10):  # (JAX checks the update's shape whether or not the index is in range)
+        with pytest.raises(ValueError, match="cannot be broadcast"):
+            sf.jit(lambda a: a.at[i].set(np.ones(5)), mesh=mesh)(np.zeros((4, 3)))

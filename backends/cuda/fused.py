@@ -1,6 +1,7 @@
 """The generated kernels of passes/fuse.py's steps: a Fused step (an ops.Expr over its operands)
-as one ElementwiseKernel, a FusedSum (the sum of such an Expr) as one ReductionKernel, so the
-chain's result is never written.  Each Expr node is a C variable rounded to its own dtype as the
+as one RawKernel of flat_source (a 0-d one as an ElementwiseKernel), a FusedSum (the sum of such
+an Expr) as one ReductionKernel, so the chain's result is never written; a FusedRows step
+(passes/fuse_rows.py) as one RawKernel of rows_source.  Each Expr node is a C variable rounded to its own dtype as the
 unfused step's result was (bfloat16 through its uint16 bits, kernels.BF16_PREAMBLE); a sum
 accumulates in float (double for float64) and is scaled there, as kernels.bind_sum sums."""
 from __future__ import annotations

@@ -96,7 +96,8 @@ def _levels(expr, out=None) -> dict:
 
 
 class Emitter:
-    """C statements for nodes at column c of the current row, each equal node once (memo)."""
+    """C statements for nodes at column c of the current row (flat_source: at the element, every
+    column stride 0 and each operand's offset its own), each equal node once (memo)."""
 
     def __init__(self, in_dtypes, col_strides, known):
         self.in_dtypes, self.col_strides = in_dtypes, col_strides

@@ -11,6 +11,8 @@ output that could take no buffer stays in its own (JAX's donation is a hint too)
 """
 from __future__ import annotations
 
+import inspect
+import os
 import warnings
 
 from shardfuse.ir import substitute
@@ -52,8 +54,8 @@ def _safe(prog, inp, root, base) -> bool:
     writes = [k for k, i in enumerate(prog.instrs) if _writes(i, written_as)]
     copied = writes[0] if writes and _copies(prog.instrs[writes[0]], inp, root) else None
     writes = writes[1:] if copied is not None else writes  # (that copy is dropped: donate_buffers)
-    if not writes:
-        return False
+    if not writes:  # (a result that is the input's copy, returned as it was, takes its buffer: no copy)
+        return copied is not None
     first_write = writes[0]
     for k, i in enumerate(prog.instrs):
         if k == copied or not _reads(i, read_as) or i.op in (Op.SLICE, Op.VIEW, Op.TRANSPOSE, Op.SHARD_SLICE, Op.SELECT):
@@ -98,20 +100,34 @@ def donate_buffers(prog):
 
 def _warn_unused(prog, taken):
     """JAX's "Some donated buffers were not usable", once per plan: each donated input no result
-    took, and why (no result of its dtype, shape and layout: a float32 weight minus a NumPy float64
-    learning rate is float64, as NumPy 2 promotes it; or one that is, but the input is read after
-    the result is written)."""
-    unused = [prog.inputs[k] for k in prog.donated if prog.inputs[k] not in taken]
+    took (one returned as it is needs none), and why: no result of its dtype, shape and layout (a
+    float32 weight minus a NumPy float64 learning rate is float64, as NumPy 2 promotes it), every
+    such result taking another donated input's buffer, or the input read after it is written."""
+    unused = [prog.inputs[k] for k in prog.donated
+              if prog.inputs[k] not in taken and prog.inputs[k] not in prog.outputs]
     if not unused:
         return
-    results = {v.type for v in prog.outputs}
+    results = [r for r in prog.outputs if r not in prog.inputs]
 
     def why(v):
-        if v.type in results:
+        same = [r for r in results if r.type == v.type]
+        if same and len(same) <= sum(1 for t in taken if t.type == v.type):
+            return f"{v.name}: {v.type} (each result of its type takes another donated input's buffer)"
+        if same:
             return f"{v.name}: {v.type} (read after the result of its type is written)"
-        other = sorted({r.type.dtype for r in prog.outputs if r.type.shape == v.type.shape} - {v.type.dtype})
+        other = sorted({r.type.dtype for r in results if r.type.shape == v.type.shape} - {v.type.dtype})
         hint = (f"; the results of its shape are {', '.join(other)} (NumPy 2 promotes {v.type.dtype} with a NumPy "
                 f"{other[0]} scalar or array to {other[0]}: pass a Python float, or cast)") if other else ""
         return f"{v.name}: {v.type} (no result of this dtype, shape and layout{hint})"
     warnings.warn(f"{prog.name}: some donated buffers were not usable: {'; '.join(map(why, unused))}.  Those inputs "
-                  "keep their buffers (and stay usable); their results take new ones", UserWarning, stacklevel=2)
+                  "keep their buffers (and stay usable); their results take new ones", UserWarning,
+                  stacklevel=_outside_shardfuse())
+
+
+def _outside_shardfuse() -> int:
+    """The stacklevel of the first frame outside the shardfuse package: the user's call that compiled."""
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    frame, level = inspect.currentframe(), 0
+    while frame is not None and os.path.abspath(frame.f_code.co_filename).startswith(root):
+        frame, level = frame.f_back, level + 1
+    return max(level, 1)

@@ -4,8 +4,9 @@ arithmetic, one pass over the data instead of one per op (issue 31 item 9).
 
 A step I joins the step J that reads its result t when: both are top-level elementwise steps of
 the ops backends fuse (FUSABLE), t is a buffer made once for I alone (no view of it, no output,
-nothing else reads it), J reads t once, and J's result has t's shape (so element k of t feeds
-element k of J's result: no broadcast of t).  The fused step reads the chain's other operands
+no other step reads it: J may read it at several places of its expression, t * t, each then
+holding I's chain, up to MAX_NODES nodes in all), and J's result has t's shape (so element k of t
+feeds element k of J's result: no broadcast of t).  The fused step reads the chain's other operands
 (which may broadcast) and writes J's buffer; its `expr` keeps each op's own result dtype, so every
 intermediate is rounded as the unfused step rounded it.  The plan prints it:
 `Fused a_8 <- c_3, const, f, expr=astype(add(where_then(#1, scale(#0, 0.088)), #2))`.
@@ -116,7 +117,8 @@ def _keeps_float16(v, i) -> bool:
     """Whether operand v of i may be folded into i's kernel: a float16 value only into a kernel that
     writes float16.  CuPy defines its float16 type in a kernel only where a parameter is float16
     (an H200 run: "incomplete type float16" for a float64 -> float16 -> float64 round trip), so a
-    float16 value inside a chain must be one the kernel also stores."""
+    float16 value inside a chain must be one the kernel also stores.  (That holds for the kernels
+    CuPy still writes, a 0-d Fused step's and a FusedSum's; flat_source's convert by PTX.)"""
     return v.type.dtype != "float16" or i.into.type.dtype == "float16"
 
 
