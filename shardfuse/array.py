@@ -53,6 +53,9 @@ class Array(Placed, ArrayOps):  # operators, ufuncs, reductions, indexing: array
         # to may write (pieces placed from a caller's array may view it, or share one buffer per GPU)
         self.owned = owned
         self.fenced = fenced  # a plan's result: its call's interop.Fence (the stream that already waits for it)
+        # a 0-d result weakly typed as JAX keeps it (a Python number's arithmetic): the next call takes it
+        # as it took the Python number, so a step count in a state does not make float32 weights float64
+        self.weak = False
 
     ndim = property(lambda self: len(self.shape))
 
@@ -71,7 +74,7 @@ class Array(Placed, ArrayOps):  # operators, ufuncs, reductions, indexing: array
 
     @property
     def spec(self) -> TensorSpec:
-        return TensorSpec(self.shape, self.dtype_name, self.sharding)
+        return TensorSpec(self.shape, self.dtype_name, self.sharding, weak=self.weak)
 
     def __repr__(self):
         return (f"sf.Array(shape={self.shape}, dtype={self.dtype_name}, "

@@ -109,6 +109,8 @@ class Program:
     # (input index, integer dtype) per Python int argument that a promotion narrows (trace.weak_bounds):
     # the plan checks at each call that the value fits, as NumPy 2 and JAX raise OverflowError
     weak_bounds: tuple = field(default=(), compare=False, repr=False)
+    # the positions of the 0-d results weakly typed as JAX's (a step count + 1): their sf.Arrays stay weak
+    weak_outputs: tuple = field(default=(), compare=False, repr=False)
 
     def with_instrs(self, instrs, by: str, **changes) -> "Program":
         return replace(self, instrs=tuple(instrs), history=self.history + (by,), **changes)

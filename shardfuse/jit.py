@@ -242,7 +242,7 @@ class Jitted:
         for a in args:
             if isinstance(a, Array):
                 infos.append(None)
-                key.append((a.shape, a.dtype_name, a.sharding, a.mesh))
+                key.append((a.shape, a.dtype_name, a.sharding, a.mesh, a.weak))
                 continue
             if a is None or isinstance(a, _GENERAL):
                 return None, None

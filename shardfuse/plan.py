@@ -162,6 +162,8 @@ class Plan:
         mesh, owned = self.program.mesh, not self.graph
         arrays = tuple(Array(mesh, shape, dtype, lay, shards, whole, owned, fenced)
                        for (shape, dtype), (lay, shards, whole) in zip(self._out_types, outs))
+        for k in self.program.weak_outputs:
+            arrays[k].weak = True
         if self.out_tree is not None:
             return self.out_tree.unflatten(arrays)
         return arrays[0] if len(arrays) == 1 else arrays

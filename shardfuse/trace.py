@@ -245,7 +245,8 @@ def trace(fn, mesh, specs, streams=4, name=None) -> Program:
     const_inputs, const_arrays = captured(builder)  # (NumPy arrays met: inputs bound by the plan itself)
     return Program(name or fn.__name__, mesh, tuple(inputs) + const_inputs, tuple(r.value for r in results),
                    tuple(builder.instrs), streams, ("trace",), constants=const_arrays,
-                   weak_bounds=weak_bounds(builder, inputs))
+                   weak_bounds=weak_bounds(builder, inputs),
+                   weak_outputs=tuple(k for k, r in enumerate(results) if r.value in builder.weak and r.shape == ()))
 
 
 def weak_bounds(builder, inputs) -> tuple:

@@ -119,3 +119,25 @@ def test_distribute_of_a_sub_mesh_layout_places_there_and_a_partial_layout_is_re
     np.testing.assert_array_equal(np.asarray(y), 2 * x)
     with pytest.raises(ValueError, match="pends sums over"):
         sf.distribute(x, MESH, Layout(("dp", None), partial=("tp",)))
+
+
+def test_a_step_count_in_the_state_stays_weak_and_the_weights_keep_their_dtype():
+    """{"w": float32, "step": 0}: the count's Python int is weak, and so is its result (JAX keeps
+    weak types on jit's outputs), so 0.1 / (step + 1) * g stays float32 on every later call and
+    the plan is traced once (the count came back strong int64: w turned float64 on call 2)."""
+    traced = []
+
+    @sf.jit(mesh=MESH, donate_argnums=0)
+    def step(state, g):
+        traced.append(1)
+        lr = 0.1 / (state["step"] + 1)
+        return {"w": state["w"] - lr * g, "step": state["step"] + 1}
+    g = rng().standard_normal(4).astype(np.float32)
+    s, want = {"w": np.ones(4, np.float32), "step": 0}, np.ones(4, np.float32)
+    for t in range(4):
+        s = step(s, g)
+        want = want - np.float32(0.1 / (t + 1)) * g
+        assert s["w"].dtype == np.float32 and s["step"].weak and int(s["step"]) == t + 1
+    np.testing.assert_allclose(np.asarray(s["w"]), want, rtol=1e-6)
+    assert len(traced) == 1
+    assert not (s["step"] + np.int64(1)).weak  # (a NumPy scalar is strong: so is the result)
