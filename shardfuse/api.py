@@ -7,9 +7,10 @@ from typing import Any
 
 from shardfuse import trace, tree
 from shardfuse.traced import Traced
-from shardfuse.array import Array, replicated
+from shardfuse.array import WEAK_TYPES, Array, replicated
 from shardfuse.layout import Layout, layout_of
 from shardfuse.mesh import DeviceMesh
+from shardfuse.placements import Partial, Replicate, Shard
 from shardfuse.spec import normalize_axis, normalize_over
 
 
@@ -66,10 +67,9 @@ def distribute(x: Any, mesh: DeviceMesh, placements: Any) -> Any:
     if isinstance(x, Traced):
         return trace.constrain(x, placements, mesh)
     if tree.is_container(x):
-        layouts = tree.leaves(placements, is_leaf=_is_layout)
-        if layouts and all(map(_is_layout, layouts)):
-            return tree.tree_map(lambda v, p: distribute(v, mesh, p), x, placements, is_leaf=_is_layout)
-        return tree.tree_map(lambda v: distribute(v, mesh, placements), x)
+        if _is_placement(placements):  # (one for every leaf)
+            return tree.tree_map(lambda v: distribute(v, mesh, placements), x)
+        return tree.tree_map(lambda v, p: distribute(v, mesh, p), x, placements, is_leaf=_is_placement)
     if isinstance(placements, Layout):
         placements = list(placements.axes)
     if isinstance(x, Array):
@@ -77,11 +77,20 @@ def distribute(x: Any, mesh: DeviceMesh, placements: Any) -> Any:
         return x.redistribute(placements)
     from shardfuse.interop import array_info
 
-    return Array.from_layout(x, mesh, layout_of(placements, len(array_info(x).shape), mesh))
+    placed = Array.from_layout(x, mesh, layout_of(placements, len(array_info(x).shape), mesh))
+    placed.weak = type(x) in WEAK_TYPES  # (a Python number stays weak, as jax.device_put keeps it)
+    return placed
 
 
-def _is_layout(p) -> bool:
-    return isinstance(p, Layout)
+def _is_placement(p) -> bool:
+    """A Layout, DTensor-style placements or a JAX-style spec (entries None, mesh axis names or tuples
+    of them), not a pytree of them: what one leaf is placed by."""
+    if isinstance(p, Layout):
+        return True
+    if isinstance(p, list) and p and all(isinstance(e, (Shard, Replicate, Partial)) for e in p):
+        return True
+    return isinstance(p, tuple) and all(e is None or isinstance(e, str) or (
+        isinstance(e, tuple) and e and all(isinstance(n, str) for n in e)) for e in p)
 
 
 def _same_mesh(x: Array, mesh, what: str) -> None:

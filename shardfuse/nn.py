@@ -238,7 +238,9 @@ def one_hot(x, num_classes, dtype="float32", axis=-1):
     axis of num_classes entries (last by default), 0.0 elsewhere; an id outside [0, num_classes)
     gives a row of zeros.  The ids are compared with a constant np.arange(num_classes)."""
     if not _int_array(x) and not (hasattr(type(x), "one_op") and np.dtype(x.dtype).kind in "iu"):
-        raise TypeError(f"sf.nn.one_hot: x must be integer class ids (int32 or int64), got {describe(x)}")
+        where = "" if isinstance(x, Traced) or hasattr(type(x), "one_op") else \
+            " (sf.nn takes values inside sf.jit or sf.Arrays: place it with sf.replicate(x, mesh=mesh))"
+        raise TypeError(f"sf.nn.one_hot: x must be integer class ids (int32 or int64), got {describe(x)}{where}")
     if not isinstance(num_classes, (int, np.integer)) or isinstance(num_classes, bool) or num_classes < 1:
         raise ValueError(f"sf.nn.one_hot: num_classes must be a positive int, got {num_classes!r}")
     return _one_hot(x, int(num_classes), np.dtype(dtype).name if not isinstance(dtype, str) else dtype, axis)

@@ -30,6 +30,7 @@ class Plan:
         self._binding = threading.Lock()  # threads' first calls bind it once (binding may communicate)
         self._why, self._rates = explanation, rates  # chunks="auto"'s choice; the rates given to sf.jit
         self.out_tree = None  # the structure of the function's result where it is a pytree (tree.FlatFunction)
+        self.in_tree = None  # the structure of its arguments where they are pytrees
         self._const_infos = tuple(None if isinstance(c, Array) else array_info(c) for c in program.constants)
         # (input, dtype, its least and greatest value) per Python int argument a promotion narrows
         self._bounds = tuple((k, dt, int(np.iinfo(dt).min), int(np.iinfo(dt).max)) for k, dt in program.weak_bounds)
@@ -53,9 +54,12 @@ class Plan:
 
     @property
     def input_layouts(self) -> tuple:
-        """The Layout each argument leaf is taken in, in order (JAX's compiled.input_shardings): a plain
-        array is placed so; an sf.Array in another layout selects another plan."""
-        return tuple(v.type.layout for v in self.program.inputs)
+        """The Layout each argument is taken in, in the arguments' structure (JAX's
+        compiled.input_shardings: a tuple, one per argument, pytrees as pytrees): a plain array is
+        placed so; an sf.Array in another layout selects another plan."""
+        args = self.program.inputs[:len(self.program.inputs) - len(self.program.constants)]
+        layouts = tuple(v.type.layout for v in args)
+        return self.in_tree.unflatten(layouts) if self.in_tree is not None else layouts
 
     @property
     def output_layouts(self):

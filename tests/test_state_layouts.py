@@ -71,7 +71,8 @@ def test_a_tensor_parallel_state_placed_as_the_step_returns_it_compiles_once():
         np.testing.assert_allclose(np.asarray(state[k]), want[k], rtol=1e-12)
     assert g.cache_info()["plans"] == 1
     plan = next(iter(g.cached_plans().values()))
-    assert [lay.axes for lay in plan.input_layouts] == [(None, "tp"), ("tp", None), ("dp", None)]
+    (ins, x_layout) = plan.input_layouts  # (the arguments' structure: a dict, then one array)
+    assert (ins["w1"].axes, ins["w2"].axes, x_layout.axes) == ((None, "tp"), ("tp", None), ("dp", None))
     assert "Allgather" not in str(plan)  # (the weights stay sharded: nothing gathers them)
 
 
@@ -141,3 +142,26 @@ def test_a_step_count_in_the_state_stays_weak_and_the_weights_keep_their_dtype()
     np.testing.assert_allclose(np.asarray(s["w"]), want, rtol=1e-6)
     assert len(traced) == 1
     assert not (s["step"] + np.int64(1)).weak  # (a NumPy scalar is strong: so is the result)
+
+
+def test_a_state_placed_by_a_pytree_of_specs_or_the_plans_input_layouts():
+    """sf.distribute(tree, mesh, tree of JAX-style specs) as jax.device_put(tree, shardings); a Python
+    count placed stays weak (jax.device_put keeps it), so the weights stay float32; plan.input_layouts
+    holds the arguments' structure, so sf.distribute(args, mesh, plan.input_layouts) places them."""
+    params = {"w1": rng().standard_normal((8, 4)).astype(np.float32), "b1": np.ones(4, np.float32), "count": 0}
+    placed = sf.distribute(params, MESH, {"w1": (None, "tp"), "b1": ("tp",), "count": ()})
+    assert placed["w1"].sharding.axes == (None, "tp") and placed["b1"].sharding.axes == ("tp",)
+    assert placed["count"].weak and not sf.distribute(np.int32(0), MESH, ()).weak
+
+    @sf.jit(mesh=MESH, donate_argnums=0)
+    def step(s, x):
+        lr = 0.1 / (s["count"] + 1)
+        return {"w1": s["w1"] - lr * x, "b1": s["b1"], "count": s["count"] + 1}
+    x = rng().standard_normal((8, 4)).astype(np.float32)
+    plan = step.lower(params, x)
+    layouts = plan.input_layouts
+    assert isinstance(layouts, tuple) and set(layouts[0]) == {"w1", "b1", "count"}
+    args = sf.distribute((params, x), MESH, layouts)
+    out = step(*args)
+    assert out["w1"].dtype == np.float32 and out["count"].weak
+    np.testing.assert_allclose(np.asarray(out["w1"]), params["w1"] - np.float32(0.1) * x, rtol=1e-6)

@@ -111,13 +111,15 @@ def _warn_unused(prog, taken):
 
     def why(v):
         same = [r for r in results if r.type == v.type]
-        if same and len(same) <= sum(1 for t in taken if t.type == v.type):
-            return f"{v.name}: {v.type} (each result of its type takes another donated input's buffer)"
-        if same:
-            return f"{v.name}: {v.type} (read after the result of its type is written)"
         other = sorted({r.type.dtype for r in results if r.type.shape == v.type.shape} - {v.type.dtype})
-        hint = (f"; the results of its shape are {', '.join(other)} (NumPy 2 promotes {v.type.dtype} with a NumPy "
-                f"{other[0]} scalar or array to {other[0]}: pass a Python float, or cast)") if other else ""
+        # (a result of its shape in another dtype: most likely its own update, promoted)
+        hint = (f"; results of its shape are {', '.join(other)} (NumPy 2 promotes {v.type.dtype} with a NumPy "
+                f"{other[0]} scalar or array, or a strong integer's quotient, to {other[0]}: pass Python numbers, or "
+                "cast)") if other else ""
+        if same and len(same) <= sum(1 for t in taken if t.type == v.type):
+            return f"{v.name}: {v.type} (each result of its type takes another donated input's buffer{hint})"
+        if same:
+            return f"{v.name}: {v.type} (read after the result of its type is written{hint})"
         return f"{v.name}: {v.type} (no result of this dtype, shape and layout{hint})"
     warnings.warn(f"{prog.name}: some donated buffers were not usable: {'; '.join(map(why, unused))}.  Those inputs "
                   "keep their buffers (and stay usable); their results take new ones", UserWarning,
