@@ -14,6 +14,7 @@ from __future__ import annotations
 import inspect
 import os
 import warnings
+from collections import defaultdict
 
 from shardfuse.ir import substitute
 from shardfuse.ops import COLLECTIVES, ELEMENTWISE, LOCAL_REDUCTIONS, LOCAL_SCANS, Op
@@ -22,19 +23,37 @@ from shardfuse.passes.allocate import view_bases
 IN_PLACE = ELEMENTWISE - LOCAL_REDUCTIONS - LOCAL_SCANS | {Op.FUSED}  # each output element from the same element of each input
 
 
-def _touches(ins, values) -> bool:
-    """Whether ins (or its loop body) reads or writes one of `values`."""
-    if any(v in values for v in ins.values()) or any(v in values for v in ins.outs):
-        return True
-    return any(_touches(b, values) for b in ins.body)
+def _touched(body) -> set:
+    """The values a loop body reads or writes (its steps' operands, results and outputs), recursively."""
+    return {v for b in body for v in (*b.values(), *b.outs)} | {v for b in body for v in _touched(b.body)}
 
 
-def _reads(ins, values) -> bool:
-    return any(v in values for v in ins.ins) or any(_touches(b, values) for b in ins.body)
+def _written(body) -> set:
+    return {b.into for b in body if b.into is not None} | {v for b in body for v in _written(b.body)}
 
 
-def _writes(ins, values) -> bool:
-    return (ins.into is not None and ins.into in values) or any(_writes(b, values) for b in ins.body)
+class _Index:
+    """Made once per program: the top-level steps that read each value (a step's operands, or anything
+    its loop body touches) and that write it (`into`, in a body too), each in program order; where
+    each collective's Wait is; the views of each buffer.  _safe then looks at those steps only (it
+    scanned the whole program per output and donated input: a quarter of a training step's compile)."""
+
+    def __init__(self, prog, base):
+        self.readers, self.writers = defaultdict(list), defaultdict(list)
+        self.waits = {}  # a collective's handle -> where its Wait is (the collective reads until then)
+        for k, i in enumerate(prog.instrs):
+            if i.op == Op.WAIT:
+                self.waits.update({h: k for h in i.ins})
+            for v in set(i.ins) | _touched(i.body):
+                self.readers[v].append(k)
+            for v in ({i.into} if i.into is not None else set()) | _written(i.body):
+                self.writers[v].append(k)
+        self.views = defaultdict(set)
+        for v, b in base.items():
+            self.views[b].add(v)
+
+    def steps(self, table, values) -> list:
+        return sorted({k for v in values for k in table.get(v, ())})
 
 
 def _copies(i, inp, root) -> bool:
@@ -44,23 +63,19 @@ def _copies(i, inp, root) -> bool:
     return i.op == Op.COPY and i.into is root and i.ins == (inp,)
 
 
-def _safe(prog, inp, root, base) -> bool:
-    read_as = {inp} | {v for v, b in base.items() if b == inp}
-    written_as = {root} | {v for v, b in base.items() if b == root}
-    waits = {}  # a collective's handle -> where its Wait is (the collective reads until then)
-    for k, i in enumerate(prog.instrs):
-        if i.op == Op.WAIT:
-            waits.update({h: k for h in i.ins})
-    writes = [k for k, i in enumerate(prog.instrs) if _writes(i, written_as)]
+def _safe(prog, inp, root, index) -> bool:
+    read_as, written_as = {inp} | index.views[inp], {root} | index.views[root]
+    writes = index.steps(index.writers, written_as)
     copied = writes[0] if writes and _copies(prog.instrs[writes[0]], inp, root) else None
     writes = writes[1:] if copied is not None else writes  # (that copy is dropped: donate_buffers)
     if not writes:  # (a result that is the input's copy, returned as it was, takes its buffer: no copy)
         return copied is not None
     first_write = writes[0]
-    for k, i in enumerate(prog.instrs):
-        if k == copied or not _reads(i, read_as) or i.op in (Op.SLICE, Op.VIEW, Op.TRANSPOSE, Op.SHARD_SLICE, Op.SELECT):
+    for k in index.steps(index.readers, read_as):
+        i = prog.instrs[k]
+        if k == copied or i.op in (Op.SLICE, Op.VIEW, Op.TRANSPOSE, Op.SHARD_SLICE, Op.SELECT):
             continue
-        last = max([k] + [waits.get(o, k) for o in i.outs if i.op in COLLECTIVES])
+        last = max([k] + [index.waits.get(o, k) for o in i.outs if i.op in COLLECTIVES])
         if last < first_write:
             continue
         in_place = (k == first_write and i.op in IN_PLACE and i.into is root and inp in i.ins
@@ -74,6 +89,7 @@ def donate_buffers(prog):
     if not prog.donated:
         return prog.with_instrs(prog.instrs, "donate_buffers")
     base = view_bases(prog)
+    index = _Index(prog, base)
     allocs = {i.outs[0]: i for i in prog.instrs if i.op == Op.ALLOCATE and i.attrs.get("per_call")}
     mapping, taken = {}, set()
     for out in prog.outputs:
@@ -85,7 +101,7 @@ def donate_buffers(prog):
             inp = prog.inputs[k]
             if inp in taken or inp.type != root.type:
                 continue
-            if _safe(prog, inp, root, base):
+            if _safe(prog, inp, root, index):
                 mapping[root] = inp
                 taken.add(inp)
                 break
