@@ -174,23 +174,26 @@ _REDUCTIONS = {np.sum: Traced.sum, np.mean: Traced.mean, np.max: Traced.max, np.
                np.amin: Traced.min}
 
 
-def reduce(x, axis, method, out, dtype=None, keepdims=False, **rest):
-    """x.sum / mean / max / min(axis, keepdims=) (method: Traced's), the traced reduction of each axis."""
-    what = method.__name__
+def reduce(x, axis, method, out, dtype=None, keepdims=False, where=None, **rest):
+    """x.sum / mean / max / min(axis, keepdims=) (method: Traced's), the traced reduction of each axis;
+    sum and mean also take dtype= and where= (a mask, an operand of the plan), as np.sum's."""
+    what, summed = method.__name__, method in (Traced.sum, Traced.mean)
     if out is not None:
         raise TypeError("sf.Array reductions return a new sf.Array: out= is not supported")
-    if dtype is not None:
-        raise TypeError(f"sf.Array.{what} keeps the array's dtype (16-bit sums accumulate in float32): dtype= is not "
-                        "supported")
+    if not summed and (dtype is not None or where is not None):
+        raise TypeError(f"sf.Array.{what} takes no dtype= or where= (NumPy's {what} with where= needs initial=): "
+                        f"write x.{what}(axis, keepdims=), or sf.where(mask, x, fill).{what}(axis)")
     if rest:
         raise TypeError(f"sf.Array.{what} with {', '.join(k + '=' for k in rest)} is not supported")
     axes = tuple(sorted(reduced_axes(axis, x.ndim, x.shape)))  # (one plan per set of axes)
-    keepdims = bool(keepdims)
+    keepdims, dt = bool(keepdims), None if dtype is None else np.dtype(dtype).name
+    extra = {} if dt is None else {"dtype": dt}
 
-    def reduction(v):  # (a mean of means: each scaled before it is rounded)
-        return method(v, axes, keepdims=keepdims)
+    def reduction(v, *mask):  # (a mean of means: each scaled before it is rounded)
+        return method(v, axes, keepdims=keepdims, **extra, **({"where": mask[0]} if mask else {}))
 
-    return run(reduction, (x,), (Op.SUM, axes, what, keepdims), what)
+    args = (x,) if where is None else (x, where)
+    return run(reduction, args, (Op.SUM, axes, what, keepdims, dt, where is not None), what)
 
 
 def unsupported_function(func) -> str:

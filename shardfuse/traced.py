@@ -25,9 +25,7 @@ class Builder:
     """Collects the instructions of one traced function."""
 
     def __init__(self, mesh):
-        self.mesh = mesh
-        self.instrs: list = []
-        self.namer = Namer()
+        self.mesh, self.instrs, self.namer = mesh, [], Namer()
         self.producer: dict = {}  # value -> the instruction that made it
         self.homes: dict = {}  # value -> the sub-mesh it lives on, where known when traced
         self.fresh: set = set()  # sf.grad's primals: annotations do not compose through them (JAX's new tracers)
@@ -46,9 +44,8 @@ class Builder:
         if self.recomputing and op == Op.SET:  # (a resharding sf.checkpoint does again: never the forward's, shared)
             attrs["recomputed"] = True
         out = Value(self.namer(base), out_type)
-        ins_ = Instr(op, (out,), tuple(t.value for t in ins), attrs)
+        self.producer[out] = ins_ = Instr(op, (out,), tuple(t.value for t in ins), attrs)
         self.instrs.append(ins_)
-        self.producer[out] = ins_
         if ins and op in ELEMENTWISE and all(t.value in self.weak for t in ins):  # (JAX: weak in, weak out)
             self.weak.add(out)
         lay, homes = getattr(out_type, "layout", None), {self.homes.get(t.value) for t in ins}
@@ -270,16 +267,19 @@ class Traced(NumpyMethods):
                             "negative is not supported); write ~x for a logical not, or -x.astype('int32')")
         return self.unary_op(Op.NEG)
 
-    def sum(self, axis=None, keepdims=False):
-        """The sum over `axis`: an int, a tuple of them, or None (every axis), as NumPy's (integers
-        and bools summed in int64)."""
-        return self._reduce(axis, Op.SUM, keepdims)
+    def sum(self, axis=None, dtype=None, out=None, keepdims=False, *, where=None):
+        """The sum over `axis`: an int, a tuple of them, or None (every axis), as NumPy's (integers and
+        bools summed in int64); dtype= and where= as np.sum's (traced_numpy._reduction)."""
+        if dtype is None and out is None and where is None:
+            return self._reduce(axis, Op.SUM, keepdims)
+        return NUMPY[np.sum](self, axis, dtype, out, keepdims, where=where)
 
-    def mean(self, axis=None, keepdims=False):
-        """The mean over `axis` (as sum): each axis' sum scaled by 1 / n in one step, before it is
-        rounded to a 16-bit dtype (a float16 sum can overflow where the mean does not); NaN for
-        an empty axis, as NumPy gives."""
-        return self._reduce(axis, "mean", keepdims)
+    def mean(self, axis=None, dtype=None, out=None, keepdims=False, *, where=None):
+        """The mean over `axis` (as sum): each axis' sum scaled by 1 / n in one step, before it is rounded
+        to a 16-bit dtype (a float16 sum can overflow where the mean does not); NaN for an empty axis."""
+        if dtype is None and out is None and where is None:
+            return self._reduce(axis, "mean", keepdims)
+        return NUMPY[np.mean](self, axis, dtype, out, keepdims, where=where)
 
     def max(self, axis=None, keepdims=False):
         """The largest element over `axis` (NaN if any is), as NumPy's; a sharded axis is gathered first."""

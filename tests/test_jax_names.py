@@ -108,3 +108,22 @@ def test_var_with_ddof_in_float16_as_numpy():
     x = np.random.default_rng(1).standard_normal((4, 10)).astype(np.float16)
     got = sf.jit(lambda x: np.var(sf.shard(x, axis=0, over="dp"), axis=1, ddof=1), mesh=MESH)(x)
     np.testing.assert_array_equal(np.asarray(got), np.var(x, axis=1, ddof=1))
+
+
+def test_sum_and_mean_methods_take_dtype_and_where_inside_jit_and_on_sf_arrays():
+    x = rng().standard_normal((4, 6))
+    m = rng().random((4, 6)) < 0.5
+    m[1] = False
+    xa = sf.distribute(x, MESH, ("dp", "tp"))
+    cases = {"mean where": lambda x, m: x.mean(where=m), "sum where axis": lambda x, m: x.sum(1, where=m),
+             "mean where keepdims": lambda x, m: x.mean(axis=1, keepdims=True, where=m),
+             "sum dtype": lambda x, m: x.sum(dtype=np.float32), "np.mean where": lambda x, m: np.mean(x, 0, where=m)}
+    for name, fn in cases.items():
+        with np.errstate(invalid="ignore"):
+            want = np.asarray(fn(x, m))
+        for got in (sf.jit(fn, mesh=MESH)(x, m), fn(xa, m)):
+            assert got.dtype == want.dtype, name
+            f32 = want.dtype == np.float32  # (a float32 sum of either sign cancels: held in absolute terms)
+            np.testing.assert_allclose(np.asarray(got), want, rtol=1e-12, atol=1e-5 if f32 else 0, err_msg=name)
+    with pytest.raises(TypeError, match="takes no dtype= or where="):
+        xa.max(where=m)
