@@ -175,13 +175,46 @@ def tree_map(fn: Callable, tree, *rest, is_leaf: Callable | None = None) -> Any:
     """fn applied to each leaf (and the matching leaves of `rest`, which must have tree's structure);
     is_leaf as flatten's (jax.tree_util.tree_map)."""
     xs, td = flatten(tree, is_leaf)
+    return td.unflatten(fn(*args) for args in zip(xs, *_matching(td, rest, is_leaf)))
+
+
+def _matching(td, rest, is_leaf) -> list:
+    """The leaves of each of `rest`, which must have td's structure."""
     others = []
     for r in rest:
         ys, rd = flatten(r, is_leaf)
         if rd != td:
             raise ValueError(f"tree_map: structures differ: {td} and {rd}")
         others.append(ys)
-    return td.unflatten(fn(*args) for args in zip(xs, *others))
+    return others
+
+
+def key_paths(td: TreeDef, prefix: tuple = ()) -> list:
+    """Each leaf's path, in order: the tuple of dict keys, positions and namedtuple field names on
+    the way to it (JAX's key paths, with the keys themselves where JAX has DictKey / SequenceKey /
+    GetAttrKey objects)."""
+    if td.kind == "leaf":
+        return [prefix]
+    if td.kind == "dict":
+        keys = list(td.meta)
+    elif td.kind in ("tuple", "list", "none"):
+        keys = list(range(len(td.children)))
+    else:
+        keys = list(td.kind._fields)
+    return [p for k, c in zip(keys, td.children) for p in key_paths(c, prefix + (k,))]
+
+
+def tree_flatten_with_path(tree, is_leaf: Callable | None = None) -> tuple:
+    """([(path, leaf)], structure) (jax.tree_util.tree_flatten_with_path; paths as key_paths')."""
+    xs, td = flatten(tree, is_leaf)
+    return list(zip(key_paths(td), xs)), td
+
+
+def tree_map_with_path(fn: Callable, tree, *rest, is_leaf: Callable | None = None) -> Any:
+    """fn(path, leaf, *the matching leaves of rest) for each leaf (jax.tree_util.tree_map_with_path):
+    a weight decay that skips biases, `lambda path, w: w if path[-1].startswith("b") else w * 0.99`."""
+    xs, td = flatten(tree, is_leaf)
+    return td.unflatten(fn(p, *args) for p, args in zip(key_paths(td), zip(xs, *_matching(td, rest, is_leaf))))
 
 
 def tree_structure(tree, is_leaf: Callable | None = None) -> TreeDef:

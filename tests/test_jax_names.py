@@ -127,3 +127,15 @@ def test_sum_and_mean_methods_take_dtype_and_where_inside_jit_and_on_sf_arrays()
             np.testing.assert_allclose(np.asarray(got), want, rtol=1e-12, atol=1e-5 if f32 else 0, err_msg=name)
     with pytest.raises(TypeError, match="takes no dtype= or where="):
         xa.max(where=m)
+
+
+def test_tree_paths_as_jax_tree_util_with_the_keys_themselves():
+    from collections import namedtuple
+
+    Pair = namedtuple("Pair", "a b")
+    params = {"layers": [{"w": 1, "b": 2}], "head": Pair(3, None)}
+    pairs, td = sf.tree.tree_flatten_with_path(params)
+    assert pairs == [(("head", "a"), 3), (("layers", 0, "b"), 2), (("layers", 0, "w"), 1)]
+    assert td == sf.tree.tree_structure(params)
+    decayed = sf.tree.tree_map_with_path(lambda p, w, g: w if p[-1] == "b" else w - g, params, params)
+    assert decayed == {"layers": [{"w": 0, "b": 2}], "head": Pair(0, None)}
