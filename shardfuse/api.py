@@ -57,7 +57,8 @@ def distribute(x: Any, mesh: DeviceMesh, placements: Any) -> Any:
     Layout (a plan's input_layouts / output_layouts).  On an sf.Array of that mesh, the same as
     x.redistribute(placements).  Inside sf.jit, a traced value annotated with that whole layout
     (JAX's with_sharding_constraint: axes not named replicated).  A pytree x: each leaf, with
-    placements one for all or a pytree of Layouts of x's structure (`plan.output_layouts`)."""
+    placements one for all or a pytree of them in x's structure (specs, as jax.device_put takes a
+    pytree of shardings, or a plan's Layouts); a Python number placed stays weak, as there."""
     if isinstance(placements, Layout):
         if placements.partial:
             raise ValueError(f"sf.distribute: {placements} pends sums over {placements.partial}: no placement of a "
