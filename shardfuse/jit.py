@@ -280,8 +280,9 @@ class Jitted:
         state's step count) are leaves, as in JAX: a Python number a weak 0-d value, a NumPy one 0-d."""
         names = input_names(self.fn, len(args))
         for k, (name, a) in enumerate(zip(names, args)):
-            numbers = [x for x in tree.leaves(a) if isinstance(x, _NUMBERS)]
-            if numbers and isinstance(a, (list, tuple)) and len(numbers) == len(tree.leaves(a)):
+            leaves = tree.leaves(a)
+            numbers = [x for x in leaves if isinstance(x, _NUMBERS)]
+            if numbers and isinstance(a, (list, tuple)) and len(numbers) == len(leaves):
                 raise TypeError(f"{self.__name__}(): argument {name} (position {k}) is a {type(a).__name__} holding "
                                 f"Python numbers ({numbers[0]!r}, ...): sf.jit takes arrays, and pytrees (dicts, lists, "
                                 f"tuples) of arrays; for one array write np.asarray({name})")

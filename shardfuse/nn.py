@@ -226,11 +226,8 @@ def logsumexp(x, axis=None, keepdims=False):
     x, dtype = _widened(x)
     m = x.max(axis, keepdims=True)
     m = stop_gradient(where(np.isfinite(m), m, 0.0))
-    out = log(exp(x - m).sum(axis, keepdims=True)) + m
-    if not keepdims:
-        out = out.reshape(tuple(n for k, n in enumerate(out.shape) if axis is not None and k not in
-                                {a % out.ndim for a in (axis if isinstance(axis, tuple) else (axis,))}))
-    return out.astype(dtype)
+    total = exp(x - m).sum(axis, keepdims=keepdims)
+    return (log(total) + m.reshape(total.shape)).astype(dtype)  # (m: as many elements as total)
 
 
 def one_hot(x, num_classes, dtype="float32", axis=-1):

@@ -139,3 +139,22 @@ def test_tree_paths_as_jax_tree_util_with_the_keys_themselves():
     assert td == sf.tree.tree_structure(params)
     decayed = sf.tree.tree_map_with_path(lambda p, w, g: w if p[-1] == "b" else w - g, params, params)
     assert decayed == {"layers": [{"w": 0, "b": 2}], "head": Pair(0, None)}
+
+
+def test_logsumexp_and_a_masked_mean_against_central_differences():
+    """Their gradients (written with the ops: the max held constant, the mask's where) against
+    float64 central differences, x sharded over dp x tp."""
+    from test_grad_keywords import central_differences
+
+    x = rng().standard_normal((4, 6))
+    m = rng().random((4, 6)) < 0.6
+    m[:, 0] = True
+
+    def placed(x):
+        return sf.shard(sf.shard(x, axis=0, over="dp"), axis=1, over="tp")
+    cases = {"logsumexp": (lambda x: (sf.nn.logsumexp(placed(x), axis=1) ** 2).sum(),
+                           lambda x: float((np.log(np.exp(x).sum(1)) ** 2).sum())),
+             "masked mean": (lambda x: (placed(x) ** 3).mean(axis=1, where=m).sum(),
+                             lambda x: float(np.mean(x ** 3, axis=1, where=m).sum()))}
+    for name, (fn, ref) in cases.items():
+        np.testing.assert_allclose(grad_of(fn, x), central_differences(ref, x), rtol=1e-6, atol=1e-8, err_msg=name)
