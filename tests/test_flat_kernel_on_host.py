@@ -20,7 +20,8 @@ from shardfuse.dtypes import np_dtype
 from shardfuse.ops import Op
 from test_rows_kernel_on_host import HOST_THREADS, TOL, compiled
 
-SHAPE = (4, 6, 33)
+# (rows of 33: a thread per element; of 64: VEC elements per thread, flat_source.vector_path)
+SHAPE, VECTOR_SHAPE = (4, 6, 33), (2, 3, 64)
 DTYPES = ["float64", "float32", "float16", "bfloat16"]
 
 
@@ -28,18 +29,20 @@ def gelu_formula(x):
     return x * 0.5 * (1.0 + np.tanh(0.7978845608028654 * (x + 0.044715 * x * x * x)))
 
 
-# name: (fn, operands as (shape, dtype or None for the case's dtype))
+# name: (fn, operands as (shape of the case's shape, dtype or None for the case's dtype))
 FUNCTIONS = {
-    "bias gelu": (lambda x, b: sf.nn.gelu(x + b), [(SHAPE, None), ((33,), None)]),
+    "bias gelu": (lambda x, b: sf.nn.gelu(x + b), [(lambda s: s, None), (lambda s: s[-1:], None)]),
     "masked score": (lambda x, m, y: sf.where(m, x * 0.125, -1e4).astype("float32") + y,
-                     [(SHAPE, None), ((1, 6, 33), "bool"), (SHAPE, "float32")]),
-    "gelu formula": (gelu_formula, [(SHAPE, None)]),
+                     [(lambda s: s, None), (lambda s: (1, *s[1:]), "bool"), (lambda s: s, "float32")]),
+    "gelu formula": (gelu_formula, [(lambda s: s, None)]),
 }
 # how each full-shape operand is laid out: a NumPy view of that shape over a larger base
 LAYOUTS = {
     "contiguous": lambda a: a,
     "transposed": lambda a: np.ascontiguousarray(a.transpose(2, 1, 0)).transpose(2, 1, 0),
     "sliced": lambda a: np.concatenate([a, a], axis=-1)[..., ::2],
+    # (one element past an aligned start: the vector path's loads and stores go element by element)
+    "misaligned": lambda a: np.concatenate([a.ravel()[:1], a.ravel()])[1:].reshape(a.shape),
 }
 
 
@@ -60,9 +63,9 @@ def layout(a):
     return (a.shape, tuple(s // a.itemsize for s in a.strides)), a.ctypes.data
 
 
-def numpy_result(expr, views, dtype):
+def numpy_result(expr, views, dtype, shape):
     steps = schedule(expr, len(views))
-    slots = list(views) + [np.empty(SHAPE, np_dtype(dt)) for *_, dt in steps]
+    slots = list(views) + [np.empty(shape, np_dtype(dt)) for *_, dt in steps]
     with np.errstate(all="ignore"):
         evaluate(np, steps, slots)
     return slots[-1].astype(dtype)
@@ -76,31 +79,47 @@ def test_axes_merge_where_every_array_runs_on():
     assert flat_source.merged_axes((1, 5, 1), [(5, 1, 1)]) == ((5,), [(1,)])
 
 
+def test_vector_path_where_each_run_starts_at_a_whole_vec():
+    vec = flat_source.VEC
+    assert flat_source.vector_path((3, 8 * vec), [(8 * vec, 1), (0, 1), (0, 0), (8 * vec, 1)])
+    assert not flat_source.vector_path((3, 8 * vec), [(8 * vec + 1, 1), (8 * vec, 1)])  # (rows of a wider array)
+    assert not flat_source.vector_path((3, 8 * vec + 1), [(8 * vec + 1, 1), (8 * vec + 1, 1)])
+    assert not flat_source.vector_path((8 * vec, 3), [(1, 8 * vec), (3, 1)])  # (an operand read across)
+    assert not flat_source.vector_path((8 * vec,), [(1,), (2,)])  # (a strided result)
+
+
+@pytest.mark.parametrize("shape", [SHAPE, VECTOR_SHAPE])
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("name", sorted(FUNCTIONS))
-def test_kernels_on_the_host_equal_numpy(name, dtype, tmp_path):
+def test_kernels_on_the_host_equal_numpy(name, dtype, shape, tmp_path):
     fn, spec = FUNCTIONS[name]
     r = np.random.default_rng()
     seed = r.bit_generator.state["state"]["state"]
     cases = []
-    for step in fused_steps(fn, operands(r, [(shape, dt or dtype) for shape, dt in spec])):  # (float16: two)
+    for step in fused_steps(fn, operands(r, [(of(shape), dt or dtype) for of, dt in spec])):  # (float16: two)
         expr, out_dtype = step.attrs["expr"], step.into.type.dtype
         ins = [(v.type.shape, v.type.dtype) for v in step.ins]  # (the step's operands: a baked constant too)
         for how, place in LAYOUTS.items():
-            views = [place(a) if a.shape == SHAPE else a for a in operands(r, ins)]
-            base = np.full(SHAPE + (2,), np.nan, np_dtype(out_dtype))
+            views = [place(a) if a.shape == shape else a for a in operands(r, ins)]
+            base = np.full(shape + (2,), np.nan, np_dtype(out_dtype))
             out = base[..., 1] if how == "sliced" else base[..., 0].copy()  # (a strided result, or a contiguous one)
+            if how == "misaligned":
+                out = np.full(out.size + 1, np.nan, out.dtype)[1:].reshape(shape)
             laid = [layout(v) for v in views]
             src, kname, threads, blocks = flat_source.source(
                 expr, tuple(v.dtype.name for v in views), tuple(lay for lay, _ in laid),
-                (out_dtype, SHAPE, layout(out)[0][1]))
-            assert threads == flat_source.THREADS and blocks == -(-int(np.prod(SHAPE)) // threads)
+                (out_dtype, shape, layout(out)[0][1]))
+            # (rows of 64, or every operand whole: 792 elements in one run)
+            vector = how in ("contiguous", "misaligned") and (shape == VECTOR_SHAPE or all(v.shape == shape for v in views))
+            assert ("sf_vec<" in src) == vector, (how, shape)
+            each = flat_source.VEC if vector else 1
+            assert threads == flat_source.THREADS and blocks == -(-int(np.prod(shape)) // each // threads)
             cases.append((how, expr, views, laid, out, src, kname))
     lib = compiled(list(dict.fromkeys((src, kname) for *_, src, kname in cases)), tmp_path)
     for how, expr, views, laid, out, _, kname in cases:
         ptrs = [p for _, p in laid] + [out.ctypes.data]
         getattr(lib, f"launch_{kname}")((ctypes.c_void_p * len(ptrs))(*ptrs), HOST_THREADS)
-        want = numpy_result(expr, views, out.dtype).astype(np.float64)
+        want = numpy_result(expr, views, out.dtype, shape).astype(np.float64)
         got = out.astype(np.float64)
         assert not np.isnan(got).any(), f"seed {seed}: unwritten elements ({name}, {how})"
         err = np.linalg.norm(got - want) / np.linalg.norm(want)

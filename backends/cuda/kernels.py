@@ -1,7 +1,9 @@
 """CuPy kernels and the elementwise and sum steps.  bfloat16 is stored as uint16 (CuPy has no
-bfloat16 arithmetic): elementwise ops (comparisons, casts, where's halves and max / min of the last
-axis too) run in float32 scratch and round back once, sums reduce in float32, with the
-conversions of the preamble (round to nearest even, NaN kept quiet)."""
+bfloat16 arithmetic): an elementwise op of INLINE with a bfloat16 operand or result is one generated
+kernel (fused.bind_fused's, as a Fused step of that one op: several elements a thread), others
+(comparisons, casts, where's halves and max / min of the last axis too) run in float32 scratch and
+round back once, sums reduce in float32, with the conversions of the preamble (round to nearest
+even, NaN kept quiet)."""
 from __future__ import annotations
 
 import math
@@ -14,7 +16,9 @@ from cupy._core import _accelerator  # (whether CUB is off: see _reduce_min)
 from shardfuse.backends.elementwise_numpy import ELEMENTWISE
 # the C forms of the ops and dtypes (no CuPy there: the generated sources are tested without a GPU)
 from shardfuse.backends.cuda.csource import BF16_PREAMBLE, C_TYPES, INLINE, PARAM_TYPES  # noqa: F401 (fused.py's too)
-from shardfuse.ops import Op, Reduce
+from shardfuse.backends.cuda.fused import bind_fused
+from shardfuse.backends.cuda.rows_source import PTR
+from shardfuse.ops import Expr, Op, Reduce
 
 
 class Kernels:
@@ -254,6 +258,9 @@ def bind_elementwise(dev, kernels, op, a, b, out, stream, scalar=None):
         else _cumsum(kernels, out.dtype) if op == Op.CUMSUM else _CUPY.get(op, ELEMENTWISE[op])
     refs = (a, out) if b is None else (a, b, out)
     if any(r.dtype == "bfloat16" for r in refs) and op in INLINE:
+        if out.shape and all(r.dtype in PTR for r in refs):  # (fused.py's flat kernel of this one op: VEC
+            leaves = tuple(Expr(None, r.dtype, arg=k) for k, r in enumerate(refs[:-1]))  # elements a thread)
+            return bind_fused(dev, kernels, Expr(op, out.dtype, leaves, scalar), refs[:-1], out, stream)
         kern = _inline(kernels, op, refs, scalar)
         return dev.per_device(refs, stream, lambda j, *views: kern(*views))
     if all(r.dtype != "bfloat16" for r in refs):
