@@ -337,3 +337,17 @@ def test_a_transposed_view_of_the_groups_result_is_not_read_as_the_result():
     f = sf.jit(lambda x: sf.nn.softmax(x).reshape(8, 8) * 2.0, mesh=mesh)
     np.testing.assert_allclose(np.asarray(f(x)), softmax64(x.astype(np.float64)) * 2, rtol=1e-6, atol=1e-7)
     assert str(f.lower(x)).count("FusedRows") == 1
+
+
+@pytest.mark.parametrize("shape", [(4, 6), (2, 3, 8)])
+def test_a_sharded_rows_vjp_with_a_whole_cotangent(shape):
+    """log_softmax over a sharded last axis, its vjp taking a replicated cotangent (a torch user's
+    vocab-parallel loss): the cotangent's whole rows beside the logits' shards are no group, and the
+    gradient is g - softmax(l) * sum(g) (its grouping raised a broadcast error in fuse_rows)."""
+    r = np.random.default_rng()
+    logits, g = r.standard_normal(shape), r.standard_normal(shape)
+    f = lambda l: sf.nn.log_softmax(sf.shard(l, axis=-1))  # noqa: E731
+    got = sf.jit(lambda l, g: sf.vjp(f, l)[1](g), mesh=sf.DeviceMesh(2, backend="numpy"))(logits, g)[0]
+    soft = np.exp(logits - logits.max(-1, keepdims=True))
+    soft /= soft.sum(-1, keepdims=True)
+    np.testing.assert_allclose(np.asarray(got), g - soft * g.sum(-1, keepdims=True), rtol=1e-12, atol=1e-12)

@@ -258,7 +258,10 @@ def _valid(prog, instrs, members, root, operands, role):
     if not all(_fits(v.type.shape, row) for v in [*operands, *(instrs[k].into for k in members if role[k] == _MAP)]):
         return False
     local = [local_shape(v, prog.mesh) for v in operands]
-    local_row = tuple(np.broadcast_shapes(*local))
+    try:
+        local_row = tuple(np.broadcast_shapes(*local))
+    except ValueError:  # (operands sharded unlike each other: a whole row beside its shard, as log_softmax's
+        return False    # cotangent beside its sharded logits)
     wants = (local_row[:-1],) if role[root] == _REDUCE else (local_row, local_row[:-1] + (1,))
     if len(local_row) != len(row) or local_row[-1] != row[-1] or local_shape(out, prog.mesh) not in wants:
         return False  # (the last axis sharded, or a leading one sharded unlike the rows)
