@@ -183,7 +183,8 @@ def elementwise_infer(ins, lays):
                 break
         axes.append(pick)
         used |= _names([pick])
-    partial = _union(*_linear_partials(ins, lays))
+    # (a pending row sum times a sharded value: the small sum is reduced, not the value gathered)
+    partial = _union(*_reduced_first(ins, _linear_partials(ins, lays), used))
     return Layout(tuple(unshard(axes, set(partial))), partial)
 
 
@@ -192,6 +193,14 @@ def elementwise_require(ins, out, lays):
     same way stays sharded: the op runs where the data is and one gather of the result follows,
     instead of one gather per operand."""
     carried = _linear_partials(ins, lays)
+    # (reduced first where an operand already shards an output axis over the mesh axis it pends, as
+    # contraction_require does: log_softmax's backward, a row sum pending over tp times the
+    # tp-sharded softmax, is one Allreduce of the sums, not a gather and a reduce-scatter of both)
+    held = _names(_axes(lay)[src] for j, want in enumerate(out.axes) if want is not None
+                  for lay, src in zip(lays, elementwise_axis_map(ins, j))
+                  if src is not None and lay.mesh == out.mesh and _axes(lay)[src] is not None
+                  and set(mesh_axes(_axes(lay)[src])) & _names([want]))
+    carried = _reduced_first(ins, carried, held)
     pending = set(_union(*carried))
     axes = unshard(out.axes, pending, axis_of(ins))
     for j, a in enumerate(axes):

@@ -1,8 +1,10 @@
 """Every entry of the resharding table, on virtual meshes (tests/mpi/ runs them under mpiexec)."""
+import numpy as np
 import pytest
 
 import shardfuse as sf
 from cases import RESHARD_TABLE, reshard_case
+from shardfuse.ops import Op
 
 
 @pytest.mark.parametrize("entry", sorted(RESHARD_TABLE))
@@ -32,3 +34,41 @@ def test_a_pending_sum_cannot_be_made_by_resharding():
 
     with pytest.raises(ValueError, match=r"cannot reshard \('R',\) -> \('P',\) over DIDx"):
         reshard_steps(Layout((None,)), Layout((None,), ("DIDx",)), sf.DeviceMesh(2, backend="numpy"))
+
+
+def test_a_pending_row_sum_times_a_sharded_value_reduces_the_sum():
+    """x * y.sum(-1) with x and y sharded over tp along that axis: the [rows, 1] sums are reduced
+    (one Allreduce) and the product stays sharded, as log_softmax's backward needs with vocab-parallel
+    logits; it gathered x, multiplied on every device and reduce-scattered the [rows, vocab] product."""
+    mesh = sf.DeviceMesh((2,), ("tp",), backend="numpy")
+    r = np.random.default_rng()
+    x, y = r.standard_normal((8, 64)), r.standard_normal((8, 64))
+
+    def f(x, y):
+        x, y = sf.shard(x, axis=1, over="tp"), sf.shard(y, axis=1, over="tp")
+        return sf.shard(x * y.sum(-1, keepdims=True), axis=1, over="tp")
+    fn = sf.jit(f, mesh=mesh)
+    plan = fn.lower(x, y)
+    assert plan.collectives() == {"allreduce": 1}, plan
+    reduced = [i for i in plan.program.walk() if i.op == Op.ALLREDUCE]
+    assert reduced[0].into.type.shape == (8, 1), plan
+    np.testing.assert_allclose(np.asarray(fn(x, y)), x * y.sum(-1, keepdims=True), rtol=1e-12)
+
+
+def test_a_vocab_parallel_log_softmax_loss_gathers_no_vocab_sized_value_before_its_gradient():
+    """The JAX cross-entropy -take_along_axis(log_softmax(logits), labels) on logits over tp (a
+    probe's): its gradient's only Allgathers are of the gradient itself, into the argument's layout."""
+    mesh = sf.DeviceMesh((2,), ("tp",), backend="numpy")
+    r = np.random.default_rng()
+    logits, labels = r.standard_normal((4, 8, 32)), r.integers(0, 32, (4, 8))
+
+    def loss(l, y):
+        lp = sf.nn.log_softmax(sf.shard(l, axis=2, over="tp"))
+        return -np.take_along_axis(lp, y[..., None], -1).mean()
+    fn = sf.jit(sf.value_and_grad(loss), mesh=mesh)
+    plan = fn.lower(logits, labels)
+    assert plan.collectives().get("allgather", 0) <= 1 and "reduce_scatter" not in plan.collectives(), plan
+    value, grad = fn(logits, labels)
+    lse = np.log(np.exp(logits).sum(-1, keepdims=True))
+    np.testing.assert_allclose(float(value), -np.take_along_axis(logits - lse, labels[..., None], -1).mean(), rtol=1e-12)
+    np.testing.assert_allclose(np.asarray(grad), (np.exp(logits - lse) - np.eye(32)[labels]) / 32, atol=1e-14)
