@@ -12,6 +12,7 @@ from shardfuse.passes.keep import keep_gathered_inputs
 from shardfuse.passes.lower import lower_to_host
 from shardfuse.passes.pipeline import form_stream_loops, mark_stream_intermediates
 from shardfuse.passes.propagate import propagate_sharding
+from shardfuse.passes.reassociate import sum_before_reducing
 from shardfuse.passes.reshard import insert_resharding
 from shardfuse.passes.reuse import reuse_buffers
 from shardfuse.passes.ring import lower_ring
@@ -24,6 +25,7 @@ PIPELINE = (
     propagate_sharding,
     split_stream_axes,
     insert_resharding,
+    sum_before_reducing,
     share_resharding,
     mark_stream_intermediates,
     lower_ring,

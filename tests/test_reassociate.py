@@ -1,0 +1,90 @@
+"""passes/reassociate.py: gradients accumulated over micro-batches inside one sf.jit are summed on
+each device and reduced once (a probe's 4-micro-batch step made 4 Allreduces of every gradient,
+in bfloat16 where the weights were cast), against float64 NumPy on fresh random inputs."""
+from __future__ import annotations
+
+import ml_dtypes
+import numpy as np
+import pytest
+
+import shardfuse as sf
+
+MESH = sf.DeviceMesh((2,), ("dp",), backend="numpy")
+MICRO = 4
+
+
+def accumulate(loss, start_at_zero=False):
+    def step(w, xs):
+        grads = [sf.grad(loss)(w, xs[m]) for m in range(MICRO)]
+        return sum(grads) if start_at_zero else grads[0] + grads[1] + grads[2] + grads[3]
+    return step
+
+
+def data(x_dtype):
+    r = np.random.default_rng()
+    return r.standard_normal((16, 16)).astype(np.float32), r.standard_normal((MICRO, 8, 16)).astype(x_dtype)
+
+
+def plain_loss(w, x):
+    return (sf.shard(x, axis=0, over="dp") @ w).sum()
+
+
+def bf16_loss(w, x):  # (bfloat16 activations and a bfloat16 copy of float32 weights: the GEMM in bfloat16)
+    return (sf.shard(x, axis=0, over="dp") @ w.astype("bfloat16")).astype(np.float32).sum()
+
+
+def allreduces(plan):
+    return [line for line in str(plan).splitlines() if "= Allreduce" in line]
+
+
+def reduced_values(plan) -> int:
+    """The values the plan's Allreduces reduce (a bucket of n: n values)."""
+    return sum(int(line.split("bucket=")[1].split(",")[0]) if "bucket=" in line else 1 for line in allreduces(plan))
+
+
+@pytest.mark.parametrize("start_at_zero", [False, True])
+def test_micro_batch_gradients_are_reduced_once(start_at_zero):
+    w, xs = data(np.float32)
+    fn = sf.jit(accumulate(plain_loss, start_at_zero), mesh=MESH)
+    assert reduced_values(fn.lower(w, xs)) == 1, fn.lower(w, xs)
+    want = sum(xs[m].astype(np.float64).T @ np.ones((8, 16)) for m in range(MICRO))
+    np.testing.assert_allclose(np.asarray(fn(w, xs)), want, rtol=1e-5)
+
+
+def test_bfloat16_gradients_widened_to_float32_are_reduced_once_in_float32():
+    w, xs = data(ml_dtypes.bfloat16)
+    fn = sf.jit(accumulate(bf16_loss), mesh=MESH)
+    (line,) = allreduces(fn.lower(w, xs))
+    assert "team=dp" in line
+    reduced = [i for i in fn.lower(w, xs).program.walk() if i.op == sf.ops.Op.ALLREDUCE]
+    assert reduced[0].into.type.dtype == "float32"
+    want = sum(xs[m].astype(np.float64).T @ np.ones((8, 16)) for m in range(MICRO))
+    got = np.asarray(fn(w, xs))
+    assert got.dtype == np.float32
+    # (each device's piece rounded to bfloat16 once: 2^-8 of each piece's size)
+    np.testing.assert_allclose(got, want, atol=2 ** -7 * np.abs(want).max())
+
+
+def test_a_rounding_cast_between_reduction_and_sum_keeps_each_reduction():
+    """A float32 GEMM's gradient of a bfloat16 copy is rounded to bfloat16 (its cotangent's dtype):
+    summing the pieces first would skip that rounding of the whole, so each stays reduced alone."""
+    w, xs = data(np.float32)
+    fn = sf.jit(accumulate(bf16_loss), mesh=MESH)
+    assert reduced_values(fn.lower(w, xs)) == MICRO, fn.lower(w, xs)
+    one = lambda x: np.asarray(x.T @ np.ones((8, 16)), np.float32).astype(ml_dtypes.bfloat16).astype(np.float64)  # noqa: E731
+    np.testing.assert_allclose(np.asarray(fn(w, xs)), sum(one(xs[m].astype(np.float64)) for m in range(MICRO)),
+                               rtol=2 ** -7)
+
+
+def test_a_reduced_value_read_elsewhere_stays_reduced_where_it_is():
+    w, xs = data(np.float32)
+
+    def step(w, xs):
+        g0, g1 = (sf.grad(plain_loss)(w, xs[m]) for m in range(2))
+        return g0 + g1, g0
+    fn = sf.jit(step, mesh=MESH)
+    assert reduced_values(fn.lower(w, xs)) == 2, fn.lower(w, xs)
+    total, first = fn(w, xs)
+    g = [xs[m].astype(np.float64).T @ np.ones((8, 16)) for m in range(2)]
+    np.testing.assert_allclose(np.asarray(total), g[0] + g[1], rtol=1e-5)
+    np.testing.assert_allclose(np.asarray(first), g[0], rtol=1e-5)
