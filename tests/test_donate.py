@@ -168,3 +168,21 @@ def test_a_donated_leaf_returned_as_it_is_takes_its_buffer_and_the_reasons_are_r
     g = sf.jit(lambda a, b: a + b, mesh=m, donate_argnums=(0, 1))
     with pytest.warns(UserWarning, match=r"b: f64\[4\] \(each result of its type takes another donated input"):
         g(np.ones(4), np.ones(4))
+
+
+def test_a_first_calls_state_in_another_layout_is_warned_once_briefly_with_the_way_out():
+    """A replicated state whose updates come back sharded over tp (a first call on NumPy arrays):
+    one reason for all of them, a few names and a count, and what reuses the buffers; fed its own
+    results the step warns no more."""
+    m = sf.DeviceMesh((2,), ("tp",), backend="numpy")
+    state = {f"w{k}": np.ones((4, 8), np.float32) for k in range(6)}
+    step = sf.jit(lambda s: {k: sf.shard(v * 0.5, axis=1, over="tp") for k, v in s.items()}, mesh=m, donate_argnums=0)
+    with pytest.warns(UserWarning) as said:
+        state = step(state)
+    (message,) = [str(w.message) for w in said]
+    assert message.count("(its results come in another layout") == 1 and "and 2 more" in message, message
+    assert "plan.output_layouts" in message
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        state = step(state)
+    np.testing.assert_array_equal(np.asarray(state["w5"]), 0.25)

@@ -116,30 +116,44 @@ def donate_buffers(prog):
 
 def _warn_unused(prog, taken):
     """JAX's "Some donated buffers were not usable", once per plan: each donated input no result
-    took (one returned as it is needs none), and why: no result of its dtype, shape and layout (a
-    float32 weight minus a NumPy float64 learning rate is float64, as NumPy 2 promotes it), every
-    such result taking another donated input's buffer, or the input read after it is written."""
+    took (one returned as it is needs none), grouped by why: no result of its dtype, shape and layout (a
+    float32 weight minus a NumPy float64 learning rate is float64, as NumPy 2 promotes it), results
+    of its dtype and shape only in another layout (a first call's replicated state, whose results come
+    back sharded), every such result taking another donated input's buffer, or the input read after
+    it is written."""
     unused = [prog.inputs[k] for k in prog.donated
               if prog.inputs[k] not in taken and prog.inputs[k] not in prog.outputs]
     if not unused:
         return
     results = [r for r in prog.outputs if r not in prog.inputs]
+    groups = defaultdict(list)
+    for v in unused:
+        groups[_why(v, results, taken)].append(f"{v.name}: {v.type}")
+    shown = lambda names: ", ".join(names[:_SHOWN]) + (f" and {len(names) - _SHOWN} more" if len(names) > _SHOWN else "")  # noqa: E731
+    said = "; ".join(f"{shown(names)} ({why})" for why, names in groups.items())
+    warnings.warn(f"{prog.name}: some donated buffers were not usable: {said}.  Those inputs keep their buffers (and "
+                  "stay usable); their results take new ones", UserWarning, stacklevel=_outside_shardfuse())
 
-    def why(v):
-        same = [r for r in results if r.type == v.type]
-        other = sorted({r.type.dtype for r in results if r.type.shape == v.type.shape} - {v.type.dtype})
-        # (a result of its shape in another dtype: most likely its own update, promoted)
-        hint = (f"; results of its shape are {', '.join(other)} (NumPy 2 promotes {v.type.dtype} with a NumPy "
-                f"{other[0]} scalar or array, or a strong integer's quotient, to {other[0]}: pass Python numbers, or "
-                "cast)") if other else ""
-        if same and len(same) <= sum(1 for t in taken if t.type == v.type):
-            return f"{v.name}: {v.type} (each result of its type takes another donated input's buffer{hint})"
-        if same:
-            return f"{v.name}: {v.type} (read after the result of its type is written{hint})"
-        return f"{v.name}: {v.type} (no result of this dtype, shape and layout{hint})"
-    warnings.warn(f"{prog.name}: some donated buffers were not usable: {'; '.join(map(why, unused))}.  Those inputs "
-                  "keep their buffers (and stay usable); their results take new ones", UserWarning,
-                  stacklevel=_outside_shardfuse())
+
+_SHOWN = 4  # donated inputs named per reason (a training state's moments are dozens)
+
+
+def _why(v, results, taken) -> str:
+    """Why no result took donated input v's buffer."""
+    same = [r for r in results if r.type == v.type]
+    other = sorted({r.type.dtype for r in results if r.type.shape == v.type.shape} - {v.type.dtype})
+    # (a result of its shape in another dtype: most likely its own update, promoted)
+    hint = (f"; results of its shape are {', '.join(other)} (NumPy 2 promotes {v.type.dtype} with a NumPy "
+            f"{other[0]} scalar or array, or a strong integer's quotient, to {other[0]}: pass Python numbers, or "
+            "cast)") if other else ""
+    if same and len(same) <= sum(1 for t in taken if t.type == v.type):
+        return f"each result of its type takes another donated input's buffer{hint}"
+    if same:
+        return f"read after the result of its type is written{hint}"
+    if any(r.type.shape == v.type.shape and r.type.dtype == v.type.dtype for r in results):
+        return ("its results come in another layout: fed the step's own results (as from the second call on), or "
+                "placed by sf.distribute(state, mesh, plan.output_layouts), the buffers are reused")
+    return f"no result of this dtype, shape and layout{hint}"
 
 
 def _outside_shardfuse() -> int:
