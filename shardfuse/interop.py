@@ -59,6 +59,11 @@ def _is_jax(x) -> bool:
 _TORCH_NAMES: dict = {}  # torch dtype -> its name ("float16"): str(dtype) is ~0.5 us, paid twice per tensor
 
 
+def _grad_enabled() -> bool:
+    import torch
+    return torch.is_grad_enabled()
+
+
 def _torch_dtype(t) -> str:
     name = _TORCH_NAMES.get(t.dtype)
     if name is None:
@@ -83,6 +88,10 @@ def array_info(x) -> ArrayInfo:
             dev = None
         else:
             raise ValueError(f"a torch tensor on {x.device}: shardfuse takes CPU or CUDA tensors")
+        if x.requires_grad and _grad_enabled():  # (torch's .numpy() refuses it too: autograd would be cut silently)
+            raise TypeError("a torch tensor that requires grad: a compiled function records no autograd graph; wrap "
+                            "it with sf.torch_function(fn) for gradients, or pass x.detach() (or call under "
+                            "torch.no_grad()) for values only")
         return ArrayInfo(tuple(x.shape), normalize_dtype(_torch_dtype(x)), dev, x.is_contiguous(), "torch")
     if kind in ("jax", "jaxlib"):
         devices = list(x.devices())

@@ -53,10 +53,26 @@ def torch_function(fn, mesh=None):
             primals = ctx.saved_tensors
             cts = [torch.zeros(s, dtype=d, device=dev) if g is None else g.contiguous()
                    for g, (s, d, dev) in zip(grads, ctx.output_shapes)]
-            res = pullback(ctx.in_tree.unflatten(primals), ctx.out_tree.unflatten(cts), stream=stream_of(primals))
+            with torch.no_grad():  # (as forward runs: the primals are read for values)
+                res = pullback(ctx.in_tree.unflatten(primals), ctx.out_tree.unflatten(cts), stream=stream_of(primals))
             res, _ = tree.flatten(res, is_leaf=lambda g: g is None)  # (an integer input's cotangent: None)
-            return (None, None) + tuple(_tensor(g, torch) if t.is_floating_point() else None
-                                        for g, t in zip(res, primals))
+            res = [_tensor(g, torch) if t.is_floating_point() else None for g, t in zip(res, primals)]
+            if torch.is_grad_enabled():  # (create_graph=True: the pullback ran compiled, recording nothing, so
+                res = [None if g is None else Unrecorded.apply(g, *primals) for g in res]  # say so, when reached)
+            return (None, None) + tuple(res)
+
+    class Unrecorded(torch.autograd.Function):
+        """g, as a function of the primals (so a second derivative reaches it), whose derivative says that
+        the compiled backward recorded no graph."""
+        @staticmethod
+        def forward(ctx, g, *primals):
+            return g.view_as(g)
+
+        @staticmethod
+        def backward(ctx, _):
+            raise RuntimeError(f"sf.torch_function({jitted.__name__}): no second derivative: its backward is a "
+                               "compiled pullback that records no autograd graph (torch.autograd.grad(..., "
+                               "create_graph=True) gives first derivatives only)")
 
     def call(*args, **kwargs):
         if kwargs:  # (bound to the jitted function's parameters, as sf.jit binds them)

@@ -142,3 +142,24 @@ def test_keyword_arguments_bind_as_in_sf_jit():
         torch.testing.assert_close(gw, w.grad, rtol=1e-12, atol=1e-12)
     with pytest.raises(TypeError, match="unexpected keyword argument 'v'"):
         fn(x0, v=w0)
+
+
+def test_a_tensor_that_requires_grad_is_refused_by_a_plain_jit_and_taken_without_grad():
+    """sf.jit records no autograd graph: a tensor that requires grad is refused while grad is on (as
+    torch's .numpy() refuses it), with the two ways out; detached or under no_grad it runs."""
+    f = sf.jit(lambda x: x * 2.0, mesh=MESH)
+    x = torch.randn(8, 4, dtype=torch.float64, requires_grad=True)
+    with pytest.raises(TypeError, match=r"requires grad.*sf.torch_function.*detach"):
+        f(x)
+    torch.testing.assert_close(torch.as_tensor(np.asarray(f(x.detach()))), x.detach() * 2)
+    with torch.no_grad():
+        torch.testing.assert_close(torch.as_tensor(np.asarray(f(x))), x.detach() * 2)
+
+
+def test_a_second_derivative_says_it_is_not_recorded():
+    x = torch.randn(8, 4, dtype=torch.float64, requires_grad=True)
+    y = sf.torch_function(lambda x: (x * x).sum(), mesh=MESH)(x)
+    (g,) = torch.autograd.grad(y, x, create_graph=True)
+    torch.testing.assert_close(g, 2 * x.detach())
+    with pytest.raises(RuntimeError, match="no second derivative"):
+        torch.autograd.grad(g.sum(), x)
