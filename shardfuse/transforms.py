@@ -92,12 +92,15 @@ class _Forward:
 
     def _layout_of(self, orig, x):
         """The layout of a program input's gradient: the layout it arrived in (an sf.Array's); for
-        a plain array, the one the function states for it where every use is the same annotation
-        (a weight sharded by the function keeps that sharding), else replicated, as JAX places a
-        NumPy argument (so an update step returns each parameter in the layout it came in)."""
+        a plain array, the one the function states for it where every use is the same annotation,
+        of it or of a cast of it (a weight sharded by the function keeps that sharding), else
+        replicated, as JAX places a NumPy argument (so an update step returns each parameter in the
+        layout it came in)."""
         if orig.value.type.layout is not None:
             return whole(orig.value.type.layout)
         uses = [i for i in self.instrs if x.value in i.ins]
+        # (through a cast: a float32 master weight's bfloat16 copy sharded over tp keeps the weight so)
+        uses = [u for i in uses for u in ([j for j in self.instrs if i.outs[0] in j.ins] if i.op == Op.ASTYPE else [i])]
         stated = {i.outs[0].type.layout for i in uses if i.op == Op.SET and i.attrs.get("annotation")}
         if len(stated) == 1 and all(i.op == Op.SET for i in uses):
             return stated.pop()

@@ -9,6 +9,7 @@ that both give the same placements and NumPy's values.  `rule_case` runs under m
 """
 from __future__ import annotations
 
+import ml_dtypes
 import numpy as np
 import pytest
 
@@ -140,3 +141,21 @@ def test_indexing_inside_jit_says_what_to_write():  # (basic indexing runs: test
     with pytest.raises(TypeError, match=r"indexing x \(shape \(4, 4\), float64\) with a boolean mask .* "
                                         r"sf.where\(mask, x, 0\)"):
         sf.jit(lambda x: x[np.array([True, False, True, True])], mesh=m)(np.ones((4, 4)))
+
+
+def test_an_annotated_cast_of_a_weight_places_the_weight_and_its_gradient():
+    """x @ sf.shard(w.astype(bfloat16), axis=1, over="tp") with w a float32 master weight (a probe's
+    first version): w arrives sharded as its copy is, and its gradient stays so (no Allgather; it was
+    replicated, with the gradient gathered, and every Adam moment replicated after it)."""
+    mesh = sf.DeviceMesh((2,), ("tp",), backend="numpy")
+    r = np.random.default_rng()
+    x, w = r.standard_normal((8, 16)).astype(np.float32), r.standard_normal((16, 32)).astype(np.float32)
+
+    def loss(w, x):
+        return (x.astype("bfloat16") @ sf.shard(w.astype("bfloat16"), axis=1, over="tp")).astype(np.float32).sum()
+    fn = sf.jit(sf.grad(loss), mesh=mesh)
+    plan = fn.lower(w, x)
+    assert plan.input_layouts[0].axes == (None, "tp") and plan.output_layouts.axes == (None, "tp"), plan
+    assert plan.collectives() == {}, plan
+    xb = x.astype(ml_dtypes.bfloat16).astype(np.float64)
+    np.testing.assert_allclose(np.asarray(fn(w, x)), np.repeat(xb.sum(0)[:, None], 32, 1), rtol=2 ** -7)

@@ -3,7 +3,8 @@
 - An input whose spec has no layout takes its first annotation's placement (nvFuser's
   inputs carry their DID layout), also one on the view sf.grad makes of it as a primal inside a
   traced function (transforms._fresh: a training step's value_and_grad states its parameters'
-  layouts so); an input with no annotation is replicated.
+  layouts so), or on a cast of either (a float32 weight's bfloat16 copy); an input with no
+  annotation is replicated.
 - An annotation on the output of an op (used only there) becomes that output's layout, and
   its schedule the op's: `sf.stream(a @ b, axis=0)` makes the matmul itself stream-parallel.
 - An annotation that changes nothing is dropped.
@@ -38,10 +39,17 @@ def _drop_dead(instrs, outputs):
 def fold_annotations(prog):
     live = _drop_dead(prog.instrs, prog.outputs)
     mapping = {}
-    primal = {i.outs[0]: i.ins[0] for i in live if i.op == Op.RESHAPE and i.attrs.get("primal")}
+    # (an annotation of a primal's view, or of a cast of the input: a float32 master weight's bfloat16
+    # copy sharded over tp places the weight so, as JAX's propagation carries a constraint through a cast)
+    primal = {i.outs[0]: i.ins[0] for i in live if i.op == Op.RESHAPE and i.attrs.get("primal") or i.op == Op.ASTYPE}
+
+    def root(x):
+        while x in primal:
+            x = primal[x]
+        return x
     for v in prog.inputs:
         if v.type.layout is None:
-            first = next((i for i in live if _is_annotation(i) and primal.get(i.ins[0], i.ins[0]) is v), None)
+            first = next((i for i in live if _is_annotation(i) and root(i.ins[0]) is v), None)
             lay = first.outs[0].type.layout if first else Layout.replicated(v.type.ndim).on(prog.mesh)
             mapping[v] = Value(v.name, v.type.with_layout(lay))
     inputs = tuple(mapping.get(v, v) for v in prog.inputs)
