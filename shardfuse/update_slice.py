@@ -234,24 +234,63 @@ class At:
         return AtIndex(self.x, key)
 
 
+def _ids_key(key):
+    """The ids of x.at[ids] (an integer array of one axis or more indexing the first axis; no other
+    index), else None."""
+    ids = key[0] if isinstance(key, tuple) and len(key) == 1 else key
+    if isinstance(ids, (list, np.ndarray)):
+        ids = np.asarray(ids)
+        return ids if ids.ndim and ids.dtype.kind in "iu" else None
+    return ids if (isinstance(ids, Traced) or hasattr(type(ids), "one_op")) and ids.ndim else None
+
+
+def _at_ids_add(x, ids, v):
+    """x.at[ids].add(v): v (broadcast to ids.shape + x.shape[1:], in x's dtype) summed into the rows at
+    ids, repeated ids accumulating (sf.scatter_add); an id outside [-n, n) adds nothing (JAX's drop)."""
+    from shardfuse.numpy_broadcast import broadcast_to
+    from shardfuse.take import scatter_add
+    from shardfuse.traced_numpy import where
+
+    n, shape = x.shape[0], ids.shape + x.shape[1:]
+    v = broadcast_to(cast(x.builder.constant(np.asarray(v, x.dtype) if not isinstance(v, Traced) else v),
+                          x.dtype_name), shape)
+    inside = ((ids >= -n) & (ids < n)).reshape(ids.shape + (1,) * (x.ndim - 1))
+    return x + scatter_add(ids, where(inside, v, 0), n)
+
+
+def _at_ids_get(x, ids):
+    from shardfuse.take import take
+    return take(x, ids)
+
+
 class AtIndex:
-    """x.at[idx]: .set(v) (a dynamic_update_slice), .add(v) (x[idx] + v set back), .get() (a dynamic_slice)."""
+    """x.at[idx]: .set(v) (a dynamic_update_slice), .add(v) (x[idx] + v set back), .get() (a dynamic_slice);
+    at an array of ids along the first axis, .add (sf.scatter_add) and .get (sf.take)."""
 
     def __init__(self, x, key):
         self.x = x
-        self.desc, self.values = _parse(x, key, "x.at[...]")
+        self.ids = _ids_key(key)
+        if self.ids is None:
+            self.desc, self.values = _parse(x, key, "x.at[...]")
 
     def set(self, v):
         """x with x[idx] replaced by v (broadcast to x[idx]'s shape, cast to x's dtype); x itself where
         an index is out of range (JAX's: the update dropped)."""
+        if self.ids is not None:  # (which of repeated ids wins is unspecified in JAX: not guessed here)
+            raise TypeError("x.at[ids].set(v) with an array of ids: write sf.where(mask, v, x) for a mask, or "
+                            "x.at[ids].add(v - x.at[ids].get()) where the ids are distinct")
         return _dispatch(_at_set, (self.x, self.desc, v, *self.values), "x.at[...].set")
 
     def add(self, v):
         """x with v added to x[idx] (nothing added where an index is out of range, as JAX drops it)."""
+        if self.ids is not None:
+            return _dispatch(_at_ids_add, (self.x, self.ids, v), "x.at[ids].add")
         return _dispatch(_at_add, (self.x, self.desc, v, *self.values), "x.at[...].add")
 
     def get(self):
         """x[idx] (indices clamped, as every .at index is)."""
+        if self.ids is not None:
+            return _dispatch(_at_ids_get, (self.x, self.ids), "x.at[ids].get")
         return _dispatch(_at_get, (self.x, self.desc, *self.values), "x.at[...].get")
 
 

@@ -309,7 +309,7 @@ def test_errors_say_what_to_write():
     fails(lambda x: sf.dynamic_update_slice(x, x[:1], (0,)), x, match="one per axis")
     fails(lambda x, t: sf.dynamic_slice(x, (t, 0), (5, 6)), x, 1, match="between 0 and 4")
     fails(lambda x: x.at[::2].set(1.0), x, match="step 2")
-    fails(lambda x: x.at[np.array([0, 1])].set(1.0), x, match="scatter_add")
+    fails(lambda x: x.at[np.array([0, 1])].set(1.0), x, match="sf.where")
 
     def assign(x, t):
         x[t] = 1.0
@@ -370,3 +370,27 @@ def test_an_update_out_of_range_is_still_checked_against_the_boxes_shape():
     for i in (1, 10):  # (JAX checks the update's shape whether or not the index is in range)
         with pytest.raises(ValueError, match="cannot be broadcast"):
             sf.jit(lambda a: a.at[i].set(np.ones(5)), mesh=mesh)(np.zeros((4, 3)))
+
+
+def test_at_an_array_of_ids_adds_and_gets_as_jax():
+    """x.at[ids].add(v) with an integer array (a probe's segment sum: it raised a dynamic_slice error):
+    repeated ids accumulate, an id outside [-n, n) adds nothing (JAX's drop), a NumPy id array and a
+    scalar v too; .get() takes the rows; gradients of v and x; .set refuses with what to write."""
+    mesh = sf.DeviceMesh(2, backend="numpy")
+    r = np.random.default_rng()
+    x, v, w = r.standard_normal((5, 3)), r.standard_normal((5, 3)), r.standard_normal((5, 3))
+    ids = np.array([0, 0, 2, -1, 7], np.int32)
+    want = x.copy()
+    for k, i in enumerate(ids):
+        if -5 <= i < 5:
+            want[i] += v[k]
+    np.testing.assert_allclose(np.asarray(sf.jit(lambda x, i, v: x.at[i].add(v), mesh=mesh)(x, ids, v)), want, rtol=1e-14)
+    np.testing.assert_allclose(np.asarray(sf.jit(lambda x: x.at[np.array([1, 1])].add(1.0), mesh=mesh)(x)),
+                               x + np.array([[0], [2], [0], [0], [0]]), rtol=1e-14)
+    np.testing.assert_array_equal(np.asarray(sf.jit(lambda x, i: x.at[i].get(), mesh=mesh)(x, ids[:4])), x[ids[:4]])
+    dx, dv = sf.jit(sf.grad(lambda x, v: (w * x.at[ids].add(v)).sum(), argnums=(0, 1)), mesh=mesh)(x, v)
+    np.testing.assert_allclose(np.asarray(dx), w, rtol=1e-14)
+    inside = ((ids >= -5) & (ids < 5))[:, None]
+    np.testing.assert_allclose(np.asarray(dv), np.where(inside, w[np.clip(ids, -5, 4)], 0.0), rtol=1e-14)
+    with pytest.raises(TypeError, match=r"at\[ids\].set.*sf.where"):
+        sf.jit(lambda x, i: x.at[i].set(0.0), mesh=mesh)(x, ids)
