@@ -246,12 +246,11 @@ class Traced(NumpyMethods):
         self._concrete("np.asarray / np.array", "inside sf.jit use shardfuse's ops (the operators, x.sum(axis), "
                                                 "np.exp, ...); outside, np.asarray(the jitted function's result)")
 
-    def __iter__(self):
-        self._concrete("iteration", "a loop over a traced value has no static length to Python: index it (x[0], "
-                                    "x[a:b]), split it (sf.split(x, n)), or work on whole axes (x.sum(axis), x.T)")
+    def __iter__(self):  # (JAX's: the rows along the first axis, a static index each; len() refuses a 0-d value)
+        return (self[k] for k in range(len(self)))
 
-    def __contains__(self, item):  # (without it, Python turns the iteration's error into "not iterable")
-        self.__iter__()
+    def __contains__(self, item):  # (NumPy's `in` is (x == item).any(): a traced bool)
+        self._concrete("`in`", "write (x == item).any() and use it as a value (sf.where), not in an if")
 
     def __len__(self):  # the shape is static: len() is known
         if not self.shape:
