@@ -156,12 +156,16 @@ def layout_of(placements, ndim: int, mesh) -> "Layout":
     mesh's axis order; several Shard(d) of one dim shard it over those mesh axes, the first
     outermost) or a JAX-style spec (one entry per tensor axis: None, a mesh axis name, or a tuple
     of them; missing trailing entries are None)."""
-    from shardfuse.placements import Partial, Replicate, Shard
+    from shardfuse.placements import Partial, Replicate, Shard, from_compact
 
     if isinstance(placements, (str, Shard, Replicate, Partial)) or not isinstance(placements, (tuple, list)):
         raise TypeError(f"placements: a list or tuple (one sf.Shard(dim) / sf.Replicate() per mesh axis, or one "
                         f"entry per tensor axis: None, a mesh axis name or a tuple of them), got {placements!r}")
     items = tuple(placements)
+    # (the compact forms Layout.placements prints, ('R', 'S(1)'), read back, where no mesh axis has that name)
+    compact = [from_compact(p) if isinstance(p, str) and p not in mesh.axis_names else None for p in items]
+    if items and all(c is not None for c in compact):
+        items = tuple(compact)
     axes: list = [() for _ in range(ndim)]
     if items and all(isinstance(p, (Shard, Replicate, Partial)) for p in items):
         if len(items) != len(mesh.axis_names):

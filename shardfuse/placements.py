@@ -12,6 +12,7 @@ on the mesh axis that a later one (in mesh order) is outside of, as DTensor writ
 """
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 
 
@@ -52,3 +53,19 @@ class Partial:
 def placements_of(layout, mesh) -> tuple:
     """One placement per axis of the mesh the value lives on (`mesh`: the program's), in its order."""
     return layout.sharding(mesh).placements()
+
+
+_COMPACT = re.compile(r"^(?:(R)|(P)|S\((-?\d+)\)|_S\((-?\d+), *(\d+)\))$")
+
+
+def from_compact(text: str):
+    """The placement a compact form names ('S(1)', 'R', 'P', '_S(0, 2)': what Layout.placements and
+    sf.Array's repr print), else None."""
+    m = _COMPACT.match(text)
+    if m is None:
+        return None
+    if m[1]:
+        return Replicate()
+    if m[2]:
+        return Partial()
+    return Shard(int(m[3])) if m[3] is not None else StridedShard(int(m[4]), int(m[5]))

@@ -100,3 +100,17 @@ def test_from_local_partial_sums_are_refused_and_the_way_round_works():
 def test_from_local_refusals(kwargs, error, match):
     with pytest.raises(error, match=match):
         sf.from_local(np.ones((6, 4)), mesh=mesh22(), **kwargs)
+
+
+def test_the_printed_placements_place_a_value_again():
+    """a.sharding.placements(mesh) prints ('R', 'S(1)'); sf.distribute reads that back (a probe got
+    "unknown mesh axis 'R'"), the strided form too; a mesh axis of such a name stays a mesh axis."""
+    mesh = sf.DeviceMesh((2, 2), ("dp", "tp"), backend="numpy")
+    x = np.random.default_rng().standard_normal((4, 8))
+    for placements in ([sf.Replicate(), sf.Shard(1)], [sf.StridedShard(0, split_factor=2), sf.Shard(0)]):
+        a = sf.distribute(x, mesh, placements)
+        b = sf.distribute(x, mesh, a.sharding.placements(mesh))
+        assert b.placements == a.placements and b.sharding == a.sharding
+        np.testing.assert_array_equal(np.asarray(b), x)
+    odd = sf.DeviceMesh((2,), ("R",), backend="numpy")
+    assert sf.distribute(x, odd, ("R",)).placements == (sf.Shard(0),)
