@@ -38,6 +38,15 @@ def known_layout(builder, v, strict=None):
     are known in different layouts, None (the compiler picks one of them: not knowable here)."""
     if strict is not None and v in strict:
         return strict[v]
+    if strict is None:  # (answered once per value: a deep model's backward asks along the same chains)
+        known = builder.known_layouts
+        if v not in known:
+            known[v] = _known_layout(builder, v, None)
+        return known[v]
+    return _known_layout(builder, v, strict)
+
+
+def _known_layout(builder, v, strict):
     for _ in range(64):
         p = builder.producer.get(v)
         if p is None:  # (an input that arrives as pending sums: its cotangent is whole on each device)

@@ -27,6 +27,7 @@ class Builder:
     def __init__(self, mesh):
         self.mesh, self.instrs, self.namer = mesh, [], Namer()
         self.producer: dict = {}  # value -> the instruction that made it
+        self.known_layouts: dict = {}  # value -> autodiff_layouts.known_layout's answer (producers never change)
         self.homes: dict = {}  # value -> the sub-mesh it lives on, where known when traced
         self.fresh: set = set()  # sf.grad's primals: annotations do not compose through them (JAX's new tracers)
         self.no_gradient: set = set()  # values sf.grad holds constant (autodiff.stop_gradient)

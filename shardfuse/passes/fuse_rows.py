@@ -42,7 +42,7 @@ SHARDFUSE_FUSE=0 turns it off with fuse_elementwise.
 from __future__ import annotations
 
 import os
-from collections import defaultdict
+from collections import Counter, defaultdict
 
 import numpy as np
 
@@ -87,7 +87,7 @@ class _Groups:
 
     def find(self, k):
         while self.parent.get(k, k) != k:
-            k = self.parent[k]
+            self.parent[k] = k = self.parent.get(self.parent[k], self.parent[k])  # (path halving)
         return k
 
     def union(self, a, b):
@@ -289,14 +289,18 @@ def _components(instrs, role, inner) -> tuple:
         by_root = defaultdict(set)
         for k in role:
             by_root[groups.find(k)].add(k)
-        cut = None
-        for members in by_root.values():
-            if sum(instrs[k].into not in inner for k in members) > 1:
-                shared = sorted((k, v) for v, (k, readers) in inner.items() if k in members and len(set(readers)) > 1)
-                cut = cut or (shared[0][1] if shared else None)
-        if cut is None:
+        writes = Counter(groups.find(k) for k in role if instrs[k].into not in inner)
+        # (each such group's cut at once: the groups are apart, so cutting one leaves the others as they
+        # are, and a deep model's dozens of norms cost one round, not one round each)
+        cuts = {}
+        for v, (k, readers) in inner.items():
+            root = groups.find(k)
+            if writes[root] > 1 and len(set(readers)) > 1 and (root not in cuts or k < cuts[root][0]):
+                cuts[root] = (k, v)
+        if not cuts:
             return list(by_root.values()), inner
-        inner = {v: e for v, e in inner.items() if v is not cut}
+        cut = {id(v) for _, v in cuts.values()}
+        inner = {v: e for v, e in inner.items() if id(v) not in cut}
 
 
 def fuse_rows(prog):

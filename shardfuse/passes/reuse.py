@@ -40,6 +40,7 @@ it does not overlap (greedy by size).  SHARDFUSE_REUSE=0 turns the pass off (mea
 """
 from __future__ import annotations
 
+import bisect
 import math
 import os
 from dataclasses import replace
@@ -152,6 +153,34 @@ def nbytes(v, mesh) -> int:
     return math.prod(local_shape(v, mesh)) * TABLE[v.type.dtype].itemsize
 
 
+class _Lives:
+    """The live ranges of a slab's members, by start, with the latest end up to each: the members
+    whose range meets another's are found by bisection, not by asking every member (a deep model's
+    thousand buffers against every slab was quadratic)."""
+
+    def __init__(self, v, life):
+        self.starts, self.items, self.latest = [life[0]], [(life, v)], [life[1]]
+
+    def apart(self, v, life, pairs) -> bool:
+        """Whether v's life meets no member's, but where they are an in-place pair."""
+        k = bisect.bisect_right(self.starts, life[1]) - 1
+        while k >= 0 and self.latest[k] >= life[0]:  # (members from k down whose range may reach v's start)
+            (s, e), m = self.items[k]
+            if e >= life[0] and (m, v) not in pairs and (v, m) not in pairs:
+                return False
+            k -= 1
+        return True
+
+    def add(self, v, life):
+        k = bisect.bisect_right(self.starts, life[0])
+        self.starts.insert(k, life[0])
+        self.items.insert(k, (life, v))
+        self.latest.insert(k, life[1])
+        for j in range(k, len(self.latest)):  # (the latest end up to each member, from v's place on)
+            end = self.items[j][0][1]
+            self.latest[j] = max(self.latest[j - 1], end) if j else end
+
+
 def assign_slabs(prog) -> dict:
     """buffer -> slab number, for buffers that share a slab with at least one other."""
     ranges = live_ranges(prog)
@@ -160,15 +189,15 @@ def assign_slabs(prog) -> dict:
     order = {v: k for k, v in enumerate(cands)}
     pairs = in_place_pairs(prog, ranges)
 
-    def apart(m, v):
-        return ranges[m][1] < ranges[v][0] or ranges[v][1] < ranges[m][0] or (m, v) in pairs or (v, m) in pairs
-    slabs = []  # (dtype, size in bytes, members)
+    slabs = []  # (dtype, size in bytes, members, their live ranges)
     for v in sorted(cands, key=lambda v: (-nbytes(v, prog.mesh), order[v])):
-        fits = [sl for sl in slabs if sl[0] == v.type.dtype and all(apart(m, v) for m in sl[2])]
+        fits = [sl for sl in slabs if sl[0] == v.type.dtype and sl[3].apart(v, ranges[v], pairs)]
         if fits:
-            min(fits, key=lambda sl: sl[1])[2].append(v)
+            sl = min(fits, key=lambda sl: sl[1])
+            sl[2].append(v)
+            sl[3].add(v, ranges[v])
         else:
-            slabs.append((v.type.dtype, nbytes(v, prog.mesh), [v]))
+            slabs.append((v.type.dtype, nbytes(v, prog.mesh), [v], _Lives(v, ranges[v])))
     shared = [sl[2] for sl in slabs if len(sl[2]) > 1]
     shared.sort(key=lambda members: min(order[m] for m in members))  # numbered as the plan first uses them
     return {m: n for n, members in enumerate(shared) for m in members}
