@@ -297,16 +297,18 @@ class Executable:
         """A call on checked arguments (check_args' infos): (the outputs, their interop.Fence, None on
         host devices).  On GPUs the plan's main stream waits for the caller's stream (stream=, or
         CuPy's current one), which then waits for the plan's outputs: the Fence names that stream."""
-        self.check_ranks()
+        self.check_ranks(args, infos)
         caller = None if self.backend.ordinals is None else stream_ptr(stream)
         with self.lock:
             outs = self.run(args, infos, caller)
             return outs, None if caller is None else Fence(stream_identity(caller), self.calls, self.graph and self)
 
-    def check_ranks(self):
-        """Under mpiexec, every call: every rank calls this very plan, else RankMismatchError on all."""
+    def check_ranks(self, args=(), infos=()):
+        """Under mpiexec, every call: every rank calls this very plan on the same host arguments, else
+        RankMismatchError on all."""
         if self.mesh.nprocs > 1:
-            faults.agree(self.agreement, f"plan {self.prog.name!r}{faults.A_CALL}")
+            prints = faults.input_prints([v.name for v in self.prog.inputs], args, infos)
+            faults.agree(self.agreement, f"plan {self.prog.name!r}{faults.A_CALL}", prints)
 
     def run(self, args, infos, caller, issue=None):
         """One call, with self.lock held: place the inputs, issue the steps (or issue(bufs)), return

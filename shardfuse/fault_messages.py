@@ -164,3 +164,20 @@ def _plan_inputs(lines: list):
     if cur.strip():
         parts.append(cur.strip())
     return [tuple(p.split(": ", 1)) if ": " in p else (p, "") for p in parts]
+
+
+def describe_inputs(prints: list, what: str) -> str:
+    """The same message on every rank where the ranks call one plan on different host arguments:
+    the first argument whose fingerprints differ, and which ranks hold which."""
+    for k, (name, _) in enumerate(prints[0]):
+        groups: dict = {}
+        for r, mine in enumerate(prints):
+            groups.setdefault(mine[k][1], []).append(r)
+        if len(groups) > 1:
+            held = "; ".join(f"rank(s) {ranks_text(rs)} one value" if n == 0 else f"rank(s) {ranks_text(rs)} another"
+                             for n, rs in enumerate(groups.values()))
+            return (f"{what}: argument {name} differs between the ranks ({held}).  Every rank passes the same global "
+                    "array, of which each takes its own pieces (as JAX's multi-process jit); for data that differs per "
+                    "rank, make the global array with sf.from_local.  (Checked on a sample of each NumPy argument's "
+                    "elements; SHARDFUSE_CHECK_INPUTS=0 turns the check off.)")
+    return f"{what}: the ranks' arguments differ"

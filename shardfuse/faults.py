@@ -27,12 +27,13 @@ from __future__ import annotations
 import atexit
 import hashlib
 import os
+import pickle
 import sys
 import threading
 import time
 import traceback
 
-from shardfuse.fault_messages import A_CALL, binding, describe_mismatch, emit, ranks_text, step_name  # noqa: F401 (A_CALL, binding, step_name: used as faults.*)
+from shardfuse.fault_messages import A_CALL, binding, describe_inputs, describe_mismatch, emit, ranks_text, step_name  # noqa: F401 (A_CALL, binding, step_name: used as faults.*)
 
 TIMEOUT_ENV = "SHARDFUSE_TIMEOUT"
 DEFAULT_TIMEOUT = 600.0
@@ -119,12 +120,37 @@ def wait(reqs, what: str, peers) -> None:
     _job.wait(reqs, what, peers)
 
 
-def agree(text: str, what: str) -> None:
-    """Every rank must hold the same `text` (a plan's printed program and its mesh): one small
-    allgather of a hash; on a mismatch the texts are gathered and every rank raises the same
-    RankMismatchError.  Does nothing in one process."""
+def agree(text: str, what: str, inputs=()) -> None:
+    """Every rank must hold the same `text` (a plan's printed program and its mesh), and the same
+    `inputs` ((name, fingerprint bytes) of a call's host arguments): one small allgather of hashes;
+    on a mismatch every rank raises the same RankMismatchError.  Does nothing in one process."""
     if _job is not None:
-        _job.agree(text, what)
+        _job.agree(text, what, inputs)
+
+
+SAMPLE = 256  # elements of each NumPy argument the ranks compare (CHECK_ENV)
+CHECK_ENV = "SHARDFUSE_CHECK_INPUTS"
+
+
+def input_prints(names, args, infos) -> list:
+    """(name, fingerprint) of each host argument of a call (NumPy arrays: shape, dtype and SAMPLE elements
+    spread over them; Python and NumPy numbers: their value), for agree: ranks passing different
+    global arrays would each take its pieces of its own (a blend, silently).  sf.Arrays (info None)
+    and device arrays are not read; empty under one process or with SHARDFUSE_CHECK_INPUTS=0."""
+    import numpy as np
+
+    if _job is None or os.environ.get(CHECK_ENV) == "0":
+        return []
+    out = []
+    for name, a, info in zip(names, args, infos):
+        if info is None:
+            continue
+        if isinstance(a, np.ndarray):
+            at = np.linspace(0, a.size - 1, min(a.size, SAMPLE)).astype(np.int64)
+            out.append((name, f"{a.shape}{a.dtype}".encode() + np.ascontiguousarray(a.flat[at]).tobytes()))
+        elif isinstance(a, (int, float, complex, np.generic)):
+            out.append((name, repr(a).encode()))
+    return out
 
 
 def allgather_bytes(comm, data: bytes, what: str) -> list:
@@ -321,7 +347,7 @@ class _Job:
         return "\n".join(lines)
 
     # -- the plan check -------------------------------------------------------------------
-    def agree(self, text, what):
+    def agree(self, text, what, inputs=()):
         import numpy as np
 
         one_thread(f"the check of {what}")
@@ -334,10 +360,15 @@ class _Job:
             digest = np.frombuffer(hashlib.blake2b(text.encode(), digest_size=16).digest(), np.uint8)
             self.digests = self.digests if len(self.digests) < 256 else {}
             self.digests[text] = digest
+        given = hashlib.blake2b(b"".join(f for _, f in inputs), digest_size=16).digest() if inputs else bytes(16)
+        digest = np.concatenate([digest, np.frombuffer(given, np.uint8)])  # (the plan's hash, the arguments')
         every = np.empty((self.size, digest.size), np.uint8)
         wait(self.fp.Iallgather(digest, every), f"the check of {what}", self.fp)
         if (every == every[0]).all():
             return
+        if (every[:, :16] == every[0, :16]).all():  # (one plan, other arguments)
+            prints = [pickle.loads(b) for b in allgather_bytes(self.fp, pickle.dumps(list(inputs)), f"the check of {what}")]
+            raise RankMismatchError(describe_inputs(prints, what))
         texts = [b.decode("utf-8", "replace") for b in allgather_bytes(self.fp, text.encode(), f"the check of {what}")]
         raise RankMismatchError(describe_mismatch(texts, what))
 

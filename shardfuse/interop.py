@@ -71,9 +71,10 @@ def _torch_dtype(t) -> str:
     return name
 
 
-def array_info(x) -> ArrayInfo:
+def array_info(x, calling=False) -> ArrayInfo:
     """Shape, dtype, device and contiguity of a call argument, without touching its data.
-    Raises ValueError / TypeError naming what was expected for anything shardfuse cannot take."""
+    Raises ValueError / TypeError naming what was expected for anything shardfuse cannot take
+    (calling: an argument of a compiled call, where a torch tensor that requires grad is refused)."""
     if isinstance(x, np.ndarray):
         if type(x) is not np.ndarray:
             _check_subclass(x)
@@ -88,7 +89,8 @@ def array_info(x) -> ArrayInfo:
             dev = None
         else:
             raise ValueError(f"a torch tensor on {x.device}: shardfuse takes CPU or CUDA tensors")
-        if x.requires_grad and _grad_enabled():  # (torch's .numpy() refuses it too: autograd would be cut silently)
+        if calling and x.requires_grad and _grad_enabled():  # (a compiled call cuts autograd: torch's .numpy()
+            # refuses such a tensor too; placing one (sf.replicate(nn.Parameter)) reads its values, as detach())
             raise TypeError("a torch tensor that requires grad: a compiled function records no autograd graph; wrap "
                             "it with sf.torch_function(fn) for gradients, or pass x.detach() (or call under "
                             "torch.no_grad()) for values only")

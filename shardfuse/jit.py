@@ -248,7 +248,7 @@ class Jitted:
             if a is None or isinstance(a, _GENERAL):
                 return None, None
             try:
-                i = array_info(a)
+                i = array_info(a, calling=True)
             except (TypeError, ValueError, OverflowError) as e:
                 if any(isinstance(v, Traced) for v in args):  # (a Python value beside traced ones: inlined)
                     return None, None

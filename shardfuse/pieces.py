@@ -199,7 +199,7 @@ def check_args(prog, args, backend, accepted: set, infos=None) -> list:
                                  f"got {arg.sharding.placements(prog.mesh)}")
             accepted.add(key)
             continue
-        info = infos[k] if infos is not None else array_info(arg)
+        info = infos[k] if infos is not None else array_info(arg, calling=True)
         if info.shape != v.type.shape or info.dtype != v.type.dtype:
             raise ValueError(f"{v.name}: expected shape {v.type.shape} and dtype {v.type.dtype}, got a "
                              f"{info.describe()}")

@@ -163,3 +163,12 @@ def test_a_second_derivative_says_it_is_not_recorded():
     torch.testing.assert_close(g, 2 * x.detach())
     with pytest.raises(RuntimeError, match="no second derivative"):
         torch.autograd.grad(g.sum(), x)
+
+
+def test_placing_a_parameter_reads_its_values():
+    """sf.replicate / sf.shard of an nn.Parameter place its values (a review: they were refused with
+    the compiled call's error); only a compiled call refuses it."""
+    m = sf.DeviceMesh(2, backend="numpy")
+    w = torch.nn.Parameter(torch.randn(4, 4, dtype=torch.float64))
+    np.testing.assert_array_equal(np.asarray(sf.replicate(w, mesh=m)), w.detach().numpy())
+    np.testing.assert_array_equal(np.asarray(sf.shard(w, axis=0, mesh=m)), w.detach().numpy())
