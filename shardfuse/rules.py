@@ -110,7 +110,10 @@ def _reduced_first(ins, carried, sharding):
     def size(v):
         return math.prod(v.type.shape)
     total = size(ins.outs[0]) + sum(size(v) for v in ins.ins)
-    return [() if set(c) & sharding and 2 * size(v) <= total else c for c, v in zip(carried, ins.ins)]
+    # (only the sums over mesh axes that clash are reduced: a sum pending over dp and tp times a value
+    # sharded over tp keeps dp pending, rather than an Allreduce over dp of the whole product)
+    return [tuple(a for a in c if a not in sharding) if set(c) & sharding and 2 * size(v) <= total else c
+            for c, v in zip(carried, ins.ins)]
 
 
 def _contraction_axis(in_labels, out_labels, lays):

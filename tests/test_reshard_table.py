@@ -72,3 +72,21 @@ def test_a_vocab_parallel_log_softmax_loss_gathers_no_vocab_sized_value_before_i
     lse = np.log(np.exp(logits).sum(-1, keepdims=True))
     np.testing.assert_allclose(float(value), -np.take_along_axis(logits - lse, labels[..., None], -1).mean(), rtol=1e-12)
     np.testing.assert_allclose(np.asarray(grad), (np.exp(logits - lse) - np.eye(32)[labels]) / 32, atol=1e-14)
+
+
+def test_a_sum_pending_over_two_mesh_axes_reduces_only_the_clashing_one():
+    """(a @ b) pending over dp and tp, times x sharded over tp: only tp's sums are reduced before
+    the product (a ReduceScatter), dp's stay pending into the scalar's sum (a review: the whole
+    product was also Allreduced over dp)."""
+    mesh = sf.DeviceMesh((2, 2), ("dp", "tp"), backend="numpy")
+    r = np.random.default_rng()
+    a, b, x = r.standard_normal((64, 32)), r.standard_normal((32, 256)), r.standard_normal((64, 256))
+
+    def f(a, b, x):
+        p = sf.shard(a, axis=1, over=("dp", "tp")) @ sf.shard(b, axis=0, over=("dp", "tp"))
+        return (p * sf.shard(x, axis=1, over="tp")).sum()
+    fn = sf.jit(f, mesh=mesh)
+    plan = fn.lower(a, b, x)
+    big = [i for i in plan.program.walk() if i.op in (Op.ALLREDUCE, Op.ALLGATHER) and i.into.type.shape != ()]
+    assert not big, plan
+    np.testing.assert_allclose(float(fn(a, b, x)), ((a @ b) * x).sum(), rtol=1e-10)

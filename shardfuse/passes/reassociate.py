@@ -13,7 +13,10 @@ The reshards and casts are read by nothing else, and the sum's operands and resu
 shape and dtype (no broadcasting): nothing else sees the pieces, and the sum has the shape each
 piece had.  Runs in program order, so a chain of sums folds into one (the reshard of a folded sum
 is the next sum's operand).  Summation order changes as any reduction's does; no rounding cast
-is crossed.
+is crossed, but pieces widened before the one reduction skip the bfloat16 rounding each reduced
+piece had (the result is nearer the exact sum than one device's bfloat16 result would be).  The
+one Allreduce comes after the last micro-batch, so it no longer overlaps the next micro-batch's
+work as the first ones could; N reductions of the gradient become one.
 """
 from __future__ import annotations
 
@@ -28,9 +31,12 @@ _WIDENING = {("bfloat16", "float32"), ("float16", "float32"), ("bfloat16", "floa
 
 
 def _pending_reshard(i) -> bool:
-    """i is a reshard (an unannotated, unscheduled set) of a value pending sums."""
+    """i is a reshard (an unannotated, unscheduled set) of a value pending sums that only reduces
+    them (an Allreduce: its pieces as large as its result's; a ReduceScatter's target is left alone,
+    so a sharded gradient's accumulator stays a shard, not the whole of a ZeRO / FSDP gradient)."""
     lay = i.ins[0].type.layout if i.op == Op.SET and i.ins else None
-    return lay is not None and bool(lay.partial) and lay.partial_op == Reduce.SUM and not i.attrs
+    return (lay is not None and bool(lay.partial) and lay.partial_op == Reduce.SUM and not i.attrs
+            and i.outs[0].type.layout.axes == lay.axes)
 
 
 def _exact_unary(i) -> bool:
