@@ -3,12 +3,15 @@ in), the one message every rank raises when ranks compiled different plans, and 
 that aborts the job gets its last words out."""
 from __future__ import annotations
 
+import functools
 import os
 import stat
 import sys
 import threading
 import time
 from contextlib import contextmanager
+
+import numpy as np
 
 from shardfuse.dtypes import short_name
 
@@ -181,3 +184,33 @@ def describe_inputs(prints: list, what: str) -> str:
                     "rank, make the global array with sf.from_local.  (Checked on a sample of each NumPy argument's "
                     "elements; SHARDFUSE_CHECK_INPUTS=0 turns the check off.)")
     return f"{what}: the ranks' arguments differ"
+
+
+SAMPLE = 64  # elements of each NumPy argument the ranks compare (CHECK_ENV)
+CHECK_ENV = "SHARDFUSE_CHECK_INPUTS"
+
+
+@functools.lru_cache(maxsize=256)
+def _sample_at(size: int):
+    """SAMPLE flat indices spread over an array of `size` elements (its first and last included)."""
+    return np.linspace(0, size - 1, min(size, SAMPLE)).astype(np.int64)
+
+
+def input_prints(names, args, infos) -> list:
+    """(name, fingerprint) of each host argument of a call (NumPy arrays: shape, dtype and SAMPLE elements
+    spread over them; Python and NumPy numbers: their value), for faults.agree: ranks passing different
+    global arrays would each take its pieces of its own (a blend, silently).  sf.Arrays (info None)
+    and device arrays are not read; empty with SHARDFUSE_CHECK_INPUTS=0.  A few microseconds an
+    argument (a sample, not the data: ranks whose arrays differ only between the samples pass)."""
+    if os.environ.get(CHECK_ENV) == "0":
+        return []
+    out = []
+    for name, a, info in zip(names, args, infos):
+        if info is None:
+            continue
+        if isinstance(a, np.ndarray):
+            flat = a.reshape(-1) if a.flags.c_contiguous else a.flat
+            out.append((name, b"%r%s" % (a.shape, a.dtype.str.encode()) + flat[_sample_at(a.size)].tobytes()))
+        elif isinstance(a, (int, float, complex, np.generic)):
+            out.append((name, repr(a).encode()))
+    return out

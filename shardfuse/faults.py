@@ -33,7 +33,7 @@ import threading
 import time
 import traceback
 
-from shardfuse.fault_messages import A_CALL, binding, describe_inputs, describe_mismatch, emit, ranks_text, step_name  # noqa: F401 (A_CALL, binding, step_name: used as faults.*)
+from shardfuse.fault_messages import A_CALL, binding, describe_inputs, describe_mismatch, emit, input_prints, ranks_text, step_name  # noqa: F401 (A_CALL, binding, input_prints, step_name: used as faults.*)
 
 TIMEOUT_ENV = "SHARDFUSE_TIMEOUT"
 DEFAULT_TIMEOUT = 600.0
@@ -126,31 +126,6 @@ def agree(text: str, what: str, inputs=()) -> None:
     on a mismatch every rank raises the same RankMismatchError.  Does nothing in one process."""
     if _job is not None:
         _job.agree(text, what, inputs)
-
-
-SAMPLE = 256  # elements of each NumPy argument the ranks compare (CHECK_ENV)
-CHECK_ENV = "SHARDFUSE_CHECK_INPUTS"
-
-
-def input_prints(names, args, infos) -> list:
-    """(name, fingerprint) of each host argument of a call (NumPy arrays: shape, dtype and SAMPLE elements
-    spread over them; Python and NumPy numbers: their value), for agree: ranks passing different
-    global arrays would each take its pieces of its own (a blend, silently).  sf.Arrays (info None)
-    and device arrays are not read; empty under one process or with SHARDFUSE_CHECK_INPUTS=0."""
-    import numpy as np
-
-    if _job is None or os.environ.get(CHECK_ENV) == "0":
-        return []
-    out = []
-    for name, a, info in zip(names, args, infos):
-        if info is None:
-            continue
-        if isinstance(a, np.ndarray):
-            at = np.linspace(0, a.size - 1, min(a.size, SAMPLE)).astype(np.int64)
-            out.append((name, f"{a.shape}{a.dtype}".encode() + np.ascontiguousarray(a.flat[at]).tobytes()))
-        elif isinstance(a, (int, float, complex, np.generic)):
-            out.append((name, repr(a).encode()))
-    return out
 
 
 def allgather_bytes(comm, data: bytes, what: str) -> list:

@@ -252,3 +252,22 @@ def test_a_plan_bound_before_its_first_call_still_checks_that_call():
     with pytest.raises(sf.RankMismatchError, match="a call"):
         plan(x) if RANK == BAD else g(x)
     np.testing.assert_array_equal(plan(x).gather(), 2 * x)
+
+
+def test_ranks_passing_different_global_arrays_all_raise_naming_the_argument(monkeypatch):
+    """A probe's silent blend: each rank drew x and w from its own seed, and sf.jit took rows 0-3
+    from rank 0's x and 4-7 from rank 1's, each rank with its own w.  Now every rank raises the same
+    RankMismatchError naming the argument, before any collective; the same arrays run; the check
+    off (SHARDFUSE_CHECK_INPUTS=0), the blend is the user's choice."""
+    f, x, w = _natural(sf.DeviceMesh(4))
+    mine = np.random.default_rng(100 + RANK).standard_normal(w.shape)
+    with pytest.raises(sf.RankMismatchError) as err:
+        f(x, mine)
+    msg = str(err.value)
+    assert COMM.allgather(msg) == [msg] * NPROCS, "every rank must raise the very same message"
+    assert "argument w differs between the ranks" in msg and "sf.from_local" in msg, msg
+    with pytest.raises(sf.RankMismatchError, match="argument x differs"):
+        f(x * (RANK + 1), w)
+    np.testing.assert_allclose(f(x, w).gather(), x @ w)  # nothing half-sent: the next call runs
+    monkeypatch.setenv("SHARDFUSE_CHECK_INPUTS", "0")
+    f(x, mine)
