@@ -9,6 +9,9 @@ An exact widening cast between a reduction and the sum (a bfloat16 gradient adde
 one) is made before the reduction instead, on the pieces: the one reduction is then in the wider
 type (Megatron's float32 main_grad), none in bfloat16; so is the 0 + x of Python's sum()
 (the pieces' x + 0 summed is the sum + 0, as rules.py carries a pending sum through it).
+A chain of sums carries a reduction to its end: (x + reduced(p)) + y is (x + y) + reduced(p),
+and (x + reduced(p)) + reduced(q) is x + reduced(p + q), so optax's global norm, the sum of every
+leaf's squares, reduces the tp-sharded leaves' squares once, not once a leaf.
 The reshards and casts are read by nothing else, and the sum's operands and result are of one
 shape and dtype (no broadcasting): nothing else sees the pieces, and the sum has the shape each
 piece had.  Runs in program order, so a chain of sums folds into one (the reshard of a folded sum
@@ -56,6 +59,7 @@ class _Sums:
         self.made = {i.outs[0]: i for i in prog.instrs if len(i.outs) == 1 and _pending_reshard(i)}
         self.casts = {i.outs[0]: i for i in prog.instrs if len(i.outs) == 1 and _exact_unary(i)}
         self.namer, self.dropped = Namer.for_program(prog), set()  # (dropped: the instructions' ids)
+        self.tails = {}  # t -> (x, v, the instruction t = x + v), v a reduced value read only there
 
     def pieces(self, v):
         """(instructions making v's pieces, the pieces, the instructions v's pieces replace) where v
@@ -74,18 +78,49 @@ class _Sums:
         return [Instr(cast.op, (wide,), (p,), dict(cast.attrs))], wide, [reshard, cast]
 
     def fold(self, i) -> list | None:
-        """The instructions of sum i made on the pieces and reduced once, or None."""
+        """The instructions of sum i made on the pieces and reduced once, or None (i as it is)."""
         if i.op not in (Op.ADD, Op.SUB) or i.attrs or len(i.ins) != 2 or i.ins[0] is i.ins[1]:
             return None
-        a, b = self.pieces(i.ins[0]), self.pieces(i.ins[1])
         o = i.outs[0]
-        if a is None or b is None or a[1].type != b[1].type or not (i.ins[0].type == i.ins[1].type == o.type):
+        if not i.ins[0].type == i.ins[1].type == o.type:
             return None
+        a, b = self.pieces(i.ins[0]), self.pieces(i.ins[1])
+        if a is not None and b is not None and a[1].type == b[1].type:
+            return self._summed(i.op, o, a, b)
+        if i.op != Op.ADD:
+            return None
+        for t, w, pw in ((i.ins[0], i.ins[1], b), (i.ins[1], i.ins[0], a)):
+            if t in self.tails and self.uses[t] == 1:
+                return self._onto_tail(t, w, pw, o)
+        if (a is None) != (b is None):  # (x + reduced(p): a tail the next sums may reach)
+            self.tails[o] = (i.ins[0], i.ins[1], i) if b is not None else (i.ins[1], i.ins[0], i)
+        return None
+
+    def _summed(self, op, o, a, b) -> list:
+        """o = op(a's pieces, b's pieces), reduced once."""
         summed = Value(self.namer(f"{o.name}_partial"), o.type.with_layout(a[1].type.layout))
         reshard = Instr(Op.SET, (o,), (summed,))
         self.made[o] = reshard
         self.dropped.update(id(d) for d in a[2] + b[2])
-        return a[0] + b[0] + [Instr(i.op, (summed,), (a[1], b[1])), reshard]
+        return a[0] + b[0] + [Instr(op, (summed,), (a[1], b[1])), reshard]
+
+    def _onto_tail(self, t, w, pw, o) -> list:
+        """o = t + w where t = x + v (v a reduced value, t read only here): the reduction moved past
+        this sum, o = x + reduced(v's pieces + w's) where w is pending pieces too, else (x + w) + v."""
+        x, v, made_t = self.tails.pop(t)
+        self.dropped.add(id(made_t))
+        pv = self.pieces(v)
+        if pw is not None and pv is not None and pv[1].type == pw[1].type:
+            r = Value(self.namer(f"{o.name}_summed"), o.type)
+            self.uses[r] = 1
+            out = self._summed(Op.ADD, r, pv, pw)
+            add = Instr(Op.ADD, (o,), (x, r))
+            self.tails[o] = (x, r, add)
+            return out + [add]
+        y = Value(self.namer(f"{o.name}_rest"), o.type)
+        add = Instr(Op.ADD, (o,), (y, v))
+        self.tails[o] = (y, v, add)
+        return [Instr(Op.ADD, (y,), (x, w)), add]
 
 
 def sum_before_reducing(prog):
