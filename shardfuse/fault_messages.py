@@ -172,6 +172,10 @@ def _plan_inputs(lines: list):
 def describe_inputs(prints: list, what: str) -> str:
     """The same message on every rank where the ranks call one plan on different host arguments:
     the first argument whose fingerprints differ, and which ranks hold which."""
+    if len({tuple(n for n, _ in mine) for mine in prints}) > 1:  # (an sf.Array on some ranks, a NumPy array on others)
+        held = "; ".join(f"rank {r}: {', '.join(n for n, _ in mine) or 'none'}" for r, mine in enumerate(prints))
+        return (f"{what}: the ranks pass host arrays for different arguments ({held}): pass each argument alike on "
+                "every rank (an sf.Array everywhere, or a NumPy array everywhere)")
     for k, (name, _) in enumerate(prints[0]):
         groups: dict = {}
         for r, mine in enumerate(prints):
@@ -197,20 +201,41 @@ def _sample_at(size: int):
 
 
 def input_prints(names, args, infos) -> list:
-    """(name, fingerprint) of each host argument of a call (NumPy arrays: shape, dtype and SAMPLE elements
-    spread over them; Python and NumPy numbers: their value), for faults.agree: ranks passing different
-    global arrays would each take its pieces of its own (a blend, silently).  sf.Arrays (info None)
-    and device arrays are not read; empty with SHARDFUSE_CHECK_INPUTS=0.  A few microseconds an
-    argument (a sample, not the data: ranks whose arrays differ only between the samples pass)."""
+    """(name, fingerprint) of each host argument of a call (NumPy arrays: shape and SAMPLE elements spread
+    over them, as float64 with -0.0 as 0.0 and one NaN where floating, so byte order, signed zeros and
+    NaN payloads do not differ; Python and NumPy numbers: their Python value), for faults.agree: ranks
+    passing different global arrays would each take its pieces of its own (a blend, silently).
+    sf.Arrays (info None) and device arrays are not read; empty with SHARDFUSE_CHECK_INPUTS=0.  A few
+    microseconds an argument (a sample, not the data: ranks whose arrays differ only between the
+    samples pass).  Never raises: every rank must reach the check's allgather."""
     if os.environ.get(CHECK_ENV) == "0":
         return []
     out = []
     for name, a, info in zip(names, args, infos):
         if info is None:
             continue
-        if isinstance(a, np.ndarray):
-            flat = a.reshape(-1) if a.flags.c_contiguous else a.flat
-            out.append((name, b"%r%s" % (a.shape, a.dtype.str.encode()) + flat[_sample_at(a.size)].tobytes()))
-        elif isinstance(a, (int, float, complex, np.generic)):
-            out.append((name, repr(a).encode()))
+        try:
+            out.append((name, _print(a)))
+        except Exception as e:  # noqa: BLE001 (whatever it is, this rank still takes part in the check)
+            out.append((name, f"unreadable: {type(e).__name__}".encode()))
     return out
+
+
+def _print(a) -> bytes:
+    """One argument's fingerprint (input_prints)."""
+    if isinstance(a, (bool, int, float, complex, np.generic)):
+        v = a.item() if isinstance(a, np.generic) else a
+        return repr(v + 0.0 if isinstance(v, float) else v).encode()  # (-0.0 + 0.0 is 0.0)
+    if not isinstance(a, np.ndarray):
+        return b""  # (a device array: not read)
+    a = np.asarray(a)  # (np.matrix: a plain array, so its flat sample is of elements)
+    sample = (a.reshape(-1) if a.flags.c_contiguous else a.flat)[_sample_at(a.size)]
+    if sample.dtype.kind in "fcV" and sample.dtype != object:
+        try:
+            sample = np.asarray(sample, np.complex128 if sample.dtype.kind == "c" else np.float64)
+        except (TypeError, ValueError):
+            return repr(a.shape).encode() + sample.tobytes()
+        sample = np.where(np.isnan(sample), np.nan, sample) + 0.0  # (one NaN; -0.0 + 0.0 is 0.0)
+    else:
+        sample = sample.astype(sample.dtype.newbyteorder("="))
+    return repr(a.shape).encode() + sample.tobytes()

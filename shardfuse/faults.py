@@ -335,7 +335,7 @@ class _Job:
             digest = np.frombuffer(hashlib.blake2b(text.encode(), digest_size=16).digest(), np.uint8)
             self.digests = self.digests if len(self.digests) < 256 else {}
             self.digests[text] = digest
-        given = hashlib.blake2b(b"".join(f for _, f in inputs), digest_size=16).digest() if inputs else bytes(16)
+        given = hashlib.blake2b(pickle.dumps(list(inputs)), digest_size=16).digest() if inputs else bytes(16)
         digest = np.concatenate([digest, np.frombuffer(given, np.uint8)])  # (the plan's hash, the arguments')
         every = np.empty((self.size, digest.size), np.uint8)
         wait(self.fp.Iallgather(digest, every), f"the check of {what}", self.fp)

@@ -163,8 +163,9 @@ def layout_of(placements, ndim: int, mesh) -> "Layout":
                         f"entry per tensor axis: None, a mesh axis name or a tuple of them), got {placements!r}")
     items = tuple(placements)
     # (the compact forms Layout.placements prints, ('R', 'S(1)'), read back, where no mesh axis has that name)
-    compact = [from_compact(p) if isinstance(p, str) and p not in mesh.axis_names else None for p in items]
-    if items and all(c is not None for c in compact):
+    compact = [from_compact(p) if isinstance(p, str) and p not in mesh.axis_names
+               else p if isinstance(p, (Shard, Replicate, Partial)) else None for p in items]
+    if items and all(c is not None for c in compact):  # (mixed with placements too: (sf.Shard(0), 'R'))
         items = tuple(compact)
     axes: list = [() for _ in range(ndim)]
     if items and all(isinstance(p, (Shard, Replicate, Partial)) for p in items):

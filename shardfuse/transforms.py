@@ -19,6 +19,7 @@ Allgather fewer per gathered input, that input held from the forward to the back
 from __future__ import annotations
 
 import inspect
+from collections import defaultdict
 
 from shardfuse import tree
 from shardfuse.array import Array
@@ -98,9 +99,19 @@ class _Forward:
         layout it came in)."""
         if orig.value.type.layout is not None:
             return whole(orig.value.type.layout)
-        uses = [i for i in self.instrs if x.value in i.ins]
-        # (through a cast: a float32 master weight's bfloat16 copy sharded over tp keeps the weight so)
-        uses = [u for i in uses for u in ([j for j in self.instrs if i.outs[0] in j.ins] if i.op == Op.ASTYPE else [i])]
+        readers = defaultdict(list)
+        for i in self.instrs:
+            for v in i.ins:
+                readers[v].append(i)
+        # (through casts, as fold_annotations places the input: a float32 master weight's bfloat16 copy
+        # sharded over tp keeps the weight so)
+        uses, todo = [], list(readers[x.value])
+        while todo:
+            i = todo.pop()
+            if i.op == Op.ASTYPE:
+                todo += readers[i.outs[0]]
+            else:
+                uses.append(i)
         stated = {i.outs[0].type.layout for i in uses if i.op == Op.SET and i.attrs.get("annotation")}
         if len(stated) == 1 and all(i.op == Op.SET for i in uses):
             return stated.pop()

@@ -240,7 +240,7 @@ def _ids_key(key):
     ids = key[0] if isinstance(key, tuple) and len(key) == 1 else key
     if isinstance(ids, (list, np.ndarray)):
         ids = np.asarray(ids)
-        return ids if ids.ndim and ids.dtype.kind in "iu" else None
+        return ids if ids.ndim and ids.dtype.kind == "i" else None
     return ids if (isinstance(ids, Traced) or hasattr(type(ids), "one_op")) and ids.ndim else None
 
 

@@ -159,3 +159,18 @@ def test_an_annotated_cast_of_a_weight_places_the_weight_and_its_gradient():
     assert plan.collectives() == {}, plan
     xb = x.astype(ml_dtypes.bfloat16).astype(np.float64)
     np.testing.assert_allclose(np.asarray(fn(w, x)), np.repeat(xb.sum(0)[:, None], 32, 1), rtol=2 ** -7)
+
+
+def test_a_cast_of_a_cast_places_the_weight_and_its_gradient_alike():
+    """w.astype(float16).astype(bfloat16) annotated over tp: the input arrives sharded and its gradient
+    leaves sharded (the gradient's layout looked through one cast only: replicated, and gathered)."""
+    mesh = sf.DeviceMesh((2,), ("tp",), backend="numpy")
+    r = np.random.default_rng()
+    x, w = r.standard_normal((8, 16)).astype(np.float32), r.standard_normal((16, 32)).astype(np.float32)
+
+    def loss(w, x):
+        wb = sf.shard(w.astype("float16").astype("bfloat16"), axis=1, over="tp")
+        return (x.astype("bfloat16") @ wb).astype(np.float32).sum()
+    plan = sf.jit(sf.grad(loss), mesh=mesh).lower(w, x)
+    assert plan.input_layouts[0].axes == (None, "tp") and plan.output_layouts.axes == (None, "tp"), plan
+    assert plan.collectives() == {}, plan

@@ -114,3 +114,9 @@ def test_the_printed_placements_place_a_value_again():
         np.testing.assert_array_equal(np.asarray(b), x)
     odd = sf.DeviceMesh((2,), ("R",), backend="numpy")
     assert sf.distribute(x, odd, ("R",)).placements == (sf.Shard(0),)
+
+
+def test_compact_placements_mixed_with_placement_objects():
+    mesh = sf.DeviceMesh((2, 2), ("dp", "tp"), backend="numpy")
+    x = np.random.default_rng().standard_normal((4, 8))
+    assert sf.distribute(x, mesh, (sf.Shard(0), "R")).placements == (sf.Shard(0), sf.Replicate())

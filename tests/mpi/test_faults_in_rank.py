@@ -271,3 +271,23 @@ def test_ranks_passing_different_global_arrays_all_raise_naming_the_argument(mon
     np.testing.assert_allclose(f(x, w).gather(), x @ w)  # nothing half-sent: the next call runs
     monkeypatch.setenv("SHARDFUSE_CHECK_INPUTS", "0")
     f(x, mine)
+
+
+def test_equal_arguments_written_differently_pass_and_unequal_numbers_do_not():
+    """A review's cases: the same values in another byte order, with -0.0 for 0.0, another NaN's
+    payload, a Python float for a NumPy one, or as np.matrix, pass the input check; numbers whose
+    digits only regroup across arguments (1, 23 against 12, 3) do not."""
+    mesh = sf.DeviceMesh(4)
+    g = sf.jit(lambda a, s, t: sf.shard(a, axis=0) * s + t, mesh=mesh)
+    x = np.arange(8.0).reshape(8, 1) - 3.0
+    x[0, 0] = np.nan
+    other = x.astype(">f8") if RANK == BAD else x
+    if RANK == BAD:
+        other = other.copy()
+        other[3, 0] = -0.0
+        other[0, 0] = -np.nan
+    got = g(other, np.float64(0.5) if RANK == BAD else 0.5, 1.0).gather()
+    np.testing.assert_array_equal(got[1:], x[1:] * 0.5 + 1.0)
+    np.testing.assert_array_equal(g(np.matrix(x), 0.5, 1.0).gather()[1:], x[1:] * 0.5 + 1.0)
+    with pytest.raises(sf.RankMismatchError, match="argument"):
+        g(x, 12 if RANK == BAD else 1, 3 if RANK == BAD else 23)
