@@ -107,13 +107,14 @@ class Jitted:
         return self._statics.get(key, make)
 
     def cache_info(self) -> dict:
-        """How many plans are kept and how many argument kinds map to them (both bounded by
+        """How many plans are kept (distinct: one serving its own results counts once) and how many
+        argument kinds map to them (both bounded by
         max_plans, per pytree structure), like functools' cache_info; the plans of pytree arguments and
         of static values are kept by their own sf.jit functions, counted here too (as cached_plans
         lists them)."""
         trees, statics = list(self._trees.values()), list(self._statics.snapshot().values())
         children = [c.cache_info() for c in trees + statics]
-        info = {"plans": len(self._plans) + sum(c["plans"] for c in children),
+        info = {"plans": len({id(p) for p in self._plans.snapshot().values()}) + sum(c["plans"] for c in children),
                 "dispatch": len(self._dispatch) + sum(c["dispatch"] for c in children), "max_plans": self.max_plans}
         if self._static:
             info["static_values"] = len(statics)

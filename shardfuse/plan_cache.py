@@ -79,7 +79,9 @@ def serving_plan(cached: dict, specs: tuple):
     compiles once; a fresh compile for the second specs would trace the same function again with
     those layouts stated (seconds for a model) into the plan it already has."""
     for known, plan in cached.items():
-        inputs, mesh = plan.program.inputs, plan.program.mesh
+        # (the arrays the function captured are the program's last inputs, which the plan passes itself:
+        # an argmax's or a mask's np.arange made every step compile twice)
+        inputs, mesh = plan.program.inputs[:len(plan.program.inputs) - len(plan.program.constants)], plan.program.mesh
         if len(known) != len(specs) or len(inputs) != len(specs):
             continue
         if all(s == k or (k.layout is None and s.layout is not None and _same(s.layout, v.type.layout, mesh)

@@ -165,3 +165,19 @@ def test_a_state_placed_by_a_pytree_of_specs_or_the_plans_input_layouts():
     out = step(*args)
     assert out["w1"].dtype == np.float32 and out["count"].weak
     np.testing.assert_allclose(np.asarray(out["w1"]), params["w1"] - np.float32(0.1) * x, rtol=1e-6)
+
+
+def test_a_step_capturing_a_numpy_array_serves_its_own_results_without_tracing_again():
+    """A serving probe's greedy step (argmax makes an np.arange; so do masks): fed its own results
+    it traced and compiled a second time, the captured constant counted as an input; now one trace,
+    one plan (cache_info counts distinct plans: one serving two argument kinds counts once)."""
+    traced = []
+
+    def step(x):
+        traced.append(1)
+        return x + np.arange(4.0)
+    f = sf.jit(step, mesh=sf.DeviceMesh((2,), ("tp",), backend="numpy"))
+    y = f(np.zeros(4))
+    y = f(f(y))
+    np.testing.assert_array_equal(np.asarray(y), 3 * np.arange(4.0))
+    assert len(traced) == 1 and f.cache_info()["plans"] == 1, (len(traced), f.cache_info())
