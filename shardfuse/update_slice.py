@@ -97,8 +97,11 @@ def _update(x, u, *starts):
     if u.ndim != x.ndim:
         raise ValueError(f"{what}: the update {describe(u)} must have the operand's rank ({describe(x)}); "
                          "add its unit axes (u[:, :, None]) or write x.at[...].set(u)")
+    if u.dtype_name != x.dtype_name:  # (as jax.lax.dynamic_update_slice: a float64 update into a bfloat16 cache
+        raise TypeError(f"{what}: the update {describe(u)} and the operand {describe(x)} differ in dtype; cast the "  # was
+                        f"update (u.astype('{x.dtype_name}')), or write x.at[...].set(u), which casts")  # silently cast)
     static, dyn = _starts(x, starts, u.shape, what)
-    return _emit_update(x, cast(u, x.dtype_name), dyn, static)
+    return _emit_update(x, u, dyn, static)
 
 
 def _slice(x, sizes, *starts):  # (module-level, as every fn given to _dispatch: one-op plans are cached by it)
@@ -157,6 +160,10 @@ def _parse(x, key, what):
             if step != 1:
                 raise IndexError(f"{what}: a slice of step {step} on axis {j}: .at[] updates a box (slices of step 1)")
             desc.append(("s", start, max(stop, start)))
+        elif getattr(k, "ndim", 0) and (isinstance(k, Traced) or hasattr(type(k), "one_op")):
+            raise TypeError(f"{what}: an array of indices on axis {j} ({describe(k) if isinstance(k, Traced) else k!r}): "
+                            ".at[] takes an array of ids alone, on the first axis (x.at[ids].add(v) / .get()); for "
+                            "a position per row write sf.where(mask, v, x) with a one-hot mask of the positions")
         elif _static(k) is not None or isinstance(k, Traced) or hasattr(type(k), "one_op"):
             desc.append(("i",))
             values.append(k)

@@ -19,6 +19,7 @@ The donated decode plan (heads over tp), as printed:
 """
 from __future__ import annotations
 
+import ml_dtypes
 import numpy as np
 import pytest
 
@@ -394,3 +395,17 @@ def test_at_an_array_of_ids_adds_and_gets_as_jax():
     np.testing.assert_allclose(np.asarray(dv), np.where(inside, w[np.clip(ids, -5, 4)], 0.0), rtol=1e-14)
     with pytest.raises(TypeError, match=r"at\[ids\].set.*sf.where"):
         sf.jit(lambda x, i: x.at[i].set(0.0), mesh=mesh)(x, ids)
+
+
+def test_an_update_of_another_dtype_and_an_array_index_on_a_later_axis_say_what_to_write():
+    """A serving probe's: a float64 update into a bfloat16 cache was cast silently (JAX's
+    dynamic_update_slice refuses it; .at[].set casts, as JAX's); cache.at[:, positions] named
+    sf.dynamic_slice, which the user never called."""
+    mesh = sf.DeviceMesh(2, backend="numpy")
+    cache = np.zeros((4, 6), ml_dtypes.bfloat16)
+    with pytest.raises(TypeError, match=r"differ in dtype.*astype\('bfloat16'\).*at\[\.\.\.\]\.set"):
+        sf.jit(lambda c: sf.dynamic_update_slice(c, np.ones((4, 1)), (0, 2)), mesh=mesh)(cache)
+    got = sf.jit(lambda c: c.at[:, 2:3].set(np.ones((4, 1))), mesh=mesh)(cache)
+    assert np.asarray(got).dtype == ml_dtypes.bfloat16 and np.asarray(got)[:, 2].tolist() == [1.0] * 4
+    with pytest.raises(TypeError, match=r"array of indices on axis 1.*sf.where"):
+        sf.jit(lambda c, p: c.at[:, p].set(1.0), mesh=mesh)(cache, np.arange(4))
