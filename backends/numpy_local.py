@@ -19,6 +19,16 @@ from shardfuse.ops import Reduce
 POISON = os.environ.get("SHARDFUSE_POISON") == "1"  # fill new buffers with NaN (tests)
 
 
+def _QUIET(step):
+    """step with floating-point warnings off: x / 0 is inf as on a GPU and in JAX, with no
+    RuntimeWarning from inside a compiled step, where the user's line is not to be found (an
+    errstate made per call: one instance is not to be entered by two threads at once)."""
+    def run(bufs):
+        with np.errstate(all="ignore"):
+            step(bufs)
+    return run
+
+
 class NumpyLocalBackend:
     name = "numpy"
     ordinals = None  # host memory
@@ -91,6 +101,7 @@ class NumpyLocalBackend:
     def bind_elementwise(self, op, a, b, out, stream, scalar=None, devices=None):
         fn, js, view = ELEMENTWISE[op], self._on(devices), self.view
 
+        @_QUIET
         def step(bufs):
             for j in js:
                 fn(np, view(bufs, a, j), scalar if b is None else view(bufs, b, j), view(bufs, out, j))
@@ -101,6 +112,7 @@ class NumpyLocalBackend:
         steps = schedule(expr, len(ins))
         temps = {j: [np.empty(out.shape, np_dtype(dt)) for *_, dt in steps[:-1]] for j in js}  # (one call at a time)
 
+        @_QUIET
         def step(bufs):
             for j in js:
                 evaluate(np, steps, [view(bufs, r, j) for r in ins] + temps[j] + [view(bufs, out, j)])
@@ -121,6 +133,7 @@ class NumpyLocalBackend:
         steps, shape = schedule(expr, len(ins)), np.broadcast_shapes(*(r.shape for r in ins))
         temps = {j: [np.empty(shape, np_dtype(dt)) for *_, dt in steps] for j in js}  # (one call at a time)
 
+        @_QUIET
         def step(bufs):
             for j in js:
                 evaluate(np, steps, [view(bufs, r, j) for r in ins] + temps[j])
@@ -135,6 +148,7 @@ class NumpyLocalBackend:
         steps, roots = row_schedule((expr, *more), [r.shape for r in ins])
         temps = {j: [np.empty(shape, np_dtype(dt)) for *_, dt, shape in steps] for j in js}  # (one call at a time)
 
+        @_QUIET
         def step(bufs):
             for j in js:
                 slots = [view(bufs, r, j) for r in ins] + temps[j]

@@ -26,11 +26,12 @@ def normalize_over(over, mesh):
     return axis_entry(names)
 
 
-def check_divides(shape, ax: int, over, mesh) -> None:
-    """The one check that a mesh axis (or tuple of them) can shard tensor axis `ax` evenly."""
+def check_divides(shape, ax: int, over, mesh, of: str = "") -> None:
+    """The one check that a mesh axis (or tuple of them) can shard tensor axis `ax` evenly (`of`: the
+    value it is about, named in the error: a traced value's name and shape)."""
     n = shard_count(normalize_over(over, mesh), mesh)  # raises for unknown mesh axis names
     if shape[ax] % n:
-        raise ValueError(f"cannot shard axis {ax} of extent {shape[ax]} over {over}: "
+        raise ValueError(f"cannot shard axis {ax} of extent {shape[ax]}{f' of {of}' if of else ''} over {over}: "
                          f"the mesh axis has {n} devices, which does not divide {shape[ax]}")
 
 

@@ -84,7 +84,7 @@ def _placed(x: Traced, layout: Layout, sched, ax: int, over, sub) -> Layout:
     if sched is not None and sched.axis == ax and sched.chunks is None:
         raise ValueError(f"axis {ax} of {x.value.name}{x.shape} is streamed without chunks=: it cannot be sharded "
                          "too")
-    check_divides(x.shape, ax, over, sub)
+    check_divides(x.shape, ax, over, sub, _named(x))
     return layout.sharded(ax, over)
 
 
@@ -114,9 +114,15 @@ def constrain(x: Traced, placements, mesh=None) -> Traced:
         raise ValueError(f"sf.distribute: a layout of {len(axes)} axes for {x.value.name}{x.shape}")
     for ax, names in enumerate(axes):
         if names is not None:
-            check_divides(x.shape, ax, names, sub)
+            check_divides(x.shape, ax, names, sub, _named(x))
     out = TensorType(x.shape, x.dtype_name, Layout(tuple(axes)).on(sub))
     return x.builder.emit(Op.SET, (x,), out, x.value.name, annotation=True)
+
+
+def _named(x: Traced) -> str:
+    """x as an error names it: its name, shape and what made it (an argument, or an op's result)."""
+    made = x.builder.producer.get(x.value)
+    return f"{x.value.name}{list(x.shape)} ({f'the result of {made.op}' if made is not None else 'an argument'})"
 
 
 def to_mesh(x: Traced, mesh, axis: int | None = None, over: str | None = None):
@@ -130,7 +136,7 @@ def to_mesh(x: Traced, mesh, axis: int | None = None, over: str | None = None):
     if axis is not None:
         ax = normalize_axis(axis, x.ndim, x.shape)
         over = over or sub.axis_names[-1]
-        check_divides(x.shape, ax, over, sub)
+        check_divides(x.shape, ax, over, sub, _named(x))
         layout = layout.with_axis(ax, over)
     return x.builder.emit(Op.SET, (x,), TensorType(x.shape, x.dtype_name, layout), x.value.name + "_moved")
 

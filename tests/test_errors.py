@@ -29,8 +29,12 @@ def test_axis_out_of_range(mesh):
 
 def test_extent_not_divisible_by_mesh(mesh):
     f = sf.jit(lambda a: sf.shard(a, axis=0), mesh=mesh)
-    with pytest.raises(ValueError, match="cannot shard axis 0 of extent 6 over DIDx: the mesh axis has 4 devices"):
+    with pytest.raises(ValueError, match=r"cannot shard axis 0 of extent 6 of a\[6, 8\] \(an argument\) over DIDx: "
+                                         "the mesh axis has 4 devices"):
         f.lower(T((6, 8)))
+    g = sf.jit(lambda a, w: sf.shard(a @ w, axis=0), mesh=mesh)  # (a serving probe: which value, in a model?)
+    with pytest.raises(ValueError, match=r"of c\[6, 8\] \(the result of matmul\) over DIDx"):
+        g.lower(T((6, 8)), T((8, 8)))
 
 
 def test_extent_not_divisible_by_chunks(mesh):
