@@ -208,7 +208,15 @@ ELEMENTWISE = {
     Op.REDUCE_MAX: lambda xp, x, _, o: xp.max(x, axis=-1, out=o),
     Op.REDUCE_MIN: lambda xp, x, _, o: xp.min(x, axis=-1, out=o),
     Op.CUMSUM: _cumsum,  # (NumPy only: the CuPy backend has its own kernel, kernels.Kernels.cumsum)
+    Op.ARGSORT: lambda xp, x, _, o: xp.copyto(o, _argsort(xp, x)),
+    Op.PERMUTE: lambda xp, x, order, o: xp.copyto(o, xp.take_along_axis(x, order, axis=-1)),
 }
+
+
+def _argsort(xp, x):
+    """The stable ascending order of x's last axis (NaN last, as NumPy sorts); CuPy's argsort is a
+    stable sort and takes no kind=."""
+    return xp.argsort(x, axis=-1, kind="stable") if xp is np else xp.argsort(x, axis=-1)
 
 
 def take_rows(xp, table, ids, rows, vocab, out):

@@ -35,7 +35,7 @@ from shardfuse.torch_bridge import torch_function
 from shardfuse.shape_ops import concatenate, split, stack
 from shardfuse.traced_numpy import (exp, linear, log, logical_not, maximum, minimum, relu, rsqrt, sigmoid, silu,
                                     sqrt, tanh, where)
-from shardfuse.numpy_math import cos, erf, expm1, gelu, log1p, sin  # (and np.sign, np.floor, np.isnan, ...: NUMPY)
+from shardfuse.numpy_math import cos, erf, expm1, gelu, log1p, sin, top_k  # (and np.sign, np.sort, ...: NUMPY)
 from shardfuse.logical import logical_and, logical_or, logical_xor  # (and np.bitwise_*, np.any / all: NUMPY)
 from shardfuse import numpy_shapes  # noqa: F401 (np.ravel, np.squeeze, np.expand_dims, np.ones_like, ...: NUMPY)
 from shardfuse import numpy_einsum  # noqa: F401 (np.einsum, np.tensordot: NUMPY)
@@ -43,7 +43,7 @@ from shardfuse import numpy_broadcast  # noqa: F401 (np.broadcast_to, np.repeat,
 
 __all__ = ["Array", "DeviceMesh", "Layout", "Partial", "Replicate", "Shard", "StridedShard", "Plan", "TensorSpec", "from_local", "jit", "replicate", "shard", "stream", "to_mesh",
            "exp", "gelu", "linear", "relu", "tanh", "sqrt", "rsqrt", "log", "sigmoid", "silu", "maximum", "minimum",
-           "where", "logical_not", "logical_and", "logical_or", "logical_xor", take.__name__, scatter_add.__name__, dynamic_update_slice.__name__, dynamic_slice.__name__, "concatenate", "split", "stack", *(f.__name__ for f in (sin, cos, log1p, expm1, erf)), "nn", "random", "tree", "stop_gradient", "grad", "value_and_grad",
+           "where", "logical_not", "logical_and", "logical_or", "logical_xor", take.__name__, scatter_add.__name__, dynamic_update_slice.__name__, dynamic_slice.__name__, "concatenate", "split", "stack", *(f.__name__ for f in (sin, cos, log1p, expm1, erf, top_k)), "nn", "random", "tree", "stop_gradient", "grad", "value_and_grad",
            "vjp", "custom_vjp", "checkpoint", "torch_function", "visualize_sharding", "distribute",
            "CollectiveTimeoutError", "ConcretizationError", "RankLeftError", "RankMismatchError"]
 

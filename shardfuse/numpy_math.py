@@ -23,7 +23,8 @@ import numpy as np
 
 from shardfuse import dtypes
 from shardfuse.ops import Op
-from shardfuse.spec import normalize_axis
+from shardfuse.ir import TensorType
+from shardfuse.spec import check_axis, normalize_axis
 from shardfuse.traced import NUMPY, cast, describe
 from shardfuse.traced_numpy import apply_op
 
@@ -182,6 +183,89 @@ def _running_sum(v):
     return v.unary_op(Op.CUMSUM)
 
 
+def _along_last(v, axis, fn):
+    """fn(v with `axis` last) with that axis put back (None: of the flattened v, as NumPy's)."""
+    if axis is None:
+        return fn(v.reshape(-1))
+    ax = normalize_axis(check_axis(axis), v.ndim, v.shape)
+    if ax == v.ndim - 1:
+        return fn(v)
+    perm = [k for k in range(v.ndim) if k != ax] + [ax]  # (the axis last: a view)
+    return fn(v.transpose(perm)).transpose([perm.index(k) for k in range(v.ndim)])
+
+
+def _order(v):
+    """The stable ascending order of v's last axis (int64; NaN last): one step, that axis whole."""
+    if v.ndim == 0:
+        raise ValueError(f"np.argsort / np.sort of the 0-d value {describe(v)}: there is no axis to order")
+    return v.unary_op(Op.ARGSORT, "int64")
+
+
+def _permute(v, order):
+    """v's last axis permuted by order (a permutation of each row): out[..., j] = v[..., order[..., j]]."""
+    return v.builder.emit(Op.PERMUTE, (v, order), TensorType(v.shape, v.dtype_name), "p")
+
+
+def argsort(a, axis=-1, kind=None, order=None, *, stable=None):
+    """np.argsort / x.argsort: the indices that sort `axis` (int64), stable (equal elements keep their
+    order, as kind="stable"; every kind gives that order here), NaN last as NumPy's.  The axis is
+    made whole on every device first (an Allgather where it is sharded, printed in the plan); other
+    axes keep their sharding.  No gradient (integers)."""
+    if order is not None or stable is False:
+        raise TypeError("np.argsort(order=) / stable=False: not supported on shardfuse values (fields; an unstable "
+                        "order): write np.argsort(x, axis)")
+    return apply_op(_argsort_along, str(Op.ARGSORT), a, axis)
+
+
+def sort(a, axis=-1, kind=None, order=None, *, stable=None):
+    """np.sort: `axis` sorted ascending (NaN last), as x permuted by its argsort; the gradient goes
+    back through the same permutation.  Sharding as np.argsort's."""
+    if order is not None or stable is False:
+        raise TypeError("np.sort(order=) / stable=False: not supported on shardfuse values: write np.sort(x, axis)")
+    return apply_op(_sort_along, "sort", a, axis)
+
+
+# (module-level functions, not lambdas: on sf.Arrays a one-op plan is cached by the function)
+def _argsort_along(v, axis):
+    return _along_last(v, axis, _order)
+
+
+def _sort_along(v, axis):
+    return _along_last(v, axis, _sorted)
+
+
+def _sorted(w):
+    return _permute(w, _order(w))
+
+
+def top_k(operand, k):
+    """(values, indices) of the k largest elements of the last axis, largest first, the lower index
+    first among equals (jax.lax.top_k's; indices int32, as JAX's; NaN counts as the smallest here,
+    where JAX takes it as the largest).  One ordering of the whole axis (it is made whole first);
+    the values' gradient goes to the elements picked."""
+    if isinstance(k, bool) or not isinstance(k, (int, np.integer)) or k < 0:
+        raise TypeError(f"sf.top_k: k must be a non-negative int (static), got {k!r}")
+    if hasattr(type(operand), "one_op"):  # (an sf.Array: a one-op plan makes one result, so one each)
+        return apply_op(_top_k_values, "top_k", operand, int(k)), apply_op(_top_k_indices, "top_k", operand, int(k))
+    return apply_op(_top_k, "top_k", operand, int(k))
+
+
+def _top_k(v, k):
+    if v.ndim == 0 or k > v.shape[-1]:
+        raise ValueError(f"sf.top_k of {describe(v)}: k = {k} must be at most the last axis' extent")
+    key = ~v if v.dtype_name == "bool" or not dtypes.is_float(v.dtype_name) else -v  # (descending, stable)
+    order = _order(key)
+    return _permute(v, order)[..., :k], order[..., :k].astype("int32")
+
+
+def _top_k_values(v, k):
+    return _top_k(v, k)[0]
+
+
+def _top_k_indices(v, k):
+    return _top_k(v, k)[1]
+
+
 _GELU = {True: _of_floats(Op.GELU), False: _of_floats(Op.GELU_ERF)}  # (made once: see _function)
 _APPROXIMATE = {True: True, False: False, "tanh": True, "none": False}  # (JAX's bools, torch's strings)
 
@@ -204,7 +288,7 @@ def gelu(x, approximate=True):
 NUMPY.update({
     np.sin: sin, np.cos: cos, np.log1p: log1p, np.expm1: expm1, np.sign: sign, np.floor: floor, np.ceil: ceil,
     np.rint: rint, np.round: round, np.around: round, np.isnan: isnan, np.isinf: isinf, np.isfinite: isfinite,
-    np.reciprocal: reciprocal, np.trunc: trunc, np.cumsum: cumsum,
+    np.reciprocal: reciprocal, np.trunc: trunc, np.cumsum: cumsum, np.argsort: argsort, np.sort: sort,
 })
 
 
@@ -229,6 +313,8 @@ VJP = {
     Op.GELU_ERF: _times(_gelu_erf),
     # d/dx_k of sum_i ct_i y_i is the sum of ct_i over i >= k: the cumsum of ct read backwards
     Op.CUMSUM: lambda ins, xs, out, ct, instrs: [_running_sum(ct[..., ::-1])[..., ::-1]],
+    # y = x permuted by p: x's cotangent is y's permuted back, by p's own order (its inverse)
+    Op.PERMUTE: lambda ins, xs, out, ct, instrs: [_permute(ct, _order(xs[1])), None],
 }
 # piecewise constant (zero almost everywhere, as JAX's), or boolean
-NO_GRADIENT = frozenset({Op.SIGN, Op.FLOOR, Op.CEIL, Op.TRUNC, Op.ROUND, Op.ISNAN, Op.ISINF, Op.ISFINITE})
+NO_GRADIENT = frozenset({Op.SIGN, Op.FLOOR, Op.CEIL, Op.TRUNC, Op.ROUND, Op.ISNAN, Op.ISINF, Op.ISFINITE, Op.ARGSORT})

@@ -108,6 +108,11 @@ class Op(StrEnum):
     # the running sum of the last axis (np.cumsum: tracing transposes the summed axis there), which
     # must be whole; 16-bit floats summed in float32: bound and costed as an elementwise step
     CUMSUM = "cumsum"
+    # the stable ascending order of the last axis (np.argsort(kind="stable")), int64, NaN last; and the
+    # last axis permuted by such an order (out[..., j] = x[..., order[..., j]]: np.sort is x permuted by
+    # its argsort), both with that axis whole
+    ARGSORT = "argsort"
+    PERMUTE = "permute"
     TRANSPOSE = "transpose"  # also a host-level view
     FUSED = "fused"  # a chain of elementwise ops as one step (attrs["expr"]: an Expr; passes/fuse.py)
     # the sum of a fused chain (attrs["expr"], over its operands) as a Sum sums (attrs "axis", "factor"):
@@ -168,7 +173,8 @@ NONLINEAR_UNARY = frozenset({Op.EXP, Op.TANH, Op.RELU, Op.GELU, Op.ADD_SCALAR, O
                              Op.ISINF, Op.ISFINITE}) | COMPARE_SCALAR
 LINEAR_UNARY = frozenset({Op.NEG, Op.SCALE, Op.DIV_SCALAR})  # commute with a pending sum
 LOCAL_REDUCTIONS = frozenset({Op.REDUCE_MAX, Op.REDUCE_MIN})  # of the last axis, which must be whole
-LOCAL_SCANS = frozenset({Op.CUMSUM})  # along the last axis, which must be whole; the result of the input's shape
+LOCAL_SCANS = frozenset({Op.CUMSUM, Op.ARGSORT, Op.PERMUTE})  # along the last axis, which must be whole; the result
+# of the (first) input's shape
 # (a step per device like the elementwise ops: the executor binds these through bind_elementwise)
 ELEMENTWISE = BINARY | NONLINEAR_UNARY | LINEAR_UNARY | LOCAL_REDUCTIONS | LOCAL_SCANS
 # Steps that may write their result over an operand of its shape (passes/reuse.py): every backend

@@ -313,6 +313,8 @@ RULES = {
     Op.SCATTER_ADD: SCATTER_ADD,  # (and its gradient)
     Op.SLICE_ARRAY: rules_shapes.SLICE,
     Op.CUMSUM: rules_shapes.SCAN,  # (its last axis whole, pending sums flow through)
+    Op.ARGSORT: rules_shapes.ORDER,  # (its last axis whole, pending sums reduced first)
+    Op.PERMUTE: rules_shapes.ORDER,
     Op.CONCAT: rules_shapes.CONCAT,
     Op.DYNAMIC_UPDATE_SLICE: UPDATE_SLICE,  # (shardfuse/rules_update.py: a cut axis whole, the others kept)
     Op.DYNAMIC_SLICE: UPDATE_SLICE,

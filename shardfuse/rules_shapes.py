@@ -44,20 +44,22 @@ def scanned_axes(ins) -> set:
     return {ins.outs[0].type.ndim - 1}
 
 
-def _cut_rule(cut):
-    """The rule of a unary op whose axes cut(ins) must be whole (gathered where sharded), the others
-    kept as they are, pending sums flowing through: slice_array's and cumsum's."""
+def _cut_rule(cut, linear=True):
+    """The rule of an op whose axes cut(ins) must be whole (gathered where sharded), the others kept
+    as they are, pending sums flowing through where linear: slice_array's and cumsum's; argsort's and
+    permute's reduce them first (an order is no sum of orders), their operands laid out alike."""
     def infer(ins, lays):
-        (la,) = lays
-        return Layout(_whole(la.axes, cut(ins), set()), la.partial)
+        la = lays[0]
+        return Layout(_whole(la.axes, cut(ins), set()), la.partial if linear else ())
 
     def require(ins, out, lays):
-        pending = set(lays[0].partial)
+        pending = set(lays[0].partial) if linear else set()
         axes = _whole(out.axes, cut(ins), pending, axis_of(ins))
-        return (Layout(_chunked(ins, axes), lays[0].partial),), _produced(out, axes, pending)
+        return tuple(Layout(_chunked(ins, axes), lay.partial if linear else ()) for lay in lays), \
+            _produced(out, axes, pending)
 
     def axis_map(ins, j):
-        return (None if j in cut(ins) else j,)
+        return tuple(None if j in cut(ins) else j for _ in ins.ins)
     return dict(infer=infer, require=require, axis_map=axis_map)
 
 
@@ -180,5 +182,6 @@ def reshape_axis_map(ins, j):
 
 SLICE = _cut_rule(sliced_axes)
 SCAN = _cut_rule(scanned_axes)
+ORDER = _cut_rule(scanned_axes, linear=False)
 CONCAT = dict(infer=concat_infer, require=concat_require, axis_map=concat_axis_map)
 RESHAPE = dict(infer=reshape_infer, require=reshape_require, axis_map=reshape_axis_map)

@@ -17,7 +17,7 @@ from dataclasses import replace
 
 from shardfuse.ir import Idx, Instr, LoopResult, Namer, TensorType, Value, walk
 
-from shardfuse.ops import HOST_ONLY, Op
+from shardfuse.ops import HOST_ONLY, LOCAL_SCANS, Op
 from shardfuse.rules import rule
 from shardfuse import schedule
 from shardfuse.schedule import Schedule, axis_of, scheduled
@@ -81,7 +81,7 @@ def _stream_extent(i):
         return None
     # a view that merges axes into the stream axis, or cuts it, and a cumsum along it have no per-chunk
     # input: made whole
-    cuts = i.op in (Op.RESHAPE, Op.SLICE_ARRAY, Op.CONCAT, Op.CUMSUM)
+    cuts = i.op in (Op.RESHAPE, Op.SLICE_ARRAY, Op.CONCAT) or i.op in LOCAL_SCANS
     if cuts and all(a is None for a in rule(i.op, "axis_map")(i, k)):
         return None
     return i.outs[0].type.shape[k]

@@ -50,8 +50,8 @@ def _split_attrs(i, amap, k, n):
     if i.op == Op.SUM:
         ax = i.attrs["axis"]
         return {**i.attrs, "axis": ax + (n - 1 if ax > amap[0] else 0)}
-    if i.op in (Op.SLICE_ARRAY, Op.CONCAT, Op.CUMSUM) and amap[0] is None:
-        how = "sums along" if i.op == Op.CUMSUM else "cuts or joins"
+    if (i.op in (Op.SLICE_ARRAY, Op.CONCAT) or i.op in LOCAL_SCANS) and amap[0] is None:
+        how = {Op.CUMSUM: "sums along", Op.ARGSORT: "sorts along", Op.PERMUTE: "permutes"}.get(i.op, "cuts or joins")
         raise ValueError(f"sf.stream(..., chunks=) of {i.outs[0].name} along the axis its {i.op} {how} is not "
                          "supported: stream another axis, or the value before the op, or its consumer")
     if i.op == Op.SLICE_ARRAY:  # (an uncut axis: begin 0, step 1, for each axis it splits into)

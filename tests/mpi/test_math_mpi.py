@@ -13,6 +13,7 @@ from mpi4py import MPI
 import shardfuse as sf
 import test_grad as tg
 import test_math_ops as mo
+import test_sort as ts
 
 NPROCS = MPI.COMM_WORLD.Get_size()
 SIZES = sorted({4, NPROCS})
@@ -62,3 +63,10 @@ def test_cumsum_and_round_decimals_on_a_2x2_mesh(dtype):
 @pytest.mark.parametrize("kind, placement", [("1d", "S0"), ("2d", "S01")])
 def test_gradient_against_central_differences(name, kind, placement):
     tg.check_case(name, tg.mesh_of(kind), placement, tg.seed_of(name, kind, placement))
+
+
+@pytest.mark.parametrize("axis", [0, 1, None])
+@pytest.mark.parametrize("spec", [("DIDx", None), (None, "DIDx")], ids=["S0", "S1"])
+def test_sort_along_sharded_and_unsharded_axes(mesh, spec, axis):
+    ts.check_sort(mesh, spec, "float64", axis, True, np.random.default_rng(27))  # (seeded: one global array)
+    ts.check_top_k(mesh, "float32", np.random.default_rng(28))
