@@ -43,7 +43,7 @@ from shardfuse.random_bits import (FOLD, M32, SEED, SPLIT, WORD, const, counters
 from shardfuse.traced import Traced, describe, is_scalar
 
 __all__ = ["key", "PRNGKey", "split", "fold_in", "bits", "uniform", "normal", "bernoulli", "randint", "gumbel",
-           "categorical"]
+           "categorical", "permutation"]
 
 _FLOATS_16 = ("float16", "bfloat16")  # drawn in float32, rounded once
 
@@ -293,3 +293,37 @@ def categorical(key, logits, axis=-1, shape=None, *, mesh=None):
 def _categorical(key, logits, noise, ax):
     dt = np.dtype(logits.dtype).name
     return (logits + _gumbel(key, noise, "float32" if dt in _FLOATS_16 else dt)).argmax(ax)
+
+
+def permutation(key, x, axis=0, independent=False, *, mesh=None):
+    """A random permutation (jax.random.permutation): of range(x) for an int x (int64), else x's
+    elements shuffled along `axis` (x an array: sf.take of the permutation; independent=False only, one
+    permutation for the whole axis).  The order of 63 random bits per position (np.argsort of them,
+    stable: a tie, about n**2 / 2**64 likely, keeps the lower position first); the same permutation
+    on every mesh and backend and on the host."""
+    if independent:
+        raise NotImplementedError("sf.random.permutation(independent=True): one permutation per row is not "
+                                  "supported; draw keys per row and stack the permutations")
+    if isinstance(x, (int, np.integer)) and not isinstance(x, bool):
+        if int(x) < 1:
+            raise ValueError(f"sf.random.permutation: the number of elements must be positive, got {x!r}")
+        return apply_keyed(_permutation, "random.permutation", mesh, check_key(key, "permutation"), int(x))
+    shape = getattr(x, "shape", None)
+    if not shape:
+        raise TypeError(f"sf.random.permutation: x must be an int or an array of at least one axis, got {x!r}")
+    ax = axis + len(shape) if isinstance(axis, int) and -len(shape) <= axis < 0 else axis
+    if isinstance(ax, bool) or not isinstance(ax, int) or not 0 <= ax < len(shape):
+        raise ValueError(f"sf.random.permutation: axis {axis!r} is out of range for x of shape {tuple(shape)}")
+    return apply_keyed(_shuffled, "random.permutation", mesh, check_key(key, "permutation"), x, ax)
+
+
+def _permutation(key, n):
+    w0, w1 = words(key, (n,), 2)
+    return np.argsort(w0 * (1 << 31) + w1 // const(2), kind="stable")
+
+
+def _shuffled(key, x, ax):
+    from shardfuse.take import take
+
+    order = _permutation(key, x.shape[ax])
+    return take(x, order, axis=ax) if isinstance(x, Traced) else np.take(x, order, axis=ax)
