@@ -133,16 +133,17 @@ def _swap_last_two(t):
 
 
 @_one_plan
-def _attention(q, k, v, mask):
-    scores = (q @ _swap_last_two(k)) * (1.0 / math.sqrt(q.shape[-1]))
+def _attention(q, k, v, mask, scale):
+    scores = (q @ _swap_last_two(k)) * (1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale))
     if mask is not None:  # (a NumPy mask inside sf.jit is a constant of the program)
         scores = where(mask, scores, _MASKED[scores.dtype_name]) if mask.dtype == "bool" else scores + mask
     return softmax(scores, -1) @ v
 
 
-def attention(q, k, v, causal=False, mask=None):
-    """Scaled dot-product attention, softmax(q @ k^T / sqrt(head_dim) + mask) @ v, over
-    [batch, heads, seq, head_dim] operands (any leading axes, the same on q, k and v).
+def attention(q, k, v, causal=False, mask=None, *, scale=None):
+    """Scaled dot-product attention, softmax(q @ k^T * scale + mask) @ v, over [batch, heads, seq,
+    head_dim] operands (any leading axes, the same on q, k and v); scale 1 / sqrt(head_dim) unless given
+    (jax.nn.dot_product_attention's scale=, a Python number).
 
     mask broadcasts against the scores [..., seq_q, seq_k]: a boolean array (True: attend, as
     jax.nn.dot_product_attention; a masked score becomes a large negative number, so a row with
@@ -151,13 +152,16 @@ def attention(q, k, v, causal=False, mask=None):
     sequence and head_dim whole, nothing is communicated.
 
     causal=True builds np.tril(np.ones((seq_q, seq_k), bool)) as the mask: outside sf.jit it is
-    passed as a replicated array, inside sf.jit it is a constant of the program (shardfuse/constants.py)."""
+    passed as a replicated array, inside sf.jit it is a constant of the program (shardfuse/constants.py).
+    It is aligned at the top left, query i seeing keys 0..i (jax.nn.dot_product_attention's is_causal,
+    torch's is_causal): for a decode step whose seq_q queries are the last of seq_k cached positions,
+    give the mask np.tril(np.ones((seq_q, seq_k), bool), k=seq_k - seq_q) (a serving probe's trap)."""
     if causal:
         if mask is not None:
             raise ValueError("sf.nn.attention: give causal=True or mask=, not both (fold the causal mask into yours: "
                              "mask & np.tril(np.ones((seq_q, seq_k), bool)))")
         mask = np.tril(np.ones((q.shape[-2], k.shape[-2]), bool))
-    return _attention(q, k, v, mask)
+    return _attention(q, k, v, mask, scale)
 
 
 @_one_plan

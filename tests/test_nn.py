@@ -442,3 +442,21 @@ def test_transformer_block(kind, dtype):
     plan = check_block(mesh_of(kind), dtype, np.random.default_rng(9))
     if kind == "2d":  # batch stays sharded over dp from input to output: dp never communicates
         assert "team=dp" not in str(plan) and str(plan).splitlines()[0].endswith(f"f{dtype[-2:]}[2:dp, {S}, {E}])")
+
+
+def test_attention_takes_a_scale_and_a_decode_steps_mask():
+    """scale= (jax.nn.dot_product_attention's) replaces 1 / sqrt(head_dim); a decode step's queries, the
+    last of the cached positions, attend with the bottom-right causal mask the docstring gives."""
+    mesh = sf.DeviceMesh(2, backend="numpy")
+    r = np.random.default_rng()
+    q, k, v = r.standard_normal((1, 2, 2, 4)), r.standard_normal((1, 2, 5, 4)), r.standard_normal((1, 2, 5, 4))
+    mask = np.tril(np.ones((2, 5), bool), k=5 - 2)
+
+    def ref(scale):
+        s = np.where(mask, q @ k.swapaxes(-1, -2) * scale, -np.inf)
+        p = np.exp(s - s.max(-1, keepdims=True))
+        return (p / p.sum(-1, keepdims=True)) @ v
+    got = sf.jit(lambda q, k, v: sf.nn.attention(q, k, v, mask=mask, scale=0.3), mesh=mesh)(q, k, v)
+    np.testing.assert_allclose(np.asarray(got), ref(0.3), rtol=1e-12)
+    got = sf.jit(lambda q, k, v: sf.nn.attention(q, k, v, mask=mask), mesh=mesh)(q, k, v)
+    np.testing.assert_allclose(np.asarray(got), ref(0.5), rtol=1e-12)
