@@ -232,6 +232,12 @@ def tree_reduce(fn: Callable, tree, *initializer, is_leaf: Callable | None = Non
     return functools.reduce(fn, flatten(tree, is_leaf)[0], *initializer)
 
 
+def tree_all(tree, *, is_leaf: Callable | None = None) -> bool:
+    """Whether every leaf is true (jax.tree_util.tree_all: all(leaves); a traced leaf refuses bool(),
+    as JAX's tracers do: write sf.tree.tree_reduce(lambda a, b: a & b, ...) for a traced value)."""
+    return all(flatten(tree, is_leaf)[0])
+
+
 # jax.tree_util's names for the two above (sf.tree.tree_leaves(params), sf.tree.tree_flatten(params))
 tree_leaves, tree_flatten = leaves, flatten
 

@@ -160,3 +160,8 @@ def test_logsumexp_and_a_masked_mean_against_central_differences():
                              lambda x: float(np.mean(x ** 3, axis=1, where=m).sum()))}
     for name, (fn, ref) in cases.items():
         np.testing.assert_allclose(grad_of(fn, x), central_differences(ref, x), rtol=1e-6, atol=1e-8, err_msg=name)
+
+
+def test_tree_all_is_jax_s():
+    assert sf.tree.tree_all({"a": True, "b": [1, np.True_]}) and not sf.tree.tree_all({"a": True, "b": (0,)})
+    assert sf.tree.tree_all([]) and sf.tree.tree_all({"x": [2, 3]}, is_leaf=lambda v: isinstance(v, list))
