@@ -189,6 +189,7 @@ class Jitted:
             plan = Plan(prog, self.graph, why, self.rates)
             plan.out_tree = fn.out_tree  # (the structure of fn's result, set as it was traced just now)
             plan.in_tree = fn.in_tree  # (the arguments' pytree structure, None where they are arrays)
+            plan.positional = self.positional  # (plan(x=...) binds keywords as the jitted function does)
         if log.isEnabledFor(logging.INFO):
             loops = [i.attrs["extent"] for i in prog.instrs if i.op == Op.FOR]
             log.info("compiled plan %r for %s in %.1f ms: %d instructions, stream loops of %s chunks, "

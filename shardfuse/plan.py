@@ -31,6 +31,7 @@ class Plan:
         self._why, self._rates = explanation, rates  # chunks="auto"'s choice; the rates given to sf.jit
         self.out_tree = None  # the structure of the function's result where it is a pytree (tree.FlatFunction)
         self.in_tree = None  # the structure of its arguments where they are pytrees
+        self.positional = None  # (args, kwargs) -> args, as the jitted function binds them (sf.jit sets it)
         self._const_infos = tuple(None if isinstance(c, Array) else array_info(c) for c in program.constants)
         # (input, dtype, its least and greatest value) per Python int argument a promotion narrows
         self._bounds = tuple((k, dt, int(np.iinfo(dt).min), int(np.iinfo(dt).max)) for k, dt in program.weak_bounds)
@@ -128,9 +129,14 @@ class Plan:
                     self._exe = Executable(self.program, graph=self.graph)
         return self._exe
 
-    def __call__(self, *args, stream=None, infos=None):
+    def __call__(self, *args, stream=None, infos=None, **kwargs):
         """Run the plan: sf.Arrays in (or plain arrays, or the pytrees of them the jitted function
-        took), sf.Arrays out (in the function's result structure)."""
+        took; by keyword too, as the jitted function takes them), sf.Arrays out (in the function's
+        result structure)."""
+        if kwargs:
+            if self.positional is None:
+                raise TypeError(f"plan {self.program.name!r} takes its arguments by position (it was not made by sf.jit)")
+            args = self.positional(args, kwargs)
         if any(tree.is_container(a) for a in args):
             args = tuple(tree.leaves(args))
         return self.run_flat(args, stream, infos)

@@ -165,3 +165,15 @@ def test_logsumexp_and_a_masked_mean_against_central_differences():
 def test_tree_all_is_jax_s():
     assert sf.tree.tree_all({"a": True, "b": [1, np.True_]}) and not sf.tree.tree_all({"a": True, "b": (0,)})
     assert sf.tree.tree_all([]) and sf.tree.tree_all({"x": [2, 3]}, is_leaf=lambda v: isinstance(v, list))
+
+
+def test_a_plan_takes_its_arguments_by_keyword_as_the_jitted_function():
+    """f.lower(x, w)(x, w=w), as JAX's compiled functions take them (a probe: TypeError)."""
+    f = sf.jit(lambda x, w: x @ w, mesh=sf.DeviceMesh(2, backend="numpy"))
+    r = np.random.default_rng()
+    x, w = r.standard_normal((4, 3)), r.standard_normal((3, 2))
+    plan = f.lower(x, w)
+    np.testing.assert_allclose(np.asarray(plan(x, w=w)), x @ w, rtol=1e-12)
+    np.testing.assert_allclose(np.asarray(plan(w=w, x=x)), x @ w, rtol=1e-12)
+    with pytest.raises(TypeError, match="unexpected keyword argument 'v'"):
+        plan(x, v=w)
