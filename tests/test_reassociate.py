@@ -130,3 +130,21 @@ def test_a_global_norm_over_sharded_and_replicated_leaves_is_one_reduction():
     a, b, c = leaves[0], leaves[1], leaves[2]
     assert reduced_values(loose.lower(a, b, c)) == 1, loose.lower(a, b, c)
     np.testing.assert_allclose(float(loose(a, b, c)), a.sum() + b.sum() + c.sum(), rtol=1e-13)
+
+
+def test_a_chain_mixing_sums_pending_over_two_mesh_axes_reduces_each_kind_once():
+    """t(p) + d(q) + t(r) + d(s) + y, t pending over tp and d over dp (a review: 4 Allreduces where 2
+    do), y whole: one Allreduce over tp and one over dp; random chains of such terms against float64
+    NumPy (each kind summed apart, then the whole terms)."""
+    mesh = sf.DeviceMesh((2, 2), ("dp", "tp"), backend="numpy")
+    r = np.random.default_rng()
+    xs = [r.standard_normal((4, 8)) for _ in range(5)]
+
+    def term(x, kind):  # a scalar pending over tp or dp, or whole
+        return x.sum() if kind is None else sf.shard(x, axis=1 if kind == "tp" else 0, over=kind).sum()
+
+    for kinds in (["tp", "dp", "tp", "dp", None], [None, "tp", "tp", "dp", "dp"], ["dp", None, "tp", None, "dp"]):
+        fn = sf.jit(lambda *xs, kinds=kinds: sum(term(x, k) for x, k in zip(xs, kinds)), mesh=mesh)
+        plan = fn.lower(*xs)
+        assert reduced_values(plan) == len({k for k in kinds if k}), (kinds, plan)
+        np.testing.assert_allclose(float(fn(*xs)), sum(x.sum() for x in xs), rtol=1e-12)

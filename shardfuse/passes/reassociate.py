@@ -9,9 +9,11 @@ An exact widening cast between a reduction and the sum (a bfloat16 gradient adde
 one) is made before the reduction instead, on the pieces: the one reduction is then in the wider
 type (Megatron's float32 main_grad), none in bfloat16; so is the 0 + x of Python's sum()
 (the pieces' x + 0 summed is the sum + 0, as rules.py carries a pending sum through it).
-A chain of sums carries a reduction to its end: (x + reduced(p)) + y is (x + y) + reduced(p),
-and (x + reduced(p)) + reduced(q) is x + reduced(p + q), so optax's global norm, the sum of every
-leaf's squares, reduces the tp-sharded leaves' squares once, not once a leaf.
+A chain of sums carries its reductions to its end: (x + reduced(p)) + y is (x + y) + reduced(p),
+and (x + reduced(p)) + reduced(q) is x + reduced(p + q) where p and q pend the same sums (else
+x + reduced(p) + reduced(q), each kind summed apart), so optax's global norm, the sum of every
+leaf's squares, reduces the tp-sharded leaves' squares once, not once a leaf, and the dp-pending
+ones once more.
 The reshards and casts are read by nothing else, and the sum's operands and result are of one
 shape and dtype (no broadcasting): nothing else sees the pieces, and the sum has the shape each
 piece had.  Runs in program order, so a chain of sums folds into one (the reshard of a folded sum
@@ -59,7 +61,7 @@ class _Sums:
         self.made = {i.outs[0]: i for i in prog.instrs if len(i.outs) == 1 and _pending_reshard(i)}
         self.casts = {i.outs[0]: i for i in prog.instrs if len(i.outs) == 1 and _exact_unary(i)}
         self.namer, self.dropped = Namer.for_program(prog), set()  # (dropped: the instructions' ids)
-        self.tails = {}  # t -> (x, v, the instruction t = x + v), v a reduced value read only there
+        self.tails = {}  # t -> (x or None, [v, ...], ids of the sums making t = x + v + ...): each v reduced, read only there
 
     def pieces(self, v):
         """(instructions making v's pieces, the pieces, the instructions v's pieces replace) where v
@@ -77,23 +79,36 @@ class _Sums:
         wide = Value(self.namer(f"{v.name}_pieces"), TensorType(p.type.shape, v.type.dtype, p.type.layout))
         return [Instr(cast.op, (wide,), (p,), dict(cast.attrs))], wide, [reshard, cast]
 
+    def piece_type(self, v):
+        """The type of v's pieces where pieces(v) would give them (made no instruction), else None."""
+        if self.uses[v] != 1:
+            return None
+        if v in self.made:
+            return self.made[v].ins[0].type
+        cast = self.casts.get(v)
+        if cast is None or cast.ins[0] not in self.made or self.uses[cast.ins[0]] != 1:
+            return None
+        p = self.made[cast.ins[0]].ins[0]
+        return TensorType(p.type.shape, v.type.dtype, p.type.layout)
+
     def fold(self, i) -> list | None:
         """The instructions of sum i made on the pieces and reduced once, or None (i as it is)."""
         if i.op not in (Op.ADD, Op.SUB) or i.attrs or len(i.ins) != 2 or i.ins[0] is i.ins[1]:
             return None
-        o = i.outs[0]
-        if not i.ins[0].type == i.ins[1].type == o.type:
+        o, (u, w) = i.outs[0], i.ins
+        if not u.type == w.type == o.type:
             return None
-        a, b = self.pieces(i.ins[0]), self.pieces(i.ins[1])
-        if a is not None and b is not None and a[1].type == b[1].type:
-            return self._summed(i.op, o, a, b)
+        tu, tw = self.piece_type(u), self.piece_type(w)
+        if tu is not None and tu == tw:
+            return self._summed(i.op, o, self.pieces(u), self.pieces(w))
         if i.op != Op.ADD:
             return None
-        for t, w, pw in ((i.ins[0], i.ins[1], b), (i.ins[1], i.ins[0], a)):
+        for t, other, other_type in ((u, w, tw), (w, u, tu)):
             if t in self.tails and self.uses[t] == 1:
-                return self._onto_tail(t, w, pw, o)
-        if (a is None) != (b is None):  # (x + reduced(p): a tail the next sums may reach)
-            self.tails[o] = (i.ins[0], i.ins[1], i) if b is not None else (i.ins[1], i.ins[0], i)
+                return self._onto_tail(t, other, other_type, o)
+        if tu is not None or tw is not None:  # (a tail the next sums may reach: x + reduced(p), or two kinds)
+            self.tails[o] = (None, [u, w], [id(i)]) if tu is not None and tw is not None else \
+                (u, [w], [id(i)]) if tw is not None else (w, [u], [id(i)])
         return None
 
     def _summed(self, op, o, a, b) -> list:
@@ -104,23 +119,34 @@ class _Sums:
         self.dropped.update(id(d) for d in a[2] + b[2])
         return a[0] + b[0] + [Instr(op, (summed,), (a[1], b[1])), reshard]
 
-    def _onto_tail(self, t, w, pw, o) -> list:
-        """o = t + w where t = x + v (v a reduced value, t read only here): the reduction moved past
-        this sum, o = x + reduced(v's pieces + w's) where w is pending pieces too, else (x + w) + v."""
-        x, v, made_t = self.tails.pop(t)
-        self.dropped.add(id(made_t))
-        pv = self.pieces(v)
-        if pw is not None and pv is not None and pv[1].type == pw[1].type:
+    def _onto_tail(self, t, w, w_type, o) -> list:
+        """o = t + w where t = x + v1 + v2 + ... (each v a reduced value of its own kind, t read only
+        here): the reductions moved past this sum, w's pieces summed into those of the v of its kind
+        (one reduction for both), else w one more v, or, w whole, added to x."""
+        x, vs, made_t = self.tails.pop(t)
+        self.dropped.update(made_t)
+        out = []
+        k = next((k for k, v in enumerate(vs) if w_type is not None and self.piece_type(v) == w_type), None)
+        if k is not None:
             r = Value(self.namer(f"{o.name}_summed"), o.type)
+            out += self._summed(Op.ADD, r, self.pieces(vs[k]), self.pieces(w))
             self.uses[r] = 1
-            out = self._summed(Op.ADD, r, pv, pw)
-            add = Instr(Op.ADD, (o,), (x, r))
-            self.tails[o] = (x, r, add)
-            return out + [add]
-        y = Value(self.namer(f"{o.name}_rest"), o.type)
-        add = Instr(Op.ADD, (o,), (y, v))
-        self.tails[o] = (y, v, add)
-        return [Instr(Op.ADD, (y,), (x, w)), add]
+            vs = vs[:k] + [r] + vs[k + 1:]
+        elif w_type is not None:
+            vs = vs + [w]
+        elif x is None:
+            x = w
+        else:
+            rest = Value(self.namer(f"{o.name}_rest"), o.type)
+            out.append(Instr(Op.ADD, (rest,), (x, w)))
+            x = rest
+        terms, acc, chain = (vs if x is not None else vs[1:]), (x if x is not None else vs[0]), []
+        for n, v in enumerate(terms):  # (acc + each reduced value, the last sum writing o)
+            dst = o if n == len(terms) - 1 else Value(self.namer(f"{o.name}_acc"), o.type)
+            chain.append(Instr(Op.ADD, (dst,), (acc, v)))
+            acc = dst
+        self.tails[o] = (x, vs, [id(c) for c in chain])
+        return out + chain
 
 
 def sum_before_reducing(prog):
