@@ -97,6 +97,9 @@ class Executable:
         # are shared by every call, so two threads issuing at once would write each other's chunks.
         # A lock, not per-thread buffers: no memory, and held only while the host issues.
         self.lock = threading.Lock()
+        if graph and backend.name == "cupy" and any(i.op in (Op.ARGSORT, Op.PERMUTE) for i in prog.walk()):
+            raise NotImplementedError(f"plan {prog.name!r}: np.sort / np.argsort / sf.top_k do not run in a CUDA graph "
+                                      "(CuPy's argsort allocates and synchronises its stream): use graph=False")
         self.graph = backend.capture(self.bound_plan()) if graph else None
         log.info("bound plan %r on %s: %d steps%s", prog.name, backend.name, len(self.steps), " (graphs)" * graph)
 

@@ -108,10 +108,9 @@ class Jitted:
 
     def cache_info(self) -> dict:
         """How many plans are kept (distinct: one serving its own results counts once) and how many
-        argument kinds map to them (both bounded by
-        max_plans, per pytree structure), like functools' cache_info; the plans of pytree arguments and
-        of static values are kept by their own sf.jit functions, counted here too (as cached_plans
-        lists them)."""
+        argument kinds map to them (both bounded by max_plans, per pytree structure), like functools'
+        cache_info; the plans of pytree arguments and of static values are kept by their own sf.jit
+        functions, counted here too (as cached_plans lists them)."""
         trees, statics = list(self._trees.values()), list(self._statics.snapshot().values())
         children = [c.cache_info() for c in trees + statics]
         info = {"plans": len({id(p) for p in self._plans.snapshot().values()}) + sum(c["plans"] for c in children),
@@ -125,7 +124,10 @@ class Jitted:
         arrays themselves (as JAX's .lower takes either)."""
         target, specs = self._resolve(specs, "lower")
         with target._tables:
-            return target._lower(specs)
+            plan = target._lower(specs)
+        if target is not self and not self._static:  # (pytree arguments: keywords bound as this function binds them)
+            plan.positional = self.positional
+        return plan
 
     def trace(self, *specs: Any):
         """The traced program for these inputs, before any pass (JAX's make_jaxpr): the ops, the

@@ -53,6 +53,7 @@ class NumpyMethods:
     any, all = _method(np.any), _method(np.all)  # (np.any(x, axis, out, keepdims): NumPy's method order)
     ravel, flatten, squeeze, copy, dot = (_method(f) for f in (np.ravel, np.ravel, np.squeeze, np.copy, np.dot))
     cumsum = _method(np.cumsum)  # (x.cumsum(axis=None, dtype=None): NumPy's method order)
+    argsort = _method(np.argsort)  # (x.argsort(axis=-1); NumPy's x.sort() sorts in place: np.sort(x) is a new value)
     repeat = _method(np.repeat)  # (x.repeat(repeats, axis=None): an int count)
 
     @property
@@ -86,6 +87,6 @@ class NumpyMethods:
 
 
 SUPPORTED_METHODS = ("x.shape / ndim / size / dtype, x.sum / mean / max / min / any / all / var / std / argmax / "
-                     "argmin(axis, keepdims=), x.cumsum(axis), x.repeat(n, axis), x.clip, x.round(decimals), "
+                     "argmin(axis, keepdims=), x.cumsum(axis), x.argsort(axis), x.repeat(n, axis), x.clip, x.round(decimals), "
                      "x.astype(dtype), x.reshape / ravel / flatten / squeeze / transpose / swapaxes / T / mT, "
                      "x.copy(), x.dot(y), x[...], the operators + - * / // % ** @ < <= > >= == != & | ^ ~")

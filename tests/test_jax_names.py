@@ -177,3 +177,14 @@ def test_a_plan_takes_its_arguments_by_keyword_as_the_jitted_function():
     np.testing.assert_allclose(np.asarray(plan(w=w, x=x)), x @ w, rtol=1e-12)
     with pytest.raises(TypeError, match="unexpected keyword argument 'v'"):
         plan(x, v=w)
+
+
+def test_a_plan_of_pytree_arguments_takes_them_by_keyword():
+    """A review: plan(params, x=x) bound against the flattened leaves' signature (TypeError)."""
+    f = sf.jit(lambda p, x: x @ p["w"] + p["b"], mesh=sf.DeviceMesh(2, backend="numpy"))
+    r = np.random.default_rng()
+    params, x = {"w": r.standard_normal((3, 2)), "b": r.standard_normal(2)}, r.standard_normal((4, 3))
+    plan = f.lower(params, x)
+    want = x @ params["w"] + params["b"]
+    np.testing.assert_allclose(np.asarray(plan(params, x=x)), want, rtol=1e-12)
+    np.testing.assert_allclose(np.asarray(plan(p=params, x=x)), want, rtol=1e-12)

@@ -115,3 +115,10 @@ def test_on_sf_arrays_outside_jit():
     v, i = sf.top_k(xa, 2)
     np.testing.assert_array_equal(np.asarray(i), np.argsort(-x, -1, kind="stable")[:, :2])
     np.testing.assert_array_equal(np.asarray(v), -np.sort(-x, -1)[:, :2])
+
+
+def test_the_argsort_method():
+    x = np.random.default_rng().standard_normal((3, 5))
+    mesh = mesh_of(2)
+    np.testing.assert_array_equal(np.asarray(sf.jit(lambda v: v.argsort(0), mesh=mesh)(x)), np.argsort(x, 0, kind="stable"))
+    np.testing.assert_array_equal(np.asarray(sf.replicate(x, mesh=mesh).argsort()), np.argsort(x, kind="stable"))
