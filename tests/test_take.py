@@ -174,3 +174,19 @@ def test_random_placements_and_axes(seed):
     t, i = sf.distribute(table, mesh, spec), sf.distribute(ids, mesh, ids_spec)
     np.testing.assert_array_equal(f(t, i).gather(), np_lookup(table, ids, axis))
     assert "allgather" not in f.lower(t, i).collectives(), str(f.lower(t, i))
+
+
+@pytest.mark.parametrize("spec", [(("DIDy", "DIDx"), None), (("DIDx", "DIDy"), None), (None, ("DIDy", "DIDx"))])
+@pytest.mark.parametrize("axis", [0, 1])
+def test_take_along_an_axis_split_over_both_mesh_axes(spec, axis):
+    """A table split over (DIDy, DIDx): its lookup pends sums over both axes, made in two orders
+    (\"cannot reshard ('P', 'P') -> ('P', 'P')\", a review); sf.random.permutation of such an array too."""
+    mesh = sf.DeviceMesh((2, 2), ("DIDy", "DIDx"), backend="numpy")
+    x = np.random.default_rng().standard_normal((8, 16))
+    ids = np.array([3, 1, 7, 0], np.int64)
+    xa = sf.distribute(x, mesh, spec)
+    np.testing.assert_array_equal(np.asarray(sf.jit(lambda t, i: sf.take(t, i, axis=axis), mesh=mesh)(xa, ids)),
+                                  np.take(x, ids, axis=axis))
+    key = sf.random.key(1)
+    np.testing.assert_array_equal(np.asarray(sf.random.permutation(key, xa, axis=axis)),
+                                  np.take(x, sf.random.permutation(key, x.shape[axis]), axis=axis))

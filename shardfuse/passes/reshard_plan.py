@@ -72,13 +72,16 @@ def _moved(kind, before: Layout, after: Layout, shape, mesh) -> int:
 
 def reshard_steps(src: Layout, dst: Layout, mesh, shape=None):
     """[(kind, mesh axis, tensor axis, target axis, layout after)] taking placement src to dst."""
-    src, dst = (Layout(lay.axes, lay.partial, partial_op=lay.partial_op) for lay in (src, dst))
+    index = {m: k for k, m in enumerate(mesh.axis_names)}
+    # (pending sums in the mesh's order: a sum pending over (DIDy, DIDx) is the one pending over (DIDx,
+    # DIDy); a vocabulary sharded over both axes gave its lookup those two orders and no step between them)
+    src, dst = (Layout(lay.axes, tuple(sorted(lay.partial, key=index.get)), partial_op=lay.partial_op)
+                for lay in (src, dst))
     made = [m for m in dst.partial if m not in src.partial]
     if src.partial and dst.partial and src.partial_op != dst.partial_op:
         raise ValueError(f"cannot reshard pending {src.partial_op} values into pending {dst.partial_op} values")
     if made:  # a pending sum cannot be created by resharding, only by a contraction
         raise ValueError(f"cannot reshard {src.placements(mesh)} -> {dst.placements(mesh)} over {made[0]}")
-    index = {m: k for k, m in enumerate(mesh.axis_names)}
     keep = set(dst.partial)
     start = (0, 0, ())  # (collectives, elements moved, table order of the steps)
     best = {src: start}
