@@ -195,9 +195,8 @@ def _along_last(v, axis, fn):
 
 
 def _order(v):
-    """The stable ascending order of v's last axis (int64; NaN last): one step, that axis whole."""
-    if v.ndim == 0:
-        raise ValueError(f"np.argsort / np.sort of the 0-d value {describe(v)}: there is no axis to order")
+    """The stable ascending order of v's last axis (int64; NaN last): one step, that axis whole (a 0-d
+    v never comes here: its axis is refused by normalize_axis, and axis=None flattens it)."""
     return v.unary_op(Op.ARGSORT, "int64")
 
 

@@ -84,14 +84,18 @@ class _Forward:
         """The cotangent of each primal in wrt, in its input's layout (zeros where none reaches it)."""
         grads = backward(self.builder, self.instrs, [x.value for x in self.wrt], [o.value for o in outs], cts,
                          self.remat)
+        readers = defaultdict(list)  # (value -> the forward's instructions reading it: once for every primal)
+        for i in self.instrs:
+            for v in i.ins:
+                readers[v].append(i)
         res = []
         for x, orig, g in zip(self.wrt, self.origins, grads):
             g = full_like(x, 0.0) if g is None else g
-            lay = self._layout_of(orig, x) if self.builder.producer.get(orig.value) is None else None
+            lay = self._layout_of(orig, x, readers) if self.builder.producer.get(orig.value) is None else None
             res.append(g if lay is None else pin(g, lay, "d" + orig.value.name))
         return res
 
-    def _layout_of(self, orig, x):
+    def _layout_of(self, orig, x, readers):
         """The layout of a program input's gradient: the layout it arrived in (an sf.Array's); for
         a plain array, the one the function states for it where every use is the same annotation,
         of it or of a cast of it (a weight sharded by the function keeps that sharding), else
@@ -99,10 +103,6 @@ class _Forward:
         layout it came in)."""
         if orig.value.type.layout is not None:
             return whole(orig.value.type.layout)
-        readers = defaultdict(list)
-        for i in self.instrs:
-            for v in i.ins:
-                readers[v].append(i)
         # (through casts, as fold_annotations places the input: a float32 master weight's bfloat16 copy
         # sharded over tp keeps the weight so)
         uses, todo = [], list(readers[x.value])
