@@ -82,11 +82,11 @@ def old_and_new(step):
     out = cupy.empty(step.into.type.shape, cupy.uint16 if out_dt in ("bfloat16",) else np_dtype(out_dt))
     params, outp, body = fused.fused_source(expr, dtypes, out_dt)
     old = cupy.ElementwiseKernel(params, outp, body, "sf_fused", preamble=csource.BF16_PREAMBLE)
-    src, name, threads, blocks = flat_source.source(
+    src, name, threads, blocks, count = flat_source.source(
         expr, dtypes, tuple((a.shape, tuple(s // a.itemsize for s in a.strides)) for a in ins),
         (out_dt, out.shape, tuple(s // out.itemsize for s in out.strides)))
     new = cupy.RawKernel(src, name)
-    return kernel_ms(lambda: old(*ins, out)), kernel_ms(lambda: new((blocks,), (threads,), (*ins, out)))
+    return kernel_ms(lambda: old(*ins, out)), kernel_ms(lambda: new((blocks,), (threads,), (*ins, out, np.int64(count))))
 
 
 def main():

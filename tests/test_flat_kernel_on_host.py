@@ -79,6 +79,24 @@ def test_axes_merge_where_every_array_runs_on():
     assert flat_source.merged_axes((1, 5, 1), [(5, 1, 1)]) == ((5,), [(1,)])
 
 
+def test_one_run_compiles_once_for_every_size():
+    """A step whose arrays merge into one run has one source for every size (the count is the
+    kernel's parameter); a broadcast along a row keeps its row's length baked in (a division by it)."""
+    r = np.random.default_rng(0)
+    step = (fused_steps(lambda a, b: sf.nn.gelu(a * b + 1.0), operands(r, [(SHAPE, "float32")] * 2)))[0]
+    expr = step.attrs["expr"]
+
+    def kernel(shape, b_shape):
+        laid = ((shape, tuple(int(np.prod(shape[d + 1:])) for d in range(len(shape)))),
+                (b_shape, tuple(int(np.prod(b_shape[d + 1:])) for d in range(len(b_shape)))))
+        return flat_source.source(expr, ("float32", "float32"), laid, ("float32", shape, laid[0][1]))
+    vec = flat_source.VEC
+    for small, large, counts in [((4, 33), (1001, 65), (132, 65065)), ((4, 2 * vec), (999, 8 * vec), (8, 999 * 8))]:
+        a, b = kernel(small, small), kernel(large, large)
+        assert a[:3] == b[:3] and (a[4], b[4]) == counts
+    assert kernel((4, 33), (33,))[0] != kernel((4, 34), (34,))[0]
+
+
 def test_vector_path_where_each_run_starts_at_a_whole_vec():
     vec = flat_source.VEC
     assert flat_source.vector_path((3, 8 * vec), [(8 * vec, 1), (0, 1), (0, 0), (8 * vec, 1)])
@@ -106,18 +124,19 @@ def test_kernels_on_the_host_equal_numpy(name, dtype, shape, tmp_path):
             if how == "misaligned":
                 out = np.full(out.size + 1, np.nan, out.dtype)[1:].reshape(shape)
             laid = [layout(v) for v in views]
-            src, kname, threads, blocks = flat_source.source(
+            src, kname, threads, blocks, count = flat_source.source(
                 expr, tuple(v.dtype.name for v in views), tuple(lay for lay, _ in laid),
                 (out_dtype, shape, layout(out)[0][1]))
             # (rows of 64, or every operand whole: 792 elements in one run)
             vector = how in ("contiguous", "misaligned") and (shape == VECTOR_SHAPE or all(v.shape == shape for v in views))
             assert ("sf_vec<" in src) == vector, (how, shape)
             each = flat_source.VEC if vector else 1
-            assert threads == flat_source.THREADS and blocks == -(-int(np.prod(shape)) // each // threads)
-            cases.append((how, expr, views, laid, out, src, kname))
-    lib = compiled(list(dict.fromkeys((src, kname) for *_, src, kname in cases)), tmp_path)
-    for how, expr, views, laid, out, _, kname in cases:
-        ptrs = [p for _, p in laid] + [out.ctypes.data]
+            assert count == int(np.prod(shape)) // each and threads == flat_source.THREADS
+            assert blocks == -(-count // threads)
+            cases.append((how, expr, views, laid, out, src, kname, np.array(count, np.int64)))
+    lib = compiled(list(dict.fromkeys((src, kname) for *_, src, kname, _ in cases)), tmp_path)
+    for how, expr, views, laid, out, _, kname, count in cases:
+        ptrs = [p for _, p in laid] + [out.ctypes.data, count.ctypes.data]
         getattr(lib, f"launch_{kname}")((ctypes.c_void_p * len(ptrs))(*ptrs), HOST_THREADS)
         want = numpy_result(expr, views, out.dtype, shape).astype(np.float64)
         got = out.astype(np.float64)

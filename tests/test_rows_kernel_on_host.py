@@ -72,8 +72,9 @@ TOL = {"float64": 1e-12, "float32": 1e-5, "float16": 3e-3, "bfloat16": 2e-2}
 def launcher(text, name) -> str:
     """A host function running kernel `name` on `threads` host threads, its pointers in an array."""
     params = re.search(rf"void {name}\((.*?)\) {{", text).group(1).split(", ")
-    types = [p.split("* __restrict__")[0] for p in params]
-    args = ", ".join(f"({t}*)a[{k}]" for k, t in enumerate(types))
+    # (a pointer parameter from its slot; a value parameter, `const long long n`, read where its slot points)
+    args = ", ".join(f"({p.split('* __restrict__')[0]}*)a[{k}]" if "*" in p else f"*({p.rsplit(' ', 1)[0]}*)a[{k}]"
+                     for k, p in enumerate(params))
     return (f'extern "C" void launch_{name}(void** a, int threads) {{ std::barrier<> bar(threads); sf_bar = &bar; '
             f"std::vector<std::unique_ptr<std::barrier<>>> warps; for (int w = 0; w < threads / 32; ++w) "
             f"{{ warps.emplace_back(new std::barrier<>(32)); sf_warp_bar[w] = warps.back().get(); }} "

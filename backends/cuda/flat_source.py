@@ -1,7 +1,10 @@
 """The CUDA source of a Fused step (passes/fuse.py) as one RawKernel over the flat index of its
 result, the shapes and every operand's strides baked in: axes along which every array is laid
 out contiguously merged first, each remaining index recovered by division by a constant (a
-multiply and a shift), and a broadcast operand read through stride 0.  CuPy's ElementwiseKernel,
+multiply and a shift), and a broadcast operand read through stride 0.  The count of elements (or
+of vectors) is a parameter, not baked: a step whose arrays merge into one axis (every operand
+whole or a scalar, the common case) has one source for every size, so a model compiles it once
+rather than once per shape.  CuPy's ElementwiseKernel,
 which this replaces for results of one axis or more, takes shapes and strides as arguments and
 divides by them at run time for every element.  Each node is computed and rounded exactly as in
 a row group (rows_source.Emitter), so the values are the unfused steps' bit for bit where the
@@ -94,15 +97,17 @@ def _vector_body(value_lines, store, in_dtypes, out_dtype, runs) -> list:
 
 @functools.lru_cache(maxsize=512)
 def source(expr, in_dtypes, in_layouts, out) -> tuple:
-    """(CUDA source, kernel name, threads per block, blocks) of the Fused step expr over operands of
+    """(CUDA source, kernel name, threads per block, blocks, count) of the Fused step expr over operands of
     in_dtypes with in_layouts ((shape, strides) each, in elements, broadcasting to out's shape),
     writing out = (dtype, shape, strides); out's shape has one axis or more.  On the vector path
-    (vector_path) a thread takes VEC elements."""
+    (vector_path) a thread takes VEC elements.  The kernel's last parameter is count (long long n):
+    the elements, or the vectors of VEC, it computes."""
     dtype, shape, out_strides = out
     arrays = [aligned(sh, st, shape) for sh, st in in_layouts] + [tuple(out_strides)]
     axes, strides_of = merged_axes(tuple(shape), arrays)
     total = math.prod(shape)
-    params = [f"const {PTR[d]}* __restrict__ x{k}" for k, d in enumerate(in_dtypes)] + [f"{PTR[dtype]}* __restrict__ y"]
+    params = [f"const {PTR[d]}* __restrict__ x{k}" for k, d in enumerate(in_dtypes)] + \
+        [f"{PTR[dtype]}* __restrict__ y", "const long long n"]
     if vector_path(axes, strides_of):
         emit = Emitter(in_dtypes, [st[-1] for st in strides_of[:-1]], {})
         value = emit(expr)
@@ -119,8 +124,8 @@ def source(expr, in_dtypes, in_layouts, out) -> tuple:
         body = _offsets(axes, strides_of) + emit.lines + [f"y[o{len(in_layouts)}] = {STORE[dtype].format(value)};"]
         head, index, count = "", "i", total
     text = (f"extern \"C\" __global__ void NAME({', '.join(params)}) {{\n{head}"
-            f"    for (long long {index} = (long long)blockIdx.x * blockDim.x + threadIdx.x; {index} < {count}LL;"
+            f"    for (long long {index} = (long long)blockIdx.x * blockDim.x + threadIdx.x; {index} < n;"
             f" {index} += (long long)gridDim.x * blockDim.x) {{\n        " + "\n        ".join(body) + "\n    }\n}\n")
     name = "sf_flat_" + hashlib.sha1(text.encode()).hexdigest()[:16]
     blocks = min(-(-count // THREADS), 2**31 - 1)  # (past the grid's limit a thread takes several elements)
-    return PREAMBLE + VEC_PREAMBLE + text.replace("NAME", name, 1), name, THREADS, blocks
+    return PREAMBLE + VEC_PREAMBLE + text.replace("NAME", name, 1), name, THREADS, blocks, count

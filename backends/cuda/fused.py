@@ -7,6 +7,7 @@ accumulates in float (double for float64) and is scaled there, as kernels.bind_s
 from __future__ import annotations
 
 import cupy
+import numpy
 
 from shardfuse.backends.cuda import flat_source, rows_source
 from shardfuse.backends.cuda.csource import BF16_PREAMBLE, C_TYPES, INLINE, PARAM_TYPES, literal
@@ -59,17 +60,17 @@ def fused_source(expr, in_dtypes, out_dtype):
 
 def bind_fused(dev, kernels, expr, ins, out, stream):
     """Step: out = expr(ins), one generated kernel: a result of one axis or more by flat_source (its
-    shapes and strides baked in; compiled once per expression, dtypes and layout), a 0-d one by an
-    ElementwiseKernel (compiled once per expression and dtypes)."""
+    shapes and strides baked in, but for a layout of one run: compiled once per expression, dtypes
+    and layout), a 0-d one by an ElementwiseKernel (compiled once per expression and dtypes)."""
     dtypes = tuple(r.dtype for r in ins)
     if out.shape:
         layouts = tuple((tuple(r.shape), tuple(r.strides)) for r in ins)
-        src, name, threads, blocks = flat_source.source(expr, dtypes, layouts,
-                                                        (out.dtype, tuple(out.shape), tuple(out.strides)))
+        src, name, threads, blocks, count = flat_source.source(expr, dtypes, layouts,
+                                                               (out.dtype, tuple(out.shape), tuple(out.strides)))
         if blocks == 0:  # (nothing to compute: no launch)
             return dev.per_device((*ins, out), stream, lambda j, *views: None)
-        flat = kernels.cached((Op.FUSED, src), lambda: cupy.RawKernel(src, name))
-        return dev.per_device((*ins, out), stream, lambda j, *views: flat((blocks,), (threads,), views))
+        flat, n = kernels.cached((Op.FUSED, src), lambda: cupy.RawKernel(src, name)), numpy.int64(count)
+        return dev.per_device((*ins, out), stream, lambda j, *views: flat((blocks,), (threads,), (*views, n)))
 
     def make():
         params, outp, body = fused_source(expr, dtypes, out.dtype)
