@@ -6,9 +6,12 @@
 # gpu`: tests/test_gpu*.py and the dispatch tests of the CUDA code), never by a list of files.
 # Run from the repository root on the GPU machine; the last line is the verdict.
 #
-# The whole run is longer than one device call (600 s): the GPU suite alone took 310 s on an H100
-# (2026-12-06).  PART picks one part per call, each under 600 s there:
-#   PART=tests   bash benchmarks/gpu_first.sh   # GPU tests never run before (NEW), then the whole -m gpu suite
+# The whole run is longer than one device call (600 s): the GPU suite alone took ~720 s on an H100
+# (2026-12-06, thirteenth session: every Fused step a kernel compiled per layout).  PART picks one
+# part per call, and SPLIT=K/N the K-th of N interleaved parts of the GPU suite (tests/conftest.py's
+# --part: every N-th test, so each part holds some of every file), each under 600 s there:
+#   PART=tests SPLIT=1/2 bash benchmarks/gpu_first.sh   # GPU tests never run before (NEW), then half the suite
+#   PART=tests SPLIT=2/2 bash benchmarks/gpu_first.sh   # the other half
 #   PART=unfused bash benchmarks/gpu_first.sh   # the suite again with SHARDFUSE_FUSE=0 (one step per op)
 #   PART=bench   bash benchmarks/gpu_first.sh   # step_cost floors, bench --host, layer_vs_torch --train
 # PART=all (the default) runs the three in turn, for a machine without the limit.
@@ -16,7 +19,10 @@
 set -u
 OUT=${OUT:-gpu_first}
 PART=${PART:-all}
-NEW=${NEW:-natural_layout}  # -k expression: GPU tests never run before, run first in their own process
+SPLIT=${SPLIT:-1/1}
+# seconds from the start after which a test run is stopped: a device call's 600, less the archive (none for PART=all)
+LIMIT=${LIMIT:-$([ "$PART" = all ] && echo 86400 || echo 570)}
+NEW=${NEW:-gpu_sort}  # -k expression: GPU tests never run before, run first in their own process
 mkdir -p "$OUT"
 python3 -m pip install -q --no-deps --no-build-isolation -e . > "$OUT/install.txt" 2>&1
 save() { tar -czf "${OUT%/}.tgz" -C "$OUT" .; }
@@ -33,13 +39,16 @@ if [ "$PART" = all ] || [ "$PART" = tests ]; then
   new_rc=$?
   [ "$new_rc" = 5 ] && new_rc=0  # (pytest's 5: nothing matched -k $NEW, which is no failure)
   tail -3 "$OUT/gpu_tests_new.txt"; save
-  python3 -m pytest -q -rf --durations=10 -p no:cacheprovider -m gpu $SKIP tests > "$OUT/gpu_tests.txt" 2>&1
+  # (stopped by SIGINT before the device call's limit, so pytest still prints its summary and failures)
+  timeout -s INT $((LIMIT - SECONDS)) python3 -m pytest -q -rf --durations=10 -p no:cacheprovider -m gpu $SKIP \
+    --part "$SPLIT" tests > "$OUT/gpu_tests.txt" 2>&1
   all_rc=$?
   grep -E "^FAILED|^ERROR" "$OUT/gpu_tests.txt" | head -20; tail -1 "$OUT/gpu_tests.txt"; save
-  line="$line new GPU tests $(verdict $new_rc); GPU suite $(verdict $all_rc) ($(tail -1 "$OUT/gpu_tests.txt"));"
+  line="$line new GPU tests $(verdict $new_rc); GPU suite (part $SPLIT) $(verdict $all_rc) ($(tail -1 "$OUT/gpu_tests.txt"));"
 fi
 if [ "$PART" = all ] || [ "$PART" = unfused ]; then
-  SHARDFUSE_FUSE=0 python3 -m pytest -q -rf -p no:cacheprovider -m gpu $SKIP tests > "$OUT/gpu_tests_unfused.txt" 2>&1
+  SHARDFUSE_FUSE=0 timeout -s INT $((LIMIT - SECONDS)) python3 -m pytest -q -rf -p no:cacheprovider -m gpu $SKIP \
+    --part "$SPLIT" tests > "$OUT/gpu_tests_unfused.txt" 2>&1
   unfused_rc=$?
   grep -E "^FAILED|^ERROR" "$OUT/gpu_tests_unfused.txt" | head -20; tail -1 "$OUT/gpu_tests_unfused.txt"; save
   line="$line unfused $(verdict $unfused_rc) ($(tail -1 "$OUT/gpu_tests_unfused.txt"));"

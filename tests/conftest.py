@@ -15,3 +15,21 @@ from hypothesis import settings  # noqa: E402
 settings.register_profile("ci", max_examples=300, deadline=None, derandomize=True, database=None,
                           print_blob=True)
 settings.register_profile("long", max_examples=5000, deadline=None, derandomize=False, print_blob=True)
+
+
+def pytest_addoption(parser):
+    parser.addoption("--part", default=None, metavar="K/N",
+                     help="run the K-th of N parts of the collected tests (every N-th test from the "
+                          "K-th, K from 1): benchmarks/gpu_first.sh splits the GPU suite over device "
+                          "calls of 600 s so, each part a mix of every file")
+
+
+def pytest_collection_modifyitems(config, items):
+    part = config.getoption("--part")
+    if part:
+        k, n = (int(s) for s in part.split("/"))
+        if not 1 <= k <= n:
+            raise ValueError(f"--part K/N needs 1 <= K <= N; got {part!r}")
+        keep = set(range(k - 1, len(items), n))
+        config.hook.pytest_deselected(items=[t for j, t in enumerate(items) if j not in keep])
+        items[:] = [t for j, t in enumerate(items) if j in keep]
