@@ -339,3 +339,33 @@ def test_a_lone_allreduce_with_nothing_beside_it_stays_on_main(monkeypatch):
                     (sf.grad(lambda w, x: (np.tanh(_rows(x) @ w) ** 2).sum()), (ones.T, ones))):  # (w's, last)
         text = str(sf.jit(f, mesh=mesh).lower(*args))
         assert "Allreduce" in text and "SetCurrentStream" not in text, text
+
+
+def test_gradients_cast_to_their_float32_parameters_share_buckets(monkeypatch):
+    """bfloat16 compute on float32 master weights: each reduced gradient cast back to float32
+    right after its Allreduce closed its bucket there (a probe: 5 blocking Allreduces where float32
+    gradients made 3, in two buckets): the casts, read by nothing but the plan's return, now go last."""
+    import ml_dtypes
+    monkeypatch.delenv("SHARDFUSE_BUCKET_MB", raising=False)
+    mesh = sf.DeviceMesh((2, 2), ("dp", "tp"), backend="numpy")
+    bf16 = ml_dtypes.bfloat16
+
+    def loss(p, x):
+        x = sf.shard(x, axis=0, over="dp")
+        return ((x * p["g1"] * p["g2"]) @ sf.shard(p["w"], axis=1, over="tp")).astype(np.float32).sum()
+
+    r = np.random.default_rng(7)
+    p = {"g1": r.standard_normal(16), "g2": r.standard_normal(16), "w": r.standard_normal((16, 8))}
+    p = {k: v.astype(np.float32) for k, v in p.items()}
+    x = r.standard_normal((4, 16)).astype(np.float32)
+    mixed = sf.jit(sf.grad(lambda p, x: loss({k: v.astype(bf16) for k, v in p.items()}, x.astype(bf16))), mesh=mesh)
+    plan = mixed.lower(p, x)
+    assert plan.collectives() == sf.jit(sf.grad(loss), mesh=mesh).lower(p, x).collectives() == {"allreduce": 3}
+    assert str(plan).count("bucket=2") == 2, str(plan)
+    g = mixed(p, x)
+    assert all(np.asarray(g[k]).dtype == np.float32 for k in p)
+    cot = np.ones((4, 8))  # (d loss / d product: the float64 reference of the three gradients)
+    a = x.astype(np.float64) * p["g1"] * p["g2"]
+    want = {"w": a.T @ cot, "g1": (x * p["g2"] * (cot @ p["w"].T)).sum(0), "g2": (x * p["g1"] * (cot @ p["w"].T)).sum(0)}
+    for k in p:
+        np.testing.assert_allclose(np.asarray(g[k]), want[k], rtol=0.05, atol=0.05 * np.abs(want[k]).max())
