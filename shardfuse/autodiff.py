@@ -149,15 +149,32 @@ def _home(x: Traced):
 
 
 def _set(ins, xs, out, ct, instrs):
-    """An annotation transposes to itself (the cotangent lives where the value does); a move
-    between meshes (sf.to_mesh, or an annotation with mesh=) moves the cotangent back."""
+    """An annotation transposes to itself (the cotangent lives where the value does), but for one
+    that gathers its operand (sf.replicate of an FSDP-sharded weight): its transpose scatters, so
+    the cotangent goes straight to the operand's placement (a ReduceScatter of the pending sums,
+    as JAX transposes all_gather and FSDP reduces gradients; pinned whole first it was an
+    Allreduce and a slice: twice the traffic, and every device holding the whole gradient).  A
+    move between meshes (sf.to_mesh, or an annotation with mesh=) moves the cotangent back."""
     (x,) = xs
     lay = out.value.type.layout
     if ins.attrs.get("annotation"):
-        ct = pin(ct, lay)
+        ct = pin(ct, _gathered_from(x, lay) or lay)
     if lay.mesh != _home(x) or not ins.attrs.get("annotation"):
         ct = pin(ct, known_layout(x.builder, x.value) or Layout.replicated(x.ndim).on(_home(x)))
     return [ct]
+
+
+def _gathered_from(x, lay):
+    """x's stated placement where `lay` gathers x (on x's mesh, sharding no axis x does not shard
+    alike: lay is x's with some mesh axes made whole), else None.  Not where x splits an axis over
+    two mesh axes ((dp, tp): propagation then splits the gradient's product over tp to meet it,
+    and resharding across the nesting costs more than the Allreduce and slice it replaces)."""
+    had = known_layout(x.builder, x.value)
+    if had is None or had == lay or had.mesh != lay.mesh or lay.partial or len(had.axes) != len(lay.axes) or \
+            any(len(mesh_axes(h)) > 1 for h in had.axes):
+        return None
+    gathers = all(set(mesh_axes(e)) <= set(mesh_axes(h)) for e, h in zip(lay.axes, had.axes))
+    return had if gathers else None
 
 
 def _matmul(ins, xs, out, ct, instrs, keep=False):

@@ -294,6 +294,27 @@ def test_gradient_has_its_primals_layout():
     assert "allreduce" in f.lower(w, v, x).collectives()  # the replicated weight's gradient: summed over dp
 
 
+@pytest.mark.parametrize("w_axes, gathered", [(("dp", None), None), (("dp", "tp"), "tp"), ((None, "dp"), None)])
+def test_the_gradient_of_a_gathered_weight_is_reduce_scattered(w_axes, gathered):
+    """FSDP: a weight stored sharded over dp and gathered for the forward (sf.replicate, or an
+    annotation keeping only tp) has its gradient reduce-scattered into its shards, as JAX
+    transposes all_gather and FSDP reduces: no Allreduce of the whole gradient and slice of it."""
+    mesh = mesh_of("2d")
+    rng = np.random.default_rng(9)
+    w = sf.distribute(rng.standard_normal((8, 4)), mesh, w_axes)
+    x = rng.standard_normal((6, 8))
+
+    def loss(w, x):
+        full = sf.replicate(w) if gathered is None else sf.shard(w, axis=1, over=gathered)
+        return (sf.shard(x, axis=0, over="dp") @ full).sum()
+    f = sf.jit(sf.grad(loss), mesh=mesh)
+    plan = f.lower(w, x)
+    assert "reduce_scatter" in plan.collectives() and "ShardSlice" not in str(plan), str(plan)
+    dw = f(w, x)
+    assert dw.sharding == w.sharding
+    np.testing.assert_allclose(np.asarray(dw), np.repeat(x.sum(0)[:, None], 4, axis=1), rtol=1e-12)
+
+
 @pytest.mark.parametrize("x_axes, w_axes, merged", [
     ((None, None, None), (None, None), True),
     (("dp", None, None), (None, None), True),  # a batch over dp merges with the rows: still over dp
