@@ -175,7 +175,7 @@ class Array(Placed, ArrayOps):  # operators, ufuncs, reductions, indexing: array
         (never the backend, its streams or communicators); see the class docstring."""
         pieces = backend_of(self.mesh).to_host(self.shards)
         return _rebuild_array, (self.mesh, self.shape, self.dtype_name, self.sharding, pieces,
-                                self.mesh.rank, self.mesh.nprocs)
+                                self.mesh.rank, self.mesh.nprocs, self.weak)
 
     def __array__(self, dtype=None, copy=None):
         out = self.gather()
@@ -284,13 +284,15 @@ def check_mesh(mesh, what):
         raise TypeError(f"{what}: mesh= must be an sf.DeviceMesh, got {type(mesh).__name__}")
 
 
-def _rebuild_array(mesh, shape, dtype, layout, pieces, rank, nprocs):
+def _rebuild_array(mesh, shape, dtype, layout, pieces, rank, nprocs, weak=False):
     """An unpickled sf.Array (see Array.__reduce__): its pieces placed on the mesh again."""
     if (mesh.rank, mesh.nprocs) != (rank, nprocs):
         raise ValueError(f"this sf.Array was pickled by MPI process {rank} of {nprocs} and holds that process' "
                          f"pieces only; here is process {mesh.rank} of {mesh.nprocs}. Pickle .gather() (the global "
                          "value) or .to_local() (a process' piece) to move a value between processes")
-    return Array(mesh, shape, dtype, layout, backend_of(mesh).to_device(pieces))
+    out = Array(mesh, shape, dtype, layout, backend_of(mesh).to_device(pieces))
+    out.weak = weak  # (a step count stays weakly typed: a resumed float32 run stays float32, as JAX's)
+    return out
 
 
 class AddressableShard(tuple):

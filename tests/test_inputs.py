@@ -294,6 +294,21 @@ def test_pickled_array_is_small_and_round_trips(mesh):
     np.testing.assert_array_equal(c.gather(), x)
 
 
+def test_a_pickled_step_count_stays_weakly_typed(mesh):
+    """A step count returned weakly typed (count + 1 of a Python int) stays so through a pickled
+    checkpoint: the resumed float32 step stays float32, bit for bit the uninterrupted one (a probe:
+    it turned float64 and its donation warned)."""
+    step = sf.jit(lambda w, count: (w * (1.0 - 0.9 ** (count + 1)), count + 1), mesh=mesh)
+    w = sf.shard(rng().standard_normal((8, 4)).astype(np.float32), axis=0, mesh=mesh)
+    w1, count = step(w, 0)
+    assert count.weak
+    saved = pickle.loads(pickle.dumps((w1, count)))
+    assert saved[1].weak and not saved[0].weak
+    w2, _ = step(*saved)
+    assert w2.dtype == np.float32
+    np.testing.assert_array_equal(np.asarray(w2), np.asarray(step(w1, count)[0]))
+
+
 def test_pickle_in_a_fresh_process(mesh, tmp_path):
     x = rng().standard_normal((4, 6))
     path = tmp_path / "a.pkl"
