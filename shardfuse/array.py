@@ -104,6 +104,7 @@ class Array(Placed, ArrayOps):  # operators, ufuncs, reductions, indexing: array
             axis = check_axis(axis)  # before the memo, whose keys cannot tell True from 1
         info = array_info(x)
         check_input(info, backend_of(mesh), what)
+        _same_on_every_rank(x, info, mesh, what)
         layout, where = global_placement(info.shape, mesh, axis, over)
         return cls(mesh, info.shape, info.dtype, layout, local_pieces(x, info.dtype, layout, mesh, info, where=where),
                    True)
@@ -118,6 +119,7 @@ class Array(Placed, ArrayOps):  # operators, ufuncs, reductions, indexing: array
             raise ValueError(f"{what}: layout of {layout.ndim} axes for an array of shape {info.shape}")
         for a, over in layout.sharded_axes().items():
             check_divides(info.shape, a, over, mesh)
+        _same_on_every_rank(x, info, mesh, what)
         return cls(mesh, info.shape, info.dtype, layout, local_pieces(x, info.dtype, layout, mesh, info), True)
 
     def redistribute(self, placements) -> "Array":
@@ -282,6 +284,15 @@ def check_mesh(mesh, what):
     """mesh is an sf.DeviceMesh, else a TypeError naming `what` took it."""
     if not isinstance(mesh, DeviceMesh):
         raise TypeError(f"{what}: mesh= must be an sf.DeviceMesh, got {type(mesh).__name__}")
+
+
+def _same_on_every_rank(x, info, mesh, what) -> None:
+    """Under mpiexec, every rank placing a global host array passes the same one, compared on a
+    sample of its elements as a call compares its arguments (faults.agree; SHARDFUSE_CHECK_INPUTS):
+    ranks passing their own arrays (each seeded by its rank) would each take its pieces of its own,
+    a blend no rank sees (a probe: sf.distribute of each rank's own initial weights)."""
+    if mesh.nprocs > 1:
+        faults.agree("", what, faults.input_prints(["x"], [x], [info]))
 
 
 def _rebuild_array(mesh, shape, dtype, layout, pieces, rank, nprocs, weak=False):

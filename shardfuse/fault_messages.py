@@ -215,14 +215,14 @@ def input_prints(names, args, infos) -> list:
         if info is None:
             continue
         try:
-            out.append((name, _print(a)))
+            out.append((name, fingerprint(a)))
         except Exception as e:  # noqa: BLE001 (whatever it is, this rank still takes part in the check)
             out.append((name, f"unreadable: {type(e).__name__}".encode()))
     return out
 
 
-def _print(a) -> bytes:
-    """One argument's fingerprint (input_prints)."""
+def fingerprint(a) -> bytes:
+    """One host argument's fingerprint (input_prints): b"" for a device array (not read)."""
     if isinstance(a, (bool, int, float, complex, np.generic)):
         v = a.item() if isinstance(a, np.generic) else a
         return repr(v + 0.0 if isinstance(v, float) else v).encode()  # (-0.0 + 0.0 is 0.0)

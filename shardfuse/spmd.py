@@ -6,6 +6,7 @@ from __future__ import annotations
 import math
 
 from shardfuse import faults
+from shardfuse.fault_messages import CHECK_ENV, input_prints, ranks_text
 from shardfuse.array import Array, check_mesh
 from shardfuse.interop import array_info, check_input
 from shardfuse.layout import Layout, layout_of, mesh_axes
@@ -69,14 +70,40 @@ def from_local(local_piece, axis=None, over=None, mesh=None, placements=None):
     shape = tuple(size[i] * sh.count(i) if i in size else n for i, n in enumerate(info.shape))
     be = backend_of(mesh)
     x = be.adopt(local_piece, info)
-    parts = []
-    for j, b in enumerate(blocks):
+    views = []
+    for b in blocks:
         idx = [slice(None)] * len(shape)
         for k, i in enumerate(axes):
             p = held[k].index(b[k])
             idx[i] = slice(p * size[i], (p + 1) * size[i])
-        parts.append(be.piece(x[tuple(idx)], j))
-    return Array(mesh, shape, info.dtype, layout, parts, True)
+        views.append(x[tuple(idx)])
+    if mesh.nprocs > 1:
+        _same_replicas(blocks, views)
+    return Array(mesh, shape, info.dtype, layout, [be.piece(v, j) for j, v in enumerate(views)], True)
+
+
+def _same_replicas(blocks, views) -> None:
+    """Processes holding the same block (replicas: ranks along a mesh axis the value is not cut
+    over) passed the same data, compared on a sample of each block's elements as a call compares its
+    arguments (fault_messages.input_prints; SHARDFUSE_CHECK_INPUTS=0: not compared; device arrays
+    not read).  Replicas holding different data would each compute with their own (a probe: each
+    rank drew its own batch, seeded by rank, and the replicated loss differed between ranks)."""
+    prints = dict(input_prints(blocks, views, [True] * len(views)))
+    seen = faults.allgather_object(prints, "sf.from_local's check of replicated blocks")
+    for b in sorted({b for mine in seen for b in mine}):
+        groups: dict = {}
+        for r, mine in enumerate(seen):
+            if mine.get(b):
+                groups.setdefault(mine[b], []).append(r)
+        if len(groups) > 1:
+            held = "; ".join(f"rank(s) {ranks_text(rs)} one" if n == 0 else f"rank(s) {ranks_text(rs)} another"
+                             for n, rs in enumerate(groups.values()))
+            raise ValueError(
+                f"sf.from_local: processes holding the same block {b} of the value passed different data for it "
+                f"({held}).  The value is replicated over the mesh axes it is not cut over, so the processes along "
+                "them must pass the same piece: seed a data loader by the process' position along the cut axis "
+                "(mesh.coords(mesh.local_devices[0])[mesh.axis_index('dp')]), not by its rank.  (Checked on a "
+                f"sample of each block's elements; {CHECK_ENV}=0 turns the check off.)")
 
 
 def _cut(axes: tuple) -> str:

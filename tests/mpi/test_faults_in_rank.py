@@ -291,3 +291,33 @@ def test_equal_arguments_written_differently_pass_and_unequal_numbers_do_not():
     np.testing.assert_array_equal(g(np.matrix(x), 0.5, 1.0).gather()[1:], x[1:] * 0.5 + 1.0)
     with pytest.raises(sf.RankMismatchError, match="argument"):
         g(x, 12 if RANK == BAD else 1, 3 if RANK == BAD else 23)
+
+
+def test_ranks_placing_different_global_arrays_all_raise():
+    """sf.shard / sf.replicate / sf.distribute of a host array outside a call compare it across the
+    ranks as a call does (a probe: sf.distribute of each rank's own initial weights, silently a
+    blend); the same arrays place as before."""
+    mesh = sf.DeviceMesh(4)
+    x = np.random.default_rng(3).standard_normal((8, 4))
+    mine = x + RANK
+    for place in (lambda a: sf.shard(a, axis=0, mesh=mesh), lambda a: sf.replicate(a, mesh=mesh),
+                  lambda a: sf.distribute(a, mesh, ("DIDx", None))):
+        with pytest.raises(sf.RankMismatchError, match="argument x differs between the ranks"):
+            place(mine)
+        np.testing.assert_array_equal(place(x).gather(), x)
+
+
+def test_replicas_passing_different_pieces_to_from_local_all_raise():
+    """sf.from_local on a dp x tp mesh: the ranks along tp hold the same dp block and must pass the
+    same batch.  Each drawing its own (seeded by rank, as a DDP sampler is) is refused on every
+    rank with the same error, naming the block; seeded by the dp position it places as before."""
+    mesh = sf.DeviceMesh((2, 2), ("dp", "tp"))
+    dp = mesh.coords(mesh.local_devices[0])[mesh.axis_index("dp")]
+    if NPROCS == 4:  # (one device a process: ranks 0, 1 hold dp block 0; under -n 2 a rank holds both tp replicas)
+        with pytest.raises(ValueError, match=r"same block \(0,\) of the value passed different data") as err:
+            sf.from_local(np.random.default_rng(RANK).standard_normal((2, 3)), axis=0, over="dp", mesh=mesh)
+        msg = str(err.value)
+        assert COMM.allgather(msg) == [msg] * NPROCS
+    piece = np.random.default_rng(dp).standard_normal((2, 3))
+    got = sf.from_local(piece, axis=0, over="dp", mesh=mesh).gather()
+    np.testing.assert_array_equal(got, np.concatenate([np.random.default_rng(d).standard_normal((2, 3)) for d in (0, 1)]))
