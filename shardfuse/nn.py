@@ -30,6 +30,7 @@ from shardfuse import dtypes
 from shardfuse.autodiff import stop_gradient
 from shardfuse.custom_vjp import custom_vjp
 from shardfuse.traced import Traced, describe, is_scalar
+from shardfuse.numpy_broadcast import repeat
 from shardfuse.numpy_math import gelu
 from shardfuse.traced_numpy import exp, linear, log, maximum, minimum, rsqrt, silu, where
 
@@ -134,6 +135,7 @@ def _swap_last_two(t):
 
 @_one_plan
 def _attention(q, k, v, mask, scale):
+    k, v = _grouped(q, k, "k"), _grouped(q, v, "v")
     scores = (q @ _swap_last_two(k)) * (1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale))
     if mask is not None:  # (a NumPy mask inside sf.jit is a constant of the program)
         scores = where(mask, scores, _MASKED[scores.dtype_name]) if mask.dtype == "bool" else scores + mask
@@ -143,7 +145,10 @@ def _attention(q, k, v, mask, scale):
 def attention(q, k, v, causal=False, mask=None, *, scale=None):
     """Scaled dot-product attention, softmax(q @ k^T * scale + mask) @ v, over [batch, heads, seq,
     head_dim] operands (any leading axes, the same on q, k and v); scale 1 / sqrt(head_dim) unless given
-    (jax.nn.dot_product_attention's scale=, a Python number).
+    (jax.nn.dot_product_attention's scale=, a Python number).  Grouped-query attention where k and v
+    have fewer heads than q, a divisor of them: query head n reads key / value head n // (heads of q /
+    heads of k), as jax.nn.dot_product_attention and torch's enable_gqa (each kv head repeated: with
+    heads sharded, a view on each device).
 
     mask broadcasts against the scores [..., seq_q, seq_k]: a boolean array (True: attend, as
     jax.nn.dot_product_attention; a masked score becomes a large negative number, so a row with
@@ -162,6 +167,20 @@ def attention(q, k, v, causal=False, mask=None, *, scale=None):
                              "mask & np.tril(np.ones((seq_q, seq_k), bool)))")
         mask = np.tril(np.ones((q.shape[-2], k.shape[-2]), bool))
     return _attention(q, k, v, mask, scale)
+
+
+def _grouped(q, kv, name):
+    """k or v with each of its heads repeated for the G query heads that share it (grouped-query
+    attention, jax.nn.dot_product_attention's and torch's enable_gqa: query head n reads kv head
+    n // G), where q has G times as many heads (axis -3); as given where the heads match."""
+    if q.ndim < 3 or kv.ndim != q.ndim or kv.shape[-3] == q.shape[-3]:
+        return kv
+    heads, kv_heads = q.shape[-3], kv.shape[-3]
+    if kv_heads == 0 or heads % kv_heads:
+        raise ValueError(f"sf.nn.attention: q has {heads} heads (axis -3 of {tuple(q.shape)}) and {name} {kv_heads} "
+                         f"(of {tuple(kv.shape)}): grouped-query attention needs the query heads a multiple of the "
+                         "key / value heads ([batch, heads, seq, head_dim])")
+    return repeat(kv, heads // kv_heads, axis=-3)
 
 
 @_one_plan

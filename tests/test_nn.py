@@ -460,3 +460,35 @@ def test_attention_takes_a_scale_and_a_decode_steps_mask():
     np.testing.assert_allclose(np.asarray(got), ref(0.3), rtol=1e-12)
     got = sf.jit(lambda q, k, v: sf.nn.attention(q, k, v, mask=mask), mesh=mesh)(q, k, v)
     np.testing.assert_allclose(np.asarray(got), ref(0.5), rtol=1e-12)
+
+
+def test_grouped_query_attention_reads_kv_head_n_over_g():
+    """k and v with fewer heads than q (a divisor): query head n reads kv head n // G, as
+    jax.nn.dot_product_attention and torch's enable_gqa (a Llama probe: it was a broadcast error
+    naming an internal value).  With heads sharded over tp no collective; the gradient of k and v
+    sums over each group; a count that does not divide is refused naming both."""
+    mesh = mesh_of("2d")
+    r = np.random.default_rng()
+    q, k, v = r.standard_normal((2, 4, 6, 8)), r.standard_normal((2, 2, 6, 8)), r.standard_normal((2, 2, 6, 8))
+
+    def ref(q, k, v):
+        k, v = np.repeat(k, 2, axis=1), np.repeat(v, 2, axis=1)
+        s = np.where(np.tril(np.ones((6, 6), bool)), q @ k.swapaxes(-1, -2) / np.sqrt(8), -np.inf)
+        p = np.exp(s - s.max(-1, keepdims=True))
+        return (p / p.sum(-1, keepdims=True)) @ v
+
+    def attend(q, k, v):
+        return nn.attention(*(sf.shard(t, axis=1, over="tp") for t in (q, k, v)), causal=True)
+    f = sf.jit(attend, mesh=mesh)
+    assert f.lower(q, k, v).collectives() == {}
+    np.testing.assert_allclose(np.asarray(f(q, k, v)), ref(q, k, v), rtol=1e-12, atol=1e-12)
+    c = r.standard_normal((2, 4, 6, 8))
+    dk = sf.jit(sf.grad(lambda q, k, v: (attend(q, k, v) * c).sum(), argnums=1), mesh=mesh)(q, k, v)
+    e, i = 1e-6, (1, 1, 3, 5)  # (central difference at one element of k)
+    kp, km = k.copy(), k.copy()
+    kp[i] += e
+    km[i] -= e
+    np.testing.assert_allclose(np.asarray(dk)[i], ((ref(q, kp, v) * c).sum() - (ref(q, km, v) * c).sum()) / (2 * e),
+                               rtol=1e-6)
+    with pytest.raises(ValueError, match="q has 4 heads .* and k 3"):
+        sf.jit(lambda q, k: nn.attention(q, k, k), mesh=mesh)(q, r.standard_normal((2, 3, 6, 8)))
