@@ -15,6 +15,10 @@ from __future__ import annotations
 
 import functools
 import operator
+import os
+import sys
+import warnings
+import weakref
 
 import numpy as np
 
@@ -91,12 +95,49 @@ def loop_dtypes(op, a, b) -> tuple:
     except TypeError as e:
         raise TypeError(f"{_call(op, ufunc, a, b)}: NumPy 2 refuses it (np.{ufunc.__name__}: {e}); cast first, e.g. "
                         "x.astype('int32') or x.astype('float32')") from None
+    if t1 == "float64":
+        _warn_widened(a, b)
     if t1 != t2 or not {t1, out} <= dtypes.TABLE.keys():
         why = " (NumPy's dtype of such ops of boolean operands)" if out == "int8" else ""
         raise TypeError(f"{_call(op, ufunc, a, b)}: NumPy 2 computes it in {t1} and {t2}, giving {out}{why}, a dtype "
                         f"shardfuse lacks (it has {', '.join(dtypes.DTYPES)}); cast an operand first, e.g. "
                         "x.astype('int32')")
     return t1, out
+
+
+_WARNED = weakref.WeakSet()  # the traces (builders) warned once already
+
+
+def _warn_widened(a, b) -> None:
+    """A warning, once per trace, where a traced value of a narrower float dtype (bfloat16, float16,
+    float32) computes in float64 because the other operand is a float64 NumPy constant (an array the
+    function closed over, or a NumPy scalar): NumPy 2's rule, which shardfuse follows, but JAX without
+    x64 computes in float32, and a bfloat16 model's later GEMMs then silently ran in float64 (a probe:
+    RoPE tables from np.cos, 7 of 10 GEMMs)."""
+    for x, c in ((a, b), (b, a)):
+        narrow = hasattr(x, "dtype_name") and x.dtype_name in ("bfloat16", "float16", "float32") and not x.weak
+        wide = isinstance(c, np.float64) or hasattr(c, "dtype_name") and c.dtype_name == "float64" and \
+            c.value in {v for _, _, v in c.builder.constants.values()}
+        if narrow and wide and x.builder not in _WARNED:
+            _WARNED.add(x.builder)
+            what = f"the NumPy scalar {c!r}" if isinstance(c, np.float64) else f"a float64 NumPy array {c.shape}"
+            warnings.warn(f"{x.dtype_name} value {x.value.name} {tuple(x.shape)} computes in float64 with {what} the "
+                          "function closes over (NumPy 2's promotion, which shardfuse follows; JAX without x64 computes "
+                          f"in float32), and so does what follows from it.  Cast the constant to {x.dtype_name} "
+                          "(np.cos(t).astype(x.dtype)) or use a Python float, which takes the array's dtype",
+                          UserWarning, stacklevel=_user_level())
+
+
+def _user_level() -> int:
+    """warnings.warn's stacklevel, from its caller's frame, of the first frame outside shardfuse (the
+    user's line that made the op)."""
+    f, level = sys._getframe(1), 1
+    while f is not None and f.f_code.co_filename.startswith(_PACKAGE):
+        f, level = f.f_back, level + 1
+    return level
+
+
+_PACKAGE = os.path.dirname(os.path.abspath(__file__))
 
 
 def _call(op, ufunc, a, b) -> str:

@@ -254,3 +254,23 @@ def test_a_weak_scalar_takes_the_arrays_dtype_whatever_numpy_and_ml_dtypes_resol
     assert promotion.strong_operands(np.dtype(bool), int) == (np.dtype(bool), np.dtype(np.int64))
     assert promotion.strong_operands(int, float) == (np.dtype(np.int64), np.dtype(np.float64))
     assert promotion.strong_operands(bf16, np.dtype(np.float32)) == (bf16, np.dtype(np.float32))
+
+
+def test_a_narrow_float_widened_by_a_float64_constant_warns_once_at_the_users_line():
+    """NumPy 2's rule stands (float64), but a bfloat16 model whose RoPE tables came from np.cos ran
+    its GEMMs in float64 silently (a probe): one warning per trace, at the user's line, naming the
+    value; a constant cast to the value's dtype, a Python float or a float64 value warn nothing."""
+    import warnings
+    import ml_dtypes
+    mesh = sf.DeviceMesh(1, backend="numpy")
+    table = np.cos(np.arange(8.0))
+    x = np.ones((4, 8), ml_dtypes.bfloat16)
+    with pytest.warns(UserWarning, match=r"bfloat16 value x \(4, 8\) computes in float64 with a float64 NumPy array") as rec:
+        out = sf.jit(lambda x: (x * table) / np.float64(3.0) + table, mesh=mesh)(x)
+    assert out.dtype == np.float64 and len(rec) == 1 and rec[0].filename == __file__
+    with pytest.warns(UserWarning, match=r"float32 value x .* with the NumPy scalar np.float64\(3.0\)"):
+        sf.jit(lambda x: x / np.float64(3.0), mesh=mesh)(x.astype(np.float32))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert sf.jit(lambda x: x * table.astype(x.dtype) * 0.5, mesh=mesh)(x).dtype == ml_dtypes.bfloat16
+        sf.jit(lambda x: x * table, mesh=mesh)(x.astype(np.float64))
