@@ -5,7 +5,9 @@ from __future__ import annotations
 
 from typing import Any
 
-from shardfuse import trace, tree
+import numpy as np
+
+from shardfuse import constants, trace, tree
 from shardfuse.traced import Traced
 from shardfuse.array import WEAK_TYPES, Array, replicated
 from shardfuse.layout import Layout, layout_of
@@ -25,6 +27,7 @@ def shard(x: Any, axis: int, over: str | tuple | None = None, mesh: DeviceMesh |
     if isinstance(axis, (tuple, list)):  # (a JAX-style spec or placements: sf.distribute's argument)
         raise TypeError(f"sf.shard(x, axis, over=...) takes one tensor axis, got {axis!r}: for a whole layout "
                         f"(JAX's PartitionSpec, DTensor's placements) write sf.distribute(x, mesh, {axis!r})")
+    x = _captured(x)
     if isinstance(x, Traced):
         return trace.shard(x, axis, over, mesh)
     if isinstance(x, Array):  # resharded by the annotation rule (Layout.sharded), as inside sf.jit
@@ -42,6 +45,7 @@ def replicate(x: Any, mesh: DeviceMesh | None = None) -> Any:
     x and forces the gathers (mesh=: a sub-mesh of the program's, replicated on its devices).
     On a concrete array (NumPy, CuPy, torch, JAX) with mesh=, returns an `sf.Array` that every
     device of mesh holds whole: place a weight once and pass it to every call."""
+    x = _captured(x)
     if isinstance(x, Traced):
         return trace.replicate(x, mesh)
     if isinstance(x, Array):
@@ -65,6 +69,7 @@ def distribute(x: Any, mesh: DeviceMesh, placements: Any) -> Any:
                              "whole value (a plan's layouts of its results never pend them)")
         if placements.mesh is not None and placements.mesh != mesh:  # (a sub-mesh's layout: placed there)
             mesh = placements.mesh
+    x = _captured(x)
     if isinstance(x, Traced):
         return trace.constrain(x, placements, mesh)
     if tree.is_container(x):
@@ -81,6 +86,13 @@ def distribute(x: Any, mesh: DeviceMesh, placements: Any) -> Any:
     placed = Array.from_layout(x, mesh, layout_of(placements, len(array_info(x).shape), mesh))
     placed.weak = type(x) in WEAK_TYPES  # (a Python number stays weak, as jax.device_put keeps it)
     return placed
+
+
+def _captured(x):
+    """x, a NumPy array met while a function is traced (a table it closes over: jnp.asarray's use), as
+    a constant of the program, which the annotation then places; else x as given."""
+    builder = constants.active()
+    return builder.constant(x) if builder is not None and isinstance(x, np.ndarray) else x
 
 
 def _is_placement(p) -> bool:

@@ -145,3 +145,19 @@ def test_lower_and_keyword_only_parameters_say_what_to_write(mesh):
 def test_lower_takes_an_int_shape_with_its_dtype(mesh):
     f = sf.jit(lambda a: a * 2.0, mesh=mesh)
     assert f.lower((16, "float32")).program.inputs[0].type.shape == (16,)
+
+
+def test_a_numpy_table_inside_jit_is_placed_and_its_traced_index_says_what_to_write():
+    """A Llama probe: sf.replicate(table) inside sf.jit (jnp.asarray's use) said it needs mesh=, and
+    table[t] of a traced position named no op that takes it.  Now the annotations capture the table
+    as a constant of the program and place it; the refusal names sf.take, which works."""
+    mesh = sf.DeviceMesh((2,), ("tp",), backend="numpy")
+    table = np.cos(np.arange(16.0)).reshape(2, 8)
+    x = np.random.default_rng(2).standard_normal((2, 8))
+    f = sf.jit(lambda x: x * sf.replicate(table) + sf.shard(table, axis=1, over="tp")
+               + sf.distribute(table, mesh, (None, "tp")), mesh=mesh)
+    np.testing.assert_allclose(np.asarray(f(x)), x * table + 2 * table, rtol=1e-13)
+    rows = np.cos(np.arange(16.0)).reshape(8, 2)
+    with pytest.raises(sf.ConcretizationError, match=r"sf.take\(table, t, axis=0\)"):
+        sf.jit(lambda t: rows[t] + 0, mesh=mesh)(3)
+    np.testing.assert_array_equal(np.asarray(sf.jit(lambda t: sf.take(rows, t, axis=0) + 0, mesh=mesh)(3)), rows[3])
