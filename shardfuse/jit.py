@@ -198,7 +198,7 @@ class Jitted:
                      "collectives per call %s, %d folded into views", prog.name,
                      ", ".join(str(v.type) for v in prog.inputs), (time.perf_counter() - t0) * 1e3, len(prog.instrs),
                      loops or "no", plan.collectives() or "none", str(prog).count("folded="))
-        if os.environ.get("SHARDFUSE_DUMP") == "plan":
+        if os.environ.get("SHARDFUSE_DUMP") == "plan" and self.mesh.rank == 0:  # (the ranks' plans agree: checked)
             print(plan, flush=True)
         return plan
 
