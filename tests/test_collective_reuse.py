@@ -380,3 +380,22 @@ def test_pythons_sum_starting_at_zero_keeps_one_allreduce():
     zeros = -0.0 * gs[0]
     got = float(sf.jit(lambda x: (sf.shard(x, 1, "tp")).sum() + 0, mesh=TP2)(zeros))
     assert got == 0.0 and np.copysign(1, got) == np.copysign(1, zeros.sum() + 0)
+
+
+def test_small_elementwise_results_are_computed_once():
+    """A hand-written Adam makes 1 - b1 ** count once per parameter (an MPI probe): the small results
+    (at most passes.cse.SMALL elements) are shared, one kernel each; a large one made twice is not
+    (sf.checkpoint's recomputation relies on it), and the values are the same either way."""
+    mesh = sf.DeviceMesh(2, backend="numpy")
+
+    def step(ps, count):
+        return [p * 0.5 / (1 - 0.9 ** (count + 1)) + np.tanh(p) for p in ps]
+    ps = [np.random.default_rng(k).standard_normal((8, 1024)) for k in range(3)]
+    plan = sf.jit(step, mesh=mesh).lower(ps, 3)
+    text = str(plan)
+    assert text.count("rpow") == 1, text
+    assert text.count("tanh") == 3, text  # ([8, 1024] each, on distinct inputs: nothing to share anyway)
+    twice = sf.jit(lambda p: np.tanh(p) + np.tanh(p) * 2.0, mesh=mesh).lower(ps[0])
+    assert str(twice).count("tanh") == 2, str(twice)
+    for got, p in zip(plan(*ps, 3), ps):
+        np.testing.assert_allclose(np.asarray(got), p * 0.5 / (1 - 0.9 ** 4) + np.tanh(p), rtol=1e-13)

@@ -8,17 +8,32 @@ streamed consumer a view of its own (`x_split`, `x_split_1`, ... of one x): once
 so are the `set`s that gather them, and mark_stream_intermediates streams the one gathered
 value for every consumer whose chunks line up.
 
+Elementwise ops of small results (at most SMALL elements: an optimizer's bias correction
+1 - b1 ** count, made once per parameter by a hand-written Adam) are shared too: each is a kernel
+launch on a GPU (a probe counted one per parameter).  Not larger ones: sf.checkpoint's
+recomputed forward begins with ops of the forward's own inputs, and sharing those would keep the
+forward's result alive until the backward, what the recomputation is there to avoid.
+
 Not shared: a `set` feeding a ring matmul (lower_ring replaces that set by its ring, so no
 other consumer could read it), and a value the program returns (each output keeps a buffer of
 its own).
 """
 from __future__ import annotations
 
+import math
+
 from shardfuse.ir import substitute
-from shardfuse.ops import Op
+from shardfuse.ops import ELEMENTWISE, Op
 from shardfuse.schedule import is_ring
 
 SHARED_OPS = (Op.SET, Op.VIEW)
+SMALL = 4096  # elements of an elementwise op's result shared as a common subexpression
+
+
+def _shared(i) -> bool:
+    if len(i.outs) != 1 or i.body:
+        return False
+    return i.op in SHARED_OPS or i.op in ELEMENTWISE and math.prod(i.outs[0].type.shape) <= SMALL
 
 
 def _key(i):
@@ -36,7 +51,7 @@ def share_resharding(prog):
     first, alias, out = {}, {}, []
     for i in prog.instrs:
         i = substitute([i], alias)[0]
-        key = _key(i) if i.op in SHARED_OPS and len(i.outs) == 1 and not i.body else None
+        key = _key(i) if _shared(i) else None
         o = i.outs[0] if i.outs else None
         if key is None or o in ring_inputs or o in outputs:
             out.append(i)
