@@ -148,3 +148,52 @@ def test_a_chain_mixing_sums_pending_over_two_mesh_axes_reduces_each_kind_once()
         plan = fn.lower(*xs)
         assert reduced_values(plan) == len({k for k in kinds if k}), (kinds, plan)
         np.testing.assert_allclose(float(fn(*xs)), sum(x.sum() for x in xs), rtol=1e-12)
+
+
+def rms_norm_head_loss(p, x):
+    h = x * sf.rsqrt((x * x).mean(-1, keepdims=True) + 1e-5) * p["g"]
+    return sf.nn.cross_entropy(h @ sf.shard(p["wout"], axis=1, over="tp"), np.array([[1, 2, 3, 4]] * 2))
+
+
+def test_an_rms_norm_backward_reduces_its_input_gradient_once():
+    """The norm's input gradient before a vocab-parallel head is g * w / rms - x * sum(g * w * x) / ...,
+    each term pending sums over tp: x * reduced(s) + reduced(g) is now reduced(x * s + g), one
+    Allreduce of [tokens, hidden] as Megatron's (a Llama probe: a [tokens, 1] one first, 5 -> 4)."""
+    r = np.random.default_rng()
+    p, x = {"g": r.standard_normal(16), "wout": r.standard_normal((16, 8))}, r.standard_normal((2, 4, 16))
+    grads = [sf.jit(sf.grad(rms_norm_head_loss, argnums=(0, 1)), mesh=sf.DeviceMesh((n,), ("tp",), backend="numpy"))
+             for n in (1, 2)]
+    assert grads[1].lower(p, x).collectives() == {"allreduce": 4}  # (3 of the loss' forward, 1 bucket)
+    for a, b in zip(sf.tree.leaves(grads[1](p, x)), sf.tree.leaves(grads[0](p, x))):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.parametrize("form", ["x * s", "s * x", "s / y", "-s * 2", "s read twice", "s read elsewhere"])
+def test_a_pending_sum_carried_through_linear_ops_into_a_sum(form):
+    """reduced(s) broadcast (as autodiff broadcasts a cotangent: 0 + s) and multiplied by a whole value,
+    divided by one, negated or scaled, then added to reduced(g): one reduction of the sum (two before); where reduced(s) is read by something that is no
+    such sum too, its reduction stays for that reader, and every value is NumPy's."""
+    mesh = sf.DeviceMesh((2,), ("tp",), backend="numpy")
+    r = np.random.default_rng()
+    a, b, b2, x, y = (r.standard_normal(shape) for shape in [(6, 8), (8, 5), (8, 5), (6, 5), (6, 5)])
+    y = np.abs(y) + 1.0
+
+    def f(a, b, b2, x, y):
+        c = sf.shard(a, axis=1, over="tp") @ sf.shard(b, axis=0, over="tp")  # pending over tp
+        s = np.zeros_like(x) + c.sum(-1, keepdims=True)  # [6, 1] broadcast to [6, 5]: the sum reduced first
+        g = sf.shard(a, axis=1, over="tp") @ sf.shard(b2, axis=0, over="tp")
+        term = {"x * s": lambda: x * s, "s * x": lambda: s * x, "s / y": lambda: s / y, "-s * 2": lambda: -s * 2.0,
+                "s read twice": lambda: x * s + s * y, "s read elsewhere": lambda: x * s}[form]()
+        out = term + g
+        return (out, s * 3.0) if form == "s read elsewhere" else out
+    s = np.zeros_like(x) + (a @ b).sum(-1, keepdims=True)
+    want = {"x * s": x * s, "s * x": s * x, "s / y": s / y, "-s * 2": -s * 2.0, "s read twice": x * s + s * y,
+            "s read elsewhere": x * s}[form] + a @ b2
+    plan = sf.jit(f, mesh=mesh).lower(a, b, b2, x, y)
+    got = plan(a, b, b2, x, y)
+    if form == "s read elsewhere":
+        np.testing.assert_allclose(np.asarray(got[1]), s * 3.0, rtol=1e-12)
+        got = got[0]
+    else:
+        assert len(allreduces(plan)) == 1, str(plan)  # (one bucket of s and g before)
+    np.testing.assert_allclose(np.asarray(got), want, rtol=1e-12, atol=1e-12)

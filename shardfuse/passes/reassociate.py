@@ -28,7 +28,11 @@ from __future__ import annotations
 from collections import Counter
 
 from shardfuse.ir import Instr, Namer, TensorType, Value
-from shardfuse.ops import Op, Reduce
+from shardfuse.layout import Layout
+from shardfuse.ops import ELEMENTWISE, Op, Reduce
+
+# ops linear in one operand, whose pending sum they may carry (_Sums._linear)
+_LINEAR = {Op.MUL, Op.DIV, Op.SCALE, Op.NEG, Op.DIV_SCALAR, Op.ADD}
 
 # (from, to): casts that change no value, so a sum of the cast pieces is the cast sum, made wider
 _WIDENING = {("bfloat16", "float32"), ("float16", "float32"), ("bfloat16", "float64"), ("float16", "float64"),
@@ -62,34 +66,87 @@ class _Sums:
         self.casts = {i.outs[0]: i for i in prog.instrs if len(i.outs) == 1 and _exact_unary(i)}
         self.namer, self.dropped = Namer.for_program(prog), set()  # (dropped: the instructions' ids)
         self.tails = {}  # t -> (x or None, [v, ...], ids of the sums making t = x + v + ...): each v reduced, read only there
+        self.producer = {i.outs[0]: i for i in prog.instrs if len(i.outs) == 1}
+        self.zeros = {i.outs[0] for i in prog.instrs if i.op == Op.FULL_LIKE and i.attrs.get("value") == 0}
+        self.memo = {}  # v -> its pieces, made once (a linear value read by several sums)
 
-    def pieces(self, v):
+    def pieces(self, v, top=True):
         """(instructions making v's pieces, the pieces, the instructions v's pieces replace) where v
-        is a reshard of pending pieces read only once, or an exact widening cast (or Python's sum()'s
-        0 + x) read once of such a reshard; else None."""
-        if self.uses[v] != 1:
+        is a reshard of pending pieces read only once, an exact widening cast (or Python's sum()'s
+        0 + x) read once of such a reshard, or linear in one such value (_linear: made on its pieces,
+        once however often it is read); else None."""
+        if top and self.uses[v] != 1:
             return None
-        if v in self.made:
+        if v in self.made and self.uses[v] == 1:
             return [], self.made[v].ins[0], [self.made[v]]
+        if v in self.memo:
+            return [], self.memo[v], []
+        lin = self._linear(v)
+        if lin is not None:
+            i, u = lin
+            made, pu, _ = self.pieces(u, top=False)
+            wide = Value(self.namer(f"{v.name}_pieces"), self._wide_type(v, pu.type))
+            self.memo[v] = wide
+            # (nothing dropped here: v may have readers no sum folds, which still read the reduced u;
+            # where none is left, _without_unread drops v's chain)
+            return made + [Instr(i.op, (wide,), tuple(pu if x is u else x for x in i.ins), dict(i.attrs))], wide, []
         cast = self.casts.get(v)
-        if cast is None or cast.ins[0] not in self.made or self.uses[cast.ins[0]] != 1:
+        if cast is None or cast.ins[0] not in self.made or self.uses[cast.ins[0]] != 1 or self.uses[v] != 1:
             return None
         reshard = self.made[cast.ins[0]]
         p = reshard.ins[0]
         wide = Value(self.namer(f"{v.name}_pieces"), TensorType(p.type.shape, v.type.dtype, p.type.layout))
         return [Instr(cast.op, (wide,), (p,), dict(cast.attrs))], wide, [reshard, cast]
 
-    def piece_type(self, v):
+    def piece_type(self, v, top=True):
         """The type of v's pieces where pieces(v) would give them (made no instruction), else None."""
-        if self.uses[v] != 1:
+        if top and self.uses[v] != 1:
             return None
-        if v in self.made:
+        if v in self.made and self.uses[v] == 1:
             return self.made[v].ins[0].type
+        if v in self.memo:
+            return self.memo[v].type
+        lin = self._linear(v)
+        if lin is not None:
+            return self._wide_type(v, self.piece_type(lin[1], top=False))
         cast = self.casts.get(v)
-        if cast is None or cast.ins[0] not in self.made or self.uses[cast.ins[0]] != 1:
+        if cast is None or cast.ins[0] not in self.made or self.uses[cast.ins[0]] != 1 or self.uses[v] != 1:
             return None
         p = self.made[cast.ins[0]].ins[0]
         return TensorType(p.type.shape, v.type.dtype, p.type.layout)
+
+    def _linear(self, v):
+        """(the instruction making v, its operand u) where v is linear in u, a value with pieces
+        (piece_type), and u's pending sum may be carried through it: v = u * y or y * u, u / y, a
+        scale or negation of u, or 0 + u where 0 is a full_like (autodiff's broadcast of a cotangent),
+        y and v whole, of u's dtype.  The pieces of v are then the op of u's pieces: the rms-norm
+        backward's x * reduced(s) summed with reduced(g) is reduced(x * s + g), one Allreduce where
+        Megatron makes one (a probe: two, a [tokens, 1] one first)."""
+        i = self.producer.get(v)
+        if i is None or v.type.layout is None or v.type.layout.partial or i.op not in _LINEAR:
+            return None
+        if set(i.attrs) - {"value"} or (i.attrs and i.op not in (Op.SCALE, Op.DIV_SCALAR)):
+            return None
+        whole = lambda y: y.type.layout is not None and not y.type.layout.partial  # noqa: E731
+        if i.op == Op.ADD:
+            zero = [y for y in i.ins if y in self.zeros]
+            rest = [y for y in i.ins if y not in self.zeros]
+            candidates = rest if len(zero) == 1 and len(rest) == 1 else []
+        else:
+            candidates = list(i.ins[:1] if i.op != Op.MUL else i.ins)
+        for u in candidates:
+            others = [y for y in i.ins if y is not u]
+            if (u.type.dtype == v.type.dtype and u not in others and all(map(whole, others))
+                    and self.piece_type(u, top=False) is not None):
+                return i, u
+        return None
+
+    @staticmethod
+    def _wide_type(v, pt):
+        """The type of v's pieces: v's placement, pending the sums u's pieces (of type pt) pend."""
+        lay = v.type.layout
+        return TensorType(v.type.shape, v.type.dtype, Layout(lay.axes, partial=pt.layout.partial, mesh=lay.mesh,
+                                                               partial_op=pt.layout.partial_op))
 
     def fold(self, i) -> list | None:
         """The instructions of sum i made on the pieces and reduced once, or None (i as it is)."""
@@ -154,4 +211,22 @@ def sum_before_reducing(prog):
     for i in prog.instrs:
         folded = sums.fold(i)
         out.extend([i] if folded is None else folded)
-    return prog.with_instrs([i for i in out if id(i) not in sums.dropped], "sum_before_reducing")
+    out = [i for i in out if id(i) not in sums.dropped]
+    return prog.with_instrs(_without_unread(out, prog.outputs, sums.uses), "sum_before_reducing")
+
+
+def _without_unread(instrs, outputs, before) -> list:
+    """instrs less those whose results folding left unread (read before, by nothing now): a linear
+    value's reshard and ops, where every sum reading them now reads their pieces.  Only
+    instructions of no effect but their results (elementwise ops, reshards); the program's own
+    unread values stay as they were."""
+    reads = Counter(v for i in instrs for v in i.ins)
+    reads.update(outputs)
+    keep = []
+    for i in reversed(instrs):
+        pure = i.op in ELEMENTWISE or i.op == Op.SET and not i.attrs
+        if pure and i.outs and not i.body and all(before[o] and not reads[o] for o in i.outs):
+            reads.subtract(i.ins)
+            continue
+        keep.append(i)
+    return keep[::-1]
