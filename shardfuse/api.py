@@ -62,7 +62,8 @@ def distribute(x: Any, mesh: DeviceMesh, placements: Any) -> Any:
     x.redistribute(placements).  Inside sf.jit, a traced value annotated with that whole layout
     (JAX's with_sharding_constraint: axes not named replicated).  A pytree x: each leaf, with
     placements one for all or a pytree of them in x's structure (specs, as jax.device_put takes a
-    pytree of shardings, or a plan's Layouts); a Python number placed stays weak, as there."""
+    pytree of shardings, or a plan's Layouts; a None there leaves its leaf as it is); a Python number placed
+    stays weak, as there."""
     if isinstance(placements, Layout):
         if placements.partial:
             raise ValueError(f"sf.distribute: {placements} pends sums over {placements.partial}: no placement of a "
@@ -75,7 +76,8 @@ def distribute(x: Any, mesh: DeviceMesh, placements: Any) -> Any:
     if tree.is_container(x):
         if _is_placement(placements):  # (one for every leaf)
             return tree.tree_map(lambda v: distribute(v, mesh, placements), x)
-        return tree.tree_map(lambda v, p: distribute(v, mesh, p), x, placements, is_leaf=_is_placement)
+        return tree.tree_map(lambda v, p: v if p is None else distribute(v, mesh, p), x, placements,
+                             is_leaf=lambda p: p is None or _is_placement(p))  # (None: as it is, JAX's unspecified)
     if isinstance(placements, Layout):
         placements = list(placements.axes)
     if isinstance(x, Array):

@@ -26,7 +26,7 @@ from __future__ import annotations
 import math
 
 from shardfuse import dtypes
-from shardfuse.autodiff_layouts import known_layout, pin, regathered, rows_merge
+from shardfuse.autodiff_layouts import gathered_from, known_layout, pin, regathered, rows_merge
 from shardfuse.custom_vjp import rules_at
 from shardfuse.ir import TensorType
 from shardfuse.layout import Layout, mesh_axes
@@ -158,23 +158,10 @@ def _set(ins, xs, out, ct, instrs):
     (x,) = xs
     lay = out.value.type.layout
     if ins.attrs.get("annotation"):
-        ct = pin(ct, _gathered_from(x, lay) or lay)
+        ct = pin(ct, gathered_from(x, lay) or lay)
     if lay.mesh != _home(x) or not ins.attrs.get("annotation"):
         ct = pin(ct, known_layout(x.builder, x.value) or Layout.replicated(x.ndim).on(_home(x)))
     return [ct]
-
-
-def _gathered_from(x, lay):
-    """x's stated placement where `lay` gathers x (on x's mesh, sharding no axis x does not shard
-    alike: lay is x's with some mesh axes made whole), else None.  Not where x splits an axis over
-    two mesh axes ((dp, tp): propagation then splits the gradient's product over tp to meet it,
-    and resharding across the nesting costs more than the Allreduce and slice it replaces)."""
-    had = known_layout(x.builder, x.value)
-    if had is None or had == lay or had.mesh != lay.mesh or lay.partial or len(had.axes) != len(lay.axes) or \
-            any(len(mesh_axes(h)) > 1 for h in had.axes):
-        return None
-    gathers = all(set(mesh_axes(e)) <= set(mesh_axes(h)) for e, h in zip(lay.axes, had.axes))
-    return had if gathers else None
 
 
 def _matmul(ins, xs, out, ct, instrs, keep=False):

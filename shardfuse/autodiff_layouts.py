@@ -30,6 +30,19 @@ def whole(layout):
     return Layout(layout.axes, mesh=layout.mesh)
 
 
+def gathered_from(x, lay):
+    """x's stated placement where `lay` gathers x (on x's mesh, sharding no axis x does not shard
+    alike: lay is x's with some mesh axes made whole), else None.  Not where x splits an axis over
+    two mesh axes ((dp, tp): propagation then splits the gradient's product over tp to meet it,
+    and resharding across the nesting costs more than the Allreduce and slice it replaces)."""
+    had = known_layout(x.builder, x.value)
+    if had is None or had == lay or had.mesh != lay.mesh or lay.partial or len(had.axes) != len(lay.axes) or \
+            any(len(mesh_axes(h)) > 1 for h in had.axes):
+        return None
+    gathers = all(set(mesh_axes(e)) <= set(mesh_axes(h)) for e, h in zip(lay.axes, had.axes))
+    return had if gathers else None
+
+
 def known_layout(builder, v, strict=None):
     """Where the forward states v lives (its pending sums made whole): an input's layout, an
     annotation's placement, what the rule of a view or a product infers from its operands' known

@@ -22,7 +22,8 @@ from shardfuse.cost import Rates
 from shardfuse.rates import machine
 from shardfuse.mesh import DeviceMesh, as_int
 from shardfuse.plan_cache import PlanCache, serving_plan
-from shardfuse.spec import TensorSpec
+from shardfuse.spec import TensorSpec, is_spec_tuple
+from shardfuse.jit_shardings import constrained
 from shardfuse.static_args import donated_positions, dynamic_position, split_static, static_names, with_static
 from shardfuse.trace import input_names, trace
 from shardfuse.traced import Traced
@@ -146,8 +147,8 @@ class Jitted:
         if self._static:  # (JAX's f.lower(x, 4): the static values where the function takes them)
             key, specs, _ = split_static(self.fn, self._static, specs, {})
             return self._with_static(key)._resolve(specs, what)
-        if any(tree.is_container(s) and not _is_spec_tuple(s) for s in specs):  # pytrees of specs or arrays
-            leaves, in_tree = tree.flatten(specs, is_leaf=lambda x: x is not specs and _is_spec_tuple(x))
+        if any(tree.is_container(s) and not is_spec_tuple(s) for s in specs):  # pytrees of specs or arrays
+            leaves, in_tree = tree.flatten(specs, is_leaf=lambda x: x is not specs and is_spec_tuple(x))
             return self._for_tree(in_tree)._resolve(tuple(leaves), what)
         return self, tuple(s if isinstance(s, TensorSpec) else TensorSpec(*s) if isinstance(s, tuple)
                            else spec_of(s, self.mesh) for s in specs)
@@ -362,18 +363,20 @@ class Jitted:
 @overload
 def jit(fn: Callable, *, mesh: DeviceMesh | None = None, streams: int = 4, graph: bool = False,
         max_plans: int = MAX_PLANS, rates: Rates | str | None = None, donate_argnums=(), static_argnums=(),
-        static_argnames=(), donate_argnames=()) -> Jitted: ...
+        static_argnames=(), donate_argnames=(), in_shardings=None, out_shardings=None) -> Jitted: ...
 
 
 @overload
 def jit(fn: None = None, *, mesh: DeviceMesh | None = None, streams: int = 4, graph: bool = False,
         max_plans: int = MAX_PLANS, rates: Rates | str | None = None, donate_argnums=(), static_argnums=(),
-        static_argnames=(), donate_argnames=()) -> Callable[[Callable], Jitted]: ...
+        static_argnames=(), donate_argnames=(), in_shardings=None,
+        out_shardings=None) -> Callable[[Callable], Jitted]: ...
 
 
 def jit(fn: Callable | None = None, *, mesh: DeviceMesh | None = None, streams: int = 4, graph: bool = False,
         max_plans: int = MAX_PLANS, rates: Rates | str | None = None, donate_argnums=(), static_argnums=(),
-        static_argnames=(), donate_argnames=()) -> Jitted | Callable[[Callable], Jitted]:
+        static_argnames=(), donate_argnames=(), in_shardings=None,
+        out_shardings=None) -> Jitted | Callable[[Callable], Jitted]:
     """Compile `fn` for `mesh`: ``@sf.jit(mesh=mesh, streams=4)``.  `max_plans`: how many compiled
     plans (one per input shapes, dtypes and layouts) it keeps, the least recently used dropped.
     `rates`: what sf.stream(chunks="auto") and plan.explain() predict with (a cost.Rates, or
@@ -384,17 +387,13 @@ def jit(fn: Callable | None = None, *, mesh: DeviceMesh | None = None, streams: 
     only where the plan has read it already; otherwise it gets its own, and no result ever
     aliases an argument that was not donated; `donate_argnames` names them instead (JAX's, the two
     may be combined).  `static_argnums` / `static_argnames`: parameters
-    that are Python values (hashable), as JAX's: each set of their values compiles its own plans."""
+    that are Python values (hashable), as JAX's: each set of their values compiles its own plans.
+    `in_shardings` / `out_shardings`: where the arguments and results live (jit_shardings.constrained)."""
     if fn is None:
-        return lambda f: Jitted(f, mesh, streams, graph, max_plans, rates, donate_argnums, static_argnums,
-                                static_argnames, donate_argnames)
-    return Jitted(fn, mesh, streams, graph, max_plans, rates, donate_argnums, static_argnums, static_argnames,
-                  donate_argnames)
+        return lambda f: jit(f, mesh=mesh, streams=streams, graph=graph, max_plans=max_plans, rates=rates,
+                             donate_argnums=donate_argnums, static_argnums=static_argnums, static_argnames=static_argnames,
+                             donate_argnames=donate_argnames, in_shardings=in_shardings, out_shardings=out_shardings)
+    return Jitted(constrained(fn, mesh, in_shardings, out_shardings), mesh, streams, graph, max_plans, rates,
+                  donate_argnums, static_argnums, static_argnames, donate_argnames)
 
-
-def _is_spec_tuple(x) -> bool:
-    """A (shape, dtype[, sharding]) tuple, which lower() reads as one TensorSpec, not as a pytree."""
-    return (type(x) is tuple and len(x) in (2, 3) and isinstance(x[0], (tuple, list, int, np.integer))
-            and all(isinstance(n, (int, np.integer)) for n in np.atleast_1d(x[0]).tolist() if x[0] != ())
-            and isinstance(x[1], (str, np.dtype, type)))
 

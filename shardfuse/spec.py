@@ -116,3 +116,10 @@ def reduced_axes(axis, ndim: int, shape) -> tuple:
     if len(set(axes)) != len(axes):
         raise ValueError(f"duplicate value in axis={axis!r}")
     return axes
+
+
+def is_spec_tuple(x) -> bool:
+    """A (shape, dtype[, sharding]) tuple, which lower() reads as one TensorSpec, not as a pytree."""
+    return (type(x) is tuple and len(x) in (2, 3) and isinstance(x[0], (tuple, list, int, np.integer))
+            and all(isinstance(n, (int, np.integer)) for n in np.atleast_1d(x[0]).tolist() if x[0] != ())
+            and isinstance(x[1], (str, np.dtype, type)))

@@ -244,9 +244,8 @@ class Traced(NumpyMethods):
         self._concrete("use as an int (an index, an extent)", _NUMBER)
 
     def __array__(self, dtype=None, copy=None):
-        self._concrete("np.asarray / np.array", "inside sf.jit use shardfuse's ops (the operators, x.sum(axis), "
-                                                "np.exp, ...; a NumPy table indexed by a traced position, table[t]: "
-                                                "sf.take(table, t, axis=0)); outside, np.asarray(the result)")
+        self._concrete("np.asarray / np.array", "inside sf.jit use shardfuse's ops (the operators, x.sum(axis), np.exp, "
+                                                "...; table[t]: sf.take(table, t, axis=0)); outside, np.asarray(the result)")
 
     def __iter__(self):  # (JAX's: the rows along the first axis, a static index each; len() refuses a 0-d value)
         return (self[k] for k in range(len(self)))
@@ -353,9 +352,8 @@ class ConcretizationError(TypeError):
     and what to write instead."""
 
 
-_NUMBER = ("a number computed inside sf.jit is known only after the call: return it and read the result "
-           "(np.asarray(result)); shapes are static (x.shape); a NumPy table indexed by a traced position "
-           "(table[t], np.take(table, t)): sf.take(table, t, axis=0) or sf.dynamic_slice, which take it")
+_NUMBER = ("a number computed inside sf.jit is known only after the call: return it and read the result (np.asarray"
+           "(result)); shapes are static (x.shape); table[t] of a traced t: sf.take(table, t, axis=0), sf.dynamic_slice")
 
 
 def cast(x: Traced, dtype: str) -> Traced:
