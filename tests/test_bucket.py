@@ -369,3 +369,20 @@ def test_gradients_cast_to_their_float32_parameters_share_buckets(monkeypatch):
     want = {"w": a.T @ cot, "g1": (x * p["g2"] * (cot @ p["w"].T)).sum(0), "g2": (x * p["g1"] * (cot @ p["w"].T)).sum(0)}
     for k in p:
         np.testing.assert_allclose(np.asarray(g[k]), want[k], rtol=0.05, atol=0.05 * np.abs(want[k]).max())
+
+
+def test_a_reduced_value_written_by_two_steps_stays_in_order(monkeypatch):
+    """dynamic_update_slice writes its result by a Copy and an update: neither is moved to the end
+    alone when it reads an Allreduce's result (a review: 'used before it is defined' either way)."""
+    monkeypatch.delenv("SHARDFUSE_BUCKET_MB", raising=False)
+    mesh = sf.DeviceMesh(2, backend="numpy")
+    r = np.random.default_rng()
+    a, u, x = r.standard_normal((8, 4, 3)), r.standard_normal((1, 3)), r.standard_normal((4, 3))
+    into = sf.jit(lambda a, u: sf.dynamic_update_slice(sf.shard(a, axis=0).sum(0), u, (2, 0)), mesh=mesh)(a, u)
+    want = a.sum(0)
+    want[2:3] = u
+    np.testing.assert_allclose(np.asarray(into), want, rtol=1e-12)
+    row = sf.jit(lambda x, a: sf.dynamic_update_slice(x, sf.shard(a, axis=0).sum(0)[:1], (1, 0)), mesh=mesh)(x, a)
+    want = x.copy()
+    want[1:2] = a.sum(0)[:1]
+    np.testing.assert_allclose(np.asarray(row), want, rtol=1e-12)

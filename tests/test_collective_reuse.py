@@ -399,3 +399,11 @@ def test_small_elementwise_results_are_computed_once():
     assert str(twice).count("tanh") == 2, str(twice)
     for got, p in zip(plan(*ps, 3), ps):
         np.testing.assert_allclose(np.asarray(got), p * 0.5 / (1 - 0.9 ** 4) + np.tanh(p), rtol=1e-13)
+
+
+def test_ops_of_signed_zeros_are_not_shared():
+    """x * 0.0 and x * -0.0 are two values (1 / each: inf and -inf), though 0.0 == -0.0 (a review)."""
+    f = sf.jit(lambda x: 1.0 / (x * 0.0) + 1.0 / (x * -0.0), mesh=sf.DeviceMesh(2, backend="numpy"))
+    with np.errstate(all="ignore"):
+        want = 1.0 / (np.full(4, 3.0) * 0.0) + 1.0 / (np.full(4, 3.0) * -0.0)
+    np.testing.assert_array_equal(np.asarray(f(np.full(4, 3.0))), want)

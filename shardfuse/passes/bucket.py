@@ -121,7 +121,8 @@ def _final_reads_last(prog) -> list:
     float32 parameter's dtype: only returned).  Where it stood it would be the first read of the
     result and close its bucket at once: each such gradient alone in its bucket, waited for at
     once (a review: 6 blocking Allreduces where float32 gradients shared 2 buckets).  Moved later,
-    it reads the same values: nothing after it writes what it reads."""
+    it reads the same values: nothing after it writes what it reads; and only a step that alone
+    writes its result (not one of a Copy and a DynamicUpdateSlice writing one buffer, a review)."""
     instrs = prog.instrs
     reduced = {i.into for i in instrs if i.op == Op.ALLREDUCE}
     reads = Counter(v for i in walk(instrs) for v in i.ins)
@@ -130,7 +131,7 @@ def _final_reads_last(prog) -> list:
     moved = set()
     for k, i in enumerate(instrs):
         if (i.op not in PASSIVE and not i.body and not i.outs and i.into in alloc_at and not reads[i.into]
-                and reduced & set(i.ins) and all(written[v] <= 1 for v in i.ins)):
+                and written[i.into] == 1 and reduced & set(i.ins) and all(written[v] <= 1 for v in i.ins)):
             moved |= {alloc_at[i.into], k}
     return [i for k, i in enumerate(instrs) if k not in moved] + [instrs[k] for k in sorted(moved)]
 
