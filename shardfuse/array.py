@@ -6,6 +6,7 @@ Global-view semantics, as in JAX and DTensor: `.shape` is the global shape and `
 from __future__ import annotations
 
 import math
+import threading
 
 import numpy as np
 
@@ -117,9 +118,9 @@ class Array(Placed, ArrayOps):  # operators, ufuncs, reductions, indexing: array
         check_input(info, backend_of(mesh), what)
         if layout.ndim != len(info.shape):
             raise ValueError(f"{what}: layout of {layout.ndim} axes for an array of shape {info.shape}")
+        _same_on_every_rank(x, info, mesh, what)  # (first: a shape that differs is then named alike on every rank)
         for a, over in layout.sharded_axes().items():
             check_divides(info.shape, a, over, mesh)
-        _same_on_every_rank(x, info, mesh, what)
         return cls(mesh, info.shape, info.dtype, layout, local_pieces(x, info.dtype, layout, mesh, info), True)
 
     def redistribute(self, placements) -> "Array":
@@ -290,8 +291,12 @@ def _same_on_every_rank(x, info, mesh, what) -> None:
     """Under mpiexec, every rank placing a global host array passes the same one, compared on a
     sample of its elements as a call compares its arguments (faults.agree; SHARDFUSE_CHECK_INPUTS):
     ranks passing their own arrays (each seeded by its rank) would each take its pieces of its own,
-    a blend no rank sees (a probe: sf.distribute of each rank's own initial weights)."""
-    if mesh.nprocs > 1:
+    a blend no rank sees (a probe: sf.distribute of each rank's own initial weights).  Only NumPy
+    arrays and numbers, placed from the main thread (a prefetch thread placing batches beside the
+    calls is not checked: the checks come from one thread, as calls do), and not at all with
+    SHARDFUSE_CHECK_INPUTS=0: then no communication either."""
+    if mesh.nprocs > 1 and faults.checking_inputs() and isinstance(x, (np.ndarray, np.generic, int, float)) and \
+            threading.current_thread() is threading.main_thread():
         faults.agree("", what, faults.input_prints(["x"], [x], [info]))
 
 

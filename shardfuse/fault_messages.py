@@ -200,6 +200,11 @@ def _sample_at(size: int):
     return np.linspace(0, size - 1, min(size, SAMPLE)).astype(np.int64)
 
 
+def checking_inputs() -> bool:
+    """Whether the ranks compare their host arguments (SHARDFUSE_CHECK_INPUTS, default on)."""
+    return os.environ.get(CHECK_ENV) != "0"
+
+
 def input_prints(names, args, infos) -> list:
     """(name, fingerprint) of each host argument of a call (NumPy arrays: shape and SAMPLE elements spread
     over them, as float64 with -0.0 as 0.0 and one NaN where floating, so byte order, signed zeros and
@@ -208,7 +213,7 @@ def input_prints(names, args, infos) -> list:
     sf.Arrays (info None) and device arrays are not read; empty with SHARDFUSE_CHECK_INPUTS=0.  A few
     microseconds an argument (a sample, not the data: ranks whose arrays differ only between the
     samples pass).  Never raises: every rank must reach the check's allgather."""
-    if os.environ.get(CHECK_ENV) == "0":
+    if not checking_inputs():
         return []
     out = []
     for name, a, info in zip(names, args, infos):

@@ -33,7 +33,7 @@ import threading
 import time
 import traceback
 
-from shardfuse.fault_messages import A_CALL, binding, describe_inputs, describe_mismatch, emit, input_prints, ranks_text, step_name  # noqa: F401 (A_CALL, binding, input_prints, step_name: used as faults.*)
+from shardfuse.fault_messages import A_CALL, binding, checking_inputs, describe_inputs, describe_mismatch, emit, input_prints, ranks_text, step_name  # noqa: F401 (A_CALL, binding, checking_inputs, input_prints, step_name: used as faults.*)
 
 TIMEOUT_ENV = "SHARDFUSE_TIMEOUT"
 DEFAULT_TIMEOUT = 600.0

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import math
 
+import numpy as np
+
 from shardfuse import faults
 from shardfuse.fault_messages import CHECK_ENV, input_prints, ranks_text
 from shardfuse.array import Array, check_mesh
@@ -77,7 +79,7 @@ def from_local(local_piece, axis=None, over=None, mesh=None, placements=None):
             p = held[k].index(b[k])
             idx[i] = slice(p * size[i], (p + 1) * size[i])
         views.append(x[tuple(idx)])
-    if mesh.nprocs > 1:
+    if mesh.nprocs > 1 and faults.checking_inputs() and isinstance(x, np.ndarray):  # (device arrays: not read)
         _same_replicas(blocks, views)
     return Array(mesh, shape, info.dtype, layout, [be.piece(v, j) for j, v in enumerate(views)], True)
 
@@ -85,8 +87,8 @@ def from_local(local_piece, axis=None, over=None, mesh=None, placements=None):
 def _same_replicas(blocks, views) -> None:
     """Processes holding the same block (replicas: ranks along a mesh axis the value is not cut
     over) passed the same data, compared on a sample of each block's elements as a call compares its
-    arguments (fault_messages.input_prints; SHARDFUSE_CHECK_INPUTS=0: not compared; device arrays
-    not read).  Replicas holding different data would each compute with their own (a probe: each
+    arguments (fault_messages.input_prints; with SHARDFUSE_CHECK_INPUTS=0 or device arrays, not
+    compared, and nothing communicated for it).  Replicas holding different data would each compute with their own (a probe: each
     rank drew its own batch, seeded by rank, and the replicated loss differed between ranks)."""
     prints = dict(input_prints(blocks, views, [True] * len(views)))
     seen = faults.allgather_object(prints, "sf.from_local's check of replicated blocks")

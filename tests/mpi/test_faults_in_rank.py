@@ -307,6 +307,24 @@ def test_ranks_placing_different_global_arrays_all_raise():
         np.testing.assert_array_equal(place(x).gather(), x)
 
 
+def test_placing_from_a_prefetch_thread_or_with_the_check_off_communicates_nothing(monkeypatch):
+    """A review: the check made every placement a collective, so a prefetch thread placing batches
+    beside the calls was refused; only the main thread's placements are compared, and with
+    SHARDFUSE_CHECK_INPUTS=0 none (each rank then places its own array, as asked)."""
+    import threading
+    mesh = sf.DeviceMesh(4)
+    x = np.random.default_rng(4).standard_normal((8, 4))
+    sf.shard(x, axis=0, mesh=mesh)  # (the main thread first: it binds the mesh's MPI backend, a collective)
+    got = []
+    t = threading.Thread(target=lambda: got.append(sf.shard(x, axis=0, mesh=mesh)), name="prefetch")
+    t.start()
+    t.join()
+    np.testing.assert_array_equal(got[0].gather(), x)
+    monkeypatch.setenv("SHARDFUSE_CHECK_INPUTS", "0")
+    mine = sf.replicate(x + RANK, mesh=mesh)
+    np.testing.assert_array_equal(mine.to_local(), x + RANK)
+
+
 def test_replicas_passing_different_pieces_to_from_local_all_raise():
     """sf.from_local on a dp x tp mesh: the ranks along tp hold the same dp block and must pass the
     same batch.  Each drawing its own (seeded by rank, as a DDP sampler is) is refused on every
