@@ -30,7 +30,6 @@ from shardfuse import dtypes
 from shardfuse.autodiff import stop_gradient
 from shardfuse.custom_vjp import custom_vjp
 from shardfuse.traced import Traced, describe, is_scalar
-from shardfuse.numpy_broadcast import repeat
 from shardfuse.numpy_math import gelu
 from shardfuse.traced_numpy import exp, linear, log, maximum, minimum, rsqrt, silu, where
 
@@ -135,11 +134,19 @@ def _swap_last_two(t):
 
 @_one_plan
 def _attention(q, k, v, mask, scale):
-    k, v = _grouped(q, k, "k"), _grouped(q, v, "v")
-    scores = (q @ _swap_last_two(k)) * (1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale))
+    groups = _groups(q, k, v)
+    if groups > 1:  # (grouped-query: q's heads as [kv heads, G], k and v broadcast over G; no copy of them)
+        heads, lead = q.shape[-3], q.shape[:-3]
+        split = lambda t, g: t.reshape(t.shape[:-3] + (t.shape[-3] // g, g) + t.shape[-2:])  # noqa: E731
+        q, k, v = split(q, groups), split(k, 1), split(v, 1)
+        if mask is not None and mask.ndim >= 3:  # (a mask per head: as q's; broadcast over heads: over both)
+            mask = split(mask, groups if mask.shape[-3] == heads else 1)
+    scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
+    scores = (q @ _swap_last_two(k)) * scale
     if mask is not None:  # (a NumPy mask inside sf.jit is a constant of the program)
         scores = where(mask, scores, _MASKED[scores.dtype_name]) if mask.dtype == "bool" else scores + mask
-    return softmax(scores, -1) @ v
+    out = softmax(scores, -1) @ v
+    return out.reshape(lead + (heads,) + out.shape[-2:]) if groups > 1 else out
 
 
 def attention(q, k, v, causal=False, mask=None, *, scale=None):
@@ -147,8 +154,8 @@ def attention(q, k, v, causal=False, mask=None, *, scale=None):
     head_dim] operands (any leading axes, the same on q, k and v); scale 1 / sqrt(head_dim) unless given
     (jax.nn.dot_product_attention's scale=, a Python number).  Grouped-query attention where k and v
     have fewer heads than q, a divisor of them: query head n reads key / value head n // (heads of q /
-    heads of k), as jax.nn.dot_product_attention and torch's enable_gqa (each kv head repeated: with
-    heads sharded, a view on each device).
+    heads of k), as jax.nn.dot_product_attention and torch's enable_gqa (q's heads taken as [kv heads,
+    G], k and v broadcast over G: never copied).
 
     mask broadcasts against the scores [..., seq_q, seq_k]: a boolean array (True: attend, as
     jax.nn.dot_product_attention; a masked score becomes a large negative number, so a row with
@@ -169,18 +176,18 @@ def attention(q, k, v, causal=False, mask=None, *, scale=None):
     return _attention(q, k, v, mask, scale)
 
 
-def _grouped(q, kv, name):
-    """k or v with each of its heads repeated for the G query heads that share it (grouped-query
-    attention, jax.nn.dot_product_attention's and torch's enable_gqa: query head n reads kv head
-    n // G), where q has G times as many heads (axis -3); as given where the heads match."""
-    if q.ndim < 3 or kv.ndim != q.ndim or kv.shape[-3] == q.shape[-3]:
-        return kv
-    heads, kv_heads = q.shape[-3], kv.shape[-3]
-    if kv_heads == 0 or heads % kv_heads:
-        raise ValueError(f"sf.nn.attention: q has {heads} heads (axis -3 of {tuple(q.shape)}) and {name} {kv_heads} "
-                         f"(of {tuple(kv.shape)}): grouped-query attention needs the query heads a multiple of the "
-                         "key / value heads ([batch, heads, seq, head_dim])")
-    return repeat(kv, heads // kv_heads, axis=-3)
+def _groups(q, k, v):
+    """G, the query heads that share one key / value head (grouped-query attention, as
+    jax.nn.dot_product_attention and torch's enable_gqa: query head n reads kv head n // G): 1 where
+    the heads match, or k and v have one head (multi-query: it broadcasts as it is)."""
+    if q.ndim < 3 or k.ndim != q.ndim or v.ndim != q.ndim or k.shape[-3] == q.shape[-3] or k.shape[-3] == 1:
+        return 1
+    heads, kv_heads = q.shape[-3], k.shape[-3]
+    if heads % kv_heads or v.shape[-3] != kv_heads:
+        raise ValueError(f"sf.nn.attention: q has {heads} heads (axis -3 of {tuple(q.shape)}), k {kv_heads} and v "
+                         f"{v.shape[-3]}: grouped-query attention needs k and v with one number of heads, a divisor "
+                         "of q's ([batch, heads, seq, head_dim])")
+    return heads // kv_heads
 
 
 @_one_plan

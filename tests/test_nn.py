@@ -490,5 +490,27 @@ def test_grouped_query_attention_reads_kv_head_n_over_g():
     km[i] -= e
     np.testing.assert_allclose(np.asarray(dk)[i], ((ref(q, kp, v) * c).sum() - (ref(q, km, v) * c).sum()) / (2 * e),
                                rtol=1e-6)
-    with pytest.raises(ValueError, match="q has 4 heads .* and k 3"):
+    with pytest.raises(ValueError, match="q has 4 heads .* k 3 and v 3"):
         sf.jit(lambda q, k: nn.attention(q, k, k), mesh=mesh)(q, r.standard_normal((2, 3, 6, 8)))
+    # no copy of k or v: q's heads viewed as [kv heads, G] (a review: repeating them copied each G times)
+    assert not [line for line in str(f.lower(q, k, v)).splitlines() if "Fused " in line or "Copy " in line]
+
+
+@pytest.mark.parametrize("kv_heads, mask_heads", [(2, 4), (2, 1), (1, None), (1, 4)])
+def test_grouped_and_multi_query_attention_with_masks_per_head(kv_heads, mask_heads):
+    """A mask per head ([batch, heads, seq, seq]) or broadcast over heads ([batch, 1, ...]) meets the
+    grouped scores as it met the ungrouped ones; one kv head (multi-query) broadcasts as it is."""
+    mesh = sf.DeviceMesh(2, backend="numpy")
+    r = np.random.default_rng()
+    q, k, v = r.standard_normal((2, 4, 5, 8)), r.standard_normal((2, kv_heads, 5, 8)), r.standard_normal((2, kv_heads, 5, 8))
+    mask = None if mask_heads is None else r.random((2, mask_heads, 5, 5)) < 0.7
+    if mask is not None:
+        mask[..., 0] = True  # (every row attends somewhere)
+    g = 4 // kv_heads
+    kk, vv = np.repeat(k, g, axis=1), np.repeat(v, g, axis=1)
+    s = q @ kk.swapaxes(-1, -2) / np.sqrt(8)
+    s = s if mask is None else np.where(mask, s, -np.inf)
+    p = np.exp(s - s.max(-1, keepdims=True))
+    want = (p / p.sum(-1, keepdims=True)) @ vv
+    got = sf.jit(lambda q, k, v: nn.attention(q, k, v, mask=mask), mesh=mesh)(q, k, v)
+    np.testing.assert_allclose(np.asarray(got), want, rtol=1e-12, atol=1e-12)
