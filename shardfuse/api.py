@@ -27,7 +27,7 @@ def shard(x: Any, axis: int, over: str | tuple | None = None, mesh: DeviceMesh |
     if isinstance(axis, (tuple, list)):  # (a JAX-style spec or placements: sf.distribute's argument)
         raise TypeError(f"sf.shard(x, axis, over=...) takes one tensor axis, got {axis!r}: for a whole layout "
                         f"(JAX's PartitionSpec, DTensor's placements) write sf.distribute(x, mesh, {axis!r})")
-    x = _captured(x)
+    x = _captured(x, mesh)
     if isinstance(x, Traced):
         return trace.shard(x, axis, over, mesh)
     if isinstance(x, Array):  # resharded by the annotation rule (Layout.sharded), as inside sf.jit
@@ -45,7 +45,7 @@ def replicate(x: Any, mesh: DeviceMesh | None = None) -> Any:
     x and forces the gathers (mesh=: a sub-mesh of the program's, replicated on its devices).
     On a concrete array (NumPy, CuPy, torch, JAX) with mesh=, returns an `sf.Array` that every
     device of mesh holds whole: place a weight once and pass it to every call."""
-    x = _captured(x)
+    x = _captured(x, mesh)
     if isinstance(x, Traced):
         return trace.replicate(x, mesh)
     if isinstance(x, Array):
@@ -70,7 +70,6 @@ def distribute(x: Any, mesh: DeviceMesh, placements: Any) -> Any:
                              "whole value (a plan's layouts of its results never pend them)")
         if placements.mesh is not None and placements.mesh != mesh:  # (a sub-mesh's layout: placed there)
             mesh = placements.mesh
-    x = _captured(x)
     if isinstance(x, Traced):
         return trace.constrain(x, placements, mesh)
     if tree.is_container(x):
@@ -90,11 +89,13 @@ def distribute(x: Any, mesh: DeviceMesh, placements: Any) -> Any:
     return placed
 
 
-def _captured(x):
-    """x, a NumPy array met while a function is traced (a table it closes over: jnp.asarray's use), as
-    a constant of the program, which the annotation then places; else x as given."""
+def _captured(x, mesh):
+    """x, a NumPy array placed with no mesh= while a function is traced (a table it closes over:
+    jnp.asarray's use), as a constant of the program, which the annotation then places; else x as
+    given (with mesh=, an sf.Array made once and captured with its layout: not bound from the host
+    at every call, a review)."""
     builder = constants.active()
-    return builder.constant(x) if builder is not None and isinstance(x, np.ndarray) else x
+    return builder.constant(x) if builder is not None and mesh is None and isinstance(x, np.ndarray) else x
 
 
 def _is_placement(p) -> bool:

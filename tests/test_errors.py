@@ -155,8 +155,9 @@ def test_a_numpy_table_inside_jit_is_placed_and_its_traced_index_says_what_to_wr
     table = np.cos(np.arange(16.0)).reshape(2, 8)
     x = np.random.default_rng(2).standard_normal((2, 8))
     f = sf.jit(lambda x: x * sf.replicate(table) + sf.shard(table, axis=1, over="tp")
-               + sf.distribute(table, mesh, (None, "tp")), mesh=mesh)
-    np.testing.assert_allclose(np.asarray(f(x)), x * table + 2 * table, rtol=1e-13)
+               + sf.distribute(table, mesh, (None, "tp")) + sf.shard(table, axis=1, mesh=mesh), mesh=mesh)
+    np.testing.assert_allclose(np.asarray(f(x)), x * table + 3 * table, rtol=1e-13)
+    assert "arrays captured" in str(f.lower(x))  # (mesh= given: an sf.Array made once, not bound from the host)
     rows = np.cos(np.arange(16.0)).reshape(8, 2)
     with pytest.raises(sf.ConcretizationError, match=r"sf.take\(table, t, axis=0\)"):
         sf.jit(lambda t: rows[t] + 0, mesh=mesh)(3)
