@@ -26,6 +26,7 @@ NEW=${NEW:-gpu_sort}  # -k expression: GPU tests never run before, run first in 
 mkdir -p "$OUT"
 python3 -m pip install -q --no-deps --no-build-isolation -e . > "$OUT/install.txt" 2>&1
 save() { tar -czf "${OUT%/}.tgz" -C "$OUT" .; }
+left() { local s=$((LIMIT - SECONDS)); echo $((s > 1 ? s : 1)); }  # (seconds to the limit, at least 1: timeout 0 is none)
 verdict() { [ "$1" = 0 ] && echo pass || echo "FAIL (rc $1)"; }
 nvidia-smi --query-gpu=name,driver_version --format=csv,noheader > "$OUT/gpu.txt" 2>&1
 # (tests/test_notebooks.py holds no GPU test and needs nbformat, which the GPU machine lacks)
@@ -35,19 +36,20 @@ line="$(tr '\n' ' ' < "$OUT/gpu.txt")$(git log --oneline -1 2>/dev/null | cut -c
 if [ "$PART" = all ] || [ "$PART" = tests ]; then
   # tests of code never yet run on a GPU first, in their own process: a misaligned address is a
   # sticky CUDA error that would fail every later test of the same process
-  python3 -m pytest -q -x -p no:cacheprovider -m gpu $SKIP -k "$NEW" tests > "$OUT/gpu_tests_new.txt" 2>&1
+  timeout -s INT "$(left)" python3 -m pytest -q -x -p no:cacheprovider -m gpu $SKIP -k "$NEW" tests \
+    > "$OUT/gpu_tests_new.txt" 2>&1
   new_rc=$?
   [ "$new_rc" = 5 ] && new_rc=0  # (pytest's 5: nothing matched -k $NEW, which is no failure)
   tail -3 "$OUT/gpu_tests_new.txt"; save
   # (stopped by SIGINT before the device call's limit, so pytest still prints its summary and failures)
-  timeout -s INT $((LIMIT - SECONDS)) python3 -m pytest -q -rf --durations=10 -p no:cacheprovider -m gpu $SKIP \
+  timeout -s INT "$(left)" python3 -m pytest -q -rf --durations=10 -p no:cacheprovider -m gpu $SKIP \
     --part "$SPLIT" tests > "$OUT/gpu_tests.txt" 2>&1
   all_rc=$?
   grep -E "^FAILED|^ERROR" "$OUT/gpu_tests.txt" | head -20; tail -1 "$OUT/gpu_tests.txt"; save
   line="$line new GPU tests $(verdict $new_rc); GPU suite (part $SPLIT) $(verdict $all_rc) ($(tail -1 "$OUT/gpu_tests.txt"));"
 fi
 if [ "$PART" = all ] || [ "$PART" = unfused ]; then
-  SHARDFUSE_FUSE=0 timeout -s INT $((LIMIT - SECONDS)) python3 -m pytest -q -rf -p no:cacheprovider -m gpu $SKIP \
+  SHARDFUSE_FUSE=0 timeout -s INT "$(left)" python3 -m pytest -q -rf -p no:cacheprovider -m gpu $SKIP \
     --part "$SPLIT" tests > "$OUT/gpu_tests_unfused.txt" 2>&1
   unfused_rc=$?
   grep -E "^FAILED|^ERROR" "$OUT/gpu_tests_unfused.txt" | head -20; tail -1 "$OUT/gpu_tests_unfused.txt"; save

@@ -95,7 +95,7 @@ def loop_dtypes(op, a, b) -> tuple:
     except TypeError as e:
         raise TypeError(f"{_call(op, ufunc, a, b)}: NumPy 2 refuses it (np.{ufunc.__name__}: {e}); cast first, e.g. "
                         "x.astype('int32') or x.astype('float32')") from None
-    if t1 == "float64":
+    if t1 == "float64" and out != "bool":  # (a comparison's result is bool: nothing follows in float64)
         _warn_widened(a, b)
     if t1 != t2 or not {t1, out} <= dtypes.TABLE.keys():
         why = " (NumPy's dtype of such ops of boolean operands)" if out == "int8" else ""
@@ -110,17 +110,18 @@ _WARNED = weakref.WeakSet()  # the traces (builders) warned once already
 
 def _warn_widened(a, b) -> None:
     """A warning, once per trace, where a traced value of a narrower float dtype (bfloat16, float16,
-    float32) computes in float64 because the other operand is a float64 NumPy constant (an array the
-    function closed over, or a NumPy scalar): NumPy 2's rule, which shardfuse follows, but JAX without
+    float32) computes in float64 because the other operand is a NumPy constant (an array the function
+    closed over, or a NumPy scalar) of float64 or of an integer dtype (float32 * int64 is float64): NumPy 2's rule, which shardfuse follows, but JAX without
     x64 computes in float32, and a bfloat16 model's later GEMMs then silently ran in float64 (a probe:
     RoPE tables from np.cos, 7 of 10 GEMMs)."""
     for x, c in ((a, b), (b, a)):
         narrow = hasattr(x, "dtype_name") and x.dtype_name in ("bfloat16", "float16", "float32") and not x.weak
-        wide = isinstance(c, np.float64) or hasattr(c, "dtype_name") and c.dtype_name == "float64" and \
-            c.value in {v for _, _, v in c.builder.constants.values()}
-        if narrow and wide and x.builder not in _WARNED:
+        if not narrow or x.builder in _WARNED:
+            continue
+        scalar = isinstance(c, np.generic) and not isinstance(c, np.bool_)  # (float64, or an integer: int64 too)
+        if scalar or hasattr(c, "dtype_name") and c.value in {v for _, _, v in c.builder.constants.values()}:
             _WARNED.add(x.builder)
-            what = f"the NumPy scalar {c!r}" if isinstance(c, np.float64) else f"a float64 NumPy array {c.shape}"
+            what = f"the NumPy scalar {c!r}" if scalar else f"a NumPy {c.dtype_name} array {c.shape}"
             warnings.warn(f"{x.dtype_name} value {x.value.name} {tuple(x.shape)} computes in float64 with {what} the "
                           "function closes over (NumPy 2's promotion, which shardfuse follows; JAX without x64 computes "
                           f"in float32), and so does what follows from it.  Cast the constant to {x.dtype_name} "
@@ -137,7 +138,7 @@ def _user_level() -> int:
     return level
 
 
-_PACKAGE = os.path.dirname(os.path.abspath(__file__))
+_PACKAGE = os.path.dirname(os.path.abspath(__file__)) + os.sep
 
 
 def _call(op, ufunc, a, b) -> str:

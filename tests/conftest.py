@@ -27,9 +27,13 @@ def pytest_addoption(parser):
 def pytest_collection_modifyitems(config, items):
     part = config.getoption("--part")
     if part:
-        k, n = (int(s) for s in part.split("/"))
-        if not 1 <= k <= n:
-            raise ValueError(f"--part K/N needs 1 <= K <= N; got {part!r}")
+        import re
+
+        import pytest
+        m = re.fullmatch(r"(\d+)/(\d+)", part)
+        if not m or not 1 <= int(m[1]) <= int(m[2]):
+            raise pytest.UsageError(f"--part takes K/N with 1 <= K <= N (the K-th of N parts), got {part!r}")
+        k, n = int(m[1]), int(m[2])
         keep = set(range(k - 1, len(items), n))
         config.hook.pytest_deselected(items=[t for j, t in enumerate(items) if j not in keep])
         items[:] = [t for j, t in enumerate(items) if j in keep]

@@ -265,12 +265,15 @@ def test_a_narrow_float_widened_by_a_float64_constant_warns_once_at_the_users_li
     mesh = sf.DeviceMesh(1, backend="numpy")
     table = np.cos(np.arange(8.0))
     x = np.ones((4, 8), ml_dtypes.bfloat16)
-    with pytest.warns(UserWarning, match=r"bfloat16 value x \(4, 8\) computes in float64 with a float64 NumPy array") as rec:
+    with pytest.warns(UserWarning, match=r"bfloat16 value x \(4, 8\) computes in float64 with a NumPy float64 array") as rec:
         out = sf.jit(lambda x: (x * table) / np.float64(3.0) + table, mesh=mesh)(x)
     assert out.dtype == np.float64 and len(rec) == 1 and rec[0].filename == __file__
     with pytest.warns(UserWarning, match=r"float32 value x .* with the NumPy scalar np.float64\(3.0\)"):
         sf.jit(lambda x: x / np.float64(3.0), mesh=mesh)(x.astype(np.float32))
+    with pytest.warns(UserWarning, match=r"float32 value x .* with a NumPy int64 array \(8,\)"):  # (RoPE's positions)
+        assert sf.jit(lambda x: x * np.arange(8), mesh=mesh)(x.astype(np.float32)).dtype == np.float64
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         assert sf.jit(lambda x: x * table.astype(x.dtype) * 0.5, mesh=mesh)(x).dtype == ml_dtypes.bfloat16
         sf.jit(lambda x: x * table, mesh=mesh)(x.astype(np.float64))
+        assert sf.jit(lambda x: x < table, mesh=mesh)(x).dtype == np.bool_  # (a comparison: nothing in float64 follows)
