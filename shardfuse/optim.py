@@ -1,0 +1,156 @@
+"""sf.optim: optax's optimizers for shardfuse values (both probes of a training step wrote AdamW by hand;
+optax's own functions call jax.numpy, which takes no shardfuse value).
+
+The same API and formulas as optax: a GradientTransformation is (init, update); ``state = opt.init(params)``,
+``updates, state = opt.update(grads, state, params)``, ``params = sf.optim.apply_updates(params, updates)``,
+over pytrees of sf.Arrays (eager) or of traced values (inside sf.jit: the whole step one plan, its
+state donated with donate_argnums).  Each moment takes its parameter's dtype and placement
+(np.zeros_like of an sf.Array keeps both), so with weights sharded over tp or dp the state is
+sharded alike and the update communicates nothing; clip_by_global_norm's norm is one Allreduce of
+a scalar per kind of pending sum (passes/reassociate.py).  A learning rate is a number or a schedule
+(a function of the step count, a 0-d int32 value, as optax's).
+"""
+from __future__ import annotations
+
+from typing import Any, Callable, NamedTuple
+
+import numpy as np
+
+from shardfuse import tree
+
+
+class GradientTransformation(NamedTuple):
+    """optax's pair: init(params) -> state; update(updates, state, params=None) -> (updates, state)."""
+    init: Callable
+    update: Callable
+
+
+class EmptyState(NamedTuple):
+    """The state of a transformation that keeps none."""
+
+
+class ScaleByAdamState(NamedTuple):
+    """Adam's state, as optax's: the step count (0-d int32) and the first and second moments."""
+    count: Any
+    mu: Any
+    nu: Any
+
+
+class ScaleByScheduleState(NamedTuple):
+    """A schedule's step count (0-d int32), as optax's."""
+    count: Any
+
+
+class TraceState(NamedTuple):
+    """SGD's momentum (optax's trace)."""
+    trace: Any
+
+
+def global_norm(updates) -> Any:
+    """sqrt of the sum of every leaf's squares (optax.global_norm), in float32 at least."""
+    leaves = tree.leaves(updates)
+    total = sum(_widened(x * x).sum() for x in leaves)
+    return np.sqrt(total)
+
+
+def clip_by_global_norm(max_norm: float) -> GradientTransformation:
+    """Scale every update by max_norm / global_norm where the norm passes max_norm (optax's)."""
+    def update(updates, state, params=None):
+        norm = global_norm(updates)
+        scale = np.minimum(1.0, max_norm / np.maximum(norm, max_norm))  # (1 where norm < max_norm, as optax's where)
+        return tree.tree_map(lambda u: u * scale.astype(u.dtype), updates), state
+    return GradientTransformation(lambda params: EmptyState(), update)
+
+
+def scale_by_adam(b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8, eps_root: float = 0.0) -> GradientTransformation:
+    """Adam's direction mu_hat / (sqrt(nu_hat + eps_root) + eps), bias-corrected by the count (optax's)."""
+    def init(params):
+        return ScaleByAdamState(np.zeros((), np.int32), tree.tree_map(np.zeros_like, params),
+                                tree.tree_map(np.zeros_like, params))
+
+    def update(updates, state, params=None):
+        mu = tree.tree_map(lambda g, m: b1 * m + (1 - b1) * g, updates, state.mu)
+        nu = tree.tree_map(lambda g, v: b2 * v + (1 - b2) * (g * g), updates, state.nu)
+        count = state.count + 1
+        c1, c2 = 1 - b1 ** count, 1 - b2 ** count  # (float64 scalars: cast to each moment's dtype, as optax)
+        out = tree.tree_map(lambda m, v: (m / c1.astype(m.dtype)) / (np.sqrt(v / c2.astype(v.dtype) + eps_root) + eps),
+                            mu, nu)
+        return out, ScaleByAdamState(count, mu, nu)
+    return GradientTransformation(init, update)
+
+
+def add_decayed_weights(weight_decay: float) -> GradientTransformation:
+    """updates + weight_decay * params (optax's; AdamW's decoupled decay)."""
+    def update(updates, state, params=None):
+        if params is None:
+            raise ValueError("sf.optim.add_decayed_weights needs params: opt.update(grads, state, params)")
+        return tree.tree_map(lambda u, p: u + weight_decay * p, updates, params), state
+    return GradientTransformation(lambda params: EmptyState(), update)
+
+
+def scale_by_learning_rate(learning_rate) -> GradientTransformation:
+    """updates * -learning_rate (a number, or a schedule of the step count: optax's)."""
+    if not callable(learning_rate):
+        return GradientTransformation(lambda params: EmptyState(),
+                                      lambda u, s, params=None: (tree.tree_map(lambda x: x * -learning_rate, u), s))
+
+    def update(updates, state, params=None):
+        lr = learning_rate(state.count)
+        # (a schedule's value in each update's dtype, as optax's: a float64 one would promote a float32 update)
+        return tree.tree_map(lambda x: x * _in_dtype(-lr, x.dtype), updates), ScaleByScheduleState(state.count + 1)
+    return GradientTransformation(lambda params: ScaleByScheduleState(np.zeros((), np.int32)), update)
+
+
+def trace(decay: float, nesterov: bool = False) -> GradientTransformation:
+    """Momentum: t = g + decay * t (optax.trace); with nesterov, g + decay * t is the update."""
+    def update(updates, state, params=None):
+        t = tree.tree_map(lambda g, m: g + decay * m, updates, state.trace)
+        out = tree.tree_map(lambda g, m: g + decay * m, updates, t) if nesterov else t
+        return out, TraceState(t)
+    return GradientTransformation(lambda params: TraceState(tree.tree_map(np.zeros_like, params)), update)
+
+
+def chain(*transforms: GradientTransformation) -> GradientTransformation:
+    """The transformations applied in turn; the state is the tuple of theirs (optax.chain)."""
+    def init(params):
+        return tuple(t.init(params) for t in transforms)
+
+    def update(updates, state, params=None):
+        new = []
+        for t, s in zip(transforms, state):
+            updates, s = t.update(updates, s, params)
+            new.append(s)
+        return updates, tuple(new)
+    return GradientTransformation(init, update)
+
+
+def sgd(learning_rate, momentum: float | None = None, nesterov: bool = False) -> GradientTransformation:
+    """optax.sgd: -learning_rate * g, with momentum (trace) where given."""
+    return chain(*([trace(momentum, nesterov)] if momentum else []), scale_by_learning_rate(learning_rate))
+
+
+def adam(learning_rate, b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8, eps_root: float = 0.0):
+    """optax.adam."""
+    return chain(scale_by_adam(b1, b2, eps, eps_root), scale_by_learning_rate(learning_rate))
+
+
+def adamw(learning_rate, b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8, eps_root: float = 0.0,
+          weight_decay: float = 1e-4) -> GradientTransformation:
+    """optax.adamw: Adam's direction plus weight_decay * params, times -learning_rate."""
+    return chain(scale_by_adam(b1, b2, eps, eps_root), add_decayed_weights(weight_decay),
+                 scale_by_learning_rate(learning_rate))
+
+
+def apply_updates(params, updates):
+    """params + updates, each in its parameter's dtype (optax.apply_updates)."""
+    return tree.tree_map(lambda p, u: (p + u).astype(p.dtype), params, updates)
+
+
+def _widened(x):
+    """x in float32 where it is 16-bit (a norm of bfloat16 gradients summed in float32)."""
+    return x.astype(np.float32) if np.dtype(x.dtype).itemsize < 4 and np.dtype(x.dtype).kind in "fV" else x
+
+
+def _in_dtype(v, dtype):
+    """v (a schedule's value: an array, or a Python number, which is weak) in `dtype`."""
+    return v if isinstance(v, (int, float)) else v.astype(dtype)
