@@ -63,7 +63,8 @@ def leaves(out) -> list:
 
 
 def fused_and_unfused(fn, args, monkeypatch, mesh=MESH):
-    """(fused results, fused plan, unfused results, unfused plan)."""
+    """(fused results, fused plan, unfused results, unfused plan), whatever SHARDFUSE_FUSE the run set."""
+    monkeypatch.delenv("SHARDFUSE_FUSE", raising=False)
     fused = sf.jit(fn, mesh=mesh)
     got, plan = fused(*args), fused.lower(*args)
     monkeypatch.setenv("SHARDFUSE_FUSE", "0")
