@@ -137,8 +137,8 @@ def contraction_require(ins, out, lays, labels=None):
     # (reduced first only over a mesh axis an operand already shards an output axis by, as wanted:
     # carrying the sums on would gather that operand)
     wanted = dict(zip(out_labels, out.axes))
-    held = _names(a for labs, lay in zip(in_labels, lays) for lab, a in zip(labs, lay.axes)
-                  if lab in wanted and a is not None and set(mesh_axes(a)) & _names([wanted[lab]]))
+    held = set().union(*(set(mesh_axes(a)) & _names([wanted[lab]]) for labs, lay in zip(in_labels, lays)
+                         for lab, a in zip(labs, lay.axes) if lab in wanted and a is not None))
     carried = _reduced_first(ins, carried, held)
     out_axes = unshard(out.axes, set(_union(*carried)) | _names([k]), axis_of(ins))
     placed = dict(zip(out_labels, (_chunked(ins, j, a) for j, a in enumerate(out_axes))))
@@ -199,10 +199,12 @@ def elementwise_require(ins, out, lays):
     # (reduced first where an operand already shards an output axis over the mesh axis it pends, as
     # contraction_require does: log_softmax's backward, a row sum pending over tp times the
     # tp-sharded softmax, is one Allreduce of the sums, not a gather and a reduce-scatter of both)
-    held = _names(_axes(lay)[src] for j, want in enumerate(out.axes) if want is not None
-                  for lay, src in zip(lays, elementwise_axis_map(ins, j))
-                  if src is not None and lay.mesh == out.mesh and _axes(lay)[src] is not None
-                  and set(mesh_axes(_axes(lay)[src])) & _names([want]))
+    # (only the mesh axes it shares with the output's: an operand split over (y, x) where the output is
+    # over x holds x alone; taking y too reduced a sum pending over y that elementwise_infer, which sees x
+    # alone, left pending in the output: the product reduced twice, a README probe's 2x)
+    held = set().union(*(set(mesh_axes(_axes(lay)[src])) & _names([want]) for j, want in enumerate(out.axes)
+                         if want is not None for lay, src in zip(lays, elementwise_axis_map(ins, j))
+                         if src is not None and lay.mesh == out.mesh and _axes(lay)[src] is not None))
     carried = _reduced_first(ins, carried, held)
     pending = set(_union(*carried))
     axes = unshard(out.axes, pending, axis_of(ins))
@@ -226,6 +228,11 @@ def elementwise_require(ins, out, lays):
                 in_axes[src] = _chunked(ins, j, a)
         req.append(Layout(tuple(in_axes), carried[n]))
     produced = Layout(tuple(axes), _union(out.partial, *carried))
+    if set(out.partial) - set(_union(*carried)):  # (its operands no longer pend them: a second reduction would
+        # double the sums, silently; propagation inferred what this requires, so a mismatch is a rule's bug)
+        raise RuntimeError(f"shardfuse: {ins.op} of {', '.join(v.name for v in ins.ins)} was placed pending sums over "
+                           f"{out.partial} its operands, {', '.join(map(str, lays))}, do not all carry; this is a "
+                           "bug in shardfuse's sharding rules (please report it with the function)")
     return tuple(req), produced
 
 

@@ -197,3 +197,18 @@ def test_a_pending_sum_carried_through_linear_ops_into_a_sum(form):
     else:
         assert len(allreduces(plan)) == 1, str(plan)  # (one bucket of s and g before)
     np.testing.assert_allclose(np.asarray(got), want, rtol=1e-12, atol=1e-12)
+
+
+def test_a_sum_times_a_value_split_over_two_mesh_axes_is_reduced_once():
+    """A README probe's silent 2x (the long hypothesis profile): b summed over its rows (pending over
+    DIDy, columns over DIDx) times c split over (DIDy, DIDx): the output is over DIDx, so the sum
+    stays pending over DIDy and is reduced once; the rule that places the operands took DIDy as
+    clashing too and reduced it first, while the output still pended it: reduced twice."""
+    mesh = sf.DeviceMesh((2, 2), backend="numpy")
+    r = np.random.default_rng()
+    b, c = r.standard_normal((4, 4)), r.standard_normal(4)
+    for op in (np.multiply, np.divide):
+        f = sf.jit(lambda b, c: op(sf.shard(sf.shard(b, 0, over="DIDy"), 1, over="DIDx").sum(0),
+                                   sf.shard(c, 0, over=("DIDy", "DIDx"))), mesh=mesh)
+        np.testing.assert_allclose(np.asarray(f(b, c)), op(b.sum(0), c), rtol=1e-12)
+        assert len(allreduces(f.lower(b, c))) == 1
