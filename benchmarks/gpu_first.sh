@@ -31,7 +31,8 @@ verdict() { [ "$1" = 0 ] && echo pass || echo "FAIL (rc $1)"; }
 nvidia-smi --query-gpu=name,driver_version --format=csv,noheader > "$OUT/gpu.txt" 2>&1
 # (tests/test_notebooks.py holds no GPU test and needs nbformat, which the GPU machine lacks)
 SKIP="--ignore=tests/test_notebooks.py"
-line="$(tr '\n' ' ' < "$OUT/gpu.txt")$(git log --oneline -1 2>/dev/null | cut -c1-12):"
+# (COMMIT=: the commit the caller's tree is at; the device machine's copy of .git can be stale)
+line="$(tr '\n' ' ' < "$OUT/gpu.txt")${COMMIT:-$(git log --oneline -1 2>/dev/null | cut -c1-12)}:"
 
 if [ "$PART" = all ] || [ "$PART" = tests ]; then
   # tests of code never yet run on a GPU first, in their own process: a misaligned address is a
