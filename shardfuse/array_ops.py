@@ -93,7 +93,9 @@ def run(fn, args: tuple, key, name: str):
         compile_program(trace.trace(fn, mesh, specs, streams=1, name=name))))
     ((lay, shards, whole),) = exe(*args, *exe.prog.constants)  # (constants: made from shapes alone, as np.arange(n))
     v = exe.prog.outputs[0]
-    return type(arrays[0])(mesh, v.type.shape, v.type.dtype, lay, shards, whole)
+    out = type(arrays[0])(mesh, v.type.shape, v.type.dtype, lay, shards, whole)
+    out.weak = bool(exe.prog.weak_outputs)  # (a weak 0-d value's op with a Python scalar stays weak, as inside jit)
+    return out
 
 
 def _shape_dtype(a) -> tuple:

@@ -96,12 +96,16 @@ class Traced(NumpyMethods):
         return cast(self, dt), cast(b, dt)
 
     def with_scalar(self, c, what=Op.ADD, reflected=False):
-        """(self cast to the dtype NumPy 2 computes `what` of it and the scalar c in, c as a value of that
-        dtype, rounded to it as NumPy 2 and JAX round a weak scalar (float16 x * 0.1 multiplies by
-        float16(0.1)); reflected: c op x): a Python scalar is weak, as in NumPy 2 and JAX (x * 2.0 keeps
-        float16; int32 x * 0.5 is float64); a NumPy scalar is not (float32 x * np.float64(3) is float64)."""
+        """(self cast to the dtype NumPy 2 computes `what` of it and the scalar c in, c as a value of that dtype,
+        rounded to it as NumPy 2 and JAX round a weak scalar (float16 x * 0.1 multiplies by float16(0.1));
+        reflected: c op x): a Python scalar is weak, as in NumPy 2 and JAX (x * 2.0 keeps float16; int32 x *
+        0.5 is float64); a NumPy scalar is not (float32 x * np.float64(3) is float64; a weak x's op with it is strong)."""
         dt = promotion.loop_dtypes(what, *((c, self) if reflected else (self, c)))[0]
-        return cast(self, dt), promotion.scalar_value(c, dt)
+        x = cast(self, dt)
+        if x.weak and isinstance(c, np.generic):
+            x = x.unary_op(Op.ASTYPE, dt)
+            self.builder.weak.discard(x.value)
+        return x, promotion.scalar_value(c, dt)
 
     def elementwise_op(self, op, ins, dtype, **attrs):
         try:
@@ -225,11 +229,10 @@ class Traced(NumpyMethods):
                                   f"only when the compiled plan runs; {instead}")
 
     def __bool__(self):
-        self._concrete("bool()", "Python's if / while / and / or / not need a concrete value: decide the branch "
-                                 "outside the jitted function (a parameter with a default stays a Python value, "
-                                 "and sf.jit(..., static_argnums= / static_argnames=) keeps a flag one, compiling "
-                                 "a plan per value, as JAX does), or compute both sides and combine them "
-                                 "(np.where, sf.relu, *, +)")
+        self._concrete("bool()", "Python's if / while / and / or / not need a concrete value: decide the branch outside "
+                                 "the jitted function (a parameter with a default stays a Python value, and sf.jit(..., "
+                                 "static_argnums= / static_argnames=) keeps a flag one, compiling a plan per value, as "
+                                 "JAX does), or compute both sides and combine them (np.where, sf.relu, *, +)")
 
     def __int__(self):
         self._concrete("int()", _NUMBER)
@@ -327,19 +330,16 @@ class Traced(NumpyMethods):
         shape = tuple(shape[0]) if len(shape) == 1 and isinstance(shape[0], (tuple, list)) else shape
         shape = tuple(as_int(s, f"reshape of {self.shape}: an extent") for s in shape)
         size = int(np.prod(self.shape))
-        if shape.count(-1) == 1:
+        if shape.count(-1) == 1:  # (beside an extent 0 it stays -1, refused: NumPy refuses too, any extent fits)
             known = int(np.prod([s for s in shape if s != -1]))
-            if known == 0:  # (NumPy refuses too: any extent fits an empty array)
-                raise ValueError(f"cannot reshape {self.shape} ({size} elements) to {shape}: -1 is ambiguous "
-                                 "beside an extent 0")
-            shape = tuple(size // known if s == -1 else s for s in shape)
+            shape = tuple(size // known if s == -1 and known else s for s in shape)
         if int(np.prod(shape)) != size or any(s < 1 for s in shape):
-            raise ValueError(f"cannot reshape {self.shape} ({size} elements) to {shape}")
+            raise ValueError(f"cannot reshape {self.shape} ({size} elements) to {shape}, the value {self.value.name}"
+                             + (": -1 is ambiguous beside an extent 0" if -1 in shape else ""))
         out = TensorType(tuple(int(s) for s in shape), self.dtype_name)
         return self.builder.emit(Op.RESHAPE, (self,), out, self.value.name + "_r", shape=out.shape)
 
-    # JAX's functional updates, x.at[idx].set(v) / .add(v) / .get(), and x[idx] = v's refusal saying so:
-    # shardfuse/update_slice.py
+    # JAX's functional updates, x.at[idx].set(v) / .add(v) / .get(), and x[idx] = v's refusal: update_slice.py
     at = property(lambda self: SHAPE_OPS["at"](self))
 
     def __setitem__(self, key, value):

@@ -277,3 +277,15 @@ def test_a_narrow_float_widened_by_a_float64_constant_warns_once_at_the_users_li
         assert sf.jit(lambda x: x * table.astype(x.dtype) * 0.5, mesh=mesh)(x).dtype == ml_dtypes.bfloat16
         sf.jit(lambda x: x * table, mesh=mesh)(x.astype(np.float64))
         assert sf.jit(lambda x: x < table, mesh=mesh)(x).dtype == np.bool_  # (a comparison: nothing in float64 follows)
+
+
+def test_a_weak_result_stays_weak_in_ops_outside_jit():
+    """A returned step count is weak (JAX's weak type), and so is its op with a Python scalar outside
+    sf.jit, as inside: 0.1 / (step + 1) * w stays float32 (a README probe: it was float64 outside)."""
+    mesh = sf.DeviceMesh(2, backend="numpy")
+    step = sf.jit(lambda s: s + 1, mesh=mesh)(0)
+    w = sf.shard(np.ones((4, 2), np.float32), axis=0, mesh=mesh)
+    assert step.weak and (step + 1).weak and (step * 2.5).weak
+    assert (0.1 / (step + 1) * w).dtype == np.float32
+    assert sf.jit(lambda s, w: 0.1 / (s + 1) * w, mesh=mesh)(step, w).dtype == np.float32
+    assert not (w * 2.0).weak
