@@ -407,3 +407,20 @@ def test_ops_of_signed_zeros_are_not_shared():
     with np.errstate(all="ignore"):
         want = 1.0 / (np.full(4, 3.0) * 0.0) + 1.0 / (np.full(4, 3.0) * -0.0)
     np.testing.assert_array_equal(np.asarray(f(np.full(4, 3.0))), want)
+
+
+@pytest.mark.parametrize("chunks", [1, 2, 4])
+def test_one_device_collectives_in_a_stream_loop_issue_nothing(chunks):
+    """On a (2, 1) dp x tp mesh a row-parallel GEMM's ReduceScatter over tp is the identity: a view
+    outside a stream loop, and inside one (its destination a chunk of a buffer read whole after it)
+    a copy on the device; neither is a collective (a README probe counted 16 under `demo --layer dp`)."""
+    mesh = sf.DeviceMesh((2, 1), ("dp", "tp"), backend="numpy")
+    r = np.random.default_rng()
+    x, w = r.standard_normal((8, 6)), r.standard_normal((6, 4))
+
+    def f(x, w):
+        h = sf.stream(sf.shard(x, axis=1, over="tp") @ sf.shard(w, axis=0, over="tp"), axis=0, chunks=chunks)
+        return sf.shard(h, axis=0, over="tp")
+    g = sf.jit(f, mesh=mesh)
+    assert g.lower(x, w).collectives() == {}, str(g.lower(x, w))
+    np.testing.assert_allclose(np.asarray(g(x, w)), x @ w, rtol=1e-12)

@@ -6,7 +6,8 @@ that `print(plan)` shows them and `plan.collectives()` counts only what runs.
   the destination is a plan output's buffer (a result must not alias an argument), when the
   local shapes differ, or when its buffer is also read another way than through such
   destinations (a whole output whose chunks were all-reduced would stay unwritten).
-  Buffers nothing uses any more are dropped.
+  Buffers nothing uses any more are dropped.  Where the destination cannot be a view (a chunk of a
+  buffer read whole after a stream loop, an output's buffer), the collective becomes a Copy.
 - A buffer that an Allgather fills along an inner axis whose local extent is 1 is stored
   rank-major (that axis first), so NCCL writes it in place with no staging copy: its
   Allocate gets `order=` (printed as "rank-major").
@@ -50,6 +51,14 @@ def _fold(instrs, prog, ctx):
             out.append(Instr(Op.VIEW, (view,), (i.ins[0],), {"shape": y.type.shape, "folded": f"{i.op} over "
                                                                 f"{i.attrs['team']} (1 device)"}))
             alias[y] = view
+            handles.add(i.outs[0])
+            continue
+        if (i.op in COLLECTIVES and i.op != Op.SENDRECV and "when" not in i.attrs and _team_size(i, prog) == 1
+                and local_shape(i.ins[0], prog.mesh) == local_shape(i.into, prog.mesh)):
+            # (a destination that cannot be a view, a chunk of a buffer read whole after a stream loop: the
+            # identity is a copy on the device, no communication; a probe counted a dp x tp(1) layer's
+            # ReduceScatters over tp)
+            out.append(Instr(Op.COPY, (), (i.ins[0],), {}, into=i.into))
             handles.add(i.outs[0])
             continue
         out.append(i)
