@@ -22,7 +22,7 @@ from shardfuse.spec import TensorSpec
 from shardfuse.take import scatter_add, take
 from shardfuse.update_slice import dynamic_slice, dynamic_update_slice
 from shardfuse.visualize import visualize_sharding
-from shardfuse import nn, optim, random, transformer, tree
+from shardfuse import lax, nn, optim, random, transformer, tree
 from shardfuse.autodiff import stop_gradient
 
 nn.transformer_layer = transformer.transformer_layer  # (sf.nn's block; in its own module: it is built from sf.nn)
@@ -43,7 +43,7 @@ from shardfuse import numpy_broadcast  # noqa: F401 (np.broadcast_to, np.repeat,
 
 __all__ = ["Array", "DeviceMesh", "Layout", "Partial", "Replicate", "Shard", "StridedShard", "Plan", "TensorSpec", "from_local", "jit", "replicate", "shard", "stream", "to_mesh",
            "exp", "gelu", "linear", "relu", "tanh", "sqrt", "rsqrt", "log", "sigmoid", "silu", "maximum", "minimum",
-           "where", "logical_not", "logical_and", "logical_or", "logical_xor", take.__name__, scatter_add.__name__, dynamic_update_slice.__name__, dynamic_slice.__name__, "concatenate", "split", "stack", *(f.__name__ for f in (sin, cos, log1p, expm1, erf, top_k)), "nn", "optim", "random", "tree", "stop_gradient", "grad", "value_and_grad",
+           "where", "logical_not", "logical_and", "logical_or", "logical_xor", take.__name__, scatter_add.__name__, dynamic_update_slice.__name__, dynamic_slice.__name__, "concatenate", "split", "stack", *(f.__name__ for f in (sin, cos, log1p, expm1, erf, top_k)), "lax", "nn", "optim", "random", "tree", "stop_gradient", "grad", "value_and_grad",
            "vjp", "custom_vjp", "checkpoint", "torch_function", "visualize_sharding", "distribute",
            "CollectiveTimeoutError", "ConcretizationError", "RankLeftError", "RankMismatchError"]
 
