@@ -12,6 +12,7 @@ from shardfuse.autochunks import explain_plan
 from shardfuse.cost import predict
 from shardfuse.executor import Executable
 from shardfuse.interop import array_info
+from shardfuse.spec import TensorSpec
 from shardfuse.ir import Program, unroll
 from shardfuse.mesh import as_int
 from shardfuse.passes.reuse import memory
@@ -71,6 +72,17 @@ class Plan:
         if self.out_tree is not None:
             return self.out_tree.unflatten(layouts)
         return layouts[0] if len(layouts) == 1 else layouts  # (as a call returns its arrays)
+
+    @property
+    def output_specs(self):
+        """Each result's sf.TensorSpec (shape, dtype, layout; weak where a 0-d result is), in the result's
+        structure: what sf.eval_shape gives (JAX's ShapeDtypeStruct)."""
+        weak = set(self.program.weak_outputs)
+        specs = tuple(TensorSpec(v.type.shape, v.type.dtype, v.type.layout, weak=k in weak)
+                      for k, v in enumerate(self.program.outputs))
+        if self.out_tree is not None:
+            return self.out_tree.unflatten(specs)
+        return specs[0] if len(specs) == 1 else specs
 
     def collectives(self) -> dict[str, int]:
         """How many collectives of each kind one call issues: the plan's communication steps as

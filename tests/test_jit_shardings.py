@@ -51,3 +51,15 @@ def test_in_shardings_needs_one_entry_per_positional_argument():
         sf.jit(lambda x, w: x @ w, mesh=m, in_shardings=(("dp", None),))(x, w)
     with pytest.raises(TypeError, match="one entry per positional argument"):
         sf.jit(lambda x: x, mesh=m, in_shardings=sf.Shard(0))
+
+
+def test_eval_shape_gives_each_results_spec_without_running():
+    """sf.eval_shape (jax.eval_shape): shapes, dtypes and layouts in the result's structure, from
+    arrays or specs, nothing run (an argument given only as a spec could not run)."""
+    m = mesh()
+    out = sf.eval_shape(lambda x, w: {"y": sf.shard(x, axis=0, over="dp") @ w, "n": x.sum()},
+                        np.ones((8, 4), np.float32), sf.TensorSpec((4, 6), "float32"), mesh=m)
+    assert out["y"].shape == (8, 6) and out["y"].dtype == "float32" and out["y"].layout.axes == ("dp", None)
+    assert out["n"].shape == () and out["n"].dtype == "float32"
+    assert sf.eval_shape(lambda x: x * 2, np.ones(3)).shape == (3,)
+    assert sf.eval_shape(lambda s: s + 1, 0).weak  # (a Python scalar's result stays weak, as JAX's)
