@@ -15,7 +15,6 @@ from shardfuse.array import Array
 from shardfuse.spmd import from_local
 from shardfuse.faults import CollectiveTimeoutError, RankLeftError, RankMismatchError
 from shardfuse.jit import Plan, jit
-from shardfuse.jit_shardings import eval_shape
 from shardfuse.layout import Layout
 from shardfuse.mesh import DeviceMesh
 from shardfuse.placements import Partial, Replicate, Shard, StridedShard
@@ -29,7 +28,7 @@ from shardfuse.autodiff import stop_gradient
 nn.transformer_layer = transformer.transformer_layer  # (sf.nn's block; in its own module: it is built from sf.nn)
 from shardfuse.trace import stream, to_mesh
 from shardfuse.traced import ConcretizationError
-from shardfuse.transforms import grad, value_and_grad, vjp
+from shardfuse.transforms import eval_shape, grad, value_and_grad, vjp
 from shardfuse.custom_vjp import custom_vjp
 from shardfuse.checkpoint import checkpoint
 from shardfuse.torch_bridge import torch_function

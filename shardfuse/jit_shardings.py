@@ -1,5 +1,5 @@
 """sf.jit's in_shardings= and out_shardings= (JAX's): where a jitted function's arguments and results
-live, stated once at the jit instead of as annotations inside the function; and sf.eval_shape.
+live, stated once at the jit instead of as annotations inside the function.
 
 Each is what sf.distribute takes (a JAX-style spec per tensor axis such as ("dp", None), DTensor
 placements, a plan's Layout; for a pytree, one for every leaf or a pytree of them in its
@@ -36,13 +36,3 @@ def constrained(fn, mesh, in_shardings, out_shardings):
         return out if out_shardings is None else distribute(out, mesh, out_shardings)
     return placed
 
-
-def eval_shape(fn, *args, mesh=None, **kwargs):
-    """jax.eval_shape: the sf.TensorSpec (shape, dtype, layout) of each of fn's results for these
-    arguments (arrays, sf.Arrays, sf.TensorSpecs or (shape, dtype) tuples, pytrees of them), in the
-    result's structure, from the compiled plan: nothing runs.  mesh: the mesh fn's annotations name
-    (default one NumPy device)."""
-    from shardfuse.jit import jit  # (jit imports this module)
-    from shardfuse.mesh import DeviceMesh
-
-    return jit(fn, mesh=mesh or DeviceMesh(1, backend="numpy")).lower(*args, **kwargs).output_specs

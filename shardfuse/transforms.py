@@ -343,3 +343,12 @@ class Pullback:
     def __call__(self, primals, cotangent):
         return _vjp_traced(self.fn, tuple(primals), self.has_aux, self.remat, nested=False)[1](cotangent)
 
+
+def eval_shape(fn, *args, mesh=None, **kwargs):
+    """jax.eval_shape: the sf.TensorSpec (shape, dtype, layout) of each of fn's results for these
+    arguments (arrays, sf.Arrays, sf.TensorSpecs or (shape, dtype) tuples, pytrees of them), in the
+    result's structure, from the compiled plan: nothing runs.  mesh: the mesh fn's annotations name
+    (default one NumPy device)."""
+    from shardfuse.mesh import DeviceMesh
+
+    return Jitted(fn, mesh or DeviceMesh(1, backend="numpy")).lower(*args, **kwargs).output_specs
