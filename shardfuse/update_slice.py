@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from shardfuse.at_arrays import array_key, at_add, at_get, at_set
 from shardfuse.ir import TensorType
 from shardfuse.ops import Op
 from shardfuse.traced import SHAPE_OPS, Traced, cast, describe
@@ -272,32 +273,39 @@ def _at_ids_get(x, ids):
 
 class AtIndex:
     """x.at[idx]: .set(v) (a dynamic_update_slice), .add(v) (x[idx] + v set back), .get() (a dynamic_slice);
-    at an array of ids along the first axis, .add (sf.scatter_add) and .get (sf.take)."""
+    at an array of ids along the first axis, .add (sf.scatter_add) and .get (sf.take); at integer arrays
+    on several axes (a per-sequence KV-cache write), shardfuse/at_arrays.py."""
 
     def __init__(self, x, key):
         self.x = x
         self.ids = _ids_key(key)
-        if self.ids is None:
+        self.arrays = array_key(x, key) if self.ids is None else None  # (integer arrays on several axes)
+        if self.ids is None and self.arrays is None:
             self.desc, self.values = _parse(x, key, "x.at[...]")
 
     def set(self, v):
         """x with x[idx] replaced by v (broadcast to x[idx]'s shape, cast to x's dtype); x itself where
         an index is out of range (JAX's: the update dropped)."""
-        if self.ids is not None:  # (which of repeated ids wins is unspecified in JAX: not guessed here)
-            raise TypeError("x.at[ids].set(v) with an array of ids: write sf.where(mask, v, x) for a mask, or "
-                            "x.at[ids].add(v - x.at[ids].get()) where the ids are distinct")
+        if self.ids is not None:  # (rows at ids: the arrays' path, the first axis indexed)
+            return _dispatch(at_set, (self.x, (0,), v, self.ids), "x.at[ids].set")
+        if self.arrays is not None:
+            return _dispatch(at_set, (self.x, self.arrays[0], v, *self.arrays[1]), "x.at[...].set")
         return _dispatch(_at_set, (self.x, self.desc, v, *self.values), "x.at[...].set")
 
     def add(self, v):
         """x with v added to x[idx] (nothing added where an index is out of range, as JAX drops it)."""
         if self.ids is not None:
             return _dispatch(_at_ids_add, (self.x, self.ids, v), "x.at[ids].add")
+        if self.arrays is not None:
+            return _dispatch(at_add, (self.x, self.arrays[0], v, *self.arrays[1]), "x.at[...].add")
         return _dispatch(_at_add, (self.x, self.desc, v, *self.values), "x.at[...].add")
 
     def get(self):
         """x[idx] (indices clamped, as every .at index is)."""
         if self.ids is not None:
             return _dispatch(_at_ids_get, (self.x, self.ids), "x.at[ids].get")
+        if self.arrays is not None:
+            return _dispatch(at_get, (self.x, self.arrays[0], *self.arrays[1]), "x.at[...].get")
         return _dispatch(_at_get, (self.x, self.desc, *self.values), "x.at[...].get")
 
 

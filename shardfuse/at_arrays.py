@@ -1,0 +1,122 @@
+"""x.at[...] with integer arrays on one or several axes, the others whole (JAX's advanced-index
+`.at`): a serving step's per-sequence KV-cache write, `cache.at[np.arange(B), :, positions].set(new)`
+(each sequence's token at its own position), and its .add and .get (a serving probe could write only
+one position for the whole batch).
+
+The indexed axes are moved to the front and merged into one (a transpose and a reshape), the index
+arrays broadcast together and made one flat id each, and the rows written as sf.scatter_add writes
+them: `.set` selects the scattered rows where an id landed (sf.where), `.add` adds them, `.get` is
+sf.take of the merged rows.  The value's and the result's axes follow NumPy's rule: the broadcast
+index axes first where the indexed axes are apart (x[ids, :, pos]: [B, H, D]), in their place where
+they are adjacent (x[:, ids]).  Ids count negative ones from the end; .set / .add drop an id outside
+[-n, n) (JAX's), .get clamps it.  Which of repeated ids' values .set keeps is unspecified in JAX;
+here they are summed: give distinct ids.  Cost: the array is rewritten whole (a where over it, O(its
+size), not the in-place scatter of JAX with donation): a decode step's write costs about what its
+attention's read of the cache costs.
+"""
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+from shardfuse.traced import Traced, cast
+
+
+def array_key(x, key):
+    """(positions of the indexed axes, their index arrays) where key indexes x with integer arrays (NumPy
+    or traced, one or more) and whole slices (':', '...') only, and is not ids on the first axis alone
+    (update_slice's own path); else None."""
+    key = key if isinstance(key, tuple) else (key,)
+    if any(k is Ellipsis for k in key):
+        at = key.index(Ellipsis)
+        key = key[:at] + (slice(None),) * (x.ndim - len(key) + 1) + key[at + 1:]
+    arrays = [(a, k) for a, k in enumerate(key) if _is_ids(k)]
+    whole = all(_is_ids(k) or k == slice(None) for k in key)
+    if not arrays or not whole or len(key) > x.ndim or [a for a, _ in arrays] == [0] and len(key) == 1:
+        return None
+    return tuple(a for a, _ in arrays), tuple(np.asarray(k) if isinstance(k, list) else k for _, k in arrays)
+
+
+def _is_ids(k) -> bool:
+    if isinstance(k, (list, np.ndarray)):
+        return np.asarray(k).dtype.kind == "i"
+    return (isinstance(k, Traced) or hasattr(type(k), "one_op")) and k.dtype.kind == "i"
+
+
+def _merged(x, axes, ids):
+    """(x with the indexed axes first and merged, the flat ids [S], whether each is inside x, the
+    permutation, the broadcast index shape S)."""
+    from shardfuse.numpy_broadcast import broadcast_to
+
+    shape = tuple(np.broadcast_shapes(*(tuple(i.shape) for i in ids)))
+    rest = [a for a in range(x.ndim) if a not in axes]
+    perm = list(axes) + rest
+    extents = [x.shape[a] for a in axes]
+    xm = x.transpose(perm).reshape((math.prod(extents),) + tuple(x.shape[a] for a in rest))
+    flat, inside = 0, None
+    for i, n in zip(ids, extents):
+        i = broadcast_to(x.builder.constant(i) if not isinstance(i, Traced) else i, shape)
+        ok = (i >= -n) & (i < n)
+        inside = ok if inside is None else inside & ok
+        flat = flat * n + (i + n * (i < 0)).clip(0, n - 1)  # (negative ids from the end; outside: clamped, masked)
+    return xm, flat, inside, perm, shape
+
+
+def _value_first(x, axes, v, shape):
+    """v broadcast to x[idx]'s shape (NumPy's order) and given with the index axes first."""
+    from shardfuse.numpy_broadcast import broadcast_to
+
+    rest = tuple(x.shape[a] for a in range(x.ndim) if a not in axes)
+    adjacent = list(axes) == list(range(axes[0], axes[0] + len(axes)))
+    lead = axes[0] if adjacent else 0  # (where NumPy puts the index axes in x[idx])
+    out_shape = rest[:lead] + shape + rest[lead:]
+    v = x.builder.constant(np.asarray(v, x.dtype)) if not isinstance(v, Traced) else v
+    v = broadcast_to(cast(v, x.dtype_name), out_shape)
+    k = len(shape)
+    order = list(range(lead, lead + k)) + list(range(lead)) + list(range(lead + k, len(out_shape)))
+    return v.transpose(order) if order != list(range(len(out_shape))) else v, lead
+
+
+def _unmerged(x, xm, perm):
+    back = [0] * len(perm)
+    for j, a in enumerate(perm):
+        back[a] = j
+    return xm.reshape(tuple(x.shape[a] for a in perm)).transpose(back)
+
+
+def at_set(x, axes, v, *ids):
+    """x.at[...].set(v) at integer arrays (the module's docstring)."""
+    from shardfuse.take import scatter_add
+    from shardfuse.traced_numpy import where
+
+    xm, flat, inside, perm, shape = _merged(x, axes, ids)
+    vf, _ = _value_first(x, axes, v, shape)
+    mask = inside.reshape(shape + (1,) * (xm.ndim - 1))
+    rows = scatter_add(flat, where(mask, vf, 0), xm.shape[0])
+    hit = scatter_add(flat, mask.astype("float32"), xm.shape[0]) > 0
+    return _unmerged(x, where(hit, rows.astype(x.dtype), xm), perm)
+
+
+def at_add(x, axes, v, *ids):
+    """x.at[...].add(v) at integer arrays (repeated ids accumulate, as JAX's)."""
+    from shardfuse.take import scatter_add
+    from shardfuse.traced_numpy import where
+
+    xm, flat, inside, perm, shape = _merged(x, axes, ids)
+    vf, _ = _value_first(x, axes, v, shape)
+    rows = scatter_add(flat, where(inside.reshape(shape + (1,) * (xm.ndim - 1)), vf, 0), xm.shape[0])
+    return _unmerged(x, xm + rows.astype(x.dtype), perm)
+
+
+def at_get(x, axes, *ids):
+    """x.at[...].get() at integer arrays: x[idx] in NumPy's order, ids clamped (as JAX's)."""
+    from shardfuse.take import take
+
+    xm, flat, _, _, shape = _merged(x, axes, ids)
+    rows = take(xm, flat)  # [*S, *rest]
+    rest = xm.ndim - 1
+    adjacent = list(axes) == list(range(axes[0], axes[0] + len(axes)))
+    lead, k = (axes[0] if adjacent else 0), len(shape)
+    order = list(range(k, k + lead)) + list(range(k)) + list(range(k + lead, k + rest))
+    return rows.transpose(order) if order != list(range(k + rest)) else rows

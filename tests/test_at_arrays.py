@@ -1,0 +1,75 @@
+"""x.at[...] with integer arrays on several axes (shardfuse/at_arrays.py): a per-sequence KV-cache write
+(each sequence's token at its own position) and its .add / .get, against NumPy's advanced indexing on
+fresh random values, inside sf.jit (positions traced: one plan for every step) and on sf.Arrays,
+sharded over dp and tp with no collective, with JAX's rules for negative and outside ids, and
+gradients against central differences."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import shardfuse as sf
+from cases import directional
+
+B, H, T, D = 4, 2, 8, 3
+
+
+def mesh():
+    return sf.DeviceMesh((2, 2), ("dp", "tp"), backend="numpy")
+
+
+def placed(c):
+    return sf.shard(sf.shard(c, axis=0, over="dp"), axis=1, over="tp")
+
+
+@pytest.mark.parametrize("pos", [[1, 5, 2, 7], [0, -1, 3, -8], [1, 9, 2, -9]])  # (in range; negative; outside)
+def test_a_per_sequence_cache_write_and_read(pos):
+    r = np.random.default_rng()
+    cache, new, pos = r.standard_normal((B, H, T, D)), r.standard_normal((B, H, D)), np.array(pos)
+    rows = np.arange(B)
+    inside = (pos >= -T) & (pos < T)
+    want = cache.copy()
+    want[rows[inside], :, pos[inside]] = new[inside]  # (JAX drops an update outside the axis)
+    write = sf.jit(lambda c, n, p: placed(c).at[rows, :, p].set(n), mesh=mesh())
+    assert write.lower(cache, new, pos).collectives() == {}
+    np.testing.assert_array_equal(np.asarray(write(cache, new, pos)), want)
+    added = cache.copy()
+    np.add.at(added, (rows[inside], slice(None), pos[inside]), new[inside])
+    got = sf.jit(lambda c, n, p: placed(c).at[rows, :, p].add(n), mesh=mesh())(cache, new, pos)
+    np.testing.assert_allclose(np.asarray(got), added, rtol=1e-13)
+    read = sf.jit(lambda c, p: c.at[rows, :, p].get(), mesh=mesh())(cache, pos)
+    np.testing.assert_array_equal(np.asarray(read), cache[rows, :, np.clip(np.where(pos < 0, pos + T, pos), 0, T - 1)])
+
+
+def test_adjacent_index_arrays_keep_their_place_and_sf_arrays_work_outside_jit():
+    r = np.random.default_rng()
+    x = r.standard_normal((5, 6, 3))
+    i, j = np.array([[0, 2], [4, 1]]), np.array([2, 0])  # (broadcast to [2, 2]: x[:, i, j] is [5, 2, 2])
+    v = r.standard_normal((5, 2, 2))
+    want = x.copy()
+    want[np.arange(5)[:, None, None], i[None], j[None, None]] = v  # (x[:, i, j] = v in NumPy's order)
+    got = sf.jit(lambda x, v: x.at[:, i, j].set(v), mesh=mesh())(x, v)
+    np.testing.assert_array_equal(np.asarray(got), want)
+    np.testing.assert_array_equal(np.asarray(sf.jit(lambda x: x.at[:, i, j].get(), mesh=mesh())(x)), x[:, i, j])
+    xs = sf.shard(x, axis=1, over="dp", mesh=mesh())
+    np.testing.assert_array_equal(np.asarray(xs.at[:, i, j].set(v)), want)
+    rows = np.array([4, 0, 2])
+    w = x.copy()
+    w[rows] = 7.0
+    np.testing.assert_array_equal(np.asarray(xs.at[rows].set(7.0)), w)  # (ids on the first axis: .set too now)
+
+
+def test_the_gradient_of_a_cache_write():
+    r = np.random.default_rng()
+    cache, new, pos = r.standard_normal((B, H, T, D)), r.standard_normal((B, H, D)), np.array([1, 5, 2, 7])
+    c = r.standard_normal((B, H, T, D))
+    rows = np.arange(B)
+
+    def ref(p):
+        out = p["cache"].copy()
+        out[rows, :, pos] = p["new"]
+        return float((out * c).sum())
+    g = sf.jit(sf.grad(lambda p: (placed(p["cache"]).at[rows, :, pos].set(p["new"]) * c).sum()),
+               mesh=mesh())({"cache": cache, "new": new})
+    numeric, analytic = directional(ref, {"cache": cache, "new": new}, g, r)
+    assert abs(numeric - analytic) <= 1e-6 * (1 + abs(numeric)), (numeric, analytic)
