@@ -21,10 +21,10 @@ def test_mlp_1d(d, mode, chunks):
     args = mlp_inputs(fresh_rng(mesh), tokens=4 * d * chunks, hidden=2 * d)
     plan = f.lower(*specs(args))
     if mode == "sp":  # one gather chain in, one reduce-scatter chain out, nothing else
-        # (at D = 1 the gathers fold into views; the reduce-scatters write the output, so they stay)
-        assert plan.collectives() == ({} if d == 1 else {"allgather": chunks}) | {"reduce_scatter": chunks}
-    else:  # the pending sum of the row-parallel GEMM, all-reduced chunk by chunk
-        assert plan.collectives() == {"allreduce": chunks}
+        # (at D = 1 the gathers fold into views and the reduce-scatters into the output become copies)
+        assert plan.collectives() == ({} if d == 1 else {"allgather": chunks, "reduce_scatter": chunks})
+    else:  # the pending sum of the row-parallel GEMM, all-reduced chunk by chunk (at D = 1: copies)
+        assert plan.collectives() == ({} if d == 1 else {"allreduce": chunks})
     assert sum(i.op == Op.FOR for i in plan.program.instrs) == (2 if mode == "sp" else 1)
     out = f(*args)
     assert out.sharding.placements(mesh) == (("S(0)",) if mode == "sp" else ("R",))

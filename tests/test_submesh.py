@@ -111,7 +111,7 @@ def test_jit_on_a_submesh(mesh, devices):
     g = sf.jit(lambda a, b: sf.replicate(sf.shard(a, axis=1) @ sf.shard(b, axis=0)), mesh=sub)
     xk, wk = rng.standard_normal((3, 2 * d)), rng.standard_normal((2 * d, 4))
     assert g.lower(sf.TensorSpec((3, 2 * d), "float64"), sf.TensorSpec((2 * d, 4), "float64")).collectives() == \
-        {"allreduce": 1}
+        ({"allreduce": 1} if d > 1 else {})
     np.testing.assert_allclose(g(xk, wk).gather(), xk @ wk, rtol=1e-12)
     # an array on the parent (or another sub-mesh) is refused, naming both meshes
     with pytest.raises(ValueError, match=r"sf.Array on DeviceMesh\(DIDx=4, backend=numpy\), but the function is "
