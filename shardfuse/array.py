@@ -116,9 +116,9 @@ class Array(Placed, ArrayOps):  # operators, ufuncs, reductions, indexing: array
         check_mesh(mesh, what)
         info = array_info(x)
         check_input(info, backend_of(mesh), what)
+        _same_on_every_rank(x, info, mesh, what)  # (first: a shape that differs is then named alike on every rank)
         if layout.ndim != len(info.shape):
             raise ValueError(f"{what}: layout of {layout.ndim} axes for an array of shape {info.shape}")
-        _same_on_every_rank(x, info, mesh, what)  # (first: a shape that differs is then named alike on every rank)
         for a, over in layout.sharded_axes().items():
             check_divides(info.shape, a, over, mesh)
         return cls(mesh, info.shape, info.dtype, layout, local_pieces(x, info.dtype, layout, mesh, info), True)

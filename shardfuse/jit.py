@@ -393,7 +393,7 @@ def jit(fn: Callable | None = None, *, mesh: DeviceMesh | None = None, streams: 
         return lambda f: jit(f, mesh=mesh, streams=streams, graph=graph, max_plans=max_plans, rates=rates,
                              donate_argnums=donate_argnums, static_argnums=static_argnums, static_argnames=static_argnames,
                              donate_argnames=donate_argnames, in_shardings=in_shardings, out_shardings=out_shardings)
-    return Jitted(constrained(fn, mesh, in_shardings, out_shardings), mesh, streams, graph, max_plans, rates,
-                  donate_argnums, static_argnums, static_argnames, donate_argnames)
+    return Jitted(constrained(fn, mesh, in_shardings, out_shardings, static_argnums), mesh, streams, graph, max_plans,
+                  rates, donate_argnums, static_argnums, static_argnames, donate_argnames)
 
 

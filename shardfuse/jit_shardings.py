@@ -13,25 +13,37 @@ from __future__ import annotations
 
 import functools
 
+from shardfuse.layout import Layout
+from shardfuse.placements import Replicate, Shard
 
-def constrained(fn, mesh, in_shardings, out_shardings):
+
+def constrained(fn, mesh, in_shardings, out_shardings, static_argnums=()):
     """fn with its positional arguments placed by in_shardings and its result by out_shardings (fn
-    itself where both are None); the wrapper keeps fn's signature (inspect follows __wrapped__)."""
+    itself where both are None); the wrapper keeps fn's signature (inspect follows __wrapped__).
+    in_shardings: one entry per positional argument that is not static (JAX's count), or one Layout /
+    list of DTensor placements for all of them (as JAX broadcasts one sharding)."""
     if in_shardings is None and out_shardings is None:
         return fn
-    if in_shardings is not None and not isinstance(in_shardings, (tuple, list)):
+    one = isinstance(in_shardings, Layout) or isinstance(in_shardings, list) and in_shardings and \
+        all(isinstance(p, (Shard, Replicate)) for p in in_shardings)
+    if in_shardings is not None and not one and not isinstance(in_shardings, (tuple, list)):
         raise TypeError(f"sf.jit in_shardings= takes a tuple with one entry per positional argument (None: as it "
                         f"comes; each what sf.distribute takes, e.g. (('dp', None), None)), got {in_shardings!r}")
+    static = {static_argnums} if isinstance(static_argnums, int) else set(static_argnums or ())
 
     @functools.wraps(fn)
     def placed(*args, **kwargs):
         from shardfuse.api import distribute  # (api builds on the tracing that imports this module)
 
         if in_shardings is not None:
-            if len(in_shardings) != len(args):
-                raise TypeError(f"sf.jit({getattr(fn, '__name__', 'fn')}): in_shardings has {len(in_shardings)} "
-                                f"entries for {len(args)} positional arguments (one each, None for as it comes)")
-            args = tuple(a if s is None else distribute(a, mesh, s) for a, s in zip(args, in_shardings))
+            dynamic = [k for k in range(len(args)) if k not in static]
+            specs = [in_shardings] * len(dynamic) if one else list(in_shardings)
+            if len(specs) > len(dynamic):
+                raise TypeError(f"sf.jit({getattr(fn, '__name__', 'fn')}): in_shardings has {len(specs)} entries "
+                                f"for {len(dynamic)} positional arguments that are not static (one each, None for as "
+                                "it comes)")
+            where = dict(zip(dynamic, specs))  # (arguments after the entries, by keyword too: as they come)
+            args = tuple(a if where.get(k) is None else distribute(a, mesh, where[k]) for k, a in enumerate(args))
         out = fn(*args, **kwargs)
         return out if out_shardings is None else distribute(out, mesh, out_shardings)
     return placed

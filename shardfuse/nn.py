@@ -30,6 +30,7 @@ from shardfuse import dtypes
 from shardfuse.autodiff import stop_gradient
 from shardfuse.custom_vjp import custom_vjp
 from shardfuse.traced import Traced, describe, is_scalar
+from shardfuse.numpy_broadcast import repeat
 from shardfuse.numpy_math import gelu
 from shardfuse.traced_numpy import exp, linear, log, maximum, minimum, rsqrt, silu, where
 
@@ -135,6 +136,11 @@ def _swap_last_two(t):
 @_one_plan
 def _attention(q, k, v, mask, scale):
     groups = _groups(q, k, v)
+    mesh = getattr(q, "builder", None) and q.builder.mesh
+    if groups > 1 and mesh is not None and any(k.shape[-3] % mesh.axis_size(n) for n in mesh.axis_names):
+        # (q's heads may be split over more devices than there are kv heads: viewed as [kv heads, G] they
+        # would be gathered (a review); k and v repeated instead, a copy each, the heads staying split)
+        k, v, groups = repeat(k, groups, axis=-3), repeat(v, groups, axis=-3), 1
     if groups > 1:  # (grouped-query: q's heads as [kv heads, G], k and v broadcast over G; no copy of them)
         heads, lead = q.shape[-3], q.shape[:-3]
         split = lambda t, g: t.reshape(t.shape[:-3] + (t.shape[-3] // g, g) + t.shape[-2:])  # noqa: E731

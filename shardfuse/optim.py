@@ -49,7 +49,7 @@ class TraceState(NamedTuple):
 def global_norm(updates) -> Any:
     """sqrt of the sum of every leaf's squares (optax.global_norm), in float32 at least."""
     leaves = tree.leaves(updates)
-    total = sum(_widened(x * x).sum() for x in leaves)
+    total = sum((_widened(x) * _widened(x)).sum() for x in leaves)  # (widened first: a float16 square overflows past 256)
     return np.sqrt(total)
 
 
@@ -126,7 +126,7 @@ def chain(*transforms: GradientTransformation) -> GradientTransformation:
 
 def sgd(learning_rate, momentum: float | None = None, nesterov: bool = False) -> GradientTransformation:
     """optax.sgd: -learning_rate * g, with momentum (trace) where given."""
-    return chain(*([trace(momentum, nesterov)] if momentum else []), scale_by_learning_rate(learning_rate))
+    return chain(*([trace(momentum, nesterov)] if momentum is not None else []), scale_by_learning_rate(learning_rate))
 
 
 def adam(learning_rate, b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8, eps_root: float = 0.0):
@@ -153,4 +153,4 @@ def _widened(x):
 
 def _in_dtype(v, dtype):
     """v (a schedule's value: an array, or a Python number, which is weak) in `dtype`."""
-    return v if isinstance(v, (int, float)) else v.astype(dtype)
+    return v if type(v) in (int, float) else np.asarray(v).astype(dtype) if isinstance(v, np.generic) else v.astype(dtype)

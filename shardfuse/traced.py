@@ -99,10 +99,10 @@ class Traced(NumpyMethods):
         """(self cast to the dtype NumPy 2 computes `what` of it and the scalar c in, c as a value of that dtype,
         rounded to it as NumPy 2 and JAX round a weak scalar (float16 x * 0.1 multiplies by float16(0.1));
         reflected: c op x): a Python scalar is weak, as in NumPy 2 and JAX (x * 2.0 keeps float16; int32 x *
-        0.5 is float64); a NumPy scalar is not (float32 x * np.float64(3) is float64; a weak x's op with it is strong)."""
+        0.5 is float64); a NumPy scalar is not (float32 x * np.float64(3) is float64; a weak x's op with one of its kind or higher is strong)."""
         dt = promotion.loop_dtypes(what, *((c, self) if reflected else (self, c)))[0]
         x = cast(self, dt)
-        if x.weak and isinstance(c, np.generic):
+        if x.weak and isinstance(c, np.generic) and dtypes.KINDS[c.dtype.name] >= dtypes.KINDS[self.dtype_name]:
             x = x.unary_op(Op.ASTYPE, dt)
             self.builder.weak.discard(x.value)
         return x, promotion.scalar_value(c, dt)

@@ -44,11 +44,23 @@ def test_pytrees_none_entries_decorator_and_gradients():
     np.testing.assert_allclose(np.asarray(dw), x.sum(0)[:, None] * np.ones((1, 4)), rtol=1e-12)
 
 
-def test_in_shardings_needs_one_entry_per_positional_argument():
+def test_in_shardings_count_the_arguments_that_are_not_static_and_one_sharding_serves_all():
+    """JAX's rules (a review): static arguments take no entry; arguments after the entries (given by
+    keyword too) come as they are; one Layout or placements list places every argument; more
+    entries than arguments, or something that is no sharding, is refused."""
     m = mesh()
-    x, w = np.ones((8, 6)), np.ones((6, 4))
-    with pytest.raises(TypeError, match="in_shardings has 1 entries for 2 positional arguments"):
-        sf.jit(lambda x, w: x @ w, mesh=m, in_shardings=(("dp", None),))(x, w)
+    r = np.random.default_rng()
+    x, w = r.standard_normal((8, 6)), r.standard_normal((6, 4))
+    f = sf.jit(lambda x, scale, w: (x * scale) @ w, mesh=m, static_argnums=1, in_shardings=(("dp", None), None))
+    assert f.lower(x, 2.0, w).input_layouts[0].axes == ("dp", None)
+    np.testing.assert_allclose(np.asarray(f(x, 2.0, w)), 2.0 * x @ w, rtol=1e-13)
+    g = sf.jit(lambda x, w: x @ w, mesh=m, in_shardings=(("dp", None),))
+    np.testing.assert_allclose(np.asarray(g(x, w=w)), x @ w, rtol=1e-13)
+    both = sf.jit(lambda a, b: a + b, mesh=m, in_shardings=[sf.Shard(0), sf.Replicate()])
+    assert both.lower(x, x).input_layouts == (both.lower(x, x).input_layouts[0],) * 2
+    assert both.lower(x, x).input_layouts[0].axes == ("dp", None)
+    with pytest.raises(TypeError, match="in_shardings has 3 entries for 2 positional arguments"):
+        sf.jit(lambda x, w: x @ w, mesh=m, in_shardings=(None, None, None))(x, w)
     with pytest.raises(TypeError, match="one entry per positional argument"):
         sf.jit(lambda x: x, mesh=m, in_shardings=sf.Shard(0))
 

@@ -101,3 +101,16 @@ def test_global_norm_and_errors():
                                np.sqrt(sum((v ** 2).sum() for v in gs[0].values())), rtol=1e-13)
     with pytest.raises(ValueError, match="needs params"):
         optim.adamw(0.1).update(gs[0], optim.adamw(0.1).init(p))
+
+
+def test_review_cases_schedule_dtype_float16_norm_and_zero_momentum():
+    """Eager schedules keep a float32 update float32 (a count of NumPy's made the rate float64); the
+    global norm of float16 gradients past 256 widens before squaring (inf before); sgd(momentum=0.0)
+    keeps its momentum state, as optax's."""
+    p32 = {"w": np.ones((4, 2), np.float32)}
+    opt = optim.sgd(lambda c: 0.1 / (c + 1))
+    updates, _ = opt.update({"w": np.full((4, 2), 0.5, np.float32)}, opt.init(p32), p32)
+    assert updates["w"].dtype == np.float32
+    big = {"w": np.full((4,), 300.0, np.float16)}
+    np.testing.assert_allclose(np.asarray(optim.global_norm(big)), 600.0, rtol=1e-6)
+    assert isinstance(optim.sgd(0.1, momentum=0.0).init(p32)[0], optim.TraceState)

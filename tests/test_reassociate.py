@@ -212,3 +212,24 @@ def test_a_sum_times_a_value_split_over_two_mesh_axes_is_reduced_once():
                                    sf.shard(c, 0, over=("DIDy", "DIDx"))), mesh=mesh)
         np.testing.assert_allclose(np.asarray(f(b, c)), op(b.sum(0), c), rtol=1e-12)
         assert len(allreduces(f.lower(b, c))) == 1
+
+
+def test_carrying_pending_sums_never_adds_communication_or_refuses_a_placement():
+    """A review: pieces pending over tp placed where a row is split over tp were refused at lowering
+    (an rms-norm backward with the hidden axis over tp); x * s + y * s, both linear in one reduced
+    [rows, 1] s, turned one Allreduce of [rows, 1] into one of [rows, cols]."""
+    m = sf.DeviceMesh((2,), ("tp",), backend="numpy")
+    r = np.random.default_rng()
+    x = r.standard_normal((4, 8))
+    g = sf.jit(sf.grad(lambda x, w: (sf.nn.rms_norm(sf.shard(x, 1, over="tp"), w) ** 2).sum()), mesh=m)(x, np.ones(8))
+    one = sf.jit(sf.grad(lambda x, w: (sf.nn.rms_norm(x, w) ** 2).sum()), mesh=sf.DeviceMesh((1,), ("tp",), backend="numpy"))
+    np.testing.assert_allclose(np.asarray(g), np.asarray(one(x, np.ones(8))), rtol=1e-12, atol=1e-12)
+    X, Y, A, B = r.standard_normal((64, 512)), r.standard_normal((64, 512)), r.standard_normal((64, 8)), r.standard_normal((8, 1))
+
+    def h(X, Y, A, B):
+        s = np.zeros_like(X) + (sf.shard(A, 1, over="tp") @ sf.shard(B, 0, over="tp")).sum(1, keepdims=True)
+        return X * s + Y * s
+    plan = sf.jit(h, mesh=m).lower(X, Y, A, B)
+    assert [line for line in allreduces(plan)] and all("s_r_reduced" in line for line in allreduces(plan)), str(plan)
+    s = (A @ B).sum(1, keepdims=True)
+    np.testing.assert_allclose(np.asarray(plan(X, Y, A, B)), X * s + Y * s, rtol=1e-12)

@@ -289,3 +289,12 @@ def test_a_weak_result_stays_weak_in_ops_outside_jit():
     assert (0.1 / (step + 1) * w).dtype == np.float32
     assert sf.jit(lambda s, w: 0.1 / (s + 1) * w, mesh=mesh)(step, w).dtype == np.float32
     assert not (w * 2.0).weak
+
+
+def test_a_weak_value_with_a_numpy_scalar_of_a_lower_kind_stays_weak():
+    """JAX's rule (a review): weak float * np.int32 stays a weak float (float32 beside a float32 array),
+    weak int + np.bool_ stays weak; weak int + np.int64 is strong."""
+    m = sf.DeviceMesh(2, backend="numpy")
+    assert sf.jit(lambda lr, w: (lr * np.int32(2)) * w, mesh=m)(0.1, np.ones(4, np.float32)).dtype == np.float32
+    assert sf.jit(lambda s: s + np.bool_(True), mesh=m)(0).weak
+    assert not sf.jit(lambda s: s + np.int64(1), mesh=m)(0).weak

@@ -28,7 +28,7 @@ from __future__ import annotations
 from collections import Counter
 
 from shardfuse.ir import Instr, Namer, TensorType, Value
-from shardfuse.layout import Layout
+from shardfuse.layout import Layout, mesh_axes
 from shardfuse.ops import ELEMENTWISE, Op, Reduce
 
 # ops linear in one operand, whose pending sum they may carry (_Sums._linear)
@@ -83,13 +83,16 @@ class _Sums:
             return [], self.memo[v], []
         lin = self._linear(v)
         if lin is not None:
-            i, u = lin
-            made, pu, _ = self.pieces(u, top=False)
-            wide = Value(self.namer(f"{v.name}_pieces"), self._wide_type(v, pu.type))
+            i, us = lin
+            made, swap = [], {}
+            for u in us:
+                more, swap[u], _ = self.pieces(u, top=False)
+                made += more
+            wide = Value(self.namer(f"{v.name}_pieces"), self._wide_type(v, swap[us[0]].type))
             self.memo[v] = wide
             # (nothing dropped here: v may have readers no sum folds, which still read the reduced u;
             # where none is left, _without_unread drops v's chain)
-            return made + [Instr(i.op, (wide,), tuple(pu if x is u else x for x in i.ins), dict(i.attrs))], wide, []
+            return made + [Instr(i.op, (wide,), tuple(swap.get(x, x) for x in i.ins), dict(i.attrs))], wide, []
         cast = self.casts.get(v)
         if cast is None or cast.ins[0] not in self.made or self.uses[cast.ins[0]] != 1 or self.uses[v] != 1:
             return None
@@ -108,7 +111,7 @@ class _Sums:
             return self.memo[v].type
         lin = self._linear(v)
         if lin is not None:
-            return self._wide_type(v, self.piece_type(lin[1], top=False))
+            return self._wide_type(v, self.piece_type(lin[1][0], top=False))
         cast = self.casts.get(v)
         if cast is None or cast.ins[0] not in self.made or self.uses[cast.ins[0]] != 1 or self.uses[v] != 1:
             return None
@@ -116,30 +119,54 @@ class _Sums:
         return TensorType(p.type.shape, v.type.dtype, p.type.layout)
 
     def _linear(self, v):
-        """(the instruction making v, its operand u) where v is linear in u, a value with pieces
-        (piece_type), and u's pending sum may be carried through it: v = u * y or y * u, u / y, a
-        scale or negation of u, or 0 + u where 0 is a full_like (autodiff's broadcast of a cotangent),
-        y and v whole, of u's dtype.  The pieces of v are then the op of u's pieces: the rms-norm
-        backward's x * reduced(s) summed with reduced(g) is reduced(x * s + g), one Allreduce where
-        Megatron makes one (a probe: two, a [tokens, 1] one first)."""
+        """(the instruction making v, its operands with pieces) where v is linear in them and their
+        pending sums may be carried through it: v = u * y or y * u, u / y, a scale or negation of u,
+        0 + u where 0 is a full_like (autodiff's broadcast of a cotangent), or u1 + u2 / u1 - u2 whose
+        pieces are alike; y and v whole, of u's dtype, and placed over none of the mesh axes the
+        pieces pend (a row split over tp cannot hold pieces pending over tp: a review).  The pieces
+        of v are the op of those of u: the rms-norm backward's x * reduced(s) summed with reduced(g)
+        is reduced(x * s + g), one Allreduce where Megatron makes one (a probe: two)."""
         i = self.producer.get(v)
         if i is None or v.type.layout is None or v.type.layout.partial or i.op not in _LINEAR:
             return None
         if set(i.attrs) - {"value"} or (i.attrs and i.op not in (Op.SCALE, Op.DIV_SCALAR)):
             return None
-        whole = lambda y: y.type.layout is not None and not y.type.layout.partial  # noqa: E731
-        if i.op == Op.ADD:
-            zero = [y for y in i.ins if y in self.zeros]
-            rest = [y for y in i.ins if y not in self.zeros]
-            candidates = rest if len(zero) == 1 and len(rest) == 1 else []
+        zeros = [y for y in i.ins if y in self.zeros]
+        if i.op in (Op.ADD, Op.SUB) and len(i.ins) == 2 and i.ins[0] is not i.ins[1] and not zeros:
+            pts = [self.piece_type(u, top=False) for u in i.ins]
+            ok = pts[0] is not None and pts[0] == pts[1] and all(u.type == v.type for u in i.ins)
+            return (i, tuple(i.ins)) if ok and self._holds(v, pts[0], ()) else None
+        if i.op in (Op.ADD, Op.SUB):  # (0 + u; a whole y added to pieces would be counted once per device)
+            candidates = [y for y in i.ins if y not in self.zeros] if i.op == Op.ADD and len(zeros) == 1 else []
         else:
-            candidates = list(i.ins[:1] if i.op != Op.MUL else i.ins)
+            candidates = list(i.ins) if i.op == Op.MUL else [i.ins[0]]
         for u in candidates:
             others = [y for y in i.ins if y is not u]
-            if (u.type.dtype == v.type.dtype and u not in others and all(map(whole, others))
-                    and self.piece_type(u, top=False) is not None):
-                return i, u
+            pt = self.piece_type(u, top=False) if u.type.dtype == v.type.dtype and u not in others else None
+            if pt is not None and self._holds(v, pt, others):
+                return i, (u,)
         return None
+
+    @staticmethod
+    def _holds(v, pt, others) -> bool:
+        """Whether v's placement and the other operands' (whole) can hold pieces pending pt's sums."""
+        pending = set(pt.layout.partial)
+        for y in (v, *others):
+            lay = y.type.layout
+            if lay is None or lay.partial or pending & {n for a in lay.axes for n in mesh_axes(a)}:
+                return False
+        return True
+
+    def roots(self, v) -> frozenset:
+        """The reshards (reductions) v's pieces come from: a sum of two values from one of them merges
+        no reduction (x * s + y * s: one of s, [rows, 1], made one of [rows, cols]: a review)."""
+        if v in self.made:
+            return frozenset([v])
+        lin = self._linear(v)
+        if lin is not None:
+            return frozenset().union(*(self.roots(u) for u in lin[1]))
+        cast = self.casts.get(v)
+        return frozenset([cast.ins[0]]) if cast is not None else frozenset()
 
     @staticmethod
     def _wide_type(v, pt):
@@ -156,6 +183,8 @@ class _Sums:
         if not u.type == w.type == o.type:
             return None
         tu, tw = self.piece_type(u), self.piece_type(w)
+        if tu is not None and tu == tw and self.roots(u) & self.roots(w):  # (a sum linear in one reduction:
+            return None  # left whole; a later sum may carry it as _linear's u1 + u2)
         if tu is not None and tu == tw:
             return self._summed(i.op, o, self.pieces(u), self.pieces(w))
         if i.op != Op.ADD:
@@ -183,7 +212,8 @@ class _Sums:
         x, vs, made_t = self.tails.pop(t)
         self.dropped.update(made_t)
         out = []
-        k = next((k for k, v in enumerate(vs) if w_type is not None and self.piece_type(v) == w_type), None)
+        k = next((k for k, v in enumerate(vs) if w_type is not None and self.piece_type(v) == w_type
+                  and not self.roots(v) & self.roots(w)), None)
         if k is not None:
             r = Value(self.namer(f"{o.name}_summed"), o.type)
             out += self._summed(Op.ADD, r, self.pieces(vs[k]), self.pieces(w))
