@@ -12,6 +12,7 @@ from shardfuse.fault_messages import CHECK_ENV, input_prints, ranks_text
 from shardfuse.array import Array, check_mesh
 from shardfuse.interop import array_info, check_input
 from shardfuse.layout import Layout, layout_of, mesh_axes
+from shardfuse.pieces import local_indices
 from shardfuse.mesh import DeviceMesh
 from shardfuse.placements import Partial
 from shardfuse.runtime import backend_of
@@ -144,3 +145,38 @@ def _local_layout(axis, over, placements, shape, mesh) -> Layout:
     for a, entry in axes:
         layout = layout.with_axis(a, entry)
     return layout
+
+
+def make_array_from_single_device_arrays(shape, sharding, arrays, mesh=None):
+    """jax.make_array_from_single_device_arrays: an sf.Array of global `shape` from this process'
+    pieces, one per local device that holds one, in the order of `x.addressable_shards` (whose
+    `.data` they may be): what takes a per-rank checkpoint back where to_local() refuses (a bias
+    sharded over (tp, dp) whose pieces on one process tile no box).  `sharding`: an sf.Array's
+    `.sharding` (a Layout), or placements / a spec as sf.distribute takes them; `mesh`: where the
+    Layout names none (the whole mesh).  Each piece's shape and dtype are checked against its box."""
+    mesh = mesh if mesh is not None else getattr(sharding, "mesh", None)
+    if mesh is None:
+        raise ValueError("sf.make_array_from_single_device_arrays needs mesh= (the Layout names none)")
+    check_mesh(mesh, "sf.make_array_from_single_device_arrays")
+    shape = tuple(int(n) for n in shape)
+    layout = sharding if isinstance(sharding, Layout) else layout_of(sharding, len(shape), mesh)
+    indices = local_indices(shape, layout, mesh)
+    if any(idx is None for idx in indices):
+        raise ValueError(f"sf.make_array_from_single_device_arrays: {layout} lives on a sub-mesh; place the value on "
+                         f"the whole mesh {mesh} and move it inside sf.jit (sf.to_mesh)")
+    arrays = list(arrays)
+    if len(arrays) != len(indices):
+        raise ValueError(f"sf.make_array_from_single_device_arrays: this process' {len(indices)} devices "
+                         f"{list(mesh.local_devices)} each hold a piece; {len(arrays)} arrays were given")
+    be, parts, dtype = backend_of(mesh), [], None
+    for j, (idx, a) in enumerate(zip(indices, arrays)):
+        info = array_info(a)
+        check_input(info, be, "sf.make_array_from_single_device_arrays")
+        box = tuple(s.stop - s.start for s in idx)
+        if tuple(info.shape) != box or dtype not in (None, info.dtype):
+            raise ValueError(f"sf.make_array_from_single_device_arrays: the piece for device {mesh.local_devices[j]} "
+                             f"is {info.dtype}{list(info.shape)}; its box of {shape} is {list(box)}"
+                             + (f" of {dtype}" if dtype else ""))
+        dtype = info.dtype
+        parts.append(be.piece(be.adopt(a, info), j))
+    return Array(mesh, shape, dtype, layout, parts, True)

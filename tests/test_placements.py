@@ -120,3 +120,23 @@ def test_compact_placements_mixed_with_placement_objects():
     mesh = sf.DeviceMesh((2, 2), ("dp", "tp"), backend="numpy")
     x = np.random.default_rng().standard_normal((4, 8))
     assert sf.distribute(x, mesh, (sf.Shard(0), "R")).placements == (sf.Shard(0), sf.Replicate())
+
+
+def test_make_array_from_single_device_arrays_takes_addressable_shards_back():
+    """JAX's make_array_from_single_device_arrays: the pieces of x.addressable_shards (or copies) with
+    x.sharding rebuild x; a piece of another shape or a wrong count is refused naming the device."""
+    mesh = sf.DeviceMesh((2, 2), ("dp", "tp"), backend="numpy")
+    w = np.random.default_rng(3).standard_normal((8, 6))
+    for spec in [("dp", "tp"), (("tp", "dp"), None), (None, "tp")]:
+        x = sf.distribute(w, mesh, spec)
+        back = sf.make_array_from_single_device_arrays(x.shape, x.sharding, [s.data.copy() for s in x.addressable_shards],
+                                                       mesh=mesh)
+        assert back.sharding == x.sharding
+        np.testing.assert_array_equal(np.asarray(back), w)
+    x = sf.distribute(w, mesh, ("dp", "tp"))
+    with pytest.raises(ValueError, match="4 devices .* 3 arrays"):
+        sf.make_array_from_single_device_arrays(x.shape, x.sharding, [s.data for s in x.addressable_shards][:3], mesh=mesh)
+    with pytest.raises(ValueError, match="its box of"):
+        sf.make_array_from_single_device_arrays(x.shape, ("dp", None), [s.data for s in x.addressable_shards], mesh=mesh)
+    with pytest.raises(ValueError, match="needs mesh="):
+        sf.make_array_from_single_device_arrays(x.shape, ("dp", "tp"), [s.data for s in x.addressable_shards])

@@ -339,3 +339,18 @@ def test_replicas_passing_different_pieces_to_from_local_all_raise():
     piece = np.random.default_rng(dp).standard_normal((2, 3))
     got = sf.from_local(piece, axis=0, over="dp", mesh=mesh).gather()
     np.testing.assert_array_equal(got, np.concatenate([np.random.default_rng(d).standard_normal((2, 3)) for d in (0, 1)]))
+
+
+def test_a_per_rank_checkpoint_round_trips_through_addressable_shards():
+    """An MPI probe: to_local() refused a bias sharded over (tp, dp) whose pieces on one process tile no
+    box, and nothing took addressable_shards back.  sf.make_array_from_single_device_arrays (JAX's)
+    rebuilds the value from this process' pieces, checking each against its box."""
+    mesh = sf.DeviceMesh((2, 2), ("dp", "tp"))
+    b = np.random.default_rng(5).standard_normal(16)
+    x = sf.distribute(b, mesh, (("tp", "dp"),))
+    saved = [np.array(s.data) for s in x.addressable_shards]
+    back = sf.make_array_from_single_device_arrays(x.shape, x.sharding, saved, mesh=mesh)
+    assert back.sharding == x.sharding
+    np.testing.assert_array_equal(back.gather(), b)
+    with pytest.raises(ValueError, match="its box of"):
+        sf.make_array_from_single_device_arrays(x.shape, x.sharding, [s[:1] for s in saved], mesh=mesh)
