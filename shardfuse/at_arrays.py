@@ -10,9 +10,11 @@ sf.take of the merged rows.  The value's and the result's axes follow NumPy's ru
 index axes first where the indexed axes are apart (x[ids, :, pos]: [B, H, D]), in their place where
 they are adjacent (x[:, ids]).  Ids count negative ones from the end; .set / .add drop an id outside
 [-n, n) (JAX's), .get clamps it.  Which of repeated ids' values .set keeps is unspecified in JAX;
-here they are summed: give distinct ids.  Cost: the array is rewritten whole (a where over it, O(its
-size), not the in-place scatter of JAX with donation): a decode step's write costs about what its
-attention's read of the cache costs.
+here they are summed: give distinct ids.  Where the first index is np.arange of its axis and each
+other index holds one id per row (the KV-cache write), the rows are written where they lie by a
+mask (a where over the array: no communication with the rows over dp and the rest over tp).  Cost:
+the array is rewritten whole (O(its size), not the in-place scatter of JAX with donation): a decode
+step's write costs about what its attention's read of the cache costs.
 """
 from __future__ import annotations
 
@@ -35,7 +37,8 @@ def array_key(x, key):
     whole = all(_is_ids(k) or k == slice(None) for k in key)
     if not arrays or not whole or len(key) > x.ndim or [a for a, _ in arrays] == [0] and len(key) == 1:
         return None
-    return tuple(a for a, _ in arrays), tuple(np.asarray(k) if isinstance(k, list) else k for _, k in arrays)
+    axes, ids = tuple(a for a, _ in arrays), tuple(np.asarray(k) if isinstance(k, list) else k for _, k in arrays)
+    return (axes, _rows(x, axes, ids)), ids
 
 
 def _is_ids(k) -> bool:
@@ -85,11 +88,44 @@ def _unmerged(x, xm, perm):
     return xm.reshape(tuple(x.shape[a] for a in perm)).transpose(back)
 
 
-def at_set(x, axes, v, *ids):
+def _rows(x, axes, ids) -> bool:
+    """The first index is np.arange of its whole axis (a NumPy array, as given) and every index one id
+    per row of it (a batch's sequences, each at its own position): written where it lies, by a mask
+    per row (no merged axis to scatter into: with the batch over dp, that was a cache-sized buffer
+    summed over dp, a probe)."""
+    first = ids[0]
+    return (len(axes) > 1 and isinstance(first, np.ndarray) and first.ndim == 1 and len(first) == x.shape[axes[0]]
+            and bool((first == np.arange(len(first))).all()) and all(i.ndim == 1 and i.shape[0] == len(first) for i in ids))
+
+
+def _row_mask(x, axes, ids):
+    """True at (b, ids_1[b], ...) for each row b along axes[0]: broadcastable to x (ids outside drop out)."""
+    mask, rows = None, [len(ids[0]) if d == axes[0] else 1 for d in range(x.ndim)]
+    for a, i in zip(axes[1:], ids[1:]):
+        n = x.shape[a]
+        i = x.builder.constant(i) if not isinstance(i, Traced) else i
+        at = np.arange(n).reshape([n if d == a else 1 for d in range(x.ndim)])
+        m = (i + n * (i < 0)).reshape(rows) == at
+        mask = m if mask is None else mask & m
+    return mask
+
+
+def _row_values(x, axes, v):
+    """v (broadcast to x[idx], rows first) in x's axis order, of extent 1 along the other indexed axes."""
+    vf, _ = _value_first(x, axes, v, (x.shape[axes[0]],))
+    order = [axes[0]] + [a for a in range(x.ndim) if a not in axes] + list(axes[1:])
+    vf = vf.reshape(tuple(vf.shape) + (1,) * (len(axes) - 1))
+    return vf.transpose([order.index(d) for d in range(x.ndim)])
+
+
+def at_set(x, spec, v, *ids):
     """x.at[...].set(v) at integer arrays (the module's docstring)."""
     from shardfuse.take import scatter_add
     from shardfuse.traced_numpy import where
 
+    axes, rows = spec
+    if rows:
+        return where(_row_mask(x, axes, ids), _row_values(x, axes, v), x)
     xm, flat, inside, perm, shape = _merged(x, axes, ids)
     vf, _ = _value_first(x, axes, v, shape)
     mask = inside.reshape(shape + (1,) * (xm.ndim - 1))
@@ -98,21 +134,25 @@ def at_set(x, axes, v, *ids):
     return _unmerged(x, where(hit, rows.astype(x.dtype), xm), perm)
 
 
-def at_add(x, axes, v, *ids):
+def at_add(x, spec, v, *ids):
     """x.at[...].add(v) at integer arrays (repeated ids accumulate, as JAX's)."""
     from shardfuse.take import scatter_add
     from shardfuse.traced_numpy import where
 
+    axes, rows = spec
+    if rows:
+        return x + where(_row_mask(x, axes, ids), _row_values(x, axes, v), 0).astype(x.dtype)
     xm, flat, inside, perm, shape = _merged(x, axes, ids)
     vf, _ = _value_first(x, axes, v, shape)
     rows = scatter_add(flat, where(inside.reshape(shape + (1,) * (xm.ndim - 1)), vf, 0), xm.shape[0])
     return _unmerged(x, xm + rows.astype(x.dtype), perm)
 
 
-def at_get(x, axes, *ids):
+def at_get(x, spec, *ids):
     """x.at[...].get() at integer arrays: x[idx] in NumPy's order, ids clamped (as JAX's)."""
     from shardfuse.take import take
 
+    axes = spec[0]
     xm, flat, _, _, shape = _merged(x, axes, ids)
     rows = take(xm, flat)  # [*S, *rest]
     rest = xm.ndim - 1

@@ -287,7 +287,7 @@ class AtIndex:
         """x with x[idx] replaced by v (broadcast to x[idx]'s shape, cast to x's dtype); x itself where
         an index is out of range (JAX's: the update dropped)."""
         if self.ids is not None:  # (rows at ids: the arrays' path, the first axis indexed)
-            return _dispatch(at_set, (self.x, (0,), v, self.ids), "x.at[ids].set")
+            return _dispatch(at_set, (self.x, ((0,), False), v, self.ids), "x.at[ids].set")
         if self.arrays is not None:
             return _dispatch(at_set, (self.x, self.arrays[0], v, *self.arrays[1]), "x.at[...].set")
         return _dispatch(_at_set, (self.x, self.desc, v, *self.values), "x.at[...].set")

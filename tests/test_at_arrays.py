@@ -73,3 +73,23 @@ def test_the_gradient_of_a_cache_write():
                mesh=mesh())({"cache": cache, "new": new})
     numeric, analytic = directional(ref, {"cache": cache, "new": new}, g, r)
     assert abs(numeric - analytic) <= 1e-6 * (1 + abs(numeric)), (numeric, analytic)
+
+
+def test_a_cache_write_with_the_batch_over_dp_is_local_and_in_place():
+    """A JAX-port probe: with the batch (and positions) over dp, the merged [batch * len] rows were
+    scattered whole on every device and summed over dp (2 Allreduces of the cache); the rows' form
+    (np.arange of the batch first) writes each row where it lies: no collective, the donated cache
+    taken by the result without a warning."""
+    import warnings
+    r = np.random.default_rng()
+    cache, new, pos = r.standard_normal((B, H, T, D)), r.standard_normal((B, H, D)), np.array([1, -1, 9, 0], np.int32)
+    f = sf.jit(lambda c, k, p: c.at[np.arange(B), :, p].set(k), mesh=mesh(), donate_argnums=0,
+               in_shardings=(("dp", "tp", None, None), ("dp", "tp", None), ("dp",)))
+    assert f.lower(cache, new, pos).collectives() == {}
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        got = f(cache.copy(), new, pos)
+    want = cache.copy()
+    inside = (pos >= -T) & (pos < T)
+    want[np.arange(B)[inside], :, pos[inside]] = new[inside]
+    np.testing.assert_array_equal(np.asarray(got), want)
