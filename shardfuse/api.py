@@ -73,10 +73,11 @@ def distribute(x: Any, mesh: DeviceMesh, placements: Any) -> Any:
     if isinstance(x, Traced):
         return trace.constrain(x, placements, mesh)
     if tree.is_container(x):
+        if placements is None:  # (a subtree left as it is: JAX's unspecified, a prefix's None)
+            return x
         if _is_placement(placements):  # (one for every leaf)
             return tree.tree_map(lambda v: distribute(v, mesh, placements), x)
-        return tree.tree_map(lambda v, p: v if p is None else distribute(v, mesh, p), x, placements,
-                             is_leaf=lambda p: p is None or _is_placement(p))  # (None: as it is, JAX's unspecified)
+        return _by_prefix(x, mesh, placements, ())
     if isinstance(placements, Layout):
         placements = list(placements.axes)
     if isinstance(x, Array):
@@ -96,6 +97,25 @@ def _captured(x, mesh):
     at every call, a review)."""
     builder = constants.active()
     return builder.constant(x) if builder is not None and mesh is None and isinstance(x, np.ndarray) else x
+
+
+def _by_prefix(x, mesh, placements, path):
+    """x's subtrees placed by a pytree of placements that is a prefix of x's structure (JAX's rule for
+    shardings: a placement, or None for as it is, stands for a whole subtree)."""
+    if placements is None or _is_placement(placements):
+        return x if placements is None else distribute(x, mesh, placements)
+    where = "".join(f"[{k!r}]" for k in path) or "the top"
+    if isinstance(placements, dict) and isinstance(x, dict):
+        if set(placements) != set(x):
+            raise ValueError(f"sf.distribute: the placements at {where} have keys {sorted(placements)}, the value "
+                             f"{sorted(x)}: a pytree of placements must follow the value's structure (a prefix of it)")
+        return type(x)({k: _by_prefix(x[k], mesh, placements[k], path + (k,)) for k in x})
+    if isinstance(placements, (list, tuple)) and isinstance(x, (list, tuple)) and len(placements) == len(x):
+        parts = [_by_prefix(v, mesh, p, path + (k,)) for k, (v, p) in enumerate(zip(x, placements))]
+        return type(x)(*parts) if hasattr(type(x), "_fields") else type(x)(parts)
+    raise ValueError(f"sf.distribute: the placements at {where} ({type(placements).__name__}) do not follow the value "
+                     f"there ({type(x).__name__}{f' of {len(x)}' if isinstance(x, (list, tuple, dict)) else ''}): a "
+                     "pytree of placements is a prefix of the value's, each leaf a placement or None")
 
 
 def _is_placement(p) -> bool:

@@ -75,3 +75,20 @@ def test_eval_shape_gives_each_results_spec_without_running():
     assert out["n"].shape == () and out["n"].dtype == "float32"
     assert sf.eval_shape(lambda x: x * 2, np.ones(3)).shape == (3,)
     assert sf.eval_shape(lambda s: s + 1, 0).weak  # (a Python scalar's result stays weak, as JAX's)
+
+
+def test_a_pytree_of_shardings_may_be_a_prefix_with_none_subtrees():
+    """JAX's prefix rule (a JAX-port probe): (params_specs, None) for an argument (params, opt_state)
+    places the parameters and leaves the optimizer state as it comes; a mismatch names where."""
+    from collections import namedtuple
+    m = mesh()
+    state = namedtuple("State", "count mu")
+    arg = ({"w": np.ones((4, 4)), "b": np.ones(4)}, (state(np.int32(0), {"w": np.ones((4, 4))}),))
+    placed = sf.distribute(arg, m, ({"w": (None, "tp"), "b": ("tp",)}, None))
+    assert placed[0]["w"].placements == (sf.Replicate(), sf.Shard(1)) and type(placed[1][0]).__name__ == "State"
+    f = sf.jit(lambda st, x: st[0]["w"] @ x + st[1][0].mu["w"] @ x, mesh=m,
+               in_shardings=(({"w": (None, "tp"), "b": ("tp",)}, None), None))
+    assert f.lower(arg, np.ones((4, 2))).input_layouts[0][0]["w"].axes == (None, "tp")
+    np.testing.assert_allclose(np.asarray(f(arg, np.ones((4, 2)))), np.full((4, 2), 8.0))
+    with pytest.raises(ValueError, match=r"placements at \[0\] have keys \['w'\], the value \['b', 'w'\]"):
+        sf.distribute(arg, m, ({"w": (None, "tp")}, None))
