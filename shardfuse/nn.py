@@ -174,6 +174,10 @@ def attention(q, k, v, causal=False, mask=None, *, scale=None):
     It is aligned at the top left, query i seeing keys 0..i (jax.nn.dot_product_attention's is_causal,
     torch's is_causal): for a decode step whose seq_q queries are the last of seq_k cached positions,
     give the mask np.tril(np.ones((seq_q, seq_k), bool), k=seq_k - seq_q) (a serving probe's trap)."""
+    if not isinstance(causal, (bool, np.bool_)):
+        raise TypeError(f"sf.nn.attention(q, k, v, causal=False, mask=None, *, scale=None): causal takes True or False, "
+                        f"got {type(causal).__name__}; pass a mask by keyword, mask=... (jax.nn.dot_product_attention's "
+                        "fourth positional argument is a bias)")
     if causal:
         if mask is not None:
             raise ValueError("sf.nn.attention: give causal=True or mask=, not both (fold the causal mask into yours: "

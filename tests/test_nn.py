@@ -514,3 +514,11 @@ def test_grouped_and_multi_query_attention_with_masks_per_head(kv_heads, mask_he
     want = (p / p.sum(-1, keepdims=True)) @ vv
     got = sf.jit(lambda q, k, v: nn.attention(q, k, v, mask=mask), mesh=mesh)(q, k, v)
     np.testing.assert_allclose(np.asarray(got), want, rtol=1e-12, atol=1e-12)
+
+
+def test_a_mask_given_where_causal_goes_says_to_pass_it_by_keyword():
+    """A JAX-port probe: attention(q, k, v, mask) read the mask as causal= and failed on its truth value."""
+    mesh = sf.DeviceMesh(2, backend="numpy")
+    q = np.ones((1, 2, 3, 4))
+    with pytest.raises(TypeError, match="causal takes True or False, got ndarray; pass a mask by keyword"):
+        sf.jit(lambda q: nn.attention(q, q, q, np.ones((3, 3), bool)), mesh=mesh)(q)
