@@ -120,10 +120,10 @@ class Jitted:
             info["static_values"] = len(statics)
         return info
 
-    def lower(self, *specs: Any) -> Plan:
+    def lower(self, *specs: Any, **named: Any) -> Plan:
         """The plan for these inputs: TensorSpecs, (shape, dtype[, sharding]) tuples, or the
-        arrays themselves (as JAX's .lower takes either)."""
-        target, specs = self._resolve(specs, "lower")
+        arrays themselves (as JAX's .lower takes either), by keyword too as the function takes them."""
+        target, specs = self._resolve(self.positional(specs, named) if named else specs, "lower")
         with target._tables:
             plan = target._lower(specs)
         if target is not self and not self._static:  # (pytree arguments: keywords bound as this function binds them)

@@ -348,7 +348,9 @@ def eval_shape(fn, *args, mesh=None, **kwargs):
     """jax.eval_shape: the sf.TensorSpec (shape, dtype, layout) of each of fn's results for these
     arguments (arrays, sf.Arrays, sf.TensorSpecs or (shape, dtype) tuples, pytrees of them), in the
     result's structure, from the compiled plan: nothing runs.  mesh: the mesh fn's annotations name
-    (default one NumPy device)."""
+    (default: a jitted fn's own, else one NumPy device)."""
     from shardfuse.mesh import DeviceMesh
 
+    if isinstance(fn, Jitted) and mesh in (None, fn.mesh):  # (its own plan: its mesh, static arguments, shardings)
+        return fn.lower(*args, **kwargs).output_specs
     return Jitted(fn, mesh or DeviceMesh(1, backend="numpy")).lower(*args, **kwargs).output_specs

@@ -75,6 +75,9 @@ def test_eval_shape_gives_each_results_spec_without_running():
     assert out["n"].shape == () and out["n"].dtype == "float32"
     assert sf.eval_shape(lambda x: x * 2, np.ones(3)).shape == (3,)
     assert sf.eval_shape(lambda s: s + 1, 0).weak  # (a Python scalar's result stays weak, as JAX's)
+    step = sf.jit(lambda x, w: sf.shard(x, axis=0, over="dp") @ w, mesh=m)  # (a jitted function: its own mesh)
+    assert sf.eval_shape(step, np.ones((8, 4)), w=np.ones((4, 2))).layout.axes == ("dp", None)
+    assert step.lower(np.ones((8, 4)), w=np.ones((4, 2))).collectives() == {}  # (lower by keyword, as calls)
 
 
 def test_a_pytree_of_shardings_may_be_a_prefix_with_none_subtrees():
