@@ -242,8 +242,9 @@ def trace(fn, mesh, specs, streams=4, name=None) -> Program:
     with tracing(builder):  # (an op on an sf.Array inside fn is traced, the array a constant: array_ops.run)
         result = fn(*(Traced(builder, v) for v in inputs))
         results = result if isinstance(result, tuple) else (result,)
-        # a Python or NumPy number returned (a learning rate in an aux dict): a 0-d array of it, as JAX returns
-        results = tuple(builder.constant(np.asarray(r)) if isinstance(r, (bool, int, float, np.generic)) else r
+        # a Python or NumPy number or a NumPy array returned (a learning rate in an aux dict, an optimizer's zeros):
+        # an array of it, as JAX returns
+        results = tuple(builder.constant(np.asarray(r)) if isinstance(r, (bool, int, float, np.generic, np.ndarray)) else r
                         for r in results)
     for r in results:
         if not isinstance(r, Traced):

@@ -114,3 +114,15 @@ def test_review_cases_schedule_dtype_float16_norm_and_zero_momentum():
     big = {"w": np.full((4,), 300.0, np.float16)}
     np.testing.assert_allclose(np.asarray(optim.global_norm(big)), 600.0, rtol=1e-6)
     assert isinstance(optim.sgd(0.1, momentum=0.0).init(p32)[0], optim.TraceState)
+
+
+def test_init_under_jit_returns_the_state_placed_as_its_parameters():
+    """jax.jit(opt.init, ...) is the usual sharded init (a JAX-port probe: a returned NumPy constant, the
+    count's zeros, was refused); the returned constant is a copy, so donating it leaves the next init whole."""
+    m = mesh()
+    p = {"w": np.ones((4, 4)), "b": np.ones(4)}
+    init = sf.jit(lambda p: optim.adam(1e-3).init(p), mesh=m, in_shardings=({"w": (None, "tp"), "b": ("tp",)},))
+    state = init(p)
+    assert int(state[0].count) == 0 and state[0].mu["w"].placements == (sf.Replicate(), sf.Shard(1))
+    bump = sf.jit(lambda s: s[0].count + 1, mesh=m, donate_argnums=0)
+    assert int(bump(state)) == 1 and int(init(p)[0].count) == 0
