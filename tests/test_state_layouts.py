@@ -67,8 +67,8 @@ def test_a_tensor_parallel_state_placed_as_the_step_returns_it_compiles_once():
     want = params
     for _ in range(3):
         state, want = g(state, x), _tp_reference(want, x)
-    for k in want:
-        np.testing.assert_allclose(np.asarray(state[k]), want[k], rtol=1e-12)
+    for k in want:  # (atol: an element near 0 after three steps carries the summation order's rounding)
+        np.testing.assert_allclose(np.asarray(state[k]), want[k], rtol=1e-12, atol=1e-12 * np.abs(want[k]).max())
     assert g.cache_info()["plans"] == 1
     plan = next(iter(g.cached_plans().values()))
     (ins, x_layout) = plan.input_layouts  # (the arguments' structure: a dict, then one array)
