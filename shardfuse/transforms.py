@@ -105,17 +105,29 @@ class _Forward:
             return whole(orig.value.type.layout)
         # (through casts, as fold_annotations places the input: a float32 master weight's bfloat16 copy
         # sharded over tp keeps the weight so)
-        uses, todo = [], list(readers[x.value])
+        # (and through the layers w[k] of a stacked weight, sf.lax.scan's reads: their annotations, the
+        # leading axis whole, as fold_annotations places the stack)
+        uses, todo = [], [(i, 0) for i in readers[x.value]]
         while todo:
-            i = todo.pop()
+            i, lead = todo.pop()
             if i.op == Op.ASTYPE:
-                todo += readers[i.outs[0]]
+                todo += [(j, lead) for j in readers[i.outs[0]]]
+            elif _a_layer(i, readers):
+                todo += [(j, lead + 1) for r in readers[i.outs[0]] for j in readers[r.outs[0]]]
             else:
-                uses.append(i)
-        stated = {i.outs[0].type.layout for i in uses if i.op == Op.SET and i.attrs.get("annotation")}
-        if len(stated) == 1 and all(i.op == Op.SET for i in uses):
-            return stated.pop()
+                uses.append((i, lead))
+        stated = {(None,) * lead + i.outs[0].type.layout.axes for i, lead in uses
+                  if i.op == Op.SET and i.attrs.get("annotation")}
+        if len(stated) == 1 and all(i.op == Op.SET and not i.outs[0].type.layout.partial for i, _ in uses):
+            return Layout(stated.pop(), mesh=next(iter(uses))[0].outs[0].type.layout.mesh)
         return Layout.replicated(orig.ndim).on(self.builder.mesh)
+
+
+def _a_layer(i, readers) -> bool:
+    """i slices one layer w[k] off a stack (extent 1 along axis 0), read only by reshapes dropping that axis."""
+    shape = i.outs[0].type.shape if i.op == Op.SLICE_ARRAY else None
+    return (shape is not None and shape[:1] == (1,) and shape[1:] == i.ins[0].type.shape[1:] and
+            all(r.op == Op.RESHAPE and r.outs[0].type.shape == shape[1:] for r in readers[i.outs[0]]))
 
 
 def _fresh(x: Traced) -> Traced:

@@ -3,8 +3,8 @@
 - An input whose spec has no layout takes its first annotation's placement (nvFuser's
   inputs carry their DID layout), also one on the view sf.grad makes of it as a primal inside a
   traced function (transforms._fresh: a training step's value_and_grad states its parameters'
-  layouts so), or on a cast of either (a float32 weight's bfloat16 copy); an input with no
-  annotation is replicated.
+  layouts so), or on a cast of either (a float32 weight's bfloat16 copy), or on one layer w[k] of a
+  stacked weight (its leading axis then whole); an input with no annotation is replicated.
 - An annotation on the output of an op (used only there) becomes that output's layout, and
   its schedule the op's: `sf.stream(a @ b, axis=0)` makes the matmul itself stream-parallel.
 - An annotation that changes nothing is dropped.
@@ -36,21 +36,39 @@ def _drop_dead(instrs, outputs):
     return out[::-1]
 
 
+def _layers(instrs) -> dict:
+    """w[k] -> (w, 1) for each layer of a stacked weight read as w[k] (a slice of one along axis 0, that
+    axis then dropped: sf.lax.scan's and a loop's reads): its annotation places the stacked input,
+    the leading axis whole (a JAX-port probe: per-layer sf.shard of w[l] left the stack replicated,
+    its gradient gathered)."""
+    sliced = {i.outs[0]: i.ins[0] for i in instrs if i.op == Op.SLICE_ARRAY and i.outs[0].type.shape[:1] == (1,)
+              and i.outs[0].type.shape[1:] == i.ins[0].type.shape[1:]}
+    return {i.outs[0]: (sliced[i.ins[0]], 1) for i in instrs
+            if i.op == Op.RESHAPE and i.ins[0] in sliced and i.outs[0].type.shape == i.ins[0].type.shape[1:]}
+
+
 def fold_annotations(prog):
     live = _drop_dead(prog.instrs, prog.outputs)
     mapping = {}
     # (an annotation of a primal's view, or of a cast of the input: a float32 master weight's bfloat16
     # copy sharded over tp places the weight so, as JAX's propagation carries a constraint through a cast)
-    primal = {i.outs[0]: i.ins[0] for i in live if i.op == Op.RESHAPE and i.attrs.get("primal") or i.op == Op.ASTYPE}
+    primal = {i.outs[0]: (i.ins[0], 0) for i in live
+              if i.op == Op.RESHAPE and i.attrs.get("primal") or i.op == Op.ASTYPE}
+    primal.update(_layers(live))
 
     def root(x):
+        lead = 0
         while x in primal:
-            x = primal[x]
-        return x
+            x, k = primal[x]
+            lead += k
+        return x, lead
     for v in prog.inputs:
         if v.type.layout is None:
-            first = next((i for i in live if _is_annotation(i) and root(i.ins[0]) is v), None)
-            lay = first.outs[0].type.layout if first else Layout.replicated(v.type.ndim).on(prog.mesh)
+            first = next(((i, k) for i in live if _is_annotation(i) for r, k in [root(i.ins[0])] if r is v), None)
+            lay = Layout.replicated(v.type.ndim).on(prog.mesh)
+            if first:
+                ann, k = first[0].outs[0].type.layout, first[1]
+                lay = Layout((None,) * k + ann.axes, ann.partial, ann.mesh, ann.partial_op)
             mapping[v] = Value(v.name, v.type.with_layout(lay))
     inputs = tuple(mapping.get(v, v) for v in prog.inputs)
     instrs = substitute(live, mapping)
