@@ -79,12 +79,17 @@ def scale_by_adam(b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8, eps_roo
     return GradientTransformation(init, update)
 
 
-def add_decayed_weights(weight_decay: float) -> GradientTransformation:
-    """updates + weight_decay * params (optax's; AdamW's decoupled decay)."""
+def add_decayed_weights(weight_decay: float, mask=None) -> GradientTransformation:
+    """updates + weight_decay * params (optax's; AdamW's decoupled decay); `mask`, a pytree of bools in the
+    parameters' structure or a function of the parameters giving one, decays only where True (optax's:
+    no decay of biases and norms)."""
     def update(updates, state, params=None):
         if params is None:
             raise ValueError("sf.optim.add_decayed_weights needs params: opt.update(grads, state, params)")
-        return tree.tree_map(lambda u, p: u + weight_decay * p, updates, params), state
+        if mask is None:
+            return tree.tree_map(lambda u, p: u + weight_decay * p, updates, params), state
+        keep = mask(params) if callable(mask) else mask
+        return tree.tree_map(lambda u, p, m: u + weight_decay * p if m else u, updates, params, keep), state
     return GradientTransformation(lambda params: EmptyState(), update)
 
 
@@ -135,10 +140,42 @@ def adam(learning_rate, b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8, e
 
 
 def adamw(learning_rate, b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8, eps_root: float = 0.0,
-          weight_decay: float = 1e-4) -> GradientTransformation:
-    """optax.adamw: Adam's direction plus weight_decay * params, times -learning_rate."""
-    return chain(scale_by_adam(b1, b2, eps, eps_root), add_decayed_weights(weight_decay),
+          weight_decay: float = 1e-4, mask=None) -> GradientTransformation:
+    """optax.adamw: Adam's direction plus weight_decay * params (where `mask` says), times -learning_rate."""
+    return chain(scale_by_adam(b1, b2, eps, eps_root), add_decayed_weights(weight_decay, mask),
                  scale_by_learning_rate(learning_rate))
+
+
+def constant_schedule(value: float) -> Callable:
+    """optax.constant_schedule."""
+    return lambda count: value
+
+
+def linear_schedule(init_value: float, end_value: float, transition_steps: int, transition_begin: int = 0) -> Callable:
+    """optax.linear_schedule: init_value to end_value over transition_steps after transition_begin, then held."""
+    if transition_steps <= 0:
+        return lambda count: init_value
+    return lambda count: init_value + (end_value - init_value) * np.clip(
+        (count - transition_begin) / transition_steps, 0.0, 1.0)
+
+
+def cosine_decay_schedule(init_value: float, decay_steps: int, alpha: float = 0.0) -> Callable:
+    """optax.cosine_decay_schedule: init_value * ((1 - alpha) * (1 + cos(pi * t)) / 2 + alpha), t = count /
+    decay_steps clipped to 1."""
+    return lambda count: init_value * ((1 - alpha) * 0.5 * (1 + np.cos(np.pi * np.minimum(count / decay_steps, 1.0)))
+                                       + alpha)
+
+
+def warmup_cosine_decay_schedule(init_value: float, peak_value: float, warmup_steps: int, decay_steps: int,
+                                 end_value: float = 0.0) -> Callable:
+    """optax.warmup_cosine_decay_schedule: linear from init_value to peak_value over warmup_steps, then a
+    cosine decay to end_value at decay_steps (counted from the start, as optax's)."""
+    warm = linear_schedule(init_value, peak_value, warmup_steps)
+    cosine = cosine_decay_schedule(peak_value - end_value, max(decay_steps - warmup_steps, 1))
+
+    def schedule(count):
+        return np.where(count < warmup_steps, warm(count), cosine(count - warmup_steps) + end_value)
+    return schedule
 
 
 def apply_updates(params, updates):
