@@ -30,11 +30,11 @@ def array_key(x, key):
     or traced, one or more) and whole slices (':', '...') only, and is not ids on the first axis alone
     (update_slice's own path); else None."""
     key = key if isinstance(key, tuple) else (key,)
-    if any(k is Ellipsis for k in key):
-        at = key.index(Ellipsis)
+    at = next((a for a, k in enumerate(key) if k is Ellipsis), None)  # (by identity: == of an array is elementwise)
+    if at is not None:
         key = key[:at] + (slice(None),) * (x.ndim - len(key) + 1) + key[at + 1:]
     arrays = [(a, k) for a, k in enumerate(key) if _is_ids(k)]
-    whole = all(_is_ids(k) or k == slice(None) for k in key)
+    whole = all(_is_ids(k) or isinstance(k, slice) and k == slice(None) for k in key)
     if not arrays or not whole or len(key) > x.ndim or [a for a, _ in arrays] == [0] and len(key) == 1:
         return None
     axes, ids = tuple(a for a, _ in arrays), tuple(np.asarray(k) if isinstance(k, list) else k for _, k in arrays)

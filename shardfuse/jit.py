@@ -123,7 +123,7 @@ class Jitted:
     def lower(self, *specs: Any, **named: Any) -> Plan:
         """The plan for these inputs: TensorSpecs, (shape, dtype[, sharding]) tuples, or the
         arrays themselves (as JAX's .lower takes either), by keyword too as the function takes them."""
-        target, specs = self._resolve(self.positional(specs, named) if named else specs, "lower")
+        target, specs = self._resolve(specs, "lower", named)
         with target._tables:
             plan = target._lower(specs)
         if target is not self and not self._static:  # (pytree arguments: keywords bound as this function binds them)
@@ -137,16 +137,17 @@ class Jitted:
         fn = target.fn if isinstance(target.fn, tree.FlatFunction) else tree.FlatFunction(target.fn)
         return trace(fn, target.mesh, specs, target.streams)
 
-    def _resolve(self, specs, what) -> tuple:
+    def _resolve(self, specs, what, named=None) -> tuple:
         """(the sf.jit that compiles these inputs: this one, its static values' or its pytree
-        structure's, and their TensorSpecs) for lower(*specs) / trace(*specs)."""
+        structure's, and their TensorSpecs) for lower(*specs, **named) / trace(*specs)."""
         for s in specs:  # (a shape alone, (16, 8), would read 8 as a dtype)
             if isinstance(s, tuple) and len(s) >= 2 and all(isinstance(n, (int, np.integer)) for n in s):
                 raise TypeError(f"{self.__name__}.{what} takes TensorSpecs, (shape, dtype[, sharding]) tuples or "
                                 f"arrays; got {s!r}: for a shape, write ({s!r}, 'float32')")
         if self._static:  # (JAX's f.lower(x, 4): the static values where the function takes them)
-            key, specs, _ = split_static(self.fn, self._static, specs, {})
-            return self._with_static(key)._resolve(specs, what)
+            key, specs, named = split_static(self.fn, self._static, specs, named or {})
+            return self._with_static(key)._resolve(specs, what, named)
+        specs = self.positional(specs, named) if named else specs
         if any(tree.is_container(s) and not is_spec_tuple(s) for s in specs):  # pytrees of specs or arrays
             leaves, in_tree = tree.flatten(specs, is_leaf=lambda x: x is not specs and is_spec_tuple(x))
             return self._for_tree(in_tree)._resolve(tuple(leaves), what)

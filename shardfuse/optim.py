@@ -88,8 +88,8 @@ def add_decayed_weights(weight_decay: float, mask=None) -> GradientTransformatio
             raise ValueError("sf.optim.add_decayed_weights needs params: opt.update(grads, state, params)")
         if mask is None:
             return tree.tree_map(lambda u, p: u + weight_decay * p, updates, params), state
-        keep = mask(params) if callable(mask) else mask
-        return tree.tree_map(lambda u, p, m: u + weight_decay * p if m else u, updates, params, keep), state
+        keep = mask(updates) if callable(mask) else mask  # (optax calls a mask function on the updates)
+        return _masked(lambda u, p: u + weight_decay * p, updates, params, keep), state
     return GradientTransformation(lambda params: EmptyState(), update)
 
 
@@ -153,6 +153,7 @@ def constant_schedule(value: float) -> Callable:
 
 def linear_schedule(init_value: float, end_value: float, transition_steps: int, transition_begin: int = 0) -> Callable:
     """optax.linear_schedule: init_value to end_value over transition_steps after transition_begin, then held."""
+    transition_begin = max(transition_begin, 0)  # (optax's: a negative start counts as 0)
     if transition_steps <= 0:
         return lambda count: init_value
     return lambda count: init_value + (end_value - init_value) * np.clip(
@@ -162,6 +163,8 @@ def linear_schedule(init_value: float, end_value: float, transition_steps: int, 
 def cosine_decay_schedule(init_value: float, decay_steps: int, alpha: float = 0.0) -> Callable:
     """optax.cosine_decay_schedule: init_value * ((1 - alpha) * (1 + cos(pi * t)) / 2 + alpha), t = count /
     decay_steps clipped to 1."""
+    if decay_steps <= 0:
+        raise ValueError(f"sf.optim.cosine_decay_schedule: decay_steps must be positive, got {decay_steps}")
     return lambda count: init_value * ((1 - alpha) * 0.5 * (1 + np.cos(np.pi * np.minimum(count / decay_steps, 1.0)))
                                        + alpha)
 
@@ -170,11 +173,15 @@ def warmup_cosine_decay_schedule(init_value: float, peak_value: float, warmup_st
                                  end_value: float = 0.0) -> Callable:
     """optax.warmup_cosine_decay_schedule: linear from init_value to peak_value over warmup_steps, then a
     cosine decay to end_value at decay_steps (counted from the start, as optax's)."""
+    if decay_steps <= warmup_steps:
+        raise ValueError(f"sf.optim.warmup_cosine_decay_schedule: decay_steps ({decay_steps}) must pass warmup_steps "
+                         f"({warmup_steps}): both count from the start, as optax's")
     warm = linear_schedule(init_value, peak_value, warmup_steps)
-    cosine = cosine_decay_schedule(peak_value - end_value, max(decay_steps - warmup_steps, 1))
+    alpha = 0.0 if peak_value == 0 else end_value / peak_value  # (optax's: a zero peak decays to zero)
+    cosine = cosine_decay_schedule(peak_value, decay_steps - warmup_steps, alpha)
 
     def schedule(count):
-        return np.where(count < warmup_steps, warm(count), cosine(count - warmup_steps) + end_value)
+        return np.where(count < warmup_steps, warm(count), cosine(count - warmup_steps))
     return schedule
 
 
@@ -186,6 +193,17 @@ def apply_updates(params, updates):
 def _widened(x):
     """x in float32 where it is 16-bit (a norm of bfloat16 gradients summed in float32)."""
     return x.astype(np.float32) if np.dtype(x.dtype).itemsize < 4 and np.dtype(x.dtype).kind in "fV" else x
+
+
+def _masked(fn, updates, params, keep):
+    """fn(u, p) where keep (a bool, or a pytree of them that is a prefix of updates', as optax's masks)
+    says True, u as it is elsewhere."""
+    if isinstance(keep, (bool, np.bool_)):
+        return tree.tree_map(fn, updates, params) if keep else updates
+    if isinstance(keep, dict):
+        return type(updates)({k: _masked(fn, updates[k], params[k], keep[k]) for k in updates})
+    parts = [_masked(fn, u, p, m) for u, p, m in zip(updates, params, keep)]
+    return type(updates)(*parts) if hasattr(type(updates), "_fields") else type(updates)(parts)
 
 
 def _in_dtype(v, dtype):

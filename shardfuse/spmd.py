@@ -16,7 +16,7 @@ from shardfuse.pieces import local_indices
 from shardfuse.mesh import DeviceMesh
 from shardfuse.placements import Partial
 from shardfuse.runtime import backend_of
-from shardfuse.spec import normalize_axis, normalize_over
+from shardfuse.spec import check_divides, normalize_axis, normalize_over
 
 
 def from_local(local_piece, axis=None, over=None, mesh=None, placements=None):
@@ -160,6 +160,8 @@ def make_array_from_single_device_arrays(shape, sharding, arrays, mesh=None):
     check_mesh(mesh, "sf.make_array_from_single_device_arrays")
     shape = tuple(int(n) for n in shape)
     layout = sharding if isinstance(sharding, Layout) else layout_of(sharding, len(shape), mesh)
+    for a, over in layout.sharded_axes().items():
+        check_divides(shape, a, over, mesh)
     indices = local_indices(shape, layout, mesh)
     if any(idx is None for idx in indices):
         raise ValueError(f"sf.make_array_from_single_device_arrays: {layout} lives on a sub-mesh; place the value on "
@@ -178,5 +180,5 @@ def make_array_from_single_device_arrays(shape, sharding, arrays, mesh=None):
                              f"is {info.dtype}{list(info.shape)}; its box of {shape} is {list(box)}"
                              + (f" of {dtype}" if dtype else ""))
         dtype = info.dtype
-        parts.append(be.piece(be.adopt(a, info), j))
+        parts.append(be.piece(be.adopt(a, info), j).reshape(box))  # (a 0-d piece stays 0-d: contiguous copies are 1-d)
     return Array(mesh, shape, dtype, layout, parts, True)

@@ -93,3 +93,13 @@ def test_a_cache_write_with_the_batch_over_dp_is_local_and_in_place():
     inside = (pos >= -T) & (pos < T)
     want[np.arange(B)[inside], :, pos[inside]] = new[inside]
     np.testing.assert_array_equal(np.asarray(got), want)
+
+
+def test_an_ellipsis_after_index_arrays():
+    """x.at[np.arange(B), p, ...] (a review: the Ellipsis was looked up with ==, elementwise on the arrays)."""
+    r = np.random.default_rng()
+    x, v, p = r.standard_normal((B, T, D)), r.standard_normal((B, D)), np.array([0, 3, 7, 1])
+    want = x.copy()
+    want[np.arange(B), p] = v
+    got = sf.jit(lambda x, v, p: x.at[np.arange(B), p, ...].set(v), mesh=mesh())(x, v, p)
+    np.testing.assert_array_equal(np.asarray(got), want)

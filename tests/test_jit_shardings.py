@@ -95,3 +95,18 @@ def test_a_pytree_of_shardings_may_be_a_prefix_with_none_subtrees():
     np.testing.assert_allclose(np.asarray(f(arg, np.ones((4, 2)))), np.full((4, 2), 8.0))
     with pytest.raises(ValueError, match=r"placements at \[0\] have keys \['w'\], the value \['b', 'w'\]"):
         sf.distribute(arg, m, ({"w": (None, "tp")}, None))
+
+
+def test_out_shardings_place_returned_numpy_arrays_and_lower_takes_static_keywords():
+    """A review: jit(opt.init, out_shardings=...) refused the count's NumPy zeros once out_shardings placed
+    it; lower(x, n=3) of a keyword-only static parameter was refused though the call took it."""
+    from shardfuse import optim
+    m = mesh()
+    p, ps = {"w": np.ones((4, 4)), "b": np.ones(4)}, {"w": (None, "tp"), "b": ("tp",)}
+    init = sf.jit(optim.adam(1e-3).init, mesh=m, in_shardings=(ps,),
+                  out_shardings=(optim.ScaleByAdamState(count=(), mu=ps, nu=ps), optim.EmptyState()))
+    state = init(p)
+    assert int(state[0].count) == 0 and state[0].nu["w"].placements == (sf.Replicate(), sf.Shard(1))
+    j = sf.jit(lambda x, *, n: x * n, mesh=m, static_argnames="n")
+    np.testing.assert_array_equal(np.asarray(j(np.ones(4), n=3)), np.full(4, 3.0))
+    assert j.lower(np.ones(4), n=3).collectives() == {} and sf.eval_shape(j, np.ones(4), n=3).shape == (4,)

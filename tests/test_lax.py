@@ -98,3 +98,25 @@ def test_refusals_say_what_was_expected():
         sf.jit(lambda x, p: sf.lax.cond(p > 0, lambda v: v, lambda v: v[:1], x), mesh=m)(x, 1.0)
     with pytest.raises(ValueError, match="one leading extent"):
         sf.jit(lambda a, b: sf.lax.scan(lambda c, y: (c, None), 0.0, (a, b)), mesh=m)(x, np.ones((3, 2)))
+
+
+def test_a_stack_is_placed_by_its_layers_only_where_they_agree_and_are_all_it_is_read_as():
+    """A review: a row x[0] annotated before x placed x by the row; layers annotated apart placed the
+    stack by the first while its gradient came back replicated.  A direct annotation wins; layers that
+    disagree (or a stack also read whole) leave it replicated, as its gradient."""
+    m = mesh()
+    direct = sf.jit(lambda x: (np.tanh(sf.shard(x, axis=0, over="dp")) * 2, sf.shard(x[0], axis=0, over="dp") * 3),
+                    mesh=m)
+    assert direct.lower(np.ones((64, 8))).input_layouts[0].axes == ("dp", None)
+    r = np.random.default_rng()
+    w, h = r.standard_normal((2, 8, 8)), r.standard_normal((4, 8))
+
+    def apart(w, h):
+        a = h @ sf.shard(w[0], axis=1, over="tp")
+        return (np.tanh(a) @ sf.shard(w[1], axis=0, over="tp")).sum()
+    grad = sf.jit(sf.grad(apart), mesh=m)
+    assert grad.lower(w, h).input_layouts[0].axes == (None, None, None)
+    g = grad(w, h)
+    assert g.sharding.axes == (None, None, None)
+    numeric, analytic = directional(lambda q: float((np.tanh(h @ q[0]) @ q[1]).sum()), w, g, r)
+    assert abs(numeric - analytic) <= 1e-6 * (1 + abs(numeric)), (numeric, analytic)

@@ -144,6 +144,16 @@ def test_schedules_and_a_weight_decay_mask_follow_optax():
         assert abs(float(np.asarray(sched(np.int32(c)))) - ref(c)) < 1e-15
         assert abs(float(np.asarray(traced(np.int32(c)))) - ref(c)) < 1e-15
     assert float(optim.linear_schedule(1.0, 0.0, 4, 2)(np.int32(4))) == 0.5
+    assert float(optim.linear_schedule(1.0, 0.1, 10, -5)(np.int32(0))) == 1.0  # (optax: a negative start is 0)
+    assert float(optim.warmup_cosine_decay_schedule(0.0, 0.0, 2, 10, 0.01)(np.int32(6))) == 0.0  # (zero peak)
+    with pytest.raises(ValueError, match="must pass warmup_steps"):
+        optim.warmup_cosine_decay_schedule(0.0, 1.0, 10, 10)
+    with pytest.raises(ValueError, match="decay_steps must be positive"):
+        optim.cosine_decay_schedule(1.0, 0)
+    nested = {"layer": {"w": np.ones(2), "b": np.ones(2)}, "emb": np.ones(2)}  # (a mask that is a prefix, optax's)
+    prefix = optim.adamw(0.1, weight_decay=1.0, mask={"layer": False, "emb": True})
+    u, _ = prefix.update(nested, prefix.init(nested), nested)
+    np.testing.assert_allclose(u["emb"], u["layer"]["w"] - 0.1, rtol=1e-14)
     p, gs = params_and_grads(3)
     opt = optim.adamw(0.1, weight_decay=0.5, mask=lambda params: {"w": True, "b": False})
     updates, _ = opt.update(gs[0], opt.init(p), p)

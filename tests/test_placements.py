@@ -140,3 +140,8 @@ def test_make_array_from_single_device_arrays_takes_addressable_shards_back():
         sf.make_array_from_single_device_arrays(x.shape, ("dp", None), [s.data for s in x.addressable_shards], mesh=mesh)
     with pytest.raises(ValueError, match="needs mesh="):
         sf.make_array_from_single_device_arrays(x.shape, ("dp", "tp"), [s.data for s in x.addressable_shards])
+    with pytest.raises(ValueError, match="extent 7 over dp"):  # (a review: an extent the mesh axis cannot cut)
+        sf.make_array_from_single_device_arrays((7,), ("dp",), [np.arange(3.0)] * 4, mesh=mesh)
+    z = sf.distribute(np.array(3.0), mesh, ())
+    back = sf.make_array_from_single_device_arrays((), (), [s.data for s in z.addressable_shards], mesh=mesh)
+    assert np.asarray(back).shape == () and float(back) == 3.0  # (a 0-d value stays 0-d: a step count)

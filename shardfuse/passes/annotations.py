@@ -47,6 +47,26 @@ def _layers(instrs) -> dict:
             if i.op == Op.RESHAPE and i.ins[0] in sliced and i.outs[0].type.shape == i.ins[0].type.shape[1:]}
 
 
+def _read_as_layers(v, readers, lifts) -> bool:
+    """Every read of v (through its primal's view and casts) is a layer w[k] read only by annotations:
+    then, and only then, the layers' one placement is the stack's (autodiff gives its gradient the
+    same, transforms._layout_of; layers placed apart, or the stack also read whole, leave it
+    replicated, as they leave its gradient: a review)."""
+    todo = list(readers.get(v, ()))
+    while todo:
+        i = todo.pop()
+        o = i.outs[0] if len(i.outs) == 1 else None
+        if o in lifts and lifts[o][1] == 0:  # (a primal's view or a cast: its readers instead)
+            todo += readers.get(o, ())
+        elif i.op == Op.FULL_LIKE or i.op == Op.SLICE_ARRAY and all(  # (full_like: read for its shape alone)
+                r.op == Op.FULL_LIKE or r.outs[0] in lifts and lifts[r.outs[0]][1] == 1 and
+                all(_is_annotation(a) for a in readers.get(r.outs[0], ())) for r in readers.get(o, ())):
+            continue
+        else:
+            return False
+    return True
+
+
 def fold_annotations(prog):
     live = _drop_dead(prog.instrs, prog.outputs)
     mapping = {}
@@ -62,13 +82,20 @@ def fold_annotations(prog):
             x, k = primal[x]
             lead += k
         return x, lead
+    readers = {}
+    for i in live:
+        for x in i.ins:
+            readers.setdefault(x, []).append(i)
     for v in prog.inputs:
         if v.type.layout is None:
-            first = next(((i, k) for i in live if _is_annotation(i) for r, k in [root(i.ins[0])] if r is v), None)
+            rooted = [(i.outs[0].type.layout, k) for i in live if _is_annotation(i) for r, k in [root(i.ins[0])] if r is v]
+            direct = [lay for lay, k in rooted if k == 0]
+            layered = {Layout((None,) * k + lay.axes, lay.partial, lay.mesh, lay.partial_op) for lay, k in rooted if k}
             lay = Layout.replicated(v.type.ndim).on(prog.mesh)
-            if first:
-                ann, k = first[0].outs[0].type.layout, first[1]
-                lay = Layout((None,) * k + ann.axes, ann.partial, ann.mesh, ann.partial_op)
+            if direct:  # (its own annotation, or its primal's or cast's, first)
+                lay = direct[0]
+            elif len(layered) == 1 and _read_as_layers(v, readers, primal):
+                lay = layered.pop()
             mapping[v] = Value(v.name, v.type.with_layout(lay))
     inputs = tuple(mapping.get(v, v) for v in prog.inputs)
     instrs = substitute(live, mapping)
