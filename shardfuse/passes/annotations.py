@@ -82,13 +82,16 @@ def fold_annotations(prog):
             x, k = primal[x]
             lead += k
         return x, lead
-    readers = {}
+    readers, stated = {}, {}  # (each annotation's root input, found once: not once per input)
     for i in live:
         for x in i.ins:
             readers.setdefault(x, []).append(i)
+        if _is_annotation(i):
+            r, k = root(i.ins[0])
+            stated.setdefault(r, []).append((i.outs[0].type.layout, k))
     for v in prog.inputs:
         if v.type.layout is None:
-            rooted = [(i.outs[0].type.layout, k) for i in live if _is_annotation(i) for r, k in [root(i.ins[0])] if r is v]
+            rooted = stated.get(v, [])
             direct = [lay for lay, k in rooted if k == 0]
             layered = {Layout((None,) * k + lay.axes, lay.partial, lay.mesh, lay.partial_op) for lay, k in rooted if k}
             lay = Layout.replicated(v.type.ndim).on(prog.mesh)
