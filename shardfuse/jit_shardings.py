@@ -13,14 +13,8 @@ from __future__ import annotations
 
 import functools
 
-import numpy as np
-
-from shardfuse import constants, tree
 from shardfuse.layout import Layout
 from shardfuse.placements import Replicate, Shard
-
-
-_HOST = (np.ndarray, np.generic, bool, int, float)  # results a function may return as they are: constants
 
 
 def constrained(fn, mesh, in_shardings, out_shardings, static_argnums=()):
@@ -50,12 +44,7 @@ def constrained(fn, mesh, in_shardings, out_shardings, static_argnums=()):
                                 "it comes)")
             where = dict(zip(dynamic, specs))  # (arguments after the entries, by keyword too: as they come)
             args = tuple(a if where.get(k) is None else distribute(a, mesh, where[k]) for k, a in enumerate(args))
-        out = fn(*args, **kwargs)
-        if out_shardings is None:
-            return out
-        builder = constants.active()  # (NumPy arrays returned: the program's constants first, placed as results)
-        if builder is not None:
-            out = tree.tree_map(lambda v: builder.constant(np.asarray(v)) if isinstance(v, _HOST) else v, out)
-        return distribute(out, mesh, out_shardings)
+        out = fn(*args, **kwargs)  # (a NumPy array returned and placed here: an sf.Array, which trace captures)
+        return out if out_shardings is None else distribute(out, mesh, out_shardings)
     return placed
 

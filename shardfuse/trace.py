@@ -242,9 +242,9 @@ def trace(fn, mesh, specs, streams=4, name=None) -> Program:
     with tracing(builder):  # (an op on an sf.Array inside fn is traced, the array a constant: array_ops.run)
         result = fn(*(Traced(builder, v) for v in inputs))
         results = result if isinstance(result, tuple) else (result,)
-        # a Python or NumPy number or a NumPy array returned (a learning rate in an aux dict, an optimizer's zeros):
-        # an array of it, as JAX returns
-        results = tuple(builder.constant(np.asarray(r)) if isinstance(r, (bool, int, float, np.generic, np.ndarray)) else r
+        # a Python or NumPy number, a NumPy array or an sf.Array returned (a learning rate in an aux dict, an
+        # optimizer's zeros, placed by out_shardings): a constant of the program, returned as JAX returns it
+        results = tuple(builder.constant(np.asarray(r) if isinstance(r, (bool, int, float, np.generic)) else r)
                         for r in results)
     for r in results:
         if not isinstance(r, Traced):

@@ -44,8 +44,9 @@ def _fold(instrs, prog, ctx):
         i = substitute([i], alias)[0]
         if i.op == Op.WAIT and i.ins[0] in handles:
             continue
-        if (i.op in COLLECTIVES and i.op != Op.SENDRECV and i.into in foldable and base.get(i.into, i.into) not in roots
-                and "when" not in i.attrs and local_shape(i.ins[0], prog.mesh) == local_shape(i.into, prog.mesh)):
+        identity = (i.op in COLLECTIVES and i.op != Op.SENDRECV and "when" not in i.attrs and _team_size(i, prog) == 1
+                    and local_shape(i.ins[0], prog.mesh) == local_shape(i.into, prog.mesh))
+        if identity and i.into in foldable and base.get(i.into, i.into) not in roots:
             y = i.into
             view = Value(namer(y.name + "_folded"), y.type)
             out.append(Instr(Op.VIEW, (view,), (i.ins[0],), {"shape": y.type.shape, "folded": f"{i.op} over "
@@ -53,10 +54,8 @@ def _fold(instrs, prog, ctx):
             alias[y] = view
             handles.add(i.outs[0])
             continue
-        if (i.op in COLLECTIVES and i.op != Op.SENDRECV and "when" not in i.attrs and _team_size(i, prog) == 1
-                and local_shape(i.ins[0], prog.mesh) == local_shape(i.into, prog.mesh)):
-            # (a destination that cannot be a view, a chunk of a buffer read whole after a stream loop: the
-            # identity is a copy on the device, no communication; a probe counted a dp x tp(1) layer's
+        if identity:  # (a destination that cannot be a view, a chunk of a buffer read whole after a stream
+            # loop, an output: a copy on the device, no communication; a probe counted a dp x tp(1) layer's
             # ReduceScatters over tp)
             out.append(Instr(Op.COPY, (), (i.ins[0],), {}, into=i.into))
             handles.add(i.outs[0])
