@@ -59,33 +59,38 @@ def _merged(x, axes, ids):
     xm = x.transpose(perm).reshape((math.prod(extents),) + tuple(x.shape[a] for a in rest))
     flat, inside = 0, None
     for i, n in zip(ids, extents):
-        i = broadcast_to(x.builder.constant(i) if not isinstance(i, Traced) else i, shape)
+        i = broadcast_to(x.builder.constant(i), shape)
         ok = (i >= -n) & (i < n)
         inside = ok if inside is None else inside & ok
-        flat = flat * n + (i + n * (i < 0)).clip(0, n - 1)  # (negative ids from the end; outside: clamped, masked)
+        flat = flat * n + _from_end(i, n).clip(0, n - 1)  # (outside: clamped here, masked by `inside`)
     return xm, flat, inside, perm, shape
 
 
+def _from_end(i, n):
+    """ids counting negative ones from the end of an axis of n."""
+    return i + n * (i < 0)
+
+
+def _index_axes_first(axes, k, ndim) -> tuple:
+    """(where NumPy puts the k broadcast index axes in x[idx]: in place of the indexed axes where those
+    are adjacent, else first; the order moving them first in an array of ndim axes laid out so)."""
+    lead = axes[0] if list(axes) == list(range(axes[0], axes[0] + len(axes))) else 0
+    return lead, list(range(lead, lead + k)) + list(range(lead)) + list(range(lead + k, ndim))
+
+
 def _value_first(x, axes, v, shape):
-    """v broadcast to x[idx]'s shape (NumPy's order) and given with the index axes first."""
+    """v broadcast to x[idx]'s shape (NumPy's order), given with the index axes first."""
     from shardfuse.numpy_broadcast import broadcast_to
 
     rest = tuple(x.shape[a] for a in range(x.ndim) if a not in axes)
-    adjacent = list(axes) == list(range(axes[0], axes[0] + len(axes)))
-    lead = axes[0] if adjacent else 0  # (where NumPy puts the index axes in x[idx])
-    out_shape = rest[:lead] + shape + rest[lead:]
+    lead, order = _index_axes_first(axes, len(shape), len(rest) + len(shape))
     v = x.builder.constant(np.asarray(v, x.dtype)) if not isinstance(v, Traced) else v
-    v = broadcast_to(cast(v, x.dtype_name), out_shape)
-    k = len(shape)
-    order = list(range(lead, lead + k)) + list(range(lead)) + list(range(lead + k, len(out_shape)))
-    return v.transpose(order) if order != list(range(len(out_shape))) else v, lead
+    v = broadcast_to(cast(v, x.dtype_name), rest[:lead] + shape + rest[lead:])
+    return v.transpose(order) if order != sorted(order) else v
 
 
 def _unmerged(x, xm, perm):
-    back = [0] * len(perm)
-    for j, a in enumerate(perm):
-        back[a] = j
-    return xm.reshape(tuple(x.shape[a] for a in perm)).transpose(back)
+    return xm.reshape(tuple(x.shape[a] for a in perm)).transpose(tuple(int(j) for j in np.argsort(perm)))
 
 
 def _rows(x, axes, ids) -> bool:
@@ -103,16 +108,15 @@ def _row_mask(x, axes, ids):
     mask, rows = None, [len(ids[0]) if d == axes[0] else 1 for d in range(x.ndim)]
     for a, i in zip(axes[1:], ids[1:]):
         n = x.shape[a]
-        i = x.builder.constant(i) if not isinstance(i, Traced) else i
         at = np.arange(n).reshape([n if d == a else 1 for d in range(x.ndim)])
-        m = (i + n * (i < 0)).reshape(rows) == at
+        m = _from_end(x.builder.constant(i), n).reshape(rows) == at
         mask = m if mask is None else mask & m
     return mask
 
 
 def _row_values(x, axes, v):
     """v (broadcast to x[idx], rows first) in x's axis order, of extent 1 along the other indexed axes."""
-    vf, _ = _value_first(x, axes, v, (x.shape[axes[0]],))
+    vf = _value_first(x, axes, v, (x.shape[axes[0]],))
     order = [axes[0]] + [a for a in range(x.ndim) if a not in axes] + list(axes[1:])
     vf = vf.reshape(tuple(vf.shape) + (1,) * (len(axes) - 1))
     return vf.transpose([order.index(d) for d in range(x.ndim)])
@@ -123,15 +127,14 @@ def at_set(x, spec, v, *ids):
     from shardfuse.take import scatter_add
     from shardfuse.traced_numpy import where
 
-    axes, rows = spec
-    if rows:
+    axes, by_rows = spec
+    if by_rows:
         return where(_row_mask(x, axes, ids), _row_values(x, axes, v), x)
     xm, flat, inside, perm, shape = _merged(x, axes, ids)
-    vf, _ = _value_first(x, axes, v, shape)
     mask = inside.reshape(shape + (1,) * (xm.ndim - 1))
-    rows = scatter_add(flat, where(mask, vf, 0), xm.shape[0])
+    written = scatter_add(flat, where(mask, _value_first(x, axes, v, shape), 0), xm.shape[0])
     hit = scatter_add(flat, mask.astype("float32"), xm.shape[0]) > 0
-    return _unmerged(x, where(hit, rows.astype(x.dtype), xm), perm)
+    return _unmerged(x, where(hit, written.astype(x.dtype), xm), perm)
 
 
 def at_add(x, spec, v, *ids):
@@ -139,13 +142,13 @@ def at_add(x, spec, v, *ids):
     from shardfuse.take import scatter_add
     from shardfuse.traced_numpy import where
 
-    axes, rows = spec
-    if rows:
+    axes, by_rows = spec
+    if by_rows:
         return x + where(_row_mask(x, axes, ids), _row_values(x, axes, v), 0).astype(x.dtype)
     xm, flat, inside, perm, shape = _merged(x, axes, ids)
-    vf, _ = _value_first(x, axes, v, shape)
-    rows = scatter_add(flat, where(inside.reshape(shape + (1,) * (xm.ndim - 1)), vf, 0), xm.shape[0])
-    return _unmerged(x, xm + rows.astype(x.dtype), perm)
+    vf = _value_first(x, axes, v, shape)
+    added = scatter_add(flat, where(inside.reshape(shape + (1,) * (xm.ndim - 1)), vf, 0), xm.shape[0])
+    return _unmerged(x, xm + added.astype(x.dtype), perm)
 
 
 def at_get(x, spec, *ids):
@@ -154,9 +157,7 @@ def at_get(x, spec, *ids):
 
     axes = spec[0]
     xm, flat, _, _, shape = _merged(x, axes, ids)
-    rows = take(xm, flat)  # [*S, *rest]
-    rest = xm.ndim - 1
-    adjacent = list(axes) == list(range(axes[0], axes[0] + len(axes)))
-    lead, k = (axes[0] if adjacent else 0), len(shape)
-    order = list(range(k, k + lead)) + list(range(k)) + list(range(k + lead, k + rest))
-    return rows.transpose(order) if order != list(range(k + rest)) else rows
+    rows = take(xm, flat)  # [*S, *rest]: the index axes first, moved back where NumPy puts them
+    _, order = _index_axes_first(axes, len(shape), rows.ndim)
+    back = tuple(int(j) for j in np.argsort(order))
+    return rows.transpose(back) if order != sorted(order) else rows
