@@ -68,6 +68,12 @@ class Layout:
     def __reduce__(self):  # (by its fields: a str hash differs between processes, so _hash is made anew)
         return Layout, (self.axes, self.partial, self.mesh, self.partial_op)
 
+    def __repr__(self):  # (the fields that say something: mesh None is the value's own mesh, not "no mesh")
+        extra = [f"partial={self.partial!r}"] if self.partial else []
+        extra += [f"partial_op={self.partial_op.value!r}"] if self.partial_op != Reduce.SUM else []
+        extra += [f"mesh={self.mesh!r}"] if self.mesh is not None else []
+        return f"Layout({', '.join([repr(self.axes)] + extra)})"
+
     @staticmethod
     def replicated(ndim: int) -> "Layout":
         return Layout((None,) * ndim)

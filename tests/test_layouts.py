@@ -235,3 +235,15 @@ def test_contraction_sharded_differently_in_each_operand():
     out = f(sf.shard(A, axis=1, over="DIDx", mesh=mesh), sf.shard(B, axis=0, over="DIDy", mesh=mesh))
     assert_close(out.gather(), A @ B, "float64")
     assert next(iter(f.cached_plans().values())).collectives() == {"allgather": 1, "allreduce": 1}
+
+
+def test_layout_repr_names_only_what_it_holds():
+    """An sf.Array's `.sharding` printed `mesh=None` (a probe read it as "on no mesh"): None is the
+    array's own mesh, so the repr leaves it out, and what it prints builds the same Layout."""
+    mesh = _mesh()
+    x = sf.shard(np.arange(32, dtype=np.float32).reshape(8, 4), axis=0, mesh=mesh)
+    assert repr(x.sharding) == "Layout(('DIDx', None))"
+    sub = sf.DeviceMesh(2, backend="numpy")
+    for lay in (Layout(("DIDx", None)), Layout((None, ("a", "b")), partial=("c",))):
+        assert eval(repr(lay), {"Layout": Layout}) == lay
+    assert "mesh=" in repr(Layout(("DIDx",), mesh=sub)) and "partial=('c',)" in repr(Layout((None,), partial=("c",)))
