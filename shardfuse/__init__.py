@@ -17,7 +17,9 @@ from shardfuse.faults import CollectiveTimeoutError, RankLeftError, RankMismatch
 from shardfuse.jit import Plan, jit
 from shardfuse.layout import Layout
 from shardfuse.mesh import DeviceMesh
-from shardfuse.placements import Partial, Replicate, Shard, StridedShard
+from shardfuse.placements import Partial, PartitionSpec, Replicate, Shard, StridedShard
+
+P = PartitionSpec  # (JAX's short name)
 from shardfuse.spec import TensorSpec
 from shardfuse.take import scatter_add, take
 from shardfuse.update_slice import dynamic_slice, dynamic_update_slice
@@ -41,7 +43,7 @@ from shardfuse import numpy_shapes  # noqa: F401 (np.ravel, np.squeeze, np.expan
 from shardfuse import numpy_einsum  # noqa: F401 (np.einsum, np.tensordot: NUMPY)
 from shardfuse import numpy_broadcast  # noqa: F401 (np.broadcast_to, np.repeat, np.tile, np.outer, np.power, ...: NUMPY)
 
-__all__ = ["Array", "DeviceMesh", "Layout", "Partial", "Replicate", "Shard", "StridedShard", "Plan", "TensorSpec", "from_local", "make_array_from_single_device_arrays", "jit", "eval_shape", "replicate", "shard", "stream", "to_mesh",
+__all__ = ["Array", "DeviceMesh", "Layout", "P", "PartitionSpec", "Partial", "Replicate", "Shard", "StridedShard", "Plan", "TensorSpec", "from_local", "make_array_from_single_device_arrays", "jit", "eval_shape", "replicate", "shard", "stream", "to_mesh",
            "exp", "gelu", "linear", "relu", "tanh", "sqrt", "rsqrt", "log", "sigmoid", "silu", "maximum", "minimum",
            "where", "logical_not", "logical_and", "logical_or", "logical_xor", take.__name__, scatter_add.__name__, dynamic_update_slice.__name__, dynamic_slice.__name__, "concatenate", "split", "stack", *(f.__name__ for f in (sin, cos, log1p, expm1, erf, top_k)), "lax", "nn", "optim", "random", "tree", "stop_gradient", "grad", "value_and_grad",
            "vjp", "custom_vjp", "checkpoint", "torch_function", "visualize_sharding", "distribute",

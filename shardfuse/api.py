@@ -75,7 +75,7 @@ def distribute(x: Any, mesh: DeviceMesh, placements: Any) -> Any:
     if tree.is_container(x):
         if placements is None:  # (a subtree left as it is: JAX's unspecified, a prefix's None)
             return x
-        if _is_placement(placements):  # (one for every leaf)
+        if _is_placement(placements) and not _nones_over(placements, x):  # (one for every leaf)
             return tree.tree_map(lambda v: distribute(v, mesh, placements), x)
         return _by_prefix(x, mesh, placements, ())
     if isinstance(placements, Layout):
@@ -102,7 +102,7 @@ def _captured(x, mesh):
 def _by_prefix(x, mesh, placements, path):
     """x's subtrees placed by a pytree of placements that is a prefix of x's structure (JAX's rule for
     shardings: a placement, or None for as it is, stands for a whole subtree)."""
-    if placements is None or _is_placement(placements):
+    if placements is None or _is_placement(placements) and not _nones_over(placements, x):
         return x if placements is None else distribute(x, mesh, placements)
     where = "".join(f"[{k!r}]" for k in path) or "the top"
     if isinstance(placements, dict) and isinstance(x, dict):
@@ -116,6 +116,12 @@ def _by_prefix(x, mesh, placements, path):
     raise ValueError(f"sf.distribute: the placements at {where} ({type(placements).__name__}) do not follow the value "
                      f"there ({type(x).__name__}{f' of {len(x)}' if isinstance(x, (list, tuple, dict)) else ''}): a "
                      "pytree of placements is a prefix of the value's, each leaf a placement or None")
+
+
+def _nones_over(p, x) -> bool:
+    """A plain tuple of Nones over a tuple or list of as many values: a pytree of Nones (each as it
+    comes), as JAX reads it, not a replicated spec (which sf.P(None, None) writes)."""
+    return type(p) is tuple and all(e is None for e in p) and isinstance(x, (list, tuple)) and len(x) == len(p)
 
 
 def _is_placement(p) -> bool:

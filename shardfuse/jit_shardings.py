@@ -14,17 +14,17 @@ from __future__ import annotations
 import functools
 
 from shardfuse.layout import Layout
-from shardfuse.placements import Replicate, Shard
+from shardfuse.placements import PartitionSpec, Replicate, Shard
 
 
 def constrained(fn, mesh, in_shardings, out_shardings, static_argnums=()):
     """fn with its positional arguments placed by in_shardings and its result by out_shardings (fn
     itself where both are None); the wrapper keeps fn's signature (inspect follows __wrapped__).
     in_shardings: one entry per positional argument that is not static (JAX's count), or one Layout /
-    list of DTensor placements for all of them (as JAX broadcasts one sharding)."""
+    list of DTensor placements or sf.P(...) for all of them (as JAX broadcasts one sharding)."""
     if in_shardings is None and out_shardings is None:
         return fn
-    one = isinstance(in_shardings, Layout) or isinstance(in_shardings, list) and in_shardings and \
+    one = isinstance(in_shardings, (Layout, PartitionSpec)) or isinstance(in_shardings, list) and in_shardings and \
         all(isinstance(p, (Shard, Replicate)) for p in in_shardings)
     if in_shardings is not None and not one and not isinstance(in_shardings, (tuple, list)):
         raise TypeError(f"sf.jit in_shardings= takes a tuple with one entry per positional argument (None: as it "

@@ -16,6 +16,23 @@ import re
 from dataclasses import dataclass
 
 
+class PartitionSpec(tuple):
+    """JAX's PartitionSpec (`sf.P`): one entry per tensor axis, None (replicated), a mesh axis name
+    or a tuple of them (outermost first); missing trailing entries are None.  A plain tuple is read
+    as the same spec; P(...) says it is one where a tuple could also be a pytree of shardings
+    (`in_shardings=((None, None),)` of a pair is two leaves as they come, `(P(None, None),)` one
+    replicated matrix)."""
+
+    def __new__(cls, *entries):
+        return super().__new__(cls, entries)
+
+    def __getnewargs__(self):  # (pickle and copy: the entries, not one tuple of them)
+        return tuple(self)
+
+    def __repr__(self):
+        return f"P({', '.join(map(repr, self))})"
+
+
 @dataclass(frozen=True)
 class Shard:
     dim: int

@@ -110,3 +110,27 @@ def test_out_shardings_place_returned_numpy_arrays_and_lower_takes_static_keywor
     j = sf.jit(lambda x, *, n: x * n, mesh=m, static_argnames="n")
     np.testing.assert_array_equal(np.asarray(j(np.ones(4), n=3)), np.full(4, 3.0))
     assert j.lower(np.ones(4), n=3).collectives() == {} and sf.eval_shape(j, np.ones(4), n=3).shape == (4,)
+
+
+def test_partition_spec_tells_a_spec_from_a_pytree_of_nones():
+    """sf.P (JAX's PartitionSpec): `(None, None)` over a pair of arrays is two leaves as they come
+    (JAX's reading; it replicated both), `sf.P(None, None)` one replicated spec; one P in
+    in_shardings places every argument, as one JAX sharding does; P pickles and prints as itself."""
+    import copy
+    import pickle
+    m = mesh()
+    r = np.random.default_rng()
+    x, y = r.standard_normal((8, 4)), r.standard_normal((8, 4))
+    pair = (sf.shard(x, axis=0, over="dp", mesh=m), sf.shard(y, axis=1, over="tp", mesh=m))
+    kept = sf.distribute(pair, m, (None, None))
+    assert [v.placements for v in kept] == [v.placements for v in pair]
+    whole = sf.distribute(pair, m, sf.P(None, None))
+    assert [v.placements for v in whole] == [(sf.Replicate(), sf.Replicate())] * 2
+    np.testing.assert_array_equal(np.asarray(whole[1]), y)
+    f = sf.jit(lambda a, b: a + b, mesh=m, in_shardings=sf.P("dp", "tp"))
+    assert f.lower(x, y).input_layouts[0].axes == ("dp", "tp") == f.lower(x, y).input_layouts[1].axes
+    np.testing.assert_allclose(np.asarray(f(x, y)), x + y, rtol=1e-15)
+    spec = sf.P(("dp", "tp"), None)
+    assert repr(spec) == "P(('dp', 'tp'), None)" and spec == (("dp", "tp"), None)
+    assert pickle.loads(pickle.dumps(spec)) == spec and type(copy.deepcopy(spec)) is sf.P
+    assert sf.distribute(x, m, spec).placements == (sf.Shard(0), sf.Shard(0))
