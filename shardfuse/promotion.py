@@ -119,7 +119,7 @@ def _warn_widened(a, b) -> None:
         if not narrow or x.builder in _WARNED:
             continue
         scalar = isinstance(c, np.generic) and not isinstance(c, np.bool_)  # (float64, or an integer: int64 too)
-        if scalar or hasattr(c, "dtype_name") and c.value in {v for _, _, v in c.builder.constants.values()}:
+        if scalar or hasattr(c, "dtype_name") and _from_constants(c):
             _WARNED.add(x.builder)
             what = f"the NumPy scalar {c!r}" if scalar else f"a NumPy {c.dtype_name} array {c.shape}"
             warnings.warn(f"{x.dtype_name} value {x.value.name} {tuple(x.shape)} computes in float64 with {what} the "
@@ -127,6 +127,29 @@ def _warn_widened(a, b) -> None:
                           f"in float32), and so does what follows from it.  Cast the constant to {x.dtype_name} "
                           "(np.cos(t).astype(x.dtype)) or use a Python float, which takes the array's dtype",
                           UserWarning, stacklevel=_user_level())
+
+
+def _from_constants(c) -> bool:
+    """c is a NumPy constant the function closes over, or made from such constants by ops whose other
+    operands are integers (a RoPE table's rows at traced positions, sf.take(COS, pos): a serving probe),
+    not from a program input of float64."""
+    consts = {v for _, _, v in c.builder.constants.values()}
+    if c.value in consts:
+        return True
+    made = {o: i for i in c.builder.instrs for o in i.outs}
+    todo, seen, found = [c.value], set(), False
+    while todo:
+        v = todo.pop()
+        if v in seen or v.type.dtype in ("bool",) or v.type.dtype.startswith(("int", "uint")):
+            continue  # (ids, masks: no float data of their own)
+        seen.add(v)
+        if v in consts:
+            found = True
+        elif v not in made:
+            return False  # (a program input's floats)
+        else:
+            todo += made[v].ins
+    return found
 
 
 def _user_level() -> int:

@@ -279,6 +279,22 @@ def test_a_narrow_float_widened_by_a_float64_constant_warns_once_at_the_users_li
         assert sf.jit(lambda x: x < table, mesh=mesh)(x).dtype == np.bool_  # (a comparison: nothing in float64 follows)
 
 
+def test_a_float64_table_read_at_traced_positions_warns_too():
+    """A decoder's RoPE rows at each sequence's position, sf.take(COS, pos): the table's rows are as
+    much the closed-over float64 constant as the table (a serving probe: no warning, float64 out);
+    a float64 program input read the same way warns nothing."""
+    import warnings
+    import ml_dtypes
+    mesh = sf.DeviceMesh(2, backend="numpy")
+    cos = np.cos(np.arange(16)[:, None] * np.ones(4))
+    q, pos = np.ones((4, 2, 4), ml_dtypes.bfloat16), np.arange(4)
+    with pytest.warns(UserWarning, match=r"bfloat16 value q \(4, 2, 4\) computes in float64"):
+        assert sf.jit(lambda q, pos: q * sf.take(cos, pos, axis=0)[:, None] * 2.0, mesh=mesh)(q, pos).dtype == np.float64
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        sf.jit(lambda q, table, pos: q * sf.take(table, pos, axis=0)[:, None], mesh=mesh)(q, cos, pos)
+
+
 def test_a_weak_result_stays_weak_in_ops_outside_jit():
     """A returned step count is weak (JAX's weak type), and so is its op with a Python scalar outside
     sf.jit, as inside: 0.1 / (step + 1) * w stays float32 (a README probe: it was float64 outside)."""
