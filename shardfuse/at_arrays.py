@@ -33,18 +33,45 @@ def array_key(x, key):
     at = next((a for a, k in enumerate(key) if k is Ellipsis), None)  # (by identity: == of an array is elementwise)
     if at is not None:
         key = key[:at] + (slice(None),) * (x.ndim - len(key) + 1) + key[at + 1:]
-    arrays = [(a, k) for a, k in enumerate(key) if _is_ids(k)]
-    whole = all(_is_ids(k) or isinstance(k, slice) and k == slice(None) for k in key)
-    if not arrays or not whole or len(key) > x.ndim or [a for a, _ in arrays] == [0] and len(key) == 1:
+    for a, k in enumerate(key):
+        kind = np.asarray(k).dtype.kind if isinstance(k, (list, np.ndarray)) else getattr(k, "dtype", None) and k.dtype.kind
+        if kind and kind not in "iu" and not isinstance(k, (int, np.integer)):
+            raise TypeError(f"x.at[...]: an index must be an integer (JAX's), got {_what(k)} of dtype {k.dtype} on "
+                            f"axis {a}; cast it (pos.astype('int32'))")
+    if not any(_is_ids(k) for k in key):  # (ints, 0-d values and slices alone: update_slice's basic index)
         return None
-    axes, ids = tuple(a for a, _ in arrays), tuple(np.asarray(k) if isinstance(k, list) else k for _, k in arrays)
+    shapes = [tuple(k.shape) if hasattr(k, "shape") else np.shape(k) for k in key if _is_ids(k)]
+    try:
+        np.broadcast_shapes(*shapes)
+    except ValueError:
+        raise ValueError(f"x.at[...]: the index arrays' shapes {', '.join(map(str, shapes))} do not broadcast "
+                         "together (NumPy's rule: one id per row of the others)") from None
+    # (an integer scalar beside index arrays is one more, broadcast: NumPy's advanced indexing, so
+    # cache.at[np.arange(B), :, t] with one position t for every row is the rows' form too, a probe)
+    arrays = [(a, k) for a, k in enumerate(key) if _is_ids(k) or _is_ids(k, ndim=0)]
+    whole = len(arrays) + sum(isinstance(k, slice) and k == slice(None) for k in key) == len(key)
+    if not whole or len(key) > x.ndim or [a for a, _ in arrays] == [0] and len(key) == 1:
+        return None
+    axes, ids = tuple(a for a, _ in arrays), tuple(k if isinstance(k, Traced) else np.asarray(k) for _, k in arrays)
     return (axes, _rows(x, axes, ids)), ids
 
 
-def _is_ids(k) -> bool:
+def _what(k) -> str:
+    return f"the value {k.value.name}" if isinstance(k, Traced) else type(k).__name__
+
+
+def _is_ids(k, ndim=1) -> bool:
+    """k is an integer index array (NumPy or traced) of at least `ndim` axes; ndim=0: an integer scalar
+    (a Python or NumPy int, a 0-d array or value)."""
+    if isinstance(k, (bool, np.bool_)):
+        return False
+    if ndim == 0 and isinstance(k, (int, np.integer)):
+        return True
     if isinstance(k, (list, np.ndarray)):
-        return np.asarray(k).dtype.kind == "i"
-    return (isinstance(k, Traced) or hasattr(type(k), "one_op")) and k.dtype.kind == "i"
+        k = np.asarray(k)
+    elif not (isinstance(k, Traced) or hasattr(type(k), "one_op")):
+        return False
+    return k.dtype.kind in "iu" and (k.ndim >= 1 if ndim else k.ndim == 0)
 
 
 def _merged(x, axes, ids):
@@ -100,7 +127,8 @@ def _rows(x, axes, ids) -> bool:
     summed over dp, a probe)."""
     first = ids[0]
     return (len(axes) > 1 and isinstance(first, np.ndarray) and first.ndim == 1 and len(first) == x.shape[axes[0]]
-            and bool((first == np.arange(len(first))).all()) and all(i.ndim == 1 and i.shape[0] == len(first) for i in ids))
+            and bool((first == np.arange(len(first))).all())
+            and all(i.ndim == 0 or i.ndim == 1 and i.shape[0] == len(first) for i in ids))
 
 
 def _row_mask(x, axes, ids):
@@ -109,7 +137,7 @@ def _row_mask(x, axes, ids):
     for a, i in zip(axes[1:], ids[1:]):
         n = x.shape[a]
         at = np.arange(n).reshape([n if d == a else 1 for d in range(x.ndim)])
-        m = _from_end(x.builder.constant(i), n).reshape(rows) == at
+        m = _from_end(x.builder.constant(i), n).reshape(rows if i.ndim else [1] * x.ndim) == at
         mask = m if mask is None else mask & m
     return mask
 

@@ -103,3 +103,48 @@ def test_an_ellipsis_after_index_arrays():
     want[np.arange(B), p] = v
     got = sf.jit(lambda x, v, p: x.at[np.arange(B), p, ...].set(v), mesh=mesh())(x, v, p)
     np.testing.assert_array_equal(np.asarray(got), want)
+
+
+@pytest.mark.parametrize("t", [3, -2, 11])  # (in range; from the end; outside: dropped / clamped)
+def test_one_position_for_every_row_is_in_place_and_local(t):
+    """A serving probe: cache.at[:, :, t] with a traced 0-d t went the index arrays' way (a scatter and a
+    where over the whole cache, the donated cache unused), and cache.at[np.arange(B), :, t] summed a
+    cache-sized buffer over dp.  A 0-d t is a scalar index: the first is a DynamicUpdateSlice in place,
+    the second the rows' form (t broadcast to every row, NumPy's rule); .add and .get too."""
+    import warnings
+    r = np.random.default_rng()
+    cache, new = r.standard_normal((B, H, T, D)), r.standard_normal((B, H, D))
+    rows, inside = np.arange(B), -T <= t < T
+    want = cache.copy()
+    if inside:
+        want[:, :, t] = new
+    specs = (("dp", "tp", None, None), ("dp", "tp", None), None)
+    whole = sf.jit(lambda c, k, t: c.at[:, :, t].set(k), mesh=mesh(), donate_argnums=0, in_shardings=specs)
+    by_rows = sf.jit(lambda c, k, t: c.at[rows, :, t].set(k), mesh=mesh(), donate_argnums=0, in_shardings=specs)
+    assert "DynamicUpdateSlice" in str(whole.lower(cache, new, t))
+    assert by_rows.lower(cache, new, t).collectives() == {} and "ScatterAdd" not in str(by_rows.lower(cache, new, t))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # (no "donated buffers were not usable")
+        np.testing.assert_array_equal(np.asarray(by_rows(cache.copy(), new, t)), want)
+        np.testing.assert_array_equal(np.asarray(whole(cache.copy(), new, t)), want)
+    added = cache.copy()
+    if inside:
+        added[rows, :, t] += new
+    got = sf.jit(lambda c, k, t: c.at[rows, :, t].add(k), mesh=mesh())(cache, new, t)
+    np.testing.assert_allclose(np.asarray(got), added, rtol=1e-13)
+    read = sf.jit(lambda c, t: c.at[rows, :, t].get(), mesh=mesh())(cache, t)
+    np.testing.assert_array_equal(np.asarray(read), cache[rows, :, min(max(t + T if t < 0 else t, 0), T - 1)])
+    ids = np.array([[2, 0], [1, 3]])  # (a Python int beside an index array: NumPy puts the index axes first)
+    np.testing.assert_array_equal(np.asarray(sf.jit(lambda c: c.at[ids, 1, :, 2].get(), mesh=mesh())(cache)),
+                                  cache[ids, 1, :, 2])
+
+
+def test_index_errors_name_the_index_at_fault():
+    """A serving probe: float positions were blamed on the np.arange of axis 0 ("takes ints ..."), and
+    positions of the wrong length met NumPy's bare broadcast error."""
+    x = np.zeros((B, H, T, D))
+    f = sf.jit(lambda c, p: c.at[np.arange(B), :, p].set(1.0), mesh=mesh())
+    with pytest.raises(TypeError, match=r"an index must be an integer \(JAX's\), got the value p of dtype float64 on axis 2"):
+        f(x, np.arange(B, dtype=np.float64))
+    with pytest.raises(ValueError, match=r"index arrays' shapes \(4,\), \(3,\) do not broadcast together"):
+        f(x, np.arange(3))
