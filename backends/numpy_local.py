@@ -16,6 +16,12 @@ from shardfuse.backends.elementwise_numpy import (ELEMENTWISE, box_slices, evalu
 from shardfuse.dtypes import np_dtype, poison_value
 from shardfuse.ops import Reduce
 
+
+def accumulator(dtype) -> np.dtype:
+    """The dtype the devices' pieces of a sum are added in: float64 for floats (rounded once), the
+    integers' own dtype (exact, wrapping as NumPy's: an int64 sum through float64 lost 2**53 + 1, a probe)."""
+    return np.dtype(dtype) if np.dtype(dtype).kind in "iub" else np.dtype(np.float64)
+
 POISON = os.environ.get("SHARDFUSE_POISON") == "1"  # fill new buffers with NaN (tests)
 
 
@@ -259,7 +265,7 @@ class NumpyLocalBackend:
         def start(bufs):
             s, r = self._views(bufs, send), self._views(bufs, recv)
             for t in teams:
-                total = sum(s[q].astype(np.float64) for q in t) if op == Reduce.SUM else \
+                total = sum(s[q].astype(accumulator(s[q].dtype)) for q in t) if op == Reduce.SUM else \
                     functools.reduce(np.maximum if op == Reduce.MAX else np.minimum, [s[q] for q in t])
                 for j in t:
                     r[j][...] = total
@@ -302,7 +308,7 @@ class NumpyLocalBackend:
         def start(bufs):
             s, r = self._views(bufs, send), self._views(bufs, recv)  # send: [D, *recv]
             for t in teams:
-                total = sum(s[q].astype(np.float64) for q in t)
+                total = sum(s[q].astype(accumulator(s[q].dtype)) for q in t)
                 for rank, j in enumerate(t):
                     r[j][...] = total[rank]
         return start, None

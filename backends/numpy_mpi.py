@@ -30,7 +30,7 @@ import numpy as np
 
 from shardfuse import faults
 from shardfuse.backends.mpi_teams import team_parts, world_peers
-from shardfuse.backends.numpy_local import NumpyLocalBackend
+from shardfuse.backends.numpy_local import NumpyLocalBackend, accumulator
 from shardfuse.dtypes import np_dtype
 from shardfuse.ops import Op, Reduce
 
@@ -54,7 +54,7 @@ def _wire(a: np.ndarray) -> np.ndarray:
 
 def _local_sum(pieces, out):
     """The sum of this process' devices' contributions to one team, into the send buffer."""
-    acc = pieces[0].astype(np.float64) if len(pieces) > 1 else pieces[0]
+    acc = pieces[0].astype(accumulator(pieces[0].dtype)) if len(pieces) > 1 else pieces[0]
     for x in pieces[1:]:
         acc = acc + x
     out[...] = acc

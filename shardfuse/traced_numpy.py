@@ -255,8 +255,10 @@ def _reduction(method):
     def call(a, axis=None, dtype=None, out=None, keepdims=False, where=None, **rest):
         takes = f"np.{name}(x, axis, keepdims=...) or x.{name}(axis, keepdims=...), a new value"
         _defaults_only(f"np.{name}", takes, out=out, **rest, **({} if summed else {"dtype": dtype, "where": where}))
-        if dtype is not None:
-            a = a.astype(np.dtype(dtype).name if not isinstance(dtype, str) else dtype)
+        if dtype is not None:  # (the result in it too: an integer sum is int64 otherwise, a probe)
+            dtype = np.dtype(dtype).name if not isinstance(dtype, str) else dtype
+            a = a.astype(dtype)
+            return _reduction(method)(a, axis, None, None, keepdims, where).astype(dtype)
         if where is None or where is True:
             return method(a, axis, keepdims=keepdims)
         kept = where if isinstance(where, Traced) else a.builder.constant(np.asarray(where, dtype=bool))

@@ -179,6 +179,34 @@ def test_dtypes_as_numpy():
     assert out_dtype(lambda x: np.clip(x, 0.5, 3), "int32") == "float64"
 
 
+def check_integer_sums(mesh):
+    """Integer sums across devices are exact and wrap as NumPy's (a DTensor probe: the NumPy backends
+    added the devices' pieces in float64, 2**53 + 1 lost, an overflowing total an OverflowError), and
+    dtype= is the result's dtype (sum(dtype=np.int32) was int64)."""
+    d = mesh.size
+    x = np.zeros(2 * d, np.int64)
+    x[0], x[1], x[-1] = 2**53 + 1, 2, 3
+    big = np.full((d, 3), 2**62, np.int64)  # (its total wraps, as NumPy's)
+    with np.errstate(over="ignore"):
+        for jit in (False, True):
+            for v, axis in ((x, None), (big, 0)):
+                f = (lambda a, axis=axis: a.sum(axis))
+                got = (sf.jit(f, mesh=mesh) if jit else f)(sf.shard(v, axis=0, mesh=mesh))
+                np.testing.assert_array_equal(np.asarray(got.gather() if hasattr(got, "gather") else got), v.sum(axis))
+    m = np.random.default_rng(5).integers(-3, 9, (2 * d, 5))
+    for dt in (np.int32, np.float32):
+        got = sf.shard(m, axis=0, mesh=mesh).sum(0, dtype=dt)
+        assert got.dtype == dt
+        np.testing.assert_array_equal(got.gather(), m.sum(0, dtype=dt))
+    got = sf.jit(lambda a: a.sum(1, dtype=np.int32, where=a > 0), mesh=mesh)(sf.shard(m > 2, axis=0, mesh=mesh))
+    assert got.dtype == np.int32
+    np.testing.assert_array_equal(got.gather(), (m > 2).sum(1, dtype=np.int32, where=m > 0))
+
+
+def test_integer_sums_are_exact_and_take_their_dtype():
+    check_integer_sums(ew.mesh_of(4))
+
+
 def test_refusals_say_what_to_write():
     mesh = ew.mesh_of(4)
     spec = sf.TensorSpec(ew.SHAPE, "float64")

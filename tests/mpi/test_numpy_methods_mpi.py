@@ -35,3 +35,7 @@ def test_argmax_finds_the_first_nan_across_ranks(mesh):
         xa = sf.shard(x, axis=axis, mesh=mesh)
         np.testing.assert_array_equal(xa.argmax(axis).gather(), x.argmax(axis))
         np.testing.assert_array_equal(xa.argmin(axis).gather(), x.argmin(axis))
+
+
+def test_integer_sums_across_ranks_are_exact(mesh):
+    nm.check_integer_sums(mesh)
