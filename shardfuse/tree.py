@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import functools
 import inspect
+import re
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
@@ -257,13 +258,27 @@ def leaf_paths(td: TreeDef, prefix: str) -> list:
     joined by '_' (params['w1'] -> params_w1, xs[2].b -> xs_2_b)."""
     if td.kind == "leaf":
         return [prefix]
-    if td.kind == "dict":
-        keys = [str(k) for k in td.meta]
+    if td.kind == "dict":  # (a state_dict's "layers.0.w" as layers_0_w: a name must be an identifier)
+        keys = [re.sub(r"\W", "_", str(k)) for k in td.meta]
     elif td.kind in ("tuple", "list", "none"):
         keys = [str(i) for i in range(len(td.children))]
     else:
         keys = list(td.kind._fields)
     return [n for k, c in zip(keys, td.children) for n in leaf_paths(c, f"{prefix}_{k}")]
+
+
+def unique(names: list) -> list:
+    """names with a repeated one numbered (keys "a_b" and "a.b" both read a_b: a_b, a_b_2)."""
+    seen, out = set(names), []
+    for n in names:
+        if n in out:
+            k = 2
+            while f"{n}_{k}" in seen:
+                k += 1
+            n = f"{n}_{k}"
+            seen.add(n)
+        out.append(n)
+    return out
 
 
 class FlatFunction:
@@ -280,7 +295,7 @@ class FlatFunction:
         if in_tree is None:
             self.__signature__ = inspect.signature(fn)
             return
-        names = [n for p, c in zip(params, in_tree.children) for n in leaf_paths(c, p)]
+        names = unique([n for p, c in zip(params, in_tree.children) for n in leaf_paths(c, p)])
         P = inspect.Parameter
         self.__signature__ = inspect.Signature([P(n, P.POSITIONAL_ONLY) for n in names])
 

@@ -93,3 +93,23 @@ def test_plans_and_their_profile_take_the_pytrees_the_function_takes():
     assert "t_w" in str(plan) and "t_b" in str(plan)
     h = sf.jit(lambda t: t[0] * t[1], mesh=mesh)
     assert "t_0" in str(h.lower((w, w))) and "t_0" in str(h.lower([((6, 4), "float64"), ((6, 4), "float64")]))
+
+
+def test_state_dict_keys_name_the_leaves():
+    """A DTensor probe: keys of a PyTorch state_dict ("fc1.weight", "layers.0.w", "a-b") made leaf names
+    that are no identifiers ("'p_fc1.weight' is not a valid parameter name"), and "a_b" beside
+    {"a": {"b"}} the same name twice; each is an identifier now, a repeated one numbered."""
+    import shardfuse as sf
+    mesh = sf.DeviceMesh(2, backend="numpy")
+    r = np.random.default_rng()
+    p = {"fc1.weight": r.standard_normal((8, 4)), "fc1.bias": r.standard_normal(4), "a-b": r.standard_normal(4),
+         "a_b": r.standard_normal(4), "a": {"b": r.standard_normal(4)}}
+    x = r.standard_normal((2, 8))
+    f = sf.jit(lambda p, x: x @ p["fc1.weight"] + p["fc1.bias"] + p["a-b"] + p["a_b"] - p["a"]["b"], mesh=mesh)
+    np.testing.assert_allclose(np.asarray(f(p, x)), x @ p["fc1.weight"] + p["fc1.bias"] + p["a-b"] + p["a_b"] - p["a"]["b"],
+                               rtol=1e-13)
+    names = [v.name for v in f.lower(p, x).program.inputs]
+    assert len(set(names)) == len(names) and all(n.isidentifier() for n in names), names
+    assert "p_fc1_weight" in names and "p_a_b_2" in names
+    g = sf.jit(sf.grad(lambda p, x: (x @ p["fc1.weight"]).sum()), mesh=mesh)({"fc1.weight": p["fc1.weight"]}, x)
+    np.testing.assert_allclose(np.asarray(g["fc1.weight"]), np.broadcast_to(x.sum(0)[:, None], (8, 4)), rtol=1e-13)
