@@ -293,9 +293,10 @@ def _same_on_every_rank(x, info, mesh, what) -> None:
     ranks passing their own arrays (each seeded by its rank) would each take its pieces of its own,
     a blend no rank sees (a probe: sf.distribute of each rank's own initial weights).  Only NumPy
     arrays and numbers, placed from the main thread (a prefetch thread placing batches beside the
-    calls is not checked: the checks come from one thread, as calls do), and not at all with
+    calls is not checked: the checks come from one thread, as calls do; CPU torch tensors too), and not at all with
     SHARDFUSE_CHECK_INPUTS=0: then no communication either."""
-    if mesh.nprocs > 1 and faults.checking_inputs() and isinstance(x, (np.ndarray, np.generic, int, float)) and \
+    host = isinstance(x, (np.ndarray, np.generic, int, float)) or getattr(info, "device", 0) is None
+    if mesh.nprocs > 1 and faults.checking_inputs() and host and \
             threading.current_thread() is threading.main_thread():
         faults.agree("", what, faults.input_prints(["x"], [x], [info]))
 

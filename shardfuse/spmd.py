@@ -80,7 +80,7 @@ def from_local(local_piece, axis=None, over=None, mesh=None, placements=None):
             p = held[k].index(b[k])
             idx[i] = slice(p * size[i], (p + 1) * size[i])
         views.append(x[tuple(idx)])
-    if mesh.nprocs > 1 and faults.checking_inputs() and isinstance(x, np.ndarray):  # (device arrays: not read)
+    if mesh.nprocs > 1 and faults.checking_inputs() and info.device is None:  # (device arrays: not read)
         _same_replicas(blocks, views)
     return Array(mesh, shape, info.dtype, layout, [be.piece(v, j) for j, v in enumerate(views)], True)
 

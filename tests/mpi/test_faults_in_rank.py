@@ -307,6 +307,24 @@ def test_ranks_placing_different_global_arrays_all_raise():
         np.testing.assert_array_equal(place(x).gather(), x)
 
 
+def test_cpu_torch_tensors_that_differ_between_ranks_are_refused_as_numpy_arrays_are():
+    """A DTensor probe: CPU torch tensors were not compared (only NumPy arrays), so each rank's own batch
+    passed to a call, sf.torch_function or sf.shard ran as a silent blend; now refused alike, and bf16
+    tensors (no NumPy dtype in torch) compared too."""
+    torch = pytest.importorskip("torch", reason="the test extra's torch (CPU wheel) is not installed")
+    mesh = sf.DeviceMesh(4)
+    f, x, w = _natural(mesh)
+    mine = torch.from_numpy(np.random.default_rng(100 + RANK).standard_normal(w.shape))
+    with pytest.raises(sf.RankMismatchError, match="argument w differs between the ranks"):
+        f(torch.from_numpy(x), mine)
+    with pytest.raises(sf.RankMismatchError, match="argument x differs between the ranks"):
+        sf.shard(mine.to(torch.bfloat16), axis=0, mesh=mesh)
+    if NPROCS == 4:  # (one device a process: ranks 0, 1 hold dp block 0; under -n 2 a rank holds both replicas)
+        with pytest.raises(ValueError, match="passed different data"):
+            sf.from_local(torch.full((2, 3), float(RANK)), axis=0, over="dp", mesh=sf.DeviceMesh((2, 2), ("dp", "tp")))
+    np.testing.assert_allclose(f(torch.from_numpy(x), torch.from_numpy(w)).gather(), x @ w)
+
+
 def test_placing_from_a_prefetch_thread_or_with_the_check_off_communicates_nothing(monkeypatch):
     """A review: the check made every placement a collective, so a prefetch thread placing batches
     beside the calls was refused; only the main thread's placements are compared, and with
