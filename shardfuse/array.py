@@ -12,7 +12,7 @@ import numpy as np
 
 from shardfuse import faults
 from shardfuse.array_ops import ArrayOps, reshard
-from shardfuse.interop import array_info, check_input, stream_ptr
+from shardfuse.interop import array_info, check_input, host_view, stream_ptr
 from shardfuse.layout import Layout, layout_of
 from shardfuse.mesh import DeviceMesh
 from shardfuse.dtypes import dtype_pair
@@ -298,7 +298,7 @@ def _same_on_every_rank(x, info, mesh, what) -> None:
     host = isinstance(x, (np.ndarray, np.generic, int, float)) or getattr(info, "device", 0) is None
     if mesh.nprocs > 1 and faults.checking_inputs() and host and \
             threading.current_thread() is threading.main_thread():
-        faults.agree("", what, faults.input_prints(["x"], [x], [info]))
+        faults.agree("", what, faults.input_prints(["x"], [host_view(x, info)], [info]))
 
 
 def _rebuild_array(mesh, shape, dtype, layout, pieces, rank, nprocs, weak=False):

@@ -19,7 +19,7 @@ from dataclasses import replace
 from shardfuse import faults
 from shardfuse.runtime import backend_of
 from shardfuse.pieces import check_args, local_pieces, placement
-from shardfuse.interop import Fence, stream_identity, stream_ptr
+from shardfuse.interop import Fence, host_view, stream_identity, stream_ptr
 from shardfuse.backends.protocol import BoundPlan, Ref, block, rank_major, reshape_strides
 from shardfuse.bind_indexed import INDEXED
 from shardfuse.fused_steps import bind_fused
@@ -310,7 +310,7 @@ class Executable:
         """Under mpiexec, every call: every rank calls this very plan on the same host arguments, else
         RankMismatchError on all."""
         if self.mesh.nprocs > 1:
-            prints = faults.input_prints([v.name for v in self.prog.inputs], args, infos)
+            prints = faults.input_prints([v.name for v in self.prog.inputs], map(host_view, args, infos), infos)
             faults.agree(self.agreement, f"plan {self.prog.name!r}{faults.A_CALL}", prints)
 
     def run(self, args, infos, caller, issue=None):

@@ -227,21 +227,12 @@ def input_prints(names, args, infos) -> list:
 
 
 def fingerprint(a) -> bytes:
-    """One host argument's fingerprint (input_prints): b"" for a device array (not read); a host array of
-    another library (a CPU torch tensor) as its NumPy view."""
+    """One host argument's fingerprint (input_prints): b"" for a device array (not read)."""
     if isinstance(a, (bool, int, float, complex, np.generic)):
         v = a.item() if isinstance(a, np.generic) else a
         return repr(v + 0.0 if isinstance(v, float) else v).encode()  # (-0.0 + 0.0 is 0.0)
     if not isinstance(a, np.ndarray):
-        from shardfuse.interop import array_info, to_numpy  # (interop is for the calls that check)
-
-        try:
-            host = array_info(a).device is None
-        except (TypeError, ValueError):
-            return b""
-        if not host:
-            return b""  # (a device array: not read)
-        a = to_numpy(a)  # (a CPU torch tensor: its memory, a DTensor probe's ranks each passed their own)
+        return b""  # (a device array: not read)
     a = np.asarray(a)  # (np.matrix: a plain array, so its flat sample is of elements)
     sample = (a.reshape(-1) if a.flags.c_contiguous else a.flat)[_sample_at(a.size)]
     if sample.dtype.kind in "fcV" and sample.dtype != object:

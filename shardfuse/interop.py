@@ -260,6 +260,12 @@ def torch_view(t, consumer: int | None = None, fenced: int | None = None):
     return view
 
 
+def host_view(x, info: ArrayInfo | None):
+    """x as NumPy where it is a host array of another library (a CPU torch tensor: its memory), for the
+    ranks' comparison of host arguments (fault_messages.fingerprint reads NumPy only); else x."""
+    return to_numpy(x) if info is not None and info.device is None and not isinstance(x, np.ndarray) else x
+
+
 def to_numpy(x) -> np.ndarray:
     """A host NumPy array of x (a copy for device arrays; bfloat16 as ml_dtypes.bfloat16), a plain
     ndarray in native byte order (host arrays that already are one are not copied)."""

@@ -23,7 +23,7 @@ from shardfuse.rates import machine
 from shardfuse.mesh import DeviceMesh, as_int
 from shardfuse.plan_cache import PlanCache, serving_plan
 from shardfuse.spec import TensorSpec, is_spec_tuple
-from shardfuse.jit_shardings import constrained
+from shardfuse.jit_shardings import check_options, check_rates, constrained
 from shardfuse.static_args import donated_positions, dynamic_position, split_static, static_names, with_static
 from shardfuse.trace import input_names, trace
 from shardfuse.traced import Traced
@@ -45,36 +45,14 @@ class Jitted:
 
     def __init__(self, fn, mesh, streams=4, graph=False, max_plans=MAX_PLANS, rates=None, donate_argnums=(),
                  static_argnums=(), static_argnames=(), donate_argnames=()):
-        if not callable(fn):
-            raise TypeError(f"sf.jit compiles a function, got {type(fn).__name__}")
-        if mesh is None:
-            raise ValueError("sf.jit needs a mesh: sf.jit(mesh=sf.DeviceMesh(n))")
-        if not isinstance(mesh, DeviceMesh):
-            raise TypeError(f"sf.jit mesh= must be an sf.DeviceMesh, got {type(mesh).__name__}")
-        if isinstance(streams, (bool, np.bool_)) or not isinstance(streams, (int, np.integer)):
-            raise TypeError(f"streams must be a positive int (the size of the stream pool), got {streams!r} "
-                            f"({type(streams).__name__})")
-        if streams < 1:
-            raise ValueError(f"streams must be a positive int, got {streams}")
-        if not isinstance(graph, (bool, np.bool_)):
-            raise TypeError(f"graph must be True or False, got {graph!r} ({type(graph).__name__})")
-        if graph and mesh.backend_name != "cupy":
-            raise NotImplementedError(f"graph=True captures CUDA graphs: it needs the cupy backend, and {mesh} runs on "
-                                      f"{mesh.backend_name}")
-        if not mesh.is_root and mesh.nprocs > 1:
-            raise NotImplementedError(
-                f"sf.jit on the sub-mesh {mesh} under MPI ({mesh.nprocs} processes) is not supported: jit on its "
-                f"whole mesh {mesh.root} and place values on the sub-mesh inside the function "
-                "(sf.shard(x, axis, mesh=sub), sf.replicate(x, mesh=sub), sf.to_mesh)")
+        check_options(fn, mesh, streams, graph)
         self.fn, self.mesh, self.streams, self.graph = fn, mesh, int(streams), bool(graph)
         self.donate_argnums = donated_positions(fn, donate_argnums, donate_argnames)
         if self.donate_argnums and self.graph:
             raise NotImplementedError("sf.jit(donate_argnums=..., graph=True): a CUDA graph writes the buffers it "
                                       "captured, so its results cannot take the arguments' buffers; use graph=False")
         self.max_plans = as_int(max_plans, "sf.jit max_plans=", minimum=1)
-        if rates is not None and not isinstance(rates, (Rates, str)):
-            raise TypeError(f"sf.jit rates= must be a shardfuse.cost.Rates or a name of cost.DEFAULTS, got "
-                            f"{type(rates).__name__}")
+        check_rates(rates)
         self.rates = rates  # for chunks="auto" and plan.explain(): None = calibrated, else built-in defaults
         self._tables = threading.RLock()  # both tables, for threads calling at once (a call runs outside it)
         self._plans = PlanCache(self.max_plans, self._tables, self._evicted)  # input specs -> plan
@@ -98,6 +76,14 @@ class Jitted:
         for key, child in self._statics.snapshot().items():
             out.update({(key, specs): plan for specs, plan in child.cached_plans().items()})
         return out
+
+    def bind_static(self, args, kwargs) -> tuple:
+        """(the sf.jit of fn with the static values among args / kwargs fixed, the other args, kwargs);
+        self and them as they are where fn has no static parameter."""
+        if not self._static:
+            return self, args, kwargs
+        key, args, kwargs = split_static(self.fn, self._static, args, kwargs)
+        return self._with_static(key), args, kwargs
 
     def _with_static(self, key) -> "Jitted":
         """The sf.jit of fn with its static parameters fixed to `key`'s values (made once per key)."""
@@ -145,8 +131,8 @@ class Jitted:
                 raise TypeError(f"{self.__name__}.{what} takes TensorSpecs, (shape, dtype[, sharding]) tuples or "
                                 f"arrays; got {s!r}: for a shape, write ({s!r}, 'float32')")
         if self._static:  # (JAX's f.lower(x, 4): the static values where the function takes them)
-            key, specs, named = split_static(self.fn, self._static, specs, named or {})
-            return self._with_static(key)._resolve(specs, what, named)
+            target, specs, named = self.bind_static(specs, named or {})
+            return target._resolve(specs, what, named)
         specs = self.positional(specs, named) if named else specs
         if any(tree.is_container(s) and not is_spec_tuple(s) for s in specs):  # pytrees of specs or arrays
             leaves, in_tree = tree.flatten(specs, is_leaf=lambda x: x is not specs and is_spec_tuple(x))
@@ -229,8 +215,8 @@ class Jitted:
                     self._plans.touch(hit[0])
                 return hit[1].run_flat(args, stream, infos, checked=True)
         if self._static and not any(isinstance(a, Traced) for a in tree.leaves((args, kwargs))):
-            key, args, kwargs = split_static(self.fn, self._static, args, kwargs)
-            return self._with_static(key)(*args, stream=stream, **kwargs)
+            target, args, kwargs = self.bind_static(args, kwargs)
+            return target(*args, stream=stream, **kwargs)
         if any(isinstance(a, Traced) for a in tree.leaves((args, kwargs))):
             return self._inline(args, kwargs, stream)
         if kwargs:

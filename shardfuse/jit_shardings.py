@@ -1,4 +1,4 @@
-"""sf.jit's in_shardings= and out_shardings= (JAX's): where a jitted function's arguments and results
+"""sf.jit's options checked (check_options, check_rates), and its in_shardings= and out_shardings= (JAX's): where a jitted function's arguments and results
 live, stated once at the jit instead of as annotations inside the function.
 
 Each is what sf.distribute takes (a JAX-style spec per tensor axis such as ("dp", None), DTensor
@@ -13,7 +13,11 @@ from __future__ import annotations
 
 import functools
 
+import numpy as np
+
+from shardfuse.cost import Rates
 from shardfuse.layout import Layout
+from shardfuse.mesh import DeviceMesh
 from shardfuse.placements import PartitionSpec, Replicate, Shard
 
 
@@ -48,3 +52,34 @@ def constrained(fn, mesh, in_shardings, out_shardings, static_argnums=()):
         return out if out_shardings is None else distribute(out, mesh, out_shardings)
     return placed
 
+
+
+def check_options(fn, mesh, streams, graph) -> None:
+    """sf.jit's function, mesh, streams= and graph=, each what it must be, else an error saying so."""
+    if not callable(fn):
+        raise TypeError(f"sf.jit compiles a function, got {type(fn).__name__}")
+    if mesh is None:
+        raise ValueError("sf.jit needs a mesh: sf.jit(mesh=sf.DeviceMesh(n))")
+    if not isinstance(mesh, DeviceMesh):
+        raise TypeError(f"sf.jit mesh= must be an sf.DeviceMesh, got {type(mesh).__name__}")
+    if isinstance(streams, (bool, np.bool_)) or not isinstance(streams, (int, np.integer)):
+        raise TypeError(f"streams must be a positive int (the size of the stream pool), got {streams!r} "
+                        f"({type(streams).__name__})")
+    if streams < 1:
+        raise ValueError(f"streams must be a positive int, got {streams}")
+    if not isinstance(graph, (bool, np.bool_)):
+        raise TypeError(f"graph must be True or False, got {graph!r} ({type(graph).__name__})")
+    if graph and mesh.backend_name != "cupy":
+        raise NotImplementedError(f"graph=True captures CUDA graphs: it needs the cupy backend, and {mesh} runs on "
+                                  f"{mesh.backend_name}")
+    if not mesh.is_root and mesh.nprocs > 1:
+        raise NotImplementedError(
+            f"sf.jit on the sub-mesh {mesh} under MPI ({mesh.nprocs} processes) is not supported: jit on its "
+            f"whole mesh {mesh.root} and place values on the sub-mesh inside the function "
+            "(sf.shard(x, axis, mesh=sub), sf.replicate(x, mesh=sub), sf.to_mesh)")
+
+
+def check_rates(rates) -> None:
+    if rates is not None and not isinstance(rates, (Rates, str)):
+        raise TypeError(f"sf.jit rates= must be a shardfuse.cost.Rates or a name of cost.DEFAULTS, got "
+                        f"{type(rates).__name__}")

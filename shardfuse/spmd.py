@@ -10,7 +10,7 @@ import numpy as np
 from shardfuse import faults
 from shardfuse.fault_messages import CHECK_ENV, input_prints, ranks_text
 from shardfuse.array import Array, check_mesh
-from shardfuse.interop import array_info, check_input
+from shardfuse.interop import array_info, check_input, host_view
 from shardfuse.layout import Layout, layout_of, mesh_axes
 from shardfuse.pieces import local_indices
 from shardfuse.mesh import DeviceMesh
@@ -81,7 +81,7 @@ def from_local(local_piece, axis=None, over=None, mesh=None, placements=None):
             idx[i] = slice(p * size[i], (p + 1) * size[i])
         views.append(x[tuple(idx)])
     if mesh.nprocs > 1 and faults.checking_inputs() and info.device is None:  # (device arrays: not read)
-        _same_replicas(blocks, views)
+        _same_replicas(blocks, [host_view(v, info) for v in views])
     return Array(mesh, shape, info.dtype, layout, [be.piece(v, j) for j, v in enumerate(views)], True)
 
 

@@ -246,19 +246,17 @@ def _reshape(a, shape, order="C", *, copy=None):  # (copy= changes nothing: trac
 
 
 def _reduction(method):
-    """np.sum / mean / max / min (amax, amin) of a traced value: its method, axis= and keepdims= as
-    NumPy's; for sum and mean also dtype= (x cast to it first: NumPy's accumulator and result dtype)
-    and where= (a mask broadcast to x: sum of the elements it keeps; mean over them, NaN where it
-    keeps none, as NumPy's)."""
+    """np.sum / mean / max / min (amax, amin) of a traced value: its method, axis= and keepdims= as NumPy's; for
+    sum and mean also dtype= (NumPy's accumulator and result dtype) and where= (a mask broadcast to x: sum
+    of the elements it keeps; mean over them, NaN where it keeps none, as NumPy's)."""
     name, summed = method.__name__, method in (Traced.sum, Traced.mean)
 
     def call(a, axis=None, dtype=None, out=None, keepdims=False, where=None, **rest):
         takes = f"np.{name}(x, axis, keepdims=...) or x.{name}(axis, keepdims=...), a new value"
         _defaults_only(f"np.{name}", takes, out=out, **rest, **({} if summed else {"dtype": dtype, "where": where}))
         if dtype is not None:  # (the result in it too: an integer sum is int64 otherwise, a probe)
-            dtype = np.dtype(dtype).name if not isinstance(dtype, str) else dtype
-            a = a.astype(dtype)
-            return _reduction(method)(a, axis, None, None, keepdims, where).astype(dtype)
+            dtype = dtype if isinstance(dtype, str) else np.dtype(dtype).name
+            return call(a.astype(dtype), axis, None, None, keepdims, where).astype(dtype)
         if where is None or where is True:
             return method(a, axis, keepdims=keepdims)
         kept = where if isinstance(where, Traced) else a.builder.constant(np.asarray(where, dtype=bool))
