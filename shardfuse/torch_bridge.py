@@ -27,39 +27,51 @@ def torch_function(fn, mesh=None):
     gives w.grad from the compiled backward.  Takes tensors and pytrees of them (dicts, lists,
     tuples: `f(params, x)` with params a dict of tensors), positionally or by keyword
     (`f(params, x=x)`), and returns a tensor, or the pytree of tensors fn returns; integer and
-    boolean inputs get no gradient."""
+    boolean inputs get no gradient.  Python numbers and NumPy arrays among the arguments go to fn
+    as sf.jit takes them, with no gradient, and fn's static arguments (sf.jit's static_argnums /
+    static_argnames: `causal=True`) as Python values."""
     import torch
 
     jitted = fn if isinstance(fn, Jitted) else Jitted(fn, mesh)
-    pullback = Jitted(Pullback(jitted.fn, False), jitted.mesh, jitted.streams)
+    pullbacks: dict = {}  # the sf.jit with its static values fixed -> the sf.jit of its pullback
 
     def stream_of(tensors):
         cuda = [t for t in tensors if t.is_cuda]
         return torch.cuda.current_stream(cuda[0].device) if cuda else None
 
+    def merged(fixed, tensors):  # (the leaves: the tensors where fixed holds None)
+        it = iter(tensors)
+        return [next(it) if v is None else v for v in fixed]
+
     class Node(torch.autograd.Function):
         @staticmethod
-        def forward(ctx, in_tree, result, *tensors):
-            out = jitted(*in_tree.unflatten(tensors), stream=stream_of(tensors))
+        def forward(ctx, target, in_tree, fixed, result, *tensors):
+            out = target(*in_tree.unflatten(merged(fixed, tensors)), stream=stream_of(tensors))
             ctx.save_for_backward(*tensors)
             outs, result["tree"] = tree.flatten(out)
             outs = tuple(_tensor(o, torch) for o in outs)
-            ctx.in_tree, ctx.out_tree = in_tree, result["tree"]
+            ctx.target, ctx.in_tree, ctx.fixed, ctx.out_tree = target, in_tree, fixed, result["tree"]
             ctx.output_shapes = [(o.shape, o.dtype, o.device) for o in outs]  # (zeros for unused results)
             return outs
 
         @staticmethod
         def backward(ctx, *grads):
-            primals = ctx.saved_tensors
+            tensors = ctx.saved_tensors
             cts = [torch.zeros(s, dtype=d, device=dev) if g is None else g.contiguous()
                    for g, (s, d, dev) in zip(grads, ctx.output_shapes)]
+            pullback = pullbacks.get(ctx.target)
+            if pullback is None:
+                t = ctx.target
+                pullback = pullbacks[t] = Jitted(Pullback(t.fn, False), t.mesh, t.streams)
             with torch.no_grad():  # (as forward runs: the primals are read for values)
-                res = pullback(ctx.in_tree.unflatten(primals), ctx.out_tree.unflatten(cts), stream=stream_of(primals))
+                res = pullback(ctx.in_tree.unflatten(merged(ctx.fixed, tensors)), ctx.out_tree.unflatten(cts),
+                               stream=stream_of(tensors))
             res, _ = tree.flatten(res, is_leaf=lambda g: g is None)  # (an integer input's cotangent: None)
-            res = [_tensor(g, torch) if t.is_floating_point() else None for g, t in zip(res, primals)]
+            res = [_tensor(g, torch) if t.is_floating_point() else None
+                   for g, t in zip((g for g, v in zip(res, ctx.fixed) if v is None), tensors)]
             if torch.is_grad_enabled():  # (create_graph=True: the pullback ran compiled, recording nothing, so
-                res = [None if g is None else Unrecorded.apply(g, *primals) for g in res]  # say so, when reached)
-            return (None, None) + tuple(res)
+                res = [None if g is None else Unrecorded.apply(g, *tensors) for g in res]  # say so, when reached)
+            return (None, None, None, None) + tuple(res)
 
     class Unrecorded(torch.autograd.Function):
         """g, as a function of the primals (so a second derivative reaches it), whose derivative says that
@@ -75,15 +87,14 @@ def torch_function(fn, mesh=None):
                                "create_graph=True) gives first derivatives only)")
 
     def call(*args, **kwargs):
+        target, args, kwargs = jitted.bind_static(args, kwargs)  # (static values: the sf.jit with them fixed)
         if kwargs:  # (bound to the jitted function's parameters, as sf.jit binds them)
-            args = jitted.positional(args, kwargs)
-        tensors, in_tree = tree.flatten(args)
-        for path, t in zip(tree.leaf_paths(in_tree, "argument"), tensors):
-            if not isinstance(t, torch.Tensor):
-                raise TypeError(f"sf.torch_function({jitted.__name__}): {path.replace('_', ' ', 1)} is a "
-                                f"{type(t).__name__}; it takes torch tensors (and pytrees of them)")
+            args = target.positional(args, kwargs)
+        leaves, in_tree = tree.flatten(args)
+        # (numbers and NumPy arrays go to the function as sf.jit takes them, with no gradient: a scale, a mask)
+        fixed = [None if isinstance(v, torch.Tensor) else v for v in leaves]
         result = {}
-        outs = Node.apply(in_tree, result, *tensors)
+        outs = Node.apply(target, in_tree, fixed, result, *(v for v in leaves if isinstance(v, torch.Tensor)))
         return result["tree"].unflatten(outs)
 
     call.__name__ = f"torch_{jitted.__name__}"

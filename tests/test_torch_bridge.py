@@ -77,9 +77,30 @@ def test_adam_steps_agree_with_torch():
         torch.testing.assert_close(a, b, rtol=1e-9, atol=1e-9)
 
 
-def test_refuses_non_tensors():
-    with pytest.raises(TypeError, match="takes torch tensors"):
-        sf.torch_function(sf.jit(lambda x: x * 2.0, mesh=MESH))(np.ones(4))
+def test_numbers_numpy_arrays_and_static_arguments_go_to_the_function():
+    """A DTensor probe: the bridge refused anything but tensors, so `causal=True` (a static argument), a
+    scale or a NumPy mask could not be passed.  They go to the function as sf.jit takes them, with no
+    gradient; the tensors' gradients match torch's, and a new scale compiles no new plan."""
+    mask = np.tril(np.ones((4, 4)))
+
+    def f(x, w, scale, m, causal):
+        s = (x @ w) * scale
+        return ((s * m if causal else s) ** 2).sum()
+    jitted = sf.jit(f, mesh=MESH, static_argnames="causal")
+    bridged = sf.torch_function(jitted)
+    x, w = _leaves(3)[0][:4, :4].detach(), _leaves(4)[1][:4, :4].detach().requires_grad_()
+    for scale, causal in ((0.5, True), (2.0, True), (2.0, False)):
+        w.grad = None
+        loss = bridged(x, w, scale, mask, causal=causal)
+        loss.backward()
+        w2 = w.detach().clone().requires_grad_()
+        s = (x @ w2) * scale
+        want = ((s * torch.from_numpy(mask) if causal else s) ** 2).sum()
+        want.backward()
+        torch.testing.assert_close(loss, want, rtol=1e-13, atol=0)
+        torch.testing.assert_close(w.grad, w2.grad, rtol=1e-12, atol=1e-12)
+    assert jitted.cache_info()["static_values"] == 2  # (causal True and False; the scales share a plan)
+    assert jitted.cache_info()["plans"] == 2
 
 
 def test_a_dict_of_parameters_matches_torch_autograd():
