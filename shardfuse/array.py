@@ -21,6 +21,9 @@ from shardfuse.spec import TensorSpec, check_axis, check_divides, normalize_axis
 from shardfuse.runtime import backend_of
 
 
+REPR_ELEMENTS = 10_000  # the largest sf.Array whose repr shows its values (gathered to the host for it)
+
+
 class Donated:
     """The pieces of a donated sf.Array: any use raises, saying why."""
 
@@ -78,7 +81,13 @@ class Array(Placed, ArrayOps):  # operators, ufuncs, reductions, indexing: array
         return TensorSpec(self.shape, self.dtype_name, self.sharding, weak=self.weak)
 
     def __repr__(self):
-        return (f"sf.Array(shape={self.shape}, dtype={self.dtype_name}, "
+        """With its values, as JAX's and DTensor's reprs, where reading them is local and small: one
+        process (under mpiexec a gather is collective: one rank printing would hang), up to
+        REPR_ELEMENTS, not donated; else shape=."""
+        what = f"shape={self.shape}"
+        if self.mesh.nprocs == 1 and self.size <= REPR_ELEMENTS and not isinstance(self.shards, Donated):
+            what = np.array2string(np.asarray(self), separator=", ", prefix="sf.Array(")
+        return (f"sf.Array({what}, dtype={self.dtype_name}, "
                 f"placements={self.sharding.placements(self.mesh)}, mesh={self.sharding.home(self.mesh)!r})")
 
     def _repr_html_(self):

@@ -122,6 +122,9 @@ class Program:
     def __str__(self):
         return format_program(self)
 
+    def _repr_pretty_(self, p, cycle):  # (IPython, a cell's last expression: the text, not the dataclass dump)
+        p.text(str(self))
+
 
 def local_shape(v: Value, mesh) -> tuple:
     """The shape of v's piece on one device (its layout's sub-mesh, else `mesh`); the global

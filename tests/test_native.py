@@ -79,10 +79,18 @@ def test_backend_mistakes_fail_where_they_are_made():
             sf.DeviceMesh(2, backend="cupy")
 
 
-def test_array_repr_names_its_placements_and_mesh():
+def test_array_repr_names_its_placements_and_mesh_and_shows_small_values():
+    """Its values where they are small and in this one process (a DTensor probe: a loss cell showed no
+    number, where JAX's and DTensor's do); shape= where large or donated."""
     mesh = sf.DeviceMesh((2, 2), backend="numpy")
-    a = sf.shard(np.ones((4, 4)), axis=0, over="DIDy", mesh=mesh)
-    assert repr(a) == "sf.Array(shape=(4, 4), dtype=float64, placements=('S(0)', 'R'), mesh=DeviceMesh(DIDy=2, DIDx=2, backend=numpy))"
+    a = sf.shard(np.arange(4.0).reshape(2, 2), axis=0, over="DIDy", mesh=mesh)
+    where = "placements=('S(0)', 'R'), mesh=DeviceMesh(DIDy=2, DIDx=2, backend=numpy))"
+    assert repr(a) == "sf.Array([[0., 1.],\n          [2., 3.]], dtype=float64, " + where
+    assert repr(sf.jit(lambda x: x.sum(), mesh=mesh)(a)).startswith("sf.Array(6., dtype=float64, placements=('R', 'R')")
+    big = sf.shard(np.ones((200, 100)), axis=0, over="DIDy", mesh=mesh)
+    assert repr(big) == "sf.Array(shape=(200, 100), dtype=float64, " + where
+    sf.jit(lambda x: x * 2, mesh=mesh, donate_argnums=0)(a)
+    assert repr(a).startswith("sf.Array(shape=(2, 2), dtype=float64")
 
 
 def test_under_a_launcher_without_mpi4py_the_error_says_what_to_install():

@@ -229,3 +229,13 @@ def test_trace_shows_the_program_before_the_passes():
     g = sf.jit(lambda p, k, x: x @ p["w"] * k, mesh=mesh, static_argnums=1)
     text = str(g.trace({"w": b}, 3.0, a))
     assert "matmul(x, p_w)" in text and "scale(c, value=3.0)" in text, text  # (the static value: a constant)
+
+
+def test_a_traced_program_displays_as_its_text_in_jupyter():
+    """A DTensor probe: `f.trace(...)` as a cell's last expression showed the dataclass dump
+    (Program(name=..., instrs=(Instr(op=<Op.SET...); IPython's pretty printer gets the program's text."""
+    mesh = sf.DeviceMesh(2, backend="numpy")
+    prog = sf.jit(lambda x: sf.shard(x, axis=0) * 2.0, mesh=mesh).trace(sf.TensorSpec((4, 2), "float32"))
+    shown = []
+    prog._repr_pretty_(type("Printer", (), {"text": lambda self, t: shown.append(t)})(), False)
+    assert shown == [str(prog)] and shown[0].startswith("plan <lambda>(x: f32[4, 2] ?)"), shown
