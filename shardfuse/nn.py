@@ -183,7 +183,32 @@ def attention(q, k, v, causal=False, mask=None, *, scale=None):
             raise ValueError("sf.nn.attention: give causal=True or mask=, not both (fold the causal mask into yours: "
                              "mask & np.tril(np.ones((seq_q, seq_k), bool)))")
         mask = np.tril(np.ones((q.shape[-2], k.shape[-2]), bool))
+    _check_shapes(q, k, v, mask)
     return _attention(q, k, v, mask, scale)
+
+
+def _check_shapes(q, k, v, mask):
+    """q, k, v [..., heads, seq, head_dim] that fit together, and a mask that broadcasts against the scores
+    [..., seq_q, seq_k], else an error naming the shapes (a serving probe's cache of another length met
+    "where_then of g_r_r and s_5: shapes ... do not broadcast" from inside)."""
+    shapes = f"q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}"
+    if not q.ndim == k.ndim == v.ndim >= 2:
+        raise ValueError(f"sf.nn.attention: q, k and v need the same number of axes, at least 2 ([..., seq, "
+                         f"head_dim]), got {shapes}")
+    if k.shape[-1] != q.shape[-1] or k.shape[-2] != v.shape[-2] or k.shape[:-3] != q.shape[:-3] != v.shape[:-3]:
+        raise ValueError(f"sf.nn.attention: k needs q's head_dim (axis -1), v k's seq (axis -2), and all three the "
+                         f"same leading axes ([batch, heads, seq, head_dim]), got {shapes}")
+    scores = tuple(q.shape[:-1]) + (k.shape[-2],)
+    if mask is not None and np.ndim(mask) and _broadcasts(tuple(np.shape(mask)), scores) is None:
+        raise ValueError(f"sf.nn.attention: mask of shape {tuple(np.shape(mask))} does not broadcast against the "
+                         f"scores {scores} ([..., seq_q, seq_k]; {shapes})")
+
+
+def _broadcasts(a, b):
+    try:
+        return np.broadcast_shapes(a, b)
+    except ValueError:
+        return None
 
 
 def _groups(q, k, v):

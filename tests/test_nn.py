@@ -522,3 +522,20 @@ def test_a_mask_given_where_causal_goes_says_to_pass_it_by_keyword():
     q = np.ones((1, 2, 3, 4))
     with pytest.raises(TypeError, match="causal takes True or False, got ndarray; pass a mask by keyword"):
         sf.jit(lambda q: nn.attention(q, q, q, np.ones((3, 3), bool)), mesh=mesh)(q)
+
+
+def test_attention_names_shapes_that_do_not_fit():
+    """A serving probe: a KV cache of another length than the mask met "where_then of g_r_r and s_5:
+    shapes ... do not broadcast" from inside; the shapes are checked where attention is called."""
+    mesh = sf.DeviceMesh(2, backend="numpy")
+    q, k = np.ones((2, 4, 1, 8)), np.ones((2, 2, 16, 8))
+    attend = sf.jit(lambda q, k, v, m: sf.nn.attention(q, k, v, mask=m), mesh=mesh)
+    with pytest.raises(ValueError, match=r"mask of shape \(2, 1, 1, 12\) does not broadcast against the scores "
+                                         r"\(2, 4, 1, 16\)"):
+        attend(q, k, k, np.ones((2, 1, 1, 12), bool))
+    with pytest.raises(ValueError, match=r"k needs q's head_dim \(axis -1\), v k's seq"):
+        attend(q, np.ones((2, 2, 16, 4)), k, np.ones((1, 16), bool))
+    with pytest.raises(ValueError, match="the same number of axes"):
+        attend(q, k[0], k[0], np.ones((1, 16), bool))
+    out = attend(q, k, k, np.ones((2, 1, 1, 16), bool))  # (a mask per sequence: broadcast over heads and queries)
+    np.testing.assert_allclose(np.asarray(out), np.ones((2, 4, 1, 8)), rtol=1e-14)
