@@ -540,7 +540,7 @@ def test_pipelined_gemm_reduce_scatter(mesh, chunks, dtype):
     r = rng()
     x, w = randn(r, (16 * d * chunks, 32 * d), dtype), randn(r, (32 * d, 48), dtype)
     plan = f.lower(sf.TensorSpec(x.shape, dtype), sf.TensorSpec(w.shape, dtype))
-    assert plan.collectives() == {"reduce_scatter": chunks}
+    assert plan.collectives() == ({"reduce_scatter": chunks} if d > 1 else {})  # (D = 1: device copies)
     check(f(x, w).gather(), f64(x) @ f64(w), dtype)
 
 
