@@ -379,7 +379,8 @@ VJP = {
     Op.SIGMOID: _unary(lambda ct, x, y, c: ct * (y * (1.0 - y))),
     Op.SILU: _silu,
     Op.POW: _pow,
-    Op.RPOW: _unary(lambda ct, x, y, c: ct * y * (math.log(c) if c > 0 else math.nan)),
+    # (d/dx c^x = log(c) c^x; 0 for c == 0, as JAX's log of the base taken as 1 there, a review: NaN was 0 * NaN)
+    Op.RPOW: _unary(lambda ct, x, y, c: ct * y * (math.log(c) if c > 0 else 0.0 if c == 0 else math.nan)),
     Op.ASTYPE: lambda ins, xs, out, ct, instrs: [ct.astype(xs[0].dtype_name) if differentiable(xs[0].dtype_name)
                                                  else None],
     **BROADCAST_VJP,  # x ** y of two arrays (shardfuse/numpy_broadcast.py)

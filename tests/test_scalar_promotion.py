@@ -238,6 +238,18 @@ def test_gradients_of_reflected_scalar_ops():
     np.testing.assert_allclose(np.asarray(g32), -r.astype(np.float32), rtol=1e-6)
 
 
+def test_the_gradient_of_a_scalar_base_power_follows_jax_at_zero():
+    """c ** y: d/dy = log(c) c^y, 0 where c == 0 (JAX's: the log of the base taken as 1 there; a review
+    found NaN, 0 * NaN, while an array base of zeros gave 0)."""
+    mesh = sf.DeviceMesh(2, backend="numpy")
+    y = np.array([0.5, 1.0, 2.0, 3.0])
+    grad = lambda f: np.asarray(sf.jit(sf.grad(f), mesh=mesh)(y))  # noqa: E731
+    np.testing.assert_array_equal(grad(lambda y: (0.0 ** y).sum()), np.zeros(4))
+    np.testing.assert_array_equal(grad(lambda y: np.power(np.zeros(4), y).sum()), np.zeros(4))
+    np.testing.assert_allclose(grad(lambda y: (3.0 ** y).sum()), np.log(3.0) * 3.0 ** y, rtol=1e-14)
+    assert np.isnan(grad(lambda y: ((-2.0) ** y).sum())).all()  # (a negative base: NaN, as JAX's log)
+
+
 def test_a_weak_scalar_takes_the_arrays_dtype_whatever_numpy_and_ml_dtypes_resolve():
     # NEP 50 applied before asking NumPy: ml_dtypes 0.6 with NumPy 2.5 resolves bfloat16 * 0.5 in
     # float32 (a GPU machine's versions, 2026-12-06: the transformer layer's GEMMs went float32)
