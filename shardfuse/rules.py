@@ -131,9 +131,10 @@ def contraction_require(ins, out, lays, labels=None):
         klab, k = None, None
     # Keep the contraction local (then reduce after) rather than reshard the inputs' other axes.
     carried = _linear_partials(ins, lays)
-    # an input pending a sum only over K's mesh axis is reduce-scattered into that sharding first (over
-    # more axes it stays refused: the output's propagated layout would still pend the others)
-    carried = [() if c and set(c) <= _names([k]) else c for c in carried]
+    # an input's sums pending over K's mesh axes are reduce-scattered into that sharding first, the others
+    # carried on (pending over (DIDy, DIDx) against K over DIDx: P over DIDy and S over DIDx, a review's
+    # layout that asked DIDx to do both)
+    carried = [tuple(a for a in c if a not in _names([k])) for c in carried]
     # (reduced first only over a mesh axis an operand already shards an output axis by, as wanted:
     # carrying the sums on would gather that operand)
     wanted = dict(zip(out_labels, out.axes))

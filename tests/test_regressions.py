@@ -281,3 +281,23 @@ def test_a_negated_chunk_of_a_tuple_sharded_stream_is_right():
     f = lambda x: sf.shard(sf.stream(-sf.replicate(x), 1, chunks=2), 2, over=("DIDy", "DIDx"))  # noqa: E731
     check(f, mesh, (sf.shard(x, axis=2, over="DIDy", mesh=mesh),), -x)
     check(f, mesh, (x,), -x)
+
+
+@pytest.mark.parametrize("w_spec", [("DIDx", None), ("DIDy", None), (None, "DIDx"), ("DIDx", "DIDy")])
+def test_a_sum_pending_over_two_mesh_axes_into_a_contraction_sharded_over_one(w_spec):
+    """A review: v = x sharded over (DIDy, DIDx) on its contracted axis @ w pends sums over both mesh
+    axes; w.T @ v with w's rows over DIDx asked for v pending over DIDx *and* sharded over it ("cannot
+    reshard ('P', 'P') -> ('P', 'S(0)')"): the sums over K's mesh axis are reduce-scattered into it, the
+    other carried on.  Values and gradients against float64 NumPy and central differences."""
+    from cases import directional
+    mesh = sf.DeviceMesh((2, 2), backend="numpy")
+    r = rng()
+    x, w = r.standard_normal((8, 8)), r.standard_normal((8, 8))
+
+    def f(x, w):
+        return w.T @ (sf.shard(x, axis=1, over=("DIDy", "DIDx")) @ w)
+    ws = sf.distribute(w, mesh, w_spec)
+    np.testing.assert_allclose(np.asarray(sf.jit(f, mesh=mesh)(x, ws)), w.T @ (x @ w), rtol=1e-12, atol=1e-12)
+    g = sf.jit(sf.grad(lambda p: (f(p["x"], p["w"]) ** 2).sum()), mesh=mesh)({"x": x, "w": ws})
+    numeric, analytic = directional(lambda p: float(((p["w"].T @ (p["x"] @ p["w"])) ** 2).sum()), {"x": x, "w": w}, g, r)
+    assert abs(numeric - analytic) <= 1e-6 * (1 + abs(numeric)), (numeric, analytic)
