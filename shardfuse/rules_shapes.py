@@ -155,8 +155,8 @@ def reshape_infer(ins, lays):
     try:
         return Layout(tuple(_map_reshape(src, la.axes, dst, _mesh_size(la), True)), la.partial)
     except ValueError:  # a sharded axis the reshape cuts across is gathered first (as reshape_require's
-        if la.partial or axis_of(ins) is not None:  # fallback; the README's rule), the other axes keep theirs;
-            raise  # a pending sum or a stream split keeps the refusal, as there
+        if axis_of(ins) is not None:  # fallback; the README's rule), the other axes keep theirs, pending sums
+            raise  # flow on (a reshape is linear); a stream split keeps the refusal, as there
         return Layout(tuple(_map_reshape(src, la.axes, dst, _mesh_size(la), True, gather_cut=True)), la.partial)
 
 
@@ -166,9 +166,9 @@ def reshape_require(ins, out, lays):
     try:
         axes = _map_reshape(dst, _chunked(ins, out_axes), src, _mesh_size(out), False)
     except ValueError:  # no sharding of the input gives this result's: the input whole (gathered where it is
-        if lays[0].partial or axis_of(ins) is not None:  # sharded: printed), reshaped, the result sliced locally
-            raise  # (R -> S); a pending sum or a stream split keeps the refusal
-        whole = Layout.replicated(len(src)).on(out.mesh)
+        if axis_of(ins) is not None:  # sharded: printed), reshaped, the result sliced locally (R -> S); its
+            raise  # pending sums kept (a gradient's, a review: refused); a stream split keeps the refusal
+        whole = Layout((None,) * len(src), lays[0].partial, out.mesh, lays[0].partial_op)
         return (whole,), reshape_infer(ins, [whole])
     return (Layout(tuple(axes), lays[0].partial),), _produced(out, tuple(out_axes), set(lays[0].partial))
 

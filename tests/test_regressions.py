@@ -301,3 +301,23 @@ def test_a_sum_pending_over_two_mesh_axes_into_a_contraction_sharded_over_one(w_
     g = sf.jit(sf.grad(lambda p: (f(p["x"], p["w"]) ** 2).sum()), mesh=mesh)({"x": x, "w": ws})
     numeric, analytic = directional(lambda p: float(((p["w"].T @ (p["x"] @ p["w"])) ** 2).sum()), {"x": x, "w": w}, g, r)
     assert abs(numeric - analytic) <= 1e-6 * (1 + abs(numeric)), (numeric, analytic)
+
+
+@pytest.mark.parametrize("x_spec, w_spec", [(("DIDx", "DIDy", None), (None, "DIDx")), ((None, "DIDy", None), (None, "DIDx")),
+                                            ((None, "DIDy", None), None)])
+def test_the_gradient_of_a_token_flatten_with_an_inner_axis_sharded(x_spec, w_spec):
+    """A review: [B, S, H] -> [B * S, H] with S sharded (gathered first, the README's rule) ran forward,
+    but its gradient, a reshape back of a value pending sums, was refused ("crosses the boundary of
+    axis 1"): a reshape is linear, so the sums flow through the gathered reshape."""
+    from cases import directional
+    mesh = sf.DeviceMesh((2, 2), backend="numpy")
+    r = rng()
+    x, w, c = r.standard_normal((4, 4, 8)), r.standard_normal((8, 8)), r.standard_normal((4, 4, 8))
+
+    def f(x, w):
+        return ((x.reshape(16, 8) @ w).reshape(4, 4, 8) * c).sum()
+    args = {"x": sf.distribute(x, mesh, x_spec), "w": sf.distribute(w, mesh, w_spec) if w_spec else w}
+    g = sf.jit(sf.grad(lambda p: f(p["x"], p["w"])), mesh=mesh)(args)
+    np.testing.assert_allclose(np.asarray(g["x"]), (c.reshape(16, 8) @ w.T).reshape(4, 4, 8), rtol=1e-12, atol=1e-12)
+    numeric, analytic = directional(lambda p: f(p["x"], p["w"]), {"x": x, "w": w}, g, r)
+    assert abs(numeric - analytic) <= 1e-6 * (1 + abs(numeric)), (numeric, analytic)
