@@ -185,7 +185,16 @@ class Array(Placed, ArrayOps):  # operators, ufuncs, reductions, indexing: array
     def __reduce__(self):
         """Pickled small: the mesh by its constructor arguments, this process' pieces as NumPy
         (never the backend, its streams or communicators); see the class docstring."""
-        pieces = backend_of(self.mesh).to_host(self.shards)
+        # (replicas, devices holding the same block of a value with no pending sums, pickled once: a
+        # replicated state was 4x its data on 4 devices; pickle keeps one object referenced four times)
+        keys = list(range(len(self.shards))) if self.sharding.partial else \
+            [repr(i) for i in local_indices(self.shape, self.sharding, self.mesh)]
+        first: dict = {}
+        for j, k in enumerate(keys):
+            first.setdefault(k, j)
+        held = sorted(set(first.values()))
+        host = dict(zip(held, backend_of(self.mesh).to_host([self.shards[j] for j in held])))
+        pieces = [host[first[k]] for k in keys]
         return _rebuild_array, (self.mesh, self.shape, self.dtype_name, self.sharding, pieces,
                                 self.mesh.rank, self.mesh.nprocs, self.weak)
 
