@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from shardfuse import tree
 from shardfuse.jit import Jitted
-from shardfuse.transforms import Pullback
+from shardfuse.transforms import Pullback, eval_shape
 
 
 def _tensor(x, torch):
@@ -29,24 +29,21 @@ def torch_function(fn, mesh=None):
     (`f(params, x=x)`), and returns a tensor, or the pytree of tensors fn returns; integer and
     boolean inputs get no gradient.  Python numbers and NumPy arrays among the arguments go to fn
     as sf.jit takes them, with no gradient, and fn's static arguments (sf.jit's static_argnums /
-    static_argnames: `causal=True`) as Python values."""
+    static_argnames: `causal=True`) as Python values.  `f.lower(*args)` and `f.lower_backward(*args)`
+    give the forward's plan and the backward's (printable; `.collectives()`)."""
     import torch
 
     jitted = fn if isinstance(fn, Jitted) else Jitted(fn, mesh)
-    pullbacks: dict = {}  # the sf.jit with its static values fixed -> the sf.jit of its pullback
+    pullbacks = _Pullbacks()
 
     def stream_of(tensors):
         cuda = [t for t in tensors if t.is_cuda]
         return torch.cuda.current_stream(cuda[0].device) if cuda else None
 
-    def merged(fixed, tensors):  # (the leaves: the tensors where fixed holds None)
-        it = iter(tensors)
-        return [next(it) if v is None else v for v in fixed]
-
     class Node(torch.autograd.Function):
         @staticmethod
         def forward(ctx, target, in_tree, fixed, result, *tensors):
-            out = target(*in_tree.unflatten(merged(fixed, tensors)), stream=stream_of(tensors))
+            out = target(*in_tree.unflatten(_merged(fixed, tensors)), stream=stream_of(tensors))
             ctx.save_for_backward(*tensors)
             outs, result["tree"] = tree.flatten(out)
             outs = tuple(_tensor(o, torch) for o in outs)
@@ -59,12 +56,8 @@ def torch_function(fn, mesh=None):
             tensors = ctx.saved_tensors
             cts = [torch.zeros(s, dtype=d, device=dev) if g is None else g.contiguous()
                    for g, (s, d, dev) in zip(grads, ctx.output_shapes)]
-            pullback = pullbacks.get(ctx.target)
-            if pullback is None:
-                t = ctx.target
-                pullback = pullbacks[t] = Jitted(Pullback(t.fn, False), t.mesh, t.streams)
             with torch.no_grad():  # (as forward runs: the primals are read for values)
-                res = pullback(ctx.in_tree.unflatten(merged(ctx.fixed, tensors)), ctx.out_tree.unflatten(cts),
+                res = pullbacks[ctx.target](ctx.in_tree.unflatten(_merged(ctx.fixed, tensors)), ctx.out_tree.unflatten(cts),
                                stream=stream_of(tensors))
             res, _ = tree.flatten(res, is_leaf=lambda g: g is None)  # (an integer input's cotangent: None)
             res = [_tensor(g, torch) if t.is_floating_point() else None
@@ -98,4 +91,35 @@ def torch_function(fn, mesh=None):
         return result["tree"].unflatten(outs)
 
     call.__name__ = f"torch_{jitted.__name__}"
+    call.lower, call.lower_backward = _lowering(jitted, pullbacks)
     return call
+
+
+def _merged(fixed, tensors):
+    """The leaves: the tensors in order where `fixed` holds None, its values elsewhere."""
+    it = iter(tensors)
+    return [next(it) if v is None else v for v in fixed]
+
+
+class _Pullbacks(dict):
+    """The sf.jit with its static values fixed -> the sf.jit of its pullback (made at first use)."""
+
+    def __missing__(self, target):
+        made = self[target] = Jitted(Pullback(target.fn, False), target.mesh, target.streams)
+        return made
+
+
+def _lowering(jitted, pullbacks):
+    """(lower, lower_backward) of a bridged function: its forward's plan and its backward's."""
+    def lower(*args, **kwargs):
+        """The forward's plan for these arguments (printable, plan.collectives()), as sf.jit's lower."""
+        target, args, kwargs = jitted.bind_static(args, kwargs)
+        return target.lower(*args, **kwargs)
+
+    def lower_backward(*args, **kwargs):
+        """The plan the node's backward runs for these arguments: the compiled vjp (the forward again,
+        then the pullback), its cotangents shaped as the forward's results."""
+        target, args, kwargs = jitted.bind_static(args, kwargs)
+        args = target.positional(args, kwargs) if kwargs else args
+        return pullbacks[target].lower(tuple(args), eval_shape(target, *args))
+    return lower, lower_backward

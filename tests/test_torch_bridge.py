@@ -193,3 +193,14 @@ def test_placing_a_parameter_reads_its_values():
     w = torch.nn.Parameter(torch.randn(4, 4, dtype=torch.float64))
     np.testing.assert_array_equal(np.asarray(sf.replicate(w, mesh=m)), w.detach().numpy())
     np.testing.assert_array_equal(np.asarray(sf.shard(w, axis=0, mesh=m)), w.detach().numpy())
+
+
+def test_the_forward_and_backward_plans_are_printable():
+    """A DTensor probe: a bridge user had no way to see the backward's plan or count its collectives."""
+    def f(p, x):
+        return ((x @ sf.shard(p["w"], axis=1, over="tp")) ** 2).sum()
+    bridged = sf.torch_function(sf.jit(f, mesh=MESH))
+    p, x = {"w": torch.ones(8, 16, dtype=torch.float64)}, torch.ones(4, 8, dtype=torch.float64)
+    fwd, bwd = bridged.lower(p, x), bridged.lower_backward(p, x=x)
+    assert fwd.collectives() == {"allreduce": 1} and "Matmul" in str(bwd)
+    assert sum(bwd.collectives().values()) >= 1  # (the forward's sum again, then the backward's own)
