@@ -57,8 +57,8 @@ def torch_function(fn, mesh=None):
             cts = [torch.zeros(s, dtype=d, device=dev) if g is None else g.contiguous()
                    for g, (s, d, dev) in zip(grads, ctx.output_shapes)]
             with torch.no_grad():  # (as forward runs: the primals are read for values)
-                res = pullbacks[ctx.target](ctx.in_tree.unflatten(_merged(ctx.fixed, tensors)), ctx.out_tree.unflatten(cts),
-                               stream=stream_of(tensors))
+                res = pullbacks[ctx.target](ctx.in_tree.unflatten(_merged(ctx.fixed, tensors)),
+                                            ctx.out_tree.unflatten(cts), stream=stream_of(tensors))
             res, _ = tree.flatten(res, is_leaf=lambda g: g is None)  # (an integer input's cotangent: None)
             res = [_tensor(g, torch) if t.is_floating_point() else None
                    for g, t in zip((g for g, v in zip(res, ctx.fixed) if v is None), tensors)]
