@@ -155,3 +155,60 @@ def test_a_plain_array_beside_a_sub_mesh_result_is_replicated_on_that_sub_mesh()
     for got, ref in ((t + x, 2 * x), (x * t, x * x), (t @ w, x @ w), (x - t, 0 * x)):
         np.testing.assert_allclose(got.gather(), ref, rtol=1e-12, atol=1e-12)
         assert got.sharding.mesh == sub and got.placements == (sf.Shard(0),)
+
+
+def test_replicated_values_of_the_whole_mesh_are_used_on_a_stage(mesh, r=None):
+    """A pipeline probe: inside sf.jit, a value replicated on the whole mesh (a NumPy constant, a Python
+    learning rate, sf.optim's step count, causal attention's mask) beside a value on a stage was refused
+    ("operands live on different meshes"); it is copied onto the stage, where each device holds it
+    already: no communication.  Values against NumPy; sharded values on two stages still need a move."""
+    s0, s1 = mesh.submesh([0, 1]), mesh.submesh([2, 3])
+    r = r or np.random.default_rng()  # (seeded alike on every rank under mpiexec)
+    x, q = r.standard_normal((4, 8)), r.standard_normal((1, 2, 4, 8))
+    f = sf.jit(lambda x, lr: sf.shard(x, axis=0, mesh=s1) * lr * np.arange(8.0) + np.tril(sf.replicate(x, mesh=s1)),
+               mesh=mesh)
+    plan = f.lower(x, 0.5)
+    # (the one collective: x's rows gathered within the stage, sf.replicate(x, mesh=s1); the moves are copies)
+    assert plan.collectives() == {"allgather": 1} and plan.output_specs.layout.mesh == s1, str(plan)
+    assert "Copy lr_on_stage <- lr" in str(plan)
+    np.testing.assert_allclose(np.asarray(f(x, 0.5)), x * 0.5 * np.arange(8.0) + np.tril(x), rtol=1e-14)
+    att = sf.jit(lambda q: sf.nn.attention(*(sf.shard(q, axis=1, mesh=s1),) * 3, causal=True), mesh=mesh)
+    s = q @ q.swapaxes(-1, -2) / np.sqrt(8.0) + np.where(np.tril(np.ones((4, 4))) > 0, 0, -np.inf)
+    p = np.exp(s - s.max(-1, keepdims=True))
+    np.testing.assert_allclose(np.asarray(att(q)), (p / p.sum(-1, keepdims=True)) @ q, rtol=1e-12)
+
+
+def test_adamw_steps_over_weights_on_two_stages(mesh, r=None):
+    """sf.optim.adamw over a two-stage pipeline's weights (its step count on the whole mesh): the same
+    parameters, loss and moments after two steps as the same program on one mesh."""
+    s0, s1 = mesh.submesh([0, 1]), mesh.submesh([2, 3])
+    r = r or np.random.default_rng()
+    params, x = {"a": r.standard_normal((4, 6)), "b": r.standard_normal((6, 3))}, r.standard_normal((8, 4))
+    opt = sf.optim.adamw(0.01)
+
+    def run(staged):
+        def place(p):
+            if not staged:
+                return p
+            return {"a": sf.shard(p["a"], axis=1, mesh=s0), "b": sf.shard(p["b"], axis=0, mesh=s1)}
+
+        def loss(p, x):
+            h = np.tanh((sf.to_mesh(x, s0) if staged else x) @ p["a"])
+            y = (sf.to_mesh(h, s1) if staged else h) @ p["b"]
+            return sf.to_mesh((y ** 2).mean(), mesh) if staged else (y ** 2).mean()
+
+        @sf.jit(mesh=mesh, donate_argnums=(0, 1))
+        def step(p, st, x):
+            value, g = sf.value_and_grad(loss)(place(p), x)
+            u, st = opt.update(g, st, p)
+            return sf.optim.apply_updates(p, u), st, value
+        p, st = sf.jit(lambda p: (lambda q: (q, opt.init(q)))(place(p)), mesh=mesh)(params)
+        losses = []
+        for _ in range(2):
+            p, st, value = step(p, st, x)
+            losses.append(float(value))
+        return {k: np.asarray(v) for k, v in p.items()}, losses
+    (staged, l1), (flat, l2) = run(True), run(False)
+    np.testing.assert_allclose(l1, l2, rtol=1e-13)
+    for k in flat:
+        np.testing.assert_allclose(staged[k], flat[k], rtol=1e-12, atol=1e-14)

@@ -148,6 +148,11 @@ def _lower_move(x, y, namer, mesh):
 
     A, B = src.mesh.devices, dst.mesh.devices
     have, want = _holders(src, s_ax), _holders(dst, d_ax)
+    if s_ax is None and set(B) <= set(A):  # every device of y holds x whole already: a copy of its own there
+        whole = y if d_ax is None else \
+            Value(namer(f"{x.name}_whole"), y.type.with_layout(Layout((None,) * y.type.ndim, mesh=y.type.layout.mesh)))
+        out += [Instr(Op.ALLOCATE, (whole,)), Instr(Op.COPY, (), (cur,), into=whole)]
+        return out if d_ax is None else out + _lower_set(whole, y, namer, mesh)  # (then its local slice)
     if s_ax is None and d_ax is None:
         move("SendRecv", A, B, y) if len(A) == len(B) else move("Broadcast", A[:1], B, y)
         return out

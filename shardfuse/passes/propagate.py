@@ -16,6 +16,7 @@ from collections import defaultdict
 from dataclasses import replace
 
 from shardfuse.ir import Instr, Namer, Value, substitute
+from shardfuse.layout import Layout
 from shardfuse.rules import infer, require
 from shardfuse.ops import Op, Reduce
 from shardfuse import schedule
@@ -23,8 +24,9 @@ from shardfuse import schedule
 
 def propagate_sharding(prog):
     instrs, outputs, namer = list(prog.instrs), prog.outputs, Namer.for_program(prog)
+    moves = _Moves(namer)
     for _ in range(len(instrs) + 1):  # (each round reduces values no earlier round did: bounded)
-        out, out_values, inferred = _forward(prog, instrs, outputs)
+        out, out_values, inferred = _forward(prog, instrs, outputs, moves)
         once = _reduced_once(out, out_values)
         if not once:
             break
@@ -34,12 +36,14 @@ def propagate_sharding(prog):
     return prog.with_instrs(out, "propagate_sharding", outputs=out_values)
 
 
-def _forward(prog, instrs, outputs):
+def _forward(prog, instrs, outputs, moves):
     """Each unannotated value gets the layout its op's rule infers from its inputs' layouts."""
     env = {v: v for v in prog.inputs}
-    out, inferred = [], set()
+    out, inferred, emitted = [], set(), set()
     for i in instrs:
         ins = tuple(env[v] for v in i.ins)
+        if i.op not in (Op.SET, Op.VIEW) and len({v.type.layout.mesh for v in ins}) > 1:
+            ins = moves.onto_stage(ins, out, emitted)
         outs = []
         for o in i.outs:
             if i.attrs.get("reduced_once"):  # (this pass' own set: its source, reduced, as inferred now)
@@ -107,6 +111,50 @@ def _without_idle_reductions(instrs, outputs):
         else:
             out.append(i)
     return out, tuple(mapping.get(v, v) for v in outputs)
+
+
+class _Moves:
+    """An op reading values of a sub-mesh (a pipeline stage) beside values replicated on a mesh holding
+    all its devices (a NumPy constant, a learning rate, an optimizer's step count: the program's whole
+    mesh) reads the replicated ones moved onto the sub-mesh first, each device's copy of its own (a
+    pipeline probe: sf.optim's adam, causal attention and np.arange(8.0) * x were refused on a stage).
+    Sharded values or sums on two meshes still need the user's move.  The moved values are named once
+    (propagation's rounds meet the same ops again)."""
+
+    def __init__(self, namer):
+        self.namer, self.made = namer, {}
+
+    def onto_stage(self, ins, out, emitted):
+        """ins with the replicated ones moved onto the stage, each move appended to out once (`emitted`)."""
+        target = _stage_of([v.type.layout for v in ins])
+        if target is None:
+            return ins  # (_common_mesh refuses, naming the operands)
+        moved = []
+        for v in ins:
+            if v.type.layout.mesh != target:
+                key = (v.name, target)
+                if key not in self.made:
+                    lay = Layout((None,) * v.type.ndim, mesh=target)
+                    self.made[key] = Value(self.namer(f"{v.name}_on_stage"), v.type.with_layout(lay))
+                if key not in emitted:
+                    emitted.add(key)
+                    out.append(Instr(Op.SET, (self.made[key],), (v,), {"annotation": True}))
+                v = self.made[key]
+            moved.append(v)
+        return tuple(moved)
+
+
+def _stage_of(lays):
+    """The one sub-mesh the operands' sharded or pending values live on, where every other operand is
+    replicated on a mesh holding all its devices; None where the operands share a mesh or no such one is."""
+    meshes = {lay.mesh for lay in lays}
+    if len(meshes) < 2:
+        return None
+    whole = [lay for lay in lays if not lay.partial and not lay.sharded_axes()]
+    for m in sorted(meshes, key=lambda m: len(m.devices)):
+        if all(lay.mesh == m or lay in whole and set(m.devices) <= set(lay.mesh.devices) for lay in lays):
+            return m
+    return None
 
 
 def _common_mesh(i, ins, mesh):

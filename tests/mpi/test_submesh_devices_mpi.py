@@ -62,3 +62,11 @@ def test_the_profile_shows_each_stage_on_its_devices():
         ranks_devices = range(e.rank * per, (e.rank + 1) * per)
         assert e.devices == tuple(d for d in ranks_devices if d in printed[e.step].devices), e
     assert compute_devices(tl) == STAGE_STEPS
+
+
+def test_whole_mesh_replicas_used_on_stages_across_ranks():
+    """tests/test_submesh.py's whole-mesh values on a stage (copied there, no communication) and AdamW
+    over two stages' weights, with the stages on different ranks."""
+    import test_submesh as ts
+    ts.test_replicated_values_of_the_whole_mesh_are_used_on_a_stage(sf.DeviceMesh(4), np.random.default_rng(7))
+    ts.test_adamw_steps_over_weights_on_two_stages(sf.DeviceMesh(4), np.random.default_rng(8))
