@@ -131,8 +131,8 @@ def _is_placement(p) -> bool:
         return True
     if isinstance(p, list) and p and all(isinstance(e, (Shard, Replicate, Partial)) for e in p):
         return True
-    return isinstance(p, tuple) and all(e is None or isinstance(e, str) or (
-        isinstance(e, tuple) and e and all(isinstance(n, str) for n in e)) for e in p)
+    return isinstance(p, tuple) and all(e is None or isinstance(e, str) or (  # (an sf.P is a leaf, no entry:
+        type(e) is tuple and e and all(isinstance(n, str) for n in e)) for e in p)  # (P('dp'), P('tp')) is two)
 
 
 def _same_mesh(x: Array, mesh, what: str) -> None:

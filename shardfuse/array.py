@@ -316,7 +316,7 @@ def _same_on_every_rank(x, info, mesh, what) -> None:
     host = isinstance(x, (np.ndarray, np.generic, int, float)) or getattr(info, "device", 0) is None
     if mesh.nprocs > 1 and faults.checking_inputs() and host and \
             threading.current_thread() is threading.main_thread():
-        faults.agree("", what, faults.input_prints(["x"], [host_view(x, info)], [info]))
+        faults.agree("", what, faults.input_prints(["x"], [x], [info], host_view))
 
 
 def _rebuild_array(mesh, shape, dtype, layout, pieces, rank, nprocs, weak=False):

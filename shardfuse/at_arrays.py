@@ -35,6 +35,9 @@ def array_key(x, key):
         key = key[:at] + (slice(None),) * (x.ndim - len(key) + 1) + key[at + 1:]
     for a, k in enumerate(key):
         kind = np.asarray(k).dtype.kind if isinstance(k, (list, np.ndarray)) else getattr(k, "dtype", None) and k.dtype.kind
+        if kind == "b":  # (a mask's astype('int32') would index rows 0 and 1: no advice to cast it)
+            raise TypeError(f"x.at[...]: a boolean mask ({_what(k)}, axis {a}) has no static count of rows; write "
+                            "sf.where(mask[:, None], value, x) (or index with np.nonzero(mask)[0] of a NumPy mask)")
         if kind and kind not in "iu" and not isinstance(k, (int, np.integer)):
             raise TypeError(f"x.at[...]: an index must be an integer (JAX's), got {_what(k)} of dtype {k.dtype} on "
                             f"axis {a}; cast it (pos.astype('int32'))")

@@ -310,7 +310,7 @@ class Executable:
         """Under mpiexec, every call: every rank calls this very plan on the same host arguments, else
         RankMismatchError on all."""
         if self.mesh.nprocs > 1:
-            prints = faults.input_prints([v.name for v in self.prog.inputs], map(host_view, args, infos), infos)
+            prints = faults.input_prints([v.name for v in self.prog.inputs], args, infos, host_view)
             faults.agree(self.agreement, f"plan {self.prog.name!r}{faults.A_CALL}", prints)
 
     def run(self, args, infos, caller, issue=None):

@@ -205,14 +205,15 @@ def checking_inputs() -> bool:
     return os.environ.get(CHECK_ENV) != "0"
 
 
-def input_prints(names, args, infos) -> list:
+def input_prints(names, args, infos, host=None) -> list:
     """(name, fingerprint) of each host argument of a call (NumPy arrays: shape and SAMPLE elements spread
     over them, as float64 with -0.0 as 0.0 and one NaN where floating, so byte order, signed zeros and
     NaN payloads do not differ; Python and NumPy numbers: their Python value), for faults.agree: ranks
     passing different global arrays would each take its pieces of its own (a blend, silently).
     sf.Arrays (info None) and device arrays are not read; empty with SHARDFUSE_CHECK_INPUTS=0.  A few
     microseconds an argument (a sample, not the data: ranks whose arrays differ only between the
-    samples pass).  Never raises: every rank must reach the check's allgather."""
+    samples pass).  `host(a, info)`: a host array of another library as NumPy (interop.host_view), called
+    here, inside the guard.  Never raises: every rank must reach the check's allgather."""
     if not checking_inputs():
         return []
     out = []
@@ -220,7 +221,7 @@ def input_prints(names, args, infos) -> list:
         if info is None:
             continue
         try:
-            out.append((name, fingerprint(a)))
+            out.append((name, fingerprint(a if host is None else host(a, info))))
         except Exception as e:  # noqa: BLE001 (whatever it is, this rank still takes part in the check)
             out.append((name, f"unreadable: {type(e).__name__}".encode()))
     return out

@@ -192,12 +192,13 @@ def _check_shapes(q, k, v, mask):
     [..., seq_q, seq_k], else an error naming the shapes (a serving probe's cache of another length met
     "where_then of g_r_r and s_5: shapes ... do not broadcast" from inside)."""
     shapes = f"q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}"
-    if not q.ndim == k.ndim == v.ndim >= 2:
-        raise ValueError(f"sf.nn.attention: q, k and v need the same number of axes, at least 2 ([..., seq, "
-                         f"head_dim]), got {shapes}")
-    if k.shape[-1] != q.shape[-1] or k.shape[-2] != v.shape[-2] or k.shape[:-3] != q.shape[:-3] != v.shape[:-3]:
-        raise ValueError(f"sf.nn.attention: k needs q's head_dim (axis -1), v k's seq (axis -2), and all three the "
-                         f"same leading axes ([batch, heads, seq, head_dim]), got {shapes}")
+    if min(q.ndim, k.ndim, v.ndim) < 2:
+        raise ValueError(f"sf.nn.attention: q, k and v need at least 2 axes ([..., seq, head_dim]), got {shapes}")
+    lead = [tuple(x.shape[:-3]) for x in (q, k, v)]
+    if k.shape[-1] != q.shape[-1] or k.shape[-2] != v.shape[-2] or _broadcasts(*lead[1:]) is None or \
+            _broadcasts(lead[0], _broadcasts(*lead[1:])) is None:
+        raise ValueError(f"sf.nn.attention: k needs q's head_dim (axis -1), v k's seq (axis -2), and the leading axes "
+                         f"of all three must broadcast together ([batch, heads, seq, head_dim]), got {shapes}")
     scores = tuple(q.shape[:-1]) + (k.shape[-2],)
     if mask is not None and np.ndim(mask) and _broadcasts(tuple(np.shape(mask)), scores) is None:
         raise ValueError(f"sf.nn.attention: mask of shape {tuple(np.shape(mask))} does not broadcast against the "
@@ -207,7 +208,7 @@ def _check_shapes(q, k, v, mask):
 def _broadcasts(a, b):
     try:
         return np.broadcast_shapes(a, b)
-    except ValueError:
+    except (ValueError, TypeError):  # (TypeError: a None from an earlier pair)
         return None
 
 

@@ -81,17 +81,17 @@ def from_local(local_piece, axis=None, over=None, mesh=None, placements=None):
             idx[i] = slice(p * size[i], (p + 1) * size[i])
         views.append(x[tuple(idx)])
     if mesh.nprocs > 1 and faults.checking_inputs() and info.device is None:  # (device arrays: not read)
-        _same_replicas(blocks, [host_view(v, info) for v in views])
+        _same_replicas(blocks, views, info)
     return Array(mesh, shape, info.dtype, layout, [be.piece(v, j) for j, v in enumerate(views)], True)
 
 
-def _same_replicas(blocks, views) -> None:
+def _same_replicas(blocks, views, info) -> None:
     """Processes holding the same block (replicas: ranks along a mesh axis the value is not cut
     over) passed the same data, compared on a sample of each block's elements as a call compares its
     arguments (fault_messages.input_prints; with SHARDFUSE_CHECK_INPUTS=0 or device arrays, not
     compared, and nothing communicated for it).  Replicas holding different data would each compute with their own (a probe: each
     rank drew its own batch, seeded by rank, and the replicated loss differed between ranks)."""
-    prints = dict(input_prints(blocks, views, [True] * len(views)))
+    prints = dict(input_prints(blocks, views, [info] * len(views), host_view))
     seen = faults.allgather_object(prints, "sf.from_local's check of replicated blocks")
     for b in sorted({b for mine in seen for b in mine}):
         groups: dict = {}

@@ -259,12 +259,26 @@ def leaf_paths(td: TreeDef, prefix: str) -> list:
     if td.kind == "leaf":
         return [prefix]
     if td.kind == "dict":  # (a state_dict's "layers.0.w" as layers_0_w: a name must be an identifier)
-        keys = [re.sub(r"\W", "_", str(k)) for k in td.meta]
+        keys = _identifiers([str(k) for k in td.meta])
     elif td.kind in ("tuple", "list", "none"):
         keys = [str(i) for i in range(len(td.children))]
     else:
         keys = list(td.kind._fields)
     return [n for k, c in zip(keys, td.children) for n in leaf_paths(c, f"{prefix}_{k}")]
+
+
+def _identifiers(keys: list) -> list:
+    """Each key as an identifier: "fc1.weight" as fc1_weight, numbered where that is another key of the
+    dict ("a.b" beside "a_b" is a_b_2: the user's own a_b keeps its name, a review)."""
+    out = []
+    for k in keys:
+        name = re.sub(r"\W", "_", k)
+        if name != k:
+            base, n = name, 2
+            while name in keys or name in out:
+                name, n = f"{base}_{n}", n + 1
+        out.append(name)
+    return out
 
 
 def unique(names: list) -> list:

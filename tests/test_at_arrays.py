@@ -148,3 +148,6 @@ def test_index_errors_name_the_index_at_fault():
         f(x, np.arange(B, dtype=np.float64))
     with pytest.raises(ValueError, match=r"index arrays' shapes \(4,\), \(3,\) do not broadcast together"):
         f(x, np.arange(3))
+    # (a mask: casting it to int32 would write rows 0 and 1, so the advice is sf.where or np.nonzero, a review)
+    with pytest.raises(TypeError, match=r"a boolean mask .* sf.where\(mask\[:, None\], value, x\)"):
+        sf.jit(lambda c: c.at[np.array([True, False, True, False])].set(0.0), mesh=mesh())(x)

@@ -134,3 +134,17 @@ def test_partition_spec_tells_a_spec_from_a_pytree_of_nones():
     assert repr(spec) == "P(('dp', 'tp'), None)" and spec == (("dp", "tp"), None)
     assert pickle.loads(pickle.dumps(spec)) == spec and type(copy.deepcopy(spec)) is sf.P
     assert sf.distribute(x, m, spec).placements == (sf.Shard(0), sf.Shard(0))
+
+
+def test_a_tuple_of_partition_specs_is_one_per_leaf():
+    """A review: (P('dp'), P('tp')) over a pair was read as one spec (('dp',), ('tp',)) for every leaf (each P
+    a tuple of names); each P is a leaf's spec, as JAX's, in distribute and out_shardings alike."""
+    m = mesh()
+    a, b = np.ones((4, 4)), np.ones((4, 4))
+    d = sf.distribute((a, b), m, (sf.P("dp"), sf.P("tp")))
+    assert [v.sharding.axes for v in d] == [("dp", None), ("tp", None)]
+    d = sf.distribute((a, b), m, (sf.P("dp"), None))
+    assert d[0].sharding.axes == ("dp", None) and d[1] is b
+    o = sf.jit(lambda x: (x * 2, x + 1), mesh=m, out_shardings=(sf.P("dp"), sf.P("tp")))(a)
+    assert [v.sharding.axes for v in o] == [("dp", None), ("tp", None)]
+    assert sf.distribute(a, m, (("dp", "tp"), None)).sharding.axes == (("dp", "tp"), None)  # (a plain tuple entry)

@@ -535,7 +535,14 @@ def test_attention_names_shapes_that_do_not_fit():
         attend(q, k, k, np.ones((2, 1, 1, 12), bool))
     with pytest.raises(ValueError, match=r"k needs q's head_dim \(axis -1\), v k's seq"):
         attend(q, np.ones((2, 2, 16, 4)), k, np.ones((1, 16), bool))
-    with pytest.raises(ValueError, match="the same number of axes"):
-        attend(q, k[0], k[0], np.ones((1, 16), bool))
+    with pytest.raises(ValueError, match="must broadcast together"):  # (a review: the chained != let v's pass)
+        attend(q, k, np.ones((3, 2, 16, 8)), np.ones((1, 16), bool))
+    with pytest.raises(ValueError, match="at least 2 axes"):
+        attend(q, k[0, 0, 0], k[0, 0, 0], np.ones((1, 16), bool))
+    # (batch axes broadcast, as torch's SDPA: k and v of one sequence, or with no batch axis, for every q)
+    np.testing.assert_allclose(np.asarray(attend(q, k[:1], k[:1], np.ones((1, 16), bool))), np.ones((2, 4, 1, 8)),
+                               rtol=1e-14)
+    np.testing.assert_allclose(np.asarray(attend(q[:, :2], k[0], k[0], np.ones((1, 16), bool))),
+                               np.ones((2, 2, 1, 8)), rtol=1e-14)
     out = attend(q, k, k, np.ones((2, 1, 1, 16), bool))  # (a mask per sequence: broadcast over heads and queries)
     np.testing.assert_allclose(np.asarray(out), np.ones((2, 4, 1, 8)), rtol=1e-14)

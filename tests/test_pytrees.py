@@ -111,5 +111,8 @@ def test_state_dict_keys_name_the_leaves():
     names = [v.name for v in f.lower(p, x).program.inputs]
     assert len(set(names)) == len(names) and all(n.isidentifier() for n in names), names
     assert "p_fc1_weight" in names and "p_a_b_2" in names
+    # (a converted key is the one numbered: the user's own "a_b" keeps its name, a review)
+    two = sf.jit(lambda p: p["a.b"].sum() + p["a_b"].sum(), mesh=mesh).lower({"a.b": np.ones(4), "a_b": np.ones(3)})
+    assert {v.name: v.type.shape for v in two.program.inputs} == {"p_a_b_2": (4,), "p_a_b": (3,)}
     g = sf.jit(sf.grad(lambda p, x: (x @ p["fc1.weight"]).sum()), mesh=mesh)({"fc1.weight": p["fc1.weight"]}, x)
     np.testing.assert_allclose(np.asarray(g["fc1.weight"]), np.broadcast_to(x.sum(0)[:, None], (8, 4)), rtol=1e-13)
