@@ -11,7 +11,7 @@ import threading
 import numpy as np
 
 from shardfuse import faults
-from shardfuse.array_ops import ArrayOps, reshard
+from shardfuse.array_ops import ArrayOps, on_root, reshard
 from shardfuse.interop import array_info, check_input, host_view, stream_ptr
 from shardfuse.layout import Layout, layout_of
 from shardfuse.mesh import DeviceMesh
@@ -354,6 +354,7 @@ def replicated(x, mesh) -> Array:
 
 def spec_of(arg, mesh) -> TensorSpec:
     """The TensorSpec a call argument compiles for (plain arrays: replicated, layout from the function)."""
+    arg = on_root(arg, mesh)
     if isinstance(arg, Array):
         if arg.mesh != mesh:
             raise ValueError(f"argument is an sf.Array on {arg.mesh}, but the function is compiled for {mesh}")

@@ -12,7 +12,7 @@ import time
 
 import numpy as np
 
-from shardfuse.array import WEAK_TYPES, Array, spec_of
+from shardfuse.array import WEAK_TYPES, Array, on_root, spec_of
 from shardfuse.plan import Plan  # noqa: F401 (sf.jit's plans; shardfuse.jit.Plan as before)
 from shardfuse.interop import array_info
 from shardfuse import tree
@@ -226,6 +226,8 @@ class Jitted:
             if any(isinstance(x, _NUMBERS) for x in leaves):
                 self._refuse_numbers(args)
             return self._for_tree(in_tree)(*leaves, stream=stream)
+        if any(isinstance(a, Array) and a.mesh is not self.mesh and a.mesh.root is self.mesh for a in args):
+            args = tuple(on_root(a, self.mesh) for a in args)  # (a stage's sf.Array as the whole mesh's)
         return self(*args, stream=stream)
 
     def _dispatch_key(self, args) -> tuple:
@@ -234,6 +236,8 @@ class Jitted:
         infos, key = [], []
         for a in args:
             if isinstance(a, Array):
+                if a.mesh is not self.mesh and a.mesh.root is self.mesh:
+                    return None, None  # (placed on a stage: the general path takes it as the whole mesh's)
                 infos.append(None)
                 key.append((a.shape, a.dtype_name, a.sharding, a.mesh, a.weak))
                 continue

@@ -212,3 +212,29 @@ def test_adamw_steps_over_weights_on_two_stages(mesh, r=None):
     np.testing.assert_allclose(l1, l2, rtol=1e-13)
     for k in flat:
         np.testing.assert_allclose(staged[k], flat[k], rtol=1e-12, atol=1e-14)
+
+
+def test_arrays_placed_on_a_stage_are_taken_by_the_whole_meshs_programs(mesh, r=None):
+    """A pipeline probe: weights placed with sf.shard(w, axis, mesh=stage), as the README shows, were
+    refused by every function jitted on the whole mesh ("an sf.Array on DeviceMesh(... devices=(2, 3)),
+    but the function is compiled for DeviceMesh(DIDx=4)") and by y + z beside a jitted result on that
+    stage; they are taken as the whole mesh's arrays living on the stage (pytrees and donation too)."""
+    s0, s1 = mesh.submesh([0, 1]), mesh.submesh([2, 3])
+    r = r or np.random.default_rng()
+    w0, w1, x = r.standard_normal((6, 4)), r.standard_normal((4, 2)), r.standard_normal((8, 6))
+    params = {"w0": sf.shard(w0, axis=1, mesh=s0), "w1": sf.shard(w1, axis=0, mesh=s1)}
+
+    @sf.jit(mesh=mesh)
+    def forward(p, x):
+        h = np.tanh(sf.to_mesh(x, s0) @ p["w0"])
+        return sf.to_mesh(h, s1) @ p["w1"]
+    y = forward(params, x)
+    np.testing.assert_allclose(np.asarray(y), np.tanh(x @ w0) @ w1, rtol=1e-13)
+    assert y.sharding.mesh == s1 and forward.lower(params, x).program.inputs[0].type.layout.mesh == s0
+    if mesh.nprocs == 1:  # (under mpiexec, ops outside sf.jit on a stage's array are refused: README)
+        z = sf.replicate(np.ones((8, 2)), mesh=s1)
+        np.testing.assert_allclose(np.asarray(y + z), np.tanh(x @ w0) @ w1 + 1.0, rtol=1e-13)
+    step = sf.jit(lambda w, g: w - 0.1 * g, mesh=mesh, donate_argnums=0)
+    new = step(params["w1"], sf.shard(np.ones((4, 2)), axis=0, mesh=s1))
+    np.testing.assert_allclose(np.asarray(new), w1 - 0.1, rtol=1e-14)
+    np.testing.assert_array_equal(np.asarray(params["w1"]), w1)  # (not owned: the donation wrote a copy)

@@ -70,3 +70,4 @@ def test_whole_mesh_replicas_used_on_stages_across_ranks():
     import test_submesh as ts
     ts.test_replicated_values_of_the_whole_mesh_are_used_on_a_stage(sf.DeviceMesh(4), np.random.default_rng(7))
     ts.test_adamw_steps_over_weights_on_two_stages(sf.DeviceMesh(4), np.random.default_rng(8))
+    ts.test_arrays_placed_on_a_stage_are_taken_by_the_whole_meshs_programs(sf.DeviceMesh(4), np.random.default_rng(9))
