@@ -255,3 +255,18 @@ def _rebuild_mesh(shape, axis_names, backend_name, sub):
     if root is None:
         root = DeviceMesh(shape, axis_names, backend_name)
     return root if sub is None else root.submesh(*sub)
+
+
+def nested(meshes) -> bool:
+    """Some mesh of `meshes` lies within every other: the one where their values can meet (a value
+    replicated on the larger ones is copied there, passes/propagate.py)."""
+    return any(all(set(m.devices) <= set(h.devices) for h in meshes) for m in meshes)
+
+
+def mixed_meshes(op, homes) -> str:
+    """The error of an op whose operands ((name, sub-mesh or None) each) live on sub-meshes that are not
+    nested (a stage's activation beside the next stage's weight, not moved), raised while tracing, where
+    the user's line is in the traceback (propagation refused it at compile time with internal names)."""
+    named = ", ".join(f"{n} on devices {m.devices}" for n, m in homes if m is not None)
+    return (f"{op}: operands live on different sub-meshes ({named}); move one first with sf.to_mesh(x, mesh) or "
+            "sf.shard(x, ..., mesh=)")

@@ -12,7 +12,7 @@ import numpy as np
 
 from shardfuse import constants, dtypes, promotion
 from shardfuse.ir import Instr, Namer, TensorType, Value
-from shardfuse.mesh import as_int
+from shardfuse.mesh import as_int, mixed_meshes, nested
 from shardfuse.numpy_methods import NUMPY, NumpyMethods
 from shardfuse.ops import ELEMENTWISE, Op
 from shardfuse.spec import check_axis, normalize_axis, reduced_axes
@@ -50,6 +50,8 @@ class Builder:
         if ins and op in ELEMENTWISE and all(t.value in self.weak for t in ins):  # (JAX: weak in, weak out)
             self.weak.add(out)
         lay, homes = getattr(out_type, "layout", None), {self.homes.get(t.value) for t in ins}
+        if len(homes - {None}) > 1 and not nested(homes - {None}):  # (refused where the user's line is: a probe)
+            raise ValueError(mixed_meshes(op, [(t.value.name, self.homes.get(t.value)) for t in ins]))
         home = lay.mesh if lay is not None else homes.pop() if len(homes) == 1 else None  # (propagation's rule)
         self.homes.update({out: home} if home is not None else {})
         return Traced(self, out)
@@ -361,13 +363,11 @@ def cast(x: Traced, dtype: str) -> Traced:
     return x if dtype == x.dtype_name else x.unary_op(Op.ASTYPE, dtype)
 
 
-def is_weak_scalar(x) -> bool:
-    """A Python or NumPy scalar, bools included (comparisons, where, maximum)."""
+def is_weak_scalar(x) -> bool:  # (a Python or NumPy scalar, bools included: comparisons, where, maximum)
     return is_scalar(x) or isinstance(x, (bool, np.bool_))
 
 
-SCALAR_OF = {Op.LT: Op.LT_SCALAR, Op.LE: Op.LE_SCALAR, Op.GT: Op.GT_SCALAR, Op.GE: Op.GE_SCALAR,
-             Op.EQ: Op.EQ_SCALAR, Op.NE: Op.NE_SCALAR}
+SCALAR_OF = {op: getattr(Op, f"{op.name}_SCALAR") for op in (Op.LT, Op.LE, Op.GT, Op.GE, Op.EQ, Op.NE)}
 
 
 def is_scalar(x) -> bool:
