@@ -6,15 +6,18 @@ per element of xs' leading axis, `fori_loop` once per index of static bounds, an
 predicate is a traced value computes both branches and selects with sf.where (a predicate Python
 knows picks one branch, as jax.lax.cond does).  Results are jax.lax's; what differs is cost (each
 step planned on its own: compile time grows with the length, and both branches of a traced cond
-run) and a traced cond's gradient (the unselected branch's derivative is multiplied by 0, so an
-infinite one there gives NaN where JAX's cond gives 0).  `while_loop` needs a condition Python can
-decide, and refuses a traced one.  These take pytrees as JAX's do, inside sf.jit or on sf.Arrays.
+run).  A traced cond's gradient reaches its operands through the selected branch only, as JAX's (the
+other's cotangent, NaN where its derivative is infinite, is dropped by a select, never multiplied by 0);
+values the branches close over instead of taking as operands still get 0 times the other branch's
+derivative (pass them as operands).  `while_loop` needs a condition Python can decide, and refuses a
+traced one.  These take pytrees as JAX's do, inside sf.jit or on sf.Arrays.
 """
 from __future__ import annotations
 
 from typing import Any, Callable
 
 from shardfuse import tree
+from shardfuse.autodiff import stop_gradient
 from shardfuse.shape_ops import stack
 from shardfuse.traced import Traced
 from shardfuse.traced_numpy import where
@@ -102,12 +105,26 @@ def cond(pred, true_fun: Callable, false_fun: Callable, *operands):
         return true_fun(*operands) if pred else false_fun(*operands)
     if pred.shape != ():
         raise TypeError(f"sf.lax.cond: the predicate must be a scalar (0-d), got shape {pred.shape}")
-    t, f = true_fun(*operands), false_fun(*operands)
+    p = pred if pred.dtype_name == "bool" else pred != 0
+    graded = bool(pred.builder.fresh)  # (a gradient traced: each branch reads its operands through a select of p)
+    t = true_fun(*(_through(p, operands, True) if graded else operands))
+    f = false_fun(*(_through(p, operands, False) if graded else operands))
     if not _same(t, f):
         raise TypeError(f"sf.lax.cond: the branches must give the same structure, shapes and dtypes, got "
                         f"{_signature(t)} and {_signature(f)}")
-    p = pred if pred.dtype_name == "bool" else pred != 0
     return tree.tree_map(lambda a, b: where(p, a, b), t, f)
+
+
+def _through(p, operands, taken):
+    """operands as the branch taken where p is `taken` reads them: the same values, but the gradient
+    reaches them from that branch only where it is selected (a select drops the other's, NaN included:
+    sqrt's infinite derivative at 0 in the branch not taken gave NaN, where JAX's cond gives 0)."""
+    def gate(x):
+        if not isinstance(x, Traced) or x.dtype.kind != "f":
+            return x
+        held = stop_gradient(x)
+        return where(p, x, held) if taken else where(p, held, x)
+    return tree.tree_map(gate, operands)
 
 
 def switch(index, branches, *operands):
@@ -115,9 +132,18 @@ def switch(index, branches, *operands):
     runs every branch and selects (cond's rules)."""
     if not branches:
         raise ValueError("sf.lax.switch: no branches")
+    n = len(branches)
     if not isinstance(index, Traced):
-        return branches[min(max(int(index), 0), len(branches) - 1)](*operands)
-    out = branches[-1](*operands)
-    for k in reversed(range(len(branches) - 1)):  # (index <= k picks branch k: clamped below as JAX's)
-        out = cond(index <= k, branches[k], lambda *_: out, *operands)
+        return branches[min(max(int(index), 0), n - 1)](*operands)
+    if index.shape != ():
+        raise TypeError(f"sf.lax.switch: the index must be a scalar (0-d), got shape {index.shape}")
+    i, graded = index.clip(0, n - 1), bool(index.builder.fresh)  # (clamped as JAX's)
+    outs = [b(*(_through(i == k, operands, True) if graded else operands)) for k, b in enumerate(branches)]
+    for k, o in enumerate(outs[:-1]):
+        if not _same(o, outs[-1]):
+            raise TypeError(f"sf.lax.switch: the branches must give the same structure, shapes and dtypes, got "
+                            f"{_signature(o)} (branch {k}) and {_signature(outs[-1])} (branch {n - 1})")
+    out = outs[-1]
+    for k in reversed(range(n - 1)):
+        out = tree.tree_map(lambda a, b, k=k: where(i == k, a, b), outs[k], out)
     return out

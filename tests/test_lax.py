@@ -120,3 +120,25 @@ def test_a_stack_is_placed_by_its_layers_only_where_they_agree_and_are_all_it_is
     assert g.sharding.axes == (None, None, None)
     numeric, analytic = directional(lambda q: float((np.tanh(h @ q[0]) @ q[1]).sum()), w, g, r)
     assert abs(numeric - analytic) <= 1e-6 * (1 + abs(numeric)), (numeric, analytic)
+
+
+def test_a_traced_conds_gradient_comes_from_the_selected_branch_only():
+    """JAX's cond computes the branch taken: sqrt's infinite derivative at 0 in the branch not taken
+    made the gradient NaN here (0 times it); the operands reach each branch through a select now, so
+    the other branch's cotangent is dropped.  switch alike (clamped index)."""
+    mesh = sf.DeviceMesh(2, backend="numpy")
+    x = np.array([0.0, 1.0, 4.0, 0.0])
+
+    def f(x, c):
+        return sf.lax.cond(c > 0, lambda v: np.sqrt(v).sum(), lambda v: (v * 3.0).sum(), x)
+    np.testing.assert_array_equal(np.asarray(sf.jit(sf.grad(f), mesh=mesh)(x, -1.0)), np.full(4, 3.0))
+    np.testing.assert_array_equal(np.asarray(sf.jit(sf.grad(f), mesh=mesh)(x, 1.0)), [np.inf, 0.5, 0.25, np.inf])
+    np.testing.assert_allclose(np.asarray(sf.jit(f, mesh=mesh)(x, 1.0)), 3.0)
+
+    def g(x, i):
+        return sf.lax.switch(i, [lambda v: np.sqrt(v).sum(), lambda v: (v * 2.0).sum(), lambda v: np.log(v).sum()], x)
+    for i, want in ((-3, [np.inf, 0.5, 0.25, np.inf]), (1, [2.0] * 4), (9, [np.inf, 1.0, 0.25, np.inf])):
+        np.testing.assert_array_equal(np.asarray(sf.jit(sf.grad(g), mesh=mesh)(x, i)), want)
+    np.testing.assert_allclose(np.asarray(sf.jit(g, mesh=mesh)(x, 1)), 10.0)
+    with pytest.raises(TypeError, match="the branches must give the same structure"):
+        sf.jit(lambda x, i: sf.lax.switch(i, [lambda v: v.sum(), lambda v: v], x), mesh=mesh)(x, 0)
