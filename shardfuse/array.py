@@ -11,7 +11,8 @@ import threading
 import numpy as np
 
 from shardfuse import faults
-from shardfuse.array_ops import ArrayOps, on_root, reshard
+from shardfuse.array_ops import ArrayOps, reshard
+from shardfuse.stage_arrays import on_root
 from shardfuse.interop import array_info, check_input, host_view, stream_ptr
 from shardfuse.layout import Layout, layout_of
 from shardfuse.mesh import DeviceMesh
@@ -60,6 +61,7 @@ class Array(Placed, ArrayOps):  # operators, ufuncs, reductions, indexing: array
         # a 0-d result weakly typed as JAX keeps it (a Python number's arithmetic): the next call takes it
         # as it took the Python number, so a step count in a state does not make float32 weights float64
         self.weak = False
+        self.root_view = None  # (placed on a stage: stage_arrays.on_root's form of it on the whole mesh, made once)
 
     ndim = property(lambda self: len(self.shape))
 

@@ -32,7 +32,7 @@ from shardfuse.numpy_methods import NumpyMethods
 from shardfuse.ops import Op
 from shardfuse.passes import compile_program
 from shardfuse.plan_cache import PlanCache
-from shardfuse.runtime import backend_of
+from shardfuse.stage_arrays import on_root
 from shardfuse.spec import TensorSpec, check_divides, reduced_axes
 from shardfuse.traced import NUMPY, SHAPE_OPS, Traced, is_weak_scalar, numpy_name
 from shardfuse.shape_ops import array_index, expand_index, getitem as shape_getitem
@@ -100,23 +100,6 @@ def run(fn, args: tuple, key, name: str):
     v = exe.prog.outputs[0]
     out = type(arrays[0])(mesh, v.type.shape, v.type.dtype, lay, shards, whole)
     out.weak = bool(exe.prog.weak_outputs)  # (a weak 0-d value's op with a Python scalar stays weak, as inside jit)
-    return out
-
-
-def on_root(x, mesh):
-    """x, an sf.Array placed on a sub-mesh of `mesh` (sf.shard(w, axis, mesh=stage)), as the sf.Array of
-    `mesh` living on that sub-mesh, the form plans of `mesh` take and return (a pipeline probe: a stage's
-    weights placed so were refused by every program of the whole mesh): x's pieces where its devices
-    are, a placeholder (never read) elsewhere; not owned, so a donation writes a copy.  Else x."""
-    if not isinstance(x, ArrayOps) or x.mesh is mesh or not mesh.is_root or x.mesh.root != mesh or x.mesh == mesh:
-        return x
-    lay, mine, spare, pieces = x.sharding.on(x.sharding.home(x.mesh)), dict(zip(x.mesh.local_devices, x.shards)), None, []
-    for j, d in enumerate(mesh.local_devices):
-        if d not in mine and spare is None:
-            spare = backend_of(mesh).empty(lay.local_shape(x.shape, mesh), x.dtype_name)
-        pieces.append(mine[d] if d in mine else spare[j])
-    out = type(x)(mesh, x.shape, x.dtype_name, lay, pieces, x.pieces_contiguous)
-    out.weak = x.weak
     return out
 
 

@@ -26,7 +26,7 @@ from __future__ import annotations
 import math
 
 from shardfuse import dtypes
-from shardfuse.autodiff_layouts import gathered_from, known_layout, pin, regathered, rows_merge
+from shardfuse.autodiff_layouts import at_home, gathered_from, known_layout, pin, regathered, rows_merge
 from shardfuse.custom_vjp import rules_at
 from shardfuse.ir import TensorType
 from shardfuse.layout import Layout, mesh_axes
@@ -129,7 +129,11 @@ def _accumulate(grads, v, g: Traced):
     if g.shape != v.type.shape:
         raise AssertionError(f"autodiff: cotangent of {v.name}{v.type.shape} has shape {g.shape}")
     g = g.astype(v.type.dtype)
-    grads[v] = grads[v] + g if v in grads else g
+    if v not in grads:
+        grads[v] = g
+        return
+    a, g = at_home(grads[v], g, v)  # (parts from two stages meet where v lives)
+    grads[v] = a + g
 
 
 def _stream_of(out, instrs):

@@ -134,3 +134,16 @@ def drop_hints(prog):
         return None
     return prog.with_instrs([replace(i, attrs=scheduled(i.attrs, None)) if i.op == Op.SET and i.attrs.get("hint")
                              else i for i in prog.instrs], "drop_hints")
+
+
+def at_home(a: Traced, g: Traced, v):
+    """Two parts of v's gradient, each moved (replicated) to the mesh v lives on where they come from
+    different stages (a value used on two pipeline stages: the add between its parts was unannotated and
+    refused, a review); as they are otherwise (no sub-mesh: both homes None)."""
+    homes = g.builder.homes
+    if homes.get(a.value) == homes.get(g.value):
+        return a, g
+    home = homes.get(v) or g.builder.mesh
+    return tuple(t.builder.emit(Op.SET, (t,), TensorType(t.shape, t.dtype_name, Layout.replicated(t.ndim).on(home)),
+                                t.value.name + "_home") for t in (a, g))
+

@@ -12,7 +12,8 @@ import time
 
 import numpy as np
 
-from shardfuse.array import WEAK_TYPES, Array, on_root, spec_of
+from shardfuse.array import WEAK_TYPES, Array, spec_of
+from shardfuse.stage_arrays import on_root
 from shardfuse.plan import Plan  # noqa: F401 (sf.jit's plans; shardfuse.jit.Plan as before)
 from shardfuse.interop import array_info
 from shardfuse import tree

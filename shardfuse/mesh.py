@@ -257,10 +257,14 @@ def _rebuild_mesh(shape, axis_names, backend_name, sub):
     return root if sub is None else root.submesh(*sub)
 
 
-def nested(meshes) -> bool:
-    """Some mesh of `meshes` lies within every other: the one where their values can meet (a value
-    replicated on the larger ones is copied there, passes/propagate.py)."""
-    return any(all(set(m.devices) <= set(h.devices) for h in meshes) for m in meshes)
+def meeting_mesh(meshes):
+    """The mesh of `meshes` that lies within every other, where their values can meet (a value replicated
+    on the larger ones is copied there, passes/propagate.py), else None; ties broken by the devices and
+    the repr, never by set order (every rank must pick the same)."""
+    for m in sorted(meshes, key=lambda m: (len(m.devices), tuple(m.devices), repr(m))):
+        if all(set(m.devices) <= set(h.devices) for h in meshes):
+            return m
+    return None
 
 
 def mixed_meshes(op, homes) -> str:

@@ -7,6 +7,7 @@ import threading
 import numpy as np
 
 from shardfuse import tree
+from shardfuse.stage_arrays import on_root
 from shardfuse.array import Array
 from shardfuse.autochunks import explain_plan
 from shardfuse.cost import predict
@@ -151,6 +152,7 @@ class Plan:
             args = self.positional(args, kwargs)
         if any(tree.is_container(a) for a in args):
             args = tuple(tree.leaves(args))
+        args = tuple(on_root(a, self.program.mesh) for a in args)  # (a stage's sf.Array: as the whole mesh's)
         return self.run_flat(args, stream, infos)
 
     def _with_constants(self, args, infos) -> tuple:

@@ -12,7 +12,7 @@ import numpy as np
 
 from shardfuse import constants, dtypes, promotion
 from shardfuse.ir import Instr, Namer, TensorType, Value
-from shardfuse.mesh import as_int, mixed_meshes, nested
+from shardfuse.mesh import as_int, meeting_mesh, mixed_meshes
 from shardfuse.numpy_methods import NUMPY, NumpyMethods
 from shardfuse.ops import ELEMENTWISE, Op
 from shardfuse.spec import check_axis, normalize_axis, reduced_axes
@@ -49,10 +49,10 @@ class Builder:
         self.instrs.append(ins_)
         if ins and op in ELEMENTWISE and all(t.value in self.weak for t in ins):  # (JAX: weak in, weak out)
             self.weak.add(out)
-        lay, homes = getattr(out_type, "layout", None), {self.homes.get(t.value) for t in ins}
-        if len(homes - {None}) > 1 and not nested(homes - {None}):  # (refused where the user's line is: a probe)
+        lay, homes = getattr(out_type, "layout", None), {self.homes.get(t.value) for t in ins} - {None}
+        if homes and meeting_mesh(homes) is None:  # (refused where the user's line is: a probe)
             raise ValueError(mixed_meshes(op, [(t.value.name, self.homes.get(t.value)) for t in ins]))
-        home = lay.mesh if lay is not None else homes.pop() if len(homes) == 1 else None  # (propagation's rule)
+        home = lay.mesh if lay is not None else meeting_mesh(homes)  # (propagation's: larger meshes' values copied)
         self.homes.update({out: home} if home is not None else {})
         return Traced(self, out)
 

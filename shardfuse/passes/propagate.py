@@ -17,6 +17,7 @@ from dataclasses import replace
 
 from shardfuse.ir import Instr, Namer, Value, substitute
 from shardfuse.layout import Layout
+from shardfuse.mesh import meeting_mesh
 from shardfuse.rules import infer, require
 from shardfuse.ops import Op, Reduce
 from shardfuse import schedule
@@ -151,10 +152,8 @@ def _stage_of(lays):
     if len(meshes) < 2:
         return None
     whole = [lay for lay in lays if not lay.partial and not lay.sharded_axes()]
-    for m in sorted(meshes, key=lambda m: len(m.devices)):
-        if all(lay.mesh == m or lay in whole and set(m.devices) <= set(lay.mesh.devices) for lay in lays):
-            return m
-    return None
+    m = meeting_mesh(meshes)  # (ties broken alike on every rank)
+    return m if m is not None and all(lay.mesh == m or lay in whole for lay in lays) else None
 
 
 def _common_mesh(i, ins, mesh):

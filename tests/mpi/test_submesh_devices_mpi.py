@@ -71,3 +71,4 @@ def test_whole_mesh_replicas_used_on_stages_across_ranks():
     ts.test_replicated_values_of_the_whole_mesh_are_used_on_a_stage(sf.DeviceMesh(4), np.random.default_rng(7))
     ts.test_adamw_steps_over_weights_on_two_stages(sf.DeviceMesh(4), np.random.default_rng(8))
     ts.test_arrays_placed_on_a_stage_are_taken_by_the_whole_meshs_programs(sf.DeviceMesh(4), np.random.default_rng(9))
+    ts.test_a_whole_mesh_parameter_used_on_two_stages_gets_its_gradient(sf.DeviceMesh(4), np.random.default_rng(10))
