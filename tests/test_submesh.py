@@ -39,7 +39,8 @@ def test_operands_on_different_meshes_need_a_move(mesh):
     # (refused while tracing: the user's line is in the traceback, a pipeline probe; it came from a pass)
     assert f.fn.__code__.co_firstlineno in [e.lineno + 1 for e in err.traceback if str(e.path) == __file__]
     # (a constant on the way kept the stage known: it is copied there, so the mix is refused while tracing too)
-    g = sf.jit(lambda x: sf.shard(x, axis=0, mesh=s0) * np.arange(4.0) + sf.shard(x, axis=0, mesh=s1), mesh=mesh)
+    g = sf.jit(lambda x: sf.shard(x, axis=0, mesh=s0) * np.arange(4.0, dtype=np.float32) + sf.shard(x, axis=0, mesh=s1),
+               mesh=mesh)
     with pytest.raises(ValueError, match="add: operands live on different sub-meshes"):
         g.lower(sf.TensorSpec((4, 4)))
 
