@@ -119,9 +119,11 @@ def _by_prefix(x, mesh, placements, path):
 
 
 def _nones_over(p, x) -> bool:
-    """A plain tuple of Nones over a tuple or list of as many values: a pytree of Nones (each as it
-    comes), as JAX reads it, not a replicated spec (which sf.P(None, None) writes)."""
-    return type(p) is tuple and all(e is None for e in p) and isinstance(x, (list, tuple)) and len(x) == len(p)
+    """A plain tuple over a tuple or list of as many values, each entry None or a leaf's spec (no bare mesh
+    axis name): a pytree of them, as JAX reads it ((None, None): each as it comes; (None, ("dp", "tp")) for
+    a function's two results, a README probe), not one spec for every leaf (which sf.P(...) writes)."""
+    return type(p) is tuple and isinstance(x, (list, tuple)) and len(x) == len(p) and \
+        all(e is None or isinstance(e, (tuple, list, Layout)) for e in p)
 
 
 def _is_placement(p) -> bool:

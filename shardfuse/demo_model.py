@@ -5,6 +5,8 @@ checked against central differences in float64, then a few Adam steps in one jit
 donated parameters."""
 from __future__ import annotations
 
+import warnings
+
 import numpy as np
 
 import shardfuse as sf
@@ -135,6 +137,12 @@ def train_steps(args, mesh, kw, vocab, seq, rng, ids, labels, say) -> list[float
     zeros = tree.tree_map(np.zeros_like, params)
     state = (params, zeros, tree.tree_map(np.zeros_like, params))
     train = sf.jit(adam_step(args.heads, kw), mesh=mesh, donate_argnums=0)
+    # (the first state placed as the step returns it, as the README advises: NumPy arrays donated could not
+    # be written in place, and every rank warned so, a README probe)
+    with warnings.catch_warnings():  # (the plan for NumPy arguments, asked only for its output layouts, warns so)
+        warnings.simplefilter("ignore")
+        layouts = train.lower(state, ids, labels, np.asarray(args.lr, dt)).output_layouts[0]
+    state = sf.distribute(state, mesh, layouts)
     losses = []
     for t in range(1, args.steps + 1):
         lr_t = np.asarray(args.lr * np.sqrt(1 - 0.99 ** t) / (1 - 0.9 ** t), dt)

@@ -292,7 +292,8 @@ def categorical(key, logits, axis=-1, shape=None, *, mesh=None):
 
 def _categorical(key, logits, noise, ax):
     dt = np.dtype(logits.dtype).name
-    return (logits + _gumbel(key, noise, "float32" if dt in _FLOATS_16 else dt)).argmax(ax)
+    # (int32, as jax.random.categorical's and this module's randint: a README probe found int64)
+    return (logits + _gumbel(key, noise, "float32" if dt in _FLOATS_16 else dt)).argmax(ax).astype("int32")
 
 
 def permutation(key, x, axis=0, independent=False, *, mesh=None):

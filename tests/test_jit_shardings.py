@@ -148,3 +148,15 @@ def test_a_tuple_of_partition_specs_is_one_per_leaf():
     o = sf.jit(lambda x: (x * 2, x + 1), mesh=m, out_shardings=(sf.P("dp"), sf.P("tp")))(a)
     assert [v.sharding.axes for v in o] == [("dp", None), ("tp", None)]
     assert sf.distribute(a, m, (("dp", "tp"), None)).sharding.axes == (("dp", "tp"), None)  # (a plain tuple entry)
+
+
+def test_a_plain_tuple_of_leaf_specs_over_a_pair_is_one_per_leaf():
+    """A README probe: out_shardings=(None, ("dp", "tp")) for a function's two results placed both by one
+    spec (None, ("dp", "tp")); a plain tuple of None and specs over a tuple of as many values is a pytree, as
+    JAX reads it; a bare mesh axis name in it still makes it one spec for every leaf."""
+    m = mesh()
+    f = sf.jit(lambda x, y: (x * 2, y + 1), mesh=m, out_shardings=(None, ("dp", "tp")))
+    a, b = f(np.ones((4, 4)), np.ones((4, 4)))
+    assert a.sharding.axes == (None, None) and b.sharding.axes == ("dp", "tp")
+    both = sf.distribute((np.ones((4, 4)), np.ones((4, 4))), m, ("dp", None))
+    assert [v.sharding.axes for v in both] == [("dp", None), ("dp", None)]

@@ -285,7 +285,7 @@ def test_categorical_frequencies_follow_softmax():
     p = np.exp(logits - logits.max())
     p /= p.sum()
     ids = np.asarray(sf.random.categorical(sf.random.key(9), np.broadcast_to(logits, (N, 5))))
-    assert ids.shape == (N,) and ids.min() >= 0 and ids.max() <= 4
+    assert ids.shape == (N,) and ids.dtype == np.int32 and ids.min() >= 0 and ids.max() <= 4  # (int32: JAX's)
     assert chi_square(np.bincount(ids, minlength=5), N * p) < 30  # (4 degrees of freedom: 99.99% at 23.5)
     cols = np.asarray(sf.random.categorical(sf.random.key(10), logits[:, None], axis=0, shape=(N // 4, 1)))
     assert cols.shape == (N // 4, 1) and chi_square(np.bincount(cols.ravel(), minlength=5), N / 4 * p) < 30
