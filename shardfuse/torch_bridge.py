@@ -57,8 +57,9 @@ def torch_function(fn, mesh=None):
             cts = [torch.zeros(s, dtype=d, device=dev) if g is None else g.contiguous()
                    for g, (s, d, dev) in zip(grads, ctx.output_shapes)]
             with torch.no_grad():  # (as forward runs: the primals are read for values)
-                res = pullbacks[ctx.target](ctx.in_tree.unflatten(_merged(ctx.fixed, tensors)),
-                                            ctx.out_tree.unflatten(cts), stream=stream_of(tensors))
+                res = pullbacks[ctx.target, tuple(v is None for v in ctx.fixed)](
+                    ctx.in_tree.unflatten(_merged(ctx.fixed, tensors)), ctx.out_tree.unflatten(cts),
+                    stream=stream_of(tensors))
             res, _ = tree.flatten(res, is_leaf=lambda g: g is None)  # (an integer input's cotangent: None)
             res = [_tensor(g, torch) if t.is_floating_point() else None
                    for g, t in zip((g for g, v in zip(res, ctx.fixed) if v is None), tensors)]
@@ -102,10 +103,12 @@ def _merged(fixed, tensors):
 
 
 class _Pullbacks(dict):
-    """The sf.jit with its static values fixed -> the sf.jit of its pullback (made at first use)."""
+    """(the sf.jit with its static values fixed, which leaves are tensors) -> the sf.jit of its pullback,
+    computing the tensors' cotangents only (made at first use)."""
 
-    def __missing__(self, target):
-        made = self[target] = Jitted(Pullback(target.fn, False), target.mesh, target.streams)
+    def __missing__(self, key):
+        target, keep = key
+        made = self[key] = Jitted(Pullback(target.fn, False, keep=keep), target.mesh, target.streams)
         return made
 
 
@@ -121,5 +124,6 @@ def _lowering(jitted, pullbacks):
         then the pullback), its cotangents shaped as the forward's results."""
         target, args, kwargs = jitted.bind_static(args, kwargs)
         args = target.positional(args, kwargs) if kwargs else args
-        return pullbacks[target].lower(tuple(args), eval_shape(target, *args))
+        keep = tuple(getattr(v, "requires_grad", None) is not None for v in tree.leaves(args))  # (the tensors)
+        return pullbacks[target, keep].lower(tuple(args), eval_shape(target, *args))
     return lower, lower_backward

@@ -346,14 +346,20 @@ def _vjp_traced(fn, primals, has_aux, remat="regather", nested=True):
 
 
 class Pullback:
-    """(primals, cotangent) -> vjp_fn(cotangent): what sf.vjp's vjp_fn compiles outside jit."""
+    """(primals, cotangent) -> vjp_fn(cotangent): what sf.vjp's vjp_fn compiles outside jit.  `keep`: per
+    leaf of the primals, whether its cotangent is wanted (None where it is not: the plan never computes
+    it; the torch bridge's NumPy masks and numbers, a README probe)."""
 
-    def __init__(self, fn, has_aux, remat="regather"):
-        self.fn, self.has_aux, self.remat = fn, has_aux, remat
+    def __init__(self, fn, has_aux, remat="regather", keep=None):
+        self.fn, self.has_aux, self.remat, self.keep = fn, has_aux, remat, keep
         self.__name__ = f"vjp_{_name(fn)}"
 
     def __call__(self, primals, cotangent):
-        return _vjp_traced(self.fn, tuple(primals), self.has_aux, self.remat, nested=False)[1](cotangent)
+        res = _vjp_traced(self.fn, tuple(primals), self.has_aux, self.remat, nested=False)[1](cotangent)
+        if self.keep is None:
+            return res
+        leaves, td = tree.flatten(res, is_leaf=lambda g: g is None)
+        return td.unflatten([g if k else None for g, k in zip(leaves, self.keep)])
 
 
 def eval_shape(fn, *args, mesh=None, **kwargs):

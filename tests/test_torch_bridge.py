@@ -204,3 +204,6 @@ def test_the_forward_and_backward_plans_are_printable():
     fwd, bwd = bridged.lower(p, x), bridged.lower_backward(p, x=x)
     assert fwd.collectives() == {"allreduce": 1} and "Matmul" in str(bwd)
     assert sum(bwd.collectives().values()) >= 1  # (the forward's sum again, then the backward's own)
+    # (a NumPy argument gets no gradient, so the backward computes none for it: a README probe saw it computed)
+    with_numpy = bridged.lower_backward(p, x.numpy())
+    assert len(with_numpy.program.outputs) == 1 and len(bwd.program.outputs) == 2
