@@ -51,6 +51,11 @@ def normalize_dtype(dtype) -> str:
         name = np.dtype(dtype).name
         if name in DTYPES:
             _DTYPE_NAMES[dtype] = name
+    if name not in DTYPES and isinstance(dtype, str):  # (NumPy's aliases: "f4", "float", "int", "i8", as np.sum takes)
+        try:
+            name = np.dtype(dtype).name
+        except TypeError:
+            pass
     if name not in DTYPES:
         raise TypeError(f"unsupported dtype {name!r}: expected one of {DTYPES}")
     return name

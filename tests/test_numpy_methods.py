@@ -238,3 +238,17 @@ def test_sf_array_methods_reuse_their_plans():
     before = array_ops.cache_info()["compiled"]
     a.var(1, ddof=1), a.argmax(0), np.clip(a, -1, 1), a // 0.5, np.std(a, axis=[0, 1])
     assert array_ops.cache_info()["compiled"] == before
+
+
+def test_numpys_dtype_aliases_are_taken():
+    """A review: sum(dtype="f4") / "float" / "int" / "i8" and astype("f4") raised "unsupported dtype"; NumPy's
+    aliases of the dtypes shardfuse has are taken (one it lacks is still named)."""
+    mesh = ew.mesh_of(2)
+    m = np.arange(8).reshape(4, 2)
+    for alias in ("f4", "float", "int", "i8", "int32"):
+        got = sf.jit(lambda x, a=alias: x.sum(0, dtype=a), mesh=mesh)(m)
+        assert got.dtype == m.sum(0, dtype=alias).dtype
+        np.testing.assert_array_equal(np.asarray(got), m.sum(0, dtype=alias))
+    assert sf.jit(lambda x: x.astype("f4"), mesh=mesh)(m).dtype == np.float32
+    with pytest.raises(TypeError, match="unsupported dtype 'int16'"):
+        sf.jit(lambda x: x.astype("i2"), mesh=mesh)(m)
