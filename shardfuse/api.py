@@ -75,7 +75,7 @@ def distribute(x: Any, mesh: DeviceMesh, placements: Any) -> Any:
     if tree.is_container(x):
         if placements is None:  # (a subtree left as it is: JAX's unspecified, a prefix's None)
             return x
-        if _is_placement(placements) and not _nones_over(placements, x):  # (one for every leaf)
+        if _is_placement(placements) and not _leaf_specs_over(placements, x):  # (one for every leaf)
             return tree.tree_map(lambda v: distribute(v, mesh, placements), x)
         return _by_prefix(x, mesh, placements, ())
     if isinstance(placements, Layout):
@@ -102,7 +102,7 @@ def _captured(x, mesh):
 def _by_prefix(x, mesh, placements, path):
     """x's subtrees placed by a pytree of placements that is a prefix of x's structure (JAX's rule for
     shardings: a placement, or None for as it is, stands for a whole subtree)."""
-    if placements is None or _is_placement(placements) and not _nones_over(placements, x):
+    if placements is None or _is_placement(placements) and not _leaf_specs_over(placements, x):
         return x if placements is None else distribute(x, mesh, placements)
     where = "".join(f"[{k!r}]" for k in path) or "the top"
     if isinstance(placements, dict) and isinstance(x, dict):
@@ -118,7 +118,7 @@ def _by_prefix(x, mesh, placements, path):
                      "pytree of placements is a prefix of the value's, each leaf a placement or None")
 
 
-def _nones_over(p, x) -> bool:
+def _leaf_specs_over(p, x) -> bool:
     """A plain tuple over a tuple or list of as many values, each entry None or a leaf's spec (no bare mesh
     axis name): a pytree of them, as JAX reads it ((None, None): each as it comes; (None, ("dp", "tp")) for
     a function's two results, a README probe), not one spec for every leaf (which sf.P(...) writes)."""

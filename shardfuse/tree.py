@@ -273,11 +273,7 @@ def _identifiers(keys: list) -> list:
     out = []
     for k in keys:
         name = re.sub(r"\W", "_", k)
-        if name != k:
-            base, n = name, 2
-            while name in keys or name in out:
-                name, n = f"{base}_{n}", n + 1
-        out.append(name)
+        out.append(name if name == k else _free(name, set(keys) | set(out)))
     return out
 
 
@@ -286,13 +282,18 @@ def unique(names: list) -> list:
     seen, out = set(names), []
     for n in names:
         if n in out:
-            k = 2
-            while f"{n}_{k}" in seen:
-                k += 1
-            n = f"{n}_{k}"
+            n = _free(n, seen)
             seen.add(n)
         out.append(n)
     return out
+
+
+def _free(base: str, taken: set) -> str:
+    """base, else the first of base_2, base_3, ... not taken."""
+    name, k = base, 2
+    while name in taken:
+        name, k = f"{base}_{k}", k + 1
+    return name
 
 
 class FlatFunction:
