@@ -194,9 +194,8 @@ def _check_shapes(q, k, v, mask):
     shapes = f"q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}"
     if min(q.ndim, k.ndim, v.ndim) < 2:
         raise ValueError(f"sf.nn.attention: q, k and v need at least 2 axes ([..., seq, head_dim]), got {shapes}")
-    lead = [tuple(x.shape[:-3]) for x in (q, k, v)]
-    if k.shape[-1] != q.shape[-1] or k.shape[-2] != v.shape[-2] or _broadcasts(*lead[1:]) is None or \
-            _broadcasts(lead[0], _broadcasts(*lead[1:])) is None:
+    lead = _broadcasts(tuple(q.shape[:-3]), _broadcasts(tuple(k.shape[:-3]), tuple(v.shape[:-3])))
+    if k.shape[-1] != q.shape[-1] or k.shape[-2] != v.shape[-2] or lead is None:
         raise ValueError(f"sf.nn.attention: k needs q's head_dim (axis -1), v k's seq (axis -2), and the leading axes "
                          f"of all three must broadcast together ([batch, heads, seq, head_dim]), got {shapes}")
     scores = tuple(q.shape[:-1]) + (k.shape[-2],)

@@ -136,11 +136,11 @@ def _from_constants(c) -> bool:
     consts = {v for _, _, v in c.builder.constants.values()}
     if c.value in consts:
         return True
-    made = {o: i for i in c.builder.instrs for o in i.outs}
+    made = c.builder.producer  # (value -> the instruction that made it, kept by the builder)
     todo, seen, found = [c.value], set(), False
     while todo:
         v = todo.pop()
-        if v in seen or v.type.dtype in ("bool",) or v.type.dtype.startswith(("int", "uint")):
+        if v in seen or v.type.dtype == "bool" or v.type.dtype.startswith(("int", "uint")):
             continue  # (ids, masks: no float data of their own)
         seen.add(v)
         if v in consts:
