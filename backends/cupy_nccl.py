@@ -133,7 +133,7 @@ class CupyNcclBackend:
 
     def piece(self, x, j):
         """x (a CuPy array of this process) as a C-contiguous buffer on local device j (copies.piece)."""
-        return copies.piece(self.dev, x, j)
+        return copies.piece(self.dev, self.kernels, x, j)
 
     def view(self, bufs, ref, j):
         return self.dev.view(bufs, ref, j)

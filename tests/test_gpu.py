@@ -23,6 +23,7 @@ NGPU = gpu_count()
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(NGPU == 0, reason="CuPy sees no GPU")]
 
 import shardfuse as sf  # noqa: E402
+from shardfuse.backends.cuda import copies  # noqa: E402
 from shardfuse.backends.protocol import MAIN, Ref, Stream, contiguous_strides  # noqa: E402
 from shardfuse.dtypes import np_dtype  # noqa: E402
 from shardfuse.runtime import backend_of  # noqa: E402
@@ -509,18 +510,27 @@ def test_adopt_and_piece(mesh):
 
 @pytest.mark.parametrize("mesh", [1, 2], indirect=True)
 def test_piece_of_strided_blocks(mesh):
-    """Pieces made of equal contiguous blocks a pitch apart (one 2-D copy) and of anything else
-    (a copy kernel), against NumPy; the result buffers start poisoned, so a short copy fails."""
+    """Pieces made of equal contiguous blocks a pitch apart (one 2-D copy), of blocks at two
+    strides (one pre-bound kernel: 16-byte units or bytes) and of anything else (CuPy's copy
+    kernel), against NumPy; a short copy would leave the fresh buffers' garbage."""
     be = backend_of(mesh)
     x = rng().standard_normal((4, 3, 5, 6)).astype(np.float32)
     g = cupy.asarray(x)
-    for idx in [(slice(None), 1), (slice(None), slice(1, 2)), (slice(1, 3), 0, slice(None), slice(2, 4)),
-                (slice(None, None, 2), 2), (1, slice(None), slice(None), slice(None, None, -1))]:
+    views = [lambda a, idx=idx: a[idx] for idx in [
+        (slice(None), 1), (slice(None), slice(1, 2)), (slice(1, 3), 0, slice(None), slice(2, 4)),
+        (slice(None, None, 2), 2), (1, slice(None), slice(None), slice(None, None, -1))]]
+    # the seed layout's piece moved outermost ([S, D, m, K] -> [D, S, m, K]), at a 16-byte width and not
+    views += [lambda a: a.reshape(2, 2, 3, 30).transpose(1, 0, 2, 3), lambda a: a.reshape(5, 9, 8).transpose(1, 0, 2),
+              lambda a: a.reshape(4, 3, 30)[:, :, 4:8].transpose(1, 0, 2)]
+    for view in views:
+        assert (copies.two_strides(view(g)) is not None) == (view in views[-3:] or view is views[2])
         for j in range(len(be.ordinals)):
-            p = be.piece(g[idx], j)
+            p = be.piece(view(g), j)
             be.synchronize()
-            assert p.flags.c_contiguous
-            np.testing.assert_array_equal(cupy.asnumpy(p), x[idx])
+            assert p.flags.c_contiguous and p.device.id == be.ordinals[j]
+            np.testing.assert_array_equal(cupy.asnumpy(p), view(x))
+    # (the [9, 5, 8] float32 view's blocks, strides and start are 16-byte multiples; the others' are not)
+    assert {k[2] for k in be.kernels.cache if k[0] == "strided_blocks" and len(k) == 3} == {True, False}
 
 
 # ---- the general compiler's lowerings on the GPU (issue 4), at whatever D this machine has ----------

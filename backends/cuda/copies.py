@@ -7,10 +7,10 @@ uses, each with its own rule of what the 2-D copy may take."""
 from __future__ import annotations
 
 import cupy
-from cupy.cuda import runtime
+from cupy.cuda import driver, runtime
 
 from shardfuse.backends.cuda.devices import offsets_bytes
-from shardfuse.backends.cuda.libs import D2D, ITEM
+from shardfuse.backends.cuda.libs import D2D, ITEM, Prebound
 
 MAX_PITCH = 2**31 - 1  # memcpy2D takes pitches up to the device's memPitch (2^31 - 1 bytes on current GPUs)
 
@@ -34,6 +34,16 @@ def blocks(x):
     if len(outer) != 1 or not width <= outer[0][1] < MAX_PITCH:
         return None
     return outer[0][0], width, outer[0][1]
+
+
+def two_strides(x):
+    """(a, sa, c, sc, width) in bytes when the CuPy array x is a x c equal C-contiguous blocks of
+    `width` bytes, block (i, k) at i * sa + k * sc (positive strides), else None."""
+    width, outer = _split(x.shape, x.strides, x.itemsize)
+    if len(outer) != 2 or min(s for _, s in outer) <= 0:
+        return None
+    (a, sa), (c, sc) = outer
+    return a, sa, c, sc, width
 
 
 def as_rows(ref):
@@ -92,10 +102,11 @@ def bind_copy(dev, src, dst, stream, devices=None):
     return step
 
 
-def piece(dev, x, j):
+def piece(dev, kernels, x, j):
     """x (a CuPy array of this process, e.g. a slice of adopt's result) as a C-contiguous
     buffer on local device j: x itself when it already is one there (zero copy), else a
-    device-side copy on main of j's GPU (a peer copy from another GPU)."""
+    device-side copy on main of j's GPU (a peer copy from another GPU).  `kernels`: the
+    backend's kernels.Kernels."""
     o, src = dev.ordinals[j], x.data.device_id  # (not x.device: a Device object made per call)
     if src == o:
         if x.flags.c_contiguous:
@@ -104,7 +115,7 @@ def piece(dev, x, j):
         with cupy.cuda.Device(o), main:
             rows = blocks(x)
             if rows is None:
-                return cupy.ascontiguousarray(x)
+                return _strided_blocks(kernels, x, o, main) or cupy.ascontiguousarray(x)
             # equal contiguous blocks a pitch apart (a device's piece of the seed layout
             # [S, D, M/(S*D), K]: S blocks): one 2-D copy on the copy engine, not a kernel
             height, width, pitch = rows
@@ -127,4 +138,22 @@ def piece(dev, x, j):
     # must not reuse it before the copy has read it
     runtime.eventRecord(done.ptr, dst_main.ptr)
     runtime.streamWaitEvent(src_main.ptr, done.ptr, 0)
+    return out
+
+
+def _strided_blocks(kernels, x, o, main):
+    """x as a new contiguous buffer on GPU o, by one pre-bound kernel launch on `main` when x
+    is blocks at two strides (copies.two_strides; kernels.strided_blocks), else None."""
+    got = two_strides(x)
+    if got is None:
+        return None
+    a, sa, c, sc, width = got
+    out = cupy.empty(x.shape, x.dtype)
+    vector = not (x.data.ptr | out.data.ptr | sa | sc | width) & 15  # (16-byte units where all allow)
+    unit = 16 if vector else 1
+    launch = kernels.cached(("strided_blocks", o, vector), lambda: Prebound(
+        kernels.strided_blocks(vector).kernel, 7, driver.launchKernel))  # (compiled for GPU o: current here)
+    total = a * c * width // unit
+    launch(min(4096, -(-total // 256)), 256,
+           (x.data.ptr, out.data.ptr, c, width // unit, sa // unit, sc // unit, total), main.ptr)
     return out

@@ -156,6 +156,29 @@ extern "C" __global__ void sf_gather{n}_{int(vector)}({ptrs}, unsigned long long
         return self.cached(("gather", n, vector), make)
 
 
+    def strided_blocks(self, vector):
+        """x [a, c, units] into a contiguous buffer, x's element (i, k, u) at i * sa + k * sc + u:
+        a view two strides deep over contiguous blocks (a device's piece of the seed layout
+        moved outermost, [D, S, m, K] of [S, D, m, K]), which no 2-D DMA copy can move.  One
+        launch with every argument a 64-bit value (libs.Prebound) instead of CuPy's copy kernel
+        (~15 us of host time, issue 29 item 2); `vector`: 16-byte units, else bytes."""
+        def make():
+            t = "uint4" if vector else "unsigned char"
+            src = f"""
+extern "C" __global__ void sf_strided_blocks_{int(vector)}(unsigned long long x, unsigned long long y,
+        unsigned long long c, unsigned long long units, unsigned long long sa, unsigned long long sc,
+        unsigned long long total) {{
+    const {t}* X = (const {t}*)x;
+    {t}* Y = ({t}*)y;
+    for (unsigned long long i = blockIdx.x * (unsigned long long)blockDim.x + threadIdx.x; i < total;
+         i += (unsigned long long)gridDim.x * blockDim.x) {{
+        unsigned long long u = i % units, rest = i / units;
+        Y[i] = X[(rest / c) * sa + (rest % c) * sc + u];
+    }}
+}}"""
+            return cupy.RawKernel(src, f"sf_strided_blocks_{int(vector)}")
+        return self.cached(("strided_blocks", vector), make)
+
 # One kernel each where NumPy's form is a composition (F: the type computed in, float for 16- and
 # 32-bit values, double for float64); sigmoid as e^x / (1 + e^x) below 0, so nothing overflows to NaN
 _FUSED = {
