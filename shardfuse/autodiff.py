@@ -164,7 +164,12 @@ def _set(ins, xs, out, ct, instrs):
     if ins.attrs.get("annotation"):
         ct = pin(ct, gathered_from(x, lay) or lay)
     if lay.mesh != _home(x) or not ins.attrs.get("annotation"):
-        ct = pin(ct, known_layout(x.builder, x.value) or Layout.replicated(x.ndim).on(_home(x)))
+        back = known_layout(x.builder, x.value)
+        if back is None and x.value in x.builder.producer:
+            back = Layout.replicated(x.ndim).on(_home(x))
+        if back is not None:  # (a plain argument's: where its gradient goes is sf.grad's choice, transforms.py)
+            # a move, as the forward's (sf.to_mesh): the cotangent's producer stays where its operands are
+            ct = ct.builder.emit(Op.SET, (ct,), TensorType(ct.shape, ct.dtype_name, back), ct.value.name + "_back")
     return [ct]
 
 

@@ -68,10 +68,10 @@ def _known_layout(builder, v, strict):
             return p.outs[0].type.layout
         if p.op in (Op.TRANSPOSE, Op.RESHAPE, Op.MATMUL):  # (views and products: as propagation infers them)
             lays = [known_layout(builder, i) for i in p.ins]
-            if any(lay is None or lay.mesh != builder.mesh for lay in lays):
+            if any(lay is None for lay in lays) or len({lay.mesh for lay in lays}) != 1:  # (one stage's)
                 return None
             try:
-                return whole(rules.infer(p, lays).on(builder.mesh))
+                return whole(rules.infer(p, lays).on(lays[0].mesh or builder.mesh))
             except ValueError:  # (a reshape no sharding maps: the compiler gathers, and says so)
                 return None
         same = [i for i in p.ins if i.type.shape == v.type.shape and p.op in ELEMENTWISE]

@@ -136,20 +136,31 @@ class DeviceMesh:
         _LIVE_MESHES[(self.shape, self.axis_names, self.backend_name, self.nprocs)] = self
 
     def submesh(self, devices, axis_names=None) -> "DeviceMesh":
-        """A 1-D mesh over some of this mesh's devices, e.g. a pipeline stage: ``mesh.submesh([2, 3])``.
+        """A mesh over some of this mesh's devices, e.g. a pipeline stage: ``mesh.submesh([2, 3])``
+        (1-D, named as this mesh's last axis), or a grid of device ids for a stage of several axes,
+        ``mesh.submesh(ids[0], ("dp", "tp"))`` with ``ids = np.arange(8).reshape(2, 2, 2)`` on a
+        ("pp", "dp", "tp") mesh (as JAX's ``Mesh(mesh.devices[0], ("dp", "tp"))``).
 
         Values placed on it live on those devices only; moving a value between sub-meshes
         lowers to SendRecv, Broadcast, Scatter or Gather.
         """
         if isinstance(devices, (str, bytes)) or not hasattr(devices, "__iter__"):
-            raise TypeError(f"submesh() takes a sequence of device ids of {self} (ids {self.devices}), got {devices!r}")
-        devices = tuple(as_int(d, "a sub-mesh device id") for d in devices)
-        if not devices or len(set(devices)) != len(devices) or not set(devices) <= set(self.devices):
+            raise TypeError(f"submesh() takes a sequence (or a grid) of device ids of {self} (ids {self.devices}), "
+                            f"got {devices!r}")
+        grid = np.asarray(devices, dtype=object)
+        if grid.ndim == 0 or 0 in grid.shape:
+            raise ValueError(f"a sub-mesh needs distinct devices of {self} (ids {self.devices}), got {devices!r}")
+        shape = grid.shape
+        devices = tuple(as_int(d, "a sub-mesh device id") for d in grid.ravel())
+        if len(set(devices)) != len(devices) or not set(devices) <= set(self.devices):
             raise ValueError(f"a sub-mesh needs distinct devices of {self} (ids {self.devices}), got {devices}")
-        axis_names = _axis_names(self.axis_names[-1:] if axis_names is None else axis_names, 1, "a sub-mesh")
+        default = self.axis_names[-len(shape):] if len(shape) <= len(self.axis_names) else None
+        if axis_names is None and default is None:
+            raise ValueError(f"give axis_names for a {len(shape)}-D sub-mesh of {self}")
+        axis_names = _axis_names(default if axis_names is None else axis_names, len(shape), f"a {len(shape)}-D sub-mesh")
         # Built field by field: the sub-mesh has run-time state of its own, none of this mesh's
         sub = object.__new__(DeviceMesh)
-        sub.shape, sub.axis_names, sub.size = (len(devices),), axis_names, len(devices)
+        sub.shape, sub.axis_names, sub.size = tuple(shape), axis_names, len(devices)
         sub.nprocs, sub.rank, sub.backend_name = self.nprocs, self.rank, self.backend_name
         sub.devices, sub.root = devices, self.root
         sub._hash = hash(sub._key())
@@ -215,7 +226,7 @@ class DeviceMesh:
     # -- pickling: by constructor arguments, never the backend or caches ---------------------
     def __reduce__(self):
         root = self.root
-        sub = None if self.is_root else (self.devices, self.axis_names)
+        sub = None if self.is_root else (np.reshape(np.array(self.devices, dtype=object), self.shape).tolist(), self.axis_names)
         return _rebuild_mesh, (root.shape, root.axis_names, root.backend_name, sub)
 
 

@@ -108,15 +108,19 @@ def constrain(x: Traced, placements, mesh=None) -> Traced:
     """x annotated with a whole layout (sf.distribute inside sf.jit, JAX's with_sharding_constraint):
     each tensor axis sharded as `placements` (DTensor-style, a JAX-style spec or a Layout) state,
     the others replicated; on mesh= (a sub-mesh) as sf.replicate(x, mesh=) places it."""
-    sub = _sub_mesh(x.builder, mesh)
+    out = TensorType(x.shape, x.dtype_name, _whole_layout(x, placements, _sub_mesh(x.builder, mesh)))
+    return x.builder.emit(Op.SET, (x,), out, x.value.name, annotation=True)
+
+
+def _whole_layout(x: Traced, placements, sub):
+    """The layout `placements` give x on mesh `sub` (None: the program's), checked."""
     axes = placements.axes if isinstance(placements, Layout) else layout_of(placements, x.ndim, sub).axes
     if len(axes) != x.ndim:
         raise ValueError(f"sf.distribute: a layout of {len(axes)} axes for {x.value.name}{x.shape}")
     for ax, names in enumerate(axes):
         if names is not None:
             check_divides(x.shape, ax, names, sub, _named(x))
-    out = TensorType(x.shape, x.dtype_name, Layout(tuple(axes)).on(sub))
-    return x.builder.emit(Op.SET, (x,), out, x.value.name, annotation=True)
+    return Layout(tuple(axes)).on(sub)
 
 
 def _named(x: Traced) -> str:
@@ -125,15 +129,20 @@ def _named(x: Traced) -> str:
     return f"{x.value.name}{list(x.shape)} ({f'the result of {made.op}' if made is not None else 'an argument'})"
 
 
-def to_mesh(x: Traced, mesh, axis: int | None = None, over: str | None = None):
+def to_mesh(x: Traced, mesh, axis: int | None = None, over: str | None = None, *, placements=None):
     """Move x to another mesh (a pipeline stage, `mesh.submesh(...)`), replicated there or
-    sharded on `axis`.  Unlike an annotation, this always makes a new value on the new mesh, so
-    the op that produced x still runs where its operands are."""
+    sharded on `axis`, or cut on several axes as `placements` say (as sf.distribute's: a stage of
+    dp x tp).  Unlike an annotation, this always makes a new value on the new mesh, so the op
+    that produced x still runs where its operands are."""
     if not isinstance(x, Traced):
         raise TypeError("sf.to_mesh moves values inside an sf.jit function")
     sub = _sub_mesh(x.builder, mesh)
     layout = Layout.replicated(x.ndim).on(sub)
-    if axis is not None:
+    if placements is not None:
+        if axis is not None:
+            raise TypeError("sf.to_mesh takes axis= or placements=, not both")
+        layout = _whole_layout(x, placements, sub)
+    elif axis is not None:
         ax = normalize_axis(axis, x.ndim, x.shape)
         over = over or sub.axis_names[-1]
         check_divides(x.shape, ax, over, sub, _named(x))

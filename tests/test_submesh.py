@@ -145,10 +145,10 @@ def test_submesh_arguments_are_checked(mesh):
         mesh.submesh([True, 2])
     with pytest.raises(TypeError, match=r"a sub-mesh device id must be an int, got 1.5 \(float\)"):
         mesh.submesh([1.5])
-    with pytest.raises(TypeError, match="submesh.. takes a sequence of device ids"):
+    with pytest.raises(TypeError, match=r"submesh.. takes a sequence \(or a grid\) of device ids"):
         mesh.submesh(2)
     assert mesh.submesh(np.arange(2)).devices == (0, 1)
-    with pytest.raises(ValueError, match="need 1 distinct axis names for a sub-mesh"):
+    with pytest.raises(ValueError, match="need 1 distinct axis names for a 1-D sub-mesh"):
         mesh.submesh([0, 1], axis_names=("a", "b"))
 
 

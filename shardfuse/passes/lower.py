@@ -105,11 +105,37 @@ def _lower_set(x, y, namer, mesh):
 
 
 def _sharded_axis(sh):
+    """The one tensor axis sh cuts (None: none), or "several"."""
     axes = [i for i, d in enumerate(sh.dims) if d]
-    if len(axes) > 1:
-        raise NotImplementedError(f"moving a value sharded on several axes ({tuple(map(str, sh.placements()))}) "
-                                  "between meshes is not supported yet: replicate one of them first")
-    return axes[0] if axes else None
+    return "several" if len(axes) > 1 else axes[0] if axes else None
+
+
+def _move_blocks(x, y, src, dst, namer, mesh, move) -> list:
+    """A move of a value cut on several tensor axes (a stage of dp x tp): where both meshes cut
+    it into the same blocks, each device of y receives its block from a holder of it (SendRecv,
+    the holders taken in turn); else x is gathered on its own mesh first, to y's cut where its
+    mesh has y's mesh axes, else whole, then moved (and cut where it arrives)."""
+    ndim = y.type.ndim
+    if all(src.count(i) == dst.count(i) for i in range(ndim)):
+        holders: dict = {}
+        for d in src.mesh.devices:
+            holders.setdefault(tuple(src.block(i, d) for i in range(ndim)), []).append(d)
+        frm, taken = [], {}
+        for d in dst.mesh.devices:
+            b = tuple(dst.block(i, d) for i in range(ndim))
+            k = taken[b] = taken.get(b, -1) + 1
+            frm.append(holders[b][k % len(holders[b])])
+        move("SendRecv", frm, dst.mesh.devices, y)
+        return []
+    if all(src.count(i) == 1 for i in range(ndim)):  # x whole: moved whole, then each device's block cut
+        there = Value(namer(f"{x.name}_whole"), y.type.with_layout(Layout((None,) * ndim, mesh=y.type.layout.mesh)))
+        return _lower_move(x, there, namer, mesh) + _lower_set(there, y, namer, mesh)
+    # resharded on x's mesh first: to y's cut where x's mesh has y's mesh axes (the same sizes), else whole
+    names = {n for a in y.type.layout.axes if a for n in ((a,) if isinstance(a, str) else a)}
+    same = all(n in src.mesh.axis_names and src.mesh.axis_size(n) == dst.mesh.axis_size(n) for n in names)
+    mid = Value(namer(f"{x.name}_{'cut' if same else 'whole'}"), x.type.with_layout(
+        Layout(y.type.layout.axes if same else (None,) * ndim, mesh=x.type.layout.mesh)))
+    return _lower_set(x, mid, namer, mesh) + _lower_move(mid, y, namer, mesh)
 
 
 def _holders(sh, ax) -> list:
@@ -147,6 +173,8 @@ def _lower_move(x, y, namer, mesh):
         return target
 
     A, B = src.mesh.devices, dst.mesh.devices
+    if s_ax == "several" or d_ax == "several":  # (a stage of several mesh axes: dp x tp)
+        return out + _move_blocks(cur, y, src, dst, namer, mesh, move)
     have, want = _holders(src, s_ax), _holders(dst, d_ax)
     if s_ax is None and set(B) <= set(A):  # every device of y holds x whole already: a copy of its own there
         whole = y if d_ax is None else \

@@ -1,0 +1,113 @@
+"""Pipeline stages of several mesh axes (Megatron's pp x dp x tp): a sub-mesh made from a grid of
+device ids, and values cut on several tensor axes moved between stages."""
+import pickle
+
+import numpy as np
+import pytest
+
+import shardfuse as sf
+
+
+@pytest.fixture
+def mesh():
+    return sf.DeviceMesh((2, 2, 2), ("pp", "dp", "tp"), backend="numpy")
+
+
+def stages(mesh):
+    ids = np.arange(8).reshape(2, 2, 2)
+    return mesh.submesh(ids[0], ("dp", "tp")), mesh.submesh(ids[1], ("dp", "tp"))
+
+
+def test_a_grid_of_device_ids_is_a_stage_of_several_axes(mesh):
+    s0, s1 = stages(mesh)
+    assert s0.shape == (2, 2) and s0.axis_names == ("dp", "tp") and s0.devices == (0, 1, 2, 3)
+    assert s1.teams("dp") == [(4, 6), (5, 7)] and s1.teams("tp") == [(4, 5), (6, 7)]
+    assert repr(s1) == "DeviceMesh(dp=2, tp=2, devices=(4, 5, 6, 7), backend=numpy)"
+    assert mesh.submesh(np.arange(8).reshape(2, 2, 2)[:, 0]) == mesh.submesh([[0, 1], [4, 5]], ("dp", "tp"))
+    assert mesh.submesh([[0, 1], [4, 5]]).axis_names == ("dp", "tp")  # (this mesh's last axes' names)
+    assert pickle.loads(pickle.dumps(s1)) == s1
+    assert mesh.submesh([2, 3]).axis_names == ("tp",)
+
+
+def test_bad_grids(mesh):
+    with pytest.raises(ValueError, match=r"need 2 distinct axis names for a 2-D sub-mesh, got \('dp',\)"):
+        mesh.submesh([[0, 1], [2, 3]], ("dp",))
+    with pytest.raises(ValueError, match="a sub-mesh needs distinct devices"):
+        mesh.submesh([[0, 1], [1, 2]])
+    with pytest.raises(ValueError, match="a sub-mesh needs distinct devices"):
+        mesh.submesh([[0, 1], [2, 9]])
+    with pytest.raises(ValueError, match="a sub-mesh needs distinct devices"):
+        mesh.submesh([])
+    with pytest.raises(ValueError, match="give axis_names for a 2-D sub-mesh"):
+        sf.DeviceMesh(4, backend="numpy").submesh([[0, 1], [2, 3]])
+    with pytest.raises(TypeError, match="a sub-mesh device id must be an int, got 1.0"):
+        mesh.submesh([[0, 1.0]])
+
+
+def _two_stage(s0, s1, cut):
+    """x [8, 16] rows over dp and w1's columns over tp on stage 0; the hidden value moved to stage 1
+    cut as `cut` says (its placements there); w2's rows over tp on stage 1."""
+    def loss(w1, w2, x):
+        x = sf.shard(x, axis=0, over="dp", mesh=s0)
+        h = np.tanh(x @ sf.shard(w1, axis=1, over="tp", mesh=s0))
+        h = sf.to_mesh(h, s1, placements=cut)
+        y = h @ sf.shard(w2, axis=0, over="tp", mesh=s1)
+        return (y ** 2).sum()
+    return loss
+
+
+def _reference(w1, w2, x):
+    h = np.tanh(x @ w1)
+    y = h @ w2
+    return (y ** 2).sum(), x.T @ ((2 * y) @ w2.T * (1 - h ** 2)), h.T @ (2 * y)
+
+
+CUTS = {  # the hidden value's cut on stage 1 -> the plan's communication for the move
+    "same": ((sf.Shard(0), sf.Shard(1)), {"sendrecv": 1}),
+    "rows": ((sf.Shard(0), sf.Replicate()), {"allgather": 1, "sendrecv": 1}),
+    "swapped": ((sf.Shard(1), sf.Shard(0)), {"sendrecv": 1}),
+    "whole": ((sf.Replicate(), sf.Replicate()), None),
+}
+
+
+@pytest.mark.parametrize("cut", sorted(CUTS))
+def test_a_value_cut_on_two_axes_moves_between_stages(mesh, cut, r=None):
+    """Values and gradients against float64 NumPy; where both stages cut the value into the same
+    blocks each device receives its own block (one SendRecv), else it is gathered on its stage as
+    far as the destination asks first (an Allgather over tp), never whole when it need not be."""
+    s0, s1 = stages(mesh)
+    r = r or np.random.default_rng()
+    w1, w2, x = r.standard_normal((16, 32)), r.standard_normal((32, 16)), r.standard_normal((8, 16))
+    placements, moves = CUTS[cut]
+    loss = _two_stage(s0, s1, placements)
+    value, g1, g2 = _reference(w1, w2, x)
+    f = sf.jit(loss, mesh=mesh)
+    np.testing.assert_allclose(float(f(w1, w2, x)), value, rtol=1e-12)
+    if moves is not None:
+        text = str(f.lower(w1, w2, x))
+        assert text.count("SendRecv") == 1 and "Broadcast" not in text and "Gather " not in text, text
+        head = text[:text.index("SendRecv")]  # (before the move: what stage 0 does to cut it as stage 1 asks)
+        assert head.count("Allgather") == moves.get("allgather", 0), text
+    grad = sf.jit(sf.grad(loss, argnums=(0, 1)), mesh=mesh)
+    if cut == "same":  # (the cotangent moves back as the value came: each block to where it came from)
+        text = str(grad.lower(w1, w2, x))
+        assert text.count("SendRecv") == 2 and "Broadcast" not in text and "Gather " not in text, text
+        assert "SendRecv c_2_back <- c_2, from=(4, 5, 6, 7), to=(0, 1, 2, 3)" in text, text
+    g = grad(w1, w2, x)
+    np.testing.assert_allclose(np.asarray(g[0]), g1, rtol=1e-10, atol=1e-10)
+    np.testing.assert_allclose(np.asarray(g[1]), g2, rtol=1e-10, atol=1e-10)
+
+
+def test_a_dp_tp_stage_feeds_a_one_axis_stage_and_back(mesh, r=None):
+    """Stage 0 of dp x tp, stage 1 the 1-D sub-mesh of devices 4..7 (a value cut on two axes
+    moved to one cut on one, and its gradient back)."""
+    s0, _ = stages(mesh)
+    s1 = mesh.submesh([4, 5, 6, 7], ("tp",))
+    r = r or np.random.default_rng()
+    w1, w2, x = r.standard_normal((16, 32)), r.standard_normal((32, 16)), r.standard_normal((8, 16))
+    loss = _two_stage(s0, s1, (sf.Shard(1),))
+    value, g1, g2 = _reference(w1, w2, x)
+    np.testing.assert_allclose(float(sf.jit(loss, mesh=mesh)(w1, w2, x)), value, rtol=1e-12)
+    g = sf.jit(sf.grad(loss, argnums=(0, 1)), mesh=mesh)(w1, w2, x)
+    np.testing.assert_allclose(np.asarray(g[0]), g1, rtol=1e-10, atol=1e-10)
+    np.testing.assert_allclose(np.asarray(g[1]), g2, rtol=1e-10, atol=1e-10)
