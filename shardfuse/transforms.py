@@ -116,6 +116,12 @@ class _Forward:
                 todo += [(j, lead + 1) for r in readers[i.outs[0]] for j in readers[r.outs[0]]]
             else:
                 uses.append((i, lead))
+        # (an annotation read by none is a step of composed ones, sf.shard(sf.shard(w, 0, "dp"), 1, "tp"): each
+        # annotates w itself, the last with the whole layout, a probe: the gradient came back replicated)
+        returned = {t.value for t in _traced_leaves(self.out)}
+        live = [(i, lead) for i, lead in uses if not (i.op == Op.SET and i.attrs.get("annotation") and
+                                                      not readers[i.outs[0]] and i.outs[0] not in returned)]
+        uses = live or uses
         stated = {(None,) * lead + i.outs[0].type.layout.axes for i, lead in uses
                   if i.op == Op.SET and i.attrs.get("annotation")}
         if len(stated) == 1 and all(i.op == Op.SET and not i.outs[0].type.layout.partial for i, _ in uses):

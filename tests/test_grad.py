@@ -294,6 +294,29 @@ def test_gradient_has_its_primals_layout():
     assert "allreduce" in f.lower(w, v, x).collectives()  # the replicated weight's gradient: summed over dp
 
 
+@pytest.mark.parametrize("steps", [((0, "dp"), (1, "tp")), ((1, "tp"), (0, "dp")), ((0, "tp"), (1, "tp"))])
+def test_composed_annotations_state_the_gradients_layout(steps):
+    """A probe: sf.shard(sf.shard(w, 0, "dp"), 1, "tp") (the README's composition) placed w as (dp, tp)
+    but its gradient came back replicated, two Allgathers more: each step annotates w itself, and the
+    gradient took a layout only where every annotation of w agreed; the last one states it now."""
+    mesh = mesh_of("2d")
+    rng = np.random.default_rng()
+    w, x = rng.standard_normal((4, 4)), rng.standard_normal((3, 4))
+    want = [None, None]
+    for ax, over in steps:
+        want[ax] = over
+        want[1 - ax] = want[1 - ax] if over != want[1 - ax] else None  # (a mesh axis moved to another tensor axis)
+
+    def loss(w, x):
+        for ax, over in steps:
+            w = sf.shard(w, axis=ax, over=over)
+        return ((x @ w) ** 2).sum()
+    f = sf.jit(sf.grad(loss), mesh=mesh)
+    dw = f(w, x)
+    assert dw.sharding.axes == tuple(want) and "allgather" not in f.lower(w, x).collectives()
+    np.testing.assert_allclose(np.asarray(dw), x.T @ (2 * x @ w), rtol=1e-12)
+
+
 @pytest.mark.parametrize("w_axes, gathered", [(("dp", None), None), (("dp", "tp"), "tp"), ((None, "dp"), None)])
 def test_the_gradient_of_a_gathered_weight_is_reduce_scattered(w_axes, gathered):
     """FSDP: a weight stored sharded over dp and gathered for the forward (sf.replicate, or an
