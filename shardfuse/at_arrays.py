@@ -155,7 +155,7 @@ def _row_values(x, axes, v):
 
 def at_set(x, spec, v, *ids):
     """x.at[...].set(v) at integer arrays (the module's docstring)."""
-    from shardfuse.take import scatter_add
+    from shardfuse.take import scatter_clamped as scatter_add  # (the values masked here)
     from shardfuse.traced_numpy import where
 
     axes, by_rows = spec
@@ -170,7 +170,7 @@ def at_set(x, spec, v, *ids):
 
 def at_add(x, spec, v, *ids):
     """x.at[...].add(v) at integer arrays (repeated ids accumulate, as JAX's)."""
-    from shardfuse.take import scatter_add
+    from shardfuse.take import scatter_clamped as scatter_add  # (the values masked here)
     from shardfuse.traced_numpy import where
 
     axes, by_rows = spec

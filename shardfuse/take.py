@@ -99,8 +99,9 @@ def scatter_add(ids, values, size):
         counts = sf.scatter_add(ids, np.ones(ids.shape), vocab)       # how often each id occurs
         grad_table = sf.scatter_add(ids, grad_out, vocab)             # [vocab, hidden]
 
-    ids (int32 / int64, any shape) index as sf.take's: negative from the end, outside [-size, size)
-    clamped to the first or last row.  values are floats; float16 and bfloat16 are summed in float32
+    ids (int32 / int64, any shape) count negative ones from the end; one outside [-size, size) is
+    dropped, its values added nowhere (JAX's `.at[ids].add` and `segment_sum`: a MoE's tokens over
+    capacity sent to row `size`; sf.take clamps such ids instead).  values are floats; float16 and bfloat16 are summed in float32
     and rounded once.  Sharding: positions sharded (data / sequence parallel) make the result a
     pending sum over those mesh axes (one Allreduce, or a ReduceScatter into a sharded result); a
     result sharded over its first axis (sf.shard(..., axis=0)) has each device add only the ids in
@@ -122,6 +123,15 @@ def _scatter_add(ids, values, size):
     if values.shape[:ids.ndim] != ids.shape:
         raise ValueError(f"sf.scatter_add: values {describe(values)} must start with the ids' shape {ids.shape} "
                          "(one value, or row of values, per id)")
+    from shardfuse.traced_numpy import where
+
+    inside = ((ids >= -size) & (ids < size)).reshape(ids.shape + (1,) * (values.ndim - ids.ndim))
+    return scatter_clamped(ids, where(inside, values, 0), size)
+
+
+def scatter_clamped(ids, values, size: int):
+    """sf.scatter_add of traced values with ids outside [-size, size) clamped to the first or last row,
+    as take's transpose reads them (x.at[...] masks its values first, shardfuse/at_arrays.py)."""
     return scatter_rows(values, ids, ids.builder.constant(_row_numbers(size)), size)
 
 

@@ -1,6 +1,6 @@
 """sf.scatter_add(ids, values, size) (Op.SCATTER_ADD, issue 32) and the embedding's gradient, which is
-one: values against np.add.at in float64 (repeated ids accumulating, negative and out-of-range ids
-as sf.take reads them) on replicated, vocab-sharded and position-sharded layouts, in and outside
+one: values against np.add.at in float64 (repeated ids accumulating, negative ids from the end and
+out-of-range ones dropped, as JAX's .at[].add) on replicated, vocab-sharded and position-sharded layouts, in and outside
 jit, 16-bit values summed in float32; its collectives (none for a vocab-sharded result, one
 Allreduce over a data-parallel axis); the gradient of sf.take exact against the same reference,
 and its plan holding no [tokens, vocab] buffer (the one-hot GEMM it replaces did, pinned below
@@ -17,11 +17,17 @@ from shardfuse.ops import Op
 V, H = 16, 4
 
 
-def np_scatter_add(ids, values, n):
-    """The reference: ids clamped as sf.take's, np.add.at in float64."""
-    g = np.clip(np.where(ids < 0, ids + n, ids), 0, n - 1).reshape(-1)
-    out = np.zeros((n,) + values.shape[ids.ndim:])
-    np.add.at(out, g, np.asarray(values, np.float64).reshape((g.size,) + values.shape[ids.ndim:]))
+def np_scatter_add(ids, values, n, clamped=False):
+    """The reference, np.add.at in float64: ids outside [-n, n) dropped, as sf.scatter_add's and JAX's
+    .at[].add (a MoE probe: they were clamped into the last row); clamped, as sf.take's, for take's gradient."""
+    g = np.where(ids < 0, ids + n, ids).reshape(-1)
+    values = np.asarray(values, np.float64).reshape((g.size,) + values.shape[ids.ndim:])
+    if clamped:
+        g = np.clip(g, 0, n - 1)
+    else:
+        values, g = values[(g >= 0) & (g < n)], g[(g >= 0) & (g < n)]
+    out = np.zeros((n,) + values.shape[1:])
+    np.add.at(out, g, values)
     return out
 
 
@@ -152,7 +158,7 @@ def check_embed_grad(mesh, table_over, ids_over, rng):
     r = rng.standard_normal((4, 6, H))
     f = embed_grad(table_over, ids_over, mesh)
     g = f(table, ids, r)
-    np.testing.assert_allclose(np.asarray(g.gather()), np_scatter_add(ids, r, V), rtol=1e-14, atol=1e-14)
+    np.testing.assert_allclose(np.asarray(g.gather()), np_scatter_add(ids, r, V, clamped=True), rtol=1e-14, atol=1e-14)
     steps = [i.op for i in f.lower(table, ids, r).program.instrs]
     assert Op.SCATTER_ADD in steps and Op.MATMUL not in steps
 
