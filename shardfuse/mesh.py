@@ -36,15 +36,19 @@ def as_int(value, what: str, minimum: int | None = None) -> int:
     """`value` as a Python int: ints and NumPy integers, never bools (True is not 1 here), floats
     or strings; TypeError / ValueError naming `what`, what was expected and what came."""
     if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, np.integer)):
-        traced = type(value).__module__ == "shardfuse.traced"  # (an argument of a jitted function: no number yet)
-        raise TypeError(f"{what} must be an int, got {value!r} ({type(value).__name__})" + (
-            "; a Python int passed to a jitted function is traced (a weak int64 input, as in JAX): to use it as a "
-            "shape, an axis or a count, make it static, sf.jit(f, static_argnums=...) or static_argnames=..."
-            if traced else ""))
+        raise TypeError(f"{what} must be an int, got {value!r} ({type(value).__name__}){static_advice(value)}")
     value = int(value)
     if minimum is not None and value < minimum:
         raise ValueError(f"{what} must be an int >= {minimum}, got {value}")
     return value
+
+
+def static_advice(value) -> str:
+    """What an error about a number adds where the number came is traced (a jitted function's argument)."""
+    if type(value).__module__ != "shardfuse.traced":
+        return ""
+    return ("; a Python int passed to a jitted function is traced (a weak int64 input, as in JAX): to use it as a "
+            "shape, an axis or a count, make it static, sf.jit(f, static_argnums=...) or static_argnames=...")
 
 
 def launched_by_mpi() -> bool:

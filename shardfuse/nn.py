@@ -29,6 +29,7 @@ import numpy as np
 from shardfuse import dtypes
 from shardfuse.autodiff import stop_gradient
 from shardfuse.custom_vjp import custom_vjp
+from shardfuse.mesh import static_advice
 from shardfuse.traced import Traced, describe, is_scalar
 from shardfuse.numpy_broadcast import repeat
 from shardfuse.numpy_math import gelu
@@ -304,7 +305,8 @@ def one_hot(x, num_classes, dtype="float32", axis=-1):
             " (sf.nn takes values inside sf.jit or sf.Arrays: place it with sf.replicate(x, mesh=mesh))"
         raise TypeError(f"sf.nn.one_hot: x must be integer class ids (int32 or int64), got {describe(x)}{where}")
     if not isinstance(num_classes, (int, np.integer)) or isinstance(num_classes, bool) or num_classes < 1:
-        raise ValueError(f"sf.nn.one_hot: num_classes must be a positive int, got {num_classes!r}")
+        raise ValueError(f"sf.nn.one_hot: num_classes must be a positive int, got {num_classes!r}"
+                         f"{static_advice(num_classes)}")
     return _one_hot(x, int(num_classes), np.dtype(dtype).name if not isinstance(dtype, str) else dtype, axis)
 
 

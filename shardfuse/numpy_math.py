@@ -25,6 +25,7 @@ from shardfuse import dtypes
 from shardfuse.ops import Op
 from shardfuse.ir import TensorType
 from shardfuse.spec import check_axis, normalize_axis
+from shardfuse.mesh import static_advice
 from shardfuse.traced import NUMPY, cast, describe
 from shardfuse.traced_numpy import apply_op
 
@@ -243,14 +244,16 @@ def top_k(operand, k):
     where JAX takes it as the largest).  One ordering of the whole axis (it is made whole first);
     the values' gradient goes to the elements picked."""
     if isinstance(k, bool) or not isinstance(k, (int, np.integer)) or k < 0:
-        raise TypeError(f"sf.top_k: k must be a non-negative int (static), got {k!r}")
+        raise TypeError(f"sf.top_k: k must be a non-negative int (static), got {k!r}{static_advice(k)}")
     if hasattr(type(operand), "one_op"):  # (an sf.Array: a one-op plan makes one result, so one each)
         return apply_op(_top_k_values, "top_k", operand, int(k)), apply_op(_top_k_indices, "top_k", operand, int(k))
     return apply_op(_top_k, "top_k", operand, int(k))
 
 
 def _top_k(v, k):
-    if v.ndim == 0 or k > v.shape[-1]:
+    if v.ndim == 0:
+        raise ValueError(f"sf.top_k of {describe(v)}: a 0-d value has no axis to take the k largest of")
+    if k > v.shape[-1]:
         raise ValueError(f"sf.top_k of {describe(v)}: k = {k} must be at most the last axis' extent")
     key = ~v if v.dtype_name == "bool" or not dtypes.is_float(v.dtype_name) else -v  # (descending, stable)
     order = _order(key)

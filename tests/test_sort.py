@@ -100,6 +100,13 @@ def test_bad_arguments_say_what_to_write():
         sf.jit(lambda v: sf.top_k(v, 5), mesh=mesh)(x)
     with pytest.raises(TypeError, match="non-negative int"):
         sf.jit(lambda v: sf.top_k(v, 1.5), mesh=mesh)(x)
+    # (a MoE probe: a k or a class count passed to the jitted function is traced; the fix is named)
+    with pytest.raises(TypeError, match="make it static, sf.jit.f, static_argnums"):
+        sf.jit(lambda v, k: sf.top_k(v, k), mesh=mesh)(x, 2)
+    with pytest.raises(ValueError, match="num_classes must be a positive int, got Traced.*static_argnums"):
+        sf.jit(lambda i, c: sf.nn.one_hot(i, c), mesh=mesh)(np.arange(4), 3)
+    with pytest.raises(ValueError, match="a 0-d value has no axis to take the k largest of"):
+        sf.jit(lambda v: sf.top_k(v, 1), mesh=mesh)(np.float32(3))
     with pytest.raises(TypeError, match="stable=False"):
         sf.jit(lambda v: np.sort(v, stable=False), mesh=mesh)(x)
     with pytest.raises(ValueError, match="out of range for a 0-D value"):
