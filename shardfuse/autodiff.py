@@ -26,7 +26,7 @@ from __future__ import annotations
 import math
 
 from shardfuse import dtypes
-from shardfuse.autodiff_layouts import at_home, gathered_from, known_layout, pin, regathered, rows_merge
+from shardfuse.autodiff_layouts import at_home, gathered_from, known_layout, moved_back, pin, regathered, rows_merge
 from shardfuse.custom_vjp import rules_at
 from shardfuse.ir import TensorType
 from shardfuse.layout import Layout, mesh_axes
@@ -164,12 +164,7 @@ def _set(ins, xs, out, ct, instrs):
     if ins.attrs.get("annotation"):
         ct = pin(ct, gathered_from(x, lay) or lay)
     if lay.mesh != _home(x) or not ins.attrs.get("annotation"):
-        back = known_layout(x.builder, x.value)
-        if back is None and x.value in x.builder.producer:
-            back = Layout.replicated(x.ndim).on(_home(x))
-        if back is not None:  # (a plain argument's: where its gradient goes is sf.grad's choice, transforms.py)
-            # a move, as the forward's (sf.to_mesh): the cotangent's producer stays where its operands are
-            ct = ct.builder.emit(Op.SET, (ct,), TensorType(ct.shape, ct.dtype_name, back), ct.value.name + "_back")
+        ct = moved_back(ct, x, _home(x))
     return [ct]
 
 

@@ -147,3 +147,15 @@ def at_home(a: Traced, g: Traced, v):
     return tuple(t.builder.emit(Op.SET, (t,), TensorType(t.shape, t.dtype_name, Layout.replicated(t.ndim).on(home)),
                                 t.value.name + "_home") for t in (a, g))
 
+
+def moved_back(ct: Traced, x: Traced, home) -> Traced:
+    """The cotangent of a move between meshes (sf.to_mesh, an annotation with mesh=) moved back to
+    where x lives, as the forward moved x: a move, not an annotation, so ct's producer stays on its
+    own stage; x's cut there where the forward states it, else replicated on `home`.  ct as it is for a
+    plain argument (where its gradient goes is sf.grad's choice, shardfuse/transforms.py)."""
+    back = known_layout(x.builder, x.value)
+    if back is None and x.value in x.builder.producer:
+        back = Layout.replicated(x.ndim).on(home)
+    if back is None:
+        return ct
+    return ct.builder.emit(Op.SET, (ct,), TensorType(ct.shape, ct.dtype_name, back), ct.value.name + "_back")

@@ -123,10 +123,8 @@ def _scatter_add(ids, values, size):
     if values.shape[:ids.ndim] != ids.shape:
         raise ValueError(f"sf.scatter_add: values {describe(values)} must start with the ids' shape {ids.shape} "
                          "(one value, or row of values, per id)")
-    from shardfuse.traced_numpy import where
-
     inside = ((ids >= -size) & (ids < size)).reshape(ids.shape + (1,) * (values.ndim - ids.ndim))
-    return scatter_clamped(ids, where(inside, values, 0), size)
+    return scatter_clamped(ids, NUMPY[np.where](inside, values, 0), size)
 
 
 def scatter_clamped(ids, values, size: int):
