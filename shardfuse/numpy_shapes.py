@@ -125,6 +125,16 @@ def moveaxis(a, source, destination):
     return a.transpose(tuple(order))
 
 
+def flip(m, axis=None):
+    """np.flip: the order of the elements along `axis` (an int, a tuple, None: every axis) reversed, as
+    NumPy's (m[::-1] along each: a view of a whole axis, a slice with step -1)."""
+    n = len(m.shape)
+    axes = range(n) if axis is None else [normalize_axis(k, n, m.shape) for k in (axis if isinstance(axis, (tuple, list)) else (axis,))]
+    if len(set(axes)) != len(axes):
+        raise ValueError(f"np.flip: repeated axis in axis={axis!r}")
+    return m[tuple(slice(None, None, -1) if k in axes else slice(None) for k in range(n))] if n else m
+
+
 def _band(keep):
     """np.tril / np.triu: where(np.tril(ones) / np.triu(ones), m, 0) over the last two axes, as
     NumPy's (the mask a constant, replicated: no communication whatever m's sharding)."""
@@ -194,7 +204,8 @@ def _take_along_axis(arr, ids, axis):
 
 NUMPY.update({
     np.matrix_transpose: matrix_transpose, np.take_along_axis: take_along_axis,
-    np.moveaxis: moveaxis, np.tril: _band(np.tril), np.triu: _band(np.triu),
+    np.moveaxis: moveaxis, np.tril: _band(np.tril), np.triu: _band(np.triu), np.flip: flip,
+    np.flipud: lambda m: flip(m, 0), np.fliplr: lambda m: flip(m, 1),
     np.ravel: ravel, np.squeeze: squeeze, np.expand_dims: expand_dims, np.copy: copy,
     np.full_like: full_like, np.ones_like: ones_like, np.zeros_like: zeros_like,
     np.shape: lambda a: tuple(a.shape), np.ndim: lambda a: len(a.shape), np.size: size,
