@@ -196,7 +196,7 @@ def test_flip_as_numpy_with_its_gradient(axis):
     gradient flipped back, inside jit and on an sf.Array."""
     mesh = sf.DeviceMesh((2, 2), ("dp", "tp"), backend="numpy")
     rng = np.random.default_rng()
-    x, r = rng.standard_normal((2, 4, 6, 3))
+    x, r = rng.standard_normal((2, 4, 6, 4))
     f = sf.jit(lambda v: np.flip(sf.distribute(v, mesh, ("dp", "tp", None)), axis), mesh=mesh)
     np.testing.assert_array_equal(np.asarray(f(x)), np.flip(x, axis))
     g = sf.jit(sf.grad(lambda v: (np.flip(v, axis) * r).sum()), mesh=mesh)(x)
