@@ -81,7 +81,8 @@ def _known_layout(builder, v, strict):
             lays = {known_layout(builder, i, strict) for i in same}
             strict[v] = lays.pop() if len(lays) == 1 else None
             return strict[v]
-        v = same[0]
+        home = builder.homes.get(v)  # (an operand where v lives first: c * h of a whole-mesh c and a stage's h)
+        v = next((i for i in same if builder.homes.get(i) == home), same[0])
     return None
 
 
@@ -154,6 +155,8 @@ def moved_back(ct: Traced, x: Traced, home) -> Traced:
     own stage; x's cut there where the forward states it, else replicated on `home`.  ct as it is for a
     plain argument (where its gradient goes is sf.grad's choice, shardfuse/transforms.py)."""
     back = known_layout(x.builder, x.value)
+    if back is not None and (back.mesh or x.builder.mesh) != home:  # (x = c * h: c's layout, c on the whole
+        back = None                                                  # mesh, h's and x's a stage, a review)
     if back is None and x.value in x.builder.producer:
         back = Layout.replicated(x.ndim).on(home)
     if back is None:

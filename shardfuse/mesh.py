@@ -151,8 +151,16 @@ class DeviceMesh:
         if isinstance(devices, (str, bytes)) or not hasattr(devices, "__iter__"):
             raise TypeError(f"submesh() takes a sequence (or a grid) of device ids of {self} (ids {self.devices}), "
                             f"got {devices!r}")
-        grid = np.asarray(devices, dtype=object)
-        if grid.ndim == 0 or 0 in grid.shape:
+        try:
+            grid = np.array(devices, dtype=object)
+            if any(isinstance(d, (list, tuple, np.ndarray)) for d in grid.ravel()):
+                raise ValueError
+        except ValueError:  # (NumPy's "inhomogeneous shape", or lists left as elements of an object array)
+            raise ValueError(f"a sub-mesh's grid of device ids must be rectangular, got {devices!r}") from None
+        if grid.ndim == 0:
+            raise TypeError(f"submesh() takes a sequence (or a grid) of device ids of {self} (ids {self.devices}), "
+                            f"got {devices!r}")
+        if 0 in grid.shape:
             raise ValueError(f"a sub-mesh needs distinct devices of {self} (ids {self.devices}), got {devices!r}")
         shape = grid.shape
         devices = tuple(as_int(d, "a sub-mesh device id") for d in grid.ravel())

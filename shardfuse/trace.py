@@ -108,15 +108,15 @@ def constrain(x: Traced, placements, mesh=None) -> Traced:
     """x annotated with a whole layout (sf.distribute inside sf.jit, JAX's with_sharding_constraint):
     each tensor axis sharded as `placements` (DTensor-style, a JAX-style spec or a Layout) state,
     the others replicated; on mesh= (a sub-mesh) as sf.replicate(x, mesh=) places it."""
-    out = TensorType(x.shape, x.dtype_name, _whole_layout(x, placements, _sub_mesh(x.builder, mesh)))
+    out = TensorType(x.shape, x.dtype_name, _whole_layout(x, placements, _sub_mesh(x.builder, mesh), "sf.distribute"))
     return x.builder.emit(Op.SET, (x,), out, x.value.name, annotation=True)
 
 
-def _whole_layout(x: Traced, placements, sub):
-    """The layout `placements` give x on mesh `sub` (None: the program's), checked."""
+def _whole_layout(x: Traced, placements, sub, what: str):
+    """The layout `placements` give x on mesh `sub` (None: the program's), checked (`what` names the caller)."""
     axes = placements.axes if isinstance(placements, Layout) else layout_of(placements, x.ndim, sub).axes
     if len(axes) != x.ndim:
-        raise ValueError(f"sf.distribute: a layout of {len(axes)} axes for {x.value.name}{x.shape}")
+        raise ValueError(f"{what}: a layout of {len(axes)} axes for {x.value.name}{x.shape}")
     for ax, names in enumerate(axes):
         if names is not None:
             check_divides(x.shape, ax, names, sub, _named(x))
@@ -141,7 +141,10 @@ def to_mesh(x: Traced, mesh, axis: int | None = None, over: str | None = None, *
     if placements is not None:
         if axis is not None:
             raise TypeError("sf.to_mesh takes axis= or placements=, not both")
-        layout = _whole_layout(x, placements, sub)
+        if isinstance(placements, Layout) and (placements.partial or placements.mesh not in (None, sub)):
+            raise ValueError(f"sf.to_mesh(placements=): a whole placement on {sub}, got {placements} (a pending sum "
+                             "or another mesh's layout)")
+        layout = _whole_layout(x, placements, sub, "sf.to_mesh")
     elif axis is not None:
         ax = normalize_axis(axis, x.ndim, x.shape)
         over = over or sub.axis_names[-1]

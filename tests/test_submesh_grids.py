@@ -46,6 +46,19 @@ def test_bad_grids(mesh):
         sf.DeviceMesh(4, backend="numpy").submesh([[0, 1], [2, 3]])
     with pytest.raises(TypeError, match="a sub-mesh device id must be an int, got 1.0"):
         mesh.submesh([[0, 1.0]])
+    # (a review: a ragged grid was "a device id must be an int, got [0, 1]"; a 0-d array another error than 3's)
+    for ragged in ([[0, 1], [2]], [0, [1, 2]]):
+        with pytest.raises(ValueError, match="a sub-mesh's grid of device ids must be rectangular"):
+            mesh.submesh(ragged)
+    for scalar in (3, np.int64(3), np.array(3)):
+        with pytest.raises(TypeError, match=r"submesh\(\) takes a sequence \(or a grid\) of device ids"):
+            mesh.submesh(scalar)
+    s0, s1 = stages(mesh)
+    for bad, said in ((sf.Layout(("dp",)), "sf.to_mesh: a layout of 1 axes"),
+                      (sf.Layout(("dp", "tp"), mesh=s0), "a whole placement on"),
+                      (sf.Layout(("dp", None), partial=("tp",)), "a whole placement on")):
+        with pytest.raises(ValueError, match=said):
+            sf.jit(lambda x: sf.to_mesh(x * 1.0, s1, placements=bad), mesh=mesh).lower(np.ones((8, 8)))
 
 
 def _two_stage(s0, s1, cut):
@@ -112,6 +125,12 @@ def test_a_dp_tp_stage_feeds_a_one_axis_stage_and_back(mesh, r=None):
     loss = _two_stage(s0, s1, (sf.Shard(1),))
     value, g1, g2 = _reference(w1, w2, x)
     np.testing.assert_allclose(float(sf.jit(loss, mesh=mesh)(w1, w2, x)), value, rtol=1e-12)
+    # (a review: it was gathered whole and scattered from one device; cut into the destination's four
+    # column blocks on its own stage first, one AllToAll over dp, then each block sent where it goes)
+    moved = str(sf.jit(lambda x: sf.to_mesh(np.tanh(sf.distribute(x, s0, sf.P("dp", "tp"))), s1,
+                                            placements=sf.P(None, "tp")), mesh=mesh).lower(x))
+    assert "AllToAll" in moved and "SendRecv" in moved and "Allgather" not in moved, moved
+    assert not any(k in moved for k in ("Scatter", "Gather ", "Broadcast")), moved
     g = sf.jit(sf.grad(loss, argnums=(0, 1)), mesh=mesh)(w1, w2, x)
     np.testing.assert_allclose(np.asarray(g[0]), g1, rtol=1e-10, atol=1e-10)
     np.testing.assert_allclose(np.asarray(g[1]), g2, rtol=1e-10, atol=1e-10)
@@ -160,3 +179,35 @@ def test_adamw_over_a_pp_dp_tp_pipeline(mesh, r=None):
     np.testing.assert_allclose(losses, want, rtol=1e-13)
     for k in q:
         np.testing.assert_allclose(np.asarray(p[k]), q[k], rtol=1e-12, atol=1e-14)
+
+
+def test_stages_of_the_same_devices_and_names_but_other_shapes_keep_their_own_teams():
+    """A review: a (2, 2) and a (1, 4) stage of devices 4..7, both ("dp", "tp"), shared one backend (keyed
+    by devices and names): the second's sums and jitted results came out wrong (or NaN, poisoned)."""
+    mesh = pp_dp_tp()
+    ids = np.arange(8).reshape(2, 2, 2)
+    x = np.random.default_rng().standard_normal((4, 4))
+    grid, flat = mesh.submesh(ids[1], ("dp", "tp")), mesh.submesh(ids[1].reshape(1, 4), ("dp", "tp"))
+    for stage, spec in ((grid, sf.P("dp", "tp")), (flat, sf.P(None, "tp")), (grid, sf.P(None, "tp"))):
+        np.testing.assert_allclose(np.asarray(sf.distribute(x, stage, spec).sum(axis=1)), x.sum(axis=1), rtol=1e-14)
+        f = sf.jit(lambda a: sf.replicate(sf.shard(a, axis=1, over="tp") * 1.0), mesh=stage)
+        np.testing.assert_array_equal(np.asarray(f(x)), x)
+
+
+def test_the_cotangent_goes_back_to_the_stage_whatever_the_operands_order(mesh, r=None):
+    """A review: m = c * h with c replicated on the whole mesh and h on stage 0 lives on stage 0, but its
+    cotangent went back to the whole mesh (the layout of c, the first operand): Broadcasts; as h * c, one
+    SendRecv.  Both orders move it back by one SendRecv now; values against NumPy."""
+    s0, s1 = stages(mesh)
+    r = r or np.random.default_rng()
+    x, c = r.standard_normal((2, 8, 8))
+    for order in (lambda c, h: c * h, lambda c, h: h * c):
+        def loss(x, c):
+            m = order(sf.replicate(c, mesh=mesh), np.sin(sf.distribute(x, s0, sf.P("dp", "tp"))))
+            return sf.to_mesh((sf.to_mesh(m, s1, placements=sf.P("tp", "dp")) ** 2).sum(), mesh)
+        g = sf.jit(sf.grad(loss, argnums=(0, 1)), mesh=mesh)
+        gx, gc = g(x, c)
+        np.testing.assert_allclose(np.asarray(gx), 2 * (c * np.sin(x)) * c * np.cos(x), rtol=1e-12, atol=1e-12)
+        np.testing.assert_allclose(np.asarray(gc), 2 * c * np.sin(x) ** 2, rtol=1e-12, atol=1e-12)
+        moves = [line for line in str(g.lower(x, c)).splitlines() if "SendRecv" in line and "_back" in line]
+        assert len(moves) == 1 and "to=(0, 1, 2, 3)" in moves[0], moves

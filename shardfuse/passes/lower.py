@@ -11,11 +11,14 @@ and becomes those steps, each collective followed by its Wait.  Compute ops beco
 """
 from __future__ import annotations
 
+import itertools
+import math
+
 from dataclasses import replace
 
 from shardfuse.dtypes import order_key_dtype as key_dtype
 from shardfuse.ir import Instr, Namer, Value
-from shardfuse.layout import Layout
+from shardfuse.layout import Layout, mesh_axes
 from shardfuse.passes.reshard_plan import reshard_steps
 from shardfuse.ops import HOST_ONLY, Op, Reduce
 
@@ -130,12 +133,27 @@ def _move_blocks(x, y, src, dst, namer, mesh, move) -> list:
     if all(src.count(i) == 1 for i in range(ndim)):  # x whole: moved whole, then each device's block cut
         there = Value(namer(f"{x.name}_whole"), y.type.with_layout(Layout((None,) * ndim, mesh=y.type.layout.mesh)))
         return _lower_move(x, there, namer, mesh) + _lower_set(there, y, namer, mesh)
-    # resharded on x's mesh first: to y's cut where x's mesh has y's mesh axes (the same sizes), else whole
-    names = {n for a in y.type.layout.axes if a for n in ((a,) if isinstance(a, str) else a)}
-    same = all(n in src.mesh.axis_names and src.mesh.axis_size(n) == dst.mesh.axis_size(n) for n in names)
-    mid = Value(namer(f"{x.name}_{'cut' if same else 'whole'}"), x.type.with_layout(
-        Layout(y.type.layout.axes if same else (None,) * ndim, mesh=x.type.layout.mesh)))
+    # resharded on x's mesh first into y's blocks where its mesh axes can cut them, else whole
+    cut = _cut_like(src.mesh, x.type.layout.axes, [dst.count(i) for i in range(ndim)])
+    mid = Value(namer(f"{x.name}_{'whole' if cut is None else 'cut'}"), x.type.with_layout(
+        Layout((None,) * ndim if cut is None else cut, mesh=x.type.layout.mesh)))
     return _lower_set(x, mid, namer, mesh) + _lower_move(mid, y, namer, mesh)
+
+
+def _cut_like(m, axes: tuple, counts: list):
+    """Per tensor axis the mesh axes of m that cut a value into `counts` blocks along each axis, keeping
+    as much of `axes` (the value's own) as can be: the most mesh axes left outermost where they are (the
+    blocks they hold stay in place); None where no mesh axes of m cut so."""
+    def kept(cut):
+        return sum(len(list(itertools.takewhile(lambda p: p[0] == p[1], zip(mesh_axes(a), mesh_axes(c)))))
+                   for a, c in zip(axes, cut))
+    cuts = []
+    for owner in itertools.product(range(-1, len(counts)), repeat=len(m.axis_names)):  # (mesh axis -> tensor axis)
+        got = [[n for n, o in zip(m.axis_names, owner) if o == i] for i in range(len(counts))]
+        if [math.prod(m.axis_size(n) for n in g) for g in got] == counts:
+            for order in itertools.product(*(itertools.permutations(g) for g in got)):
+                cuts.append(tuple(None if not g else g[0] if len(g) == 1 else g for g in order))
+    return max(cuts, key=kept, default=None)  # (the first of the best: every rank picks the same)
 
 
 def _holders(sh, ax) -> list:

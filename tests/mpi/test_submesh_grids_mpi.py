@@ -17,3 +17,4 @@ def test_moves_of_values_cut_on_two_axes_across_ranks(cut):
 def test_one_axis_stage_and_adamw_across_ranks():
     tg.test_a_dp_tp_stage_feeds_a_one_axis_stage_and_back(tg.pp_dp_tp(), np.random.default_rng(12))
     tg.test_adamw_over_a_pp_dp_tp_pipeline(tg.pp_dp_tp(), np.random.default_rng(13))
+    tg.test_the_cotangent_goes_back_to_the_stage_whatever_the_operands_order(tg.pp_dp_tp(), np.random.default_rng(14))
