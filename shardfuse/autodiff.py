@@ -164,7 +164,7 @@ def _set(ins, xs, out, ct, instrs):
     if ins.attrs.get("annotation"):
         ct = pin(ct, gathered_from(x, lay) or lay)
     if lay.mesh != _home(x) or not ins.attrs.get("annotation"):
-        ct = moved_back(ct, x, _home(x))
+        ct = moved_back(ct, x, _home(x), lay)
     return [ct]
 
 

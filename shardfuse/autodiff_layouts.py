@@ -63,15 +63,19 @@ def _known_layout(builder, v, strict):
     for _ in range(64):
         p = builder.producer.get(v)
         if p is None:  # (an input that arrives as pending sums: its cotangent is whole on each device)
+            if v.type.layout is None and any(held[2] is v for held in builder.constants.values()):
+                return Layout.replicated(len(v.type.shape))  # (a NumPy constant: replicated, constants.py)
             return whole(v.type.layout) if v.type.layout is not None else None
         if p.op == Op.SET:
             return p.outs[0].type.layout
-        if p.op in (Op.TRANSPOSE, Op.RESHAPE, Op.MATMUL):  # (views and products: as propagation infers them)
+        if p.op in (Op.TRANSPOSE, Op.RESHAPE, Op.MATMUL, Op.TAKE):  # (views, products, lookups: as propagation infers them)
             lays = [known_layout(builder, i) for i in p.ins]
-            if any(lay is None for lay in lays) or len({lay.mesh for lay in lays}) != 1:  # (one stage's)
+            # (one stage's operands, beside values replicated on the whole mesh: constants, copied to the stage)
+            meshes = {lay.mesh for lay in lays if lay is not None and (lay.mesh is not None or any(lay.axes))}
+            if any(lay is None for lay in lays) or len(meshes) > 1:
                 return None
             try:
-                return whole(rules.infer(p, lays).on(lays[0].mesh or builder.mesh))
+                return whole(rules.infer(p, lays).on(meshes.pop() if meshes else builder.mesh))
             except ValueError:  # (a reshape no sharding maps: the compiler gathers, and says so)
                 return None
         same = [i for i in p.ins if i.type.shape == v.type.shape and p.op in ELEMENTWISE]
@@ -149,16 +153,20 @@ def at_home(a: Traced, g: Traced, v):
                                 t.value.name + "_home") for t in (a, g))
 
 
-def moved_back(ct: Traced, x: Traced, home) -> Traced:
+def moved_back(ct: Traced, x: Traced, home, moved: Layout) -> Traced:
     """The cotangent of a move between meshes (sf.to_mesh, an annotation with mesh=) moved back to
     where x lives, as the forward moved x: a move, not an annotation, so ct's producer stays on its
-    own stage; x's cut there where the forward states it, else replicated on `home`.  ct as it is for a
-    plain argument (where its gradient goes is sf.grad's choice, shardfuse/transforms.py)."""
+    own stage; x's cut there where the forward states it, else the cut it was `moved` to where `home`
+    has those mesh axes (an embedding's rows over dp: it went back through one device, a probe), else
+    replicated.  ct as it is for a plain argument (where its gradient goes is sf.grad's, transforms.py)."""
     back = known_layout(x.builder, x.value)
     if back is not None and (back.mesh or x.builder.mesh) != home:  # (x = c * h: c's layout, c on the whole
         back = None                                                  # mesh, h's and x's a stage, a review)
     if back is None and x.value in x.builder.producer:
-        back = Layout.replicated(x.ndim).on(home)
+        names = {n for a in moved.axes for n in mesh_axes(a)}
+        dst = moved.mesh or x.builder.mesh
+        fits = all(n in home.axis_names and home.axis_size(n) == dst.axis_size(n) for n in names)
+        back = Layout(moved.axes if fits else (None,) * x.ndim).on(home)
     if back is None:
         return ct
     return ct.builder.emit(Op.SET, (ct,), TensorType(ct.shape, ct.dtype_name, back), ct.value.name + "_back")

@@ -301,7 +301,8 @@ MOVES = {  # (source placement, devices), (target placement, devices), what the 
     "S0(0,1)->S0(2,3)": (("S(0)", (0, 1)), ("S(0)", (2, 3)), {"sendrecv": 1}),
     "S0(0,1)->R(2,3)": (("S(0)", (0, 1)), ("R", (2, 3)), {"gather": 1, "broadcast": 1}),
     "S0(0,1)->R(3)": (("S(0)", (0, 1)), ("R", (3,)), {"gather": 1}),
-    "S0(0,1)->S1(2,3)": (("S(0)", (0, 1)), ("S(1)", (2, 3)), {"gather": 1, "scatter": 1}),
+    # (cut into the destination's column blocks where it is, then each block sent: never through one device)
+    "S0(0,1)->S1(2,3)": (("S(0)", (0, 1)), ("S(1)", (2, 3)), {"alltoall": 1, "sendrecv": 1}),
     "S0(all)->S0(2,3)": (("S(0)", None), ("S(0)", (2, 3)), {"gather": 1, "scatter": 1}),
 }
 

@@ -211,3 +211,29 @@ def test_the_cotangent_goes_back_to_the_stage_whatever_the_operands_order(mesh, 
         np.testing.assert_allclose(np.asarray(gc), 2 * c * np.sin(x) ** 2, rtol=1e-12, atol=1e-12)
         moves = [line for line in str(g.lower(x, c)).splitlines() if "SendRecv" in line and "_back" in line]
         assert len(moves) == 1 and "to=(0, 1, 2, 3)" in moves[0], moves
+
+
+def test_an_embeddings_gradient_comes_back_by_its_rows(mesh, r=None):
+    """A Megatron probe: the lookup's result (a take: no layout known while tracing) moved to stage 1 over
+    dp; its cotangent went back through one device (Gather, Broadcast) and each stage-0 device scattered
+    the whole batch.  It goes back as it came, over dp (one SendRecv each way), a 1-D stage of dp
+    feeding a dp x tp one too; values against NumPy."""
+    s0, s1 = stages(mesh)
+    r = r or np.random.default_rng()
+    wte, w, ids = r.standard_normal((16, 8)), r.standard_normal((8, 8)), r.integers(0, 16, (4, 8))
+    for first in (s0, mesh.submesh([0, 1, 2, 3], ("dp",))):
+        def loss(p, ids):
+            x = sf.take(p["wte"], sf.distribute(ids, first, sf.P("dp", None)), axis=0)
+            return ((sf.to_mesh(x, s1, placements=sf.P("dp", None, None)) @ p["w"]) ** 2).sum()
+        p = {"wte": sf.distribute(wte, first, sf.P("tp" if first is s0 else None, None)),
+             "w": sf.distribute(w, s1, sf.P(None, None))}
+        g = sf.jit(sf.grad(loss), mesh=mesh)
+        moved = g.lower(p, ids).collectives()
+        assert moved.get("sendrecv") == 2 and not {"gather", "broadcast", "scatter"} & set(moved), moved
+        x = wte[ids]
+        y = x @ w
+        want = np.zeros_like(wte)
+        np.add.at(want, ids.reshape(-1), (2 * y @ w.T).reshape(-1, 8))
+        got = g(p, ids)
+        np.testing.assert_allclose(np.asarray(got["wte"]), want, rtol=1e-12, atol=1e-12)
+        np.testing.assert_allclose(np.asarray(got["w"]), x.reshape(-1, 8).T @ (2 * y).reshape(-1, 8), rtol=1e-12)

@@ -113,13 +113,15 @@ def _sharded_axis(sh):
     return "several" if len(axes) > 1 else axes[0] if axes else None
 
 
-def _move_blocks(x, y, src, dst, namer, mesh, move) -> list:
-    """A move of a value cut on several tensor axes (a stage of dp x tp): where both meshes cut
-    it into the same blocks, each device of y receives its block from a holder of it (SendRecv,
-    the holders taken in turn); else x is gathered on its own mesh first, to y's cut where its
-    mesh has y's mesh axes, else whole, then moved (and cut where it arrives)."""
+def _move_blocks(x, y, src, dst, namer, mesh, move):
+    """A move between meshes by blocks (a stage of dp x tp, or blocks of other sizes): where both meshes
+    cut x into the same blocks each device of y receives its block from a holder of it (SendRecv, the
+    holders taken in turn); else x is cut on its own mesh into y's blocks first, or moved in its own
+    blocks to y's mesh cut so and made y's there (whichever mesh's axes can cut them); None where
+    neither can.  Both x and y cut some axis (the caller moves a whole value, or makes one, itself)."""
     ndim = y.type.ndim
-    if all(src.count(i) == dst.count(i) for i in range(ndim)):
+    counts, want = [src.count(i) for i in range(ndim)], [dst.count(i) for i in range(ndim)]
+    if counts == want:
         holders: dict = {}
         for d in src.mesh.devices:
             holders.setdefault(tuple(src.block(i, d) for i in range(ndim)), []).append(d)
@@ -130,14 +132,15 @@ def _move_blocks(x, y, src, dst, namer, mesh, move) -> list:
             frm.append(holders[b][k % len(holders[b])])
         move("SendRecv", frm, dst.mesh.devices, y)
         return []
-    if all(src.count(i) == 1 for i in range(ndim)):  # x whole: moved whole, then each device's block cut
-        there = Value(namer(f"{x.name}_whole"), y.type.with_layout(Layout((None,) * ndim, mesh=y.type.layout.mesh)))
-        return _lower_move(x, there, namer, mesh) + _lower_set(there, y, namer, mesh)
-    # resharded on x's mesh first into y's blocks where its mesh axes can cut them, else whole
-    cut = _cut_like(src.mesh, x.type.layout.axes, [dst.count(i) for i in range(ndim)])
-    mid = Value(namer(f"{x.name}_{'whole' if cut is None else 'cut'}"), x.type.with_layout(
-        Layout((None,) * ndim if cut is None else cut, mesh=x.type.layout.mesh)))
-    return _lower_set(x, mid, namer, mesh) + _lower_move(mid, y, namer, mesh)
+    cut = _cut_like(src.mesh, x.type.layout.axes, want)
+    if cut is not None:  # cut into y's blocks where x lives, then sent
+        mid = Value(namer(f"{x.name}_cut"), x.type.with_layout(Layout(cut, mesh=x.type.layout.mesh)))
+        return _lower_set(x, mid, namer, mesh) + _lower_move(mid, y, namer, mesh)
+    cut = _cut_like(dst.mesh, y.type.layout.axes, counts)
+    if cut is None:
+        return None
+    there = Value(namer(f"{x.name}_moved"), y.type.with_layout(Layout(cut, mesh=y.type.layout.mesh)))
+    return _lower_move(x, there, namer, mesh) + _lower_set(there, y, namer, mesh)  # (sent in x's blocks, then made y's)
 
 
 def _cut_like(m, axes: tuple, counts: list):
@@ -191,8 +194,19 @@ def _lower_move(x, y, namer, mesh):
         return target
 
     A, B = src.mesh.devices, dst.mesh.devices
-    if s_ax == "several" or d_ax == "several":  # (a stage of several mesh axes: dp x tp)
-        return out + _move_blocks(cur, y, src, dst, namer, mesh, move)
+    if "several" in (s_ax, d_ax):  # (a stage of several mesh axes: dp x tp)
+        ndim = y.type.ndim
+        if d_ax is None:  # gathered whole where it is, then moved
+            mid = Value(namer(f"{x.name}_whole"), x.type.with_layout(Layout((None,) * ndim, mesh=x.type.layout.mesh)))
+            return out + _lower_set(cur, mid, namer, mesh) + _lower_move(mid, y, namer, mesh)
+        if s_ax is None:  # moved whole, then each device's block cut
+            there = Value(namer(f"{x.name}_whole"), y.type.with_layout(Layout((None,) * ndim, mesh=y.type.layout.mesh)))
+            return out + _lower_move(cur, there, namer, mesh) + _lower_set(there, y, namer, mesh)
+        steps = _move_blocks(cur, y, src, dst, namer, mesh, move)
+        if steps is None:  # gathered whole where it is, then moved
+            mid = Value(namer(f"{x.name}_whole"), x.type.with_layout(Layout((None,) * ndim, mesh=x.type.layout.mesh)))
+            steps = _lower_set(cur, mid, namer, mesh) + _lower_move(mid, y, namer, mesh)
+        return out + steps
     have, want = _holders(src, s_ax), _holders(dst, d_ax)
     if s_ax is None and set(B) <= set(A):  # every device of y holds x whole already: a copy of its own there
         whole = y if d_ax is None else \
@@ -206,6 +220,10 @@ def _lower_move(x, y, namer, mesh):
         frm = [have[b][j % len(have[b])] for b, devs in enumerate(want) for j in range(len(devs))]
         move("SendRecv", frm, [d for devs in want for d in devs], y, s_ax)
         return out
+    if s_ax is not None and d_ax is not None:  # blocks of other sizes or axes: none gathered onto one device
+        steps = _move_blocks(cur, y, src, dst, namer, mesh, move)
+        if steps is not None:
+            return out + steps
     if s_ax is not None:  # gather onto the destination's first device
         root = mesh.root.submesh(B[:1])
         done = d_ax is None and len(B) == 1

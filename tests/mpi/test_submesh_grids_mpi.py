@@ -18,3 +18,4 @@ def test_one_axis_stage_and_adamw_across_ranks():
     tg.test_a_dp_tp_stage_feeds_a_one_axis_stage_and_back(tg.pp_dp_tp(), np.random.default_rng(12))
     tg.test_adamw_over_a_pp_dp_tp_pipeline(tg.pp_dp_tp(), np.random.default_rng(13))
     tg.test_the_cotangent_goes_back_to_the_stage_whatever_the_operands_order(tg.pp_dp_tp(), np.random.default_rng(14))
+    tg.test_an_embeddings_gradient_comes_back_by_its_rows(tg.pp_dp_tp(), np.random.default_rng(15))
