@@ -299,9 +299,11 @@ class Traced(NumpyMethods):
         summed = kind in (Op.SUM, "mean")
         v = self.astype("int64" if kind == Op.SUM else "float64") if summed and not dtypes.is_float(self.dtype_name) \
             else self  # (NumPy's dtypes of integer sums and means)
+        wide = "float32" if summed and self.dtype_name in ("float16", "bfloat16") else None  # (rounded once at the end:
+        # each axis' sum and each device's part was, so the result hung on the sharding, a probe)
         for ax in sorted(axes, reverse=True):  # the last first: no renumbering
             n, attrs = v.shape[ax], {}
-            out = TensorType(v.shape[:ax] + v.shape[ax + 1:], v.dtype_name)
+            out = TensorType(v.shape[:ax] + v.shape[ax + 1:], wide or v.dtype_name)
             if summed:
                 if kind == "mean":
                     attrs["factor"] = 1.0 / n if n else math.nan
@@ -313,6 +315,7 @@ class Traced(NumpyMethods):
             if ax != v.ndim - 1:  # the reduced axis last (a view), then one reduction of the last axis
                 v = v.transpose([a for a in range(v.ndim) if a != ax] + [ax])
             v = v.builder.emit(kind, (v,), out, "m")
+        v = v.astype(self.dtype_name) if wide and axes else v
         if keepdims:
             v = v.reshape(tuple(1 if a in axes else n for a, n in enumerate(self.shape)))
         return v
@@ -358,8 +361,7 @@ _NUMBER = ("a number computed inside sf.jit is known only after the call: return
            "(result)); shapes are static (x.shape); table[t] of a traced t: sf.take(table, t, axis=0), sf.dynamic_slice")
 
 
-def cast(x: Traced, dtype: str) -> Traced:
-    """x in dtype for a promotion: weak where x is (astype states a dtype: strong)."""
+def cast(x: Traced, dtype: str) -> Traced:  # (x in dtype for a promotion: weak where x is; astype is strong)
     return x if dtype == x.dtype_name else x.unary_op(Op.ASTYPE, dtype)
 
 
@@ -377,13 +379,11 @@ def is_scalar(x) -> bool:
     return isinstance(x, np.generic) and type(x).__name__ == "bfloat16"  # (outside np.floating)
 
 
-def describe(v) -> str:
-    """A traced value as the tracer knows it: its name, shape and dtype."""
+def describe(v) -> str:  # (a traced value as the tracer knows it: its name, shape and dtype)
     return f"{v.value.name} (shape {v.shape}, {v.dtype_name})" if isinstance(v, Traced) else type(v).__name__
 
 
-def numpy_name(f) -> str:
-    """np.sum, np.linalg.norm: a NumPy function as its users write it."""
+def numpy_name(f) -> str:  # (np.sum, np.linalg.norm: a NumPy function as its users write it)
     module = getattr(f, "__module__", None) or "numpy"
     return ("np" + module[len("numpy"):] if module.startswith("numpy") else module) + "." + f.__name__
 

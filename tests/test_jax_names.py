@@ -206,3 +206,24 @@ def test_flip_as_numpy_with_its_gradient(axis):
     np.testing.assert_array_equal(np.asarray(sf.jit(np.fliplr, mesh=mesh)(x)), np.fliplr(x))
     with pytest.raises(ValueError, match="repeated axis"):
         sf.jit(lambda v: np.flip(v, (0, -3)), mesh=mesh)(x)
+
+
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+def test_16_bit_sums_do_not_hang_on_the_sharding(dtype):
+    """A probe: each device's part of a 16-bit sum over a sharded axis was rounded to 16 bits before the
+    Allreduce (a float16 part of 80000 overflowed: NaN at D = 2, 0 at D = 1), and a sum over two axes
+    rounded after each: summed in float32 and rounded once now, so every D gives the one-device result."""
+    import ml_dtypes  # noqa: F401 (bfloat16)
+
+    rng = np.random.default_rng()
+    x = np.array([40000, 40000, -40000, -40000] * 2, dtype=dtype) if dtype == "float16" else \
+        np.array([256, 1, 1, 1] * 2, dtype=ml_dtypes.bfloat16)
+    y = (rng.standard_normal((4, 8)) * 100).astype(x.dtype)
+    for d in (1, 2, 4):
+        mesh = sf.DeviceMesh(d, backend="numpy")
+        for got, want in ((sf.jit(lambda a: sf.shard(a, axis=0).sum(), mesh=mesh)(x), x.astype(np.float32).sum()),
+                          (sf.distribute(x, mesh, ("DIDx",)).mean(), x.astype(np.float32).mean()),
+                          (sf.jit(lambda a: sf.shard(a, axis=1).sum(), mesh=mesh)(y), y.astype(np.float32).sum()),
+                          (sf.jit(lambda a: sf.shard(a, axis=1).sum(0), mesh=mesh)(y), y.astype(np.float32).sum(0))):
+            assert got.dtype == x.dtype
+            np.testing.assert_array_equal(np.asarray(got).astype(np.float32), np.asarray(want.astype(x.dtype), np.float32))

@@ -150,7 +150,8 @@ def _summed(i, _, made):
 def _sums_whole(i, made) -> bool:
     """Whether i is a Sum of floats that may take in the chain of `made`: the chain's operands broadcast
     to the summed shape (backends make the chain's result of that shape, from the operands alone)."""
-    return (i.op == Op.SUM and i.into.type.dtype in FLOATS and i.ins[0].type.dtype == i.into.type.dtype
+    src, dst = i.ins[0].type.dtype, i.into.type.dtype  # (a 16-bit chain summed into float32: traced._reduce's)
+    return (i.op == Op.SUM and dst in FLOATS and (src == dst or (src in ("float16", "bfloat16") and dst == "float32"))
             and tuple(np.broadcast_shapes(*(v.type.shape for v in made.ins))) == i.ins[0].type.shape)
 
 
@@ -168,8 +169,10 @@ def fuse_elementwise(prog):
     dropped, sizes = set(), {}
 
     def takes(v, i) -> bool:
-        """Whether step i may take in the chain that wrote its operand v (the module doc's conditions)."""
-        return v in producer and (reads[v] == 1 or _widening(instrs[producer[v]])) and _keeps_float16(v, i)
+        """Whether step i may take in the chain that wrote its operand v (the module doc's conditions; a
+        float16 chain summed into float32 where a float16 operand is the kernel's: _keeps_float16's reason)."""
+        return v in producer and (reads[v] == 1 or _widening(instrs[producer[v]])) and (_keeps_float16(v, i) or (
+            i.op == Op.SUM and any(w.type.dtype == "float16" for w in instrs[producer[v]].ins)))
 
     def taken(v):
         """v's chain was taken in by a reader: its step is dropped (True) once no other step reads v
