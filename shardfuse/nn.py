@@ -66,8 +66,11 @@ def _one_plan(fn):
 
 
 def _widened(x):
-    """x in the dtype it is normalised in (float32 for 16-bit floats), and its own dtype."""
-    return x.astype(_WIDENED.get(x.dtype_name, x.dtype_name)), x.dtype_name
+    """x in the dtype it is normalised in (float32 for 16-bit floats), and the result's dtype: its own, or
+    float64 for integers and bools (NumPy's np.exp of them, JAX's inexact promotion; a probe: they were
+    truncated back to the integers)."""
+    dtype = x.dtype_name if dtypes.is_float(x.dtype_name) else "float64"
+    return x.astype(_WIDENED.get(dtype, dtype)), dtype
 
 
 @_one_plan

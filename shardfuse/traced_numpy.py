@@ -41,8 +41,7 @@ def _floating(x):
     return cast(x, dtypes.float_result(x.dtype_name))  # (np.sqrt of a weak int: a weak float, as JAX's)
 
 
-# The traced functions _apply runs are made once per op, not per call: outside jit they key the
-# one-op plan cache (array_ops.apply), and a new one per call compiled a new plan at every call.
+# The traced functions _apply runs are made once per op, not per call: outside jit they key the one-op plan cache.
 
 def _math(op):
     def traced(v):
@@ -283,10 +282,9 @@ def _where_numpy(condition, *xy):
 
 # ---- statistics written with the ops above: their shardings, communication and gradients follow ----
 def var(a, axis=None, dtype=None, out=None, ddof=0, keepdims=False, *, correction=None, **rest):
-    """np.var / x.var: the mean of the squared deviations from the mean over `axis` (an int, a
-    tuple, None: all), times n / (n - ddof) (correction=, the array API's name for ddof), as
-    NumPy's (integers in float64; inf or NaN where n <= ddof).  Written as mean((x - mean(x))**2):
-    over a sharded axis each mean is a local sum and an Allreduce, and the gradient is theirs."""
+    """np.var / x.var: the mean of the squared deviations from the mean over `axis` (an int, a tuple, None:
+    all), times n / (n - ddof) (correction=: the array API's ddof), as NumPy's (integers and booleans in
+    float64; inf or NaN where n <= ddof).  mean((x - mean(x))**2): a sharded axis' means Allreduced."""
     _defaults_only("np.var", "np.var(x, axis, ddof=, keepdims=)", dtype=dtype, out=out, **rest)
     return _apply(_var, "var", a, _axis_key(axis), ddof if correction is None else correction, bool(keepdims), False)
 
@@ -298,9 +296,8 @@ def std(a, axis=None, dtype=None, out=None, ddof=0, keepdims=False, *, correctio
 
 
 def norm(x, ord=None, axis=None, keepdims=False):  # noqa: A002 (NumPy's name)
-    """np.linalg.norm with ord None (or 2 of a vector, "fro" of a matrix): sqrt(sum(x * x)) over
-    `axis` (None: every element), integers in float64, as NumPy's; over a sharded axis the sum is
-    an Allreduce.  Other orders are refused."""
+    """np.linalg.norm with ord None (or 2 of a vector, "fro" of a matrix): sqrt(sum(x * x)) over `axis` (None:
+    every element), integers and booleans in float64, as NumPy's; a sharded axis' sum Allreduced; no other ord."""
     axes = _axis_key(axis)
     rank = x.ndim if axes is None else 1 if isinstance(axes, int) else len(axes)
     if not (ord is None or (ord == 2 and rank == 1) or (ord == "fro" and rank == 2)):
@@ -310,18 +307,21 @@ def norm(x, ord=None, axis=None, keepdims=False):  # noqa: A002 (NumPy's name)
     return _apply(_norm, "linalg.norm", x, axes, bool(keepdims))
 
 
+def _statistic_input(x):  # (norm, var, std of integers and booleans in float64, as NumPy's: not sqrt's float16
+    return x if dtypes.is_float(x.dtype_name) else cast(x, "float64")  # of booleans, a probe)
+
+
 def _norm(x, axis, keepdims):
-    x = _floating(x)
+    x = _statistic_input(x)
     return sqrt((x * x).sum(axis, keepdims=keepdims))
 
 
-def _axis_key(axis):
-    """axis as a hashable value (a list to a tuple): outside jit it keys the one-op plan."""
+def _axis_key(axis):  # (axis as a hashable value, a list to a tuple: outside jit it keys the one-op plan)
     return tuple(axis) if isinstance(axis, list) else axis
 
 
 def _var(x, axis, ddof, keepdims, root):
-    x = _floating(x)
+    x = _statistic_input(x)
     n = math.prod(x.shape[a] for a in reduced_axes(axis, x.ndim, x.shape))
     d = x - x.mean(axis, keepdims=True)
     v = (d * d).mean(axis, keepdims=keepdims)

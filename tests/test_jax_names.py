@@ -227,3 +227,16 @@ def test_16_bit_sums_do_not_hang_on_the_sharding(dtype):
                           (sf.jit(lambda a: sf.shard(a, axis=1).sum(0), mesh=mesh)(y), y.astype(np.float32).sum(0))):
             assert got.dtype == x.dtype
             np.testing.assert_array_equal(np.asarray(got).astype(np.float32), np.asarray(want.astype(x.dtype), np.float32))
+
+
+def test_statistics_of_booleans_are_float64():
+    """A probe: np.linalg.norm, np.var and np.std of a boolean array were float16 (sqrt's dtype of booleans):
+    the norm of 100,000 True was inf.  float64, as NumPy's, against NumPy."""
+    mesh = sf.DeviceMesh(2, backend="numpy")
+    mask = np.random.default_rng().random(4096) < 0.25
+    for f in (np.linalg.norm, np.var, np.std, lambda a: np.var(a, ddof=1)):
+        got = sf.jit(f, mesh=mesh)(mask)
+        assert got.dtype == np.float64
+        np.testing.assert_allclose(np.asarray(got), f(mask), rtol=1e-12)
+    np.testing.assert_allclose(np.asarray(np.linalg.norm(sf.distribute(np.ones(100_000, bool), mesh, ("DIDx",)))),
+                               np.sqrt(100_000), rtol=1e-14)

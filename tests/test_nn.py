@@ -546,3 +546,25 @@ def test_attention_names_shapes_that_do_not_fit():
                                np.ones((2, 2, 1, 8)), rtol=1e-14)
     out = attend(q, k, k, np.ones((2, 1, 1, 16), bool))  # (a mask per sequence: broadcast over heads and queries)
     np.testing.assert_allclose(np.asarray(out), np.ones((2, 4, 1, 8)), rtol=1e-14)
+
+
+def test_integer_and_boolean_inputs_give_floats():
+    """A probe: sf.nn.softmax / log_softmax / logsumexp / layer_norm / rms_norm of integers or booleans
+    were truncated back to them ([[0 0 0] [0 0 1]]); float64 as np.exp of them, against NumPy."""
+    mesh = sf.DeviceMesh(2, backend="numpy")
+    i = np.array([[1, 2, 3, 4], [0, 0, 700, 1]])
+    f = i.astype(np.float64)
+    e = np.exp(f - f.max(1, keepdims=True))
+    d = f - f.mean(-1, keepdims=True)
+    want = {"softmax": e / e.sum(1, keepdims=True), "log_softmax": np.log(e / e.sum(1, keepdims=True)),
+            "logsumexp": np.log(e.sum(1)) + f.max(1), "layer_norm": d / np.sqrt((d * d).mean(-1, keepdims=True) + 1e-5),
+            "rms_norm": f / np.sqrt((f * f).mean(-1, keepdims=True) + 1e-6)}
+    calls = {"softmax": lambda a: sf.nn.softmax(a, axis=1), "log_softmax": lambda a: sf.nn.log_softmax(a, axis=1),
+             "logsumexp": lambda a: sf.nn.logsumexp(a, axis=1), "layer_norm": lambda a: sf.nn.layer_norm(a, None, None),
+             "rms_norm": lambda a: sf.nn.rms_norm(a, None)}
+    for name, call in calls.items():
+        for x in (i, i.astype(np.int32)):
+            got = sf.jit(call, mesh=mesh)(x)
+            assert got.dtype == np.float64, name
+            np.testing.assert_allclose(np.asarray(got), want[name], rtol=1e-12, err_msg=name)
+        assert sf.jit(call, mesh=mesh)(i > 1).dtype == np.float64
