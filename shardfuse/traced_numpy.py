@@ -337,10 +337,10 @@ def clip(a, a_min=_UNSET, a_max=_UNSET, out=None, *, min=_UNSET, max=_UNSET, **r
     """np.clip / x.clip: minimum(maximum(x, lo), hi) (jnp.clip's form: NaN kept, hi where lo > hi,
     the gradient maximum's and minimum's); a bound None is no bound; bounds arrays or scalars."""
     _defaults_only("np.clip", "np.clip(x, lo, hi)", out=out, **rest)
-    positional = (a_min, a_max) != (_UNSET, _UNSET)
-    if _UNSET in (a_min, a_max) if (min, max) == (_UNSET, _UNSET) else positional:  # (NumPy's refusals)
+    given = [b is not _UNSET for b in (a_min, a_max, min, max)]  # (by identity: == of an array bound is elementwise)
+    if not all(given[:2]) if not any(given[2:]) else any(given[:2]):  # (NumPy's refusals)
         raise TypeError("np.clip takes both bounds, np.clip(x, lo, hi) (None: no bound), or min= / max= alone")
-    lo, hi = (a_min, a_max) if positional else (min, max)
+    lo, hi = (a_min, a_max) if any(given[:2]) else (min, max)
     return _apply(_clip, "clip", a, None if lo is _UNSET else lo, None if hi is _UNSET else hi)
 
 

@@ -33,6 +33,7 @@ import numpy as np
 from shardfuse.at_arrays import array_key, at_add, at_get, at_set
 from shardfuse.ir import TensorType
 from shardfuse.ops import Op
+from shardfuse.promotion import scalar_value
 from shardfuse.traced import SHAPE_OPS, Traced, cast, describe
 
 _INTS = ("int32", "int64")
@@ -286,6 +287,7 @@ class AtIndex:
     def set(self, v):
         """x with x[idx] replaced by v (broadcast to x[idx]'s shape, cast to x's dtype); x itself where
         an index is out of range (JAX's: the update dropped)."""
+        _fits(self.x, v)
         if self.ids is not None:  # (rows at ids: the arrays' path, the first axis indexed)
             return _dispatch(at_set, (self.x, ((0,), False), v, self.ids), "x.at[ids].set")
         if self.arrays is not None:
@@ -294,6 +296,7 @@ class AtIndex:
 
     def add(self, v):
         """x with v added to x[idx] (nothing added where an index is out of range, as JAX drops it)."""
+        _fits(self.x, v)
         if self.ids is not None:
             return _dispatch(_at_ids_add, (self.x, self.ids, v), "x.at[ids].add")
         if self.arrays is not None:
@@ -307,6 +310,13 @@ class AtIndex:
         if self.arrays is not None:
             return _dispatch(at_get, (self.x, self.arrays[0], *self.arrays[1]), "x.at[...].get")
         return _dispatch(_at_get, (self.x, self.desc, *self.values), "x.at[...].get")
+
+
+def _fits(x, v):
+    """A Python int v checked against x's dtype before an sf.Array's one-op plan takes it as an int64
+    operand (a probe: 2**40 set into an int32 sf.Array wrapped; inside jit it raised), as NumPy 2 does."""
+    if isinstance(v, int) and not isinstance(v, bool):
+        scalar_value(v, x.dtype_name)
 
 
 def refuse_setitem(x, key, value):

@@ -240,3 +240,24 @@ def test_statistics_of_booleans_are_float64():
         np.testing.assert_allclose(np.asarray(got), f(mask), rtol=1e-12)
     np.testing.assert_allclose(np.asarray(np.linalg.norm(sf.distribute(np.ones(100_000, bool), mesh, ("DIDx",)))),
                                np.sqrt(100_000), rtol=1e-14)
+
+
+def test_clip_takes_array_bounds_and_at_refuses_ints_out_of_range():
+    """Two probes' findings: np.clip with a NumPy array bound raised "the truth value of an array ... is
+    ambiguous" (inside jit and on sf.Arrays); x.at[...].set / .add of a Python int beyond an int32
+    sf.Array's range wrapped (2**40 set as 0), where inside jit it raised OverflowError, as NumPy 2."""
+    mesh = sf.DeviceMesh(2, backend="numpy")
+    x = np.random.default_rng().standard_normal((2, 3)) * 3
+    lo, hi = np.array([-1.0, 0.0, 1.0]), np.array([[0.5], [2.0]])
+    np.testing.assert_array_equal(np.asarray(sf.jit(lambda a: np.clip(a, lo, hi), mesh=mesh)(x)), np.clip(x, lo, hi))
+    a = sf.distribute(x, mesh, (None, None))
+    np.testing.assert_array_equal(np.asarray(np.clip(a, lo, 3.0)), np.clip(x, lo, 3.0))
+    np.testing.assert_array_equal(np.asarray(a.clip(min=lo)), np.clip(x, lo, None))
+    with pytest.raises(TypeError, match="np.clip takes both bounds"):
+        np.clip(a, lo)
+    ints = sf.distribute(np.arange(8, dtype=np.int32).reshape(2, 4), mesh, (None, None))
+    for write in (lambda: ints.at[:, 1].set(2**40), lambda: ints.at[0].add(2**32 + 5),
+                  lambda: ints.at[np.array([0])].add(2**40), lambda: ints.at[np.array([1]), :].set(-2**31 - 1)):
+        with pytest.raises(OverflowError, match="out of bounds for int32"):
+            write()
+    np.testing.assert_array_equal(np.asarray(ints.at[:, 1].set(-2**31)), [[0, -2**31, 2, 3], [4, -2**31, 6, 7]])
