@@ -120,13 +120,16 @@ def reshard(x, layout: Layout):
     return run(redistribute, (x,), (Op.SET, layout), "redistribute")
 
 
-def _is_operand(a) -> bool:
-    return isinstance(a, ArrayOps) or any(hasattr(a, k) for k in ("__array__", "__dlpack__", "__cuda_array_interface__"))
+def _is_operand(a) -> bool:  # (a NumPy scalar is static, as a Python one: np.prod(x.shape) an extent, a probe)
+    return isinstance(a, ArrayOps) or not isinstance(a, np.generic) and any(
+        hasattr(a, k) for k in ("__array__", "__dlpack__", "__cuda_array_interface__"))
 
 
 def constant_key(c):
     """A constant baked into a one-op plan, as a key: floats by their bits (-0.0 and 0.0 compare equal
     but are other plans; NaN, unequal to itself, would never find its plan), anything else as it is."""
+    if isinstance(c, (list, tuple)):  # (x.reshape([4, 2]): a list keys as a tuple, type kept, a probe)
+        return type(c).__name__, tuple(constant_key(v) for v in c)
     return float(c).hex() if isinstance(c, (float, np.floating)) else c
 
 

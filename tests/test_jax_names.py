@@ -261,3 +261,19 @@ def test_clip_takes_array_bounds_and_at_refuses_ints_out_of_range():
         with pytest.raises(OverflowError, match="out of bounds for int32"):
             write()
     np.testing.assert_array_equal(np.asarray(ints.at[:, 1].set(-2**31)), [[0, -2**31, 2, 3], [4, -2**31, 6, 7]])
+
+
+def test_numpy_scalars_and_lists_as_static_arguments_of_sf_array_ops():
+    """A probe: outside jit, np.prod(x.shape) as an extent, np.int64 axes, a list of extents or axes, an
+    np.int64 ddof and an np.float32 fill were taken as traced operands (or keyed unhashably); they are
+    static there as inside jit.  Values against NumPy."""
+    mesh = sf.DeviceMesh(2, backend="numpy")
+    x = np.random.default_rng().standard_normal((2, 4))
+    a = sf.distribute(x, mesh, (None, "DIDx"))
+    cases = [(a.reshape(np.prod(a.shape)), x.reshape(8)), (a.reshape([4, 2]), x.reshape(4, 2)), (a.transpose([1, 0]), x.T),
+             (np.cumsum(a, axis=np.int64(1)), np.cumsum(x, 1)), (a.argmax(axis=np.int64(1)), x.argmax(1)),
+             (a.var(ddof=np.int64(1)), x.var(ddof=1)), (np.full_like(a, np.float32(2)), np.full_like(x, 2)),
+             (np.concatenate([a, a], axis=np.int64(0)), np.concatenate([x, x])), (np.swapaxes(a, np.int64(0), 1), x.T)]
+    for got, want in cases:
+        assert got.dtype == want.dtype and got.shape == want.shape
+        np.testing.assert_allclose(np.asarray(got), want, rtol=1e-14)
