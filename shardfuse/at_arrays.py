@@ -22,7 +22,8 @@ import math
 
 import numpy as np
 
-from shardfuse.traced import Traced, cast
+from shardfuse import dtypes
+from shardfuse.traced import Traced, cast, describe
 
 
 def array_key(x, key):
@@ -119,6 +120,16 @@ def _value_first(x, axes, v, shape):
     return v.transpose(order) if order != sorted(order) else v
 
 
+def scattered(x, v):
+    """v as x.at's scatter adds it: floats as they are; int32 and bool values in float64, exact (the scatter's
+    kernels add floats: a probe's x.at[ids].add on an int32 array named sf.scatter_add); int64 refused, as
+    float64 holds its values exactly only below 2**53."""
+    if x.dtype_name == "int64":
+        raise TypeError(f"x.at[...] at index arrays of the int64 array {describe(x)} is not supported (its rows are "
+                        "written by a float scatter, exact only below 2**53): cast x to int32, or index a basic slice")
+    return v if dtypes.is_float(x.dtype_name) else v.astype("float64")
+
+
 def _unmerged(x, xm, perm):
     return xm.reshape(tuple(x.shape[a] for a in perm)).transpose(tuple(int(j) for j in np.argsort(perm)))
 
@@ -163,7 +174,7 @@ def at_set(x, spec, v, *ids):
         return where(_row_mask(x, axes, ids), _row_values(x, axes, v), x)
     xm, flat, inside, perm, shape = _merged(x, axes, ids)
     mask = inside.reshape(shape + (1,) * (xm.ndim - 1))
-    written = scatter_add(flat, where(mask, _value_first(x, axes, v, shape), 0), xm.shape[0])
+    written = scatter_add(flat, where(mask, scattered(x, _value_first(x, axes, v, shape)), 0), xm.shape[0])
     hit = scatter_add(flat, mask.astype("float32"), xm.shape[0]) > 0
     return _unmerged(x, where(hit, written.astype(x.dtype), xm), perm)
 
@@ -177,7 +188,7 @@ def at_add(x, spec, v, *ids):
     if by_rows:
         return x + where(_row_mask(x, axes, ids), _row_values(x, axes, v), 0).astype(x.dtype)
     xm, flat, inside, perm, shape = _merged(x, axes, ids)
-    vf = _value_first(x, axes, v, shape)
+    vf = scattered(x, _value_first(x, axes, v, shape))
     added = scatter_add(flat, where(inside.reshape(shape + (1,) * (xm.ndim - 1)), vf, 0), xm.shape[0])
     return _unmerged(x, xm + added.astype(x.dtype), perm)
 

@@ -263,25 +263,25 @@ class Traced(NumpyMethods):
             raise TypeError(f"len() of the 0-d traced value {describe(self)} (as NumPy: len() of unsized object)")
         return self.shape[0]
 
-    def __abs__(self):  # relu(x) + relu(-x), exact (one of the two is zero); booleans are their own
-        return self if self.dtype_name == "bool" else self.unary_op(Op.RELU) + (-self).unary_op(Op.RELU)
+    def __abs__(self):  # relu(x) + relu(-x), exact (one is zero); of ints relu(x) - min(x, 0): |INT_MIN| wraps as
+        if not dtypes.is_float(self.dtype_name):  # NumPy's (relu(-INT_MIN) gave 0, a probe); booleans their own
+            return self if self.dtype_name == "bool" else self.unary_op(Op.RELU) - self.unary_op(Op.MINIMUM_SCALAR, value=0)
+        return self.unary_op(Op.RELU) + (-self).unary_op(Op.RELU)
 
     def __neg__(self):
         if self.dtype_name == "bool":
-            raise TypeError(f"-x of the boolean array {describe(self)}: NumPy 2 refuses it (the numpy boolean "
-                            "negative is not supported); write ~x for a logical not, or -x.astype('int32')")
+            raise TypeError(f"-x of the boolean array {describe(self)}: NumPy 2 refuses it; write ~x, or -x.astype('int32')")
         return self.unary_op(Op.NEG)
 
     def sum(self, axis=None, dtype=None, out=None, keepdims=False, *, where=None):
-        """The sum over `axis`: an int, a tuple of them, or None (every axis), as NumPy's (integers and
-        bools summed in int64); dtype= and where= as np.sum's (traced_numpy._reduction)."""
+        """The sum over `axis` (an int, a tuple, None: all) as NumPy's (integers, bools in int64; 16-bit floats
+        in float32, rounded once); dtype= and where= as np.sum's (traced_numpy._reduction)."""
         if dtype is None and out is None and where is None:
             return self._reduce(axis, Op.SUM, keepdims)
         return NUMPY[np.sum](self, axis, dtype, out, keepdims, where=where)
 
     def mean(self, axis=None, dtype=None, out=None, keepdims=False, *, where=None):
-        """The mean over `axis` (as sum): each axis' sum scaled by 1 / n in one step, before it is rounded
-        to a 16-bit dtype (a float16 sum can overflow where the mean does not); NaN for an empty axis."""
+        """The mean over `axis` (as sum): each axis' sum scaled by 1 / n before it is rounded (NaN if empty)."""
         if dtype is None and out is None and where is None:
             return self._reduce(axis, "mean", keepdims)
         return NUMPY[np.mean](self, axis, dtype, out, keepdims, where=where)

@@ -151,3 +151,28 @@ def test_index_errors_name_the_index_at_fault():
     # (a mask: casting it to int32 would write rows 0 and 1, so the advice is sf.where or np.nonzero, a review)
     with pytest.raises(TypeError, match=r"a boolean mask .* sf.where\(mask\[:, None\], value, x\)"):
         sf.jit(lambda c: c.at[np.array([True, False, True, False])].set(0.0), mesh=mesh())(x)
+
+
+@pytest.mark.parametrize("dtype", ["int32", "bool"])
+def test_integer_and_boolean_arrays_at_index_arrays(dtype):
+    """A probe: x.at[ids].add(v) of an int32 array raised "sf.scatter_add: values must be floats"; int32
+    and bool rows are written through a float64 scatter (exact), int64 refused clearly.  Against NumPy."""
+    mesh = sf.DeviceMesh(2, backend="numpy")
+    x = (np.random.default_rng().integers(-9, 9, (4, 6)) % (2 if dtype == "bool" else 99)).astype(dtype)
+    v = np.ones((), dtype) * 3 if dtype != "bool" else np.bool_(True)
+    ids, cols = np.array([1, 3, 1, 7]), np.array([0, 5, 2, 2])
+
+    def numpy_add(x, *key):
+        out = x.copy()
+        keep = key[0] < x.shape[0]
+        np.add.at(out, tuple(k[keep] for k in key), v) if dtype != "bool" else np.logical_or.at(out, tuple(k[keep] for k in key), v)
+        return out
+    got = sf.jit(lambda a: a.at[ids].add(v), mesh=mesh)(x)
+    assert got.dtype == x.dtype
+    np.testing.assert_array_equal(np.asarray(got), numpy_add(x, ids))
+    np.testing.assert_array_equal(np.asarray(sf.jit(lambda a: a.at[ids, cols].add(v), mesh=mesh)(x)), numpy_add(x, ids, cols))
+    want = x.copy()
+    want[ids[:2], cols[:2]] = v
+    np.testing.assert_array_equal(np.asarray(sf.jit(lambda a: a.at[ids[:2], cols[:2]].set(v), mesh=mesh)(x)), want)
+    with pytest.raises(TypeError, match=r"x.at\[...\] at index arrays of the int64 array"):
+        sf.jit(lambda a: a.at[ids].add(1), mesh=mesh)(x.astype(np.int64))
