@@ -277,3 +277,13 @@ def test_numpy_scalars_and_lists_as_static_arguments_of_sf_array_ops():
     for got, want in cases:
         assert got.dtype == want.dtype and got.shape == want.shape
         np.testing.assert_allclose(np.asarray(got), want, rtol=1e-14)
+
+
+@pytest.mark.parametrize("dtype", ["int32", "int64"])
+def test_abs_of_the_least_integer_wraps_as_numpy(dtype):
+    """A probe: abs was relu(x) + relu(-x), and -INT_MIN wraps to INT_MIN, so |INT_MIN| came out 0."""
+    x = np.array([np.iinfo(dtype).min, -5, 5, 0, np.iinfo(dtype).max], dtype)
+    for f in (abs, np.abs):
+        got = sf.jit(f, mesh=sf.DeviceMesh(2, backend="numpy"))(x)
+        assert got.dtype == x.dtype
+        np.testing.assert_array_equal(np.asarray(got), np.abs(x))
