@@ -102,7 +102,7 @@ class CupyNcclBackend:
             if x.flags.c_contiguous:
                 return x
             with cupy.cuda.Device(x.device.id), self.dev.main_of[x.device.id]:
-                return cupy.ascontiguousarray(x)
+                return cupy.ascontiguousarray(x).reshape(x.shape)  # (0-d stays 0-d: CuPy's, as NumPy's, is 1-d)
         return self.to_device([x])[0]
 
     def copy(self, x):

@@ -57,8 +57,8 @@ class NumpyLocalBackend:
     def to_host(self, bufs):
         return [np.array(b, copy=True) for b in bufs]
 
-    def ascontiguous(self, x):
-        return np.ascontiguousarray(x)
+    def ascontiguous(self, x):  # (NumPy's of a 0-d array is 1-d: an unpickled step count came back [1], a probe)
+        return np.ascontiguousarray(x).reshape(np.shape(x))
 
     def copy(self, x):
         return np.array(x, copy=True, order="C")

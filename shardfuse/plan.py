@@ -114,6 +114,7 @@ class Plan:
         repeat = as_int(repeat, "plan.profile repeat=", minimum=1)  # (0 would profile nothing, silently)
         if any(tree.is_container(a) for a in args):  # the jitted function's pytrees: their leaves
             args = tuple(tree.leaves(args))
+        args = tuple(on_root(a, self.program.mesh) for a in args)  # (a stage's sf.Array, as a call takes it: a probe)
         exe, args = self.executable, self._with_constants(args, None)[0]  # (the constants: bound by the plan)
         timeline = Timeline.from_records(exe, profile_steps(exe, args, repeat, nvtx), rank=self.program.mesh.rank)
         mesh = self.program.mesh

@@ -120,6 +120,7 @@ def reduced_axes(axis, ndim: int, shape) -> tuple:
 
 def is_spec_tuple(x) -> bool:
     """A (shape, dtype[, sharding]) tuple, which lower() reads as one TensorSpec, not as a pytree."""
-    return (type(x) is tuple and len(x) in (2, 3) and isinstance(x[0], (tuple, list, int, np.integer))
-            and all(isinstance(n, (int, np.integer)) for n in np.atleast_1d(x[0]).tolist() if x[0] != ())
-            and isinstance(x[1], (str, np.dtype, type)))
+    if type(x) is not tuple or len(x) not in (2, 3) or not isinstance(x[1], (str, np.dtype, type)):
+        return False
+    shape = x[0] if isinstance(x[0], (tuple, list)) else (x[0],)  # (read element by element: an optax state's
+    return all(isinstance(n, (int, np.integer)) for n in shape)    # tuple of named tuples broke np.atleast_1d)

@@ -116,3 +116,20 @@ def test_state_dict_keys_name_the_leaves():
     assert {v.name: v.type.shape for v in two.program.inputs} == {"p_a_b_2": (4,), "p_a_b": (3,)}
     g = sf.jit(sf.grad(lambda p, x: (x @ p["fc1.weight"]).sum()), mesh=mesh)({"fc1.weight": p["fc1.weight"]}, x)
     np.testing.assert_allclose(np.asarray(g["fc1.weight"]), np.broadcast_to(x.sum(0)[:, None], (8, 4)), rtol=1e-13)
+
+
+def test_a_resumed_step_count_stays_0_d_and_optax_like_states_are_pytrees():
+    """A Megatron probe: a 0-d sf.Array unpickled, then donated, came back holding [1] (NumPy's and CuPy's
+    ascontiguousarray of a 0-d array is 1-d); and lower() read a 3-tuple of named tuples (an optax chain's
+    state) as a (shape, dtype, sharding) spec and crashed inside np.atleast_1d."""
+    import collections
+    import pickle
+
+    mesh = sf.DeviceMesh(2, backend="numpy")
+    count = pickle.loads(pickle.dumps(sf.replicate(np.zeros((), np.int32), mesh=mesh)))
+    out = sf.jit(lambda c: c + 1, mesh=mesh, donate_argnums=0)(count)
+    assert out.shape == () and np.asarray(out).shape == () and int(np.asarray(out)) == 1
+    State = collections.namedtuple("State", "mu nu")
+    state = (State(np.ones(4), np.zeros(4)), State(np.ones(2), np.ones(2)), State(np.zeros(1), np.zeros(1)))
+    plan = sf.jit(lambda s: s[0].mu + s[1].nu.sum(), mesh=mesh).lower(state)
+    np.testing.assert_array_equal(np.asarray(plan(state)), np.ones(4) + 2)

@@ -237,3 +237,13 @@ def test_an_embeddings_gradient_comes_back_by_its_rows(mesh, r=None):
         got = g(p, ids)
         np.testing.assert_allclose(np.asarray(got["wte"]), want, rtol=1e-12, atol=1e-12)
         np.testing.assert_allclose(np.asarray(got["w"]), x.reshape(-1, 8).T @ (2 * y).reshape(-1, 8), rtol=1e-12)
+
+
+def test_a_plan_profiles_with_stage_placed_arguments(mesh):
+    """A Megatron probe: plan.profile refused the stage-placed weight the call takes ("plan expects
+    layout ('R', 'S(1)'), got ('R', 'R', 'S(1)')")."""
+    s0, s1 = stages(mesh)
+    w = sf.distribute(np.ones((4, 4)), s0, sf.P(None, "tp"))
+    f = sf.jit(lambda w, x: sf.to_mesh(x @ w, s1, placements=sf.P("dp", "tp")), mesh=mesh)
+    timeline = f.lower(w, np.ones((4, 4))).profile(w, np.ones((4, 4)))
+    assert {e.step for e in timeline.events} and {d for e in timeline.events for d in e.devices} <= set(range(8))
