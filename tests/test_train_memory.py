@@ -35,7 +35,8 @@ def state(rng, hidden, batch, seq, dtype="bfloat16"):
     return p, {k: np.zeros_like(a) for k, a in p.items()}, {k: np.zeros_like(a) for k, a in p.items()}, x, t
 
 
-@pytest.mark.parametrize("fuse, was, most", [("1", 62265856, 24128512), ("0", 71177216, 51191808)])
+# (+ 4 bytes fused since 16-bit sums are float32 until rounded once: the loss's 0-d partial)
+@pytest.mark.parametrize("fuse, was, most", [("1", 62265856, 24128516), ("0", 71177216, 51191808)])
 def test_the_benchmark_step_plans_far_less(monkeypatch, fuse, was, most):
     """Bytes made once, per device (x 256: 14.8 -> 5.75 GiB fused, 16.9 -> 12.2 GiB unfused); about
     two float32 [4, 32, 128, 128] score buffers (exp and probabilities, kept for the backward) and

@@ -118,21 +118,35 @@ def bucket_allreduces(prog):
 def _final_reads_last(prog) -> list:
     """The top-level steps moved to the end of the program, each with its Allocate, that read an
     Allreduce's result and make a value no step reads (a reduced bfloat16 gradient cast to its
-    float32 parameter's dtype: only returned).  Where it stood it would be the first read of the
-    result and close its bucket at once: each such gradient alone in its bucket, waited for at
-    once (a review: 6 blocking Allreduces where float32 gradients shared 2 buckets).  Moved later,
-    it reads the same values: nothing after it writes what it reads; and only a step that alone
-    writes its result (not one of a Copy and a DynamicUpdateSlice writing one buffer, a review)."""
+    float32 parameter's dtype: only returned), or chains of them and their views (a 16-bit sum
+    reduced in float32, cast to bfloat16, viewed, cast to float32).  Where it stood it would be the
+    first read of the result and close its bucket at once: each such gradient alone in its bucket,
+    waited for at once (a review: 6 blocking Allreduces where float32 gradients shared 2 buckets).
+    Moved later, it reads the same values: nothing after it writes what it reads; and only a step
+    that alone writes its result (not one of a Copy and a DynamicUpdateSlice writing one buffer)."""
     instrs = prog.instrs
     reduced = {i.into for i in instrs if i.op == Op.ALLREDUCE}
-    reads = Counter(v for i in walk(instrs) for v in i.ins)
+    readers: dict = {}
+    for k, i in enumerate(instrs):
+        for v in {v for j in walk([i]) for v in j.ins}:
+            readers.setdefault(v, set()).add(k)
     written = Counter(i.into for i in walk(instrs) if i.into is not None)
     alloc_at = {i.outs[0]: k for k, i in enumerate(instrs) if i.op == Op.ALLOCATE}
-    moved = set()
+    made = {}  # position -> the value the step makes, for the steps that may move
     for k, i in enumerate(instrs):
-        if (i.op not in PASSIVE and not i.body and not i.outs and i.into in alloc_at and not reads[i.into]
-                and written[i.into] == 1 and reduced & set(i.ins) and all(written[v] <= 1 for v in i.ins)):
-            moved |= {alloc_at[i.into], k}
+        if i.op in VIEWS and len(i.outs) == 1:
+            made[k] = i.outs[0]
+        elif (i.op not in PASSIVE and not i.body and not i.outs and i.into in alloc_at and written[i.into] == 1
+              and all(written[v] <= 1 for v in i.ins)):
+            made[k] = i.into
+    moved = set(made)
+    while True:  # (the steps whose values only moved steps read, each reading a reduced or a moved one's value)
+        ours = reduced | {made[k] for k in moved}
+        keep = {k for k in moved if not readers.get(made[k], set()) - moved and ours & set(instrs[k].ins)}
+        if keep == moved:
+            break
+        moved = keep
+    moved |= {alloc_at[made[k]] for k in moved if made[k] in alloc_at}
     return [i for k, i in enumerate(instrs) if k not in moved] + [instrs[k] for k in sorted(moved)]
 
 
