@@ -130,6 +130,14 @@ def scattered(x, v):
     return v if dtypes.is_float(x.dtype_name) else v.astype("float64")
 
 
+def unscattered(x, total):
+    """A scatter's float64 total of int32 values back in x's dtype, wrapped as NumPy's int32 sums wrap (the sum
+    is exact in float64; a cast of one beyond int32 saturated, a review); others cast as they are."""
+    if x.dtype_name == "int32":
+        total = (total + 2.0 ** 31) % 2.0 ** 32 - 2.0 ** 31
+    return total.astype(x.dtype_name)
+
+
 def _unmerged(x, xm, perm):
     return xm.reshape(tuple(x.shape[a] for a in perm)).transpose(tuple(int(j) for j in np.argsort(perm)))
 
@@ -176,7 +184,7 @@ def at_set(x, spec, v, *ids):
     mask = inside.reshape(shape + (1,) * (xm.ndim - 1))
     written = scatter_add(flat, where(mask, scattered(x, _value_first(x, axes, v, shape)), 0), xm.shape[0])
     hit = scatter_add(flat, mask.astype("float32"), xm.shape[0]) > 0
-    return _unmerged(x, where(hit, written.astype(x.dtype), xm), perm)
+    return _unmerged(x, where(hit, unscattered(x, written), xm), perm)
 
 
 def at_add(x, spec, v, *ids):
@@ -190,7 +198,7 @@ def at_add(x, spec, v, *ids):
     xm, flat, inside, perm, shape = _merged(x, axes, ids)
     vf = scattered(x, _value_first(x, axes, v, shape))
     added = scatter_add(flat, where(inside.reshape(shape + (1,) * (xm.ndim - 1)), vf, 0), xm.shape[0])
-    return _unmerged(x, xm + added.astype(x.dtype), perm)
+    return _unmerged(x, xm + unscattered(x, added), perm)
 
 
 def at_get(x, spec, *ids):

@@ -50,6 +50,8 @@ def take(table, ids, axis=0):
     if isinstance(axis, bool) or not isinstance(axis, (int, np.integer)):
         raise TypeError(f"sf.take: axis must be an int, got {axis!r} (for np.take's axis=None, take from "
                         "table.reshape(-1))")
+    if isinstance(ids, (int, np.integer)) and not isinstance(ids, (bool, np.bool_)):  # (one id, as np.take's: a
+        ids = np.asarray(ids, np.int64)  # 0-d array; a NumPy int is static outside jit now, a review)
     return _run(_take, Op.TAKE, (table, ids, int(axis)), "np.take")
 
 

@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from shardfuse.at_arrays import array_key, at_add, at_get, at_set, scattered
+from shardfuse.at_arrays import array_key, at_add, at_get, at_set, scattered, unscattered
 from shardfuse.ir import TensorType
 from shardfuse.ops import Op
 from shardfuse.promotion import scalar_value
@@ -264,7 +264,7 @@ def _at_ids_add(x, ids, v):
     v = broadcast_to(cast(x.builder.constant(np.asarray(v, x.dtype) if not isinstance(v, Traced) else v),
                           x.dtype_name), shape)
     inside = ((ids >= -n) & (ids < n)).reshape(ids.shape + (1,) * (x.ndim - 1))
-    return x + scatter_add(ids, where(inside, scattered(x, v), 0), n).astype(x.dtype_name)
+    return x + unscattered(x, scatter_add(ids, where(inside, scattered(x, v), 0), n))
 
 
 def _at_ids_get(x, ids):

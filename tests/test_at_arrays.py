@@ -176,3 +176,23 @@ def test_integer_and_boolean_arrays_at_index_arrays(dtype):
     np.testing.assert_array_equal(np.asarray(sf.jit(lambda a: a.at[ids[:2], cols[:2]].set(v), mesh=mesh)(x)), want)
     with pytest.raises(TypeError, match=r"x.at\[...\] at index arrays of the int64 array"):
         sf.jit(lambda a: a.at[ids].add(1), mesh=mesh)(x.astype(np.int64))
+
+
+def test_int32_sums_at_repeated_ids_wrap_as_numpy():
+    """A review: int32 values summed at repeated ids beyond int32's range came back saturated (the float64
+    scatter's exact sum cast); they wrap as np.add.at's int32 sums.  Also np.take of one NumPy int id."""
+    mesh = sf.DeviceMesh(2, backend="numpy")
+    r = np.random.default_rng()
+    x = r.integers(-2**31, 2**31, (3, 2)).astype(np.int32)
+    ids, cols = r.integers(0, 3, 6), r.integers(0, 2, 6)
+    v = r.integers(-2**31, 2**31, (6, 2)).astype(np.int32)
+    want = x.copy()
+    np.add.at(want, ids, v)
+    np.testing.assert_array_equal(np.asarray(sf.jit(lambda a: a.at[ids].add(v), mesh=mesh)(x)), want)
+    want = x.copy()
+    np.add.at(want, (ids, cols), v[:, 0])
+    np.testing.assert_array_equal(np.asarray(sf.jit(lambda a: a.at[ids, cols].add(v[:, 0]), mesh=mesh)(x)), want)
+    np.testing.assert_array_equal(np.asarray(sf.jit(lambda a: a.at[np.array([0, 0])].add(2**30), mesh=mesh)(
+        np.zeros(2, np.int32))), [-2**31, 0])
+    a = sf.distribute(np.array([0.5, -1.25, 3.0, 2.0]), mesh, ("DIDx",))
+    assert float(np.asarray(np.take(a, np.int64(2)))) == 3.0 and float(np.asarray(np.take(a, -1))) == 2.0

@@ -238,7 +238,8 @@ SHARDED_COLLECTIVES = {
     ("layer_norm", "1d"): {"allreduce": 2}, ("layer_norm", "2d"): {"allreduce": 2},  # mean and variance
     ("rms_norm", "1d"): {"allreduce": 1}, ("rms_norm", "2d"): {"allreduce": 1},
     # the sum of exponentials and the target logit over tp, and on the 2x2 mesh the mean over dp's tokens
-    ("cross_entropy_onehot", "1d"): {"allreduce": 3},
+    # (on the 1-D mesh the two sums share one bucket: the loss's mean, their only reader, goes after them)
+    ("cross_entropy_onehot", "1d"): {"allreduce": 2},
     ("cross_entropy_onehot", "2d"): {"allreduce": 4},
 }
 
@@ -251,10 +252,15 @@ def lowered(name, kind, dtype="float64"):
 
 
 def allreduced_sizes(plan) -> list:
-    """The global element count of every Allreduce's result, read from the plan's Allocate lines."""
+    """The global element count of every Allreduce's result, read from the plan's Allocate lines; of a
+    bucketed one (several values in one buffer), each member's, read from its box of the bucket."""
     text = str(plan)
     sizes = []
-    for out in re.findall(r"= Allreduce (\w+) <-", text):
+    for out, src in re.findall(r"= Allreduce (\w+) <- (\w+)", text):
+        members = re.findall(rf"\w+_box: \w+\[(\d+)\][^=]*= SliceArray {src}, begin", text)
+        if members:
+            sizes += [int(n) for n in members]
+            continue
         shape = re.search(rf"\b{out} = Allocate \w+\[([^\]]*)\]", text).group(1)
         sizes.append(math.prod(int(s.split(":")[0]) for s in shape.split(", ") if s) if shape else 1)
     return sizes
