@@ -1059,3 +1059,23 @@ def test_issue31_strided_box_into_a_gemm_and_the_ring_with_a_bias(mesh, dtype):
     check(f(x, w).gather(), f64(x)[:, 1::2] @ f64(w).T, dtype)
     g = sf.jit(lambda x, w, b: sf.stream(sf.shard(x, axis=0)[:, :8] @ w.T + b, axis=0, algorithm="ring"), mesh=mesh)
     check(g(x, w, b).gather(), f64(x)[:, :8] @ f64(w).T + f64(b), dtype)
+
+
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+def test_16_bit_sums_in_float32_rounded_once(mesh, dtype):
+    """traced._reduce's 16-bit sums: float32 until the end (Sum of a 16-bit input into float32: bfloat16
+    read through its bits, never summed as uint16), over a sharded axis and several axes, means scaled
+    in float32; against NumPy's float32 sum rounded once, bit for bit."""
+    import ml_dtypes
+
+    d = len(mesh.devices)
+    np16 = ml_dtypes.bfloat16 if dtype == "bfloat16" else np.float16
+    x = (rng().standard_normal((4 * d, 6)) * 50).astype(np16)
+    x32 = x.astype(np.float32)
+    cases = [(lambda a: sf.shard(a, axis=0).sum(), x32.sum()), (lambda a: sf.shard(a, axis=0).sum(0), x32.sum(0)),
+             (lambda a: sf.shard(a, axis=0).mean(), x32.mean()), (lambda a: (sf.shard(a, axis=0) * 2).sum(1), (x32 * 2).sum(1)),
+             (lambda a: a.sum(), x32.sum()), (lambda a: a.mean(1), x32.mean(1))]
+    for f, want in cases:
+        got = sf.jit(f, mesh=mesh)(x)
+        assert got.dtype == np.dtype(np16)
+        np.testing.assert_array_equal(np.asarray(got).astype(np.float32), np.asarray(want, np.float32).astype(np16).astype(np.float32))

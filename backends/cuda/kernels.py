@@ -308,7 +308,19 @@ def bind_elementwise(dev, kernels, op, a, b, out, stream, scalar=None):
 
 def bind_sum(dev, kernels, a, axis, out, stream, scale=1.0):
     """Step: out = a.sum(axis) * scale; 16-bit reduced in float32 and scaled there, rounded once (a
-    float16 mean whose sum would overflow float16 does not)."""
+    float16 mean whose sum would overflow float16 does not), or kept in float32 (traced._reduce's
+    16-bit sums: float32 until the end; bfloat16 read through its bits, never summed as uint16)."""
+    if a.dtype in ("bfloat16", "float16") and out.dtype == "float32":
+        kern = kernels.bf16_sum(to_float32=True) if a.dtype == "bfloat16" else None
+
+        def wide(j, x, o):
+            if kern is None:
+                cupy.sum(x, axis=axis, dtype=cupy.float32, out=o)
+            else:
+                kern(x, o, axis=axis)
+            if scale != 1.0:
+                cupy.multiply(o, scale, out=o)
+        return dev.per_device((a, out), stream, wide)
     if out.dtype == "bfloat16":
         if scale == 1.0:
             kern = kernels.bf16_sum()
