@@ -195,16 +195,14 @@ def _lower_move(x, y, namer, mesh):
 
     A, B = src.mesh.devices, dst.mesh.devices
     if "several" in (s_ax, d_ax):  # (a stage of several mesh axes: dp x tp)
-        ndim = y.type.ndim
-        if d_ax is None:  # gathered whole where it is, then moved
-            mid = Value(namer(f"{x.name}_whole"), x.type.with_layout(Layout((None,) * ndim, mesh=x.type.layout.mesh)))
-            return out + _lower_set(cur, mid, namer, mesh) + _lower_move(mid, y, namer, mesh)
+        def whole(v):  # (v's value replicated on v's mesh)
+            return Value(namer(f"{x.name}_whole"), v.type.with_layout(Layout((None,) * v.type.ndim, mesh=v.type.layout.mesh)))
         if s_ax is None:  # moved whole, then each device's block cut
-            there = Value(namer(f"{x.name}_whole"), y.type.with_layout(Layout((None,) * ndim, mesh=y.type.layout.mesh)))
+            there = whole(y)
             return out + _lower_move(cur, there, namer, mesh) + _lower_set(there, y, namer, mesh)
-        steps = _move_blocks(cur, y, src, dst, namer, mesh, move)
+        steps = None if d_ax is None else _move_blocks(cur, y, src, dst, namer, mesh, move)
         if steps is None:  # gathered whole where it is, then moved
-            mid = Value(namer(f"{x.name}_whole"), x.type.with_layout(Layout((None,) * ndim, mesh=x.type.layout.mesh)))
+            mid = whole(x)
             steps = _lower_set(cur, mid, namer, mesh) + _lower_move(mid, y, namer, mesh)
         return out + steps
     have, want = _holders(src, s_ax), _holders(dst, d_ax)
