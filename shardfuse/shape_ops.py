@@ -111,6 +111,8 @@ def getitem(x: Traced, key):
         attrs = {"begin": begin, **({"step": step} if any(s != 1 for s in step) else {})}
         v = x.builder.emit(Op.SLICE_ARRAY, (x,), TensorType(box, x.dtype_name), x.value.name + "_s", **attrs)
     shape = tuple(1 if k is None else len(range(*k)) for k in idx if not _is_int(k))
+    if 0 in shape and shape != v.shape:  # (an empty box's view: Traced.reshape's empty constant)
+        return v.reshape(shape)
     if shape != v.shape or v is x:  # ints drop their axes, None adds one: a view (x[:] a new value, as
         # NumPy's view and JAX's: an annotation of it starts afresh instead of composing with x's)
         v = v.builder.emit(Op.RESHAPE, (v,), TensorType(shape, v.dtype_name), v.value.name + "_r", shape=shape)

@@ -299,8 +299,7 @@ class Traced(NumpyMethods):
         summed = kind in (Op.SUM, "mean")
         v = self.astype("int64" if kind == Op.SUM else "float64") if summed and not dtypes.is_float(self.dtype_name) \
             else self  # (NumPy's dtypes of integer sums and means)
-        wide = "float32" if summed and self.dtype_name in ("float16", "bfloat16") else None  # (rounded once at the end:
-        # each axis' sum and each device's part was, so the result hung on the sharding, a probe)
+        wide = "float32" if summed and self.dtype_name in ("float16", "bfloat16") else None  # (rounded once, a probe)
         for ax in sorted(axes, reverse=True):  # the last first: no renumbering
             n, attrs = v.shape[ax], {}
             out = TensorType(v.shape[:ax] + v.shape[ax + 1:], wide or v.dtype_name)
@@ -338,10 +337,12 @@ class Traced(NumpyMethods):
         if shape.count(-1) == 1:  # (beside an extent 0 it stays -1, refused: NumPy refuses too, any extent fits)
             known = int(np.prod([s for s in shape if s != -1]))
             shape = tuple(size // known if s == -1 and known else s for s in shape)
-        if int(np.prod(shape)) != size or any(s < 1 for s in shape):
+        if int(np.prod(shape)) != size or any(s < (0 if size == 0 else 1) for s in shape):
             raise ValueError(f"cannot reshape {self.shape} ({size} elements) to {shape}, the value {self.value.name}"
-                             + (": -1 is ambiguous beside an extent 0" if -1 in shape else ""))
-        out = TensorType(tuple(int(s) for s in shape), self.dtype_name)
+                             + (": -1 is ambiguous beside an extent 0" if -1 in shape and 0 in shape else ""))
+        if size == 0:  # (no elements: an empty constant of the new shape, x[2:][None] as NumPy's, a probe)
+            return self.builder.constant(np.zeros(shape, dtypes.np_dtype(self.dtype_name)))
+        out = TensorType(shape, self.dtype_name)
         return self.builder.emit(Op.RESHAPE, (self,), out, self.value.name + "_r", shape=out.shape)
 
     # JAX's functional updates, x.at[idx].set(v) / .add(v) / .get(), and x[idx] = v's refusal: update_slice.py
@@ -352,9 +353,8 @@ class Traced(NumpyMethods):
 
 
 class ConcretizationError(TypeError):
-    """A traced value used where Python needs its numbers (bool(), int(), float(), np.asarray,
-    a loop over it) inside sf.jit, as JAX's ConcretizationTypeError: the message names the value
-    and what to write instead."""
+    """A traced value used where Python needs its numbers (bool(), int(), float(), np.asarray, a loop over
+    it) inside sf.jit, as JAX's ConcretizationTypeError: the message names the value and what to write."""
 
 
 _NUMBER = ("a number computed inside sf.jit is known only after the call: return it and read the result (np.asarray"

@@ -287,3 +287,21 @@ def test_abs_of_the_least_integer_wraps_as_numpy(dtype):
         got = sf.jit(f, mesh=sf.DeviceMesh(2, backend="numpy"))(x)
         assert got.dtype == x.dtype
         np.testing.assert_array_equal(np.asarray(got), np.abs(x))
+
+
+def test_empty_values_reshape_and_gain_axes():
+    """A probe: x[2:] of a [2, 4] value is empty, (0, 4), and its sum runs, but x[2:][None], np.stack of it,
+    a reshape to a shape with 0 and a gradient through it raised (an IndexError inside the reshape rule).
+    Against NumPy; an empty reshape is an empty constant (no elements to move)."""
+    mesh = sf.DeviceMesh(2, backend="numpy")
+    x = np.random.default_rng().standard_normal((2, 4))
+    for f in (lambda a: a[2:][None], lambda a: np.stack([a[2:], a[2:]]), lambda a: a[2:].reshape(-1),
+              lambda a: a[2:].reshape(-1, 4, 1), lambda a: a[2:].sum(1, keepdims=True),
+              lambda a: np.concatenate([a[2:], a]), lambda a: np.tile(a[2:], 2)):
+        got = sf.jit(f, mesh=mesh)(x)
+        assert got.shape == f(x).shape
+        np.testing.assert_array_equal(np.asarray(got), f(x))
+    g = sf.jit(sf.grad(lambda a: (np.concatenate([a[2:], a]) ** 2).sum() + a[2:].sum()), mesh=mesh)(x)
+    np.testing.assert_allclose(np.asarray(g), 2 * x, rtol=1e-14)
+    with pytest.raises(ValueError, match="-1 is ambiguous beside an extent 0"):
+        sf.jit(lambda a: a[2:].reshape(0, -1), mesh=mesh)(x)
