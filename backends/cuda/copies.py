@@ -145,7 +145,7 @@ def _strided_blocks(kernels, x, o, main):
     """x as a new contiguous buffer on GPU o, by one pre-bound kernel launch on `main` when x
     is blocks at two strides (copies.two_strides; kernels.strided_blocks), else None."""
     got = two_strides(x)
-    if got is None:
+    if got is None or x.size == 0:  # (no launch of an empty grid)
         return None
     a, sa, c, sc, width = got
     out = cupy.empty(x.shape, x.dtype)
