@@ -93,7 +93,8 @@ def run(fn, args: tuple, key, name: str):
         raise NotImplementedError(f"{name} of an sf.Array placed on the sub-mesh {mesh} under MPI: operations outside "
                                   "sf.jit run on whole meshes there; jit on the whole mesh and place the value on the "
                                   "sub-mesh inside it (sf.to_mesh, or sf.shard / sf.replicate with mesh=)")
-    specs = tuple(a.spec if isinstance(a, ArrayOps) else TensorSpec(*_shape_dtype(a)) for a in args)
+    specs = tuple(a.spec if isinstance(a, ArrayOps) else TensorSpec(*_shape_dtype(a), weak=type(a) is float)
+                  for a in args)  # (a Python float passed as an operand: weak, as sf.jit's argument)
     exe = _plans_of(mesh).get((key, specs), lambda: Executable(
         compile_program(trace.trace(fn, mesh, specs, streams=1, name=name))))
     ((lay, shards, whole),) = exe(*args, *exe.prog.constants)  # (constants: made from shapes alone, as np.arange(n))
@@ -133,13 +134,35 @@ def constant_key(c):
     return float(c).hex() if isinstance(c, (float, np.floating)) else c
 
 
+BAKED_FLOATS = 4  # distinct Python floats baked into one op's plans before it takes them as an operand
+
+
+def _varies(fn, side, x, c) -> bool:
+    """Whether the Python float c beside sf.Array x, at op fn's operand `side`, is one of more than
+    BAKED_FLOATS values met there (an eager learning-rate schedule's lr * g): then it is the plan's weak
+    0-d operand, one plan for every value as in JAX, where each new baked value compiled a plan (~0.7 ms)."""
+    if type(c) is not float or fn not in (operator.add, operator.sub, operator.mul, operator.truediv):
+        return False
+    seen = _plans_of(x.mesh).scalars
+    met = seen.setdefault((fn, side, x.spec), set())
+    if len(met) <= BAKED_FLOATS:
+        met.add(constant_key(c))
+    if len(seen) > MAX_PLANS:  # (bounded as the plans are)
+        seen.clear()
+    return len(met) > BAKED_FLOATS
+
+
 def binary(fn, a, b):
-    """fn(a, b) (an operator), one operand an sf.Array; the other an sf.Array, a plain array or
-    a scalar (baked into the plan, as inside sf.jit: each new value compiles once)."""
+    """fn(a, b) (an operator), one operand an sf.Array; the other an sf.Array, a plain array or a scalar
+    (baked into the plan, as inside sf.jit; a Python float that keeps changing at + - * /: an operand)."""
     name = fn.__name__
     if is_weak_scalar(b) and fn is not operator.matmul:  # (keyed with its type: 1, 1.0 and True differ)
+        if _varies(fn, 1, a, b):
+            return run(lambda x, s: fn(x, s), (a, b), (fn, 1, "operand"), name)
         return run(lambda x: fn(x, b), (a,), (fn, 1, type(b).__name__, constant_key(b)), name)
     if is_weak_scalar(a) and fn is not operator.matmul:
+        if _varies(fn, 0, b, a):
+            return run(lambda s, x: fn(s, x), (a, b), (fn, 0, "operand"), name)
         return run(lambda x: fn(a, x), (b,), (fn, 0, type(a).__name__, constant_key(a)), name)
     if not (_is_operand(a) and _is_operand(b)):
         return NotImplemented

@@ -27,6 +27,7 @@ class PlanCache:
         # one dict (array_ops: one cache per mesh, one report).
         self.stats = {"compiled": 0, "reused": 0} if stats is None else stats
         self.plans: OrderedDict = OrderedDict()  # key -> plan, least recently used first
+        self.scalars: dict = {}  # array_ops.binary: (op, side, operand spec) -> the Python floats baked there
 
     def get(self, key, make: Callable[[], Any]):
         """The plan for `key`, now the most recently used: the one kept, else make()'s, kept."""
