@@ -97,6 +97,9 @@ class Timeline:
         (profile(repeat=N) records N; their spans are what predict() gives for one)."""
         per: dict = {}
         events = self.events if call is None else [e for e in self.events if e.call == call]
+        if call is not None and not events and self.events:  # (an all-zero "perfect" report of no call, a probe)
+            calls = sorted({e.call for e in self.events})
+            raise ValueError(f"summary(call={call!r}): this timeline recorded calls {calls[0]}..{calls[-1]}")
         for e in events:
             for d in e.devices:
                 per.setdefault((e.rank, d), []).append(e)

@@ -70,7 +70,8 @@ def test_each_profiled_call_has_its_own_figures():
     calls = [tl.summary(call=k) for k in range(3)]
     assert all(c["steps"] == len(plan.executable.steps) for c in calls)  # (one interval per step and call)
     assert sum(c["total_s"] for c in calls) <= tl.summary()["total_s"]  # calls run one after another
-    assert tl.summary(call=3) == {**tl.summary(call=3), "steps": 0, "total_s": 0.0, "device": None}
+    with pytest.raises(ValueError, match="recorded calls 0..2"):  # (was an all-zero report: a probe)
+        tl.summary(call=3)
 
 
 def test_communication_hides_only_behind_its_own_devices_compute():
@@ -213,3 +214,12 @@ def test_cli_dtype_must_suit_the_backend(tmp_path, capsys):
     with pytest.raises(SystemExit) as e:
         main(["--dtype", "float16", "--trace", str(tmp_path / "t.json")])  # a GPU dtype, on the default numpy backend
     assert e.value.code == 2 and "--dtype float16 is not profiled on numpy" in capsys.readouterr().err
+
+
+def test_a_summary_of_a_call_not_recorded_is_refused():
+    """A probe: summary(call=5) of a timeline of two calls was all zeros with overlap efficiency 1.0."""
+    plan, a, b = seed()
+    tl = plan.profile(a, b, repeat=2)
+    assert tl.summary(call=1)["steps"] > 0
+    with pytest.raises(ValueError, match=r"summary\(call=5\): this timeline recorded calls 0..1"):
+        tl.summary(call=5)
