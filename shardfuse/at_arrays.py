@@ -174,7 +174,7 @@ def _row_values(x, axes, v):
 
 def at_set(x, spec, v, *ids):
     """x.at[...].set(v) at integer arrays (the module's docstring)."""
-    from shardfuse.take import scatter_clamped as scatter_add  # (the values masked here)
+    from shardfuse.take import scatter_clamped  # (the values masked here)
     from shardfuse.traced_numpy import where
 
     axes, by_rows = spec
@@ -182,14 +182,14 @@ def at_set(x, spec, v, *ids):
         return where(_row_mask(x, axes, ids), _row_values(x, axes, v), x)
     xm, flat, inside, perm, shape = _merged(x, axes, ids)
     mask = inside.reshape(shape + (1,) * (xm.ndim - 1))
-    written = scatter_add(flat, where(mask, scattered(x, _value_first(x, axes, v, shape)), 0), xm.shape[0])
-    hit = scatter_add(flat, mask.astype("float32"), xm.shape[0]) > 0
+    written = scatter_clamped(flat, where(mask, scattered(x, _value_first(x, axes, v, shape)), 0), xm.shape[0])
+    hit = scatter_clamped(flat, mask.astype("float32"), xm.shape[0]) > 0
     return _unmerged(x, where(hit, unscattered(x, written), xm), perm)
 
 
 def at_add(x, spec, v, *ids):
     """x.at[...].add(v) at integer arrays (repeated ids accumulate, as JAX's)."""
-    from shardfuse.take import scatter_clamped as scatter_add  # (the values masked here)
+    from shardfuse.take import scatter_clamped  # (the values masked here)
     from shardfuse.traced_numpy import where
 
     axes, by_rows = spec
@@ -197,7 +197,7 @@ def at_add(x, spec, v, *ids):
         return x + where(_row_mask(x, axes, ids), _row_values(x, axes, v), 0).astype(x.dtype)
     xm, flat, inside, perm, shape = _merged(x, axes, ids)
     vf = scattered(x, _value_first(x, axes, v, shape))
-    added = scatter_add(flat, where(inside.reshape(shape + (1,) * (xm.ndim - 1)), vf, 0), xm.shape[0])
+    added = scatter_clamped(flat, where(inside.reshape(shape + (1,) * (xm.ndim - 1)), vf, 0), xm.shape[0])
     return _unmerged(x, xm + unscattered(x, added), perm)
 
 

@@ -148,16 +148,13 @@ class DeviceMesh:
         Values placed on it live on those devices only; moving a value between sub-meshes
         lowers to SendRecv, Broadcast, Scatter or Gather.
         """
-        if isinstance(devices, (str, bytes)) or not hasattr(devices, "__iter__"):
-            raise TypeError(f"submesh() takes a sequence (or a grid) of device ids of {self} (ids {self.devices}), "
-                            f"got {devices!r}")
         try:
             grid = np.array(devices, dtype=object)
             if any(isinstance(d, (list, tuple, np.ndarray)) for d in grid.ravel()):
                 raise ValueError
         except ValueError:  # (NumPy's "inhomogeneous shape", or lists left as elements of an object array)
             raise ValueError(f"a sub-mesh's grid of device ids must be rectangular, got {devices!r}") from None
-        if grid.ndim == 0:
+        if grid.ndim == 0:  # (a number, a string, a 0-d array)
             raise TypeError(f"submesh() takes a sequence (or a grid) of device ids of {self} (ids {self.devices}), "
                             f"got {devices!r}")
         if 0 in grid.shape:

@@ -129,7 +129,8 @@ def flip(m, axis=None):
     """np.flip: the order of the elements along `axis` (an int, a tuple, None: every axis) reversed, as
     NumPy's (m[::-1] along each: a view of a whole axis, a slice with step -1)."""
     n = len(m.shape)
-    axes = range(n) if axis is None else [normalize_axis(k, n, m.shape) for k in (axis if isinstance(axis, (tuple, list)) else (axis,))]
+    given = range(n) if axis is None else axis if isinstance(axis, (tuple, list)) else (axis,)
+    axes = [normalize_axis(k, n, m.shape) for k in given]
     if len(set(axes)) != len(axes):
         raise ValueError(f"np.flip: repeated axis in axis={axis!r}")
     return m[tuple(slice(None, None, -1) if k in axes else slice(None) for k in range(n))] if n else m

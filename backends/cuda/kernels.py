@@ -311,13 +311,14 @@ def bind_sum(dev, kernels, a, axis, out, stream, scale=1.0):
     float16 mean whose sum would overflow float16 does not), or kept in float32 (traced._reduce's
     16-bit sums: float32 until the end; bfloat16 read through its bits, never summed as uint16)."""
     if a.dtype in ("bfloat16", "float16") and out.dtype == "float32":
-        kern = kernels.bf16_sum(to_float32=True) if a.dtype == "bfloat16" else None
+        if a.dtype == "bfloat16":
+            bf16 = kernels.bf16_sum(to_float32=True)
+            total = lambda x, o: bf16(x, o, axis=axis)  # noqa: E731
+        else:
+            total = lambda x, o: cupy.sum(x, axis=axis, dtype=cupy.float32, out=o)  # noqa: E731
 
         def wide(j, x, o):
-            if kern is None:
-                cupy.sum(x, axis=axis, dtype=cupy.float32, out=o)
-            else:
-                kern(x, o, axis=axis)
+            total(x, o)
             if scale != 1.0:
                 cupy.multiply(o, scale, out=o)
         return dev.per_device((a, out), stream, wide)
