@@ -305,3 +305,26 @@ def test_empty_values_reshape_and_gain_axes():
     np.testing.assert_allclose(np.asarray(g), 2 * x, rtol=1e-14)
     with pytest.raises(ValueError, match="-1 is ambiguous beside an extent 0"):
         sf.jit(lambda a: a[2:].reshape(0, -1), mesh=mesh)(x)
+
+
+def test_flip_and_16_bit_sum_gradients_against_finite_differences():
+    """np.flip inside a nonlinear loss, its gradient against float64 central differences on a 2-D mesh; a
+    16-bit sum's gradient (float32 until rounded once) is ones in the primal's dtype."""
+    import ml_dtypes
+
+    mesh = sf.DeviceMesh((2, 2), ("dp", "tp"), backend="numpy")
+    rng = np.random.default_rng()
+    x, w = rng.standard_normal((2, 4, 6))
+
+    def loss(v):
+        return (np.tanh(np.flip(sf.distribute(v, mesh, ("dp", "tp")), (0, 1))) * w).sum()
+    g = np.asarray(sf.jit(sf.grad(loss), mesh=mesh)(x))
+    f = sf.jit(loss, mesh=mesh)
+    for k in [(0, 0), (1, 3), (3, 5)]:
+        e = np.zeros_like(x)
+        e[k] = 1e-6
+        np.testing.assert_allclose(g[k], (float(f(x + e)) - float(f(x - e))) / 2e-6, rtol=1e-6, atol=1e-9)
+    b = x.astype(ml_dtypes.bfloat16)
+    gb = sf.jit(sf.grad(lambda v: sf.shard(v, axis=0, over="dp").sum().astype(np.float32)), mesh=mesh)(b)
+    assert gb.dtype == b.dtype
+    np.testing.assert_array_equal(np.asarray(gb).astype(np.float32), np.ones(b.shape, np.float32))
