@@ -115,7 +115,8 @@ def piece(dev, kernels, x, j):
         with cupy.cuda.Device(o), main:
             rows = blocks(x)
             if rows is None:
-                return _strided_blocks(kernels, x, o, main) or cupy.ascontiguousarray(x)
+                out = _strided_blocks(kernels, x, o, main)  # (None where not blocks at two strides)
+                return cupy.ascontiguousarray(x) if out is None else out
             # equal contiguous blocks a pitch apart (a device's piece of the seed layout
             # [S, D, M/(S*D), K]: S blocks): one 2-D copy on the copy engine, not a kernel
             height, width, pitch = rows
