@@ -74,8 +74,8 @@ class CupyNcclBackend:
         return self.main[j]
 
     # ---- buffers and host data ------------------------------------------------------------
-    def empty(self, shape, dtype):
-        return self.dev.empty(shape, dtype)
+    def empty(self, shape, dtype, devices=None):
+        return self.dev.empty(shape, dtype, devices)
 
     def to_device(self, pieces):
         out = []

@@ -45,11 +45,19 @@ class NumpyLocalBackend:
         self.local_index = {d: j for j, d in enumerate(self.local_devices)}
 
     # ---- buffers ----------------------------------------------------------------------
-    def empty(self, shape, dtype):
+    def empty(self, shape, dtype, devices=None):
         dt = np_dtype(dtype)
-        if POISON:
-            return [np.full(shape, poison_value(dtype), dt) for _ in self.local_devices]
-        return [np.empty(shape, dt) for _ in self.local_devices]
+        fill = poison_value(dtype) if POISON else 0
+        spare = None
+        out = []
+        for j in range(len(self.local_devices)):
+            if devices is None or j in devices:
+                out.append(np.full(shape, fill, dt) if POISON else np.empty(shape, dt))
+                continue
+            if spare is None:  # (read-only: a step writing a device's buffer it was not made for fails here)
+                spare = np.broadcast_to(np.full((), fill, dt), tuple(shape))
+            out.append(spare)
+        return out
 
     def to_device(self, pieces):
         return [np.array(p, copy=True) for p in pieces]

@@ -79,7 +79,7 @@ class BoundPlan:
     steps: tuple  # the Steps of one call, in issue order
     slots: tuple  # per slot: its persistent buffers (one per local device), or None (an input, or made per call)
     inputs: tuple  # (shape, dtype) of each input's slot, slots 0 .. len(inputs) - 1
-    per_call: tuple  # (slot, shape, dtype) of each buffer made at every call (the outputs)
+    per_call: tuple  # (slot, shape, dtype, devices) of each buffer made at every call (the outputs; devices: Backend.empty's)
 
 # ---- the protocol ----------------------------------------------------------------------------
 @runtime_checkable
@@ -92,7 +92,10 @@ class Backend(Protocol):
     ordinals: tuple | None
 
     # buffers and host data
-    def empty(self, shape, dtype): """One buffer per local device (poisoned with NaN when SHARDFUSE_POISON=1)."""
+    def empty(self, shape, dtype, devices=None):
+        """One buffer per local device (poisoned with NaN when SHARDFUSE_POISON=1); with `devices`
+        (positions j), a buffer on those only and a placeholder elsewhere: one element broadcast to
+        `shape`, no memory, never read (read-only where the array module can say so)."""
     def to_device(self, pieces): """Host pieces (one per local device) as device buffers."""
     def to_host(self, bufs): """Device buffers as host NumPy arrays (a copy, or the buffer itself on NumPy)."""
     def ascontiguous(self, x): """x itself when C-contiguous, else a contiguous copy on its device."""

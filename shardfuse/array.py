@@ -18,7 +18,7 @@ from shardfuse.layout import Layout, layout_of
 from shardfuse.mesh import DeviceMesh
 from shardfuse.dtypes import dtype_pair
 from shardfuse.pieces import Placed, device_index, global_placement, local_indices, local_pieces
-from shardfuse.spec import TensorSpec, check_axis, check_divides, normalize_axis
+from shardfuse.spec import TensorSpec, check_axis, check_divides
 from shardfuse.runtime import backend_of
 
 

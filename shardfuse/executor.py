@@ -20,14 +20,15 @@ from shardfuse import faults
 from shardfuse.runtime import backend_of
 from shardfuse.pieces import check_args, local_pieces, placement
 from shardfuse.interop import Fence, host_view, stream_identity, stream_ptr
-from shardfuse.backends.protocol import BoundPlan, Ref, block, rank_major, reshape_strides
+from shardfuse.backends.protocol import BoundPlan, Ref, block, rank_major
 from shardfuse.bind_indexed import INDEXED
+from shardfuse.bind_views import bind_view
 from shardfuse.fused_steps import bind_fused
 from shardfuse.ir import local_shape, walk
 from shardfuse.ops import COMMUNICATION, ELEMENTWISE, HOST, Op, VIEWS
 from shardfuse.passes.contiguity import comm_blocks
 from shardfuse.slabs import member_ref, poison_slabs
-from shardfuse.steps import event_key, index_of, issue_order, mesh_of
+from shardfuse.steps import event_key, issue_order, mesh_of
 from shardfuse.strides import ordered_strides
 
 log = logging.getLogger("shardfuse")
@@ -54,7 +55,10 @@ class Executable:
         self.ndev = len(backend.local_devices)
         self.refs: dict = {}
         self.slot_templates: list = []  # per slot: None (input / per call) or persistent buffers
-        self.per_call: list = []  # (slot, shape, dtype)
+        self.per_call: list = []  # (slot, shape, dtype, devices): the outputs, made at every call
+        # slot -> positions j of the local devices its values live on (a pipeline stage's buffers are
+        # made on that stage's devices only; a placeholder elsewhere)
+        self.slot_devices: dict = {}
         # The plan's steps that this backend runs, in issue order: steps.PlanStep records with
         # `run` (the backend's callable) and `devices` (this process' of the step's) filled in.
         # Steps a backend has nothing to do for (NumPy's events) and steps on none of this
@@ -84,7 +88,7 @@ class Executable:
         poison_slabs(self, prog)
         self._allocate_used(prog)
         # per output: the slot whose per-call buffers are the output as they are (no view per call), else None
-        made = {slot: shape for slot, shape, _ in self.per_call}
+        made = {slot: shape for slot, shape, _, _ in self.per_call}
         # inputs whose buffers outputs took (passes/donate.py): the output is the input's pieces
         self.donated = tuple(k for k, v in enumerate(prog.inputs) if v in set(prog.outputs))
         made.update({self.refs[prog.inputs[k]].slot: self.refs[prog.inputs[k]].shape for k in self.donated})
@@ -92,6 +96,12 @@ class Executable:
                                else None for r in (self.refs[v] for v in prog.outputs)]
         self._graph_outputs, self.calls = None, 0  # (calls run: graph-mode outputs hold until the next)
         self._out_layouts = [v.type.layout.held_by(prog.mesh) for v in prog.outputs]  # (as an sf.Array holds them)
+        self._out_spares = {}  # output -> per local device: None (its view) or a placeholder (no buffer there)
+        for v in prog.outputs:
+            made_on = self.slot_devices.get(self.refs[v].slot)
+            if made_on is not None:
+                spare = self.backend.empty(self.refs[v].shape, v.type.dtype, ())
+                self._out_spares[v] = [None if j in made_on else spare[j] for j in range(self.ndev)]
         self.accepted = set()  # hot-path cache of layout checks
         # One call at a time: the plan's persistent buffers (gather pools, scratch) and its graphs
         # are shared by every call, so two threads issuing at once would write each other's chunks.
@@ -114,13 +124,15 @@ class Executable:
         self.slot_templates.append(buffers)
         return Ref(slot, (0,) * self.ndev, tuple(shape), ordered_strides(tuple(shape), order), dtype)
 
-    def _allocate(self, shape, dtype, per_call: bool, order=None) -> Ref:
-        """A slot for one of the program's buffers: made every call (per_call), or once, after
-        binding, if a step still uses it (see _allocate_used)."""
+    def _allocate(self, v, shape, per_call: bool, order=None) -> Ref:
+        """A slot for one of the program's buffers (value v's): made every call (per_call), or once,
+        after binding, if a step still uses it (see _allocate_used)."""
+        dtype = v.type.dtype
         phys_shape = tuple(shape[o] for o in order) if order else tuple(shape)
         ref = self._new_slot(shape, dtype, None, order)
+        self._lives_on(ref.slot, v)
         if per_call:
-            self.per_call.append((ref.slot, phys_shape, dtype))
+            self.per_call.append((ref.slot, phys_shape, dtype, self.slot_devices[ref.slot]))
         else:
             self._deferred[ref.slot] = (phys_shape, dtype)
         return ref
@@ -141,7 +153,15 @@ class Executable:
                 used.update(r.slot for r in pool)
         for slot, (shape, dtype) in self._deferred.items():
             if slot in used:
-                self.slot_templates[slot] = self.backend.empty(shape, dtype)
+                self.slot_templates[slot] = self.backend.empty(shape, dtype, self.slot_devices.get(slot))
+
+    def _lives_on(self, slot, v):
+        """Note that value v's buffer is (or shares) `slot`: its devices among the local ones, None for all."""
+        mine = set(mesh_of(v).devices)
+        here = {j for j, d in enumerate(self.backend.local_devices) if d in mine}
+        if slot in self.slot_devices and self.slot_devices[slot] is not None:
+            here |= self.slot_devices[slot]
+        self.slot_devices[slot] = None if len(here) == self.ndev else frozenset(here)
 
     # ---- binding: each binder returns the instruction's step (None: it issues nothing) ----
     # `devices`: the positions j of the local devices the step runs on (steps.devices_of), which
@@ -157,18 +177,14 @@ class Executable:
             # backend as any buffer: the devices of one GPU one piece apart, so their GEMMs on a
             # pool entry can be one batched call (a (pool,) + shape buffer per device would put
             # them `pool` pieces apart)
-            self.refs[v] = tuple(self._allocate(shape, v.type.dtype, False) for _ in range(a["pool"]))
+            self.refs[v] = tuple(self._allocate(v, shape, False) for _ in range(a["pool"]))
             self.pools.append(self.refs[v])
         elif "slab" in a:  # storage shared with buffers whose lives do not overlap
             self.refs[v] = member_ref(self.slabs, self._new_slot, self._deferred, a["slab"], shape, v.type.dtype,
                                       a.get("order"))
+            self._lives_on(self.refs[v].slot, v)
         else:
-            self.refs[v] = self._allocate(shape, v.type.dtype, a.get("per_call", False), a.get("order"))
-
-    def _bind_view(self, i, env, stream, devices):
-        self.refs[i.outs[0]] = self._view(i, env)
-        if i.ins[0] in self.blocked:  # (a pool's slot)
-            self.blocked[i.outs[0]] = self.blocked[i.ins[0]]
+            self.refs[v] = self._allocate(v, shape, a.get("per_call", False), a.get("order"))
 
     def _bind_record(self, i, env, stream, devices):
         key = event_key(i.outs[0], i, env)
@@ -208,41 +224,6 @@ class Executable:
         blocks = self.blocked.get(src) or self.blocked.get(dst)
         return self.backend.bind_copy(self._in_blocks(src, blocks), self._in_blocks(dst, blocks), stream,
                                       devices=devices)
-
-    def _view(self, i, env) -> Ref:
-        op, a = i.op, i.attrs
-        src = self.refs[i.ins[0]]
-        if op == Op.SELECT:  # an entry of a pool (_bind_allocate)
-            return src[index_of(a["index"], env)]
-        if op == Op.TRANSPOSE:
-            perm = a["perm"]
-            return replace(src, shape=tuple(src.shape[p] for p in perm), strides=tuple(src.strides[p] for p in perm))
-        out_shape = local_shape(i.outs[0], self.mesh)
-        if op == Op.SLICE_ARRAY:  # the box's axes are whole on every device: its begin is local too
-            st = a.get("step", (1,) * len(src.shape))
-            offs = sum(b * s for b, s in zip(a["begin"], src.strides))
-            return replace(src, offsets=tuple(o + offs for o in src.offsets), shape=out_shape,
-                           strides=tuple(s * k for s, k in zip(src.strides, st)))
-        if op == Op.SLICE:
-            ax, idx = a["axis"], a["index"]
-            ranks = self._ranks(i.outs[0], idx.ring) if idx.ring else [0] * self.ndev  # ring: (rank - i) % D
-            offs = tuple(o + idx.eval(env, r) * out_shape[ax] * src.strides[ax] for o, r in zip(src.offsets, ranks))
-            return replace(src, offsets=offs, shape=out_shape)
-        if op == Op.SHARD_SLICE:
-            ax = a["axis"]
-            offs = tuple(o + r * out_shape[ax] * src.strides[ax]
-                         for o, r in zip(src.offsets, self._ranks(i.outs[0], a["team"])))
-            return replace(src, offsets=offs, shape=out_shape)
-        strides = reshape_strides(src.shape, src.strides, out_shape)
-        if strides is None:
-            raise NotImplementedError(f"View {i.outs[0].name}: {src.shape} -> {out_shape} needs a copy")
-        return replace(src, shape=out_shape, strides=strides)
-
-    def _ranks(self, v, team):
-        """Each local device's position along mesh axis `team` of the mesh v lives on (0 outside it)."""
-        mesh = mesh_of(v)
-        mi = mesh.axis_index(team)
-        return [mesh.coords(d)[mi] if d in mesh.devices else 0 for d in self.backend.local_devices]
 
     def _in_blocks(self, v, blocks) -> Ref:
         """v as its [D, ...] view where blocks = (axis, D) says it holds D blocks (a staging
@@ -336,8 +317,8 @@ class Executable:
                 self._graph_outputs = self._outputs(static)
             outs = self._graph_outputs
         else:
-            for slot, shape, dtype in self.per_call:
-                bufs[slot] = be.empty(shape, dtype)
+            for slot, shape, dtype, devices in self.per_call:
+                bufs[slot] = be.empty(shape, dtype, devices)
             if issue is None:
                 for step in self.steps:
                     step.run(bufs)
@@ -354,8 +335,10 @@ class Executable:
             if whole is not None:
                 shards = list(bufs[whole])
             else:
-                ref = self.refs[v]
-                shards = [self.backend.view(bufs, ref, j) for j in range(self.ndev)]
+                ref, spare = self.refs[v], self._out_spares.get(v)
+                # (a device the output's buffer was not made on holds a placeholder: no view of one)
+                shards = [self.backend.view(bufs, ref, j) if spare is None or spare[j] is None else spare[j]
+                          for j in range(self.ndev)]
             outs.append((lay, shards, whole is not None))
         return outs
 
@@ -367,7 +350,7 @@ def _no_step(self, i, env, stream, devices):  # stream switches (steps.issue_ord
 # Every host-level Op's binder (tests/test_architecture.py checks that the keys are ops.HOST).
 BIND = {
     Op.ALLOCATE: Executable._bind_allocate,
-    **{op: Executable._bind_view for op in VIEWS},
+    **dict.fromkeys(VIEWS, bind_view),  # (shardfuse/bind_views.py)
     Op.GET_STREAM: _no_step,
     Op.SET_STREAM: _no_step,
     Op.RECORD_EVENT: Executable._bind_record,

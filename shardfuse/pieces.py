@@ -149,8 +149,8 @@ def local_pieces(x, dtype: str, layout: Layout, mesh, info=None, fenced=None, wh
     out, spare = [], None
     for j, idx in enumerate(indices):
         if idx is None:  # a device outside the value's sub-mesh holds a placeholder, never read
-            if spare is None:  # (one allocation for every device's placeholder, not one each)
-                spare = be.empty(layout.local_shape(x.shape, mesh), dtype)
+            if spare is None:  # (one element broadcast: no memory of a piece's size, never read)
+                spare = be.empty(layout.local_shape(x.shape, mesh), dtype, devices=())
             out.append(spare[j])
         elif idx:
             out.append(be.piece(x[idx], j))

@@ -96,9 +96,10 @@ class Plan:
         return counts
 
     def memory(self) -> dict:
-        """Bytes per device of the plan's buffers (passes/reuse.py, memory): `persistent` (made once:
-        scratch, pools, slabs), `unshared` (what those would be with no slab shared), `per_call`
-        (the outputs, made at every call).  Inputs are the caller's and not counted."""
+        """Bytes of the plan's buffers on its most loaded device (passes/reuse.py, memory; a pipeline
+        stage's buffers are made on its devices only): `persistent` (made once: scratch, pools,
+        slabs), `unshared` (what those would be with no slab shared), `per_call` (the outputs, made
+        at every call), `device` (which).  Inputs are the caller's and not counted."""
         return memory(self.program)
 
     def profile(self, *args, repeat: int = 1, nvtx: bool = False):

@@ -2,8 +2,6 @@
 whole mesh that live on that stage: the form plans of the whole mesh take and return (jit.py, array_ops.py)."""
 from __future__ import annotations
 
-import sys
-
 from shardfuse.runtime import backend_of
 
 
@@ -23,14 +21,10 @@ def on_root(x, mesh):
     for j, d in enumerate(mesh.local_devices):
         if d not in mine and spare is None:
             local = lay.local_shape(x.shape, mesh)
-            spare = [_broadcast(t, local) for t in backend_of(mesh).empty((1,) * len(local), x.dtype_name)]
+            spare = backend_of(mesh).empty(local, x.dtype_name, devices=())
         pieces.append(mine[d] if d in mine else spare[j])
     out = type(x)(mesh, x.shape, x.dtype_name, lay, pieces, x.pieces_contiguous)
     out.weak = x.weak
     x.root_view = (mesh, x.shards, out, pieces)
     return out
 
-
-def _broadcast(t, shape):
-    """t (one element) as an array of `shape` with no memory of its own (NumPy's or CuPy's broadcast_to)."""
-    return sys.modules[type(t).__module__.split(".")[0]].broadcast_to(t, shape)

@@ -41,9 +41,9 @@ class CountingBackend(NumpyLocalBackend):
         self._count("allgather")
         return super().bind_allgather(send, recv, team, stream)
 
-    def empty(self, shape, dtype):
+    def empty(self, shape, dtype, devices=None):
         self.empties += 1
-        return super().empty(shape, dtype)
+        return super().empty(shape, dtype, devices)
 
     def view(self, bufs, ref, j):
         self.output_views += any(ref is r for r in self.outputs)  # the steps make views too
@@ -170,10 +170,10 @@ def test_devices_outside_a_sub_mesh_share_one_placeholder_allocation(monkeypatch
     t = sf.jit(lambda v: sf.to_mesh(v, mesh.submesh([2, 3]), axis=0), mesh=mesh)(a)
     be, made = backend_of(mesh), []
     real = be.empty
-    monkeypatch.setattr(be, "empty", lambda *args: made.append(args) or real(*args))
+    monkeypatch.setattr(be, "empty", lambda *args, **kw: made.append(args) or real(*args, **kw))
     pieces = local_pieces(a, "float64", t.sharding, mesh)
-    assert len(made) == 1  # devices 0 and 1 hold placeholders cut from one allocation
-    assert pieces[0].shape == pieces[1].shape == (2, 6)
+    assert len(made) == 1  # devices 0 and 1 hold placeholders of one element, broadcast
+    assert pieces[0].shape == pieces[1].shape == (2, 6) and pieces[0].strides == (0, 0)
     np.testing.assert_array_equal(np.concatenate(pieces[2:]), a)
 
 

@@ -82,10 +82,14 @@ def loud(base):
     buffer no step has written (a placeholder of a device outside a value's sub-mesh) overflows:
     a RuntimeWarning, an error where warnings are."""
     class Loud(base):
-        def empty(self, shape, dtype):
-            bufs = super().empty(shape, dtype)
-            for b in bufs:
-                b.fill(np.finfo(b.dtype).max / 4)
+        def empty(self, shape, dtype, devices=None):
+            bufs = super().empty(shape, dtype, devices)
+            big = np.finfo(bufs[0].dtype).max / 4
+            for j, b in enumerate(bufs):
+                if b.flags.writeable:
+                    b.fill(big)
+                else:  # (a placeholder: read-only, one element broadcast)
+                    bufs[j] = np.broadcast_to(np.full((), big, b.dtype), b.shape)
             return bufs
     return Loud
 
@@ -194,7 +198,8 @@ def test_no_placeholder_is_computed_on(collective):
 
 def test_the_loud_backend_would_catch_a_step_on_placeholders():
     """The check above can fail: a backend that runs every Matmul on all local devices (as every
-    step ran before) overflows on the placeholders, with the same backend and inputs."""
+    step ran before) overflows on the placeholders, or writes a buffer made only where its stage is
+    (a read-only placeholder elsewhere), with the same backend and inputs."""
     class Everywhere(loud(NumpyLocalBackend)):
         def bind_matmul(self, a, b, out, stream, devices=None):
             return super().bind_matmul(a, b, out, stream, None)
@@ -203,7 +208,7 @@ def test_the_loud_backend_would_catch_a_step_on_placeholders():
     f = pipeline(with_backend(mesh, Everywhere(mesh)))
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        with pytest.raises(RuntimeWarning, match="overflow"):
+        with pytest.raises((RuntimeWarning, ValueError), match="overflow|read-only"):
             f(*inputs(np.random.default_rng(4)))
 
 
@@ -231,3 +236,55 @@ def test_the_profile_shows_each_stage_on_its_devices():
                and n != "Gelu g <- c")
     # the summary's slowest device is one device's own steps
     assert tl.summary()["device"][1] in range(4)
+
+
+# ---- (e) each stage's buffers are made on its devices only ----------------------------------------
+def made_bytes(exe, mesh) -> dict:
+    """{local device: bytes of the plan's own persistent buffers made there}; checks that a buffer of a
+    value on a stage is a buffer on that stage's devices and a placeholder elsewhere (one element
+    broadcast, read-only: a step writing it would raise)."""
+    made = dict.fromkeys(mesh.local_devices, 0)
+    values = {i.outs[0]: i for i in exe.prog.walk() if i.op == Op.ALLOCATE}
+    for v, i in values.items():
+        refs = exe.refs[v] if isinstance(exe.refs[v], tuple) else (exe.refs[v],)
+        for ref in refs:
+            for j, d in enumerate(mesh.local_devices):
+                b = (exe.slot_templates[ref.slot] or [None] * len(made))[j]
+                if b is not None and d not in v.type.layout.mesh.devices and exe.slot_devices.get(ref.slot):
+                    assert not b.flags.writeable and not any(b.strides), (v.name, d)
+    for bufs in exe.slot_templates[len(exe.prog.inputs):]:
+        for d, b in zip(mesh.local_devices, bufs or ()):
+            made[d] += b.nbytes if b.flags.writeable else 0
+    return made
+
+
+def each_stage_buffers_on_its_devices(mesh, collective):
+    f = pipeline(mesh, collective)
+    rng = np.random.default_rng(9)
+    plan = f.lower(*inputs(rng))
+    made, m = made_bytes(plan.executable, mesh), plan.memory()
+    stage_of = {d: k for k, s in enumerate(STAGES) for d in s}
+    # plan.memory() is the most loaded device's figure, and what this process made there
+    assert m["device"] in range(4) and (m["device"] not in made or made[m["device"]] == m["persistent"]), (made, m)
+    for d in made:  # a device holds its own stage's buffers only: the same on both devices of a stage
+        twin = next(e for e in STAGES[stage_of[d]] if e != d)
+        assert made[d] <= m["persistent"] and (twin not in made or made[twin] == made[d]), made
+    # the outputs: made where the result lives, a placeholder on the other stage's devices
+    for _ in range(2):
+        args = inputs(rng)
+        out = f(*args)
+        for d, piece in zip(mesh.local_devices, out.shards):
+            assert (stage_of[d] == 1) == piece.flags.writeable, (d, piece.strides)
+        np.testing.assert_allclose(out.gather(), reference(*args, collective), rtol=2e-5, atol=1e-5)
+    return made, m
+
+
+@pytest.mark.parametrize("collective", [False, True], ids=["plain", "tensor-parallel-stage"])
+def test_each_stage_buffers_are_made_on_its_devices_only(collective):
+    """A probe: under mpiexec -n 2 a rank holding only stage 1 made stage 0's buffers too (16.9 MB per
+    device where stage 1 needs 4.3 MB), and plan.memory() summed both stages' as one device's."""
+    mesh = sf.DeviceMesh(4, backend="numpy")
+    made, m = each_stage_buffers_on_its_devices(mesh, collective)
+    assert made[0] != made[2] and max(made.values()) == m["persistent"]
+    whole = sf.jit(lambda x, w: sf.gelu(sf.shard(x, axis=0) @ w), mesh=mesh).lower(*inputs(np.random.default_rng(1))[:2])
+    assert whole.memory()["device"] == 0  # a plan of the whole mesh: every device the same

@@ -122,31 +122,39 @@ class Devices:
                     s.synchronize()
 
     # ---- buffers ----------------------------------------------------------------------
-    def empty(self, shape, dtype):
-        """One buffer per local device.  The devices of one GPU get views of one allocation at a
-        constant distance, a multiple of ALIGN bytes (aligned as separate allocations would be, so
-        cuBLASLt's algorithms for 256-byte pointers and the gather kernel's 16-byte loads apply):
-        one allocation per call instead of one per device, and their GEMMs can run as one
-        strided-batched call (gemm_shared.py)."""
+    def empty(self, shape, dtype, devices=None):
+        """One buffer per local device (`devices`: positions j; None: all; elsewhere a placeholder,
+        one element broadcast to `shape`, never read).  The devices of one GPU get views of one
+        allocation at a constant distance, a multiple of ALIGN bytes (aligned as separate
+        allocations would be, so cuBLASLt's algorithms for 256-byte pointers and the gather
+        kernel's 16-byte loads apply): one allocation per call instead of one per device, and
+        their GEMMs can run as one strided-batched call (gemm_shared.py)."""
         store = STORE[dtype]
-        if not POISON and len(self.ordinals) == 1:  # the per-call hot path
+        if not POISON and len(self.ordinals) == 1 and (devices is None or 0 in devices):  # the per-call hot path
             with self.main[0]:
                 return [cupy.empty(shape, store)]
         shape, item = tuple(shape), ITEM[dtype]
         size = int(math.prod(shape))
         step = -(-size * item // ALIGN) * ALIGN  # bytes from one device's piece to the next
-        out = []
+        out, first = [], 0
         for o, count in self.blocks:
+            mine = [j for j in range(first, first + count) if devices is None or j in devices]
+            first += count
             with cupy.cuda.Device(o), self.main_of[o]:
-                n = count * step // item
-                if not POISON:
-                    flat = cupy.empty(n, store)
-                elif dtype == "bfloat16":
-                    flat = cupy.full(n, 0x7FC0, np.uint16)
-                else:
-                    flat = cupy.full(n, poison_value(dtype), store)
-            out.extend(cupy.ndarray(shape, store, flat.data + j * step) for j in range(count))
+                flat = self._flat(len(mine) * step // item, dtype, store) if mine else None
+                made = iter(range(len(mine)))
+                # (an element of its own: a placeholder never aliases a device's buffer)
+                spare = None if len(mine) == count else cupy.broadcast_to(self._flat(1, dtype, store), shape)
+            for j in range(first - count, first):
+                out.append(cupy.ndarray(shape, store, flat.data + next(made) * step) if j in mine else spare)
         return out
+
+    @staticmethod
+    def _flat(n, dtype, store):
+        """n fresh elements on the current device (poisoned with SHARDFUSE_POISON=1: bfloat16's NaN bits)."""
+        if not POISON:
+            return cupy.empty(n, store)
+        return cupy.full(n, 0x7FC0 if dtype == "bfloat16" else poison_value(dtype), store)
 
     def f32_scratch(self, ref):
         out = []

@@ -36,8 +36,8 @@ class GraphPlan:
         for k, (shape, dtype) in enumerate(plan.inputs):
             self.static[k] = dev.empty(shape, dtype)
             self.inputs.append(self.static[k])
-        for slot, shape, dtype in plan.per_call:
-            self.static[slot] = dev.empty(shape, dtype)
+        for slot, shape, dtype, devices in plan.per_call:
+            self.static[slot] = dev.empty(shape, dtype, devices)
         for bufs in self.inputs:
             for x in bufs:
                 dev.fill_random(x)

@@ -189,15 +189,16 @@ def assign_slabs(prog) -> dict:
     order = {v: k for k, v in enumerate(cands)}
     pairs = in_place_pairs(prog, ranges)
 
-    slabs = []  # (dtype, size in bytes, members, their live ranges)
+    slabs = []  # ((dtype, devices), size in bytes, members, their live ranges)
     for v in sorted(cands, key=lambda v: (-nbytes(v, prog.mesh), order[v])):
-        fits = [sl for sl in slabs if sl[0] == v.type.dtype and sl[3].apart(v, ranges[v], pairs)]
+        kind = (v.type.dtype, devices_of_value(v))  # (a pipeline stage's buffers share only with its own)
+        fits = [sl for sl in slabs if sl[0] == kind and sl[3].apart(v, ranges[v], pairs)]
         if fits:
             sl = min(fits, key=lambda sl: sl[1])
             sl[2].append(v)
             sl[3].add(v, ranges[v])
         else:
-            slabs.append((v.type.dtype, nbytes(v, prog.mesh), [v], _Lives(v, ranges[v])))
+            slabs.append((kind, nbytes(v, prog.mesh), [v], _Lives(v, ranges[v])))
     shared = [sl[2] for sl in slabs if len(sl[2]) > 1]
     shared.sort(key=lambda members: min(order[m] for m in members))  # numbered as the plan first uses them
     return {m: n for n, members in enumerate(shared) for m in members}
@@ -215,23 +216,30 @@ def reuse_buffers(prog):
     return prog.with_instrs(out, "reuse_buffers")
 
 
+def devices_of_value(v) -> tuple:
+    """The global ids of the devices value v's buffer is made on: its mesh's (a stage's, or the program's)."""
+    return tuple(v.type.layout.mesh.devices)
+
+
 def memory(prog) -> dict:
-    """Bytes per device of a plan's persistent buffers (made once, pools and double buffers
-    counted in full, a slab once at its largest member): `persistent`, and `unshared`, what they
-    would be with no slab shared; `per_call`: the outputs' buffers, made at every call."""
-    fig = {"persistent": 0, "unshared": 0, "per_call": 0}
-    slab_size = {}
+    """Bytes of a plan's buffers on its most loaded device (a pipeline stage's buffers are made on
+    that stage's devices only): `persistent`, made once (pools and double buffers counted in full,
+    a slab once at its largest member), and `unshared`, what they would be with no slab shared;
+    `per_call`: the outputs' buffers, made at every call; `device`: that device's id."""
+    figs = {d: {"persistent": 0, "unshared": 0, "per_call": 0} for d in prog.mesh.devices}
+    slab_size = {}  # slab -> (bytes, devices)
     for i in walk(prog.instrs):
         if i.op != Op.ALLOCATE:
             continue
-        a, n = i.attrs, nbytes(i.outs[0], prog.mesh) * i.attrs.get("pool", 1)
-        if a.get("per_call"):
-            fig["per_call"] += n
-            continue
-        fig["unshared"] += n
+        a, n, devices = i.attrs, nbytes(i.outs[0], prog.mesh) * i.attrs.get("pool", 1), devices_of_value(i.outs[0])
+        for d in devices:
+            figs[d]["per_call" if a.get("per_call") else "unshared"] += n
+            if not a.get("per_call") and "slab" not in a:
+                figs[d]["persistent"] += n
         if "slab" in a:
-            slab_size[a["slab"]] = max(slab_size.get(a["slab"], 0), n)
-        else:
-            fig["persistent"] += n
-    fig["persistent"] += sum(slab_size.values())
-    return fig
+            slab_size[a["slab"]] = max(slab_size.get(a["slab"], (0, ()))[0], n), devices
+    for n, devices in slab_size.values():
+        for d in devices:
+            figs[d]["persistent"] += n
+    device = max(figs, key=lambda d: (figs[d]["persistent"] + figs[d]["per_call"], -d))
+    return {**figs[device], "device": device}
