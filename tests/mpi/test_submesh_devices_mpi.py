@@ -16,7 +16,8 @@ import shardfuse as sf
 from shardfuse.backends.numpy_mpi import NumpyMPIBackend
 from shardfuse.ops import Op
 from shardfuse.steps import plan_steps
-from test_submesh_devices import STAGE_STEPS, compute_devices, inputs, loud, pipeline, reference, with_backend
+from test_submesh_devices import (STAGE_STEPS, compute_devices, each_stage_buffers_on_its_devices, inputs, loud, pipeline,
+                                  reference, with_backend)
 
 NPROCS = MPI.COMM_WORLD.Get_size()
 VARIANTS = [False, True]  # (under -n 2 a tensor-parallel stage's team is one process' two devices)
@@ -72,3 +73,13 @@ def test_whole_mesh_replicas_used_on_stages_across_ranks():
     ts.test_adamw_steps_over_weights_on_two_stages(sf.DeviceMesh(4), np.random.default_rng(8))
     ts.test_arrays_placed_on_a_stage_are_taken_by_the_whole_meshs_programs(sf.DeviceMesh(4), np.random.default_rng(9))
     ts.test_a_whole_mesh_parameter_used_on_two_stages_gets_its_gradient(sf.DeviceMesh(4), np.random.default_rng(10))
+
+
+@pytest.mark.parametrize("collective", VARIANTS, ids=["plain", "tensor-parallel-stage"])
+def test_each_rank_makes_its_own_stage_buffers_only(collective):
+    """Under -n 2 rank 1 holds stage 1 only: it made stage 0's buffers too (a probe), now placeholders."""
+    made, m = each_stage_buffers_on_its_devices(sf.DeviceMesh(4), collective)
+    others = MPI.COMM_WORLD.allgather(made)
+    everywhere = {d: n for part in others for d, n in part.items()}
+    assert set(everywhere) == {0, 1, 2, 3} and max(everywhere.values()) == m["persistent"]
+    assert everywhere[0] == everywhere[1] != everywhere[2] == everywhere[3]
