@@ -18,7 +18,8 @@ pytestmark = [pytest.mark.gpu, pytest.mark.skipif(gpu_count() == 0, reason="CuPy
 import shardfuse as sf  # noqa: E402
 from shardfuse.dtypes import np_dtype  # noqa: E402
 from shardfuse.ops import Op  # noqa: E402
-from test_submesh_devices import STAGE_STEPS, STAGES, compute_devices, inputs, pipeline, reference  # noqa: E402
+from test_submesh_devices import (STAGE_STEPS, STAGES, compute_devices, each_stage_buffers_on_its_devices, inputs,  # noqa: E402
+                                  pipeline, reference)
 
 TOL = {"float64": 1e-12, "float32": 2e-5, "float16": 5e-3, "bfloat16": 3e-2}
 
@@ -47,3 +48,12 @@ def test_the_profile_shows_each_stage_on_its_devices():
     plan = pipeline(mesh).lower(x, w0, w1)
     tl = plan.profile(x, w0, w1, repeat=2)
     assert compute_devices(tl) == STAGE_STEPS
+
+
+@pytest.mark.parametrize("graph", [False, True], ids=["eager", "graph"])
+@pytest.mark.parametrize("collective", [False, True], ids=["plain", "tensor-parallel-stage"])
+def test_each_stage_buffers_are_made_on_its_devices_only(collective, graph):
+    """Backends' empty(devices=) on CuPy: a stage's buffers and results in one allocation per GPU for
+    its virtual devices only, a one-element placeholder on the others; values against float64 NumPy."""
+    made, m = each_stage_buffers_on_its_devices(sf.DeviceMesh(4, backend="cupy"), collective, graph=graph)
+    assert made[0] == made[1] != made[2] == made[3] and max(made.values()) == m["persistent"]
