@@ -89,8 +89,9 @@ class Timeline:
         """Figures of one device: steps, the executed steps that ran on it (len(timeline) counts
         every rank's); total_s, first start to last end; communication_s / gemm_s / ...: the time
         during which some step of that kind runs (overlapping steps on other streams count
-        once); exposed_communication_s: communication time when no GEMM or other compute runs on
-        that device; overlap_efficiency = max(T_comm, T_compute) / T_total (1.0: perfect overlap).
+        once); exposed_communication_s: communication time when no GEMM, other compute or copy runs
+        on that device; overlap_efficiency = max(T_comm, T_work) / T_total, T_work the time some GEMM,
+        compute or copy runs (1.0: perfect overlap; a plan of copies alone is not 0.0, a probe).
         Communication hides only behind its own device's compute, and ranks' clocks are not
         aligned, so a timeline of several devices or ranks gives its slowest one's figures (the
         largest total), `device` naming it as (rank, device).  call=k: that profiled call's alone
@@ -286,7 +287,7 @@ def _figures(ev) -> dict:
     total = max((e.end for e in ev), default=0.0) - min((e.start for e in ev), default=0.0)
     spans = {k: _union([(e.start, e.end) for e in ev if e.kind == k]) for k in KINDS}
     by_kind = {k: _covered(u) for k, u in spans.items()}
-    busy = _union(spans["gemm"] + spans["compute"])
+    busy = _union(spans["gemm"] + spans["compute"] + spans["copies"])  # (device work a transfer can hide behind)
     compute = _covered(busy)
     exposed = sum((_uncovered(iv, busy) for iv in spans["communication"]), 0.0)  # (concurrent ones count once)
     eff = max(by_kind["communication"], compute) / total if total > 0 else 1.0

@@ -223,3 +223,17 @@ def test_a_summary_of_a_call_not_recorded_is_refused():
     assert tl.summary(call=1)["steps"] > 0
     with pytest.raises(ValueError, match=r"summary\(call=5\): this timeline recorded calls 0..1"):
         tl.summary(call=5)
+
+
+def test_copies_are_device_work_communication_hides_behind():
+    """A plan of copies alone reported overlap efficiency 0.0, and communication beside a copy as
+    exposed (a probe): a copy is device work as a GEMM is."""
+    from shardfuse.timeline import Event, Timeline
+
+    def ev(kind, start, end, stream=0):
+        return Event(0, 0, stream, (0,), str(stream), kind, kind, start, end)
+
+    alone = Timeline([ev("copies", 0.0, 1.0), ev("copies", 1.0, 2.0)]).summary()
+    assert alone["overlap_efficiency"] == 1.0 and alone["copy_s"] == 2.0
+    beside = Timeline([ev("copies", 0.0, 2.0), ev("communication", 0.5, 2.5, 1)]).summary()
+    assert beside["exposed_communication_s"] == 0.5 and beside["overlap_efficiency"] == 2.0 / 2.5
