@@ -16,6 +16,7 @@ from shardfuse.mesh import as_int, meeting_mesh, mixed_meshes
 from shardfuse.numpy_methods import NUMPY, NumpyMethods
 from shardfuse.ops import ELEMENTWISE, Op
 from shardfuse.spec import check_axis, normalize_axis, reduced_axes
+from shardfuse.ties import shared_ties
 
 # "getitem" (x[key]) and "broadcast_matmul" (a @ b with NumPy's broadcasting) on traced values, written with the
 # ops below: shardfuse.shape_ops fills it (it builds on this module)
@@ -274,8 +275,7 @@ class Traced(NumpyMethods):
         return self.unary_op(Op.NEG)
 
     def sum(self, axis=None, dtype=None, out=None, keepdims=False, *, where=None):
-        """The sum over `axis` (an int, a tuple, None: all) as NumPy's (integers, bools in int64; 16-bit floats
-        in float32, rounded once); dtype= and where= as np.sum's (traced_numpy._reduction)."""
+        """The sum over `axis` as NumPy's (ints, bools in int64; 16-bit floats in float32, rounded once)."""
         if dtype is None and out is None and where is None:
             return self._reduce(axis, Op.SUM, keepdims)
         return NUMPY[np.sum](self, axis, dtype, out, keepdims, where=where)
@@ -287,12 +287,12 @@ class Traced(NumpyMethods):
         return NUMPY[np.mean](self, axis, dtype, out, keepdims, where=where)
 
     def max(self, axis=None, keepdims=False):
-        """The largest element over `axis` (NaN if any is), as NumPy's; a sharded axis is gathered first."""
-        return self._reduce(axis, Op.REDUCE_MAX, keepdims)
+        """The largest element over `axis` (NaN if any is), as NumPy's; ties share a gradient (ties.py)."""
+        return shared_ties(self, self._reduce(axis, Op.REDUCE_MAX, keepdims), axis, keepdims)
 
     def min(self, axis=None, keepdims=False):
-        """The smallest element over `axis` (NaN if any is), as NumPy's; a sharded axis is gathered first."""
-        return self._reduce(axis, Op.REDUCE_MIN, keepdims)
+        """The smallest element over `axis` (NaN if any is), as NumPy's; ties share a gradient (ties.py)."""
+        return shared_ties(self, self._reduce(axis, Op.REDUCE_MIN, keepdims), axis, keepdims)
 
     def _reduce(self, axis, kind, keepdims=False):
         axes = reduced_axes(axis, self.ndim, self.shape)

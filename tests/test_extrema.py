@@ -135,3 +135,45 @@ def test_random_placements_axes_and_operators(seed):
     want = getattr(x.astype(np.float64), kind)(axis, keepdims=keepdims)
     np.testing.assert_array_equal(np.asarray(f(a).gather(), np.float64), want)
     assert "allgather" not in f.lower(a).collectives(), (spec, axis, str(f.lower(a)))
+
+
+def _tie_share(x, kind, axis, keepdims):
+    """JAX's gradient of sum(w * x.max(axis)): each tie of an extremum gets w / (its count of ties)."""
+    m = getattr(x, kind)(axis, keepdims=True)
+    tie = (x == m).astype(np.float64)
+    return tie / tie.sum(axis=axis, keepdims=True)
+
+
+@pytest.mark.parametrize("seed", range(12))
+def test_ties_over_several_axes_share_the_gradient_equally(seed):
+    """The max of [[1, 0], [1, 1]] had the gradient [[0.5, 0], [0.25, 0.25]] (each axis' reduction
+    shared its ties in turn, a probe); JAX gives each tie a third.  Random placements, several axes
+    with many ties, max and min, keepdims, eager and jit; the value stays the reductions' bit for bit."""
+    r = np.random.default_rng(2000 + seed)
+    mesh, shape, spec, _, keepdims, kind = _random_case(r)
+    axis = [None, tuple(sorted({int(a) for a in r.integers(0, len(shape) - 1, 2)} | {len(shape) - 1}))][r.integers(2)]
+    x = r.integers(-2, 2, shape).astype(np.float64)  # (few values: ties everywhere)
+    w = r.standard_normal(np.max(x, axis=axis, keepdims=keepdims).shape) + 1.5
+
+    def loss(v):
+        return (getattr(v, kind)(axis, keepdims=keepdims) * w).sum()
+
+    a = sf.distribute(x, mesh, spec)
+    want = _tie_share(x, kind, axis, keepdims) * (w if keepdims else np.expand_dims(w, axis if axis is not None
+                                                                                  else tuple(range(x.ndim))))
+    for run in (sf.value_and_grad(loss), sf.jit(sf.value_and_grad(loss), mesh=mesh)):
+        value, g = run(a)
+        np.testing.assert_allclose(np.asarray(g.gather()), want, rtol=1e-12, atol=1e-15)
+        assert float(value) == (getattr(x, kind)(axis, keepdims=keepdims) * w).sum()
+
+
+def test_ties_keep_the_value_bit_for_bit():
+    """The gradient's term is +0 exactly: -0.0 stays -0.0, infinities and NaN stay."""
+    mesh = sf.DeviceMesh(2)
+    for x, kind in [(np.array([[-0.0, -1.0], [-2.0, -3.0]]), "max"), (np.array([[np.inf, 1.0], [np.inf, 2.0]]), "max"),
+                    (np.array([[np.nan, 1.0], [0.0, 2.0]]), "min"), (np.array([[0.0, 1.0], [0.0, 2.0]]), "min")]:
+        value, g = sf.jit(sf.value_and_grad(lambda v: getattr(v, kind)()), mesh=mesh)(sf.distribute(x, mesh, ("DIDx", None)))
+        want = getattr(x, kind)()
+        assert np.asarray(value).tobytes() == np.float64(want).tobytes(), (x, value)
+        if np.isfinite(want):
+            np.testing.assert_array_equal(np.asarray(g.gather()), _tie_share(x, kind, None, True))
