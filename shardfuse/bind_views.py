@@ -32,8 +32,7 @@ def view_ref(i, env, src, mesh, local_devices):
         return replace(src, offsets=tuple(o + offs for o in src.offsets), shape=out_shape,
                        strides=tuple(s * k for s, k in zip(src.strides, st)))
     if op == Op.SLICE:
-        ax, idx = a["axis"], a["index"]
-        # ring: (rank - i) % D
+        ax, idx = a["axis"], a["index"]  # (a ring's index is (rank - i) % D: each device's rank along it)
         ranks = ranks_along(i.outs[0], idx.ring, local_devices) if idx.ring else [0] * len(local_devices)
         offs = tuple(o + idx.eval(env, r) * out_shape[ax] * src.strides[ax] for o, r in zip(src.offsets, ranks))
         return replace(src, offsets=offs, shape=out_shape)

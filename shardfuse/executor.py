@@ -157,10 +157,10 @@ class Executable:
 
     def _lives_on(self, slot, v):
         """Note that value v's buffer is (or shares) `slot`: its devices among the local ones, None for all."""
+        if slot in self.slot_devices and self.slot_devices[slot] is None:
+            return  # (already on every local device)
         mine = set(mesh_of(v).devices)
-        here = {j for j, d in enumerate(self.backend.local_devices) if d in mine}
-        if slot in self.slot_devices and self.slot_devices[slot] is not None:
-            here |= self.slot_devices[slot]
+        here = {j for j, d in enumerate(self.backend.local_devices) if d in mine} | self.slot_devices.get(slot, set())
         self.slot_devices[slot] = None if len(here) == self.ndev else frozenset(here)
 
     # ---- binding: each binder returns the instruction's step (None: it issues nothing) ----
@@ -303,14 +303,15 @@ class Executable:
             be.fence_in(caller)
         bufs = list(self.slot_templates)
         for k, (arg, v, info) in enumerate(zip(args, self.prog.inputs, infos)):
-            if info is None:  # an sf.Array: its pieces are already placed
-                bufs[k] = arg.shards if arg.pieces_contiguous else [be.ascontiguous(s) for s in arg.shards]
+            if info is None:  # an sf.Array: its pieces are already placed (placeholders outside its stage: kept)
+                bufs[k] = arg.shards if arg.pieces_contiguous else [
+                    s if at is None else be.ascontiguous(s) for s, at in zip(arg.shards, self._input_pieces[k][0])]
             else:
                 bufs[k] = local_pieces(arg, v.type.dtype, v.type.layout, self.mesh, info, fenced=caller,
                                        where=self._input_pieces[k])
             if k in self.donated and not (info is None and arg.owned):
                 # a caller's array (maybe viewed, or one buffer for a GPU's devices): the result writes a copy
-                bufs[k] = [be.copy(p) for p in bufs[k]]
+                bufs[k] = [p if at is None else be.copy(p) for p, at in zip(bufs[k], self._input_pieces[k][0])]
         if self.graph is not None:
             static = self.graph(bufs)  # writes plan-owned outputs (the next call overwrites them)
             if self._graph_outputs is None:

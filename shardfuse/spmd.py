@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import math
 
-
 from shardfuse import faults
 from shardfuse.fault_messages import CHECK_ENV, input_prints, ranks_text
 from shardfuse.array import Array, check_mesh

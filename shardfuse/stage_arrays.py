@@ -27,4 +27,3 @@ def on_root(x, mesh):
     out.weak = x.weak
     x.root_view = (mesh, x.shards, out, pieces)
     return out
-

@@ -18,8 +18,8 @@ pytestmark = [pytest.mark.gpu, pytest.mark.skipif(gpu_count() == 0, reason="CuPy
 import shardfuse as sf  # noqa: E402
 from shardfuse.dtypes import np_dtype  # noqa: E402
 from shardfuse.ops import Op  # noqa: E402
-from test_submesh_devices import (STAGE_STEPS, STAGES, compute_devices, each_stage_buffers_on_its_devices, inputs,  # noqa: E402
-                                  pipeline, reference)
+from test_submesh_devices import (STAGE_STEPS, STAGES, compute_devices, each_stage_buffers_on_its_devices,  # noqa: E402
+                                  fed_back_copies_no_placeholder, inputs, pipeline, reference)
 
 TOL = {"float64": 1e-12, "float32": 2e-5, "float16": 5e-3, "bfloat16": 3e-2}
 
@@ -57,3 +57,7 @@ def test_each_stage_buffers_are_made_on_its_devices_only(collective, graph):
     its virtual devices only, a one-element placeholder on the others; values against float64 NumPy."""
     made, m = each_stage_buffers_on_its_devices(sf.DeviceMesh(4, backend="cupy"), collective, graph=graph)
     assert made[0] == made[1] != made[2] == made[3] and max(made.values()) == m["persistent"]
+
+
+def test_a_stage_result_fed_back_copies_no_placeholder(monkeypatch):
+    fed_back_copies_no_placeholder(sf.DeviceMesh(4, backend="cupy"), monkeypatch)

@@ -295,3 +295,37 @@ def test_each_stage_buffers_are_made_on_its_devices_only(collective):
     assert made[0] != made[2] and max(made.values()) == m["persistent"]
     whole = sf.jit(lambda x, w: sf.gelu(sf.shard(x, axis=0) @ w), mesh=mesh).lower(*inputs(np.random.default_rng(1))[:2])
     assert whole.memory()["device"] == 0  # a plan of the whole mesh: every device the same
+
+
+def test_a_stage_result_fed_back_copies_no_placeholder(monkeypatch):
+    """A review: a stage's result that is a view (not contiguous) fed to the next call made every
+    piece contiguous, the placeholders of the other stage too: full-size copies there, every call."""
+    fed_back_copies_no_placeholder(sf.DeviceMesh(4, backend="numpy"), monkeypatch)
+
+
+def fed_back_copies_no_placeholder(mesh, monkeypatch):
+    from shardfuse.runtime import backend_of
+
+    s0, s1 = (mesh.submesh(list(d)) for d in STAGES)
+    x = np.random.default_rng(11).standard_normal((64, 16))
+    f = sf.jit(lambda v: sf.to_mesh(sf.shard(v, axis=0, mesh=s0) * 2.0, s1, axis=0).T, mesh=mesh)
+    out = f(x)
+    assert not out.pieces_contiguous and [placeholder(p) for p in out.shards] == [True, True, False, False]
+    be, copied = backend_of(mesh), []
+    real = be.ascontiguous
+    monkeypatch.setattr(be, "ascontiguous", lambda p: copied.append(p) or real(p))
+    g = sf.jit(lambda y: y + 1.0, mesh=mesh)
+    np.testing.assert_array_equal(np.asarray(g(out).gather()), 2.0 * x.T + 1.0)
+    assert copied and not any(placeholder(p) for p in copied)
+
+
+def test_a_view_of_a_placeholder_reads_its_one_element_only():
+    """A review: a view of a placeholder took the view's strides over its one element (reading past it)."""
+    from shardfuse.backends.protocol import Ref
+    from shardfuse.runtime import backend_of
+
+    be = backend_of(sf.DeviceMesh(2, backend="numpy"))
+    bufs = [be.empty((64, 64), "float64", devices=(1,))]
+    v = be.view(bufs, Ref(0, (0, 5), (32, 64), (64, 1), "float64"), 0)
+    assert v.shape == (32, 64) and v.strides == (0, 0) and not v.flags.writeable
+    assert be.view(bufs, Ref(0, (0, 5), (32, 64), (64, 1), "float64"), 1).strides == (512, 8)

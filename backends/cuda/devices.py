@@ -142,11 +142,11 @@ class Devices:
             first += count
             with cupy.cuda.Device(o), self.main_of[o]:
                 flat = self._flat(len(mine) * step // item, dtype, store) if mine else None
-                made = iter(range(len(mine)))
+
                 # (an element of its own: a placeholder never aliases a device's buffer)
                 spare = None if len(mine) == count else cupy.broadcast_to(self._flat(1, dtype, store), shape)
             for j in range(first - count, first):
-                out.append(cupy.ndarray(shape, store, flat.data + next(made) * step) if j in mine else spare)
+                out.append(cupy.ndarray(shape, store, flat.data + mine.index(j) * step) if j in mine else spare)
         return out
 
     @staticmethod
@@ -166,6 +166,8 @@ class Devices:
     def view(self, bufs, ref, j):
         base = bufs[ref.slot][j]
         item = base.itemsize
+        if base.ndim and not any(base.strides):  # a placeholder (empty(devices=)): its one element, not past it
+            return cupy.ndarray(ref.shape, base.dtype, base.data, strides=(0,) * len(ref.shape))
         mem = base.data + ref.offsets[j] * item
         return cupy.ndarray(ref.shape, base.dtype, mem, strides=tuple(s * item for s in ref.strides))
 

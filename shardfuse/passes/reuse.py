@@ -225,7 +225,8 @@ def memory(prog) -> dict:
     """Bytes of a plan's buffers on its most loaded device (a pipeline stage's buffers are made on
     that stage's devices only): `persistent`, made once (pools and double buffers counted in full,
     a slab once at its largest member), and `unshared`, what they would be with no slab shared;
-    `per_call`: the outputs' buffers, made at every call; `device`: that device's id."""
+    `per_call`: the outputs' buffers, made at every call, on that device; `device`: its id (the
+    largest persistent + per_call, the lowest id of equals).  Every Allocate counts, also one no step uses."""
     figs = {d: {"persistent": 0, "unshared": 0, "per_call": 0} for d in prog.mesh.devices}
     slab_size = {}  # slab -> (bytes, devices)
     for i in walk(prog.instrs):
@@ -237,7 +238,7 @@ def memory(prog) -> dict:
             if not a.get("per_call") and "slab" not in a:
                 figs[d]["persistent"] += n
         if "slab" in a:
-            slab_size[a["slab"]] = max(slab_size.get(a["slab"], (0, ()))[0], n), devices
+            slab_size[a["slab"]] = (max(slab_size.get(a["slab"], (0, ()))[0], n), devices)
     for n, devices in slab_size.values():
         for d in devices:
             figs[d]["persistent"] += n
