@@ -16,7 +16,7 @@ from shardfuse.mesh import as_int, meeting_mesh, mixed_meshes
 from shardfuse.numpy_methods import NUMPY, NumpyMethods
 from shardfuse.ops import ELEMENTWISE, Op
 from shardfuse.spec import check_axis, normalize_axis, reduced_axes
-from shardfuse.ties import shared_ties
+from shardfuse.jax_gradients import abs_at_zero, shared_ties
 
 # "getitem" (x[key]) and "broadcast_matmul" (a @ b with NumPy's broadcasting) on traced values, written with the
 # ops below: shardfuse.shape_ops fills it (it builds on this module)
@@ -264,10 +264,10 @@ class Traced(NumpyMethods):
             raise TypeError(f"len() of the 0-d traced value {describe(self)} (as NumPy: len() of unsized object)")
         return self.shape[0]
 
-    def __abs__(self):  # relu(x) + relu(-x), exact (one is zero); of ints relu(x) - min(x, 0): |INT_MIN| wraps as
-        if not dtypes.is_float(self.dtype_name):  # NumPy's (relu(-INT_MIN) gave 0, a probe); booleans their own
+    def __abs__(self):  # relu(x) + relu(-x), exact; of ints relu(x) - min(x, 0) (|INT_MIN| wraps as NumPy's)
+        if not dtypes.is_float(self.dtype_name):
             return self if self.dtype_name == "bool" else self.unary_op(Op.RELU) - self.unary_op(Op.MINIMUM_SCALAR, value=0)
-        return self.unary_op(Op.RELU) + (-self).unary_op(Op.RELU)
+        return abs_at_zero(self, self.unary_op(Op.RELU) + (-self).unary_op(Op.RELU))
 
     def __neg__(self):
         if self.dtype_name == "bool":
@@ -287,11 +287,11 @@ class Traced(NumpyMethods):
         return NUMPY[np.mean](self, axis, dtype, out, keepdims, where=where)
 
     def max(self, axis=None, keepdims=False):
-        """The largest element over `axis` (NaN if any is), as NumPy's; ties share a gradient (ties.py)."""
+        """The largest element over `axis` (NaN if any is), as NumPy's; ties share a gradient (jax_gradients.py)."""
         return shared_ties(self, self._reduce(axis, Op.REDUCE_MAX, keepdims), axis, keepdims)
 
     def min(self, axis=None, keepdims=False):
-        """The smallest element over `axis` (NaN if any is), as NumPy's; ties share a gradient (ties.py)."""
+        """The smallest element over `axis` (NaN if any is), as NumPy's; ties share a gradient (jax_gradients.py)."""
         return shared_ties(self, self._reduce(axis, Op.REDUCE_MIN, keepdims), axis, keepdims)
 
     def _reduce(self, axis, kind, keepdims=False):

@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 
 import shardfuse as sf
+from shardfuse.dtypes import np_dtype
 from test_nn import mesh_of  # (the 1-D tp mesh and the 2x2 dp x tp mesh, NumPy devices)
 from shardfuse.mlp import mlp_block, mlp_inputs
 
@@ -577,3 +578,23 @@ def test_a_primal_is_told_from_the_same_array_closed_over():
     np.testing.assert_allclose(np.asarray(ct), xs, rtol=1e-15)
     step = sf.jit(lambda w: w - 0.5 * sf.grad(lambda v: (sf.shard(v, axis=0, over="tp") ** 2).sum())(w), mesh=mesh)
     assert str(step.lower(xs)).startswith("plan <lambda>(w: f64[8:tp, 4])")
+
+
+@pytest.mark.parametrize("jit", [False, True], ids=["eager", "jit"])
+@pytest.mark.parametrize("dtype", ["float64", "float32", "bfloat16"])
+def test_abs_at_zero_has_jax_gradient_and_keeps_its_value(jit, dtype):
+    """|x|'s gradient at 0 was 0 (relu(x) + relu(-x)), JAX's is +1 (a probe); -0.0 too.  Its value under
+    sf.vjp is NumPy's bit for bit: +0.0 at -0.0, inf, NaN."""
+    mesh = sf.DeviceMesh(2)
+    x64 = np.array([0.0, -0.0, 1.5, -2.0, np.inf, -np.inf, np.nan, -3.0])
+    x = sf.distribute(x64.astype(np_dtype(dtype)), mesh, ("DIDx",))
+    ct = sf.distribute(np.arange(1.0, 9.0).astype(np_dtype(dtype)), mesh, ("DIDx",))
+
+    def run(a, c):
+        y, back = sf.vjp(lambda b: np.abs(b), a)
+        return y, back(c)[0]
+
+    y, g = (sf.jit(run, mesh=mesh) if jit else run)(x, ct)
+    want = np.abs(x64).astype(np_dtype(dtype))
+    assert np.asarray(y.gather()).tobytes() == want.tobytes()
+    np.testing.assert_array_equal(np.asarray(g.gather(), np.float64)[:6], [1.0, 2.0, 3.0, -4.0, 5.0, -6.0])

@@ -1,6 +1,8 @@
-"""The gradient of max and min over several axes: ties share it equally over all of them (JAX's rule).
+"""JAX's gradients where traced.py's ops are compositions whose own rules would give another one.
+Each applies only where a gradient is traced (sf.grad's primals on the builder); plain forwards are
+the compositions alone, and values are unchanged bit for bit.
 
-traced.py reduces one axis at a time, and each reduction's rule (autodiff._reduce_extremum) shares
+Max and min over several axes: ties share the gradient equally over all of them.  traced.py reduces one axis at a time, and each reduction's rule (autodiff._reduce_extremum) shares
 the cotangent among the ties along its own axis, so over two axes the shares compound: the max of
 [[1, 0], [1, 1]] gave [[0.5, 0], [0.25, 0.25]] where JAX gives a third each (a probe).  Where a
 gradient is traced, the result here is the reductions' value held constant, less a term that is
@@ -10,7 +12,10 @@ exactly +0 but whose gradient is the tie mask over their count:
 
 Its value is m bit for bit (a +0 subtracted keeps -0.0, inf and NaN); the gradient reaches each
 finite tie as 1 / count.  (An infinite extremum's ties get none: stop(x) - x would be NaN there.)
-Plain forwards (no gradient traced) are the reductions alone."""
+
+|x| at 0: relu(x) + relu(-x) has the gradient 0 there, JAX's is +1 (lax.abs: select(x >= 0, g, -g);
+a probe).  A term that is +0 everywhere, x - stop(x) where x == 0, gives it: |x| keeps +0.0 at -0.0,
+which where(x >= 0, x, -x) would not."""
 from __future__ import annotations
 
 import numpy as np
@@ -31,6 +36,13 @@ def shared_ties(x, m, axis, keepdims):
     share = _held(tie.astype(x.dtype_name) / tie.sum(axis=axes, keepdims=True).astype(x.dtype_name))
     zero = (np.where(tie & _held(np.isfinite(x)), _held(x) - x, 0.0) * share).sum(axis=axes, keepdims=keepdims)
     return _held(m) - zero.astype(m.dtype_name)
+
+
+def abs_at_zero(x, y):
+    """y = |x| (relu(x) + relu(-x)) with JAX's gradient +1 at x = 0."""
+    if not x.builder.fresh:
+        return y
+    return y + np.where(_held(x == 0), x - _held(x), 0.0)
 
 
 def _held(v):
