@@ -189,9 +189,17 @@ def _power(a, b):
     return x.elementwise_op(Op.POWER, (x, y), x.dtype_name)
 
 
+def square(x):
+    """x ** 2 elementwise (np.square, and x ** 2 as NumPy's: of booleans int8, which shardfuse lacks)."""
+    if x.dtype_name == "bool":
+        raise TypeError(f"np.square (or x ** 2) of the boolean array {describe(x)}: NumPy 2 gives int8, a dtype "
+                        "shardfuse lacks; cast first, e.g. x.astype('int32') ** 2 (np.power(x, 2) is int64)")
+    return power(x, 2)
+
+
 NUMPY.update({
     np.broadcast_to: broadcast_to, np.repeat: repeat, np.tile: tile, np.outer: outer, np.logaddexp: logaddexp,
-    np.power: power,
+    np.power: power, np.square: square,
 })
 
 

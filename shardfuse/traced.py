@@ -174,8 +174,8 @@ class Traced(NumpyMethods):
     __ne__ = lambda self, other: self._compare(other, Op.NE)  # noqa: E731
     __hash__ = object.__hash__  # (a dict key by identity)
 
-    def __pow__(self, other):  # x ** y: np.power's (shardfuse/numpy_broadcast.py), a scalar or an array y
-        return NUMPY[np.power](self, other)
+    def __pow__(self, other):  # x ** y: np.power's (numpy_broadcast.py), x ** 2 np.square's as NumPy's (bools: int8)
+        return NUMPY[np.square](self) if type(other) is int and other == 2 else NUMPY[np.power](self, other)
 
     def __rpow__(self, other):  # c ** x
         return NUMPY[np.power](other, self) if is_weak_scalar(other) else NotImplemented

@@ -87,11 +87,6 @@ def absolute(x):
     return abs(x)
 
 
-def square(x):
-    """x ** 2 elementwise (np.square)."""
-    return x ** 2
-
-
 def _extremum(op, scalar_op):
     def traced(a, b):
         if is_weak_scalar(a):
@@ -386,7 +381,7 @@ NUMPY.update({  # NumPy function or ufunc -> the same on traced values: adding a
     np.add: _binary("__add__", "__radd__"), np.subtract: _binary("__sub__", "__rsub__"),
     np.multiply: _binary("__mul__", "__rmul__"), np.divide: _binary("__truediv__", "__rtruediv__"),
     np.matmul: _binary("__matmul__", None), np.negative: operator.neg, np.absolute: absolute,
-    np.exp: exp, np.tanh: tanh, np.sqrt: sqrt, np.log: log, np.square: square,  # (np.power: numpy_broadcast.py)
+    np.exp: exp, np.tanh: tanh, np.sqrt: sqrt, np.log: log,  # (np.power, np.square: numpy_broadcast.py)
     np.maximum: maximum, np.minimum: minimum, np.logical_not: logical_not,
     np.less: _compare(Op.LT), np.less_equal: _compare(Op.LE), np.greater: _compare(Op.GT),
     np.greater_equal: _compare(Op.GE), np.equal: _compare(Op.EQ), np.not_equal: _compare(Op.NE),

@@ -264,3 +264,20 @@ def test_refusals(fn, error, match, jit):
     x = sf.shard(_real(np.random.default_rng(), (8, 12)), axis=0, mesh=mesh)
     with pytest.raises(error, match=match):
         (sf.jit(fn, mesh=mesh) if jit else fn)(x)
+
+
+@pytest.mark.parametrize("jit", [True, False], ids=["jit", "eager"])
+def test_boolean_powers_as_numpy_or_refused(jit):
+    """NumPy 2's x ** 2 of booleans is np.square's, int8 (a dtype shardfuse lacks): refused, as x // x
+    is; it was int64, silently (a probe).  Other scalar exponents are NumPy's dtypes and values."""
+    mesh = sf.DeviceMesh(2)
+    b = np.array([True, False, True, True])
+    x = sf.distribute(b, mesh, ("DIDx",))
+    run = (lambda f: sf.jit(f, mesh=mesh)(x)) if jit else (lambda f: f(x))
+    for f in (lambda v: v ** 2, np.square):
+        with pytest.raises(TypeError, match="int8"):
+            run(f)
+    assert run(lambda v: np.power(v, 2)).dtype == np.power(b, 2).dtype.name == "int64"
+    for e in (3, 1, 0, 2.0, 0.5):
+        got, want = run(lambda v: v ** e), b ** e
+        assert got.dtype == want.dtype.name and np.array_equal(np.asarray(got.gather()), want), (e, got.dtype)
