@@ -36,13 +36,13 @@ def unbroadcast(ct: Traced, shape) -> Traced:
     return ct.sum(axis=axes).reshape(shape) if axes else ct.reshape(shape)
 
 
-def _extents(what, shape) -> tuple:
-    """A shape argument (an int or a sequence of ints) as a tuple of positive ints."""
+def _extents(what, shape, empty=False) -> tuple:
+    """A shape argument (an int or a sequence of ints) as a tuple of positive ints (empty=True: or 0)."""
     shape = tuple(shape) if isinstance(shape, (tuple, list)) else (shape,)
     shape = tuple(as_int(n, f"{what}: an extent") for n in shape)
     if any(n < 0 for n in shape):
         raise ValueError(f"{what}: negative extents in {shape} (as NumPy: all elements of the shape must be >= 0)")
-    if 0 in shape:
+    if 0 in shape and not empty:
         raise ValueError(f"{what}: an extent 0 in {shape}: shardfuse's arrays are never empty")
     return shape
 
@@ -53,7 +53,7 @@ def broadcast_to(array, shape, subok=False):
     that has the broadcast axes alone (-0.0 for floats: x + -0.0 is x, signed zeros included; logical
     or for booleans), one elementwise step; x's axes keep their sharding.  The gradient is the sum over
     the broadcast axes."""
-    return apply_op(_broadcast_to, "broadcast_to", array, _extents("np.broadcast_to", shape))
+    return apply_op(_broadcast_to, "broadcast_to", array, _extents("np.broadcast_to", shape, empty=True))
 
 
 def _broadcast_to(x, shape):
@@ -63,6 +63,8 @@ def _broadcast_to(x, shape):
                          "aligned from the right, each extent of the array equal to the shape's or 1)")
     if shape == x.shape:
         return x
+    if 0 in shape:  # (no elements: an empty constant, as Traced.reshape's; x[4:].at[...].add(c) reaches it, a probe)
+        return x.builder.constant(np.zeros(shape, x.dtype))
     stretch = tuple(n if k < lead or x.shape[k - lead] != n else 1 for k, n in enumerate(shape))
     if x.dtype_name == "bool":
         return x | np.zeros(stretch, bool)
@@ -70,14 +72,14 @@ def _broadcast_to(x, shape):
 
 
 def _count(what, n) -> int:
-    """A repeat count: a Python or NumPy int (or a sequence of one, which NumPy broadcasts), at least 1."""
+    """A repeat count: a Python or NumPy int (or a sequence of one, which NumPy broadcasts), 0 or more."""
     if isinstance(n, (list, tuple, np.ndarray)) and np.size(n) == 1:
         n = np.asarray(n).reshape(())[()]
     if isinstance(n, (bool, np.bool_)) or not isinstance(n, (int, np.integer)):
         raise TypeError(f"{what}: repeats must be an int inside sf.jit and on sf.Arrays, got {type(n).__name__} "
                         f"{n!r}: a count per element gives a shape that depends on the counts; repeat each "
                         "slice and concatenate them (sf.concatenate), or write it outside on NumPy arrays")
-    return _extents(what, int(n))[0]
+    return _extents(what, int(n), empty=True)[0]
 
 
 def repeat(a, repeats, axis=None):
@@ -101,10 +103,10 @@ def _repeat(x, r, axis):
 
 def tile(A, reps):  # noqa: N803 (NumPy's name)
     """np.tile as NumPy's: A repeated reps[k] times whole along axis k (reps an int or a sequence of ints
-    >= 1; the shorter of A's shape and reps padded with 1s in front).  Each repeated axis gets an axis of
+    >= 0, 0 giving an empty value; the shorter of A's shape and reps padded with 1s in front).  Each repeated axis gets an axis of
     `reps` before it (broadcast_to), merged with it by a reshape: a repeated axis that is sharded is
     gathered first (printed in the plan), the others keep their sharding."""
-    return apply_op(_tile, "tile", A, _extents("np.tile", reps))
+    return apply_op(_tile, "tile", A, _extents("np.tile", reps, empty=True))
 
 
 def _tile(x, reps):
@@ -112,8 +114,8 @@ def _tile(x, reps):
     reps, shape = (1,) * (n - len(reps)) + reps, (1,) * (n - x.ndim) + x.shape
     wide, target = [], []
     for r, m in zip(reps, shape):
-        wide += [1, m] if r > 1 else [m]
-        target += [r, m] if r > 1 else [m]
+        wide += [1, m] if r != 1 else [m]
+        target += [r, m] if r != 1 else [m]
     return _broadcast_to(x.reshape(tuple(wide)), tuple(target)).reshape(tuple(r * m for r, m in zip(reps, shape)))
 
 

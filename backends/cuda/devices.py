@@ -166,7 +166,7 @@ class Devices:
     def view(self, bufs, ref, j):
         base = bufs[ref.slot][j]
         item = base.itemsize
-        if base.ndim and not any(base.strides):  # a placeholder (empty(devices=)): its one element, not past it
+        if base.size > 1 and not any(base.strides):  # a placeholder (empty(devices=)): its one element, not past it
             return cupy.ndarray(ref.shape, base.dtype, base.data, strides=(0,) * len(ref.shape))
         mem = base.data + ref.offsets[j] * item
         return cupy.ndarray(ref.shape, base.dtype, mem, strides=tuple(s * item for s in ref.strides))
