@@ -207,26 +207,26 @@ _REDUCTIONS = {np.sum: Traced.sum, np.mean: Traced.mean, np.max: Traced.max, np.
                np.amin: Traced.min}
 
 
-def reduce(x, axis, method, out, dtype=None, keepdims=False, where=None, **rest):
-    """x.sum / mean / max / min(axis, keepdims=) (method: Traced's), the traced reduction of each axis;
-    sum and mean also take dtype= and where= (a mask, an operand of the plan), as np.sum's."""
+def reduce(x, axis, method, out, dtype=None, keepdims=False, where=None, initial=None, **rest):
+    """x.sum / mean / max / min(axis, keepdims=) (method: Traced's), the traced reduction of each axis; sum,
+    mean dtype= and where= (a mask, an operand of the plan), max, min initial= and where=, as NumPy's."""
     what, summed = method.__name__, method in (Traced.sum, Traced.mean)
-    if out is not None:
-        raise TypeError("sf.Array reductions return a new sf.Array: out= is not supported")
-    if not summed and (dtype is not None or where is not None):
-        raise TypeError(f"sf.Array.{what} takes no dtype= or where= (NumPy's {what} with where= needs initial=): "
-                        f"write x.{what}(axis, keepdims=), or sf.where(mask, x, fill).{what}(axis)")
-    if rest:
-        raise TypeError(f"sf.Array.{what} with {', '.join(k + '=' for k in rest)} is not supported")
+    bad = [*rest, *["out"] * (out is not None), *["dtype"] * (not summed and dtype is not None),
+           *["initial"] * (summed and initial is not None)]  # (NumPy's max takes no dtype=; a sum's initial=: x.sum() + c)
+    if bad:
+        raise TypeError(f"sf.Array.{what} with {', '.join(k + '=' for k in bad)} is not supported (a new sf.Array)")
     axes = tuple(sorted(reduced_axes(axis, x.ndim, x.shape)))  # (one plan per set of axes)
     keepdims, dt = bool(keepdims), None if dtype is None else np.dtype(dtype).name
     extra = {} if dt is None else {"dtype": dt}
+    if not summed and (initial is not None or where is not None):  # (np.max's: Traced.max takes neither)
+        method, extra = NUMPY[np.max if method is Traced.max else np.min], {"initial": initial}
 
     def reduction(v, *mask):  # (a mean of means: each scaled before it is rounded)
         return method(v, axes, keepdims=keepdims, **extra, **({"where": mask[0]} if mask else {}))
 
     args = (x,) if where is None else (x, where)
-    return run(reduction, args, (Op.SUM, axes, what, keepdims, dt, where is not None), what)
+    key = (Op.SUM, axes, what, keepdims, dt, where is not None, None if initial is None else repr(initial))  # (NaN equal to NaN)
+    return run(reduction, args, key, what)
 
 
 def unsupported_function(func) -> str:

@@ -23,8 +23,8 @@ import numpy as np
 
 from shardfuse import dtypes
 from shardfuse.spec import normalize_axis
-from shardfuse.traced import NUMPY, Traced, cast, describe
-from shardfuse.traced_numpy import apply_op
+from shardfuse.traced import NUMPY, Traced, cast, describe, is_scalar
+from shardfuse.traced_numpy import apply_op, defaults_only
 
 _ELLIPSIS = "."  # (an ellipsis axis is the label ".0", ".1", ...: never a letter)
 
@@ -229,4 +229,15 @@ def _tensordot(a, b, pair):
     return contract((a, b), (la, lb), out, "np.tensordot")
 
 
-NUMPY.update({np.einsum: einsum, np.tensordot: tensordot})
+def _dot(a, b, out=None):
+    defaults_only("np.dot", "np.dot(a, b)", out=out)
+    if is_scalar(a) or is_scalar(b) or 0 in (getattr(a, "ndim", None), getattr(b, "ndim", None)):
+        return a * b
+    if getattr(a, "ndim", None) in (1, 2) and getattr(b, "ndim", None) in (1, 2):
+        return a @ b  # (NumPy's dot of 1-D and 2-D operands is their matmul)
+    raise TypeError(f"np.dot of {describe(a)} and {describe(b)} inside sf.jit (and on sf.Arrays): shardfuse runs "
+                    "np.dot as a matmul of 1-D and 2-D operands only (NumPy's dot of higher ranks is no matmul); "
+                    "write a @ b (a matmul, batched over leading axes)")
+
+
+NUMPY.update({np.einsum: einsum, np.tensordot: tensordot, np.dot: _dot})

@@ -55,6 +55,7 @@ class NumpyMethods:
     cumsum = _method(np.cumsum)  # (x.cumsum(axis=None, dtype=None): NumPy's method order)
     argsort = _method(np.argsort)  # (x.argsort(axis=-1); NumPy's x.sort() sorts in place: np.sort(x) is a new value)
     repeat = _method(np.repeat)  # (x.repeat(repeats, axis=None): an int count)
+    swapaxes = _method(np.swapaxes)
 
     @property
     def mT(self):  # noqa: N802 (NumPy's name)

@@ -76,12 +76,6 @@ class Traced(NumpyMethods):
         """NumPy's basic indexing (ints, slices, '...', None), and table[ids] of a traced int array."""
         return SHAPE_OPS["getitem"](self, index)
 
-    def swapaxes(self, axis1, axis2):
-        perm = list(range(self.ndim))
-        a, b = (normalize_axis(x, self.ndim, self.shape) for x in (axis1, axis2))
-        perm[a], perm[b] = perm[b], perm[a]
-        return self.transpose(perm)
-
     def __repr__(self):
         return f"Traced({self.value.name}: {self.value.type})"
 
@@ -280,18 +274,22 @@ class Traced(NumpyMethods):
             return self._reduce(axis, Op.SUM, keepdims)
         return NUMPY[np.sum](self, axis, dtype, out, keepdims, where=where)
 
-    def mean(self, axis=None, dtype=None, out=None, keepdims=False, *, where=None):
-        """The mean over `axis` (as sum): each axis' sum scaled by 1 / n before it is rounded (NaN if empty)."""
+    def mean(self, axis=None, dtype=None, out=None, keepdims=False, *, where=None):  # (NaN if empty)
+        """The mean over `axis` (as sum): each axis' sum scaled by 1 / n before it is rounded."""
         if dtype is None and out is None and where is None:
             return self._reduce(axis, "mean", keepdims)
         return NUMPY[np.mean](self, axis, dtype, out, keepdims, where=where)
 
-    def max(self, axis=None, keepdims=False):
+    def max(self, axis=None, keepdims=False, **initial_where):  # (np.max's initial= and where=: traced_numpy)
         """The largest element over `axis` (NaN if any is), as NumPy's; ties share a gradient (jax_gradients.py)."""
+        if initial_where:
+            return NUMPY[np.max](self, axis, keepdims=keepdims, **initial_where)
         return shared_ties(self, self._reduce(axis, Op.REDUCE_MAX, keepdims), axis, keepdims)
 
-    def min(self, axis=None, keepdims=False):
+    def min(self, axis=None, keepdims=False, **initial_where):
         """The smallest element over `axis` (NaN if any is), as NumPy's; ties share a gradient (jax_gradients.py)."""
+        if initial_where:
+            return NUMPY[np.min](self, axis, keepdims=keepdims, **initial_where)
         return shared_ties(self, self._reduce(axis, Op.REDUCE_MIN, keepdims), axis, keepdims)
 
     def _reduce(self, axis, kind, keepdims=False):

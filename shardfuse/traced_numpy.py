@@ -17,7 +17,7 @@ from shardfuse import dtypes
 from shardfuse.ops import Op
 from shardfuse.shape_ops import NUMPY_SHAPES
 from shardfuse.spec import check_axis, normalize_axis, reduced_axes
-from shardfuse.traced import NUMPY, Traced, cast, describe, is_scalar, is_weak_scalar
+from shardfuse.traced import NUMPY, Traced, cast, is_weak_scalar
 
 
 def _apply(fn, what, *args):
@@ -205,7 +205,7 @@ def _binary(method, reflected):
     return call
 
 
-def _defaults_only(what: str, takes: str, **given):
+def defaults_only(what: str, takes: str, **given):
     """Refuse the arguments of a NumPy function shardfuse's op lacks (None / False: NumPy's defaults)."""
     bad = [k for k, v in given.items() if v is not None and v is not False]
     if bad:
@@ -213,23 +213,13 @@ def _defaults_only(what: str, takes: str, **given):
                         f"(inside sf.jit): write {takes}")
 
 
-def _dot(a, b, out=None):
-    _defaults_only("np.dot", "np.dot(a, b)", out=out)
-    if is_scalar(a) or is_scalar(b) or 0 in (getattr(a, "ndim", None), getattr(b, "ndim", None)):
-        return a * b
-    if getattr(a, "ndim", None) in (1, 2) and getattr(b, "ndim", None) in (1, 2):
-        return a @ b  # (NumPy's dot of 1-D and 2-D operands is their matmul)
-    raise TypeError(f"np.dot of {describe(a)} and {describe(b)} inside sf.jit (and on sf.Arrays): shardfuse runs "
-                    "np.dot as a matmul of 1-D and 2-D operands only (NumPy's dot of higher ranks is no matmul); "
-                    "write a @ b (a matmul, batched over leading axes)")
-
-
 def _transpose(a, axes=None):
     return a.transpose() if axes is None else a.transpose(axes)
 
 
 def _swapaxes(a, axis1, axis2):
-    return a.swapaxes(axis1, axis2)
+    i, j = (normalize_axis(x, a.ndim, a.shape) for x in (axis1, axis2))
+    return a.transpose([j if k == i else i if k == j else k for k in range(a.ndim)])
 
 
 def _reshape(a, shape, order="C", *, copy=None):  # (copy= changes nothing: traced values are never written)
@@ -245,15 +235,18 @@ def _reduction(method):
     of the elements it keeps; mean over them, NaN where it keeps none, as NumPy's)."""
     name, summed = method.__name__, method in (Traced.sum, Traced.mean)
 
-    def call(a, axis=None, dtype=None, out=None, keepdims=False, where=None, **rest):
+    def call(a, axis=None, dtype=None, out=None, keepdims=False, where=None, initial=None, **rest):
         takes = f"np.{name}(x, axis, keepdims=...) or x.{name}(axis, keepdims=...), a new value"
-        _defaults_only(f"np.{name}", takes, out=out, **rest, **({} if summed else {"dtype": dtype, "where": where}))
+        defaults_only(f"np.{name}", takes, out=out, **rest, **({"initial": initial} if summed else {"dtype": dtype}))
         if dtype is not None:  # (the result in it too: an integer sum is int64 otherwise, a probe)
             dtype = dtype if isinstance(dtype, str) else np.dtype(dtype).name
             return call(a.astype(dtype), axis, None, None, keepdims, where).astype(dtype)
-        if where is None or where is True:
+        if (where is None or where is True) and initial is None:
             return method(a, axis, keepdims=keepdims)
-        kept = where if isinstance(where, Traced) else a.builder.constant(np.asarray(where, dtype=bool))
+        kept = None if where is None or where is True else \
+            where if isinstance(where, Traced) else a.builder.constant(np.asarray(where, dtype=bool))
+        if not summed:
+            return _extremum_from(method, a, axis, keepdims, kept, initial)
         if method is Traced.sum:
             return _where(kept, a, 0).sum(axis, keepdims=keepdims)
         # (NumPy's mean: integers in float64, 16-bit floats in float32, each rounded once to the result)
@@ -265,6 +258,17 @@ def _reduction(method):
         return (total / count).astype(out_dt)
     call.__name__ = name
     return call
+
+
+def _extremum_from(method, a, axis, keepdims, kept, initial):
+    """np.max / np.min with initial= (and where=, which NumPy's needs it for): the extremum of initial (cast
+    to x's dtype, as NumPy's) and the elements the mask keeps."""
+    if initial is None:
+        raise ValueError(f"np.{method.__name__} with where=: NumPy's needs initial= too (the result where the mask "
+                         f"keeps nothing), e.g. np.{method.__name__}(x, axis, where=mask, initial=-np.inf)")
+    c = a.builder.constant(np.asarray(initial).astype(dtypes.np_dtype(a.dtype_name)))
+    best = method(a if kept is None else _where(kept, a, c), axis, keepdims=keepdims)
+    return maximum(best, c) if method is Traced.max else minimum(best, c)
 
 
 def _where_numpy(condition, *xy):
@@ -280,13 +284,13 @@ def var(a, axis=None, dtype=None, out=None, ddof=0, keepdims=False, *, correctio
     """np.var / x.var: the mean of the squared deviations from the mean over `axis` (an int, a tuple, None:
     all), times n / (n - ddof) (correction=: the array API's ddof), as NumPy's (integers and booleans in
     float64; inf or NaN where n <= ddof).  mean((x - mean(x))**2): a sharded axis' means Allreduced."""
-    _defaults_only("np.var", "np.var(x, axis, ddof=, keepdims=)", dtype=dtype, out=out, **rest)
+    defaults_only("np.var", "np.var(x, axis, ddof=, keepdims=)", dtype=dtype, out=out, **rest)
     return _apply(_var, "var", a, _axis_key(axis), ddof if correction is None else correction, bool(keepdims), False)
 
 
 def std(a, axis=None, dtype=None, out=None, ddof=0, keepdims=False, *, correction=None, **rest):
     """np.std / x.std: sqrt(var(x, axis, ddof, keepdims)), as NumPy's."""
-    _defaults_only("np.std", "np.std(x, axis, ddof=, keepdims=)", dtype=dtype, out=out, **rest)
+    defaults_only("np.std", "np.std(x, axis, ddof=, keepdims=)", dtype=dtype, out=out, **rest)
     return _apply(_var, "std", a, _axis_key(axis), ddof if correction is None else correction, bool(keepdims), True)
 
 
@@ -331,7 +335,7 @@ _UNSET = object()  # (a bound not given, as NumPy's _NoValue: np.clip(x, lo) lac
 def clip(a, a_min=_UNSET, a_max=_UNSET, out=None, *, min=_UNSET, max=_UNSET, **rest):  # noqa: A002 (NumPy's names)
     """np.clip / x.clip: minimum(maximum(x, lo), hi) (jnp.clip's form: NaN kept, hi where lo > hi,
     the gradient maximum's and minimum's); a bound None is no bound; bounds arrays or scalars."""
-    _defaults_only("np.clip", "np.clip(x, lo, hi)", out=out, **rest)
+    defaults_only("np.clip", "np.clip(x, lo, hi)", out=out, **rest)
     given = [b is not _UNSET for b in (a_min, a_max, min, max)]  # (by identity: == of an array bound is elementwise)
     if not all(given[:2]) if not any(given[2:]) else any(given[:2]):  # (NumPy's refusals)
         raise TypeError("np.clip takes both bounds, np.clip(x, lo, hi) (None: no bound), or min= / max= alone")
@@ -348,13 +352,13 @@ def _clip(x, lo, hi):
 def argmax(a, axis=None, out=None, *, keepdims=False):
     """np.argmax / x.argmax: the index of the first largest element over `axis` (an int, or None:
     of the flattened array), int64 as NumPy's; the first NaN where there is one."""
-    _defaults_only("np.argmax", "np.argmax(x, axis, keepdims=)", out=out)
+    defaults_only("np.argmax", "np.argmax(x, axis, keepdims=)", out=out)
     return _apply(_arg_extremum, "argmax", a, axis, bool(keepdims), "max")
 
 
 def argmin(a, axis=None, out=None, *, keepdims=False):
     """np.argmin / x.argmin: as argmax, of the first smallest element."""
-    _defaults_only("np.argmin", "np.argmin(x, axis, keepdims=)", out=out)
+    defaults_only("np.argmin", "np.argmin(x, axis, keepdims=)", out=out)
     return _apply(_arg_extremum, "argmin", a, axis, bool(keepdims), "min")
 
 
@@ -385,7 +389,7 @@ NUMPY.update({  # NumPy function or ufunc -> the same on traced values: adding a
     np.maximum: maximum, np.minimum: minimum, np.logical_not: logical_not,
     np.less: _compare(Op.LT), np.less_equal: _compare(Op.LE), np.greater: _compare(Op.GT),
     np.greater_equal: _compare(Op.GE), np.equal: _compare(Op.EQ), np.not_equal: _compare(Op.NE),
-    np.dot: _dot, np.transpose: _transpose, np.swapaxes: _swapaxes, np.reshape: _reshape, np.where: _where_numpy,
+    np.transpose: _transpose, np.swapaxes: _swapaxes, np.reshape: _reshape, np.where: _where_numpy,
     np.sum: _reduction(Traced.sum), np.mean: _reduction(Traced.mean), np.max: _reduction(Traced.max),
     np.amax: _reduction(Traced.max), np.min: _reduction(Traced.min), np.amin: _reduction(Traced.min),
     np.var: var, np.std: std, np.clip: clip, np.argmax: argmax, np.argmin: argmin,

@@ -83,7 +83,7 @@ def test_tree_util_names():
 @pytest.mark.parametrize("dtype", ["float64", "float16", "int32"])
 def test_numpy_sum_and_mean_take_dtype_and_where(dtype):
     """np.sum / np.mean with dtype= (the accumulator and result) and where= (a masked token mean:
-    NaN where a row keeps nothing), as NumPy's, x sharded; max refuses where= (NumPy needs initial=)."""
+    NaN where a row keeps nothing), as NumPy's, x sharded; max takes where= with initial= (NumPy's needs it), initial= alone too."""
     r = rng()
     x = (4 * r.standard_normal((4, 6))).astype(dtype)
     m = r.random((4, 6)) < 0.5
@@ -100,7 +100,7 @@ def test_numpy_sum_and_mean_take_dtype_and_where(dtype):
         scale = rtol * float(np.abs(x.astype(np.float64)).sum())  # (a float32 sum of 24 terms of ~4 near 0: absolute)
         np.testing.assert_allclose(np.asarray(got).astype(np.float64), want.astype(np.float64), rtol=rtol, atol=scale,
                                    err_msg=name)
-    with pytest.raises(TypeError, match="np.max with where= is not supported"):
+    with pytest.raises(ValueError, match="np.max with where=: NumPy's needs initial= too"):
         sf.jit(lambda x, m: np.max(x, where=m), mesh=MESH)(x, m)
 
 
@@ -127,8 +127,13 @@ def test_sum_and_mean_methods_take_dtype_and_where_inside_jit_and_on_sf_arrays()
             assert got.dtype == want.dtype, name
             f32 = want.dtype == np.float32  # (a float32 sum of either sign cancels: held in absolute terms)
             np.testing.assert_allclose(np.asarray(got), want, rtol=1e-12, atol=1e-5 if f32 else 0, err_msg=name)
-    with pytest.raises(TypeError, match="takes no dtype= or where="):
+    with pytest.raises(ValueError, match="needs initial= too"):  # (NumPy's ValueError too)
         xa.max(where=m)
+    for fn in (lambda x, m: np.max(x, 1, where=m, initial=-0.5), lambda x, m: x.min(initial=0.25),
+               lambda x, m: np.min(x, axis=0, keepdims=True, where=m, initial=np.nan)):
+        want = fn(x, m)
+        for got in (sf.jit(fn, mesh=MESH)(x, m), fn(xa, m)):
+            np.testing.assert_array_equal(np.asarray(got), want)
 
 
 def test_tree_paths_as_jax_tree_util_with_the_keys_themselves():
