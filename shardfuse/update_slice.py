@@ -150,7 +150,7 @@ def _parse(x, key, what):
     key = key if isinstance(key, tuple) else (key,)
     if sum(k is Ellipsis for k in key) > 1:
         raise IndexError(f"{what}: an index can only have a single ellipsis ('...')")
-    used = sum(k is not Ellipsis for k in key)
+    used = sum(k is not Ellipsis and k is not None for k in key)  # (None: refused below, by name, a probe)
     if used > x.ndim:
         raise IndexError(f"{what}: too many indices for {describe(x)}: {used} given")
     at = next((n for n, k in enumerate(key) if k is Ellipsis), len(key))
@@ -160,7 +160,8 @@ def _parse(x, key, what):
         if isinstance(k, slice):
             start, stop, step = k.indices(x.shape[j])
             if step != 1:
-                raise IndexError(f"{what}: a slice of step {step} on axis {j}: .at[] updates a box (slices of step 1)")
+                raise IndexError(f"{what}: a slice of step {step} on axis {j}: .at[] takes boxes (slices of step 1); "
+                                 "x[::k] reads a strided slice, and sf.where(mask, v, x) sets one")
             desc.append(("s", start, max(stop, start)))
         elif getattr(k, "ndim", 0) and (isinstance(k, Traced) or hasattr(type(k), "one_op")):
             raise TypeError(f"{what}: an array of indices on axis {j} ({describe(k) if isinstance(k, Traced) else k!r}): "

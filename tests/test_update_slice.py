@@ -310,6 +310,8 @@ def test_errors_say_what_to_write():
     fails(lambda x: sf.dynamic_update_slice(x, x[:1], (0,)), x, match="one per axis")
     fails(lambda x, t: sf.dynamic_slice(x, (t, 0), (5, 6)), x, 1, match="between 0 and 4")
     fails(lambda x: x.at[::2].set(1.0), x, match="step 2")
+    fails(lambda x: x.at[::2].get(), x, match=r"step 2.*x\[::k\] reads a strided slice")
+    fails(lambda x: x.at[None, 1, 0].set(1.0), x, match="got None on axis 0")  # (said "too many indices", a probe)
     fails(lambda x: x.at[np.array([0, 1]), 1:3].set(1.0), x, match="ints, 0-d int values, slices")  # (arrays with a slice)
 
     def assign(x, t):
