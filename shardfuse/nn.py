@@ -32,6 +32,7 @@ from shardfuse.custom_vjp import custom_vjp
 from shardfuse.mesh import static_advice
 from shardfuse.traced import Traced, describe, is_scalar
 from shardfuse.numpy_broadcast import repeat
+from shardfuse import nn_activations as act
 from shardfuse.numpy_math import gelu
 from shardfuse.traced_numpy import exp, linear, log, maximum, minimum, rsqrt, silu, where
 
@@ -356,3 +357,10 @@ def _dropout(key, x, rate):
 
 
 __all__ += [dropout.__name__]
+
+# jax.nn's other activations (shardfuse/nn_activations.py: JAX's own formulas), one plan each on sf.Arrays
+log_sigmoid, softplus, leaky_relu, elu, celu, selu, glu, hard_tanh, soft_sign, standardize = (_one_plan(f) for f in (
+    act.log_sigmoid, act.softplus, act.leaky_relu, act.elu, act.celu, act.selu, act.glu, act.hard_tanh, act.soft_sign,
+    act.standardize))
+relu, sigmoid, swish = act.relu, act.sigmoid, silu  # (ops of their own: on sf.Arrays already)
+__all__ += [f.__name__ for f in act.ACTIVATIONS if f.__name__ not in __all__] + ["swish"]
