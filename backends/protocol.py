@@ -78,7 +78,7 @@ class BoundPlan:
 
     steps: tuple  # the Steps of one call, in issue order
     slots: tuple  # per slot: its persistent buffers (one per local device), or None (an input, or made per call)
-    inputs: tuple  # (shape, dtype) of each input's slot, slots 0 .. len(inputs) - 1
+    inputs: tuple  # (shape, dtype, devices) of each input's slot, slots 0 .. len(inputs) - 1 (devices: empty's)
     per_call: tuple  # (slot, shape, dtype, devices) of each buffer made at every call (the outputs; devices: Backend.empty's)
 
 # ---- the protocol ----------------------------------------------------------------------------

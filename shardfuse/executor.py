@@ -115,7 +115,8 @@ class Executable:
 
     def bound_plan(self) -> BoundPlan:
         """What a backend may see of this bound plan (graph capture): its steps and slots."""
-        inputs = tuple((self.refs[v].shape, self.refs[v].dtype) for v in self.prog.inputs)
+        inputs = tuple((self.refs[v].shape, self.refs[v].dtype, placed_on(where[0]))
+                       for v, where in zip(self.prog.inputs, self._input_pieces))
         return BoundPlan(tuple(s.run for s in self.steps), tuple(self.slot_templates), inputs, tuple(self.per_call))
 
     # ---- slots ------------------------------------------------------------------------
@@ -342,6 +343,12 @@ class Executable:
                           for j in range(self.ndev)]
             outs.append((lay, shards, whole is not None))
         return outs
+
+
+def placed_on(indices):
+    """The positions j of the local devices holding a piece (pieces.piece_indices: not None), None for all."""
+    here = tuple(j for j, idx in enumerate(indices) if idx is not None)
+    return None if len(here) == len(indices) else here
 
 
 def _no_step(self, i, env, stream, devices):  # stream switches (steps.issue_order follows them)

@@ -156,12 +156,9 @@ class Devices:
             return cupy.empty(n, store)
         return cupy.full(n, 0x7FC0 if dtype == "bfloat16" else poison_value(dtype), store)
 
-    def f32_scratch(self, ref):
-        out = []
-        for o in self.ordinals:
-            with cupy.cuda.Device(o):
-                out.append(cupy.empty(ref.shape, np.float32))
-        return out
+    def f32_scratch(self, ref, devices=None):
+        """float32 scratch of ref's shape per local device (`devices`: as empty's)."""
+        return self.empty(ref.shape, "float32", devices)
 
     def view(self, bufs, ref, j):
         base = bufs[ref.slot][j]
@@ -310,3 +307,6 @@ class OnDevices:
 
     def per_device(self, refs, stream, body):
         return self.dev.per_device(refs, stream, body, self.devices)
+
+    def f32_scratch(self, ref):  # (a step's scratch: on its devices only, a placeholder elsewhere)
+        return self.dev.f32_scratch(ref, self.devices)

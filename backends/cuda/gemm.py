@@ -101,7 +101,7 @@ def bind_matmul(dev, pool, a, b, out, stream, tune=GEMM_TUNE, devices=None):
     pre, post = [], []
     if lay is None:  # stage operands cuBLAS cannot read in place through contiguous scratch
         def staged(ref):
-            buf = dev.empty(ref.shape, ref.dtype)
+            buf = dev.empty(ref.shape, ref.dtype, devices)  # (on the step's devices only)
             return Ref(-1, (0,) * len(dev.ordinals), ref.shape, contiguous_strides(ref.shape), ref.dtype), buf
 
         x, y, o = a, b, out

@@ -33,14 +33,15 @@ class GraphPlan:
         self.steps, self.n_inputs = plan.steps, len(plan.inputs)
         self.static = list(plan.slots)
         self.inputs = []  # the plan's own input buffers: the warm-up's, and usable as inputs too
-        for k, (shape, dtype) in enumerate(plan.inputs):
-            self.static[k] = dev.empty(shape, dtype)
+        for k, (shape, dtype, devices) in enumerate(plan.inputs):
+            self.static[k] = dev.empty(shape, dtype, devices)
             self.inputs.append(self.static[k])
         for slot, shape, dtype, devices in plan.per_call:
             self.static[slot] = dev.empty(shape, dtype, devices)
         for bufs in self.inputs:
             for x in bufs:
-                dev.fill_random(x)
+                if x.size <= 1 or any(x.strides):  # (not a placeholder: a device outside the input's stage)
+                    dev.fill_random(x)
         for step in self.steps:
             step(self.static)
         dev.synchronize()
