@@ -46,6 +46,17 @@ class TraceState(NamedTuple):
     trace: Any
 
 
+class ScaleByLionState(NamedTuple):
+    """Lion's state, as optax's: the step count (0-d int32) and the momentum."""
+    count: Any
+    mu: Any
+
+
+class ScaleByRmsState(NamedTuple):
+    """RMSProp's running mean of squared gradients (optax's)."""
+    nu: Any
+
+
 def global_norm(updates) -> Any:
     """sqrt of the sum of every leaf's squares (optax.global_norm), in float32 at least."""
     leaves = tree.leaves(updates)
@@ -76,6 +87,29 @@ def scale_by_adam(b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8, eps_roo
         out = tree.tree_map(lambda m, v: (m / c1.astype(m.dtype)) / (np.sqrt(v / c2.astype(v.dtype) + eps_root) + eps),
                             mu, nu)
         return out, ScaleByAdamState(count, mu, nu)
+    return GradientTransformation(init, update)
+
+
+def scale_by_lion(b1: float = 0.9, b2: float = 0.99) -> GradientTransformation:
+    """Lion's direction sign((1 - b1) g + b1 mu), then mu = b2 mu + (1 - b2) g (optax.scale_by_lion)."""
+    def init(params):
+        return ScaleByLionState(np.zeros((), np.int32), tree.tree_map(np.zeros_like, params))
+
+    def update(updates, state, params=None):
+        out = tree.tree_map(lambda g, m: np.sign((1 - b1) * g + b1 * m), updates, state.mu)
+        mu = tree.tree_map(lambda g, m: b2 * m + (1 - b2) * g, updates, state.mu)
+        return out, ScaleByLionState(state.count + 1, mu)
+    return GradientTransformation(init, update)
+
+
+def scale_by_rms(decay: float = 0.9, eps: float = 1e-8, initial_scale: float = 0.0) -> GradientTransformation:
+    """RMSProp's g / sqrt(nu + eps), nu = decay nu + (1 - decay) g^2 from initial_scale (optax.scale_by_rms)."""
+    def init(params):
+        return ScaleByRmsState(tree.tree_map(lambda p: np.zeros_like(p) + initial_scale, params))
+
+    def update(updates, state, params=None):
+        nu = tree.tree_map(lambda g, v: decay * v + (1 - decay) * (g * g), updates, state.nu)
+        return tree.tree_map(lambda g, v: g / np.sqrt(v + eps), updates, nu), ScaleByRmsState(nu)
     return GradientTransformation(init, update)
 
 
@@ -146,6 +180,19 @@ def adamw(learning_rate, b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8, 
                  scale_by_learning_rate(learning_rate))
 
 
+def lion(learning_rate, b1: float = 0.9, b2: float = 0.99, weight_decay: float = 1e-3,
+         mask=None) -> GradientTransformation:
+    """optax.lion: Lion's sign direction plus weight_decay * params (where `mask` says), times -learning_rate."""
+    return chain(scale_by_lion(b1, b2), add_decayed_weights(weight_decay, mask), scale_by_learning_rate(learning_rate))
+
+
+def rmsprop(learning_rate, decay: float = 0.9, eps: float = 1e-8, initial_scale: float = 0.0,
+            momentum: float | None = None, nesterov: bool = False) -> GradientTransformation:
+    """optax.rmsprop (not centered): scale_by_rms, times -learning_rate, then momentum (trace) where given."""
+    return chain(scale_by_rms(decay, eps, initial_scale), scale_by_learning_rate(learning_rate),
+                 *([trace(momentum, nesterov)] if momentum is not None else []))
+
+
 def constant_schedule(value: float) -> Callable:
     """optax.constant_schedule."""
     return lambda count: value
@@ -182,6 +229,23 @@ def warmup_cosine_decay_schedule(init_value: float, peak_value: float, warmup_st
 
     def schedule(count):
         return np.where(count < warmup_steps, warm(count), cosine(count - warmup_steps))
+    return schedule
+
+
+def exponential_decay(init_value: float, transition_steps: int, decay_rate: float, transition_begin: int = 0,
+                      staircase: bool = False, end_value: float | None = None) -> Callable:
+    """optax.exponential_decay: init_value * decay_rate ** ((count - transition_begin) / transition_steps)
+    after transition_begin (the exponent floored with staircase), bounded by end_value where given."""
+    if transition_steps <= 0:
+        return lambda count: init_value
+
+    def schedule(count):
+        steps = count - transition_begin
+        p = np.floor(steps / transition_steps) if staircase else steps / transition_steps
+        decayed = np.where(steps <= 0, init_value, init_value * decay_rate ** p)
+        if end_value is None:
+            return decayed
+        return np.maximum(decayed, end_value) if decay_rate < 1 else np.minimum(decayed, end_value)
     return schedule
 
 

@@ -1,5 +1,5 @@
 """sf.optim against optax's formulas written in float64 NumPy: Adam, AdamW, SGD with momentum (Nesterov
-too), clip_by_global_norm, chain and schedules, eager on sf.Arrays and inside one jitted step on a
+too), Lion, RMSProp, clip_by_global_norm, chain and schedules, eager on sf.Arrays and inside one jitted step on a
 dp x tp mesh (the state sharded as its parameters, nothing communicated by the update)."""
 from __future__ import annotations
 
@@ -38,6 +38,14 @@ def reference(name, p, gs, lr=0.1, b1=0.9, b2=0.999, eps=1e-8, wd=1e-2, momentum
                 u = {k: u[k] + wd * p[k] for k in p}
             rate = lr / t if name == "schedule" else lr
             p = {k: p[k] - rate * u[k] for k in p}
+        elif name == "lion":  # (b1 0.9, b2 0.99, weight decay 1e-2)
+            u = {k: np.sign((1 - 0.9) * g[k] + 0.9 * mu[k]) + wd * p[k] for k in p}
+            mu = {k: 0.99 * mu[k] + (1 - 0.99) * g[k] for k in p}
+            p = {k: p[k] - lr * u[k] for k in p}
+        elif name == "rmsprop":  # (decay 0.9, eps 1e-8, initial scale 0.5, then momentum 0.9)
+            nu = {k: 0.9 * (nu[k] if t > 1 else np.full_like(nu[k], 0.5)) + 0.1 * g[k] ** 2 for k in p}
+            mu = {k: -lr * g[k] / np.sqrt(nu[k] + eps) + momentum * mu[k] for k in p}
+            p = {k: p[k] + mu[k] for k in p}
         else:  # sgd with momentum, nesterov where asked
             mu = {k: g[k] + momentum * mu[k] for k in p}
             u = {k: g[k] + momentum * mu[k] for k in p} if name == "nesterov" else mu
@@ -52,6 +60,8 @@ OPTIMIZERS = {
     "schedule": lambda: optim.adam(lambda count: 0.1 / (count + 1)),
     "sgd": lambda: optim.sgd(0.1, momentum=0.9),
     "nesterov": lambda: optim.sgd(0.1, momentum=0.9, nesterov=True),
+    "lion": lambda: optim.lion(0.1, weight_decay=1e-2),
+    "rmsprop": lambda: optim.rmsprop(0.1, initial_scale=0.5, momentum=0.9),
 }
 
 
@@ -128,6 +138,10 @@ def test_init_under_jit_returns_the_state_placed_as_its_parameters():
     assert int(bump(state)) == 1 and int(init(p)[0].count) == 0
 
 
+def traced_of(schedule, m):
+    return sf.jit(lambda c: schedule(c) * 1.0, mesh=m)
+
+
 def test_schedules_and_a_weight_decay_mask_follow_optax():
     """optax's warmup_cosine_decay / linear / cosine schedules (eager and traced counts) and adamw's
     mask= (no decay of the bias: a JAX-port probe wrote it by hand)."""
@@ -146,6 +160,15 @@ def test_schedules_and_a_weight_decay_mask_follow_optax():
     assert float(optim.linear_schedule(1.0, 0.0, 4, 2)(np.int32(4))) == 0.5
     assert float(optim.linear_schedule(1.0, 0.1, 10, -5)(np.int32(0))) == 1.0  # (optax: a negative start is 0)
     assert float(optim.warmup_cosine_decay_schedule(0.0, 0.0, 2, 10, 0.01)(np.int32(6))) == 0.0  # (zero peak)
+    # optax.exponential_decay: held before transition_begin, staircase floors the exponent, end_value bounds it
+    for kw, want in [({}, {0: 1.0, 5: 1.0, 15: 0.5, 20: 0.5 ** 1.5}),
+                     ({"staircase": True, "end_value": 0.3}, {14: 1.0, 15: 0.5, 20: 0.5, 25: 0.3, 100: 0.3}),
+                     ({"decay_rate": 2.0, "end_value": 3.0}, {15: 2.0, 100: 3.0})]:
+        kw = {"transition_begin": 5, "decay_rate": 0.5, **kw}
+        sched = optim.exponential_decay(1.0, 10, **kw)
+        for c, v in want.items():
+            assert abs(float(np.asarray(sched(np.int32(c)))) - v) < 1e-15, (kw, c)
+            assert abs(float(np.asarray(traced_of(sched, m)(np.int32(c)))) - v) < 1e-15, (kw, c)
     with pytest.raises(ValueError, match="must pass warmup_steps"):
         optim.warmup_cosine_decay_schedule(0.0, 1.0, 10, 10)
     with pytest.raises(ValueError, match="decay_steps must be positive"):
