@@ -72,7 +72,8 @@ def fori_loop(lower: int, upper: int, body_fun: Callable, init_val):
     """jax.lax.fori_loop with bounds Python knows: val = body_fun(i, val) for i in range(lower, upper)."""
     if isinstance(lower, Traced) or isinstance(upper, Traced):
         raise TypeError("sf.lax.fori_loop: the bounds must be Python ints (the loop is unrolled when traced); a "
-                        "bound computed inside sf.jit is known only when the plan runs")
+                        "bound computed inside sf.jit, or passed to it as an argument, is known only when the plan "
+                        "runs: pass it as a static argument (sf.jit(f, static_argnums=...): a plan per value)")
     val = init_val
     for i in range(int(lower), int(upper)):
         new = body_fun(i, val)

@@ -165,8 +165,10 @@ def layout_of(placements, ndim: int, mesh) -> "Layout":
     from shardfuse.placements import Partial, Replicate, Shard, from_compact
 
     if isinstance(placements, (str, Shard, Replicate, Partial)) or not isinstance(placements, (tuple, list)):
+        replicated = " (for a replicated array give () or sf.P())" * (placements is None)
         raise TypeError(f"placements: a list or tuple (one sf.Shard(dim) / sf.Replicate() per mesh axis, or one "
-                        f"entry per tensor axis: None, a mesh axis name or a tuple of them), got {placements!r}")
+                        f"entry per tensor axis: None, a mesh axis name or a tuple of them), got {placements!r}"
+                        + replicated)
     items = tuple(placements)
     # (the compact forms Layout.placements prints, ('R', 'S(1)'), read back, where no mesh axis has that name)
     compact = [from_compact(p) if isinstance(p, str) and p not in mesh.axis_names

@@ -9,6 +9,7 @@ with no leaves, and anything that is not a tuple, list, dict or None is a leaf.
 """
 from __future__ import annotations
 
+import builtins
 import functools
 import inspect
 import re
@@ -64,7 +65,7 @@ class TreeDef:
             return "*"
         if self.kind == "none":
             return "None"
-        inner = ", ".join(map(str, self.children))
+        inner = ", ".join(builtins.map(str, self.children))
         if self.kind == "dict":
             return "{" + ", ".join(f"{k!r}: {c}" for k, c in zip(self.meta, self.children)) + "}"
         if self.kind == "tuple":
@@ -113,7 +114,7 @@ def _walk(x, leaves, signature) -> None:
     types: {1: x} and {True: x} have equal keys but are rebuilt with their own)."""
     if isinstance(x, dict):
         keys = _sorted_keys(x)
-        signature.append(("d", keys, tuple(map(_key_type, keys))))
+        signature.append(("d", keys, tuple(builtins.map(_key_type, keys))))
         children = [x[k] for k in keys]
     elif isinstance(x, (tuple, list)):
         kind = "l" if isinstance(x, list) else type(x) if hasattr(type(x), "_fields") else "t"
@@ -136,7 +137,7 @@ def _walk(x, leaves, signature) -> None:
 
 def _key_type(k):
     """A dict key's type, through tuple keys ((1,) and (True,) are equal keys of other types)."""
-    return (tuple, tuple(map(_key_type, k))) if type(k) is tuple else type(k)
+    return (tuple, tuple(builtins.map(_key_type, k))) if type(k) is tuple else type(k)
 
 
 def _sorted_keys(x: dict) -> tuple:
@@ -236,7 +237,7 @@ def tree_reduce(fn: Callable, tree, *initializer, is_leaf: Callable | None = Non
 def tree_all(tree, *, is_leaf: Callable | None = None) -> bool:
     """Whether every leaf is true (jax.tree_util.tree_all: all(leaves); a traced leaf refuses bool(),
     as JAX's tracers do: write sf.tree.tree_reduce(lambda a, b: a & b, ...) for a traced value)."""
-    return all(flatten(tree, is_leaf)[0])
+    return builtins.all(flatten(tree, is_leaf)[0])
 
 
 # jax.tree_util's names for the two above (sf.tree.tree_leaves(params), sf.tree.tree_flatten(params))
@@ -250,7 +251,7 @@ def is_container(x) -> bool:
 
 def is_flat(td: TreeDef) -> bool:
     """A tuple of leaves: the arguments (or results) of a function that takes (returns) arrays."""
-    return td.kind == "tuple" and all(c is LEAF for c in td.children)
+    return td.kind == "tuple" and builtins.all(c is LEAF for c in td.children)
 
 
 def leaf_paths(td: TreeDef, prefix: str) -> list:
@@ -322,3 +323,13 @@ class FlatFunction:
         self.out_tree = None if td is LEAF or (is_flat(td) and len(td.children) != 1) else td
         return outs[0] if td is LEAF else tuple(outs)
 
+
+def leaves_with_path(tree, is_leaf: Callable | None = None) -> list:
+    """[(key path, leaf), ...] (jax.tree.leaves_with_path)."""
+    return tree_flatten_with_path(tree, is_leaf)[0]
+
+
+# jax.tree's names (jax.tree.map, jax.tree.structure, ...): the same functions (this module uses the
+# builtins map and all as builtins.map / builtins.all, which these names shadow here)
+map, structure, unflatten, reduce, all = tree_map, tree_structure, tree_unflatten, tree_reduce, tree_all  # noqa: A001
+flatten_with_path, map_with_path = tree_flatten_with_path, tree_map_with_path

@@ -5,6 +5,7 @@ from collections import namedtuple
 import numpy as np
 import pytest
 
+import shardfuse as sf
 from shardfuse import tree
 
 Pair = namedtuple("Pair", "w b")
@@ -72,3 +73,17 @@ def test_tuple_keys_of_other_types_are_other_structures():
     first = tree.flatten({(1,): 0})[1]
     other = tree.flatten({(True,): 0})[1]
     assert type(list(other.unflatten([5]))[0][0]) is bool and type(list(first.unflatten([5]))[0][0]) is int
+
+
+def test_jax_tree_names_are_the_same_functions():
+    """jax.tree.map / structure / unflatten / reduce / all / leaves_with_path / ... (a JAX port wrote
+    sf.tree.map and met an AttributeError), over a nested pytree."""
+    t = {"layer": {"w": 2.0, "b": (3.0, 4.0)}, "emb": 5.0}
+    assert sf.tree.map(lambda x, y: x * y, t, t) == sf.tree.tree_map(lambda x, y: x * y, t, t)
+    td = sf.tree.structure(t)
+    assert sf.tree.unflatten(td, sf.tree.leaves(t)) == t and sf.tree.flatten(t)[1] == td
+    assert sf.tree.reduce(lambda a, b: a + b, t) == 14.0 and sf.tree.all(t) and not sf.tree.all({"a": 0.0})
+    assert [leaf for _, leaf in sf.tree.leaves_with_path(t)] == sf.tree.leaves(t)
+    assert sf.tree.flatten_with_path(t) == sf.tree.tree_flatten_with_path(t)
+    assert sf.tree.map_with_path(lambda path, x: len(path), t) == {"layer": {"w": 2, "b": (3, 3)}, "emb": 1}
+    assert list(map(abs, [-1])) == [1] and all([True])  # (the builtins, outside sf.tree)
