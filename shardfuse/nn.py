@@ -174,7 +174,8 @@ def attention(q, k, v, causal=False, mask=None, *, scale=None):
     of 16-bit scores runs in float32.  With heads (or batch) sharded over a mesh axis and
     sequence and head_dim whole, nothing is communicated.
 
-    causal=True builds np.tril(np.ones((seq_q, seq_k), bool)) as the mask: outside sf.jit it is
+    causal=True builds np.tril(np.ones((seq_q, seq_k), bool)) as the mask (and'ed with a boolean mask given
+    too; a float mask gets a large negative number above the diagonal): outside sf.jit it is
     passed as a replicated array, inside sf.jit it is a constant of the program (shardfuse/constants.py).
     It is aligned at the top left, query i seeing keys 0..i (jax.nn.dot_product_attention's is_causal,
     torch's is_causal): for a decode step whose seq_q queries are the last of seq_k cached positions,
@@ -183,12 +184,11 @@ def attention(q, k, v, causal=False, mask=None, *, scale=None):
         raise TypeError(f"sf.nn.attention(q, k, v, causal=False, mask=None, *, scale=None): causal takes True or False, "
                         f"got {type(causal).__name__}; pass a mask by keyword, mask=... (jax.nn.dot_product_attention's "
                         "fourth positional argument is a bias)")
-    if causal:
-        if mask is not None:
-            raise ValueError("sf.nn.attention: give causal=True or mask=, not both (fold the causal mask into yours: "
-                             "mask & np.tril(np.ones((seq_q, seq_k), bool)))")
-        mask = np.tril(np.ones((q.shape[-2], k.shape[-2]), bool))
     _check_shapes(q, k, v, mask)
+    if causal:  # (with a mask too, both apply: jax.nn.dot_product_attention's is_causal and mask)
+        tril = np.tril(np.ones((q.shape[-2], k.shape[-2]), bool))
+        dtype = None if mask is None else getattr(mask, "dtype_name", None) or np.dtype(mask.dtype).name
+        mask = tril if mask is None else mask & tril if dtype == "bool" else np.where(tril, mask, _MASKED[dtype])
     return _attention(q, k, v, mask, scale)
 
 

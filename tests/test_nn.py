@@ -330,10 +330,21 @@ def test_a_numpy_mask_closed_over_inside_jit_is_a_constant():
     np.testing.assert_allclose(f(q, k, v).gather(), np_attention(q, k, v, tril), rtol=1e-12, atol=1e-12)
 
 
-def test_causal_and_a_mask_together_are_refused():
-    q, k, v = (sf.replicate(t, mesh=mesh_of("1d")) for t in qkv(np.random.default_rng(6)))
-    with pytest.raises(ValueError, match="not both"):
-        nn.attention(q, k, v, causal=True, mask=np.ones((S, S), bool))
+@pytest.mark.parametrize("jit", [True, False], ids=["jit", "eager"])
+def test_causal_and_a_mask_together_both_apply(jit):
+    """jax.nn.dot_product_attention's is_causal with a mask (a padding mask: a JAX-port probe met a refusal):
+    a boolean mask and'ed with the causal one, a float mask (a bias) kept below the diagonal."""
+    rng = np.random.default_rng(6)
+    q, k, v = qkv(rng)
+    pad = np.ones((B, 1, 1, S), bool)
+    pad[1, :, :, 5:] = False  # (sequence 1's last three positions are padding)
+    bias = rng.standard_normal((1, H, S, S))
+    tril = np.tril(np.ones((S, S), bool))
+    for mask, want in ((pad, np_attention(q, k, v, pad & tril)),
+                       (bias, np_attention(q, k, v, np.where(tril, bias, -1e300)))):
+        run = sf.jit(lambda q, k, v, m: nn.attention(q, k, v, causal=True, mask=m), mesh=mesh_of("1d")) if jit else \
+            (lambda *a: nn.attention(*(sf.replicate(t, mesh=mesh_of("1d")) for t in a[:3]), causal=True, mask=a[3]))
+        np.testing.assert_allclose(np.asarray(run(q, k, v, mask).gather()), want, rtol=1e-12, atol=1e-12)
 
 
 @pytest.mark.parametrize("dtype", ["float32", "float64", "bfloat16"])
