@@ -129,12 +129,12 @@ def _seed_key(seed):
     return hash_words(hi ^ const(SEED[0]), lo ^ const(SEED[1]), counters(seed, (2,), 1), wide=False)
 
 
-def split(key, num: int = 2) -> tuple:
-    """num new keys from key (jax.random.split), as a tuple: `key, sub = sf.random.split(key)`."""
+def split(key, num: int = 2):
+    """num new keys from key as one [num, 2] array, as jax.random.split's: unpacked (`key, sub =
+    sf.random.split(key)`), indexed (`keys[j]`) or scanned over (sf.lax.scan's xs: a key per step)."""
     if isinstance(num, bool) or not isinstance(num, (int, np.integer)) or not 1 <= num <= 1 << 30:
         raise ValueError(f"sf.random.split: num must be a positive int, got {num!r}")
-    keys = apply_keyed(_split, "random.split", None, check_key(key, "split"), int(num))
-    return tuple(keys[j] for j in range(int(num)))
+    return apply_keyed(_split, "random.split", None, check_key(key, "split"), int(num))
 
 
 def _split(key, num):

@@ -374,3 +374,19 @@ def test_permutation_is_uniform_the_same_everywhere_and_shuffles_arrays():
     np.testing.assert_array_equal(np.asarray(got), x[:, host])
     with pytest.raises(NotImplementedError, match="independent=True"):
         sf.random.permutation(root, x, independent=True)
+
+
+def test_split_is_one_array_of_keys_as_jaxs():
+    """jax.random.split gives a [num, 2] array (a JAX port scanned over it: sf's was a tuple, and the scan
+    ran along a key's words); unpacked, indexed and scanned over, the same keys."""
+    mesh = sf.DeviceMesh(2)
+    keys = sf.random.split(KEY, 3)
+    assert isinstance(keys, np.ndarray) and keys.shape == (3, 2) and keys.dtype == np.int64
+    a, b, c = keys
+    same_bits(c, keys[2])
+    draws = sf.jit(lambda k: sf.lax.scan(lambda s, kk: (s, sf.random.uniform(kk, (4,), "float64")), 0.0,
+                                         sf.random.split(k, 3))[1], mesh=mesh)(KEY)
+    for j, kk in enumerate(keys):
+        np.testing.assert_array_equal(np.asarray(draws)[j], np.asarray(sf.random.uniform(kk, (4,), "float64")))
+    traced = sf.jit(lambda k: sf.random.split(k, 3), mesh=mesh)(KEY)
+    assert traced.shape == (3, 2) and np.array_equal(np.asarray(traced), keys)
