@@ -248,7 +248,7 @@ def cross_entropy_onehot(logits, targets):
 
 
 @_one_plan
-def cross_entropy(logits, labels, ignore_index=None):
+def cross_entropy(logits, labels, ignore_index=None, reduction="mean"):
     """The mean over tokens of -log_softmax(logits)[label] (torch's F.cross_entropy with integer
     targets, optax's softmax_cross_entropy_with_integer_labels): logits [..., vocab], labels [...]
     int32 / int64.  Labels index as sf.take's (negative from the end; outside [-vocab, vocab)
@@ -257,7 +257,9 @@ def cross_entropy(logits, labels, ignore_index=None):
     ignore_index (a Python int, None: none): tokens whose label equals it count for nothing, and
     the mean is over the others (torch's ignore_index; NaN where every token is ignored, as
     torch's).  torch's default is -100, shardfuse's None: pass ignore_index=-100 for labels padded
-    as torch's, else -100 reads as a class id counted from the end.
+    as torch's, else -100 reads as a class id counted from the end.  reduction= as torch's: "mean",
+    "sum" (over the tokens not ignored) or "none" (the loss per token, labels' shape, 0 where ignored:
+    optax's softmax_cross_entropy_with_integer_labels, for a per-token weighting).
 
     Written as Megatron's vocab-parallel cross-entropy (tensor_parallel/cross_entropy.py): per token
     the max of the logits, log(sum(exp(logits - max))) and the target's logit (the logits where
@@ -265,6 +267,8 @@ def cross_entropy(logits, labels, ignore_index=None):
     vocabulary sharded over a mesh axis each is one Allreduce of [tokens] values (max, sum of
     exponentials, target logit) and the logits are never gathered.  The result is a 0-d array of
     the logits' dtype (float32 for 16-bit logits, computed in float32)."""
+    if reduction not in ("mean", "sum", "none"):
+        raise ValueError(f"sf.nn.cross_entropy: reduction must be 'mean', 'sum' or 'none' (torch's), got {reduction!r}")
     if isinstance(logits, Traced):  # (NumPy labels inside sf.jit: a constant of the program)
         labels = logits.builder.constant(labels)
     if not _int_array(labels):
@@ -283,9 +287,11 @@ def cross_entropy(logits, labels, ignore_index=None):
     hit = labels.reshape(tuple(labels.shape) + (1,)) == np.arange(n, dtype=labels.dtype)  # (a constant)
     target = where(hit, s, 0.0).sum(-1)
     per_token = log(exp(s).sum(-1)) - target
-    if kept is None:
-        return per_token.mean()
-    return where(kept, per_token, 0.0).sum() / kept.astype(per_token.dtype_name).sum()
+    if kept is not None:
+        per_token = where(kept, per_token, 0.0)
+    if reduction != "mean":
+        return per_token if reduction == "none" else per_token.sum()
+    return per_token.mean() if kept is None else per_token.sum() / kept.astype(per_token.dtype_name).sum()
 
 
 @_one_plan

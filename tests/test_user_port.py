@@ -186,3 +186,28 @@ def test_item_of_a_loss():
     assert sharded(np.arange(1, 2), mesh, (None,)).item() == 1
     with pytest.raises(ValueError, match="size 1"):
         sharded(x, mesh, ("dp", None)).item()
+
+
+@pytest.mark.parametrize("jit", [True, False], ids=["jit", "eager"])
+def test_cross_entropy_reductions_are_torchs(jit):
+    """reduction="none" (per token, 0 where ignored: a JAX-port probe wanted optax's per-token loss) and
+    "sum", with ignore_index, the vocabulary sharded over tp; their gradients too."""
+    rng, mesh = np.random.default_rng(17), mesh_2d()
+    logits, labels = ce_case(rng)
+    _, kept = np_ce_ignoring(logits, labels)
+    lse = np.log(np.exp(logits).sum(-1))
+    per_token = (lse - np.take_along_axis(logits, np.where(kept, labels, 0)[..., None], -1)[..., 0]) * kept
+    x = sharded(logits, mesh, ("dp", None, "tp"))
+    for reduction, want in (("none", per_token), ("sum", per_token.sum())):
+        def ce(v, ls, r=reduction):
+            return sf.nn.cross_entropy(v, ls, ignore_index=-100, reduction=r)
+        got = sf.jit(ce, mesh=mesh)(x, labels) if jit else ce(x, sharded(labels, mesh, ("dp", None)))
+        np.testing.assert_allclose(np.asarray(got), want, rtol=1e-13, atol=1e-15)
+    w = rng.standard_normal(labels.shape)  # (a per-token weighting of the "none" loss, differentiated)
+    g = sf.jit(sf.grad(lambda v, ls: (sf.nn.cross_entropy(v, ls, ignore_index=-100, reduction="none") * w).sum()),
+               mesh=mesh)(x, labels)
+    soft = np.exp(logits - lse[..., None])
+    onehot = np.eye(logits.shape[-1])[np.where(kept, labels, 0)]
+    np.testing.assert_allclose(np.asarray(g), (soft - onehot) * (w * kept)[..., None], rtol=1e-12, atol=1e-14)
+    with pytest.raises(ValueError, match="reduction must be"):
+        sf.nn.cross_entropy(x, labels, reduction="average")
