@@ -21,7 +21,7 @@ from typing import Callable
 
 from shardfuse import tree
 from shardfuse.autodiff import backward
-from shardfuse.custom_vjp import differentiated, record
+from shardfuse.custom_vjp import closures, differentiated, record
 from shardfuse.traced import Traced
 
 
@@ -35,22 +35,25 @@ def checkpoint(fun: Callable) -> Callable:
         builder = differentiated((args, kwargs))
         if builder is None:  # no gradient traced here: the function itself
             return fun(*args, **kwargs)
-        name = getattr(fun, "__name__", "checkpoint")
-        return record(builder, name, tree.leaves((args, kwargs)), fun(*args, **kwargs), f"sf.checkpoint: {name}",
-                      lambda _: functools.partial(_again, fun, args, kwargs, builder))
+        name, start, leaves = getattr(fun, "__name__", "checkpoint"), len(builder.instrs), tree.leaves((args, kwargs))
+        out = fun(*args, **kwargs)
+        # (values fun closes over are inputs too, as jax.checkpoint's: their gradient was dropped, a zero)
+        closed = closures(builder, start, {x.value for x in leaves if isinstance(x, Traced)})
+        return record(builder, name, leaves + closed, out, f"sf.checkpoint: {name}",
+                      lambda _: functools.partial(_again, fun, args, kwargs, builder, closed))
     return call
 
 
-def _again(fun, args, kwargs, builder, cts: list) -> list:
-    """The cotangents of the leaves of (args, kwargs): fun traced again here, in the backward, and
-    that copy differentiated (cts: its outputs')."""
+def _again(fun, args, kwargs, builder, closed, cts: list) -> list:
+    """The cotangents of the leaves of (args, kwargs) and of the values fun closes over (`closed`): fun
+    traced again here, in the backward, and that copy differentiated (cts: its outputs')."""
     start = len(builder.instrs)
     builder.recomputing += 1
     try:
         outs = tree.leaves(fun(*args, **kwargs))
     finally:
         builder.recomputing -= 1
-    leaves = tree.leaves((args, kwargs))
+    leaves = tree.leaves((args, kwargs)) + closed
     wrt = list(dict.fromkeys(x.value for x in leaves if isinstance(x, Traced)))  # (an array passed twice: once)
     grads = dict(zip(wrt, backward(builder, builder.instrs[start:], wrt, [o.value for o in outs], cts)))
     return [grads.pop(x.value, None) if isinstance(x, Traced) else None for x in leaves]

@@ -49,6 +49,7 @@ from dataclasses import dataclass
 from typing import Any, Callable
 
 from shardfuse import tree
+from shardfuse.dtypes import FLOATS
 from shardfuse.traced import Traced
 
 
@@ -95,12 +96,18 @@ class custom_vjp:  # noqa: N801 (JAX's name)
         if self.fwd is None:
             raise TypeError(f"sf.custom_vjp function {name} is differentiated but has no rule: call "
                             f"{name}.defvjp(fwd, bwd) first")
+        start = len(builder.instrs)
         res = self.fwd(*args)
         if not (isinstance(res, tuple) and len(res) == 2):
             raise TypeError(f"the fwd of sf.custom_vjp function {name} must return a pair (output, residuals), "
                             f"got {type(res).__name__}")
         out, residuals = res
         leaves, args_tree = tree.flatten(dynamic)
+        closed = closures(builder, start, {x.value for x in leaves if isinstance(x, Traced)})
+        if closed:  # (its gradient would be dropped silently: JAX refuses it too)
+            raise TypeError(f"sf.custom_vjp function {name} closes over {', '.join(x.value.name for x in closed)}, "
+                            "a value being differentiated: its rule gives cotangents for its arguments only, so "
+                            "that gradient would be lost (JAX refuses it too); pass the value as an argument")
         return record(builder, name, leaves, out, f"the fwd of sf.custom_vjp function {name}",
                       lambda outs_tree: functools.partial(_cotangents, name, leaves, args_tree, outs_tree, residuals,
                                                           self.bwd, static))
@@ -163,6 +170,22 @@ def differentiated(args):
     call is the function itself (outside jit, or no gradient traced)."""
     traced = [x for x in tree.leaves(args) if isinstance(x, Traced)]
     return traced[0].builder if traced and traced[0].builder.fresh else None
+
+
+def closures(builder, start, given) -> list:
+    """The traced values that the ops recorded since `start` read but did not make, other than `given`
+    (the call's own traced arguments' values), and that a gradient being traced reaches (they depend
+    on sf.grad's primals, floats): the values a function closes over, which JAX differentiates as its
+    arguments (jax.checkpoint, a cond's branches; jax.custom_vjp refuses them)."""
+    active = set(builder.fresh)
+    for i in builder.instrs[:start]:
+        if not active.isdisjoint(i.ins):
+            active.update(i.outs)
+    made, found = set(), []
+    for i in builder.instrs[start:]:
+        found += [v for v in i.ins if v in active and v not in made and v not in given and v not in found]
+        made.update(i.outs)
+    return [Traced(builder, v) for v in found if v.type.dtype in FLOATS]
 
 
 def record(builder, name, leaves, out, what, make_cotangents):

@@ -6,18 +6,20 @@ per element of xs' leading axis, `fori_loop` once per index of static bounds, an
 predicate is a traced value computes both branches and selects with sf.where (a predicate Python
 knows picks one branch, as jax.lax.cond does).  Results are jax.lax's; what differs is cost (each
 step planned on its own: compile time grows with the length, and both branches of a traced cond
-run).  A traced cond's gradient reaches its operands through the selected branch only, as JAX's (the
-other's cotangent, NaN where its derivative is infinite, is dropped by a select, never multiplied by 0);
-values the branches close over instead of taking as operands still get 0 times the other branch's
-derivative (pass them as operands).  `while_loop` needs a condition Python can decide, and refuses a
+run).  A traced cond's gradient comes from the selected branch only, as JAX's: each branch is
+differentiated alone and its gradients selected, for its operands and the values it closes over alike
+(the other's, NaN where its derivative is infinite, is dropped by a select, never multiplied by 0).
+`while_loop` needs a condition Python can decide, and refuses a
 traced one.  These take pytrees as JAX's do, inside sf.jit or on sf.Arrays.
 """
 from __future__ import annotations
 
+import functools
 from typing import Any, Callable
 
 from shardfuse import tree
-from shardfuse.autodiff import stop_gradient
+from shardfuse.custom_vjp import closures, record
+from shardfuse.autodiff import backward, full_like, stop_gradient  # noqa: F401 (sf.lax.stop_gradient, JAX's)
 from shardfuse.shape_ops import stack
 from shardfuse.traced import Traced
 from shardfuse.traced_numpy import where
@@ -107,25 +109,7 @@ def cond(pred, true_fun: Callable, false_fun: Callable, *operands):
     if pred.shape != ():
         raise TypeError(f"sf.lax.cond: the predicate must be a scalar (0-d), got shape {pred.shape}")
     p = pred if pred.dtype_name == "bool" else pred != 0
-    graded = bool(pred.builder.fresh)  # (a gradient traced: each branch reads its operands through a select of p)
-    t = true_fun(*(_through(p, operands, True) if graded else operands))
-    f = false_fun(*(_through(p, operands, False) if graded else operands))
-    if not _same(t, f):
-        raise TypeError(f"sf.lax.cond: the branches must give the same structure, shapes and dtypes, got "
-                        f"{_signature(t)} and {_signature(f)}")
-    return tree.tree_map(lambda a, b: where(p, a, b), t, f)
-
-
-def _through(p, operands, taken):
-    """operands as the branch taken where p is `taken` reads them: the same values, but the gradient
-    reaches them from that branch only where it is selected (a select drops the other's, NaN included:
-    sqrt's infinite derivative at 0 in the branch not taken gave NaN, where JAX's cond gives 0)."""
-    def gate(x):
-        if not isinstance(x, Traced) or x.dtype.kind != "f":
-            return x
-        held = stop_gradient(x)
-        return where(p, x, held) if taken else where(p, held, x)
-    return tree.tree_map(gate, operands)
+    return _selected("sf.lax.cond", [p], [true_fun, false_fun], operands)
 
 
 def switch(index, branches, *operands):
@@ -138,13 +122,57 @@ def switch(index, branches, *operands):
         return branches[min(max(int(index), 0), n - 1)](*operands)
     if index.shape != ():
         raise TypeError(f"sf.lax.switch: the index must be a scalar (0-d), got shape {index.shape}")
-    i, graded = index.clip(0, n - 1), bool(index.builder.fresh)  # (clamped as JAX's)
-    outs = [b(*(_through(i == k, operands, True) if graded else operands)) for k, b in enumerate(branches)]
+    i = index.clip(0, n - 1)  # (clamped as JAX's)
+    return _selected("sf.lax.switch", [i == k for k in range(n - 1)], list(branches), operands)
+
+
+def _selected(what, picks, branches, operands):
+    """Every branch traced on the operands, its result taken where its pick (a 0-d bool; the last branch
+    where none is) says.  Where a gradient is traced, the call is a rule of its own (custom_vjp.record):
+    each branch differentiated alone and its gradients taken where its result was, for the operands
+    and for the values the branches close over alike, so the branch not taken contributes nothing, NaN
+    included (sqrt's infinite derivative at 0 there gave NaN, where JAX's cond gives 0)."""
+    builder = picks[0].builder
+    starts, outs = [], []
+    for b in branches:
+        starts.append(len(builder.instrs))
+        outs.append(b(*operands))
     for k, o in enumerate(outs[:-1]):
         if not _same(o, outs[-1]):
-            raise TypeError(f"sf.lax.switch: the branches must give the same structure, shapes and dtypes, got "
-                            f"{_signature(o)} (branch {k}) and {_signature(outs[-1])} (branch {n - 1})")
-    out = outs[-1]
-    for k in reversed(range(n - 1)):
-        out = tree.tree_map(lambda a, b, k=k: where(i == k, a, b), outs[k], out)
+            raise TypeError(f"{what}: the branches must give the same structure, shapes and dtypes, got "
+                            f"{_signature(o)} (branch {k}) and {_signature(outs[-1])} (branch {len(outs) - 1})")
+    bounds = starts + [len(builder.instrs)]
+    out = _pick(picks, outs)
+    if not builder.fresh:
+        return out
+    inputs = closures(builder, starts[0], set())  # (operands and closed-over values: whatever the branches read)
+    return record(builder, what, inputs, out, what, lambda _: functools.partial(_branch_cotangents, builder, picks,
+                                                                                bounds, outs, inputs))
+
+
+def _pick(picks, values):
+    """values[k] where picks[k] (the last where none), leaf by leaf (a None: a zero of the others' shape)."""
+    out = values[-1]
+    for k in reversed(range(len(picks))):
+        out = tree.tree_map(lambda a, b, k=k: where(picks[k], a, b), values[k], out)
     return out
+
+
+def _branch_cotangents(builder, picks, bounds, outs, inputs, cts):
+    """The inputs' cotangents: each branch's, through its own ops alone (autodiff.backward), taken where
+    its result was."""
+    wrt = [x.value for x in inputs]
+    per_branch = []
+    for k, o in enumerate(outs):  # (a leaf a branch gives as a Python number has no cotangent to take)
+        pairs = [(v.value, c) for v, c in zip(tree.leaves(o), cts) if isinstance(v, Traced)]
+        per_branch.append(backward(builder, builder.instrs[bounds[k]:bounds[k + 1]], wrt, [v for v, _ in pairs],
+                                   [c for _, c in pairs]))
+    grads = []
+    for j, x in enumerate(inputs):
+        got = [g[j] for g in per_branch]
+        if all(g is None for g in got):
+            grads.append(None)
+            continue
+        zero = full_like(x, 0.0)
+        grads.append(_pick(picks, [zero if g is None else g for g in got]))
+    return grads

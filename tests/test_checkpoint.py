@@ -3,6 +3,8 @@ intermediates; gradients are the same numbers, the plan holds less memory with s
 reshardings are done again (never shared with the forward's), and the forward alone is unchanged."""
 from __future__ import annotations
 
+import functools
+
 import numpy as np
 import pytest
 
@@ -106,3 +108,27 @@ def test_refusals():
     f = sf.checkpoint(lambda x: (x.sum(), 3))
     with pytest.raises(TypeError, match="must return arrays"):
         sf.jit(sf.grad(lambda x: f(x)[0]), mesh=mesh).lower(sf.TensorSpec((4, 4), "float64"))
+
+
+@pytest.mark.parametrize("jit", [True, False], ids=["jit", "eager"])
+def test_values_the_function_closes_over_get_their_gradient(jit):
+    """A block that reads its weight from the enclosing scope (`@sf.checkpoint def block(x): return x @ w`)
+    gave the weight a zero gradient, silently; jax.checkpoint differentiates closed-over values, and so
+    does sf.checkpoint now: the same gradients as without it, the weight sharded over tp."""
+    mesh = mesh_of("2d")
+    r = np.random.default_rng(31)
+    w1, w2, x = r.standard_normal((6, 8)), r.standard_normal((8, 6)), r.standard_normal((4, 6))
+
+    def loss(w1, w2, x, remat):
+        def block(h):
+            return np.tanh(h @ sf.shard(w1, axis=1, over="tp")) @ w2
+        return (sf.checkpoint(block)(x) if remat else block(x)).sum() ** 2
+    grads = [sf.grad(functools.partial(loss, remat=remat), argnums=(0, 1, 2)) for remat in (True, False)]
+    if jit:
+        grads = [sf.jit(g, mesh=mesh) for g in grads]
+        args = (w1, w2, x)
+    else:
+        args = tuple(sf.distribute(a, mesh, ()) for a in (w1, w2, x))
+    for got, want in zip(grads[0](*args), grads[1](*args)):
+        assert np.abs(np.asarray(want)).max() > 1e-3
+        np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-12, atol=1e-12)

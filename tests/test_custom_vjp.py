@@ -328,3 +328,23 @@ def test_nondiff_bwd_returning_a_cotangent_for_a_nondiff_argument_is_refused():
     with pytest.raises(TypeError, match=r"tuple of 1 cotangent\(s\), one per differentiable argument \(none for "
                                         r"nondiff_argnums\), got tuple of 2"):
         sf.jit(sf.grad(lambda x: f(x, 2.0).sum()), mesh=mesh).lower(sf.TensorSpec((8, 4), "float64"))
+
+
+def test_a_rule_closing_over_a_value_being_differentiated_is_refused():
+    """Its rule gives cotangents for its arguments only: a closed-over weight's gradient would be lost, silently
+    (JAX refuses it too).  A closed-over NumPy constant, or a value no gradient reaches, is fine."""
+    mesh = mesh_of("1d")
+
+    def make(w):
+        @sf.custom_vjp
+        def scale(x):
+            return x * w
+        scale.defvjp(lambda x: (x * w, None), lambda _, g: (g * w,))
+        return scale
+    x = np.random.default_rng(41).standard_normal(4)
+    with pytest.raises(TypeError, match="closes over .*a value being differentiated.*pass the value as an argument"):
+        sf.jit(sf.grad(lambda w, x: make(w)(x).sum()), mesh=mesh)(np.full(4, 2.0), x)
+    g = sf.jit(sf.grad(lambda x: make(np.full(4, 2.0))(x).sum()), mesh=mesh)(x)  # (a constant: fine)
+    np.testing.assert_array_equal(np.asarray(g), np.full(4, 2.0))
+    g = sf.jit(sf.grad(lambda x, w: make(w)(x).sum()), mesh=mesh)(x, np.full(4, 3.0))  # (w not differentiated)
+    np.testing.assert_array_equal(np.asarray(g), np.full(4, 3.0))

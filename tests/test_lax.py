@@ -142,3 +142,34 @@ def test_a_traced_conds_gradient_comes_from_the_selected_branch_only():
     np.testing.assert_allclose(np.asarray(sf.jit(g, mesh=mesh)(x, 1)), 10.0)
     with pytest.raises(TypeError, match="the branches must give the same structure"):
         sf.jit(lambda x, i: sf.lax.switch(i, [lambda v: v.sum(), lambda v: v], x), mesh=mesh)(x, 0)
+
+
+def test_values_the_branches_close_over_get_the_selected_branchs_gradient_only():
+    """A JAX port's closures (no operands): the branch not taken gave NaN (sqrt's derivative at 0 times 0)
+    where JAX's cond gives 0; each branch is differentiated alone now and its gradients selected, for
+    closed-over values and operands alike, switch too, against float64 central differences where smooth."""
+    mesh = sf.DeviceMesh((2, 2), ("dp", "tp"), backend="numpy")
+    zeros = np.zeros(2)
+    f = sf.jit(sf.grad(lambda x: sf.lax.cond(x.sum() > 1, lambda: np.sqrt(x).sum(), lambda: x.sum() * 0)), mesh=mesh)
+    np.testing.assert_array_equal(np.asarray(f(zeros)), [0.0, 0.0])
+    w = np.array([[1.0, -2.0], [0.5, 3.0]])
+
+    def h(x, w):  # (w and x closed over, x an operand too)
+        i = (x.sum() > 0).astype(np.int32) + (x.sum() > 5).astype(np.int32)
+        return sf.lax.switch(i, [lambda y: (np.tanh(y @ w) ** 2).sum(), lambda y: (x * y * w[0]).sum(),
+                                 lambda y: np.sqrt(x).sum() * w.sum()], x)
+    grad = sf.jit(sf.grad(h, argnums=(0, 1)), mesh=mesh)
+    for xv in (np.array([-1.0, -2.0]), np.array([1.0, 2.0]), np.array([4.0, 9.0]), np.array([0.0, 6.0])):
+        gx, gw = (np.asarray(g) for g in grad(xv, w))
+        assert np.all(np.isfinite(gx)) or xv[0] == 0.0, (xv, gx)
+        for arr, g, k in ((xv, gx, 0), (w, gw, 1)):
+            for idx in np.ndindex(arr.shape):
+                if xv[0] == 0.0:  # (sqrt at 0 taken: inf, as JAX's)
+                    continue
+                e = np.zeros_like(arr)
+                e[idx] = 1e-6
+                args_p = [xv, w]
+                args_m = [xv, w]
+                args_p[k], args_m[k] = arr + e, arr - e
+                fd = (float(sf.jit(h, mesh=mesh)(*args_p)) - float(sf.jit(h, mesh=mesh)(*args_m))) / 2e-6
+                assert abs(fd - g[idx]) < 1e-6 * (1 + abs(fd)), (xv, k, idx, fd, g[idx])
