@@ -144,7 +144,7 @@ class Devices:
                 flat = self._flat(len(mine) * step // item, dtype, store) if mine else None
 
                 # (an element of its own: a placeholder never aliases a device's buffer)
-                spare = None if len(mine) == count else cupy.broadcast_to(self._flat(1, dtype, store), shape)
+                spare = None if len(mine) == count else cupy.broadcast_to(self._flat(1, dtype, store).reshape(()), shape)
             for j in range(first - count, first):
                 out.append(cupy.ndarray(shape, store, flat.data + mine.index(j) * step) if j in mine else spare)
         return out
