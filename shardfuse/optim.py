@@ -12,11 +12,12 @@ a scalar per kind of pending sum (passes/reassociate.py).  A learning rate is a 
 """
 from __future__ import annotations
 
+import functools
 from typing import Any, Callable, NamedTuple
 
 import numpy as np
 
-from shardfuse import tree
+from shardfuse import lax, tree  # (lax.cond: apply_if_finite's choice, traced or not)
 
 
 class GradientTransformation(NamedTuple):
@@ -55,6 +56,20 @@ class ScaleByLionState(NamedTuple):
 class ScaleByRmsState(NamedTuple):
     """RMSProp's running mean of squared gradients (optax's)."""
     nu: Any
+
+
+class ApplyIfFiniteState(NamedTuple):
+    """optax's: non-finite steps in a row (int32), whether the last was finite, non-finite steps in all, and
+    the wrapped transformation's state."""
+    notfinite_count: Any
+    last_finite: Any
+    total_notfinite: Any
+    inner_state: Any
+
+
+class MaskedState(NamedTuple):
+    """optax.masked's: the wrapped transformation's state, of the masked parameters only."""
+    inner_state: Any
 
 
 def global_norm(updates) -> Any:
@@ -193,6 +208,45 @@ def rmsprop(learning_rate, decay: float = 0.9, eps: float = 1e-8, initial_scale:
                  *([trace(momentum, nesterov)] if momentum is not None else []))
 
 
+def apply_if_finite(inner: GradientTransformation, max_consecutive_errors: int) -> GradientTransformation:
+    """optax.apply_if_finite: inner's update where every gradient is finite, else zero updates and inner's
+    state kept (a float16 step that overflowed is skipped), unless more than max_consecutive_errors
+    steps in a row were not (then applied anyway)."""
+
+
+    def init(params):
+        zero = np.zeros((), np.int32)
+        return ApplyIfFiniteState(zero, np.ones((), bool), zero, inner.init(params))
+
+    def update(updates, state, params=None):
+        finite = functools.reduce(lambda a, b: a & b, [np.isfinite(u).all() for u in tree.leaves(updates)])
+        notfinite = np.where(finite, 0, state.notfinite_count + 1).astype(np.int32)
+        new, inner_state = lax.cond(finite | (notfinite > max_consecutive_errors),
+                                    lambda: inner.update(updates, state.inner_state, params),
+                                    lambda: (tree.tree_map(np.zeros_like, updates), state.inner_state))
+        total = np.where(finite, state.total_notfinite, state.total_notfinite + 1).astype(np.int32)
+        return new, ApplyIfFiniteState(notfinite, finite, total, inner_state)
+    return GradientTransformation(init, update)
+
+
+def masked(inner: GradientTransformation, mask) -> GradientTransformation:
+    """optax.masked: inner applied to the parameters `mask` selects (a pytree of bools, a prefix of the
+    parameters', or a function of them giving one), the other updates passed through unchanged; inner's
+    state holds the selected parameters' only."""
+    def keep_of(params):
+        return mask(params) if callable(mask) else mask
+
+    def init(params):
+        return MaskedState(inner.init(_chosen(params, keep_of(params))))
+
+    def update(updates, state, params=None):
+        keep = keep_of(updates if params is None else params)
+        new, inner_state = inner.update(_chosen(updates, keep), state.inner_state,
+                                        None if params is None else _chosen(params, keep))
+        return _masked(lambda u, n: n, updates, new, keep), MaskedState(inner_state)
+    return GradientTransformation(init, update)
+
+
 def constant_schedule(value: float) -> Callable:
     """optax.constant_schedule."""
     return lambda count: value
@@ -232,6 +286,18 @@ def warmup_cosine_decay_schedule(init_value: float, peak_value: float, warmup_st
     return schedule
 
 
+def piecewise_constant_schedule(init_value: float, boundaries_and_scales: dict | None = None) -> Callable:
+    """optax.piecewise_constant_schedule: init_value, multiplied by scale from each boundary (a step count) on."""
+    items = sorted((boundaries_and_scales or {}).items())
+
+    def schedule(count):
+        value = init_value
+        for boundary, scale in items:
+            value = np.where(count < boundary, value, value * scale)
+        return value
+    return schedule
+
+
 def exponential_decay(init_value: float, transition_steps: int, decay_rate: float, transition_begin: int = 0,
                       staircase: bool = False, end_value: float | None = None) -> Callable:
     """optax.exponential_decay: init_value * decay_rate ** ((count - transition_begin) / transition_steps)
@@ -268,6 +334,17 @@ def _masked(fn, updates, params, keep):
         return type(updates)({k: _masked(fn, updates[k], params[k], keep[k]) for k in updates})
     parts = [_masked(fn, u, p, m) for u, p, m in zip(updates, params, keep)]
     return type(updates)(*parts) if hasattr(type(updates), "_fields") else type(updates)(parts)
+
+
+def _chosen(t, keep):
+    """t's subtrees where keep (a bool, or a pytree of them that is a prefix of t's) says True, None (a node
+    without leaves) elsewhere."""
+    if isinstance(keep, (bool, np.bool_)):
+        return t if keep else None
+    if isinstance(keep, dict):
+        return type(t)({k: _chosen(t[k], keep[k]) for k in t})
+    parts = [_chosen(x, m) for x, m in zip(t, keep)]
+    return type(t)(*parts) if hasattr(type(t), "_fields") else type(t)(parts)
 
 
 def _in_dtype(v, dtype):

@@ -183,3 +183,44 @@ def test_schedules_and_a_weight_decay_mask_follow_optax():
     plain, _ = optim.adam(0.1).update(gs[0], optim.adam(0.1).init(p), p)
     np.testing.assert_allclose(updates["b"], plain["b"], rtol=1e-14)  # (the bias: no decay)
     np.testing.assert_allclose(updates["w"], plain["w"] - 0.1 * 0.5 * p["w"], rtol=1e-13)
+
+
+def test_apply_if_finite_masked_and_piecewise_constant_follow_optax():
+    """optax.apply_if_finite (a step with an inf gradient skipped: zero updates, Adam's moments kept; applied
+    anyway after max_consecutive_errors such steps), optax.masked (Adam on the weight only, the bias's
+    updates passed through) and piecewise_constant_schedule, in one jitted step on a dp x tp mesh."""
+    m = mesh()
+    p, gs = params_and_grads(5)
+    bad = {"w": gs[1]["w"].copy(), "b": gs[1]["b"]}
+    bad["w"][3, 2] = np.inf
+    layouts = {"w": ("dp", "tp"), "b": ("tp",)}
+    opt = optim.apply_if_finite(optim.adam(0.1), max_consecutive_errors=1)
+
+    @sf.jit(mesh=m)
+    def step(params, state, grads):
+        updates, state = opt.update(grads, state, params)
+        return optim.apply_updates(params, updates), state
+    placed, state = sf.distribute(p, m, layouts), opt.init(p)
+    placed, state = step(placed, state, sf.distribute(gs[0], m, layouts))
+    skipped, state2 = step(placed, state, sf.distribute(bad, m, layouts))  # (skipped: params and moments kept)
+    for k in p:
+        np.testing.assert_array_equal(np.asarray(skipped[k]), np.asarray(placed[k]))
+    assert int(state2.notfinite_count) == 1 and int(state2.total_notfinite) == 1 and not bool(state2.last_finite)
+    np.testing.assert_array_equal(np.asarray(state2.inner_state[0].mu["w"]), np.asarray(state.inner_state[0].mu["w"]))
+    after, _ = step(skipped, state2, sf.distribute(gs[2], m, layouts))
+    want = reference("adam", p, [gs[0], gs[2]])
+    for k in p:
+        np.testing.assert_allclose(np.asarray(after[k]), want[k], rtol=1e-12, atol=1e-12)
+    forced, state3 = step(skipped, step(skipped, state2, sf.distribute(bad, m, layouts))[1],
+                          sf.distribute(bad, m, layouts))  # (the third bad step in a row: applied anyway)
+    assert int(state3.notfinite_count) == 3 and not np.isfinite(np.asarray(forced["w"])).all()
+    masked = optim.masked(optim.adam(0.1), {"w": True, "b": False})
+    u, s = masked.update(gs[0], masked.init(p), p)
+    plain, _ = optim.adam(0.1).update(gs[0], optim.adam(0.1).init(p), p)
+    np.testing.assert_allclose(u["w"], plain["w"], rtol=1e-14)
+    np.testing.assert_array_equal(u["b"], gs[0]["b"])
+    assert s.inner_state[0].mu["b"] is None  # (the state of the masked parameters only)
+    sched = optim.piecewise_constant_schedule(1.0, {10: 0.5, 20: 0.1})
+    for c, v in ((0, 1.0), (9, 1.0), (10, 0.5), (19, 0.5), (20, 0.05), (99, 0.05)):
+        assert abs(float(np.asarray(sched(np.int32(c)))) - v) < 1e-15
+        assert abs(float(np.asarray(traced_of(sched, m)(np.int32(c)))) - v) < 1e-15
