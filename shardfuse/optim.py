@@ -67,6 +67,15 @@ class ApplyIfFiniteState(NamedTuple):
     inner_state: Any
 
 
+class MultiStepsState(NamedTuple):
+    """optax.MultiSteps': the mini-step within the current step, the steps applied, the wrapped
+    transformation's state and the mean of the gradients accumulated so far."""
+    mini_step: Any
+    gradient_step: Any
+    inner_opt_state: Any
+    acc_grads: Any
+
+
 class MaskedState(NamedTuple):
     """optax.masked's: the wrapped transformation's state, of the masked parameters only."""
     inner_state: Any
@@ -245,6 +254,39 @@ def masked(inner: GradientTransformation, mask) -> GradientTransformation:
                                         None if params is None else _chosen(params, keep))
         return _masked(lambda u, n: n, updates, new, keep), MaskedState(inner_state)
     return GradientTransformation(init, update)
+
+
+class MultiSteps:
+    """optax.MultiSteps: gradient accumulation, the mean of every_k_schedule (an int) calls' gradients given to
+    `opt` on the last of them; the others give zero updates and keep opt's state.  `.init`, `.update` and
+    `.gradient_transformation()` as optax's."""
+
+    def __init__(self, opt: GradientTransformation, every_k_schedule: int):
+        if isinstance(every_k_schedule, bool) or not isinstance(every_k_schedule, int) or every_k_schedule < 1:
+            raise ValueError(f"sf.optim.MultiSteps: every_k_schedule must be a positive int, got {every_k_schedule!r}")
+        self.opt, self.k = opt, every_k_schedule
+
+    def init(self, params):
+        zero = np.zeros((), np.int32)
+        return MultiStepsState(zero, zero, self.opt.init(params), tree.tree_map(np.zeros_like, params))
+
+    def update(self, updates, state, params=None):
+        n = state.mini_step + 1  # (a running mean: acc + (g - acc) / n, as optax's)
+        acc = tree.tree_map(lambda a, g: a + (g - a) / n.astype(a.dtype), state.acc_grads, updates)
+        last = n >= self.k
+
+        def apply():
+            new, inner = self.opt.update(acc, state.inner_opt_state, params)
+            return new, inner, tree.tree_map(np.zeros_like, acc)
+
+        def wait():
+            return tree.tree_map(np.zeros_like, updates), state.inner_opt_state, acc
+        new, inner, acc = lax.cond(last, apply, wait)
+        return new, MultiStepsState(np.where(last, 0, n).astype(np.int32),
+                                    (state.gradient_step + last.astype(np.int32)).astype(np.int32), inner, acc)
+
+    def gradient_transformation(self) -> GradientTransformation:
+        return GradientTransformation(self.init, self.update)
 
 
 def constant_schedule(value: float) -> Callable:

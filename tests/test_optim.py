@@ -224,3 +224,40 @@ def test_apply_if_finite_masked_and_piecewise_constant_follow_optax():
     for c, v in ((0, 1.0), (9, 1.0), (10, 0.5), (19, 0.5), (20, 0.05), (99, 0.05)):
         assert abs(float(np.asarray(sched(np.int32(c)))) - v) < 1e-15
         assert abs(float(np.asarray(traced_of(sched, m)(np.int32(c)))) - v) < 1e-15
+
+
+def test_multisteps_accumulates_the_mean_and_applies_every_k():
+    """optax.MultiSteps(adam, every_k_schedule=3): zero updates and Adam's state kept for two calls, then Adam
+    on the mean of the three gradients; in a jitted, donated step on a dp x tp mesh and eagerly."""
+    m = mesh()
+    p, _ = params_and_grads(6)
+    r = np.random.default_rng(7)
+    gs = [{"w": r.standard_normal((8, 4)), "b": r.standard_normal(4)} for _ in range(6)]
+    layouts = {"w": ("dp", "tp"), "b": ("tp",)}
+    ms = optim.MultiSteps(optim.adam(0.1), every_k_schedule=3)
+
+    @sf.jit(mesh=m, donate_argnums=(0, 1))
+    def step(params, state, grads):
+        updates, state = ms.update(grads, state, params)
+        return optim.apply_updates(params, updates), state
+    placed, state = sf.distribute(p, m, layouts), ms.init(sf.distribute(p, m, layouts))
+    means = [{k: sum(g[k] for g in gs[j:j + 3]) / 3 for k in p} for j in (0, 3)]
+    for j, g in enumerate(gs):
+        before = {k: np.asarray(placed[k]).copy() for k in p}
+        placed, state = step(placed, state, sf.distribute(g, m, layouts))
+        if j % 3 != 2:
+            for k in p:
+                np.testing.assert_array_equal(np.asarray(placed[k]), before[k])
+        else:
+            want = reference("adam", p, means[: j // 3 + 1])
+            for k in p:
+                np.testing.assert_allclose(np.asarray(placed[k]), want[k], rtol=1e-12, atol=1e-12)
+    assert int(state.gradient_step) == 2 and int(state.mini_step) == 0
+    eager = ms.gradient_transformation()
+    s = eager.init(p)
+    for g in gs[:3]:
+        u, s = eager.update(g, s, p)
+    want = optim.adam(0.1).update(means[0], optim.adam(0.1).init(p), p)[0]
+    np.testing.assert_allclose(u["w"], want["w"], rtol=1e-12)
+    with pytest.raises(ValueError, match="positive int"):
+        optim.MultiSteps(optim.adam(0.1), 0)
