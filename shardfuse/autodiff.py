@@ -27,12 +27,13 @@ import math
 
 from shardfuse import dtypes
 from shardfuse.autodiff_layouts import at_home, gathered_from, known_layout, moved_back, pin, regathered, rows_merge
-from shardfuse.custom_vjp import rules_at
+from shardfuse.custom_rules import rules_at
+from shardfuse.custom_vjp import propagate_active
 from shardfuse.ir import TensorType
 from shardfuse.layout import Layout, mesh_axes
 from shardfuse.numpy_broadcast import VJP as BROADCAST_VJP, unbroadcast
-from shardfuse.numpy_math import NO_GRADIENT as MATH_NO_GRADIENT, VJP as MATH_VJP
-from shardfuse.ops import COMPARE, COMPARE_SCALAR, Op
+from shardfuse.numpy_math import VJP as MATH_VJP
+from shardfuse.ops import Op
 from shardfuse import schedule, tree
 from shardfuse.schedule import Schedule, scheduled
 from shardfuse.take import scatter_rows
@@ -42,8 +43,6 @@ from shardfuse.update_slice import VJP as UPDATE_SLICE_VJP
 
 # ops whose output carries no gradient to their inputs (boolean or constant results; floor division's
 # is piecewise constant: zero almost everywhere, as JAX's)
-NO_GRADIENT = COMPARE | COMPARE_SCALAR | {Op.LOGICAL_NOT, Op.FILL_THEN, Op.FILL_ELSE, Op.FULL_LIKE, Op.FLOOR_DIVIDE}
-NO_GRADIENT |= MATH_NO_GRADIENT  # (sign, floor, ceil, round; isnan & co.: shardfuse/numpy_math.py)
 
 
 def full_like(x: Traced, value, dtype=None) -> Traced:
@@ -83,13 +82,7 @@ def backward(builder, instrs, wrt, outs, cts, remat="regather") -> list:
     the cotangents `cts` (Traced) of `outs`, through `instrs` (the forward, as recorded); `remat`:
     whether a weight gradient gathers the forward's input again or reads the one it kept (REMAT)."""
     custom = rules_at(builder, instrs)  # (sf.custom_vjp / sf.checkpoint calls: their backward where each ended)
-    active = {v for v in wrt if differentiable(v.type.dtype)}
-    for ins in instrs:
-        if ins.op not in NO_GRADIENT and any(v in active for v in ins.ins):
-            active.update(o for o in ins.outs if differentiable(o.type.dtype) and o not in builder.no_gradient)
-        for r in custom.get(id(ins), ()):
-            if any(isinstance(a, Traced) and a.value in active for a in r.args):
-                active.update(o.value for o in r.outs if differentiable(o.dtype_name))
+    active = propagate_active(builder, instrs, {v for v in wrt if differentiable(v.type.dtype)}, custom)
     grads: dict = {}
     for o, c in zip(outs, cts):
         if o in active:

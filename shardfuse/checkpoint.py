@@ -21,7 +21,8 @@ from typing import Callable
 
 from shardfuse import tree
 from shardfuse.autodiff import backward
-from shardfuse.custom_vjp import closures, differentiated, record
+from shardfuse.custom_rules import record
+from shardfuse.custom_vjp import closures, differentiated
 from shardfuse.traced import Traced
 
 

@@ -45,24 +45,14 @@ from __future__ import annotations
 
 import functools
 import inspect
-from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Callable
 
 from shardfuse import tree
+from shardfuse.custom_rules import record, rules_at
+from shardfuse.numpy_math import NO_GRADIENT as MATH_NO_GRADIENT
+from shardfuse.ops import COMPARE, COMPARE_SCALAR, Op
 from shardfuse.dtypes import FLOATS
 from shardfuse.traced import Traced
-
-
-@dataclass(eq=False)
-class CustomRule:
-    """One traced call whose backward is not its ops' (an sf.custom_vjp function's, sf.checkpoint's):
-    where that backward goes and what it reads."""
-
-    name: str
-    args: list  # the call's argument leaves (Traced or not), in tree order
-    outs: list  # the output leaves (Traced)
-    after: Any  # the last instruction recorded when the call returned (its outputs' views): the backward runs there
-    cotangents: Callable  # [the outputs' cotangents] -> [a cotangent or None per argument leaf]
 
 
 class custom_vjp:  # noqa: N801 (JAX's name)
@@ -172,44 +162,36 @@ def differentiated(args):
     return traced[0].builder if traced and traced[0].builder.fresh else None
 
 
+# ops whose results no gradient flows through (comparisons, fills, sign, floor, isnan & co.)
+NO_GRADIENT = COMPARE | COMPARE_SCALAR | {Op.LOGICAL_NOT, Op.FILL_THEN, Op.FILL_ELSE, Op.FULL_LIKE, Op.FLOOR_DIVIDE}
+NO_GRADIENT |= MATH_NO_GRADIENT  # (shardfuse/numpy_math.py)
+
+
+def propagate_active(builder, instrs, active: set, custom: dict | None = None) -> set:
+    """`active` (values a gradient reaches: floats) grown through instrs in order, as autodiff.backward
+    sees them: an op's float results where it reads an active value (not through NO_GRADIENT ops nor
+    stop_gradient's views), a recorded rule's outputs where it reads one (custom: rules_at's)."""
+    custom = rules_at(builder, instrs) if custom is None else custom
+    for ins in instrs:
+        if ins.op not in NO_GRADIENT and not active.isdisjoint(ins.ins):
+            active.update(o for o in ins.outs if o.type.dtype in FLOATS and o not in builder.no_gradient)
+        for r in custom.get(id(ins), ()):
+            if any(isinstance(a, Traced) and a.value in active for a in r.args):
+                active.update(o.value for o in r.outs if o.dtype_name in FLOATS)
+    return active
+
+
 def closures(builder, start, given) -> list:
     """The traced values that the ops recorded since `start` read but did not make, other than `given`
     (the call's own traced arguments' values), and that a gradient being traced reaches (they depend
     on sf.grad's primals, floats): the values a function closes over, which JAX differentiates as its
     arguments (jax.checkpoint, a cond's branches; jax.custom_vjp refuses them)."""
-    active = set(builder.fresh)
-    for i in builder.instrs[:start]:
-        if not active.isdisjoint(i.ins):
-            active.update(i.outs)
+    active = propagate_active(builder, builder.instrs[:start], {v for v in builder.fresh if v.type.dtype in FLOATS})
     made, found = set(), []
     for i in builder.instrs[start:]:
         found += [v for v in i.ins if v in active and v not in made and v not in given and v not in found]
         made.update(i.outs)
     return [Traced(builder, v) for v in found if v.type.dtype in FLOATS]
-
-
-def record(builder, name, leaves, out, what, make_cotangents):
-    """out, each output a value of this call's own (a view), and the call's CustomRule recorded:
-    an output that is an argument, the same value twice, or another rule's output (a nested call)
-    gets a cotangent of its own.  make_cotangents(the outputs' tree) -> the rule's cotangents."""
-    outs, outs_tree = tree.flatten(out)
-    if not outs or not all(isinstance(o, Traced) for o in outs):
-        raise TypeError(f"{what} must return arrays computed from its arguments, got "
-                        f"{', '.join(type(o).__name__ for o in outs) or 'none'}")
-    outs = [o.reshape(o.shape) for o in outs]
-    builder.custom_rules.append(CustomRule(name, leaves, outs, builder.instrs[-1], make_cotangents(outs_tree)))
-    return outs_tree.unflatten(outs)
-
-
-def rules_at(builder, instrs) -> dict:
-    """id(instruction) -> the custom rules of the calls that ended with it (their outputs' last
-    view), for the instructions in instrs."""
-    here = {id(i) for i in instrs}
-    out: dict = {}
-    for r in builder.custom_rules:
-        if id(r.after) in here:
-            out.setdefault(id(r.after), []).append(r)
-    return out
 
 
 def _cotangents(name, args, args_tree, outs_tree, residuals, bwd, static, cts: list) -> list:

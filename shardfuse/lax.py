@@ -18,7 +18,8 @@ import functools
 from typing import Any, Callable
 
 from shardfuse import tree
-from shardfuse.custom_vjp import closures, record
+from shardfuse.custom_rules import record
+from shardfuse.custom_vjp import closures
 from shardfuse.autodiff import backward, full_like, stop_gradient  # noqa: F401 (sf.lax.stop_gradient, JAX's)
 from shardfuse.shape_ops import stack
 from shardfuse.traced import Traced
@@ -122,6 +123,8 @@ def switch(index, branches, *operands):
         return branches[min(max(int(index), 0), n - 1)](*operands)
     if index.shape != ():
         raise TypeError(f"sf.lax.switch: the index must be a scalar (0-d), got shape {index.shape}")
+    if n == 1:  # (one branch: whatever the index, a review: its picks were none)
+        return branches[0](*operands)
     i = index.clip(0, n - 1)  # (clamped as JAX's)
     return _selected("sf.lax.switch", [i == k for k in range(n - 1)], list(branches), operands)
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 import numpy as np
 
 from shardfuse.numpy_math import expm1
-from shardfuse.traced_numpy import relu, sigmoid, silu, where
+from shardfuse.traced_numpy import relu, rsqrt, sigmoid, silu, where
 
 # jax.nn.selu's constants
 _SELU_ALPHA, _SELU_SCALE = 1.6732632423543772848170429916717, 1.0507009873554804934193349852946
@@ -64,13 +64,13 @@ def soft_sign(x):
 
 
 def standardize(x, axis=-1, mean=None, variance=None, epsilon=1e-5):
-    """(x - mean) / sqrt(variance + epsilon) over `axis`, mean and variance computed where not given
+    """(x - mean) * rsqrt(variance + epsilon) over `axis`, mean and variance computed where not given
     (jax.nn.standardize: variance as mean(x**2) - mean**2)."""
     if mean is None:
         mean = x.mean(axis, keepdims=True)
     if variance is None:
         variance = (x * x).mean(axis, keepdims=True) - mean * mean
-    return (x - mean) / np.sqrt(variance + epsilon)
+    return (x - mean) * rsqrt(variance + epsilon)
 
 
 ACTIVATIONS = (relu, sigmoid, log_sigmoid, softplus, silu, leaky_relu, elu, celu, selu, glu, hard_tanh, soft_sign,

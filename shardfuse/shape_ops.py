@@ -253,7 +253,26 @@ def np_stack(arrays, axis=0, out=None, *, dtype=None, casting="same_kind"):
     return stack(arrays, axis)
 
 
-NUMPY_SHAPES = {np.concatenate: np_concatenate, np.stack: np_stack, np.split: split}
+def np_transpose(a, axes=None):
+    return a.transpose() if axes is None else a.transpose(axes)
+
+
+def np_swapaxes(a, axis1, axis2):
+    i, j = (normalize_axis(x, a.ndim, a.shape) for x in (axis1, axis2))
+    return a.transpose([j if k == i else i if k == j else k for k in range(a.ndim)])
+
+
+def np_reshape(a, shape, order="C", *, copy=None):  # (copy= changes nothing: traced values are never written)
+    if order != "C":
+        raise TypeError(f"np.reshape(..., order={order!r}) is not supported on traced shardfuse values (inside "
+                        "sf.jit): write x.reshape(shape) (C order)")
+    return a.reshape(shape)
+
+
+NUMPY_SHAPES = {np.concatenate: np_concatenate, np.stack: np_stack, np.split: split, np.transpose: np_transpose,
+                np.swapaxes: np_swapaxes, np.reshape: np_reshape}
+
+
 def broadcast_matmul(a: Traced, b: Traced) -> Traced:
     """a @ b with NumPy's rules for 1-D operands (a unit axis added, then dropped) and for batch
     axes that broadcast, as views around the one matmul the compiler has (a's batch axes are the

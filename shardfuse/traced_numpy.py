@@ -213,22 +213,6 @@ def defaults_only(what: str, takes: str, **given):
                         f"(inside sf.jit): write {takes}")
 
 
-def _transpose(a, axes=None):
-    return a.transpose() if axes is None else a.transpose(axes)
-
-
-def _swapaxes(a, axis1, axis2):
-    i, j = (normalize_axis(x, a.ndim, a.shape) for x in (axis1, axis2))
-    return a.transpose([j if k == i else i if k == j else k for k in range(a.ndim)])
-
-
-def _reshape(a, shape, order="C", *, copy=None):  # (copy= changes nothing: traced values are never written)
-    if order != "C":
-        raise TypeError(f"np.reshape(..., order={order!r}) is not supported on traced shardfuse values (inside "
-                        "sf.jit): write x.reshape(shape) (C order)")
-    return a.reshape(shape)
-
-
 def _reduction(method):
     """np.sum / mean / max / min (amax, amin) of a traced value: its method, axis= and keepdims= as NumPy's; for
     sum and mean also dtype= (NumPy's accumulator and result dtype) and where= (a mask broadcast to x: sum
@@ -266,7 +250,10 @@ def _extremum_from(method, a, axis, keepdims, kept, initial):
     if initial is None:
         raise ValueError(f"np.{method.__name__} with where=: NumPy's needs initial= too (the result where the mask "
                          f"keeps nothing), e.g. np.{method.__name__}(x, axis, where=mask, initial=-np.inf)")
-    c = a.builder.constant(np.asarray(initial).astype(dtypes.np_dtype(a.dtype_name)))
+    c = np.asarray(initial).astype(dtypes.np_dtype(a.dtype_name))
+    if 0 in a.shape:  # (no element: initial is the result, as NumPy's; a review)
+        return a.builder.constant(np.max(np.empty(a.shape, c.dtype), axis=axis, keepdims=keepdims, initial=c))
+    c = a.builder.constant(c)
     best = method(a if kept is None else _where(kept, a, c), axis, keepdims=keepdims)
     return maximum(best, c) if method is Traced.max else minimum(best, c)
 
@@ -389,7 +376,7 @@ NUMPY.update({  # NumPy function or ufunc -> the same on traced values: adding a
     np.maximum: maximum, np.minimum: minimum, np.logical_not: logical_not,
     np.less: _compare(Op.LT), np.less_equal: _compare(Op.LE), np.greater: _compare(Op.GT),
     np.greater_equal: _compare(Op.GE), np.equal: _compare(Op.EQ), np.not_equal: _compare(Op.NE),
-    np.transpose: _transpose, np.swapaxes: _swapaxes, np.reshape: _reshape, np.where: _where_numpy,
+    np.where: _where_numpy,  # (np.transpose, np.swapaxes, np.reshape: NUMPY_SHAPES)
     np.sum: _reduction(Traced.sum), np.mean: _reduction(Traced.mean), np.max: _reduction(Traced.max),
     np.amax: _reduction(Traced.max), np.min: _reduction(Traced.min), np.amin: _reduction(Traced.min),
     np.var: var, np.std: std, np.clip: clip, np.argmax: argmax, np.argmin: argmin,

@@ -348,3 +348,26 @@ def test_a_rule_closing_over_a_value_being_differentiated_is_refused():
     np.testing.assert_array_equal(np.asarray(g), np.full(4, 2.0))
     g = sf.jit(sf.grad(lambda x, w: make(w)(x).sum()), mesh=mesh)(x, np.full(4, 3.0))  # (w not differentiated)
     np.testing.assert_array_equal(np.asarray(g), np.full(4, 3.0))
+
+
+def test_closing_over_values_no_gradient_reaches_is_fine():
+    """A review: a stop_gradient view or a comparison's mask closed over was refused as 'being differentiated'
+    (JAX's are not tracers of the gradient either)."""
+    mesh = mesh_of("1d")
+    x = np.random.default_rng(42).standard_normal(4)
+
+    def held(v, w):
+        ws = sf.lax.stop_gradient(w)
+        g = sf.custom_vjp(lambda a: a * ws)
+        g.defvjp(lambda a: (a * ws, None), lambda _, ct: (ct * ws,))
+        return g(v).sum()
+    gx, gw = sf.jit(sf.grad(held, argnums=(0, 1)), mesh=mesh)(x, x + 1.0)
+    np.testing.assert_array_equal(np.asarray(gx), x + 1.0)
+    np.testing.assert_array_equal(np.asarray(gw), np.zeros(4))
+
+    def masked(v):
+        mask = (v > 0).astype(np.float64)
+        g = sf.custom_vjp(lambda a: a * mask)
+        g.defvjp(lambda a: (a * mask, None), lambda _, ct: (ct * mask,))
+        return g(v).sum()
+    np.testing.assert_array_equal(np.asarray(sf.jit(sf.grad(masked), mesh=mesh)(x)), (x > 0).astype(float))

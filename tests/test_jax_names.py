@@ -129,6 +129,8 @@ def test_sum_and_mean_methods_take_dtype_and_where_inside_jit_and_on_sf_arrays()
             np.testing.assert_allclose(np.asarray(got), want, rtol=1e-12, atol=1e-5 if f32 else 0, err_msg=name)
     with pytest.raises(ValueError, match="needs initial= too"):  # (NumPy's ValueError too)
         xa.max(where=m)
+    empty = sf.jit(lambda x: np.max(np.repeat(x, 0, axis=0), axis=0, initial=-1.0), mesh=MESH)(x)  # (a review)
+    np.testing.assert_array_equal(np.asarray(empty), np.full(x.shape[1], -1.0))
     for fn in (lambda x, m: np.max(x, 1, where=m, initial=-0.5), lambda x, m: x.min(initial=0.25),
                lambda x, m: np.min(x, axis=0, keepdims=True, where=m, initial=np.nan)):
         want = fn(x, m)

@@ -173,3 +173,13 @@ def test_values_the_branches_close_over_get_the_selected_branchs_gradient_only()
                 args_p[k], args_m[k] = arr + e, arr - e
                 fd = (float(sf.jit(h, mesh=mesh)(*args_p)) - float(sf.jit(h, mesh=mesh)(*args_m))) / 2e-6
                 assert abs(fd - g[idx]) < 1e-6 * (1 + abs(fd)), (xv, k, idx, fd, g[idx])
+
+
+def test_a_switch_of_one_branch_with_a_traced_index():
+    """A review: one branch and a traced index raised an IndexError (no picks to take the builder from)."""
+    mesh = sf.DeviceMesh((2, 2), ("dp", "tp"), backend="numpy")
+    x = np.array([1.0, -2.0, 3.0])
+    np.testing.assert_array_equal(np.asarray(sf.jit(lambda v, i: sf.lax.switch(i, [lambda a: a * 2], v),
+                                                    mesh=mesh)(x, 5)), 2 * x)
+    g = sf.jit(sf.grad(lambda v, i: (sf.lax.switch(i, [lambda a: a], v) ** 2).sum()), mesh=mesh)(x, 0)
+    np.testing.assert_array_equal(np.asarray(g), 2 * x)

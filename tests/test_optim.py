@@ -163,8 +163,10 @@ def test_schedules_and_a_weight_decay_mask_follow_optax():
     # optax.exponential_decay: held before transition_begin, staircase floors the exponent, end_value bounds it
     for kw, want in [({}, {0: 1.0, 5: 1.0, 15: 0.5, 20: 0.5 ** 1.5}),
                      ({"staircase": True, "end_value": 0.3}, {14: 1.0, 15: 0.5, 20: 0.5, 25: 0.3, 100: 0.3}),
-                     ({"decay_rate": 2.0, "end_value": 3.0}, {15: 2.0, 100: 3.0})]:
-        kw = {"transition_begin": 5, "decay_rate": 0.5, **kw}
+                     ({"decay_rate": 2.0, "end_value": 3.0}, {15: 2.0, 100: 3.0}),
+                     ({"transition_begin": -5}, {0: 1.0, 10: 0.5}),  # (optax's: a negative start is 0, a review)
+                     ({"decay_rate": 0.0}, {0: 1.0, 20: 1.0})]:  # (optax's: a constant)
+        kw = {"transition_begin": 5, "decay_rate": 0.5, **kw} if "transition_begin" not in kw else {"decay_rate": 0.5, **kw}
         sched = optim.exponential_decay(1.0, 10, **kw)
         for c, v in want.items():
             assert abs(float(np.asarray(sched(np.int32(c)))) - v) < 1e-15, (kw, c)
