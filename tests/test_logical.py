@@ -130,13 +130,12 @@ def test_any_and_all_of_an_empty_axis_are_numpys():
 
 
 def test_a_mask_folded_into_the_causal_one_as_attention_asks():
-    """sf.nn.attention refuses causal=True beside mask= and says to fold it: mask & np.tril(...)."""
+    """A mask folded into the causal one by hand (mask & np.tril(...)) is what causal=True beside mask= does."""
     rng = np.random.default_rng(21)
     q, k, v = (rng.standard_normal((2, 4, 8, 8)) for _ in range(3))
     keep = rng.uniform(size=(2, 1, 8, 8)) > 0.3
     mesh = ew.mesh_of(4)
-    with pytest.raises(ValueError, match=r"mask & np.tril"):
-        sf.jit(lambda q, k, v, m: sf.nn.attention(q, k, v, mask=m, causal=True), mesh=mesh)(q, k, v, keep)
+    both_given = sf.jit(lambda q, k, v, m: sf.nn.attention(q, k, v, mask=m, causal=True), mesh=mesh)(q, k, v, keep)
     folded = sf.jit(lambda q, k, v, m: sf.nn.attention(sf.shard(q, axis=1), k, v, mask=m & np.tril(np.ones((8, 8), bool))),
                     mesh=mesh)
     both = keep & np.tril(np.ones((8, 8), bool))
@@ -151,6 +150,7 @@ def test_a_mask_folded_into_the_causal_one_as_attention_asks():
     eager = sf.nn.attention(sf.shard(q, axis=1, mesh=mesh), k, v, mask=sf.replicate(keep, mesh=mesh) & np.tril(
         np.ones((8, 8), bool)))
     np.testing.assert_allclose(eager.gather(), got, rtol=1e-12, atol=1e-12)
+    np.testing.assert_allclose(both_given.gather(), got, rtol=1e-12, atol=1e-12)
 
 
 def test_the_gradient_flows_through_the_values_a_combined_mask_selects():
