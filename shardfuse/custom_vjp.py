@@ -52,7 +52,7 @@ from shardfuse.custom_rules import record, rules_at
 from shardfuse.numpy_math import NO_GRADIENT as MATH_NO_GRADIENT
 from shardfuse.ops import COMPARE, COMPARE_SCALAR, Op
 from shardfuse.dtypes import FLOATS
-from shardfuse.traced import Traced
+from shardfuse.traced import Traced, describe
 
 
 class custom_vjp:  # noqa: N801 (JAX's name)
@@ -95,9 +95,10 @@ class custom_vjp:  # noqa: N801 (JAX's name)
         leaves, args_tree = tree.flatten(dynamic)
         closed = closures(builder, start, {x.value for x in leaves if isinstance(x, Traced)})
         if closed:  # (its gradient would be dropped silently: JAX refuses it too)
-            raise TypeError(f"sf.custom_vjp function {name} closes over {', '.join(x.value.name for x in closed)}, "
-                            "a value being differentiated: its rule gives cotangents for its arguments only, so "
-                            "that gradient would be lost (JAX refuses it too); pass the value as an argument")
+            raise TypeError(f"sf.custom_vjp function {name} closes over a value being differentiated (a traced "
+                            f"array computed from sf.grad's arguments: {', '.join(map(describe, closed))}): its rule "
+                            "gives cotangents for its arguments only, so that gradient would be lost (JAX refuses "
+                            "it too); pass the value as an argument")
         return record(builder, name, leaves, out, f"the fwd of sf.custom_vjp function {name}",
                       lambda outs_tree: functools.partial(_cotangents, name, leaves, args_tree, outs_tree, residuals,
                                                           self.bwd, static))
