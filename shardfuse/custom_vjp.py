@@ -192,7 +192,7 @@ def closures(builder, start, given) -> list:
     for i in builder.instrs[start:]:
         found += [v for v in i.ins if v in active and v not in made and v not in given and v not in found]
         made.update(i.outs)
-    return [Traced(builder, v) for v in found if v.type.dtype in FLOATS]
+    return [Traced(builder, v) for v in found]
 
 
 def _cotangents(name, args, args_tree, outs_tree, residuals, bwd, static, cts: list) -> list:

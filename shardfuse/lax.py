@@ -131,7 +131,7 @@ def switch(index, branches, *operands):
 
 def _selected(what, picks, branches, operands):
     """Every branch traced on the operands, its result taken where its pick (a 0-d bool; the last branch
-    where none is) says.  Where a gradient is traced, the call is a rule of its own (custom_vjp.record):
+    where none is) says.  Where a gradient is traced, the call is a rule of its own (custom_rules.record):
     each branch differentiated alone and its gradients taken where its result was, for the operands
     and for the values the branches close over alike, so the branch not taken contributes nothing, NaN
     included (sqrt's infinite derivative at 0 there gave NaN, where JAX's cond gives 0)."""
@@ -154,7 +154,7 @@ def _selected(what, picks, branches, operands):
 
 
 def _pick(picks, values):
-    """values[k] where picks[k] (the last where none), leaf by leaf (a None: a zero of the others' shape)."""
+    """values[k] where picks[k] says (the last where none does), leaf by leaf."""
     out = values[-1]
     for k in reversed(range(len(picks))):
         out = tree.tree_map(lambda a, b, k=k: where(picks[k], a, b), values[k], out)
