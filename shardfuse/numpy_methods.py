@@ -68,7 +68,8 @@ class NumpyMethods:
 
     def prod(self, *args, **kwargs):
         """Not supported (NumPy's x.prod): the error says what to write instead."""
-        raise NotImplementedError(f"x.prod / np.prod of a {type(self).__name__}: shardfuse has no product "
+        what = "an sf.Array" if type(self).__name__ == "Array" else "a traced value"
+        raise NotImplementedError(f"x.prod / np.prod of {what}: shardfuse has no product "
                                   "reduction; for positive x write np.exp(np.log(x).sum(axis)), for a few factors "
                                   "multiply slices (x[..., 0] * x[..., 1]), or outside sf.jit take np.prod of the "
                                   "gathered NumPy value, np.prod(x.gather())")
