@@ -265,8 +265,8 @@ def cross_entropy(logits, labels, ignore_index=None, reduction="mean"):
     the max of the logits, log(sum(exp(logits - max))) and the target's logit (the logits where
     the vocabulary ids, a constant np.arange(vocab), equal the label, summed), so that with the
     vocabulary sharded over a mesh axis each is one Allreduce of [tokens] values (max, sum of
-    exponentials, target logit) and the logits are never gathered.  The result is a 0-d array of
-    the logits' dtype (float32 for 16-bit logits, computed in float32)."""
+    exponentials, target logit) and the logits are never gathered.  The result (0-d, or labels'
+    shape for "none") has the logits' dtype (float32 for 16-bit logits, computed in float32)."""
     if reduction not in ("mean", "sum", "none"):
         raise ValueError(f"sf.nn.cross_entropy: reduction must be 'mean', 'sum' or 'none' (torch's), got {reduction!r}")
     if isinstance(logits, Traced):  # (NumPy labels inside sf.jit: a constant of the program)
