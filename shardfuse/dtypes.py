@@ -57,7 +57,10 @@ def normalize_dtype(dtype) -> str:
         except TypeError:
             pass
     if name not in DTYPES:
-        raise TypeError(f"unsupported dtype {name!r}: expected one of {DTYPES}")
+        kind = np.dtype(name).kind if name in np.sctypeDict else ""
+        hint = "; cast first, e.g. ids.astype(np.int32) (token ids stored as uint16 too)" if kind and kind in "iu" \
+            else "; complex values are not supported" if kind == "c" else ""
+        raise TypeError(f"unsupported dtype {name!r}: expected one of {DTYPES}{hint}")
     return name
 
 
