@@ -137,7 +137,7 @@ def test_random_placements_axes_and_operators(seed):
     assert "allgather" not in f.lower(a).collectives(), (spec, axis, str(f.lower(a)))
 
 
-def _tie_share(x, kind, axis, keepdims):
+def tie_share(x, kind, axis, keepdims):
     """JAX's gradient of sum(w * x.max(axis)): each tie of an extremum gets w / (its count of ties)."""
     m = getattr(x, kind)(axis, keepdims=True)
     tie = (x == m).astype(np.float64)
@@ -159,7 +159,7 @@ def test_ties_over_several_axes_share_the_gradient_equally(seed):
         return (getattr(v, kind)(axis, keepdims=keepdims) * w).sum()
 
     a = sf.distribute(x, mesh, spec)
-    want = _tie_share(x, kind, axis, keepdims) * (w if keepdims else np.expand_dims(w, axis if axis is not None
+    want = tie_share(x, kind, axis, keepdims) * (w if keepdims else np.expand_dims(w, axis if axis is not None
                                                                                   else tuple(range(x.ndim))))
     for run in (sf.value_and_grad(loss), sf.jit(sf.value_and_grad(loss), mesh=mesh)):
         value, g = run(a)
@@ -178,4 +178,4 @@ def test_ties_keep_the_value_bit_for_bit():
         if np.isnan(want):  # (no tie: NaN, as JAX's)
             assert np.isnan(np.asarray(g.gather())).all()
         else:  # (an infinite extremum's ties too: a review found them 0)
-            np.testing.assert_array_equal(np.asarray(g.gather()), _tie_share(x, kind, None, True))
+            np.testing.assert_array_equal(np.asarray(g.gather()), tie_share(x, kind, None, True))

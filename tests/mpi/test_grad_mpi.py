@@ -2,7 +2,8 @@
 gradient per kind of op against central differences with inputs replicated and sharded, the MLP
 block's gradients against NumPy's analytic ones (tensor and sequence parallel; data parallel on
 the 2x2 mesh, where under -n 2 each process' two devices lie in two dp teams), gradients in their
-primals' layouts, keyword arguments (never differentiated), sf.vjp outside jit, sf.checkpoint and sf.custom_vjp (nondiff_argnums too).  Every rank runs every test in the same order, with the same seeds."""
+primals' layouts, keyword arguments (never differentiated), sf.vjp outside jit, sf.checkpoint and sf.custom_vjp (nondiff_argnums too),
+closed-over values through checkpoint and a traced cond / switch, and JAX's tie rule of max / min over sharded axes.  Every rank runs every test in the same order, with the same seeds."""
 from __future__ import annotations
 
 import numpy as np
@@ -99,3 +100,32 @@ def test_custom_vjp_nondiff_argnums(where):
     tcv.test_nondiff_callable_and_scale_gradients_against_central_differences(np.tanh, 0.5, where)
     tcv.test_nondiff_numpy_array_gets_no_cotangent_and_a_traced_one_is_refused()
     tcv.test_nondiff_in_the_middle_with_pytrees()
+
+
+@pytest.mark.parametrize("jit", [True, False], ids=["jit", "eager"])
+def test_checkpoint_differentiates_the_values_it_closes_over(jit):
+    import test_checkpoint as tc
+    tc.test_values_the_function_closes_over_get_their_gradient(jit)
+
+
+def test_cond_and_switch_take_the_selected_branchs_gradient_for_closures_too():
+    import test_lax as tl
+    tl.test_values_the_branches_close_over_get_the_selected_branchs_gradient_only()
+    tl.test_a_switch_of_one_branch_with_a_traced_index()
+
+
+def test_custom_vjp_closures_refused_only_where_a_gradient_reaches_them():
+    import test_custom_vjp as tcv
+    tcv.test_a_rule_closing_over_a_value_being_differentiated_is_refused()
+    tcv.test_closing_over_values_no_gradient_reaches_is_fine()
+
+
+@pytest.mark.parametrize("kind", ["max", "min"])
+def test_ties_over_several_sharded_axes_share_the_gradient(kind):
+    import shardfuse as sf
+    import test_extrema as te
+    mesh = tg.mesh_of("2d")
+    x = np.random.default_rng(51).integers(-2, 2, (4, 6)).astype(np.float64)  # (ties everywhere)
+    for axis in (None, (0, 1)):
+        g = sf.jit(sf.grad(lambda v: getattr(v, kind)(axis) * 3.0), mesh=mesh)(sf.distribute(x, mesh, ("dp", "tp")))
+        np.testing.assert_allclose(np.asarray(g.gather()), 3.0 * te.tie_share(x, kind, axis, True), rtol=1e-14)
