@@ -142,7 +142,6 @@ class Devices:
             first += count
             with cupy.cuda.Device(o), self.main_of[o]:
                 flat = self._flat(len(mine) * step // item, dtype, store) if mine else None
-
                 # (an element of its own: a placeholder never aliases a device's buffer)
                 spare = None if len(mine) == count else cupy.broadcast_to(self._flat(1, dtype, store).reshape(()), shape)
             for j in range(first - count, first):
