@@ -17,7 +17,7 @@ import warnings
 from collections import defaultdict
 
 from shardfuse.ir import substitute
-from shardfuse.ops import COLLECTIVES, ELEMENTWISE, LOCAL_REDUCTIONS, LOCAL_SCANS, Op
+from shardfuse.ops import COLLECTIVES, COMMUNICATION, ELEMENTWISE, LOCAL_REDUCTIONS, LOCAL_SCANS, STREAM_OPS, Op
 from shardfuse.passes.allocate import view_bases
 
 IN_PLACE = ELEMENTWISE - LOCAL_REDUCTIONS - LOCAL_SCANS | {Op.FUSED}  # each output element from the same element of each input
@@ -85,6 +85,28 @@ def _safe(prog, inp, root, index) -> bool:
     return True
 
 
+def _sunk(prog, inp, root, index):
+    """prog's instructions with root's one write (a top-level elementwise step) moved to just after the last
+    step that reads inp, where the steps between neither read root (or a view of it) nor write what the
+    write reads, and are plain top-level steps (no loop, stream switch, event or communication): then
+    root can take inp's buffer (a fused update that still reads the old momentum after the new one is
+    computed, Lion's).  None where that is not so."""
+    writes = index.steps(index.writers, {root} | index.views[root])
+    reads = [k for k in index.steps(index.readers, {inp} | index.views[inp]) if writes and k > writes[0]]
+    if len(writes) != 1 or not reads or prog.instrs[writes[0]].op not in IN_PLACE:
+        return None
+    w, last = writes[0], max(reads)
+    moved = prog.instrs[w]
+    between = prog.instrs[w + 1:last + 1]
+    if any(i.body or i.op in STREAM_OPS or i.op in COMMUNICATION or i.op == Op.WAIT for i in between):
+        return None
+    later = set(range(w + 1, last + 1))
+    if later & set(index.steps(index.readers, {root} | index.views[root])) or \
+            later & set(index.steps(index.writers, set(moved.ins))):
+        return None
+    return [*prog.instrs[:w], *between, moved, *prog.instrs[last + 1:]]
+
+
 def donate_buffers(prog):
     if not prog.donated:
         return prog.with_instrs(prog.instrs, "donate_buffers")
@@ -101,7 +123,11 @@ def donate_buffers(prog):
             inp = prog.inputs[k]
             if inp in taken or inp.type != root.type:
                 continue
-            if _safe(prog, inp, root, index):
+            moved = None if _safe(prog, inp, root, index) else _sunk(prog, inp, root, index)
+            if moved is not None:  # (root's one write moved after the input's last reader: Lion's momentum)
+                prog = prog.with_instrs(moved, "donate_buffers")
+                base, index = view_bases(prog), _Index(prog, view_bases(prog))
+            if moved is not None or _safe(prog, inp, root, index):
                 mapping[root] = inp
                 taken.add(inp)
                 break
