@@ -13,6 +13,7 @@ import numpy as np
 
 from shardfuse.backends.elementwise_numpy import (ELEMENTWISE, box_slices, evaluate, evaluate_rows, row_schedule,
                                                   scatter_add_rows, schedule, summer, take_rows)
+from shardfuse.backends.protocol import is_placeholder
 from shardfuse.dtypes import np_dtype, poison_value
 from shardfuse.ops import Reduce
 
@@ -94,7 +95,7 @@ class NumpyLocalBackend:
         strides = tuple(s * base.itemsize for s in ref.strides)
         if not ref.offsets[j] and base.strides == strides and base.shape == tuple(ref.shape):
             return base  # (the whole buffer: as_strided would cost a few microseconds for the same view)
-        if base.size > 1 and not any(base.strides):  # a placeholder (empty(devices=)): its one element, read-only
+        if is_placeholder(base):  # (its one element, read-only)
             return np.lib.stride_tricks.as_strided(base, ref.shape, (0,) * len(ref.shape), writeable=False)
         return np.lib.stride_tricks.as_strided(base.reshape(-1)[ref.offsets[j]:], ref.shape, strides)
 

@@ -72,6 +72,13 @@ def block(ref: Ref, k: int) -> Ref:
     """Block k of a rank-major [D, ...] view."""
     return Ref(ref.slot, tuple(o + k * ref.strides[0] for o in ref.offsets), ref.shape[1:], ref.strides[1:], ref.dtype)
 
+
+def is_placeholder(x) -> bool:
+    """Whether buffer x is one of Backend.empty's placeholders (one element broadcast: no stride), which
+    views read as that element and nothing writes."""
+    return x.size > 1 and not any(x.strides)
+
+
 @dataclass(frozen=True)
 class BoundPlan:
     """A bound plan as a backend may see it (`capture`): its steps and buffer slots, never the IR."""

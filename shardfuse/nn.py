@@ -187,7 +187,7 @@ def attention(q, k, v, causal=False, mask=None, *, scale=None):
     _check_shapes(q, k, v, mask)
     if causal:  # (with a mask too, both apply: jax.nn.dot_product_attention's is_causal and mask)
         tril = np.tril(np.ones((q.shape[-2], k.shape[-2]), bool))
-        dtype = None if mask is None else getattr(mask, "dtype_name", None) or np.dtype(mask.dtype).name
+        dtype = None if mask is None else dtypes.normalize_dtype(mask.dtype)
         mask = tril if mask is None else mask & tril if dtype == "bool" else np.where(tril, mask, _MASKED[dtype])
     return _attention(q, k, v, mask, scale)
 

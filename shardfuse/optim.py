@@ -224,8 +224,6 @@ def apply_if_finite(inner: GradientTransformation, max_consecutive_errors: int) 
     """optax.apply_if_finite: inner's update where every gradient is finite, else zero updates and inner's
     state kept (a float16 step that overflowed is skipped), unless more than max_consecutive_errors
     steps in a row were not (then applied anyway)."""
-
-
     def init(params):
         zero = np.zeros((), np.int32)
         return ApplyIfFiniteState(zero, np.ones((), bool), zero, inner.init(params))

@@ -86,4 +86,3 @@ def test_jax_tree_names_are_the_same_functions():
     assert [leaf for _, leaf in sf.tree.leaves_with_path(t)] == sf.tree.leaves(t)
     assert sf.tree.flatten_with_path(t) == sf.tree.tree_flatten_with_path(t)
     assert sf.tree.map_with_path(lambda path, x: len(path), t) == {"layer": {"w": 2, "b": (3, 3)}, "emb": 1}
-    assert list(map(abs, [-1])) == [1] and all([True])  # (the builtins, outside sf.tree)

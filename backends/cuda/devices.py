@@ -27,7 +27,7 @@ import cupy
 from cupy.cuda import runtime
 
 from shardfuse.backends.cuda.libs import ITEM, STORE
-from shardfuse.backends.protocol import MAIN
+from shardfuse.backends.protocol import MAIN, is_placeholder
 from shardfuse.dtypes import np_dtype, poison_value
 
 POISON = os.environ.get("SHARDFUSE_POISON") == "1"  # fill new buffers with NaN (tests)
@@ -162,7 +162,7 @@ class Devices:
     def view(self, bufs, ref, j):
         base = bufs[ref.slot][j]
         item = base.itemsize
-        if base.size > 1 and not any(base.strides):  # a placeholder (empty(devices=)): its one element, not past it
+        if is_placeholder(base):  # (its one element, not past it)
             return cupy.ndarray(ref.shape, base.dtype, base.data, strides=(0,) * len(ref.shape))
         mem = base.data + ref.offsets[j] * item
         return cupy.ndarray(ref.shape, base.dtype, mem, strides=tuple(s * item for s in ref.strides))

@@ -11,6 +11,8 @@ from collections import OrderedDict
 import cupy
 from cupy.cuda import runtime
 
+from shardfuse.backends.protocol import is_placeholder
+
 
 class GraphPlan:
     """A plan captured as CUDA graphs, one per GPU of this process, and replayed.
@@ -40,7 +42,7 @@ class GraphPlan:
             self.static[slot] = dev.empty(shape, dtype, devices)
         for bufs in self.inputs:
             for x in bufs:
-                if x.size <= 1 or any(x.strides):  # (not a placeholder: a device outside the input's stage)
+                if not is_placeholder(x):  # (a device outside the input's stage holds one)
                     dev.fill_random(x)
         for step in self.steps:
             step(self.static)

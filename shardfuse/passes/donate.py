@@ -123,11 +123,13 @@ def donate_buffers(prog):
             inp = prog.inputs[k]
             if inp in taken or inp.type != root.type:
                 continue
-            moved = None if _safe(prog, inp, root, index) else _sunk(prog, inp, root, index)
+            safe = _safe(prog, inp, root, index)
+            moved = None if safe else _sunk(prog, inp, root, index)
             if moved is not None:  # (root's one write moved after the input's last reader: Lion's momentum)
                 prog = prog.with_instrs(moved, "donate_buffers")
-                base, index = view_bases(prog), _Index(prog, view_bases(prog))
-            if moved is not None or _safe(prog, inp, root, index):
+                base = view_bases(prog)
+                index, safe = _Index(prog, base), True
+            if safe:
                 mapping[root] = inp
                 taken.add(inp)
                 break
