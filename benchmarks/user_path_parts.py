@@ -38,6 +38,9 @@ def parts(mesh, s, graph, torch_arrays=False):
     k_b = 1
     run_parts = {
         "the whole user path": lambda: _export(gpu, torch_arrays)(f(sf.shard(a, axis=1, mesh=mesh), b)),
+        # (pairs: what a part costs when its input is made fresh each call, as on the user path)
+        "sf.shard(a) then f": lambda: f(sf.shard(a, axis=1, mesh=mesh), b),
+        "f(placed, b) then export": lambda: _export(gpu, torch_arrays)(f(placed, b)),
         "sf.shard(a)": lambda: sf.shard(a, axis=1, mesh=mesh),
         "  array_info(a)": lambda: array_info(a),
         "  global_placement (memo)": lambda: global_placement(info_a.shape, mesh, 1, None),
@@ -55,7 +58,14 @@ def parts(mesh, s, graph, torch_arrays=False):
         be = exe.backend
         import cupy
 
+        d = mesh.size
+        blocks = a.reshape(a.shape[:1] + (d, a.shape[1] // d) + a.shape[2:])
+        outer = blocks.transpose((1, 0) + tuple(range(2, blocks.ndim)))
         run_parts.update({
+            "    a.reshape + transpose": lambda: a.reshape(blocks.shape).transpose((1, 0) + tuple(range(2, blocks.ndim))),
+            "    be.piece(outer, 0)": lambda: be.piece(outer, 0),
+            "      cupy.empty(outer.shape)": lambda: cupy.empty(outer.shape, outer.dtype),
+            "      with Device(0), main": lambda: _entered(cupy.cuda.Device(0), be.dev.main_of[0]),
             "      stream_ptr(None)": lambda: stream_ptr(None),
             "      fence_in + fence_out": lambda: (be.fence_in(caller), be.fence_out(caller)),
             "      Fence(...)": lambda: Fence(stream_identity(caller), exe.calls, exe.graph and exe),
@@ -67,6 +77,11 @@ def parts(mesh, s, graph, torch_arrays=False):
             bufs = [placed.shards, run_parts["        local_pieces(b)"]()] + list(exe.slot_templates[2:])
             run_parts["        graph(bufs)"] = lambda: exe.graph(bufs)
     return run_parts
+
+
+def _entered(device, stream):
+    with device, stream:
+        pass
 
 
 def _export(gpu, torch_arrays):
