@@ -72,6 +72,15 @@ def capture(builder, array) -> Value:
     return value
 
 
+def value_of(t):
+    """The NumPy array a traced value was captured from (a constant of its program), else None: what
+    tracing may read at trace time."""
+    for _, kept, value in t.builder.constants.values():
+        if value is t.value and isinstance(kept, np.ndarray):
+            return kept
+    return None
+
+
 def _placed(builder, x) -> Value:
     """A closed-over sf.Array as an input with its layout (as trace.trace makes an sf.Array argument's)."""
     if x.mesh != builder.mesh:

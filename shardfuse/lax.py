@@ -17,10 +17,12 @@ from __future__ import annotations
 import functools
 from typing import Any, Callable
 
-from shardfuse import tree
+from shardfuse import constants, tree
 from shardfuse.custom_rules import record
 from shardfuse.custom_vjp import closures
 from shardfuse.autodiff import backward, full_like, stop_gradient  # noqa: F401 (sf.lax.stop_gradient, JAX's)
+from shardfuse.numpy_math import top_k  # noqa: F401 (sf.lax.top_k, JAX's name of sf.top_k)
+from shardfuse.update_slice import dynamic_slice, dynamic_update_slice  # (sf.lax's, as jax.lax's)
 from shardfuse.shape_ops import stack
 from shardfuse.traced import Traced
 from shardfuse.traced_numpy import where
@@ -36,6 +38,36 @@ def _signature(x) -> tuple:
 def _same(a, b) -> bool:
     (ta, la), (tb, lb) = _signature(a), _signature(b)
     return ta == tb and all(sa == sb and None in (da, db) or (sa, da) == (sb, db) for (sa, da), (sb, db) in zip(la, lb))
+
+
+def dynamic_slice_in_dim(operand, start_index, slice_size: int, axis: int = 0):
+    """jax.lax.dynamic_slice_in_dim: dynamic_slice along one axis, the others whole."""
+    axis = _axis(operand, axis, "dynamic_slice_in_dim")
+    starts = [start_index if a == axis else 0 for a in range(operand.ndim)]
+    return dynamic_slice(operand, starts, [slice_size if a == axis else n for a, n in enumerate(operand.shape)])
+
+
+def dynamic_update_slice_in_dim(operand, update, start_index, axis: int):
+    """jax.lax.dynamic_update_slice_in_dim: dynamic_update_slice at start_index along one axis, 0 on the others."""
+    axis = _axis(operand, axis, "dynamic_update_slice_in_dim")
+    return dynamic_update_slice(operand, update, [start_index if a == axis else 0 for a in range(operand.ndim)])
+
+
+def _axis(x, axis, what) -> int:
+    from shardfuse.spec import normalize_axis
+
+    if not hasattr(x, "ndim"):
+        raise TypeError(f"sf.lax.{what}: the operand must be an array, got {type(x).__name__}")
+    return normalize_axis(axis, x.ndim, tuple(x.shape))
+
+
+def _carried(init):
+    """init with its NumPy arrays as values of the function being traced (JAX makes a carry arrays: a probe's
+    fori_loop(0, n, lambda i, b: b.at[i].set(t), np.zeros(4)) met a NumPy array's missing .at); as it is
+    outside sf.jit."""
+    leaves = tree.flatten(init)[0]
+    builder = next((v.builder for v in leaves if isinstance(v, Traced)), None) or constants.active()
+    return init if builder is None else tree.tree_map(builder.constant, init)
 
 
 def _check_carry(what: str, before, after) -> None:
@@ -55,7 +87,7 @@ def scan(f: Callable, init, xs=None, length: int | None = None, reverse: bool = 
     if len(n) != 1:
         raise ValueError(f"sf.lax.scan: xs' leaves need one leading extent (or length= without xs), got {sorted(n)}")
     (n,) = n
-    carry, ys = init, []
+    carry, ys = _carried(init), []
     for k in (reversed(range(n)) if reverse else range(n)):
         x = td.unflatten([v[k] for v in leaves]) if leaves else None
         new, y = f(carry, x)
@@ -77,7 +109,7 @@ def fori_loop(lower: int, upper: int, body_fun: Callable, init_val):
         raise TypeError("sf.lax.fori_loop: the bounds must be Python ints (the loop is unrolled when traced); a "
                         "bound computed inside sf.jit, or passed to it as an argument, is known only when the plan "
                         "runs: pass it as a static argument (sf.jit(f, static_argnums=...): a plan per value)")
-    val = init_val
+    val = _carried(init_val)
     for i in range(int(lower), int(upper)):
         new = body_fun(i, val)
         _check_carry("sf.lax.fori_loop", val, new)
@@ -87,7 +119,7 @@ def fori_loop(lower: int, upper: int, body_fun: Callable, init_val):
 
 def while_loop(cond_fun: Callable, body_fun: Callable, init_val):
     """jax.lax.while_loop where cond_fun gives a value Python can decide (a traced one is refused)."""
-    val = init_val
+    val = _carried(init_val)
     while True:
         go = cond_fun(val)
         if isinstance(go, Traced):

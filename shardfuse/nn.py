@@ -33,6 +33,7 @@ from shardfuse.mesh import static_advice
 from shardfuse.traced import Traced, describe, is_scalar
 from shardfuse.numpy_broadcast import repeat
 from shardfuse import nn_activations as act
+from shardfuse import nn_attention as attn
 from shardfuse.numpy_math import gelu
 from shardfuse.traced_numpy import exp, linear, log, maximum, minimum, rsqrt, silu, where
 
@@ -47,9 +48,12 @@ _MASKED = {"float16": -0.7 * 65504.0, "bfloat16": -0.7 * 3.3895313892515355e38,
            "float32": -0.7 * float(np.finfo(np.float32).max), "float64": -0.7 * float(np.finfo(np.float64).max)}
 
 
-def _one_plan(fn):
-    """fn as it is on traced values (inside sf.jit); on sf.Arrays the whole of fn as one plan."""
-    signature = inspect.signature(fn)
+def _one_plan(fn=None, *, name=None):
+    """fn as it is on traced values (inside sf.jit); on sf.Arrays the whole of fn as one plan.  `name`: the
+    public function's, where fn is a private one's body (messages name it)."""
+    if fn is None:
+        return functools.partial(_one_plan, name=name)
+    signature, name = inspect.signature(fn), name or fn.__name__
 
     @functools.wraps(fn)
     def call(*args, **kwargs):
@@ -60,8 +64,8 @@ def _one_plan(fn):
             return fn(*args)
         for a in args:
             if hasattr(type(a), "one_op"):  # sf.Array (array_ops.ArrayOps)
-                return a.one_op(fn, args, f"nn.{fn.__name__}")
-        raise TypeError(f"sf.nn.{fn.__name__} takes values inside an sf.jit function or sf.Arrays, got "
+                return a.one_op(fn, args, f"nn.{name}")
+        raise TypeError(f"sf.nn.{name} takes values inside an sf.jit function or sf.Arrays, got "
                         f"{', '.join(type(a).__name__ for a in args)}")
     return call
 
@@ -138,9 +142,23 @@ def _swap_last_two(t):
     return t.transpose(tuple(range(t.ndim - 2)) + (t.ndim - 1, t.ndim - 2))
 
 
-@_one_plan
+@_one_plan(name="attention")
 def _attention(q, k, v, mask, scale):
-    groups = _groups(q, k, v)
+    return _attention_of(q, k, v, mask, scale, None, 0.0)
+
+
+@_one_plan(name="attention")
+def _dropped_attention(key, q, k, v, mask, scale, rate, broadcast):
+    from shardfuse import random
+
+    keep = random.bernoulli(key, 1.0 - rate, attn.keep_shape(q, k, v, broadcast))
+    return _attention_of(q, k, v, mask, scale, keep, rate)
+
+
+def _attention_of(q, k, v, mask, scale, keep, rate):
+    """The probabilities' elements where keep is False dropped (and the others scaled), keep drawn in the
+    shape of q's heads, so the same key drops the same ones on any mesh."""
+    groups = attn.groups(q, k, v)
     mesh = getattr(q, "builder", None) and q.builder.mesh
     if groups > 1 and mesh is not None and any(k.shape[-3] % mesh.axis_size(n) for n in mesh.axis_names):
         # (q's heads may be split over more devices than there are kv heads: viewed as [kv heads, G] they
@@ -150,17 +168,22 @@ def _attention(q, k, v, mask, scale):
         heads, lead = q.shape[-3], q.shape[:-3]
         split = lambda t, g: t.reshape(t.shape[:-3] + (t.shape[-3] // g, g) + t.shape[-2:])  # noqa: E731
         q, k, v = split(q, groups), split(k, 1), split(v, 1)
-        if mask is not None and mask.ndim >= 3:  # (a mask per head: as q's; broadcast over heads: over both)
-            mask = split(mask, groups if mask.shape[-3] == heads else 1)
+        # (a mask per head: as q's; broadcast over heads: over both)
+        mask, keep = (t if t is None or t.ndim < 3 else split(t, groups if t.shape[-3] == heads else 1)
+                      for t in (mask, keep))
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
     scores = (q @ _swap_last_two(k)) * scale
     if mask is not None:  # (a NumPy mask inside sf.jit is a constant of the program)
-        scores = where(mask, scores, _MASKED[scores.dtype_name]) if mask.dtype == "bool" else scores + mask
-    out = softmax(scores, -1) @ v
+        scores = where(mask, scores, attn.MASKED[scores.dtype_name]) if mask.dtype == "bool" else scores + mask
+    probs = softmax(scores, -1)
+    if keep is not None:  # (after the softmax, as flax's dot_product_attention and torch's dropout_p)
+        probs = np.zeros_like(probs) if rate == 1.0 else _kept(probs, keep, rate)
+    out = probs @ v
     return out.reshape(lead + (heads,) + out.shape[-2:]) if groups > 1 else out
 
 
-def attention(q, k, v, causal=False, mask=None, *, scale=None):
+def attention(q, k, v, causal=False, mask=None, *, scale=None, dropout_rate=0.0, dropout_rng=None,
+              broadcast_dropout=True):
     """Scaled dot-product attention, softmax(q @ k^T * scale + mask) @ v, over [batch, heads, seq,
     head_dim] operands (any leading axes, the same on q, k and v); scale 1 / sqrt(head_dim) unless given
     (jax.nn.dot_product_attention's scale=, a Python number).  Grouped-query attention where k and v
@@ -179,55 +202,27 @@ def attention(q, k, v, causal=False, mask=None, *, scale=None):
     passed as a replicated array, inside sf.jit it is a constant of the program (shardfuse/constants.py).
     It is aligned at the top left, query i seeing keys 0..i (jax.nn.dot_product_attention's is_causal,
     torch's is_causal): for a decode step whose seq_q queries are the last of seq_k cached positions,
-    give the mask np.tril(np.ones((seq_q, seq_k), bool), k=seq_k - seq_q) (a serving probe's trap)."""
+    give the mask np.tril(np.ones((seq_q, seq_k), bool), k=seq_k - seq_q) (a serving probe's trap).
+
+    dropout_rate > 0 drops attention probabilities (after the softmax) with that probability and scales
+    the others by 1 / (1 - rate), with the key dropout_rng (flax.linen.dot_product_attention's names);
+    broadcast_dropout=True (flax's default) draws one mask [seq_q, seq_k] for every batch and head,
+    False one per element (torch's dropout_p, Megatron's attention dropout).  The mask is
+    sf.random.bernoulli's, so it is the same on every mesh; pass a fresh key per step."""
     if not isinstance(causal, (bool, np.bool_)):
         raise TypeError(f"sf.nn.attention(q, k, v, causal=False, mask=None, *, scale=None): causal takes True or False, "
                         f"got {type(causal).__name__}; pass a mask by keyword, mask=... (jax.nn.dot_product_attention's "
                         "fourth positional argument is a bias)")
-    _check_shapes(q, k, v, mask)
+    attn.check_shapes(q, k, v, mask)
+    rate = attn.dropout_rate(dropout_rate, dropout_rng)
     if causal:  # (with a mask too, both apply: jax.nn.dot_product_attention's is_causal and mask)
-        tril = np.tril(np.ones((q.shape[-2], k.shape[-2]), bool))
-        dtype = None if mask is None else dtypes.normalize_dtype(mask.dtype)
-        mask = tril if mask is None else mask & tril if dtype == "bool" else np.where(tril, mask, _MASKED[dtype])
-    return _attention(q, k, v, mask, scale)
+        mask = attn.with_causal(q, k, mask)
+    if rate == 0.0:
+        return _attention(q, k, v, mask, scale)
+    from shardfuse import random
 
-
-def _check_shapes(q, k, v, mask):
-    """q, k, v [..., heads, seq, head_dim] that fit together, and a mask that broadcasts against the scores
-    [..., seq_q, seq_k], else an error naming the shapes (a serving probe's cache of another length met
-    "where_then of g_r_r and s_5: shapes ... do not broadcast" from inside)."""
-    shapes = f"q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}"
-    if min(q.ndim, k.ndim, v.ndim) < 2:
-        raise ValueError(f"sf.nn.attention: q, k and v need at least 2 axes ([..., seq, head_dim]), got {shapes}")
-    lead = _broadcasts(tuple(q.shape[:-3]), _broadcasts(tuple(k.shape[:-3]), tuple(v.shape[:-3])))
-    if k.shape[-1] != q.shape[-1] or k.shape[-2] != v.shape[-2] or lead is None:
-        raise ValueError(f"sf.nn.attention: k needs q's head_dim (axis -1), v k's seq (axis -2), and the leading axes "
-                         f"of all three must broadcast together ([batch, heads, seq, head_dim]), got {shapes}")
-    scores = tuple(q.shape[:-1]) + (k.shape[-2],)
-    if mask is not None and np.ndim(mask) and _broadcasts(tuple(np.shape(mask)), scores) is None:
-        raise ValueError(f"sf.nn.attention: mask of shape {tuple(np.shape(mask))} does not broadcast against the "
-                         f"scores {scores} ([..., seq_q, seq_k]; {shapes})")
-
-
-def _broadcasts(a, b):
-    try:
-        return np.broadcast_shapes(a, b)
-    except (ValueError, TypeError):  # (TypeError: a None from an earlier pair)
-        return None
-
-
-def _groups(q, k, v):
-    """G, the query heads that share one key / value head (grouped-query attention, as
-    jax.nn.dot_product_attention and torch's enable_gqa: query head n reads kv head n // G): 1 where
-    the heads match, or k and v have one head (multi-query: it broadcasts as it is)."""
-    if q.ndim < 3 or k.ndim != q.ndim or v.ndim != q.ndim or k.shape[-3] == q.shape[-3] or k.shape[-3] == 1:
-        return 1
-    heads, kv_heads = q.shape[-3], k.shape[-3]
-    if heads % kv_heads or v.shape[-3] != kv_heads:
-        raise ValueError(f"sf.nn.attention: q has {heads} heads (axis -3 of {tuple(q.shape)}), k {kv_heads} and v "
-                         f"{v.shape[-3]}: grouped-query attention needs k and v with one number of heads, a divisor "
-                         "of q's ([batch, heads, seq, head_dim])")
-    return heads // kv_heads
+    return _dropped_attention(random.check_key(dropout_rng, "nn.attention"), q, k, v, mask, scale, rate,
+                              bool(broadcast_dropout))
 
 
 @_one_plan
@@ -355,7 +350,11 @@ def _dropout(key, x, rate):
 
     if rate == 1.0:
         return np.zeros_like(x)
-    keep = random.bernoulli(key, 1.0 - rate, tuple(x.shape))
+    return _kept(x, random.bernoulli(key, 1.0 - rate, tuple(x.shape)), rate)
+
+
+def _kept(x, keep, rate):
+    """x / (1 - rate) where keep, else 0 (inverted dropout's scaling)."""
     dt = np.dtype(x.dtype)
     if dtypes.is_float(dt.name):  # (as NEP 50 takes x / (1 - rate): the factor rounded to x's dtype, on any ml_dtypes)
         return np.where(keep, x / dt.type(1.0 - rate), dt.type(0))

@@ -183,3 +183,27 @@ def test_a_switch_of_one_branch_with_a_traced_index():
                                                     mesh=mesh)(x, 5)), 2 * x)
     g = sf.jit(sf.grad(lambda v, i: (sf.lax.switch(i, [lambda a: a], v) ** 2).sum()), mesh=mesh)(x, 0)
     np.testing.assert_array_equal(np.asarray(g), 2 * x)
+
+
+def test_a_numpy_carry_becomes_a_value_and_jaxs_names_for_slices_and_top_k():
+    """A serving probe: fori_loop(0, n, lambda i, b: b.at[i].set(t), np.zeros(4)) met a NumPy array's
+    missing .at (JAX makes the carry arrays); scan and while_loop likewise.  sf.lax.top_k,
+    dynamic_slice, dynamic_update_slice and their _in_dim forms under jax.lax's names."""
+    m, r = mesh(), np.random.default_rng()
+    t = r.standard_normal()
+    filled = sf.jit(lambda t: sf.lax.fori_loop(0, 4, lambda i, b: b.at[i].set(t * (i + 1)), np.zeros(4)), mesh=m)
+    np.testing.assert_allclose(np.asarray(filled(t)), t * np.arange(1, 5), rtol=1e-15)
+    xs = r.standard_normal((3, 2))
+    carry, ys = sf.jit(lambda t, xs: sf.lax.scan(lambda c, x: (c.at[0].add(x[0] * t), c), np.ones(2), xs), mesh=m)(t, xs)
+    np.testing.assert_allclose(np.asarray(carry), [1 + t * xs[:, 0].sum(), 1], rtol=1e-14)
+    assert np.asarray(ys).shape == (3, 2)
+    x, s = r.standard_normal((4, 6)), np.int32(r.integers(1, 4))
+    got = sf.jit(lambda x, s: (sf.lax.dynamic_slice_in_dim(x, s, 2, axis=1),
+                               sf.lax.dynamic_update_slice_in_dim(x, -x[:, :2], s, axis=-1),
+                               sf.lax.dynamic_slice(x, (s, 0), (1, 6)), sf.lax.top_k(x, 3)), mesh=m)(x, s)
+    np.testing.assert_array_equal(np.asarray(got[0]), x[:, s:s + 2])
+    want = x.copy()
+    want[:, s:s + 2] = -x[:, :2]
+    np.testing.assert_array_equal(np.asarray(got[1]), want)
+    np.testing.assert_array_equal(np.asarray(got[2]), x[s:s + 1])
+    np.testing.assert_array_equal(np.asarray(got[3][1]), np.argsort(-x, axis=1, kind="stable")[:, :3])

@@ -1,0 +1,100 @@
+"""sf.nn.attention's dropout of attention probabilities (flax.linen.dot_product_attention's dropout_rate,
+dropout_rng, broadcast_dropout) against a float64 NumPy reference with the same keep mask, the same on
+every mesh (heads sharded, grouped-query heads grouped or repeated), its gradient against central
+differences, on sf.Arrays outside sf.jit; and the masks it refuses (an integer 0 / 1 mask, which was
+added to the scores as a bias)."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import shardfuse as sf
+from cases import directional
+
+B, H, S, D = 2, 4, 6, 8
+
+
+def np_attention(q, k, v, keep, rate, causal):
+    s = q @ np.swapaxes(k, -1, -2) / np.sqrt(q.shape[-1])
+    if causal:
+        s = np.where(np.tril(np.ones(s.shape[-2:], bool)), s, -np.inf)
+    p = np.exp(s - s.max(-1, keepdims=True))
+    p /= p.sum(-1, keepdims=True)
+    return np.where(keep, p / (1 - rate), 0) @ v
+
+
+@pytest.mark.parametrize("broadcast", [True, False])
+@pytest.mark.parametrize("devices", [1, 2, 4])
+def test_attention_dropout_drops_the_same_probabilities_on_every_mesh(broadcast, devices):
+    r = np.random.default_rng()
+    q, k, v = (r.standard_normal((B, H, S, D)) for _ in range(3))
+    key, rate = sf.random.key(int(r.integers(1 << 30))), 0.3
+    f = sf.jit(lambda q, k, v, key: sf.nn.attention(sf.shard(q, axis=1), sf.shard(k, axis=1), sf.shard(v, axis=1),
+                                                   causal=True, dropout_rate=rate, dropout_rng=key,
+                                                   broadcast_dropout=broadcast), mesh=sf.DeviceMesh(devices))
+    assert f.lower(q, k, v, key).collectives() == {}  # (the mask drawn where the heads lie)
+    keep = np.asarray(sf.random.bernoulli(key, 1 - rate, (1, 1, S, S) if broadcast else (B, H, S, S)))
+    assert 0 < keep.mean() < 1
+    np.testing.assert_allclose(np.asarray(f(q, k, v, key)), np_attention(q, k, v, keep, rate, True), rtol=1e-12,
+                               atol=1e-12)
+
+
+def test_grouped_query_dropout_is_the_same_grouped_or_repeated():
+    """Two kv heads: on one device q's heads are viewed as [kv heads, G]; over 4 devices k and v are
+    repeated; the mask is drawn in q's heads either way."""
+    r = np.random.default_rng()
+    q, k, v = r.standard_normal((B, H, S, D)), r.standard_normal((B, 2, S, D)), r.standard_normal((B, 2, S, D))
+    key = sf.random.key(7)
+    outs = [np.asarray(sf.jit(lambda q, k, v, key: sf.nn.attention(sf.shard(q, axis=1), k, v, dropout_rate=0.25,
+                                                                  dropout_rng=key, broadcast_dropout=False),
+                              mesh=sf.DeviceMesh(n))(q, k, v, key)) for n in (1, 4)]
+    keep = np.asarray(sf.random.bernoulli(key, 0.75, (B, H, S, S)))
+    want = np_attention(q, np.repeat(k, 2, axis=1), np.repeat(v, 2, axis=1), keep, 0.25, False)
+    for got in outs:
+        np.testing.assert_allclose(got, want, rtol=1e-12, atol=1e-12)
+
+
+def test_attention_dropout_gradient_and_on_sf_arrays():
+    r = np.random.default_rng()
+    q, k, v = (r.standard_normal((B, H, S, D)) for _ in range(3))
+    key, mesh = sf.random.key(3), sf.DeviceMesh(2)
+    w = r.standard_normal((B, H, S, D))
+
+    def loss(q, k, v):
+        return (sf.nn.attention(q, k, v, dropout_rate=0.4, dropout_rng=key) * w).sum()
+    grads = sf.jit(sf.grad(loss, argnums=(0, 1, 2)), mesh=mesh)(q, k, v)
+    keep = np.asarray(sf.random.bernoulli(key, 0.6, (1, 1, S, S)))
+    for j, g in enumerate(grads):
+        def ref(t, j=j):
+            args = [q, k, v]
+            args[j] = t
+            return (np_attention(*args, keep, 0.4, False) * w).sum()
+        want, got = directional(ref, [q, k, v][j], np.asarray(g), r)
+        np.testing.assert_allclose(got, want, rtol=1e-6)
+    placed = [sf.shard(t, axis=1, mesh=mesh) for t in (q, k, v)]
+    eager = sf.nn.attention(*placed, dropout_rate=0.4, dropout_rng=key)
+    np.testing.assert_allclose(np.asarray(eager), np_attention(q, k, v, keep, 0.4, False), rtol=1e-12, atol=1e-12)
+    dropped = sf.nn.attention(*placed, dropout_rate=1.0, dropout_rng=key)
+    np.testing.assert_array_equal(np.asarray(dropped), 0.0)
+
+
+def test_attention_refuses_an_integer_mask_and_a_rate_without_a_key():
+    r = np.random.default_rng()
+    q, k, v = (r.standard_normal((B, H, S, D)) for _ in range(3))
+    am = np.ones((B, S), np.int64)
+    am[0, 4:] = 0
+    mesh = sf.DeviceMesh(2)
+    for causal in (False, True):
+        with pytest.raises(TypeError, match=r"mask must be boolean .* got int64; .* mask != 0"):
+            sf.jit(lambda q, m: sf.nn.attention(q, k, v, causal=causal, mask=m[:, None, None, :]), mesh=mesh)(q, am)
+    got = sf.jit(lambda q, m: sf.nn.attention(q, k, v, mask=m[:, None, None, :] != 0), mesh=mesh)(q, am)
+    keep = np.broadcast_to(am[:, None, None, :] != 0, (B, H, S, S))
+    s = np.where(keep, q @ np.swapaxes(k, -1, -2) / np.sqrt(D), -np.inf)
+    p = np.exp(s - s.max(-1, keepdims=True))
+    np.testing.assert_allclose(np.asarray(got), p / p.sum(-1, keepdims=True) @ v, rtol=1e-12)
+    with pytest.raises(TypeError, match="dropout_rate=0.1 needs a key"):
+        sf.jit(lambda q: sf.nn.attention(q, k, v, dropout_rate=0.1), mesh=mesh)(q)
+    with pytest.raises(ValueError, match=r"dropout_rate must be a number in \[0, 1\], got 1.5"):
+        sf.jit(lambda q: sf.nn.attention(q, k, v, dropout_rate=1.5, dropout_rng=sf.random.key(0)), mesh=mesh)(q)
+    with pytest.raises(TypeError, match=r"sf.nn.attention takes values inside an sf.jit function"):
+        sf.nn.attention(q, k, v)  # (NumPy arrays: the public name, not a private body's)
