@@ -35,8 +35,7 @@ from shardfuse.plan_cache import PlanCache
 from shardfuse.stage_arrays import on_root
 from shardfuse.spec import TensorSpec, check_divides, reduced_axes
 from shardfuse.traced import NUMPY, SHAPE_OPS, Traced, is_weak_scalar, numpy_name
-from shardfuse.shape_ops import array_index, expand_index, getitem as shape_getitem
-from shardfuse.take import take
+from shardfuse.shape_ops import array_getitem, expand_index, getitem as shape_getitem
 from shardfuse.traced_numpy import absolute
 
 MAX_PLANS = 256  # one-op plans kept per mesh (a plan holds its buffers)
@@ -252,10 +251,9 @@ def getitem(x, key):
     leaves whole keep their sharding.  So ``x[..., j]`` of a row-sharded x stays row-sharded
     without communication, and ``x[i]`` or ``x[a:b]`` of it is gathered to a replicated result."""
     what = f"indexing an sf.Array of shape {x.shape}"
-    found = array_index(key, x.shape, what)
-    if found is not None:  # x[ids], x[:, ids] with a NumPy or sf.Array of ids: np.take's lookup, as inside jit
-        basic, axis, ids = found
-        return take(x if basic is None else getitem(x, basic), ids, axis)
+    got = array_getitem(x, key, what, getitem)  # (a NumPy or sf.Array of ids: np.take's lookup, as inside jit)
+    if got is not None:
+        return got
     expand_index(key, x.shape, what)  # (refused before any plan)
     return run(lambda v: shape_getitem(v, key), (x,), ("getitem", _hashable(key)), "getitem")
 

@@ -26,58 +26,6 @@ from shardfuse import dtypes
 from shardfuse.traced import Traced, cast, describe
 
 
-def array_key(x, key):
-    """(positions of the indexed axes, their index arrays) where key indexes x with integer arrays (NumPy
-    or traced, one or more) and whole slices (':', '...') only, and is not ids on the first axis alone
-    (update_slice's own path); else None."""
-    key = key if isinstance(key, tuple) else (key,)
-    at = next((a for a, k in enumerate(key) if k is Ellipsis), None)  # (by identity: == of an array is elementwise)
-    if at is not None:
-        key = key[:at] + (slice(None),) * (x.ndim - len(key) + 1) + key[at + 1:]
-    for a, k in enumerate(key):
-        kind = np.asarray(k).dtype.kind if isinstance(k, (list, np.ndarray)) else getattr(k, "dtype", None) and k.dtype.kind
-        if kind == "b":  # (a mask's astype('int32') would index rows 0 and 1: no advice to cast it)
-            raise TypeError(f"x.at[...]: a boolean mask ({_what(k)}, axis {a}) has no static count of rows; write "
-                            "sf.where(mask[:, None], value, x) (or index with np.nonzero(mask)[0] of a NumPy mask)")
-        if kind and kind not in "iu" and not isinstance(k, (int, np.integer)):
-            raise TypeError(f"x.at[...]: an index must be an integer (JAX's), got {_what(k)} of dtype {k.dtype} on "
-                            f"axis {a}; cast it (pos.astype('int32'))")
-    if not any(_is_ids(k) for k in key):  # (ints, 0-d values and slices alone: update_slice's basic index)
-        return None
-    shapes = [tuple(k.shape) if hasattr(k, "shape") else np.shape(k) for k in key if _is_ids(k)]
-    try:
-        np.broadcast_shapes(*shapes)
-    except ValueError:
-        raise ValueError(f"x.at[...]: the index arrays' shapes {', '.join(map(str, shapes))} do not broadcast "
-                         "together (NumPy's rule: one id per row of the others)") from None
-    # (an integer scalar beside index arrays is one more, broadcast: NumPy's advanced indexing, so
-    # cache.at[np.arange(B), :, t] with one position t for every row is the rows' form too, a probe)
-    arrays = [(a, k) for a, k in enumerate(key) if _is_ids(k) or _is_ids(k, ndim=0)]
-    whole = len(arrays) + sum(isinstance(k, slice) and k == slice(None) for k in key) == len(key)
-    if not whole or len(key) > x.ndim or [a for a, _ in arrays] == [0] and len(key) == 1:
-        return None
-    axes, ids = tuple(a for a, _ in arrays), tuple(k if isinstance(k, Traced) else np.asarray(k) for _, k in arrays)
-    return (axes, _rows(x, axes, ids)), ids
-
-
-def _what(k) -> str:
-    return f"the value {k.value.name}" if isinstance(k, Traced) else type(k).__name__
-
-
-def _is_ids(k, ndim=1) -> bool:
-    """k is an integer index array (NumPy or traced) of at least `ndim` axes; ndim=0: an integer scalar
-    (a Python or NumPy int, a 0-d array or value)."""
-    if isinstance(k, (bool, np.bool_)):
-        return False
-    if ndim == 0 and isinstance(k, (int, np.integer)):
-        return True
-    if isinstance(k, (list, np.ndarray)):
-        k = np.asarray(k)
-    elif not (isinstance(k, Traced) or hasattr(type(k), "one_op")):
-        return False
-    return k.dtype.kind in "iu" and (k.ndim >= 1 if ndim else k.ndim == 0)
-
-
 def _merged(x, axes, ids):
     """(x with the indexed axes first and merged, the flat ids [S], whether each is inside x, the
     permutation, the broadcast index shape S)."""
@@ -140,17 +88,6 @@ def unscattered(x, total):
 
 def _unmerged(x, xm, perm):
     return xm.reshape(tuple(x.shape[a] for a in perm)).transpose(tuple(int(j) for j in np.argsort(perm)))
-
-
-def _rows(x, axes, ids) -> bool:
-    """The first index is np.arange of its whole axis (a NumPy array, as given) and every index one id
-    per row of it (a batch's sequences, each at its own position): written where it lies, by a mask
-    per row (no merged axis to scatter into: with the batch over dp, that was a cache-sized buffer
-    summed over dp, a probe)."""
-    first = ids[0]
-    return (len(axes) > 1 and isinstance(first, np.ndarray) and first.ndim == 1 and len(first) == x.shape[axes[0]]
-            and bool((first == np.arange(len(first))).all())
-            and all(i.ndim == 0 or i.ndim == 1 and i.shape[0] == len(first) for i in ids))
 
 
 def _row_mask(x, axes, ids):

@@ -82,8 +82,9 @@ def array_index(key, shape, what):
                         "sf.where(mask, x, 0) (and a sum, or a count of mask.astype(...), where you need one)")
     if len(arrays) > 1 or any(not (k is Ellipsis or isinstance(k, slice)) for j, k in enumerate(key) if j != n):
         raise TypeError(f"{what}: an integer array index is supported alone or beside slices and '...' (x[ids], "
-                        "x[:, ids], x[..., ids]: one lookup along that axis, np.take's), not beside ints, None or "
-                        "another array; index in two steps (x[i][:, ids]), or write sf.take(x, ids, axis=...)")
+                        "x[:, ids], x[..., ids]: one lookup along that axis, np.take's), or several beside ints and whole "
+                        "slices ':' (x[rows, cols], x[rows, :, pos]: x.at[...].get()'s), not beside None or a partial "
+                        "slice; index in two steps (x[1:][rows, cols]), or write sf.take(x, ids, axis=...)")
     used = sum(k is not Ellipsis for k in key)
     if used > len(shape) or used < len(key) - 1:
         raise IndexError(f"{what}: too many indices for an array of shape {shape}, or more than one '...'")
@@ -93,14 +94,38 @@ def array_index(key, shape, what):
     return (None if all(k is Ellipsis or k == slice(None) for k in basic) else basic), axis, ids
 
 
-def getitem(x: Traced, key):
-    """x[key], NumPy's basic indexing (any step); an integer array among slices is a lookup (take)."""
-    what = f"indexing {describe(x)}"
-    found = array_index(key, x.shape, what)
+def array_getitem(x, key, what, basic_getitem):
+    """x[key] where key holds integer arrays (x a traced value or an sf.Array), else None: one array among
+    slices is np.take's lookup along its axis (of basic_getitem(x, the rest of key)), several x.at[key].get()."""
+    got = _advanced(x, key)
+    found = None if got is not None else array_index(key, x.shape, what)
     if found is not None:
         from shardfuse.take import take  # (issue 31 item 4, alongside: table[ids])
         basic, axis, ids = found
-        return take(x if basic is None else getitem(x, basic), ids, axis)
+        got = take(x if basic is None else basic_getitem(x, basic), ids, axis)
+    return got
+
+
+def _advanced(x, key):
+    """x[key] as x.at[key].get() where key holds several integer arrays, or one beside an int, among whole
+    slices (NumPy's advanced indexing, the arrays broadcast together: x[np.arange(B), lens - 1], a serving
+    probe's last token per sequence; ids clamped as JAX's); else None (x a traced value or an sf.Array)."""
+    from shardfuse.at_keys import array_key
+
+    key = key if isinstance(key, tuple) else (key,)
+    arrays = sum(_is_array(k) for k in key)
+    if arrays > 1 or arrays == 1 and any(isinstance(k, (int, np.integer)) and not isinstance(k, bool) for k in key):
+        if array_key(x, key) is not None:
+            return x.at[key].get()
+    return None
+
+
+def getitem(x: Traced, key):
+    """x[key], NumPy's basic indexing (any step); an integer array among slices is a lookup (take)."""
+    what = f"indexing {describe(x)}"
+    got = array_getitem(x, key, what, getitem)
+    if got is not None:
+        return got
     idx = expand_index(key, x.shape, what)
     axes = [k for k in idx if k is not None]
     begin = tuple(k if _is_int(k) else k[0] for k in axes)

@@ -30,7 +30,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from shardfuse.at_arrays import array_key, at_add, at_get, at_set, scattered, unscattered
+from shardfuse.at_arrays import at_add, at_get, at_set, scattered, unscattered
+from shardfuse.at_keys import array_key
 from shardfuse.ir import TensorType
 from shardfuse.ops import Op
 from shardfuse.promotion import scalar_value

@@ -197,10 +197,26 @@ def test_the_gradient_of_an_integer_array_index_is_a_scatter_add():
     np.testing.assert_allclose((g.gather() * d).sum(), central, rtol=1e-6)
 
 
+def test_several_index_arrays_and_ints_index_as_numpys():
+    """A serving probe: x[np.arange(B), lens - 1] (each sequence's last token) was refused, though
+    x.at[...].get() computes it: NumPy's advanced indexing, the arrays broadcast together, inside sf.jit
+    (NumPy and traced ids) and on sf.Arrays."""
+    mesh, r = ew.mesh_of(4), np.random.default_rng()
+    x = r.standard_normal((3, 5, 8))
+    rows, last = np.arange(3), r.integers(0, 5, 3)
+    cols = r.integers(0, 8, (2, 1))  # (broadcast against the rows: [2, 3] ids)
+    for index in (lambda i: (rows, i), lambda i: (1, i), lambda i: (rows, slice(None), (i + cols) % 8),
+                  lambda i: (i[:, None] % 3, i)):
+        want = x[index(last)]
+        np.testing.assert_array_equal(np.asarray(sf.jit(lambda v, i: v[index(i)], mesh=mesh)(x, last)), want)
+        np.testing.assert_array_equal(np.asarray(sf.jit(lambda v: v[index(last)], mesh=mesh)(x)), want)
+        np.testing.assert_array_equal(np.asarray(sf.shard(x, axis=2, mesh=mesh)[index(last)]), want)
+
+
 @pytest.mark.parametrize("index, error, message", [
-    (lambda i: (i, i), TypeError, r"alone or beside slices and '...' .*sf.take\(x, ids, axis=...\)"),
-    (lambda i: (0, i), TypeError, r"not beside ints, None or another array; index in two steps"),
-    (lambda i: (None, i), TypeError, r"not beside ints, None"),
+    (lambda i: (i, slice(1, None), i), TypeError, r"alone or beside slices and '...' .*x.at\[...\].get\(\)'s\), not "
+     r"beside None or a partial slice; index in two steps .*sf.take\(x, ids, axis=...\)"),
+    (lambda i: (None, i), TypeError, r"not beside None"),
     (lambda i: i > 0, TypeError, r"with a boolean mask .*sf.where\(mask, x, 0\)"),
     (lambda i: [0, 1], TypeError, r"write a list of indices as an array, np.array"),
     (lambda i: (slice(None), slice(None), i), IndexError, r"too many indices"),
