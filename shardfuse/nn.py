@@ -38,6 +38,7 @@ from shardfuse.numpy_math import gelu
 from shardfuse.traced_numpy import exp, linear, log, maximum, minimum, rsqrt, silu, where
 
 __all__ = ["softmax", "log_softmax", "logsumexp", "one_hot", "layer_norm", "rms_norm", "linear", "attention",
+           "dot_product_attention",
            "cross_entropy", "cross_entropy_onehot", "stop_gradient",
            *(f.__name__ for f in (gelu, silu))]  # (the ops' names by reference: an op name is never a string here)
 
@@ -57,7 +58,10 @@ def _one_plan(fn=None, *, name=None):
 
     @functools.wraps(fn)
     def call(*args, **kwargs):
-        bound = signature.bind(*args, **kwargs)
+        try:
+            bound = signature.bind(*args, **kwargs)
+        except TypeError as e:  # (a probe's softmax(x, where=m) met "got an unexpected keyword argument" unnamed)
+            raise TypeError(f"sf.nn.{name}{signature}: {e}") from None
         bound.apply_defaults()
         args = bound.args
         if any(isinstance(a, Traced) for a in args):
@@ -223,6 +227,23 @@ def attention(q, k, v, causal=False, mask=None, *, scale=None, dropout_rate=0.0,
 
     return _dropped_attention(random.check_key(dropout_rng, "nn.attention"), q, k, v, mask, scale, rate,
                               bool(broadcast_dropout))
+
+
+def dot_product_attention(query, key, value, bias=None, mask=None, *, scale=None, is_causal=False, **unsupported):
+    """jax.nn.dot_product_attention: [batch, seq, heads, head_dim] operands (JAX's layout; sf.nn.attention's
+    is [batch, heads, seq, head_dim]), a float bias added to the scores and a boolean mask (True: attend), both
+    broadcast against [batch, heads, seq_q, seq_k]; grouped-query heads as attention's."""
+    if unsupported:
+        raise TypeError(f"sf.nn.dot_product_attention: {', '.join(k + '=' for k in unsupported)} not supported (write "
+                        "the lengths or window as a boolean mask=)")
+    heads_first = lambda t: t.swapaxes(-2, -3)  # noqa: E731
+    if bias is not None and mask is not None:  # (one additive mask: the bias where attended, masked elsewhere)
+        dtype = dtypes.normalize_dtype(bias.dtype)
+        bias, mask = None, where(mask, bias, attn.MASKED[dtype]) if isinstance(bias, Traced) else np.where(
+            mask, bias, attn.MASKED[dtype])
+    out = attention(heads_first(query), heads_first(key), heads_first(value), is_causal,
+                    mask if bias is None else bias, scale=scale)
+    return heads_first(out)
 
 
 @_one_plan

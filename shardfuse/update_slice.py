@@ -166,15 +166,15 @@ def _parse(x, key, what):
             desc.append(("s", start, max(stop, start)))
         elif getattr(k, "ndim", 0) and (isinstance(k, Traced) or hasattr(type(k), "one_op")):
             raise TypeError(f"{what}: an array of indices on axis {j} ({describe(k) if isinstance(k, Traced) else k!r}): "
-                            ".at[] takes an array of ids alone, on the first axis (x.at[ids].add(v) / .get()); for "
-                            "a position per row write sf.where(mask, v, x) with a one-hot mask of the positions")
+                            ".at[] takes integer arrays beside ints and whole slices ':' (x.at[ids], x.at[rows, :, pos]), not "
+                            "beside a partial slice or None: index the whole axis, or slice the result")
         elif _static(k) is not None or isinstance(k, Traced) or hasattr(type(k), "one_op"):
             desc.append(("i",))
             values.append(k)
         else:
             raise TypeError(f"{what}: .at[] takes ints, 0-d int values, slices of step 1 and '...', got "
-                            f"{describe(k) if isinstance(k, Traced) else repr(k)} on axis {j}; for rows at an "
-                            "array of ids write sf.scatter_add (.add) or sf.where (.set)")
+                            f"{describe(k) if isinstance(k, Traced) else repr(k)} on axis {j}; and integer arrays beside "
+                            "ints and whole slices (x.at[ids], x.at[rows, :, pos])")
     return tuple(desc), values
 
 

@@ -98,3 +98,27 @@ def test_attention_refuses_an_integer_mask_and_a_rate_without_a_key():
         sf.jit(lambda q: sf.nn.attention(q, k, v, dropout_rate=1.5, dropout_rng=sf.random.key(0)), mesh=mesh)(q)
     with pytest.raises(TypeError, match=r"sf.nn.attention takes values inside an sf.jit function"):
         sf.nn.attention(q, k, v)  # (NumPy arrays: the public name, not a private body's)
+
+
+@pytest.mark.parametrize("with_bias, with_mask, causal", [(False, False, False), (True, False, True),
+                                                          (False, True, False), (True, True, True)])
+def test_jax_dot_product_attention_in_jaxs_layout(with_bias, with_mask, causal):
+    """jax.nn.dot_product_attention's signature and [batch, seq, heads, head_dim] layout, a bias and a
+    boolean mask together, heads sharded; its keywords shardfuse lacks refused by name."""
+    r = np.random.default_rng()
+    q, k, v = (r.standard_normal((B, S, H, D)) for _ in range(3))
+    bias = r.standard_normal((1, H, S, S)) if with_bias else None
+    mask = r.random((B, 1, S, S)) > 0.3 if with_mask else None
+    s = np.einsum("bqnh,bknh->bnqk", q, k) / np.sqrt(D) + (0 if bias is None else bias)
+    keep = np.ones(s.shape, bool) & (True if mask is None else mask) & (np.tril(np.ones((S, S), bool)) if causal else True)
+    s = np.where(keep, s, -0.7 * np.finfo(np.float64).max)
+    p = np.exp(s - s.max(-1, keepdims=True))
+    want = np.einsum("bnqk,bknh->bqnh", p / p.sum(-1, keepdims=True), v)
+    f = sf.jit(lambda q, k, v: sf.nn.dot_product_attention(sf.shard(q, axis=2), sf.shard(k, axis=2), sf.shard(v, axis=2),
+                                                           bias, mask, is_causal=causal), mesh=sf.DeviceMesh(2))
+    assert f.lower(q, k, v).collectives() == {}
+    np.testing.assert_allclose(np.asarray(f(q, k, v)), want, rtol=1e-12, atol=1e-14)
+    with pytest.raises(TypeError, match=r"sf.nn.dot_product_attention: query_seq_lengths= not supported"):
+        sf.jit(lambda q: sf.nn.dot_product_attention(q, k, v, query_seq_lengths=np.array([3, 4])), mesh=sf.DeviceMesh(2))(q)
+    with pytest.raises(TypeError, match=r"sf.nn.softmax\(x, axis=-1\): got an unexpected keyword argument 'where'"):
+        sf.jit(lambda q: sf.nn.softmax(q, where=q > 0), mesh=sf.DeviceMesh(2))(q)
