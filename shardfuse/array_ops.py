@@ -37,6 +37,7 @@ from shardfuse.spec import TensorSpec, check_divides, reduced_axes
 from shardfuse.traced import NUMPY, SHAPE_OPS, Traced, is_weak_scalar, numpy_name
 from shardfuse.shape_ops import array_getitem, expand_index, getitem as shape_getitem
 from shardfuse.traced_numpy import absolute
+from shardfuse.update_slice import int_getitem
 
 MAX_PLANS = 256  # one-op plans kept per mesh (a plan holds its buffers)
 STATS = {"compiled": 0, "reused": 0}  # across meshes (every mesh's PlanCache counts here): cache_info()
@@ -254,8 +255,8 @@ def getitem(x, key):
     got = array_getitem(x, key, what, getitem)  # (a NumPy or sf.Array of ids: np.take's lookup, as inside jit)
     if got is not None:
         return got
-    expand_index(key, x.shape, what)  # (refused before any plan)
-    return run(lambda v: shape_getitem(v, key), (x,), ("getitem", _hashable(key)), "getitem")
+    plan = int_getitem(x, expand_index(key, x.shape, what))  # (refused before any plan; x[:, t]: one for every t)
+    return plan if plan is not None else run(lambda v: shape_getitem(v, key), (x,), ("getitem", _hashable(key)), "getitem")
 
 
 class ArrayOps(NumpyMethods):

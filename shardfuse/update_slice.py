@@ -115,6 +115,22 @@ def _slice(x, sizes, *starts):  # (module-level, as every fn given to _dispatch:
     return _emit_slice(x, sizes, dyn, static)
 
 
+def int_getitem(x, idx):
+    """x[idx] of an sf.Array where idx (shape_ops.expand_index's: ints made non-negative, slices as (start,
+    stop, step)) holds ints and whole slices only: a dynamic_slice with the ints as operands, so x[:, t] is one
+    plan for every t (a serving probe's decode loop outside sf.jit compiled one per position); else None."""
+    whole = [k == (0, n, 1) for k, n in zip(idx, x.shape)]
+    if len(idx) != x.ndim or not any(map(_is_int, idx)) or not all(w or _is_int(k) for k, w in zip(idx, whole)):
+        return None
+    sizes = tuple(1 if _is_int(k) else n for k, n in zip(idx, x.shape))
+    shape = tuple(n for k, n in zip(idx, x.shape) if not _is_int(k))
+    return _dispatch(_int_slice, (x, sizes, shape, *(k if _is_int(k) else 0 for k in idx)), "indexing")
+
+
+def _int_slice(x, sizes, shape, *starts):
+    return _slice(x, sizes, *starts).reshape(shape)
+
+
 def _sizes(sizes, what) -> tuple:
     sizes = tuple(sizes) if isinstance(sizes, (tuple, list)) else (sizes,)
     if not all(_is_int(b) for b in sizes):

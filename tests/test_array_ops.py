@@ -116,6 +116,26 @@ def test_a_repeated_op_reuses_its_cached_plan():
     assert array_ops.cache_info()["compiled"] == after["compiled"] + 1
 
 
+def test_indexing_at_an_int_is_one_plan_for_every_int():
+    """A serving probe: x[:, t] in a decode loop outside sf.jit compiled a plan per position t; ints among
+    whole slices are operands of one dynamic slice, with NumPy's values, shapes and IndexError."""
+    mesh, r = sf.DeviceMesh(2, backend="numpy"), np.random.default_rng()
+    a = r.standard_normal((4, 6, 2))
+    x = sf.shard(a, axis=1, mesh=mesh)
+    x[:, 0], x[0], x[0, :, 1]
+    before = array_ops.cache_info()["compiled"]
+    for t in range(-4, 4):
+        for key in [(slice(None), t % 6), (t,), (t, slice(None), 1), (t, Ellipsis), (Ellipsis, t % 2)]:
+            got = x[key]
+            assert got.shape == a[key].shape
+            np.testing.assert_array_equal(np.asarray(got), a[key])
+    assert array_ops.cache_info()["compiled"] == before + 1  # (x[..., j]: its one new plan)
+    assert x[1].placements == (sf.Shard(0),)  # (axis 1 of x, axis 0 of the row: still sharded)
+    with pytest.raises(IndexError, match="index 4 is out of bounds for axis 0 with size 4"):
+        x[4]
+    np.testing.assert_array_equal(np.asarray(x[1, 2:4]), a[1, 2:4])  # (a partial slice: the basic path)
+
+
 def test_the_cache_is_bounded(monkeypatch):
     monkeypatch.setattr(array_ops, "MAX_PLANS", 3)
     mesh, _, (x, _, _) = _inputs("1d", "S0")
