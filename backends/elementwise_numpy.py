@@ -88,14 +88,14 @@ _ERF, _ERFC = np.frompyfunc(math.erf, 1, 1), np.frompyfunc(math.erfc, 1, 1)
 
 
 def _erf(xp, x, _, o):
-    o[...] = _ERF(x.astype(np.float64)).astype(np.float64)
+    o[...] = np.asarray(_ERF(x.astype(np.float64)), np.float64)  # (frompyfunc's 0-d result is a float: a fuzzer)
 
 
 def _gelu_erf(xp, x, _, o):
     """The exact GELU, x * Phi(x), as 0.5 x erfc(-x / sqrt 2) (jax.nn.gelu(approximate=False)'s form:
     no cancellation in 1 + erf(x / sqrt 2) for negative x), in float64, rounded once into o."""
     v = x.astype(np.float64)
-    o[...] = 0.5 * v * _ERFC(v * -0.7071067811865476).astype(np.float64)
+    o[...] = 0.5 * v * np.asarray(_ERFC(v * -0.7071067811865476), np.float64)
 
 
 def _scalar(fn, reflected=False):

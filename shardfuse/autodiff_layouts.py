@@ -74,8 +74,9 @@ def _known_layout(builder, v, strict):
             meshes = {lay.mesh for lay in lays if lay is not None and (lay.mesh is not None or any(lay.axes))}
             if any(lay is None for lay in lays) or len(meshes) > 1:
                 return None
-            try:
-                return whole(rules.infer(p, lays).on(meshes.pop() if meshes else builder.mesh))
+            mesh = meshes.pop() if meshes else builder.mesh
+            try:  # (a constant's replicated layout has no mesh yet: the rules read its axes' sizes, a fuzzer)
+                return whole(rules.infer(p, [lay if lay.mesh is not None else lay.on(mesh) for lay in lays]).on(mesh))
             except ValueError:  # (a reshape no sharding maps: the compiler gathers, and says so)
                 return None
         same = [i for i in p.ins if i.type.shape == v.type.shape and p.op in ELEMENTWISE]

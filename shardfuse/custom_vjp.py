@@ -190,7 +190,9 @@ def closures(builder, start, given) -> list:
     active = propagate_active(builder, builder.instrs[:start], {v for v in builder.fresh if v.type.dtype in FLOATS})
     made, found = set(), []
     for i in builder.instrs[start:]:
-        found += [v for v in i.ins if v in active and v not in made and v not in given and v not in found]
+        for v in i.ins:  # (one at a time: an op reading a value twice, v * v, found it twice, a fuzzer)
+            if v in active and v not in made and v not in given and v not in found:
+                found.append(v)
         made.update(i.outs)
     return [Traced(builder, v) for v in found]
 

@@ -83,14 +83,17 @@ def _widened(x):
 
 
 @_one_plan
-def softmax(x, axis=-1):
+def softmax(x, axis=-1, where=None):
     """exp(x - max) / sum(exp(x - max)) over `axis` (jax.nn.softmax); the max and the sum keep
     their axis (keepdims), so they broadcast back.  Over a sharded axis the sum is an Allreduce of
     the reduced shape, and the max gathers that axis (until max reduces with an Allreduce).
     Its gradient is written by hand (as jax.nn.softmax's custom_jvp): y * (g - sum(g * y)), so the
-    backward holds only the output y, not the exponentials too."""
+    backward holds only the output y, not the exponentials too.  where= (a boolean mask broadcast
+    against x, jax.nn.softmax's): the elements it leaves out count for nothing and are 0."""
     x, dtype = _widened(x)
-    return _with_rule(_softmax, lambda y, g: (y * (g - (g * y).sum(axis, keepdims=True)),), axis)(x).astype(dtype)
+    x = x if where is None else attn.masked(x, where)
+    y = _with_rule(_softmax, lambda y, g: (y * (g - (g * y).sum(axis, keepdims=True)),), axis)(x)
+    return (y if where is None else attn.select(where, y, 0.0)).astype(dtype)
 
 
 def _softmax(x, axis):
@@ -99,11 +102,13 @@ def _softmax(x, axis):
 
 
 @_one_plan
-def log_softmax(x, axis=-1):
+def log_softmax(x, axis=-1, where=None):
     """x - max - log(sum(exp(x - max))) over `axis` (jax.nn.log_softmax); its gradient by hand,
-    g - exp(y) * sum(g), holds only the output y."""
+    g - exp(y) * sum(g), holds only the output y.  where= as softmax's: left-out elements are -inf."""
     x, dtype = _widened(x)
-    return _with_rule(_log_softmax, lambda y, g: (g - exp(y) * g.sum(axis, keepdims=True),), axis)(x).astype(dtype)
+    x = x if where is None else attn.masked(x, where)
+    y = _with_rule(_log_softmax, lambda y, g: (g - exp(y) * g.sum(axis, keepdims=True),), axis)(x)
+    return (y if where is None else attn.select(where, y, -np.inf)).astype(dtype)
 
 
 def _log_softmax(x, axis):
@@ -181,7 +186,7 @@ def _attention_of(q, k, v, mask, scale, keep, rate):
         scores = where(mask, scores, attn.MASKED[scores.dtype_name]) if mask.dtype == "bool" else scores + mask
     probs = softmax(scores, -1)
     if keep is not None:  # (after the softmax, as flax's dot_product_attention and torch's dropout_p)
-        probs = np.zeros_like(probs) if rate == 1.0 else _kept(probs, keep, rate)
+        probs = np.zeros_like(probs) if rate == 1.0 else attn.kept(probs, keep, rate)
     out = probs @ v
     return out.reshape(lead + (heads,) + out.shape[-2:]) if groups > 1 else out
 
@@ -371,15 +376,7 @@ def _dropout(key, x, rate):
 
     if rate == 1.0:
         return np.zeros_like(x)
-    return _kept(x, random.bernoulli(key, 1.0 - rate, tuple(x.shape)), rate)
-
-
-def _kept(x, keep, rate):
-    """x / (1 - rate) where keep, else 0 (inverted dropout's scaling)."""
-    dt = np.dtype(x.dtype)
-    if dtypes.is_float(dt.name):  # (as NEP 50 takes x / (1 - rate): the factor rounded to x's dtype, on any ml_dtypes)
-        return np.where(keep, x / dt.type(1.0 - rate), dt.type(0))
-    return np.where(keep, x / (1.0 - rate), 0)
+    return attn.kept(x, random.bernoulli(key, 1.0 - rate, tuple(x.shape)), rate)
 
 
 __all__ += [dropout.__name__]

@@ -6,12 +6,35 @@ from __future__ import annotations
 import numpy as np
 
 from shardfuse import dtypes
-from shardfuse.traced import is_scalar
+from shardfuse.traced import Traced, is_scalar
 
 # The score a masked-out position gets: finite, so a row with every position masked is uniform
 # rather than NaN (jax.nn.dot_product_attention's choice, 0.7 of the dtype's largest magnitude).
 MASKED = {"float16": -0.7 * 65504.0, "bfloat16": -0.7 * 3.3895313892515355e38,
           "float32": -0.7 * float(np.finfo(np.float32).max), "float64": -0.7 * float(np.finfo(np.float64).max)}
+
+
+def masked(x, mask):
+    """x with MASKED where the boolean mask is False (finite: a row left wholly out stays finite; the caller
+    sets its result), for softmax's and log_softmax's where=."""
+    if dtypes.normalize_dtype(mask.dtype) != "bool":
+        raise TypeError(f"sf.nn: where= must be a boolean mask, got {dtypes.normalize_dtype(mask.dtype)}")
+    return select(mask, x, MASKED[x.dtype_name])
+
+
+def select(mask, a, b):
+    """np.where(mask, a, b), traced where either is a traced value."""
+    from shardfuse.traced_numpy import where
+
+    return where(mask, a, b) if isinstance(a, Traced) or isinstance(mask, Traced) else np.where(mask, a, b)
+
+
+def kept(x, keep, rate):
+    """x / (1 - rate) where keep, else 0 (inverted dropout's scaling)."""
+    dt = np.dtype(x.dtype)
+    if dtypes.is_float(dt.name):  # (as NEP 50 takes x / (1 - rate): the factor rounded to x's dtype, on any ml_dtypes)
+        return np.where(keep, x / dt.type(1.0 - rate), dt.type(0))
+    return np.where(keep, x / (1.0 - rate), 0)
 
 
 def with_causal(q, k, mask):

@@ -341,6 +341,7 @@ def _vjp_traced(fn, primals, has_aux, remat="regather", nested=True):
         if ct_tree != out_tree:
             raise ValueError(f"vjp_fn: the cotangent must have the structure of {_name(fn)}'s output {out_tree}, "
                              f"got {ct_tree}")
+        cts = [o.builder.constant(c) if isinstance(o, Traced) else c for o, c in zip(out_leaves, cts)]  # (NumPy: JAX's)
         for o, c in zip(out_leaves, cts):
             if not isinstance(c, Traced) or c.shape != o.shape or c.dtype_name != o.dtype_name:
                 got = describe(c) if isinstance(c, Traced) else type(c).__name__

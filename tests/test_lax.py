@@ -207,3 +207,24 @@ def test_a_numpy_carry_becomes_a_value_and_jaxs_names_for_slices_and_top_k():
     np.testing.assert_array_equal(np.asarray(got[1]), want)
     np.testing.assert_array_equal(np.asarray(got[2]), x[s:s + 1])
     np.testing.assert_array_equal(np.asarray(got[3][1]), np.argsort(-x, axis=1, kind="stable")[:, :3])
+
+
+@pytest.mark.parametrize("taken", [True, False])
+def test_a_value_read_twice_by_one_op_of_a_branch_gets_its_gradient_once(taken):
+    """A gradient fuzzer: a traced cond whose first branch read its operand twice in one op (v * v) gave
+    every gradient of that operand twice, whichever branch was taken; values closed over twice (w * w) too,
+    and sf.checkpoint's, which finds the values a function reads the same way."""
+    m, r = mesh(), np.random.default_rng()
+    x, w = r.standard_normal(4) + 0.1, r.standard_normal(4)
+    sign = 1.0 if taken else -1.0
+
+    def loss(x, w):
+        p = sign * x.sum() > -1e9 if taken else sign * x.sum() > 1e9
+        return sf.lax.cond(p, lambda v: v * v * (w * w), np.sin, x).sum() + \
+            sf.lax.switch(np.int32(0 if taken else 1), [lambda v: v + v, lambda v: 3 * v], x).sum()
+    gx, gw = sf.jit(sf.grad(loss, argnums=(0, 1)), mesh=m)(x, w)
+    want_x = (2 * x * w * w + 2) if taken else (np.cos(x) + 3)
+    np.testing.assert_allclose(np.asarray(gx), want_x, rtol=1e-12)
+    np.testing.assert_allclose(np.asarray(gw), 2 * w * x * x if taken else 0 * w, rtol=1e-12)
+    g = sf.jit(sf.grad(lambda w, x: sf.checkpoint(lambda v: v * v * (w * w))(x).sum()), mesh=m)(w, x)
+    np.testing.assert_allclose(np.asarray(g), 2 * w * x * x, rtol=1e-12)

@@ -120,5 +120,6 @@ def test_jax_dot_product_attention_in_jaxs_layout(with_bias, with_mask, causal):
     np.testing.assert_allclose(np.asarray(f(q, k, v)), want, rtol=1e-12, atol=1e-14)
     with pytest.raises(TypeError, match=r"sf.nn.dot_product_attention: query_seq_lengths= not supported"):
         sf.jit(lambda q: sf.nn.dot_product_attention(q, k, v, query_seq_lengths=np.array([3, 4])), mesh=sf.DeviceMesh(2))(q)
-    with pytest.raises(TypeError, match=r"sf.nn.softmax\(x, axis=-1\): got an unexpected keyword argument 'where'"):
-        sf.jit(lambda q: sf.nn.softmax(q, where=q > 0), mesh=sf.DeviceMesh(2))(q)
+    with pytest.raises(TypeError, match=r"sf.nn.softmax\(x, axis=-1, where=None\): got an unexpected keyword argument "
+                                        r"'initial'"):
+        sf.jit(lambda q: sf.nn.softmax(q, initial=0.0), mesh=sf.DeviceMesh(2))(q)
