@@ -114,11 +114,11 @@ def at_set(x, spec, v, *ids):
     from shardfuse.take import scatter_clamped  # (the values masked here)
     from shardfuse.traced_numpy import where
 
-    axes, by_rows = spec
+    axes, by_rows, distinct = spec
     if by_rows:
         return where(_row_mask(x, axes, ids), _row_values(x, axes, v), x)
     xm, flat, inside, perm, shape = _merged(x, axes, ids)
-    last = _last_of_repeats(ids, [x.shape[a] for a in axes], flat, inside, shape)
+    last = None if distinct else _last_of_repeats(ids, [x.shape[a] for a in axes], flat, inside, shape)
     mask = (inside if last is None else inside & last).reshape(shape + (1,) * (xm.ndim - 1))
     written = scatter_clamped(flat, where(mask, scattered(x, _value_first(x, axes, v, shape)), 0), xm.shape[0])
     hit = scatter_clamped(flat, mask.astype("float32"), xm.shape[0]) > 0
@@ -159,7 +159,7 @@ def at_add(x, spec, v, *ids):
     from shardfuse.take import scatter_clamped  # (the values masked here)
     from shardfuse.traced_numpy import where
 
-    axes, by_rows = spec
+    axes, by_rows = spec[:2]
     if by_rows:
         return x + where(_row_mask(x, axes, ids), _row_values(x, axes, v), 0).astype(x.dtype)
     xm, flat, inside, perm, shape = _merged(x, axes, ids)

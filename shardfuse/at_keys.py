@@ -3,12 +3,14 @@ indexing, shardfuse/at_arrays.py computes them): the key checked and its indexed
 update_slice's x.at and by shape_ops' x[key] alike."""
 from __future__ import annotations
 
+import math
+
 import numpy as np
 
 from shardfuse.traced import Traced
 
 
-def array_key(x, key):
+def array_key(x, key, what="x.at[...]"):
     """(positions of the indexed axes, their index arrays) where key indexes x with integer arrays (NumPy
     or traced, one or more) and whole slices (':', '...') only, and is not ids on the first axis alone
     (update_slice's own path); else None."""
@@ -19,10 +21,11 @@ def array_key(x, key):
     for a, k in enumerate(key):
         kind = np.asarray(k).dtype.kind if isinstance(k, (list, np.ndarray)) else getattr(k, "dtype", None) and k.dtype.kind
         if kind == "b":  # (a mask's astype('int32') would index rows 0 and 1: no advice to cast it)
-            raise TypeError(f"x.at[...]: a boolean mask ({_what(k)}, axis {a}) has no static count of rows; write "
-                            "sf.where(mask[:, None], value, x) (or index with np.nonzero(mask)[0] of a NumPy mask)")
+            fix = "sf.where(mask[:, None], value, x)" if what.startswith("x.at") else "sf.where(mask, x, 0) (the shape kept)"
+            raise TypeError(f"{what}: a boolean mask ({_what(k)}, axis {a}) has no static count of rows; write "
+                            f"{fix} (or index with np.nonzero(mask)[0] of a NumPy mask)")
         if kind and kind not in "iu" and not isinstance(k, (int, np.integer)):
-            raise TypeError(f"x.at[...]: an index must be an integer (JAX's), got {_what(k)} of dtype {k.dtype} on "
+            raise TypeError(f"{what}: an index must be an integer (JAX's), got {_what(k)} of dtype {k.dtype} on "
                             f"axis {a}; cast it (pos.astype('int32'))")
     if not any(_is_ids(k) for k in key):  # (ints, 0-d values and slices alone: update_slice's basic index)
         return None
@@ -30,7 +33,7 @@ def array_key(x, key):
     try:
         np.broadcast_shapes(*shapes)
     except ValueError:
-        raise ValueError(f"x.at[...]: the index arrays' shapes {', '.join(map(str, shapes))} do not broadcast "
+        raise ValueError(f"{what}: the index arrays' shapes {', '.join(map(str, shapes))} do not broadcast "
                          "together (NumPy's rule: one id per row of the others)") from None
     # (an integer scalar beside index arrays is one more, broadcast: NumPy's advanced indexing, so
     # cache.at[np.arange(B), :, t] with one position t for every row is the rows' form too, a probe)
@@ -39,7 +42,27 @@ def array_key(x, key):
     if not whole or len(key) > x.ndim or [a for a, _ in arrays] == [0] and len(key) == 1:
         return None
     axes, ids = tuple(a for a, _ in arrays), tuple(k if isinstance(k, Traced) else np.asarray(k) for _, k in arrays)
-    return (axes, _rows(x, axes, ids)), ids
+    distinct = distinct_positions(ids, [x.shape[a] for a in axes])
+    return (axes, _rows(x, axes, ids), distinct), ids
+
+
+def distinct_positions(ids, extents) -> bool:
+    """Whether the ids Python knows (NumPy arrays and ints) alone make every position they write distinct,
+    so that no id can repeat whatever the traced ones hold: a .set needs no sort for its last writes then
+    (ids outside their axis are dropped: each counts as its own)."""
+    shape = np.broadcast_shapes(*(tuple(np.shape(i)) for i in ids))
+    if math.prod(shape) < 2:
+        return True
+    key, known = np.zeros(shape, np.int64), False
+    for i, e in zip(ids, extents):
+        if isinstance(i, Traced) or hasattr(type(i), "one_op"):  # (known when the plan runs only)
+            continue
+        i, known = np.broadcast_to(np.asarray(i), shape), True
+        key = np.where((i >= -e) & (i < e) & (key >= 0), key * e + i % e, -1)
+    if not known:
+        return False
+    key = np.where(key >= 0, key, -1 - np.arange(key.size).reshape(shape))
+    return len(np.unique(key)) == key.size
 
 
 def _what(k) -> str:

@@ -118,8 +118,9 @@ def fori_loop(lower: int, upper: int, body_fun: Callable, init_val):
 
 
 def while_loop(cond_fun: Callable, body_fun: Callable, init_val):
-    """jax.lax.while_loop where cond_fun gives a value Python can decide (a traced one is refused)."""
-    val = _carried(init_val)
+    """jax.lax.while_loop where cond_fun gives a value Python can decide (a traced one is refused: so its
+    carry's NumPy arrays stay NumPy arrays, which the condition may read)."""
+    val = init_val
     while True:
         go = cond_fun(val)
         if isinstance(go, Traced):

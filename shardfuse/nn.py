@@ -160,7 +160,7 @@ def _attention(q, k, v, mask, scale):
 def _dropped_attention(key, q, k, v, mask, scale, rate, broadcast):
     from shardfuse import random
 
-    keep = random.bernoulli(key, 1.0 - rate, attn.keep_shape(q, k, v, broadcast))
+    keep = random.bernoulli(key, 1.0 - rate, attn.keep_shape(q, k, v, mask, broadcast))
     return _attention_of(q, k, v, mask, scale, keep, rate)
 
 
@@ -174,7 +174,7 @@ def _attention_of(q, k, v, mask, scale, keep, rate):
         # would be gathered (a review); k and v repeated instead, a copy each, the heads staying split)
         k, v, groups = repeat(k, groups, axis=-3), repeat(v, groups, axis=-3), 1
     if groups > 1:  # (grouped-query: q's heads as [kv heads, G], k and v broadcast over G; no copy of them)
-        heads, lead = q.shape[-3], q.shape[:-3]
+        heads = q.shape[-3]
         split = lambda t, g: t.reshape(t.shape[:-3] + (t.shape[-3] // g, g) + t.shape[-2:])  # noqa: E731
         q, k, v = split(q, groups), split(k, 1), split(v, 1)
         # (a mask per head: as q's; broadcast over heads: over both)
@@ -188,7 +188,8 @@ def _attention_of(q, k, v, mask, scale, keep, rate):
     if keep is not None:  # (after the softmax, as flax's dot_product_attention and torch's dropout_p)
         probs = np.zeros_like(probs) if rate == 1.0 else attn.kept(probs, keep, rate)
     out = probs @ v
-    return out.reshape(lead + (heads,) + out.shape[-2:]) if groups > 1 else out
+    # (the leading axes the scores broadcast to: q's batch of 1 beside k's of 3, a review)
+    return out.reshape(out.shape[:-4] + (heads,) + out.shape[-2:]) if groups > 1 else out
 
 
 def attention(q, k, v, causal=False, mask=None, *, scale=None, dropout_rate=0.0, dropout_rng=None,
@@ -230,6 +231,8 @@ def attention(q, k, v, causal=False, mask=None, *, scale=None, dropout_rate=0.0,
         return _attention(q, k, v, mask, scale)
     from shardfuse import random
 
+    if not isinstance(broadcast_dropout, (bool, np.bool_)):
+        raise TypeError(f"sf.nn.attention: broadcast_dropout takes True or False, got {broadcast_dropout!r}")
     return _dropped_attention(random.check_key(dropout_rng, "nn.attention"), q, k, v, mask, scale, rate,
                               bool(broadcast_dropout))
 
@@ -238,12 +241,18 @@ def dot_product_attention(query, key, value, bias=None, mask=None, *, scale=None
     """jax.nn.dot_product_attention: [batch, seq, heads, head_dim] operands (JAX's layout; sf.nn.attention's
     is [batch, heads, seq, head_dim]), a float bias added to the scores and a boolean mask (True: attend), both
     broadcast against [batch, heads, seq_q, seq_k]; grouped-query heads as attention's."""
-    if unsupported:
-        raise TypeError(f"sf.nn.dot_product_attention: {', '.join(k + '=' for k in unsupported)} not supported (write "
+    given = [k for k, a in unsupported.items() if a is not None]  # (JAX code passes implementation=None and the like)
+    if given:
+        raise TypeError(f"sf.nn.dot_product_attention: {', '.join(k + '=' for k in given)} not supported (write "
                         "the lengths or window as a boolean mask=)")
     heads_first = lambda t: t.swapaxes(-2, -3)  # noqa: E731
-    if bias is not None and mask is not None:  # (one additive mask: the bias where attended, masked elsewhere)
+    dtype = None if bias is None else dtypes.normalize_dtype(bias.dtype)
+    if dtype is not None and not dtypes.is_float(dtype):
+        raise TypeError(f"sf.nn.dot_product_attention: bias must be a float array added to the scores, got {dtype}")
+    if bias is not None:  # (JAX's: the scores in the operands' dtype)
+        bias = bias.astype(query.dtype)
         dtype = dtypes.normalize_dtype(bias.dtype)
+    if bias is not None and mask is not None:  # (one additive mask: the bias where attended, masked elsewhere)
         bias, mask = None, where(mask, bias, attn.MASKED[dtype]) if isinstance(bias, Traced) else np.where(
             mask, bias, attn.MASKED[dtype])
     out = attention(heads_first(query), heads_first(key), heads_first(value), is_causal,

@@ -48,7 +48,9 @@ def with_causal(q, k, mask):
 def dropout_rate(rate, rng) -> float:
     """rate as a float in [0, 1], checked with its key (flax's dot_product_attention: dropout_rate and
     dropout_rng); 0.0 where no dropout is asked for."""
-    if not is_scalar(rate) or isinstance(rate, bool) or not 0.0 <= float(rate) <= 1.0:
+    if not is_scalar(rate) or isinstance(rate, (bool, np.bool_)):
+        raise TypeError(f"sf.nn.attention: dropout_rate must be a number in [0, 1], got {rate!r}")
+    if not 0.0 <= float(rate) <= 1.0:
         raise ValueError(f"sf.nn.attention: dropout_rate must be a number in [0, 1], got {rate!r}")
     if float(rate) > 0.0 and rng is None:
         raise TypeError(f"sf.nn.attention: dropout_rate={float(rate)} needs a key, dropout_rng=sf.random.key(seed) "
@@ -56,12 +58,16 @@ def dropout_rate(rate, rng) -> float:
     return float(rate)
 
 
-def keep_shape(q, k, v, broadcast: bool) -> tuple:
-    """The shape of the keep mask of the probabilities [..., heads, seq_q, seq_k] (the heads of q, whatever
-    k's); with broadcast (flax's broadcast_dropout) one mask for every batch and head, [1, ..., seq_q, seq_k]."""
-    lead = np.broadcast_shapes(tuple(q.shape[:-3]), tuple(k.shape[:-3]), tuple(v.shape[:-3]))
-    shape = lead + tuple(q.shape[-3:-1]) + (k.shape[-2],)
-    return (1,) * (len(shape) - 2) + shape[-2:] if broadcast else shape
+def keep_shape(q, k, v, mask, broadcast: bool) -> tuple:
+    """The shape of the keep mask of the probabilities [..., heads, seq_q, seq_k]: the scores' (q's heads where k
+    and v have fewer, a mask's leading axes too); with broadcast (flax's broadcast_dropout) one mask for every
+    batch and head, [1, ..., seq_q, seq_k]."""
+    grouped = groups(q, k, v) > 1
+
+    def lead(t):  # (grouped-query k and v: as many heads as q's)
+        return tuple(t.shape[:-3]) + (q.shape[-3],) if grouped else tuple(t.shape[:-2])
+    lead = np.broadcast_shapes(tuple(q.shape[:-2]), lead(k), lead(v), tuple(np.shape(mask))[:-2])
+    return (1,) * len(lead) + (q.shape[-2], k.shape[-2]) if broadcast else lead + (q.shape[-2], k.shape[-2])
 
 
 def check_shapes(q, k, v, mask):

@@ -97,7 +97,7 @@ def array_index(key, shape, what):
 def array_getitem(x, key, what, basic_getitem):
     """x[key] where key holds integer arrays (x a traced value or an sf.Array), else None: one array among
     slices is np.take's lookup along its axis (of basic_getitem(x, the rest of key)), several x.at[key].get()."""
-    got = _advanced(x, key)
+    got = _advanced(x, key, what)
     found = None if got is not None else array_index(key, x.shape, what)
     if found is not None:
         from shardfuse.take import take  # (issue 31 item 4, alongside: table[ids])
@@ -106,18 +106,23 @@ def array_getitem(x, key, what, basic_getitem):
     return got
 
 
-def _advanced(x, key):
+def _advanced(x, key, what):
     """x[key] as x.at[key].get() where key holds several integer arrays, or one beside an int, among whole
     slices (NumPy's advanced indexing, the arrays broadcast together: x[np.arange(B), lens - 1], a serving
-    probe's last token per sequence; ids clamped as JAX's); else None (x a traced value or an sf.Array)."""
+    probe's last token per sequence; ids clamped as JAX's, an int out of range refused as NumPy's); else None
+    (x a traced value or an sf.Array)."""
     from shardfuse.at_keys import array_key
 
     key = key if isinstance(key, tuple) else (key,)
-    arrays = sum(_is_array(k) for k in key)
-    if arrays > 1 or arrays == 1 and any(isinstance(k, (int, np.integer)) and not isinstance(k, bool) for k in key):
-        if array_key(x, key) is not None:
-            return x.at[key].get()
-    return None
+    arrays, ints = sum(_is_array(k) for k in key), [j for j, k in enumerate(key) if _is_int(k)]
+    if not (arrays > 1 or arrays == 1 and ints) or array_key(x, key, what) is None:
+        return None
+    at = next((j for j, k in enumerate(key) if k is Ellipsis), len(key))
+    for j in ints:
+        ax = j if j < at else x.ndim - (len(key) - j)
+        if not -x.shape[ax] <= key[j] < x.shape[ax]:
+            raise IndexError(f"{what}: index {key[j]} is out of bounds for axis {ax} with size {x.shape[ax]}")
+    return x.at[key].get()
 
 
 def getitem(x: Traced, key):

@@ -31,7 +31,7 @@ from __future__ import annotations
 import numpy as np
 
 from shardfuse.at_arrays import at_add, at_get, at_set, scattered, unscattered
-from shardfuse.at_keys import array_key
+from shardfuse.at_keys import array_key, distinct_positions
 from shardfuse.ir import TensorType
 from shardfuse.ops import Op
 from shardfuse.promotion import scalar_value
@@ -307,7 +307,8 @@ class AtIndex:
         an index is out of range (JAX's: the update dropped)."""
         _fits(self.x, v)
         if self.ids is not None:  # (rows at ids: the arrays' path, the first axis indexed)
-            return _dispatch(at_set, (self.x, ((0,), False), v, self.ids), "x.at[ids].set")
+            spec = ((0,), False, distinct_positions((self.ids,), (self.x.shape[0],)))
+            return _dispatch(at_set, (self.x, spec, v, self.ids), "x.at[ids].set")
         if self.arrays is not None:
             return _dispatch(at_set, (self.x, self.arrays[0], v, *self.arrays[1]), "x.at[...].set")
         return _dispatch(_at_set, (self.x, self.desc, v, *self.values), "x.at[...].set")

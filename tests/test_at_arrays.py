@@ -254,3 +254,10 @@ def test_set_at_repeated_ids_differentiates_the_value_written():
     distinct = sf.jit(lambda a, w: a.at[np.array([3, 0, 5])].set(w), mesh=mesh2).lower(x, u[:3])
     assert "Argsort" not in str(distinct) and "Argsort" in str(sf.jit(lambda a, w, i: a.at[i].set(w), mesh=mesh2).lower(
         x, u[:3], ids[:3]))
+    # (a review: NumPy ids that alone make the positions distinct need no sort beside traced ones, nor on sf.Arrays)
+    cols = sf.jit(lambda a, w, j: a.at[np.array([1, 4]), j].set(w), mesh=mesh2).lower(x, u[:2, 0], ids[:2] % 3)
+    assert "Argsort" not in str(cols)
+    from shardfuse import array_ops
+    placed = sf.replicate(x, mesh=mesh2)
+    placed.at[np.array([5, 0, 2])].set(u[:3])
+    assert "Argsort" not in str(sf.Plan(array_ops.cached_programs(mesh2)[-1]))

@@ -228,3 +228,12 @@ def test_a_value_read_twice_by_one_op_of_a_branch_gets_its_gradient_once(taken):
     np.testing.assert_allclose(np.asarray(gw), 2 * w * x * x if taken else 0 * w, rtol=1e-12)
     g = sf.jit(sf.grad(lambda w, x: sf.checkpoint(lambda v: v * v * (w * w))(x).sum()), mesh=m)(w, x)
     np.testing.assert_allclose(np.asarray(g), 2 * w * x * x, rtol=1e-12)
+
+
+def test_a_while_loop_keeps_its_numpy_counter():
+    """A review: the carry made a value of the function turned a while_loop's NumPy counter into a traced
+    value its condition could not decide."""
+    x = np.random.default_rng().standard_normal(4)
+    got = sf.jit(lambda t: sf.lax.while_loop(lambda c: c[0] < 3, lambda c: (c[0] + 1, c[1] * 2), (np.array(0), t))[1],
+                 mesh=mesh())(x)
+    np.testing.assert_allclose(np.asarray(got), 8 * x, rtol=1e-15)

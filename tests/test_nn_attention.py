@@ -123,3 +123,44 @@ def test_jax_dot_product_attention_in_jaxs_layout(with_bias, with_mask, causal):
     with pytest.raises(TypeError, match=r"sf.nn.softmax\(x, axis=-1, where=None\): got an unexpected keyword argument "
                                         r"'initial'"):
         sf.jit(lambda q: sf.nn.softmax(q, initial=0.0), mesh=sf.DeviceMesh(2))(q)
+
+
+@pytest.mark.parametrize("shapes", [((1, 4, S, D), (3, 2, 7, D), None),  # (grouped; q's batch of 1 broadcast)
+                                    ((S, D), (4, 7, D), None),  # (q without heads beside k's)
+                                    ((H, S, D), (H, 7, D), (3, H, S, 7))])  # (a mask with a batch axis more)
+def test_per_element_dropout_covers_every_broadcast_axis(shapes):
+    """A review: a grouped-query q whose batch broadcasts against k's failed to reshape back, and with
+    broadcast_dropout=False the mask was shared along axes only k or the mask has."""
+    r = np.random.default_rng()
+    (qs, ks, ms), key = shapes, sf.random.key(11)
+    q, k, v = r.standard_normal(qs), r.standard_normal(ks), r.standard_normal(ks)
+    mask = None if ms is None else r.random(ms) > 0.2
+    out = sf.jit(lambda q, k, v: sf.nn.attention(q, k, v, mask=mask, dropout_rate=0.3, dropout_rng=key,
+                                                 broadcast_dropout=False), mesh=sf.DeviceMesh(1))(q, k, v)
+    g = q.shape[-3] // k.shape[-3] if q.ndim == k.ndim == 4 else 1
+    k, v = np.repeat(k, g, axis=-3), np.repeat(v, g, axis=-3)
+    s = q @ np.swapaxes(k, -1, -2) / np.sqrt(D)
+    s = s if mask is None else np.where(mask, s, -np.inf)
+    p = np.exp(s - s.max(-1, keepdims=True))
+    p /= p.sum(-1, keepdims=True)
+    keep = np.asarray(sf.random.bernoulli(key, 0.7, p.shape))
+    np.testing.assert_allclose(np.asarray(out), np.where(keep, p / 0.7, 0) @ v, rtol=1e-12, atol=1e-13)
+
+
+def test_dot_product_attention_takes_jaxs_none_keywords_and_casts_a_bias_to_the_operands_dtype():
+    """A review: implementation=None (what JAX code passes) was refused, a float32 bias made float16
+    operands' result float32 (JAX's stays float16), an int bias was refused as a mask; dropout_rate=False and
+    broadcast_dropout='no' were taken."""
+    r = np.random.default_rng()
+    q, k, v = (r.standard_normal((2, S, H, D)).astype(np.float16) for _ in range(3))
+    bias, mesh = r.standard_normal((1, H, S, S)).astype(np.float32), sf.DeviceMesh(1)
+    out = sf.jit(lambda q, k, v: sf.nn.dot_product_attention(q, k, v, bias, implementation=None,
+                                                             query_seq_lengths=None), mesh=mesh)(q, k, v)
+    assert out.dtype == np.float16
+    with pytest.raises(TypeError, match="bias must be a float array added to the scores, got int32"):
+        sf.jit(lambda q: sf.nn.dot_product_attention(q, k, v, bias.astype(np.int32)), mesh=mesh)(q)
+    with pytest.raises(TypeError, match="dropout_rate must be a number in \\[0, 1\\], got False"):
+        sf.jit(lambda q: sf.nn.attention(q, k, v, dropout_rate=False, dropout_rng=sf.random.key(0)), mesh=mesh)(q)
+    with pytest.raises(TypeError, match="broadcast_dropout takes True or False, got 'no'"):
+        sf.jit(lambda q: sf.nn.attention(q, k, v, dropout_rate=0.1, dropout_rng=sf.random.key(0),
+                                         broadcast_dropout="no"), mesh=mesh)(q)

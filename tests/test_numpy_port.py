@@ -211,6 +211,11 @@ def test_several_index_arrays_and_ints_index_as_numpys():
         np.testing.assert_array_equal(np.asarray(sf.jit(lambda v, i: v[index(i)], mesh=mesh)(x, last)), want)
         np.testing.assert_array_equal(np.asarray(sf.jit(lambda v: v[index(last)], mesh=mesh)(x)), want)
         np.testing.assert_array_equal(np.asarray(sf.shard(x, axis=2, mesh=mesh)[index(last)]), want)
+    for bad in ((3, last), (-4, last), (Ellipsis, last, 8)):  # (a review: an int beside arrays clamped; NumPy raises)
+        with pytest.raises(IndexError, match="out of bounds for axis"):
+            sf.jit(lambda v: v[bad], mesh=mesh)(x)
+    with pytest.raises(TypeError, match=r"indexing .*a boolean mask .* write sf.where\(mask, x, 0\)"):
+        sf.jit(lambda v: v[0, v[0, 0] > 0], mesh=mesh)(x)  # (a read's advice, not .at's write advice)
 
 
 @pytest.mark.parametrize("index, error, message", [
