@@ -64,8 +64,9 @@ def _one_plan(fn=None, *, name=None):
             raise TypeError(f"sf.nn.{name}{signature}: {e}") from None
         bound.apply_defaults()
         args = bound.args
-        if any(isinstance(a, Traced) for a in args):
-            return fn(*args)
+        traced = next((a for a in args if isinstance(a, Traced)), None)
+        if traced is not None:  # (NumPy arrays beside: constants, as ops take them; a grouped-query k repeated was one)
+            return fn(*(traced.builder.constant(a) for a in args))
         for a in args:
             if hasattr(type(a), "one_op"):  # sf.Array (array_ops.ArrayOps)
                 return a.one_op(fn, args, f"nn.{name}")

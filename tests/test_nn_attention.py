@@ -164,3 +164,15 @@ def test_dot_product_attention_takes_jaxs_none_keywords_and_casts_a_bias_to_the_
     with pytest.raises(TypeError, match="broadcast_dropout takes True or False, got 'no'"):
         sf.jit(lambda q: sf.nn.attention(q, k, v, dropout_rate=0.1, dropout_rng=sf.random.key(0),
                                          broadcast_dropout="no"), mesh=mesh)(q)
+
+
+def test_grouped_query_attention_of_closed_over_numpy_keys_on_more_devices_than_kv_heads():
+    """Found writing this session's GPU test: with k and v NumPy arrays closed over and q's heads over 4
+    devices (2 kv heads: k and v repeated), sf.repeat refused the NumPy k; sf.nn functions take NumPy arrays
+    beside traced values as constants."""
+    r = np.random.default_rng()
+    q, k, v = r.standard_normal((B, H, S, D)), r.standard_normal((B, 2, S, D)), r.standard_normal((B, 2, S, D))
+    got = sf.jit(lambda q: sf.nn.attention(sf.shard(q, axis=1), k, v), mesh=sf.DeviceMesh(4))(q)
+    s = q @ np.swapaxes(np.repeat(k, 2, axis=1), -1, -2) / np.sqrt(D)
+    p = np.exp(s - s.max(-1, keepdims=True))
+    np.testing.assert_allclose(np.asarray(got), p / p.sum(-1, keepdims=True) @ np.repeat(v, 2, axis=1), rtol=1e-12)
