@@ -257,6 +257,56 @@ def masked(inner: GradientTransformation, mask) -> GradientTransformation:
     return GradientTransformation(init, update)
 
 
+class InjectHyperparamsState(NamedTuple):
+    """optax's: the step count (0-d int32), the hyperparameters of the last update (0-d float32 values: a
+    caller may change them in the state, as optax's), and the inner optimizer's state."""
+    count: Any
+    hyperparams: Any
+    inner_state: Any
+
+
+def inject_hyperparams(inner_factory: Callable, static_args=()) -> Callable:
+    """optax.inject_hyperparams: inner_factory's numeric arguments (numbers and schedules of the step count)
+    kept in the state's hyperparams, which the next update reads (a schedule's, evaluated at the count, wins):
+    `opt = sf.optim.inject_hyperparams(sf.optim.adamw)(learning_rate=sched, weight_decay=0.1)`; then
+    `state.hyperparams["learning_rate"]` is the rate the last update used.  A learning rate reaches the
+    inner optimizer as a schedule, so it scales each update in the update's own dtype."""
+    static = {static_args} if isinstance(static_args, str) else set(static_args)
+
+    def wrapped(*args, **kwargs):
+        if args:
+            raise TypeError("sf.optim.inject_hyperparams(...)(...): give the hyperparameters by keyword, as optax's")
+        numeric = {k: v for k, v in kwargs.items() if k not in static and (callable(v) or _is_number(v))}
+        fixed = {k: v for k, v in kwargs.items() if k not in numeric}
+
+        def values(count, held):  # (a schedule's value at count; a number's, as the state holds it)
+            return {k: _float32(v(count)) if callable(v) else held[k] for k, v in numeric.items()}
+
+        def inner(hp):  # (the learning rate as a schedule: _in_dtype casts it to each update's dtype)
+            given = {k: (lambda count, v=v: v) if k == "learning_rate" else v for k, v in hp.items()}
+            return inner_factory(**fixed, **given)
+
+        def init(params):
+            zero = np.zeros((), np.int32)
+            hp = values(zero, {k: np.asarray(v, np.float32) for k, v in numeric.items() if not callable(v)})
+            return InjectHyperparamsState(zero, hp, inner(hp).init(params))
+
+        def update(updates, state, params=None):
+            hp = values(state.count, state.hyperparams)
+            new, inner_state = inner(hp).update(updates, state.inner_state, params)
+            return new, InjectHyperparamsState((state.count + 1).astype(np.int32), hp, inner_state)
+        return GradientTransformation(init, update)
+    return wrapped
+
+
+def _float32(v):
+    return v.astype(np.float32) if hasattr(v, "astype") else np.asarray(v, np.float32)
+
+
+def _is_number(v) -> bool:
+    return isinstance(v, (int, float, np.integer, np.floating)) and not isinstance(v, (bool, np.bool_))
+
+
 class MultiSteps:
     """optax.MultiSteps: gradient accumulation, the mean of every_k_schedule (an int) calls' gradients given to
     `opt` on the last of them; the others give zero updates and keep opt's state.  `.init`, `.update` and

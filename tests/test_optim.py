@@ -263,3 +263,38 @@ def test_multisteps_accumulates_the_mean_and_applies_every_k():
     np.testing.assert_allclose(u["w"], want["w"], rtol=1e-12)
     with pytest.raises(ValueError, match="positive int"):
         optim.MultiSteps(optim.adam(0.1), 0)
+
+
+def test_inject_hyperparams_records_the_rates_and_reads_them_back_from_the_state():
+    """optax.inject_hyperparams: a schedule's value at each step in state.hyperparams (float32), the updates
+    those of the optimizer built with the schedule itself, a number changed in the state used by the next
+    update, float32 parameters kept float32; inside a jitted step on dp x tp and eager on sf.Arrays."""
+    p, gs = params_and_grads(3)
+    p = {k: v.astype(np.float32) for k, v in p.items()}
+    sched = optim.linear_schedule(0.1, 0.01, 2)
+    opt = optim.inject_hyperparams(optim.adamw)(learning_rate=sched, weight_decay=0.05, b1=0.8)
+    plain = optim.adamw(sched, weight_decay=0.05, b1=0.8)
+    update = sf.jit(lambda g, s, p: opt.update(g, s, p), mesh=mesh())
+    update_plain = sf.jit(lambda g, s, p: plain.update(g, s, p), mesh=mesh())
+    s, s_plain = opt.init(p), plain.init(p)
+    for step, g in enumerate(gs):
+        g = {k: v.astype(np.float32) for k, v in g.items()}
+        (u, s), (u_plain, s_plain) = update(g, s, p), update_plain(g, s_plain, p)
+        assert float(np.asarray(s.hyperparams["learning_rate"])) == np.float32(sched(step))
+        assert np.asarray(s.hyperparams["learning_rate"]).dtype == np.float32 and int(np.asarray(s.count)) == step + 1
+        for k in p:
+            np.testing.assert_allclose(np.asarray(u[k]), np.asarray(u_plain[k]), rtol=1e-6)
+            assert np.asarray(u[k]).dtype == np.float32
+    s = s._replace(hyperparams={**s.hyperparams, "weight_decay": np.float32(0.0)})  # (read by the next update)
+    no_decay = optim.inject_hyperparams(optim.adamw)(learning_rate=sched, weight_decay=0.0, b1=0.8)
+    g = {k: v.astype(np.float32) for k, v in gs[0].items()}
+    u, _ = update(g, s, p)
+    u_want, _ = sf.jit(lambda g, s, p: no_decay.update(g, s, p), mesh=mesh())(g, s, p)
+    for k in p:
+        np.testing.assert_allclose(np.asarray(u[k]), np.asarray(u_want[k]), rtol=1e-6)
+    placed = {k: sf.replicate(v, mesh=mesh()) for k, v in p.items()}
+    state = opt.init(placed)
+    _, state = opt.update({k: sf.replicate(v.astype(np.float32), mesh=mesh()) for k, v in gs[0].items()}, state, placed)
+    assert float(np.asarray(state.hyperparams["learning_rate"])) == np.float32(0.1)
+    with pytest.raises(TypeError, match="give the hyperparameters by keyword"):
+        optim.inject_hyperparams(optim.sgd)(0.1)
