@@ -31,6 +31,7 @@ nn.transformer_layer = transformer.transformer_layer  # (sf.nn's block; in its o
 from shardfuse.trace import stream, to_mesh
 from shardfuse.traced import ConcretizationError
 from shardfuse.transforms import eval_shape, grad, value_and_grad, vjp
+from shardfuse.vmap import vmap
 from shardfuse.custom_vjp import custom_vjp
 from shardfuse.checkpoint import checkpoint
 from shardfuse.torch_bridge import torch_function
@@ -46,7 +47,7 @@ from shardfuse import numpy_broadcast  # noqa: F401 (np.broadcast_to, np.repeat,
 __all__ = ["Array", "DeviceMesh", "Layout", "P", "PartitionSpec", "Partial", "Replicate", "Shard", "StridedShard", "Plan", "TensorSpec", "from_local", "make_array_from_single_device_arrays", "jit", "eval_shape", "replicate", "shard", "stream", "to_mesh",
            "exp", "gelu", "linear", "relu", "tanh", "sqrt", "rsqrt", "log", "sigmoid", "silu", "maximum", "minimum",
            "where", "logical_not", "logical_and", "logical_or", "logical_xor", take.__name__, scatter_add.__name__, dynamic_update_slice.__name__, dynamic_slice.__name__, "concatenate", "split", "stack", *(f.__name__ for f in (sin, cos, log1p, expm1, erf, top_k)), "lax", "nn", "optim", "random", "tree", "stop_gradient", "grad", "value_and_grad",
-           "vjp", "custom_vjp", "checkpoint", "torch_function", "visualize_sharding", "distribute",
+           "vjp", "vmap", "custom_vjp", "checkpoint", "torch_function", "visualize_sharding", "distribute",
            "CollectiveTimeoutError", "ConcretizationError", "RankLeftError", "RankMismatchError"]
 
 try:
