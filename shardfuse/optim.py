@@ -300,7 +300,7 @@ def inject_hyperparams(inner_factory: Callable, static_args=()) -> Callable:
 
 
 def _float32(v):
-    return v.astype(np.float32) if hasattr(v, "astype") else np.asarray(v, np.float32)
+    return np.asarray(v, np.float32) if isinstance(v, (int, float, np.generic, np.ndarray)) else v.astype(np.float32)
 
 
 def _is_number(v) -> bool:
