@@ -38,7 +38,7 @@ class _Index:
     each collective's Wait is; the views of each buffer.  _safe then looks at those steps only (it
     scanned the whole program per output and donated input: a quarter of a training step's compile)."""
 
-    def __init__(self, prog, base):
+    def __init__(self, prog, base, taken_by=None):
         self.readers, self.writers = defaultdict(list), defaultdict(list)
         self.waits = {}  # a collective's handle -> where its Wait is (the collective reads until then)
         for k, i in enumerate(prog.instrs):
@@ -51,6 +51,15 @@ class _Index:
         self.views = defaultdict(set)
         for v, b in base.items():
             self.views[b].add(v)
+        for root, inp in (taken_by or {}).items():
+            self.alias(root, inp)
+
+    def alias(self, root, inp):
+        """root takes inp's buffer: root's steps are that buffer's, so a later pair's checks see them (a probe's
+        (x + v, v - x) read x after x + v was written into it)."""
+        self.readers[inp] = sorted(set(self.readers[inp]) | set(self.readers[root]))
+        self.writers[inp] = sorted(set(self.writers[inp]) | set(self.writers[root]))
+        self.views[inp] |= {root} | self.views[root]
 
     def steps(self, table, values) -> list:
         return sorted({k for v in values for k in table.get(v, ())})
@@ -128,10 +137,11 @@ def donate_buffers(prog):
             if moved is not None:  # (root's one write moved after the input's last reader: Lion's momentum)
                 prog = prog.with_instrs(moved, "donate_buffers")
                 base = view_bases(prog)
-                index, safe = _Index(prog, base), True
+                index, safe = _Index(prog, base, mapping), True
             if safe:
                 mapping[root] = inp
                 taken.add(inp)
+                index.alias(root, inp)
                 break
     _warn_unused(prog, taken)
     if not mapping:
