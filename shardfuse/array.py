@@ -134,11 +134,21 @@ class Array(Placed, ArrayOps):  # operators, ufuncs, reductions, indexing: array
             check_divides(info.shape, a, over, mesh)
         return cls(mesh, info.shape, info.dtype, layout, local_pieces(x, info.dtype, layout, mesh, info), True)
 
-    def redistribute(self, placements) -> "Array":
-        """The same value with other placements (DTensor's redistribute; JAX-style specs too: one
-        entry per tensor axis), moved by the collectives a plan would use (a one-op plan, compiled
-        once per layout pair)."""
+    def redistribute(self, device_mesh=None, placements=None) -> "Array":
+        """The same value with other placements (DTensor's redistribute(device_mesh, placements), the mesh
+        this array's; JAX-style specs too: one entry per tensor axis), moved by the collectives a plan would
+        use (a one-op plan, compiled once per layout pair)."""
+        if placements is None and not hasattr(device_mesh, "axis_names"):  # (redistribute(placements))
+            device_mesh, placements = None, device_mesh
+        if device_mesh is not None and device_mesh != self.mesh:
+            raise ValueError(f"sf.Array.redistribute: the array lives on {self.mesh}, not {device_mesh}; move "
+                             "values between meshes inside sf.jit with sf.to_mesh")
+        if placements is None:
+            raise TypeError("sf.Array.redistribute: placements= is required")
         return reshard(self, layout_of(placements, self.ndim, self.mesh))
+
+    device_mesh = property(lambda self: self.mesh)  # (DTensor's name)
+    full_tensor = property(lambda self: self.full_array)  # (DTensor's name: x.full_tensor())
 
     def gather(self) -> np.ndarray:
         """The global value, on every process (a host copy).

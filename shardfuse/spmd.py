@@ -17,7 +17,7 @@ from shardfuse.runtime import backend_of
 from shardfuse.spec import check_divides, normalize_axis, normalize_over
 
 
-def from_local(local_piece, axis=None, over=None, mesh=None, placements=None):
+def from_local(local_piece, axis=None, over=None, mesh=None, placements=None, *, device_mesh=None):
     """SPMD construction (JAX's make_array_from_process_local_data, DTensor's from_local): each
     process passes its own piece of the global array.  Where it is cut: `axis` over mesh axis
     `over` (default the last); a tuple of axes, each over its own entry of `over`
@@ -29,6 +29,10 @@ def from_local(local_piece, axis=None, over=None, mesh=None, placements=None):
     processes holding the same blocks pass the same data), and each device takes its own: the
     value is sharded so and replicated over the other mesh axes.  A device array stays on the
     device (zero-copy views where it can)."""
+    if device_mesh is not None:  # (DTensor's keyword)
+        if mesh is not None:
+            raise TypeError("sf.from_local: mesh= and device_mesh= given both")
+        mesh = device_mesh
     if isinstance(axis, DeviceMesh):  # DTensor's order: from_local(local_tensor, device_mesh, placements)
         if mesh is not None or placements is not None:
             raise TypeError("sf.from_local(piece, mesh, placements): mesh and placements given twice")

@@ -73,7 +73,8 @@ def relu(x):
 
 
 def linear(x, w, b=None):
-    """x @ w (+ b): a dense layer (on sf.Arrays outside jit, one plan)."""
+    """x @ w (+ b): a dense layer, w [in, out] (flax's Dense kernel; torch.nn.Linear's weight is [out, in], its
+    F.linear x @ weight.T: pass weight.T); on sf.Arrays outside jit, one plan."""
     return _apply(_linear, "linear", x, w, b)
 
 

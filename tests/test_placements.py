@@ -145,3 +145,21 @@ def test_make_array_from_single_device_arrays_takes_addressable_shards_back():
     z = sf.distribute(np.array(3.0), mesh, ())
     back = sf.make_array_from_single_device_arrays((), (), [s.data for s in z.addressable_shards], mesh=mesh)
     assert np.asarray(back).shape == () and float(back) == 3.0  # (a 0-d value stays 0-d: a step count)
+
+
+def test_dtensors_keyword_spellings():
+    """A DTensor-port probe: redistribute(device_mesh=, placements=), full_tensor(), .device_mesh and
+    from_local(device_mesh=) were refused; they are DTensor's names of what shardfuse has."""
+    mesh = sf.DeviceMesh((2, 2), ("dp", "tp"), backend="numpy")
+    x = np.random.default_rng().standard_normal((4, 8))
+    a = sf.distribute(x, mesh, [sf.Shard(0), sf.Replicate()])
+    b = a.redistribute(device_mesh=mesh, placements=[sf.Replicate(), sf.Shard(1)])
+    assert b.placements == (sf.Replicate(), sf.Shard(1)) and a.device_mesh is mesh
+    assert a.redistribute(placements=[sf.Shard(1), sf.Shard(0)]).placements == (sf.Shard(1), sf.Shard(0))
+    full = a.full_tensor()
+    assert full.placements == (sf.Replicate(), sf.Replicate())
+    np.testing.assert_array_equal(np.asarray(full), x)
+    c = sf.from_local(x, device_mesh=mesh, placements=[sf.Replicate(), sf.Replicate()])
+    np.testing.assert_array_equal(np.asarray(c), x)
+    with pytest.raises(ValueError, match="the array lives on .* move values between meshes inside sf.jit"):
+        a.redistribute(device_mesh=sf.DeviceMesh(2, backend="numpy"), placements=[sf.Replicate()])
