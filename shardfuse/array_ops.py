@@ -58,13 +58,9 @@ def cached_programs(mesh) -> list:
 
 
 def _plans_of(mesh) -> PlanCache:
-    """The one-op plans of `mesh`: a PlanCache this module makes and alone fills, kept in the
-    mesh object's declared `op_plan_cache` rather than in a table here weakly keyed by the mesh.
-    A bound plan reaches its mesh (its program names it; its backend holds it), and Python has
-    no ephemerons: a WeakKeyDictionary's value that reaches its key keeps the key alive for ever
-    (a module-level table is always reachable), and a plan cannot hold its mesh weakly while its
-    backend and program hold it.  Kept on the mesh, mesh and plans are one cycle that the garbage
-    collector frees together (tests/test_architecture.py, test_9).  (mesh.py says the same.)"""
+    """The one-op plans of `mesh`: a PlanCache this module makes and alone fills, kept in the mesh object's
+    declared `op_plan_cache`, not in a table here weakly keyed by the mesh (a plan reaches its mesh, and a
+    weak key's value that reaches it keeps it alive for ever: mesh.py says why; test_architecture's test_9)."""
     with _LOCK:
         plans = mesh.op_plan_cache
         if plans is None:
@@ -229,13 +225,19 @@ def reduce(x, axis, method, out, dtype=None, keepdims=False, where=None, initial
     return run(reduction, args, key, what)
 
 
-def unsupported_function(func) -> str:
-    """What a NumPy function shardfuse lacks says when it meets an sf.Array (outside sf.jit)."""
+_HOST = (np.allclose, np.array_equal, np.array_equiv, np.isclose)  # (a test's comparisons, as of jax.Arrays: a probe)
+
+
+def host_or_refused(func, args, kwargs):
+    """np.allclose / array_equal / array_equiv / isclose of sf.Arrays on their host copies (np.asarray: collective
+    under mpiexec); any other NumPy function shardfuse lacks refused, saying what to write."""
+    if func in _HOST:
+        return func(*(np.asarray(a) if isinstance(a, ArrayOps) else a for a in args), **kwargs)
     name = numpy_name(func)
-    return (f"{name} is not supported on sf.Arrays: shardfuse runs NumPy's functions it has as sharded ops "
-            f"(supported: {', '.join(sorted(numpy_name(f) for f in NUMPY if not isinstance(f, np.ufunc)))}) and never "
-            f"gathers silently; for NumPy's result on the global value write {name}(np.asarray(x), ...) or "
-            f"{name}(x.gather(), ...) (a host copy on every process: collective under mpiexec)")
+    raise TypeError(f"{name} is not supported on sf.Arrays: shardfuse runs the NumPy functions it has as sharded ops "
+                    "(np.where, np.sum, np.einsum, np.take, ...: the README's list) and never gathers silently; for "
+                    f"NumPy's result on the global value write {name}(np.asarray(x), ...) (a host copy on every "
+                    "process: collective under mpiexec)")
 
 
 def _hashable(key):
@@ -317,9 +319,7 @@ class ArrayOps(NumpyMethods):
         if func in _REDUCTIONS and isinstance(args[0], ArrayOps):
             return getattr(args[0], _REDUCTIONS[func].__name__)(*args[1:], **kwargs)
         fn = NUMPY.get(func)
-        if fn is None:
-            raise TypeError(unsupported_function(func))
-        return fn(*args, **kwargs)
+        return host_or_refused(func, args, kwargs) if fn is None else fn(*args, **kwargs)
 
     def __neg__(self):
         return unary(operator.neg, self)

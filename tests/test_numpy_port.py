@@ -93,10 +93,18 @@ def test_numpy_functions_on_an_sf_array_keep_it_sharded():
 ])
 def test_numpy_functions_shardfuse_lacks_are_refused_never_gathered(fn, name):
     a = sf.shard(nonzero(np.random.default_rng(33), ew.SHAPE), axis=0, mesh=ew.mesh_of(4))
-    with pytest.raises(TypeError, match=rf"^{name} is not supported on sf.Arrays: .*supported: .*np.transpose.*; for "
-                                        rf"NumPy's result on the global value write {name}\(np.asarray\(x\), ...\) or "
-                                        rf"{name}\(x.gather\(\), ...\)"):
+    with pytest.raises(TypeError, match=rf"^{name} is not supported on sf.Arrays: .*the README's list.*; for "
+                                        rf"NumPy's result on the global value write {name}\(np.asarray\(x\), ...\)"):
         fn(a)
+
+
+def test_a_tests_comparisons_read_the_global_values():
+    """A DTensor-port probe: np.allclose(sf_array, ref) was refused with a list of every supported function;
+    np.allclose / array_equal / array_equiv / isclose compare the gathered values, as of jax.Arrays."""
+    x = nonzero(np.random.default_rng(), ew.SHAPE)
+    a = sf.shard(x, axis=0, mesh=ew.mesh_of(4))
+    assert np.allclose(a, x) and np.array_equal(a, x) and np.array_equiv(x, a) and not np.allclose(a, x + 1)
+    assert np.isclose(a, x).all() and isinstance(np.isclose(a, x), np.ndarray)
 
 
 def test_explicit_conversions_still_gather():
