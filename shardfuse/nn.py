@@ -38,15 +38,10 @@ from shardfuse.numpy_math import gelu
 from shardfuse.traced_numpy import exp, linear, log, maximum, minimum, rsqrt, silu, where
 
 __all__ = ["softmax", "log_softmax", "logsumexp", "one_hot", "layer_norm", "rms_norm", "linear", "attention",
-           "dot_product_attention",
-           "cross_entropy", "cross_entropy_onehot", "stop_gradient",
+           "dot_product_attention", "cross_entropy", "cross_entropy_onehot", "stop_gradient",
            *(f.__name__ for f in (gelu, silu))]  # (the ops' names by reference: an op name is never a string here)
 
 _WIDENED = {"float16": "float32", "bfloat16": "float32"}  # 16-bit values are normalised in float32
-# The score a masked-out position gets: finite, so a row with every position masked is uniform
-# rather than NaN (jax.nn.dot_product_attention's choice, 0.7 of the dtype's largest magnitude).
-_MASKED = {"float16": -0.7 * 65504.0, "bfloat16": -0.7 * 3.3895313892515355e38,
-           "float32": -0.7 * float(np.finfo(np.float32).max), "float64": -0.7 * float(np.finfo(np.float64).max)}
 
 
 def _one_plan(fn=None, *, name=None):
@@ -279,7 +274,7 @@ def cross_entropy_onehot(logits, targets):
 
 
 @_one_plan
-def cross_entropy(logits, labels, ignore_index=None, reduction="mean"):
+def cross_entropy(logits, labels, ignore_index=None, reduction="mean", label_smoothing=0.0):
     """The mean over tokens of -log_softmax(logits)[label] (torch's F.cross_entropy with integer
     targets, optax's softmax_cross_entropy_with_integer_labels): logits [..., vocab], labels [...]
     int32 / int64.  Labels index as sf.take's (negative from the end; outside [-vocab, vocab)
@@ -290,7 +285,8 @@ def cross_entropy(logits, labels, ignore_index=None, reduction="mean"):
     torch's).  torch's default is -100, shardfuse's None: pass ignore_index=-100 for labels padded
     as torch's, else -100 reads as a class id counted from the end.  reduction= as torch's: "mean",
     "sum" (over the tokens not ignored) or "none" (the loss per token, labels' shape, 0 where ignored:
-    optax's softmax_cross_entropy_with_integer_labels, for a per-token weighting).
+    optax's softmax_cross_entropy_with_integer_labels, for a per-token weighting).  label_smoothing=eps as
+    torch's: the target distribution (1 - eps) one-hot + eps / vocab (in the same sum: no collective more).
 
     Written as Megatron's vocab-parallel cross-entropy (tensor_parallel/cross_entropy.py): per token
     the max of the logits, log(sum(exp(logits - max))) and the target's logit (the logits where
@@ -300,6 +296,8 @@ def cross_entropy(logits, labels, ignore_index=None, reduction="mean"):
     shape for "none") has the logits' dtype (float32 for 16-bit logits, computed in float32)."""
     if reduction not in ("mean", "sum", "none"):
         raise ValueError(f"sf.nn.cross_entropy: reduction must be 'mean', 'sum' or 'none' (torch's), got {reduction!r}")
+    if not is_scalar(label_smoothing) or isinstance(label_smoothing, bool) or not 0.0 <= float(label_smoothing) <= 1.0:
+        raise ValueError(f"sf.nn.cross_entropy: label_smoothing must be a number in [0, 1] (torch's), got {label_smoothing!r}")
     if isinstance(logits, Traced):  # (NumPy labels inside sf.jit: a constant of the program)
         labels = logits.builder.constant(labels)
     if not _int_array(labels):
@@ -316,7 +314,8 @@ def cross_entropy(logits, labels, ignore_index=None, reduction="mean"):
     kept = None if ignore_index is None else labels != int(ignore_index)
     labels = minimum(maximum(where(labels < 0, labels + n, labels), 0), n - 1)
     hit = labels.reshape(tuple(labels.shape) + (1,)) == np.arange(n, dtype=labels.dtype)  # (a constant)
-    target = where(hit, s, 0.0).sum(-1)
+    eps = float(label_smoothing)
+    target = where(hit, s, 0.0).sum(-1) if eps == 0.0 else where(hit, s * (1.0 - eps + eps / n), s * (eps / n)).sum(-1)
     per_token = log(exp(s).sum(-1)) - target
     if kept is not None:
         per_token = where(kept, per_token, 0.0)

@@ -612,3 +612,35 @@ def test_softmax_and_log_softmax_where_leave_elements_out():
     np.testing.assert_allclose(have, want, rtol=1e-6)
     with pytest.raises(TypeError, match="where= must be a boolean mask, got int64"):
         sf.jit(lambda x: nn.softmax(x, where=mask.astype(np.int64)), mesh=mesh)(x)
+
+
+@pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
+def test_cross_entropy_label_smoothing_is_torchs_with_no_collective_more(reduction):
+    """torch's F.cross_entropy(label_smoothing=) (a DTensor-port probe met a TypeError): the target
+    (1 - eps) one-hot + eps / vocab, ignored tokens 0, with the vocabulary over tp the same two Allreduces;
+    its gradient against central differences."""
+    from cases import directional
+    r = np.random.default_rng()
+    logits, labels, eps = r.standard_normal((6, V)), r.integers(0, V, 6), 0.15
+    labels[2] = -100
+
+    def ref(x):
+        s = x - x.max(-1, keepdims=True)
+        lse = np.log(np.exp(s).sum(-1))
+        y = np.where(labels == -100, 0, labels)
+        per = lse - (1 - eps) * s[np.arange(6), y] - eps * s.mean(-1)
+        per = np.where(labels == -100, 0.0, per)
+        return per if reduction == "none" else per.sum() if reduction == "sum" else per.sum() / (labels != -100).sum()
+    mesh = sf.DeviceMesh((2,), ("tp",), backend="numpy")
+    f = sf.jit(lambda x, y: nn.cross_entropy(sf.shard(x, axis=1, over="tp"), y, ignore_index=-100, reduction=reduction,
+                                             label_smoothing=eps), mesh=mesh)
+    np.testing.assert_allclose(np.asarray(f(logits, labels)), ref(logits), rtol=1e-12, atol=1e-15)
+    plain = sf.jit(lambda x, y: nn.cross_entropy(sf.shard(x, axis=1, over="tp"), y, ignore_index=-100), mesh=mesh)
+    assert f.lower(logits, labels).collectives() == plain.lower(logits, labels).collectives()
+    if reduction != "none":
+        g = sf.jit(sf.grad(lambda x: nn.cross_entropy(x, labels, ignore_index=-100, reduction=reduction,
+                                                      label_smoothing=eps)), mesh=mesh)(logits)
+        want, got = directional(ref, logits, np.asarray(g), r)
+        np.testing.assert_allclose(got, want, rtol=1e-6)
+    with pytest.raises(ValueError, match=r"label_smoothing must be a number in \[0, 1\]"):
+        nn.cross_entropy(sf.replicate(logits, mesh=mesh), labels, label_smoothing=1.5)
