@@ -72,7 +72,8 @@ def _streamed(x: Traced, layout: Layout, sched, ax: int, chunks, algorithm) -> S
     if said not in (None, "auto") and (said < 1 or shape[ax] % said):
         raise ValueError(f"stream chunks={said} does not divide axis {ax} of extent {shape[ax]}")
     if cur is not None and said is None:
-        raise ValueError(f"axis {ax} of {name}{shape} is sharded over {cur}: streaming it too needs chunks=")
+        raise ValueError(f"sf.stream: axis {ax} of {_named(x)} is sharded over {cur}: streaming it too needs chunks= "
+                         "(how many chunks each device's piece is cut into)")
     return Schedule(ax, chunks, algorithm)
 
 
@@ -126,7 +127,9 @@ def _whole_layout(x: Traced, placements, sub, what: str):
 def _named(x: Traced) -> str:
     """x as an error names it: its name, shape and what made it (an argument, or an op's result)."""
     made = x.builder.producer.get(x.value)
-    return f"{x.value.name}{list(x.shape)} ({f'the result of {made.op}' if made is not None else 'an argument'})"
+    what = "an argument" if made is None else "placed by sf.shard / sf.replicate" if made.op == Op.SET else \
+        f"the result of {made.op}"
+    return f"{x.value.name}{list(x.shape)} ({what})"
 
 
 def to_mesh(x: Traced, mesh, axis: int | None = None, over: str | None = None, *, placements=None):

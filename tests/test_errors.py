@@ -164,3 +164,12 @@ def test_a_numpy_table_inside_jit_is_placed_and_its_traced_index_says_what_to_wr
     with pytest.raises(sf.ConcretizationError, match=r"sf.take\(table, t, axis=0\)"):
         sf.jit(lambda t: rows[t] + 0, mesh=mesh)(3)
     np.testing.assert_array_equal(np.asarray(sf.jit(lambda t: sf.take(rows, t, axis=0) + 0, mesh=mesh)(3)), rows[3])
+
+
+def test_streaming_a_sharded_axis_without_chunks_names_the_users_value():
+    """A DTensor-port probe met "axis 0 of c_3_1(32, 16) is sharded over tp: streaming it too needs chunks=":
+    the message says what the value is (placed by sf.shard) and what chunks= means."""
+    m = sf.DeviceMesh((2,), ("tp",), backend="numpy")
+    with pytest.raises(ValueError, match=r"sf.stream: axis 0 of a_1\[8, 4\] \(placed by sf.shard / sf.replicate\) is "
+                                         r"sharded over tp: streaming it too needs chunks= \(how many chunks"):
+        sf.jit(lambda a: sf.stream(sf.shard(a, axis=0, over="tp"), axis=0), mesh=m)(np.ones((8, 4)))
