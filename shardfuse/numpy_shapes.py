@@ -1,7 +1,7 @@
 """NumPy's shape functions and x-shaped constants, inside sf.jit and on sf.Arrays outside it:
 np.ravel / x.ravel / x.flatten, np.squeeze / x.squeeze, np.expand_dims, np.moveaxis, np.matrix_transpose /
 x.mT, np.take_along_axis (a comparison with np.arange and a sum, as sf.nn.cross_entropy's), np.copy / x.copy,
-np.tril / np.triu (a constant mask and a where), np.ones_like / np.zeros_like / np.full_like, np.shape / np.ndim / np.size.
+np.tril / np.triu (a constant mask and a where), np.roll (two slices joined), np.ones_like / np.zeros_like / np.full_like, np.shape / np.ndim / np.size.
 
 Each is written with an op shardfuse has, so its sharding is that op's: ravel, squeeze and
 expand_dims are reshapes (a view where no sharded axis is cut; a cut one is gathered first,
@@ -203,8 +203,34 @@ def _take_along_axis(arr, ids, axis):
     return picked if ax == arr.ndim - 1 else picked.transpose([perm.index(j) for j in range(arr.ndim)])
 
 
+def roll(a, shift, axis=None):
+    """np.roll: the elements shifted by `shift` along `axis` (ints, or tuples of them, static; None: of the flattened
+    array, as NumPy's), those past the end back at the start: two slices joined (a sharded axis is gathered first,
+    as a slice's; the rest keep their sharding)."""
+    return apply_op(_roll_traced, np.roll.__name__, a, shift, axis)
+
+
+def _roll_traced(v, shift, axis):
+    from shardfuse.shape_ops import concatenate
+
+    if axis is None:
+        return _roll_traced(v.reshape(-1), shift, 0).reshape(v.shape)
+    shifts, axes = (np.broadcast_arrays(np.asarray(shift), np.asarray(axis)))
+    if shifts.ndim > 1 or shifts.dtype.kind not in "iu" or axes.dtype.kind not in "iu":
+        raise TypeError(f"np.roll of {describe(v)}: shift and axis must be Python ints or tuples of them (static), got "
+                        f"shift={shift!r}, axis={axis!r}")
+    for k, ax in zip(shifts.reshape(-1), axes.reshape(-1)):
+        ax = normalize_axis(int(ax), v.ndim, v.shape)
+        n = v.shape[ax]
+        k = int(k) % n if n else 0
+        if k:
+            cut = (slice(None),) * ax
+            v = concatenate([v[cut + (slice(n - k, n),)], v[cut + (slice(0, n - k),)]], ax)
+    return v
+
+
 NUMPY.update({
-    np.matrix_transpose: matrix_transpose, np.take_along_axis: take_along_axis,
+    np.roll: roll, np.matrix_transpose: matrix_transpose, np.take_along_axis: take_along_axis,
     np.moveaxis: moveaxis, np.tril: _band(np.tril), np.triu: _band(np.triu), np.flip: flip,
     np.flipud: lambda m: flip(m, 0), np.fliplr: lambda m: flip(m, 1),
     np.ravel: ravel, np.squeeze: squeeze, np.expand_dims: expand_dims, np.copy: copy,

@@ -271,3 +271,19 @@ def test_x_to_an_array_power_runs_on_both_sides_of_jit():
         sf.jit(lambda v: v ** v, mesh=mesh)(y.astype(np.int64))
     with pytest.raises(TypeError, match=message):
         a.astype("int64") ** a.astype("int64")
+
+
+@pytest.mark.parametrize("shift, axis", [(1, 0), (-2, 1), (3, None), ((1, 2), (0, 2)), (9, -1), (0, 1), (2, (1, 2))])
+def test_roll_as_numpys(shift, axis):
+    """np.roll (a review: a fori_loop over np.roll of its carry met "np.roll is not supported"): two slices
+    joined, inside sf.jit with the rolled axis sharded and on sf.Arrays; its gradient rolls back."""
+    mesh, r = sf.DeviceMesh((2, 2), ("dp", "tp"), backend="numpy"), np.random.default_rng()
+    x = r.standard_normal((4, 6, 8))
+    got = sf.jit(lambda x: np.roll(sf.shard(x, axis=2, over="tp"), shift, axis), mesh=mesh)(x)
+    np.testing.assert_array_equal(np.asarray(got), np.roll(x, shift, axis))
+    np.testing.assert_array_equal(np.asarray(np.roll(sf.shard(x, axis=1, over="dp", mesh=mesh), shift, axis)),
+                                  np.roll(x, shift, axis))
+    w = r.standard_normal(x.shape)
+    g = sf.jit(sf.grad(lambda x: (np.roll(x, shift, axis) * w).sum()), mesh=mesh)(x)
+    back = np.roll(w, tuple(-np.asarray(shift)) if isinstance(shift, tuple) else -shift, axis)
+    np.testing.assert_array_equal(np.asarray(g), back)
