@@ -32,7 +32,8 @@ def check_divides(shape, ax: int, over, mesh, of: str = "") -> None:
     n = shard_count(normalize_over(over, mesh), mesh)  # raises for unknown mesh axis names
     if shape[ax] % n:
         raise ValueError(f"cannot shard axis {ax} of extent {shape[ax]}{f' of {of}' if of else ''} over {over}: "
-                         f"the mesh axis has {n} devices, which does not divide {shape[ax]}")
+                         f"the mesh axis has {n} devices, which does not divide {shape[ax]} (shards are even: pad "
+                         f"the axis to {-(-shape[ax] // n) * n}, as Megatron pads a vocabulary, or shard another axis)")
 
 
 def check_axis(axis) -> int:

@@ -93,7 +93,8 @@ def test_cli_errors_from_the_library_are_one_line_unless_debug():
     r = run(*bad)  # 4 * hidden = 20 does not divide over 3 devices
     assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr
     assert r.stderr.strip() == ("shardfuse demo: error: cannot shard axis 1 of extent 20 of w1[5, 20] (an argument) "
-                                "over DIDx: the mesh axis has 3 devices, which does not divide 20")
+                                "over DIDx: the mesh axis has 3 devices, which does not divide 20 (shards are even: "
+                                "pad the axis to 21, as Megatron pads a vocabulary, or shard another axis)")
     d = run("--debug", *bad)
     assert d.returncode != 0 and "Traceback" in d.stderr and "ValueError: cannot shard axis 1" in d.stderr
 
