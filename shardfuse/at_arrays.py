@@ -10,8 +10,8 @@ sf.take of the merged rows.  The value's and the result's axes follow NumPy's ru
 index axes first where the indexed axes are apart (x[ids, :, pos]: [B, H, D]), in their place where
 they are adjacent (x[:, ids]).  Ids count negative ones from the end; .set / .add drop an id outside
 [-n, n) (JAX's), .get clamps it.  Which of repeated ids' values .set keeps is unspecified in JAX;
-here the last one's, as NumPy's x[ids] = v (found at trace time for NumPy ids, by a sort for traced ones).  Where the first index is np.arange of its axis and each
-other index holds one id per row (the KV-cache write), the rows are written where they lie by a
+here the last one's, as NumPy's x[ids] = v (found at trace time for NumPy ids, by a sort for traced
+ones).  Where the first index is np.arange of its axis and each other index holds one id per row (the KV-cache write), the rows are written where they lie by a
 mask (a where over the array: no communication with the rows over dp and the rest over tp).  Cost:
 the array is rewritten whole (O(its size), not the in-place scatter of JAX with donation): a decode
 step's write costs about what its attention's read of the cache costs.
@@ -130,6 +130,7 @@ def _last_of_repeats(ids, extents, flat, inside, shape):
     which unspecified, so equal values give that value), None where no id repeats: known when every index is
     a NumPy array, else found by a stable argsort of the flat ids (a probe: a repetition penalty's
     lg.at[rows, history].set(...) summed the repeated tokens' values)."""
+    from shardfuse.at_keys import positions
     from shardfuse.constants import value_of
     from shardfuse.numpy_math import argsort
     from shardfuse.shape_ops import concatenate
@@ -139,11 +140,7 @@ def _last_of_repeats(ids, extents, flat, inside, shape):
         return None
     known = [value_of(i) if isinstance(i, Traced) else np.asarray(i) for i in ids]
     if all(i is not None for i in known):  # (at trace time: a plan without repeats is unchanged)
-        key = np.zeros(shape, np.int64)
-        for i, e in zip(known, extents):
-            i = np.broadcast_to(i, shape)
-            key = np.where((i >= -e) & (i < e) & (key >= 0), key * e + i % e, -1)
-        key = np.where(key >= 0, key, -1 - np.arange(n).reshape(shape)).reshape(-1)  # (outside: each its own)
+        key = positions(known, extents)
         last = np.zeros(n, bool)
         last[n - 1 - np.unique(key[::-1], return_index=True)[1]] = True
         return None if last.all() else flat.builder.constant(last.reshape(shape))

@@ -48,21 +48,25 @@ def array_key(x, key, what="x.at[...]"):
 
 def distinct_positions(ids, extents) -> bool:
     """Whether the ids Python knows (NumPy arrays and ints) alone make every position they write distinct,
-    so that no id can repeat whatever the traced ones hold: a .set needs no sort for its last writes then
-    (ids outside their axis are dropped: each counts as its own)."""
-    shape = np.broadcast_shapes(*(tuple(np.shape(i)) for i in ids))
-    if math.prod(shape) < 2:
+    so that no id can repeat whatever the traced ones hold: a .set needs no sort for its last writes then."""
+    if math.prod(np.broadcast_shapes(*(tuple(np.shape(i)) for i in ids))) < 2:
         return True
+    key = positions(ids, extents)
+    return key is not None and len(np.unique(key)) == key.size
+
+
+def positions(ids, extents):
+    """The flat position each id writes (the index arrays broadcast together, flattened), over the ids Python
+    knows only (NumPy arrays and ints; traced ones and sf.Arrays skipped), ids outside their axis each a
+    negative number of its own (they are dropped); None where none is known."""
+    shape = np.broadcast_shapes(*(tuple(np.shape(i)) for i in ids))
     key, known = np.zeros(shape, np.int64), False
     for i, e in zip(ids, extents):
         if isinstance(i, Traced) or hasattr(type(i), "one_op"):  # (known when the plan runs only)
             continue
         i, known = np.broadcast_to(np.asarray(i), shape), True
         key = np.where((i >= -e) & (i < e) & (key >= 0), key * e + i % e, -1)
-    if not known:
-        return False
-    key = np.where(key >= 0, key, -1 - np.arange(key.size).reshape(shape))
-    return len(np.unique(key)) == key.size
+    return np.where(key >= 0, key, -1 - np.arange(key.size).reshape(shape)).reshape(-1) if known else None
 
 
 def _what(k) -> str:
