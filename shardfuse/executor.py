@@ -26,6 +26,7 @@ from shardfuse.bind_views import bind_view
 from shardfuse.fused_steps import bind_fused
 from shardfuse.ir import local_shape, walk
 from shardfuse.ops import COMMUNICATION, ELEMENTWISE, HOST, Op, VIEWS
+from shardfuse.passes.allocate import output_roots
 from shardfuse.passes.contiguity import comm_blocks
 from shardfuse.slabs import member_ref, poison_slabs
 from shardfuse.steps import event_key, issue_order, mesh_of
@@ -89,8 +90,10 @@ class Executable:
         self._allocate_used(prog)
         # per output: the slot whose per-call buffers are the output as they are (no view per call), else None
         made = {slot: shape for slot, shape, _, _ in self.per_call}
-        # inputs whose buffers outputs took (passes/donate.py): the output is the input's pieces
-        self.donated = tuple(k for k, v in enumerate(prog.inputs) if v in set(prog.outputs))
+        # inputs whose buffers outputs took (passes/donate.py): the output is the input's pieces, or a view of
+        # them ((x * 2).T: a review found such an argument neither copied nor marked donated)
+        roots = output_roots(prog)
+        self.donated = tuple(k for k, v in enumerate(prog.inputs) if v in roots)
         made.update({self.refs[prog.inputs[k]].slot: self.refs[prog.inputs[k]].shape for k in self.donated})
         self._whole_outputs = [r.slot if made.get(r.slot) == r.shape and not any(r.offsets) and r.is_contiguous()
                                else None for r in (self.refs[v] for v in prog.outputs)]

@@ -244,3 +244,39 @@ def test_a_donated_lion_step_in_either_return_order_equals_the_undonated_one(ord
         got = sf.jit(step, mesh=MESH, donate_argnums=(0, 1))(*sf.tree.tree_map(np.copy, args))
     for g, w in zip(sf.tree.leaves(got), sf.tree.leaves(want)):
         np.testing.assert_allclose(np.asarray(g), np.asarray(w), rtol=1e-15)
+
+
+@pytest.mark.parametrize("case", ["transpose_read", "reshape_transpose_read", "rotation"])
+def test_a_moved_write_never_passes_a_write_into_a_buffer_it_reads_through_a_view(case):
+    """A review: (x + v, v * 2 + x.T) moved the second result's write after the first was written into x's
+    buffer, and read x through its transpose: the check looked at x_t's writers, not x's."""
+    f = {"transpose_read": lambda x, v: (x + v, v * 2.0 + x.T),
+         "reshape_transpose_read": lambda x, v: (x + v, v * 2.0 + x.reshape(64).reshape(8, 8).T),
+         "rotation": lambda x, y, z: (x + y.T, y + z.T, z + x.T)}[case]
+    r = np.random.default_rng()
+    args = [r.standard_normal((8, 8)) for _ in range(3 if case == "rotation" else 2)]
+    for mesh in (MESH, sf.DeviceMesh((2, 2), ("dp", "tp"), backend="numpy")):
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            got = sf.jit(f, mesh=mesh, donate_argnums=tuple(range(len(args))))(*[a.copy() for a in args])
+        for g, w in zip(got, f(*args)):
+            np.testing.assert_allclose(np.asarray(g), w, rtol=1e-15)
+
+
+@pytest.mark.parametrize("view", ["T", "reversed", "tail"])
+def test_a_result_returned_as_a_view_of_the_donated_buffer(view):
+    """A review: (x * 2).T with x donated wrote into the caller's own array, once per replicated device
+    (16 x, not 2 x), and left a donated sf.Array readable: the argument was neither copied nor marked, since
+    the output was a view of the input, not the input."""
+    take = {"T": lambda y: y.T, "reversed": lambda y: y[::-1], "tail": lambda y: y[1:]}[view]
+    r = np.random.default_rng()
+    a = r.standard_normal((4, 4))
+    caller = a.copy()
+    got = sf.jit(lambda x: take(x * 2.0), mesh=MESH, donate_argnums=0)(caller)
+    np.testing.assert_allclose(np.asarray(got), take(2 * a), rtol=1e-15)
+    np.testing.assert_array_equal(caller, a)  # (a caller's plain array is never written)
+    owned = sf.jit(lambda x: x + 0.0, mesh=MESH)(a)
+    got = sf.jit(lambda x: take(x * 2.0), mesh=MESH, donate_argnums=0)(owned)
+    np.testing.assert_allclose(np.asarray(got), take(2 * a), rtol=1e-15)
+    with pytest.raises(RuntimeError, match="was donated"):
+        np.asarray(owned)

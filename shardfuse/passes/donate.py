@@ -48,7 +48,7 @@ class _Index:
                 self.readers[v].append(k)
             for v in ({i.into} if i.into is not None else set()) | _written(i.body):
                 self.writers[v].append(k)
-        self.views = defaultdict(set)
+        self.views, self.base = defaultdict(set), base
         for v, b in base.items():
             self.views[b].add(v)
         for root, inp in (taken_by or {}).items():
@@ -110,8 +110,9 @@ def _sunk(prog, inp, root, index):
     if any(i.body or i.op in STREAM_OPS or i.op in COMMUNICATION or i.op == Op.WAIT for i in between):
         return None
     later = set(range(w + 1, last + 1))
+    read = set(moved.ins) | {index.base[v] for v in moved.ins if v in index.base}  # (x.T read: x's writes count)
     if later & set(index.steps(index.readers, {root} | index.views[root])) or \
-            later & set(index.steps(index.writers, set(moved.ins))):
+            later & set(index.steps(index.writers, read)):
         return None
     return [*prog.instrs[:w], *between, moved, *prog.instrs[last + 1:]]
 
