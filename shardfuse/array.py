@@ -84,13 +84,19 @@ class Array(Placed, ArrayOps):  # operators, ufuncs, reductions, indexing: array
 
     def __repr__(self):
         """With its values, as JAX's and DTensor's reprs, where reading them is local and small: one
-        process (under mpiexec a gather is collective: one rank printing would hang), up to
-        REPR_ELEMENTS, not donated; else shape=."""
+        process, or every process holding the whole value (under mpiexec a gather is otherwise collective:
+        one rank printing would hang), up to REPR_ELEMENTS, not donated; else shape=."""
         what = f"shape={self.shape}"
-        if self.mesh.nprocs == 1 and self.size <= REPR_ELEMENTS and not isinstance(self.shards, Donated):
+        local = self.mesh.nprocs == 1 or self._whole_here() is not None  # (a replicated loss: as in one process)
+        if local and self.size <= REPR_ELEMENTS and not isinstance(self.shards, Donated):
             what = np.array2string(np.asarray(self), separator=", ", prefix="sf.Array(")
         return (f"sf.Array({what}, dtype={self.dtype_name}, "
                 f"placements={self.sharding.placements(self.mesh)}, mesh={self.sharding.home(self.mesh)!r})")
+
+    def __format__(self, spec):
+        """f"{loss:.4f}" as of a NumPy 0-d array (the value read as repr reads it: locally where every process
+        holds it; a probe's training-log line raised)."""
+        return format(np.asarray(self).item() if self.ndim == 0 else np.asarray(self), spec) if spec else repr(self)
 
     def _repr_html_(self):
         """Jupyter: shape, dtype, placements per mesh axis, mesh, and the sharding picture."""

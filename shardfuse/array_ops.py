@@ -225,14 +225,15 @@ def reduce(x, axis, method, out, dtype=None, keepdims=False, where=None, initial
     return run(reduction, args, key, what)
 
 
+_on_host = lambda a: np.asarray(a) if isinstance(a, ArrayOps) else a  # noqa: E731
 _HOST = (np.allclose, np.array_equal, np.array_equiv, np.isclose)  # (a test's comparisons, as of jax.Arrays: a probe)
 
 
 def host_or_refused(func, args, kwargs):
     """np.allclose / array_equal / array_equiv / isclose of sf.Arrays on their host copies (np.asarray: collective
     under mpiexec); any other NumPy function shardfuse lacks refused, saying what to write."""
-    if func in _HOST:
-        return func(*(np.asarray(a) if isinstance(a, ArrayOps) else a for a in args), **kwargs)
+    if func in _HOST:  # (keywords too: an sf.Array there sent NumPy back here, a review)
+        return func(*map(_on_host, args), **{k: _on_host(a) for k, a in kwargs.items()})
     name = numpy_name(func)
     raise TypeError(f"{name} is not supported on sf.Arrays: shardfuse runs the NumPy functions it has as sharded ops "
                     "(np.where, np.sum, np.einsum, np.take, ...: the README's list) and never gathers silently; for "

@@ -17,6 +17,8 @@ from __future__ import annotations
 import functools
 from typing import Any, Callable
 
+import numpy as np
+
 from shardfuse import constants, tree
 from shardfuse.custom_rules import record
 from shardfuse.custom_vjp import closures
@@ -100,7 +102,9 @@ def scan(f: Callable, init, xs=None, length: int | None = None, reverse: bool = 
         return carry, None
     ytd = tree.flatten(ys[0])[1]
     per_leaf = list(zip(*(tree.flatten(y)[0] for y in ys)))
-    return carry, ytd.unflatten([stack(list(vs), axis=0) for vs in per_leaf])
+    # (a NumPy scalar among them, the first step's of a NumPy carry outside sf.jit (a probe): an array beside)
+    return carry, ytd.unflatten([stack([np.asarray(v) if isinstance(v, (np.generic, int, float)) else v for v in vs])
+                                 for vs in per_leaf])
 
 
 def fori_loop(lower: int, upper: int, body_fun: Callable, init_val):

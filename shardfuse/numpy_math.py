@@ -241,8 +241,8 @@ def _sorted(w):
 def top_k(operand, k):
     """(values, indices) of the k largest elements of the last axis, largest first, the lower index
     first among equals (jax.lax.top_k's; indices int32, as JAX's; NaN counts as the largest, as JAX's
-    and torch.topk's, tied with +inf: the lower index first).  One ordering of the whole axis (it is made
-    whole first); the values' gradient goes to the elements picked."""
+    and torch.topk's, above +inf; in float64, +inf ties with the largest finite value).  One ordering of the
+    whole axis (it is made whole first); the values' gradient goes to the elements picked."""
     if isinstance(k, bool) or not isinstance(k, (int, np.integer)) or k < 0:
         raise TypeError(f"sf.top_k: k must be a non-negative int (static), got {k!r}{static_advice(k)}")
     if hasattr(type(operand), "one_op"):  # (an sf.Array: a one-op plan makes one result, so one each)
@@ -255,8 +255,13 @@ def _top_k(v, k):
         raise ValueError(f"sf.top_k of {describe(v)}: a 0-d value has no axis to take the k largest of")
     if k > v.shape[-1]:
         raise ValueError(f"sf.top_k of {describe(v)}: k = {k} must be at most the last axis' extent")
-    # (descending, stable; NaN first: a serving probe's NaN logits were never sampled by top-k, JAX's are)
-    key = ~v if v.dtype_name == "bool" or not dtypes.is_float(v.dtype_name) else where(v != v, -np.inf, -v)
+    # (descending, stable; NaN first, then +inf (the largest finite float64 in its place): a serving probe's NaN
+    # logits were never sampled by top-k, JAX's are)
+    if v.dtype_name == "bool" or not dtypes.is_float(v.dtype_name):
+        key = ~v
+    else:
+        w = v.astype("float64")
+        key = where(w != w, -np.inf, where(w == np.inf, -np.finfo(np.float64).max, -w))
     order = _order(key)
     return _permute(v, order)[..., :k], order[..., :k].astype("int32")
 

@@ -20,6 +20,7 @@ import numpy as np
 from shardfuse import lax, tree  # (lax.cond: apply_if_finite's choice, traced or not)
 from shardfuse.optim_schedules import (constant_schedule, cosine_decay_schedule, exponential_decay,  # noqa: F401
                                        linear_schedule, piecewise_constant_schedule, warmup_cosine_decay_schedule)
+from shardfuse.dtypes import normalize_dtype, np_dtype
 from shardfuse.traced_numpy import rsqrt
 
 
@@ -265,13 +266,17 @@ class InjectHyperparamsState(NamedTuple):
     inner_state: Any
 
 
-def inject_hyperparams(inner_factory: Callable, static_args=()) -> Callable:
+def inject_hyperparams(inner_factory: Callable, static_args=(), hyperparam_dtype=None) -> Callable:
     """optax.inject_hyperparams: inner_factory's numeric arguments (numbers and schedules of the step count)
     kept in the state's hyperparams, which the next update reads (a schedule's, evaluated at the count, wins):
     `opt = sf.optim.inject_hyperparams(sf.optim.adamw)(learning_rate=sched, weight_decay=0.1)`; then
-    `state.hyperparams["learning_rate"]` is the rate the last update used.  A learning rate reaches the
-    inner optimizer as a schedule, so it scales each update in the update's own dtype."""
+    `state.hyperparams["learning_rate"]` is the rate the last update used.  They are held in float32 (optax's)
+    or hyperparam_dtype: a learning rate reaches the inner optimizer as a schedule, so it scales each update in
+    the update's own dtype, but the others are arrays of that dtype, so with bfloat16 parameters pass
+    hyperparam_dtype="bfloat16" (or the updates, and moments whose rates are injected, become float32, as
+    optax's do)."""
     static = {static_args} if isinstance(static_args, str) else set(static_args)
+    dtype = np.float32 if hyperparam_dtype is None else np_dtype(normalize_dtype(hyperparam_dtype))
 
     def wrapped(*args, **kwargs):
         if args:
@@ -280,7 +285,7 @@ def inject_hyperparams(inner_factory: Callable, static_args=()) -> Callable:
         fixed = {k: v for k, v in kwargs.items() if k not in numeric}
 
         def values(count, held):  # (a schedule's value at count; a number's, as the state holds it)
-            return {k: _float32(v(count)) if callable(v) else held[k] for k, v in numeric.items()}
+            return {k: _as(v(count), dtype) if callable(v) else held[k] for k, v in numeric.items()}
 
         def inner(hp):  # (the learning rate as a schedule: _in_dtype casts it to each update's dtype)
             given = {k: (lambda count, v=v: v) if k == "learning_rate" else v for k, v in hp.items()}
@@ -288,7 +293,7 @@ def inject_hyperparams(inner_factory: Callable, static_args=()) -> Callable:
 
         def init(params):
             zero = np.zeros((), np.int32)
-            hp = values(zero, {k: np.asarray(v, np.float32) for k, v in numeric.items() if not callable(v)})
+            hp = values(zero, {k: np.asarray(v, dtype) for k, v in numeric.items() if not callable(v)})
             return InjectHyperparamsState(zero, hp, inner(hp).init(params))
 
         def update(updates, state, params=None):
@@ -299,8 +304,8 @@ def inject_hyperparams(inner_factory: Callable, static_args=()) -> Callable:
     return wrapped
 
 
-def _float32(v):
-    return np.asarray(v, np.float32) if isinstance(v, (int, float, np.generic, np.ndarray)) else v.astype(np.float32)
+def _as(v, dtype):
+    return np.asarray(v, dtype) if isinstance(v, (int, float, np.generic, np.ndarray)) else v.astype(dtype)
 
 
 def _is_number(v) -> bool:

@@ -220,6 +220,8 @@ def stack(xs, axis=0):
     xs = list(xs)
     if (a := _outside(xs, "stack")) is not None:
         return a.one_op(_stack_of, (axis, *xs), "stack")
+    if xs and not any(isinstance(v, Traced) for v in xs):  # (host values only: NumPy's, as sf.lax.scan outside jit)
+        return np.stack([np.asarray(v) for v in xs], axis=axis)
     xs = _traced_args(xs, "stack")
     shapes = {v.shape for v in xs}
     if len(shapes) > 1:

@@ -14,7 +14,6 @@ from typing import Any, Callable
 import numpy as np
 
 from shardfuse import tree
-from shardfuse.traced import Traced
 
 
 def vmap(fn: Callable, in_axes: Any = 0, out_axes: Any = 0, axis_name=None, axis_size: int | None = None) -> Callable:
@@ -25,11 +24,13 @@ def vmap(fn: Callable, in_axes: Any = 0, out_axes: Any = 0, axis_name=None, axis
         raise TypeError("sf.vmap: axis_name= (collectives over the mapped axis) is not supported: the map is "
                         "unrolled, so reduce its stacked result instead (np.sum(out, axis=...))")
 
-    def mapped(*args):
-        leaves, treedef = tree.flatten(args)
+    def mapped(*args, **kwargs):  # (keyword arguments mapped over their axis 0, as jax.vmap's)
+        leaves, treedef = tree.flatten((args, kwargs))
         axes = _axes_of(in_axes if isinstance(in_axes, (tuple, list)) else (in_axes,) * len(args), args, "in_axes")
+        axes += _axes_of(0, kwargs, "in_axes")
         size = _size(leaves, axes, axis_size)
-        outs = [fn(*treedef.unflatten([_slice(x, ax, i) for x, ax in zip(leaves, axes)])) for i in range(size)]
+        calls = (treedef.unflatten([_slice(x, ax, i) for x, ax in zip(leaves, axes)]) for i in range(size))
+        outs = [fn(*a, **k) for a, k in calls]
         out_leaves, out_tree = tree.flatten(outs[0])
         per_index = [tree.flatten(o)[0] for o in outs]
         if any(tree.flatten(o)[1] != out_tree for o in outs):
@@ -86,6 +87,4 @@ def _stack(values, ax):
     ndim = np.ndim(values[0]) if not hasattr(values[0], "ndim") else values[0].ndim
     if not -(ndim + 1) <= ax <= ndim:
         raise ValueError(f"sf.vmap: out_axes {ax} is out of range for a result of {ndim} axes")
-    if any(isinstance(v, Traced) or hasattr(type(v), "one_op") for v in values):
-        return stack(values, axis=ax % (ndim + 1))
-    return np.stack([np.asarray(v) for v in values], axis=ax % (ndim + 1))
+    return stack([np.asarray(v) if isinstance(v, (np.generic, int, float)) else v for v in values], axis=ax % (ndim + 1))

@@ -287,3 +287,14 @@ def test_roll_as_numpys(shift, axis):
     g = sf.jit(sf.grad(lambda x: (np.roll(x, shift, axis) * w).sum()), mesh=mesh)(x)
     back = np.roll(w, tuple(-np.asarray(shift)) if isinstance(shift, tuple) else -shift, axis)
     np.testing.assert_array_equal(np.asarray(g), back)
+
+
+def test_a_0_d_arrays_format_spec_and_comparisons_with_keywords():
+    """f"{loss:.4f}" raised (no __format__: an MPI probe's training-log line); np.isclose(x, b=A) with an
+    sf.Array keyword recursed (a review)."""
+    mesh = ew.mesh_of(4)
+    x = np.arange(8.0)
+    a = sf.shard(x, axis=0, mesh=mesh)
+    loss = (a * 0.5).sum()
+    assert f"{loss:.4f}" == "14.0000" and f"{loss}" == repr(loss) and "14." in repr(loss)
+    assert np.isclose(x, b=a).all() and np.allclose(a, b=x)

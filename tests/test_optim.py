@@ -298,3 +298,16 @@ def test_inject_hyperparams_records_the_rates_and_reads_them_back_from_the_state
     assert float(np.asarray(state.hyperparams["learning_rate"])) == np.float32(0.1)
     with pytest.raises(TypeError, match="give the hyperparameters by keyword"):
         optim.inject_hyperparams(optim.sgd)(0.1)
+
+
+def test_inject_hyperparams_dtype_keeps_bfloat16_updates():
+    """A review: with bfloat16 parameters the float32 hyperparameters made the updates float32 (optax's too);
+    hyperparam_dtype= holds them in the parameters' dtype, as optax's argument does."""
+    import ml_dtypes
+    r = np.random.default_rng()
+    p = {"w": r.standard_normal((4, 4)).astype(ml_dtypes.bfloat16)}
+    g = {"w": r.standard_normal((4, 4)).astype(ml_dtypes.bfloat16)}
+    for dtype, want in ((None, np.float32), ("bfloat16", ml_dtypes.bfloat16)):
+        opt = optim.inject_hyperparams(optim.adamw, hyperparam_dtype=dtype)(learning_rate=1e-2, weight_decay=0.1, b1=0.9)
+        u, s = sf.jit(lambda g, s, p: opt.update(g, s, p), mesh=mesh())(g, opt.init(p), p)
+        assert np.asarray(u["w"]).dtype == want and np.asarray(s.hyperparams["weight_decay"]).dtype == want

@@ -57,3 +57,19 @@ def test_refusals_say_what_was_expected():
         sf.vmap(lambda a: a, in_axes=None)(x)
     with pytest.raises(TypeError, match="axis_name= .* not supported"):
         sf.vmap(lambda a: a, axis_name="batch")(x)
+
+
+def test_keyword_arguments_are_mapped_over_their_first_axis_and_scans_of_numpy_carries():
+    """jax.vmap maps keyword arguments over axis 0 (a review: refused with a bare TypeError); an eager
+    sf.lax.scan whose NumPy carry makes a NumPy first output stacks it beside sf.Arrays (an MPI probe)."""
+    r = np.random.default_rng()
+    x, w = r.standard_normal((3, 4)), r.standard_normal((3, 4))
+    got = sf.jit(lambda x, w: sf.vmap(lambda a, b: (a * b).sum())(x, b=w), mesh=mesh())(x, w)
+    np.testing.assert_allclose(np.asarray(got), (x * w).sum(1), rtol=1e-14)
+    xs = sf.shard(np.arange(24.).reshape(8, 3), axis=0, over="dp", mesh=mesh())
+    c, ys = sf.lax.scan(lambda c, r: (c + r, c.sum()), np.zeros(3), xs)
+    cums = np.cumsum(np.arange(24.).reshape(8, 3), 0)
+    np.testing.assert_array_equal(np.asarray(c), cums[-1])
+    np.testing.assert_array_equal(np.asarray(ys), np.concatenate([[0.0], cums[:-1].sum(1)]))
+    _, ys = sf.lax.scan(lambda c, r: (c + r, c.sum()), np.zeros(3), np.arange(24.).reshape(8, 3))  # (NumPy only)
+    np.testing.assert_array_equal(ys, np.concatenate([[0.0], cums[:-1].sum(1)]))
