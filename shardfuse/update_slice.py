@@ -28,6 +28,9 @@ dynamic_update_slice of zeros.
 """
 from __future__ import annotations
 
+import functools
+import operator
+
 import numpy as np
 
 from shardfuse.at_arrays import at_add, at_get, at_set, scattered, unscattered
@@ -290,6 +293,19 @@ def _at_ids_get(x, ids):
     return take(x, ids)
 
 
+_COMBINED = {"multiply": operator.mul, "divide": operator.truediv, "power": operator.pow, "min": np.minimum,
+             "max": np.maximum, "apply": lambda a, fn: fn(a)}
+
+
+def _at_combined(at, name, v):
+    """x[idx] op v set back (JAX's .multiply, .divide, .power, .min, .max, .apply(fn)); at index arrays only where
+    the ids Python knows cannot repeat (JAX applies op once per repeated id; here the last write would win)."""
+    if not (at.arrays[0][2] if at.arrays is not None else at.ids is None or distinct_positions((at.ids,), at.x.shape[:1])):
+        raise TypeError(f"x.at[ids].{name}: ids that may repeat (traced ones, or NumPy ids repeating) are supported "
+                        "by .set and .add only; give distinct NumPy ids")
+    return at.set(_COMBINED[name](at.get(), v))
+
+
 class AtIndex:
     """x.at[idx]: .set(v) (a dynamic_update_slice), .add(v) (x[idx] + v set back), .get() (a dynamic_slice);
     at an array of ids along the first axis, .add (sf.scatter_add) and .get (sf.take); at integer arrays
@@ -329,6 +345,8 @@ class AtIndex:
         if self.arrays is not None:
             return _dispatch(at_get, (self.x, self.arrays[0], *self.arrays[1]), "x.at[...].get")
         return _dispatch(_at_get, (self.x, self.desc, *self.values), "x.at[...].get")
+
+    multiply, divide, power, min, max, apply = (functools.partialmethod(_at_combined, name) for name in _COMBINED)
 
 
 def _fits(x, v):

@@ -413,3 +413,27 @@ def test_an_update_of_another_dtype_and_an_array_index_on_a_later_axis_say_what_
     assert np.asarray(got).dtype == ml_dtypes.bfloat16 and np.asarray(got)[:, 2].tolist() == [1.0] * 4
     got = sf.jit(lambda c, p: c.at[:, p].set(1.0), mesh=mesh)(cache, np.array([1, 4]))  # (shardfuse/at_arrays.py)
     assert np.asarray(got)[:, [1, 4]].tolist() == [[1.0, 1.0]] * 4 and not np.asarray(got)[:, [0, 2, 3, 5]].any()
+
+
+@pytest.mark.parametrize("name, op", [("multiply", np.multiply), ("divide", np.divide), ("power", np.power),
+                                      ("min", np.minimum), ("max", np.maximum)])
+def test_jaxs_other_at_methods(name, op):
+    """x.at[idx].multiply / divide / power / min / max / apply (JAX's), at a traced position, at distinct index
+    arrays, on sf.Arrays; an int array keeps its dtype; ids that may repeat are refused (JAX applies op per id)."""
+    mesh, r = sf.DeviceMesh(2, backend="numpy"), np.random.default_rng()
+    x, v = r.random((2, 4)) + 0.5, 1.5
+    want = x.copy()
+    want[:, 1] = op(want[:, 1], v)
+    got = sf.jit(lambda x, t: getattr(sf.shard(x, axis=1).at[:, t], name)(v), mesh=mesh)(x, np.int32(1))
+    np.testing.assert_allclose(np.asarray(got), want, rtol=1e-15)
+    rows, cols = np.array([0, 1]), np.array([3, 0])
+    want = x.copy()
+    want[rows, cols] = op(want[rows, cols], v)
+    np.testing.assert_allclose(np.asarray(getattr(sf.replicate(x, mesh=mesh).at[rows, cols], name)(v)), want, rtol=1e-15)
+    with pytest.raises(TypeError, match=rf"x.at\[ids\].{name}: ids that may repeat"):
+        sf.jit(lambda x, i: getattr(x.at[i], name)(v), mesh=mesh)(x, np.array([0, 0]))
+    if name == "multiply":
+        ints = sf.jit(lambda a: a.at[2:4].multiply(3), mesh=mesh)(np.arange(8, dtype=np.int32))
+        assert np.asarray(ints).dtype == np.int32 and np.asarray(ints).tolist() == [0, 1, 6, 9, 4, 5, 6, 7]
+        applied = sf.jit(lambda x: x.at[1].apply(np.sin), mesh=mesh)(x)
+        np.testing.assert_allclose(np.asarray(applied), np.vstack([x[0], np.sin(x[1])]), rtol=1e-15)
