@@ -274,16 +274,16 @@ def cross_entropy_onehot(logits, targets):
 
 
 @_one_plan
-def cross_entropy(logits, labels, ignore_index=None, reduction="mean", label_smoothing=0.0):
+def cross_entropy(logits, labels, ignore_index=-100, reduction="mean", label_smoothing=0.0):
     """The mean over tokens of -log_softmax(logits)[label] (torch's F.cross_entropy with integer
     targets, optax's softmax_cross_entropy_with_integer_labels): logits [..., vocab], labels [...]
     int32 / int64.  Labels index as sf.take's (negative from the end; outside [-vocab, vocab)
     clamped to the first or last class).
 
     ignore_index (a Python int, None: none): tokens whose label equals it count for nothing, and
-    the mean is over the others (torch's ignore_index; NaN where every token is ignored, as
-    torch's).  torch's default is -100, shardfuse's None: pass ignore_index=-100 for labels padded
-    as torch's, else -100 reads as a class id counted from the end.  reduction= as torch's: "mean",
+    the mean is over the others (torch's ignore_index and its default, -100, so labels padded as torch's
+    are ignored (three probes' torch ports met -100 read as a class id); NaN where every token is ignored,
+    as torch's; it costs no collective more).  reduction= as torch's: "mean",
     "sum" (over the tokens not ignored) or "none" (the loss per token, labels' shape, 0 where ignored:
     optax's softmax_cross_entropy_with_integer_labels, for a per-token weighting).  label_smoothing=eps as
     torch's: the target distribution (1 - eps) one-hot + eps / vocab (in the same sum: no collective more).

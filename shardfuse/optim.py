@@ -13,6 +13,7 @@ a scalar per kind of pending sum (passes/reassociate.py).  A learning rate is a 
 from __future__ import annotations
 
 import functools
+import inspect
 from typing import Any, Callable, NamedTuple
 
 import numpy as np
@@ -267,25 +268,35 @@ class InjectHyperparamsState(NamedTuple):
 
 
 def inject_hyperparams(inner_factory: Callable, static_args=(), hyperparam_dtype=None) -> Callable:
-    """optax.inject_hyperparams: inner_factory's numeric arguments (numbers and schedules of the step count)
-    kept in the state's hyperparams, which the next update reads (a schedule's, evaluated at the count, wins):
-    `opt = sf.optim.inject_hyperparams(sf.optim.adamw)(learning_rate=sched, weight_decay=0.1)`; then
-    `state.hyperparams["learning_rate"]` is the rate the last update used.  They are held in float32 (optax's)
-    or hyperparam_dtype: a learning rate reaches the inner optimizer as a schedule, so it scales each update in
-    the update's own dtype, but the others are arrays of that dtype, so with bfloat16 parameters pass
-    hyperparam_dtype="bfloat16" (or the updates, and moments whose rates are injected, become float32, as
-    optax's do)."""
+    """optax.inject_hyperparams: inner_factory's numeric arguments, given or default (numbers, and schedules of the
+    step count), kept in the state's hyperparams, which the next update reads (a schedule's, evaluated at the
+    count, wins): `opt = sf.optim.inject_hyperparams(sf.optim.adamw)(learning_rate=sched, weight_decay=0.1)`; then
+    `state.hyperparams["learning_rate"]` is the rate the last update used.  With hyperparam_dtype, floats are held
+    in it (optax's); else a number stays a Python number, weakly typed inside sf.jit as a number is, so the
+    updates and moments are the plain optimizer's to the bit (optax casts it to the parameters' dtype: bfloat16
+    would round Adam's b2 = 0.999 to 1 and divide by zero), and a schedule's value is float32 (or the parameters'
+    wider float); bools, and ints of arguments whose default is an int, stay Python values (static)."""
     static = {static_args} if isinstance(static_args, str) else set(static_args)
-    dtype = np.float32 if hyperparam_dtype is None else np_dtype(normalize_dtype(hyperparam_dtype))
+    signature = inspect.signature(inner_factory)
+    fixed_dtype = None if hyperparam_dtype is None else np_dtype(normalize_dtype(hyperparam_dtype))
 
     def wrapped(*args, **kwargs):
-        if args:
-            raise TypeError("sf.optim.inject_hyperparams(...)(...): give the hyperparameters by keyword, as optax's")
-        numeric = {k: v for k, v in kwargs.items() if k not in static and (callable(v) or _is_number(v))}
-        fixed = {k: v for k, v in kwargs.items() if k not in numeric}
+        bound = signature.bind(*args, **kwargs)
+        bound.apply_defaults()
+        numeric, fixed = {}, {}
+        for k, v in bound.arguments.items():
+            default = signature.parameters[k].default
+            hyper = k not in static and (callable(v) or _is_number(v) and not (
+                isinstance(v, (int, np.integer)) and isinstance(default, int) and not isinstance(default, bool)))
+            (numeric if hyper else fixed)[k] = v
 
-        def values(count, held):  # (a schedule's value at count; a number's, as the state holds it)
-            return {k: _as(v(count), dtype) if callable(v) else held[k] for k, v in numeric.items()}
+        def dtype_of(params):  # (a schedule's: the parameters' widest float, at least float32)
+            floats = [np.dtype(x.dtype) for x in tree.leaves(params) if np.dtype(x.dtype).kind == "f"]
+            return fixed_dtype or max(floats + [np.dtype(np.float32)], key=lambda d: d.itemsize)
+
+        def values(count, held, dtype):  # (a schedule's value at count; a number's as the state holds it)
+            return {k: _as(v(count), dtype) if callable(v) else held[k] if fixed_dtype is None else
+                    _as(held[k], fixed_dtype) for k, v in numeric.items()}
 
         def inner(hp):  # (the learning rate as a schedule: _in_dtype casts it to each update's dtype)
             given = {k: (lambda count, v=v: v) if k == "learning_rate" else v for k, v in hp.items()}
@@ -293,11 +304,11 @@ def inject_hyperparams(inner_factory: Callable, static_args=(), hyperparam_dtype
 
         def init(params):
             zero = np.zeros((), np.int32)
-            hp = values(zero, {k: np.asarray(v, dtype) for k, v in numeric.items() if not callable(v)})
+            hp = values(zero, {k: v for k, v in numeric.items() if not callable(v)}, dtype_of(params))
             return InjectHyperparamsState(zero, hp, inner(hp).init(params))
 
         def update(updates, state, params=None):
-            hp = values(state.count, state.hyperparams)
+            hp = values(state.count, state.hyperparams, dtype_of(params if params is not None else updates))
             new, inner_state = inner(hp).update(updates, state.inner_state, params)
             return new, InjectHyperparamsState((state.count + 1).astype(np.int32), hp, inner_state)
         return GradientTransformation(init, update)
@@ -305,7 +316,11 @@ def inject_hyperparams(inner_factory: Callable, static_args=(), hyperparam_dtype
 
 
 def _as(v, dtype):
-    return np.asarray(v, dtype) if isinstance(v, (int, float, np.generic, np.ndarray)) else v.astype(dtype)
+    """A hyperparameter's float value in dtype (ints kept: optax's _convert_floats)."""
+    kind = np.dtype(v.dtype).kind if hasattr(v, "dtype") else "i" if isinstance(v, int) else "f"
+    if kind in "iu":
+        return np.asarray(v) if isinstance(v, (int, np.generic)) else v
+    return np.asarray(v, dtype) if isinstance(v, (float, np.generic, np.ndarray)) else v.astype(dtype)
 
 
 def _is_number(v) -> bool:

@@ -163,7 +163,8 @@ def test_cross_entropy_ignore_index_is_torchs(jit):
     else:
         got = sf.nn.cross_entropy(x, sharded(labels, mesh, ("dp", None)), ignore_index=-100)
     np.testing.assert_allclose(float(got), want, rtol=1e-13)
-    assert abs(float(sf.nn.cross_entropy(x, labels)) - want) > 1e-3  # (without it -100 is a class from the end)
+    np.testing.assert_allclose(float(sf.nn.cross_entropy(x, labels)), want, rtol=1e-13)  # (torch's default, -100)
+    assert abs(float(sf.nn.cross_entropy(x, labels, ignore_index=None)) - want) > 1e-3  # (none: -100 clamped, a class)
 
 
 def test_cross_entropy_ignore_index_gradient_matches_torch():
