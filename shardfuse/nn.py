@@ -239,8 +239,9 @@ def dot_product_attention(query, key, value, bias=None, mask=None, *, scale=None
     broadcast against [batch, heads, seq_q, seq_k]; grouped-query heads as attention's."""
     given = [k for k, a in unsupported.items() if a is not None]  # (JAX code passes implementation=None and the like)
     if given:
-        raise TypeError(f"sf.nn.dot_product_attention: {', '.join(k + '=' for k in given)} not supported (write "
-                        "the lengths or window as a boolean mask=)")
+        raise TypeError(f"sf.nn.dot_product_attention: {', '.join(k + '=' for k in given)} not supported (its "
+                        "keywords: bias, mask, scale, is_causal; write query_seq_lengths, key_value_seq_lengths or "
+                        "local_window_size as a boolean mask=)")
     heads_first = lambda t: t.swapaxes(-2, -3)  # noqa: E731
     dtype = None if bias is None else dtypes.normalize_dtype(bias.dtype)
     if dtype is not None and not dtypes.is_float(dtype):

@@ -213,6 +213,10 @@ def roll(a, shift, axis=None):
 def _roll_traced(v, shift, axis):
     from shardfuse.shape_ops import concatenate
 
+    if any(isinstance(a, Traced) or hasattr(type(a), "one_op") for a in (shift, axis)):
+        raise TypeError(f"np.roll of {describe(v)}: shift and axis must be Python ints (static: the two slices' "
+                        "extents are shapes); for a shift known when the plan runs write sf.take(x, (np.arange(n) - "
+                        "shift) % n, axis)")
     if axis is None:
         return _roll_traced(v.reshape(-1), shift, 0).reshape(v.shape)
     shifts, axes = (np.broadcast_arrays(np.asarray(shift), np.asarray(axis)))
