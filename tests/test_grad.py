@@ -562,8 +562,10 @@ def test_cross_entropy_backward_never_compares_logits_with_their_max():
     mesh = mesh_of("1d")
     rng = np.random.default_rng(17)
     x, labels = rng.standard_normal((8, 12)), rng.integers(0, 12, (8,)).astype(np.int32)
-    text = str(sf.jit(sf.grad(lambda x, i: sf.nn.cross_entropy(x, i)), mesh=mesh).lower(x, labels))
+    text = str(sf.jit(sf.grad(lambda x, i: sf.nn.cross_entropy(x, i, ignore_index=None)), mesh=mesh).lower(x, labels))
     assert text.count(" = Allocate bool[") == 2, text  # (labels < 0, and labels == ids)
+    text = str(sf.jit(sf.grad(lambda x, i: sf.nn.cross_entropy(x, i)), mesh=mesh).lower(x, labels))
+    assert text.count(" = Allocate bool[") == 3, text  # (and labels != -100: torch's ignore_index, the default)
 
 
 def test_a_primal_is_told_from_the_same_array_closed_over():
