@@ -94,9 +94,14 @@ class Array(Placed, ArrayOps):  # operators, ufuncs, reductions, indexing: array
                 f"placements={self.sharding.placements(self.mesh)}, mesh={self.sharding.home(self.mesh)!r})")
 
     def __format__(self, spec):
-        """f"{loss:.4f}" as of a NumPy 0-d array (the value read as repr reads it: locally where every process
-        holds it; a probe's training-log line raised)."""
-        return format(np.asarray(self).item() if self.ndim == 0 else np.asarray(self), spec) if spec else repr(self)
+        """f"{loss:.4f}" and f"{loss}" as of a NumPy 0-d array (a probe's training-log line raised), read only where
+        that is local (as repr: one process, or every process holding it); else a spec is refused, as NumPy's."""
+        if self.ndim == 0 and (self.mesh.nprocs == 1 or self._whole_here() is not None):
+            return format(np.asarray(self).item(), spec)
+        if spec:  # (never a gather: under mpiexec one rank's would hang)
+            raise TypeError(f"unsupported format string passed to sf.Array.__format__: a spec formats a 0-d value "
+                            f"every process holds, got shape {self.shape}; format float(x) or np.asarray(x)")
+        return repr(self)
 
     def _repr_html_(self):
         """Jupyter: shape, dtype, placements per mesh axis, mesh, and the sharding picture."""

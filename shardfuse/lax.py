@@ -103,7 +103,7 @@ def scan(f: Callable, init, xs=None, length: int | None = None, reverse: bool = 
     ytd = tree.flatten(ys[0])[1]
     per_leaf = list(zip(*(tree.flatten(y)[0] for y in ys)))
     # (a NumPy scalar among them, the first step's of a NumPy carry outside sf.jit (a probe): an array beside)
-    return carry, ytd.unflatten([stack([np.asarray(v) if isinstance(v, (np.generic, int, float)) else v for v in vs])
+    return carry, ytd.unflatten([stack([np.asarray(v) if isinstance(v, np.generic) else v for v in vs])
                                  for vs in per_leaf])
 
 

@@ -241,7 +241,8 @@ def _sorted(w):
 def top_k(operand, k):
     """(values, indices) of the k largest elements of the last axis, largest first, the lower index
     first among equals (jax.lax.top_k's; indices int32, as JAX's; NaN counts as the largest, as JAX's
-    and torch.topk's, above +inf; in float64, +inf ties with the largest finite value).  One ordering of the
+    and torch.topk's, above +inf; +0 before -0, as JAX's; in float64, +inf ties with the largest finite value and
+    a zero with the smallest subnormal).  One ordering of the
     whole axis (it is made whole first); the values' gradient goes to the elements picked."""
     if isinstance(k, bool) or not isinstance(k, (int, np.integer)) or k < 0:
         raise TypeError(f"sf.top_k: k must be a non-negative int (static), got {k!r}{static_advice(k)}")
@@ -260,8 +261,9 @@ def _top_k(v, k):
     if v.dtype_name == "bool" or not dtypes.is_float(v.dtype_name):
         key = ~v
     else:
-        w = v.astype("float64")
-        key = where(w != w, -np.inf, where(w == np.inf, -np.finfo(np.float64).max, -w))
+        w = v.astype("float64")  # (+0 before -0, as JAX's total order: 1 / w tells them apart)
+        key = where(w != w, -np.inf, where(w == np.inf, -np.finfo(np.float64).max, where(w == 0, where(
+            1.0 / where(w == 0, w, 1.0) > 0, -5e-324, 5e-324), -w)))
     order = _order(key)
     return _permute(v, order)[..., :k], order[..., :k].astype("int32")
 

@@ -77,4 +77,8 @@ def _as(v, dtype):
 
 
 def _is_number(v) -> bool:
-    return isinstance(v, (int, float, np.integer, np.floating)) and not isinstance(v, (bool, np.bool_))
+    """A number, or a 0-d array of one (NumPy's or an sf.Array: optax keeps arrays too, a review)."""
+    if isinstance(v, (bool, np.bool_)):
+        return False
+    return isinstance(v, (int, float, np.integer, np.floating)) or getattr(v, "shape", None) == () and \
+        np.dtype(v.dtype).kind in "iuf" and (isinstance(v, np.ndarray) or hasattr(type(v), "one_op"))

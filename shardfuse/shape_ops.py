@@ -215,9 +215,19 @@ def concatenate(xs, axis=0):
     return a.builder.emit(Op.CONCAT, tuple(xs), TensorType(shape, dt), "cat", axis=ax)
 
 
+def _weak_numbers_in(xs):
+    """Python numbers beside arrays in the first array's dtype (weak, as JAX's: a scan whose carry starts as 0.0
+    stacks float32 values as float32, a review); others as they are."""
+    first = next((v for v in xs if not isinstance(v, (bool, int, float))), None)
+    if first is None:
+        return xs
+    dt = dtypes.np_dtype(first.dtype_name) if hasattr(first, "dtype_name") else np.asarray(first).dtype
+    return [np.asarray(v, dt) if isinstance(v, (bool, int, float)) else v for v in xs]
+
+
 def stack(xs, axis=0):
     """NumPy's stack: the arrays (one shape) joined along a new axis."""
-    xs = list(xs)
+    xs = _weak_numbers_in(list(xs))
     if (a := _outside(xs, "stack")) is not None:
         return a.one_op(_stack_of, (axis, *xs), "stack")
     if xs and not any(isinstance(v, Traced) for v in xs):  # (host values only: NumPy's, as sf.lax.scan outside jit)

@@ -119,15 +119,13 @@ def _slice(x, sizes, *starts):  # (module-level, as every fn given to _dispatch:
 
 
 def int_getitem(x, idx):
-    """x[idx] of an sf.Array where idx (shape_ops.expand_index's: ints made non-negative, slices as (start,
-    stop, step)) holds ints and whole slices only: a dynamic_slice with the ints as operands, so x[:, t] is one
-    plan for every t (a serving probe's decode loop outside sf.jit compiled one per position); else None."""
-    whole = [k == (0, n, 1) for k, n in zip(idx, x.shape)]
-    if len(idx) != x.ndim or not any(map(_is_int, idx)) or not all(w or _is_int(k) for k, w in zip(idx, whole)):
+    """x[idx] of an sf.Array where idx (expand_index's) holds ints and whole slices only: a dynamic_slice with the ints
+    as operands, one plan for every t of x[:, t] (a serving probe's loop compiled one per position); else None."""
+    ints = [_is_int(k) for k in idx]
+    if len(idx) != x.ndim or not any(ints) or not all(i or k == (0, n, 1) for k, i, n in zip(idx, ints, x.shape)):
         return None
-    sizes = tuple(1 if _is_int(k) else n for k, n in zip(idx, x.shape))
-    shape = tuple(n for k, n in zip(idx, x.shape) if not _is_int(k))
-    return _dispatch(_int_slice, (x, sizes, shape, *(k if _is_int(k) else 0 for k in idx)), "indexing")
+    sizes, shape = tuple(1 if i else n for i, n in zip(ints, x.shape)), tuple(n for i, n in zip(ints, x.shape) if not i)
+    return _dispatch(_int_slice, (x, sizes, shape, *(k if i else 0 for k, i in zip(idx, ints))), "indexing")
 
 
 def _int_slice(x, sizes, shape, *starts):
@@ -293,16 +291,18 @@ def _at_ids_get(x, ids):
     return take(x, ids)
 
 
-_COMBINED = {"multiply": operator.mul, "divide": operator.truediv, "power": operator.pow, "min": np.minimum,
-             "max": np.maximum, "apply": lambda a, fn: fn(a)}
+_COMBINED = dict(multiply=operator.mul, divide=operator.truediv, power=operator.pow, min=np.minimum, max=np.maximum,
+                 apply=lambda a, fn: fn(a))
 
 
 def _at_combined(at, name, v):
-    """x[idx] op v set back (JAX's .multiply, .divide, .power, .min, .max, .apply(fn)); at index arrays only where
-    the ids Python knows cannot repeat (JAX applies op once per repeated id; here the last write would win)."""
+    """x[idx] op v set back (JAX's .multiply, .divide, .power, .min, .max, .apply(fn)); at index arrays only where the
+    ids Python knows cannot repeat (JAX applies op per repeated id); no integer .divide (JAX's is float, NumPy raises)."""
+    if name == "divide" and at.x.dtype_name in ("int32", "int64", "bool"):
+        raise TypeError(f"x.at[...].divide of an {at.x.dtype_name} array: cast x to a float dtype first")
     if not (at.arrays[0][2] if at.arrays is not None else at.ids is None or distinct_positions((at.ids,), at.x.shape[:1])):
-        raise TypeError(f"x.at[ids].{name}: ids that may repeat (traced ones, or NumPy ids repeating) are supported "
-                        "by .set and .add only; give distinct NumPy ids")
+        raise TypeError(f"x.at[ids].{name}: ids that may repeat (traced ones, or NumPy ids repeating) are supported by "
+                        ".set and .add only; give distinct NumPy ids")
     return at.set(_COMBINED[name](at.get(), v))
 
 
@@ -358,10 +358,10 @@ def _fits(x, v):
 
 def refuse_setitem(x, key, value):
     """x[key] = value: shardfuse's values are immutable (as JAX's arrays); the error says what to write."""
-    raise TypeError(f"'{type(x).__name__}' object does not support item assignment: shardfuse values are "
-                    "immutable, as JAX's arrays; write x = x.at[idx].set(value) (ints, traced 0-d ints and slices "
-                    "in idx) or x = sf.dynamic_update_slice(x, update, start_indices), and donate x "
-                    "(sf.jit(..., donate_argnums=...)) so that the update is written in place of x")
+    raise TypeError(f"'{type(x).__name__}' object does not support item assignment: shardfuse values are immutable, "
+                    "as JAX's arrays; write x = x.at[idx].set(value) (ints, traced 0-d ints, slices, index arrays in "
+                    "idx) or x = sf.dynamic_update_slice(x, update, start_indices), and donate x (sf.jit(..., "
+                    "donate_argnums=...)) so that the update is written in place of x")
 
 
 SHAPE_OPS["at"] = At  # (Traced.at and sf.Array.at)

@@ -296,5 +296,7 @@ def test_a_0_d_arrays_format_spec_and_comparisons_with_keywords():
     x = np.arange(8.0)
     a = sf.shard(x, axis=0, mesh=mesh)
     loss = (a * 0.5).sum()
-    assert f"{loss:.4f}" == "14.0000" and f"{loss}" == repr(loss) and "14." in repr(loss)
+    assert f"{loss:.4f}" == "14.0000" and f"{loss}" == "14.0" and "14." in repr(loss)  # (NumPy's 0-d array's)
+    with pytest.raises(TypeError, match=r"a spec formats a 0-d value every process holds, got shape \(8,\)"):
+        f"{a:.2f}"
     assert np.isclose(x, b=a).all() and np.allclose(a, b=x)

@@ -325,3 +325,13 @@ def test_inject_hyperparams_of_bfloat16_parameters_equal_the_plain_optimizer():
     assert plans[2] == plans[1]  # (the third step reused the second's plan: no dtype drift)
     held = optim.inject_hyperparams(optim.sgd, hyperparam_dtype="float32")(learning_rate=0.1, momentum=0.9)
     assert np.asarray(held.init(p).hyperparams["momentum"]).dtype == np.float32
+
+
+def test_inject_hyperparams_keeps_an_array_hyperparameter():
+    """A review: learning_rate=np.asarray(1e-2, np.float32) was left out of state.hyperparams (optax keeps arrays)."""
+    p = {"w": np.ones(3, np.float32)}
+    opt = optim.inject_hyperparams(optim.adam)(learning_rate=np.asarray(1e-2, np.float32))
+    state = opt.init(p)
+    assert float(np.asarray(state.hyperparams["learning_rate"])) == np.float32(1e-2)
+    u, state = sf.jit(lambda g, s, p: opt.update(g, s, p), mesh=mesh())(p, state, p)
+    np.testing.assert_allclose(np.asarray(u["w"]), -1e-2, rtol=1e-6)

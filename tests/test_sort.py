@@ -72,6 +72,8 @@ def test_nan_sorts_last_and_equal_elements_keep_their_order_and_top_k_takes_nan_
     np.testing.assert_array_equal(np.asarray(v), [[np.nan, np.nan, 3.0, 3.0]])
     v, i = sf.jit(lambda v: sf.top_k(v, 3), mesh=mesh_of(2))(np.array([np.inf, 0.0, np.nan, 2.0]))
     assert np.asarray(i).tolist() == [2, 0, 3]  # (above +inf, as torch.topk's: a review)
+    _, i = sf.jit(lambda v: sf.top_k(v, 4), mesh=mesh_of(2))(np.array([0.0, -0.0, 1.0, -0.0]))
+    assert np.asarray(i).tolist() == [2, 0, 1, 3]  # (+0 before -0: JAX's total order, a review)
 
 
 def test_the_gradient_goes_back_through_the_permutation():

@@ -73,3 +73,13 @@ def test_keyword_arguments_are_mapped_over_their_first_axis_and_scans_of_numpy_c
     np.testing.assert_array_equal(np.asarray(ys), np.concatenate([[0.0], cums[:-1].sum(1)]))
     _, ys = sf.lax.scan(lambda c, r: (c + r, c.sum()), np.zeros(3), np.arange(24.).reshape(8, 3))  # (NumPy only)
     np.testing.assert_array_equal(ys, np.concatenate([[0.0], cums[:-1].sum(1)]))
+
+
+def test_python_numbers_stacked_beside_arrays_take_their_dtype():
+    """A review: a scan whose carry starts as the Python number 0.0 stacked float32 steps as float64 (the first
+    step's number made a strong float64 array); numbers are weak, as JAX's."""
+    xs = np.arange(1, 5, dtype=np.float32)
+    f = lambda c, x: (c + x, c)  # noqa: E731
+    assert sf.lax.scan(f, 0.0, xs)[1].dtype == np.float32
+    assert np.asarray(sf.jit(lambda xs: sf.lax.scan(f, 0.0, xs)[1], mesh=mesh())(xs)).dtype == np.float32
+    assert sf.stack([np.float32(1), 2.0]).dtype == np.float32
