@@ -134,10 +134,10 @@ BAKED_FLOATS = 4  # distinct Python floats baked into one op's plans before it t
 
 
 def _varies(fn, side, x, c) -> bool:
-    """Whether the Python float c beside sf.Array x, at op fn's operand `side`, is one of more than
-    BAKED_FLOATS values met there (an eager learning-rate schedule's lr * g): then it is the plan's weak
-    0-d operand, one plan for every value as in JAX, where each new baked value compiled a plan (~0.7 ms)."""
-    if type(c) is not float or fn not in (operator.add, operator.sub, operator.mul, operator.truediv):
+    """Whether the float c (Python's, or NumPy's: eager Adam's bias corrections, a probe) beside sf.Array x at fn's
+    operand `side` is one of more than BAKED_FLOATS values met there: then a 0-d operand, one plan for every value."""
+    if type(c) is not float and not isinstance(c, np.floating) or fn not in (operator.add, operator.sub, operator.mul,
+                                                                           operator.truediv):
         return False
     seen = _plans_of(x.mesh).scalars
     met = seen.setdefault((fn, side, x.spec), set())
@@ -153,12 +153,12 @@ def binary(fn, a, b):
     (baked into the plan, as inside sf.jit; a Python float that keeps changing at + - * /: an operand)."""
     name = fn.__name__
     if is_weak_scalar(b) and fn is not operator.matmul:  # (keyed with its type: 1, 1.0 and True differ)
-        if _varies(fn, 1, a, b):
-            return run(lambda x, s: fn(x, s), (a, b), (fn, 1, "operand"), name)
+        if _varies(fn, 1, a, b):  # (a NumPy scalar as a 0-d array: strong, as NumPy 2 takes it)
+            return run(lambda x, s: fn(x, s), (a, np.asarray(b) if isinstance(b, np.generic) else b), (fn, 1, "operand"), name)
         return run(lambda x: fn(x, b), (a,), (fn, 1, type(b).__name__, constant_key(b)), name)
     if is_weak_scalar(a) and fn is not operator.matmul:
         if _varies(fn, 0, b, a):
-            return run(lambda s, x: fn(s, x), (a, b), (fn, 0, "operand"), name)
+            return run(lambda s, x: fn(s, x), (np.asarray(a) if isinstance(a, np.generic) else a, b), (fn, 0, "operand"), name)
         return run(lambda x: fn(a, x), (b,), (fn, 0, type(a).__name__, constant_key(a)), name)
     if not (_is_operand(a) and _is_operand(b)):
         return NotImplemented
@@ -292,21 +292,21 @@ class ArrayOps(NumpyMethods):
     def astype(self, dtype):
         """This array in another dtype (float16, bfloat16, float32, float64, int32, int64, bool): a
         local cast on every device, the sharding kept."""
-        return apply(lambda v, dt: v.astype(dt), (self, np_dtype(normalize_dtype(dtype)).name), "x.astype")
+        return apply(Traced.astype, (self, np_dtype(normalize_dtype(dtype)).name), "x.astype")  # (one fn: one plan)
 
     def transpose(self, *axes):
         """The axes permuted (NumPy's x.transpose; no axes: reversed), the sharding moving with them:
         a view on every device, no communication."""
-        return apply(lambda v, *a: v.transpose(*a), (self, *axes), "x.transpose")
+        return apply(Traced.transpose, (self, *axes), "x.transpose")
 
     T = property(lambda self: self.transpose())
 
     def swapaxes(self, axis1, axis2):
-        return apply(lambda v, a, b: v.swapaxes(a, b), (self, axis1, axis2), "x.swapaxes")
+        return apply(Traced.swapaxes, (self, axis1, axis2), "x.swapaxes")
 
     def reshape(self, *shape):
         """NumPy's x.reshape, as inside sf.jit (refused where it would cross a sharded axis's boundary)."""
-        return apply(lambda v, *s: v.reshape(*s), (self, *shape), "x.reshape")
+        return apply(Traced.reshape, (self, *shape), "x.reshape")
 
     def one_op(self, fn, args, name):
         """fn(*args) as a one-op plan (sf.where, sf.sqrt, ... outside sf.jit): see apply."""

@@ -2,6 +2,8 @@
 cached one-op plan (shardfuse/array_ops.py), checked against float64 NumPy on fresh random inputs."""
 from __future__ import annotations
 
+import warnings
+
 import numpy as np
 import pytest
 
@@ -273,3 +275,28 @@ def test_a_python_float_that_keeps_changing_stops_compiling_plans():
             assert got.dtype == np.float32
             np.testing.assert_array_equal(np.asarray(got), want)
     assert array_ops.cache_info()["compiled"] - before <= 3 * (array_ops.BAKED_FLOATS + 1)
+
+
+def test_shape_methods_and_changing_numpy_scalars_reuse_their_plans():
+    """A pipeline probe: x.astype / reshape / transpose / .T / swapaxes compiled a plan on every call (a fresh
+    lambda keyed the cache: apply_updates' astype recompiled every leaf every eager step), and a NumPy float
+    that changes every call (eager Adam's bias corrections) compiled one per value; now one plan each, the
+    NumPy float an operand after BAKED_FLOATS values, as a Python float is (strong: NumPy 2's dtype)."""
+    mesh = sf.DeviceMesh(2, backend="numpy")
+    a = np.random.default_rng().standard_normal((8, 4))
+    x = sf.replicate(a, mesh=mesh)
+    for op in (lambda: x.astype(x.dtype), lambda: x.reshape(4, 8), lambda: x.T, lambda: x.swapaxes(0, 1),
+               lambda: x.transpose(1, 0)):
+        before = array_ops.cache_info()["compiled"]
+        for _ in range(3):
+            op()
+        assert array_ops.cache_info()["compiled"] == before + 1
+    before = array_ops.cache_info()["compiled"]
+    x32 = sf.replicate(a.astype(np.float32), mesh=mesh)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        outs = [x32 / np.float64(1 - 0.9 ** (i + 1)) for i in range(9)]
+    assert array_ops.cache_info()["compiled"] == before + array_ops.BAKED_FLOATS + 1
+    for i, out in enumerate(outs):
+        assert out.dtype == np.float64
+        np.testing.assert_allclose(np.asarray(out), a.astype(np.float32) / np.float64(1 - 0.9 ** (i + 1)), rtol=1e-15)
