@@ -22,6 +22,8 @@ from shardfuse.optim_base import GradientTransformation
 from shardfuse.optim_inject import InjectHyperparamsState, inject_hyperparams  # noqa: F401 (sf.optim's)
 from shardfuse.optim_schedules import (constant_schedule, cosine_decay_schedule, exponential_decay,  # noqa: F401
                                        linear_schedule, piecewise_constant_schedule, warmup_cosine_decay_schedule)
+from shardfuse.trace import to_mesh
+from shardfuse.traced import Traced
 from shardfuse.traced_numpy import rsqrt
 
 
@@ -82,9 +84,11 @@ class MaskedState(NamedTuple):
 
 def global_norm(updates) -> Any:
     """sqrt of the sum of every leaf's squares (optax.global_norm), in float32 at least."""
-    leaves = tree.leaves(updates)
-    total = sum((_widened(x) * _widened(x)).sum() for x in leaves)  # (widened first: a float16 square overflows past 256)
-    return np.sqrt(total)
+    sums = [(_widened(x) * _widened(x)).sum() for x in tree.leaves(updates)]  # (widened: a float16 square overflows)
+    homes = {s.builder.homes.get(s.value) for s in sums if isinstance(s, Traced)}
+    if len(homes) > 1:  # (leaves on several pipeline stages: each stage's sum moved to the whole mesh, a probe)
+        sums = [to_mesh(s, s.builder.mesh) if isinstance(s, Traced) and s.builder.homes.get(s.value) else s for s in sums]
+    return np.sqrt(sum(sums))
 
 
 def clip_by_global_norm(max_norm: float) -> GradientTransformation:

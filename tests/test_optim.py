@@ -335,3 +335,22 @@ def test_inject_hyperparams_keeps_an_array_hyperparameter():
     assert float(np.asarray(state.hyperparams["learning_rate"])) == np.float32(1e-2)
     u, state = sf.jit(lambda g, s, p: opt.update(g, s, p), mesh=mesh())(p, state, p)
     np.testing.assert_allclose(np.asarray(u["w"]), -1e-2, rtol=1e-6)
+
+
+def test_clip_by_global_norm_over_pipeline_stages():
+    """A pipeline probe: global_norm added the stages' sums of squares across sub-meshes and raised ("operands
+    live on different sub-meshes ... move one with sf.to_mesh", inside optim.py); each stage's sum now moves to
+    the whole mesh, and the clipped updates stay on their stages."""
+    m = sf.DeviceMesh((2, 2), ("pp", "tp"), backend="numpy")
+    st0, st1 = m.submesh([0, 1], ("tp",)), m.submesh([2, 3], ("tp",))
+    r = np.random.default_rng()
+    w0, w1 = r.standard_normal((4, 4)), r.standard_normal((4, 2))
+    norm = np.sqrt((w0 ** 2).sum() + (w1 ** 2).sum())
+    place = lambda a, b: {"a": sf.replicate(a, mesh=st0), "b": sf.shard(b, axis=0, over="tp", mesh=st1)}  # noqa: E731
+    np.testing.assert_allclose(float(sf.jit(lambda a, b: optim.global_norm(place(a, b)), mesh=m)(w0, w1)), norm,
+                               rtol=1e-14)
+    clip = optim.clip_by_global_norm(1.0)
+    g = sf.jit(lambda a, b: clip.update(place(a, b), clip.init(None))[0], mesh=m)(w0, w1)
+    np.testing.assert_allclose(np.asarray(g["a"]), w0 / norm, rtol=1e-14)
+    np.testing.assert_allclose(np.asarray(g["b"]), w1 / norm, rtol=1e-14)
+    assert g["a"].sharding.mesh == st0 and g["b"].sharding.mesh == st1
