@@ -45,6 +45,8 @@ def _mesh_options(fn, args, what: str) -> tuple:
     if isinstance(fn, Jitted):
         return fn.mesh, fn.streams, fn.graph
     meshes = {a.mesh for a in tree.leaves(args) if isinstance(a, Array)}
+    if len(meshes) > 1 and len({m.root for m in meshes}) == 1:  # (pipeline stages' arrays: their whole mesh, a probe)
+        meshes = {next(iter(meshes)).root}
     if len(meshes) != 1:
         raise ValueError(f"{what} outside sf.jit compiles for the mesh of its sf.Array arguments, and "
                          f"{'none is an sf.Array' if not meshes else f'they are on {len(meshes)} meshes'}: pass "

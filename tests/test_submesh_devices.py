@@ -329,3 +329,23 @@ def test_a_view_of_a_placeholder_reads_its_one_element_only():
     v = be.view(bufs, Ref(0, (0, 5), (32, 64), (64, 1), "float64"), 0)
     assert v.shape == (32, 64) and v.strides == (0, 0) and not v.flags.writeable
     assert be.view(bufs, Ref(0, (0, 5), (32, 64), (64, 1), "float64"), 1).strides == (512, 8)
+
+
+def test_eager_value_and_grad_of_parameters_placed_on_stages():
+    """A pipeline probe: sf.value_and_grad outside jit refused parameters placed on two stages of one mesh ("they are
+    on 2 meshes"), though a function jitted on the whole mesh takes them; it compiles for their whole mesh now."""
+    mesh = sf.DeviceMesh((2, 2), ("pp", "tp"), backend="numpy")
+    st0, st1 = mesh.submesh([0, 1], ("tp",)), mesh.submesh([2, 3], ("tp",))
+    r = np.random.default_rng()
+    w0, w1, x = r.standard_normal((4, 4)), r.standard_normal((4, 2)), r.standard_normal((3, 4))
+    p = {"a": sf.shard(w0, axis=1, over="tp", mesh=st0), "b": sf.shard(w1, axis=0, over="tp", mesh=st1)}
+
+    def loss(p, x):
+        h = sf.to_mesh(np.tanh(sf.replicate(x, mesh=st0) @ p["a"]), st1)
+        return (h @ p["b"]).sum()
+    v, g = sf.value_and_grad(loss)(p, x)
+    h = np.tanh(x @ w0)
+    np.testing.assert_allclose(float(v), (h @ w1).sum(), rtol=1e-14)
+    np.testing.assert_allclose(np.asarray(g["b"]), h.T @ np.ones((3, 2)), rtol=1e-14)
+    np.testing.assert_allclose(np.asarray(g["a"]), x.T @ ((1 - h ** 2) * w1.sum(1)), rtol=1e-13)
+    assert g["a"].sharding.mesh == st0 and g["b"].sharding.mesh == st1
