@@ -26,6 +26,7 @@ from __future__ import annotations
 import math
 
 from shardfuse import dtypes
+from shardfuse.autodiff_padded import merged
 from shardfuse.autodiff_layouts import at_home, gathered_from, known_layout, moved_back, pin, regathered, rows_merge
 from shardfuse.custom_rules import rules_at
 from shardfuse.custom_vjp import propagate_active
@@ -126,7 +127,8 @@ def _accumulate(grads, v, g: Traced):
         grads[v] = g
         return
     a, g = at_home(grads[v], g, v)  # (parts from two stages meet where v lives)
-    grads[v] = a + g
+    joined = merged(a, g, Traced(g.builder, v))  # (slices' padded cotangents: one concatenate, no L x-sized sums)
+    grads[v] = a + g if joined is None else joined
 
 
 def _stream_of(out, instrs):
