@@ -14,6 +14,8 @@ from shardfuse.traced import Traced
 def merged(a: Traced, b: Traced, primal: Traced):
     """a + b as one concatenate, where both are joined along one axis from pieces and zeros and their pieces lie
     in disjoint ranges of it, or in the same range (those pieces added); else None (the caller adds them)."""
+    from shardfuse.shape_ops import concatenate, getitem
+
     sa, sb = _segments(a), _segments(b)
     if sa is None or sb is None or sa[0] != sb[0]:
         return None
@@ -25,8 +27,6 @@ def merged(a: Traced, b: Traced, primal: Traced):
             return None
         else:
             pieces.append((lo, hi, piece))
-    from shardfuse.shape_ops import concatenate, getitem
-
     parts, at = [], 0
     for lo, hi, piece in pieces + [(primal.shape[axis], None, None)]:
         if lo > at:  # (zeros in the gap, shaped as the primal's slice there)

@@ -13,8 +13,8 @@ from shardfuse.optim_base import GradientTransformation
 
 
 class InjectHyperparamsState(NamedTuple):
-    """optax's: the step count (0-d int32), the hyperparameters of the last update (0-d float32 values: a
-    caller may change them in the state, as optax's), and the inner optimizer's state."""
+    """optax's: the step count (0-d int32), the hyperparameters of the last update (numbers, or 0-d arrays: a caller
+    may change them in the state, as optax's), and the inner optimizer's state."""
     count: Any
     hyperparams: Any
     inner_state: Any
