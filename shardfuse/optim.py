@@ -296,7 +296,8 @@ def apply_updates(params, updates):
 
 
 def _widened(x):
-    """x in float32 where it is 16-bit (a norm of bfloat16 gradients summed in float32)."""
+    """x in float32 where it is 16-bit (a norm of bfloat16 gradients summed in float32); a Python number as an array."""
+    x = np.asarray(x) if isinstance(x, (int, float)) else x  # (a number leaf: jnp.asarray's, a review)
     return x.astype(np.float32) if np.dtype(x.dtype).itemsize < 4 and np.dtype(x.dtype).kind in "fV" else x
 
 

@@ -354,3 +354,5 @@ def test_clip_by_global_norm_over_pipeline_stages():
     np.testing.assert_allclose(np.asarray(g["a"]), w0 / norm, rtol=1e-14)
     np.testing.assert_allclose(np.asarray(g["b"]), w1 / norm, rtol=1e-14)
     assert g["a"].sharding.mesh == st0 and g["b"].sharding.mesh == st1
+    with_number = sf.jit(lambda a, b: optim.global_norm({**place(a, b), "c": 3.0}), mesh=m)(w0, w1)  # (a review)
+    np.testing.assert_allclose(float(with_number), np.sqrt(norm ** 2 + 9.0), rtol=1e-14)
