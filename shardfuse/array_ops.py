@@ -136,8 +136,7 @@ BAKED_FLOATS = 4  # distinct Python floats baked into one op's plans before it t
 def _varies(fn, side, x, c) -> bool:
     """Whether the float c (Python's, or NumPy's: eager Adam's bias corrections, a probe) beside sf.Array x at fn's
     operand `side` is one of more than BAKED_FLOATS values met there: then a 0-d operand, one plan for every value."""
-    if type(c) is not float and not isinstance(c, np.floating) or fn not in (operator.add, operator.sub, operator.mul,
-                                                                           operator.truediv):
+    if not isinstance(c, (float, np.floating)) or fn not in (operator.add, operator.sub, operator.mul, operator.truediv):
         return False
     seen = _plans_of(x.mesh).scalars
     met = seen.setdefault((fn, side, x.spec), set())

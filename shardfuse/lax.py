@@ -17,8 +17,6 @@ from __future__ import annotations
 import functools
 from typing import Any, Callable
 
-import numpy as np
-
 from shardfuse import constants, tree
 from shardfuse.custom_rules import record
 from shardfuse.custom_vjp import closures
@@ -102,9 +100,7 @@ def scan(f: Callable, init, xs=None, length: int | None = None, reverse: bool = 
         return carry, None
     ytd = tree.flatten(ys[0])[1]
     per_leaf = list(zip(*(tree.flatten(y)[0] for y in ys)))
-    # (a NumPy scalar among them, the first step's of a NumPy carry outside sf.jit (a probe): an array beside)
-    return carry, ytd.unflatten([stack([np.asarray(v) if isinstance(v, np.generic) else v for v in vs])
-                                 for vs in per_leaf])
+    return carry, ytd.unflatten([stack(list(vs)) for vs in per_leaf])
 
 
 def fori_loop(lower: int, upper: int, body_fun: Callable, init_val):

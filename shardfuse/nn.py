@@ -250,8 +250,7 @@ def dot_product_attention(query, key, value, bias=None, mask=None, *, scale=None
         bias = bias.astype(query.dtype)
         dtype = dtypes.normalize_dtype(bias.dtype)
     if bias is not None and mask is not None:  # (one additive mask: the bias where attended, masked elsewhere)
-        bias, mask = None, where(mask, bias, attn.MASKED[dtype]) if isinstance(bias, Traced) else np.where(
-            mask, bias, attn.MASKED[dtype])
+        bias, mask = None, attn.select(mask, bias, attn.MASKED[dtype])
     out = attention(heads_first(query), heads_first(key), heads_first(value), is_causal,
                     mask if bias is None else bias, scale=scale)
     return heads_first(out)
@@ -299,8 +298,6 @@ def cross_entropy(logits, labels, ignore_index=-100, reduction="mean", label_smo
         raise ValueError(f"sf.nn.cross_entropy: reduction must be 'mean', 'sum' or 'none' (torch's), got {reduction!r}")
     if not is_scalar(label_smoothing) or isinstance(label_smoothing, bool) or not 0.0 <= float(label_smoothing) <= 1.0:
         raise ValueError(f"sf.nn.cross_entropy: label_smoothing must be a number in [0, 1] (torch's), got {label_smoothing!r}")
-    if isinstance(logits, Traced):  # (NumPy labels inside sf.jit: a constant of the program)
-        labels = logits.builder.constant(labels)
     if not _int_array(labels):
         raise TypeError(f"sf.nn.cross_entropy: labels must be an integer array (int32 or int64) of class ids, got "
                         f"{describe(labels)}; for one-hot or soft targets use cross_entropy_onehot")

@@ -219,7 +219,7 @@ def _roll_traced(v, shift, axis):
                         "shift) % n, axis)")
     if axis is None:
         return _roll_traced(v.reshape(-1), shift, 0).reshape(v.shape)
-    shifts, axes = (np.broadcast_arrays(np.asarray(shift), np.asarray(axis)))
+    shifts, axes = np.broadcast_arrays(np.asarray(shift), np.asarray(axis))
     if shifts.ndim > 1 or shifts.dtype.kind not in "iu" or axes.dtype.kind not in "iu":
         raise TypeError(f"np.roll of {describe(v)}: shift and axis must be Python ints or tuples of them (static), got "
                         f"shift={shift!r}, axis={axis!r}")

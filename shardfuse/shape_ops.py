@@ -216,8 +216,9 @@ def concatenate(xs, axis=0):
 
 
 def _weak_numbers_in(xs):
-    """Python numbers beside arrays in the first array's dtype (weak, as JAX's: a scan whose carry starts as 0.0
-    stacks float32 values as float32, a review); others as they are."""
+    """NumPy scalars as 0-d arrays, and Python numbers beside arrays in the first array's dtype (weak, as JAX's: a
+    scan whose carry starts as 0.0 stacks float32 values as float32, a review); others as they are."""
+    xs = [np.asarray(v) if isinstance(v, np.generic) else v for v in xs]  # (an eager scan's first step, a probe)
     first = next((v for v in xs if not isinstance(v, (bool, int, float))), None)
     if first is None:
         return xs

@@ -87,4 +87,4 @@ def _stack(values, ax):
     ndim = np.ndim(values[0]) if not hasattr(values[0], "ndim") else values[0].ndim
     if not -(ndim + 1) <= ax <= ndim:
         raise ValueError(f"sf.vmap: out_axes {ax} is out of range for a result of {ndim} axes")
-    return stack([np.asarray(v) if isinstance(v, np.generic) else v for v in values], axis=ax % (ndim + 1))
+    return stack(values, axis=ax % (ndim + 1))
