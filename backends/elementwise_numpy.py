@@ -14,7 +14,7 @@ import math
 import numpy as np
 
 from shardfuse.backends import extrema
-from shardfuse.ops import Op
+from shardfuse.ops import MORE_MATH, Op
 
 
 
@@ -150,6 +150,10 @@ def _cumsum(xp, x, _, o):
         xp.cumsum(x, axis=-1, out=o)
 
 
+def _ufunc(op):  # (a MORE_MATH Op's value is its ufunc's name: Op.ARCSIN is "arcsin")
+    return lambda xp, x, _, o: getattr(xp, op)(x, out=o)
+
+
 def _compare(op):  # (a comparison Op's value is its ufunc's name: Op.LT is "less")
     return lambda xp, x, y, o: getattr(xp, op)(x, y, out=o)
 
@@ -172,6 +176,7 @@ ELEMENTWISE = {
     Op.LOG1P: lambda xp, x, _, o: xp.log1p(x, out=o),
     Op.EXPM1: lambda xp, x, _, o: xp.expm1(x, out=o),
     Op.ERF: _erf,
+    **{op: _ufunc(op) for op in MORE_MATH},
     Op.GELU_ERF: _gelu_erf,
     Op.SIGN: _in32(lambda xp, x, _: xp.sign(x)),  # (16-bit through float32: ml_dtypes' sign(-0.0) is -0.0)
     Op.FLOOR: lambda xp, x, _, o: xp.floor(x, out=o),

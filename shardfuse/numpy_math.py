@@ -1,4 +1,5 @@
 """NumPy's unary math on traced values and sf.Arrays: np.sin / cos / log1p / expm1 (also sf.sin & co.),
+np.tan / arcsin / arccos / arctan / sinh / cosh / arcsinh / arccosh / arctanh / log2 / log10 / exp2 / cbrt,
 sf.erf (jax.lax.erf, scipy.special.erf), np.sign / floor / ceil / trunc / rint / round / around
 (x.round(decimals)), np.isnan / isinf / isfinite, np.reciprocal, np.cumsum (x.cumsum) and sf.gelu
 (sf.nn.gelu) with its tanh and exact forms; their entries of the NUMPY table, and their derivatives
@@ -22,7 +23,7 @@ import math
 import numpy as np
 
 from shardfuse import dtypes
-from shardfuse.ops import Op
+from shardfuse.ops import MORE_MATH, Op
 from shardfuse.ir import TensorType
 from shardfuse.spec import check_axis, normalize_axis
 from shardfuse.mesh import static_advice
@@ -55,6 +56,9 @@ log1p = _function(Op.LOG1P, _of_floats(Op.LOG1P), "log(1 + x) elementwise, accur
 expm1 = _function(Op.EXPM1, _of_floats(Op.EXPM1), "e**x - 1 elementwise, accurate for small x (np.expm1).")
 erf = _function(Op.ERF, _of_floats(Op.ERF), "The error function elementwise (jax.lax.erf, scipy.special.erf; "
                                              "NumPy has none), integers in float64.")
+# np.tan, np.arcsin (np.asin), ..., np.cbrt: their NumPy functions on traced values and sf.Arrays
+MORE = {op: _function(op, _of_floats(op), f"np.{op} elementwise (integers in float64, as NumPy's).")
+        for op in sorted(MORE_MATH)}
 
 
 def _sign(v):
@@ -299,6 +303,10 @@ NUMPY.update({
     np.sin: sin, np.cos: cos, np.log1p: log1p, np.expm1: expm1, np.sign: sign, np.floor: floor, np.ceil: ceil,
     np.rint: rint, np.round: round, np.around: round, np.isnan: isnan, np.isinf: isinf, np.isfinite: isfinite,
     np.reciprocal: reciprocal, np.trunc: trunc, np.cumsum: cumsum, np.argsort: argsort, np.sort: sort,
+    **{getattr(np, str(op)): fn for op, fn in MORE.items()},
+    # (NumPy 2's array-API names of the same ufuncs)
+    np.asin: MORE[Op.ARCSIN], np.acos: MORE[Op.ARCCOS], np.atan: MORE[Op.ARCTAN], np.asinh: MORE[Op.ARCSINH],
+    np.acosh: MORE[Op.ARCCOSH], np.atanh: MORE[Op.ARCTANH],
 })
 
 
@@ -306,6 +314,10 @@ NUMPY.update({
 def _times(d):
     """The rule of an op whose derivative at x is d(x, y) (y its result): the cotangent times it."""
     return lambda ins, xs, out, ct, instrs: [ct * d(xs[0], out)]
+
+
+def _rsqrt(v):
+    return v.unary_op(Op.RSQRT)
 
 
 def _gelu_erf(x, y):
@@ -321,6 +333,21 @@ VJP = {
     Op.EXPM1: _times(lambda x, y: y + 1.0),
     Op.ERF: _times(lambda x, y: (-(x * x)).unary_op(Op.EXP) * (2 / math.sqrt(math.pi))),
     Op.GELU_ERF: _times(_gelu_erf),
+    Op.TAN: _times(lambda x, y: y * y + 1.0),
+    Op.ARCSIN: lambda ins, xs, out, ct, instrs: [ct * _rsqrt(1.0 - xs[0] * xs[0])],
+    Op.ARCCOS: lambda ins, xs, out, ct, instrs: [-ct * _rsqrt(1.0 - xs[0] * xs[0])],
+    Op.ARCTAN: lambda ins, xs, out, ct, instrs: [ct / (xs[0] * xs[0] + 1.0)],
+    Op.SINH: _times(lambda x, y: x.unary_op(Op.COSH)),
+    Op.COSH: _times(lambda x, y: x.unary_op(Op.SINH)),
+    Op.ARCSINH: lambda ins, xs, out, ct, instrs: [ct * _rsqrt(xs[0] * xs[0] + 1.0)],
+    # ((x - 1)(x + 1), not x^2 - 1: exact near 1, where the derivative is large)
+    Op.ARCCOSH: lambda ins, xs, out, ct, instrs: [ct * _rsqrt((xs[0] - 1.0) * (xs[0] + 1.0))],
+    Op.ARCTANH: lambda ins, xs, out, ct, instrs: [ct / ((1.0 - xs[0]) * (xs[0] + 1.0))],
+    Op.LOG2: lambda ins, xs, out, ct, instrs: [ct / (xs[0] * math.log(2))],
+    Op.LOG10: lambda ins, xs, out, ct, instrs: [ct / (xs[0] * math.log(10))],
+    Op.EXP2: _times(lambda x, y: y * math.log(2)),
+    # d/dx x^(1/3) = 1 / (3 y^2)
+    Op.CBRT: lambda ins, xs, out, ct, instrs: [ct / (out * out * 3.0)],
     # d/dx_k of sum_i ct_i y_i is the sum of ct_i over i >= k: the cumsum of ct read backwards
     Op.CUMSUM: lambda ins, xs, out, ct, instrs: [_running_sum(ct[..., ::-1])[..., ::-1]],
     # y = x permuted by p: x's cotangent is y's permuted back, by p's own order (its inverse)

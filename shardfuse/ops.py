@@ -59,6 +59,19 @@ class Op(StrEnum):
     LOG1P = "log1p"
     EXPM1 = "expm1"
     ERF = "erf"  # jax.lax.erf, scipy.special.erf
+    TAN = "tan"
+    ARCSIN = "arcsin"
+    ARCCOS = "arccos"
+    ARCTAN = "arctan"
+    SINH = "sinh"
+    COSH = "cosh"
+    ARCSINH = "arcsinh"
+    ARCCOSH = "arccosh"
+    ARCTANH = "arctanh"
+    LOG2 = "log2"
+    LOG10 = "log10"
+    EXP2 = "exp2"
+    CBRT = "cbrt"
     GELU_ERF = "gelu_erf"  # the exact GELU, x * Phi(x) = 0.5 x erfc(-x / sqrt 2) (GELU: the tanh form)
     SIGN = "sign"  # NumPy's: -1, 0 or 1 (0 for -0.0), NaN for NaN
     FLOOR = "floor"
@@ -161,6 +174,9 @@ class Op(StrEnum):
     WAIT_EVENT = "wait_event"
 
 
+# NumPy's further float functions of one float (shardfuse/numpy_math.py), each its ufunc's name
+MORE_MATH = frozenset({Op.TAN, Op.ARCSIN, Op.ARCCOS, Op.ARCTAN, Op.SINH, Op.COSH, Op.ARCSINH, Op.ARCCOSH,
+                       Op.ARCTANH, Op.LOG2, Op.LOG10, Op.EXP2, Op.CBRT})
 COMPARE = frozenset({Op.LT, Op.LE, Op.GT, Op.GE, Op.EQ, Op.NE})
 COMPARE_SCALAR = frozenset({Op.LT_SCALAR, Op.LE_SCALAR, Op.GT_SCALAR, Op.GE_SCALAR, Op.EQ_SCALAR, Op.NE_SCALAR})
 BINARY = frozenset({Op.ADD, Op.SUB, Op.MUL, Op.DIV, Op.MAXIMUM, Op.MINIMUM, Op.WHERE_THEN, Op.WHERE_ELSE,
@@ -170,7 +186,7 @@ NONLINEAR_UNARY = frozenset({Op.EXP, Op.TANH, Op.RELU, Op.GELU, Op.ADD_SCALAR, O
                              Op.LOGICAL_NOT, Op.FILL_THEN, Op.FILL_ELSE, Op.ASTYPE, Op.FULL_LIKE, Op.ORDER_KEYS,
                              Op.FROM_ORDER_KEYS, Op.INVERT, Op.SIN, Op.COS, Op.LOG1P, Op.EXPM1, Op.ERF,
                              Op.GELU_ERF, Op.SIGN, Op.FLOOR, Op.CEIL, Op.ROUND, Op.TRUNC, Op.ISNAN,
-                             Op.ISINF, Op.ISFINITE}) | COMPARE_SCALAR
+                             Op.ISINF, Op.ISFINITE}) | COMPARE_SCALAR | MORE_MATH
 LINEAR_UNARY = frozenset({Op.NEG, Op.SCALE, Op.DIV_SCALAR})  # commute with a pending sum
 LOCAL_REDUCTIONS = frozenset({Op.REDUCE_MAX, Op.REDUCE_MIN})  # of the last axis, which must be whole
 LOCAL_SCANS = frozenset({Op.CUMSUM, Op.ARGSORT, Op.PERMUTE})  # along the last axis, which must be whole; the result

@@ -108,6 +108,9 @@ def _check_chains(dtype, mesh, graph):
     x64, b64 = x.astype(np.float64), b.astype(np.float64)
     tol = mo.CHAIN_TOL[dtype]
     np.testing.assert_allclose(np.asarray(got.gather()).astype(np.float64), mo.chain_ref(x64, b64), rtol=tol, atol=tol)
+    more = sf.jit(mo.more_chain, mesh=mesh, graph=graph)(xa, b)  # (ops.MORE_MATH: C's asin, acosh, cbrt, ...)
+    np.testing.assert_allclose(np.asarray(more.gather()).astype(np.float64), mo.more_chain_ref(x64, b64),
+                               rtol=tol, atol=tol)
     rows, cols = sf.jit(mo.fused_sum, mesh=mesh, graph=graph)(xa, b)
     terms = np.sin(x64) * mo.np_erf(x64 * 0.5) * b64, np.expm1(x64) * 0.5
     for g, t, axis in ((rows, terms[0], -1), (cols, terms[1], 0)):

@@ -24,6 +24,10 @@ def pos(rng, shape):  # away from 0, for sqrt, log, 1/x
     return rng.uniform(0.5, 2.0, shape)
 
 
+def unit(rng, shape):  # inside (-1, 1), away from its ends, for arcsin, arccos, arctanh
+    return rng.uniform(-0.8, 0.8, shape)
+
+
 def normal(rng, shape):
     return rng.standard_normal(shape)
 
@@ -53,6 +57,11 @@ CASES = {
     "log1p": (np.log1p, [(X, pos)], 0),
     "expm1": (np.expm1, [(X, normal)], 0),
     "erf": (sf.erf, [(X, normal)], 0),
+    "tan": (lambda x: np.tan(x * 0.5), [(X, normal)], 0),
+    "arcsin arccos arctanh": (lambda x: np.arcsin(x) + np.arccos(x) * 2.0 + np.arctanh(x), [(X, unit)], 0),
+    "arctan sinh cosh arcsinh": (lambda x: np.arctan(x) + np.sinh(x) * np.cosh(x) + np.arcsinh(x), [(X, normal)], 0),
+    "arccosh": (lambda x: np.arccosh(x + 1.0), [(X, pos)], 0),
+    "log2 log10 exp2 cbrt": (lambda x: np.log2(x) + np.log10(x) * np.exp2(x) + np.cbrt(x), [(X, pos)], 0),
     "gelu exact": (lambda x: sf.nn.gelu(x * 2.0, approximate=False), [(X, normal)], 0),
     "reciprocal": (np.reciprocal, [(X, pos)], 0),
     # piecewise constant (zero gradient, as JAX's: the product rule leaves them as factors), and boolean tests

@@ -63,6 +63,24 @@ MATH = {
     "np.isfinite": (np.isfinite, np.isfinite, False, True),
     "np.reciprocal": (np.reciprocal, np.reciprocal, False, False),
 }
+# NumPy's further float functions (ops.MORE_MATH), each on inputs inside its domain: |x| / 2.5 < 1 for
+# arcsin, arccos, arctanh; x + 1 >= 1 for arccosh; x / 2 away from tan's poles (integers may leave the
+# domain: NaN where NumPy's is NaN)
+_DOMAIN = {"arcsin": (lambda x: x / 2.5, False), "arccos": (lambda x: x / 2.5, False),
+           "arctanh": (lambda x: x / 2.5, False), "arccosh": (lambda x: x + 1.0, True), "tan": (lambda x: x / 2, False),
+           "log2": (lambda x: x, True), "log10": (lambda x: x, True)}
+
+
+def _in_domain(f, name):
+    into, positive = _DOMAIN.get(name, (lambda x: x, False))
+    return (lambda x: f(into(x))), positive
+
+
+for _name in ("tan", "arcsin", "arccos", "arctan", "sinh", "cosh", "arcsinh", "arccosh", "arctanh", "log2", "log10",
+              "exp2", "cbrt", "asin", "acosh"):
+    _long = {"asin": "arcsin", "acosh": "arccosh"}.get(_name, _name)
+    _fn, _positive = _in_domain(getattr(np, _name), _long)
+    MATH[f"np.{_name}"] = (_fn, _in_domain(getattr(np, _long), _long)[0], _positive, True)
 INT_DTYPES = ("int32", "int64", "bool")
 TOL = {**ew.TOL, "bool": 0, "int32": 0, "int64": 0}
 
@@ -210,7 +228,21 @@ def fused_sum(x, b):
     return (np.sin(x) * sf.erf(x * 0.5) * b).sum(-1), (np.expm1(x) * 0.5).sum(0)
 
 
+def more_chain(x, b):
+    """NumPy's further float functions in one chain (ops.MORE_MATH), each inside its domain."""
+    t = np.tanh(x) * 0.5  # (in (-0.5, 0.5))
+    y = np.arcsin(t) + np.arccos(t) * np.arctan(x) - np.arctanh(t) + np.tan(t) * np.sinh(b)
+    return y + np.cosh(t) * np.arcsinh(x) + np.arccosh(abs(x) + 1.0) + np.log2(abs(x) + 1.0) - np.log10(
+        np.exp2(t) + b * b) + np.cbrt(x)
+
+
+def more_chain_ref(x, b):
+    return more_chain(x, b)  # (NumPy's own functions on float64 arrays)
+
+
 CHAIN_TOL = {"float64": 1e-12, "float32": 1e-5, "float16": 1e-2, "bfloat16": 8e-2}  # (a chain of 20 steps)
+MORE_CHAIN_OPS = {"tan", "arcsin", "arccos", "arctan", "sinh", "cosh", "arcsinh", "arccosh", "arctanh", "log2",
+                  "log10", "exp2", "cbrt"}
 CHAIN_OPS = {"gelu_erf", "sin", "erf", "expm1", "log1p", "floor", "cos", "round", "ceil", "sign", "rdiv"}
 
 
@@ -219,7 +251,7 @@ def chain_inputs(rng, dtype):
 
 
 @pytest.mark.parametrize("dtype", ew.DTYPES)
-@pytest.mark.parametrize("fn", [chain, fused_sum], ids=["chain", "fused sum"])
+@pytest.mark.parametrize("fn", [chain, fused_sum, more_chain], ids=["chain", "fused sum", "more math"])
 def test_fused_chains_of_the_new_ops_equal_the_unfused_steps_bit_for_bit(fn, dtype, monkeypatch):
     mesh = mesh_of(4)
     x, b = chain_inputs(np.random.default_rng(16), dtype)
@@ -230,11 +262,11 @@ def test_fused_chains_of_the_new_ops_equal_the_unfused_steps_bit_for_bit(fn, dty
     steps = lambda p: sum(1 for i in p.program.instrs if i.into is not None)  # noqa: E731
     assert steps(plan) < steps(plain), (steps(plan), steps(plain))
     exprs = " ".join(str(i.attrs["expr"]) for i in plan.program.instrs if "expr" in i.attrs)
-    named = CHAIN_OPS if fn is chain else {"sin", "erf", "expm1"}
+    named = {chain: CHAIN_OPS, fused_sum: {"sin", "erf", "expm1"}, more_chain: MORE_CHAIN_OPS}[fn]
     assert all(f"{op}(" in exprs for op in named), (sorted(o for o in named if f"{o}(" not in exprs), exprs)
-    if fn is chain:
+    if fn is not fused_sum:
         g = got[0].astype(np.float64)
-        want = chain_ref(x.astype(np.float64), b.astype(np.float64))
+        want = (chain_ref if fn is chain else more_chain_ref)(x.astype(np.float64), b.astype(np.float64))
         np.testing.assert_allclose(g, want, rtol=CHAIN_TOL[dtype], atol=CHAIN_TOL[dtype])
 
 
@@ -285,8 +317,8 @@ def test_refusals_say_what_to_write():
         sf.jit(lambda v: np.sign(v), mesh=mesh)(xa > 0)
     with pytest.raises(ValueError, match=r"approximate='exact'.*False / 'none'"):
         sf.gelu(xa, approximate="exact")
-    with pytest.raises(TypeError, match=r"np.arcsin on an sf.Array is not supported; shardfuse has .*np.sin"):
-        np.arcsin(xa)
+    with pytest.raises(TypeError, match=r"np.fmod on an sf.Array is not supported; shardfuse has .*np.sin"):
+        np.fmod(xa, 2.0)
 
 
 # ---- np.round(x, decimals) ------------------------------------------------------------------------------

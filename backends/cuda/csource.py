@@ -37,6 +37,9 @@ _MATH_C = {
     Op.ROUND: "rint(a)", Op.TRUNC: "trunc(a)",
     Op.SIGN: "(a > (F)0 ? (F)1 : (a < (F)0 ? (F)-1 : (a == (F)0 ? (F)0 : a)))",
     Op.ISNAN: "(a != a)", Op.ISINF: "(a == a && a - a != a - a)", Op.ISFINITE: "(a - a == a - a)",
+    Op.TAN: "tan(a)", Op.ARCSIN: "asin(a)", Op.ARCCOS: "acos(a)", Op.ARCTAN: "atan(a)", Op.SINH: "sinh(a)",
+    Op.COSH: "cosh(a)", Op.ARCSINH: "asinh(a)", Op.ARCCOSH: "acosh(a)", Op.ARCTANH: "atanh(a)", Op.LOG2: "log2(a)",
+    Op.LOG10: "log10(a)", Op.EXP2: "exp2(a)", Op.CBRT: "cbrt(a)",
 }
 INLINE = {
     Op.ADD: "a + b", Op.SUB: "a - b", Op.MUL: "a * b", Op.DIV: "a / b", Op.NEG: "-a",
