@@ -14,7 +14,7 @@ import math
 import numpy as np
 
 from shardfuse.backends import extrema
-from shardfuse.ops import MORE_MATH, Op
+from shardfuse.ops import FLOAT_BINARY, MORE_MATH, Op
 
 
 
@@ -201,6 +201,7 @@ ELEMENTWISE = {
     **{scalar: _compare_scalar(op) for op, scalar in _TO_SCALAR.items()},
     Op.LOGICAL_NOT: lambda xp, x, _, o: xp.logical_not(x, out=o),
     **{op: _compare(op) for op in (Op.BITWISE_AND, Op.BITWISE_OR, Op.BITWISE_XOR)},  # (their ufuncs' names too)
+    **{op: _compare(op) for op in FLOAT_BINARY},  # (np.arctan2 ...: their ufuncs' names too)
     Op.INVERT: lambda xp, x, _, o: xp.invert(x, out=o),
     Op.WHERE_THEN: _then,
     Op.WHERE_ELSE: _else,

@@ -1,6 +1,6 @@
 """NumPy's broadcasting functions and binary math on traced values and sf.Arrays: np.broadcast_to,
-np.repeat / x.repeat (an int count), np.tile, np.outer, np.logaddexp and np.power / x ** y (a scalar or
-an array exponent); their entries of the NUMPY table, `unbroadcast` (broadcasting's transpose, the
+np.repeat / x.repeat (an int count), np.tile, np.outer, np.logaddexp, np.power / x ** y (a scalar or
+an array exponent) and np.arctan2 / hypot / copysign / signbit; their entries of the NUMPY table, `unbroadcast` (broadcasting's transpose, the
 sum over the broadcast axes, which autodiff's rules use) and the derivative of the one op here
 (`VJP`: Op.POWER, merged into autodiff.VJP).
 
@@ -191,6 +191,38 @@ def _power(a, b):
     return x.elementwise_op(Op.POWER, (x, y), x.dtype_name)
 
 
+def _float_binary(op):
+    """np.arctan2 / hypot / copysign: one elementwise step of two floats (arrays broadcast, promoted, a
+    scalar on either side; NumPy's dtypes: integers in float64, booleans in float16)."""
+    def traced(a, b):
+        a, b = scalar_operands(a, b, op)
+        return a.elementwise_op(op, (a, b), a.dtype_name)
+
+    def fn(x1, x2):
+        return apply_op(traced, str(op), x1, x2)
+    fn.__name__ = str(op)
+    return fn
+
+
+arctan2, hypot, copysign = (_float_binary(op) for op in (Op.ARCTAN2, Op.HYPOT, Op.COPYSIGN))
+arctan2.__doc__ = "np.arctan2(y, x) elementwise: the angle of (x, y) in [-pi, pi], NumPy's signed zeros and infinities."
+hypot.__doc__ = "np.hypot(x, y) elementwise: sqrt(x**2 + y**2) without overflow or underflow in between."
+copysign.__doc__ = "np.copysign(x, y) elementwise: |x| with y's sign bit (of -0.0 and a negative NaN too)."
+
+
+def signbit(x):
+    """np.signbit elementwise: True where x's sign bit is set (-0.0 and a negative NaN too), boolean;
+    of integers x < 0, of booleans False, as NumPy's."""
+    return apply_op(_signbit, "signbit", x)
+
+
+def _signbit(v):
+    if not dtypes.is_float(v.dtype_name):
+        return v < 0 if v.dtype_name != "bool" else v.unary_op(Op.FULL_LIKE, "bool", value=False)
+    one = v.unary_op(Op.FULL_LIKE, value=1.0)
+    return one.elementwise_op(Op.COPYSIGN, (one, v), v.dtype_name) < 0
+
+
 def square(x):
     """x ** 2 elementwise (np.square, and x ** 2 as NumPy's: of booleans int8, which shardfuse lacks)."""
     if x.dtype_name == "bool":
@@ -201,7 +233,8 @@ def square(x):
 
 NUMPY.update({
     np.broadcast_to: broadcast_to, np.repeat: repeat, np.tile: tile, np.outer: outer, np.logaddexp: logaddexp,
-    np.power: power, np.square: square,
+    np.power: power, np.square: square, np.arctan2: arctan2, np.atan2: arctan2, np.hypot: hypot,
+    np.copysign: copysign, np.signbit: signbit,
 })
 
 
@@ -213,4 +246,26 @@ def _power_rule(ins, xs, out, ct, instrs):
     return [unbroadcast(dx, x.shape), unbroadcast(dy, y.shape)]
 
 
-VJP = {Op.POWER: _power_rule}
+def _arctan2_rule(ins, xs, out, ct, instrs):
+    """d/dy atan2(y, x) = x / (x^2 + y^2), d/dx = -y / (x^2 + y^2)."""
+    y, x = xs
+    r = ct / (x * x + y * y)
+    return [unbroadcast(r * x, y.shape), unbroadcast(-(r * y), x.shape)]
+
+
+def _hypot_rule(ins, xs, out, ct, instrs):
+    x, y = xs
+    r = ct / out
+    return [unbroadcast(r * x, x.shape), unbroadcast(r * y, y.shape)]
+
+
+def _copysign_rule(ins, xs, out, ct, instrs):
+    """d/dx copysign(x, y) = +-1: the product of x's and y's signs (y gets none: piecewise constant)."""
+    x, y = xs
+    one = x.unary_op(Op.FULL_LIKE, value=1.0)
+    flip = one.elementwise_op(Op.COPYSIGN, (one, x), x.dtype_name) * one.elementwise_op(Op.COPYSIGN, (one, y),
+                                                                                        x.dtype_name)
+    return [unbroadcast(ct * flip, x.shape), None]
+
+
+VJP = {Op.POWER: _power_rule, Op.ARCTAN2: _arctan2_rule, Op.HYPOT: _hypot_rule, Op.COPYSIGN: _copysign_rule}

@@ -47,6 +47,9 @@ class Op(StrEnum):
     POW = "pow"  # x ** a Python scalar
     RPOW = "rpow"  # a Python scalar ** x
     POWER = "power"  # x ** y of two float arrays (np.power; NumPy's NaN for a negative x and a non-integral y)
+    ARCTAN2 = "arctan2"  # np.arctan2(y, x), NumPy's quadrants and signed zeros
+    HYPOT = "hypot"  # sqrt(x**2 + y**2) without overflow (np.hypot)
+    COPYSIGN = "copysign"  # |x| with y's sign bit (np.copysign; -0.0 and -NaN count as negative)
     MAXIMUM = "maximum"
     MINIMUM = "minimum"
     MAXIMUM_SCALAR = "maximum_scalar"
@@ -177,10 +180,12 @@ class Op(StrEnum):
 # NumPy's further float functions of one float (shardfuse/numpy_math.py), each its ufunc's name
 MORE_MATH = frozenset({Op.TAN, Op.ARCSIN, Op.ARCCOS, Op.ARCTAN, Op.SINH, Op.COSH, Op.ARCSINH, Op.ARCCOSH,
                        Op.ARCTANH, Op.LOG2, Op.LOG10, Op.EXP2, Op.CBRT})
+# NumPy's binary float functions, each its ufunc's name
+FLOAT_BINARY = frozenset({Op.ARCTAN2, Op.HYPOT, Op.COPYSIGN})
 COMPARE = frozenset({Op.LT, Op.LE, Op.GT, Op.GE, Op.EQ, Op.NE})
 COMPARE_SCALAR = frozenset({Op.LT_SCALAR, Op.LE_SCALAR, Op.GT_SCALAR, Op.GE_SCALAR, Op.EQ_SCALAR, Op.NE_SCALAR})
 BINARY = frozenset({Op.ADD, Op.SUB, Op.MUL, Op.DIV, Op.MAXIMUM, Op.MINIMUM, Op.WHERE_THEN, Op.WHERE_ELSE,
-                    Op.FLOOR_DIVIDE, Op.MOD, Op.POWER, Op.BITWISE_AND, Op.BITWISE_OR, Op.BITWISE_XOR}) | COMPARE
+                    Op.FLOOR_DIVIDE, Op.MOD, Op.POWER, Op.BITWISE_AND, Op.BITWISE_OR, Op.BITWISE_XOR}) | COMPARE | FLOAT_BINARY
 NONLINEAR_UNARY = frozenset({Op.EXP, Op.TANH, Op.RELU, Op.GELU, Op.ADD_SCALAR, Op.RDIV, Op.SQRT, Op.RSQRT, Op.LOG,
                              Op.SIGMOID, Op.SILU, Op.POW, Op.RPOW, Op.MAXIMUM_SCALAR, Op.MINIMUM_SCALAR,
                              Op.LOGICAL_NOT, Op.FILL_THEN, Op.FILL_ELSE, Op.ASTYPE, Op.FULL_LIKE, Op.ORDER_KEYS,

@@ -31,7 +31,7 @@ UFUNCS = {
     Op.FLOOR_DIVIDE: np.floor_divide, Op.MOD: np.remainder, Op.POWER: np.power,
     Op.MAXIMUM: np.maximum, Op.MINIMUM: np.minimum,
     Op.LT: np.less, Op.LE: np.less_equal, Op.GT: np.greater, Op.GE: np.greater_equal, Op.EQ: np.equal,
-    Op.NE: np.not_equal,
+    Op.NE: np.not_equal, Op.ARCTAN2: np.arctan2, Op.HYPOT: np.hypot, Op.COPYSIGN: np.copysign,
 }  # (& | ^: np.add's promotion, then logical.py refuses floats, as NumPy's bitwise ufuncs, saying what to write)
 # Python's comparison of a scalar beyond an integer dtype's range with 0 (which any element compares as)
 COMPARE = {Op.LT: operator.lt, Op.LE: operator.le, Op.GT: operator.gt, Op.GE: operator.ge, Op.EQ: operator.eq,

@@ -64,6 +64,12 @@ CASES = {
     "power of a negative base": (lambda x, y: x ** y, None, [((8, 12), _real), ((8, 12), _whole)]),
     "power of a 0-d base": (lambda t, y: t ** y, None, [((), _pos), ((8, 12), _real)]),
     "scalar powers still": (lambda x: x ** 2 + 2.0 ** x + np.power(x, 3) + np.square(x), None, [((8, 12), _real)]),
+    "arctan2": (np.arctan2, None, [((8, 12), _real), ((8, 12), _real)]),
+    "atan2 of a row and scalars": (lambda y, x: np.atan2(y, x) + np.arctan2(y, -1.5) + np.arctan2(2, x), None,
+                                   [((8, 12), _real), ((12,), _real)]),
+    "hypot": (lambda x, y: np.hypot(x, y) + np.hypot(x, 0.5), None, [((8, 12), _real), ((12,), _real)]),
+    "copysign signbit": (lambda x, y: np.copysign(x, y) + np.copysign(1.5, x) * np.signbit(y), None,
+                         [((8, 12), _real), ((8, 12), _real)]),
     "x.mT": (lambda x: x.mT, lambda x: x.mT, [((2, 8, 12), _real)]),
     "matrix_transpose": (np.matrix_transpose, None, [((8, 12), _real)]),
     "take_along_axis one per row": (lambda x, i: np.take_along_axis(x, i, -1), None,
@@ -110,6 +116,10 @@ DTYPE_CASES = {
     "power": (np.power, [(8, 12), (12,)]),
     "take_along_axis": (lambda x: np.take_along_axis(x, (np.arange(8) % 5)[:, None], 1), [(8, 12)]),
     "mT": (lambda x: x.mT, [(8, 12)]),
+    "arctan2": (np.arctan2, [(8, 12), (12,)]),
+    "hypot": (np.hypot, [(8, 12), (12,)]),
+    "copysign": (lambda x, y: np.copysign(x, y * -1), [(8, 12), (12,)]),
+    "signbit": (lambda x: np.signbit(x * -1), [(8, 12)]),
 }
 
 
@@ -196,9 +206,17 @@ def test_special_values_as_numpy():
     a = np.array([np.inf, -np.inf, -np.inf, np.nan, 1.0, 710.0, -710.0, 3.0])
     b = np.array([np.inf, -np.inf, 2.0, 1.0, np.inf, 710.0, 1.0, 3.0])
     with np.errstate(all="ignore"):
-        for fn in (np.logaddexp, np.power):
+        for fn in (np.logaddexp, np.power, np.arctan2, np.hypot, np.copysign):
             got = np.asarray(fn(sf.shard(a, axis=0, mesh=mesh), sf.shard(b, axis=0, mesh=mesh)))
             np.testing.assert_array_equal(got, fn(a, b), err_msg=str(fn))
+        # NumPy's quadrants of signed zeros and infinities, and sign bits of -0.0 and -NaN
+        y = np.array([0.0, -0.0, 0.0, -0.0, np.inf, -np.inf, np.inf, 1.0, -np.nan, np.nan, 3.0, -2.0])
+        x = np.array([0.0, 0.0, -0.0, -0.0, np.inf, np.inf, -np.inf, -np.inf, 1.0, -0.0, np.nan, -0.0])
+        ya, xa = sf.shard(y, axis=0, mesh=mesh), sf.shard(x, axis=0, mesh=mesh)
+        for fn in (np.arctan2, np.hypot, np.copysign):
+            got = np.asarray(sf.jit(fn, mesh=mesh)(ya, xa))
+            np.testing.assert_array_equal(got.view(np.uint64), fn(y, x).view(np.uint64), err_msg=str(fn))
+        np.testing.assert_array_equal(np.asarray(np.signbit(ya)), np.signbit(y))
         x = np.array([-2.0, -2.0, 0.0, 0.0, -0.5, 2.0, -8.0, 1.0])
         y = np.array([3.0, 0.5, -1.0, 0.0, 2.0, -2.0, 1 / 3, np.nan])
         got = np.asarray(sf.jit(lambda x, y: x ** y, mesh=mesh)(x, sf.shard(y, axis=0, mesh=mesh)))
@@ -211,13 +229,14 @@ def check_fused(dtype, mesh, monkeypatch):
     x, y = _real(rng, (8, 12), dtype, positive=True), _real(rng, (12,), dtype)
 
     def chain(x, y):
-        return np.logaddexp(x * 0.5, y) * (x ** y + 1.0) - x ** (y * 2.0)
+        return (np.logaddexp(x * 0.5, y) * (x ** y + 1.0) - x ** (y * 2.0) + np.arctan2(y, x) * np.hypot(x, y)
+                - np.copysign(x, y))
     got, plan, want, plain = fused_and_unfused(chain, (sf.shard(x, axis=0, mesh=mesh), y), monkeypatch, mesh)
     for g, w in zip(got, want):
         np.testing.assert_array_equal(g.view(np.uint8), w.view(np.uint8))
     assert any(i.op == Op.FUSED and "power(" in str(i.attrs["expr"]) for i in plan.program.instrs), plan
     x64, y64 = x.astype(np.float64), y.astype(np.float64)
-    ref = np.logaddexp(x64 * 0.5, y64) * (x64 ** y64 + 1.0) - x64 ** (y64 * 2.0)
+    ref = chain(x64, y64)
     tol = {"float64": 1e-13, "float32": 1e-5, **{k: 10 * TOL[k] for k in ("float16", "bfloat16")}}[dtype]
     np.testing.assert_allclose(got[0].astype(np.float64), ref, rtol=tol, atol=tol)
 

@@ -80,6 +80,8 @@ CASES = {
     "sub column": (lambda x, y: x - y, [(X, normal), ((8, 1), normal)], (0, 1)),
     "mul broadcast": (lambda x, y: x * y, [(X, normal), ((1, 12), normal)], (0, 1)),
     "div": (lambda x, y: x / y, [(X, normal), (X, pos)], (0, 1)),
+    "arctan2 hypot copysign": (lambda x, y: np.arctan2(x, y) + np.hypot(y, x) * 0.5 + np.copysign(x, y) * x,
+                               [(X, normal), (Y, normal)], (0, 1)),
     "maximum": (lambda x, y: np.maximum(x, y) - np.minimum(x, y) * 0.5, [(X, normal), (X, normal)], (0, 1)),
     "where": (lambda x, y: sf.where(x > 0.1, x * y, y), [(X, normal), (Y, normal)], (0, 1)),
     "where scalar": (lambda x: sf.where(x > 0, x, 2.0) + sf.where(x < 0.5, -1.0, x * x), [(X, normal)], 0),

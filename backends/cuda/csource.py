@@ -40,6 +40,7 @@ _MATH_C = {
     Op.TAN: "tan(a)", Op.ARCSIN: "asin(a)", Op.ARCCOS: "acos(a)", Op.ARCTAN: "atan(a)", Op.SINH: "sinh(a)",
     Op.COSH: "cosh(a)", Op.ARCSINH: "asinh(a)", Op.ARCCOSH: "acosh(a)", Op.ARCTANH: "atanh(a)", Op.LOG2: "log2(a)",
     Op.LOG10: "log10(a)", Op.EXP2: "exp2(a)", Op.CBRT: "cbrt(a)",
+    Op.ARCTAN2: "atan2(a, b)", Op.HYPOT: "hypot(a, b)", Op.COPYSIGN: "copysign(a, b)",
 }
 INLINE = {
     Op.ADD: "a + b", Op.SUB: "a - b", Op.MUL: "a * b", Op.DIV: "a / b", Op.NEG: "-a",
