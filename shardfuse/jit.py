@@ -62,6 +62,9 @@ class Jitted:
         self._static = static_names(fn, static_argnums, static_argnames)  # (names of fn's static parameters)
         self._statics = PlanCache(self.max_plans, self._tables)  # static values -> the sf.jit of fn with them
         functools.update_wrapper(self, fn, updated=())  # (not fn.__dict__: a FlatFunction's fields would shadow ours)
+        if not hasattr(self, "__name__"):  # (a functools.partial, a callable object: messages and nesting name it)
+            inner = getattr(fn, "func", None)
+            self.__name__ = f"partial({getattr(inner, '__name__', 'fn')})" if inner else type(fn).__name__
 
     def __repr__(self):
         return (f"sf.jit({self.__name__}, mesh={self.mesh!r}, streams={self.streams}, graph={self.graph}; "

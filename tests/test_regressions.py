@@ -321,3 +321,25 @@ def test_the_gradient_of_a_token_flatten_with_an_inner_axis_sharded(x_spec, w_sp
     np.testing.assert_allclose(np.asarray(g["x"]), (c.reshape(16, 8) @ w.T).reshape(4, 4, 8), rtol=1e-12, atol=1e-12)
     numeric, analytic = directional(lambda p: f(p["x"], p["w"]), {"x": x, "w": w}, g, r)
     assert abs(numeric - analytic) <= 1e-6 * (1 + abs(numeric)), (numeric, analytic)
+
+
+def test_a_jitted_partial_or_callable_object_nests_prints_and_refuses_by_its_name():
+    """An MoE probe: sf.jit(functools.partial(moe, k=2)) ran, but nesting it in another sf.jit, its repr,
+    sf.grad of it and its argument errors raised AttributeError: a partial has no __name__."""
+    import functools
+    mesh = sf.DeviceMesh(2, backend="numpy")
+    x, w = rng().standard_normal((4, 3)), rng().standard_normal((3, 2))
+    jf = sf.jit(functools.partial(lambda x, w, scale=1.0: (x @ w) * scale, scale=2.0), mesh=mesh)
+    assert repr(jf).startswith("sf.jit(partial(<lambda>), mesh="), repr(jf)
+    np.testing.assert_allclose(np.asarray(sf.jit(lambda x, w: jf(x, w).sum(), mesh=mesh)(x, w)), 2 * (x @ w).sum())
+    g = sf.grad(lambda x, w: jf(x, w).sum())(sf.replicate(x, mesh=mesh), w)
+    np.testing.assert_allclose(np.asarray(g), np.broadcast_to(2 * w.sum(1), (4, 3)), rtol=1e-12)
+    with pytest.raises(TypeError, match=r"partial\(<lambda>\)\(\): argument x \(position 0\) is a list"):
+        jf([1.0, 2.0], w)
+
+    class Double:
+        def __call__(self, v):
+            return v * 2.0
+    jd = sf.jit(Double(), mesh=mesh)
+    assert repr(jd).startswith("sf.jit(Double, mesh="), repr(jd)
+    assert float(np.asarray(sf.jit(lambda v: jd(v).sum(), mesh=mesh)(np.ones(4)))) == 8.0
