@@ -66,13 +66,8 @@ class NumpyMethods:
         """np.round(x, decimals) as NumPy's method: halves to even."""
         return NUMPY[np.round](self, decimals, out)
 
-    def prod(self, *args, **kwargs):
-        """Not supported (NumPy's x.prod): the error says what to write instead."""
-        what = "an sf.Array" if type(self).__name__ == "Array" else "a traced value"
-        raise NotImplementedError(f"x.prod / np.prod of {what}: shardfuse has no product "
-                                  "reduction; for positive x write np.exp(np.log(x).sum(axis)), for a few factors "
-                                  "multiply slices (x[..., 0] * x[..., 1]), or outside sf.jit take np.prod of the "
-                                  "gathered NumPy value, np.prod(x.gather())")
+    prod, cumprod = _method(np.prod), _method(np.cumprod)  # (x.prod(axis=None, dtype=None, ...): NumPy's order)
+    trace, diagonal = _method(np.trace), _method(np.diagonal)
 
     def __getattr__(self, name):
         """Only reached for a name neither class has: NumPy's array methods that shardfuse lacks

@@ -1,0 +1,351 @@
+"""NumPy's statistics and NaN-ignoring reductions on traced values and sf.Arrays, as compositions of
+ops shardfuse has: np.count_nonzero, np.average, np.ptp, np.nan_to_num, np.nansum / nanmean /
+nanmax / nanmin / nanprod / nancumsum / nancumprod / nanvar / nanstd, np.median / quantile /
+percentile (methods linear, lower, higher, nearest, midpoint), np.diagonal / trace; their entries of
+the NUMPY table.
+
+A NaN is masked by `where` before the reduction it would poison, so the reductions shard as
+theirs do (a sum over a sharded axis is an Allreduce); an all-NaN slice gives NaN for nanmax /
+nanmin / nanmean, as NumPy's (which also warns).  A quantile sorts the reduced axes, merged into
+one, on every device (an axis sharded is gathered first, as np.sort's) and reads the ranks it
+needs; a slice holding NaN gives NaN, as NumPy's.  np.diagonal is advanced indexing (rows, cols);
+its gradient a scatter into zeros.
+"""
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+from shardfuse import dtypes
+from shardfuse.numpy_broadcast import broadcast_to
+from shardfuse.numpy_compose import cumprod, prod
+from shardfuse.numpy_math import cumsum, isnan, sort
+from shardfuse.spec import normalize_axis, reduced_axes
+from shardfuse.traced import NUMPY, describe
+from shardfuse.traced_numpy import apply_op, where
+
+
+def _axes_key(axis):
+    return tuple(axis) if isinstance(axis, (tuple, list)) else axis
+
+
+def _kept(r, v, axes, keepdims):
+    """r (reduced over `axes` of v) with those axes back as 1s where keepdims."""
+    return r.reshape(tuple(1 if k in axes else n for k, n in enumerate(v.shape))) if keepdims else r
+
+
+def _wide(v):
+    """(NumPy's float dtype of v's mean, the dtype computed in: 16-bit floats in float32, rounded once at
+    the end, as sums; integers and booleans in float64, as np.mean's)."""
+    dt = v.dtype_name if dtypes.is_float(v.dtype_name) else "float64"
+    return dt, "float32" if dt in ("float16", "bfloat16") else dt
+
+
+# ---- counts, averages, ranges, NaN handling ----
+def count_nonzero(a, axis=None, *, keepdims=False):
+    """np.count_nonzero: the number of nonzero elements over `axis` (int64)."""
+    return apply_op(_count_nonzero, "count_nonzero", a, _axes_key(axis), keepdims)
+
+
+def _count_nonzero(v, axis, keepdims):
+    return (v != 0).sum(axis, keepdims=keepdims)
+
+
+def average(a, axis=None, weights=None, returned=False, *, keepdims=False):
+    """np.average: the mean, or with weights= sum(a * w) / sum(w) over `axis` (weights of a's shape,
+    or 1-D along the one `axis`, as NumPy's); returned=True: (average, sum of weights)."""
+    avg = apply_op(_average, "average", a, _axes_key(axis), weights, keepdims)
+    # (a second plan outside jit, where a one-op plan makes one result)
+    return (avg, apply_op(_weight_sum, "average", a, _axes_key(axis), weights, keepdims)) if returned else avg
+
+
+def _average(v, axis, w, keepdims):
+    return _average_and_weight_sum(v, axis, w, keepdims)[0]
+
+
+def _weight_sum(v, axis, w, keepdims):
+    return _average_and_weight_sum(v, axis, w, keepdims)[1]
+
+
+def _average_and_weight_sum(v, axis, w, keepdims):
+    if w is None:
+        m = v.astype("float64").mean(axis, keepdims=keepdims) if not dtypes.is_float(v.dtype_name) else v.mean(
+            axis, keepdims=keepdims)
+        axes = reduced_axes(axis, v.ndim, v.shape)
+        return m, broadcast_to(m * 0 + math.prod(v.shape[k] for k in axes), m.shape)
+    if w.shape != v.shape:
+        if axis is None or isinstance(axis, tuple) or w.ndim != 1 or w.shape[0] != v.shape[
+                normalize_axis(axis, v.ndim, v.shape)]:
+            raise ValueError(f"np.average: weights of shape {w.shape} differ from {describe(v)}: they must be of its "
+                             "shape, or 1-D along the one axis= given, as NumPy's")
+        ax = normalize_axis(axis, v.ndim, v.shape)
+        w = w.reshape(tuple(n if k == ax else 1 for k, n in enumerate(v.shape)))
+    vw = v * w
+    if not dtypes.is_float(vw.dtype_name):
+        vw, w = vw.astype("float64"), w.astype("float64")
+    scale = broadcast_to(w, v.shape).sum(axis, keepdims=keepdims).astype(vw.dtype_name)
+    return vw.sum(axis, keepdims=keepdims) / scale, scale
+
+
+def ptp(a, axis=None, out=None, keepdims=False):
+    """np.ptp: max - min over `axis` (integers wrap, as NumPy's)."""
+    if out is not None:
+        raise TypeError("np.ptp with out= is not supported on shardfuse values (inside sf.jit and on sf.Arrays): "
+                        "write y = np.ptp(x, axis)")
+    return apply_op(_ptp, "ptp", a, _axes_key(axis), keepdims)
+
+
+def _ptp(v, axis, keepdims):
+    if v.dtype_name == "bool":
+        raise TypeError(f"np.ptp of the boolean array {describe(v)}: NumPy refuses it (a subtraction of booleans)")
+    return v.max(axis, keepdims=keepdims) - v.min(axis, keepdims=keepdims)
+
+
+def nan_to_num(x, copy=True, nan=0.0, posinf=None, neginf=None):
+    """np.nan_to_num: NaN to `nan`, +inf to `posinf` (the dtype's largest finite value by default),
+    -inf to `neginf` (its most negative); integers and booleans unchanged."""
+    if not isinstance(copy, (bool, np.bool_)):
+        raise TypeError(f"np.nan_to_num: copy must be a bool, got {type(copy).__name__} (nan=, posinf=, neginf= are "
+                        "keywords)")
+    return apply_op(_nan_to_num, "nan_to_num", x, nan, posinf, neginf)
+
+
+def _nan_to_num(v, nan, posinf, neginf):
+    if not dtypes.is_float(v.dtype_name):
+        return v
+    big = _largest(v)
+    hi = big if posinf is None else posinf
+    lo = -big if neginf is None else neginf
+    return where(isnan(v), nan, where(v == np.inf, hi, where(v == -np.inf, lo, v)))
+
+
+def _largest(v):
+    """The dtype's largest finite value (NumPy's finfo; bfloat16's through ml_dtypes)."""
+    if v.dtype_name == "bfloat16":
+        return 3.3895313892515355e38  # ((2 - 2**-7) * 2**127)
+    return float(np.finfo(dtypes.np_dtype(v.dtype_name)).max)
+
+
+def _masked(fill):
+    def traced(v, *rest):
+        return (where(isnan(v), fill, v) if dtypes.is_float(v.dtype_name) else v), rest
+    return traced
+
+
+def _count(v, axis, keepdims):
+    return (~isnan(v)).sum(axis, keepdims=keepdims)
+
+
+def nansum(a, axis=None, dtype=None, out=None, keepdims=False):
+    """np.nansum: the sum over `axis` with NaN counted as zero."""
+    _no_out(out, "nansum")
+    return apply_op(_nansum, "nansum", a, _axes_key(axis), dtype, keepdims)
+
+
+def _nansum(v, axis, dtype, keepdims):
+    return _masked(0.0)(v)[0].sum(axis, dtype=dtype, keepdims=keepdims)
+
+
+def nanmean(a, axis=None, dtype=None, out=None, keepdims=False):
+    """np.nanmean: the mean of the elements that are not NaN (NaN for an all-NaN slice)."""
+    _no_out(out, "nanmean")
+    return apply_op(_nanmean, "nanmean", a, _axes_key(axis), dtype, keepdims)
+
+
+def _nanmean(v, axis, dtype, keepdims):
+    if not dtypes.is_float(v.dtype_name):
+        return v.mean(axis, dtype=dtype, keepdims=keepdims)
+    dt, wide = _wide(v) if dtype is None else (dtypes.normalize_dtype(dtype),) * 2
+    s = where(isnan(v), 0.0, v).astype(wide).sum(axis, keepdims=keepdims)
+    return (s / _count(v, axis, keepdims).astype(wide)).astype(dt)
+
+
+def _nan_extremum(largest):
+    def traced(v, axis, keepdims):
+        if not dtypes.is_float(v.dtype_name):
+            return v.max(axis, keepdims=keepdims) if largest else v.min(axis, keepdims=keepdims)
+        w = where(isnan(v), -np.inf if largest else np.inf, v)
+        m = w.max(axis, keepdims=keepdims) if largest else w.min(axis, keepdims=keepdims)
+        return where(isnan(v).all(axis, keepdims=keepdims), np.nan, m)
+    return traced
+
+
+_nanmax, _nanmin = _nan_extremum(True), _nan_extremum(False)
+
+
+def nanmax(a, axis=None, out=None, keepdims=False):
+    """np.nanmax: the largest element that is not NaN over `axis` (NaN for an all-NaN slice)."""
+    _no_out(out, "nanmax")
+    return apply_op(_nanmax, "nanmax", a, _axes_key(axis), keepdims)
+
+
+def nanmin(a, axis=None, out=None, keepdims=False):
+    """np.nanmin: the smallest element that is not NaN over `axis` (NaN for an all-NaN slice)."""
+    _no_out(out, "nanmin")
+    return apply_op(_nanmin, "nanmin", a, _axes_key(axis), keepdims)
+
+
+def nanprod(a, axis=None, dtype=None, out=None, keepdims=False):
+    """np.nanprod: the product over `axis` with NaN counted as one."""
+    _no_out(out, "nanprod")
+    return prod(apply_op(_fill_nan, "nanprod", a, 1.0), axis, dtype, None, keepdims)
+
+
+def nancumsum(a, axis=None, dtype=None, out=None):
+    """np.nancumsum: the running sum with NaN counted as zero."""
+    _no_out(out, "nancumsum")
+    return cumsum(apply_op(_fill_nan, "nancumsum", a, 0.0), axis, dtype)
+
+
+def nancumprod(a, axis=None, dtype=None, out=None):
+    """np.nancumprod: the running product with NaN counted as one."""
+    _no_out(out, "nancumprod")
+    return cumprod(apply_op(_fill_nan, "nancumprod", a, 1.0), axis, dtype)
+
+
+def _fill_nan(v, fill):
+    return _masked(fill)(v)[0]
+
+
+def nanvar(a, axis=None, dtype=None, out=None, ddof=0, keepdims=False):
+    """np.nanvar: the variance of the elements that are not NaN, divided by their count less ddof."""
+    _no_out(out, "nanvar")
+    return apply_op(_nanvar, "nanvar", a, _axes_key(axis), dtype, ddof, keepdims)
+
+
+def nanstd(a, axis=None, dtype=None, out=None, ddof=0, keepdims=False):
+    """np.nanstd: the square root of np.nanvar."""
+    _no_out(out, "nanstd")
+    return apply_op(_nanstd, "nanstd", a, _axes_key(axis), dtype, ddof, keepdims)
+
+
+def _nanvar(v, axis, dtype, ddof, keepdims, root=False):
+    dt, wide = _wide(v) if dtype is None else (dtypes.normalize_dtype(dtype),) * 2
+    w = v.astype(wide)
+    d = where(isnan(w), 0.0, w - _nanmean(w, axis, None, True))
+    dof = _count(w, axis, keepdims).astype(wide) - ddof
+    r = where(dof > 0, (d * d).sum(axis, keepdims=keepdims) / dof, np.nan)  # (NumPy's NaN where dof <= 0)
+    return (NUMPY[np.sqrt](r) if root else r).astype(dt)
+
+
+def _nanstd(v, axis, dtype, ddof, keepdims):
+    return _nanvar(v, axis, dtype, ddof, keepdims, root=True)
+
+
+def _no_out(out, what):
+    if out is not None:
+        raise TypeError(f"np.{what} with out= is not supported on shardfuse values (inside sf.jit and on sf.Arrays): "
+                        "write y = np.{what}(x, ...)")
+
+
+# ---- quantiles ----
+_METHODS = ("linear", "lower", "higher", "nearest", "midpoint")
+
+
+def quantile(a, q, axis=None, out=None, overwrite_input=False, method="linear", keepdims=False, *, weights=None):
+    """np.quantile: the q-th quantiles (q static, a number or a NumPy array in [0, 1]; the result's
+    leading axes are q's) over `axis` with NumPy's methods linear (its default), lower, higher,
+    nearest and midpoint; NaN where a slice holds one, as NumPy's.  NumPy's dtypes: lower, higher and
+    nearest pick elements (x's dtype); linear and midpoint are floats (integers in float64, and so is
+    any x beside a q given as an array or NumPy scalar: NumPy promotes with q's float64)."""
+    return _quantile(a, q, axis, out, method, keepdims, weights, "quantile", 1.0)
+
+
+def percentile(a, q, axis=None, out=None, overwrite_input=False, method="linear", keepdims=False, *, weights=None):
+    """np.percentile: np.quantile of q / 100."""
+    return _quantile(a, q, axis, out, method, keepdims, weights, "percentile", 100.0)
+
+
+def median(a, axis=None, out=None, overwrite_input=False, keepdims=False):
+    """np.median: the 0.5 quantile (the mean of the two middle elements of an even count)."""
+    return _quantile(a, 0.5, axis, out, "linear", keepdims, None, "median", 1.0)
+
+
+def _quantile(a, q, axis, out, method, keepdims, weights, what, full):
+    if out is not None or weights is not None:
+        raise TypeError(f"np.{what} with out= or weights= is not supported on shardfuse values (inside "
+                        "sf.jit and on sf.Arrays)")
+    if method not in _METHODS:
+        raise ValueError(f"np.{what}(method={method!r}) is not supported on shardfuse values (inside sf.jit and "
+                         f"on sf.Arrays): methods {_METHODS}")
+    qs = np.asarray(q, np.float64) / full
+    if qs.dtype.kind not in "f" or not np.all((qs >= 0) & (qs <= 1)):
+        raise ValueError(f"np.{what}: q must be numbers in [0, {full:g}] known when the plan is built, got {q!r}")
+    strong = not isinstance(q, (int, float))  # (a Python number is weak, as NumPy 2's)
+    return apply_op(_quantiles, what, a, tuple(qs.ravel().tolist()), qs.shape, _axes_key(axis), method, keepdims,
+                    strong, what == "median")
+
+
+def _quantiles(v, qs, q_shape, axis, method, keepdims, strong, median):
+    if method in ("lower", "higher", "nearest"):
+        dt = wide = v.dtype_name  # (elements picked: x's dtype)
+    elif v.dtype_name == "bool" and not median:
+        raise TypeError(f"np.quantile(method={method!r}) of the boolean array {describe(v)}: NumPy refuses it (a "
+                        "subtraction of booleans); cast first, x.astype('float32'), or use method='lower'")
+    else:
+        dt, wide = _wide(v)
+        if strong and dt != "float64":
+            dt = wide = "float64"
+    axes = tuple(sorted(reduced_axes(axis, v.ndim, v.shape)))
+    rest = [k for k in range(v.ndim) if k not in axes]
+    w = v.transpose(rest + list(axes)) if rest + list(axes) != list(range(v.ndim)) else v
+    s = sort(w.reshape(tuple(v.shape[k] for k in rest) + (-1,)).astype(wide), -1)
+    n = s.shape[-1]
+    picked = [_rank(s, q * (n - 1), method) for q in qs]
+    r = NUMPY[np.stack](picked, 0).reshape(q_shape + picked[0].shape)
+    if dtypes.is_float(wide):
+        r = where(isnan(s[..., n - 1]), np.nan, r)  # (sorted NaN last: a slice holding one gives NaN)
+    if keepdims:
+        r = r.reshape(q_shape + tuple(1 if k in axes else m for k, m in enumerate(v.shape)))
+    return r.astype(dt)
+
+
+def _rank(s, pos, method):
+    """The value at fractional rank pos of the sorted last axis, by NumPy's method."""
+    lo = math.floor(pos)
+    hi = min(lo + 1, s.shape[-1] - 1)
+    t = pos - lo
+    a, b = s[..., lo], s[..., hi]
+    if method == "lower" or t == 0:
+        return a
+    if method == "higher":
+        return b
+    if method == "nearest":  # (halves to even, as NumPy's around)
+        return b if round(pos) == hi else a
+    if method == "midpoint":
+        return (a + b) * 0.5
+    return b - (b - a) * (1 - t) if t >= 0.5 else a + (b - a) * t  # (NumPy's _lerp)
+
+
+# ---- diagonals ----
+def diagonal(a, offset=0, axis1=0, axis2=1):
+    """np.diagonal: the elements (i, i + offset) of axes axis1 and axis2, along a new last axis."""
+    return apply_op(_diagonal, "diagonal", a, int(offset), axis1, axis2)
+
+
+def _diagonal(v, offset, axis1, axis2):
+    a1, a2 = normalize_axis(axis1, v.ndim, v.shape), normalize_axis(axis2, v.ndim, v.shape)
+    if a1 == a2:
+        raise ValueError(f"np.diagonal of {describe(v)}: axis1 and axis2 cannot be the same")
+    rest = [k for k in range(v.ndim) if k not in (a1, a2)]
+    w = v.transpose([a1, a2] + rest)
+    rows = np.arange(max(0, -offset), max(0, min(w.shape[0], w.shape[1] - offset)))
+    d = w[rows, rows + offset]  # (k, *rest): NumPy puts the diagonal last
+    return d.transpose(list(range(1, d.ndim)) + [0]) if d.ndim > 1 else d
+
+
+def trace(a, offset=0, axis1=0, axis2=1, dtype=None, out=None):
+    """np.trace: the sum of np.diagonal (integers in int64, as NumPy's sum)."""
+    if out is not None:
+        raise TypeError("np.trace with out= is not supported on shardfuse values (inside sf.jit and on sf.Arrays): "
+                        "write y = np.trace(x)")
+    return diagonal(a, offset, axis1, axis2).sum(-1, dtype=dtype)
+
+
+NUMPY.update({
+    np.count_nonzero: count_nonzero, np.average: average, np.ptp: ptp, np.nan_to_num: nan_to_num,
+    np.nansum: nansum, np.nanmean: nanmean, np.nanmax: nanmax, np.nanmin: nanmin, np.nanprod: nanprod,
+    np.nancumsum: nancumsum, np.nancumprod: nancumprod, np.nanvar: nanvar, np.nanstd: nanstd,
+    np.quantile: quantile, np.percentile: percentile, np.median: median, np.diagonal: diagonal, np.trace: trace,
+})
