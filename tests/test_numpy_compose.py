@@ -8,8 +8,8 @@ against NumPy on fresh random inputs (NaN among them where the function ignores 
 NumPy's result dtypes in float16, bfloat16, float32, int32 and bool; gradients against central
 finite differences in float64 (a product with zeros among its factors too); the refusals.
 
-The case bodies (CASES, check, DTYPE_CASES, check_dtype) are shared: tests/test_gpu_numpy_compose.py
-runs them on the CuPy backend.
+The case bodies (CASES, check, DTYPE_CASES, check_dtype, GRADIENTS, check_gradient) are shared:
+tests/test_gpu_numpy_compose.py runs them on the CuPy backend, tests/mpi/test_compose_mpi.py under mpiexec.
 """
 from __future__ import annotations
 
@@ -176,11 +176,11 @@ def _of(rng, dtype):
     return _real(rng, (8, 8)).astype(ml_dtypes.bfloat16 if dtype == "bfloat16" else dtype)
 
 
-def check_dtype(name, dtype, mesh):
+def check_dtype(name, dtype, mesh, rng=None):
     """DTYPE_CASES[name] in dtype, its first axis sharded: NumPy's result dtype (bfloat16 where NumPy's
     float16 stand-in gives float16), NumPy's values in float64 (16-bit floats: their tolerance)."""
     fn = DTYPE_CASES[name]
-    x = _of(np.random.default_rng(), dtype)
+    x = _of(rng or np.random.default_rng(), dtype)
     got = sf.jit(fn, mesh=mesh)(sf.shard(x, axis=0, mesh=mesh))
     stand_in = x.astype(np.float16) if dtype == "bfloat16" else x
     want = fn(stand_in)
@@ -221,10 +221,12 @@ GRADIENTS = {
 
 @pytest.mark.parametrize("name", sorted(GRADIENTS))
 def test_gradients_against_finite_differences(name):
+    check_gradient(name, mesh_of(4), np.random.default_rng())
+
+
+def check_gradient(name, mesh, rng):
     loss, make = GRADIENTS[name]
-    rng = np.random.default_rng()
     x = make(rng, (8, 8))
-    mesh = mesh_of(4)
     g = np.asarray(sf.jit(sf.grad(loss), mesh=mesh)(sf.shard(x, axis=1, mesh=mesh)))
     h, want = 1e-6, np.zeros_like(x)
     for k in np.ndindex(x.shape):
