@@ -207,14 +207,12 @@ def reduce(x, axis, method, out, dtype=None, keepdims=False, where=None, initial
     mean dtype= and where= (a mask, an operand of the plan), max, min initial= and where=, as NumPy's."""
     what, summed = method.__name__, method in (Traced.sum, Traced.mean)
     bad = [*rest, *["out"] * (out is not None), *["dtype"] * (not summed and dtype is not None),
-           *["initial"] * (summed and initial is not None)]  # (NumPy's max takes no dtype=; a sum's initial=: x.sum() + c)
+           *["initial"] * (method is Traced.mean and initial is not None)]  # (NumPy's max takes no dtype=)
     if bad:
         raise TypeError(f"sf.Array.{what} with {', '.join(k + '=' for k in bad)} is not supported (a new sf.Array)")
     axes = tuple(sorted(reduced_axes(axis, x.ndim, x.shape)))  # (one plan per set of axes)
     keepdims, dt = bool(keepdims), None if dtype is None else np.dtype(dtype).name
-    extra = {} if dt is None else {"dtype": dt}
-    if not summed and (initial is not None or where is not None):  # (np.max's: Traced.max takes neither)
-        method, extra = NUMPY[np.max if method is Traced.max else np.min], {"initial": initial}
+    extra = {**({} if dt is None else {"dtype": dt}), **({} if initial is None else {"initial": initial})}
 
     def reduction(v, *mask):  # (a mean of means: each scaled before it is rounded)
         return method(v, axes, keepdims=keepdims, **extra, **({"where": mask[0]} if mask else {}))
@@ -342,21 +340,21 @@ class ArrayOps(NumpyMethods):
                             "x.clip and indexing (np.asarray(x): the gathered NumPy value)")
         return binary(fn, *inputs) if ufunc.nin == 2 else unary(fn, inputs[0])
 
-    def sum(self, axis=None, dtype=None, out=None, keepdims=False, **rest):
-        """The sum over `axis` (an int, a tuple of them, or None: all), as a one-op plan."""
-        return reduce(self, axis, Traced.sum, out, dtype, keepdims, **rest)
+    def sum(self, axis=None, dtype=None, out=None, keepdims=False, initial=None, where=None, **rest):
+        """The sum over `axis` (an int, a tuple of them, or None: all), as a one-op plan (NumPy's argument order)."""
+        return reduce(self, axis, Traced.sum, out, dtype, keepdims, where, initial, **rest)
 
     def mean(self, axis=None, dtype=None, out=None, keepdims=False, **rest):
         """The mean over `axis` (an int, a tuple of them, or None: all), as a one-op plan."""
         return reduce(self, axis, Traced.mean, out, dtype, keepdims, **rest)
 
-    def max(self, axis=None, out=None, keepdims=False, **rest):
+    def max(self, axis=None, out=None, keepdims=False, initial=None, where=None, **rest):
         """The largest element over `axis`, as a one-op plan (a sharded axis is gathered first)."""
-        return reduce(self, axis, Traced.max, out, None, keepdims, **rest)
+        return reduce(self, axis, Traced.max, out, None, keepdims, where, initial, **rest)
 
-    def min(self, axis=None, out=None, keepdims=False, **rest):
+    def min(self, axis=None, out=None, keepdims=False, initial=None, where=None, **rest):
         """The smallest element over `axis`, as a one-op plan (a sharded axis is gathered first)."""
-        return reduce(self, axis, Traced.min, out, None, keepdims, **rest)
+        return reduce(self, axis, Traced.min, out, None, keepdims, where, initial, **rest)
 
     size = property(lambda self: math.prod(self.shape))  # (the number of elements, as NumPy's)
 

@@ -76,9 +76,9 @@ def _count(what, n) -> int:
     if isinstance(n, (list, tuple, np.ndarray)) and np.size(n) == 1:
         n = np.asarray(n).reshape(())[()]
     if isinstance(n, (bool, np.bool_)) or not isinstance(n, (int, np.integer)):
-        raise TypeError(f"{what}: repeats must be an int inside sf.jit and on sf.Arrays, got {type(n).__name__} "
-                        f"{n!r}: a count per element gives a shape that depends on the counts; repeat each "
-                        "slice and concatenate them (sf.concatenate), or write it outside on NumPy arrays")
+        raise TypeError(f"{what}: repeats must be an int, or a list or NumPy array of ints known when the plan is "
+                        f"built, got {type(n).__name__} {n!r}: traced counts would give a shape that depends on "
+                        "their values")
     return _extents(what, int(n), empty=True)[0]
 
 
@@ -86,8 +86,29 @@ def repeat(a, repeats, axis=None):
     """np.repeat / x.repeat with an int `repeats` (each element `repeats` times in a row along `axis`;
     axis None: of the flattened array), as NumPy's: GQA's repeat_kv, np.repeat(k, G, axis=1).  An
     axis of 1 after `axis` broadcast to `repeats` (broadcast_to) and merged into it (a reshape: a view
-    where the axis is sharded, its devices' rows repeated in place).  Array `repeats` are refused."""
+    where the axis is sharded, its devices' rows repeated in place).  A count per element, known when
+    the plan is built (a list or a NumPy array of ints): the elements taken by ids, np.take's rule (an
+    axis sharded is gathered first); traced counts are refused (the shape would depend on them)."""
+    if isinstance(repeats, (list, tuple, np.ndarray)) and np.size(repeats) != 1:
+        return apply_op(_repeat_each, "repeat", a, _counts(repeats), axis)
     return apply_op(_repeat, "repeat", a, _count("np.repeat", repeats), axis)
+
+
+def _counts(repeats) -> tuple:
+    r = np.asarray(repeats)
+    if r.ndim != 1 or (r.size and r.dtype.kind not in "iu") or (r < 0).any():
+        raise ValueError(f"np.repeat: repeats must be an int or a 1-D sequence of non-negative ints, got {repeats!r}")
+    return tuple(int(n) for n in r)
+
+
+def _repeat_each(x, counts, axis):
+    if axis is None:
+        x, axis = x.reshape(-1), 0
+    ax = normalize_axis(axis, x.ndim, x.shape)
+    if len(counts) != x.shape[ax]:
+        raise ValueError(f"np.repeat of {describe(x)}: {len(counts)} counts for axis {ax} of extent {x.shape[ax]} "
+                         "(NumPy's: one count per element, or one for all)")
+    return NUMPY[np.take](x, np.repeat(np.arange(len(counts)), counts), axis=ax)
 
 
 def _repeat(x, r, axis):

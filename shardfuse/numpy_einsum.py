@@ -13,7 +13,8 @@ that neither the output nor a later operand needs are summed first, then a pair 
 merged into one axis by a reshape, which gathers an inner sharded one first, printed), or an
 elementwise product where nothing is contracted.  Integers and booleans are never a matmul
 (there is no integer GEMM): their products are broadcast and summed.  A label repeated within
-one operand (a diagonal or trace, "ii->i") is refused.
+one operand ("ii->i", "ii", "bii->b") takes that operand's diagonal first (np.diagonal: advanced
+indexing, the axes made whole).
 """
 from __future__ import annotations
 
@@ -24,6 +25,7 @@ import numpy as np
 from shardfuse import dtypes
 from shardfuse.spec import normalize_axis
 from shardfuse.traced import NUMPY, Traced, cast, describe, is_scalar
+from shardfuse.numpy_stats import diagonal
 from shardfuse.traced_numpy import apply_op, defaults_only
 
 _ELLIPSIS = "."  # (an ellipsis axis is the label ".0", ".1", ...: never a letter)
@@ -48,7 +50,23 @@ def einsum(*operands, out=None, dtype=None, order="K", casting="safe", optimize=
 
 def _einsum(subscripts, *xs):
     labels, out = parse(subscripts, [x.ndim for x in xs])
-    return contract(xs, labels, out, f"np.einsum('{subscripts}')")
+    what = f"np.einsum('{subscripts}')"
+    xs, labels = zip(*(_diagonals(x, labs, what) for x, labs in zip(xs, labels)))
+    return contract(xs, labels, out, what)
+
+
+def _diagonals(x, labs, what) -> tuple:
+    """(x, labs) with each label repeated within the operand taken once, along its diagonal ("ii->i",
+    "bii->b": np.diagonal, the diagonal axis last)."""
+    labs = tuple(labs)
+    while (c := next((c for c in labs if labs.count(c) > 1), None)) is not None:
+        p, q = [k for k, d in enumerate(labs) if d == c][:2]
+        if x.shape[p] != x.shape[q]:
+            raise ValueError(f"{what}: the repeated subscript '{c}' has extents {x.shape[p]} and {x.shape[q]} in "
+                             f"{describe(x)} (a diagonal needs them equal)")
+        x = diagonal(x, 0, p, q)
+        labs = tuple(d for k, d in enumerate(labs) if k not in (p, q)) + (c,)
+    return x, labs
 
 
 def _arrays(what, xs):
@@ -80,13 +98,7 @@ def parse(subscripts: str, ndims) -> tuple:
         ell = tuple(f"{_ELLIPSIS}{j}" for j in range(width - e, width))
         labels.append(tuple(letters[:dots or 0]) + ell + tuple(letters[dots or 0:]) if dots is not None
                       else tuple(letters))
-    for k, labs in enumerate(labels):
-        repeated = sorted({c for c in labs if labs.count(c) > 1})
-        if repeated:
-            raise TypeError(f"{what}: the subscript '{repeated[0]}' repeats within operand {k} ('{terms[k]}': a "
-                            "diagonal or a trace) is not supported inside sf.jit and on sf.Arrays; write it with the "
-                            "ops, e.g. (x * np.eye(n)).sum(-1) for the diagonal of x")
-    seen = [c for labs in labels for c in labs]
+    seen = [c for labs in labels for c in labs]  # (implicit: a label repeated anywhere is summed, "ii" a trace)
     ell_out = tuple(f"{_ELLIPSIS}{j}" for j in range(width))
     if not arrow:  # implicit: the broadcast axes, then the labels seen once, in ASCII order
         return labels, ell_out + tuple(sorted(c for c in set(seen) if len(c) == 1 and seen.count(c) == 1))

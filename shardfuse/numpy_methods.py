@@ -84,6 +84,7 @@ class NumpyMethods:
 
 
 SUPPORTED_METHODS = ("x.shape / ndim / size / dtype, x.sum / mean / max / min / any / all / var / std / argmax / "
-                     "argmin(axis, keepdims=), x.cumsum(axis), x.argsort(axis), x.repeat(n, axis), x.clip, x.round(decimals), "
+                     "argmin(axis, keepdims=), x.cumsum / cumprod / prod(axis), x.trace(), x.diagonal(), x.argsort(axis), "
+                     "x.repeat(n, axis), x.clip, x.round(decimals), "
                      "x.astype(dtype), x.reshape / ravel / flatten / squeeze / transpose / swapaxes / T / mT, "
                      "x.copy(), x.dot(y), x[...], the operators + - * / // % ** @ < <= > >= == != & | ^ ~")

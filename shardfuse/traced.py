@@ -268,11 +268,12 @@ class Traced(NumpyMethods):
             raise TypeError(f"-x of the boolean array {describe(self)}: NumPy 2 refuses it; write ~x, or -x.astype('int32')")
         return self.unary_op(Op.NEG)
 
-    def sum(self, axis=None, dtype=None, out=None, keepdims=False, *, where=None):
-        """The sum over `axis` as NumPy's (ints, bools in int64; 16-bit floats in float32, rounded once)."""
-        if dtype is None and out is None and where is None:
+    def sum(self, axis=None, dtype=None, out=None, keepdims=False, initial=None, where=None):
+        """The sum over `axis` as NumPy's (ints, bools in int64; 16-bit floats in float32, rounded once);
+        NumPy's argument order (x.sum(axis, dtype, out, keepdims, initial, where))."""
+        if dtype is None and out is None and where is None and initial is None:
             return self._reduce(axis, Op.SUM, keepdims)
-        return NUMPY[np.sum](self, axis, dtype, out, keepdims, where=where)
+        return NUMPY[np.sum](self, axis, dtype, out, keepdims, initial, where)
 
     def mean(self, axis=None, dtype=None, out=None, keepdims=False, *, where=None):  # (NaN if empty)
         """The mean over `axis` (as sum): each axis' sum scaled by 1 / n before it is rounded."""
@@ -280,16 +281,18 @@ class Traced(NumpyMethods):
             return self._reduce(axis, "mean", keepdims)
         return NUMPY[np.mean](self, axis, dtype, out, keepdims, where=where)
 
-    def max(self, axis=None, keepdims=False, **initial_where):  # (np.max's initial= and where=: traced_numpy)
-        """The largest element over `axis` (NaN if any is), as NumPy's; ties share a gradient (jax_gradients.py)."""
-        if initial_where:
-            return NUMPY[np.max](self, axis, keepdims=keepdims, **initial_where)
+    def max(self, axis=None, out=None, keepdims=False, initial=None, where=None):
+        """The largest element over `axis` (NaN if any is), as NumPy's (its argument order: x.max(axis, out,
+        keepdims, initial, where), those two by traced_numpy); ties share a gradient (jax_gradients.py)."""
+        if out is not None or initial is not None or where is not None:
+            return NUMPY[np.max](self, axis, out, keepdims, initial, where)
         return shared_ties(self, self._reduce(axis, Op.REDUCE_MAX, keepdims), axis, keepdims)
 
-    def min(self, axis=None, keepdims=False, **initial_where):
-        """The smallest element over `axis` (NaN if any is), as NumPy's; ties share a gradient (jax_gradients.py)."""
-        if initial_where:
-            return NUMPY[np.min](self, axis, keepdims=keepdims, **initial_where)
+    def min(self, axis=None, out=None, keepdims=False, initial=None, where=None):
+        """The smallest element over `axis` (NaN if any is), as NumPy's (x.min(axis, out, keepdims, initial,
+        where)); ties share a gradient (jax_gradients.py)."""
+        if out is not None or initial is not None or where is not None:
+            return NUMPY[np.min](self, axis, out, keepdims, initial, where)
         return shared_ties(self, self._reduce(axis, Op.REDUCE_MIN, keepdims), axis, keepdims)
 
     def _reduce(self, axis, kind, keepdims=False):

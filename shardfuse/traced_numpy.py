@@ -215,34 +215,52 @@ def defaults_only(what: str, takes: str, **given):
 
 
 def _reduction(method):
-    """np.sum / mean / max / min (amax, amin) of a traced value: its method, axis= and keepdims= as NumPy's; for
-    sum and mean also dtype= (NumPy's accumulator and result dtype) and where= (a mask broadcast to x: sum
-    of the elements it keeps; mean over them, NaN where it keeps none, as NumPy's)."""
-    name, summed = method.__name__, method in (Traced.sum, Traced.mean)
+    """np.sum / mean / max / min (amax, amin) of a traced value, each with NumPy's signature (np.sum(a, axis,
+    dtype, out, keepdims, initial, where), np.mean(a, axis, dtype, out, keepdims, *, where), np.max(a, axis,
+    out, keepdims, initial, where)): its method, axis= and keepdims= as NumPy's; for sum and mean also dtype=
+    (NumPy's accumulator and result dtype) and where= (a mask broadcast to x: sum of the elements it keeps;
+    mean over them, NaN where it keeps none, as NumPy's); sum's initial= added; max / min initial= and where=."""
+    name = method.__name__
 
-    def call(a, axis=None, dtype=None, out=None, keepdims=False, where=None, initial=None, **rest):
+    def reduced(a, axis, dtype, out, keepdims, where, initial, rest):
         takes = f"np.{name}(x, axis, keepdims=...) or x.{name}(axis, keepdims=...), a new value"
-        defaults_only(f"np.{name}", takes, out=out, **rest, **({"initial": initial} if summed else {"dtype": dtype}))
-        if dtype is not None:  # (the result in it too: an integer sum is int64 otherwise, a probe)
-            dtype = dtype if isinstance(dtype, str) else np.dtype(dtype).name
-            return call(a.astype(dtype), axis, None, None, keepdims, where).astype(dtype)
-        if (where is None or where is True) and initial is None:
-            return method(a, axis, keepdims=keepdims)
-        kept = None if where is None or where is True else \
-            where if isinstance(where, Traced) else a.builder.constant(np.asarray(where, dtype=bool))
-        if not summed:
-            return _extremum_from(method, a, axis, keepdims, kept, initial)
-        if method is Traced.sum:
-            return _where(kept, a, 0).sum(axis, keepdims=keepdims)
-        # (NumPy's mean: integers in float64, 16-bit floats in float32, each rounded once to the result)
-        out_dt = a.dtype_name if dtypes.is_float(a.dtype_name) else "float64"
-        work = "float64" if out_dt == "float64" else "float32"
-        total = _where(kept, a.astype(work), 0).sum(axis, keepdims=keepdims)
-        ones = a.unary_op(Op.FULL_LIKE, work, value=1.0)  # (the mask counted over a's shape)
-        count = _where(kept, ones, 0).sum(axis, keepdims=keepdims)
-        return (total / count).astype(out_dt)
+        defaults_only(f"np.{name}", takes, out=out, **rest)
+        return _reduced(method, a, axis, dtype, keepdims, where, initial)
+
+    if method is Traced.sum:
+        def call(a, axis=None, dtype=None, out=None, keepdims=False, initial=None, where=None, **rest):
+            return reduced(a, axis, dtype, out, keepdims, where, initial, rest)
+    elif method is Traced.mean:
+        def call(a, axis=None, dtype=None, out=None, keepdims=False, *, where=None, **rest):
+            return reduced(a, axis, dtype, out, keepdims, where, None, rest)
+    else:
+        def call(a, axis=None, out=None, keepdims=False, initial=None, where=None, **rest):
+            return reduced(a, axis, None, out, keepdims, where, initial, rest)
     call.__name__ = name
     return call
+
+
+def _reduced(method, a, axis, dtype, keepdims, where, initial):
+    if dtype is not None:  # (the result in it too: an integer sum is int64 otherwise, a probe)
+        dtype = dtype if isinstance(dtype, str) else np.dtype(dtype).name
+        return _reduced(method, a.astype(dtype), axis, None, keepdims, where, initial).astype(dtype)
+    if method is Traced.sum and initial is not None:  # (NumPy's: the sum plus initial, in the sum's dtype)
+        return _reduced(method, a, axis, None, keepdims, where, None) + initial
+    if (where is None or where is True) and initial is None:
+        return method(a, axis, keepdims=keepdims)
+    kept = None if where is None or where is True else \
+        where if isinstance(where, Traced) else a.builder.constant(np.asarray(where, dtype=bool))
+    if method in (Traced.max, Traced.min):
+        return _extremum_from(method, a, axis, keepdims, kept, initial)
+    if method is Traced.sum:
+        return _where(kept, a, 0).sum(axis, keepdims=keepdims)
+    # (NumPy's mean: integers in float64, 16-bit floats in float32, each rounded once to the result)
+    out_dt = a.dtype_name if dtypes.is_float(a.dtype_name) else "float64"
+    work = "float64" if out_dt == "float64" else "float32"
+    total = _where(kept, a.astype(work), 0).sum(axis, keepdims=keepdims)
+    ones = a.unary_op(Op.FULL_LIKE, work, value=1.0)  # (the mask counted over a's shape)
+    count = _where(kept, ones, 0).sum(axis, keepdims=keepdims)
+    return (total / count).astype(out_dt)
 
 
 def _extremum_from(method, a, axis, keepdims, kept, initial):

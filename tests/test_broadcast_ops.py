@@ -49,6 +49,8 @@ CASES = {
     "repeat flattened": (lambda x: np.repeat(x, 2), None, [((8, 12), _real)]),
     "x.repeat axis=0": (lambda x: x.repeat(3, axis=0), lambda x: x.repeat(3, axis=0), [((8, 12), _real)]),
     "repeat [2]": (lambda x: np.repeat(x, [2], axis=0), None, [((8, 12), _real)]),
+    "repeat a count each": (lambda x: np.repeat(x, [1, 0, 2, 3, 1, 1, 4, 0], axis=0) + 1.0, None, [((8, 12), _real)]),
+    "repeat counts flattened": (lambda x: np.repeat(x, np.arange(96) % 3), None, [((8, 12), _real)]),
     "tile (2, 3)": (lambda x: np.tile(x, (2, 3)), None, [((8, 12), _real)]),
     "tile int": (lambda x: np.tile(x, 2), None, [((8, 12), _real)]),
     "tile more reps than axes": (lambda x: np.tile(x, (2, 1, 1)), None, [((8, 12), _real)]),
@@ -261,7 +263,8 @@ def test_a_learning_rate_schedule_with_a_traced_step():
 
 
 @pytest.mark.parametrize("fn, error, match", [
-    (lambda x: np.repeat(x, np.array([1, 2, 3, 4, 1, 2, 3, 4]), axis=0), TypeError, "repeats must be an int"),
+    (lambda x: np.repeat(x, np.array([1, 2, 3]), axis=0), ValueError, r"3 counts for axis 0 of extent 8"),
+    (lambda x: np.repeat(x, [1, -2] * 4, axis=0), ValueError, r"repeats must be an int or a 1-D sequence of non-neg"),
     (lambda x: np.repeat(x, 2.0), TypeError, "repeats must be an int"),
     (lambda x: np.repeat(x, -1), ValueError, "negative"),
     (lambda x: np.broadcast_to(x, (8, 6)), ValueError, "cannot be broadcast to"),

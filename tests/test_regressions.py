@@ -343,3 +343,24 @@ def test_a_jitted_partial_or_callable_object_nests_prints_and_refuses_by_its_nam
     jd = sf.jit(Double(), mesh=mesh)
     assert repr(jd).startswith("sf.jit(Double, mesh="), repr(jd)
     assert float(np.asarray(sf.jit(lambda v: jd(v).sum(), mesh=mesh)(np.ones(4)))) == 8.0
+
+
+@pytest.mark.parametrize("jit", [True, False], ids=["jit", "eager"])
+def test_numpys_reductions_read_their_positional_arguments_in_numpys_order(jit):
+    """A fuzzer: inside sf.jit np.sum / np.max / np.min read (a, axis, dtype, out, keepdims, where, initial),
+    so np.sum(x, 0, None, None, False, 0) masked everything (initial read as where=) and np.max(x, 0, None,
+    False, 4.0) kept the dimensions and dropped initial; x.max(0, None, True) raised."""
+    mesh = sf.DeviceMesh(2, backend="numpy")
+    x = rng().standard_normal((4, 6))
+    a = sf.shard(x, axis=0, mesh=mesh)
+    calls = [lambda v: np.sum(v, 0, None, None, False, 0.5), lambda v: np.max(v, 0, None, False, 4.0),
+             lambda v: np.min(v, 1, None, False, -1.0), lambda v: np.max(v, 0, None, True),
+             lambda v: np.amin(v, 0, None, True), lambda v: np.amax(v, 1, None, False, 0.0, v > 0),
+             lambda v: v.max(0, None, True), lambda v: v.min(1, None, False, 0.25), lambda v: v.sum(1, None, None, True, 2.0),
+             lambda v: np.sum(v, 1, None, None, False, 1.5, v > 0), lambda v: np.mean(v, 0, None, None, True),
+             lambda v: v.sum(initial=3.0)]
+    for call in calls:
+        want = call(x)
+        got = np.asarray((sf.jit(call, mesh=mesh) if jit else call)(a))
+        assert got.shape == want.shape and got.dtype == want.dtype, (got.shape, want.shape)
+        np.testing.assert_allclose(got, want, rtol=1e-13)
