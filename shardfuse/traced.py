@@ -282,15 +282,13 @@ class Traced(NumpyMethods):
         return NUMPY[np.mean](self, axis, dtype, out, keepdims, where=where)
 
     def max(self, axis=None, out=None, keepdims=False, initial=None, where=None):
-        """The largest element over `axis` (NaN if any is), as NumPy's (its argument order: x.max(axis, out,
-        keepdims, initial, where), those two by traced_numpy); ties share a gradient (jax_gradients.py)."""
+        """The largest element over `axis` (NaN if any is), NumPy's arguments; ties share a gradient."""
         if out is not None or initial is not None or where is not None:
             return NUMPY[np.max](self, axis, out, keepdims, initial, where)
         return shared_ties(self, self._reduce(axis, Op.REDUCE_MAX, keepdims), axis, keepdims)
 
     def min(self, axis=None, out=None, keepdims=False, initial=None, where=None):
-        """The smallest element over `axis` (NaN if any is), as NumPy's (x.min(axis, out, keepdims, initial,
-        where)); ties share a gradient (jax_gradients.py)."""
+        """The smallest element over `axis` (NaN if any is), NumPy's arguments; ties share a gradient."""
         if out is not None or initial is not None or where is not None:
             return NUMPY[np.min](self, axis, out, keepdims, initial, where)
         return shared_ties(self, self._reduce(axis, Op.REDUCE_MIN, keepdims), axis, keepdims)

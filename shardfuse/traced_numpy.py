@@ -215,27 +215,23 @@ def defaults_only(what: str, takes: str, **given):
 
 
 def _reduction(method):
-    """np.sum / mean / max / min (amax, amin) of a traced value, each with NumPy's signature (np.sum(a, axis,
-    dtype, out, keepdims, initial, where), np.mean(a, axis, dtype, out, keepdims, *, where), np.max(a, axis,
-    out, keepdims, initial, where)): its method, axis= and keepdims= as NumPy's; for sum and mean also dtype=
-    (NumPy's accumulator and result dtype) and where= (a mask broadcast to x: sum of the elements it keeps;
-    mean over them, NaN where it keeps none, as NumPy's); sum's initial= added; max / min initial= and where=."""
+    """np.sum / mean / max / min (amax, amin) of a traced value with NumPy's signature each (np.max's is (a,
+    axis, out, keepdims, initial, where)): dtype=, where= (a mask), sum's initial= added, max's compared."""
     name = method.__name__
 
     def reduced(a, axis, dtype, out, keepdims, where, initial, rest):
-        takes = f"np.{name}(x, axis, keepdims=...) or x.{name}(axis, keepdims=...), a new value"
-        defaults_only(f"np.{name}", takes, out=out, **rest)
+        defaults_only(f"np.{name}", f"np.{name}(x, axis, keepdims=...), a new value", out=out, **rest)
         return _reduced(method, a, axis, dtype, keepdims, where, initial)
 
-    if method is Traced.sum:
-        def call(a, axis=None, dtype=None, out=None, keepdims=False, initial=None, where=None, **rest):
-            return reduced(a, axis, dtype, out, keepdims, where, initial, rest)
-    elif method is Traced.mean:
-        def call(a, axis=None, dtype=None, out=None, keepdims=False, *, where=None, **rest):
-            return reduced(a, axis, dtype, out, keepdims, where, None, rest)
-    else:
-        def call(a, axis=None, out=None, keepdims=False, initial=None, where=None, **rest):
-            return reduced(a, axis, None, out, keepdims, where, initial, rest)
+    def sum_(a, axis=None, dtype=None, out=None, keepdims=False, initial=None, where=None, **rest):
+        return reduced(a, axis, dtype, out, keepdims, where, initial, rest)
+
+    def mean_(a, axis=None, dtype=None, out=None, keepdims=False, *, where=None, **rest):
+        return reduced(a, axis, dtype, out, keepdims, where, None, rest)
+
+    def extremum(a, axis=None, out=None, keepdims=False, initial=None, where=None, **rest):
+        return reduced(a, axis, None, out, keepdims, where, initial, rest)
+    call = {Traced.sum: sum_, Traced.mean: mean_}.get(method, extremum)
     call.__name__ = name
     return call
 
@@ -264,8 +260,7 @@ def _reduced(method, a, axis, dtype, keepdims, where, initial):
 
 
 def _extremum_from(method, a, axis, keepdims, kept, initial):
-    """np.max / np.min with initial= (and where=, which NumPy's needs it for): the extremum of initial (cast
-    to x's dtype, as NumPy's) and the elements the mask keeps."""
+    """np.max / np.min with initial= (cast to x's dtype) and where=: the extremum of initial and the kept."""
     if initial is None:
         raise ValueError(f"np.{method.__name__} with where=: NumPy's needs initial= too (the result where the mask "
                          f"keeps nothing), e.g. np.{method.__name__}(x, axis, where=mask, initial=-np.inf)")
