@@ -23,12 +23,11 @@ import threading
 import numpy as np
 
 from shardfuse import constants, trace
-from shardfuse.dtypes import normalize_dtype, np_dtype
 from shardfuse.executor import Executable
 from shardfuse.interop import array_info
 from shardfuse.ir import TensorType
 from shardfuse.layout import Layout
-from shardfuse.numpy_methods import NumpyMethods
+from shardfuse.numpy_methods import NumpyMethods, c_order, cast_to
 from shardfuse.ops import Op
 from shardfuse.passes import compile_program
 from shardfuse.plan_cache import PlanCache
@@ -286,10 +285,10 @@ class ArrayOps(NumpyMethods):
     def __invert__(self):
         return unary(operator.invert, self)
 
-    def astype(self, dtype):
+    def astype(self, dtype, order="K", casting="unsafe", subok=True, copy=True):
         """This array in another dtype (float16, bfloat16, float32, float64, int32, int64, bool): a
-        local cast on every device, the sharding kept."""
-        return apply(Traced.astype, (self, np_dtype(normalize_dtype(dtype)).name), "x.astype")  # (one fn: one plan)
+        local cast on every device, the sharding kept (NumPy's casting= checked)."""
+        return apply(Traced.astype, (self, cast_to(self.dtype.name, dtype, casting)), "x.astype")  # (one fn: one plan)
 
     def transpose(self, *axes):
         """The axes permuted (NumPy's x.transpose; no axes: reversed), the sharding moving with them:
@@ -301,8 +300,9 @@ class ArrayOps(NumpyMethods):
     def swapaxes(self, axis1, axis2):
         return apply(Traced.swapaxes, (self, axis1, axis2), "x.swapaxes")
 
-    def reshape(self, *shape):
+    def reshape(self, *shape, order="C"):
         """NumPy's x.reshape, as inside sf.jit (refused where it would cross a sharded axis's boundary)."""
+        c_order("x.reshape", order)
         return apply(Traced.reshape, (self, *shape), "x.reshape")
 
     def one_op(self, fn, args, name):
@@ -338,7 +338,7 @@ class ArrayOps(NumpyMethods):
             raise TypeError(f"{what} on an sf.Array is not supported; shardfuse has {ufuncs}, the operators "
                             "+ - * / // % @ & | ^ ~, abs(), x.sum(axis), x.mean(axis), x.var / std / argmax / argmin(axis), "
                             "x.clip and indexing (np.asarray(x): the gathered NumPy value)")
-        return binary(fn, *inputs) if ufunc.nin == 2 else unary(fn, inputs[0])
+        return fn(*inputs) if ufunc.nout > 1 else binary(fn, *inputs) if ufunc.nin == 2 else unary(fn, inputs[0])
 
     def sum(self, axis=None, dtype=None, out=None, keepdims=False, initial=None, where=None, **rest):
         """The sum over `axis` (an int, a tuple of them, or None: all), as a one-op plan (NumPy's argument order)."""

@@ -1,5 +1,5 @@
 """NumPy's functions that are compositions of ops shardfuse has, on traced values and sf.Arrays:
-np.prod / cumprod (x.prod, x.cumprod), np.pad, np.diff, np.fmax / fmin, np.heaviside, np.fabs,
+np.clip (x.clip), np.prod / cumprod (x.prod, x.cumprod), np.pad, np.diff, np.fmax / fmin, np.heaviside, np.fabs,
 np.positive, np.degrees / radians (rad2deg / deg2rad), np.logaddexp2, and the joins np.hstack / vstack /
 dstack / column_stack, np.atleast_1d / 2d / 3d, np.unstack, np.broadcast_arrays; their entries of the
 NUMPY table.
@@ -24,8 +24,8 @@ from shardfuse.numpy_broadcast import broadcast_to, logaddexp
 from shardfuse.numpy_math import isnan
 from shardfuse.ops import Op
 from shardfuse.spec import normalize_axis, reduced_axes
-from shardfuse.traced import NUMPY, describe
-from shardfuse.traced_numpy import apply_op, maximum, minimum, scalar_operands, where
+from shardfuse.traced import NUMPY, Traced, describe
+from shardfuse.traced_numpy import apply_op, defaults_only, maximum, minimum, scalar_operands, where
 
 
 def _along(v, ax, index):
@@ -200,6 +200,29 @@ def _pad_side(v, ax, k, mode, value, before):
     return _along(v, ax, slice(start, stop if stop >= 0 else None, -1))
 
 
+_UNSET = object()  # (a bound not given, as NumPy's _NoValue: np.clip(x, lo) lacks a_max; None is no bound)
+
+
+def clip(a, a_min=_UNSET, a_max=_UNSET, out=None, *, min=_UNSET, max=_UNSET, **rest):  # noqa: A002 (NumPy's names)
+    """np.clip / x.clip: minimum(maximum(x, lo), hi) (jnp.clip's form: NaN kept, hi where lo > hi,
+    the gradient maximum's and minimum's); a bound None is no bound; bounds arrays or scalars."""
+    defaults_only("np.clip", "np.clip(x, lo, hi)", out=out, **rest)
+    given = [b is not _UNSET for b in (a_min, a_max, min, max)]  # (by identity: == of an array bound is elementwise)
+    if not all(given[:2]) if not any(given[2:]) else any(given[:2]):  # (NumPy's refusals)
+        raise TypeError("np.clip takes both bounds, np.clip(x, lo, hi) (None: no bound), or min= / max= alone")
+    lo, hi = (a_min, a_max) if any(given[:2]) else (min, max)
+    return apply_op(_clip, "clip", a, None if lo is _UNSET else lo, None if hi is _UNSET else hi)
+
+
+def _clip(x, lo, hi):
+    for b in (lo, hi):  # (NumPy's dtype is of all three at once: a bool x and an int32 bound is int32, a probe)
+        x = x.promote_with(b, Op.MAXIMUM)[0] if isinstance(b, Traced) else x.with_scalar(b, Op.MAXIMUM)[0] \
+            if isinstance(b, np.generic) else x
+    if lo is not None:
+        x = maximum(x, lo)
+    return x if hi is None else minimum(x, hi)
+
+
 def _elementwise(name, traced, doc):
     """The public function of a traced composition of elementwise steps (made once: outside jit it
     keys the one-op plan cache)."""
@@ -257,6 +280,11 @@ def _positive(v):
     if v.dtype_name == "bool":
         raise TypeError(f"np.positive of the boolean array {describe(v)}: NumPy has no positive of booleans")
     return v + 0 if dtypes.is_float(v.dtype_name) else v * 1
+
+
+def divmod_(x1, x2):
+    """np.divmod / divmod(x, y): (x // y, x % y), NumPy's floor division and remainder."""
+    return NUMPY[np.floor_divide](x1, x2), NUMPY[np.mod](x1, x2)
 
 
 fmax = _elementwise("fmax", _fmax, "np.fmax: the larger of two elements, NaN ignored (NaN only where both are).")
@@ -333,6 +361,7 @@ def broadcast_arrays(*args):
 
 
 NUMPY.update({
+    np.clip: clip, np.divmod: divmod_,
     np.atleast_1d: atleast_1d, np.atleast_2d: atleast_2d, np.atleast_3d: atleast_3d, np.hstack: hstack,
     np.vstack: vstack, np.dstack: dstack, np.column_stack: column_stack, np.unstack: unstack,
     np.broadcast_arrays: broadcast_arrays,

@@ -8,12 +8,31 @@ from __future__ import annotations
 
 import numpy as np
 
+from shardfuse import dtypes
+
 # NumPy function or ufunc -> the same on traced values (and on sf.Array: array_ops): adding an op is one
 # line.  Filled by shardfuse.traced_numpy (imported with the package), which holds the functions.
 NUMPY: dict = {}
 
 # NumPy functions that are also array methods (x.var(axis, ddof=1)), run through NUMPY on either class
 METHODS = (np.var, np.std, np.clip, np.argmax, np.argmin)
+
+
+def cast_to(src: str, dtype, casting="unsafe") -> str:
+    """x.astype(dtype, casting=)'s dtype name, refused where NumPy's casting rule refuses the cast (order=,
+    subok= and copy= are about memory, which shardfuse values do not share: accepted, as JAX's)."""
+    dt = dtypes.normalize_dtype(dtype)
+    if casting != "unsafe" and not np.can_cast(dtypes.np_dtype(src), dtypes.np_dtype(dt), casting):
+        raise TypeError(f"Cannot cast array data from dtype('{src}') to dtype('{dt}') according to the rule "
+                        f"{casting!r} (NumPy's astype refusal)")
+    return dt
+
+
+def c_order(what, order):
+    """x.reshape(..., order=): C order only (shardfuse values are read in C order)."""
+    if order != "C":
+        raise TypeError(f"{what}(..., order={order!r}) is not supported on shardfuse values (inside sf.jit and on "
+                        "sf.Arrays): they are read in C order; write it without order=")
 
 
 def _method(func):
@@ -65,6 +84,13 @@ class NumpyMethods:
     def round(self, decimals=0, out=None):
         """np.round(x, decimals) as NumPy's method: halves to even."""
         return NUMPY[np.round](self, decimals, out)
+
+    __pos__ = _method(np.positive)
+    __divmod__, __rdivmod__ = _operator(np.divmod), _operator(np.divmod, reflected=True)
+
+    def __round__(self, ndigits=None):
+        """round(x) as NumPy's: np.round(x, ndigits), an array (not a Python number)."""
+        return NUMPY[np.round](self, ndigits or 0)
 
     prod, cumprod = _method(np.prod), _method(np.cumprod)  # (x.prod(axis=None, dtype=None, ...): NumPy's order)
     trace, diagonal = _method(np.trace), _method(np.diagonal)

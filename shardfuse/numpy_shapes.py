@@ -24,13 +24,16 @@ from shardfuse.traced_numpy import apply_op, maximum, minimum, where
 
 def _order_c(what, order, allowed=("C",)):
     if order not in allowed:
+        memory = " ('K' and 'A' follow a memory layout, which shardfuse values do not have: JAX refuses 'K' too)" \
+            if order in ("K", "A") else ""
         raise TypeError(f"{what}(..., order={order!r}) is not supported on shardfuse values (inside sf.jit and on "
-                        "sf.Arrays): they are read in C order; write it without order=")
+                        f"sf.Arrays): they are read in C order{memory}; write it without order=")
 
 
 def ravel(a, order="C"):
-    """np.ravel / x.ravel / x.flatten: x.reshape(-1), C order (a sharded inner axis is gathered first)."""
-    _order_c("np.ravel", order, ("C", "K", "A"))
+    """np.ravel / x.ravel / x.flatten: x.reshape(-1), C order (a sharded inner axis is gathered first); 'K' and
+    'A' are refused (NumPy reads a transposed view's memory order: a.T.ravel('K') is not a.T.ravel())."""
+    _order_c("np.ravel", order)
     return a.reshape(-1)
 
 

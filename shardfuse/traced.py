@@ -13,7 +13,7 @@ import numpy as np
 from shardfuse import constants, dtypes, promotion
 from shardfuse.ir import Instr, Namer, TensorType, Value
 from shardfuse.mesh import as_int, meeting_mesh, mixed_meshes
-from shardfuse.numpy_methods import NUMPY, NumpyMethods
+from shardfuse.numpy_methods import NUMPY, NumpyMethods, c_order, cast_to
 from shardfuse.ops import ELEMENTWISE, Op
 from shardfuse.spec import check_axis, normalize_axis, reduced_axes
 from shardfuse.jax_gradients import abs_at_zero, shared_ties
@@ -174,10 +174,10 @@ class Traced(NumpyMethods):
     def __rpow__(self, other):  # c ** x
         return NUMPY[np.power](other, self) if is_weak_scalar(other) else NotImplemented
 
-    def astype(self, dtype):
+    def astype(self, dtype, order="K", casting="unsafe", subok=True, copy=True):
         """x in another dtype (float16, bfloat16, float32, float64, int32, int64, bool), as NumPy's
-        astype (floats to integers truncate toward zero); a cast to x's own dtype is x."""
-        dt = dtypes.normalize_dtype(dtype)
+        astype (floats to integers truncate toward zero; casting= checked); a cast to x's own dtype is x."""
+        dt = cast_to(self.dtype_name, dtype, casting)
         if dt == self.dtype_name and not self.weak:
             return self
         out = self.unary_op(Op.ASTYPE, dt)
@@ -329,7 +329,8 @@ class Traced(NumpyMethods):
 
     T = property(lambda self: self.transpose())
 
-    def reshape(self, *shape):
+    def reshape(self, *shape, order="C"):
+        c_order("x.reshape", order)
         shape = tuple(shape[0]) if len(shape) == 1 and isinstance(shape[0], (tuple, list)) else shape
         shape = tuple(as_int(s, f"reshape of {self.shape}: an extent") for s in shape)
         size = int(np.prod(self.shape))

@@ -149,8 +149,12 @@ def where(c, x, y):
 
 
 def _where(c, x, y):
-    if not isinstance(c, Traced):
-        raise TypeError(f"sf.where: the condition must be an array inside sf.jit, got {type(c).__name__}")
+    if not isinstance(c, Traced):  # (a scalar condition beside an array: a 0-d constant, as NumPy's np.where(True, ...))
+        t = next((v for v in (x, y) if isinstance(v, Traced)), None)
+        if t is None or not isinstance(c, (bool, int, float, np.generic)):
+            raise TypeError(f"sf.where: the condition must be an array, or a scalar beside an array x or y, got "
+                            f"{type(c).__name__}")
+        c = t.builder.constant(np.asarray(c != 0))
     c = c if c.dtype_name == "bool" else c.astype("bool")
     for v in (x, y):
         if not (isinstance(v, Traced) or is_weak_scalar(v)):
@@ -210,8 +214,8 @@ def defaults_only(what: str, takes: str, **given):
     """Refuse the arguments of a NumPy function shardfuse's op lacks (None / False: NumPy's defaults)."""
     bad = [k for k, v in given.items() if v is not None and v is not False]
     if bad:
-        raise TypeError(f"{what} with {', '.join(k + '=' for k in bad)} is not supported on traced shardfuse values "
-                        f"(inside sf.jit): write {takes}")
+        raise TypeError(f"{what} with {', '.join(k + '=' for k in bad)} is not supported on shardfuse values "
+                        f"(inside sf.jit and on sf.Arrays): write {takes}")
 
 
 def _reduction(method):
@@ -285,14 +289,16 @@ def var(a, axis=None, dtype=None, out=None, ddof=0, keepdims=False, *, correctio
     """np.var / x.var: the mean of the squared deviations from the mean over `axis` (an int, a tuple, None:
     all), times n / (n - ddof) (correction=: the array API's ddof), as NumPy's (integers and booleans in
     float64; inf or NaN where n <= ddof).  mean((x - mean(x))**2): a sharded axis' means Allreduced."""
-    defaults_only("np.var", "np.var(x, axis, ddof=, keepdims=)", dtype=dtype, out=out, **rest)
-    return _apply(_var, "var", a, _axis_key(axis), ddof if correction is None else correction, bool(keepdims), False)
+    defaults_only("np.var", "np.var(x, axis, ddof=, keepdims=)", out=out, **rest)
+    return _apply(_var, "var", a, _axis_key(axis), ddof if correction is None else correction, bool(keepdims), False,
+                  None if dtype is None else dtypes.normalize_dtype(dtype))
 
 
 def std(a, axis=None, dtype=None, out=None, ddof=0, keepdims=False, *, correction=None, **rest):
     """np.std / x.std: sqrt(var(x, axis, ddof, keepdims)), as NumPy's."""
-    defaults_only("np.std", "np.std(x, axis, ddof=, keepdims=)", dtype=dtype, out=out, **rest)
-    return _apply(_var, "std", a, _axis_key(axis), ddof if correction is None else correction, bool(keepdims), True)
+    defaults_only("np.std", "np.std(x, axis, ddof=, keepdims=)", out=out, **rest)
+    return _apply(_var, "std", a, _axis_key(axis), ddof if correction is None else correction, bool(keepdims), True,
+                  None if dtype is None else dtypes.normalize_dtype(dtype))
 
 
 def norm(x, ord=None, axis=None, keepdims=False):  # noqa: A002 (NumPy's name)
@@ -320,34 +326,14 @@ def _axis_key(axis):  # (axis as a hashable value, a list to a tuple: outside ji
     return tuple(axis) if isinstance(axis, list) else axis
 
 
-def _var(x, axis, ddof, keepdims, root):
-    x = _statistic_input(x)
+def _var(x, axis, ddof, keepdims, root, dtype):
+    x = _statistic_input(x) if dtype is None else x.astype(dtype)  # (dtype=: computed and returned in it)
     n = math.prod(x.shape[a] for a in reduced_axes(axis, x.ndim, x.shape))
     d = x - x.mean(axis, keepdims=True)
     v = (d * d).mean(axis, keepdims=keepdims)
     if ddof:  # (NumPy divides by max(n - ddof, 0): a positive sum over 0 is inf, 0 / 0 NaN, as mean * inf;
         v = v.unary_op(Op.SCALE, value=n / (n - ddof) if n > ddof else math.inf)  # the factor not rounded)
     return sqrt(v) if root else v
-
-
-_UNSET = object()  # (a bound not given, as NumPy's _NoValue: np.clip(x, lo) lacks a_max; None is no bound)
-
-
-def clip(a, a_min=_UNSET, a_max=_UNSET, out=None, *, min=_UNSET, max=_UNSET, **rest):  # noqa: A002 (NumPy's names)
-    """np.clip / x.clip: minimum(maximum(x, lo), hi) (jnp.clip's form: NaN kept, hi where lo > hi,
-    the gradient maximum's and minimum's); a bound None is no bound; bounds arrays or scalars."""
-    defaults_only("np.clip", "np.clip(x, lo, hi)", out=out, **rest)
-    given = [b is not _UNSET for b in (a_min, a_max, min, max)]  # (by identity: == of an array bound is elementwise)
-    if not all(given[:2]) if not any(given[2:]) else any(given[:2]):  # (NumPy's refusals)
-        raise TypeError("np.clip takes both bounds, np.clip(x, lo, hi) (None: no bound), or min= / max= alone")
-    lo, hi = (a_min, a_max) if any(given[:2]) else (min, max)
-    return _apply(_clip, "clip", a, None if lo is _UNSET else lo, None if hi is _UNSET else hi)
-
-
-def _clip(x, lo, hi):
-    if lo is not None:
-        x = maximum(x, lo)
-    return x if hi is None else minimum(x, hi)
 
 
 def argmax(a, axis=None, out=None, *, keepdims=False):
@@ -393,7 +379,7 @@ NUMPY.update({  # NumPy function or ufunc -> the same on traced values: adding a
     np.where: _where_numpy,  # (np.transpose, np.swapaxes, np.reshape: NUMPY_SHAPES)
     np.sum: _reduction(Traced.sum), np.mean: _reduction(Traced.mean), np.max: _reduction(Traced.max),
     np.amax: _reduction(Traced.max), np.min: _reduction(Traced.min), np.amin: _reduction(Traced.min),
-    np.var: var, np.std: std, np.clip: clip, np.argmax: argmax, np.argmin: argmin,
+    np.var: var, np.std: std, np.argmax: argmax, np.argmin: argmin,
     np.floor_divide: floor_divide, np.mod: mod,  # (np.remainder is np.mod)
     np.linalg.norm: norm,
     **NUMPY_SHAPES,  # np.concatenate, np.stack, np.split

@@ -364,3 +364,35 @@ def test_numpys_reductions_read_their_positional_arguments_in_numpys_order(jit):
         got = np.asarray((sf.jit(call, mesh=mesh) if jit else call)(a))
         assert got.shape == want.shape and got.dtype == want.dtype, (got.shape, want.shape)
         np.testing.assert_allclose(got, want, rtol=1e-13)
+
+
+@pytest.mark.parametrize("jit", [True, False], ids=["jit", "eager"])
+def test_numpys_spellings_a_fuzzer_met(jit):
+    """A NumPy-semantics fuzzer: np.clip of booleans took int64 / float64 from its pairwise maximum and minimum
+    (NumPy's dtype is of x and both bounds at once); np.where(True, x, y), +x, divmod(x, y), round(x),
+    x.astype(dt, copy=False), x.reshape(shape, order='C') and np.var / np.std(dtype=) raised; np.ravel(order='K')
+    of a transposed value was read in C order, silently (refused now, as JAX refuses it)."""
+    mesh = sf.DeviceMesh(2, backend="numpy")
+    b, x = np.array([True, False, True, False]), rng().standard_normal(4).astype(np.float32)
+    ba, xa = sf.shard(b, axis=0, mesh=mesh), sf.shard(x, axis=0, mesh=mesh)
+    run = (lambda f, *a: sf.jit(f, mesh=mesh)(*a)) if jit else (lambda f, *a: f(*a))
+    for bounds in [(-1, np.ones(4, np.int32)), (-1, np.ones(4, np.float32)), (0, np.float32(1.5)), (-1, 1)]:
+        got = run(lambda v: np.clip(v, *bounds), ba)
+        assert got.dtype == np.clip(b, *bounds).dtype, (bounds, got.dtype)
+        np.testing.assert_array_equal(np.asarray(got), np.clip(b, *bounds))
+    cases = [(lambda v: np.where(True, v, 0.5), lambda v: np.where(True, v, 0.5)),
+             (lambda v: np.where(np.False_, 1.5, v), lambda v: np.where(np.False_, 1.5, v)),
+             (lambda v: +v, lambda v: +v), (lambda v: divmod(v, 0.75)[1], lambda v: divmod(v, 0.75)[1]),
+             (lambda v: np.divmod(2.0, v)[0], lambda v: np.divmod(2.0, v)[0]), (round, np.round),
+             (lambda v: v.astype(np.float64, copy=False), lambda v: v.astype(np.float64, copy=False)),
+             (lambda v: v.reshape((2, 2), order="C"), lambda v: v.reshape((2, 2), order="C")),
+             (lambda v: np.std(v, 0, np.float64, ddof=1), lambda v: np.std(v, 0, np.float64, ddof=1)),
+             (lambda v: np.var(v, dtype="float16"), lambda v: np.var(v, dtype="float16"))]
+    for f, ref in cases:
+        got, want = run(f, xa), ref(x)
+        assert got.dtype == want.dtype and got.shape == want.shape, (got.dtype, want.dtype)
+        np.testing.assert_allclose(np.asarray(got), want, rtol=1e-3 if want.dtype == np.float16 else 1e-6)
+    with pytest.raises(TypeError, match=r"order='K'\) is not supported .* memory layout"):
+        run(lambda v: np.ravel(v.reshape(2, 2).T, order="K"), xa)
+    with pytest.raises(TypeError, match=r"according to the rule 'safe'"):
+        run(lambda v: v.astype("int32", casting="safe"), xa)
