@@ -35,6 +35,7 @@ import cupy
 
 from shardfuse.backends.cuda import boxes, collectives, copies, devices, fused, gemm, kernels
 from shardfuse.backends.cuda.graphs import GraphPlan
+from shardfuse.backends.elementwise_numpy import not_held
 from shardfuse.interop import torch_view, array_info, to_cupy, to_numpy
 from shardfuse.dtypes import np_dtype
 from shardfuse.ops import Reduce
@@ -173,8 +174,8 @@ class CupyNcclBackend:
 
     def bind_take(self, table, ids, rows, out, stream, vocab, devices=None):
         kern, width = self.kernels.take(), int(np.prod(table.shape[1:], dtype=np.int64))
-        return self.dev.on(devices).per_device((table, ids, rows, out), stream,
-                                               lambda j, t, i, r, o: kern(t, i, r, t.shape[0], vocab, width, o))
+        return self.dev.on(devices).per_device((table, ids, rows, out), stream, lambda j, t, i, r, o: kern(
+            t, i, r, t.shape[0], vocab, width, not_held(t.dtype), o))
 
     def bind_scatter_add(self, values, ids, rows, out, stream, vocab, devices=None):
         return kernels.bind_scatter_add(self.dev.on(devices), self.kernels, values, ids, rows, out, stream, vocab)

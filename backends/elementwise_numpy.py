@@ -235,7 +235,16 @@ def take_rows(xp, table, ids, rows, vocab, out):
     held = (loc >= 0) & (loc < table.shape[0])
     picked = xp.take(table, xp.clip(loc, 0, table.shape[0] - 1), axis=0)
     mask = held.reshape(held.shape + (1,) * (table.ndim - 1))
-    out[...] = xp.where(mask, picked, xp.zeros((), picked.dtype))
+    out[...] = xp.where(mask, picked, xp.asarray(not_held(picked.dtype), picked.dtype))
+
+
+def not_held(dtype):
+    """What a device writes for the rows it does not hold: -0.0 for floats (the sum over devices then
+    keeps a -0.0 row's sign: -0.0 + -0.0 is -0.0, where +0.0 made it +0.0; a fuzzer), 0 otherwise; a
+    bfloat16 moved as its uint16 bits gets -0.0's bits, 0x8000."""
+    if dtype == np.uint16:
+        return 0x8000
+    return -0.0 if dtype.kind == "f" or dtype.name == "bfloat16" else 0
 
 
 def box_slices(box, starts, outer, inner) -> tuple:

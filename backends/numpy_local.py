@@ -276,8 +276,9 @@ class NumpyLocalBackend:
         def start(bufs):
             s, r = self._views(bufs, send), self._views(bufs, recv)
             for t in teams:
-                total = sum(s[q].astype(accumulator(s[q].dtype)) for q in t) if op == Reduce.SUM else \
-                    functools.reduce(np.maximum if op == Reduce.MAX else np.minimum, [s[q] for q in t])
+                # (reduce, not sum(): sum starts from the int 0, and 0 + -0.0 lost a -0.0's sign, a fuzzer)
+                total = functools.reduce(np.add if op == Reduce.SUM else np.maximum if op == Reduce.MAX else np.minimum,
+                                         [s[q].astype(accumulator(s[q].dtype)) if op == Reduce.SUM else s[q] for q in t])
                 for j in t:
                     r[j][...] = total
         return start, None
@@ -319,7 +320,7 @@ class NumpyLocalBackend:
         def start(bufs):
             s, r = self._views(bufs, send), self._views(bufs, recv)  # send: [D, *recv]
             for t in teams:
-                total = sum(s[q].astype(accumulator(s[q].dtype)) for q in t)
+                total = functools.reduce(np.add, [s[q].astype(accumulator(s[q].dtype)) for q in t])  # (-0.0 kept)
                 for rank, j in enumerate(t):
                     r[j][...] = total[rank]
         return start, None

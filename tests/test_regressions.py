@@ -396,3 +396,17 @@ def test_numpys_spellings_a_fuzzer_met(jit):
         run(lambda v: np.ravel(v.reshape(2, 2).T, order="K"), xa)
     with pytest.raises(TypeError, match=r"according to the rule 'safe'"):
         run(lambda v: v.astype("int32", casting="safe"), xa)
+
+
+def test_a_gathered_minus_zero_keeps_its_sign():
+    """A fuzzer: x[ids] / np.take of a value sharded on the taken axis summed the devices' parts, zeros where a
+    device holds no row: +0.0 + -0.0 made a picked -0.0 +0.0 (NumPy's gather keeps it); and the one-process
+    Allreduce started Python's sum() from the int 0.  Now -0.0 fills the rows not held, and the sums start
+    from the first part."""
+    mesh = sf.DeviceMesh(2, backend="numpy")
+    z = np.array([-0.0, 1.0, -0.0, 3.0], np.float32)
+    s = sf.shard(z, axis=0, mesh=mesh)
+    for got, ids in ((s[np.array([0, 2, 1])], [0, 2, 1]), (np.take(s, np.array([2, 0])), [2, 0]),
+                     (sf.jit(lambda v: v[np.array([0, 3])], mesh=mesh)(s), [0, 3])):
+        np.testing.assert_array_equal(np.signbit(np.asarray(got)), np.signbit(z[ids]))
+    np.testing.assert_array_equal(np.signbit(np.asarray(sf.replicate(sf.shard(z, axis=0, mesh=mesh)))), np.signbit(z))

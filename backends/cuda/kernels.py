@@ -106,13 +106,14 @@ class Kernels:
             f"sf_cumsum_{dtype}"))
 
     def take(self):
-        """out = table[ids] for the rows this device holds, zeros elsewhere (elementwise_numpy.take_rows's
-        semantics), one kernel over the output (no temporaries: graph capture refuses allocations)."""
+        """out = table[ids] for the rows this device holds, `zero` elsewhere (elementwise_numpy.take_rows's
+        semantics: -0.0 for floats, its bits for bfloat16), one kernel over the output (no temporaries:
+        graph capture refuses allocations)."""
         return self.cached(Op.TAKE, lambda: cupy.ElementwiseKernel(
-            "raw T table, raw I ids, raw int64 rows, int64 nloc, int64 vocab, int64 width", "T out",
+            "raw T table, raw I ids, raw int64 rows, int64 nloc, int64 vocab, int64 width, T zero", "T out",
             "long long r = i / width, c = i % width; long long g = (long long)ids[r]; if (g < 0) g += vocab;"
             " g = g < 0 ? 0 : (g >= vocab ? vocab - 1 : g); long long loc = g - rows[0];"
-            " out = (loc >= 0 && loc < nloc) ? table[loc * width + c] : (T)0;", "sf_take"))
+            " out = (loc >= 0 && loc < nloc) ? table[loc * width + c] : zero;", "sf_take"))
 
     def scatter_add(self, values_dtype, acc_dtype):
         """acc[loc * width + c] += values[r * width + c] for each position r whose id (as take reads
