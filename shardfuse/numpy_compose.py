@@ -11,7 +11,10 @@ gradient is theirs, exact where the composition is: a product is a tree of pairw
 slices (log2(n) elementwise steps; its gradient is the product of the other factors, zeros
 included, which a division by x would lose), a cumprod the Hillis-Steele scan of such products.
 Integer products wrap as NumPy's (multiplication modulo 2**64 is associative: the same values);
-16-bit floats multiply in float32 and round once, as their sums do.
+16-bit floats multiply in float32 and round once, as their sums do.  Float products are taken in
+another order than NumPy's left to right, so they round differently, and where partial products
+overflow to inf and underflow to 0 both (1e200 * 1e200 * 1e-200 * 1e-200) the order decides between
+inf and NaN, as a sum's order decides its rounding.
 """
 from __future__ import annotations
 
@@ -68,11 +71,19 @@ def prod(a, axis=None, dtype=None, out=None, keepdims=False, initial=None, where
     if out is not None:
         raise TypeError("np.prod with out= is not supported on shardfuse values (inside sf.jit and on sf.Arrays): "
                         "write y = np.prod(x, axis)")
-    return apply_op(_prod, "prod", a, None if axis is None else _axes_key(axis), dtype, keepdims, initial, where)
+    return apply_op(_prod, "prod", a, axes_key(axis), dtype_name(dtype), keepdims, initial, where)
 
 
-def _axes_key(axis):
-    return tuple(axis) if isinstance(axis, (tuple, list)) else axis
+def axes_key(axis):
+    """axis= of a reduction as NumPy takes it: None, an int or a tuple of ints (a list is refused, as NumPy's)."""
+    if isinstance(axis, list):
+        raise TypeError(f"axis must be an int or a tuple of ints, got the list {axis!r} (as NumPy refuses it)")
+    return axis
+
+
+def dtype_name(dtype):
+    """dtype= as shardfuse's name of it (np.float32, 'float32', np.dtype: one plan each), None kept."""
+    return None if dtype is None else dtypes.normalize_dtype(dtype)
 
 
 def _prod(v, axis, dtype, keepdims, initial, mask):
@@ -82,8 +93,8 @@ def _prod(v, axis, dtype, keepdims, initial, mask):
         w = where(mask, w, 1)
     axes = tuple(sorted(reduced_axes(axis, v.ndim, v.shape)))
     p = _pairwise_product(_last(w, axes))
-    if initial is not None:
-        p = p * initial
+    if initial is not None:  # (cast to the result's dtype first, as NumPy's: an int product's initial=1.5 is 1)
+        p = p * np.array(initial, dtypes.np_dtype(dt)).astype(dtypes.np_dtype(wide)).item()
     if keepdims:
         p = p.reshape(tuple(1 if k in axes else n for k, n in enumerate(v.shape)))
     return p.astype(dt)
@@ -95,7 +106,7 @@ def cumprod(a, axis=None, dtype=None, out=None):
     if out is not None:
         raise TypeError("np.cumprod with out= is not supported on shardfuse values (inside sf.jit and on sf.Arrays): "
                         "write y = np.cumprod(x, axis)")
-    return apply_op(_cumprod, "cumprod", a, axis, dtype)
+    return apply_op(_cumprod, "cumprod", a, axis, dtype_name(dtype))
 
 
 def _cumprod(v, axis, dtype):
@@ -117,16 +128,17 @@ def _cumprod(v, axis, dtype):
 def diff(a, n=1, axis=-1, prepend=None, append=None):
     """np.diff: the n-th differences along `axis` (of booleans: not_equal, as NumPy's), prepend= /
     append= joined first (a scalar broadcast to one slice); slices of a whole axis and a subtraction."""
-    if isinstance(n, bool) or not isinstance(n, (int, np.integer)) or n < 0:
+    if not isinstance(n, (int, np.integer)) or n < 0:
         raise ValueError(f"np.diff: order n must be a non-negative int, got {n!r}")
+    prepend, append = (e if e is None or hasattr(type(e), "one_op") or isinstance(e, Traced) else np.asarray(e)
+                       for e in (prepend, append))  # (NumPy's asanyarray: a scalar or a list an array)
     return apply_op(_diff, "diff", a, int(n), axis, prepend, append)
 
 
 def _diff(v, n, axis, prepend, append):
     ax = normalize_axis(axis, v.ndim, v.shape)
     side = v.shape[:ax] + (1,) + v.shape[ax + 1:]  # (a scalar or 0-d prepend / append: one slice of it)
-    parts = [e if getattr(e, "ndim", 0) else broadcast_to(e if hasattr(e, "ndim") else v.builder.constant(
-        np.asarray(e)), side) for e in (prepend, append) if e is not None]
+    parts = [e if e.ndim else broadcast_to(e, side) for e in (prepend, append) if e is not None]
     if parts:
         v = NUMPY[np.concatenate]([parts[0], v, parts[1]] if len(parts) == 2 else
                                   [parts[0], v] if prepend is not None else [v, parts[0]], axis=ax)
@@ -153,6 +165,9 @@ def pad(array, pad_width, mode="constant", **kwargs):
     if any(b < 0 or a < 0 for b, a in widths):
         raise ValueError(f"np.pad: index can't contain negative values (pad_width={pad_width!r})")
     values = _pairs(kwargs.get("constant_values", 0), ndim, "constant_values", None)
+    if mode == "constant":  # (NumPy's cast of them to the array's dtype, refusals included: NaN or 2**40 into int32)
+        dt = dtypes.np_dtype(dtypes.normalize_dtype(array.dtype))
+        values = tuple(tuple(np.array(c, dt).item() for c in pair) for pair in values)
     return apply_op(_pad, "pad", array, widths, mode, values)
 
 
@@ -169,12 +184,13 @@ def _pairs(spec, ndim, what, kind):
 
 
 def _pad(v, widths, mode, values):
+    what = describe(v)
     for ax, ((b, a), (cb, ca)) in enumerate(zip(widths, values)):
         n = v.shape[ax]
         if not b and not a:
             continue
         if mode != "constant" and (n == 0 or max(b, a) > n - (mode == "reflect")):
-            raise ValueError(f"np.pad(mode={mode!r}) of {describe(v)}: pads ({b}, {a}) on axis {ax} of extent {n} "
+            raise ValueError(f"np.pad(mode={mode!r}) of {what}: pads ({b}, {a}) on axis {ax} of extent {n} "
                              f"are wider than the axis{' less one' if mode == 'reflect' else ''}; shardfuse pads "
                              "once (NumPy repeats)")
         parts = [_pad_side(v, ax, b, mode, cb, before=True), v, _pad_side(v, ax, a, mode, ca, before=False)]
@@ -187,8 +203,8 @@ def _pad_side(v, ax, k, mode, value, before):
         return None
     n = v.shape[ax]
     shape = v.shape[:ax] + (k,) + v.shape[ax + 1:]
-    if mode == "constant":
-        c = np.asarray(value).astype(dtypes.np_dtype(v.dtype_name))  # (NumPy casts it to the array's dtype)
+    if mode == "constant":  # (value: cast to v's dtype by pad)
+        c = np.array(value, dtypes.np_dtype(v.dtype_name))
         return broadcast_to(v.builder.constant(c.reshape((1,) * v.ndim)), shape)
     if mode == "edge":
         return broadcast_to(_along(v, ax, slice(0, 1) if before else slice(n - 1, n)), shape)
@@ -279,7 +295,7 @@ def _logaddexp2(a, b):
 def _positive(v):
     if v.dtype_name == "bool":
         raise TypeError(f"np.positive of the boolean array {describe(v)}: NumPy has no positive of booleans")
-    return v + 0 if dtypes.is_float(v.dtype_name) else v * 1
+    return v * 1  # (a copy: -0.0 kept, where v + 0 is +0.0)
 
 
 def divmod_(x1, x2):
@@ -312,9 +328,19 @@ def _at_least(n):
 _atleast = {n: _at_least(n) for n in (1, 2, 3)}
 
 
+def _each(fn, what, host, x):
+    """fn of a traced value or an sf.Array (a one-op plan); a NumPy array or a scalar beside them (a join of
+    mixed items, as NumPy's) by NumPy's host(np.asarray(x))."""
+    if isinstance(x, Traced) or hasattr(type(x), "one_op"):
+        return apply_op(fn, what, x)
+    return host(np.asarray(x))
+
+
 def _atleast_fn(n):
+    host = getattr(np, f"atleast_{n}d")
+
     def fn(*arys):
-        out = [apply_op(_atleast[n], f"atleast_{n}d", x) for x in arys]
+        out = [_each(_atleast[n], f"atleast_{n}d", host, x) for x in arys]
         return out[0] if len(out) == 1 else tuple(out)
     fn.__name__ = f"atleast_{n}d"
     fn.__doc__ = f"np.atleast_{n}d: each array viewed with at least {n} axes, as NumPy's."
@@ -326,7 +352,7 @@ atleast_1d, atleast_2d, atleast_3d = (_atleast_fn(n) for n in (1, 2, 3))
 
 def _join(n, axis_of):
     def fn(tup, **kwargs):
-        xs = [apply_op(_atleast[n], "stack", x) for x in tup]
+        xs = [_each(_atleast[n], "stack", getattr(np, f"atleast_{n}d"), x) for x in tup]
         return NUMPY[np.concatenate](xs, axis=axis_of(xs), **kwargs)
     return fn
 
@@ -344,7 +370,8 @@ def _column(v):
 
 def column_stack(tup):
     """np.column_stack: 1-D arrays as columns, joined along axis 1."""
-    return NUMPY[np.concatenate]([apply_op(_column, "column_stack", x) for x in tup], axis=1)
+    return NUMPY[np.concatenate]([_each(_column, "column_stack", lambda a: a[:, None] if a.ndim == 1 else
+                                        np.atleast_2d(a), x) for x in tup], axis=1)
 
 
 def unstack(x, /, *, axis=0):
@@ -357,7 +384,8 @@ def unstack(x, /, *, axis=0):
 def broadcast_arrays(*args):
     """np.broadcast_arrays: each array broadcast to their common shape (a tuple)."""
     shape = np.broadcast_shapes(*(np.shape(a) for a in args))
-    return tuple(broadcast_to(a, shape) for a in args)
+    return tuple(broadcast_to(a, shape) if isinstance(a, Traced) or hasattr(type(a), "one_op") else
+                 np.broadcast_to(np.asarray(a), shape) for a in args)
 
 
 NUMPY.update({

@@ -19,15 +19,12 @@ import numpy as np
 
 from shardfuse import dtypes
 from shardfuse.numpy_broadcast import broadcast_to
-from shardfuse.numpy_compose import cumprod, prod
+from shardfuse.numpy_compose import axes_key, cumprod, dtype_name, prod
 from shardfuse.numpy_math import cumsum, isnan, sort
+from shardfuse.ops import Op
 from shardfuse.spec import normalize_axis, reduced_axes
 from shardfuse.traced import NUMPY, describe
 from shardfuse.traced_numpy import apply_op, where
-
-
-def _axes_key(axis):
-    return tuple(axis) if isinstance(axis, (tuple, list)) else axis
 
 
 def _kept(r, v, axes, keepdims):
@@ -45,7 +42,7 @@ def _wide(v):
 # ---- counts, averages, ranges, NaN handling ----
 def count_nonzero(a, axis=None, *, keepdims=False):
     """np.count_nonzero: the number of nonzero elements over `axis` (int64)."""
-    return apply_op(_count_nonzero, "count_nonzero", a, _axes_key(axis), keepdims)
+    return apply_op(_count_nonzero, "count_nonzero", a, axes_key(axis), keepdims)
 
 
 def _count_nonzero(v, axis, keepdims):
@@ -55,9 +52,11 @@ def _count_nonzero(v, axis, keepdims):
 def average(a, axis=None, weights=None, returned=False, *, keepdims=False):
     """np.average: the mean, or with weights= sum(a * w) / sum(w) over `axis` (weights of a's shape,
     or 1-D along the one `axis`, as NumPy's); returned=True: (average, sum of weights)."""
-    avg = apply_op(_average, "average", a, _axes_key(axis), weights, keepdims)
+    if isinstance(weights, (list, tuple)):
+        weights = np.asarray(weights)
+    avg = apply_op(_average, "average", a, axes_key(axis), weights, keepdims)
     # (a second plan outside jit, where a one-op plan makes one result)
-    return (avg, apply_op(_weight_sum, "average", a, _axes_key(axis), weights, keepdims)) if returned else avg
+    return (avg, apply_op(_weight_sum, "average", a, axes_key(axis), weights, keepdims)) if returned else avg
 
 
 def _average(v, axis, w, keepdims):
@@ -73,19 +72,22 @@ def _average_and_weight_sum(v, axis, w, keepdims):
         m = v.astype("float64").mean(axis, keepdims=keepdims) if not dtypes.is_float(v.dtype_name) else v.mean(
             axis, keepdims=keepdims)
         axes = reduced_axes(axis, v.ndim, v.shape)
-        return m, broadcast_to(m * 0 + math.prod(v.shape[k] for k in axes), m.shape)
+        return m, m.unary_op(Op.FULL_LIKE, value=math.prod(v.shape[k] for k in axes))  # (not m * 0 + n: inf * 0)
+    one = axis[0] if isinstance(axis, tuple) and len(axis) == 1 else axis  # (NumPy 2 takes axis=(k,) too)
     if w.shape != v.shape:
-        if axis is None or isinstance(axis, tuple) or w.ndim != 1 or w.shape[0] != v.shape[
-                normalize_axis(axis, v.ndim, v.shape)]:
+        if one is None or isinstance(one, tuple) or w.ndim != 1 or w.shape[0] != v.shape[
+                normalize_axis(one, v.ndim, v.shape)]:
             raise ValueError(f"np.average: weights of shape {w.shape} differ from {describe(v)}: they must be of its "
                              "shape, or 1-D along the one axis= given, as NumPy's")
-        ax = normalize_axis(axis, v.ndim, v.shape)
+        ax = normalize_axis(one, v.ndim, v.shape)
         w = w.reshape(tuple(n if k == ax else 1 for k, n in enumerate(v.shape)))
-    vw = v * w
-    if not dtypes.is_float(vw.dtype_name):
-        vw, w = vw.astype("float64"), w.astype("float64")
-    scale = broadcast_to(w, v.shape).sum(axis, keepdims=keepdims).astype(vw.dtype_name)
-    return vw.sum(axis, keepdims=keepdims) / scale, scale
+    # (NumPy's result dtype: of a and w, float64 with it where a is integer or boolean; both cast first, so
+    # the weights are summed in it, a fuzzer)
+    dt = dtypes.promote_types(v.dtype_name, w.dtype_name)
+    dt = dtypes.promote_types(dt, "float64") if not dtypes.is_float(v.dtype_name) else dt
+    v, w = v.astype(dt), w.astype(dt)
+    scale = broadcast_to(w, v.shape).sum(axis, keepdims=keepdims)
+    return (v * w).sum(axis, keepdims=keepdims) / scale, scale
 
 
 def ptp(a, axis=None, out=None, keepdims=False):
@@ -93,7 +95,7 @@ def ptp(a, axis=None, out=None, keepdims=False):
     if out is not None:
         raise TypeError("np.ptp with out= is not supported on shardfuse values (inside sf.jit and on sf.Arrays): "
                         "write y = np.ptp(x, axis)")
-    return apply_op(_ptp, "ptp", a, _axes_key(axis), keepdims)
+    return apply_op(_ptp, "ptp", a, axes_key(axis), keepdims)
 
 
 def _ptp(v, axis, keepdims):
@@ -140,7 +142,7 @@ def _count(v, axis, keepdims):
 def nansum(a, axis=None, dtype=None, out=None, keepdims=False):
     """np.nansum: the sum over `axis` with NaN counted as zero."""
     _no_out(out, "nansum")
-    return apply_op(_nansum, "nansum", a, _axes_key(axis), dtype, keepdims)
+    return apply_op(_nansum, "nansum", a, axes_key(axis), dtype_name(dtype), keepdims)
 
 
 def _nansum(v, axis, dtype, keepdims):
@@ -150,7 +152,7 @@ def _nansum(v, axis, dtype, keepdims):
 def nanmean(a, axis=None, dtype=None, out=None, keepdims=False):
     """np.nanmean: the mean of the elements that are not NaN (NaN for an all-NaN slice)."""
     _no_out(out, "nanmean")
-    return apply_op(_nanmean, "nanmean", a, _axes_key(axis), dtype, keepdims)
+    return apply_op(_nanmean, "nanmean", a, axes_key(axis), dtype_name(dtype), keepdims)
 
 
 def _nanmean(v, axis, dtype, keepdims):
@@ -177,13 +179,13 @@ _nanmax, _nanmin = _nan_extremum(True), _nan_extremum(False)
 def nanmax(a, axis=None, out=None, keepdims=False):
     """np.nanmax: the largest element that is not NaN over `axis` (NaN for an all-NaN slice)."""
     _no_out(out, "nanmax")
-    return apply_op(_nanmax, "nanmax", a, _axes_key(axis), keepdims)
+    return apply_op(_nanmax, "nanmax", a, axes_key(axis), keepdims)
 
 
 def nanmin(a, axis=None, out=None, keepdims=False):
     """np.nanmin: the smallest element that is not NaN over `axis` (NaN for an all-NaN slice)."""
     _no_out(out, "nanmin")
-    return apply_op(_nanmin, "nanmin", a, _axes_key(axis), keepdims)
+    return apply_op(_nanmin, "nanmin", a, axes_key(axis), keepdims)
 
 
 def nanprod(a, axis=None, dtype=None, out=None, keepdims=False):
@@ -211,13 +213,13 @@ def _fill_nan(v, fill):
 def nanvar(a, axis=None, dtype=None, out=None, ddof=0, keepdims=False):
     """np.nanvar: the variance of the elements that are not NaN, divided by their count less ddof."""
     _no_out(out, "nanvar")
-    return apply_op(_nanvar, "nanvar", a, _axes_key(axis), dtype, ddof, keepdims)
+    return apply_op(_nanvar, "nanvar", a, axes_key(axis), dtype_name(dtype), ddof, keepdims)
 
 
 def nanstd(a, axis=None, dtype=None, out=None, ddof=0, keepdims=False):
     """np.nanstd: the square root of np.nanvar."""
     _no_out(out, "nanstd")
-    return apply_op(_nanstd, "nanstd", a, _axes_key(axis), dtype, ddof, keepdims)
+    return apply_op(_nanstd, "nanstd", a, axes_key(axis), dtype_name(dtype), ddof, keepdims)
 
 
 def _nanvar(v, axis, dtype, ddof, keepdims, root=False):
@@ -225,7 +227,8 @@ def _nanvar(v, axis, dtype, ddof, keepdims, root=False):
     w = v.astype(wide)
     d = where(isnan(w), 0.0, w - _nanmean(w, axis, None, True))
     dof = _count(w, axis, keepdims).astype(wide) - ddof
-    r = where(dof > 0, (d * d).sum(axis, keepdims=keepdims) / dof, np.nan)  # (NumPy's NaN where dof <= 0)
+    # (NumPy's NaN where dof <= 0; divided by 1 there, as JAX's, so no NaN reaches the gradient of the others)
+    r = where(dof > 0, (d * d).sum(axis, keepdims=keepdims) / where(dof > 0, dof, 1.0), np.nan)
     return (NUMPY[np.sqrt](r) if root else r).astype(dt)
 
 
@@ -272,8 +275,9 @@ def _quantile(a, q, axis, out, method, keepdims, weights, what, full):
     qs = np.asarray(q, np.float64) / full
     if qs.dtype.kind not in "f" or not np.all((qs >= 0) & (qs <= 1)):
         raise ValueError(f"np.{what}: q must be numbers in [0, {full:g}] known when the plan is built, got {q!r}")
-    strong = not isinstance(q, (int, float))  # (a Python number is weak, as NumPy 2's)
-    return apply_op(_quantiles, what, a, tuple(qs.ravel().tolist()), qs.shape, _axes_key(axis), method, keepdims,
+    # (a Python number is weak, as NumPy 2's; a NumPy scalar or array promotes with x's dtype)
+    strong = np.asarray(q).dtype.name if isinstance(q, (np.generic, np.ndarray, list, tuple)) else None
+    return apply_op(_quantiles, what, a, tuple(qs.ravel().tolist()), qs.shape, axes_key(axis), method, keepdims,
                     strong, what == "median")
 
 
@@ -285,14 +289,15 @@ def _quantiles(v, qs, q_shape, axis, method, keepdims, strong, median):
                         "subtraction of booleans); cast first, x.astype('float32'), or use method='lower'")
     else:
         dt, wide = _wide(v)
-        if strong and dt != "float64":
-            dt = wide = "float64"
+        if strong in dtypes.DTYPES and dtypes.is_float(strong):
+            dt = dtypes.promote_types(dt, strong)
+            wide = "float32" if dt in ("float16", "bfloat16") else dt
     axes = tuple(sorted(reduced_axes(axis, v.ndim, v.shape)))
     rest = [k for k in range(v.ndim) if k not in axes]
     w = v.transpose(rest + list(axes)) if rest + list(axes) != list(range(v.ndim)) else v
     s = sort(w.reshape(tuple(v.shape[k] for k in rest) + (-1,)).astype(wide), -1)
     n = s.shape[-1]
-    picked = [_rank(s, q * (n - 1), method) for q in qs]
+    picked = [_rank(s, q * (n - 1), "median" if median else method) for q in qs]
     r = NUMPY[np.stack](picked, 0).reshape(q_shape + picked[0].shape)
     if dtypes.is_float(wide):
         r = where(isnan(s[..., n - 1]), np.nan, r)  # (sorted NaN last: a slice holding one gives NaN)
@@ -313,14 +318,18 @@ def _rank(s, pos, method):
         return b
     if method == "nearest":  # (halves to even, as NumPy's around)
         return b if round(pos) == hi else a
-    if method == "midpoint":
+    if method == "median":  # (NumPy's median: the mean of the middle two; inf where both are)
         return (a + b) * 0.5
+    if method == "midpoint":  # (NumPy's: its lerp at 0.5, which cannot overflow)
+        t = 0.5
     return b - (b - a) * (1 - t) if t >= 0.5 else a + (b - a) * t  # (NumPy's _lerp)
 
 
 # ---- diagonals ----
 def diagonal(a, offset=0, axis1=0, axis2=1):
     """np.diagonal: the elements (i, i + offset) of axes axis1 and axis2, along a new last axis."""
+    if not isinstance(offset, (int, np.integer)):
+        raise TypeError(f"np.diagonal: offset must be an int, got {type(offset).__name__} {offset!r}")
     return apply_op(_diagonal, "diagonal", a, int(offset), axis1, axis2)
 
 

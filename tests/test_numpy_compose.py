@@ -272,3 +272,45 @@ def test_refusals_say_what_was_expected(call, error, match, jit):
     xa = sf.shard(_real(np.random.default_rng(), (8, 8)), axis=0, mesh=mesh)
     with pytest.raises(error, match=match):
         (sf.jit(call, mesh=mesh) if jit else call)(xa)
+
+
+def test_a_fuzzers_findings():
+    """A fuzzer of these functions: np.median of infinities was NaN (a lerp where NumPy takes the mean of the
+    middle two); an integer prod's float initial= was not cast first; np.average summed float16 weights in
+    float16 and its count of an inf average was NaN (inf * 0); midpoint quantiles overflowed; np.positive
+    lost -0.0; np.nanvar's NaN for a slice with dof <= 0 reached the others' gradient; q's dtype; dtype= as
+    a type, np.diff's prepend= as a NumPy scalar or a list, joins of sf.Arrays with NumPy arrays, a list of
+    weights, axis=(k,) raised; a NaN or 2**40 padding of int32, a float offset, a list axis= were accepted."""
+    mesh = mesh_of(4)
+    S = lambda x: sf.shard(np.asarray(x), axis=0, mesh=mesh)  # noqa: E731
+    f32, b = np.float32([1, 2, 3, 4]), np.array([True, False, True, True])
+    a16, w16 = np.int32([1, 2, 3, 1000]), np.float16([.1, .3, .7, 1.1])
+    x1 = np.array([1e308, 1.5e308, 1.6e308, 1.7e308])
+    cases = [(np.median, [1., np.inf, np.inf, 2.]), (np.median, [np.inf] * 4),
+             (lambda v: np.prod(v, initial=1.5), [1, 2, 3, 4]), (lambda v: np.average(v, weights=w16), a16),
+             (lambda v: np.average(v, returned=True)[1], [np.inf, 1., 2., 3.]),
+             (lambda v: np.quantile(v, 0.5, method="midpoint"), x1),
+             (lambda v: np.signbit(np.positive(v)), [-0., 0., 1., -1.]),
+             (lambda v: np.quantile(v, np.float64(.3)), f32), (lambda v: np.quantile(v, np.float32(.3)), f32),
+             (lambda v: np.quantile(v, np.array([.3], np.float32)), f32.astype(np.float16)),
+             (lambda v: np.average(v, weights=np.float32([1, 2, 3, 4])), b),
+             (lambda v: np.prod(v, dtype=np.float32), f32), (lambda v: np.nanvar(v, dtype=np.float64), f32),
+             (lambda v: np.diff(v, prepend=np.float64(.5)), f32), (lambda v: np.diff(v, prepend=[1., 2.]), f32),
+             (lambda v: np.hstack([v, np.ones(3)]), f32), (lambda v: np.column_stack([v, np.ones(4)]), f32),
+             (lambda v: np.broadcast_arrays(v, np.ones((2, 1)))[1], f32),
+             (lambda v: np.average(v, weights=[1, 2, 3, 4]), f32),
+             (lambda v: np.average(v, axis=(0,), weights=np.arange(1., 5)), np.arange(8.).reshape(4, 2))]
+    for fn, x in cases:
+        want, got = fn(np.asarray(x)), np.asarray(fn(S(x)))
+        assert got.dtype == want.dtype and got.shape == want.shape, (got.dtype, want.dtype, got.shape, want.shape)
+        np.testing.assert_allclose(got, want, rtol=1e-6)
+    x = np.array([[1., np.nan, np.nan, np.nan], [1., 2, 3, 4], [2., 5, 2, 7], [.5, 1, 1.5, 3]])
+    g = np.asarray(sf.jit(sf.grad(lambda a: np.nanvar(a, axis=1, ddof=1)[1:].sum()), mesh=mesh)(S(x)))
+    assert np.isfinite(g).all() and not g[0].any(), g
+    ints = S(np.int32([1, 2, 3, 4]))
+    for call, error in ((lambda: np.pad(ints, 1, constant_values=np.nan), ValueError),
+                        (lambda: np.pad(ints, 1, constant_values=2 ** 40), OverflowError),
+                        (lambda: np.diagonal(S(np.ones((4, 4))), 1.5), TypeError),
+                        (lambda: np.prod(S(np.ones((4, 4))), axis=[0, 1]), TypeError)):
+        with pytest.raises(error):
+            call()
