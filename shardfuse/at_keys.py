@@ -7,6 +7,7 @@ import math
 
 import numpy as np
 
+from shardfuse import dtypes
 from shardfuse.traced import Traced
 
 
@@ -96,3 +97,12 @@ def _rows(x, axes, ids) -> bool:
     return (len(axes) > 1 and isinstance(first, np.ndarray) and first.ndim == 1 and len(first) == x.shape[axes[0]]
             and bool((first == np.arange(len(first))).all())
             and all(i.ndim == 0 or i.ndim == 1 and i.shape[0] == len(first) for i in ids))
+
+
+def in_dtype(v, dtype: str):
+    """An update of x.at[...].multiply / .power / .min / .max in x's dtype first, as JAX converts it
+    (an int32 x's .multiply(2.5) multiplies by 2, as its .add(2.5) adds 2; NumPy's product then a
+    truncation gave -7 for -3, a fuzzer)."""
+    if isinstance(v, (bool, int, float, np.generic)):
+        return dtypes.np_dtype(dtype).type(v)
+    return np.asarray(v).astype(dtypes.np_dtype(dtype)) if isinstance(v, (np.ndarray, list, tuple)) else v.astype(dtype)

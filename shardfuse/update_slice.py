@@ -34,7 +34,7 @@ import operator
 import numpy as np
 
 from shardfuse.at_arrays import at_add, at_get, at_set, scattered, unscattered
-from shardfuse.at_keys import array_key, distinct_positions
+from shardfuse.at_keys import array_key, distinct_positions, in_dtype
 from shardfuse.ir import TensorType
 from shardfuse.ops import Op
 from shardfuse.promotion import scalar_value
@@ -303,7 +303,7 @@ def _at_combined(at, name, v):
     if not (at.arrays[0][2] if at.arrays is not None else at.ids is None or distinct_positions((at.ids,), at.x.shape[:1])):
         raise TypeError(f"x.at[ids].{name}: ids that may repeat (traced ones, or NumPy ids repeating) are supported by "
                         ".set and .add only; give distinct NumPy ids")
-    return at.set(_COMBINED[name](at.get(), v))
+    return at.set(_COMBINED[name](at.get(), v if name == "apply" else in_dtype(v, at.x.dtype_name)))
 
 
 class AtIndex:

@@ -410,3 +410,21 @@ def test_a_gathered_minus_zero_keeps_its_sign():
                      (sf.jit(lambda v: v[np.array([0, 3])], mesh=mesh)(s), [0, 3])):
         np.testing.assert_array_equal(np.signbit(np.asarray(got)), np.signbit(z[ids]))
     np.testing.assert_array_equal(np.signbit(np.asarray(sf.replicate(sf.shard(z, axis=0, mesh=mesh)))), np.signbit(z))
+
+
+@pytest.mark.parametrize("jit", [True, False], ids=["jit", "eager"])
+def test_an_integer_at_update_converts_its_value_first_as_jax(jit):
+    """A fuzzer: an int32 x's .at[].add(2.5) added 2 (JAX's rule: the update in x's dtype first) but .multiply(2.5)
+    multiplied in float and truncated (-3 * 2.5 -> -7, JAX's -6), and .power(2.5) of a negative x gave int32's min."""
+    mesh = sf.DeviceMesh(2, backend="numpy")
+    x = np.array([-3, -2, 2, 3], np.int32)
+    a = sf.shard(x, axis=0, mesh=mesh)
+    run = (lambda f: sf.jit(f, mesh=mesh)(a)) if jit else (lambda f: f(a))
+    for name, op in (("add", np.add), ("multiply", np.multiply), ("power", np.power), ("min", np.minimum),
+                     ("max", np.maximum)):
+        for idx in (slice(None), np.array([0, 2])):
+            want = x.copy()
+            want[idx] = op(x[idx], np.int32(2))
+            got = np.asarray(run(lambda v: getattr(v.at[idx], name)(2.5)))
+            assert got.dtype == np.int32, got.dtype
+            np.testing.assert_array_equal(got, want, err_msg=name)
