@@ -94,6 +94,7 @@ class NumpyMethods:
 
     prod, cumprod = _method(np.prod), _method(np.cumprod)  # (x.prod(axis=None, dtype=None, ...): NumPy's order)
     trace, diagonal = _method(np.trace), _method(np.diagonal)
+    searchsorted = _method(np.searchsorted)  # (x.searchsorted(v, side, sorter): x the sorted array)
 
     def __getattr__(self, name):
         """Only reached for a name neither class has: NumPy's array methods that shardfuse lacks
@@ -110,7 +111,8 @@ class NumpyMethods:
 
 
 SUPPORTED_METHODS = ("x.shape / ndim / size / dtype, x.sum / mean / max / min / any / all / var / std / argmax / "
-                     "argmin(axis, keepdims=), x.cumsum / cumprod / prod(axis), x.trace(), x.diagonal(), x.argsort(axis), "
+                     "argmin(axis, keepdims=), x.cumsum / cumprod / prod(axis), x.trace(), x.diagonal(), x.searchsorted(v), "
+                     "x.argsort(axis), "
                      "x.repeat(n, axis), x.clip, x.round(decimals), "
                      "x.astype(dtype), x.reshape / ravel / flatten / squeeze / transpose / swapaxes / T / mT, "
                      "x.copy(), x.dot(y), x[...], the operators + - * / // % ** @ < <= > >= == != & | ^ ~")

@@ -1,8 +1,9 @@
 """NumPy's functions built as compositions (shardfuse/numpy_compose.py, shardfuse/numpy_stats.py):
 np.prod / cumprod, np.pad (every mode), np.diff, np.fmax / fmin / heaviside / fabs / positive /
 degrees / radians / logaddexp2, np.count_nonzero / average / ptp / nan_to_num, the NaN reductions,
-np.median / quantile / percentile (every method), np.diagonal / trace and the joins (hstack, vstack,
-dstack, column_stack, atleast_nd, unstack, broadcast_arrays), inside sf.jit and on sf.Arrays outside
+np.median / quantile / percentile (every method), np.diagonal / trace, the joins (hstack, vstack,
+dstack, column_stack, atleast_nd, unstack, broadcast_arrays) and the searches (shardfuse/numpy_search.py:
+np.searchsorted, digitize, isin, interp), inside sf.jit and on sf.Arrays outside
 it, on a 1-D mesh of 4 and a 2x2 mesh with the operands sharded on their first, last or both axes,
 against NumPy on fresh random inputs (NaN among them where the function ignores or propagates it);
 NumPy's result dtypes in float16, bfloat16, float32, int32 and bool; gradients against central
@@ -48,6 +49,8 @@ def _w(x, *pairs):
 
 
 W6 = np.random.default_rng(7).uniform(0.5, 1.0, 8)
+BINS = np.sort(np.random.default_rng(8).uniform(-1.5, 1.5, 8))
+XP, FP = np.sort(np.random.default_rng(9).uniform(-1.2, 1.2, 6)), np.random.default_rng(10).standard_normal(6)
 
 # name -> (fn on traced values / sf.Arrays, maker of its operand [8, 8] or [8, 8, 4]); extents divide by 4
 CASES = {
@@ -113,6 +116,12 @@ CASES = {
     "column_stack": (lambda x: np.column_stack([x[0], x[1] * 2.0, x.reshape(8, -1)[:, :2]]), _real),
     "atleast_nd": (lambda x: np.atleast_3d(x[0, 0]) + np.atleast_2d(x[0]).sum() + np.atleast_1d(x.sum()), _real),
     "unstack": (lambda x: np.unstack(x, axis=1), _real),
+    "searchsorted of its own sorted row": (lambda x: np.searchsorted(np.sort(x.reshape(-1)[:8]), x), _real),
+    "searchsorted right, NaN": (lambda x: np.searchsorted(np.append(BINS, np.nan), x, side="right"), _nans),
+    "searchsorted sorter": (lambda x: np.searchsorted(BINS[::-1], x, sorter=np.arange(8)[::-1]), _real),
+    "digitize both ways": (lambda x: np.digitize(x, BINS) * 10 + np.digitize(x, BINS[::-1], right=True), _real),
+    "isin": (lambda x: np.isin(np.round(x * 2), [1.0, -1.0, 2.0]) ^ np.isin(x > 0, [True], invert=True), _real),
+    "interp": (lambda x: np.interp(x, XP, FP) + np.interp(x, XP, FP, left=-5.0, right=5.0), _nans),
     "broadcast_arrays": (lambda x: np.broadcast_arrays(x[:, :1], x[0]), _real),
 }
 SHAPES = ((8, 8), (8, 8, 4))
@@ -216,6 +225,7 @@ GRADIENTS = {
     "nan reductions": (lambda x: np.nanmean(x) + np.nanstd(x, axis=0).sum() + np.nanmax(x, axis=1).sum(), _real),
     "average trace": (lambda x: np.average(x, axis=1, weights=W6).sum() + np.trace(x, 1), _real),
     "fmax logaddexp2": (lambda x: (np.fmax(x, 0.1) + np.logaddexp2(x, 0.5)).sum(), _real),
+    "interp": (lambda x: (np.interp(x, XP, FP) * np.arange(8)).sum() + np.interp(0.3, XP, x[0, :6]), _real),
 }
 
 

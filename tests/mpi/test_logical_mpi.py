@@ -46,7 +46,7 @@ def test_integer_array_index(mesh, name, how):
 
 def test_an_unsupported_numpy_function_is_refused_on_every_rank_without_communicating(mesh):
     a = sf.shard(np.arange(96.0).reshape(8, 12) + 1, axis=0, mesh=mesh)
-    for f in (lambda v: np.searchsorted(v[0], v[1]), np.linalg.det, lambda v: np.kron(v, v)):
+    for f in (lambda v: np.bincount(v[0].astype("int64")), np.linalg.det, lambda v: np.kron(v, v)):
         with pytest.raises(TypeError, match=r"is not supported on sf.Arrays"):
             f(a)
     np.testing.assert_array_equal(np.kron(a.gather(), 2.0), np.kron(np.arange(96.0).reshape(8, 12) + 1, 2.0))  # (then a
