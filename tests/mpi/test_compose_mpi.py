@@ -14,7 +14,8 @@ import test_numpy_compose as nc
 from test_einsum import LAYOUTS
 
 NPROCS = MPI.COMM_WORLD.Get_size()
-NAMES = ["prod axis 0", "cumprod axis 0", "pad reflect", "diff n=2 axis 0", "nanmean", "nanmax", "median axis 1",
+NAMES = ["prod axis 0", "cumprod axis 0", "pad reflect", "diff n=2 axis 0", "nanmean", "nanmax", "median axis 1", "interp",
+         "searchsorted right, NaN", "digitize both ways",
          "quantile linear", "average returned", "trace", "hstack vstack", "unstack", "fmax fmin"]
 
 
