@@ -222,7 +222,7 @@ class Traced(NumpyMethods):
 
     # Python asking for a concrete value: a traced one has a shape and a dtype, no numbers yet
     def _concrete(self, what: str, instead: str):
-        raise ConcretizationError(f"{what} of the traced value {describe(self)} inside sf.jit: its numbers exist "
+        raise ConcretizationError(f"{what} of the traced value {describe(self)} (inside sf.jit, sf.grad, ...): its numbers exist "
                                   f"only when the compiled plan runs; {instead}")
 
     def __bool__(self):

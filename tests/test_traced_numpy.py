@@ -239,7 +239,7 @@ def test_if_on_a_sum_is_refused_not_always_true():
         return a if s else -a
 
     with pytest.raises(sf.ConcretizationError, match=r"^bool\(\) of the traced value s_1 \(shape \(\), float64\) "
-                                                    r"inside sf\.jit: .*"
+                                                    r"\(inside sf\.jit, sf\.grad, \.\.\.\): .*"
                                                     r"decide the branch outside the jitted function.*"
                                                     r"static_argnames="):
         sf.jit(f, mesh=MESH)(np.zeros((4, 8)))
