@@ -83,7 +83,12 @@ class MaskedState(NamedTuple):
 
 
 def global_norm(updates) -> Any:
-    """sqrt of the sum of every leaf's squares (optax.global_norm), in float32 at least."""
+    """sqrt of the sum of every leaf's squares (optax.global_norm), in float32 at least.  Outside jit, of
+    sf.Arrays on several pipeline stages: one plan of their whole mesh, the norm replicated on it."""
+    stages = {x.mesh for x in tree.leaves(updates) if hasattr(type(x), "one_op")}
+    if len(stages) > 1 and len({m.root for m in stages}) == 1:
+        from shardfuse.jit import jit  # (sf.jit is built above the optimizers: import it when it is needed)
+        return jit(global_norm, mesh=next(iter(stages)).root)(updates)
     sums = [(_widened(x) * _widened(x)).sum() for x in tree.leaves(updates)]  # (widened: a float16 square overflows)
     homes = {s.builder.homes.get(s.value) for s in sums if isinstance(s, Traced)}
     if len(homes) > 1:  # (leaves on several pipeline stages: each stage's sum moved to the whole mesh, a probe)

@@ -356,3 +356,21 @@ def test_clip_by_global_norm_over_pipeline_stages():
     assert g["a"].sharding.mesh == st0 and g["b"].sharding.mesh == st1
     with_number = sf.jit(lambda a, b: optim.global_norm({**place(a, b), "c": 3.0}), mesh=m)(w0, w1)  # (a review)
     np.testing.assert_allclose(float(with_number), np.sqrt(norm ** 2 + 9.0), rtol=1e-14)
+
+
+def test_global_norm_and_clipping_of_stage_placed_arrays_outside_jit():
+    """global_norm of sf.Arrays placed on two pipeline stages outside jit raised ("the operands live on different
+    meshes"); it is now one plan of their whole mesh, and clip_by_global_norm, sgd and apply_updates follow."""
+    m = sf.DeviceMesh((2, 2), ("pp", "tp"), backend="numpy")
+    st0, st1 = m.submesh([0, 1], ("tp",)), m.submesh([2, 3], ("tp",))
+    r = np.random.default_rng()
+    w0, w1, g0, g1 = r.standard_normal((4, 4)), r.standard_normal((4, 2)), r.standard_normal((4, 4)), r.standard_normal((4, 2))
+    p = {"a": sf.replicate(w0, mesh=st0), "b": sf.shard(w1, axis=0, over="tp", mesh=st1)}
+    g = {"a": sf.replicate(g0, mesh=st0), "b": sf.shard(g1, axis=0, over="tp", mesh=st1)}
+    norm = np.sqrt((g0 ** 2).sum() + (g1 ** 2).sum())
+    np.testing.assert_allclose(float(optim.global_norm(g)), norm, rtol=1e-14)
+    opt = optim.chain(optim.clip_by_global_norm(1.0), optim.sgd(0.1))
+    u, _ = opt.update(g, opt.init(p), p)
+    new = optim.apply_updates(p, u)
+    np.testing.assert_allclose(np.asarray(new["a"]), w0 - 0.1 * g0 / norm, rtol=1e-13)
+    np.testing.assert_allclose(np.asarray(new["b"]), w1 - 0.1 * g1 / norm, rtol=1e-13)
