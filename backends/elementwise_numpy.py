@@ -154,7 +154,7 @@ def _ufunc(op):  # (a MORE_MATH Op's value is its ufunc's name: Op.ARCSIN is "ar
     return lambda xp, x, _, o: getattr(xp, op)(x, out=o)
 
 
-def _compare(op):  # (a comparison Op's value is its ufunc's name: Op.LT is "less")
+def _binary_ufunc(op):  # (a comparison Op's value is its ufunc's name: Op.LT is "less"; so are FLOAT_BINARY's)
     return lambda xp, x, y, o: getattr(xp, op)(x, y, out=o)
 
 
@@ -197,11 +197,10 @@ ELEMENTWISE = {
     # (CuPy's floor_divide and remainder are NumPy's: Python's signs, 0 for an integer divided by 0)
     Op.FLOOR_DIVIDE: lambda xp, x, y, o: xp.floor_divide(x, y, out=o),
     Op.MOD: lambda xp, x, y, o: xp.remainder(x, y, out=o),
-    **{op: _compare(op) for op in _TO_SCALAR},
+    **{op: _binary_ufunc(op) for op in _TO_SCALAR},
     **{scalar: _compare_scalar(op) for op, scalar in _TO_SCALAR.items()},
     Op.LOGICAL_NOT: lambda xp, x, _, o: xp.logical_not(x, out=o),
-    **{op: _compare(op) for op in (Op.BITWISE_AND, Op.BITWISE_OR, Op.BITWISE_XOR)},  # (their ufuncs' names too)
-    **{op: _compare(op) for op in FLOAT_BINARY},  # (np.arctan2 ...: their ufuncs' names too)
+    **{op: _binary_ufunc(op) for op in (Op.BITWISE_AND, Op.BITWISE_OR, Op.BITWISE_XOR) + tuple(FLOAT_BINARY)},
     Op.INVERT: lambda xp, x, _, o: xp.invert(x, out=o),
     Op.WHERE_THEN: _then,
     Op.WHERE_ELSE: _else,
@@ -241,7 +240,8 @@ def take_rows(xp, table, ids, rows, vocab, out):
 def not_held(dtype):
     """What a device writes for the rows it does not hold: -0.0 for floats (the sum over devices then
     keeps a -0.0 row's sign: -0.0 + -0.0 is -0.0, where +0.0 made it +0.0; a fuzzer), 0 otherwise; a
-    bfloat16 moved as its uint16 bits gets -0.0's bits, 0x8000."""
+    bfloat16 moved as its uint16 bits gets -0.0's bits, 0x8000 (every uint16 buffer is a bfloat16's:
+    shardfuse has no uint16 dtype)."""
     if dtype == np.uint16:
         return 0x8000
     return -0.0 if dtype.kind == "f" or dtype.name == "bfloat16" else 0

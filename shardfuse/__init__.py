@@ -46,6 +46,7 @@ from shardfuse import numpy_broadcast  # noqa: F401 (np.broadcast_to, np.repeat,
 from shardfuse import numpy_compose  # noqa: F401 (np.prod, np.cumprod, np.pad, np.diff, np.fmax, ...: NUMPY)
 from shardfuse import numpy_stats  # noqa: F401 (np.nanmean, np.median, np.average, np.hstack, np.trace, ...: NUMPY)
 from shardfuse import numpy_search  # noqa: F401 (np.searchsorted, np.digitize, np.isin, np.interp: NUMPY)
+from shardfuse import numpy_joins  # noqa: F401 (np.hstack, np.vstack, np.atleast_2d, np.unstack, ...: NUMPY)
 
 __all__ = ["Array", "DeviceMesh", "Layout", "P", "PartitionSpec", "Partial", "Replicate", "Shard", "StridedShard", "Plan", "TensorSpec", "from_local", "make_array_from_single_device_arrays", "jit", "eval_shape", "replicate", "shard", "stream", "to_mesh",
            "exp", "gelu", "linear", "relu", "tanh", "sqrt", "rsqrt", "log", "sigmoid", "silu", "maximum", "minimum",

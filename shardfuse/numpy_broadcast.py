@@ -1,10 +1,12 @@
 """NumPy's broadcasting functions and binary math on traced values and sf.Arrays: np.broadcast_to,
-np.repeat / x.repeat (an int count), np.tile, np.outer, np.logaddexp, np.power / x ** y (a scalar or
-an array exponent) and np.arctan2 / hypot / copysign / signbit; their entries of the NUMPY table, `unbroadcast` (broadcasting's transpose, the
-sum over the broadcast axes, which autodiff's rules use) and the derivative of the one op here
-(`VJP`: Op.POWER, merged into autodiff.VJP).
+np.repeat / x.repeat (an int count, or a count per element known when traced: a take), np.tile, np.outer,
+np.logaddexp, np.power / x ** y (a scalar or an array exponent) and np.arctan2 / hypot / copysign /
+signbit; their entries of the NUMPY table, `unbroadcast` (broadcasting's transpose, the sum over the
+broadcast axes, which autodiff's rules use) and the derivatives of the ops here (`VJP`: Op.POWER,
+ARCTAN2, HYPOT, COPYSIGN, merged into autodiff.VJP).
 
-All but the power of two arrays are compositions of ops shardfuse has, so they shard as those do:
+All but the power of two arrays and the binary float functions (one elementwise step each) are
+compositions of ops shardfuse has, so they shard as those do:
 np.broadcast_to(x, shape) is x plus a small constant of zeros that has the broadcast axes alone
 (an elementwise step: x's axes keep their sharding, the new ones are replicated, nothing moves),
 and its gradient is the sum over the broadcast axes; np.repeat(x, r, axis) is x with an axis of 1
@@ -268,10 +270,12 @@ def _power_rule(ins, xs, out, ct, instrs):
 
 
 def _arctan2_rule(ins, xs, out, ct, instrs):
-    """d/dy atan2(y, x) = x / (x^2 + y^2), d/dx = -y / (x^2 + y^2)."""
+    """d/dy atan2(y, x) = x / (x^2 + y^2), d/dx = -y / (x^2 + y^2), as (ct / h) (x / h) with h = hypot(x, y):
+    no x^2 + y^2 to overflow or underflow (float16 at 1e-4 or 300)."""
     y, x = xs
-    r = ct / (x * x + y * y)
-    return [unbroadcast(r * x, y.shape), unbroadcast(-(r * y), x.shape)]
+    h = x.elementwise_op(Op.HYPOT, (x, y), x.dtype_name)
+    r = ct / h
+    return [unbroadcast(r * (x / h), y.shape), unbroadcast(-(r * (y / h)), x.shape)]
 
 
 def _hypot_rule(ins, xs, out, ct, instrs):

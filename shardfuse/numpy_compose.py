@@ -1,8 +1,7 @@
 """NumPy's functions that are compositions of ops shardfuse has, on traced values and sf.Arrays:
 np.clip (x.clip), np.prod / cumprod (x.prod, x.cumprod), np.pad, np.diff, np.fmax / fmin, np.heaviside, np.fabs,
-np.positive, np.degrees / radians (rad2deg / deg2rad), np.logaddexp2, and the joins np.hstack / vstack /
-dstack / column_stack, np.atleast_1d / 2d / 3d, np.unstack, np.broadcast_arrays; their entries of the
-NUMPY table.
+np.positive, np.degrees / radians (rad2deg / deg2rad), np.logaddexp2, np.divmod; their entries of the
+NUMPY table.  (The joins, np.hstack & co.: shardfuse/numpy_joins.py.)
 
 (The statistics, np.nanmean, np.median & co.: shardfuse/numpy_stats.py.)  Each is built of slices,
 elementwise steps, reductions and concatenations, so it shards as
@@ -36,7 +35,7 @@ def _along(v, ax, index):
     return v[(slice(None),) * ax + (index,)]
 
 
-def _last(v, axes):
+def axes_last(v, axes):
     """v with `axes` moved last and merged into one (a view where they are whole; the reshape's rule)."""
     rest = [k for k in range(v.ndim) if k not in axes]
     w = v.transpose(rest + list(axes)) if rest + list(axes) != list(range(v.ndim)) else v
@@ -47,7 +46,12 @@ def _product_dtype(v, dtype):
     """(the dtype NumPy's prod / cumprod gives, the dtype it is computed in here)."""
     dt = dtypes.normalize_dtype(dtype) if dtype is not None else (
         v.dtype_name if dtypes.is_float(v.dtype_name) else "int64")
-    return dt, "float32" if dt in ("float16", "bfloat16") else dt
+    return dt, computed_in(dt)
+
+
+def computed_in(dt):
+    """The dtype a reduction of dt computes in: 16-bit floats in float32 (rounded once, as sums), else dt."""
+    return "float32" if dt in ("float16", "bfloat16") else dt
 
 
 def _pairwise_product(w):
@@ -92,7 +96,7 @@ def _prod(v, axis, dtype, keepdims, initial, mask):
     if mask is not None:
         w = where(mask, w, 1)
     axes = tuple(sorted(reduced_axes(axis, v.ndim, v.shape)))
-    p = _pairwise_product(_last(w, axes))
+    p = _pairwise_product(axes_last(w, axes))
     if initial is not None:  # (cast to the result's dtype first, as NumPy's: an int product's initial=1.5 is 1)
         p = p * np.array(initial, dtypes.np_dtype(dt)).astype(dtypes.np_dtype(wide)).item()
     if keepdims:
@@ -278,12 +282,21 @@ def _fabs(v):
     return abs(v.astype(dtypes.float_result(v.dtype_name)))
 
 
+def _scaled(v, double, single):
+    """v * NumPy's constant of np.degrees / np.radians: the double one for float64, the float one
+    (180f / pi_f, pi_f / 180f) for the others, 16-bit floats multiplied in float32 and rounded once."""
+    dt = dtypes.float_result(v.dtype_name)
+    if dt == "float64":
+        return v.astype(dt) * double
+    return (v.astype("float32") * float(single)).astype(dt)
+
+
 def _degrees(v):
-    return v.astype(dtypes.float_result(v.dtype_name)) * (180 / math.pi)
+    return _scaled(v, 180 / math.pi, np.float32(180) / np.float32(math.pi))
 
 
 def _radians(v):
-    return v.astype(dtypes.float_result(v.dtype_name)) * (math.pi / 180)
+    return _scaled(v, math.pi / 180, np.float32(math.pi) / np.float32(180))
 
 
 def _logaddexp2(a, b):
@@ -312,87 +325,8 @@ radians = _elementwise("radians", _radians, "np.radians / np.deg2rad: x * pi / 1
 logaddexp2 = _elementwise("logaddexp2", _logaddexp2, "np.logaddexp2: log2(2**a + 2**b) without overflow.")
 positive = _elementwise("positive", _positive, "np.positive: +x (a copy; of booleans refused, as NumPy's).")
 
-# ---- joins ----
-def _at_least(n):
-    def traced(v):
-        if v.ndim >= n:
-            return v
-        if v.ndim == 0:
-            return v.reshape((1,) * n)
-        if n == 2:  # (NumPy's: (n,) -> (1, n); atleast_3d's (n,) -> (1, n, 1) and (m, n) -> (m, n, 1))
-            return v.reshape((1,) + v.shape)
-        return v.reshape((1,) + v.shape + (1,) if v.ndim == 1 else v.shape + (1,))
-    return traced
-
-
-_atleast = {n: _at_least(n) for n in (1, 2, 3)}
-
-
-def _each(fn, what, host, x):
-    """fn of a traced value or an sf.Array (a one-op plan); a NumPy array or a scalar beside them (a join of
-    mixed items, as NumPy's) by NumPy's host(np.asarray(x))."""
-    if isinstance(x, Traced) or hasattr(type(x), "one_op"):
-        return apply_op(fn, what, x)
-    return host(np.asarray(x))
-
-
-def _atleast_fn(n):
-    host = getattr(np, f"atleast_{n}d")
-
-    def fn(*arys):
-        out = [_each(_atleast[n], f"atleast_{n}d", host, x) for x in arys]
-        return out[0] if len(out) == 1 else tuple(out)
-    fn.__name__ = f"atleast_{n}d"
-    fn.__doc__ = f"np.atleast_{n}d: each array viewed with at least {n} axes, as NumPy's."
-    return fn
-
-
-atleast_1d, atleast_2d, atleast_3d = (_atleast_fn(n) for n in (1, 2, 3))
-
-
-def _join(n, axis_of):
-    def fn(tup, **kwargs):
-        xs = [_each(_atleast[n], "stack", getattr(np, f"atleast_{n}d"), x) for x in tup]
-        return NUMPY[np.concatenate](xs, axis=axis_of(xs), **kwargs)
-    return fn
-
-
-hstack = _join(1, lambda xs: 0 if xs[0].ndim == 1 else 1)
-vstack = _join(2, lambda xs: 0)
-dstack = _join(3, lambda xs: 2)
-for _f, _name in ((hstack, "hstack"), (vstack, "vstack"), (dstack, "dstack")):
-    _f.__name__, _f.__doc__ = _name, f"np.{_name}: the arrays joined, as NumPy's (np.concatenate of atleast_nd)."
-
-
-def _column(v):
-    return v.reshape(v.shape + (1,)) if v.ndim == 1 else _atleast[2](v)
-
-
-def column_stack(tup):
-    """np.column_stack: 1-D arrays as columns, joined along axis 1."""
-    return NUMPY[np.concatenate]([_each(_column, "column_stack", lambda a: a[:, None] if a.ndim == 1 else
-                                        np.atleast_2d(a), x) for x in tup], axis=1)
-
-
-def unstack(x, /, *, axis=0):
-    """np.unstack: the slices along `axis`, a tuple."""
-    n = np.shape(x)[normalize_axis(axis, np.ndim(x), np.shape(x))]
-    ax = normalize_axis(axis, np.ndim(x), np.shape(x))
-    return tuple(x[(slice(None),) * ax + (k,)] for k in range(n))
-
-
-def broadcast_arrays(*args):
-    """np.broadcast_arrays: each array broadcast to their common shape (a tuple)."""
-    shape = np.broadcast_shapes(*(np.shape(a) for a in args))
-    return tuple(broadcast_to(a, shape) if isinstance(a, Traced) or hasattr(type(a), "one_op") else
-                 np.broadcast_to(np.asarray(a), shape) for a in args)
-
-
 NUMPY.update({
     np.clip: clip, np.divmod: divmod_,
-    np.atleast_1d: atleast_1d, np.atleast_2d: atleast_2d, np.atleast_3d: atleast_3d, np.hstack: hstack,
-    np.vstack: vstack, np.dstack: dstack, np.column_stack: column_stack, np.unstack: unstack,
-    np.broadcast_arrays: broadcast_arrays,
     np.prod: prod, np.cumprod: cumprod, np.diff: diff, np.pad: pad, np.fmax: fmax,
     np.fmin: fmin, np.heaviside: heaviside, np.fabs: fabs, np.degrees: degrees, np.rad2deg: degrees,
     np.radians: radians, np.deg2rad: radians, np.logaddexp2: logaddexp2, np.positive: positive,

@@ -57,7 +57,7 @@ expm1 = _function(Op.EXPM1, _of_floats(Op.EXPM1), "e**x - 1 elementwise, accurat
 erf = _function(Op.ERF, _of_floats(Op.ERF), "The error function elementwise (jax.lax.erf, scipy.special.erf; "
                                              "NumPy has none), integers in float64.")
 # np.tan, np.arcsin (np.asin), ..., np.cbrt: their NumPy functions on traced values and sf.Arrays
-MORE = {op: _function(op, _of_floats(op), f"np.{op} elementwise (integers in float64, as NumPy's).")
+MORE = {op: _function(op, _of_floats(op), f"np.{op} elementwise (integers in float64, booleans in float16, as NumPy's).")
         for op in sorted(MORE_MATH)}
 
 
@@ -334,20 +334,22 @@ VJP = {
     Op.ERF: _times(lambda x, y: (-(x * x)).unary_op(Op.EXP) * (2 / math.sqrt(math.pi))),
     Op.GELU_ERF: _times(_gelu_erf),
     Op.TAN: _times(lambda x, y: y * y + 1.0),
-    Op.ARCSIN: lambda ins, xs, out, ct, instrs: [ct * _rsqrt(1.0 - xs[0] * xs[0])],
-    Op.ARCCOS: lambda ins, xs, out, ct, instrs: [-ct * _rsqrt(1.0 - xs[0] * xs[0])],
+    # ((1 - x)(1 + x), not 1 - x^2: exact near +-1, where the derivative is large)
+    Op.ARCSIN: lambda ins, xs, out, ct, instrs: [ct * _rsqrt((1.0 - xs[0]) * (xs[0] + 1.0))],
+    Op.ARCCOS: lambda ins, xs, out, ct, instrs: [-ct * _rsqrt((1.0 - xs[0]) * (xs[0] + 1.0))],
     Op.ARCTAN: lambda ins, xs, out, ct, instrs: [ct / (xs[0] * xs[0] + 1.0)],
     Op.SINH: _times(lambda x, y: x.unary_op(Op.COSH)),
     Op.COSH: _times(lambda x, y: x.unary_op(Op.SINH)),
-    Op.ARCSINH: lambda ins, xs, out, ct, instrs: [ct * _rsqrt(xs[0] * xs[0] + 1.0)],
-    # ((x - 1)(x + 1), not x^2 - 1: exact near 1, where the derivative is large)
-    Op.ARCCOSH: lambda ins, xs, out, ct, instrs: [ct * _rsqrt((xs[0] - 1.0) * (xs[0] + 1.0))],
+    # (hypot(x, 1) and rsqrt(x - 1) rsqrt(x + 1): no x^2 to overflow, a float16 x of 300 has a gradient)
+    Op.ARCSINH: lambda ins, xs, out, ct, instrs: [ct / xs[0].elementwise_op(Op.HYPOT, (xs[0], xs[0] * 0.0 + 1.0),
+                                                                            xs[0].dtype_name)],
+    Op.ARCCOSH: lambda ins, xs, out, ct, instrs: [ct * _rsqrt(xs[0] - 1.0) * _rsqrt(xs[0] + 1.0)],
     Op.ARCTANH: lambda ins, xs, out, ct, instrs: [ct / ((1.0 - xs[0]) * (xs[0] + 1.0))],
     Op.LOG2: lambda ins, xs, out, ct, instrs: [ct / (xs[0] * math.log(2))],
     Op.LOG10: lambda ins, xs, out, ct, instrs: [ct / (xs[0] * math.log(10))],
     Op.EXP2: _times(lambda x, y: y * math.log(2)),
-    # d/dx x^(1/3) = 1 / (3 y^2)
-    Op.CBRT: lambda ins, xs, out, ct, instrs: [ct / (out * out * 3.0)],
+    # d/dx x^(1/3) = 1 / (3 y^2), divided by y twice (y * y is subnormal in float16 sooner)
+    Op.CBRT: lambda ins, xs, out, ct, instrs: [ct / (out * 3.0) / out],
     # d/dx_k of sum_i ct_i y_i is the sum of ct_i over i >= k: the cumsum of ct read backwards
     Op.CUMSUM: lambda ins, xs, out, ct, instrs: [_running_sum(ct[..., ::-1])[..., ::-1]],
     # y = x permuted by p: x's cotangent is y's permuted back, by p's own order (its inverse)

@@ -19,7 +19,7 @@ import numpy as np
 
 from shardfuse import dtypes
 from shardfuse.numpy_broadcast import broadcast_to
-from shardfuse.numpy_compose import axes_key, cumprod, dtype_name, prod
+from shardfuse.numpy_compose import axes_key, axes_last, computed_in, cumprod, dtype_name, prod
 from shardfuse.numpy_math import cumsum, isnan, sort
 from shardfuse.ops import Op
 from shardfuse.spec import normalize_axis, reduced_axes
@@ -27,16 +27,11 @@ from shardfuse.traced import NUMPY, describe
 from shardfuse.traced_numpy import apply_op, where
 
 
-def _kept(r, v, axes, keepdims):
-    """r (reduced over `axes` of v) with those axes back as 1s where keepdims."""
-    return r.reshape(tuple(1 if k in axes else n for k, n in enumerate(v.shape))) if keepdims else r
-
-
 def _wide(v):
     """(NumPy's float dtype of v's mean, the dtype computed in: 16-bit floats in float32, rounded once at
     the end, as sums; integers and booleans in float64, as np.mean's)."""
     dt = v.dtype_name if dtypes.is_float(v.dtype_name) else "float64"
-    return dt, "float32" if dt in ("float16", "bfloat16") else dt
+    return dt, computed_in(dt)
 
 
 # ---- counts, averages, ranges, NaN handling ----
@@ -119,6 +114,7 @@ def _nan_to_num(v, nan, posinf, neginf):
     big = _largest(v)
     hi = big if posinf is None else posinf
     lo = -big if neginf is None else neginf
+    nan, hi, lo = (np.asarray(c).astype(dtypes.np_dtype(v.dtype_name)).item() for c in (nan, hi, lo))  # (x's dtype)
     return where(isnan(v), nan, where(v == np.inf, hi, where(v == -np.inf, lo, v)))
 
 
@@ -129,10 +125,9 @@ def _largest(v):
     return float(np.finfo(dtypes.np_dtype(v.dtype_name)).max)
 
 
-def _masked(fill):
-    def traced(v, *rest):
-        return (where(isnan(v), fill, v) if dtypes.is_float(v.dtype_name) else v), rest
-    return traced
+def _fill_nan(v, fill):
+    """v with its NaN elements `fill` (integers and booleans as they are)."""
+    return where(isnan(v), fill, v) if dtypes.is_float(v.dtype_name) else v
 
 
 def _count(v, axis, keepdims):
@@ -146,7 +141,7 @@ def nansum(a, axis=None, dtype=None, out=None, keepdims=False):
 
 
 def _nansum(v, axis, dtype, keepdims):
-    return _masked(0.0)(v)[0].sum(axis, dtype=dtype, keepdims=keepdims)
+    return _fill_nan(v, 0.0).sum(axis, dtype=dtype, keepdims=keepdims)
 
 
 def nanmean(a, axis=None, dtype=None, out=None, keepdims=False):
@@ -204,10 +199,6 @@ def nancumprod(a, axis=None, dtype=None, out=None):
     """np.nancumprod: the running product with NaN counted as one."""
     _no_out(out, "nancumprod")
     return cumprod(apply_op(_fill_nan, "nancumprod", a, 1.0), axis, dtype)
-
-
-def _fill_nan(v, fill):
-    return _masked(fill)(v)[0]
 
 
 def nanvar(a, axis=None, dtype=None, out=None, ddof=0, keepdims=False):
@@ -273,10 +264,11 @@ def _quantile(a, q, axis, out, method, keepdims, weights, what, full):
         raise ValueError(f"np.{what}(method={method!r}) is not supported on shardfuse values (inside sf.jit and "
                          f"on sf.Arrays): methods {_METHODS}")
     qs = np.asarray(q, np.float64) / full
-    if qs.dtype.kind not in "f" or not np.all((qs >= 0) & (qs <= 1)):
+    if not np.all((qs >= 0) & (qs <= 1)):
         raise ValueError(f"np.{what}: q must be numbers in [0, {full:g}] known when the plan is built, got {q!r}")
-    # (a Python number is weak, as NumPy 2's; a NumPy scalar or array promotes with x's dtype)
-    strong = np.asarray(q).dtype.name if isinstance(q, (np.generic, np.ndarray, list, tuple)) else None
+    # (a Python number is weak, as NumPy 2's; a NumPy scalar or array promotes with x's dtype, percentile's
+    # q / 100 being a float, as NumPy divides it)
+    strong = np.true_divide(q, full).dtype.name if isinstance(q, (np.generic, np.ndarray, list, tuple)) else None
     return apply_op(_quantiles, what, a, tuple(qs.ravel().tolist()), qs.shape, axes_key(axis), method, keepdims,
                     strong, what == "median")
 
@@ -291,13 +283,13 @@ def _quantiles(v, qs, q_shape, axis, method, keepdims, strong, median):
         dt, wide = _wide(v)
         if strong in dtypes.DTYPES and dtypes.is_float(strong):
             dt = dtypes.promote_types(dt, strong)
-            wide = "float32" if dt in ("float16", "bfloat16") else dt
+            wide = computed_in(dt)
     axes = tuple(sorted(reduced_axes(axis, v.ndim, v.shape)))
-    rest = [k for k in range(v.ndim) if k not in axes]
-    w = v.transpose(rest + list(axes)) if rest + list(axes) != list(range(v.ndim)) else v
-    s = sort(w.reshape(tuple(v.shape[k] for k in rest) + (-1,)).astype(wide), -1)
+    # (sorted and b - a taken in x's own computing dtype, the lerp in the result's: NumPy's float32 x with a
+    # float64 q subtracts in float32, a review)
+    s = sort(axes_last(v, axes).astype(computed_in(_wide(v)[0]) if dtypes.is_float(wide) else wide), -1)
     n = s.shape[-1]
-    picked = [_rank(s, q * (n - 1), "median" if median else method) for q in qs]
+    picked = [_rank(s, q * (n - 1), "median" if median else method, wide) for q in qs]
     r = NUMPY[np.stack](picked, 0).reshape(q_shape + picked[0].shape)
     if dtypes.is_float(wide):
         r = where(isnan(s[..., n - 1]), np.nan, r)  # (sorted NaN last: a slice holding one gives NaN)
@@ -306,23 +298,24 @@ def _quantiles(v, qs, q_shape, axis, method, keepdims, strong, median):
     return r.astype(dt)
 
 
-def _rank(s, pos, method):
-    """The value at fractional rank pos of the sorted last axis, by NumPy's method."""
+def _rank(s, pos, method, wide):
+    """The value at fractional rank pos of the sorted last axis, by NumPy's method, in `wide`."""
     lo = math.floor(pos)
     hi = min(lo + 1, s.shape[-1] - 1)
     t = pos - lo
     a, b = s[..., lo], s[..., hi]
-    if method == "lower" or t == 0:
-        return a
+    if method == "lower" or t == 0 and method != "linear":  # (linear at t = 0 is NumPy's lerp too: NaN beside inf)
+        return a.astype(wide)
     if method == "higher":
-        return b
+        return b.astype(wide)
     if method == "nearest":  # (halves to even, as NumPy's around)
-        return b if round(pos) == hi else a
+        return (b if round(pos) == hi else a).astype(wide)
     if method == "median":  # (NumPy's median: the mean of the middle two; inf where both are)
-        return (a + b) * 0.5
+        return (a + b).astype(wide) * 0.5
     if method == "midpoint":  # (NumPy's: its lerp at 0.5, which cannot overflow)
         t = 0.5
-    return b - (b - a) * (1 - t) if t >= 0.5 else a + (b - a) * t  # (NumPy's _lerp)
+    d, a, b = (b - a).astype(wide), a.astype(wide), b.astype(wide)
+    return b - d * (1 - t) if t >= 0.5 else a + d * t  # (NumPy's _lerp)
 
 
 # ---- diagonals ----

@@ -244,8 +244,9 @@ def _reduced(method, a, axis, dtype, keepdims, where, initial):
     if dtype is not None:  # (the result in it too: an integer sum is int64 otherwise, a probe)
         dtype = dtype if isinstance(dtype, str) else np.dtype(dtype).name
         return _reduced(method, a.astype(dtype), axis, None, keepdims, where, initial).astype(dtype)
-    if method is Traced.sum and initial is not None:  # (NumPy's: the sum plus initial, in the sum's dtype)
-        return _reduced(method, a, axis, None, keepdims, where, None) + initial
+    if method is Traced.sum and initial is not None:  # (NumPy's: the sum plus initial cast to the sum's dtype)
+        s = _reduced(method, a, axis, None, keepdims, where, None)
+        return s + np.asarray(initial).astype(dtypes.np_dtype(s.dtype_name))[()]
     if (where is None or where is True) and initial is None:
         return method(a, axis, keepdims=keepdims)
     kept = None if where is None or where is True else \

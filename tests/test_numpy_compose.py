@@ -324,3 +324,30 @@ def test_a_fuzzers_findings():
                         (lambda: np.prod(S(np.ones((4, 4))), axis=[0, 1]), TypeError)):
         with pytest.raises(error):
             call()
+
+
+def test_a_reviews_findings():
+    """A review: np.sum's initial= of an integer sum was added as a float (12.5 where NumPy's is 12); np.nan_to_num's
+    NumPy-scalar replacements widened the result; np.percentile's integer q kept float32 (NumPy divides it: float64);
+    np.degrees was a few ulp from NumPy's (its float constant 180f / pi_f); arctan2's gradient was inf or NaN in
+    float16 (x^2 + y^2 out of range), arcsinh's 0 at 300; a linear quantile at an integral rank beside inf is
+    NumPy's lerp (NaN)."""
+    mesh = mesh_of(4)
+    S = lambda x: sf.shard(np.asarray(x), axis=0, mesh=mesh)  # noqa: E731
+    xi = np.arange(1, 17, dtype=np.int32).reshape(4, 4)
+    x32 = np.random.default_rng().standard_normal((4, 4)).astype(np.float32)
+    for fn, x in ((lambda v: np.sum(v, axis=1, initial=2.5), xi), (lambda v: np.sum(v, 1, np.int32, initial=2.7), xi * 10),
+                  (lambda v: np.sum(v, 1, initial=np.float64(.1)), x32), (lambda v: v.sum(1, None, None, False, 2.5), xi),
+                  (lambda v: np.nan_to_num(v / 0.0, posinf=np.float64(1e300)), x32),
+                  (lambda v: np.percentile(v, [30, 50], axis=1), x32), (np.degrees, x32), (np.radians, x32),
+                  (np.degrees, x32.astype(np.float16)),
+                  (lambda v: np.quantile(v, 1 / 3, axis=1), np.array([[1, np.inf, np.inf, 3]] * 4))):
+        with np.errstate(all="ignore"):
+            want, got = fn(x), np.asarray(fn(S(x)))
+        assert got.dtype == want.dtype, (got.dtype, want.dtype)
+        np.testing.assert_array_equal(got, want)
+    for grad, x, want in (
+            (sf.grad(lambda y: np.arctan2(y, np.float16(1e-4)).sum()), np.full(4, 1e-4, np.float16), 5000.0),
+            (sf.grad(lambda y: np.arcsinh(y).sum()), np.full(4, 300.0, np.float16), 1 / np.hypot(300.0, 1.0)),
+            (sf.grad(lambda y: np.arctan2(y, y).sum()), np.full(4, 0.5, np.float16), 0.0)):
+        np.testing.assert_allclose(np.asarray(sf.jit(grad, mesh=mesh)(S(x)), np.float64), want, rtol=2e-3, atol=1e-3)
