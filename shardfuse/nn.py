@@ -34,6 +34,7 @@ from shardfuse.traced import Traced, describe, is_scalar
 from shardfuse.numpy_broadcast import repeat
 from shardfuse import nn_activations as act
 from shardfuse import nn_attention as attn
+from shardfuse import nn_init as initializers  # noqa: F401 (sf.nn.initializers, jax.nn.initializers')
 from shardfuse.numpy_math import gelu
 from shardfuse.traced_numpy import exp, linear, log, maximum, minimum, rsqrt, silu, where
 
