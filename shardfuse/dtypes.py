@@ -59,7 +59,9 @@ def normalize_dtype(dtype) -> str:
     if name not in DTYPES:
         kind = np.dtype(name).kind if name in np.sctypeDict else ""
         hint = "; cast first, e.g. ids.astype(np.int32) (token ids stored as uint16 too)" if kind and kind in "iu" \
-            else "; complex values are not supported" if kind == "c" else ""
+            else "; complex values are not supported" if kind == "c" else \
+            "; a bfloat16 array saved by np.save / np.savez comes back as void16: view it, x.view(ml_dtypes.bfloat16)" \
+            if name == "void16" else ""
         raise TypeError(f"unsupported dtype {name!r}: expected one of {DTYPES}{hint}")
     return name
 

@@ -9,7 +9,9 @@ import numpy as np
 
 from shardfuse import tree
 from shardfuse.dtypes import normalize_dtype, np_dtype
+from shardfuse.ops import Op
 from shardfuse.optim_base import GradientTransformation
+from shardfuse.traced import Traced
 
 
 class InjectHyperparamsState(NamedTuple):
@@ -28,7 +30,8 @@ def inject_hyperparams(inner_factory: Callable, static_args=(), hyperparam_dtype
     in it (optax's); else a number stays a Python number, weakly typed inside sf.jit as a number is, so the
     updates and moments are the plain optimizer's to the bit (optax casts it to the parameters' dtype: bfloat16
     would round Adam's b2 = 0.999 to 1 and divide by zero), and a schedule's value is float32 (or the parameters'
-    wider float); bools, and ints of arguments whose default is an int, stay Python values (static)."""
+    wider float); bools, ints of arguments whose default is an int, and mask= (a pytree or a function of the
+    parameters, never a schedule: optax would call it with the count) stay Python values (static)."""
     static = {static_args} if isinstance(static_args, str) else set(static_args)
     signature = inspect.signature(inner_factory)
     fixed_dtype = None if hyperparam_dtype is None else np_dtype(normalize_dtype(hyperparam_dtype))
@@ -39,7 +42,7 @@ def inject_hyperparams(inner_factory: Callable, static_args=(), hyperparam_dtype
         numeric, fixed = {}, {}
         for k, v in bound.arguments.items():
             default = signature.parameters[k].default
-            hyper = k not in static and (callable(v) or _is_number(v) and not (
+            hyper = k not in static and k != "mask" and (callable(v) or _is_number(v) and not (
                 isinstance(v, (int, np.integer)) and isinstance(default, int) and not isinstance(default, bool)))
             (numeric if hyper else fixed)[k] = v
 
@@ -48,7 +51,7 @@ def inject_hyperparams(inner_factory: Callable, static_args=(), hyperparam_dtype
             return fixed_dtype or max(floats + [np.dtype(np.float32)], key=lambda d: d.itemsize)
 
         def values(count, held, dtype):  # (a schedule's value at count; a number's as the state holds it)
-            return {k: _as(v(count), dtype) if callable(v) else held[k] if fixed_dtype is None else
+            return {k: _as(v(count), dtype) if callable(v) else _weak_if_float64(held[k]) if fixed_dtype is None else
                     _as(held[k], fixed_dtype) for k, v in numeric.items()}
 
         def inner(hp):  # (the learning rate as a schedule: _in_dtype casts it to each update's dtype)
@@ -74,6 +77,22 @@ def _as(v, dtype):
     if kind in "iu":
         return np.asarray(v) if isinstance(v, (int, np.generic)) else v
     return np.asarray(v, dtype) if isinstance(v, (float, np.generic, np.ndarray)) else v.astype(dtype)
+
+
+def _weak_if_float64(v):
+    """A held float64 hyperparameter as a weak number, a Python float is: the state holds a Python float as a
+    weak 0-d float64, which a checkpoint through NumPy (np.asarray, np.savez) makes a strong float64 array, and
+    its product with float32 moments was then float64, silently (a training probe: a resumed run drifted)."""
+    if getattr(v, "shape", None) != () or np.dtype(getattr(v, "dtype", np.float32)) != np.float64 or getattr(
+            v, "weak", False) or not hasattr(v, "dtype"):
+        return v
+    if isinstance(v, Traced):
+        if v.value in v.builder.weak:
+            return v
+        w = v.unary_op(Op.ASTYPE, "float64")
+        v.builder.weak.add(w.value)
+        return w
+    return float(v)  # (a NumPy 0-d array, a NumPy float64, a replicated 0-d sf.Array: read on this process)
 
 
 def _is_number(v) -> bool:
