@@ -1,11 +1,11 @@
 """NumPy's functions that are compositions of ops shardfuse has, on traced values and sf.Arrays:
 np.clip (x.clip), np.prod / cumprod (x.prod, x.cumprod), np.pad, np.diff, np.fmax / fmin, np.heaviside, np.fabs,
 np.positive, np.degrees / radians (rad2deg / deg2rad), np.logaddexp2, np.divmod; their entries of the
-NUMPY table.  (The joins, np.hstack & co.: shardfuse/numpy_joins.py.)
+NUMPY table.  (The joins, np.hstack & co.: shardfuse/numpy_joins.py; the statistics, np.nanmean, np.median
+& co.: shardfuse/numpy_stats.py; the searches: shardfuse/numpy_search.py.)
 
-(The statistics, np.nanmean, np.median & co.: shardfuse/numpy_stats.py.)  Each is built of slices,
-elementwise steps, reductions and concatenations, so it shards as
-those do (an axis sliced or sorted is made whole first: the plan prints the Allgather) and its
+Each is built of slices, elementwise steps, reductions and concatenations, so it shards as those do (an
+axis sliced is made whole first: the plan prints the Allgather) and its
 gradient is theirs, exact where the composition is: a product is a tree of pairwise products of
 slices (log2(n) elementwise steps; its gradient is the product of the other factors, zeros
 included, which a division by x would lose), a cumprod the Hillis-Steele scan of such products.
