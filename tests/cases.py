@@ -399,6 +399,16 @@ def _writes_over(i, a, b, base, mesh) -> bool:
                                                  Op.REDUCE_MAX, Op.REDUCE_MIN, Op.ORDER_KEYS, Op.FROM_ORDER_KEYS))
 
 
+def central_differences(f, w, eps=1e-6):
+    """The gradient of the scalar f at the array w by central differences, element by element (float64)."""
+    g = np.zeros_like(w)
+    for i in np.ndindex(*w.shape):
+        d = np.zeros_like(w)
+        d[i] = eps
+        g[i] = (f(w + d) - f(w - d)) / (2 * eps)
+    return g
+
+
 def directional(loss_np, params, grads, rng, eps=1e-6):
     """(central difference of loss_np along a random direction of params, <grads, direction>): a
     gradient checked along one direction of every parameter at once (params and grads: pytrees)."""

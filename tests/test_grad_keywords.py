@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 
 import shardfuse as sf
+from cases import central_differences
 from test_nn import mesh_of
 
 RNG = np.random.default_rng(23)
@@ -27,15 +28,6 @@ def closed_form(w, x, t, scale=1.0):  # d loss / d w
 def tanh_loss(w, *, x, heads):  # keyword-only parameters; heads must stay a Python int (a shape)
     assert type(heads) is int, type(heads)
     return (np.tanh(x @ w).reshape((heads, 32 // heads)) ** 2).sum()
-
-
-def central_differences(f, w, eps=1e-6):
-    g = np.zeros_like(w)
-    for i in np.ndindex(*w.shape):
-        d = np.zeros_like(w)
-        d[i] = eps
-        g[i] = (f(w + d) - f(w - d)) / (2 * eps)
-    return g
 
 
 def np_tanh_loss(w, x, heads):
