@@ -153,7 +153,7 @@ def test_tree_paths_as_jax_tree_util_with_the_keys_themselves():
 def test_logsumexp_and_a_masked_mean_against_central_differences():
     """Their gradients (written with the ops: the max held constant, the mask's where) against
     float64 central differences, x sharded over dp x tp."""
-    from test_grad_keywords import central_differences
+    from cases import central_differences
 
     x = rng().standard_normal((4, 6))
     m = rng().random((4, 6)) < 0.6
