@@ -20,8 +20,10 @@ import numpy as np
 from shardfuse import lax, tree  # (lax.cond: apply_if_finite's choice, traced or not)
 from shardfuse.optim_base import GradientTransformation
 from shardfuse.optim_inject import InjectHyperparamsState, inject_hyperparams  # noqa: F401 (sf.optim's)
+from shardfuse.optim_extra import ScaleByRssState, ZeroNansState, clip, scale, scale_by_rss, zero_nans  # noqa: F401
 from shardfuse.optim_schedules import (constant_schedule, cosine_decay_schedule, exponential_decay,  # noqa: F401
-                                       linear_schedule, piecewise_constant_schedule, warmup_cosine_decay_schedule)
+                                       join_schedules, linear_schedule, piecewise_constant_schedule,
+                                       polynomial_schedule, warmup_cosine_decay_schedule)
 from shardfuse.trace import to_mesh
 from shardfuse.traced import Traced
 from shardfuse.traced_numpy import rsqrt
@@ -100,8 +102,8 @@ def clip_by_global_norm(max_norm: float) -> GradientTransformation:
     """Scale every update by max_norm / global_norm where the norm passes max_norm (optax's)."""
     def update(updates, state, params=None):
         norm = global_norm(updates)
-        scale = np.minimum(1.0, max_norm / np.maximum(norm, max_norm))  # (1 where norm < max_norm, as optax's where)
-        return tree.tree_map(lambda u: u * scale.astype(u.dtype), updates), state
+        factor = np.minimum(1.0, max_norm / np.maximum(norm, max_norm))  # (1 where norm < max_norm, as optax's where)
+        return tree.tree_map(lambda u: u * factor.astype(u.dtype), updates), state
     return GradientTransformation(lambda params: EmptyState(), update)
 
 
@@ -223,6 +225,11 @@ def rmsprop(learning_rate, decay: float = 0.9, eps: float = 1e-8, initial_scale:
     """optax.rmsprop (not centered): scale_by_rms, times -learning_rate, then momentum (trace) where given."""
     return chain(scale_by_rms(decay, eps, initial_scale), scale_by_learning_rate(learning_rate),
                  *([trace(momentum, nesterov)] if momentum is not None else []))
+
+
+def adagrad(learning_rate, initial_accumulator_value: float = 0.1, eps: float = 1e-7) -> GradientTransformation:
+    """optax.adagrad: scale_by_rss, then -learning_rate (a number or a schedule)."""
+    return chain(scale_by_rss(initial_accumulator_value, eps), scale_by_learning_rate(learning_rate))
 
 
 def apply_if_finite(inner: GradientTransformation, max_consecutive_errors: int) -> GradientTransformation:

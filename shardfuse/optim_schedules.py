@@ -75,3 +75,24 @@ def exponential_decay(init_value: float, transition_steps: int, decay_rate: floa
             return decayed
         return np.maximum(decayed, end_value) if decay_rate < 1 else np.minimum(decayed, end_value)
     return schedule
+
+
+def polynomial_schedule(init_value: float, end_value: float, power: float, transition_steps: int,
+                        transition_begin: int = 0) -> Callable:
+    """optax.polynomial_schedule: (init_value - end_value) * (1 - t) ** power + end_value, t the count past
+    transition_begin over transition_steps, clipped to [0, 1] (BERT's linear decay is power 1)."""
+    if transition_steps <= 0:
+        return lambda count: init_value
+    transition_begin = max(transition_begin, 0)
+    return lambda count: (init_value - end_value) * (1 - np.clip(count - transition_begin, 0, transition_steps)
+                                                     / transition_steps) ** power + end_value
+
+
+def join_schedules(schedules, boundaries) -> Callable:
+    """optax.join_schedules: schedules[0] before boundaries[0], then schedules[k + 1] of (count - boundaries[k])."""
+    def schedule(count):
+        out = schedules[0](count)
+        for boundary, s in zip(boundaries, schedules[1:]):
+            out = np.where(count < boundary, out, s(count - boundary))
+        return out
+    return schedule

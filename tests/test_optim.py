@@ -403,3 +403,37 @@ def test_an_injected_state_through_a_numpy_checkpoint_resumes_bit_for_bit():
     for a, b in zip(sf.tree.leaves((p, s)), sf.tree.leaves((p_np, s_np))):
         assert np.asarray(a).dtype == np.asarray(b).dtype, (np.asarray(a).dtype, np.asarray(b).dtype)
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+def test_adagrad_clip_scale_zero_nans_and_two_more_schedules_as_optax():
+    """optax's adagrad (scale_by_rss), scale, clip, zero_nans, polynomial_schedule and join_schedules, inside
+    sf.jit on a sharded parameter, against their formulas in NumPy."""
+    mesh = sf.DeviceMesh(2, backend="numpy")
+    r = np.random.default_rng()
+    p = {"w": r.standard_normal((4, 4)).astype(np.float32), "b": r.standard_normal(4).astype(np.float32)}
+    g = {"w": r.standard_normal((4, 4)).astype(np.float32), "b": r.standard_normal(4).astype(np.float32)}
+    opt = optim.adagrad(0.1)
+    step = sf.jit(lambda g, s, p: opt.update(g, s, p), mesh=mesh)
+    state, acc = opt.init(p), {k: np.full_like(v, 0.1) for k, v in p.items()}
+    placed = {"w": sf.shard(g["w"], axis=0, mesh=mesh), "b": g["b"]}
+    for _ in range(3):
+        u, state = step(placed, state, p)
+        for k in p:
+            acc[k] = acc[k] + g[k] ** 2
+            assert np.asarray(u[k]).dtype == np.float32
+            np.testing.assert_allclose(np.asarray(u[k]), -0.1 * g[k] / np.sqrt(acc[k] + 1e-7), rtol=1e-6)
+    g["b"][1] = np.nan
+    opt = optim.chain(optim.zero_nans(), optim.clip(0.5), optim.scale(-2.0))
+    u, state = sf.jit(lambda g, s: opt.update(g, s), mesh=mesh)(g, opt.init(p))
+    for k in p:
+        np.testing.assert_allclose(np.asarray(u[k]), -2 * np.clip(np.nan_to_num(g[k]), -0.5, 0.5), rtol=1e-7)
+    assert bool(np.asarray(state[0].found_nan["b"])) and not bool(np.asarray(state[0].found_nan["w"]))
+    poly = optim.polynomial_schedule(1.0, 0.1, 2.0, 10, 2)
+    joined = optim.join_schedules([optim.linear_schedule(0.0, 1.0, 5), optim.cosine_decay_schedule(1.0, 10)], [5])
+    for c in (0, 2, 3, 7, 12, 20):
+        want_poly = 0.9 * (1 - min(max(c - 2, 0), 10) / 10) ** 2 + 0.1
+        want_join = c / 5 if c < 5 else 0.5 * (1 + np.cos(np.pi * min((c - 5) / 10, 1.0)))
+        for count in (c, np.int32(c)):
+            np.testing.assert_allclose(float(poly(count)), want_poly, rtol=1e-12)
+            np.testing.assert_allclose(float(joined(count)), want_join, rtol=1e-12, atol=1e-15)
+        np.testing.assert_allclose(float(sf.jit(joined, mesh=mesh)(np.int32(c))), want_join, rtol=1e-7, atol=1e-7)
