@@ -8,6 +8,7 @@ import math
 import numpy as np
 
 from shardfuse import dtypes
+from shardfuse.promotion import scalar_value
 from shardfuse.traced import Traced
 
 
@@ -106,3 +107,10 @@ def in_dtype(v, dtype: str):
     if isinstance(v, (bool, int, float, np.generic)):
         return dtypes.np_dtype(dtype).type(v)
     return np.asarray(v).astype(dtypes.np_dtype(dtype)) if isinstance(v, (np.ndarray, list, tuple)) else v.astype(dtype)
+
+
+def fits(x, v):
+    """A Python int v checked against x's dtype before an sf.Array's one-op plan takes it as an int64
+    operand (a probe: 2**40 set into an int32 sf.Array wrapped; inside jit it raised), as NumPy 2 does."""
+    if isinstance(v, int) and not isinstance(v, bool):
+        scalar_value(v, x.dtype_name)

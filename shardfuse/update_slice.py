@@ -34,10 +34,10 @@ import operator
 import numpy as np
 
 from shardfuse.at_arrays import at_add, at_get, at_set, scattered, unscattered
-from shardfuse.at_keys import array_key, distinct_positions, in_dtype
+from shardfuse.at_keys import array_key, distinct_positions, fits, in_dtype
+from shardfuse.at_sharded import along_rows, sharded_position
 from shardfuse.ir import TensorType
 from shardfuse.ops import Op
-from shardfuse.promotion import scalar_value
 from shardfuse.traced import SHAPE_OPS, Traced, cast, describe
 
 _INTS = ("int32", "int64")
@@ -232,6 +232,8 @@ def _at_set(x, desc, v, *values):
     from shardfuse.numpy_broadcast import broadcast_to  # (they build on traced_numpy, which this module does not need)
     from shardfuse.traced_numpy import where
 
+    if (found := sharded_position(x, desc, values)) is not None:  # (a sharded KV cache's write: no gather)
+        return along_rows(x, *found, v, broadcast_to, where)
     starts, sizes, shape = _box(desc, values)
     ok = _in_range(x, desc, values)
     if isinstance(v, Traced) or isinstance(v, np.ndarray):  # (checked against x[idx]'s shape either way, as JAX)
@@ -249,6 +251,10 @@ def _at_set(x, desc, v, *values):
 def _at_add(x, desc, v, *values):
     # the update in the array's dtype first, as JAX's .at[].add (int32 -3 plus 0.5 is -3, not -2)
     v = v.astype(x.dtype_name) if isinstance(v, Traced) else np.asarray(v, dtype=x.dtype)
+    if (found := sharded_position(x, desc, values)) is not None:  # (no gather of a sharded axis: at_sharded.py)
+        from shardfuse.numpy_broadcast import broadcast_to
+        from shardfuse.traced_numpy import where
+        return along_rows(x, *found, v, broadcast_to, where, add=True)
     return _at_set(x, desc, _at_get(x, desc, *values) + v, *values)
 
 
@@ -321,7 +327,7 @@ class AtIndex:
     def set(self, v):
         """x with x[idx] replaced by v (broadcast to x[idx]'s shape, cast to x's dtype); x itself where
         an index is out of range (JAX's: the update dropped)."""
-        _fits(self.x, v)
+        fits(self.x, v)
         if self.ids is not None:  # (rows at ids: the arrays' path, the first axis indexed)
             spec = ((0,), False, distinct_positions((self.ids,), (self.x.shape[0],)))
             return _dispatch(at_set, (self.x, spec, v, self.ids), "x.at[ids].set")
@@ -331,7 +337,7 @@ class AtIndex:
 
     def add(self, v):
         """x with v added to x[idx] (nothing added where an index is out of range, as JAX drops it)."""
-        _fits(self.x, v)
+        fits(self.x, v)
         if self.ids is not None:
             return _dispatch(_at_ids_add, (self.x, self.ids, v), "x.at[ids].add")
         if self.arrays is not None:
@@ -349,19 +355,12 @@ class AtIndex:
     multiply, divide, power, min, max, apply = (functools.partialmethod(_at_combined, name) for name in _COMBINED)
 
 
-def _fits(x, v):
-    """A Python int v checked against x's dtype before an sf.Array's one-op plan takes it as an int64
-    operand (a probe: 2**40 set into an int32 sf.Array wrapped; inside jit it raised), as NumPy 2 does."""
-    if isinstance(v, int) and not isinstance(v, bool):
-        scalar_value(v, x.dtype_name)
-
-
 def refuse_setitem(x, key, value):
     """x[key] = value: shardfuse's values are immutable (as JAX's arrays); the error says what to write."""
-    raise TypeError(f"'{type(x).__name__}' object does not support item assignment: shardfuse values are immutable, "
-                    "as JAX's arrays; write x = x.at[idx].set(value) (ints, traced 0-d ints, slices, index arrays in "
-                    "idx) or x = sf.dynamic_update_slice(x, update, start_indices), and donate x (sf.jit(..., "
-                    "donate_argnums=...)) so that the update is written in place of x")
+    raise TypeError(f"'{type(x).__name__}' object does not support item assignment: shardfuse values are immutable, as "
+                    "JAX's arrays; write x = x.at[idx].set(value) (ints, traced 0-d ints, slices, index arrays in idx) or "
+                    "x = sf.dynamic_update_slice(x, update, start_indices), and donate x (sf.jit(..., donate_argnums="
+                    "...)) so that the update is written in place of x")
 
 
 SHAPE_OPS["at"] = At  # (Traced.at and sf.Array.at)

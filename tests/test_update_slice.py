@@ -19,6 +19,8 @@ The donated decode plan (heads over tp), as printed:
 """
 from __future__ import annotations
 
+import re
+
 import ml_dtypes
 import numpy as np
 import pytest
@@ -440,3 +442,62 @@ def test_jaxs_other_at_methods(name, op):
         assert np.asarray(ints).dtype == np.int32 and np.asarray(ints).tolist() == [0, 1, 6, 9, 4, 5, 6, 7]
         applied = sf.jit(lambda x: x.at[1].apply(np.sin), mesh=mesh)(x)
         np.testing.assert_allclose(np.asarray(applied), np.vstack([x[0], np.sin(x[1])]), rtol=1e-15)
+
+
+# ---- a cache sharded over its sequence axis (context parallel): .at[:, :, t].set / .add without a gather ----
+SEQ_LAYOUTS = {"seq over tp2": ((2,), ("tp",), (None, None, "tp", None)),
+               "dp2 x seq over tp2": ((2, 2), ("dp", "tp"), ("dp", None, "tp", None))}
+SEQ_M = 8  # (a sequence axis divisible by the devices that shard it)
+
+
+def check_sequence_sharded_writes(layout, dtype, rng, backend="numpy"):
+    """x.at[:, :, t].set(k) / .add(k) with t traced on the sharded sequence axis: NumPy's values at every t
+    (negative, past the end: dropped), the cache's sharding kept, no collective, and with the cache donated
+    one elementwise step over it that writes the cache's own buffers, call after call (the box form gathered
+    the axis on every device and returned it replicated)."""
+    shape, names, spec = SEQ_LAYOUTS[layout]
+    mesh = sf.DeviceMesh(shape, names, **({"backend": backend} if backend else {}))
+    c = data(rng, (B, NH, SEQ_M, HD), dtype)
+    put = sf.jit(lambda cache, k, t: cache.at[:, :, t].set(k), mesh=mesh, donate_argnums=0)
+    add = sf.jit(lambda cache, k, t: cache.at[:, :, t].add(k), mesh=mesh)
+    cache, seen = sf.distribute(c, mesh, spec), []
+    for t in [0, 3, SEQ_M - 1, SEQ_M + 5, -1, -SEQ_M - 3]:
+        k = data(rng, (B, NH, HD), dtype)
+        want_add = c.copy()
+        if -SEQ_M <= t < SEQ_M:
+            want_add[:, :, t] = (want_add[:, :, t].astype(np.float64) + k.astype(np.float64)).astype(c.dtype)
+        exact(add(cache, k, t), want_add)
+        cache = put(cache, k, t)
+        if -SEQ_M <= t < SEQ_M:
+            c[:, :, t] = k
+        exact(cache, c)
+        assert cache.sharding.axes == spec, cache.sharding
+        seen.append(addresses(cache))
+    assert all(a == seen[1] for a in seen[1:]), seen  # (written in place from the second call)
+    for f in (put, add):
+        plan = f.lower(cache, np.zeros((B, NH, HD), np_dtype(dtype)), 2)
+        assert plan.collectives() == {}, plan.collectives()
+    text = str(put.lower(cache, np.zeros((B, NH, HD), np_dtype(dtype)), 2))
+    assert re.search(r"\n  \w+ cache <- ", text), text  # (the last step writes the donated cache)
+
+
+@pytest.mark.parametrize("dtype", ["float64", "bfloat16", "int32"])
+@pytest.mark.parametrize("layout", sorted(SEQ_LAYOUTS))
+def test_sequence_sharded_writes(layout, dtype):
+    check_sequence_sharded_writes(layout, dtype, np.random.default_rng())
+
+
+def test_sequence_sharded_write_gradient():
+    """The where form's gradient: the cache's cotangent zero at t, the update's the cotangent's row t."""
+    shape, names, spec = SEQ_LAYOUTS["dp2 x seq over tp2"]
+    mesh = sf.DeviceMesh(shape, names, backend="numpy")
+    r = np.random.default_rng()
+    c, k, w = r.standard_normal((B, NH, SEQ_M, HD)), r.standard_normal((B, NH, HD)), r.standard_normal((B, NH, SEQ_M, HD))
+
+    def loss(cache, k):
+        return (sf.distribute(cache, mesh, spec).at[:, :, -3].set(k * 2.0) * w).sum()
+    gc, gk = sf.jit(sf.grad(loss, argnums=(0, 1)), mesh=mesh)(c, k)
+    want_c = w.copy()
+    want_c[:, :, -3] = 0
+    np.testing.assert_allclose(np.asarray(gc), want_c, rtol=1e-14)
+    np.testing.assert_allclose(np.asarray(gk), 2 * w[:, :, -3], rtol=1e-14)

@@ -39,3 +39,9 @@ def test_decode_loop_donated(layout):
 
 def test_grad():
     us.check_grad("dp2xtp2", np.random.default_rng(5), backend=None)
+
+
+@pytest.mark.parametrize("layout", sorted(k for k, (shape, _, _) in us.SEQ_LAYOUTS.items()
+                                          if math.prod(shape) % MPI.COMM_WORLD.Get_size() == 0))
+def test_sequence_sharded_writes(layout):
+    us.check_sequence_sharded_writes(layout, "float64", np.random.default_rng(5), backend=None)
