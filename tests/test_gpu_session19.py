@@ -2,7 +2,7 @@
 against the same program on NumPy devices: the sharded take's rows not held filled with -0.0 (its
 kernel's new `zero` argument; a gathered -0.0 keeps its sign, bfloat16 by its bits), as a stream and as a
 CUDA graph; the new elementwise ops in one fused chain and unfused; np.prod / np.cumprod / np.median /
-np.interp of sharded values.  Skipped where CuPy is missing or sees no GPU."""
+np.interp of sharded values; a KV cache sharded over its sequence axis written in place (at_sharded.py).  Skipped where CuPy is missing or sees no GPU."""
 from __future__ import annotations
 
 import ml_dtypes
@@ -54,3 +54,10 @@ def test_products_quantiles_and_interp():
                lambda v: np.quantile(v, [0.1, 0.9], axis=1), lambda v: np.interp(v, xp, fp)):
         gpu, cpu = both(fn, x)
         np.testing.assert_allclose(gpu, cpu, rtol=1e-12, atol=1e-13)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("layout", ["seq over tp2", "dp2 x seq over tp2"])
+def test_a_sequence_sharded_cache_written_in_place(layout, dtype):
+    import test_update_slice as us
+    us.check_sequence_sharded_writes(layout, dtype, np.random.default_rng(7), backend="cupy")
