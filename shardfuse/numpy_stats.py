@@ -23,7 +23,7 @@ from shardfuse.numpy_compose import axes_key, axes_last, computed_in, cumprod, d
 from shardfuse.numpy_math import cumsum, isnan, sort
 from shardfuse.ops import Op
 from shardfuse.spec import normalize_axis, reduced_axes
-from shardfuse.traced import NUMPY, describe
+from shardfuse.traced import NUMPY, Traced, describe
 from shardfuse.traced_numpy import apply_op, where
 
 
@@ -263,6 +263,10 @@ def _quantile(a, q, axis, out, method, keepdims, weights, what, full):
     if method not in _METHODS:
         raise ValueError(f"np.{what}(method={method!r}) is not supported on shardfuse values (inside sf.jit and "
                          f"on sf.Arrays): methods {_METHODS}")
+    if isinstance(q, Traced) or hasattr(type(q), "one_op"):
+        raise TypeError(f"np.{what}: q must be known when the plan is built (a number, a list or a NumPy array; "
+                        "inside sf.jit a static argument, static_argnums=), got a traced value: the ranks it reads "
+                        "are fixed by q")
     qs = np.asarray(q, np.float64) / full
     if not np.all((qs >= 0) & (qs <= 1)):
         raise ValueError(f"np.{what}: q must be numbers in [0, {full:g}] known when the plan is built, got {q!r}")

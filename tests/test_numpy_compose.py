@@ -266,6 +266,7 @@ def test_the_methods_numpy_has():
     (lambda x: np.pad(x, -1), ValueError, "negative values"),
     (lambda x: np.pad(x, ((1, 2, 3),)), ValueError, r"must broadcast to \(2, 2\)"),
     (lambda x: np.quantile(x, 1.5), ValueError, r"q must be numbers in \[0, 1\]"),
+    (lambda x: np.quantile(x, x[0, 0]), TypeError, r"q must be known when the plan is built .* got a traced value"),
     (lambda x: np.percentile(x, 50, method="weibull"), ValueError, r"method='weibull'\) is not supported"),
     (lambda x: np.diff(x, -1), ValueError, "order n must be a non-negative int"),
     (lambda x: np.average(x, axis=0, weights=np.ones(3)), ValueError, r"weights of shape \(3,\) differ"),
