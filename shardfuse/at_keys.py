@@ -9,7 +9,7 @@ import numpy as np
 
 from shardfuse import dtypes
 from shardfuse.promotion import scalar_value
-from shardfuse.traced import Traced
+from shardfuse.traced import Traced, describe
 
 
 def array_key(x, key, what="x.at[...]"):
@@ -114,3 +114,47 @@ def fits(x, v):
     operand (a probe: 2**40 set into an int32 sf.Array wrapped; inside jit it raised), as NumPy 2 does."""
     if isinstance(v, int) and not isinstance(v, bool):
         scalar_value(v, x.dtype_name)
+
+
+def is_int(k) -> bool:
+    return isinstance(k, (int, np.integer)) and not isinstance(k, (bool, np.bool_))
+
+
+def static_int(k):
+    """k as a Python int where it is a Python or NumPy int or a 0-d NumPy int array, else None."""
+    if isinstance(k, np.ndarray) and k.ndim == 0 and k.dtype.kind in "iu":
+        k = k[()]
+    return int(k) if is_int(k) else None
+
+
+def parse_box_key(x, key, what):
+    """(static description per axis, the key's index values in order): ("i",) an index (an int or a
+    traced 0-d int, the axis dropped) or ("s", start, stop) a slice of step 1."""
+    key = key if isinstance(key, tuple) else (key,)
+    if sum(k is Ellipsis for k in key) > 1:
+        raise IndexError(f"{what}: an index can only have a single ellipsis ('...')")
+    used = sum(k is not Ellipsis and k is not None for k in key)  # (None: refused below, by name, a probe)
+    if used > x.ndim:
+        raise IndexError(f"{what}: too many indices for {describe(x)}: {used} given")
+    at = next((n for n, k in enumerate(key) if k is Ellipsis), len(key))
+    key = key[:at] + (slice(None),) * (x.ndim - used) + key[at + 1:]
+    desc, values = [], []
+    for j, k in enumerate(key):
+        if isinstance(k, slice):
+            start, stop, step = k.indices(x.shape[j])
+            if step != 1:
+                raise IndexError(f"{what}: a slice of step {step} on axis {j}: .at[] takes boxes (slices of step 1); "
+                                 "x[::k] reads a strided slice, and sf.where(mask, v, x) sets one")
+            desc.append(("s", start, max(stop, start)))
+        elif getattr(k, "ndim", 0) and (isinstance(k, Traced) or hasattr(type(k), "one_op")):
+            raise TypeError(f"{what}: an array of indices on axis {j} ({describe(k) if isinstance(k, Traced) else k!r}): "
+                            ".at[] takes integer arrays beside ints and whole slices ':' (x.at[ids], x.at[rows, :, pos]), not "
+                            "beside a partial slice or None: index the whole axis, or slice the result")
+        elif static_int(k) is not None or isinstance(k, Traced) or hasattr(type(k), "one_op"):
+            desc.append(("i",))
+            values.append(k)
+        else:
+            raise TypeError(f"{what}: .at[] takes ints, 0-d int values, slices of step 1 and '...', got "
+                            f"{describe(k) if isinstance(k, Traced) else repr(k)} on axis {j}; and integer arrays beside "
+                            "ints and whole slices (x.at[ids], x.at[rows, :, pos])")
+    return tuple(desc), values

@@ -34,8 +34,8 @@ import operator
 import numpy as np
 
 from shardfuse.at_arrays import at_add, at_get, at_set, scattered, unscattered
-from shardfuse.at_keys import array_key, distinct_positions, fits, in_dtype
-from shardfuse.at_sharded import along_rows, sharded_position
+from shardfuse.at_keys import array_key, distinct_positions, fits, in_dtype, is_int, parse_box_key, static_int
+from shardfuse.at_sharded import along_rows, sharded_box, sharded_position
 from shardfuse.ir import TensorType
 from shardfuse.ops import Op
 from shardfuse.traced import SHAPE_OPS, Traced, cast, describe
@@ -43,21 +43,10 @@ from shardfuse.traced import SHAPE_OPS, Traced, cast, describe
 _INTS = ("int32", "int64")
 
 
-def _is_int(k) -> bool:
-    return isinstance(k, (int, np.integer)) and not isinstance(k, (bool, np.bool_))
-
-
-def _static(k):
-    """k as a Python int where it is a Python or NumPy int or a 0-d NumPy int array, else None."""
-    if isinstance(k, np.ndarray) and k.ndim == 0 and k.dtype.kind in "iu":
-        k = k[()]
-    return int(k) if _is_int(k) else None
-
-
 def _start(x, j, k, size, what):
     """(static start or None, the traced 0-d int or None) of axis j for a box of `size` (wrapped, clamped)."""
     n = x.shape[j]
-    s = _static(k)
+    s = static_int(k)
     if s is None and not (isinstance(k, Traced) and k.ndim == 0 and k.dtype_name in _INTS):
         raise TypeError(f"{what}: start index {j} must be a Python int or a 0-d int32 / int64 value, got "
                         f"{describe(k) if isinstance(k, Traced) else repr(k)}"
@@ -75,7 +64,7 @@ def _starts(x, starts, sizes, what):
     if len(starts) != x.ndim:
         raise ValueError(f"{what}: {len(starts)} start indices for {describe(x)}: one per axis ({x.ndim})")
     for j, (n, b) in enumerate(zip(x.shape, sizes)):
-        if not _is_int(b) or not 0 <= b <= n:
+        if not is_int(b) or not 0 <= b <= n:
             raise ValueError(f"{what}: the box's extent {b!r} on axis {j} must be between 0 and {n} ({describe(x)})")
     got = [_start(x, j, k, sizes[j], what) for j, k in enumerate(starts)]
     return tuple(s for s, _ in got), [t for _, t in got if t is not None]
@@ -91,7 +80,7 @@ def _dispatch(fn, args, what):
     if not arrays:
         raise TypeError(f"{what} takes values inside an sf.jit function or sf.Arrays, got "
                         f"{', '.join(type(a).__name__ for a in args[:2])}")
-    return arrays[0].one_op(fn, tuple(np.asarray(a, np.int64) if _is_int(a) else a for a in args), what)
+    return arrays[0].one_op(fn, tuple(np.asarray(a, np.int64) if is_int(a) else a for a in args), what)
 
 
 def _update(x, u, *starts):
@@ -106,7 +95,12 @@ def _update(x, u, *starts):
     if u.dtype_name != x.dtype_name:  # (as jax.lax.dynamic_update_slice: a float64 update into a bfloat16 cache
         raise TypeError(f"{what}: the update {describe(u)} and the operand {describe(x)} differ in dtype; cast the "  # was
                         f"update (u.astype('{x.dtype_name}')), or write x.at[...].set(u), which casts")  # silently cast)
-    static, dyn = _starts(x, starts, u.shape, what)
+    static, dyn = _starts(x, starts, u.shape, what)  # (checked first)
+    if (found := sharded_box(x, u.shape, starts)) is not None:  # (one position of a sharded axis: at_sharded.py)
+        from shardfuse.numpy_broadcast import broadcast_to
+        from shardfuse.traced_numpy import where
+        ax, t = found
+        return along_rows(x, ax, t if isinstance(t, Traced) else static_int(t), u, broadcast_to, where, clamp=True)
     return _emit_update(x, u, dyn, static)
 
 
@@ -121,7 +115,7 @@ def _slice(x, sizes, *starts):  # (module-level, as every fn given to _dispatch:
 def int_getitem(x, idx):
     """x[idx] of an sf.Array where idx (expand_index's) holds ints and whole slices only: a dynamic_slice with the ints
     as operands, one plan for every t of x[:, t] (a serving probe's loop compiled one per position); else None."""
-    ints = [_is_int(k) for k in idx]
+    ints = [is_int(k) for k in idx]
     if len(idx) != x.ndim or not any(ints) or not all(i or k == (0, n, 1) for k, i, n in zip(idx, ints, x.shape)):
         return None
     sizes, shape = tuple(1 if i else n for i, n in zip(ints, x.shape)), tuple(n for i, n in zip(ints, x.shape) if not i)
@@ -134,7 +128,7 @@ def _int_slice(x, sizes, shape, *starts):
 
 def _sizes(sizes, what) -> tuple:
     sizes = tuple(sizes) if isinstance(sizes, (tuple, list)) else (sizes,)
-    if not all(_is_int(b) for b in sizes):
+    if not all(is_int(b) for b in sizes):
         raise TypeError(f"{what}: slice_sizes must be Python ints (static: a plan's shapes are), got {sizes!r}")
     return tuple(int(b) for b in sizes)
 
@@ -162,39 +156,6 @@ def dynamic_slice(operand, start_indices, slice_sizes):
 
 # ---- x.at[idx] ------------------------------------------------------------------------------
 
-def _parse(x, key, what):
-    """(static description per axis, the key's index values in order): ("i",) an index (an int or a
-    traced 0-d int, the axis dropped) or ("s", start, stop) a slice of step 1."""
-    key = key if isinstance(key, tuple) else (key,)
-    if sum(k is Ellipsis for k in key) > 1:
-        raise IndexError(f"{what}: an index can only have a single ellipsis ('...')")
-    used = sum(k is not Ellipsis and k is not None for k in key)  # (None: refused below, by name, a probe)
-    if used > x.ndim:
-        raise IndexError(f"{what}: too many indices for {describe(x)}: {used} given")
-    at = next((n for n, k in enumerate(key) if k is Ellipsis), len(key))
-    key = key[:at] + (slice(None),) * (x.ndim - used) + key[at + 1:]
-    desc, values = [], []
-    for j, k in enumerate(key):
-        if isinstance(k, slice):
-            start, stop, step = k.indices(x.shape[j])
-            if step != 1:
-                raise IndexError(f"{what}: a slice of step {step} on axis {j}: .at[] takes boxes (slices of step 1); "
-                                 "x[::k] reads a strided slice, and sf.where(mask, v, x) sets one")
-            desc.append(("s", start, max(stop, start)))
-        elif getattr(k, "ndim", 0) and (isinstance(k, Traced) or hasattr(type(k), "one_op")):
-            raise TypeError(f"{what}: an array of indices on axis {j} ({describe(k) if isinstance(k, Traced) else k!r}): "
-                            ".at[] takes integer arrays beside ints and whole slices ':' (x.at[ids], x.at[rows, :, pos]), not "
-                            "beside a partial slice or None: index the whole axis, or slice the result")
-        elif _static(k) is not None or isinstance(k, Traced) or hasattr(type(k), "one_op"):
-            desc.append(("i",))
-            values.append(k)
-        else:
-            raise TypeError(f"{what}: .at[] takes ints, 0-d int values, slices of step 1 and '...', got "
-                            f"{describe(k) if isinstance(k, Traced) else repr(k)} on axis {j}; and integer arrays beside "
-                            "ints and whole slices (x.at[ids], x.at[rows, :, pos])")
-    return tuple(desc), values
-
-
 def _box(desc, values):
     """(starts, box sizes, the indexed shape x[idx] has) of a parsed key."""
     starts, sizes, shape, it = [], [], [], iter(values)
@@ -219,7 +180,7 @@ def _in_range(x, desc, values):
     else True, or a traced 0-d bool where some index is traced."""
     ok = True
     for j, k in zip([j for j, d in enumerate(desc) if d[0] == "i"], values):
-        n, s = x.shape[j], _static(k)
+        n, s = x.shape[j], static_int(k)
         if s is not None and not -n <= s < n:
             return False
         if s is None:
@@ -322,7 +283,7 @@ class AtIndex:
         self.ids = _ids_key(key)
         self.arrays = array_key(x, key) if self.ids is None else None  # (integer arrays on several axes)
         if self.ids is None and self.arrays is None:
-            self.desc, self.values = _parse(x, key, "x.at[...]")
+            self.desc, self.values = parse_box_key(x, key, "x.at[...]")
 
     def set(self, v):
         """x with x[idx] replaced by v (broadcast to x[idx]'s shape, cast to x's dtype); x itself where

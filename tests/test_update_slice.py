@@ -288,14 +288,17 @@ def test_donation_refused_where_the_old_value_is_read_after():
     exact(old, c * 2.0)
 
 
-def test_sharded_cut_axis_is_gathered():
-    """The sequence axis sharded: gathered first (an Allgather the plan prints), then written."""
+def test_sharded_cut_axis_is_gathered_for_a_wider_box():
+    """The sequence axis sharded: a box two positions wide gathers it first (an Allgather the plan prints),
+    then writes; one position wide is a where over each device's own positions (no communication)."""
     mesh, rng = mesh_of("tp2"), np.random.default_rng(8)
-    c, k = rng.standard_normal((B, NH, M, HD)), rng.standard_normal((B, NH, 1, HD))
+    c, k = rng.standard_normal((B, NH, M, HD)), rng.standard_normal((B, NH, 2, HD))
     f = sf.jit(lambda c, k, t: sf.dynamic_update_slice(c, k, (0, 0, t, 0)), mesh=mesh)
     cs = sf.distribute(c, mesh, (None, None, "tp", None))
-    assert f.lower(cs, k, 4).collectives() == {"allgather": 1}
-    exact(f(cs, k, 4), ref_update(c, k, (0, 0, 4, 0)))
+    assert f.lower(cs, k, 3).collectives() == {"allgather": 1}
+    exact(f(cs, k, 3), ref_update(c, k, (0, 0, 3, 0)))
+    assert f.lower(cs, k[:, :, :1], 3).collectives() == {}
+    exact(f(cs, k[:, :, :1], 3), ref_update(c, k[:, :, :1], (0, 0, 3, 0)))
 
 
 # ---- errors --------------------------------------------------------------------------------
@@ -454,7 +457,8 @@ def check_sequence_sharded_writes(layout, dtype, rng, backend="numpy"):
     """x.at[:, :, t].set(k) / .add(k) with t traced on the sharded sequence axis: NumPy's values at every t
     (negative, past the end: dropped), the cache's sharding kept, no collective, and with the cache donated
     one elementwise step over it that writes the cache's own buffers, call after call (the box form gathered
-    the axis on every device and returned it replicated)."""
+    the axis on every device and returned it replicated); so for a static t, and sf.dynamic_update_slice
+    of a box one position wide (its start clamped, as jax.lax's)."""
     shape, names, spec = SEQ_LAYOUTS[layout]
     mesh = sf.DeviceMesh(shape, names, **({"backend": backend} if backend else {}))
     c = data(rng, (B, NH, SEQ_M, HD), dtype)
@@ -474,7 +478,19 @@ def check_sequence_sharded_writes(layout, dtype, rng, backend="numpy"):
         assert cache.sharding.axes == spec, cache.sharding
         seen.append(addresses(cache))
     assert all(a == seen[1] for a in seen[1:]), seen  # (written in place from the second call)
-    for f in (put, add):
+    box = sf.jit(lambda cache, k, t: sf.dynamic_update_slice(cache, k[:, :, None], (0, 0, t, 0)), mesh=mesh)
+    for t in [2, SEQ_M + 5, -1, -SEQ_M - 3]:  # (jax.lax's: from the end, then clamped into the axis)
+        k = data(rng, (B, NH, HD), dtype)
+        want = c.copy()
+        want[:, :, min(max(t + SEQ_M if t < 0 else t, 0), SEQ_M - 1)] = k
+        exact(box(cache, k, t), want)
+        at_static = sf.jit(lambda cache, k: cache.at[:, :, t].set(k), mesh=mesh)
+        want = c.copy()
+        if -SEQ_M <= t < SEQ_M:
+            want[:, :, t] = k
+        exact(at_static(cache, k), want)
+        assert at_static.lower(cache, k).collectives() == {}
+    for f in (put, add, box):
         plan = f.lower(cache, np.zeros((B, NH, HD), np_dtype(dtype)), 2)
         assert plan.collectives() == {}, plan.collectives()
     text = str(put.lower(cache, np.zeros((B, NH, HD), np_dtype(dtype)), 2))
@@ -494,10 +510,14 @@ def test_sequence_sharded_write_gradient():
     r = np.random.default_rng()
     c, k, w = r.standard_normal((B, NH, SEQ_M, HD)), r.standard_normal((B, NH, HD)), r.standard_normal((B, NH, SEQ_M, HD))
 
-    def loss(cache, k):
-        return (sf.distribute(cache, mesh, spec).at[:, :, -3].set(k * 2.0) * w).sum()
-    gc, gk = sf.jit(sf.grad(loss, argnums=(0, 1)), mesh=mesh)(c, k)
-    want_c = w.copy()
-    want_c[:, :, -3] = 0
-    np.testing.assert_allclose(np.asarray(gc), want_c, rtol=1e-14)
-    np.testing.assert_allclose(np.asarray(gk), 2 * w[:, :, -3], rtol=1e-14)
+    def loss(cache, k, t):
+        return (sf.distribute(cache, mesh, spec).at[:, :, t].set(k * 2.0) * w).sum()
+
+    def box_loss(cache, k, t):
+        return (sf.dynamic_update_slice(sf.distribute(cache, mesh, spec), k[:, :, None] * 2.0, (0, 0, t, 0)) * w).sum()
+    for f in (loss, box_loss):
+        gc, gk = sf.jit(sf.grad(f, argnums=(0, 1)), mesh=mesh)(c, k, np.int32(-3))
+        want_c = w.copy()
+        want_c[:, :, -3] = 0
+        np.testing.assert_allclose(np.asarray(gc), want_c, rtol=1e-14)
+        np.testing.assert_allclose(np.asarray(gk), 2 * w[:, :, -3], rtol=1e-14)
