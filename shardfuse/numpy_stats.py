@@ -1,6 +1,6 @@
 """NumPy's statistics and NaN-ignoring reductions on traced values and sf.Arrays, as compositions of
 ops shardfuse has: np.count_nonzero, np.average, np.ptp, np.nan_to_num, np.nansum / nanmean /
-nanmax / nanmin / nanprod / nancumsum / nancumprod / nanvar / nanstd, np.median / quantile /
+nanmax / nanmin / nanargmax / nanargmin / nanprod / nancumsum / nancumprod / nanvar / nanstd, np.median / quantile /
 percentile (methods linear, lower, higher, nearest, midpoint), np.diagonal / trace; their entries of
 the NUMPY table.
 
@@ -183,6 +183,32 @@ def nanmin(a, axis=None, out=None, keepdims=False):
     return apply_op(_nanmin, "nanmin", a, axes_key(axis), keepdims)
 
 
+def _nan_arg(largest):
+    def traced(v, axis, keepdims):
+        pick = NUMPY[np.argmax if largest else np.argmin]
+        if not dtypes.is_float(v.dtype_name):
+            return pick(v, axis, keepdims=keepdims)
+        i = pick(where(isnan(v), -np.inf if largest else np.inf, v), axis, keepdims=keepdims)
+        return where(isnan(v).all(axis, keepdims=keepdims), -1, i)
+    return traced
+
+
+_nanargmax, _nanargmin = _nan_arg(True), _nan_arg(False)
+
+
+def nanargmax(a, axis=None, out=None, *, keepdims=False):
+    """np.nanargmax: the index of the largest element that is not NaN (int64); an all-NaN slice gives -1, as
+    jnp.nanargmax (NumPy raises, which a compiled plan cannot)."""
+    _no_out(out, "nanargmax")
+    return apply_op(_nanargmax, "nanargmax", a, axis, bool(keepdims))
+
+
+def nanargmin(a, axis=None, out=None, *, keepdims=False):
+    """np.nanargmin: as np.nanargmax, of the smallest."""
+    _no_out(out, "nanargmin")
+    return apply_op(_nanargmin, "nanargmin", a, axis, bool(keepdims))
+
+
 def nanprod(a, axis=None, dtype=None, out=None, keepdims=False):
     """np.nanprod: the product over `axis` with NaN counted as one."""
     _no_out(out, "nanprod")
@@ -352,6 +378,7 @@ def trace(a, offset=0, axis1=0, axis2=1, dtype=None, out=None):
 NUMPY.update({
     np.count_nonzero: count_nonzero, np.average: average, np.ptp: ptp, np.nan_to_num: nan_to_num,
     np.nansum: nansum, np.nanmean: nanmean, np.nanmax: nanmax, np.nanmin: nanmin, np.nanprod: nanprod,
+    np.nanargmax: nanargmax, np.nanargmin: nanargmin,
     np.nancumsum: nancumsum, np.nancumprod: nancumprod, np.nanvar: nanvar, np.nanstd: nanstd,
     np.quantile: quantile, np.percentile: percentile, np.median: median, np.diagonal: diagonal, np.trace: trace,
 })

@@ -94,6 +94,7 @@ CASES = {
     "nanmax": (lambda x: np.nanmax(x, axis=-1), _nans),
     "nanmin": (lambda x: np.nanmin(x, axis=0), _nans),
     "nanprod": (lambda x: np.nanprod(x, axis=1), _nans),
+    "nanargmax nanargmin": (lambda x: np.nanargmax(x[1:], axis=0) * 100 + np.nanargmin(x[1:], axis=0, keepdims=True), _nans),
     "nancumsum": (lambda x: np.nancumsum(x, axis=1), _nans),
     "nancumprod": (lambda x: np.nancumprod(x, axis=0), _nans),
     "nanvar ddof": (lambda x: np.nanvar(x, axis=1, ddof=1), _nans),
@@ -312,6 +313,8 @@ def test_a_fuzzers_findings():
         assert got.dtype == want.dtype and got.shape == want.shape, (got.dtype, want.dtype, got.shape, want.shape)
         np.testing.assert_allclose(got, want, rtol=1e-6)
     x = np.array([[1., np.nan, np.nan, np.nan], [1., 2, 3, 4], [2., 5, 2, 7], [.5, 1, 1.5, 3]])
+    all_nan = np.where(np.arange(4)[:, None] == 0, np.nan, x)
+    np.testing.assert_array_equal(np.asarray(np.nanargmax(S(all_nan), axis=1)), [-1, 3, 3, 3])  # (-1: jnp.nanargmax's)
     g = np.asarray(sf.jit(sf.grad(lambda a: np.nanvar(a, axis=1, ddof=1)[1:].sum()), mesh=mesh)(S(x)))
     assert np.isfinite(g).all() and not g[0].any(), g
     ints = S(np.int32([1, 2, 3, 4]))
