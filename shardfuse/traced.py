@@ -114,11 +114,11 @@ class Traced(NumpyMethods):
 
     def __matmul__(self, other):
         a, b = self.promote_with(other, Op.MATMUL)  # (f32 @ f64: f64, as NumPy and JAX)
+        na, nb = self.value.name, getattr(getattr(other, "value", None), "name", b.value.name)  # (not a cast's names)
         if not dtypes.is_float(a.dtype_name):
-            raise TypeError(f"matmul {self.value.name} @ {b.value.name} of {a.dtype_name} values: shardfuse multiplies "
-                            "float arrays (cuBLAS has no integer GEMM here); cast first: x.astype('float32')")
-        self = a
-        sa, sb, na, nb = self.shape, b.shape, self.value.name, b.value.name  # (the parameters' names for inputs)
+            raise TypeError(f"matmul {na} @ {nb} of {a.dtype_name} values: shardfuse multiplies float arrays (cuBLAS "
+                            "has no integer GEMM here); cast first: x.astype('float32')")
+        self, sa, sb = a, a.shape, b.shape
         if not sa or not sb:
             raise ValueError(f"matmul of a 0-d operand, {na}{sa} @ {nb}{sb} (NumPy refuses it too): write {na} * {nb}")
         if sa[-1] != sb[-2 if len(sb) > 1 else 0]:
