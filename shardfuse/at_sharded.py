@@ -26,7 +26,7 @@ def sharded_position(x, desc, values):
     if not isinstance(x, Traced) or len(values) != 1:
         return None
     t = values[0]
-    if not (isinstance(t, Traced) and t.ndim == 0 or static_int(t) is not None):
+    if not (isinstance(t, Traced) and t.ndim == 0 and t.dtype_name in ("int32", "int64") or static_int(t) is not None):
         return None
     if any(d[0] == "s" and (d[1], d[2]) != (0, x.shape[j]) for j, d in enumerate(desc)):
         return None

@@ -112,7 +112,6 @@ class NumpyMethods:
 
 SUPPORTED_METHODS = ("x.shape / ndim / size / dtype, x.sum / mean / max / min / any / all / var / std / argmax / "
                      "argmin(axis, keepdims=), x.cumsum / cumprod / prod(axis), x.trace(), x.diagonal(), x.searchsorted(v), "
-                     "x.argsort(axis), "
-                     "x.repeat(n, axis), x.clip, x.round(decimals), "
+                     "x.argsort(axis), x.repeat(n, axis), x.clip, x.round(decimals), "
                      "x.astype(dtype), x.reshape / ravel / flatten / squeeze / transpose / swapaxes / T / mT, "
                      "x.copy(), x.dot(y), x[...], the operators + - * / // % ** @ < <= > >= == != & | ^ ~")
