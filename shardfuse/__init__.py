@@ -44,7 +44,8 @@ from shardfuse import numpy_shapes  # noqa: F401 (np.ravel, np.squeeze, np.expan
 from shardfuse import numpy_einsum  # noqa: F401 (np.einsum, np.tensordot: NUMPY)
 from shardfuse import numpy_broadcast  # noqa: F401 (np.broadcast_to, np.repeat, np.tile, np.outer, np.power, ...: NUMPY)
 from shardfuse import numpy_compose  # noqa: F401 (np.prod, np.cumprod, np.pad, np.diff, np.fmax, ...: NUMPY)
-from shardfuse import numpy_stats  # noqa: F401 (np.nanmean, np.median, np.average, np.hstack, np.trace, ...: NUMPY)
+from shardfuse import numpy_stats  # noqa: F401 (np.nanmean, np.average, np.trace, ...: NUMPY)
+from shardfuse import numpy_quantiles  # noqa: F401 (np.median, np.quantile, np.nanmedian, ...: NUMPY)
 from shardfuse import numpy_search  # noqa: F401 (np.searchsorted, np.digitize, np.isin, np.interp: NUMPY)
 from shardfuse import numpy_joins  # noqa: F401 (np.hstack, np.vstack, np.atleast_2d, np.unstack, ...: NUMPY)
 

@@ -1,14 +1,11 @@
 """NumPy's statistics and NaN-ignoring reductions on traced values and sf.Arrays, as compositions of
 ops shardfuse has: np.count_nonzero, np.average, np.ptp, np.nan_to_num, np.nansum / nanmean /
-nanmax / nanmin / nanargmax / nanargmin / nanprod / nancumsum / nancumprod / nanvar / nanstd, np.median / quantile /
-percentile (methods linear, lower, higher, nearest, midpoint), np.diagonal / trace; their entries of
-the NUMPY table.
+nanmax / nanmin / nanargmax / nanargmin / nanprod / nancumsum / nancumprod / nanvar / nanstd,
+np.diagonal / trace; their entries of the NUMPY table (the quantiles: shardfuse/numpy_quantiles.py).
 
 A NaN is masked by `where` before the reduction it would poison, so the reductions shard as
 theirs do (a sum over a sharded axis is an Allreduce); an all-NaN slice gives NaN for nanmax /
-nanmin / nanmean, as NumPy's (which also warns).  A quantile sorts the reduced axes, merged into
-one, on every device (an axis sharded is gathered first, as np.sort's) and reads the ranks it
-needs; a slice holding NaN gives NaN, as NumPy's.  np.diagonal is advanced indexing (rows, cols);
+nanmin / nanmean, as NumPy's (which also warns).  np.diagonal is advanced indexing (rows, cols);
 its gradient a scatter into zeros.
 """
 from __future__ import annotations
@@ -19,11 +16,11 @@ import numpy as np
 
 from shardfuse import dtypes
 from shardfuse.numpy_broadcast import broadcast_to
-from shardfuse.numpy_compose import axes_key, axes_last, computed_in, cumprod, dtype_name, prod
-from shardfuse.numpy_math import cumsum, isnan, sort
+from shardfuse.numpy_compose import axes_key, computed_in, cumprod, dtype_name, prod
+from shardfuse.numpy_math import cumsum, isnan
 from shardfuse.ops import Op
 from shardfuse.spec import normalize_axis, reduced_axes
-from shardfuse.traced import NUMPY, Traced, describe
+from shardfuse.traced import NUMPY, describe
 from shardfuse.traced_numpy import apply_op, where
 
 
@@ -259,95 +256,6 @@ def _no_out(out, what):
                         "write y = np.{what}(x, ...)")
 
 
-# ---- quantiles ----
-_METHODS = ("linear", "lower", "higher", "nearest", "midpoint")
-
-
-def quantile(a, q, axis=None, out=None, overwrite_input=False, method="linear", keepdims=False, *, weights=None):
-    """np.quantile: the q-th quantiles (q static, a number or a NumPy array in [0, 1]; the result's
-    leading axes are q's) over `axis` with NumPy's methods linear (its default), lower, higher,
-    nearest and midpoint; NaN where a slice holds one, as NumPy's.  NumPy's dtypes: lower, higher and
-    nearest pick elements (x's dtype); linear and midpoint are floats (integers in float64, and so is
-    any x beside a q given as an array or NumPy scalar: NumPy promotes with q's float64)."""
-    return _quantile(a, q, axis, out, method, keepdims, weights, "quantile", 1.0)
-
-
-def percentile(a, q, axis=None, out=None, overwrite_input=False, method="linear", keepdims=False, *, weights=None):
-    """np.percentile: np.quantile of q / 100."""
-    return _quantile(a, q, axis, out, method, keepdims, weights, "percentile", 100.0)
-
-
-def median(a, axis=None, out=None, overwrite_input=False, keepdims=False):
-    """np.median: the 0.5 quantile (the mean of the two middle elements of an even count)."""
-    return _quantile(a, 0.5, axis, out, "linear", keepdims, None, "median", 1.0)
-
-
-def _quantile(a, q, axis, out, method, keepdims, weights, what, full):
-    if out is not None or weights is not None:
-        raise TypeError(f"np.{what} with out= or weights= is not supported on shardfuse values (inside "
-                        "sf.jit and on sf.Arrays)")
-    if method not in _METHODS:
-        raise ValueError(f"np.{what}(method={method!r}) is not supported on shardfuse values (inside sf.jit and "
-                         f"on sf.Arrays): methods {_METHODS}")
-    if isinstance(q, Traced) or hasattr(type(q), "one_op"):
-        raise TypeError(f"np.{what}: q must be known when the plan is built (a number, a list or a NumPy array; "
-                        "inside sf.jit a static argument, static_argnums=), got a traced value: the ranks it reads "
-                        "are fixed by q")
-    qs = np.asarray(q, np.float64) / full
-    if not np.all((qs >= 0) & (qs <= 1)):
-        raise ValueError(f"np.{what}: q must be numbers in [0, {full:g}] known when the plan is built, got {q!r}")
-    # (a Python number is weak, as NumPy 2's; a NumPy scalar or array promotes with x's dtype, percentile's
-    # q / 100 being a float, as NumPy divides it)
-    strong = np.true_divide(q, full).dtype.name if isinstance(q, (np.generic, np.ndarray, list, tuple)) else None
-    return apply_op(_quantiles, what, a, tuple(qs.ravel().tolist()), qs.shape, axes_key(axis), method, keepdims,
-                    strong, what == "median")
-
-
-def _quantiles(v, qs, q_shape, axis, method, keepdims, strong, median):
-    if method in ("lower", "higher", "nearest"):
-        dt = wide = v.dtype_name  # (elements picked: x's dtype)
-    elif v.dtype_name == "bool" and not median:
-        raise TypeError(f"np.quantile(method={method!r}) of the boolean array {describe(v)}: NumPy refuses it (a "
-                        "subtraction of booleans); cast first, x.astype('float32'), or use method='lower'")
-    else:
-        dt, wide = _wide(v)
-        if strong in dtypes.DTYPES and dtypes.is_float(strong):
-            dt = dtypes.promote_types(dt, strong)
-            wide = computed_in(dt)
-    axes = tuple(sorted(reduced_axes(axis, v.ndim, v.shape)))
-    # (sorted and b - a taken in x's own computing dtype, the lerp in the result's: NumPy's float32 x with a
-    # float64 q subtracts in float32, a review)
-    s = sort(axes_last(v, axes).astype(computed_in(_wide(v)[0]) if dtypes.is_float(wide) else wide), -1)
-    n = s.shape[-1]
-    picked = [_rank(s, q * (n - 1), "median" if median else method, wide) for q in qs]
-    r = NUMPY[np.stack](picked, 0).reshape(q_shape + picked[0].shape)
-    if dtypes.is_float(wide):
-        r = where(isnan(s[..., n - 1]), np.nan, r)  # (sorted NaN last: a slice holding one gives NaN)
-    if keepdims:
-        r = r.reshape(q_shape + tuple(1 if k in axes else m for k, m in enumerate(v.shape)))
-    return r.astype(dt)
-
-
-def _rank(s, pos, method, wide):
-    """The value at fractional rank pos of the sorted last axis, by NumPy's method, in `wide`."""
-    lo = math.floor(pos)
-    hi = min(lo + 1, s.shape[-1] - 1)
-    t = pos - lo
-    a, b = s[..., lo], s[..., hi]
-    if method == "lower" or t == 0 and method != "linear":  # (linear at t = 0 is NumPy's lerp too: NaN beside inf)
-        return a.astype(wide)
-    if method == "higher":
-        return b.astype(wide)
-    if method == "nearest":  # (halves to even, as NumPy's around)
-        return (b if round(pos) == hi else a).astype(wide)
-    if method == "median":  # (NumPy's median: the mean of the middle two; inf where both are)
-        return (a + b).astype(wide) * 0.5
-    if method == "midpoint":  # (NumPy's: its lerp at 0.5, which cannot overflow)
-        t = 0.5
-    d, a, b = (b - a).astype(wide), a.astype(wide), b.astype(wide)
-    return b - d * (1 - t) if t >= 0.5 else a + d * t  # (NumPy's _lerp)
-
-
 # ---- diagonals ----
 def diagonal(a, offset=0, axis1=0, axis2=1):
     """np.diagonal: the elements (i, i + offset) of axes axis1 and axis2, along a new last axis."""
@@ -380,5 +288,5 @@ NUMPY.update({
     np.nansum: nansum, np.nanmean: nanmean, np.nanmax: nanmax, np.nanmin: nanmin, np.nanprod: nanprod,
     np.nanargmax: nanargmax, np.nanargmin: nanargmin,
     np.nancumsum: nancumsum, np.nancumprod: nancumprod, np.nanvar: nanvar, np.nanstd: nanstd,
-    np.quantile: quantile, np.percentile: percentile, np.median: median, np.diagonal: diagonal, np.trace: trace,
+    np.diagonal: diagonal, np.trace: trace,
 })
