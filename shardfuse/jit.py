@@ -73,7 +73,9 @@ class Jitted:
     def cached_plans(self) -> dict:
         """The compiled plans kept, by input specs, least recently used first (a copy); for
         pytree arguments, by (their structure, the leaves' specs), each structure's apart; with
-        static arguments, by (their values, ...)."""
+        static arguments, by (their values, ...).  A plan that also serves other specs (a step called
+        with NumPy arrays, then with its own results: plan_cache.serving_plan) is kept under both
+        keys, one plan object, compiled once: count distinct plans with len({id(p) for p in ...})."""
         out = self._plans.snapshot()
         for td, child in list(self._trees.items()):
             out.update({(td, specs): plan for specs, plan in child.cached_plans().items()})

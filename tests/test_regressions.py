@@ -428,3 +428,19 @@ def test_an_integer_at_update_converts_its_value_first_as_jax(jit):
             got = np.asarray(run(lambda v: getattr(v.at[idx], name)(2.5)))
             assert got.dtype == np.int32, got.dtype
             np.testing.assert_array_equal(got, want, err_msg=name)
+
+
+def test_a_decode_loop_fed_its_own_outputs_compiles_once():
+    """A serving probe counted cached_plans() going from 1 to 2 when the step's replicated outputs replaced its NumPy
+    inputs: the second key serves the same plan object (plan_cache.serving_plan), compiled once."""
+    mesh = sf.DeviceMesh((2, 2), ("dp", "tp"), backend="numpy")
+    w = sf.distribute(rng().standard_normal((8, 4)), mesh, (None, "tp"))
+
+    @sf.jit(mesh=mesh)
+    def step(tok, pos, hist):
+        nxt = np.argmax(np.take(w, tok, axis=0) @ w.T, axis=-1).astype(np.int32)
+        return nxt, pos + 1, hist.at[np.arange(4), pos].set(nxt)
+    tok, pos, hist = np.zeros(4, np.int32), np.zeros(4, np.int32), np.zeros((4, 16), np.int32)
+    for _ in range(4):
+        tok, pos, hist = step(tok, pos, hist)
+    assert len({id(p) for p in step.cached_plans().values()}) == 1, step.cached_plans()
