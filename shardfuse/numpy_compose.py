@@ -49,6 +49,13 @@ def _product_dtype(v, dtype):
     return dt, computed_in(dt)
 
 
+def mean_dtypes(v):
+    """(NumPy's float dtype of v's mean or quantile, the dtype computed in: 16-bit floats in float32, rounded once
+    at the end, as sums; integers and booleans in float64, as np.mean's)."""
+    dt = v.dtype_name if dtypes.is_float(v.dtype_name) else "float64"
+    return dt, computed_in(dt)
+
+
 def computed_in(dt):
     """The dtype a reduction of dt computes in: 16-bit floats in float32 (rounded once, as sums), else dt."""
     return "float32" if dt in ("float16", "bfloat16") else dt

@@ -15,17 +15,12 @@ import math
 import numpy as np
 
 from shardfuse import dtypes
-from shardfuse.numpy_compose import axes_key, axes_last, computed_in
+from shardfuse.numpy_compose import axes_key, axes_last, computed_in, mean_dtypes
 from shardfuse.numpy_math import isnan, sort
 from shardfuse.spec import reduced_axes
 from shardfuse.traced import NUMPY, Traced, describe
 from shardfuse.traced_numpy import apply_op, maximum, minimum, where
 
-
-def _wide(v):
-    """(NumPy's float dtype of v's quantile, the dtype computed in)."""
-    dt = v.dtype_name if dtypes.is_float(v.dtype_name) else "float64"
-    return dt, computed_in(dt)
 
 
 _METHODS = ("linear", "lower", "higher", "nearest", "midpoint")
@@ -93,14 +88,14 @@ def _quantiles(v, qs, q_shape, axis, method, keepdims, strong, median, nan):
         raise TypeError(f"np.quantile(method={method!r}) of the boolean array {describe(v)}: NumPy refuses it (a "
                         "subtraction of booleans); cast first, x.astype('float32'), or use method='lower'")
     else:
-        dt, wide = _wide(v)
+        dt, wide = mean_dtypes(v)
         if strong in dtypes.DTYPES and dtypes.is_float(strong):
             dt = dtypes.promote_types(dt, strong)
             wide = computed_in(dt)
     axes = tuple(sorted(reduced_axes(axis, v.ndim, v.shape)))
     # (sorted and b - a taken in x's own computing dtype, the lerp in the result's: NumPy's float32 x with a
     # float64 q subtracts in float32, a review)
-    s = sort(axes_last(v, axes).astype(computed_in(_wide(v)[0]) if dtypes.is_float(wide) else wide), -1)
+    s = sort(axes_last(v, axes).astype(mean_dtypes(v)[1] if dtypes.is_float(wide) else wide), -1)
     n, how = s.shape[-1], "median" if median else method
     if nan and dtypes.is_float(s.dtype_name):  # (each slice's own count of numbers: NaN sorts last)
         count = (~isnan(s)).sum(-1, keepdims=True)

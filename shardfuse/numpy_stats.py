@@ -16,19 +16,13 @@ import numpy as np
 
 from shardfuse import dtypes
 from shardfuse.numpy_broadcast import broadcast_to
-from shardfuse.numpy_compose import axes_key, computed_in, cumprod, dtype_name, prod
+from shardfuse.numpy_compose import axes_key, cumprod, dtype_name, mean_dtypes, prod
 from shardfuse.numpy_math import cumsum, isnan
 from shardfuse.ops import Op
 from shardfuse.spec import normalize_axis, reduced_axes
 from shardfuse.traced import NUMPY, describe
 from shardfuse.traced_numpy import apply_op, where
 
-
-def _wide(v):
-    """(NumPy's float dtype of v's mean, the dtype computed in: 16-bit floats in float32, rounded once at
-    the end, as sums; integers and booleans in float64, as np.mean's)."""
-    dt = v.dtype_name if dtypes.is_float(v.dtype_name) else "float64"
-    return dt, computed_in(dt)
 
 
 # ---- counts, averages, ranges, NaN handling ----
@@ -150,7 +144,7 @@ def nanmean(a, axis=None, dtype=None, out=None, keepdims=False):
 def _nanmean(v, axis, dtype, keepdims):
     if not dtypes.is_float(v.dtype_name):
         return v.mean(axis, dtype=dtype, keepdims=keepdims)
-    dt, wide = _wide(v) if dtype is None else (dtypes.normalize_dtype(dtype),) * 2
+    dt, wide = mean_dtypes(v) if dtype is None else (dtypes.normalize_dtype(dtype),) * 2
     s = where(isnan(v), 0.0, v).astype(wide).sum(axis, keepdims=keepdims)
     return (s / _count(v, axis, keepdims).astype(wide)).astype(dt)
 
@@ -237,7 +231,7 @@ def nanstd(a, axis=None, dtype=None, out=None, ddof=0, keepdims=False):
 
 
 def _nanvar(v, axis, dtype, ddof, keepdims, root=False):
-    dt, wide = _wide(v) if dtype is None else (dtypes.normalize_dtype(dtype),) * 2
+    dt, wide = mean_dtypes(v) if dtype is None else (dtypes.normalize_dtype(dtype),) * 2
     w = v.astype(wide)
     d = where(isnan(w), 0.0, w - _nanmean(w, axis, None, True))
     dof = _count(w, axis, keepdims).astype(wide) - ddof

@@ -18,7 +18,7 @@ from typing import Any, NamedTuple
 import numpy as np
 
 from shardfuse import lax, tree  # (lax.cond: apply_if_finite's choice, traced or not)
-from shardfuse.optim_base import GradientTransformation
+from shardfuse.optim_base import EmptyState, GradientTransformation
 from shardfuse.optim_inject import InjectHyperparamsState, inject_hyperparams  # noqa: F401 (sf.optim's)
 from shardfuse.optim_extra import ScaleByRssState, ZeroNansState, clip, scale, scale_by_rss, zero_nans  # noqa: F401
 from shardfuse.optim_schedules import (constant_schedule, cosine_decay_schedule, exponential_decay,  # noqa: F401
@@ -27,10 +27,6 @@ from shardfuse.optim_schedules import (constant_schedule, cosine_decay_schedule,
 from shardfuse.trace import to_mesh
 from shardfuse.traced import Traced
 from shardfuse.traced_numpy import rsqrt
-
-
-class EmptyState(NamedTuple):
-    """The state of a transformation that keeps none."""
 
 
 class ScaleByAdamState(NamedTuple):

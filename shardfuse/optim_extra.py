@@ -9,11 +9,7 @@ from typing import Any, NamedTuple
 import numpy as np
 
 from shardfuse import tree
-from shardfuse.optim_base import GradientTransformation
-
-
-class EmptyExtraState(NamedTuple):
-    """No state (optax's EmptyState)."""
+from shardfuse.optim_base import EmptyState, GradientTransformation
 
 
 class ZeroNansState(NamedTuple):
@@ -28,13 +24,13 @@ class ScaleByRssState(NamedTuple):
 
 def scale(step_size: float) -> GradientTransformation:
     """optax.scale: every update times step_size."""
-    return GradientTransformation(lambda params: EmptyExtraState(),
+    return GradientTransformation(lambda params: EmptyState(),
                                   lambda u, s, params=None: (tree.tree_map(lambda x: x * step_size, u), s))
 
 
 def clip(max_delta: float) -> GradientTransformation:
     """optax.clip: every update element within [-max_delta, max_delta]."""
-    return GradientTransformation(lambda params: EmptyExtraState(), lambda u, s, params=None: (
+    return GradientTransformation(lambda params: EmptyState(), lambda u, s, params=None: (
         tree.tree_map(lambda x: np.clip(x, -max_delta, max_delta), u), s))
 
 

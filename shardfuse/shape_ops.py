@@ -16,6 +16,7 @@ import math
 import numpy as np
 
 from shardfuse import dtypes
+from shardfuse.at_keys import is_int
 from shardfuse.ir import TensorType
 from shardfuse.ops import Op
 from shardfuse.spec import normalize_axis
@@ -23,16 +24,12 @@ from shardfuse.trace import replicate
 from shardfuse.traced import SHAPE_OPS, Traced, describe
 
 
-def _is_int(k) -> bool:
-    return isinstance(k, (int, np.integer)) and not isinstance(k, (bool, np.bool_))
-
-
 def expand_index(key, shape, what):
     """key as one entry per axis of x or None (a new axis): ints, (start, stop, step) and None;
     an Ellipsis expanded, ints checked and made positive, slices resolved as NumPy resolves them."""
     key = key if isinstance(key, tuple) else (key,)
     for k in key:
-        if not (k is None or k is Ellipsis or isinstance(k, slice) or _is_int(k)):
+        if not (k is None or k is Ellipsis or isinstance(k, slice) or is_int(k)):
             raise TypeError(f"{what}: an index takes ints, slices, '...', None (NumPy's basic indexing) and one "
                             f"integer array (x[ids], x[:, ids]), got {type(k).__name__} {k!r}"
                             + ("; write a list of indices as an array, np.array([...]) (as JAX asks)"
@@ -114,7 +111,7 @@ def _advanced(x, key, what):
     from shardfuse.at_keys import array_key
 
     key = key if isinstance(key, tuple) else (key,)
-    arrays, ints = sum(_is_array(k) for k in key), [j for j, k in enumerate(key) if _is_int(k)]
+    arrays, ints = sum(_is_array(k) for k in key), [j for j, k in enumerate(key) if is_int(k)]
     if not (arrays > 1 or arrays == 1 and ints) or array_key(x, key, what) is None:
         return None
     at = next((j for j, k in enumerate(key) if k is Ellipsis), len(key))
@@ -133,14 +130,14 @@ def getitem(x: Traced, key):
         return got
     idx = expand_index(key, x.shape, what)
     axes = [k for k in idx if k is not None]
-    begin = tuple(k if _is_int(k) else k[0] for k in axes)
-    step = tuple(1 if _is_int(k) else k[2] for k in axes)
-    box = tuple(1 if _is_int(k) else len(range(*k)) for k in axes)
+    begin = tuple(k if is_int(k) else k[0] for k in axes)
+    step = tuple(1 if is_int(k) else k[2] for k in axes)
+    box = tuple(1 if is_int(k) else len(range(*k)) for k in axes)
     v = x
     if box != x.shape or any(begin) or any(s != 1 for s in step):  # (x[::-1] keeps its shape)
         attrs = {"begin": begin, **({"step": step} if any(s != 1 for s in step) else {})}
         v = x.builder.emit(Op.SLICE_ARRAY, (x,), TensorType(box, x.dtype_name), x.value.name + "_s", **attrs)
-    shape = tuple(1 if k is None else len(range(*k)) for k in idx if not _is_int(k))
+    shape = tuple(1 if k is None else len(range(*k)) for k in idx if not is_int(k))
     if 0 in shape and shape != v.shape:  # (an empty box's view: Traced.reshape's empty constant)
         return v.reshape(shape)
     if shape != v.shape or v is x:  # ints drop their axes, None adds one: a view (x[:] a new value, as
@@ -243,13 +240,13 @@ def stack(xs, axis=0):
 
 def split_points(indices_or_sections, n: int, what: str) -> list:
     """The (start, stop) of each piece, as np.split cuts an axis of extent n."""
-    if _is_int(indices_or_sections):
+    if is_int(indices_or_sections):
         k = int(indices_or_sections)
         if k <= 0 or n % k:
             raise ValueError(f"{what}: {k} sections do not divide the axis of extent {n} equally (np.split's rule); "
                              "give the split points instead (a list of indices)")
         cuts = [n // k * j for j in range(1, k)]
-    elif isinstance(indices_or_sections, (list, tuple)) and all(_is_int(c) for c in indices_or_sections):
+    elif isinstance(indices_or_sections, (list, tuple)) and all(is_int(c) for c in indices_or_sections):
         cuts = [int(c) for c in indices_or_sections]
     else:
         raise TypeError(f"{what}: indices_or_sections must be an int or a list of ints, got "
